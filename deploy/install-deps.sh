@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs every Debian 12 package hybridmoe needs to build, test and run.
+# Idempotent: packages already present are left alone. Run as root.
+set -euo pipefail
+pkgs=(
+  build-essential cmake ninja-build ccache pkg-config git python3
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libdnnl-dev libucx-dev ucx-utils
+  libgtest-dev libgmock-dev googletest libbenchmark-dev
+  nlohmann-json3-dev libpcre2-dev libnuma-dev libhwloc-dev libsystemd-dev
+  systemd iproute2 procps
+)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "install-deps: all ${#pkgs[@]} packages present"
+fi

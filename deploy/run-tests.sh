@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set-up and the whole test suite, twice: a normal build (with CUDA targets
+# when nvcc is present; GPU tests skip without a GPU) and an ASan+UBSan build
+# of the CPU code. Run as root on Debian 12: installs what it needs first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash deploy/install-deps.sh
+jobs=$(nproc)
+start=$(date +%s)
+
+echo "== normal build"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build -j"$jobs"
+ctest --test-dir build --output-on-failure -j"$jobs" --timeout 600
+
+echo "== ASan + UBSan build (CPU code)"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHMOE_SANITIZE=ON \
+  -DHMOE_ENABLE_CUDA=OFF -DHMOE_BUILD_BENCH=OFF >/dev/null
+cmake --build build-asan -j"$jobs"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 900
+
+echo "== run-tests: both builds passed in $(( $(date +%s) - start )) s"
