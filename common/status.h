@@ -32,7 +32,7 @@ namespace hmoe {
 // Prefixes a non-OK status's message with `context` (keeps the code).
 inline absl::Status Annotate(const absl::Status& s, std::string_view context) {
   if (s.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat(context, ": ", s.message()));
+  return absl::Status(s.code(), absl::StrCat(absl::string_view(context.data(), context.size()), ": ", s.message()));
 }
 
 }  // namespace hmoe

@@ -1,0 +1,363 @@
+#include "common/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace hmoe {
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+// Parses `text` as JSON, refusing duplicate keys in the top-level object and
+// in the object named `nested_key` (if any). Never throws.
+absl::StatusOr<json> ParseStrictJson(std::string_view text, const std::string& what,
+                                     const std::string& nested_key = "") {
+  std::string duplicate;
+  std::vector<std::set<std::string>> keys_at_depth(4);
+  std::string current_top_key;
+  auto cb = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
+    // An object starting at depth d holds keys reported at depth d + 1.
+    if (event == json::parse_event_t::object_start && depth + 1 < 4)
+      keys_at_depth[static_cast<size_t>(depth + 1)].clear();
+    if (event == json::parse_event_t::key && depth >= 1 && depth <= 2) {
+      const std::string k = parsed.get<std::string>();
+      if (depth == 1) current_top_key = k;
+      const bool track = depth == 1 || (!nested_key.empty() && current_top_key == nested_key);
+      if (track && !keys_at_depth[static_cast<size_t>(depth)].insert(k).second && duplicate.empty())
+        duplicate = k;
+    }
+    return true;
+  };
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/true);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": invalid JSON: ", e.what()));
+  }
+  if (!duplicate.empty())
+    return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate key \"", duplicate, "\""));
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(what, ": JSON is not an object"));
+  return j;
+}
+
+// Reads a non-negative integer array from `v` into `out`.
+bool ReadU64Array(const json& v, std::vector<uint64_t>& out) {
+  if (!v.is_array()) return false;
+  for (const auto& x : v) {
+    if (!x.is_number_unsigned() && !(x.is_number_integer() && x.get<int64_t>() >= 0)) return false;
+    out.push_back(x.get<uint64_t>());
+  }
+  return true;
+}
+
+struct Mapping {
+  void* addr = nullptr;
+  size_t size = 0;
+};
+
+}  // namespace
+
+SafetensorsFile::~SafetensorsFile() = default;
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
+    const std::string& path, const SafetensorsOptions& options) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open: ", std::strerror(err)));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  if (file_size < 8) {
+    ::close(fd);
+    return absl::DataLossError(
+        absl::StrCat(path, ": file is ", file_size, " bytes, shorter than the 8-byte header length"));
+  }
+  uint64_t header_len = 0;
+  uint8_t len_bytes[8];
+  if (::pread(fd, len_bytes, 8, 0) != 8) {
+    ::close(fd);
+    return absl::DataLossError(absl::StrCat(path, ": cannot read the header length"));
+  }
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
+  if (header_len > options.max_header_bytes) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": header length ", header_len,
+                                                   " exceeds the limit of ", options.max_header_bytes, " bytes"));
+  }
+  if (header_len > file_size - 8) {
+    ::close(fd);
+    return absl::DataLossError(absl::StrCat(path, ": header length ", header_len,
+                                            " runs past the end of the file (", file_size, " bytes)"));
+  }
+  void* addr = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (addr == MAP_FAILED)
+    return absl::ResourceExhaustedError(absl::StrCat(path, ": mmap failed: ", std::strerror(errno)));
+  auto* mapping = new Mapping{addr, file_size};
+  std::shared_ptr<const void> owner(mapping, [](const void* p) {
+    auto* m = static_cast<const Mapping*>(p);
+    ::munmap(m->addr, m->size);
+    delete m;
+  });
+
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  file->mapping_ = owner;
+  const auto* base = static_cast<const uint8_t*>(addr);
+  file->data_ = base + 8 + header_len;
+  const uint64_t data_size = file_size - 8 - header_len;
+
+  const std::string_view header(reinterpret_cast<const char*>(base + 8), header_len);
+  ASSIGN_OR_RETURN(json j, ParseStrictJson(header, absl::StrCat(path, ": header")));
+
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& name = it.key();
+    const json& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object())
+        return absl::InvalidArgumentError(absl::StrCat(path, ": __metadata__ is not an object"));
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string())
+          return absl::InvalidArgumentError(
+              absl::StrCat(path, ": __metadata__ value for \"", m.key(), "\" is not a string"));
+        file->metadata_[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = absl::StrCat(path, ": tensor \"", name, "\"");
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": entry must be an object with dtype, shape and data_offsets"));
+    if (!v["dtype"].is_string())
+      return absl::InvalidArgumentError(absl::StrCat(where, ": dtype is not a string"));
+    const std::string dtype_name = v["dtype"].get<std::string>();
+    auto dtype = ParseDType(dtype_name);
+    if (!dtype) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown dtype \"", dtype_name, "\""));
+    std::vector<uint64_t> shape_u, offsets;
+    if (!ReadU64Array(v["shape"], shape_u))
+      return absl::InvalidArgumentError(absl::StrCat(where, ": shape is not an array of non-negative integers"));
+    if (!ReadU64Array(v["data_offsets"], offsets) || offsets.size() != 2)
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": data_offsets is not a pair of non-negative integers"));
+    TensorEntry e;
+    e.name = name;
+    e.dtype = *dtype;
+    // Element count with overflow protection: anything past 2^62 bytes cannot be real.
+    unsigned __int128 numel = 1;
+    for (uint64_t d : shape_u) {
+      numel *= d;
+      if (numel > (static_cast<unsigned __int128>(1) << 62))
+        return absl::InvalidArgumentError(absl::StrCat(where, ": shape is impossibly large"));
+      e.shape.push_back(static_cast<int64_t>(d));
+    }
+    e.begin = offsets[0];
+    e.end = offsets[1];
+    if (e.begin > e.end)
+      return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets are out of order (begin ",
+                                                     e.begin, " > end ", e.end, ")"));
+    if (e.end > data_size)
+      return absl::DataLossError(absl::StrCat(where, ": data_offsets [", e.begin, ", ", e.end,
+                                              ") lie outside the data region of ", data_size, " bytes"));
+    const uint64_t want = static_cast<uint64_t>(DTypeBytes(e.dtype, static_cast<int64_t>(numel)));
+    if (e.end - e.begin != want)
+      return absl::InvalidArgumentError(absl::StrCat(where, ": shape ", ShapeString(e.shape), " of ",
+                                                     dtype_name, " needs ", want,
+                                                     " bytes but data_offsets span ", e.end - e.begin));
+    file->entries_.push_back(std::move(e));
+  }
+
+  // Ranges must tile the data region exactly: no overlap, no gap, no tail.
+  std::vector<const TensorEntry*> by_offset;
+  for (const auto& e : file->entries_) by_offset.push_back(&e);
+  std::stable_sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* a, const TensorEntry* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  uint64_t cursor = 0;
+  const TensorEntry* prev = nullptr;
+  for (const TensorEntry* e : by_offset) {
+    if (e->begin < cursor)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor \"", e->name, "\" bytes [", e->begin,
+                                                     ", ", e->end, ") overlap tensor \"", prev->name,
+                                                     "\" bytes [", prev->begin, ", ", prev->end, ")"));
+    if (e->begin > cursor)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor \"", e->name, "\" starts at byte ",
+                                                     e->begin, " leaving a gap after byte ", cursor));
+    cursor = e->end;
+    prev = e;
+  }
+  if (cursor != data_size)
+    return absl::InvalidArgumentError(absl::StrCat(path, ": data region is ", data_size,
+                                                   " bytes but its tensors cover ", cursor));
+  for (size_t i = 0; i < file->entries_.size(); ++i) file->index_[file->entries_[i].name] = i;
+  return file;
+}
+
+const TensorEntry* SafetensorsFile::Find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &entries_[it->second];
+}
+
+absl::StatusOr<Tensor> SafetensorsFile::Get(const std::string& name) const {
+  const TensorEntry* e = Find(name);
+  if (e == nullptr) return absl::NotFoundError(absl::StrCat(path_, ": no tensor \"", name, "\""));
+  // Read-only mapping: callers must not write through the returned tensor.
+  void* p = const_cast<uint8_t*>(data_ + e->begin);
+  return Tensor(e->dtype, e->shape, p, mapping_);
+}
+
+absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir,
+                                                             const SafetensorsOptions& options) {
+  auto ckpt = std::make_unique<Checkpoint>();
+  ckpt->dir_ = dir;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return absl::NotFoundError(absl::StrCat(dir, ": not a directory"));
+
+  auto add_file = [&](const std::string& path) -> absl::StatusOr<size_t> {
+    ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(path, options));
+    for (const auto& e : f->entries()) {
+      auto it = ckpt->where_.find(e.name);
+      if (it != ckpt->where_.end())
+        return absl::InvalidArgumentError(absl::StrCat("tensor \"", e.name, "\" appears in both ",
+                                                       ckpt->files_[it->second]->path(), " and ", path));
+      ckpt->where_[e.name] = ckpt->files_.size();
+    }
+    ckpt->files_.push_back(std::move(f));
+    return ckpt->files_.size() - 1;
+  };
+
+  const std::string index_path = (fs::path(dir) / "model.safetensors.index.json").string();
+  if (fs::exists(index_path, ec)) {
+    std::ifstream in(index_path, std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSIGN_OR_RETURN(json j, ParseStrictJson(text, index_path, "weight_map"));
+    if (!j.contains("weight_map") || !j["weight_map"].is_object())
+      return absl::InvalidArgumentError(absl::StrCat(index_path, ": missing object \"weight_map\""));
+    std::map<std::string, size_t> shard_index;
+    std::vector<std::pair<std::string, std::string>> mapped;
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      if (!it.value().is_string())
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path, ": weight_map entry for \"", it.key(), "\" is not a file name"));
+      const std::string shard = it.value().get<std::string>();
+      if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..")
+        return absl::InvalidArgumentError(absl::StrCat(index_path, ": weight_map entry for \"", it.key(),
+                                                       "\" names \"", shard, "\", not a file in ", dir));
+      mapped.emplace_back(it.key(), shard);
+      if (shard_index.count(shard)) continue;
+      const std::string shard_path = (fs::path(dir) / shard).string();
+      if (!fs::exists(shard_path, ec))
+        return absl::NotFoundError(absl::StrCat(index_path, ": shard ", shard_path, " (holding tensor \"",
+                                                it.key(), "\") is missing"));
+      ASSIGN_OR_RETURN(size_t idx, add_file(shard_path));
+      shard_index[shard] = idx;
+    }
+    for (const auto& [name, shard] : mapped) {
+      const auto& file = ckpt->files_[shard_index[shard]];
+      if (file->Find(name) == nullptr)
+        return absl::NotFoundError(absl::StrCat(index_path, ": maps tensor \"", name, "\" to shard ",
+                                                file->path(), ", which does not contain it"));
+    }
+    return ckpt;
+  }
+  const std::string single = (fs::path(dir) / "model.safetensors").string();
+  if (fs::exists(single, ec)) {
+    RETURN_IF_ERROR(add_file(single).status());
+    return ckpt;
+  }
+  std::vector<std::string> paths;
+  for (const auto& ent : fs::directory_iterator(dir, ec))
+    if (ent.path().extension() == ".safetensors") paths.push_back(ent.path().string());
+  if (paths.empty())
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": no model.safetensors.index.json, model.safetensors or *.safetensors"));
+  std::sort(paths.begin(), paths.end());
+  for (const auto& p : paths) RETURN_IF_ERROR(add_file(p).status());
+  return ckpt;
+}
+
+const TensorEntry* Checkpoint::Find(const std::string& name) const {
+  auto it = where_.find(name);
+  return it == where_.end() ? nullptr : files_[it->second]->Find(name);
+}
+
+absl::StatusOr<Tensor> Checkpoint::Get(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) return absl::NotFoundError(absl::StrCat(dir_, ": checkpoint has no tensor \"", name, "\""));
+  return files_[it->second]->Get(name);
+}
+
+std::vector<std::string> Checkpoint::Names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, idx] : where_) out.push_back(name);
+  return out;
+}
+
+absl::Status SafetensorsWriter::Add(const std::string& name, DType dtype, Shape shape, const void* bytes,
+                                    size_t size) {
+  if (name == "__metadata__" || name.empty())
+    return absl::InvalidArgumentError(absl::StrCat("tensor name \"", name, "\" is reserved"));
+  if (tensors_.count(name)) return absl::AlreadyExistsError(absl::StrCat("tensor \"", name, "\" added twice"));
+  if (dtype == DType::kI4)
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": I4 is not a safetensors dtype"));
+  const auto want = static_cast<size_t>(DTypeBytes(dtype, NumElements(shape)));
+  if (size != want)
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": shape ", ShapeString(shape),
+                                                   " needs ", want, " bytes, got ", size));
+  Pending p{dtype, std::move(shape), {}};
+  p.bytes.assign(static_cast<const uint8_t*>(bytes), static_cast<const uint8_t*>(bytes) + size);
+  tensors_.emplace(name, std::move(p));
+  return absl::OkStatus();
+}
+
+absl::Status SafetensorsWriter::Add(const std::string& name, const Tensor& t) {
+  if (!t.contiguous())
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\" is not contiguous"));
+  return Add(name, t.dtype(), t.shape(), t.raw(), static_cast<size_t>(t.nbytes()));
+}
+
+absl::Status SafetensorsWriter::Write(const std::string& path) const {
+  json header = json::object();
+  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  uint64_t offset = 0;
+  for (const auto& [name, p] : tensors_) {
+    header[name] = {{"dtype", std::string(DTypeName(p.dtype))},
+                    {"shape", p.shape},
+                    {"data_offsets", {offset, offset + p.bytes.size()}}};
+    offset += p.bytes.size();
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open for writing"));
+  uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  out.write(reinterpret_cast<const char*>(len), 8);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const auto& [name, p] : tensors_)
+    out.write(reinterpret_cast<const char*>(p.bytes.data()), static_cast<std::streamsize>(p.bytes.size()));
+  out.close();
+  if (!out) return absl::DataLossError(absl::StrCat(path, ": write failed"));
+  return absl::OkStatus();
+}
+
+}  // namespace hmoe
