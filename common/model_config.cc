@@ -1,0 +1,412 @@
+#include "common/model_config.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace hmoe {
+
+const char* ArchitectureName(Architecture a) {
+  switch (a) {
+    case Architecture::kDeepseekV3: return "deepseek_v3";
+    case Architecture::kDeepseekV2: return "deepseek_v2";
+    case Architecture::kQwen3Moe: return "qwen3_moe";
+    case Architecture::kMixtral: return "mixtral";
+  }
+  return "?";
+}
+const char* ScoringFuncName(ScoringFunc s) { return s == ScoringFunc::kSoftmax ? "softmax" : "sigmoid"; }
+const char* TopkMethodName(TopkMethod t) {
+  switch (t) {
+    case TopkMethod::kGreedy: return "greedy";
+    case TopkMethod::kGroupLimitedGreedy: return "group_limited_greedy";
+    case TopkMethod::kNoauxTc: return "noaux_tc";
+  }
+  return "?";
+}
+const char* RopeTypeName(RopeType r) {
+  switch (r) {
+    case RopeType::kDefault: return "default";
+    case RopeType::kLinear: return "linear";
+    case RopeType::kYarn: return "yarn";
+  }
+  return "?";
+}
+
+int64_t ModelConfig::num_moe_layers() const {
+  return std::count_if(layers.begin(), layers.end(), [](const LayerSpec& l) { return l.moe; });
+}
+
+namespace {
+
+using json = nlohmann::json;
+
+// Typed field access that records the first error, naming the field.
+class Reader {
+ public:
+  Reader(const json& j, std::string source, std::string prefix = "")
+      : j_(j), source_(std::move(source)), prefix_(std::move(prefix)) {}
+
+  bool Has(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
+  absl::Status status() const { return status_; }
+  void Fail(const std::string& field, const std::string& what) {
+    if (status_.ok())
+      status_ = absl::InvalidArgumentError(absl::StrCat(source_, ": field \"", prefix_, field, "\" ", what));
+  }
+
+  int64_t Int(const char* key) {
+    if (!Has(key)) {
+      Fail(key, "is required");
+      return 0;
+    }
+    return IntOr(key, 0);
+  }
+  int64_t IntOr(const char* key, int64_t def) {
+    if (!Has(key)) return def;
+    const json& v = j_[key];
+    if (v.is_number_integer()) return v.get<int64_t>();
+    if (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())))
+      return static_cast<int64_t>(v.get<double>());
+    Fail(key, absl::StrCat("must be an integer, got ", v.dump()));
+    return def;
+  }
+  std::optional<int64_t> OptInt(const char* key) {
+    if (!Has(key)) return std::nullopt;
+    return IntOr(key, 0);
+  }
+  double DoubleOr(const char* key, double def) {
+    if (!Has(key)) return def;
+    const json& v = j_[key];
+    if (v.is_number()) return v.get<double>();
+    Fail(key, absl::StrCat("must be a number, got ", v.dump()));
+    return def;
+  }
+  std::optional<double> OptDouble(const char* key) {
+    if (!Has(key)) return std::nullopt;
+    return DoubleOr(key, 0.0);
+  }
+  bool BoolOr(const char* key, bool def) {
+    if (!Has(key)) return def;
+    const json& v = j_[key];
+    if (v.is_boolean()) return v.get<bool>();
+    Fail(key, absl::StrCat("must be true or false, got ", v.dump()));
+    return def;
+  }
+  std::string StringOr(const char* key, const std::string& def) {
+    if (!Has(key)) return def;
+    const json& v = j_[key];
+    if (v.is_string()) return v.get<std::string>();
+    Fail(key, absl::StrCat("must be a string, got ", v.dump()));
+    return def;
+  }
+  std::vector<int64_t> IntList(const char* key) {
+    std::vector<int64_t> out;
+    if (!Has(key)) return out;
+    const json& v = j_[key];
+    if (v.is_number_integer()) return {v.get<int64_t>()};
+    if (!v.is_array()) {
+      Fail(key, absl::StrCat("must be an integer or a list of integers, got ", v.dump()));
+      return out;
+    }
+    for (const auto& x : v) {
+      if (!x.is_number_integer()) {
+        Fail(key, absl::StrCat("must hold integers, got ", x.dump()));
+        return {};
+      }
+      out.push_back(x.get<int64_t>());
+    }
+    return out;
+  }
+  const json& raw() const { return j_; }
+
+ private:
+  const json& j_;
+  std::string source_;
+  std::string prefix_;
+  absl::Status status_;
+};
+
+absl::Status ParseRope(const json& root, Reader& top, const std::string& source, ModelConfig& c) {
+  // transformers 5: rope_parameters {rope_type, rope_theta, ...}; published
+  // checkpoints: rope_theta at top level plus rope_scaling {type | rope_type, ...}.
+  const char* key = nullptr;
+  if (root.contains("rope_parameters") && !root["rope_parameters"].is_null()) key = "rope_parameters";
+  else if (root.contains("rope_scaling") && !root["rope_scaling"].is_null()) key = "rope_scaling";
+  c.rope.theta = top.DoubleOr("rope_theta", c.rope.theta);
+  c.rope.interleave = top.BoolOr("rope_interleave", c.is_mla());
+  if (key == nullptr) return top.status();
+  const json& rp = root[key];
+  if (!rp.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", key, "\" must be an object"));
+  Reader r(rp, source, std::string(key) + ".");
+  c.rope.theta = r.DoubleOr("rope_theta", c.rope.theta);
+  std::string type = r.StringOr("rope_type", r.StringOr("type", "default"));
+  if (type == "default") {
+    c.rope.type = RopeType::kDefault;
+  } else if (type == "linear") {
+    c.rope.type = RopeType::kLinear;
+  } else if (type == "yarn" || type == "deepseek_yarn") {
+    c.rope.type = RopeType::kYarn;
+  } else {
+    return absl::UnimplementedError(
+        absl::StrCat(source, ": field \"", key, ".rope_type\" is \"", type, "\"; supported: default, linear, yarn"));
+  }
+  c.rope.factor = r.DoubleOr("factor", 1.0);
+  c.rope.original_max_position_embeddings =
+      r.IntOr("original_max_position_embeddings", c.max_position_embeddings);
+  c.rope.beta_fast = r.DoubleOr("beta_fast", 32.0);
+  c.rope.beta_slow = r.DoubleOr("beta_slow", 1.0);
+  c.rope.mscale = r.DoubleOr("mscale", 1.0);
+  c.rope.mscale_all_dim = r.DoubleOr("mscale_all_dim", 0.0);
+  c.rope.attention_factor = r.OptDouble("attention_factor");
+  RETURN_IF_ERROR(r.status());
+  if (c.rope.type != RopeType::kDefault && !(c.rope.factor >= 1.0))
+    return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", key, ".factor\" must be >= 1, got ", c.rope.factor));
+  if (c.rope.type == RopeType::kYarn && c.rope.original_max_position_embeddings <= 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": field \"", key, ".original_max_position_embeddings\" must be positive for yarn"));
+  return top.status();
+}
+
+absl::Status Invalid(const std::string& source, const std::string& field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", field, "\" ", what));
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source) {
+  json root;
+  try {
+    root = json::parse(json_text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": invalid JSON: ", e.what()));
+  }
+  if (!root.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": JSON is not an object"));
+  Reader r(root, source);
+  ModelConfig c;
+  c.model_type = r.StringOr("model_type", "");
+  if (c.model_type == "deepseek_v3") c.arch = Architecture::kDeepseekV3;
+  else if (c.model_type == "deepseek_v2") c.arch = Architecture::kDeepseekV2;
+  else if (c.model_type == "qwen3_moe") c.arch = Architecture::kQwen3Moe;
+  else if (c.model_type == "mixtral") c.arch = Architecture::kMixtral;
+  else if (c.model_type.empty()) return Invalid(source, "model_type", "is required");
+  else
+    return absl::UnimplementedError(absl::StrCat(source, ": model_type \"", c.model_type,
+                                                 "\" is not supported (deepseek_v3, deepseek_v2, qwen3_moe, mixtral)"));
+
+  c.vocab_size = r.Int("vocab_size");
+  c.hidden_size = r.Int("hidden_size");
+  c.num_layers = r.Int("num_hidden_layers");
+  c.num_heads = r.Int("num_attention_heads");
+  c.num_kv_heads = r.IntOr("num_key_value_heads", c.num_heads);
+  c.max_position_embeddings = r.IntOr("max_position_embeddings", 4096);
+  c.rms_norm_eps = r.DoubleOr("rms_norm_eps", 1e-6);
+  c.tie_word_embeddings = r.BoolOr("tie_word_embeddings", false);
+  c.attention_bias = r.BoolOr("attention_bias", false);
+  c.bos_token_id = r.OptInt("bos_token_id");
+  c.eos_token_ids = r.IntList("eos_token_id");
+  const std::string act = r.StringOr("hidden_act", "silu");
+  RETURN_IF_ERROR(r.status());
+  if (act != "silu") return absl::UnimplementedError(absl::StrCat(source, ": hidden_act \"", act, "\" (only silu)"));
+
+  auto& m = c.moe;
+  switch (c.arch) {
+    case Architecture::kDeepseekV3:
+    case Architecture::kDeepseekV2: {
+      const bool v3 = c.arch == Architecture::kDeepseekV3;
+      c.intermediate_size = r.Int("intermediate_size");
+      c.mla.q_lora_rank = r.OptInt("q_lora_rank");
+      c.mla.kv_lora_rank = r.Int("kv_lora_rank");
+      c.mla.qk_nope_head_dim = r.Int("qk_nope_head_dim");
+      c.mla.qk_rope_head_dim = r.Int("qk_rope_head_dim");
+      c.mla.v_head_dim = r.Int("v_head_dim");
+      m.num_experts = r.IntOr("n_routed_experts", 0);
+      m.experts_per_token = r.IntOr("num_experts_per_tok", 0);
+      m.intermediate_size = r.IntOr("moe_intermediate_size", 0);
+      m.num_shared_experts = r.IntOr("n_shared_experts", 0);
+      const std::string scoring = r.StringOr("scoring_func", v3 ? "sigmoid" : "softmax");
+      const std::string method = r.StringOr("topk_method", v3 ? "noaux_tc" : "greedy");
+      m.n_group = r.IntOr("n_group", 1);
+      m.topk_group = r.IntOr("topk_group", m.n_group);
+      m.norm_topk_prob = r.BoolOr("norm_topk_prob", v3);
+      m.routed_scaling_factor = r.DoubleOr("routed_scaling_factor", 1.0);
+      c.first_k_dense_replace = r.IntOr("first_k_dense_replace", 0);
+      c.moe_layer_freq = r.IntOr("moe_layer_freq", 1);
+      c.num_nextn_predict_layers = r.IntOr("num_nextn_predict_layers", 0);
+      RETURN_IF_ERROR(r.status());
+      if (scoring == "softmax") m.scoring = ScoringFunc::kSoftmax;
+      else if (scoring == "sigmoid") m.scoring = ScoringFunc::kSigmoid;
+      else return Invalid(source, "scoring_func", absl::StrCat("is \"", scoring, "\"; expected softmax or sigmoid"));
+      if (method == "greedy") m.topk_method = TopkMethod::kGreedy;
+      else if (method == "group_limited_greedy") m.topk_method = TopkMethod::kGroupLimitedGreedy;
+      else if (method == "noaux_tc") m.topk_method = TopkMethod::kNoauxTc;
+      else return Invalid(source, "topk_method", absl::StrCat("is \"", method, "\"; expected greedy, group_limited_greedy or noaux_tc"));
+      // transformers' DeepseekV3 always routes with the bias and groups (noaux_tc).
+      if (v3 && m.topk_method != TopkMethod::kNoauxTc)
+        return Invalid(source, "topk_method", absl::StrCat("is \"", method, "\"; deepseek_v3 routes with noaux_tc"));
+      m.score_correction_bias = m.topk_method == TopkMethod::kNoauxTc;
+      if (m.topk_method == TopkMethod::kGreedy) m.n_group = m.topk_group = 1;
+      break;
+    }
+    case Architecture::kQwen3Moe: {
+      c.intermediate_size = r.IntOr("intermediate_size", 0);
+      c.head_dim = r.IntOr("head_dim", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+      m.num_experts = r.Has("num_experts") ? r.Int("num_experts") : r.IntOr("num_local_experts", 0);
+      m.experts_per_token = r.Int("num_experts_per_tok");
+      m.intermediate_size = r.Int("moe_intermediate_size");
+      m.norm_topk_prob = r.BoolOr("norm_topk_prob", false);
+      c.decoder_sparse_step = r.IntOr("decoder_sparse_step", 1);
+      c.mlp_only_layers = r.IntList("mlp_only_layers");
+      m.scoring = ScoringFunc::kSoftmax;
+      break;
+    }
+    case Architecture::kMixtral: {
+      c.head_dim = r.IntOr("head_dim", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+      m.num_experts = r.Int("num_local_experts");
+      m.experts_per_token = r.Int("num_experts_per_tok");
+      m.intermediate_size = r.Int("intermediate_size");
+      m.norm_topk_prob = true;  // Mixtral renormalizes the top-k softmax
+      m.scoring = ScoringFunc::kSoftmax;
+      break;
+    }
+  }
+  RETURN_IF_ERROR(r.status());
+  RETURN_IF_ERROR(ParseRope(root, r, source, c));
+
+  if (root.contains("quantization_config") && !root["quantization_config"].is_null()) {
+    const json& q = root["quantization_config"];
+    if (!q.is_object()) return Invalid(source, "quantization_config", "must be an object");
+    Reader qr(q, source, "quantization_config.");
+    c.quantization.method = qr.StringOr("quant_method", "");
+    c.quantization.weight_block = qr.IntList("weight_block_size");
+    RETURN_IF_ERROR(qr.status());
+    if (c.quantization.method != "fp8")
+      return absl::UnimplementedError(absl::StrCat(source, ": quantization_config.quant_method \"",
+                                                   c.quantization.method, "\" (only fp8)"));
+    if (c.quantization.weight_block.size() != 2 || c.quantization.weight_block[0] <= 0 ||
+        c.quantization.weight_block[1] <= 0)
+      return Invalid(source, "quantization_config.weight_block_size", "must be two positive integers");
+  }
+
+  // ---- consistency --------------------------------------------------------------
+  auto positive = [&](const char* field, int64_t v) -> absl::Status {
+    if (v <= 0) return Invalid(source, field, absl::StrCat("must be positive, got ", v));
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(positive("vocab_size", c.vocab_size));
+  RETURN_IF_ERROR(positive("hidden_size", c.hidden_size));
+  RETURN_IF_ERROR(positive("num_hidden_layers", c.num_layers));
+  RETURN_IF_ERROR(positive("num_attention_heads", c.num_heads));
+  RETURN_IF_ERROR(positive("num_key_value_heads", c.num_kv_heads));
+  RETURN_IF_ERROR(positive("max_position_embeddings", c.max_position_embeddings));
+  if (!(c.rms_norm_eps > 0)) return Invalid(source, "rms_norm_eps", "must be positive");
+  if (!(c.rope.theta > 0)) return Invalid(source, "rope_theta", "must be positive");
+  if (c.num_heads % c.num_kv_heads != 0)
+    return Invalid(source, "num_key_value_heads",
+                   absl::StrCat(c.num_kv_heads, " does not divide num_attention_heads ", c.num_heads));
+  if (c.is_mla()) {
+    RETURN_IF_ERROR(positive("intermediate_size", c.intermediate_size));
+    if (c.mla.q_lora_rank) RETURN_IF_ERROR(positive("q_lora_rank", *c.mla.q_lora_rank));
+    RETURN_IF_ERROR(positive("kv_lora_rank", c.mla.kv_lora_rank));
+    RETURN_IF_ERROR(positive("qk_nope_head_dim", c.mla.qk_nope_head_dim));
+    RETURN_IF_ERROR(positive("qk_rope_head_dim", c.mla.qk_rope_head_dim));
+    RETURN_IF_ERROR(positive("v_head_dim", c.mla.v_head_dim));
+    if (c.mla.qk_rope_head_dim % 2 != 0) return Invalid(source, "qk_rope_head_dim", "must be even");
+    if (c.first_k_dense_replace < 0 || c.first_k_dense_replace > c.num_layers)
+      return Invalid(source, "first_k_dense_replace",
+                     absl::StrCat(c.first_k_dense_replace, " is outside [0, num_hidden_layers]"));
+    RETURN_IF_ERROR(positive("moe_layer_freq", c.moe_layer_freq));
+  } else {
+    RETURN_IF_ERROR(positive("head_dim", c.head_dim));
+    if (c.head_dim % 2 != 0) return Invalid(source, "head_dim", "must be even");
+    RETURN_IF_ERROR(positive("decoder_sparse_step", c.decoder_sparse_step));
+    for (int64_t l : c.mlp_only_layers)
+      if (l < 0 || l >= c.num_layers)
+        return Invalid(source, "mlp_only_layers", absl::StrCat("names layer ", l, " outside [0, ", c.num_layers, ")"));
+  }
+  if (m.num_experts < 0) return Invalid(source, "n_routed_experts", "must not be negative");
+  if (m.num_experts > 0) {
+    const char* k_field = "num_experts_per_tok";
+    RETURN_IF_ERROR(positive(k_field, m.experts_per_token));
+    RETURN_IF_ERROR(positive("moe_intermediate_size", m.intermediate_size));
+    if (m.experts_per_token > m.num_experts)
+      return Invalid(source, k_field, absl::StrCat(m.experts_per_token, " exceeds the ", m.num_experts, " routed experts"));
+    if (m.num_shared_experts < 0) return Invalid(source, "n_shared_experts", "must not be negative");
+    RETURN_IF_ERROR(positive("n_group", m.n_group));
+    if (m.num_experts % m.n_group != 0)
+      return Invalid(source, "n_group", absl::StrCat(m.n_group, " does not divide the ", m.num_experts, " routed experts"));
+    if (m.topk_group <= 0 || m.topk_group > m.n_group)
+      return Invalid(source, "topk_group", absl::StrCat(m.topk_group, " is outside [1, n_group=", m.n_group, "]"));
+    if (m.experts_per_token > m.topk_group * (m.num_experts / m.n_group))
+      return Invalid(source, "num_experts_per_tok",
+                     absl::StrCat(m.experts_per_token, " exceeds the ", m.topk_group * (m.num_experts / m.n_group),
+                                  " experts in the top ", m.topk_group, " groups"));
+    if (m.topk_method == TopkMethod::kNoauxTc && m.num_experts / m.n_group < 2)
+      return Invalid(source, "n_group", "noaux_tc ranks groups by their top-2 scores; each group needs >= 2 experts");
+    if (!(m.routed_scaling_factor > 0))
+      return Invalid(source, "routed_scaling_factor", "must be positive");
+  }
+  for (int64_t id : c.eos_token_ids)
+    if (id < 0 || id >= c.vocab_size) return Invalid(source, "eos_token_id", absl::StrCat(id, " is outside the vocabulary"));
+
+  // ---- per-layer kinds ------------------------------------------------------------
+  int64_t window = 0;
+  if (root.contains("sliding_window") && !root["sliding_window"].is_null()) {
+    window = r.IntOr("sliding_window", 0);
+    RETURN_IF_ERROR(r.status());
+    if (window < 0) return Invalid(source, "sliding_window", "must not be negative");
+  }
+  const bool qwen_window = c.arch == Architecture::kQwen3Moe && r.BoolOr("use_sliding_window", false);
+  const int64_t max_window_layers = r.IntOr("max_window_layers", c.num_layers);
+  std::vector<std::string> layer_types;
+  if (root.contains("layer_types") && root["layer_types"].is_array()) {
+    for (const auto& t : root["layer_types"]) {
+      if (!t.is_string()) return Invalid(source, "layer_types", "must hold strings");
+      layer_types.push_back(t.get<std::string>());
+    }
+    if (static_cast<int64_t>(layer_types.size()) != c.num_layers)
+      return Invalid(source, "layer_types", absl::StrCat("has ", layer_types.size(), " entries for ", c.num_layers, " layers"));
+  }
+  RETURN_IF_ERROR(r.status());
+  c.layers.resize(static_cast<size_t>(c.num_layers));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    LayerSpec& l = c.layers[static_cast<size_t>(i)];
+    switch (c.arch) {
+      case Architecture::kDeepseekV3:
+      case Architecture::kDeepseekV2:
+        l.moe = m.num_experts > 0 && i >= c.first_k_dense_replace && i % c.moe_layer_freq == 0;
+        break;
+      case Architecture::kQwen3Moe:
+        l.moe = m.num_experts > 0 &&
+                std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), i) == c.mlp_only_layers.end() &&
+                (i + 1) % c.decoder_sparse_step == 0;
+        if (!layer_types.empty()) {
+          l.sliding_window = layer_types[static_cast<size_t>(i)] == "sliding_attention" ? window : 0;
+        } else {
+          l.sliding_window = qwen_window && i >= max_window_layers ? window : 0;
+        }
+        break;
+      case Architecture::kMixtral:
+        l.moe = true;
+        l.sliding_window = window;
+        break;
+    }
+    if (!l.moe && c.intermediate_size <= 0)
+      return Invalid(source, "intermediate_size", absl::StrCat("must be positive: layer ", i, " is a dense MLP"));
+  }
+  return c;
+}
+
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
+  const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return ParseModelConfig(text, path);
+}
+
+}  // namespace hmoe

@@ -1,0 +1,118 @@
+// ModelConfig: a Hugging Face config.json parsed into the fields that change
+// the math, for deepseek_v3, deepseek_v2, qwen3_moe and mixtral.
+//
+// Accepts both the published checkpoints' spelling (rope_theta + rope_scaling
+// {"type": "yarn", ...}, Qwen3's num_experts) and what transformers 5 writes
+// (rope_parameters {"rope_type", "rope_theta", ...}, rope_interleave,
+// num_local_experts). Errors: unknown model_type -> UNIMPLEMENTED naming it;
+// missing, mistyped or inconsistent fields -> INVALID_ARGUMENT naming the field.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace hmoe {
+
+enum class Architecture { kDeepseekV3, kDeepseekV2, kQwen3Moe, kMixtral };
+enum class ScoringFunc { kSoftmax, kSigmoid };
+// greedy: plain top-k; group_limited_greedy (V2): groups ranked by their max
+// score; noaux_tc (V3): groups ranked by the sum of their top-2 biased scores.
+enum class TopkMethod { kGreedy, kGroupLimitedGreedy, kNoauxTc };
+enum class RopeType { kDefault, kLinear, kYarn };
+
+const char* ArchitectureName(Architecture a);  // the model_type string
+const char* ScoringFuncName(ScoringFunc s);
+const char* TopkMethodName(TopkMethod t);
+const char* RopeTypeName(RopeType r);
+
+struct RopeConfig {
+  RopeType type = RopeType::kDefault;
+  double theta = 10000.0;
+  double factor = 1.0;  // linear / yarn scaling factor
+  // YaRN (DeepSeek): frequency blend between beta_fast and beta_slow, and
+  // attention magnitude scaling from mscale / mscale_all_dim.
+  int64_t original_max_position_embeddings = 0;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+  std::optional<double> attention_factor;  // overrides the mscale-derived factor when set
+  // DeepSeek MLA checkpoints store rope dims interleaved (pairs 2i, 2i+1)
+  // rather than halves; transformers 5 exposes it as rope_interleave.
+  bool interleave = false;
+};
+
+struct MlaConfig {
+  std::optional<int64_t> q_lora_rank;  // null: q_proj straight from hidden
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+};
+
+struct MoeConfig {
+  int64_t num_experts = 0;         // routed experts
+  int64_t experts_per_token = 0;   // top-k
+  int64_t intermediate_size = 0;   // per routed expert
+  int64_t num_shared_experts = 0;  // DeepSeek: one fused shared MLP of width n * intermediate
+  ScoringFunc scoring = ScoringFunc::kSoftmax;
+  TopkMethod topk_method = TopkMethod::kGreedy;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  bool norm_topk_prob = false;
+  double routed_scaling_factor = 1.0;
+  bool score_correction_bias = false;  // V3 noaux_tc: e_score_correction_bias, selection only
+};
+
+struct QuantizationConfig {
+  std::string method;                 // "" (none) or "fp8"
+  std::vector<int64_t> weight_block;  // fp8: {128, 128}
+};
+
+struct LayerSpec {
+  bool moe = false;             // routed experts (else dense MLP)
+  int64_t sliding_window = 0;   // 0: full attention
+};
+
+struct ModelConfig {
+  Architecture arch = Architecture::kDeepseekV3;
+  std::string model_type;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;  // dense MLP layers
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;  // GQA
+  int64_t head_dim = 0;      // GQA head size (MLA uses mla.*)
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;
+  RopeConfig rope;
+  MlaConfig mla;  // DeepSeek only
+  MoeConfig moe;
+  int64_t first_k_dense_replace = 0;
+  int64_t moe_layer_freq = 1;
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  int64_t num_nextn_predict_layers = 0;  // DeepSeek-V3 MTP layers stored after the main stack
+  std::vector<int64_t> eos_token_ids;
+  std::optional<int64_t> bos_token_id;
+  QuantizationConfig quantization;
+  std::vector<LayerSpec> layers;  // derived, one per hidden layer
+
+  bool is_mla() const { return arch == Architecture::kDeepseekV3 || arch == Architecture::kDeepseekV2; }
+  int64_t num_moe_layers() const;
+};
+
+// Parses config.json text; `source` (usually the path) prefixes every error.
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source);
+// Reads MODEL_DIR/config.json.
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
+
+}  // namespace hmoe
