@@ -45,9 +45,9 @@ constexpr NameEntry kNames[] = {
 };
 }  // namespace
 
-std::string_view DTypeName(DType t) {
+const char* DTypeName(DType t) {
   for (const auto& e : kNames)
-    if (e.type == t) return e.name;
+    if (e.type == t) return e.name.data();
   return "?";
 }
 

@@ -37,7 +37,7 @@ int DTypeBits(DType t);
 // Bytes for `n` elements, rounding packed types up to whole bytes.
 int64_t DTypeBytes(DType t, int64_t n);
 // The safetensors spelling ("BF16", "F8_E4M3", ...); "I4" for kI4.
-std::string_view DTypeName(DType t);
+const char* DTypeName(DType t);
 // Parses a safetensors dtype name; nullopt if unknown.
 std::optional<DType> ParseDType(std::string_view name);
 

@@ -1,0 +1,168 @@
+#include "common/weight_map.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace hmoe {
+namespace {
+
+std::string L(int layer) { return absl::StrCat("model.layers.", layer, "."); }
+
+const char* ProjName(const ModelConfig& c, ExpertProj p) {
+  const bool mixtral = c.arch == Architecture::kMixtral;
+  switch (p) {
+    case ExpertProj::kGate: return mixtral ? "w1" : "gate_proj";
+    case ExpertProj::kUp: return mixtral ? "w3" : "up_proj";
+    case ExpertProj::kDown: return mixtral ? "w2" : "down_proj";
+    case ExpertProj::kNone: break;
+  }
+  return "?";
+}
+
+void AddMlp(std::vector<WeightSpec>& out, const std::string& prefix, int64_t hidden, int64_t inter,
+            WeightRole role, int layer) {
+  out.push_back({prefix + "gate_proj.weight", {inter, hidden}, role, layer});
+  out.push_back({prefix + "up_proj.weight", {inter, hidden}, role, layer});
+  out.push_back({prefix + "down_proj.weight", {hidden, inter}, role, layer});
+}
+
+}  // namespace
+
+std::string ExpertWeightName(const ModelConfig& c, int layer, int expert, ExpertProj proj) {
+  const char* block = c.arch == Architecture::kMixtral ? "block_sparse_moe" : "mlp";
+  return absl::StrCat(L(layer), block, ".experts.", expert, ".", ProjName(c, proj), ".weight");
+}
+
+std::string ScaleInvName(const std::string& weight_name) { return weight_name + "_scale_inv"; }
+
+std::vector<WeightSpec> ExpectedWeights(const ModelConfig& c) {
+  std::vector<WeightSpec> out;
+  const int64_t H = c.hidden_size;
+  out.push_back({"model.embed_tokens.weight", {c.vocab_size, H}, WeightRole::kEmbedding});
+  for (int i = 0; i < static_cast<int>(c.num_layers); ++i) {
+    const std::string p = L(i);
+    out.push_back({p + "input_layernorm.weight", {H}, WeightRole::kNorm, i});
+    const std::string a = p + "self_attn.";
+    if (c.is_mla()) {
+      const auto& m = c.mla;
+      const int64_t qk = m.qk_head_dim();
+      if (m.q_lora_rank) {
+        out.push_back({a + "q_a_proj.weight", {*m.q_lora_rank, H}, WeightRole::kAttention, i});
+        out.push_back({a + "q_a_layernorm.weight", {*m.q_lora_rank}, WeightRole::kNorm, i});
+        out.push_back({a + "q_b_proj.weight", {c.num_heads * qk, *m.q_lora_rank}, WeightRole::kAttention, i});
+      } else {
+        out.push_back({a + "q_proj.weight", {c.num_heads * qk, H}, WeightRole::kAttention, i});
+      }
+      out.push_back({a + "kv_a_proj_with_mqa.weight", {m.kv_lora_rank + m.qk_rope_head_dim, H},
+                     WeightRole::kAttention, i});
+      out.push_back({a + "kv_a_layernorm.weight", {m.kv_lora_rank}, WeightRole::kNorm, i});
+      out.push_back({a + "kv_b_proj.weight", {c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank},
+                     WeightRole::kAttention, i});
+      out.push_back({a + "o_proj.weight", {H, c.num_heads * m.v_head_dim}, WeightRole::kAttention, i});
+    } else {
+      const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+      out.push_back({a + "q_proj.weight", {q, H}, WeightRole::kAttention, i});
+      out.push_back({a + "k_proj.weight", {kv, H}, WeightRole::kAttention, i});
+      out.push_back({a + "v_proj.weight", {kv, H}, WeightRole::kAttention, i});
+      if (c.attention_bias) {
+        out.push_back({a + "q_proj.bias", {q}, WeightRole::kAttention, i});
+        out.push_back({a + "k_proj.bias", {kv}, WeightRole::kAttention, i});
+        out.push_back({a + "v_proj.bias", {kv}, WeightRole::kAttention, i});
+      }
+      out.push_back({a + "o_proj.weight", {H, q}, WeightRole::kAttention, i});
+      if (c.arch == Architecture::kQwen3Moe) {
+        out.push_back({a + "q_norm.weight", {c.head_dim}, WeightRole::kNorm, i});
+        out.push_back({a + "k_norm.weight", {c.head_dim}, WeightRole::kNorm, i});
+      }
+    }
+    out.push_back({p + "post_attention_layernorm.weight", {H}, WeightRole::kNorm, i});
+    if (!c.layers[static_cast<size_t>(i)].moe) {
+      AddMlp(out, p + "mlp.", H, c.intermediate_size, WeightRole::kDenseMlp, i);
+      continue;
+    }
+    const auto& moe = c.moe;
+    const std::string block = c.arch == Architecture::kMixtral ? p + "block_sparse_moe." : p + "mlp.";
+    out.push_back({block + "gate.weight", {moe.num_experts, H}, WeightRole::kRouter, i});
+    if (moe.score_correction_bias)
+      out.push_back({block + "gate.e_score_correction_bias", {moe.num_experts}, WeightRole::kRouter, i});
+    for (int e = 0; e < static_cast<int>(moe.num_experts); ++e) {
+      const int64_t I = moe.intermediate_size;
+      out.push_back({ExpertWeightName(c, i, e, ExpertProj::kGate), {I, H}, WeightRole::kRoutedExpert, i, e, ExpertProj::kGate});
+      out.push_back({ExpertWeightName(c, i, e, ExpertProj::kUp), {I, H}, WeightRole::kRoutedExpert, i, e, ExpertProj::kUp});
+      out.push_back({ExpertWeightName(c, i, e, ExpertProj::kDown), {H, I}, WeightRole::kRoutedExpert, i, e, ExpertProj::kDown});
+    }
+    if (moe.num_shared_experts > 0)
+      AddMlp(out, block + "shared_experts.", H, moe.intermediate_size * moe.num_shared_experts,
+             WeightRole::kSharedExpert, i);
+  }
+  out.push_back({"model.norm.weight", {H}, WeightRole::kNorm});
+  if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", {c.vocab_size, H}, WeightRole::kLmHead});
+  return out;
+}
+
+ParamCounts CountParameters(const ModelConfig& c) {
+  ParamCounts n;
+  for (const WeightSpec& w : ExpectedWeights(c)) {
+    if (w.role == WeightRole::kRouter && w.shape.size() == 1) continue;  // correction bias: a buffer
+    const int64_t k = NumElements(w.shape);
+    n.total += k;
+    switch (w.role) {
+      case WeightRole::kEmbedding:
+      case WeightRole::kLmHead: n.embedding += k; break;
+      case WeightRole::kNorm: n.norms += k; break;
+      case WeightRole::kAttention: n.attention += k; break;
+      case WeightRole::kDenseMlp: n.dense_mlp += k; break;
+      case WeightRole::kRouter: n.router += k; break;
+      case WeightRole::kSharedExpert: n.shared_experts += k; break;
+      case WeightRole::kRoutedExpert: n.routed_experts += k; break;
+    }
+  }
+  n.routed_per_expert = 3 * c.hidden_size * c.moe.intermediate_size;
+  n.active = n.total - n.routed_experts;
+  if (c.moe.num_experts > 0) n.active += n.routed_experts * c.moe.experts_per_token / c.moe.num_experts;
+  return n;
+}
+
+absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt) {
+  std::vector<std::string> missing, wrong;
+  const bool fp8 = c.quantization.method == "fp8";
+  const int64_t br = fp8 ? c.quantization.weight_block[0] : 0, bc = fp8 ? c.quantization.weight_block[1] : 0;
+  for (const WeightSpec& w : ExpectedWeights(c)) {
+    const TensorEntry* e = ckpt.Find(w.name);
+    if (e == nullptr) {
+      missing.push_back(w.name);
+      continue;
+    }
+    if (e->shape != w.shape) {
+      wrong.push_back(absl::StrCat(w.name, " has shape ", ShapeString(e->shape), ", expected ", ShapeString(w.shape)));
+      continue;
+    }
+    const bool is_float = e->dtype == DType::kF32 || e->dtype == DType::kBF16 || e->dtype == DType::kF16;
+    if (e->dtype == DType::kF8E4M3 && fp8 && w.matrix()) {
+      const std::string sname = ScaleInvName(w.name);
+      const TensorEntry* s = ckpt.Find(sname);
+      const Shape want{(w.shape[0] + br - 1) / br, (w.shape[1] + bc - 1) / bc};
+      if (s == nullptr) missing.push_back(sname);
+      else if (s->shape != want || s->dtype != DType::kF32)
+        wrong.push_back(absl::StrCat(sname, " is ", DTypeName(s->dtype), " ", ShapeString(s->shape),
+                                     ", expected F32 ", ShapeString(want)));
+    } else if (!is_float) {
+      wrong.push_back(absl::StrCat(w.name, " has dtype ", DTypeName(e->dtype),
+                                   fp8 && w.matrix() ? ", expected F32, BF16, F16 or F8_E4M3" : ", expected F32, BF16 or F16"));
+    }
+  }
+  if (missing.empty() && wrong.empty()) return absl::OkStatus();
+  constexpr size_t kMaxListed = 50;
+  auto list = [&](const std::vector<std::string>& v) {
+    std::vector<std::string> head(v.begin(), v.begin() + static_cast<long>(std::min(v.size(), kMaxListed)));
+    std::string s = absl::StrJoin(head, "; ");
+    if (v.size() > kMaxListed) absl::StrAppend(&s, "; ... and ", v.size() - kMaxListed, " more");
+    return s;
+  };
+  std::string msg = absl::StrCat(ckpt.dir(), ": checkpoint does not match its ", c.model_type, " config:");
+  if (!missing.empty()) absl::StrAppend(&msg, " ", missing.size(), " missing tensor(s): ", list(missing), ".");
+  if (!wrong.empty()) absl::StrAppend(&msg, " ", wrong.size(), " mis-shaped or mistyped tensor(s): ", list(wrong), ".");
+  return wrong.empty() ? absl::NotFoundError(msg) : absl::InvalidArgumentError(msg);
+}
+
+}  // namespace hmoe

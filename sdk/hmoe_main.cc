@@ -1,0 +1,79 @@
+// `hmoe`: the hybridmoe command line.
+//
+//   hmoe inspect MODEL_DIR [--dram-gbps N] [--json] [--no-check]
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "sdk/inspect.h"
+
+namespace {
+
+int Usage(FILE* out) {
+  std::fprintf(out,
+               "usage: hmoe COMMAND ...\n\n"
+               "commands:\n"
+               "  inspect MODEL_DIR [--dram-gbps N] [--json] [--no-check]\n"
+               "      architecture, layer kinds, parameter counts, routed-expert bytes per format\n"
+               "      and the decode ceiling for N GB/s of DRAM bandwidth (default 100)\n");
+  return out == stderr ? 2 : 0;
+}
+
+int Inspect(const std::vector<std::string>& args) {
+  hmoe::InspectOptions opt;
+  std::string dir;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--json") {
+      opt.json = true;
+    } else if (a == "--no-check") {
+      opt.check_weights = false;
+    } else if (a == "--dram-gbps" || a.rfind("--dram-gbps=", 0) == 0) {
+      std::string v;
+      if (a == "--dram-gbps") {
+        if (i + 1 >= args.size()) {
+          std::fprintf(stderr, "hmoe inspect: --dram-gbps needs a value\n");
+          return 2;
+        }
+        v = args[++i];
+      } else {
+        v = a.substr(12);
+      }
+      char* end = nullptr;
+      opt.dram_gbps = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || !(opt.dram_gbps > 0)) {
+        std::fprintf(stderr, "hmoe inspect: --dram-gbps must be a positive number, got \"%s\"\n", v.c_str());
+        return 2;
+      }
+    } else if (!a.empty() && a[0] == '-') {
+      std::fprintf(stderr, "hmoe inspect: unknown flag %s\n", a.c_str());
+      return 2;
+    } else if (dir.empty()) {
+      dir = a;
+    } else {
+      std::fprintf(stderr, "hmoe inspect: one MODEL_DIR expected, got also %s\n", a.c_str());
+      return 2;
+    }
+  }
+  if (dir.empty()) return Usage(stderr);
+  auto report = hmoe::InspectModel(dir, opt);
+  if (!report.ok()) {
+    std::fprintf(stderr, "hmoe inspect: %s\n", std::string(report.status().ToString()).c_str());
+    return 1;
+  }
+  std::fputs(hmoe::FormatReport(*report, opt).c_str(), stdout);
+  return report->weight_check.empty() || report->weight_check == "ok" ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return Usage(stderr);
+  const std::string cmd = argv[1];
+  std::vector<std::string> args(argv + 2, argv + argc);
+  if (cmd == "inspect") return Inspect(args);
+  if (cmd == "-h" || cmd == "--help" || cmd == "help") return Usage(stdout);
+  std::fprintf(stderr, "hmoe: unknown command \"%s\"\n", cmd.c_str());
+  return Usage(stderr);
+}
