@@ -37,10 +37,10 @@ struct NameEntry {
   std::string_view name;
 };
 constexpr NameEntry kNames[] = {
-    {DType::kF64, "F64"},        {DType::kF32, "F32"},         {DType::kF16, "F16"},
-    {DType::kBF16, "BF16"},      {DType::kF8E4M3, "F8_E4M3"}, {DType::kF8E5M2, "F8_E5M2"},
-    {DType::kI64, "I64"},        {DType::kI32, "I32"},         {DType::kI16, "I16"},
-    {DType::kI8, "I8"},          {DType::kU8, "U8"},           {DType::kBool, "BOOL"},
+    {DType::kF64, "F64"},   {DType::kF32, "F32"},        {DType::kF16, "F16"},
+    {DType::kBF16, "BF16"}, {DType::kF8E4M3, "F8_E4M3"}, {DType::kF8E5M2, "F8_E5M2"},
+    {DType::kI64, "I64"},   {DType::kI32, "I32"},        {DType::kI16, "I16"},
+    {DType::kI8, "I8"},     {DType::kU8, "U8"},          {DType::kBool, "BOOL"},
     {DType::kI4, "I4"},
 };
 }  // namespace
@@ -103,8 +103,8 @@ uint8_t F32ToFp8E4M3(float f) {
   // Find the code whose value is nearest, ties to even mantissa, by scaling
   // into the target binade and rounding with nearbyint (ties to even).
   int e;
-  std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
-  int exp = e - 1;    // a in [2^exp, 2^(exp+1))
+  std::frexp(a, &e);       // a = m * 2^e, m in [0.5, 1)
+  int exp = e - 1;         // a in [2^exp, 2^(exp+1))
   if (exp < -6) exp = -6;  // subnormal range shares the 2^-6 binade's step
   float step = std::ldexp(1.0f, exp - 3);
   float q = std::nearbyint(a / step);  // multiple of step; may carry into next binade
@@ -139,7 +139,8 @@ void QuantizeI8PerRow(const float* w, int64_t rows, int64_t cols, int8_t* q, flo
     const float inv = s > 0.0f ? 1.0f / s : 0.0f;
     scale[r] = s;
     for (int64_t c = 0; c < cols; ++c)
-      q[r * cols + c] = static_cast<int8_t>(std::clamp(std::nearbyint(row[c] * inv), -127.0f, 127.0f));
+      q[r * cols + c] =
+          static_cast<int8_t>(std::clamp(std::nearbyint(row[c] * inv), -127.0f, 127.0f));
   }
 }
 

@@ -12,27 +12,39 @@ namespace hmoe {
 
 const char* ArchitectureName(Architecture a) {
   switch (a) {
-    case Architecture::kDeepseekV3: return "deepseek_v3";
-    case Architecture::kDeepseekV2: return "deepseek_v2";
-    case Architecture::kQwen3Moe: return "qwen3_moe";
-    case Architecture::kMixtral: return "mixtral";
+    case Architecture::kDeepseekV3:
+      return "deepseek_v3";
+    case Architecture::kDeepseekV2:
+      return "deepseek_v2";
+    case Architecture::kQwen3Moe:
+      return "qwen3_moe";
+    case Architecture::kMixtral:
+      return "mixtral";
   }
   return "?";
 }
-const char* ScoringFuncName(ScoringFunc s) { return s == ScoringFunc::kSoftmax ? "softmax" : "sigmoid"; }
+const char* ScoringFuncName(ScoringFunc s) {
+  return s == ScoringFunc::kSoftmax ? "softmax" : "sigmoid";
+}
 const char* TopkMethodName(TopkMethod t) {
   switch (t) {
-    case TopkMethod::kGreedy: return "greedy";
-    case TopkMethod::kGroupLimitedGreedy: return "group_limited_greedy";
-    case TopkMethod::kNoauxTc: return "noaux_tc";
+    case TopkMethod::kGreedy:
+      return "greedy";
+    case TopkMethod::kGroupLimitedGreedy:
+      return "group_limited_greedy";
+    case TopkMethod::kNoauxTc:
+      return "noaux_tc";
   }
   return "?";
 }
 const char* RopeTypeName(RopeType r) {
   switch (r) {
-    case RopeType::kDefault: return "default";
-    case RopeType::kLinear: return "linear";
-    case RopeType::kYarn: return "yarn";
+    case RopeType::kDefault:
+      return "default";
+    case RopeType::kLinear:
+      return "linear";
+    case RopeType::kYarn:
+      return "yarn";
   }
   return "?";
 }
@@ -55,7 +67,8 @@ class Reader {
   absl::Status status() const { return status_; }
   void Fail(const std::string& field, const std::string& what) {
     if (status_.ok())
-      status_ = absl::InvalidArgumentError(absl::StrCat(source_, ": field \"", prefix_, field, "\" ", what));
+      status_ = absl::InvalidArgumentError(
+          absl::StrCat(source_, ": field \"", prefix_, field, "\" ", what));
   }
 
   int64_t Int(const char* key) {
@@ -69,7 +82,8 @@ class Reader {
     if (!Has(key)) return def;
     const json& v = j_[key];
     if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())))
+    if (v.is_number_float() &&
+        v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())))
       return static_cast<int64_t>(v.get<double>());
     Fail(key, absl::StrCat("must be an integer, got ", v.dump()));
     return def;
@@ -134,14 +148,17 @@ absl::Status ParseRope(const json& root, Reader& top, const std::string& source,
   // transformers 5: rope_parameters {rope_type, rope_theta, ...}; published
   // checkpoints: rope_theta at top level plus rope_scaling {type | rope_type, ...}.
   const char* key = nullptr;
-  if (root.contains("rope_parameters") && !root["rope_parameters"].is_null()) key = "rope_parameters";
-  else if (root.contains("rope_scaling") && !root["rope_scaling"].is_null()) key = "rope_scaling";
+  if (root.contains("rope_parameters") && !root["rope_parameters"].is_null())
+    key = "rope_parameters";
+  else if (root.contains("rope_scaling") && !root["rope_scaling"].is_null())
+    key = "rope_scaling";
   c.rope.theta = top.DoubleOr("rope_theta", c.rope.theta);
   c.rope.interleave = top.BoolOr("rope_interleave", c.is_mla());
   if (key == nullptr) return top.status();
   const json& rp = root[key];
   if (!rp.is_object())
-    return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", key, "\" must be an object"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": field \"", key, "\" must be an object"));
   Reader r(rp, source, std::string(key) + ".");
   c.rope.theta = r.DoubleOr("rope_theta", c.rope.theta);
   std::string type = r.StringOr("rope_type", r.StringOr("type", "default"));
@@ -152,8 +169,8 @@ absl::Status ParseRope(const json& root, Reader& top, const std::string& source,
   } else if (type == "yarn" || type == "deepseek_yarn") {
     c.rope.type = RopeType::kYarn;
   } else {
-    return absl::UnimplementedError(
-        absl::StrCat(source, ": field \"", key, ".rope_type\" is \"", type, "\"; supported: default, linear, yarn"));
+    return absl::UnimplementedError(absl::StrCat(source, ": field \"", key, ".rope_type\" is \"",
+                                                 type, "\"; supported: default, linear, yarn"));
   }
   c.rope.factor = r.DoubleOr("factor", 1.0);
   c.rope.original_max_position_embeddings =
@@ -165,10 +182,12 @@ absl::Status ParseRope(const json& root, Reader& top, const std::string& source,
   c.rope.attention_factor = r.OptDouble("attention_factor");
   RETURN_IF_ERROR(r.status());
   if (c.rope.type != RopeType::kDefault && !(c.rope.factor >= 1.0))
-    return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", key, ".factor\" must be >= 1, got ", c.rope.factor));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": field \"", key, ".factor\" must be >= 1, got ", c.rope.factor));
   if (c.rope.type == RopeType::kYarn && c.rope.original_max_position_embeddings <= 0)
     return absl::InvalidArgumentError(
-        absl::StrCat(source, ": field \"", key, ".original_max_position_embeddings\" must be positive for yarn"));
+        absl::StrCat(source, ": field \"", key,
+                     ".original_max_position_embeddings\" must be positive for yarn"));
   return top.status();
 }
 
@@ -178,25 +197,33 @@ absl::Status Invalid(const std::string& source, const std::string& field, const 
 
 }  // namespace
 
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source) {
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
+                                             const std::string& source) {
   json root;
   try {
     root = json::parse(json_text);
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": invalid JSON: ", e.what()));
   }
-  if (!root.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": JSON is not an object"));
+  if (!root.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": JSON is not an object"));
   Reader r(root, source);
   ModelConfig c;
   c.model_type = r.StringOr("model_type", "");
-  if (c.model_type == "deepseek_v3") c.arch = Architecture::kDeepseekV3;
-  else if (c.model_type == "deepseek_v2") c.arch = Architecture::kDeepseekV2;
-  else if (c.model_type == "qwen3_moe") c.arch = Architecture::kQwen3Moe;
-  else if (c.model_type == "mixtral") c.arch = Architecture::kMixtral;
-  else if (c.model_type.empty()) return Invalid(source, "model_type", "is required");
+  if (c.model_type == "deepseek_v3")
+    c.arch = Architecture::kDeepseekV3;
+  else if (c.model_type == "deepseek_v2")
+    c.arch = Architecture::kDeepseekV2;
+  else if (c.model_type == "qwen3_moe")
+    c.arch = Architecture::kQwen3Moe;
+  else if (c.model_type == "mixtral")
+    c.arch = Architecture::kMixtral;
+  else if (c.model_type.empty())
+    return Invalid(source, "model_type", "is required");
   else
-    return absl::UnimplementedError(absl::StrCat(source, ": model_type \"", c.model_type,
-                                                 "\" is not supported (deepseek_v3, deepseek_v2, qwen3_moe, mixtral)"));
+    return absl::UnimplementedError(
+        absl::StrCat(source, ": model_type \"", c.model_type,
+                     "\" is not supported (deepseek_v3, deepseek_v2, qwen3_moe, mixtral)"));
 
   c.vocab_size = r.Int("vocab_size");
   c.hidden_size = r.Int("hidden_size");
@@ -211,7 +238,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
   c.eos_token_ids = r.IntList("eos_token_id");
   const std::string act = r.StringOr("hidden_act", "silu");
   RETURN_IF_ERROR(r.status());
-  if (act != "silu") return absl::UnimplementedError(absl::StrCat(source, ": hidden_act \"", act, "\" (only silu)"));
+  if (act != "silu")
+    return absl::UnimplementedError(absl::StrCat(source, ": hidden_act \"", act, "\" (only silu)"));
 
   auto& m = c.moe;
   switch (c.arch) {
@@ -238,16 +266,27 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
       c.moe_layer_freq = r.IntOr("moe_layer_freq", 1);
       c.num_nextn_predict_layers = r.IntOr("num_nextn_predict_layers", 0);
       RETURN_IF_ERROR(r.status());
-      if (scoring == "softmax") m.scoring = ScoringFunc::kSoftmax;
-      else if (scoring == "sigmoid") m.scoring = ScoringFunc::kSigmoid;
-      else return Invalid(source, "scoring_func", absl::StrCat("is \"", scoring, "\"; expected softmax or sigmoid"));
-      if (method == "greedy") m.topk_method = TopkMethod::kGreedy;
-      else if (method == "group_limited_greedy") m.topk_method = TopkMethod::kGroupLimitedGreedy;
-      else if (method == "noaux_tc") m.topk_method = TopkMethod::kNoauxTc;
-      else return Invalid(source, "topk_method", absl::StrCat("is \"", method, "\"; expected greedy, group_limited_greedy or noaux_tc"));
+      if (scoring == "softmax")
+        m.scoring = ScoringFunc::kSoftmax;
+      else if (scoring == "sigmoid")
+        m.scoring = ScoringFunc::kSigmoid;
+      else
+        return Invalid(source, "scoring_func",
+                       absl::StrCat("is \"", scoring, "\"; expected softmax or sigmoid"));
+      if (method == "greedy")
+        m.topk_method = TopkMethod::kGreedy;
+      else if (method == "group_limited_greedy")
+        m.topk_method = TopkMethod::kGroupLimitedGreedy;
+      else if (method == "noaux_tc")
+        m.topk_method = TopkMethod::kNoauxTc;
+      else
+        return Invalid(
+            source, "topk_method",
+            absl::StrCat("is \"", method, "\"; expected greedy, group_limited_greedy or noaux_tc"));
       // transformers' DeepseekV3 always routes with the bias and groups (noaux_tc).
       if (v3 && m.topk_method != TopkMethod::kNoauxTc)
-        return Invalid(source, "topk_method", absl::StrCat("is \"", method, "\"; deepseek_v3 routes with noaux_tc"));
+        return Invalid(source, "topk_method",
+                       absl::StrCat("is \"", method, "\"; deepseek_v3 routes with noaux_tc"));
       m.score_correction_bias = m.topk_method == TopkMethod::kNoauxTc;
       if (m.topk_method == TopkMethod::kGreedy) m.n_group = m.topk_group = 1;
       break;
@@ -289,7 +328,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
                                                    c.quantization.method, "\" (only fp8)"));
     if (c.quantization.weight_block.size() != 2 || c.quantization.weight_block[0] <= 0 ||
         c.quantization.weight_block[1] <= 0)
-      return Invalid(source, "quantization_config.weight_block_size", "must be two positive integers");
+      return Invalid(source, "quantization_config.weight_block_size",
+                     "must be two positive integers");
   }
 
   // ---- consistency --------------------------------------------------------------
@@ -306,8 +346,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
   if (!(c.rms_norm_eps > 0)) return Invalid(source, "rms_norm_eps", "must be positive");
   if (!(c.rope.theta > 0)) return Invalid(source, "rope_theta", "must be positive");
   if (c.num_heads % c.num_kv_heads != 0)
-    return Invalid(source, "num_key_value_heads",
-                   absl::StrCat(c.num_kv_heads, " does not divide num_attention_heads ", c.num_heads));
+    return Invalid(
+        source, "num_key_value_heads",
+        absl::StrCat(c.num_kv_heads, " does not divide num_attention_heads ", c.num_heads));
   if (c.is_mla()) {
     RETURN_IF_ERROR(positive("intermediate_size", c.intermediate_size));
     if (c.mla.q_lora_rank) RETURN_IF_ERROR(positive("q_lora_rank", *c.mla.q_lora_rank));
@@ -326,7 +367,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     RETURN_IF_ERROR(positive("decoder_sparse_step", c.decoder_sparse_step));
     for (int64_t l : c.mlp_only_layers)
       if (l < 0 || l >= c.num_layers)
-        return Invalid(source, "mlp_only_layers", absl::StrCat("names layer ", l, " outside [0, ", c.num_layers, ")"));
+        return Invalid(source, "mlp_only_layers",
+                       absl::StrCat("names layer ", l, " outside [0, ", c.num_layers, ")"));
   }
   if (m.num_experts < 0) return Invalid(source, "n_routed_experts", "must not be negative");
   if (m.num_experts > 0) {
@@ -334,24 +376,33 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     RETURN_IF_ERROR(positive(k_field, m.experts_per_token));
     RETURN_IF_ERROR(positive("moe_intermediate_size", m.intermediate_size));
     if (m.experts_per_token > m.num_experts)
-      return Invalid(source, k_field, absl::StrCat(m.experts_per_token, " exceeds the ", m.num_experts, " routed experts"));
-    if (m.num_shared_experts < 0) return Invalid(source, "n_shared_experts", "must not be negative");
+      return Invalid(
+          source, k_field,
+          absl::StrCat(m.experts_per_token, " exceeds the ", m.num_experts, " routed experts"));
+    if (m.num_shared_experts < 0)
+      return Invalid(source, "n_shared_experts", "must not be negative");
     RETURN_IF_ERROR(positive("n_group", m.n_group));
     if (m.num_experts % m.n_group != 0)
-      return Invalid(source, "n_group", absl::StrCat(m.n_group, " does not divide the ", m.num_experts, " routed experts"));
+      return Invalid(
+          source, "n_group",
+          absl::StrCat(m.n_group, " does not divide the ", m.num_experts, " routed experts"));
     if (m.topk_group <= 0 || m.topk_group > m.n_group)
-      return Invalid(source, "topk_group", absl::StrCat(m.topk_group, " is outside [1, n_group=", m.n_group, "]"));
+      return Invalid(source, "topk_group",
+                     absl::StrCat(m.topk_group, " is outside [1, n_group=", m.n_group, "]"));
     if (m.experts_per_token > m.topk_group * (m.num_experts / m.n_group))
       return Invalid(source, "num_experts_per_tok",
-                     absl::StrCat(m.experts_per_token, " exceeds the ", m.topk_group * (m.num_experts / m.n_group),
+                     absl::StrCat(m.experts_per_token, " exceeds the ",
+                                  m.topk_group * (m.num_experts / m.n_group),
                                   " experts in the top ", m.topk_group, " groups"));
     if (m.topk_method == TopkMethod::kNoauxTc && m.num_experts / m.n_group < 2)
-      return Invalid(source, "n_group", "noaux_tc ranks groups by their top-2 scores; each group needs >= 2 experts");
+      return Invalid(source, "n_group",
+                     "noaux_tc ranks groups by their top-2 scores; each group needs >= 2 experts");
     if (!(m.routed_scaling_factor > 0))
       return Invalid(source, "routed_scaling_factor", "must be positive");
   }
   for (int64_t id : c.eos_token_ids)
-    if (id < 0 || id >= c.vocab_size) return Invalid(source, "eos_token_id", absl::StrCat(id, " is outside the vocabulary"));
+    if (id < 0 || id >= c.vocab_size)
+      return Invalid(source, "eos_token_id", absl::StrCat(id, " is outside the vocabulary"));
 
   // ---- per-layer kinds ------------------------------------------------------------
   int64_t window = 0;
@@ -360,7 +411,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     RETURN_IF_ERROR(r.status());
     if (window < 0) return Invalid(source, "sliding_window", "must not be negative");
   }
-  const bool qwen_window = c.arch == Architecture::kQwen3Moe && r.BoolOr("use_sliding_window", false);
+  const bool qwen_window =
+      c.arch == Architecture::kQwen3Moe && r.BoolOr("use_sliding_window", false);
   const int64_t max_window_layers = r.IntOr("max_window_layers", c.num_layers);
   std::vector<std::string> layer_types;
   if (root.contains("layer_types") && root["layer_types"].is_array()) {
@@ -369,7 +421,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
       layer_types.push_back(t.get<std::string>());
     }
     if (static_cast<int64_t>(layer_types.size()) != c.num_layers)
-      return Invalid(source, "layer_types", absl::StrCat("has ", layer_types.size(), " entries for ", c.num_layers, " layers"));
+      return Invalid(
+          source, "layer_types",
+          absl::StrCat("has ", layer_types.size(), " entries for ", c.num_layers, " layers"));
   }
   RETURN_IF_ERROR(r.status());
   c.layers.resize(static_cast<size_t>(c.num_layers));
@@ -382,10 +436,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
         break;
       case Architecture::kQwen3Moe:
         l.moe = m.num_experts > 0 &&
-                std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), i) == c.mlp_only_layers.end() &&
+                std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), i) ==
+                    c.mlp_only_layers.end() &&
                 (i + 1) % c.decoder_sparse_step == 0;
         if (!layer_types.empty()) {
-          l.sliding_window = layer_types[static_cast<size_t>(i)] == "sliding_attention" ? window : 0;
+          l.sliding_window =
+              layer_types[static_cast<size_t>(i)] == "sliding_attention" ? window : 0;
         } else {
           l.sliding_window = qwen_window && i >= max_window_layers ? window : 0;
         }
@@ -396,7 +452,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
         break;
     }
     if (!l.moe && c.intermediate_size <= 0)
-      return Invalid(source, "intermediate_size", absl::StrCat("must be positive: layer ", i, " is a dense MLP"));
+      return Invalid(source, "intermediate_size",
+                     absl::StrCat("must be positive: layer ", i, " is a dense MLP"));
   }
   return c;
 }

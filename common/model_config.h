@@ -75,8 +75,8 @@ struct QuantizationConfig {
 };
 
 struct LayerSpec {
-  bool moe = false;             // routed experts (else dense MLP)
-  int64_t sliding_window = 0;   // 0: full attention
+  bool moe = false;            // routed experts (else dense MLP)
+  int64_t sliding_window = 0;  // 0: full attention
 };
 
 struct ModelConfig {
@@ -106,12 +106,15 @@ struct ModelConfig {
   QuantizationConfig quantization;
   std::vector<LayerSpec> layers;  // derived, one per hidden layer
 
-  bool is_mla() const { return arch == Architecture::kDeepseekV3 || arch == Architecture::kDeepseekV2; }
+  bool is_mla() const {
+    return arch == Architecture::kDeepseekV3 || arch == Architecture::kDeepseekV2;
+  }
   int64_t num_moe_layers() const;
 };
 
 // Parses config.json text; `source` (usually the path) prefixes every error.
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source);
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
+                                             const std::string& source);
 // Reads MODEL_DIR/config.json.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
 

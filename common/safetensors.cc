@@ -50,7 +50,8 @@ absl::StatusOr<json> ParseStrictJson(std::string_view text, const std::string& w
   }
   if (!duplicate.empty())
     return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate key \"", duplicate, "\""));
-  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(what, ": JSON is not an object"));
+  if (!j.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(what, ": JSON is not an object"));
   return j;
 }
 
@@ -89,8 +90,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
   if (file_size < 8) {
     ::close(fd);
-    return absl::DataLossError(
-        absl::StrCat(path, ": file is ", file_size, " bytes, shorter than the 8-byte header length"));
+    return absl::DataLossError(absl::StrCat(path, ": file is ", file_size,
+                                            " bytes, shorter than the 8-byte header length"));
   }
   uint64_t header_len = 0;
   uint8_t len_bytes[8];
@@ -102,17 +103,20 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
   if (header_len > options.max_header_bytes) {
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(path, ": header length ", header_len,
-                                                   " exceeds the limit of ", options.max_header_bytes, " bytes"));
+                                                   " exceeds the limit of ",
+                                                   options.max_header_bytes, " bytes"));
   }
   if (header_len > file_size - 8) {
     ::close(fd);
     return absl::DataLossError(absl::StrCat(path, ": header length ", header_len,
-                                            " runs past the end of the file (", file_size, " bytes)"));
+                                            " runs past the end of the file (", file_size,
+                                            " bytes)"));
   }
   void* addr = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (addr == MAP_FAILED)
-    return absl::ResourceExhaustedError(absl::StrCat(path, ": mmap failed: ", std::strerror(errno)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(path, ": mmap failed: ", std::strerror(errno)));
   auto* mapping = new Mapping{addr, file_size};
   std::shared_ptr<const void> owner(mapping, [](const void* p) {
     auto* m = static_cast<const Mapping*>(p);
@@ -145,17 +149,21 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
       continue;
     }
     const std::string where = absl::StrCat(path, ": tensor \"", name, "\"");
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
+        !v.contains("data_offsets"))
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": entry must be an object with dtype, shape and data_offsets"));
     if (!v["dtype"].is_string())
       return absl::InvalidArgumentError(absl::StrCat(where, ": dtype is not a string"));
     const std::string dtype_name = v["dtype"].get<std::string>();
     auto dtype = ParseDType(dtype_name);
-    if (!dtype) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown dtype \"", dtype_name, "\""));
+    if (!dtype)
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": unknown dtype \"", dtype_name, "\""));
     std::vector<uint64_t> shape_u, offsets;
     if (!ReadU64Array(v["shape"], shape_u))
-      return absl::InvalidArgumentError(absl::StrCat(where, ": shape is not an array of non-negative integers"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": shape is not an array of non-negative integers"));
     if (!ReadU64Array(v["data_offsets"], offsets) || offsets.size() != 2)
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": data_offsets is not a pair of non-negative integers"));
@@ -173,35 +181,38 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
     e.begin = offsets[0];
     e.end = offsets[1];
     if (e.begin > e.end)
-      return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets are out of order (begin ",
-                                                     e.begin, " > end ", e.end, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": data_offsets are out of order (begin ", e.begin, " > end ", e.end, ")"));
     if (e.end > data_size)
       return absl::DataLossError(absl::StrCat(where, ": data_offsets [", e.begin, ", ", e.end,
-                                              ") lie outside the data region of ", data_size, " bytes"));
+                                              ") lie outside the data region of ", data_size,
+                                              " bytes"));
     const uint64_t want = static_cast<uint64_t>(DTypeBytes(e.dtype, static_cast<int64_t>(numel)));
     if (e.end - e.begin != want)
-      return absl::InvalidArgumentError(absl::StrCat(where, ": shape ", ShapeString(e.shape), " of ",
-                                                     dtype_name, " needs ", want,
-                                                     " bytes but data_offsets span ", e.end - e.begin));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": shape ", ShapeString(e.shape), " of ", dtype_name, " needs ", want,
+                       " bytes but data_offsets span ", e.end - e.begin));
     file->entries_.push_back(std::move(e));
   }
 
   // Ranges must tile the data region exactly: no overlap, no gap, no tail.
   std::vector<const TensorEntry*> by_offset;
   for (const auto& e : file->entries_) by_offset.push_back(&e);
-  std::stable_sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* a, const TensorEntry* b) {
-    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
-  });
+  std::stable_sort(by_offset.begin(), by_offset.end(),
+                   [](const TensorEntry* a, const TensorEntry* b) {
+                     return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+                   });
   uint64_t cursor = 0;
   const TensorEntry* prev = nullptr;
   for (const TensorEntry* e : by_offset) {
     if (e->begin < cursor)
-      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor \"", e->name, "\" bytes [", e->begin,
-                                                     ", ", e->end, ") overlap tensor \"", prev->name,
-                                                     "\" bytes [", prev->begin, ", ", prev->end, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": tensor \"", e->name, "\" bytes [", e->begin, ", ", e->end, ") overlap tensor \"",
+          prev->name, "\" bytes [", prev->begin, ", ", prev->end, ")"));
     if (e->begin > cursor)
-      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor \"", e->name, "\" starts at byte ",
-                                                     e->begin, " leaving a gap after byte ", cursor));
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor \"", e->name,
+                                                     "\" starts at byte ", e->begin,
+                                                     " leaving a gap after byte ", cursor));
     cursor = e->end;
     prev = e;
   }
@@ -230,7 +241,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   auto ckpt = std::make_unique<Checkpoint>();
   ckpt->dir_ = dir;
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return absl::NotFoundError(absl::StrCat(dir, ": not a directory"));
+  if (!fs::is_directory(dir, ec))
+    return absl::NotFoundError(absl::StrCat(dir, ": not a directory"));
 
   auto add_file = [&](const std::string& path) -> absl::StatusOr<size_t> {
     ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(path, options));
@@ -238,7 +250,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
       auto it = ckpt->where_.find(e.name);
       if (it != ckpt->where_.end())
         return absl::InvalidArgumentError(absl::StrCat("tensor \"", e.name, "\" appears in both ",
-                                                       ckpt->files_[it->second]->path(), " and ", path));
+                                                       ckpt->files_[it->second]->path(), " and ",
+                                                       path));
       ckpt->where_[e.name] = ckpt->files_.size();
     }
     ckpt->files_.push_back(std::move(f));
@@ -251,31 +264,34 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     ASSIGN_OR_RETURN(json j, ParseStrictJson(text, index_path, "weight_map"));
     if (!j.contains("weight_map") || !j["weight_map"].is_object())
-      return absl::InvalidArgumentError(absl::StrCat(index_path, ": missing object \"weight_map\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path, ": missing object \"weight_map\""));
     std::map<std::string, size_t> shard_index;
     std::vector<std::pair<std::string, std::string>> mapped;
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
       if (!it.value().is_string())
-        return absl::InvalidArgumentError(
-            absl::StrCat(index_path, ": weight_map entry for \"", it.key(), "\" is not a file name"));
+        return absl::InvalidArgumentError(absl::StrCat(index_path, ": weight_map entry for \"",
+                                                       it.key(), "\" is not a file name"));
       const std::string shard = it.value().get<std::string>();
       if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..")
-        return absl::InvalidArgumentError(absl::StrCat(index_path, ": weight_map entry for \"", it.key(),
-                                                       "\" names \"", shard, "\", not a file in ", dir));
+        return absl::InvalidArgumentError(absl::StrCat(index_path, ": weight_map entry for \"",
+                                                       it.key(), "\" names \"", shard,
+                                                       "\", not a file in ", dir));
       mapped.emplace_back(it.key(), shard);
       if (shard_index.count(shard)) continue;
       const std::string shard_path = (fs::path(dir) / shard).string();
       if (!fs::exists(shard_path, ec))
-        return absl::NotFoundError(absl::StrCat(index_path, ": shard ", shard_path, " (holding tensor \"",
-                                                it.key(), "\") is missing"));
+        return absl::NotFoundError(absl::StrCat(index_path, ": shard ", shard_path,
+                                                " (holding tensor \"", it.key(), "\") is missing"));
       ASSIGN_OR_RETURN(size_t idx, add_file(shard_path));
       shard_index[shard] = idx;
     }
     for (const auto& [name, shard] : mapped) {
       const auto& file = ckpt->files_[shard_index[shard]];
       if (file->Find(name) == nullptr)
-        return absl::NotFoundError(absl::StrCat(index_path, ": maps tensor \"", name, "\" to shard ",
-                                                file->path(), ", which does not contain it"));
+        return absl::NotFoundError(absl::StrCat(index_path, ": maps tensor \"", name,
+                                                "\" to shard ", file->path(),
+                                                ", which does not contain it"));
     }
     return ckpt;
   }
@@ -302,7 +318,8 @@ const TensorEntry* Checkpoint::Find(const std::string& name) const {
 
 absl::StatusOr<Tensor> Checkpoint::Get(const std::string& name) const {
   auto it = where_.find(name);
-  if (it == where_.end()) return absl::NotFoundError(absl::StrCat(dir_, ": checkpoint has no tensor \"", name, "\""));
+  if (it == where_.end())
+    return absl::NotFoundError(absl::StrCat(dir_, ": checkpoint has no tensor \"", name, "\""));
   return files_[it->second]->Get(name);
 }
 
@@ -312,17 +329,20 @@ std::vector<std::string> Checkpoint::Names() const {
   return out;
 }
 
-absl::Status SafetensorsWriter::Add(const std::string& name, DType dtype, Shape shape, const void* bytes,
-                                    size_t size) {
+absl::Status SafetensorsWriter::Add(const std::string& name, DType dtype, Shape shape,
+                                    const void* bytes, size_t size) {
   if (name == "__metadata__" || name.empty())
     return absl::InvalidArgumentError(absl::StrCat("tensor name \"", name, "\" is reserved"));
-  if (tensors_.count(name)) return absl::AlreadyExistsError(absl::StrCat("tensor \"", name, "\" added twice"));
+  if (tensors_.count(name))
+    return absl::AlreadyExistsError(absl::StrCat("tensor \"", name, "\" added twice"));
   if (dtype == DType::kI4)
-    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": I4 is not a safetensors dtype"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor \"", name, "\": I4 is not a safetensors dtype"));
   const auto want = static_cast<size_t>(DTypeBytes(dtype, NumElements(shape)));
   if (size != want)
-    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": shape ", ShapeString(shape),
-                                                   " needs ", want, " bytes, got ", size));
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": shape ",
+                                                   ShapeString(shape), " needs ", want,
+                                                   " bytes, got ", size));
   Pending p{dtype, std::move(shape), {}};
   p.bytes.assign(static_cast<const uint8_t*>(bytes), static_cast<const uint8_t*>(bytes) + size);
   tensors_.emplace(name, std::move(p));
@@ -350,11 +370,13 @@ absl::Status SafetensorsWriter::Write(const std::string& path) const {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open for writing"));
   uint8_t len[8];
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
   out.write(reinterpret_cast<const char*>(len), 8);
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
   for (const auto& [name, p] : tensors_)
-    out.write(reinterpret_cast<const char*>(p.bytes.data()), static_cast<std::streamsize>(p.bytes.size()));
+    out.write(reinterpret_cast<const char*>(p.bytes.data()),
+              static_cast<std::streamsize>(p.bytes.size()));
   out.close();
   if (!out) return absl::DataLossError(absl::StrCat(path, ": write failed"));
   return absl::OkStatus();

@@ -42,8 +42,8 @@ struct TensorEntry {
 // ownership of the mapping, so they stay valid after the file object is gone.
 class SafetensorsFile {
  public:
-  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path,
-                                                               const SafetensorsOptions& options = {});
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(
+      const std::string& path, const SafetensorsOptions& options = {});
   ~SafetensorsFile();
 
   const std::string& path() const { return path_; }
@@ -88,7 +88,8 @@ class Checkpoint {
 class SafetensorsWriter {
  public:
   // Copies `bytes` (must equal DTypeBytes(dtype, numel(shape))).
-  absl::Status Add(const std::string& name, DType dtype, Shape shape, const void* bytes, size_t size);
+  absl::Status Add(const std::string& name, DType dtype, Shape shape, const void* bytes,
+                   size_t size);
   absl::Status Add(const std::string& name, const Tensor& t);  // contiguous tensors only
   void SetMetadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
   absl::Status Write(const std::string& path) const;

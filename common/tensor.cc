@@ -27,7 +27,8 @@ Tensor::Tensor(DType dtype, Shape shape, void* data, std::shared_ptr<const void>
   if (strides_.empty()) {
     strides_.assign(shape_.size(), 1);
     for (int i = static_cast<int>(shape_.size()) - 2; i >= 0; --i)
-      strides_[static_cast<size_t>(i)] = strides_[static_cast<size_t>(i) + 1] * shape_[static_cast<size_t>(i) + 1];
+      strides_[static_cast<size_t>(i)] =
+          strides_[static_cast<size_t>(i) + 1] * shape_[static_cast<size_t>(i) + 1];
   }
 }
 
@@ -43,7 +44,8 @@ Tensor Tensor::Empty(DType dtype, Shape shape) {
 bool Tensor::contiguous() const {
   int64_t expect = 1;
   for (int i = rank() - 1; i >= 0; --i) {
-    if (shape_[static_cast<size_t>(i)] != 1 && strides_[static_cast<size_t>(i)] != expect) return false;
+    if (shape_[static_cast<size_t>(i)] != 1 && strides_[static_cast<size_t>(i)] != expect)
+      return false;
     expect *= shape_[static_cast<size_t>(i)];
   }
   return true;
@@ -60,19 +62,64 @@ std::vector<float> Tensor::ToF32() const {
     const char* base = static_cast<const char*>(data_);
     float v = 0.0f;
     switch (dtype_) {
-      case DType::kF32: { float f; std::memcpy(&f, base + off * 4, 4); v = f; break; }
-      case DType::kF64: { double f; std::memcpy(&f, base + off * 8, 8); v = static_cast<float>(f); break; }
-      case DType::kBF16: { uint16_t h; std::memcpy(&h, base + off * 2, 2); v = Bf16ToF32(h); break; }
-      case DType::kF16: { uint16_t h; std::memcpy(&h, base + off * 2, 2); v = F16ToF32(h); break; }
-      case DType::kF8E4M3: v = Fp8E4M3ToF32(static_cast<uint8_t>(base[off])); break;
-      case DType::kF8E5M2: v = Fp8E5M2ToF32(static_cast<uint8_t>(base[off])); break;
-      case DType::kI64: { int64_t x; std::memcpy(&x, base + off * 8, 8); v = static_cast<float>(x); break; }
-      case DType::kI32: { int32_t x; std::memcpy(&x, base + off * 4, 4); v = static_cast<float>(x); break; }
-      case DType::kI16: { int16_t x; std::memcpy(&x, base + off * 2, 2); v = x; break; }
-      case DType::kI8: v = static_cast<int8_t>(base[off]); break;
+      case DType::kF32: {
+        float f;
+        std::memcpy(&f, base + off * 4, 4);
+        v = f;
+        break;
+      }
+      case DType::kF64: {
+        double f;
+        std::memcpy(&f, base + off * 8, 8);
+        v = static_cast<float>(f);
+        break;
+      }
+      case DType::kBF16: {
+        uint16_t h;
+        std::memcpy(&h, base + off * 2, 2);
+        v = Bf16ToF32(h);
+        break;
+      }
+      case DType::kF16: {
+        uint16_t h;
+        std::memcpy(&h, base + off * 2, 2);
+        v = F16ToF32(h);
+        break;
+      }
+      case DType::kF8E4M3:
+        v = Fp8E4M3ToF32(static_cast<uint8_t>(base[off]));
+        break;
+      case DType::kF8E5M2:
+        v = Fp8E5M2ToF32(static_cast<uint8_t>(base[off]));
+        break;
+      case DType::kI64: {
+        int64_t x;
+        std::memcpy(&x, base + off * 8, 8);
+        v = static_cast<float>(x);
+        break;
+      }
+      case DType::kI32: {
+        int32_t x;
+        std::memcpy(&x, base + off * 4, 4);
+        v = static_cast<float>(x);
+        break;
+      }
+      case DType::kI16: {
+        int16_t x;
+        std::memcpy(&x, base + off * 2, 2);
+        v = x;
+        break;
+      }
+      case DType::kI8:
+        v = static_cast<int8_t>(base[off]);
+        break;
       case DType::kU8:
-      case DType::kBool: v = static_cast<uint8_t>(base[off]); break;
-      case DType::kI4: v = UnpackI4(reinterpret_cast<const uint8_t*>(base), off); break;
+      case DType::kBool:
+        v = static_cast<uint8_t>(base[off]);
+        break;
+      case DType::kI4:
+        v = UnpackI4(reinterpret_cast<const uint8_t*>(base), off);
+        break;
     }
     out[static_cast<size_t>(i)] = v;
     for (int d = rank() - 1; d >= 0; --d) {

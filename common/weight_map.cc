@@ -11,10 +11,14 @@ std::string L(int layer) { return absl::StrCat("model.layers.", layer, "."); }
 const char* ProjName(const ModelConfig& c, ExpertProj p) {
   const bool mixtral = c.arch == Architecture::kMixtral;
   switch (p) {
-    case ExpertProj::kGate: return mixtral ? "w1" : "gate_proj";
-    case ExpertProj::kUp: return mixtral ? "w3" : "up_proj";
-    case ExpertProj::kDown: return mixtral ? "w2" : "down_proj";
-    case ExpertProj::kNone: break;
+    case ExpertProj::kGate:
+      return mixtral ? "w1" : "gate_proj";
+    case ExpertProj::kUp:
+      return mixtral ? "w3" : "up_proj";
+    case ExpertProj::kDown:
+      return mixtral ? "w2" : "down_proj";
+    case ExpertProj::kNone:
+      break;
   }
   return "?";
 }
@@ -49,16 +53,22 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& c) {
       if (m.q_lora_rank) {
         out.push_back({a + "q_a_proj.weight", {*m.q_lora_rank, H}, WeightRole::kAttention, i});
         out.push_back({a + "q_a_layernorm.weight", {*m.q_lora_rank}, WeightRole::kNorm, i});
-        out.push_back({a + "q_b_proj.weight", {c.num_heads * qk, *m.q_lora_rank}, WeightRole::kAttention, i});
+        out.push_back(
+            {a + "q_b_proj.weight", {c.num_heads * qk, *m.q_lora_rank}, WeightRole::kAttention, i});
       } else {
         out.push_back({a + "q_proj.weight", {c.num_heads * qk, H}, WeightRole::kAttention, i});
       }
-      out.push_back({a + "kv_a_proj_with_mqa.weight", {m.kv_lora_rank + m.qk_rope_head_dim, H},
-                     WeightRole::kAttention, i});
+      out.push_back({a + "kv_a_proj_with_mqa.weight",
+                     {m.kv_lora_rank + m.qk_rope_head_dim, H},
+                     WeightRole::kAttention,
+                     i});
       out.push_back({a + "kv_a_layernorm.weight", {m.kv_lora_rank}, WeightRole::kNorm, i});
-      out.push_back({a + "kv_b_proj.weight", {c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank},
-                     WeightRole::kAttention, i});
-      out.push_back({a + "o_proj.weight", {H, c.num_heads * m.v_head_dim}, WeightRole::kAttention, i});
+      out.push_back({a + "kv_b_proj.weight",
+                     {c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank},
+                     WeightRole::kAttention,
+                     i});
+      out.push_back(
+          {a + "o_proj.weight", {H, c.num_heads * m.v_head_dim}, WeightRole::kAttention, i});
     } else {
       const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
       out.push_back({a + "q_proj.weight", {q, H}, WeightRole::kAttention, i});
@@ -81,52 +91,87 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& c) {
       continue;
     }
     const auto& moe = c.moe;
-    const std::string block = c.arch == Architecture::kMixtral ? p + "block_sparse_moe." : p + "mlp.";
+    const std::string block =
+        c.arch == Architecture::kMixtral ? p + "block_sparse_moe." : p + "mlp.";
     out.push_back({block + "gate.weight", {moe.num_experts, H}, WeightRole::kRouter, i});
     if (moe.score_correction_bias)
-      out.push_back({block + "gate.e_score_correction_bias", {moe.num_experts}, WeightRole::kRouter, i});
+      out.push_back(
+          {block + "gate.e_score_correction_bias", {moe.num_experts}, WeightRole::kRouter, i});
     for (int e = 0; e < static_cast<int>(moe.num_experts); ++e) {
       const int64_t I = moe.intermediate_size;
-      out.push_back({ExpertWeightName(c, i, e, ExpertProj::kGate), {I, H}, WeightRole::kRoutedExpert, i, e, ExpertProj::kGate});
-      out.push_back({ExpertWeightName(c, i, e, ExpertProj::kUp), {I, H}, WeightRole::kRoutedExpert, i, e, ExpertProj::kUp});
-      out.push_back({ExpertWeightName(c, i, e, ExpertProj::kDown), {H, I}, WeightRole::kRoutedExpert, i, e, ExpertProj::kDown});
+      out.push_back({ExpertWeightName(c, i, e, ExpertProj::kGate),
+                     {I, H},
+                     WeightRole::kRoutedExpert,
+                     i,
+                     e,
+                     ExpertProj::kGate});
+      out.push_back({ExpertWeightName(c, i, e, ExpertProj::kUp),
+                     {I, H},
+                     WeightRole::kRoutedExpert,
+                     i,
+                     e,
+                     ExpertProj::kUp});
+      out.push_back({ExpertWeightName(c, i, e, ExpertProj::kDown),
+                     {H, I},
+                     WeightRole::kRoutedExpert,
+                     i,
+                     e,
+                     ExpertProj::kDown});
     }
     if (moe.num_shared_experts > 0)
       AddMlp(out, block + "shared_experts.", H, moe.intermediate_size * moe.num_shared_experts,
              WeightRole::kSharedExpert, i);
   }
   out.push_back({"model.norm.weight", {H}, WeightRole::kNorm});
-  if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", {c.vocab_size, H}, WeightRole::kLmHead});
+  if (!c.tie_word_embeddings)
+    out.push_back({"lm_head.weight", {c.vocab_size, H}, WeightRole::kLmHead});
   return out;
 }
 
 ParamCounts CountParameters(const ModelConfig& c) {
   ParamCounts n;
   for (const WeightSpec& w : ExpectedWeights(c)) {
-    if (w.role == WeightRole::kRouter && w.shape.size() == 1) continue;  // correction bias: a buffer
+    if (w.role == WeightRole::kRouter && w.shape.size() == 1)
+      continue;  // correction bias: a buffer
     const int64_t k = NumElements(w.shape);
     n.total += k;
     switch (w.role) {
       case WeightRole::kEmbedding:
-      case WeightRole::kLmHead: n.embedding += k; break;
-      case WeightRole::kNorm: n.norms += k; break;
-      case WeightRole::kAttention: n.attention += k; break;
-      case WeightRole::kDenseMlp: n.dense_mlp += k; break;
-      case WeightRole::kRouter: n.router += k; break;
-      case WeightRole::kSharedExpert: n.shared_experts += k; break;
-      case WeightRole::kRoutedExpert: n.routed_experts += k; break;
+      case WeightRole::kLmHead:
+        n.embedding += k;
+        break;
+      case WeightRole::kNorm:
+        n.norms += k;
+        break;
+      case WeightRole::kAttention:
+        n.attention += k;
+        break;
+      case WeightRole::kDenseMlp:
+        n.dense_mlp += k;
+        break;
+      case WeightRole::kRouter:
+        n.router += k;
+        break;
+      case WeightRole::kSharedExpert:
+        n.shared_experts += k;
+        break;
+      case WeightRole::kRoutedExpert:
+        n.routed_experts += k;
+        break;
     }
   }
   n.routed_per_expert = 3 * c.hidden_size * c.moe.intermediate_size;
   n.active = n.total - n.routed_experts;
-  if (c.moe.num_experts > 0) n.active += n.routed_experts * c.moe.experts_per_token / c.moe.num_experts;
+  if (c.moe.num_experts > 0)
+    n.active += n.routed_experts * c.moe.experts_per_token / c.moe.num_experts;
   return n;
 }
 
 absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt) {
   std::vector<std::string> missing, wrong;
   const bool fp8 = c.quantization.method == "fp8";
-  const int64_t br = fp8 ? c.quantization.weight_block[0] : 0, bc = fp8 ? c.quantization.weight_block[1] : 0;
+  const int64_t br = fp8 ? c.quantization.weight_block[0] : 0,
+                bc = fp8 ? c.quantization.weight_block[1] : 0;
   for (const WeightSpec& w : ExpectedWeights(c)) {
     const TensorEntry* e = ckpt.Find(w.name);
     if (e == nullptr) {
@@ -134,34 +179,43 @@ absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt) {
       continue;
     }
     if (e->shape != w.shape) {
-      wrong.push_back(absl::StrCat(w.name, " has shape ", ShapeString(e->shape), ", expected ", ShapeString(w.shape)));
+      wrong.push_back(absl::StrCat(w.name, " has shape ", ShapeString(e->shape), ", expected ",
+                                   ShapeString(w.shape)));
       continue;
     }
-    const bool is_float = e->dtype == DType::kF32 || e->dtype == DType::kBF16 || e->dtype == DType::kF16;
+    const bool is_float =
+        e->dtype == DType::kF32 || e->dtype == DType::kBF16 || e->dtype == DType::kF16;
     if (e->dtype == DType::kF8E4M3 && fp8 && w.matrix()) {
       const std::string sname = ScaleInvName(w.name);
       const TensorEntry* s = ckpt.Find(sname);
       const Shape want{(w.shape[0] + br - 1) / br, (w.shape[1] + bc - 1) / bc};
-      if (s == nullptr) missing.push_back(sname);
+      if (s == nullptr)
+        missing.push_back(sname);
       else if (s->shape != want || s->dtype != DType::kF32)
         wrong.push_back(absl::StrCat(sname, " is ", DTypeName(s->dtype), " ", ShapeString(s->shape),
                                      ", expected F32 ", ShapeString(want)));
     } else if (!is_float) {
       wrong.push_back(absl::StrCat(w.name, " has dtype ", DTypeName(e->dtype),
-                                   fp8 && w.matrix() ? ", expected F32, BF16, F16 or F8_E4M3" : ", expected F32, BF16 or F16"));
+                                   fp8 && w.matrix() ? ", expected F32, BF16, F16 or F8_E4M3"
+                                                     : ", expected F32, BF16 or F16"));
     }
   }
   if (missing.empty() && wrong.empty()) return absl::OkStatus();
   constexpr size_t kMaxListed = 50;
   auto list = [&](const std::vector<std::string>& v) {
-    std::vector<std::string> head(v.begin(), v.begin() + static_cast<long>(std::min(v.size(), kMaxListed)));
+    std::vector<std::string> head(v.begin(),
+                                  v.begin() + static_cast<long>(std::min(v.size(), kMaxListed)));
     std::string s = absl::StrJoin(head, "; ");
     if (v.size() > kMaxListed) absl::StrAppend(&s, "; ... and ", v.size() - kMaxListed, " more");
     return s;
   };
-  std::string msg = absl::StrCat(ckpt.dir(), ": checkpoint does not match its ", c.model_type, " config:");
-  if (!missing.empty()) absl::StrAppend(&msg, " ", missing.size(), " missing tensor(s): ", list(missing), ".");
-  if (!wrong.empty()) absl::StrAppend(&msg, " ", wrong.size(), " mis-shaped or mistyped tensor(s): ", list(wrong), ".");
+  std::string msg =
+      absl::StrCat(ckpt.dir(), ": checkpoint does not match its ", c.model_type, " config:");
+  if (!missing.empty())
+    absl::StrAppend(&msg, " ", missing.size(), " missing tensor(s): ", list(missing), ".");
+  if (!wrong.empty())
+    absl::StrAppend(&msg, " ", wrong.size(), " mis-shaped or mistyped tensor(s): ", list(wrong),
+                    ".");
   return wrong.empty() ? absl::NotFoundError(msg) : absl::InvalidArgumentError(msg);
 }
 

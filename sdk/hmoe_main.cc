@@ -43,7 +43,8 @@ int Inspect(const std::vector<std::string>& args) {
       char* end = nullptr;
       opt.dram_gbps = std::strtod(v.c_str(), &end);
       if (end == v.c_str() || *end != '\0' || !(opt.dram_gbps > 0)) {
-        std::fprintf(stderr, "hmoe inspect: --dram-gbps must be a positive number, got \"%s\"\n", v.c_str());
+        std::fprintf(stderr, "hmoe inspect: --dram-gbps must be a positive number, got \"%s\"\n",
+                     v.c_str());
         return 2;
       }
     } else if (!a.empty() && a[0] == '-') {

@@ -12,39 +12,51 @@ namespace hmoe {
 
 const char* ExpertFormatName(ExpertFormat f) {
   switch (f) {
-    case ExpertFormat::kBf16: return "bf16";
-    case ExpertFormat::kInt8: return "int8";
-    case ExpertFormat::kInt4G64: return "int4g64";
+    case ExpertFormat::kBf16:
+      return "bf16";
+    case ExpertFormat::kInt8:
+      return "int8";
+    case ExpertFormat::kInt4G64:
+      return "int4g64";
   }
   return "?";
 }
 
 double ExpertBytesPerWeight(ExpertFormat f, int64_t k) {
   switch (f) {
-    case ExpertFormat::kBf16: return 2.0;
-    case ExpertFormat::kInt8: return 1.0 + 4.0 / static_cast<double>(k);
-    case ExpertFormat::kInt4G64: return 0.5 + 4.0 / 64.0;
+    case ExpertFormat::kBf16:
+      return 2.0;
+    case ExpertFormat::kInt8:
+      return 1.0 + 4.0 / static_cast<double>(k);
+    case ExpertFormat::kInt4G64:
+      return 0.5 + 4.0 / 64.0;
   }
   return 0;
 }
 
-absl::StatusOr<ModelReport> InspectModel(const std::string& model_dir, const InspectOptions& options) {
+absl::StatusOr<ModelReport> InspectModel(const std::string& model_dir,
+                                         const InspectOptions& options) {
   if (!(options.dram_gbps > 0))
-    return absl::InvalidArgumentError(absl::StrCat("--dram-gbps must be positive, got ", options.dram_gbps));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dram-gbps must be positive, got ", options.dram_gbps));
   ModelReport r;
   ASSIGN_OR_RETURN(r.config, LoadModelConfig(model_dir));
   const ModelConfig& c = r.config;
   r.params = CountParameters(c);
   r.moe_layers = c.num_moe_layers();
-  const double H = static_cast<double>(c.hidden_size), I = static_cast<double>(c.moe.intermediate_size);
+  const double H = static_cast<double>(c.hidden_size),
+               I = static_cast<double>(c.moe.intermediate_size);
   for (int f = 0; f < 3; ++f) {
     const auto fmt = static_cast<ExpertFormat>(f);
     // gate and up reduce over H, down over I.
     const double per_expert = 2 * H * I * ExpertBytesPerWeight(fmt, c.hidden_size) +
                               H * I * ExpertBytesPerWeight(fmt, c.moe.intermediate_size);
-    r.routed_bytes[f] = per_expert * static_cast<double>(c.moe.num_experts) * static_cast<double>(r.moe_layers);
-    r.bytes_per_token[f] = per_expert * static_cast<double>(c.moe.experts_per_token) * static_cast<double>(r.moe_layers);
-    r.decode_ceiling_tps[f] = r.bytes_per_token[f] > 0 ? options.dram_gbps * 1e9 / r.bytes_per_token[f] : 0;
+    r.routed_bytes[f] =
+        per_expert * static_cast<double>(c.moe.num_experts) * static_cast<double>(r.moe_layers);
+    r.bytes_per_token[f] = per_expert * static_cast<double>(c.moe.experts_per_token) *
+                           static_cast<double>(r.moe_layers);
+    r.decode_ceiling_tps[f] =
+        r.bytes_per_token[f] > 0 ? options.dram_gbps * 1e9 / r.bytes_per_token[f] : 0;
   }
   if (!options.check_weights) return r;
   std::error_code ec;
@@ -85,10 +97,17 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
   if (o.json) {
     nlohmann::json j;
     j["model_type"] = c.model_type;
-    j["layers"] = {{"total", c.num_layers}, {"moe", r.moe_layers}, {"dense", c.num_layers - r.moe_layers}};
-    j["params"] = {{"total", p.total},         {"active", p.active},       {"routed_experts", p.routed_experts},
-                   {"embedding", p.embedding}, {"attention", p.attention}, {"dense_mlp", p.dense_mlp},
-                   {"router", p.router},       {"shared_experts", p.shared_experts}, {"norms", p.norms}};
+    j["layers"] = {
+        {"total", c.num_layers}, {"moe", r.moe_layers}, {"dense", c.num_layers - r.moe_layers}};
+    j["params"] = {{"total", p.total},
+                   {"active", p.active},
+                   {"routed_experts", p.routed_experts},
+                   {"embedding", p.embedding},
+                   {"attention", p.attention},
+                   {"dense_mlp", p.dense_mlp},
+                   {"router", p.router},
+                   {"shared_experts", p.shared_experts},
+                   {"norms", p.norms}};
     j["dram_gbps"] = o.dram_gbps;
     for (int f = 0; f < 3; ++f) {
       j["formats"][ExpertFormatName(static_cast<ExpertFormat>(f))] = {
@@ -97,64 +116,82 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
           {"decode_ceiling_tok_s", r.decode_ceiling_tps[f]}};
     }
     if (r.has_checkpoint)
-      j["checkpoint"] = {{"files", r.checkpoint_files}, {"tensors", r.checkpoint_tensors},
-                         {"bytes", r.checkpoint_bytes}, {"weight_check", r.weight_check}};
+      j["checkpoint"] = {{"files", r.checkpoint_files},
+                         {"tensors", r.checkpoint_tensors},
+                         {"bytes", r.checkpoint_bytes},
+                         {"weight_check", r.weight_check}};
     return j.dump(2) + "\n";
   }
   std::string s;
-  absl::StrAppend(&s, "architecture   ", c.model_type, "  (vocab ", c.vocab_size, ", hidden ", c.hidden_size,
-                  ", max positions ", c.max_position_embeddings, c.tie_word_embeddings ? ", tied embeddings" : "", ")\n");
-  absl::StrAppend(&s, "layers         ", c.num_layers, ": ", c.num_layers - r.moe_layers, " dense MLP + ",
-                  r.moe_layers, " MoE");
-  if (c.num_nextn_predict_layers > 0) absl::StrAppend(&s, " (+", c.num_nextn_predict_layers, " MTP, not counted)");
+  absl::StrAppend(&s, "architecture   ", c.model_type, "  (vocab ", c.vocab_size, ", hidden ",
+                  c.hidden_size, ", max positions ", c.max_position_embeddings,
+                  c.tie_word_embeddings ? ", tied embeddings" : "", ")\n");
+  absl::StrAppend(&s, "layers         ", c.num_layers, ": ", c.num_layers - r.moe_layers,
+                  " dense MLP + ", r.moe_layers, " MoE");
+  if (c.num_nextn_predict_layers > 0)
+    absl::StrAppend(&s, " (+", c.num_nextn_predict_layers, " MTP, not counted)");
   absl::StrAppend(&s, "\n");
   if (c.is_mla()) {
     absl::StrAppend(&s, "attention      MLA, ", c.num_heads, " heads, q_lora ",
-                    c.mla.q_lora_rank ? std::to_string(*c.mla.q_lora_rank) : std::string("none"), ", kv_lora ",
-                    c.mla.kv_lora_rank, ", qk ", c.mla.qk_nope_head_dim, "+", c.mla.qk_rope_head_dim, " (rope), v ",
-                    c.mla.v_head_dim, "\n");
+                    c.mla.q_lora_rank ? std::to_string(*c.mla.q_lora_rank) : std::string("none"),
+                    ", kv_lora ", c.mla.kv_lora_rank, ", qk ", c.mla.qk_nope_head_dim, "+",
+                    c.mla.qk_rope_head_dim, " (rope), v ", c.mla.v_head_dim, "\n");
   } else {
     int64_t sliding = 0;
     for (const auto& l : c.layers) sliding += l.sliding_window > 0;
-    absl::StrAppend(&s, "attention      GQA, ", c.num_heads, " heads / ", c.num_kv_heads, " kv heads, head_dim ",
-                    c.head_dim, c.arch == Architecture::kQwen3Moe ? ", q/k norm" : "");
-    if (sliding > 0) absl::StrAppend(&s, ", sliding window ", c.layers.back().sliding_window, " on ", sliding, " layers");
+    absl::StrAppend(&s, "attention      GQA, ", c.num_heads, " heads / ", c.num_kv_heads,
+                    " kv heads, head_dim ", c.head_dim,
+                    c.arch == Architecture::kQwen3Moe ? ", q/k norm" : "");
+    if (sliding > 0)
+      absl::StrAppend(&s, ", sliding window ", c.layers.back().sliding_window, " on ", sliding,
+                      " layers");
     absl::StrAppend(&s, "\n");
   }
   absl::StrAppend(&s, "rope           ", RopeTypeName(c.rope.type), ", theta ", c.rope.theta);
   if (c.rope.type != RopeType::kDefault) absl::StrAppend(&s, ", factor ", c.rope.factor);
   if (c.rope.type == RopeType::kYarn)
-    absl::StrAppend(&s, ", original ", c.rope.original_max_position_embeddings, ", beta ", c.rope.beta_fast, "/",
-                    c.rope.beta_slow, ", mscale ", c.rope.mscale, "/", c.rope.mscale_all_dim);
+    absl::StrAppend(&s, ", original ", c.rope.original_max_position_embeddings, ", beta ",
+                    c.rope.beta_fast, "/", c.rope.beta_slow, ", mscale ", c.rope.mscale, "/",
+                    c.rope.mscale_all_dim);
   absl::StrAppend(&s, "\n");
   const auto& m = c.moe;
-  absl::StrAppend(&s, "experts        ", m.num_experts, " routed (I ", m.intermediate_size, "), top-", m.experts_per_token,
-                  ", ", m.num_shared_experts, " shared; ", ScoringFuncName(m.scoring), " scoring, ",
-                  TopkMethodName(m.topk_method));
+  absl::StrAppend(&s, "experts        ", m.num_experts, " routed (I ", m.intermediate_size,
+                  "), top-", m.experts_per_token, ", ", m.num_shared_experts, " shared; ",
+                  ScoringFuncName(m.scoring), " scoring, ", TopkMethodName(m.topk_method));
   if (m.n_group > 1) absl::StrAppend(&s, " (", m.n_group, " groups, top ", m.topk_group, ")");
   if (m.score_correction_bias) absl::StrAppend(&s, ", correction bias");
-  absl::StrAppend(&s, m.norm_topk_prob ? ", renormalized" : "", ", scaling ", m.routed_scaling_factor, "\n");
+  absl::StrAppend(&s, m.norm_topk_prob ? ", renormalized" : "", ", scaling ",
+                  m.routed_scaling_factor, "\n");
   if (!c.quantization.method.empty())
-    absl::StrAppend(&s, "checkpoint     ", c.quantization.method, " weights, blocks ", c.quantization.weight_block[0], "x",
-                    c.quantization.weight_block[1], "\n");
-  absl::StrAppend(&s, "\nparameters     total          ", Count(p.total), "  (", Billions(p.total), ")\n");
-  absl::StrAppend(&s, "               active/token   ", Count(p.active), "  (", Billions(p.active), ")\n");
-  absl::StrAppend(&s, "               routed experts ", Count(p.routed_experts), "  (", Billions(p.routed_experts),
-                  absl::StrFormat(", %.1f%%", p.total ? 100.0 * static_cast<double>(p.routed_experts) / static_cast<double>(p.total) : 0.0),
-                  "; ", Count(p.routed_per_expert), " per expert)\n");
-  absl::StrAppend(&s, "               attention ", Billions(p.attention), ", dense MLP ", Billions(p.dense_mlp),
-                  ", shared experts ", Billions(p.shared_experts), ", router ", Billions(p.router),
-                  ", embeddings ", Billions(p.embedding), "\n");
+    absl::StrAppend(&s, "checkpoint     ", c.quantization.method, " weights, blocks ",
+                    c.quantization.weight_block[0], "x", c.quantization.weight_block[1], "\n");
+  absl::StrAppend(&s, "\nparameters     total          ", Count(p.total), "  (", Billions(p.total),
+                  ")\n");
+  absl::StrAppend(&s, "               active/token   ", Count(p.active), "  (", Billions(p.active),
+                  ")\n");
+  absl::StrAppend(
+      &s, "               routed experts ", Count(p.routed_experts), "  (",
+      Billions(p.routed_experts),
+      absl::StrFormat(", %.1f%%", p.total ? 100.0 * static_cast<double>(p.routed_experts) /
+                                                static_cast<double>(p.total)
+                                          : 0.0),
+      "; ", Count(p.routed_per_expert), " per expert)\n");
+  absl::StrAppend(&s, "               attention ", Billions(p.attention), ", dense MLP ",
+                  Billions(p.dense_mlp), ", shared experts ", Billions(p.shared_experts),
+                  ", router ", Billions(p.router), ", embeddings ", Billions(p.embedding), "\n");
   absl::StrAppend(&s, "\nrouted experts by format  (decode ceiling = ", o.dram_gbps,
                   " GB/s / routed bytes read per token)\n");
   absl::StrAppend(&s, "  format    all experts     per token    ceiling\n");
   for (int f = 0; f < 3; ++f)
-    absl::StrAppend(&s, absl::StrFormat("  %-8s %11s %12s %9.2f tok/s\n", ExpertFormatName(static_cast<ExpertFormat>(f)),
-                                        GB(r.routed_bytes[f]), GB(r.bytes_per_token[f]), r.decode_ceiling_tps[f]));
+    absl::StrAppend(
+        &s, absl::StrFormat("  %-8s %11s %12s %9.2f tok/s\n",
+                            ExpertFormatName(static_cast<ExpertFormat>(f)), GB(r.routed_bytes[f]),
+                            GB(r.bytes_per_token[f]), r.decode_ceiling_tps[f]));
   absl::StrAppend(&s, "  (int8: f32 scale per output row; int4g64: f32 scale per 64 weights)\n");
   if (r.has_checkpoint) {
-    absl::StrAppend(&s, "\ncheckpoint     ", r.checkpoint_files, " file(s), ", r.checkpoint_tensors, " tensors, ",
-                    GB(r.checkpoint_bytes), "\nweight map     ", r.weight_check, "\n");
+    absl::StrAppend(&s, "\ncheckpoint     ", r.checkpoint_files, " file(s), ", r.checkpoint_tensors,
+                    " tensors, ", GB(r.checkpoint_bytes), "\nweight map     ", r.weight_check,
+                    "\n");
   } else {
     absl::StrAppend(&s, "\ncheckpoint     none (config.json only)\n");
   }

@@ -29,9 +29,9 @@ struct ModelReport {
   ModelConfig config;
   ParamCounts params;
   int64_t moe_layers = 0;
-  double routed_bytes[3] = {0, 0, 0};         // all routed experts, per ExpertFormat
-  double bytes_per_token[3] = {0, 0, 0};      // routed weights read per decoded token
-  double decode_ceiling_tps[3] = {0, 0, 0};   // at options.dram_gbps
+  double routed_bytes[3] = {0, 0, 0};        // all routed experts, per ExpertFormat
+  double bytes_per_token[3] = {0, 0, 0};     // routed weights read per decoded token
+  double decode_ceiling_tps[3] = {0, 0, 0};  // at options.dram_gbps
   // Checkpoint, when MODEL_DIR holds one.
   bool has_checkpoint = false;
   int64_t checkpoint_files = 0;
@@ -40,7 +40,8 @@ struct ModelReport {
   std::string weight_check;  // "ok" or the CheckWeights error
 };
 
-absl::StatusOr<ModelReport> InspectModel(const std::string& model_dir, const InspectOptions& options);
+absl::StatusOr<ModelReport> InspectModel(const std::string& model_dir,
+                                         const InspectOptions& options);
 std::string FormatReport(const ModelReport& report, const InspectOptions& options);
 
 }  // namespace hmoe

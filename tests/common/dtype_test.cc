@@ -15,16 +15,19 @@ namespace {
 float RoundToBf16Reference(float x) {
   if (std::isnan(x) || std::isinf(x) || x == 0.0f) return x;
   int e;
-  std::frexp(static_cast<double>(x), &e);           // |x| = m * 2^e, m in [0.5, 1)
-  const double step = std::ldexp(1.0, std::max(e - 8, -133));  // 8 significant bits; subnormal step 2^-133
+  std::frexp(static_cast<double>(x), &e);  // |x| = m * 2^e, m in [0.5, 1)
+  const double step =
+      std::ldexp(1.0, std::max(e - 8, -133));  // 8 significant bits; subnormal step 2^-133
   double q = std::nearbyint(static_cast<double>(x) / step) * step;
-  if (std::fabs(q) > static_cast<double>(std::numeric_limits<float>::max())) return std::copysign(INFINITY, x);
+  if (std::fabs(q) > static_cast<double>(std::numeric_limits<float>::max()))
+    return std::copysign(INFINITY, x);
   return static_cast<float>(q);
 }
 
 TEST(DType, NamesRoundTrip) {
-  for (auto t : {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kF8E5M2,
-                 DType::kI64, DType::kI32, DType::kI16, DType::kI8, DType::kU8, DType::kBool}) {
+  for (auto t :
+       {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kF8E5M2,
+        DType::kI64, DType::kI32, DType::kI16, DType::kI8, DType::kU8, DType::kBool}) {
     auto parsed = ParseDType(DTypeName(t));
     ASSERT_TRUE(parsed.has_value()) << DTypeName(t);
     EXPECT_EQ(*parsed, t);
@@ -74,10 +77,10 @@ TEST(DType, F16AllCodesRoundTripAndRounding) {
   EXPECT_EQ(F16ToF32(0x0001), std::ldexp(1.0f, -24));
   EXPECT_EQ(F16ToF32(0x7bff), 65504.0f);
   EXPECT_EQ(F32ToF16(65519.0f), 0x7bff);
-  EXPECT_EQ(F32ToF16(65520.0f), 0x7c00);  // rounds to inf
-  EXPECT_EQ(F32ToF16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);        // tie -> even
-  EXPECT_EQ(F32ToF16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);    // tie -> even (up)
-  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -25)), 0x0000);               // tie between 0 and min subnormal
+  EXPECT_EQ(F32ToF16(65520.0f), 0x7c00);                          // rounds to inf
+  EXPECT_EQ(F32ToF16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);      // tie -> even
+  EXPECT_EQ(F32ToF16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);  // tie -> even (up)
+  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -25)), 0x0000);             // tie between 0 and min subnormal
   EXPECT_EQ(F32ToF16(std::ldexp(3.0f, -25)), 0x0002);
 }
 
@@ -99,7 +102,7 @@ TEST(DType, Fp8E4M3AllCodes) {
   }
   EXPECT_EQ(nan_count, 2);
   EXPECT_EQ(Fp8E4M3ToF32(0x7e), 448.0f);
-  EXPECT_EQ(F32ToFp8E4M3(1e9f), 0x7e);   // saturates
+  EXPECT_EQ(F32ToFp8E4M3(1e9f), 0x7e);  // saturates
   EXPECT_EQ(F32ToFp8E4M3(-500.0f), 0xfe);
   // Halfway between 1.0 (0x38) and 1.125 (0x39) -> even mantissa (0x38); 1.1875 -> 0x3a.
   EXPECT_EQ(F32ToFp8E4M3(1.0625f), 0x38);
@@ -123,14 +126,16 @@ TEST(DType, Fp8BlockDequant) {
   // 130 x 260 weight: scale grid 2 x 3, partial edge blocks.
   const int64_t rows = 130, cols = 260;
   std::vector<uint8_t> w(static_cast<size_t>(rows * cols));
-  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<uint8_t>((i * 37) % 256 == 0x7f ? 1 : (i * 37) % 126);
+  for (size_t i = 0; i < w.size(); ++i)
+    w[i] = static_cast<uint8_t>((i * 37) % 256 == 0x7f ? 1 : (i * 37) % 126);
   std::vector<float> s = {1, 2, 3, 4, 5, 6};
   std::vector<float> out(w.size());
   DequantFp8BlockToF32(w.data(), rows, cols, s.data(), 128, out.data());
   for (int64_t r : {0L, 127L, 128L, 129L})
     for (int64_t c : {0L, 127L, 128L, 255L, 256L, 259L})
       EXPECT_EQ(out[static_cast<size_t>(r * cols + c)],
-                Fp8E4M3ToF32(w[static_cast<size_t>(r * cols + c)]) * s[static_cast<size_t>((r / 128) * 3 + c / 128)]);
+                Fp8E4M3ToF32(w[static_cast<size_t>(r * cols + c)]) *
+                    s[static_cast<size_t>((r / 128) * 3 + c / 128)]);
 }
 
 TEST(DType, Int4PackAndQuantize) {
@@ -149,13 +154,15 @@ TEST(DType, Int4PackAndQuantize) {
   QuantizeI4PerGroup(w.data(), rows, cols, group, q.data(), sc.data());
   for (int64_t i = 0; i < rows * cols; ++i) {
     float deq = UnpackI4(q.data(), i) * sc[static_cast<size_t>(i / group)];
-    EXPECT_LE(std::fabs(deq - w[static_cast<size_t>(i)]), sc[static_cast<size_t>(i / group)] * 0.5f + 1e-6f);
+    EXPECT_LE(std::fabs(deq - w[static_cast<size_t>(i)]),
+              sc[static_cast<size_t>(i / group)] * 0.5f + 1e-6f);
   }
   std::vector<int8_t> q8(rows * cols);
   std::vector<float> s8(rows);
   QuantizeI8PerRow(w.data(), rows, cols, q8.data(), s8.data());
   for (int64_t i = 0; i < rows * cols; ++i)
-    EXPECT_LE(std::fabs(q8[static_cast<size_t>(i)] * s8[static_cast<size_t>(i / cols)] - w[static_cast<size_t>(i)]),
+    EXPECT_LE(std::fabs(q8[static_cast<size_t>(i)] * s8[static_cast<size_t>(i / cols)] -
+                        w[static_cast<size_t>(i)]),
               s8[static_cast<size_t>(i / cols)] * 0.5f + 1e-6f);
 }
 

@@ -26,8 +26,8 @@ void WriteRaw(const std::string& path, const std::string& header, size_t data_by
 
 std::string Entry(const std::string& name, const std::string& dtype, const std::string& shape,
                   uint64_t b, uint64_t e) {
-  return "\"" + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":" + shape + ",\"data_offsets\":[" +
-         std::to_string(b) + "," + std::to_string(e) + "]}";
+  return "\"" + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":" + shape +
+         ",\"data_offsets\":[" + std::to_string(b) + "," + std::to_string(e) + "]}";
 }
 
 class SafetensorsTest : public ::testing::Test {
@@ -51,7 +51,8 @@ TEST_F(SafetensorsTest, WriterReaderRoundTrip) {
   ASSERT_TRUE(w.Add("a.bias", DType::kF32, {2}, f.data(), f.size() * 4).ok());
   ASSERT_TRUE(w.Add("c.fp8", DType::kF8E4M3, {3}, f8.data(), f8.size()).ok());
   ASSERT_TRUE(w.Add("empty", DType::kF32, {0, 4}, nullptr, 0).ok());
-  EXPECT_EQ(w.Add("a.bias", DType::kF32, {2}, f.data(), 8).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(w.Add("a.bias", DType::kF32, {2}, f.data(), 8).code(),
+            absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(w.Add("bad", DType::kF32, {3}, f.data(), 8).code(), absl::StatusCode::kInvalidArgument);
   w.SetMetadata("format", "pt");
   ASSERT_TRUE(w.Write(path_).ok());
@@ -118,38 +119,42 @@ TEST_F(SafetensorsTest, InvalidJson) {
 TEST_F(SafetensorsTest, UnknownDtype) {
   auto s = OpenRaw("{" + Entry("layer.w", "F4_WHAT", "[2]", 0, 2) + "}", 2);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()),
-              AllOf(HasSubstr(path_), HasSubstr("\"layer.w\""), HasSubstr("unknown dtype \"F4_WHAT\"")));
+  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr(path_), HasSubstr("\"layer.w\""),
+                                              HasSubstr("unknown dtype \"F4_WHAT\"")));
 }
 
 TEST_F(SafetensorsTest, ShapeDtypeMismatch) {
   auto s = OpenRaw("{" + Entry("w", "BF16", "[2,3]", 0, 10) + "}", 10);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()),
-              AllOf(HasSubstr(path_), HasSubstr("\"w\""), HasSubstr("needs 12 bytes"), HasSubstr("span 10")));
+  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr(path_), HasSubstr("\"w\""),
+                                              HasSubstr("needs 12 bytes"), HasSubstr("span 10")));
 }
 
 TEST_F(SafetensorsTest, OffsetsOutsideDataRegion) {
   auto s = OpenRaw("{" + Entry("big", "F32", "[4]", 0, 16) + "}", 8);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr(path_), HasSubstr("\"big\""), HasSubstr("outside")));
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr(path_), HasSubstr("\"big\""), HasSubstr("outside")));
 }
 
 TEST_F(SafetensorsTest, OverlappingRanges) {
-  auto s = OpenRaw("{" + Entry("a", "F32", "[2]", 0, 8) + "," + Entry("b", "F32", "[2]", 4, 12) + "}", 12);
+  auto s = OpenRaw(
+      "{" + Entry("a", "F32", "[2]", 0, 8) + "," + Entry("b", "F32", "[2]", 4, 12) + "}", 12);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()),
-              AllOf(HasSubstr(path_), HasSubstr("\"a\""), HasSubstr("\"b\""), HasSubstr("overlap")));
+  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr(path_), HasSubstr("\"a\""),
+                                              HasSubstr("\"b\""), HasSubstr("overlap")));
 }
 
 TEST_F(SafetensorsTest, OutOfOrderOffsets) {
   auto s = OpenRaw("{" + Entry("rev", "F32", "[0]", 8, 4) + "}", 8);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr(path_), HasSubstr("\"rev\""), HasSubstr("out of order")));
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr(path_), HasSubstr("\"rev\""), HasSubstr("out of order")));
 }
 
 TEST_F(SafetensorsTest, GapsAndTrailingBytes) {
-  auto s = OpenRaw("{" + Entry("a", "F32", "[1]", 0, 4) + "," + Entry("b", "F32", "[1]", 8, 12) + "}", 12);
+  auto s = OpenRaw(
+      "{" + Entry("a", "F32", "[1]", 0, 4) + "," + Entry("b", "F32", "[1]", 8, 12) + "}", 12);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("\"b\""), HasSubstr("gap")));
   s = OpenRaw("{" + Entry("a", "F32", "[1]", 0, 4) + "}", 9);
@@ -158,18 +163,22 @@ TEST_F(SafetensorsTest, GapsAndTrailingBytes) {
 }
 
 TEST_F(SafetensorsTest, DuplicateNames) {
-  auto s = OpenRaw("{" + Entry("dup", "F32", "[1]", 0, 4) + "," + Entry("dup", "F32", "[1]", 4, 8) + "}", 8);
+  auto s = OpenRaw(
+      "{" + Entry("dup", "F32", "[1]", 0, 4) + "," + Entry("dup", "F32", "[1]", 4, 8) + "}", 8);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr(path_), HasSubstr("duplicate key \"dup\"")));
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr(path_), HasSubstr("duplicate key \"dup\"")));
 }
 
 TEST_F(SafetensorsTest, MalformedEntries) {
   for (const std::string& h :
-       {std::string("{\"w\": 3}"), std::string("{\"w\": {\"dtype\": \"F32\", \"shape\": [-1], \"data_offsets\": [0,0]}}"),
+       {std::string("{\"w\": 3}"),
+        std::string("{\"w\": {\"dtype\": \"F32\", \"shape\": [-1], \"data_offsets\": [0,0]}}"),
         std::string("{\"w\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0]}}"),
         std::string("{\"w\": {\"dtype\": 7, \"shape\": [1], \"data_offsets\": [0,4]}}"),
         std::string("{\"__metadata__\": {\"k\": 1}}"),
-        std::string("{\"w\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], \"data_offsets\": [0,0]}}")}) {
+        std::string("{\"w\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], "
+                    "\"data_offsets\": [0,0]}}")}) {
     auto s = OpenRaw(h, 0);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << h << " -> " << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr(path_));
@@ -222,7 +231,8 @@ class CheckpointTest : public ::testing::Test {
     ASSERT_TRUE(w.Write(dir_.file(name)).ok());
   }
   void Index(const std::string& body) {
-    std::ofstream(dir_.file("model.safetensors.index.json")) << "{\"metadata\": {}, \"weight_map\": {" << body << "}}";
+    std::ofstream(dir_.file("model.safetensors.index.json"))
+        << "{\"metadata\": {}, \"weight_map\": {" << body << "}}";
   }
 };
 
@@ -243,8 +253,8 @@ TEST_F(CheckpointTest, MissingShard) {
   Index(R"("a": "model-00001-of-00002.safetensors", "c": "model-00002-of-00002.safetensors")");
   auto s = Checkpoint::Open(dir_.path()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("model-00002-of-00002.safetensors"), HasSubstr("\"c\""),
-                                               HasSubstr("missing")));
+  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("model-00002-of-00002.safetensors"),
+                                              HasSubstr("\"c\""), HasSubstr("missing")));
 }
 
 TEST_F(CheckpointTest, IndexNamesTensorShardLacks) {
@@ -253,16 +263,19 @@ TEST_F(CheckpointTest, IndexNamesTensorShardLacks) {
   auto s = Checkpoint::Open(dir_.path()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("\"ghost\""), HasSubstr("s1.safetensors"),
-                                               HasSubstr("does not contain it")));
+                                              HasSubstr("does not contain it")));
 }
 
 TEST_F(CheckpointTest, BadIndex) {
   Shard("s1.safetensors", {"a"});
-  std::ofstream(dir_.file("model.safetensors.index.json")) << "{\"weight_map\": {\"a\": \"s1.safetensors\", \"a\": \"s1.safetensors\"}}";
+  std::ofstream(dir_.file("model.safetensors.index.json"))
+      << "{\"weight_map\": {\"a\": \"s1.safetensors\", \"a\": \"s1.safetensors\"}}";
   auto s = Checkpoint::Open(dir_.path()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("index.json"), HasSubstr("duplicate key \"a\"")));
-  std::ofstream(dir_.file("model.safetensors.index.json"), std::ios::trunc) << "{\"weight_map\": {\"a\": \"../etc/passwd\"}}";
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr("index.json"), HasSubstr("duplicate key \"a\"")));
+  std::ofstream(dir_.file("model.safetensors.index.json"), std::ios::trunc)
+      << "{\"weight_map\": {\"a\": \"../etc/passwd\"}}";
   EXPECT_EQ(Checkpoint::Open(dir_.path()).status().code(), absl::StatusCode::kInvalidArgument);
   std::ofstream(dir_.file("model.safetensors.index.json"), std::ios::trunc) << "{\"metadata\": {}";
   EXPECT_EQ(Checkpoint::Open(dir_.path()).status().code(), absl::StatusCode::kInvalidArgument);
@@ -273,7 +286,8 @@ TEST_F(CheckpointTest, TensorInTwoShards) {
   Shard("x2.safetensors", {"b"});
   auto s = Checkpoint::Open(dir_.path()).status();  // no index: every *.safetensors
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("\"b\""), HasSubstr("x1.safetensors"), HasSubstr("x2.safetensors")));
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr("\"b\""), HasSubstr("x1.safetensors"), HasSubstr("x2.safetensors")));
 }
 
 TEST_F(CheckpointTest, EmptyDirectory) {

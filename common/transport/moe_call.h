@@ -1,0 +1,90 @@
+// The unit of work between a GPU worker and an expert-service shard, and the
+// two interfaces every transport is built from:
+//   MoeHandler  (server side): validates and computes one call;
+//   MoeClient   (worker side): submit -> handle; Wait(handle, deadline).
+// No gRPC, UCX or shared-memory types here.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace hmoe {
+
+enum class SplitMode { kTp, kEp };
+const char* SplitModeName(SplitMode m);  // "tp" | "ep"
+
+// One MoE request: T tokens of one layer. Byte sizes travel separately from the
+// shape so that a server can reject a mismatch (INVALID_ARGUMENT naming the field).
+struct MoeCall {
+  int32_t layer = 0;
+  int32_t tokens = 0;
+  int32_t top_k = 0;
+  const uint16_t* hidden = nullptr;  // bf16 [tokens][hidden]
+  uint64_t hidden_bytes = 0;
+  const int32_t* ids = nullptr;      // global expert ids [tokens][top_k]
+  uint64_t ids_bytes = 0;
+  const float* weights = nullptr;    // [tokens][top_k]
+  uint64_t weights_bytes = 0;
+
+  // Fills the byte sizes from the shape (for well-formed calls).
+  static MoeCall Make(int32_t layer, int32_t tokens, int32_t top_k, int64_t hidden_dim,
+                      const uint16_t* hidden, const int32_t* ids, const float* weights);
+};
+
+// What a shard serves: the model's expert geometry and its own part of it.
+struct ShardInfo {
+  std::string model_type;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  int64_t num_experts = 0;
+  int64_t top_k = 0;  // max accepted top_k
+  std::vector<int32_t> moe_layers;
+  int32_t shard_index = 0;
+  int32_t num_shards = 1;
+  SplitMode split = SplitMode::kTp;
+  int64_t expert_begin = 0, expert_end = 0;
+  int64_t i_begin = 0, i_end = 0;
+  int64_t max_tokens = 0;
+  std::string weight_format;
+  int64_t pid = 0;
+  bool shm_available = false;
+  bool ucx_available = false;
+};
+
+// Server side. Handle() validates `call` against info() (INVALID_ARGUMENT
+// naming the field: layer, tokens, top_k, hidden, expert_ids,
+// expert_weights), then writes the f32 partial sum [tokens][hidden] to `out`.
+// Thread-safe.
+class MoeHandler {
+ public:
+  virtual ~MoeHandler() = default;
+  virtual const ShardInfo& info() const = 0;
+  virtual absl::Status Handle(const MoeCall& call, float* out, uint64_t* compute_ns) = 0;
+};
+
+// Worker side: one connection to one shard.
+//
+// Submit() has consumed the call's buffers when it returns (they may be
+// reused); `out` ([tokens][hidden] f32) must stay valid until Wait() on the
+// handle returns, and is written only inside Wait() or before it returns OK.
+// Wait() returns the call's status: OK, the server's error, UNAVAILABLE (peer
+// gone; the client reconnects on a later Submit), or DEADLINE_EXCEEDED (the
+// handle is then abandoned: a late answer is dropped and `out` is not touched).
+// Every handle must be waited on once. Thread-safe.
+class MoeClient {
+ public:
+  virtual ~MoeClient() = default;
+  virtual absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out) = 0;
+  virtual absl::Status Wait(uint64_t handle, absl::Time deadline) = 0;
+  virtual const char* transport() const = 0;
+};
+
+// Validates a call against a shard's description (the server's check).
+absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call);
+
+}  // namespace hmoe

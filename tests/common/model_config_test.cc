@@ -1,0 +1,212 @@
+#include "common/model_config.h"
+
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/temp_dir.h"
+
+namespace hmoe {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+json ReadJson(const std::string& path) {
+  std::ifstream in(path);
+  return json::parse(in);
+}
+
+std::string Configs() { return testing::FixturesDir() + "/configs"; }
+
+TEST(ModelConfig, DeepseekV3Published) {
+  auto c = LoadModelConfig(Configs() + "/deepseek_v3_published");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kDeepseekV3);
+  EXPECT_EQ(c->hidden_size, 7168);
+  EXPECT_EQ(c->num_layers, 61);
+  EXPECT_EQ(c->mla.q_lora_rank, 1536);
+  EXPECT_EQ(c->mla.kv_lora_rank, 512);
+  EXPECT_EQ(c->mla.qk_head_dim(), 192);
+  EXPECT_EQ(c->moe.num_experts, 256);
+  EXPECT_EQ(c->moe.experts_per_token, 8);
+  EXPECT_EQ(c->moe.scoring, ScoringFunc::kSigmoid);
+  EXPECT_EQ(c->moe.topk_method, TopkMethod::kNoauxTc);
+  EXPECT_TRUE(c->moe.score_correction_bias);
+  EXPECT_EQ(c->moe.n_group, 8);
+  EXPECT_EQ(c->moe.topk_group, 4);
+  EXPECT_DOUBLE_EQ(c->moe.routed_scaling_factor, 2.5);
+  EXPECT_TRUE(c->moe.norm_topk_prob);
+  EXPECT_EQ(c->first_k_dense_replace, 3);
+  EXPECT_EQ(c->num_moe_layers(), 58);
+  EXPECT_FALSE(c->layers[2].moe);
+  EXPECT_TRUE(c->layers[3].moe);
+  EXPECT_EQ(c->num_nextn_predict_layers, 1);
+  // Published YaRN spelling: rope_scaling {"type": "yarn"} + top-level rope_theta.
+  EXPECT_EQ(c->rope.type, RopeType::kYarn);
+  EXPECT_DOUBLE_EQ(c->rope.factor, 40);
+  EXPECT_DOUBLE_EQ(c->rope.theta, 10000);
+  EXPECT_EQ(c->rope.original_max_position_embeddings, 4096);
+  EXPECT_DOUBLE_EQ(c->rope.mscale_all_dim, 1.0);
+  EXPECT_TRUE(c->rope.interleave);  // MLA default
+  EXPECT_EQ(c->quantization.method, "fp8");
+  EXPECT_THAT(c->quantization.weight_block, ::testing::ElementsAre(128, 128));
+}
+
+TEST(ModelConfig, DeepseekV3TransformersDefaults) {
+  auto c = LoadModelConfig(Configs() + "/deepseek_v3_default");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope.type, RopeType::kDefault);  // rope_parameters {"rope_type": "default"}
+  EXPECT_TRUE(c->rope.interleave);
+  EXPECT_EQ(c->moe.topk_method, TopkMethod::kNoauxTc);
+  EXPECT_EQ(c->num_moe_layers(), 58);
+  EXPECT_EQ(c->eos_token_ids, std::vector<int64_t>{1});
+}
+
+TEST(ModelConfig, TinyFixturesRopeParameters) {
+  // transformers 5 spelling: rope_parameters with rope_type yarn.
+  auto c = LoadModelConfig(testing::FixturesDir() + "/deepseek_v3_tiny");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope.type, RopeType::kYarn);
+  EXPECT_DOUBLE_EQ(c->rope.factor, 8.0);
+  EXPECT_DOUBLE_EQ(c->rope.beta_fast, 16.0);
+  EXPECT_DOUBLE_EQ(c->rope.mscale_all_dim, 0.8);
+  EXPECT_EQ(c->rope.original_max_position_embeddings, 1024);
+  for (const char* name : {"deepseek_v2_tiny", "qwen3_moe_tiny", "mixtral_tiny"}) {
+    auto other = LoadModelConfig(testing::FixturesDir() + "/" + name);
+    EXPECT_TRUE(other.ok()) << name << ": " << other.status();
+  }
+}
+
+TEST(ModelConfig, DeepseekV2Lite) {
+  auto c = LoadModelConfig(Configs() + "/deepseek_v2_lite");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kDeepseekV2);
+  EXPECT_FALSE(c->mla.q_lora_rank.has_value());  // q_lora_rank: null
+  EXPECT_EQ(c->moe.scoring, ScoringFunc::kSoftmax);
+  EXPECT_EQ(c->moe.topk_method, TopkMethod::kGreedy);
+  EXPECT_FALSE(c->moe.score_correction_bias);
+  EXPECT_FALSE(c->moe.norm_topk_prob);
+  EXPECT_EQ(c->moe.num_shared_experts, 2);
+  EXPECT_EQ(c->num_moe_layers(), 26);
+  EXPECT_DOUBLE_EQ(c->rope.mscale, 0.707);
+}
+
+TEST(ModelConfig, Qwen3AndMixtral) {
+  auto q = LoadModelConfig(Configs() + "/qwen3_30b_a3b");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->arch, Architecture::kQwen3Moe);
+  EXPECT_EQ(q->head_dim, 128);  // explicit, != hidden / heads
+  EXPECT_EQ(q->num_kv_heads, 4);
+  EXPECT_EQ(q->moe.num_experts, 128);  // published "num_experts"
+  EXPECT_TRUE(q->moe.norm_topk_prob);
+  EXPECT_EQ(q->num_moe_layers(), 48);
+  EXPECT_DOUBLE_EQ(q->rope.theta, 1e6);
+  auto m = LoadModelConfig(Configs() + "/mixtral_8x7b");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->arch, Architecture::kMixtral);
+  EXPECT_EQ(m->moe.num_experts, 8);
+  EXPECT_EQ(m->moe.intermediate_size, 14336);
+  EXPECT_EQ(m->head_dim, 128);
+  EXPECT_EQ(m->layers[0].sliding_window, 0);
+}
+
+// Mutates the published DeepSeek-V3 config and expects an exact error.
+class ConfigErrorTest : public ::testing::Test {
+ protected:
+  json base_ = ReadJson(Configs() + "/deepseek_v3_published/config.json");
+  absl::Status Parse(const json& j) { return ParseModelConfig(j.dump(), "x/config.json").status(); }
+  void ExpectField(const json& j, absl::StatusCode code, const std::string& field) {
+    absl::Status s = Parse(j);
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("x/config.json"), HasSubstr(field))) << s;
+  }
+};
+
+TEST_F(ConfigErrorTest, UnknownModelType) {
+  json j = base_;
+  j["model_type"] = "llama";
+  ExpectField(j, absl::StatusCode::kUnimplemented, "\"llama\"");
+  j.erase("model_type");
+  ExpectField(j, absl::StatusCode::kInvalidArgument, "model_type");
+}
+
+TEST_F(ConfigErrorTest, InconsistentFields) {
+  struct Case {
+    const char* field;
+    json value;
+  };
+  const Case cases[] = {
+      {"num_experts_per_tok", 300},  // > experts
+      {"n_group", 7},                // does not divide 256
+      {"topk_group", 9},             // > n_group
+      {"num_key_value_heads", 3},    // does not divide 128 heads
+      {"hidden_size", 0},
+      {"qk_rope_head_dim", 63},  // odd
+      {"first_k_dense_replace", 99},
+      {"vocab_size", "big"},      // mistyped
+      {"kv_lora_rank", nullptr},  // required
+      {"scoring_func", "relu"},
+      {"topk_method", "random"},
+      {"rms_norm_eps", -1},
+      {"eos_token_id", 999999},
+      {"norm_topk_prob", "yes"},
+  };
+  for (const auto& c : cases) {
+    json j = base_;
+    j[c.field] = c.value;
+    SCOPED_TRACE(c.field);
+    ExpectField(j, absl::StatusCode::kInvalidArgument, c.field);
+  }
+  json j = base_;
+  j["num_experts_per_tok"] = 8;
+  j["topk_group"] = 1;  // 1 group of 32 experts still holds 8
+  EXPECT_TRUE(Parse(j).ok());
+  j["n_group"] = 64;  // 4 experts per group, top 1 group -> only 4 candidates for top-8
+  ExpectField(j, absl::StatusCode::kInvalidArgument, "num_experts_per_tok");
+}
+
+TEST_F(ConfigErrorTest, RopeAndQuantization) {
+  json j = base_;
+  j["rope_scaling"]["type"] = "longrope";
+  ExpectField(j, absl::StatusCode::kUnimplemented, "rope_type");
+  j = base_;
+  j["rope_scaling"]["factor"] = 0.5;
+  ExpectField(j, absl::StatusCode::kInvalidArgument, "rope_scaling.factor");
+  j = base_;
+  j["quantization_config"]["weight_block_size"] = {128};
+  ExpectField(j, absl::StatusCode::kInvalidArgument, "quantization_config.weight_block_size");
+  j = base_;
+  j["quantization_config"]["quant_method"] = "gptq";
+  ExpectField(j, absl::StatusCode::kUnimplemented, "gptq");
+  EXPECT_EQ(ParseModelConfig("{not json", "x/config.json").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LoadModelConfig("/nonexistent").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ModelConfig, QwenLayerKinds) {
+  json j = ReadJson(Configs() + "/qwen3_30b_a3b/config.json");
+  j["num_hidden_layers"] = 6;
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {3};
+  j["use_sliding_window"] = true;
+  j["sliding_window"] = 4096;
+  j["max_window_layers"] = 4;
+  auto c = ParseModelConfig(j.dump(), "q");
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::vector<bool> moe;
+  std::vector<int64_t> window;
+  for (const auto& l : c->layers) {
+    moe.push_back(l.moe);
+    window.push_back(l.sliding_window);
+  }
+  EXPECT_THAT(moe, ::testing::ElementsAre(false, true, false, false, false, true));
+  EXPECT_THAT(window, ::testing::ElementsAre(0, 0, 0, 0, 4096, 4096));
+  j["mlp_only_layers"] = {6};
+  EXPECT_EQ(ParseModelConfig(j.dump(), "q").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace hmoe

@@ -1,0 +1,80 @@
+#include "sdk/inspect.h"
+
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/temp_dir.h"
+
+namespace hmoe {
+namespace {
+
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+TEST(Inspect, DeepseekV3DefaultsMatchTransformersCounts) {
+  const std::string configs = testing::FixturesDir() + "/configs";
+  json want = json::parse(std::ifstream(configs + "/param_counts.json"))["deepseek_v3_default"];
+  InspectOptions opt;
+  opt.dram_gbps = 92;
+  opt.json = true;
+  auto r = InspectModel(configs + "/deepseek_v3_default", opt);
+  ASSERT_TRUE(r.ok()) << r.status();
+  json got = json::parse(FormatReport(*r, opt));
+  EXPECT_EQ(got["params"]["total"].get<int64_t>(), want["total"].get<int64_t>());
+  EXPECT_EQ(got["params"]["active"].get<int64_t>(), want["active"].get<int64_t>());
+  EXPECT_EQ(got["params"]["routed_experts"].get<int64_t>(), want["routed_experts"].get<int64_t>());
+  EXPECT_EQ(got["layers"]["moe"].get<int>(), 58);
+  EXPECT_EQ(got["layers"]["dense"].get<int>(), 3);
+  // The brief's bound: 58 MoE layers x 8 experts x 3 x 7168 x 2048 weights per token.
+  const double weights_per_token = 58.0 * 8 * 3 * 7168 * 2048;
+  EXPECT_DOUBLE_EQ(got["formats"]["bf16"]["bytes_per_token"].get<double>(), weights_per_token * 2);
+  // int4 group 64 with f32 scales: 0.5625 B/weight -> 11.5 GB per token.
+  EXPECT_NEAR(got["formats"]["int4g64"]["bytes_per_token"].get<double>(),
+              weights_per_token * 0.5625, 1.0);
+  EXPECT_NEAR(got["formats"]["int4g64"]["decode_ceiling_tok_s"].get<double>(),
+              92e9 / (weights_per_token * 0.5625), 1e-9);
+  // Human-readable form carries the same facts.
+  opt.json = false;
+  const std::string text = FormatReport(*r, opt);
+  EXPECT_THAT(text, HasSubstr("671,026,404,352"));
+  EXPECT_THAT(text, HasSubstr("3 dense MLP + 58 MoE"));
+  EXPECT_THAT(text, HasSubstr("none (config.json only)"));
+}
+
+TEST(Inspect, ChecksTheCheckpointWhenPresent) {
+  InspectOptions opt;
+  auto r = InspectModel(testing::FixturesDir() + "/mixtral_tiny", opt);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->has_checkpoint);
+  EXPECT_EQ(r->weight_check, "ok");
+  EXPECT_GT(r->checkpoint_tensors, 0);
+  EXPECT_THAT(FormatReport(*r, opt), HasSubstr("weight map     ok"));
+}
+
+TEST(Inspect, ReportsABrokenCheckpoint) {
+  testing::TempDir dir;
+  std::ofstream(dir.file("config.json"))
+      << std::ifstream(testing::FixturesDir() + "/qwen3_moe_tiny/config.json").rdbuf();
+  SafetensorsWriter w;
+  float x = 0;
+  ASSERT_TRUE(w.Add("model.norm.weight", DType::kF32, {1}, &x, 4).ok());
+  ASSERT_TRUE(w.Write(dir.file("model.safetensors")).ok());
+  auto r = InspectModel(dir.path(), InspectOptions{});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->weight_check, HasSubstr("missing tensor(s): model.embed_tokens.weight"));
+  EXPECT_THAT(r->weight_check, HasSubstr("model.norm.weight has shape [1]"));
+}
+
+TEST(Inspect, Errors) {
+  InspectOptions bad;
+  bad.dram_gbps = 0;
+  EXPECT_EQ(InspectModel(testing::FixturesDir() + "/mixtral_tiny", bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(InspectModel("/nonexistent/model", InspectOptions{}).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace hmoe
