@@ -1,0 +1,658 @@
+#include "common/tokenizer.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <algorithm>
+#include <fstream>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace hmoe {
+namespace {
+
+using json = nlohmann::json;
+
+// ---- UTF-8 --------------------------------------------------------------------
+
+// Length of the valid sequence starting at s[i] (0 if s[i] cannot start one),
+// or, when the input ends early, how many bytes were consumed so far (negative).
+// `bad_at` receives the index of the first byte that broke the sequence.
+int Utf8Sequence(const std::string& s, size_t i, size_t* bad_at) {
+  const auto b = [&](size_t k) { return static_cast<uint8_t>(s[k]); };
+  const uint8_t c = b(i);
+  if (c < 0x80) return 1;
+  int need;
+  uint8_t lo = 0x80, hi = 0xbf;  // allowed range of the second byte
+  if (c >= 0xc2 && c <= 0xdf)
+    need = 1;
+  else if (c == 0xe0)
+    need = 2, lo = 0xa0;
+  else if ((c >= 0xe1 && c <= 0xec) || c == 0xee || c == 0xef)
+    need = 2;
+  else if (c == 0xed)
+    need = 2, hi = 0x9f;
+  else if (c == 0xf0)
+    need = 3, lo = 0x90;
+  else if (c >= 0xf1 && c <= 0xf3)
+    need = 3;
+  else if (c == 0xf4)
+    need = 3, hi = 0x8f;
+  else {
+    *bad_at = i + 1;
+    return 0;
+  }
+  for (int k = 1; k <= need; ++k) {
+    if (i + static_cast<size_t>(k) >= s.size()) return -k;  // truncated after k bytes
+    const uint8_t x = b(i + static_cast<size_t>(k));
+    const uint8_t l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xbf;
+    if (x < l || x > h) {
+      *bad_at = i + static_cast<size_t>(k);
+      return 0;
+    }
+  }
+  return need + 1;
+}
+
+constexpr char kReplacement[] = "\xef\xbf\xbd";
+
+// GPT-2's reversible byte <-> printable-character map used by ByteLevel.
+struct ByteMap {
+  std::string to_char[256];                       // byte -> UTF-8 of its character
+  std::unordered_map<uint32_t, uint8_t> to_byte;  // code point -> byte
+  ByteMap() {
+    int n = 0;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable =
+          (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+      const uint32_t cp = printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + n++);
+      std::string u;
+      if (cp < 0x80) {
+        u.push_back(static_cast<char>(cp));
+      } else {
+        u.push_back(static_cast<char>(0xc0 | (cp >> 6)));
+        u.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+      }
+      to_char[b] = u;
+      to_byte[cp] = static_cast<uint8_t>(b);
+    }
+  }
+};
+
+const ByteMap& Bytes() {
+  static const ByteMap* m = new ByteMap();
+  return *m;
+}
+
+// Splits valid UTF-8 into its characters.
+std::vector<std::string> Chars(const std::string& s) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < s.size();) {
+    size_t bad = 0;
+    int n = Utf8Sequence(s, i, &bad);
+    if (n <= 0) n = 1;  // not reached for validated input
+    out.push_back(s.substr(i, static_cast<size_t>(n)));
+    i += static_cast<size_t>(n);
+  }
+  return out;
+}
+
+uint32_t CodePoint(const std::string& ch) {
+  const auto b = [&](size_t k) { return static_cast<uint32_t>(static_cast<uint8_t>(ch[k])); };
+  switch (ch.size()) {
+    case 1:
+      return b(0);
+    case 2:
+      return ((b(0) & 0x1f) << 6) | (b(1) & 0x3f);
+    case 3:
+      return ((b(0) & 0x0f) << 12) | ((b(1) & 0x3f) << 6) | (b(2) & 0x3f);
+    default:
+      return ((b(0) & 0x07) << 18) | ((b(1) & 0x3f) << 12) | ((b(2) & 0x3f) << 6) | (b(3) & 0x3f);
+  }
+}
+
+// ---- regex ----------------------------------------------------------------------
+
+class Regex {
+ public:
+  static absl::StatusOr<std::unique_ptr<Regex>> Compile(const std::string& pattern,
+                                                        const std::string& where) {
+    int err = 0;
+    PCRE2_SIZE offset = 0;
+    pcre2_code* code =
+        pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                      PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK, &err, &offset, nullptr);
+    if (code == nullptr) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(err, msg, sizeof(msg));
+      return absl::InvalidArgumentError(absl::StrCat(where, ": regex does not compile at offset ",
+                                                     offset, ": ",
+                                                     reinterpret_cast<const char*>(msg)));
+    }
+    pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // optional speed-up; interpreter otherwise
+    return std::unique_ptr<Regex>(new Regex(code));
+  }
+  ~Regex() { pcre2_code_free(code_); }
+
+  // Non-overlapping matches [begin, end) in `s`, left to right.
+  std::vector<std::pair<size_t, size_t>> FindAll(const std::string& s) const {
+    std::vector<std::pair<size_t, size_t>> out;
+    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
+    size_t pos = 0;
+    while (pos <= s.size()) {
+      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
+                                 PCRE2_NO_UTF_CHECK, md, nullptr);
+      if (rc < 0) break;
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      size_t b = ov[0], e = ov[1];
+      if (e == b) {  // empty match: step over one character
+        if (b >= s.size()) break;
+        size_t bad = 0;
+        int n = Utf8Sequence(s, b, &bad);
+        pos = b + static_cast<size_t>(n > 0 ? n : 1);
+        continue;
+      }
+      out.emplace_back(b, e);
+      pos = e;
+    }
+    pcre2_match_data_free(md);
+    return out;
+  }
+
+ private:
+  explicit Regex(pcre2_code* code) : code_(code) {}
+  pcre2_code* code_;
+};
+
+enum class SplitBehavior { kIsolated, kRemoved, kMergedWithPrevious, kMergedWithNext, kContiguous };
+
+struct PreTokenizer {
+  enum Kind { kSplit, kByteLevel } kind;
+  std::unique_ptr<Regex> regex;  // kSplit, and kByteLevel with use_regex
+  SplitBehavior behavior = SplitBehavior::kIsolated;
+  bool invert = false;
+  bool add_prefix_space = false;
+};
+
+const char kGpt2Pattern[] =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+std::vector<std::string> ApplySplit(const PreTokenizer& p, const std::string& s) {
+  struct Seg {
+    size_t b, e;
+    bool delim;
+  };
+  std::vector<Seg> segs;
+  size_t cursor = 0;
+  for (auto [b, e] : p.regex->FindAll(s)) {
+    if (b > cursor) segs.push_back({cursor, b, p.invert});
+    segs.push_back({b, e, !p.invert});
+    cursor = e;
+  }
+  if (cursor < s.size()) segs.push_back({cursor, s.size(), p.invert});
+  std::vector<std::string> out;
+  bool pending_next = false;
+  std::string carry;
+  bool last_delim = false;
+  for (const Seg& g : segs) {
+    std::string piece = s.substr(g.b, g.e - g.b);
+    switch (p.behavior) {
+      case SplitBehavior::kIsolated:
+        out.push_back(piece);
+        break;
+      case SplitBehavior::kRemoved:
+        if (!g.delim) out.push_back(piece);
+        break;
+      case SplitBehavior::kMergedWithPrevious:
+        if (g.delim && !out.empty() && !last_delim)
+          out.back() += piece;
+        else
+          out.push_back(piece);
+        break;
+      case SplitBehavior::kMergedWithNext:
+        if (g.delim) {
+          carry += piece;
+          pending_next = true;
+        } else {
+          out.push_back(carry + piece);
+          carry.clear();
+          pending_next = false;
+        }
+        break;
+      case SplitBehavior::kContiguous:
+        if (g.delim && last_delim && !out.empty())
+          out.back() += piece;
+        else
+          out.push_back(piece);
+        break;
+    }
+    last_delim = g.delim;
+  }
+  if (pending_next) out.push_back(carry);
+  return out;
+}
+
+struct AddedToken {
+  int32_t id;
+  std::string content;
+  bool special;
+  bool lstrip, rstrip;
+};
+
+bool IsSpaceByte(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
+
+}  // namespace
+
+struct Tokenizer::Impl {
+  std::unordered_map<std::string, int32_t> vocab;
+  std::vector<std::string> id_to_token;                 // "" where unused
+  std::unordered_map<std::string, int32_t> merge_rank;  // "a\x01b" -> rank
+  bool ignore_merges = false;
+  std::optional<int32_t> unk_id;
+  std::vector<AddedToken> added;  // sorted by content length, longest first
+  std::unordered_map<int32_t, size_t> added_by_id;
+  std::vector<PreTokenizer> pre;
+  std::vector<std::vector<int32_t>>
+      template_ids;  // post-processor: sequence of parts; {-1} marks "A"
+  bool has_template = false;
+
+  absl::Status EncodeSegment(const std::string& text, std::vector<int32_t>& out) const {
+    std::vector<std::string> pieces = {text};
+    for (const PreTokenizer& p : pre) {
+      std::vector<std::string> next;
+      for (std::string& piece : pieces) {
+        if (p.kind == PreTokenizer::kSplit) {
+          for (auto& x : ApplySplit(p, piece)) next.push_back(std::move(x));
+          continue;
+        }
+        if (p.add_prefix_space && (piece.empty() || piece[0] != ' '))
+          piece.insert(piece.begin(), ' ');
+        std::vector<std::string> parts =
+            p.regex ? ApplySplit(p, piece) : std::vector<std::string>{piece};
+        for (const std::string& part : parts) {
+          std::string mapped;
+          for (char c : part) mapped += Bytes().to_char[static_cast<uint8_t>(c)];
+          next.push_back(std::move(mapped));
+        }
+      }
+      pieces = std::move(next);
+    }
+    for (const std::string& piece : pieces) {
+      if (piece.empty()) continue;
+      RETURN_IF_ERROR(Bpe(piece, out));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Bpe(const std::string& word, std::vector<int32_t>& out) const {
+    if (ignore_merges) {
+      auto it = vocab.find(word);
+      if (it != vocab.end()) {
+        out.push_back(it->second);
+        return absl::OkStatus();
+      }
+    }
+    std::vector<std::string> sym = Chars(word);
+    while (sym.size() > 1) {
+      int32_t best = std::numeric_limits<int32_t>::max();
+      size_t at = 0;
+      for (size_t i = 0; i + 1 < sym.size(); ++i) {
+        auto it = merge_rank.find(sym[i] + '\x01' + sym[i + 1]);
+        if (it != merge_rank.end() && it->second < best) {
+          best = it->second;
+          at = i;
+        }
+      }
+      if (best == std::numeric_limits<int32_t>::max()) break;
+      // Merge every occurrence of the winning pair, left to right.
+      const std::string a = sym[at], b = sym[at + 1];
+      std::vector<std::string> merged;
+      for (size_t i = 0; i < sym.size();) {
+        if (i + 1 < sym.size() && sym[i] == a && sym[i + 1] == b) {
+          merged.push_back(a + b);
+          i += 2;
+        } else {
+          merged.push_back(sym[i++]);
+        }
+      }
+      sym = std::move(merged);
+    }
+    for (const std::string& s : sym) {
+      auto it = vocab.find(s);
+      if (it != vocab.end()) {
+        out.push_back(it->second);
+      } else if (unk_id) {
+        out.push_back(*unk_id);
+      } else {
+        return absl::InternalError(absl::StrCat(
+            "tokenizer: symbol \"", s, "\" is not in the vocabulary and there is no unk_token"));
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  int32_t n = static_cast<int32_t>(impl_->id_to_token.size());
+  vocab_size_ = n;
+}
+Tokenizer::~Tokenizer() = default;
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return FromJson(text, path);
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string& json_text,
+                                                               const std::string& src) {
+  auto impl = std::make_unique<Impl>();
+  try {
+    json j = json::parse(json_text);
+    auto invalid = [&](const std::string& field, const std::string& what) {
+      return absl::InvalidArgumentError(absl::StrCat(src, ": ", field, " ", what));
+    };
+    auto unimplemented = [&](const std::string& field, const std::string& type) {
+      return absl::UnimplementedError(
+          absl::StrCat(src, ": ", field, " type \"", type, "\" is not supported"));
+    };
+    if (!j.is_object()) return invalid("document", "is not an object");
+    if (j.contains("normalizer") && !j["normalizer"].is_null())
+      return unimplemented("normalizer", j["normalizer"].value("type", "?"));
+
+    // model
+    if (!j.contains("model") || !j["model"].is_object()) return invalid("model", "is missing");
+    const json& m = j["model"];
+    const std::string mtype = m.value("type", "BPE");
+    if (mtype != "BPE") return unimplemented("model", mtype);
+    if (m.value("byte_fallback", false)) return unimplemented("model.byte_fallback", "true");
+    if (!m.contains("vocab") || !m["vocab"].is_object())
+      return invalid("model.vocab", "is missing");
+    int32_t max_id = -1;
+    for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
+      if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
+          it.value().get<int64_t>() > (1 << 30))
+        return invalid("model.vocab", absl::StrCat("entry \"", it.key(), "\" has no valid id"));
+      const int32_t id = it.value().get<int32_t>();
+      impl->vocab[it.key()] = id;
+      max_id = std::max(max_id, id);
+    }
+    impl->ignore_merges = m.value("ignore_merges", false);
+    if (m.contains("merges") && m["merges"].is_array()) {
+      int32_t rank = 0;
+      for (const auto& mg : m["merges"]) {
+        std::string a, b;
+        if (mg.is_string()) {
+          const std::string s = mg.get<std::string>();
+          const size_t sp = s.find(' ');
+          if (sp == std::string::npos)
+            return invalid("model.merges", absl::StrCat("entry \"", s, "\" is not \"a b\""));
+          a = s.substr(0, sp);
+          b = s.substr(sp + 1);
+        } else if (mg.is_array() && mg.size() == 2 && mg[0].is_string() && mg[1].is_string()) {
+          a = mg[0].get<std::string>();
+          b = mg[1].get<std::string>();
+        } else {
+          return invalid("model.merges", absl::StrCat("entry ", mg.dump(), " is not a pair"));
+        }
+        impl->merge_rank.emplace(a + '\x01' + b, rank++);
+      }
+    }
+    if (m.contains("unk_token") && m["unk_token"].is_string()) {
+      auto it = impl->vocab.find(m["unk_token"].get<std::string>());
+      if (it != impl->vocab.end()) impl->unk_id = it->second;
+    }
+
+    // added tokens
+    if (j.contains("added_tokens") && j["added_tokens"].is_array()) {
+      for (const auto& t : j["added_tokens"]) {
+        if (!t.contains("id") || !t["id"].is_number_integer() || !t.contains("content") ||
+            !t["content"].is_string())
+          return invalid("added_tokens", absl::StrCat("entry ", t.dump(), " needs id and content"));
+        AddedToken a{t["id"].get<int32_t>(), t["content"].get<std::string>(),
+                     t.value("special", false), t.value("lstrip", false), t.value("rstrip", false)};
+        if (a.id < 0 || a.content.empty())
+          return invalid("added_tokens", absl::StrCat("entry ", t.dump(), " is invalid"));
+        max_id = std::max(max_id, a.id);
+        impl->added.push_back(std::move(a));
+      }
+    }
+    std::stable_sort(impl->added.begin(), impl->added.end(),
+                     [](const AddedToken& x, const AddedToken& y) {
+                       return x.content.size() > y.content.size();
+                     });
+    for (size_t i = 0; i < impl->added.size(); ++i) impl->added_by_id[impl->added[i].id] = i;
+    impl->id_to_token.assign(static_cast<size_t>(max_id + 1), "");
+    for (const auto& [tok, id] : impl->vocab) impl->id_to_token[static_cast<size_t>(id)] = tok;
+
+    // pre-tokenizer
+    std::vector<const json*> pre;
+    if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) {
+      const json& p = j["pre_tokenizer"];
+      if (p.value("type", "") == "Sequence") {
+        for (const auto& x : p["pretokenizers"]) pre.push_back(&x);
+      } else {
+        pre.push_back(&p);
+      }
+    }
+    for (const json* p : pre) {
+      const std::string type = p->value("type", "");
+      PreTokenizer pt{};
+      if (type == "Split") {
+        pt.kind = PreTokenizer::kSplit;
+        const json& pat = (*p)["pattern"];
+        std::string regex;
+        if (pat.contains("Regex")) {
+          regex = pat["Regex"].get<std::string>();
+        } else if (pat.contains("String")) {
+          // Literal: quote every character.
+          for (char c : pat["String"].get<std::string>()) {
+            if (std::string("\\^$.|?*+()[]{}").find(c) != std::string::npos) regex += '\\';
+            regex += c;
+          }
+        } else {
+          return invalid("pre_tokenizer.Split.pattern", "needs Regex or String");
+        }
+        ASSIGN_OR_RETURN(pt.regex, Regex::Compile(regex, src + ": pre_tokenizer Split"));
+        const std::string beh = p->value("behavior", "Isolated");
+        if (beh == "Isolated")
+          pt.behavior = SplitBehavior::kIsolated;
+        else if (beh == "Removed")
+          pt.behavior = SplitBehavior::kRemoved;
+        else if (beh == "MergedWithPrevious")
+          pt.behavior = SplitBehavior::kMergedWithPrevious;
+        else if (beh == "MergedWithNext")
+          pt.behavior = SplitBehavior::kMergedWithNext;
+        else if (beh == "Contiguous")
+          pt.behavior = SplitBehavior::kContiguous;
+        else
+          return unimplemented("pre_tokenizer.Split.behavior", beh);
+        pt.invert = p->value("invert", false);
+      } else if (type == "Digits") {
+        pt.kind = PreTokenizer::kSplit;
+        const bool individual = p->value("individual_digits", false);
+        ASSIGN_OR_RETURN(pt.regex, Regex::Compile(individual ? "\\p{N}" : "\\p{N}+",
+                                                  src + ": pre_tokenizer Digits"));
+      } else if (type == "ByteLevel") {
+        pt.kind = PreTokenizer::kByteLevel;
+        pt.add_prefix_space = p->value("add_prefix_space", false);
+        if (p->value("use_regex", true)) {
+          ASSIGN_OR_RETURN(pt.regex,
+                           Regex::Compile(kGpt2Pattern, src + ": pre_tokenizer ByteLevel"));
+        }
+      } else {
+        return unimplemented("pre_tokenizer", type);
+      }
+      impl->pre.push_back(std::move(pt));
+    }
+
+    // decoder: only ByteLevel (or none) is meaningful for byte-level BPE.
+    if (j.contains("decoder") && !j["decoder"].is_null()) {
+      const std::string d = j["decoder"].value("type", "");
+      if (d != "ByteLevel") return unimplemented("decoder", d);
+    }
+
+    // post-processor
+    if (j.contains("post_processor") && !j["post_processor"].is_null()) {
+      const json& pp = j["post_processor"];
+      const std::string type = pp.value("type", "");
+      if (type == "TemplateProcessing") {
+        impl->has_template = true;
+        for (const auto& item : pp["single"]) {
+          if (item.contains("Sequence")) {
+            impl->template_ids.push_back({-1});
+          } else if (item.contains("SpecialToken")) {
+            const std::string name = item["SpecialToken"]["id"].get<std::string>();
+            if (!pp["special_tokens"].contains(name))
+              return invalid("post_processor", absl::StrCat("template names \"", name,
+                                                            "\" without special_tokens entry"));
+            impl->template_ids.push_back(
+                pp["special_tokens"][name]["ids"].get<std::vector<int32_t>>());
+          }
+        }
+      } else if (type != "ByteLevel") {
+        return unimplemented("post_processor", type);
+      }
+    }
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(src, ": invalid tokenizer JSON: ", e.what()));
+  }
+  return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
+}
+
+absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(const std::string& text,
+                                                       bool add_special_tokens) const {
+  size_t held = 0;
+  if (SanitizeUtf8(text, false, &held) != text)
+    return absl::InvalidArgumentError("text is not valid UTF-8");
+  const Impl& t = *impl_;
+  std::vector<int32_t> ids;
+  // Split on added tokens: at each position the longest added token wins.
+  size_t seg_begin = 0, i = 0;
+  while (i < text.size()) {
+    const AddedToken* hit = nullptr;
+    for (const AddedToken& a : t.added) {
+      if (text.compare(i, a.content.size(), a.content) == 0) {
+        hit = &a;
+        break;
+      }
+    }
+    if (hit == nullptr) {
+      ++i;
+      continue;
+    }
+    size_t seg_end = i, next = i + hit->content.size();
+    if (hit->lstrip)
+      while (seg_end > seg_begin && IsSpaceByte(text[seg_end - 1])) --seg_end;
+    if (hit->rstrip)
+      while (next < text.size() && IsSpaceByte(text[next])) ++next;
+    if (seg_end > seg_begin)
+      RETURN_IF_ERROR(t.EncodeSegment(text.substr(seg_begin, seg_end - seg_begin), ids));
+    ids.push_back(hit->id);
+    seg_begin = i = next;
+  }
+  if (seg_begin < text.size()) RETURN_IF_ERROR(t.EncodeSegment(text.substr(seg_begin), ids));
+  if (!add_special_tokens || !t.has_template) return ids;
+  std::vector<int32_t> out;
+  for (const auto& part : t.template_ids) {
+    if (part.size() == 1 && part[0] == -1)
+      out.insert(out.end(), ids.begin(), ids.end());
+    else
+      out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
+}
+
+std::optional<int32_t> Tokenizer::TokenToId(const std::string& token) const {
+  for (const AddedToken& a : impl_->added)
+    if (a.content == token) return a.id;
+  auto it = impl_->vocab.find(token);
+  if (it == impl_->vocab.end()) return std::nullopt;
+  return it->second;
+}
+
+bool Tokenizer::IsSpecial(int32_t id) const {
+  auto it = impl_->added_by_id.find(id);
+  return it != impl_->added_by_id.end() && impl_->added[it->second].special;
+}
+
+std::string Tokenizer::TokenBytes(int32_t id, bool skip_special_tokens) const {
+  auto it = impl_->added_by_id.find(id);
+  if (it != impl_->added_by_id.end()) {
+    const AddedToken& a = impl_->added[it->second];
+    return a.special && skip_special_tokens ? std::string() : a.content;
+  }
+  if (id < 0 || id >= vocab_size_) return std::string();
+  std::string out;
+  for (const std::string& ch : Chars(impl_->id_to_token[static_cast<size_t>(id)])) {
+    auto b = Bytes().to_byte.find(CodePoint(ch));
+    if (b != Bytes().to_byte.end())
+      out.push_back(static_cast<char>(b->second));
+    else
+      out += ch;
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int32_t> ids,
+                                              bool skip_special_tokens) const {
+  std::string bytes;
+  for (int32_t id : ids) {
+    if (id < 0 || id >= vocab_size_)
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id ", id, " is outside the vocabulary [0, ", vocab_size_, ")"));
+    bytes += TokenBytes(id, skip_special_tokens);
+  }
+  return SanitizeUtf8(bytes);
+}
+
+std::string SanitizeUtf8(const std::string& s, bool hold_incomplete_tail, size_t* held) {
+  std::string out;
+  out.reserve(s.size());
+  if (held) *held = 0;
+  for (size_t i = 0; i < s.size();) {
+    size_t bad = 0;
+    const int n = Utf8Sequence(s, i, &bad);
+    if (n > 0) {
+      out.append(s, i, static_cast<size_t>(n));
+      i += static_cast<size_t>(n);
+    } else if (n < 0) {  // truncated at the end of input
+      if (hold_incomplete_tail) {
+        if (held) *held = s.size() - i;
+        return out;
+      }
+      out += kReplacement;
+      if (held) *held = 0;
+      i = s.size();
+    } else {
+      out += kReplacement;
+      i = bad;
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> StreamDecoder::Push(int32_t id) {
+  if (id < 0 || id >= tokenizer_.vocab_size())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token id ", id, " is outside the vocabulary [0, ", tokenizer_.vocab_size(), ")"));
+  pending_ += tokenizer_.TokenBytes(id, skip_special_);
+  size_t held = 0;
+  std::string ready = SanitizeUtf8(pending_, /*hold_incomplete_tail=*/true, &held);
+  pending_.erase(0, pending_.size() - held);
+  return ready;
+}
+
+std::string StreamDecoder::Finish() {
+  std::string out = SanitizeUtf8(pending_);
+  pending_.clear();
+  return out;
+}
+
+}  // namespace hmoe

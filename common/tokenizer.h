@@ -1,0 +1,77 @@
+// Hugging Face tokenizer.json, byte-level BPE (GPT-2 / Qwen2 / DeepSeek-V3 style):
+// added tokens matched first (leftmost, longest), then the pre-tokenizer chain
+// (Split by regex with PCRE2 in UTF + Unicode-property mode, Digits, ByteLevel),
+// then BPE merges by rank; decoding maps byte-level characters back to bytes.
+//
+// Supported: normalizer null; pre_tokenizer Split / Digits / ByteLevel (alone or
+// in a Sequence); model BPE (merges as "a b" strings or [a, b] pairs,
+// ignore_merges); decoder ByteLevel; post_processor TemplateProcessing (single
+// sequence) or ByteLevel. Anything else -> UNIMPLEMENTED naming it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace hmoe {
+
+class Tokenizer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromFile(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(const std::string& json_text,
+                                                             const std::string& source);
+  ~Tokenizer();
+
+  // Text must be valid UTF-8 (else INVALID_ARGUMENT). add_special_tokens applies
+  // the post-processor template (e.g. a leading BOS).
+  absl::StatusOr<std::vector<int32_t>> Encode(const std::string& text,
+                                              bool add_special_tokens = false) const;
+  // Ids out of range -> INVALID_ARGUMENT naming the id. Invalid UTF-8 in the
+  // decoded bytes becomes U+FFFD (one per maximal invalid subsequence).
+  absl::StatusOr<std::string> Decode(absl::Span<const int32_t> ids,
+                                     bool skip_special_tokens = false) const;
+
+  int32_t vocab_size() const { return vocab_size_; }  // max id + 1
+  std::optional<int32_t> TokenToId(const std::string& token) const;
+  bool IsSpecial(int32_t id) const;
+  // Raw bytes one token decodes to (special tokens: their text; empty if skipped).
+  std::string TokenBytes(int32_t id, bool skip_special_tokens) const;
+
+ private:
+  struct Impl;
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  int32_t vocab_size_ = 0;
+};
+
+// Incremental detokenization for streaming: Push() returns only text that is
+// complete, valid UTF-8; bytes of a split multi-byte character are held back
+// until the rest arrives. Invalid bytes come out as U+FFFD, so output is never
+// broken UTF-8 and the concatenation of all Push() results plus Finish()
+// equals Decode() of all ids.
+class StreamDecoder {
+ public:
+  explicit StreamDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = false)
+      : tokenizer_(tokenizer), skip_special_(skip_special_tokens) {}
+  absl::StatusOr<std::string> Push(int32_t id);
+  std::string Finish();  // whatever is held back, made valid
+
+ private:
+  const Tokenizer& tokenizer_;
+  bool skip_special_;
+  std::string pending_;
+};
+
+// Replaces invalid UTF-8 with U+FFFD (maximal-subpart rule, like Rust's
+// from_utf8_lossy). If `hold_incomplete_tail`, a truncated but so-far-valid
+// sequence at the end is not emitted; its length goes to *held.
+std::string SanitizeUtf8(const std::string& bytes, bool hold_incomplete_tail = false,
+                         size_t* held = nullptr);
+
+}  // namespace hmoe

@@ -1,0 +1,261 @@
+#include "common/transport/grpc_client.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/expert.grpc.pb.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
+
+namespace hmoe {
+namespace pb = ::hmoe::expert::v1;
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+namespace {
+void SetDeadline(grpc::ClientContext& ctx, absl::Duration timeout) {
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::microseconds(absl::ToInt64Microseconds(timeout)));
+}
+}  // namespace
+
+struct ControlClient::Stubs {
+  std::unique_ptr<pb::ExpertControl::Stub> control;
+  std::unique_ptr<::grpc::health::v1::Health::Stub> health;
+};
+
+ControlClient::ControlClient(std::shared_ptr<grpc::Channel> channel) : stubs_(new Stubs) {
+  stubs_->control = pb::ExpertControl::NewStub(channel);
+  stubs_->health = ::grpc::health::v1::Health::NewStub(channel);
+}
+ControlClient::~ControlClient() = default;
+
+absl::StatusOr<ShardInfo> ControlClient::Describe(absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, timeout);
+  pb::ShardDescription d;
+  grpc::Status st = stubs_->control->Describe(&ctx, pb::DescribeRequest(), &d);
+  if (!st.ok()) return FromGrpcStatus(st);
+  ShardInfo info;
+  info.model_type = d.model_type();
+  info.hidden = d.hidden();
+  info.intermediate = d.intermediate();
+  info.num_experts = d.num_experts();
+  info.top_k = d.top_k();
+  info.moe_layers.assign(d.moe_layers().begin(), d.moe_layers().end());
+  info.shard_index = d.shard_index();
+  info.num_shards = d.num_shards();
+  info.split = d.split() == pb::SPLIT_EP ? SplitMode::kEp : SplitMode::kTp;
+  info.expert_begin = d.expert_begin();
+  info.expert_end = d.expert_end();
+  info.i_begin = d.i_begin();
+  info.i_end = d.i_end();
+  info.max_tokens = d.max_tokens();
+  info.weight_format = d.weight_format();
+  info.pid = d.pid();
+  info.shm_available = d.shm_available();
+  info.ucx_available = d.ucx_available();
+  return info;
+}
+
+absl::StatusOr<ShardStats> ControlClient::Stats(absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, timeout);
+  pb::Stats s;
+  grpc::Status st = stubs_->control->GetStats(&ctx, pb::StatsRequest(), &s);
+  if (!st.ok()) return FromGrpcStatus(st);
+  ShardStats r;
+  r.requests = s.requests();
+  r.failed = s.failed();
+  r.invalid = s.invalid();
+  r.tokens = s.tokens();
+  r.compute_ns = s.compute_ns();
+  r.in_flight = s.in_flight();
+  r.shm_sessions = s.shm_sessions();
+  r.shm_discarded = s.shm_discarded();
+  r.ucx_endpoints = s.ucx_endpoints();
+  r.ucx_peer_failures = s.ucx_peer_failures();
+  r.grpc_streams = s.grpc_streams();
+  return r;
+}
+
+Health ControlClient::Check(const std::string& service, absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, timeout);
+  ::grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  ::grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status st = stubs_->health->Check(&ctx, req, &resp);
+  if (!st.ok()) return Health::kNotServing;
+  return resp.status() == ::grpc::health::v1::HealthCheckResponse::SERVING ? Health::kServing
+                                                                            : Health::kNotServing;
+}
+
+absl::StatusOr<uint64_t> ControlClient::AttachShm(const std::string& path, int64_t pid,
+                                                  absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, timeout);
+  pb::AttachShmRequest req;
+  req.set_path(path);
+  req.set_client_pid(pid);
+  pb::AttachShmResponse resp;
+  grpc::Status st = stubs_->control->AttachShm(&ctx, req, &resp);
+  if (!st.ok()) return FromGrpcStatus(st);
+  return resp.epoch();
+}
+
+absl::StatusOr<std::string> ControlClient::UcxConnect(const std::string& client_address,
+                                                      uint64_t client_id, absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, timeout);
+  pb::UcxConnectRequest req;
+  req.set_client_worker_address(client_address);
+  req.set_client_id(client_id);
+  pb::UcxConnectResponse resp;
+  grpc::Status st = stubs_->control->UcxConnect(&ctx, req, &resp);
+  if (!st.ok()) return FromGrpcStatus(st);
+  return resp.server_worker_address();
+}
+
+// ---- data plane --------------------------------------------------------------
+
+struct GrpcStreamClient::Stream {
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<pb::MoeRequest, pb::MoeResponse>> rw;
+};
+
+GrpcStreamClient::GrpcStreamClient(std::shared_ptr<grpc::Channel> channel, int64_t hidden)
+    : channel_(std::move(channel)), hidden_(hidden) {}
+
+GrpcStreamClient::~GrpcStreamClient() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stream_) stream_->ctx.TryCancel();
+  }
+  if (reader_.joinable()) reader_.join();
+}
+
+absl::Status GrpcStreamClient::EnsureStream() {
+  if (!broken_) return absl::OkStatus();
+  if (reader_.joinable()) {
+    // The old reader has failed every pending call and is exiting.
+    mu_.unlock();
+    reader_.join();
+    mu_.lock();
+    if (!broken_) return absl::OkStatus();
+  }
+  auto s = std::make_unique<Stream>();
+  auto stub = pb::ExpertData::NewStub(channel_);
+  s->rw = stub->Moe(&s->ctx);
+  if (!s->rw) return absl::UnavailableError("expert service: cannot open the MoE stream");
+  stream_ = std::move(s);
+  broken_ = false;
+  reader_ = std::thread(&GrpcStreamClient::ReadLoop, this, stream_.get());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* out) {
+  pb::MoeRequest req;
+  req.set_layer(call.layer);
+  req.set_tokens(call.tokens);
+  req.set_top_k(call.top_k);
+  req.set_hidden(call.hidden, call.hidden_bytes);
+  req.set_expert_ids(call.ids, call.ids_bytes);
+  req.set_expert_weights(call.weights, call.weights_bytes);
+  uint64_t id;
+  Stream* s;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    absl::Status st = EnsureStream();
+    if (!st.ok()) return st;
+    id = next_id_++;
+    Pending& p = pending_[id];
+    p.out = out;
+    p.elems = static_cast<int64_t>(call.tokens > 0 ? call.tokens : 0) * hidden_;
+    s = stream_.get();
+  }
+  req.set_request_id(id);
+  bool ok;
+  {
+    std::lock_guard<std::mutex> wlock(write_mu_);
+    ok = s->rw->Write(req);
+  }
+  if (!ok) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(id);
+    if (it != pending_.end() && !it->second.done) {
+      it->second.done = true;
+      it->second.status = absl::UnavailableError("expert service: MoE stream closed");
+    }
+  }
+  return id;
+}
+
+void GrpcStreamClient::ReadLoop(Stream* s) {
+  pb::MoeResponse resp;
+  while (s->rw->Read(&resp)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(resp.request_id());
+    if (it == pending_.end()) continue;  // abandoned after a deadline
+    Pending& p = it->second;
+    if (resp.code() != 0) {
+      p.status = absl::Status(static_cast<absl::StatusCode>(resp.code()), resp.message());
+    } else if (static_cast<int64_t>(resp.out().size()) != p.elems * 4) {
+      p.status = absl::InternalError(absl::StrCat("expert service: response of ", resp.out().size(),
+                                                  " bytes, expected ", p.elems * 4));
+    } else {
+      std::memcpy(p.out, resp.out().data(), resp.out().size());
+    }
+    p.done = true;
+    cv_.notify_all();
+  }
+  grpc::Status st = s->rw->Finish();
+  std::lock_guard<std::mutex> lock(mu_);
+  broken_ = true;
+  for (auto& [id, p] : pending_) {
+    if (!p.done) {
+      p.done = true;
+      p.status = absl::UnavailableError(
+          absl::StrCat("expert service: MoE stream ended: ", st.error_message()));
+    }
+  }
+  cv_.notify_all();
+}
+
+absl::Status GrpcStreamClient::Wait(uint64_t handle, absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = pending_.find(handle);
+  if (it == pending_.end()) return absl::InvalidArgumentError("unknown handle");
+  const auto until = absl::ToChronoTime(deadline);
+  while (!it->second.done) {
+    if (cv_.wait_until(lock, until) == std::cv_status::timeout && !it->second.done) {
+      pending_.erase(it);
+      return absl::DeadlineExceededError("expert service (grpc): no answer before the deadline");
+    }
+  }
+  absl::Status st = it->second.status;
+  pending_.erase(it);
+  return st;
+}
+
+}  // namespace hmoe

@@ -1,0 +1,507 @@
+#include "common/transport/shm_transport.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "common/transport/grpc_client.h"
+
+namespace hmoe {
+namespace {
+
+constexpr uint64_t kSlotHeaderBytes = 256;
+uint64_t Align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+uint64_t NowNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+// Shared (not PRIVATE) futex ops: the word lives in a MAP_SHARED file mapping.
+void FutexWait(std::atomic<uint32_t>* addr, uint32_t expected, int64_t timeout_ns) {
+  timespec ts{static_cast<time_t>(timeout_ns / 1000000000), static_cast<long>(timeout_ns % 1000000000)};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+void FutexWake(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+int PidfdOpen(int32_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
+
+// True if the process behind `pidfd` (or, without one, `pid`) has exited.
+bool PeerExited(int pidfd, int32_t pid) {
+  if (pidfd >= 0) {
+    pollfd p{pidfd, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
+  return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH;
+}
+
+ShmSlot* SlotAt(uint8_t* base, const ShmHeader* h, uint32_t i) {
+  return reinterpret_cast<ShmSlot*>(base + h->slots_offset + uint64_t{i} * h->slot_bytes);
+}
+
+void SetMessage(ShmSlot* s, const absl::Status& st) {
+  s->code = static_cast<int32_t>(st.code());
+  const size_t n = std::min(st.message().size(), sizeof(s->msg));
+  std::memcpy(s->msg, st.message().data(), n);
+  s->msg_len = static_cast<uint32_t>(n);
+}
+
+}  // namespace
+
+uint64_t ShmGeometry::req_capacity() const {
+  const uint64_t t = static_cast<uint64_t>(max_tokens), k = static_cast<uint64_t>(max_top_k);
+  return Align(t * static_cast<uint64_t>(hidden) * 2, 64) + Align(t * k * 4, 64) * 2;
+}
+uint64_t ShmGeometry::resp_capacity() const {
+  return Align(static_cast<uint64_t>(max_tokens) * static_cast<uint64_t>(hidden) * 4, 64);
+}
+uint64_t ShmGeometry::slot_bytes() const {
+  return Align(kSlotHeaderBytes + req_capacity() + resp_capacity(), 4096);
+}
+uint64_t ShmGeometry::total_bytes() const { return 4096 + uint64_t{slots} * slot_bytes(); }
+
+// ---- server -------------------------------------------------------------------
+
+struct ShmServer::Session {
+  std::string path;
+  uint8_t* base = nullptr;
+  uint64_t size = 0;
+  int client_pidfd = -1;
+  int32_t client_pid = 0;
+  uint64_t epoch = 0;
+  std::atomic<bool> stop{false};
+  std::atomic<bool> finished{false};
+  std::thread thread;
+  ~Session() {
+    if (base) munmap(base, size);
+    if (client_pidfd >= 0) ::close(client_pidfd);
+  }
+};
+
+ShmServer::ShmServer(MoeHandler* handler) : handler_(handler) {
+  std::random_device rd;
+  next_epoch_ = (uint64_t{rd()} << 32 | rd()) | 1;
+}
+
+ShmServer::~ShmServer() {
+  stop_ = true;
+  std::map<uint64_t, std::unique_ptr<Session>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all.swap(sessions_);
+  }
+  for (auto& [id, s] : all) {
+    s->stop = true;
+    auto* h = reinterpret_cast<ShmHeader*>(s->base);
+    h->closed.store(1);
+    h->doorbell.fetch_add(1);
+    FutexWake(&h->doorbell);
+    if (s->thread.joinable()) s->thread.join();
+  }
+}
+
+uint64_t ShmServer::sessions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t n = 0;
+  for (auto& [id, s] : sessions_) n += !s->finished.load();
+  return n;
+}
+
+absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t client_pid) {
+  if (path.rfind("/dev/shm/", 0) != 0 || path.find("..") != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("path: \"", path, "\" is not under /dev/shm/"));
+  }
+  if (client_pid <= 0) return absl::InvalidArgumentError("client_pid: must be > 0");
+  auto s = std::make_unique<Session>();
+  s->path = path;
+  s->client_pid = static_cast<int32_t>(client_pid);
+  s->client_pidfd = PidfdOpen(s->client_pid);
+  if (s->client_pidfd < 0 && errno == ESRCH) {
+    return absl::InvalidArgumentError(absl::StrCat("client_pid: ", client_pid, " is not running"));
+  }
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+      static_cast<uint64_t>(st.st_size) < sizeof(ShmHeader)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a segment (too small or not a file)"));
+  }
+  s->size = static_cast<uint64_t>(st.st_size);
+  void* p = mmap(nullptr, s->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) return absl::InternalError(absl::StrCat(path, ": mmap: ", std::strerror(errno)));
+  s->base = static_cast<uint8_t*>(p);
+  auto* h = reinterpret_cast<ShmHeader*>(s->base);
+  const ShardInfo& info = handler_->info();
+  // Header geometry is client-written: check it describes slots inside the file.
+  if (h->magic != kShmMagic || h->version != kShmVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": bad magic/version"));
+  }
+  if (h->hidden != info.hidden) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": hidden ", h->hidden, " != the shard's ", info.hidden));
+  }
+  const unsigned __int128 end =
+      static_cast<unsigned __int128>(h->slots_offset) +
+      static_cast<unsigned __int128>(h->num_slots) * h->slot_bytes;
+  if (h->num_slots == 0 || h->num_slots > 4096 || h->slots_offset < sizeof(ShmHeader) ||
+      h->slots_offset % 64 != 0 || h->slot_bytes % 64 != 0 || end > s->size ||
+      h->req_capacity > h->slot_bytes || h->resp_offset % 64 != 0 ||
+      h->resp_offset < kSlotHeaderBytes + h->req_capacity ||
+      static_cast<unsigned __int128>(h->resp_offset) + h->resp_capacity > h->slot_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": slot geometry outside the segment"));
+  }
+  s->epoch = next_epoch_.fetch_add(2);
+  h->epoch.store(s->epoch);
+  h->server_pid.store(static_cast<int32_t>(::getpid()));
+  h->server_heartbeat_ns.store(NowNs());
+  const uint64_t epoch = s->epoch;
+  Session* raw = s.get();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Reap sessions whose thread ended.
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      if (it->second->finished.load()) {
+        it->second->thread.join();
+        it = sessions_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    sessions_[epoch] = std::move(s);
+  }
+  raw->thread = std::thread(&ShmServer::Serve, this, raw);
+  return epoch;
+}
+
+void ShmServer::Serve(Session* s) {
+  auto* h = reinterpret_cast<ShmHeader*>(s->base);
+  const uint32_t n = h->num_slots;
+  const uint64_t slot_bytes = h->slot_bytes, req_cap = h->req_capacity,
+                 resp_off = h->resp_offset, resp_cap = h->resp_capacity;
+  uint32_t next = 0;
+  bool client_gone = false;
+  while (!s->stop.load() && !stop_.load()) {
+    const uint32_t bell = h->doorbell.load(std::memory_order_acquire);
+    bool worked = false;
+    for (uint32_t j = 0; j < n; ++j) {
+      const uint32_t i = (next + j) % n;
+      ShmSlot* slot = SlotAt(s->base, h, i);
+      uint32_t expect = kSlotRequest;
+      if (!slot->state.compare_exchange_strong(expect, kSlotBusy, std::memory_order_acq_rel)) continue;
+      worked = true;
+      next = i + 1;
+      uint8_t* data = reinterpret_cast<uint8_t*>(slot) + kSlotHeaderBytes;
+      // Copy the client-written description once, then check every range.
+      const uint64_t ho = slot->hidden_off, hb = slot->hidden_bytes, io = slot->ids_off,
+                     ib = slot->ids_bytes, wo = slot->weights_off, wb = slot->weights_bytes;
+      MoeCall call;
+      call.layer = slot->layer;
+      call.tokens = slot->tokens;
+      call.top_k = slot->top_k;
+      absl::Status st;
+      auto in_range = [&](uint64_t off, uint64_t len, uint64_t align) {
+        return off <= req_cap && len <= req_cap - off && off % align == 0;
+      };
+      if (!in_range(ho, hb, 2)) {
+        st = absl::InvalidArgumentError("hidden: offset/length outside the slot's request region");
+      } else if (!in_range(io, ib, 4)) {
+        st = absl::InvalidArgumentError("expert_ids: offset/length outside the slot's request region");
+      } else if (!in_range(wo, wb, 4)) {
+        st = absl::InvalidArgumentError(
+            "expert_weights: offset/length outside the slot's request region");
+      } else if (call.tokens > 0 &&
+                 static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(h->hidden) * 4 > resp_cap) {
+        st = absl::InvalidArgumentError(absl::StrCat(
+            "tokens: ", call.tokens, " exceeds the segment's response capacity (",
+            resp_cap / (static_cast<uint64_t>(h->hidden) * 4), " tokens)"));
+      } else {
+        call.hidden = reinterpret_cast<const uint16_t*>(data + ho);
+        call.hidden_bytes = hb;
+        call.ids = reinterpret_cast<const int32_t*>(data + io);
+        call.ids_bytes = ib;
+        call.weights = reinterpret_cast<const float*>(data + wo);
+        call.weights_bytes = wb;
+        uint64_t ns = 0;
+        float* out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(slot) + resp_off);
+        st = handler_->Handle(call, out, &ns);
+        slot->compute_ns = ns;
+        slot->out_bytes = st.ok() ? static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(h->hidden) * 4 : 0;
+      }
+      (void)slot_bytes;
+      SetMessage(slot, st);
+      slot->epoch = s->epoch;
+      slot->state.store(kSlotDone, std::memory_order_release);
+      if (slot->client_sleeping.load()) FutexWake(&slot->state);
+    }
+    if (worked) continue;
+    // Idle: spin briefly on the doorbell, then sleep on it.
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+    while (h->doorbell.load(std::memory_order_acquire) == bell &&
+           std::chrono::steady_clock::now() < spin_until) {
+    }
+    if (h->doorbell.load(std::memory_order_acquire) != bell) continue;
+    h->server_sleeping.store(1);
+    FutexWait(&h->doorbell, bell, 50'000'000);
+    h->server_sleeping.store(0);
+    h->server_heartbeat_ns.store(NowNs());
+    if (PeerExited(s->client_pidfd, s->client_pid) || h->closed.load()) {
+      client_gone = true;
+      break;
+    }
+  }
+  if (client_gone) {
+    // The worker is gone: whatever it left half-written is dropped with the segment.
+    ::unlink(s->path.c_str());
+    discarded_.fetch_add(1);
+  }
+  s->finished.store(true);
+}
+
+// ---- client -------------------------------------------------------------------
+
+struct ShmClient::Segment {
+  uint8_t* base = nullptr;
+  uint64_t size = 0;
+  std::string path;
+  int server_pidfd = -1;
+  int32_t server_pid = 0;
+  uint64_t epoch = 0;
+  std::vector<int> owner;  // per slot: 0 free, 1 in use, 2 abandoned (reclaim once DONE)
+  std::atomic<bool> dead{false};
+  ShmHeader* header() const { return reinterpret_cast<ShmHeader*>(base); }
+  ~Segment() {
+    if (base) {
+      header()->closed.store(1);
+      header()->doorbell.fetch_add(1);
+      FutexWake(&header()->doorbell);
+      munmap(base, size);
+    }
+    if (!path.empty()) ::unlink(path.c_str());
+    if (server_pidfd >= 0) ::close(server_pidfd);
+  }
+};
+
+void* ShmClient::segment() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seg_ ? seg_->base : nullptr;
+}
+
+absl::StatusOr<std::unique_ptr<ShmClient>> ShmClient::Create(std::shared_ptr<ControlClient> control,
+                                                             const ShardInfo& info,
+                                                             const ShmClientOptions& opts) {
+  auto c = std::unique_ptr<ShmClient>(new ShmClient());
+  c->control_ = std::move(control);
+  c->opts_ = opts;
+  c->geo_.slots = opts.slots;
+  c->geo_.hidden = info.hidden;
+  c->geo_.max_tokens = opts.max_tokens > 0 ? opts.max_tokens : info.max_tokens;
+  c->geo_.max_top_k = info.top_k;
+  std::lock_guard<std::mutex> lock(c->mu_);
+  absl::Status st = c->Connect();
+  if (!st.ok()) return st;
+  return c;
+}
+
+ShmClient::~ShmClient() = default;
+
+absl::Status ShmClient::Connect() {
+  static std::atomic<uint64_t> counter{0};
+  auto seg = std::make_shared<Segment>();
+  seg->path = absl::StrCat("/dev/shm/hmoe-", ::getpid(), "-", counter.fetch_add(1), "-",
+                           NowNs() % 1000000007);
+  seg->size = geo_.total_bytes();
+  const int fd = ::open(seg->path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return absl::InternalError(absl::StrCat(seg->path, ": ", std::strerror(errno)));
+  if (ftruncate(fd, static_cast<off_t>(seg->size)) != 0) {
+    ::close(fd);
+    ::unlink(seg->path.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat(seg->path, ": ftruncate: ", std::strerror(errno)));
+  }
+  void* p = mmap(nullptr, seg->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    ::unlink(seg->path.c_str());
+    return absl::InternalError(absl::StrCat(seg->path, ": mmap: ", std::strerror(errno)));
+  }
+  seg->base = static_cast<uint8_t*>(p);
+  ShmHeader* h = seg->header();
+  h->magic = kShmMagic;
+  h->version = kShmVersion;
+  h->num_slots = geo_.slots;
+  h->slot_bytes = geo_.slot_bytes();
+  h->slots_offset = 4096;
+  h->req_capacity = geo_.req_capacity();
+  h->resp_offset = Align(kSlotHeaderBytes + geo_.req_capacity(), 64);
+  h->resp_capacity = geo_.resp_capacity();
+  h->total_bytes = seg->size;
+  h->hidden = geo_.hidden;
+  h->client_pid.store(static_cast<int32_t>(::getpid()));
+  h->client_heartbeat_ns.store(NowNs());
+  seg->owner.assign(geo_.slots, 0);
+  // The service's pid may have changed since the last connection: ask again.
+  auto info = control_->Describe(absl::Seconds(2));
+  if (!info.ok()) return absl::UnavailableError(absl::StrCat("shm: describe: ", info.status().message()));
+  seg->server_pid = static_cast<int32_t>(info->pid);
+  seg->server_pidfd = PidfdOpen(seg->server_pid);
+  auto epoch = control_->AttachShm(seg->path, ::getpid(), absl::Seconds(2));
+  if (!epoch.ok()) {
+    return absl::Status(epoch.status().code() == absl::StatusCode::kDeadlineExceeded
+                            ? absl::StatusCode::kUnavailable
+                            : epoch.status().code(),
+                        absl::StrCat("shm: attach: ", epoch.status().message()));
+  }
+  seg->epoch = *epoch;
+  seg_ = std::move(seg);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> ShmClient::Submit(const MoeCall& call, float* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (seg_ && (seg_->dead.load() || PeerExited(seg_->server_pidfd, seg_->server_pid))) {
+    seg_.reset();  // discard: the service is gone
+  }
+  if (!seg_) {
+    absl::Status st = Connect();
+    if (!st.ok()) return st;
+  }
+  Segment& seg = *seg_;
+  ShmHeader* h = seg.header();
+  const uint64_t hb = call.hidden_bytes, ib = call.ids_bytes, wb = call.weights_bytes;
+  const uint64_t ho = 0, io = Align(hb, 64), wo = io + Align(ib, 64);
+  if (wo + wb > h->req_capacity) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tokens: ", call.tokens, " (", wo + wb, " request bytes) over the shared-memory slot capacity of ",
+        h->req_capacity, " bytes (", geo_.max_tokens, " tokens)"));
+  }
+  // A free slot, reclaiming abandoned ones the server has finished.
+  int slot_index = -1;
+  for (uint32_t i = 0; i < h->num_slots && slot_index < 0; ++i) {
+    ShmSlot* s = SlotAt(seg.base, h, i);
+    if (seg.owner[i] == 2 && s->state.load(std::memory_order_acquire) == kSlotDone) seg.owner[i] = 0;
+    if (seg.owner[i] == 0) slot_index = static_cast<int>(i);
+  }
+  if (slot_index < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shm: all ", h->num_slots, " slots busy (calls in flight or abandoned)"));
+  }
+  const uint32_t i = static_cast<uint32_t>(slot_index);
+  ShmSlot* s = SlotAt(seg.base, h, i);
+  uint8_t* data = reinterpret_cast<uint8_t*>(s) + kSlotHeaderBytes;
+  if (hb) std::memcpy(data + ho, call.hidden, hb);
+  if (ib) std::memcpy(data + io, call.ids, ib);
+  if (wb) std::memcpy(data + wo, call.weights, wb);
+  const uint64_t seq = next_seq_++;
+  s->seq = seq;
+  s->layer = call.layer;
+  s->tokens = call.tokens;
+  s->top_k = call.top_k;
+  s->hidden_off = ho;
+  s->hidden_bytes = hb;
+  s->ids_off = io;
+  s->ids_bytes = ib;
+  s->weights_off = wo;
+  s->weights_bytes = wb;
+  s->client_sleeping.store(0);
+  s->state.store(kSlotRequest, std::memory_order_release);
+  h->doorbell.fetch_add(1, std::memory_order_acq_rel);
+  if (h->server_sleeping.load()) FutexWake(&h->doorbell);
+  seg.owner[i] = 1;
+  Outstanding& o = outstanding_[seq];
+  o.seg = seg_;
+  o.slot = i;
+  o.seq = seq;
+  o.out = out;
+  o.out_bytes = static_cast<int64_t>(call.tokens > 0 ? call.tokens : 0) * geo_.hidden * 4;
+  h->client_heartbeat_ns.store(NowNs());
+  return seq;
+}
+
+absl::Status ShmClient::Wait(uint64_t handle, absl::Time deadline) {
+  Outstanding o;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = outstanding_.find(handle);
+    if (it == outstanding_.end()) return absl::InvalidArgumentError("unknown handle");
+    o = std::move(it->second);
+    outstanding_.erase(it);
+  }
+  Segment& seg = *o.seg;
+  ShmHeader* h = seg.header();
+  ShmSlot* s = SlotAt(seg.base, h, o.slot);
+  const auto until = absl::ToChronoTime(deadline);
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(opts_.spin_us);
+  absl::Status result;
+  bool done = false;
+  while (true) {
+    if (s->state.load(std::memory_order_acquire) == kSlotDone) {
+      done = true;
+      break;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now < spin_until) continue;
+    if (std::chrono::system_clock::now() >= until) {
+      result = absl::DeadlineExceededError("expert service (shm): no answer before the deadline");
+      break;
+    }
+    if (seg.dead.load() || PeerExited(seg.server_pidfd, seg.server_pid)) {
+      seg.dead.store(true);
+      result = absl::UnavailableError(absl::StrCat("expert service (shm): server pid ",
+                                                   seg.server_pid, " exited; segment discarded"));
+      break;
+    }
+    s->client_sleeping.store(1);
+    const int64_t left = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             until - std::chrono::system_clock::now())
+                             .count();
+    uint32_t cur = s->state.load(std::memory_order_acquire);
+    if (cur != kSlotDone) FutexWait(&s->state, cur, std::clamp<int64_t>(left, 1000, 20'000'000));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!done) {
+    if (seg.dead.load()) {
+      if (seg_.get() == &seg) seg_.reset();  // the last holder unmaps and unlinks it
+    } else {
+      seg.owner[o.slot] = 2;  // reclaimed once the server finishes it
+    }
+    return result;
+  }
+  if (s->seq != o.seq || s->epoch != seg.epoch) {
+    seg.owner[o.slot] = 0;
+    s->state.store(kSlotFree);
+    return absl::DataLossError("expert service (shm): slot answered for another request/epoch");
+  }
+  if (s->code != 0) {
+    result = absl::Status(static_cast<absl::StatusCode>(s->code),
+                          std::string(s->msg, std::min<size_t>(s->msg_len, sizeof(s->msg))));
+  } else if (static_cast<int64_t>(s->out_bytes) != o.out_bytes ||
+             s->out_bytes > h->resp_capacity) {
+    result = absl::InternalError("expert service (shm): response size mismatch");
+  } else {
+    std::memcpy(o.out, reinterpret_cast<uint8_t*>(s) + h->resp_offset, s->out_bytes);
+  }
+  s->state.store(kSlotFree, std::memory_order_release);
+  seg.owner[o.slot] = 0;
+  return result;
+}
+
+}  // namespace hmoe

@@ -1,0 +1,166 @@
+// Shared-memory data plane (same host).
+//
+// The worker creates a segment (a file under /dev/shm), sizes it for its
+// largest call, and hands its path and pid to the service over the control
+// plane (ExpertControl.AttachShm); the service maps it and serves it from one
+// thread per segment. Layout (all offsets from the segment base, page-aligned
+// so the worker can cudaHostRegister the whole segment and let the GPU copy
+// straight into a slot's request region and out of its response region):
+//
+//   [0, 4096)            ShmHeader: magic, version, geometry, epoch, pids,
+//                        doorbell futex, heartbeats
+//   slots_offset + i * slot_bytes, i < num_slots:
+//     [0, 256)           ShmSlot: state futex, sequence, epoch, call shape,
+//                        request offsets/lengths, status, timings
+//     [256, 256 + req_capacity)        request region: hidden | ids | weights
+//     [resp_offset, resp_offset + resp_capacity)  response region: f32 [T][H]
+//
+// Protocol per slot: FREE -> (client) REQUEST -> (server) BUSY -> DONE ->
+// (client, after reading) FREE. Doorbells: the client bumps header.doorbell
+// and futex-wakes the server; the server sets slot.state and futex-wakes the
+// client; both spin briefly before sleeping. The server treats every field the
+// client wrote as untrusted: offsets and lengths are bounds-checked against
+// the slot before use.
+//
+// Peer death: each side holds a pidfd of the other (pid from the control
+// plane) and polls it whenever a futex wait times out; heartbeats (steady-clock
+// ns) are written for diagnosis and for peers without pidfd. A dead service
+// fails the client's calls with UNAVAILABLE and the client discards the
+// segment (a later Submit re-attaches a fresh one); a dead client makes the
+// service discard the segment (unmap, unlink). A stopped (SIGSTOP) service is
+// not dead: waits end in DEADLINE_EXCEEDED.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/transport/moe_call.h"
+
+namespace hmoe {
+
+class ControlClient;
+
+inline constexpr uint64_t kShmMagic = 0x31304D48534D4F48ull;  // "HOMSHM01"
+inline constexpr uint32_t kShmVersion = 1;
+
+enum ShmSlotState : uint32_t { kSlotFree = 0, kSlotRequest = 1, kSlotBusy = 2, kSlotDone = 3 };
+
+struct alignas(64) ShmHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t num_slots;
+  uint64_t slot_bytes;
+  uint64_t slots_offset;
+  uint64_t req_capacity;
+  uint64_t resp_offset;  // within a slot
+  uint64_t resp_capacity;
+  uint64_t total_bytes;
+  int64_t hidden;
+  std::atomic<uint64_t> epoch;  // written by the server at attach
+  std::atomic<int32_t> server_pid;
+  std::atomic<int32_t> client_pid;
+  std::atomic<uint32_t> doorbell;
+  std::atomic<uint32_t> server_sleeping;
+  std::atomic<uint64_t> server_heartbeat_ns;
+  std::atomic<uint64_t> client_heartbeat_ns;
+  std::atomic<uint32_t> closed;  // either side gave the segment up
+};
+
+struct alignas(64) ShmSlot {
+  std::atomic<uint32_t> state;
+  std::atomic<uint32_t> client_sleeping;
+  uint64_t seq;
+  uint64_t epoch;
+  int32_t layer, tokens, top_k, code;
+  uint64_t hidden_off, hidden_bytes, ids_off, ids_bytes, weights_off, weights_bytes;
+  uint64_t out_bytes;
+  uint64_t compute_ns;
+  uint32_t msg_len;
+  char msg[132];
+};
+static_assert(sizeof(ShmSlot) <= 256);
+
+struct ShmGeometry {
+  uint32_t slots = 4;
+  int64_t hidden = 0;
+  int64_t max_tokens = 256;
+  int64_t max_top_k = 8;
+  uint64_t req_capacity() const;
+  uint64_t resp_capacity() const;
+  uint64_t slot_bytes() const;
+  uint64_t total_bytes() const;
+};
+
+// Service side: one thread per attached segment.
+class ShmServer {
+ public:
+  explicit ShmServer(MoeHandler* handler);
+  ~ShmServer();
+  // Maps `path` (a regular file under /dev/shm), checks its header, starts
+  // serving it; returns the epoch written into it.
+  absl::StatusOr<uint64_t> Attach(const std::string& path, int64_t client_pid);
+  uint64_t sessions() const;
+  uint64_t discarded() const { return discarded_.load(); }
+
+ private:
+  struct Session;
+  void Serve(Session* s);
+  MoeHandler* handler_;
+  mutable std::mutex mu_;
+  std::map<uint64_t, std::unique_ptr<Session>> sessions_;
+  std::atomic<uint64_t> next_epoch_;
+  std::atomic<uint64_t> discarded_{0};
+  std::atomic<bool> stop_{false};
+};
+
+struct ShmClientOptions {
+  uint32_t slots = 4;
+  int64_t max_tokens = 0;  // 0: the shard's max_tokens
+  int spin_us = 30;        // spin before futex sleep
+};
+
+// Worker side.
+class ShmClient : public MoeClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShmClient>> Create(std::shared_ptr<ControlClient> control,
+                                                           const ShardInfo& info,
+                                                           const ShmClientOptions& opts = {});
+  ~ShmClient() override;
+  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out) override;
+  absl::Status Wait(uint64_t handle, absl::Time deadline) override;
+  const char* transport() const override { return "shm"; }
+
+  // The mapped segment (for cudaHostRegister); null while disconnected.
+  void* segment() const;
+  uint64_t segment_bytes() const { return geo_.total_bytes(); }
+
+  struct Segment;  // a mapping + the server's pidfd; unmapped and unlinked when dropped
+
+ private:
+  ShmClient() = default;
+  absl::Status Connect();  // mu_ held
+  struct Outstanding {
+    std::shared_ptr<Segment> seg;
+    uint32_t slot = 0;
+    uint64_t seq = 0;
+    float* out = nullptr;
+    int64_t out_bytes = 0;
+  };
+
+  std::shared_ptr<ControlClient> control_;
+  ShmClientOptions opts_;
+  ShmGeometry geo_;
+  mutable std::mutex mu_;
+  std::shared_ptr<Segment> seg_;
+  uint64_t next_seq_ = 1;
+  std::map<uint64_t, Outstanding> outstanding_;
+};
+
+}  // namespace hmoe

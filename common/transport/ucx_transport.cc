@@ -1,0 +1,597 @@
+#include "common/transport/ucx_transport.h"
+
+#include <sys/epoll.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/transport/grpc_client.h"
+
+namespace hmoe {
+namespace {
+
+constexpr uint16_t kAmRequest = 1;
+constexpr uint16_t kAmResponse = 2;
+
+absl::Status UcsError(const char* what, ucs_status_t s) {
+  return absl::UnavailableError(absl::StrCat("UCX ", what, ": ", ucs_status_string(s)));
+}
+
+// One message received by the worker: header and data copied out of UCX.
+struct Message {
+  std::string header;
+  std::vector<uint8_t> data;
+};
+
+// A UCP context + worker driven by one progress thread. Everything touching
+// UCX runs on that thread; other threads Post() closures to it.
+class Worker {
+ public:
+  using OnMessage = std::function<void(Message&&)>;
+
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(uint16_t am_id, OnMessage on_message,
+                                                        int spin_us) {
+    auto w = std::unique_ptr<Worker>(new Worker());
+    w->on_message_ = std::move(on_message);
+    w->spin_us_ = spin_us;
+    ucp_config_t* config = nullptr;
+    ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+    if (s != UCS_OK) return UcsError("config", s);
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    s = ucp_init(&params, config, &w->context_);
+    ucp_config_release(config);
+    if (s != UCS_OK) return UcsError("init", s);
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    s = ucp_worker_create(w->context_, &wp, &w->worker_);
+    if (s != UCS_OK) return UcsError("worker", s);
+    ucp_address_t* addr = nullptr;
+    size_t len = 0;
+    s = ucp_worker_get_address(w->worker_, &addr, &len);
+    if (s != UCS_OK) return UcsError("worker address", s);
+    w->address_.assign(reinterpret_cast<const char*>(addr), len);
+    ucp_worker_release_address(w->worker_, addr);
+    s = ucp_worker_get_efd(w->worker_, &w->efd_);
+    if (s != UCS_OK) return UcsError("event fd", s);
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = am_id;
+    hp.cb = &Worker::OnAm;
+    hp.arg = w.get();
+    s = ucp_worker_set_am_recv_handler(w->worker_, &hp);
+    if (s != UCS_OK) return UcsError("am handler", s);
+    w->thread_ = std::thread(&Worker::Loop, w.get());
+    return w;
+  }
+
+  ~Worker() {
+    Post([this] { stop_ = true; });
+    if (thread_.joinable()) thread_.join();
+    if (worker_) ucp_worker_destroy(worker_);
+    if (context_) ucp_cleanup(context_);
+  }
+
+  const std::string& address() const { return address_; }
+
+  void Post(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(fn));
+    }
+    ucp_worker_signal(worker_);
+  }
+
+  // Runs fn on the progress thread and waits for it.
+  template <typename T>
+  T Call(std::function<T()> fn) {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    T result{};
+    Post([&] {
+      T r = fn();
+      std::lock_guard<std::mutex> lock(m);
+      result = std::move(r);
+      done = true;
+      cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait(lock, [&] { return done; });
+    return result;
+  }
+
+  // ---- progress thread only ----
+  absl::StatusOr<ucp_ep_h> CreateEp(const std::string& remote, ucp_err_handler_cb_t cb, void* arg) {
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(remote.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = cb;
+    ep.err_handler.arg = arg;
+    ucp_ep_h h = nullptr;
+    ucs_status_t s = ucp_ep_create(worker_, &ep, &h);
+    if (s != UCS_OK) return UcsError("endpoint", s);
+    return h;
+  }
+
+  void CloseEp(ucp_ep_h ep) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
+  }
+
+  // Sends header + payload (owned until completion). on_error runs if the send fails.
+  void Send(ucp_ep_h ep, uint16_t id, std::string header, std::vector<uint8_t> payload,
+            std::function<void(ucs_status_t)> on_error = nullptr) {
+    auto* op = new SendOp{std::move(header), std::move(payload), std::move(on_error)};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    p.cb.send = [](void* req, ucs_status_t s, void* user) {
+      auto* op = static_cast<SendOp*>(user);
+      if (s != UCS_OK && op->on_error) op->on_error(s);
+      delete op;
+      ucp_request_free(req);
+    };
+    p.user_data = op;
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, op->header.data(), op->header.size(),
+                                         op->payload.data(), op->payload.size(), &p);
+    if (r == nullptr) {
+      delete op;
+    } else if (UCS_PTR_IS_ERR(r)) {
+      if (op->on_error) op->on_error(UCS_PTR_STATUS(r));
+      delete op;
+    }
+  }
+
+ private:
+  Worker() = default;
+  struct SendOp {
+    std::string header;
+    std::vector<uint8_t> payload;
+    std::function<void(ucs_status_t)> on_error;
+  };
+  struct RecvOp {
+    Worker* self;
+    Message msg;
+  };
+
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_len, void* data,
+                           size_t len, const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<Worker*>(arg);
+    Message m;
+    m.header.assign(static_cast<const char*>(header), header_len);
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+      auto* op = new RecvOp{self, std::move(m)};
+      op->msg.data.resize(len);
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      p.cb.recv_am = [](void* req, ucs_status_t s, size_t, void* user) {
+        auto* op = static_cast<RecvOp*>(user);
+        if (s == UCS_OK) op->self->on_message_(std::move(op->msg));
+        delete op;
+        ucp_request_free(req);
+      };
+      p.user_data = op;
+      ucs_status_ptr_t r = ucp_am_recv_data_nbx(self->worker_, data, op->msg.data.data(), len, &p);
+      if (r == nullptr) {
+        self->on_message_(std::move(op->msg));
+        delete op;
+      } else if (UCS_PTR_IS_ERR(r)) {
+        delete op;
+      }
+      return UCS_OK;
+    }
+    m.data.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + len);
+    self->on_message_(std::move(m));
+    return UCS_OK;
+  }
+
+  void Loop() {
+    auto last_work = std::chrono::steady_clock::now();
+    while (!stop_) {
+      std::deque<std::function<void()>> tasks;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        tasks.swap(tasks_);
+      }
+      for (auto& t : tasks) t();
+      bool worked = !tasks.empty();
+      while (ucp_worker_progress(worker_) != 0) worked = true;
+      for (auto it = closing_.begin(); it != closing_.end();) {
+        if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
+          ucp_request_free(*it);
+          it = closing_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (worked) {
+        last_work = now;
+        continue;
+      }
+      if (now - last_work < std::chrono::microseconds(spin_us_)) continue;
+      if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!tasks_.empty()) continue;
+      }
+      pollfd_wait(50);
+    }
+    for (auto* r : closing_) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+      ucp_request_free(r);
+    }
+  }
+
+  void pollfd_wait(int ms) {
+    epoll_event ev{};
+    static thread_local int ep = -1;
+    if (ep < 0) {
+      ep = epoll_create1(EPOLL_CLOEXEC);
+      ev.events = EPOLLIN;
+      epoll_ctl(ep, EPOLL_CTL_ADD, efd_, &ev);
+    }
+    epoll_wait(ep, &ev, 1, ms);
+  }
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
+  std::string address_;
+  OnMessage on_message_;
+  int spin_us_ = 50;
+  std::mutex mu_;
+  std::deque<std::function<void()>> tasks_;
+  std::vector<void*> closing_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+// ---- server -------------------------------------------------------------------
+
+struct UcxServer::Impl {
+  MoeHandler* handler = nullptr;
+  std::unique_ptr<Worker> worker;
+  struct Peer {
+    ucp_ep_h ep = nullptr;
+    bool failed = false;
+  };
+  std::map<uint64_t, Peer> peers;  // progress thread only
+  std::atomic<uint64_t> n_endpoints{0}, n_failures{0};
+  std::vector<float> out;
+
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t) {
+    auto* self = static_cast<Impl*>(arg);
+    self->n_failures.fetch_add(1);
+    for (auto it = self->peers.begin(); it != self->peers.end(); ++it) {
+      if (it->second.ep == ep) {
+        self->worker->CloseEp(ep);
+        self->peers.erase(it);
+        self->n_endpoints.fetch_sub(1);
+        break;
+      }
+    }
+  }
+
+  void OnRequest(Message&& m) {
+    UcxRequestHeader h;
+    if (m.header.size() != sizeof(h)) return;  // not ours: no id to answer
+    std::memcpy(&h, m.header.data(), sizeof(h));
+    auto peer = peers.find(h.client_id);
+    if (peer == peers.end()) return;
+    absl::Status st;
+    MoeCall call;
+    call.layer = h.layer;
+    call.tokens = h.tokens;
+    call.top_k = h.top_k;
+    const uint64_t total = m.data.size();
+    if (h.hidden_bytes > total || h.ids_bytes > total - h.hidden_bytes ||
+        h.weights_bytes != total - h.hidden_bytes - h.ids_bytes) {
+      st = absl::InvalidArgumentError(absl::StrCat("hidden/expert_ids/expert_weights: lengths ",
+                                                   h.hidden_bytes, "+", h.ids_bytes, "+",
+                                                   h.weights_bytes, " != payload ", total));
+    }
+    // Align the int32/f32 arrays: copy them out of the byte payload.
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+    std::vector<uint16_t> hidden;
+    uint64_t ns = 0;
+    if (st.ok()) {
+      hidden.resize(h.hidden_bytes / 2 + 1);
+      ids.resize(h.ids_bytes / 4 + 1);
+      weights.resize(h.weights_bytes / 4 + 1);
+      std::memcpy(hidden.data(), m.data.data(), h.hidden_bytes);
+      std::memcpy(ids.data(), m.data.data() + h.hidden_bytes, h.ids_bytes);
+      std::memcpy(weights.data(), m.data.data() + h.hidden_bytes + h.ids_bytes, h.weights_bytes);
+      call.hidden = hidden.data();
+      call.hidden_bytes = h.hidden_bytes;
+      call.ids = ids.data();
+      call.ids_bytes = h.ids_bytes;
+      call.weights = weights.data();
+      call.weights_bytes = h.weights_bytes;
+      const ShardInfo& info = handler->info();
+      const int64_t t = std::clamp<int64_t>(call.tokens, 0, info.max_tokens);
+      out.resize(static_cast<size_t>(t * info.hidden));
+      st = handler->Handle(call, out.data(), &ns);
+    }
+    UcxResponseHeader r{};
+    r.request_id = h.request_id;
+    r.code = static_cast<int32_t>(st.code());
+    r.compute_ns = ns;
+    std::vector<uint8_t> payload;
+    if (st.ok()) {
+      r.out_bytes = static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(handler->info().hidden) * 4;
+      payload.resize(r.out_bytes);
+      std::memcpy(payload.data(), out.data(), r.out_bytes);
+    } else {
+      r.msg_len = static_cast<uint32_t>(st.message().size());
+      payload.assign(st.message().begin(), st.message().end());
+    }
+    worker->Send(peer->second.ep, kAmResponse,
+                 std::string(reinterpret_cast<const char*>(&r), sizeof(r)), std::move(payload));
+  }
+};
+
+absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler) {
+  auto s = std::unique_ptr<UcxServer>(new UcxServer());
+  s->impl_ = std::make_unique<Impl>();
+  Impl* impl = s->impl_.get();
+  impl->handler = handler;
+  auto w = Worker::Create(kAmRequest, [impl](Message&& m) { impl->OnRequest(std::move(m)); }, 50);
+  if (!w.ok()) return w.status();
+  impl->worker = std::move(*w);
+  return s;
+}
+
+UcxServer::~UcxServer() {
+  if (impl_ && impl_->worker) {
+    impl_->worker->Call<int>([this] {
+      for (auto& [id, p] : impl_->peers) impl_->worker->CloseEp(p.ep);
+      impl_->peers.clear();
+      return 0;
+    });
+    impl_->worker.reset();
+  }
+}
+
+absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address, uint64_t client_id) {
+  if (client_address.empty()) return absl::InvalidArgumentError("client_worker_address: empty");
+  Impl* impl = impl_.get();
+  absl::Status st = impl->worker->Call<absl::Status>([&]() -> absl::Status {
+    auto it = impl->peers.find(client_id);
+    if (it != impl->peers.end()) {
+      impl->worker->CloseEp(it->second.ep);
+      impl->peers.erase(it);
+      impl->n_endpoints.fetch_sub(1);
+    }
+    auto ep = impl->worker->CreateEp(client_address, &Impl::OnEpError, impl);
+    if (!ep.ok()) return ep.status();
+    impl->peers[client_id].ep = *ep;
+    impl->n_endpoints.fetch_add(1);
+    return absl::OkStatus();
+  });
+  if (!st.ok()) return st;
+  return impl->worker->address();
+}
+
+uint64_t UcxServer::endpoints() const { return impl_->n_endpoints.load(); }
+uint64_t UcxServer::peer_failures() const { return impl_->n_failures.load(); }
+
+// ---- client -------------------------------------------------------------------
+
+struct UcxClient::Impl {
+  std::shared_ptr<ControlClient> control;
+  int64_t hidden = 0;
+  uint64_t client_id = 0;
+  std::unique_ptr<Worker> worker;
+  ucp_ep_h ep = nullptr;  // progress thread only
+  std::mutex mu;
+  std::condition_variable cv;
+  bool connected = false;
+  uint64_t generation = 0;
+  uint64_t next_id = 1;
+  struct Pending {
+    float* out = nullptr;
+    uint64_t out_bytes = 0;
+    uint64_t generation = 0;
+    bool done = false;
+    absl::Status status;
+  };
+  std::map<uint64_t, Pending> pending;
+
+  void FailAll(uint64_t gen, const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (gen != generation) return;
+    connected = false;
+    for (auto& [id, p] : pending) {
+      if (!p.done && p.generation == gen) {
+        p.done = true;
+        p.status = absl::UnavailableError(absl::StrCat("expert service (ucx): ", why));
+      }
+    }
+    cv.notify_all();
+  }
+
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t s) {
+    auto* self = static_cast<Impl*>(arg);
+    if (ep != self->ep) return;
+    self->worker->CloseEp(ep);
+    self->ep = nullptr;
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lock(self->mu);
+      gen = self->generation;
+    }
+    self->FailAll(gen, absl::StrCat("peer failure: ", ucs_status_string(s)));
+  }
+
+  void OnResponse(Message&& m) {
+    UcxResponseHeader h;
+    if (m.header.size() != sizeof(h)) return;
+    std::memcpy(&h, m.header.data(), sizeof(h));
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = pending.find(h.request_id);
+    if (it == pending.end()) return;  // abandoned after a deadline
+    Pending& p = it->second;
+    if (h.code != 0) {
+      p.status = absl::Status(static_cast<absl::StatusCode>(h.code),
+                              std::string(m.data.begin(), m.data.end()));
+    } else if (h.out_bytes != p.out_bytes || m.data.size() != h.out_bytes) {
+      p.status = absl::InternalError("expert service (ucx): response size mismatch");
+    } else {
+      std::memcpy(p.out, m.data.data(), h.out_bytes);
+    }
+    p.done = true;
+    cv.notify_all();
+  }
+
+  absl::Status Connect() {
+    auto server_addr = control->UcxConnect(worker->address(), client_id, absl::Seconds(2));
+    if (!server_addr.ok()) {
+      return absl::UnavailableError(absl::StrCat("ucx connect: ", server_addr.status().message()));
+    }
+    absl::Status st = worker->Call<absl::Status>([&]() -> absl::Status {
+      if (ep) {
+        worker->CloseEp(ep);
+        ep = nullptr;
+      }
+      auto e = worker->CreateEp(*server_addr, &Impl::OnEpError, this);
+      if (!e.ok()) return e.status();
+      ep = *e;
+      return absl::OkStatus();
+    });
+    if (!st.ok()) return st;
+    std::lock_guard<std::mutex> lock(mu);
+    ++generation;
+    connected = true;
+    return absl::OkStatus();
+  }
+};
+
+absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<ControlClient> control,
+                                                             const ShardInfo& info,
+                                                             const UcxClientOptions& opts) {
+  auto c = std::unique_ptr<UcxClient>(new UcxClient());
+  c->impl_ = std::make_unique<Impl>();
+  Impl* impl = c->impl_.get();
+  impl->control = std::move(control);
+  impl->hidden = info.hidden;
+  std::random_device rd;
+  impl->client_id = (uint64_t{rd()} << 32) | rd();
+  auto w = Worker::Create(kAmResponse, [impl](Message&& m) { impl->OnResponse(std::move(m)); },
+                          opts.spin_us);
+  if (!w.ok()) return w.status();
+  impl->worker = std::move(*w);
+  absl::Status st = impl->Connect();
+  if (!st.ok()) return st;
+  return c;
+}
+
+UcxClient::~UcxClient() {
+  if (impl_ && impl_->worker) {
+    impl_->worker->Call<int>([this] {
+      if (impl_->ep) impl_->worker->CloseEp(impl_->ep);
+      impl_->ep = nullptr;
+      return 0;
+    });
+    impl_->worker.reset();
+  }
+}
+
+absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out) {
+  Impl* impl = impl_.get();
+  bool connected;
+  {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    connected = impl->connected;
+  }
+  if (!connected) {
+    absl::Status st = impl->Connect();
+    if (!st.ok()) return st;
+  }
+  UcxRequestHeader h{};
+  h.client_id = impl->client_id;
+  h.layer = call.layer;
+  h.tokens = call.tokens;
+  h.top_k = call.top_k;
+  h.hidden_bytes = call.hidden_bytes;
+  h.ids_bytes = call.ids_bytes;
+  h.weights_bytes = call.weights_bytes;
+  std::vector<uint8_t> payload(call.hidden_bytes + call.ids_bytes + call.weights_bytes);
+  if (call.hidden_bytes) std::memcpy(payload.data(), call.hidden, call.hidden_bytes);
+  if (call.ids_bytes) std::memcpy(payload.data() + call.hidden_bytes, call.ids, call.ids_bytes);
+  if (call.weights_bytes) {
+    std::memcpy(payload.data() + call.hidden_bytes + call.ids_bytes, call.weights, call.weights_bytes);
+  }
+  uint64_t id, gen;
+  {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    id = impl->next_id++;
+    gen = impl->generation;
+    auto& p = impl->pending[id];
+    p.out = out;
+    p.out_bytes = static_cast<uint64_t>(call.tokens > 0 ? call.tokens : 0) *
+                  static_cast<uint64_t>(impl->hidden) * 4;
+    p.generation = gen;
+  }
+  h.request_id = id;
+  impl->worker->Post([impl, id, gen, hdr = std::string(reinterpret_cast<const char*>(&h), sizeof(h)),
+                      payload = std::move(payload)]() mutable {
+    if (!impl->ep) {
+      std::lock_guard<std::mutex> lock(impl->mu);
+      auto it = impl->pending.find(id);
+      if (it != impl->pending.end() && !it->second.done) {
+        it->second.done = true;
+        it->second.status = absl::UnavailableError("expert service (ucx): not connected");
+        impl->cv.notify_all();
+      }
+      return;
+    }
+    impl->worker->Send(impl->ep, kAmRequest, std::move(hdr), std::move(payload),
+                       [impl, gen](ucs_status_t s) {
+                         impl->FailAll(gen, absl::StrCat("send: ", ucs_status_string(s)));
+                       });
+  });
+  return id;
+}
+
+absl::Status UcxClient::Wait(uint64_t handle, absl::Time deadline) {
+  Impl* impl = impl_.get();
+  std::unique_lock<std::mutex> lock(impl->mu);
+  auto it = impl->pending.find(handle);
+  if (it == impl->pending.end()) return absl::InvalidArgumentError("unknown handle");
+  const auto until = absl::ToChronoTime(deadline);
+  while (!it->second.done) {
+    if (impl->cv.wait_until(lock, until) == std::cv_status::timeout && !it->second.done) {
+      impl->pending.erase(it);
+      return absl::DeadlineExceededError("expert service (ucx): no answer before the deadline");
+    }
+  }
+  absl::Status st = it->second.status;
+  impl->pending.erase(it);
+  return st;
+}
+
+}  // namespace hmoe

@@ -1,0 +1,78 @@
+// UCX data plane (across hosts; any UCX transport: tcp, shared memory, verbs).
+//
+// Each side owns one UCP worker driven by one progress thread; other threads
+// hand it work through a queue and ucp_worker_signal. The worker's address is
+// exchanged over the gRPC control plane (ExpertControl.UcxConnect: the client
+// sends its address and a client id, the service answers with its own), and
+// both sides create endpoints with UCP_ERR_HANDLING_MODE_PEER, so a dead peer
+// surfaces as an endpoint error: the client fails its calls UNAVAILABLE and
+// reconnects on a later Submit; the service drops the endpoint.
+//
+// Messages are UCP active messages: id 1 request (header UcxRequestHeader,
+// data hidden | ids | weights), id 2 response (UcxResponseHeader, data = f32
+// output or the error message). Large payloads take UCX's rendezvous path.
+// Transports are picked by UCX_TLS as usual (tests: UCX_TLS=tcp,sm,self).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/transport/moe_call.h"
+
+namespace hmoe {
+
+class ControlClient;
+
+struct UcxRequestHeader {
+  uint64_t client_id;
+  uint64_t request_id;
+  int32_t layer, tokens, top_k, pad;
+  uint64_t hidden_bytes, ids_bytes, weights_bytes;
+};
+struct UcxResponseHeader {
+  uint64_t request_id;
+  int32_t code;
+  uint32_t msg_len;
+  uint64_t out_bytes;
+  uint64_t compute_ns;
+};
+
+class UcxServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxServer>> Create(MoeHandler* handler);
+  ~UcxServer();
+  // Connects to a client worker; returns this service's worker address.
+  absl::StatusOr<std::string> Connect(const std::string& client_address, uint64_t client_id);
+  uint64_t endpoints() const;
+  uint64_t peer_failures() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct UcxClientOptions {
+  int spin_us = 50;  // progress busily this long before sleeping on the worker's event fd
+};
+
+class UcxClient : public MoeClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxClient>> Create(std::shared_ptr<ControlClient> control,
+                                                           const ShardInfo& info,
+                                                           const UcxClientOptions& opts = {});
+  ~UcxClient() override;
+  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out) override;
+  absl::Status Wait(uint64_t handle, absl::Time deadline) override;
+  const char* transport() const override { return "ucx"; }
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hmoe

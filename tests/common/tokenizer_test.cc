@@ -1,0 +1,120 @@
+#include "common/tokenizer.h"
+
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/temp_dir.h"
+
+namespace hmoe {
+namespace {
+
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+class TokenizerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto t = Tokenizer::FromFile(testing::FixturesDir() + "/tokenizer.json");
+    ASSERT_TRUE(t.ok()) << t.status();
+    tok_ = t->release();
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    tok_ = nullptr;
+  }
+  static json Vectors() {
+    return json::parse(std::ifstream(testing::FixturesDir() + "/tokenizer_vectors.json"));
+  }
+  static Tokenizer* tok_;
+};
+Tokenizer* TokenizerTest::tok_ = nullptr;
+
+// Every vector was produced by the `tokenizers` package for this tokenizer.json.
+TEST_F(TokenizerTest, MatchesHuggingFaceVectors) {
+  int n = 0;
+  for (const auto& v : Vectors()) {
+    const std::string text = v["text"].get<std::string>();
+    const auto want = v["ids"].get<std::vector<int32_t>>();
+    SCOPED_TRACE(text);
+    auto ids = tok_->Encode(text);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    EXPECT_EQ(*ids, want);
+    auto back = tok_->Decode(want);
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(*back, v["decoded"].get<std::string>());
+    ++n;
+  }
+  EXPECT_GE(n, 30);
+}
+
+// Streaming: the pieces concatenate to Decode(), and every piece is valid UTF-8
+// (multi-byte characters split across tokens are held back, never broken).
+TEST_F(TokenizerTest, StreamingNeverEmitsBrokenUtf8) {
+  int split_chars = 0;
+  for (const auto& v : Vectors()) {
+    const auto ids = v["ids"].get<std::vector<int32_t>>();
+    StreamDecoder stream(*tok_);
+    std::string all;
+    for (int32_t id : ids) {
+      auto piece = stream.Push(id);
+      ASSERT_TRUE(piece.ok());
+      EXPECT_EQ(SanitizeUtf8(*piece), *piece) << "broken UTF-8 emitted";
+      if (piece->empty() && !tok_->TokenBytes(id, false).empty()) ++split_chars;
+      all += *piece;
+    }
+    all += stream.Finish();
+    EXPECT_EQ(all, *tok_->Decode(ids));
+  }
+  EXPECT_GT(split_chars, 0) << "fixtures should include characters split across tokens";
+}
+
+TEST_F(TokenizerTest, SpecialTokensAndTemplate) {
+  auto bos = tok_->TokenToId("<|begin\xe2\x96\x81of\xe2\x96\x81sentence|>");
+  ASSERT_TRUE(bos.has_value());
+  EXPECT_TRUE(tok_->IsSpecial(*bos));
+  auto plain = tok_->Encode("Hello");
+  auto with = tok_->Encode("Hello", /*add_special_tokens=*/true);
+  ASSERT_TRUE(plain.ok() && with.ok());
+  ASSERT_EQ(with->size(), plain->size() + 1);
+  EXPECT_EQ((*with)[0], *bos);
+  auto skipped = tok_->Decode(*with, /*skip_special_tokens=*/true);
+  EXPECT_EQ(*skipped, "Hello");
+}
+
+TEST_F(TokenizerTest, Errors) {
+  EXPECT_EQ(tok_->Encode("bad \xff utf8").status().code(), absl::StatusCode::kInvalidArgument);
+  auto s = tok_->Decode({1, tok_->vocab_size()}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr(std::to_string(tok_->vocab_size())));
+  StreamDecoder d(*tok_);
+  EXPECT_EQ(d.Push(-1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Tokenizer::FromFile("/nonexistent/tokenizer.json").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Tokenizer::FromJson("{", "t.json").status().code(), absl::StatusCode::kInvalidArgument);
+  auto nfc = Tokenizer::FromJson(
+      R"({"normalizer": {"type": "NFC"}, "model": {"type": "BPE", "vocab": {}}})", "t.json");
+  EXPECT_EQ(nfc.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(nfc.status().message()), HasSubstr("NFC"));
+  auto badre = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(["}, "behavior": "Isolated"}})",
+      "t.json");
+  EXPECT_EQ(badre.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Utf8, MaximalSubpartReplacement) {
+  const std::string r = "\xef\xbf\xbd";
+  EXPECT_EQ(SanitizeUtf8("ok"), "ok");
+  EXPECT_EQ(SanitizeUtf8("a\x80z"), "a" + r + "z");
+  EXPECT_EQ(SanitizeUtf8("\xe2\x82z"), r + "z");       // truncated 3-byte sequence: one U+FFFD
+  EXPECT_EQ(SanitizeUtf8("\xed\xa0\x80"), r + r + r);  // surrogate: each byte replaced
+  EXPECT_EQ(SanitizeUtf8("\xf0\x9f\x98"), r);          // truncated at end
+  size_t held = 0;
+  EXPECT_EQ(SanitizeUtf8("x\xf0\x9f\x98", true, &held), "x");
+  EXPECT_EQ(held, 3u);
+  EXPECT_EQ(SanitizeUtf8("\xc0\xaf"), r + r);  // overlong
+}
+
+}  // namespace
+}  // namespace hmoe
