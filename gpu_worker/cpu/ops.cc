@@ -1,0 +1,362 @@
+#include "gpu_worker/cpu/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "common/weight_map.h"
+
+namespace hmoe::cpu {
+namespace {
+
+inline float ToF(float v) { return v; }
+inline float ToF(uint16_t v) { return Bf16ToF32(v); }
+
+// Fixed-order dot product: 8 strided partial sums, combined pairwise, then the tail.
+template <typename W>
+inline float Dot(const float* x, const W* w, int64_t n) {
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) a[j] += x[i + j] * ToF(w[i + j]);
+  float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  for (; i < n; ++i) s += x[i] * ToF(w[i]);
+  return s;
+}
+
+template <typename W>
+void LinearRows(const float* x, int64_t T, const W* w, int64_t K, int64_t N, const float* bias,
+                int64_t n0, int64_t n1, float* y) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* row = w + n * K;
+    const float b = bias ? bias[n] : 0.0f;
+    for (int64_t t = 0; t < T; ++t) y[t * N + n] = Dot(x + t * K, row, K) + b;
+  }
+}
+
+std::string Where(const Checkpoint& ckpt, const std::string& name) {
+  return absl::StrCat(ckpt.dir(), ": tensor \"", name, "\"");
+}
+
+}  // namespace
+
+void Matrix::RowToF32(int64_t r, float* out) const {
+  if (f32) {
+    std::memcpy(out, f32 + r * cols, static_cast<size_t>(cols) * sizeof(float));
+  } else {
+    const uint16_t* p = bf16 + r * cols;
+    for (int64_t c = 0; c < cols; ++c) out[c] = Bf16ToF32(p[c]);
+  }
+}
+
+absl::StatusOr<Matrix> LoadMatrix(const Checkpoint& ckpt, const std::string& name,
+                                  int64_t fp8_block) {
+  ASSIGN_OR_RETURN(Tensor t, ckpt.Get(name));
+  if (t.rank() != 2)
+    return absl::InvalidArgumentError(absl::StrCat(Where(ckpt, name), " has shape ",
+                                                   ShapeString(t.shape()), ", expected a matrix"));
+  Matrix m;
+  m.rows = t.dim(0);
+  m.cols = t.dim(1);
+  const bool aligned2 = reinterpret_cast<uintptr_t>(t.raw()) % alignof(uint16_t) == 0;
+  switch (t.dtype()) {
+    case DType::kBF16:
+      if (aligned2) {
+        auto keep = std::make_shared<Tensor>(t);
+        m.bf16 = keep->data<uint16_t>();
+        m.owner = keep;
+        return m;
+      }
+      [[fallthrough]];
+    case DType::kF32:
+    case DType::kF16: {
+      auto v = std::make_shared<std::vector<float>>(t.ToF32());
+      m.f32 = v->data();
+      m.owner = v;
+      return m;
+    }
+    case DType::kF8E4M3: {
+      if (fp8_block <= 0)
+        return absl::InvalidArgumentError(absl::StrCat(
+            Where(ckpt, name), " is F8_E4M3 but the config has no fp8 quantization_config"));
+      const std::string sname = ScaleInvName(name);
+      ASSIGN_OR_RETURN(Tensor s, ckpt.Get(sname));
+      const Shape want{(m.rows + fp8_block - 1) / fp8_block, (m.cols + fp8_block - 1) / fp8_block};
+      if (s.shape() != want || s.dtype() != DType::kF32)
+        return absl::InvalidArgumentError(
+            absl::StrCat(Where(ckpt, sname), " is ", DTypeName(s.dtype()), " ",
+                         ShapeString(s.shape()), ", expected F32 ", ShapeString(want)));
+      const std::vector<float> scale = s.ToF32();
+      auto v = std::make_shared<std::vector<float>>(static_cast<size_t>(m.rows * m.cols));
+      DequantFp8BlockToF32(t.data<uint8_t>(), m.rows, m.cols, scale.data(), fp8_block, v->data());
+      m.f32 = v->data();
+      m.owner = v;
+      return m;
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(Where(ckpt, name), " has dtype ",
+                                                     DTypeName(t.dtype()),
+                                                     ", expected F32, BF16, F16 or F8_E4M3"));
+  }
+}
+
+absl::StatusOr<std::vector<float>> LoadVector(const Checkpoint& ckpt, const std::string& name,
+                                              int64_t expected_numel) {
+  ASSIGN_OR_RETURN(Tensor t, ckpt.Get(name));
+  if (t.numel() != expected_numel)
+    return absl::InvalidArgumentError(absl::StrCat(Where(ckpt, name), " has shape ",
+                                                   ShapeString(t.shape()), ", expected ",
+                                                   expected_numel, " elements"));
+  if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16 && t.dtype() != DType::kF16)
+    return absl::InvalidArgumentError(absl::StrCat(
+        Where(ckpt, name), " has dtype ", DTypeName(t.dtype()), ", expected F32, BF16 or F16"));
+  return t.ToF32();
+}
+
+absl::StatusOr<std::vector<float>> LoadOptionalVector(const Checkpoint& ckpt,
+                                                      const std::string& name,
+                                                      int64_t expected_numel) {
+  if (!ckpt.Has(name)) return std::vector<float>();
+  return LoadVector(ckpt, name, expected_numel);
+}
+
+void Linear(ThreadPool* pool, const float* x, int64_t T, const Matrix& w, const float* bias,
+            float* y) {
+  const int64_t K = w.cols, N = w.rows;
+  if (T <= 0 || N <= 0) return;
+  // Chunks of at least ~32k multiply-adds, so tiny products stay on one thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K * T));
+  auto body = [&](int64_t n0, int64_t n1) {
+    if (w.f32)
+      LinearRows(x, T, w.f32, K, N, bias, n0, n1, y);
+    else
+      LinearRows(x, T, w.bf16, K, N, bias, n0, n1, y);
+  };
+  if (pool)
+    pool->ParallelFor(N, grain, body);
+  else
+    body(0, N);
+}
+
+void RmsNorm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* yr = y + r * n;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) yr[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// ---- rope ------------------------------------------------------------------------
+
+double YarnGetMscale(double scale, double mscale) {
+  if (scale <= 1.0) return 1.0;
+  return 0.1 * mscale * std::log(scale) + 1.0;
+}
+
+RopeTables ComputeRope(const RopeConfig& rope, int64_t dim) {
+  RopeTables t;
+  const int64_t half = dim / 2;
+  t.inv_freq.resize(static_cast<size_t>(half));
+  const float base = static_cast<float>(rope.theta);
+  std::vector<float> pos_freqs(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)
+    pos_freqs[i] = std::pow(base, static_cast<float>(2 * i) / static_cast<float>(dim));
+  switch (rope.type) {
+    case RopeType::kDefault:
+      for (int64_t i = 0; i < half; ++i) t.inv_freq[i] = 1.0f / pos_freqs[i];
+      break;
+    case RopeType::kLinear:
+      for (int64_t i = 0; i < half; ++i)
+        t.inv_freq[i] = (1.0f / pos_freqs[i]) / static_cast<float>(rope.factor);
+      break;
+    case RopeType::kYarn: {
+      const double factor = rope.factor;
+      if (rope.attention_factor) {
+        t.attention_factor = static_cast<float>(*rope.attention_factor);
+      } else if (rope.mscale != 0.0 && rope.mscale_all_dim != 0.0) {
+        t.attention_factor = static_cast<float>(YarnGetMscale(factor, rope.mscale) /
+                                                YarnGetMscale(factor, rope.mscale_all_dim));
+      } else {
+        t.attention_factor = static_cast<float>(YarnGetMscale(factor, 1.0));
+      }
+      const double pi = 3.14159265358979323846;
+      const double orig = static_cast<double>(rope.original_max_position_embeddings);
+      auto correction_dim = [&](double rotations) {
+        return (static_cast<double>(dim) * std::log(orig / (rotations * 2 * pi))) /
+               (2 * std::log(rope.theta));
+      };
+      double low = std::floor(correction_dim(rope.beta_fast));
+      double high = std::ceil(correction_dim(rope.beta_slow));
+      low = std::max(low, 0.0);
+      high = std::min(high, static_cast<double>(dim - 1));
+      if (low == high) high += 0.001;
+      const float lowf = static_cast<float>(low), spanf = static_cast<float>(high - low);
+      for (int64_t i = 0; i < half; ++i) {
+        float ramp = (static_cast<float>(i) - lowf) / spanf;
+        ramp = std::clamp(ramp, 0.0f, 1.0f);
+        const float extrap = 1.0f - ramp;
+        const float f_extra = 1.0f / pos_freqs[i];
+        const float f_inter = 1.0f / (static_cast<float>(factor) * pos_freqs[i]);
+        t.inv_freq[i] = f_inter * (1.0f - extrap) + f_extra * extrap;
+      }
+      break;
+    }
+  }
+  return t;
+}
+
+void RopeCosSin(const RopeTables& t, int64_t pos, float* cs) {
+  const float p = static_cast<float>(pos);
+  for (size_t i = 0; i < t.inv_freq.size(); ++i) {
+    const float a = p * t.inv_freq[i];
+    cs[2 * i] = std::cos(a) * t.attention_factor;
+    cs[2 * i + 1] = std::sin(a) * t.attention_factor;
+  }
+}
+
+void ApplyRope(float* x, int64_t dim, const float* cs, RopeLayout layout) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t a = layout == RopeLayout::kHalves ? i : 2 * i;
+    const int64_t b = layout == RopeLayout::kHalves ? i + half : 2 * i + 1;
+    const float c = cs[2 * i], s = cs[2 * i + 1];
+    const float x1 = x[a], x2 = x[b];
+    x[a] = x1 * c - x2 * s;
+    x[b] = x2 * c + x1 * s;
+  }
+}
+
+// ---- router ----------------------------------------------------------------------
+
+GateSpec GateSpecFor(const ModelConfig& c) {
+  GateSpec g;
+  const MoeConfig& m = c.moe;
+  g.num_experts = m.num_experts;
+  g.top_k = m.experts_per_token;
+  g.routed_scaling_factor = static_cast<float>(m.routed_scaling_factor);
+  switch (c.arch) {
+    case Architecture::kDeepseekV3:
+      g.scoring = ScoringFunc::kSigmoid;
+      g.method = TopkMethod::kNoauxTc;
+      g.n_group = m.n_group;
+      g.topk_group = m.topk_group;
+      g.norm_topk_prob = m.norm_topk_prob;
+      g.norm_eps = 1e-20f;
+      break;
+    case Architecture::kDeepseekV2:
+      g.scoring = ScoringFunc::kSoftmax;
+      g.method = m.topk_method;
+      g.n_group = m.n_group;
+      g.topk_group = m.topk_group;
+      g.norm_topk_prob = false;
+      break;
+    case Architecture::kQwen3Moe:
+      g.norm_topk_prob = m.norm_topk_prob;
+      g.routed_scaling_factor = 1.0f;
+      break;
+    case Architecture::kMixtral:
+      g.norm_topk_prob = true;
+      g.routed_scaling_factor = 1.0f;
+      break;
+  }
+  if (g.method == TopkMethod::kGreedy) g.n_group = g.topk_group = 1;
+  return g;
+}
+
+void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias, int32_t* ids,
+           float* weights) {
+  const int64_t E = g.num_experts, K = g.top_k;
+  const int64_t G = std::max<int64_t>(1, g.n_group), per = E / G;
+  std::vector<float> scores(E), choice(E), gscore(G);
+  std::vector<int64_t> order(std::max(E, G));
+  std::vector<char> allowed(E);
+  // Indices sorted by descending value, ties to the lower index.
+  auto by_value = [](const std::vector<float>& v) {
+    return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits + t * E;
+    if (g.scoring == ScoringFunc::kSigmoid) {
+      for (int64_t e = 0; e < E; ++e) scores[e] = 1.0f / (1.0f + std::exp(-l[e]));
+    } else {
+      const float mx = *std::max_element(l, l + E);
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) sum += (scores[e] = std::exp(l[e] - mx));
+      for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; ++e) choice[e] = scores[e] + (bias ? bias[e] : 0.0f);
+    std::fill(allowed.begin(), allowed.end(), 1);
+    if (g.method != TopkMethod::kGreedy && G > 1) {
+      for (int64_t gi = 0; gi < G; ++gi) {
+        const float* c = choice.data() + gi * per;
+        if (g.method == TopkMethod::kNoauxTc) {  // sum of the group's top 2
+          float a = -INFINITY, b = -INFINITY;
+          for (int64_t j = 0; j < per; ++j) {
+            if (c[j] > a) {
+              b = a;
+              a = c[j];
+            } else if (c[j] > b) {
+              b = c[j];
+            }
+          }
+          gscore[gi] = a + b;
+        } else {  // group_limited_greedy: the group's max
+          gscore[gi] = *std::max_element(c, c + per);
+        }
+      }
+      std::iota(order.begin(), order.begin() + G, 0);
+      std::partial_sort(order.begin(), order.begin() + g.topk_group, order.begin() + G,
+                        by_value(gscore));
+      std::fill(allowed.begin(), allowed.end(), 0);
+      for (int64_t i = 0; i < g.topk_group; ++i)
+        std::fill(allowed.begin() + order[i] * per, allowed.begin() + (order[i] + 1) * per, 1);
+    }
+    std::vector<int64_t> cand;
+    cand.reserve(E);
+    for (int64_t e = 0; e < E; ++e)
+      if (allowed[e]) cand.push_back(e);
+    std::partial_sort(cand.begin(), cand.begin() + K, cand.end(), by_value(choice));
+    float sum = 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+      ids[t * K + j] = static_cast<int32_t>(cand[j]);
+      weights[t * K + j] = scores[cand[j]];
+      sum += scores[cand[j]];
+    }
+    for (int64_t j = 0; j < K; ++j) {
+      float& w = weights[t * K + j];
+      if (g.norm_topk_prob) w /= (sum + g.norm_eps);
+      w *= g.routed_scaling_factor;
+    }
+  }
+}
+
+// ---- attention -----------------------------------------------------------------
+
+void AttendOne(const float* q, int64_t dk, const float* k, int64_t k_stride, const float* v,
+               int64_t dv, int64_t v_stride, int64_t q_pos, int64_t window, float scale,
+               float* scores, float* out) {
+  const int64_t s0 = window > 0 ? std::max<int64_t>(0, q_pos - window + 1) : 0;
+  float mx = -INFINITY;
+  for (int64_t s = s0; s <= q_pos; ++s) {
+    scores[s] = Dot(q, k + s * k_stride, dk) * scale;
+    mx = std::max(mx, scores[s]);
+  }
+  float sum = 0.0f;
+  for (int64_t s = s0; s <= q_pos; ++s) sum += (scores[s] = std::exp(scores[s] - mx));
+  const float inv = 1.0f / sum;
+  std::fill(out, out + dv, 0.0f);
+  for (int64_t s = s0; s <= q_pos; ++s) {
+    const float p = scores[s] * inv;
+    const float* vs = v + s * v_stride;
+    for (int64_t i = 0; i < dv; ++i) out[i] += p * vs[i];
+  }
+}
+
+}  // namespace hmoe::cpu

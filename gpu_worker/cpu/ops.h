@@ -1,0 +1,124 @@
+// Plain fp32 building blocks of the CPU reference backend. Every function is
+// the scalar reference its faster counterparts are tested against; results
+// of Linear do not depend on T or on the thread split (each output element
+// is one fixed-order dot product), which is what makes incremental decode
+// bit-identical to a full recompute.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
+#include "gpu_worker/cpu/thread_pool.h"
+
+namespace hmoe::cpu {
+
+// A row-major [rows, cols] weight, either f32 or bf16 (bf16 stays in the
+// checkpoint mapping; `owner` keeps whichever storage alive).
+struct Matrix {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+  std::shared_ptr<const void> owner;
+  bool empty() const { return f32 == nullptr && bf16 == nullptr; }
+  void RowToF32(int64_t r, float* out) const;  // out[cols]
+};
+
+// Loads `name` as a Matrix: BF16 (2-byte aligned) is used in place; F32, F16
+// and unaligned BF16 are converted to an owned f32 copy; F8_E4M3 is
+// dequantized with "<name>_scale_inv" and `fp8_block` (0: fp8 refused).
+absl::StatusOr<Matrix> LoadMatrix(const Checkpoint& ckpt, const std::string& name,
+                                  int64_t fp8_block = 0);
+// Loads a tensor of any float dtype as a flat f32 vector; checks its size.
+absl::StatusOr<std::vector<float>> LoadVector(const Checkpoint& ckpt, const std::string& name,
+                                              int64_t expected_numel);
+// LoadVector, or an empty vector when the checkpoint lacks `name`.
+absl::StatusOr<std::vector<float>> LoadOptionalVector(const Checkpoint& ckpt,
+                                                      const std::string& name,
+                                                      int64_t expected_numel);
+
+// y[t, n] = dot(x[t, :], w[n, :]) (+ bias[n]) for t < T, n < w.rows;
+// x is [T, w.cols]. Parallel over output rows. bias may be null.
+void Linear(ThreadPool* pool, const float* x, int64_t T, const Matrix& w, const float* bias,
+            float* y);
+
+// y = x * rsqrt(mean(x^2) + eps) * weight, per row of n (in place allowed).
+void RmsNorm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* y);
+
+inline float Silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+// ---- rotary embeddings ------------------------------------------------------
+// Inverse frequencies (dim / 2 of them) and the attention factor transformers
+// multiplies cos and sin by, for `rope` over a rotary dimension `dim`:
+//   default: theta^(-2i/dim);  linear: that / factor;
+//   yarn: blend of extrapolation theta^(-2i/dim) and interpolation
+//   /factor with a linear ramp between the correction dims of beta_fast and
+//   beta_slow (floor/ceil truncated), attention factor
+//   get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both
+//   are nonzero, else get_mscale(factor) (or the configured attention_factor).
+// Values are rounded to f32 the way transformers computes them.
+struct RopeTables {
+  std::vector<float> inv_freq;
+  float attention_factor = 1.0f;
+};
+RopeTables ComputeRope(const RopeConfig& rope, int64_t dim);
+double YarnGetMscale(double scale, double mscale);
+
+// Pair layout of the rotary dimensions.
+enum class RopeLayout {
+  kHalves,       // (x[i], x[i + d/2]) rotated by inv_freq[i] (rotate_half)
+  kInterleaved,  // (x[2i], x[2i + 1]) rotated by inv_freq[i] (DeepSeek)
+};
+// cos/sin for one position: cs[2i] = cos(pos * f_i) * af, cs[2i+1] = sin(..) * af.
+void RopeCosSin(const RopeTables& t, int64_t pos, float* cs);
+// Rotates x[dim] in place with a RopeCosSin row.
+void ApplyRope(float* x, int64_t dim, const float* cs, RopeLayout layout);
+
+// ---- MoE router ---------------------------------------------------------------
+struct GateSpec {
+  int64_t num_experts = 0;
+  int64_t top_k = 0;
+  ScoringFunc scoring = ScoringFunc::kSoftmax;
+  TopkMethod method = TopkMethod::kGreedy;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  bool norm_topk_prob = false;
+  float norm_eps = 0.0f;  // added to the top-k sum before normalizing
+  float routed_scaling_factor = 1.0f;
+};
+// The router semantics of `config`'s architecture as transformers 5 runs it:
+//   deepseek_v3: sigmoid, noaux_tc (bias for selection, groups by top-2 sum),
+//                norm_topk_prob with +1e-20, x routed_scaling_factor;
+//   deepseek_v2: softmax, greedy or group_limited_greedy (groups by max),
+//                never normalized (transformers ignores norm_topk_prob),
+//                x routed_scaling_factor;
+//   qwen3_moe:   softmax, top-k, normalized iff norm_topk_prob;
+//   mixtral:     softmax, top-k, always normalized.
+GateSpec GateSpecFor(const ModelConfig& config);
+// Routes T tokens from router logits [T, E]: ids/weights [T, k]. `bias`
+// ([E] or null) is added to the scores for selection only. Ties go to the
+// lower expert / group index. Ids come out in descending selection score.
+void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias, int32_t* ids,
+           float* weights);
+
+// ---- attention ------------------------------------------------------------------
+// Whether a query at position q sees the key at position k (causal, and within
+// the last `window` positions when window > 0, as transformers' sliding mask:
+// k > q - window).
+inline bool Visible(int64_t q, int64_t k, int64_t window) {
+  return k <= q && (window <= 0 || k > q - window);
+}
+// Softmax attention of one query head over keys [0, q_pos] of a cache:
+// out[dv] = sum_s p_s v[s], p = softmax(scale * q . k[s]) over visible s.
+// k rows are `k_stride` floats apart, v rows `v_stride`. `scores` is scratch
+// of q_pos + 1 floats.
+void AttendOne(const float* q, int64_t dk, const float* k, int64_t k_stride, const float* v,
+               int64_t dv, int64_t v_stride, int64_t q_pos, int64_t window, float scale,
+               float* scores, float* out);
+
+}  // namespace hmoe::cpu

@@ -1,0 +1,345 @@
+#include "gpu_worker/engine/engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace hmoe {
+
+const char* FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStopToken: return "stop";
+    case FinishReason::kStopString: return "stop_string";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kDeadline: return "deadline";
+    case FinishReason::kError: return "error";
+  }
+  return "?";
+}
+
+struct Engine::Request {
+  uint64_t id = 0;
+  GenerateRequest req;
+  Callback cb;
+  int64_t blocks = 0;
+  std::unique_ptr<Sequence> seq;
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<StreamDecoder> decoder;
+  std::vector<int32_t> output;
+  std::vector<int32_t> unsent_ids;
+  int64_t prefilled = 0;
+  std::vector<float> logits;  // next-token logits once prefill is done
+  std::string text;
+  size_t text_sent = 0;
+  size_t stop_holdback = 0;  // longest stop string - 1
+  bool cancelled = false;
+  bool done = false;
+  absl::Time submitted, admitted, first_token;
+  double prefill_ms = 0, decode_ms = 0;
+};
+
+namespace {
+double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
+}  // namespace
+
+Engine::Engine(const Model* model, const Tokenizer* tokenizer, const EngineOptions& options)
+    : model_(model), tokenizer_(tokenizer), options_(options) {}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model, const Tokenizer* tokenizer,
+                                                       const EngineOptions& options) {
+  if (model == nullptr) return absl::InvalidArgumentError("engine needs a model");
+  EngineOptions o = options;
+  if (o.max_batch < 1) return absl::InvalidArgumentError(absl::StrCat("max_batch must be >= 1, got ", o.max_batch));
+  if (o.max_queue < 0) return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 0, got ", o.max_queue));
+  if (o.kv_block_tokens < 1)
+    return absl::InvalidArgumentError(absl::StrCat("kv_block_tokens must be >= 1, got ", o.kv_block_tokens));
+  if (o.prefill_chunk < 1)
+    return absl::InvalidArgumentError(absl::StrCat("prefill_chunk must be >= 1, got ", o.prefill_chunk));
+  const int64_t max_seq = model->options().max_seq_len;
+  if (o.kv_blocks == 0) o.kv_blocks = (o.max_batch * max_seq + o.kv_block_tokens - 1) / o.kv_block_tokens;
+  if (o.kv_blocks < 1) return absl::InvalidArgumentError(absl::StrCat("kv_blocks must be >= 1, got ", o.kv_blocks));
+  std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));
+  e->max_seq_len_ = max_seq;
+  for (int64_t id : model->config().eos_token_ids) e->eos_ids_.push_back(static_cast<int32_t>(id));
+  e->stats_.kv_blocks_total = o.kv_blocks;
+  e->thread_ = std::thread([p = e.get()] { p->Loop(); });
+  return e;
+}
+
+Engine::~Engine() { Shutdown(absl::ZeroDuration()); }
+
+absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
+  const int64_t V = model_->config().vocab_size;
+  if (req.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+  for (size_t i = 0; i < req.prompt.size(); ++i)
+    if (req.prompt[i] < 0 || req.prompt[i] >= V)
+      return absl::InvalidArgumentError(absl::StrCat("prompt token id ", req.prompt[i], " at position ", i,
+                                                     " is outside the vocabulary [0, ", V, ")"));
+  if (req.max_tokens < 1) return absl::InvalidArgumentError(absl::StrCat("max_tokens must be >= 1, got ", req.max_tokens));
+  const int64_t prompt_len = static_cast<int64_t>(req.prompt.size());
+  if (prompt_len >= max_seq_len_)
+    return absl::InvalidArgumentError(absl::StrCat("prompt has ", prompt_len,
+                                                   " tokens; the context holds ", max_seq_len_,
+                                                   " (prompt plus at least one generated token)"));
+  // Generation stops at the context length (finish reason "length").
+  req.max_tokens = static_cast<int32_t>(std::min<int64_t>(req.max_tokens, max_seq_len_ - prompt_len));
+  RETURN_IF_ERROR(ValidateSamplingParams(req.sampling));
+  for (int32_t t : req.stop_token_ids)
+    if (t < 0 || t >= V)
+      return absl::InvalidArgumentError(absl::StrCat("stop_token_ids: ", t, " is outside the vocabulary [0, ", V, ")"));
+  size_t longest_stop = 0;
+  for (const std::string& s : req.stop_strings) {
+    if (s.empty()) return absl::InvalidArgumentError("stop_strings: an entry is empty");
+    longest_stop = std::max(longest_stop, s.size());
+  }
+  if (!req.stop_strings.empty() && tokenizer_ == nullptr)
+    return absl::InvalidArgumentError("stop_strings need a tokenizer; this engine has none");
+
+  auto r = std::make_unique<Request>();
+  r->req = std::move(req);
+  r->cb = std::move(cb);
+  r->blocks = (prompt_len + r->req.max_tokens + options_.kv_block_tokens - 1) / options_.kv_block_tokens;
+  if (r->blocks > options_.kv_blocks)
+    return absl::InvalidArgumentError(absl::StrCat("prompt + max_tokens need ", r->blocks,
+                                                   " KV blocks; the cache has ", options_.kv_blocks));
+  r->stop_holdback = longest_stop > 0 ? longest_stop - 1 : 0;
+  r->submitted = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (shutting_down_) return absl::FailedPreconditionError("engine is shutting down; not accepting requests");
+  if (static_cast<int64_t>(waiting_.size()) >= options_.max_queue) {
+    ++stats_.rejected;
+    return absl::ResourceExhaustedError(absl::StrCat("request queue is full (", options_.max_queue,
+                                                     " waiting); retry later"));
+  }
+  r->id = next_id_++;
+  const uint64_t id = r->id;
+  waiting_.push_back(std::move(r));
+  stats_.waiting = static_cast<int64_t>(waiting_.size());
+  cv_.notify_all();
+  return id;
+}
+
+void Engine::Cancel(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancels_.push_back(id);
+  cv_.notify_all();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Engine::Shutdown(absl::Duration drain) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!shutting_down_) {
+      shutting_down_ = true;
+      drain_deadline_ = absl::Now() + drain;
+    } else {
+      drain_deadline_ = std::min(drain_deadline_, absl::Now() + drain);
+    }
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void Engine::Finish(Request& r, FinishReason reason, absl::Status status) {
+  if (r.done) return;
+  r.done = true;
+  GenerateEvent ev;
+  ev.request_id = r.id;
+  ev.token_ids = std::move(r.unsent_ids);
+  if (r.decoder) r.text += r.decoder->Finish();
+  ev.text = r.text.substr(std::min(r.text_sent, r.text.size()));
+  r.text_sent = r.text.size();
+  ev.finish = reason;
+  ev.status = std::move(status);
+  ev.prompt_tokens = static_cast<int64_t>(r.req.prompt.size());
+  ev.completion_tokens = static_cast<int64_t>(r.output.size());
+  const absl::Time now = absl::Now();
+  const absl::Time admitted = r.admitted == absl::Time() ? now : r.admitted;
+  ev.queue_ms = Ms(admitted - r.submitted);
+  ev.prefill_ms = r.prefill_ms;
+  ev.decode_ms = r.decode_ms;
+  ev.time_to_first_token_ms = r.first_token == absl::Time() ? 0 : Ms(r.first_token - r.submitted);
+  r.seq.reset();  // frees the KV storage now
+  if (r.cb) r.cb(ev);
+}
+
+// Appends a sampled token; checks stop conditions; emits what can be emitted.
+void Engine::EmitToken(Request& r, int32_t token) {
+  if (r.first_token == absl::Time()) r.first_token = absl::Now();
+  r.output.push_back(token);
+  r.unsent_ids.push_back(token);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.tokens_generated;
+  }
+  if (r.decoder) {
+    auto piece = r.decoder->Push(token);
+    if (piece.ok()) r.text += *piece;
+  }
+  const bool is_stop_token =
+      std::find(r.req.stop_token_ids.begin(), r.req.stop_token_ids.end(), token) != r.req.stop_token_ids.end() ||
+      (!r.req.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end());
+  if (!r.req.stop_strings.empty()) {
+    const size_t from = r.text_sent > r.stop_holdback ? r.text_sent - r.stop_holdback : 0;
+    size_t cut = std::string::npos;
+    for (const std::string& s : r.req.stop_strings) cut = std::min(cut, r.text.find(s, from));
+    if (cut != std::string::npos) {
+      r.text.resize(cut);  // the stop string and what follows are not returned
+      if (r.decoder) r.decoder = std::make_unique<StreamDecoder>(*tokenizer_, true);  // drop held bytes
+      Finish(r, FinishReason::kStopString, absl::OkStatus());
+      return;
+    }
+  }
+  if (is_stop_token) return Finish(r, FinishReason::kStopToken, absl::OkStatus());
+  if (static_cast<int64_t>(r.output.size()) >= r.req.max_tokens) return Finish(r, FinishReason::kLength, absl::OkStatus());
+  // Hold back a possible stop-string prefix, on a UTF-8 character boundary.
+  size_t safe = r.text.size() > r.stop_holdback ? r.text.size() - r.stop_holdback : 0;
+  while (safe > r.text_sent && safe < r.text.size() && (static_cast<uint8_t>(r.text[safe]) & 0xc0) == 0x80) --safe;
+  GenerateEvent ev;
+  ev.request_id = r.id;
+  ev.token_ids = std::move(r.unsent_ids);
+  r.unsent_ids.clear();
+  if (safe > r.text_sent) {
+    ev.text = r.text.substr(r.text_sent, safe - r.text_sent);
+    r.text_sent = safe;
+  }
+  if (r.cb) r.cb(ev);
+}
+
+absl::Status Engine::PrefillChunk(Request& r) {
+  const int64_t P = static_cast<int64_t>(r.req.prompt.size());
+  const int64_t n = std::min(options_.prefill_chunk, P - r.prefilled);
+  const absl::Time t0 = absl::Now();
+  absl::Span<const int32_t> chunk(r.req.prompt.data() + r.prefilled, static_cast<size_t>(n));
+  RETURN_IF_ERROR(model_->Forward(*r.seq, chunk, LogitsMode::kLast, &r.logits));
+  r.prefilled += n;
+  r.prefill_ms += Ms(absl::Now() - t0);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::DecodeOne(Request& r) {
+  const absl::Time t0 = absl::Now();
+  const int32_t token = r.sampler->Sample(r.logits, r.req.prompt, r.output);
+  EmitToken(r, token);
+  if (!r.done) {
+    const int32_t one[1] = {token};
+    absl::Status s = model_->Forward(*r.seq, one, LogitsMode::kLast, &r.logits);
+    r.decode_ms += Ms(absl::Now() - t0);
+    return s;
+  }
+  r.decode_ms += Ms(absl::Now() - t0);
+  return absl::OkStatus();
+}
+
+void Engine::Loop() {
+  int64_t blocks_used = 0;
+  for (;;) {
+    std::vector<std::unique_ptr<Request>> ended;  // finished while waiting: callbacks after unlock
+    std::vector<std::pair<Request*, FinishReason>> to_finish;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      const absl::Time now = absl::Now();
+      for (uint64_t id : cancels_) {
+        for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+          if ((*it)->id == id) {
+            (*it)->cancelled = true;
+            break;
+          }
+        }
+        for (auto& r : running_)
+          if (r->id == id) r->cancelled = true;
+      }
+      cancels_.clear();
+      const bool drain_over = shutting_down_ && now >= drain_deadline_;
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        Request& r = **it;
+        if (r.cancelled || drain_over || now >= r.req.deadline) {
+          r.cancelled = r.cancelled || drain_over;
+          ended.push_back(std::move(*it));
+          it = waiting_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch &&
+             blocks_used + waiting_.front()->blocks <= options_.kv_blocks) {
+        std::unique_ptr<Request> r = std::move(waiting_.front());
+        waiting_.pop_front();
+        blocks_used += r->blocks;
+        r->admitted = now;
+        running_.push_back(std::move(r));
+      }
+      if (drain_over)
+        for (auto& r : running_) r->cancelled = true;
+      stats_.waiting = static_cast<int64_t>(waiting_.size());
+      stats_.running = static_cast<int64_t>(running_.size());
+      stats_.kv_blocks_used = blocks_used;
+      if (running_.empty() && ended.empty()) {
+        if (shutting_down_ && waiting_.empty()) break;
+        cv_.wait_for(lock, std::chrono::milliseconds(20));
+        continue;
+      }
+    }
+    for (auto& r : ended) {
+      const bool expired = !r->cancelled;
+      Finish(*r, expired ? FinishReason::kDeadline : FinishReason::kCancelled,
+             expired ? absl::DeadlineExceededError("deadline passed while queued")
+                     : absl::CancelledError("request cancelled"));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.completed += static_cast<int64_t>(ended.size());
+    }
+    ended.clear();
+
+    // New admissions get their state here, off the lock.
+    for (auto& r : running_) {
+      if (r->seq) continue;
+      r->seq = model_->NewSequence();
+      r->sampler = std::make_unique<Sampler>(r->req.sampling, options_.seed ^ (r->id * 0x9e3779b97f4a7c15ull));
+      if (tokenizer_) r->decoder = std::make_unique<StreamDecoder>(*tokenizer_, /*skip_special_tokens=*/true);
+    }
+    const absl::Time now = absl::Now();
+    for (auto& r : running_) {
+      if (r->cancelled) Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
+      else if (now >= r->req.deadline)
+        Finish(*r, FinishReason::kDeadline, absl::DeadlineExceededError("deadline passed during generation"));
+    }
+    // One prefill chunk: the oldest request still prefilling.
+    for (auto& r : running_) {
+      if (r->done || r->prefilled >= static_cast<int64_t>(r->req.prompt.size())) continue;
+      absl::Status s = PrefillChunk(*r);
+      if (!s.ok()) Finish(*r, FinishReason::kError, s);
+      break;
+    }
+    // One decode step for every request whose prompt is in the cache.
+    for (auto& r : running_) {
+      if (r->done || r->prefilled < static_cast<int64_t>(r->req.prompt.size())) continue;
+      absl::Status s = DecodeOne(*r);
+      if (!s.ok()) Finish(*r, FinishReason::kError, s);
+    }
+    int64_t finished = 0;
+    for (auto it = running_.begin(); it != running_.end();) {
+      if ((*it)->done) {
+        blocks_used -= (*it)->blocks;
+        ++finished;
+        it = running_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.completed += finished;
+    stats_.running = static_cast<int64_t>(running_.size());
+    stats_.kv_blocks_used = blocks_used;
+  }
+}
+
+}  // namespace hmoe

@@ -1,0 +1,134 @@
+// Engine: runs generation requests on a Model — admission, KV block
+// accounting, chunked prefill, decode of all running requests each step,
+// sampling, stop conditions, streaming, cancellation and deadlines.
+//
+// One scheduler thread owns all model calls. Each step it (1) retires
+// cancelled / expired requests, (2) admits waiting requests while KV blocks
+// and batch slots allow, (3) prefills at most `prefill_chunk` prompt tokens
+// (one chunk of the oldest prefilling request, so a long prompt never stalls
+// the running ones for long), (4) decodes one token for every running request.
+//
+// KV accounting: the cache is counted in blocks of `kv_block_tokens`; a
+// request reserves ceil((prompt + max_tokens) / kv_block_tokens) blocks when
+// admitted (so it can never run out mid-way) and returns them the moment it
+// finishes, fails, is cancelled or passes its deadline.
+//
+// Every submitted request ends with exactly one final event (finish set),
+// delivered on the scheduler thread: callbacks must not block.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/tokenizer.h"
+#include "gpu_worker/engine/sampling.h"
+#include "gpu_worker/model.h"
+
+namespace hmoe {
+
+struct EngineOptions {
+  int max_batch = 16;            // requests decoded per step
+  int max_queue = 64;            // waiting requests; a full queue -> RESOURCE_EXHAUSTED
+  int64_t kv_block_tokens = 16;  // tokens per KV block
+  int64_t kv_blocks = 0;         // total blocks; 0: max_batch * max_seq_len / kv_block_tokens
+  int64_t prefill_chunk = 64;    // prompt tokens per scheduler step
+  uint64_t seed = 0x9e3779b97f4a7c15ull;  // base for requests without a seed
+};
+
+enum class FinishReason { kNone, kLength, kStopToken, kStopString, kCancelled, kDeadline, kError };
+const char* FinishReasonName(FinishReason r);
+
+struct GenerateRequest {
+  std::vector<int32_t> prompt;  // token ids, non-empty
+  SamplingParams sampling;
+  int32_t max_tokens = 16;             // >= 1
+  std::vector<int32_t> stop_token_ids;  // in addition to the model's eos (unless ignore_eos)
+  bool ignore_eos = false;
+  std::vector<std::string> stop_strings;  // needs a tokenizer
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+struct GenerateEvent {
+  uint64_t request_id = 0;
+  std::vector<int32_t> token_ids;  // new tokens in this event
+  std::string text;                // new text (valid UTF-8; empty without a tokenizer)
+  FinishReason finish = FinishReason::kNone;
+  absl::Status status;  // non-OK with kError / kDeadline / kCancelled
+  // Set on the final event.
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  double queue_ms = 0, prefill_ms = 0, decode_ms = 0, time_to_first_token_ms = 0;
+};
+
+struct EngineStats {
+  int64_t kv_blocks_total = 0;
+  int64_t kv_blocks_used = 0;
+  int64_t running = 0;
+  int64_t waiting = 0;
+  int64_t completed = 0;  // ended for any reason
+  int64_t rejected = 0;   // RESOURCE_EXHAUSTED at submit
+  int64_t tokens_generated = 0;
+};
+
+class Engine {
+ public:
+  using Callback = std::function<void(const GenerateEvent&)>;
+
+  // `model` and `tokenizer` (may be null: no text, no stop strings) are borrowed.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const Model* model, const Tokenizer* tokenizer,
+                                                        const EngineOptions& options);
+  ~Engine();  // Shutdown(0) if still running
+
+  // Validates the request (INVALID_ARGUMENT naming the field), then queues it
+  // (RESOURCE_EXHAUSTED when the queue is full, FAILED_PRECONDITION after
+  // Shutdown began). Returns the request id.
+  absl::StatusOr<uint64_t> Submit(GenerateRequest request, Callback callback);
+  // Ends the request with kCancelled at the next step; unknown ids are ignored.
+  void Cancel(uint64_t request_id);
+  EngineStats stats() const;
+  const EngineOptions& options() const { return options_; }
+
+  // Refuses new requests, lets running and queued ones finish until `drain`
+  // has passed, then cancels the rest and stops the scheduler thread.
+  void Shutdown(absl::Duration drain);
+
+ private:
+  struct Request;
+  Engine(const Model* model, const Tokenizer* tokenizer, const EngineOptions& options);
+  void Loop();
+  void Finish(Request& r, FinishReason reason, absl::Status status);
+  void EmitToken(Request& r, int32_t token);
+  absl::Status PrefillChunk(Request& r);
+  absl::Status DecodeOne(Request& r);
+
+  const Model* model_;
+  const Tokenizer* tokenizer_;
+  EngineOptions options_;
+  int64_t max_seq_len_ = 0;
+  std::vector<int32_t> eos_ids_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Request>> waiting_;       // guarded by mu_
+  std::vector<std::unique_ptr<Request>> running_;      // scheduler thread only
+  std::vector<uint64_t> cancels_;                      // guarded by mu_
+  bool shutting_down_ = false;                         // guarded by mu_
+  absl::Time drain_deadline_ = absl::InfiniteFuture();  // guarded by mu_
+  bool stop_ = false;                                  // guarded by mu_
+  uint64_t next_id_ = 1;                               // guarded by mu_
+  EngineStats stats_;                                  // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace hmoe

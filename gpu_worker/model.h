@@ -1,0 +1,99 @@
+// Model: the model executor's API — load a checkpoint, keep per-request
+// state in a Sequence (its KV cache), and run prefill / decode steps that
+// return logits.
+//
+// Today's backend is the CPU reference (gpu_worker/cpu/): the exact forward
+// pass of deepseek_v3, deepseek_v2, qwen3_moe and mixtral as transformers 5
+// computes it, in fp32 math (weights as stored: bf16 read in place, fp8
+// dequantized with its block scale_inv at load). It is the numerics ground
+// truth for every faster path.
+//
+// Threading: a Model is immutable after Load; Forward may be called from
+// several threads at once on different Sequences (their parallel loops share
+// one pool and queue). A Sequence must not be used by two calls at once.
+//
+// Errors (absl::Status): loading names the file or tensor (NOT_FOUND for a
+// missing file/tensor, INVALID_ARGUMENT for bad shapes/dtypes/options,
+// UNIMPLEMENTED for unsupported configs); Forward returns INVALID_ARGUMENT for
+// an empty step, a token id outside [0, vocab_size) (naming the id and the
+// size) or a Sequence of another Model, RESOURCE_EXHAUSTED when the tokens do
+// not fit the Sequence's capacity, and passes on RoutedExperts errors (e.g.
+// UNAVAILABLE). A failed Forward leaves the Sequence as it was.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
+#include "gpu_worker/routed_experts.h"
+
+namespace hmoe {
+
+struct ModelOptions {
+  int num_threads = 0;      // worker threads for the parallel loops; 0: hardware concurrency
+  int64_t max_seq_len = 0;  // Sequence capacity in tokens; 0: config max_position_embeddings
+};
+
+// Per-request state: the tokens seen so far, as each layer's KV cache.
+//
+// Cache layout of the CPU backend: MLA layers keep what MLA needs, per
+// position the kv_a_layernorm'ed latent [kv_lora_rank] followed by the roped
+// shared key [qk_rope_head_dim] (the per-head keys and values are never
+// expanded: attention runs in the latent space with kv_b_proj absorbed into
+// the query and the output); GQA layers keep the roped (and, for Qwen3,
+// k-normed) keys and the values, [num_kv_heads * head_dim] each. All
+// positions are kept, also for sliding-window layers (the mask skips old ones).
+// Storage grows on demand up to capacity().
+class Sequence {
+ public:
+  virtual ~Sequence() = default;
+  virtual int64_t length() const = 0;    // tokens in the cache (the next token's position)
+  virtual int64_t capacity() const = 0;  // max tokens
+  virtual void Reset() = 0;              // forget all tokens (keeps the storage)
+};
+
+enum class LogitsMode {
+  kAll,   // one row per input token: [T, vocab_size]
+  kLast,  // the last token's row only: [vocab_size]
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  // Reads DIR/config.json and the checkpoint in DIR, validates the tensors
+  // against the config (CheckWeights) and loads them. `experts`: where routed
+  // experts are computed; null builds the in-process reference from the same
+  // checkpoint (owned by the Model). A non-null one is borrowed and must
+  // outlive the Model.
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& dir,
+                                                     const ModelOptions& options = {},
+                                                     RoutedExperts* experts = nullptr);
+  // Same, from a parsed config and an open checkpoint (the Model keeps what
+  // it needs; `ckpt` may be closed afterwards).
+  static absl::StatusOr<std::unique_ptr<Model>> Create(const ModelConfig& config,
+                                                       const Checkpoint& ckpt,
+                                                       const ModelOptions& options = {},
+                                                       RoutedExperts* experts = nullptr);
+
+  virtual const ModelConfig& config() const = 0;
+  virtual const ModelOptions& options() const = 0;  // with defaults resolved
+  virtual std::unique_ptr<Sequence> NewSequence() const = 0;
+
+  // Appends `tokens` (T >= 1) to `seq` at positions length() .. length()+T-1
+  // and writes logits to `logits` (resized: [T, V] for kAll, [V] for kLast).
+  virtual absl::Status Forward(Sequence& seq, absl::Span<const int32_t> tokens, LogitsMode mode,
+                               std::vector<float>* logits) const = 0;
+
+  // Conveniences over Forward.
+  absl::StatusOr<std::vector<float>> Prefill(Sequence& seq, absl::Span<const int32_t> tokens,
+                                             LogitsMode mode = LogitsMode::kAll) const;
+  absl::StatusOr<std::vector<float>> Decode(Sequence& seq, int32_t token) const;  // [V]
+};
+
+}  // namespace hmoe

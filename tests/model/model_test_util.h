@@ -1,0 +1,80 @@
+// Helpers shared by the model tests: fixture discovery and reference loading.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace hmoe::testing {
+
+// HMOE_FIXTURES_DIR when set (e.g. fixtures made with another seed), else tests/fixtures.
+inline std::string ModelFixturesRoot() {
+  const char* env = std::getenv("HMOE_FIXTURES_DIR");
+  return env && *env ? std::string(env) : FixturesDir();
+}
+
+// Names of the subdirectories of the fixtures root that hold reference.safetensors.
+inline std::vector<std::string> ModelFixtureNames() {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(ModelFixturesRoot(), ec)) {
+    if (e.is_directory() && std::filesystem::exists(e.path() / "reference.safetensors") &&
+        std::filesystem::exists(e.path() / "config.json"))
+      out.push_back(e.path().filename().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+struct ReferenceOutputs {
+  std::vector<int32_t> prompt, greedy;
+  std::vector<float> prefill, steps;  // [P, V], [N, V]
+  int64_t vocab = 0;
+};
+
+inline ReferenceOutputs LoadReference(const std::string& dir) {
+  ReferenceOutputs r;
+  auto f = SafetensorsFile::Open(dir + "/reference.safetensors");
+  EXPECT_TRUE(f.ok()) << f.status();
+  if (!f.ok()) return r;
+  auto ids = [&](const char* name) {
+    std::vector<int32_t> out;
+    auto t = (*f)->Get(name);
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (t.ok())
+      for (float v : t->ToF32()) out.push_back(static_cast<int32_t>(v));
+    return out;
+  };
+  auto floats = [&](const char* name) {
+    auto t = (*f)->Get(name);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? t->ToF32() : std::vector<float>();
+  };
+  r.prompt = ids("prompt_ids");
+  r.greedy = ids("greedy_ids");
+  r.prefill = floats("prefill_logits");
+  r.steps = floats("step_logits");
+  if (!r.prompt.empty()) r.vocab = static_cast<int64_t>(r.prefill.size() / r.prompt.size());
+  return r;
+}
+
+// max |a - b| / max |b| over n values.
+inline double RelErr(const float* a, const float* b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    num = std::max(num, std::abs(static_cast<double>(a[i]) - b[i]));
+    den = std::max(den, std::abs(static_cast<double>(b[i])));
+  }
+  return den > 0 ? num / den : num;
+}
+
+inline int64_t ArgMax(const float* v, int64_t n) { return std::max_element(v, v + n) - v; }
+
+}  // namespace hmoe::testing
