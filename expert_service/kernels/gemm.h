@@ -1,0 +1,69 @@
+// Internal: the per-ISA kernel table behind RunMoe. Each kernel computes
+//   c[m][16*(j - nb0) + col] = sum_k a[m][k] * W[16j + col][k]   (dequantized)
+// for panels j in [nb0, nb1) of one packed matrix and rows m < rows.
+#pragma once
+
+#include <cstdint>
+
+#include "expert_service/kernels/packed.h"
+
+namespace hmoe::kern {
+
+struct GemmArgs {
+  const PackedGeom* g = nullptr;
+  const uint8_t* w = nullptr;  // panel 0 of the matrix
+  int64_t nb0 = 0, nb1 = 0;
+  const void* a = nullptr;  // rows of Kp bf16 or int8 (zero-padded past K)
+  int64_t lda = 0;          // bytes between rows
+  int m = 0;                // rows; rows up to roundup(m, 32) exist and are zero past m
+  const float* a_scale = nullptr;  // int8 activations: per row
+  const int32_t* a_gsum = nullptr; // int4 "few": per row, per group: sum of the int8 activations
+  int64_t gsum_stride = 0;         // int32 elements between rows of a_gsum
+  float* c = nullptr;              // roundup(m, 32) rows
+  int64_t ldc = 0;                 // floats between rows of c
+  uint8_t* scratch = nullptr;      // kGemmScratchBytes, 64-byte aligned
+};
+inline constexpr int64_t kGemmScratchBytes = 128 * 1024;
+
+using GemmFn = void (*)(const GemmArgs&);
+
+struct KernelSet {
+  GemmFn bf16 = nullptr;     // bf16 weights, bf16 activations
+  GemmFn i8 = nullptr;       // int8 weights, int8 activations
+  GemmFn i4_i8 = nullptr;    // int4 weights, int8 activations (per-group int32 sums)
+  GemmFn i4_bf16 = nullptr;  // int4 weights as bf16(q * s), bf16 activations
+  // out[i] = SiLU(g[i]) * u[i]; f32 or rounded to bf16.
+  void (*silu_mul)(const float* g, const float* u, int64_t n, float* out) = nullptr;
+  void (*silu_mul_bf16)(const float* g, const float* u, int64_t n, uint16_t* out) = nullptr;
+  // Per-row symmetric int8 quantization (moe.h numerics): s = amax / 127,
+  // q = clamp(rne(x * (1 / s)), -127, 127), zero-filled from n to kp; when
+  // gsum is set, gsum[g] = sum of q over [g * group, (g + 1) * group), g < kp / group.
+  void (*quant_bf16)(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale,
+                     int32_t* gsum, int group) = nullptr;
+  float (*amax_f32)(const float* x, int64_t n) = nullptr;
+  void (*quant_f32)(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum,
+                    int group) = nullptr;
+};
+
+// Shared scalar helpers (kernels_scalar.cc) for ISA files that reuse them.
+void QuantBf16Scalar(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale,
+                     int32_t* gsum, int group);
+float AmaxF32Scalar(const float* x, int64_t n);
+void QuantF32Scalar(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum,
+                    int group);
+void SiluMulScalar(const float* g, const float* u, int64_t n, float* out);
+void SiluMulBf16Scalar(const float* g, const float* u, int64_t n, uint16_t* out);
+
+const KernelSet& ScalarKernels();
+const KernelSet& Avx2Kernels();
+const KernelSet& Avx512Kernels();
+const KernelSet& AmxKernels();  // "many" kernels; silu from AVX-512
+
+// Probes for the benchmark (only call after dispatch says the ISA is there).
+// Streams `bytes` (multiple of 256) with AVX-512 loads; returns a checksum.
+uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes);
+// Register-only AMX loop: `iters` x 8 tile dot-products (16x16x32 bf16 or
+// 16x16x64 int8). Returns nothing useful; time it.
+void AmxPeakLoop(int64_t iters, bool int8);
+
+}  // namespace hmoe::kern

@@ -1,0 +1,157 @@
+// Plain C++ kernels over the packed layout: the fallback for CPUs without
+// AVX2, and a readable statement of what each kernel computes.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/dtype.h"
+#include "expert_service/kernels/gemm.h"
+
+namespace hmoe::kern {
+namespace {
+
+void GemmBf16(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  for (int m = 0; m < a.m; ++m) {
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
+    for (int64_t j = a.nb0; j < a.nb1; ++j) {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(a.w + j * g.panel_bytes);
+      float acc[16] = {};
+      for (int64_t kk = 0; kk < g.kp / 2; ++kk) {
+        const float x0 = Bf16ToF32(x[2 * kk]), x1 = Bf16ToF32(x[2 * kk + 1]);
+        for (int c = 0; c < 16; ++c)
+          acc[c] += x0 * Bf16ToF32(p[kk * 32 + 2 * c]) + x1 * Bf16ToF32(p[kk * 32 + 2 * c + 1]);
+      }
+      std::memcpy(a.c + m * a.ldc + (j - a.nb0) * 16, acc, sizeof(acc));
+    }
+  }
+}
+
+void GemmI8(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  for (int m = 0; m < a.m; ++m) {
+    const int8_t* x = static_cast<const int8_t*>(a.a) + m * a.lda;
+    for (int64_t j = a.nb0; j < a.nb1; ++j) {
+      const uint8_t* panel = a.w + j * g.panel_bytes;
+      const int8_t* p = reinterpret_cast<const int8_t*>(panel);
+      const float* sc = reinterpret_cast<const float*>(panel + g.i8_scale_offset());
+      int32_t acc[16] = {};
+      for (int64_t q = 0; q < g.kp / 4; ++q)
+        for (int c = 0; c < 16; ++c)
+          for (int i = 0; i < 4; ++i) acc[c] += x[4 * q + i] * p[q * 64 + 4 * c + i];
+      float* out = a.c + m * a.ldc + (j - a.nb0) * 16;
+      for (int c = 0; c < 16; ++c) out[c] = static_cast<float>(acc[c]) * a.a_scale[m] * sc[c];
+    }
+  }
+}
+
+void GemmI4I8(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  const int64_t groups = g.kp / g.group;
+  for (int m = 0; m < a.m; ++m) {
+    const int8_t* x = static_cast<const int8_t*>(a.a) + m * a.lda;
+    for (int64_t j = a.nb0; j < a.nb1; ++j) {
+      const uint8_t* panel = a.w + j * g.panel_bytes;
+      float accf[16] = {};
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const uint8_t* gp = panel + gi * g.i4_group_bytes();
+        const float* sc = reinterpret_cast<const float*>(gp + int64_t{g.group} * 8);
+        int32_t acc[16] = {};
+        for (int64_t o = 0; o < g.group / 8; ++o) {
+          const int64_t k0 = gi * g.group + 8 * o;
+          for (int c = 0; c < 16; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t b = gp[o * 64 + 4 * c + i];
+              acc[c] += x[k0 + i] * ((b & 15) - 8) + x[k0 + 4 + i] * ((b >> 4) - 8);
+            }
+        }
+        for (int c = 0; c < 16; ++c) accf[c] += static_cast<float>(acc[c]) * sc[c];
+      }
+      float* out = a.c + m * a.ldc + (j - a.nb0) * 16;
+      for (int c = 0; c < 16; ++c) out[c] = accf[c] * a.a_scale[m];
+    }
+  }
+}
+
+void GemmI4Bf16(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  const int64_t groups = g.kp / g.group;
+  for (int m = 0; m < a.m; ++m) {
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
+    for (int64_t j = a.nb0; j < a.nb1; ++j) {
+      const uint8_t* panel = a.w + j * g.panel_bytes;
+      float acc[16] = {};
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const uint8_t* gp = panel + gi * g.i4_group_bytes();
+        const float* sc = reinterpret_cast<const float*>(gp + int64_t{g.group} * 8);
+        for (int64_t o = 0; o < g.group / 8; ++o) {
+          const int64_t k0 = gi * g.group + 8 * o;
+          for (int c = 0; c < 16; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t b = gp[o * 64 + 4 * c + i];
+              const float w0 = Bf16ToF32(F32ToBf16(static_cast<float>((b & 15) - 8) * sc[c]));
+              const float w1 = Bf16ToF32(F32ToBf16(static_cast<float>((b >> 4) - 8) * sc[c]));
+              acc[c] += Bf16ToF32(x[k0 + i]) * w0 + Bf16ToF32(x[k0 + 4 + i]) * w1;
+            }
+        }
+      }
+      std::memcpy(a.c + m * a.ldc + (j - a.nb0) * 16, acc, sizeof(acc));
+    }
+  }
+}
+
+inline float Silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+}  // namespace
+
+void SiluMulScalar(const float* g, const float* u, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = Silu(g[i]) * u[i];
+}
+void SiluMulBf16Scalar(const float* g, const float* u, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = F32ToBf16(Silu(g[i]) * u[i]);
+}
+
+void QuantF32Scalar(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum,
+                    int group) {
+  for (int64_t i = 0; i < n; ++i)
+    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f));
+  for (int64_t i = n; i < kp; ++i) q[i] = 0;
+  if (gsum != nullptr)
+    for (int64_t g = 0; g < kp / group; ++g) {
+      int32_t s = 0;
+      for (int64_t i = 0; i < group; ++i) s += q[g * group + i];
+      gsum[g] = s;
+    }
+}
+
+float AmaxF32Scalar(const float* x, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+
+void QuantBf16Scalar(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale,
+                     int32_t* gsum, int group) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(Bf16ToF32(x[i])));
+  const float s = m / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+  *scale = s;
+  for (int64_t i = 0; i < n; ++i)
+    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(Bf16ToF32(x[i]) * inv), -127.0f, 127.0f));
+  for (int64_t i = n; i < kp; ++i) q[i] = 0;
+  if (gsum != nullptr)
+    for (int64_t g = 0; g < kp / group; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < group; ++i) sum += q[g * group + i];
+      gsum[g] = sum;
+    }
+}
+
+const KernelSet& ScalarKernels() {
+  static const KernelSet k{GemmBf16,      GemmI8,          GemmI4I8,      GemmI4Bf16,
+                           SiluMulScalar, SiluMulBf16Scalar, QuantBf16Scalar, AmaxF32Scalar,
+                           QuantF32Scalar};
+  return k;
+}
+
+}  // namespace hmoe::kern

@@ -1,0 +1,466 @@
+// RunMoe: routing, the phase pipeline and kernel dispatch. One pool.Run per
+// call; phases are separated by a spin barrier among the pool's workers:
+//   gather   rows of x per expert (bf16, or int8 quantized per token)
+//   gate_up  tasks (part, expert, panel-pair chunk, row chunk) -> h = SiLU(g)*u
+//   hquant   (int8 activations) per-row scale over all parts' h, quantize
+//   down     tasks (part, expert, panel chunk, row chunk) -> y_part[row]
+//   reduce   out[t] = sum_j w[t][j] * sum_part y_part[row(t, j)]
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "expert_service/kernels/gemm.h"
+#include "expert_service/kernels/moe.h"
+
+namespace hmoe {
+namespace {
+
+constexpr int64_t kRowChunk = 256;      // rows per task (AMX: a multiple of 32)
+constexpr int64_t kMaxTaskPanels = 16;  // panels per task
+
+const kern::KernelSet& KernelsFor(Isa isa, bool many) {
+  switch (isa) {
+    case Isa::kAmx: return many ? kern::AmxKernels() : kern::Avx512Kernels();
+    case Isa::kAvx512: return kern::Avx512Kernels();
+    case Isa::kAvx2: return kern::Avx2Kernels();
+    case Isa::kScalar: break;
+  }
+  return kern::ScalarKernels();
+}
+
+// Activations of an expert call: int8 for INT8 weights and INT4 "few".
+bool Int8Act(WeightFormat f, bool many) {
+  return f == WeightFormat::kInt8 || (f == WeightFormat::kInt4 && !many);
+}
+
+kern::GemmFn GemmFor(const kern::KernelSet& k, WeightFormat f, bool many) {
+  switch (f) {
+    case WeightFormat::kBf16: return k.bf16;
+    case WeightFormat::kInt8: return k.i8;
+    case WeightFormat::kInt4: return many ? k.i4_bf16 : k.i4_i8;
+  }
+  return nullptr;
+}
+
+struct Task {
+  int32_t e;        // local expert
+  int32_t m0, m;    // row chunk within the expert
+  int32_t nb0, nb1; // panels
+};
+
+class SpinBarrier {
+ public:
+  void Reset(int n) {
+    n_ = n;
+    count_.store(0);
+    gen_.store(0);
+  }
+  void Wait() {
+    const uint32_t g = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.store(g + 1, std::memory_order_release);
+      return;
+    }
+    while (gen_.load(std::memory_order_acquire) == g) __builtin_ia32_pause();
+  }
+
+ private:
+  int n_ = 0;
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<uint32_t> gen_{0};
+};
+
+}  // namespace
+
+struct MoeWorkspace::Impl {
+  int64_t max_tokens = 0;
+  int max_top_k = 0;
+  int64_t hidden = 0, kp_h = 0, n_local = 0, max_rows = 0, gmax = 0;
+  WeightFormat format = WeightFormat::kBf16;
+  int group = 0;
+  int nparts = 0;
+  int64_t threads = 0;
+
+  // routing
+  std::vector<int32_t> count, row_off, row_cnt, cursor;
+  std::vector<uint8_t> many;
+  std::vector<int32_t> row_token, row_expert, slot_row, active;
+  // x, gathered per row: bf16 or int8 rows of kp_h (row stride kp_h * 2 bytes)
+  NumaBuffer xa;
+  std::vector<float> xa_scale;
+  std::vector<int32_t> xa_gsum;  // [row][kp_h / group]
+  struct PartBufs {
+    int64_t kp_i = 0, groups = 0;
+    NumaBuffer h;   // [row][kp_i] f32 (bf16 rows use the first half)
+    NumaBuffer hq;  // [row][kp_i] int8
+    std::vector<int32_t> hgsum;
+    NumaBuffer y;   // [row][hidden] f32
+    std::vector<Task> gu_tasks, down_tasks;
+  };
+  std::vector<PartBufs> parts;
+  std::vector<float> h_scale;  // per row (shared by parts)
+  std::vector<NumaBuffer> cbuf, scratch;  // per thread
+  // phase counters
+  std::vector<std::atomic<int64_t>> counters;
+  SpinBarrier barrier;
+};
+
+MoeWorkspace::~MoeWorkspace() = default;
+
+absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedMoeLayer& layer,
+                                                                   int64_t max_tokens,
+                                                                   int max_top_k,
+                                                                   ThreadPool& pool) {
+  if (max_tokens <= 0 || max_top_k <= 0)
+    return absl::InvalidArgumentError("max_tokens and max_top_k must be > 0");
+  if (static_cast<int>(layer.parts().size()) != pool.num_nodes())
+    return absl::InvalidArgumentError(absl::StrCat("layer has ", layer.parts().size(),
+                                                   " node parts but the pool has ",
+                                                   pool.num_nodes(), " nodes"));
+  std::unique_ptr<MoeWorkspace> ws(new MoeWorkspace());
+  ws->impl_ = std::make_unique<Impl>();
+  Impl& w = *ws->impl_;
+  w.max_tokens = max_tokens;
+  w.max_top_k = max_top_k;
+  w.hidden = layer.hidden();
+  w.format = layer.format();
+  w.group = layer.group();
+  w.n_local = layer.num_local_experts();
+  w.nparts = static_cast<int>(layer.parts().size());
+  w.threads = pool.num_threads();
+  const int64_t slots = max_tokens * max_top_k;
+  w.max_rows = slots + 32 * std::min<int64_t>(w.n_local, slots);
+  const auto& p0 = layer.parts()[0];
+  w.kp_h = p0.gu.kp;
+  w.gmax = w.format == WeightFormat::kInt4 ? w.kp_h / w.group : 0;
+  const size_t E = static_cast<size_t>(w.n_local), R = static_cast<size_t>(w.max_rows);
+  w.count.resize(E);
+  w.row_off.resize(E + 1);
+  w.row_cnt.resize(E);
+  w.cursor.resize(E);
+  w.many.resize(E);
+  w.active.reserve(E);
+  w.row_token.resize(R);
+  w.row_expert.resize(R);
+  w.slot_row.resize(static_cast<size_t>(slots));
+  ASSIGN_OR_RETURN(w.xa, NumaBuffer::Allocate(R * static_cast<size_t>(w.kp_h) * 2, pool.mem_node(0)));
+  w.xa_scale.resize(R);
+  w.xa_gsum.resize(R * static_cast<size_t>(std::max<int64_t>(w.gmax, 1)));
+  w.h_scale.resize(R);
+  w.parts.resize(static_cast<size_t>(w.nparts));
+  for (int p = 0; p < w.nparts; ++p) {
+    const auto& lp = layer.parts()[static_cast<size_t>(p)];
+    auto& b = w.parts[static_cast<size_t>(p)];
+    b.kp_i = lp.down.kp;
+    b.groups = w.format == WeightFormat::kInt4 ? b.kp_i / w.group : 0;
+    const int node = pool.mem_node(p);
+    ASSIGN_OR_RETURN(b.h, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i) * 4, node));
+    ASSIGN_OR_RETURN(b.hq, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i), node));
+    b.hgsum.resize(R * static_cast<size_t>(std::max<int64_t>(b.groups, 1)));
+    ASSIGN_OR_RETURN(b.y, NumaBuffer::Allocate(R * static_cast<size_t>(w.hidden) * 4, node));
+    // Task upper bound: per expert row chunks x panel chunks.
+    const int64_t chunks = static_cast<int64_t>(E) + slots / kRowChunk + 1;
+    b.gu_tasks.reserve(static_cast<size_t>(chunks * (lp.gu.nblocks / 2 + 1)));
+    b.down_tasks.reserve(static_cast<size_t>(chunks * (lp.down.nblocks + 1)));
+  }
+  w.cbuf.resize(static_cast<size_t>(w.threads));
+  w.scratch.resize(static_cast<size_t>(w.threads));
+  int t = 0;
+  for (int p = 0; p < pool.num_nodes(); ++p)
+    for (int i = 0; i < pool.node_threads(p); ++i, ++t) {
+      ASSIGN_OR_RETURN(w.cbuf[static_cast<size_t>(t)],
+                       NumaBuffer::Allocate(kRowChunk * kMaxTaskPanels * 16 * 4, pool.mem_node(p)));
+      ASSIGN_OR_RETURN(w.scratch[static_cast<size_t>(t)],
+                       NumaBuffer::Allocate(kern::kGemmScratchBytes, pool.mem_node(p)));
+    }
+  w.counters = std::vector<std::atomic<int64_t>>(static_cast<size_t>(8 + 2 * w.nparts));
+  return ws;
+}
+
+absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts) { return ResolveIsa(opts.isa, opts.strict_isa); }
+
+absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out, ThreadPool& pool,
+                    MoeWorkspace& ws, const RunOptions& opts) {
+  MoeWorkspace::Impl& w = *ws.impl();
+  const int64_t T = in.tokens, H = layer.hidden();
+  const int K = in.top_k;
+  if (T < 0 || T > w.max_tokens || K < 0 || K > w.max_top_k)
+    return absl::InvalidArgumentError(absl::StrCat("tokens ", T, " x top_k ", K,
+                                                   " exceed the workspace (", w.max_tokens, " x ",
+                                                   w.max_top_k, ")"));
+  if (H != w.hidden || layer.format() != w.format || layer.group() != w.group ||
+      layer.num_local_experts() != w.n_local || static_cast<int>(layer.parts().size()) != w.nparts ||
+      pool.num_threads() != w.threads)
+    return absl::InvalidArgumentError("workspace was made for a differently shaped layer or pool");
+  if (T == 0) return absl::OkStatus();
+  if (in.x == nullptr || out == nullptr || (K > 0 && (in.ids == nullptr || in.weights == nullptr)))
+    return absl::InvalidArgumentError("null input or output");
+  ASSIGN_OR_RETURN(const Isa isa, EffectiveIsa(opts));
+  const WeightFormat fmt = layer.format();
+  const int G = layer.group();
+
+  // ---- route (caller thread) ----
+  const int64_t E = w.n_local, e_begin = layer.expert_begin();
+  std::fill(w.count.begin(), w.count.end(), 0);
+  for (int64_t s = 0; s < T * K; ++s) {
+    const int64_t e = static_cast<int64_t>(in.ids[s]) - e_begin;
+    if (e >= 0 && e < E) ++w.count[static_cast<size_t>(e)];
+  }
+  w.active.clear();
+  int64_t rows = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int32_t c = w.count[static_cast<size_t>(e)];
+    w.many[static_cast<size_t>(e)] = c > opts.many_threshold;
+    w.row_off[static_cast<size_t>(e)] = static_cast<int32_t>(rows);
+    w.cursor[static_cast<size_t>(e)] = static_cast<int32_t>(rows);
+    w.row_cnt[static_cast<size_t>(e)] = c;
+    if (c > 0) w.active.push_back(static_cast<int32_t>(e));
+    const int64_t alloc = w.many[static_cast<size_t>(e)] ? RoundUp(c, 32) : c;
+    for (int64_t r = rows + c; r < rows + alloc; ++r) {
+      w.row_token[static_cast<size_t>(r)] = -1;
+      w.row_expert[static_cast<size_t>(r)] = static_cast<int32_t>(e);
+    }
+    rows += alloc;
+  }
+  w.row_off[static_cast<size_t>(E)] = static_cast<int32_t>(rows);
+  for (int64_t s = 0; s < T * K; ++s) {
+    const int64_t e = static_cast<int64_t>(in.ids[s]) - e_begin;
+    if (e >= 0 && e < E) {
+      const int32_t r = w.cursor[static_cast<size_t>(e)]++;
+      w.slot_row[static_cast<size_t>(s)] = r;
+      w.row_token[static_cast<size_t>(r)] = static_cast<int32_t>(s / K);
+      w.row_expert[static_cast<size_t>(r)] = static_cast<int32_t>(e);
+    } else {
+      w.slot_row[static_cast<size_t>(s)] = -1;
+    }
+  }
+
+  // ---- tasks per part ----
+  bool any_int8_h = false;
+  for (int32_t e : w.active) any_int8_h |= Int8Act(fmt, w.many[static_cast<size_t>(e)]);
+  const int64_t nthreads = pool.num_threads();
+  for (int p = 0; p < w.nparts; ++p) {
+    auto& b = w.parts[static_cast<size_t>(p)];
+    const auto& lp = layer.parts()[static_cast<size_t>(p)];
+    b.gu_tasks.clear();
+    b.down_tasks.clear();
+    if (lp.empty()) continue;
+    const int64_t target = 4 * std::max(1, pool.node_threads(p));
+    int64_t gu_work = 0, dn_work = 0;
+    for (int32_t e : w.active) {
+      const int64_t chunks = (w.row_cnt[static_cast<size_t>(e)] + kRowChunk - 1) / kRowChunk;
+      gu_work += chunks * lp.gu.nblocks;
+      dn_work += chunks * lp.down.nblocks;
+    }
+    const int64_t gu_chunk = std::clamp<int64_t>(RoundUp((gu_work + target - 1) / target, 2), 2, kMaxTaskPanels);
+    const int64_t dn_chunk = std::clamp<int64_t>((dn_work + target - 1) / target, 1, kMaxTaskPanels);
+    for (int32_t e : w.active) {
+      const int64_t c = w.row_cnt[static_cast<size_t>(e)];
+      for (int64_t m0 = 0; m0 < c; m0 += kRowChunk) {
+        const int32_t m = static_cast<int32_t>(std::min(kRowChunk, c - m0));
+        for (int64_t j = 0; j < lp.gu.nblocks; j += gu_chunk)
+          b.gu_tasks.push_back({e, static_cast<int32_t>(m0), m, static_cast<int32_t>(j),
+                                static_cast<int32_t>(std::min(lp.gu.nblocks, j + gu_chunk))});
+        for (int64_t j = 0; j < lp.down.nblocks; j += dn_chunk)
+          b.down_tasks.push_back({e, static_cast<int32_t>(m0), m, static_cast<int32_t>(j),
+                                  static_cast<int32_t>(std::min(lp.down.nblocks, j + dn_chunk))});
+      }
+    }
+  }
+  for (auto& c : w.counters) c.store(0, std::memory_order_relaxed);
+  w.barrier.Reset(static_cast<int>(nthreads));
+
+  const int64_t kp_h = w.kp_h;
+  const int64_t xa_ld = kp_h * 2;
+  const int64_t gsum_ld = std::max<int64_t>(w.gmax, 1);
+  constexpr int64_t kRowsPerItem = 4;
+  const int64_t row_items = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  const int64_t hchunk = 1024;
+  const int64_t red_items = T * ((H + hchunk - 1) / hchunk);
+  const kern::KernelSet& kfew = KernelsFor(isa, false);
+
+  pool.Run([&](const Worker& wk) {
+    const int p = wk.node;
+    auto& b = w.parts[static_cast<size_t>(p)];
+    const auto& lp = layer.parts()[static_cast<size_t>(p)];
+    float* cbuf = reinterpret_cast<float*>(w.cbuf[static_cast<size_t>(wk.global)].data());
+    uint8_t* scratch = w.scratch[static_cast<size_t>(wk.global)].data();
+
+    // ---- gather ----
+    for (int64_t it; (it = w.counters[0].fetch_add(1, std::memory_order_relaxed)) < row_items;) {
+      for (int64_t r = it * kRowsPerItem; r < std::min(rows, (it + 1) * kRowsPerItem); ++r) {
+        const int32_t t = w.row_token[static_cast<size_t>(r)];
+        const int32_t e = w.row_expert[static_cast<size_t>(r)];
+        uint8_t* dst = w.xa.data() + r * xa_ld;
+        const bool i8 = Int8Act(fmt, w.many[static_cast<size_t>(e)]);
+        if (t < 0) {
+          std::memset(dst, 0, static_cast<size_t>(i8 ? kp_h : xa_ld));
+          w.xa_scale[static_cast<size_t>(r)] = 0.0f;
+          if (w.gmax) std::memset(&w.xa_gsum[static_cast<size_t>(r * gsum_ld)], 0, sizeof(int32_t) * static_cast<size_t>(w.gmax));
+          continue;
+        }
+        const uint16_t* x = in.x + static_cast<int64_t>(t) * H;
+        if (i8) {
+          kfew.quant_bf16(x, H, kp_h, reinterpret_cast<int8_t*>(dst), &w.xa_scale[static_cast<size_t>(r)],
+                          w.gmax ? &w.xa_gsum[static_cast<size_t>(r * gsum_ld)] : nullptr, G);
+        } else {
+          std::memcpy(dst, x, static_cast<size_t>(H) * 2);
+          std::memset(dst + H * 2, 0, static_cast<size_t>(xa_ld - H * 2));
+        }
+      }
+    }
+    w.barrier.Wait();
+
+    // ---- gate_up ----
+    if (!lp.empty()) {
+      const int64_t n_i = lp.i1 - lp.i0;
+      const int64_t h_ld = b.kp_i * 4;
+      const int64_t np_i = lp.gu.np / 2;
+      for (int64_t it; (it = w.counters[8 + 2 * p].fetch_add(1, std::memory_order_relaxed)) <
+                       static_cast<int64_t>(b.gu_tasks.size());) {
+        const Task& tk = b.gu_tasks[static_cast<size_t>(it)];
+        const bool many = w.many[static_cast<size_t>(tk.e)];
+        const bool i8 = Int8Act(fmt, many);
+        const kern::KernelSet& ks = KernelsFor(isa, many);
+        const int64_t r0 = w.row_off[static_cast<size_t>(tk.e)] + tk.m0;
+        kern::GemmArgs a;
+        a.g = &lp.gu;
+        a.w = lp.gate_up(tk.e);
+        a.nb0 = tk.nb0;
+        a.nb1 = tk.nb1;
+        a.a = w.xa.data() + r0 * xa_ld;
+        a.lda = xa_ld;
+        a.m = tk.m;
+        a.a_scale = &w.xa_scale[static_cast<size_t>(r0)];
+        a.a_gsum = w.gmax ? &w.xa_gsum[static_cast<size_t>(r0 * gsum_ld)] : nullptr;
+        a.gsum_stride = gsum_ld;
+        a.c = cbuf;
+        a.ldc = (tk.nb1 - tk.nb0) * 16;
+        a.scratch = scratch;
+        GemmFor(ks, fmt, many)(a);
+        const int64_t rows_alloc = many ? RoundUp(tk.m, 32) : tk.m;
+        for (int64_t m = 0; m < rows_alloc; ++m) {
+          uint8_t* hrow = b.h.data() + (r0 + m) * h_ld;
+          for (int64_t j = tk.nb0; j < tk.nb1; j += 2) {
+            const int64_t col = (j / 2) * 16;
+            const float* gc = cbuf + m * a.ldc + (j - tk.nb0) * 16;
+            if (m >= tk.m) {
+              if (i8) std::memset(reinterpret_cast<float*>(hrow) + col, 0, 64);
+              else std::memset(reinterpret_cast<uint16_t*>(hrow) + col, 0, 32);
+            } else if (i8) {
+              ks.silu_mul(gc, gc + 16, 16, reinterpret_cast<float*>(hrow) + col);
+            } else {
+              ks.silu_mul_bf16(gc, gc + 16, 16, reinterpret_cast<uint16_t*>(hrow) + col);
+            }
+          }
+          if (tk.nb1 == lp.gu.nblocks && b.kp_i > np_i) {
+            if (i8) std::memset(reinterpret_cast<float*>(hrow) + np_i, 0, static_cast<size_t>(b.kp_i - np_i) * 4);
+            else std::memset(reinterpret_cast<uint16_t*>(hrow) + np_i, 0, static_cast<size_t>(b.kp_i - np_i) * 2);
+          }
+        }
+        (void)n_i;
+      }
+    }
+    w.barrier.Wait();
+
+    // ---- hquant: int8 activations of down, one scale per row over all parts ----
+    if (any_int8_h) {
+      const int64_t n_items = row_items;
+      for (int64_t it; (it = w.counters[1].fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+        for (int64_t r = it * kRowsPerItem; r < std::min(rows, (it + 1) * kRowsPerItem); ++r) {
+          const int32_t e = w.row_expert[static_cast<size_t>(r)];
+          if (!Int8Act(fmt, w.many[static_cast<size_t>(e)])) continue;
+          float amax = 0.0f;
+          for (int q = 0; q < w.nparts; ++q) {
+            const auto& lq = layer.parts()[static_cast<size_t>(q)];
+            if (lq.empty()) continue;
+            const auto& bq = w.parts[static_cast<size_t>(q)];
+            amax = std::max(amax, kfew.amax_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
+                                                lq.i1 - lq.i0));
+          }
+          const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+          w.h_scale[static_cast<size_t>(r)] = s;
+          for (int q = 0; q < w.nparts; ++q) {
+            const auto& lq = layer.parts()[static_cast<size_t>(q)];
+            if (lq.empty()) continue;
+            auto& bq = w.parts[static_cast<size_t>(q)];
+            kfew.quant_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4), lq.i1 - lq.i0,
+                           bq.kp_i, inv, reinterpret_cast<int8_t*>(bq.hq.data() + r * bq.kp_i),
+                           bq.groups ? &bq.hgsum[static_cast<size_t>(r * bq.groups)] : nullptr, G);
+          }
+        }
+      }
+      w.barrier.Wait();
+    }
+
+    // ---- down ----
+    if (!lp.empty()) {
+      const int64_t hg_ld = std::max<int64_t>(b.groups, 1);
+      for (int64_t it; (it = w.counters[9 + 2 * p].fetch_add(1, std::memory_order_relaxed)) <
+                       static_cast<int64_t>(b.down_tasks.size());) {
+        const Task& tk = b.down_tasks[static_cast<size_t>(it)];
+        const bool many = w.many[static_cast<size_t>(tk.e)];
+        const bool i8 = Int8Act(fmt, many);
+        const kern::KernelSet& ks = KernelsFor(isa, many);
+        const int64_t r0 = w.row_off[static_cast<size_t>(tk.e)] + tk.m0;
+        kern::GemmArgs a;
+        a.g = &lp.down;
+        a.w = lp.down_w(tk.e);
+        a.nb0 = tk.nb0;
+        a.nb1 = tk.nb1;
+        if (i8) {
+          a.a = b.hq.data() + r0 * b.kp_i;
+          a.lda = b.kp_i;
+        } else {
+          a.a = b.h.data() + r0 * b.kp_i * 4;
+          a.lda = b.kp_i * 4;
+        }
+        a.m = tk.m;
+        a.a_scale = &w.h_scale[static_cast<size_t>(r0)];
+        a.a_gsum = b.groups ? &b.hgsum[static_cast<size_t>(r0 * hg_ld)] : nullptr;
+        a.gsum_stride = hg_ld;
+        a.c = cbuf;
+        a.ldc = (tk.nb1 - tk.nb0) * 16;
+        a.scratch = scratch;
+        GemmFor(ks, fmt, many)(a);
+        const int64_t c0 = int64_t{tk.nb0} * 16, c1 = std::min<int64_t>(int64_t{tk.nb1} * 16, H);
+        for (int64_t m = 0; m < tk.m; ++m)
+          std::memcpy(reinterpret_cast<float*>(b.y.data()) + (r0 + m) * H + c0, cbuf + m * a.ldc,
+                      static_cast<size_t>(c1 - c0) * 4);
+      }
+    }
+    w.barrier.Wait();
+
+    // ---- reduce ----
+    const int64_t nch = (H + hchunk - 1) / hchunk;
+    for (int64_t it; (it = w.counters[2].fetch_add(1, std::memory_order_relaxed)) < red_items;) {
+      const int64_t t = it / nch, c0 = (it % nch) * hchunk, c1 = std::min(H, c0 + hchunk);
+      float* o = out + t * H;
+      std::memset(o + c0, 0, static_cast<size_t>(c1 - c0) * 4);
+      for (int j = 0; j < K; ++j) {
+        const int32_t r = w.slot_row[static_cast<size_t>(t * K + j)];
+        if (r < 0) continue;
+        const float wt = in.weights[t * K + j];
+        if (w.nparts == 1) {
+          const float* y = reinterpret_cast<const float*>(w.parts[0].y.data()) + int64_t{r} * H;
+          for (int64_t c = c0; c < c1; ++c) o[c] += wt * y[c];
+        } else {
+          for (int64_t c = c0; c < c1; ++c) {
+            float s = 0.0f;
+            for (int q = 0; q < w.nparts; ++q)
+              if (!layer.parts()[static_cast<size_t>(q)].empty())
+                s += reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data())[int64_t{r} * H + c];
+            o[c] += wt * s;
+          }
+        }
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace hmoe

@@ -1,0 +1,204 @@
+// The routed-expert MoE operator of one expert-service shard.
+//
+//   out[t] = sum_{j < top_k, ids[t][j] in [expert_begin, expert_end)}
+//              weights[t][j] * down_e( SiLU(gate_e(x[t])) * up_e(x[t]) )
+//
+// over the experts this shard owns and, when the shard owns only a slice
+// [i_begin, i_end) of every expert's intermediate dim (tensor parallel), over
+// that slice only: the output is then a partial sum for the caller to add up.
+// x is bf16 [T][H], out is f32 [T][H] (overwritten).
+//
+// Numerics (the scalar reference, RunMoeReference, is the definition; every
+// kernel matches it up to fp32 summation order, see tests/kernels):
+//   Per expert call the regime is "many" when the expert received more than
+//   RunOptions::many_threshold tokens in this call (AMX kernels), else "few"
+//   (AVX-512/AVX2 GEMV). The regime, not the ISA, fixes the numerics:
+//   * BF16 weights: activations are the bf16 inputs; gate/up accumulate in
+//     fp32; h = bf16(SiLU(g) * u) (round to nearest even); down accumulates
+//     h * w in fp32.
+//   * INT8 weights (w = q * s_row): x is quantized per token,
+//     s_x = max|x|/127, xq = rne(x / s_x) (multiply by 1/s_x); g = s_x * s_row *
+//     sum(xq * q) (exact int32 sum); h = SiLU(g) * u in fp32, then quantized
+//     per (token, expert) over the shard's whole slice the same way; down as gate.
+//   * INT4 weights (w = q * s_group), "few": as INT8 but with a per-group
+//     int32 sum scaled by s_group; "many": weights are dequantized to
+//     bf16(q * s_group) and everything else is as BF16.
+//   SiLU(g) = g / (1 + exp(-g)). The final sum over top-k and over NUMA-node
+//   partials is fp32, weights applied per expert.
+//
+// Nothing here allocates on the hot path: MoeWorkspace is sized once for the
+// largest call.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/tensor.h"
+#include "expert_service/kernels/isa.h"
+#include "expert_service/kernels/packed.h"
+#include "expert_service/numa.h"
+#include "expert_service/thread_pool.h"
+
+namespace hmoe {
+
+// ---- weights in ----------------------------------------------------------------
+
+// One expert as stored in a checkpoint: gate, up [I][H], down [H][I]; bf16, f32
+// or f8_e4m3 (then *_scale_inv are the f32 block scales, DeepSeek-V3 style:
+// w = fp8 * scale_inv[r / block][c / block]).
+struct ExpertWeights {
+  Tensor gate, up, down;
+  Tensor gate_scale_inv, up_scale_inv, down_scale_inv;
+};
+
+struct MoeWeightsSource {
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  int64_t num_experts = 0;
+  int64_t fp8_block = 128;
+  // Expert e's weights; called once per packed expert, from pool threads.
+  std::function<absl::StatusOr<ExpertWeights>(int64_t e)> expert;
+};
+
+struct PackOptions {
+  WeightFormat format = WeightFormat::kBf16;
+  int group = 128;           // int4 group along K: 32, 64 or 128
+  int64_t i_begin = 0;       // intermediate slice owned by this shard
+  int64_t i_end = -1;        // -1: to the end
+  int64_t expert_begin = 0;  // experts owned by this shard
+  int64_t expert_end = -1;   // -1: to the end
+};
+
+// A quantized matrix in plain row-major form (logical shape, no padding):
+// what Pack quantizes to, what the reference computes with.
+struct QuantMatrix {
+  WeightFormat format = WeightFormat::kBf16;
+  int group = 0;
+  int64_t rows = 0, cols = 0;
+  std::vector<uint16_t> bf16;  // kBf16
+  std::vector<int8_t> q;       // kInt8, kInt4
+  std::vector<float> scale;    // kInt8: [rows]; kInt4: [rows][ceil(cols / group)]
+  float At(int64_t r, int64_t c) const;  // the weight value: bf16, or f32(q * s)
+};
+struct QuantExpert {
+  QuantMatrix gate, up;  // [I_slice][H]
+  QuantMatrix down;      // [H][I_slice]
+};
+
+// Quantizes one expert's slice exactly as Pack does (common/dtype.h quantizers).
+absl::StatusOr<QuantExpert> QuantizeExpert(const ExpertWeights& w, const MoeWeightsSource& src,
+                                           const PackOptions& opts);
+
+// ---- the packed layer ------------------------------------------------------------
+
+class PackedMoeLayer {
+ public:
+  // One per (real or virtual) NUMA node of the pool: the node's slice
+  // [i0, i1) (absolute intermediate indices) of every owned expert, in memory
+  // bound to that node. Slices are disjoint: weights are never duplicated
+  // (only the per-row int8 scales of down are).
+  struct Part {
+    int64_t i0 = 0, i1 = 0;
+    PackedGeom gu;    // interleaved gate/up: n = 2 * roundup(i1 - i0, 16), k = hidden
+    PackedGeom down;  // n = hidden, k = i1 - i0
+    int64_t expert_stride = 0;
+    NumaBuffer mem;
+    const uint8_t* gate_up(int64_t e_local) const { return mem.data() + e_local * expert_stride; }
+    const uint8_t* down_w(int64_t e_local) const { return gate_up(e_local) + gu.bytes(); }
+    uint8_t* mutable_gate_up(int64_t e_local) { return mem.data() + e_local * expert_stride; }
+    uint8_t* mutable_down(int64_t e_local) { return mutable_gate_up(e_local) + gu.bytes(); }
+    bool empty() const { return i1 <= i0; }
+  };
+
+  WeightFormat format() const { return format_; }
+  int group() const { return group_; }
+  int64_t hidden() const { return hidden_; }
+  int64_t i_begin() const { return i_begin_; }
+  int64_t i_end() const { return i_end_; }
+  int64_t expert_begin() const { return expert_begin_; }
+  int64_t expert_end() const { return expert_end_; }
+  int64_t num_local_experts() const { return expert_end_ - expert_begin_; }
+  const std::vector<Part>& parts() const { return parts_; }
+  std::vector<Part>& mutable_parts() { return parts_; }
+  // Packed bytes of one expert (all parts): what a call streams per expert.
+  int64_t expert_bytes() const;
+
+  // Allocates an empty layer split over the pool's nodes.
+  static absl::StatusOr<PackedMoeLayer> Allocate(int64_t hidden, int64_t intermediate,
+                                                 int64_t num_experts, const PackOptions& opts,
+                                                 const ThreadPool& pool);
+
+ private:
+  WeightFormat format_ = WeightFormat::kBf16;
+  int group_ = 0;
+  int64_t hidden_ = 0, i_begin_ = 0, i_end_ = 0, expert_begin_ = 0, expert_end_ = 0;
+  std::vector<Part> parts_;
+};
+
+// Quantizes and packs the shard's experts (parallel over experts on `pool`).
+absl::StatusOr<PackedMoeLayer> Pack(const MoeWeightsSource& src, const PackOptions& opts,
+                                    ThreadPool& pool);
+// Packs already-quantized experts (index = local expert).
+absl::Status PackExpert(const QuantExpert& q, int64_t e_local, PackedMoeLayer& layer);
+// Reconstructs the plain quantized form of a packed expert (inverse of PackExpert).
+absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& layer, int64_t e_local);
+// Fills a layer with random weights directly in packed form (benchmarks):
+// bf16 ~ U(-1/sqrt(K), 1/sqrt(K)), int q uniform, scales ~ 1/(sqrt(K) * qmax).
+absl::StatusOr<PackedMoeLayer> PackRandom(int64_t hidden, int64_t intermediate,
+                                          int64_t num_experts, const PackOptions& opts,
+                                          ThreadPool& pool, uint64_t seed);
+
+// ---- running ---------------------------------------------------------------------
+
+struct MoeInput {
+  int64_t tokens = 0;
+  int top_k = 0;
+  const uint16_t* x = nullptr;      // [tokens][hidden] bf16
+  const int32_t* ids = nullptr;     // [tokens][top_k] global expert ids (others' ids are skipped)
+  const float* weights = nullptr;   // [tokens][top_k]
+};
+
+struct RunOptions {
+  std::optional<Isa> isa;   // cap; the effective ISA is min(detected, HMOE_ISA, this)
+  bool strict_isa = false;  // requesting an ISA the CPU lacks fails instead of falling back
+  int many_threshold = 4;   // experts with more tokens than this use the "many" (AMX) kernels
+};
+
+// Scratch for RunMoe, sized for `max_tokens` x `max_top_k` on layers shaped
+// like `layer` (same hidden, node split and format); node-local per part.
+// One workspace serves all layers of a model, one call at a time.
+class MoeWorkspace {
+ public:
+  static absl::StatusOr<std::unique_ptr<MoeWorkspace>> Create(const PackedMoeLayer& layer,
+                                                              int64_t max_tokens, int max_top_k,
+                                                              ThreadPool& pool);
+  ~MoeWorkspace();
+  struct Impl;
+  Impl* impl() const { return impl_.get(); }
+
+ private:
+  MoeWorkspace() = default;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The operator. `out` is [tokens][hidden] f32. Cheap checks only (token
+// count vs workspace, pointers): shapes are validated one layer up.
+absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out, ThreadPool& pool,
+                    MoeWorkspace& ws, const RunOptions& opts = {});
+
+// The ISA RunMoe would use for these options (after HMOE_ISA and fallback).
+absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts);
+
+// The scalar reference (double accumulation where the kernels use fp32,
+// otherwise the exact numerics above). experts[e - expert_begin]; `i_parts`
+// > 1 is not modeled (node partials only change fp32 summation order).
+absl::Status RunMoeReference(const std::vector<QuantExpert>& experts, int64_t hidden,
+                             int64_t expert_begin, const MoeInput& in, float* out,
+                             const RunOptions& opts = {});
+
+}  // namespace hmoe

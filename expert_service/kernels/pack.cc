@@ -1,0 +1,460 @@
+// Quantization and packing into the layout documented in packed.h.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "expert_service/kernels/moe.h"
+
+namespace hmoe {
+
+std::string_view WeightFormatName(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kBf16: return "bf16";
+    case WeightFormat::kInt8: return "int8";
+    case WeightFormat::kInt4: return "int4";
+  }
+  return "?";
+}
+
+std::optional<WeightFormat> ParseWeightFormat(std::string_view s) {
+  if (s == "bf16") return WeightFormat::kBf16;
+  if (s == "int8") return WeightFormat::kInt8;
+  if (s == "int4") return WeightFormat::kInt4;
+  return std::nullopt;
+}
+
+int64_t KAlign(WeightFormat f, int group) {
+  return f == WeightFormat::kInt4 ? std::max<int64_t>(64, group) : 64;
+}
+
+PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k) {
+  PackedGeom g;
+  g.format = f;
+  g.group = f == WeightFormat::kInt4 ? group : 0;
+  g.n = n;
+  g.k = k;
+  g.np = RoundUp(n, 16);
+  g.kp = RoundUp(std::max<int64_t>(k, 1), KAlign(f, group));
+  g.nblocks = g.np / 16;
+  switch (f) {
+    case WeightFormat::kBf16: g.panel_bytes = g.kp * 32; break;
+    case WeightFormat::kInt8: g.panel_bytes = g.kp * 16 + 128; break;
+    case WeightFormat::kInt4: g.panel_bytes = g.kp / group * g.i4_group_bytes(); break;
+  }
+  return g;
+}
+
+float QuantMatrix::At(int64_t r, int64_t c) const {
+  switch (format) {
+    case WeightFormat::kBf16: return Bf16ToF32(bf16[static_cast<size_t>(r * cols + c)]);
+    case WeightFormat::kInt8:
+      return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) * scale[static_cast<size_t>(r)];
+    case WeightFormat::kInt4: {
+      const int64_t ng = (cols + group - 1) / group;
+      return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) *
+             scale[static_cast<size_t>(r * ng + c / group)];
+    }
+  }
+  return 0.0f;
+}
+
+namespace {
+
+// ---- panel writers ---------------------------------------------------------------
+// Src provides, for panel-local row c (0..15) and panel-local k (0..kp):
+//   bf16(c, k) -> uint16_t, q(c, k) -> int, scale(c) (int8), gscale(c, gi) (int4)
+// and must return 0 for padding.
+template <typename Src>
+void WritePanel(const PackedGeom& g, const Src& s, uint8_t* dst) {
+  switch (g.format) {
+    case WeightFormat::kBf16: {
+      uint16_t* p = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t kk = 0; kk < g.kp / 2; ++kk)
+        for (int c = 0; c < 16; ++c) {
+          p[kk * 32 + 2 * c] = s.bf16(c, 2 * kk);
+          p[kk * 32 + 2 * c + 1] = s.bf16(c, 2 * kk + 1);
+        }
+      break;
+    }
+    case WeightFormat::kInt8: {
+      int8_t* p = reinterpret_cast<int8_t*>(dst);
+      int32_t rowsum[16] = {};
+      for (int64_t q = 0; q < g.kp / 4; ++q)
+        for (int c = 0; c < 16; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const int v = s.q(c, 4 * q + i);
+            p[q * 64 + 4 * c + i] = static_cast<int8_t>(v);
+            rowsum[c] += v;
+          }
+      float* sc = reinterpret_cast<float*>(dst + g.i8_scale_offset());
+      for (int c = 0; c < 16; ++c) sc[c] = s.scale(c);
+      std::memcpy(dst + g.i8_rowsum_offset(), rowsum, sizeof(rowsum));
+      break;
+    }
+    case WeightFormat::kInt4: {
+      const int64_t groups = g.kp / g.group;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        uint8_t* gp = dst + gi * g.i4_group_bytes();
+        for (int64_t o = 0; o < g.group / 8; ++o) {
+          const int64_t k0 = gi * g.group + 8 * o;
+          for (int c = 0; c < 16; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const int lo = s.q(c, k0 + i) + 8, hi = s.q(c, k0 + 4 + i) + 8;
+              gp[o * 64 + 4 * c + i] = static_cast<uint8_t>(lo | (hi << 4));
+            }
+        }
+        float* sc = reinterpret_cast<float*>(gp + int64_t{g.group} * 8);
+        for (int c = 0; c < 16; ++c) sc[c] = s.gscale(c, gi);
+      }
+      break;
+    }
+  }
+}
+
+// Reads panel-local (c, k) back.
+struct PanelReader {
+  const PackedGeom& g;
+  const uint8_t* p;
+  uint16_t bf16(int c, int64_t k) const {
+    return reinterpret_cast<const uint16_t*>(p)[(k / 2) * 32 + 2 * c + (k & 1)];
+  }
+  int q(int c, int64_t k) const {
+    if (g.format == WeightFormat::kInt8)
+      return reinterpret_cast<const int8_t*>(p)[(k / 4) * 64 + 4 * c + (k & 3)];
+    const int64_t gi = k / g.group, kin = k % g.group;
+    const uint8_t b = p[gi * g.i4_group_bytes() + (kin / 8) * 64 + 4 * c + (kin & 3)];
+    return ((kin & 4) ? (b >> 4) : (b & 15)) - 8;
+  }
+  float scale(int c) const { return reinterpret_cast<const float*>(p + g.i8_scale_offset())[c]; }
+  float gscale(int c, int64_t gi) const {
+    return reinterpret_cast<const float*>(p + gi * g.i4_group_bytes() + int64_t{g.group} * 8)[c];
+  }
+};
+
+// A window of a QuantMatrix: rows [r0, r0 + 16) ∩ [0, rend), cols c0 + k for k < kn.
+struct MatrixWindow {
+  const QuantMatrix& m;
+  int64_t r0, rend, c0, kn;
+  bool in(int c, int64_t k) const { return r0 + c < rend && k < kn; }
+  size_t idx(int c, int64_t k) const { return static_cast<size_t>((r0 + c) * m.cols + c0 + k); }
+  uint16_t bf16(int c, int64_t k) const { return in(c, k) ? m.bf16[idx(c, k)] : 0; }
+  int q(int c, int64_t k) const { return in(c, k) ? m.q[idx(c, k)] : 0; }
+  float scale(int c) const { return r0 + c < rend ? m.scale[static_cast<size_t>(r0 + c)] : 0.0f; }
+  float gscale(int c, int64_t gi) const {
+    const int64_t ng = (m.cols + m.group - 1) / m.group;
+    const int64_t gg = c0 / m.group + gi;
+    if (r0 + c >= rend || gi * m.group >= kn) return 0.0f;
+    return m.scale[static_cast<size_t>((r0 + c) * ng + gg)];
+  }
+};
+
+uint64_t SplitMix(uint64_t& s) {
+  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Random panel source: values drawn in k order per row from a per-panel stream.
+struct RandomPanel {
+  WeightFormat f;
+  int64_t rows_valid, kn, k_total;
+  uint64_t seed;
+  int64_t k_off;  // global k of panel-local k = 0 (node splits see the same weights)
+  int group;
+  uint64_t h(int c, int64_t k) const {
+    k = k < 0 ? k : k + k_off;
+    uint64_t s = seed ^ (static_cast<uint64_t>(c) << 40) ^ static_cast<uint64_t>(k) * 0x2545f4914f6cdd1dull;
+    return SplitMix(s);
+  }
+  bool in(int c, int64_t k) const { return c < rows_valid && k < kn; }
+  uint16_t bf16(int c, int64_t k) const {
+    if (!in(c, k)) return 0;
+    const float u = static_cast<float>(h(c, k) >> 40) / static_cast<float>(1 << 24) * 2.0f - 1.0f;
+    return F32ToBf16(u / std::sqrt(static_cast<float>(k_total)));
+  }
+  int q(int c, int64_t k) const {
+    if (!in(c, k)) return 0;
+    const uint64_t r = h(c, k);
+    return f == WeightFormat::kInt8 ? static_cast<int>(r % 255) - 127 : static_cast<int>(r & 15) - 8;
+  }
+  float scale(int c) const {
+    return c < rows_valid ? 1.0f / (127.0f * std::sqrt(static_cast<float>(k_total))) *
+                                (0.5f + static_cast<float>(h(c, -1) >> 40) / static_cast<float>(1 << 24))
+                          : 0.0f;
+  }
+  float gscale(int c, int64_t gi) const {
+    return c < rows_valid ? 1.0f / (7.0f * std::sqrt(static_cast<float>(k_total))) *
+                                (0.5f + static_cast<float>(h(c, -2 - gi - (group ? k_off / group : 0)) >> 40) / static_cast<float>(1 << 24))
+                          : 0.0f;
+  }
+};
+
+absl::StatusOr<std::vector<float>> MatrixF32(const Tensor& t, const Tensor& scale_inv, int64_t block,
+                                             int64_t rows, int64_t cols, std::string_view name) {
+  if (t.rank() != 2 || t.dim(0) != rows || t.dim(1) != cols)
+    return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": expected shape [", rows, ", ", cols,
+                                                   "], got ", ShapeString(t.shape())));
+  if (t.dtype() == DType::kF8E4M3) {
+    const int64_t br = (rows + block - 1) / block, bc = (cols + block - 1) / block;
+    if (scale_inv.empty() || scale_inv.dtype() != DType::kF32 || scale_inv.numel() != br * bc)
+      return absl::InvalidArgumentError(
+          absl::StrCat(std::string(name), ": fp8 weight needs an f32 scale_inv of ", br, "x", bc));
+    if (!t.contiguous() || !scale_inv.contiguous())
+      return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": must be contiguous"));
+    std::vector<float> out(static_cast<size_t>(rows * cols));
+    DequantFp8BlockToF32(t.data<uint8_t>(), rows, cols, scale_inv.data<float>(), block, out.data());
+    return out;
+  }
+  if (t.dtype() != DType::kBF16 && t.dtype() != DType::kF32 && t.dtype() != DType::kF16)
+    return absl::InvalidArgumentError(
+        absl::StrCat(std::string(name), ": unsupported dtype ", std::string(DTypeName(t.dtype()))));
+  return t.ToF32();
+}
+
+QuantMatrix Quantize(const float* w, int64_t rows, int64_t cols, WeightFormat f, int group) {
+  QuantMatrix m;
+  m.format = f;
+  m.group = f == WeightFormat::kInt4 ? group : 0;
+  m.rows = rows;
+  m.cols = cols;
+  const size_t n = static_cast<size_t>(rows * cols);
+  if (f == WeightFormat::kBf16) {
+    m.bf16.resize(n);
+    for (size_t i = 0; i < n; ++i) m.bf16[i] = F32ToBf16(w[i]);
+  } else if (f == WeightFormat::kInt8) {
+    m.q.resize(n);
+    m.scale.resize(static_cast<size_t>(rows));
+    QuantizeI8PerRow(w, rows, cols, m.q.data(), m.scale.data());
+  } else {
+    const int64_t cp = RoundUp(cols, group), ng = cp / group;
+    std::vector<float> padded(static_cast<size_t>(rows * cp), 0.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(&padded[static_cast<size_t>(r * cp)], w + r * cols, sizeof(float) * static_cast<size_t>(cols));
+    std::vector<uint8_t> packed(static_cast<size_t>(DTypeBytes(DType::kI4, rows * cp)));
+    m.scale.resize(static_cast<size_t>(rows * ng));
+    QuantizeI4PerGroup(padded.data(), rows, cp, group, packed.data(), m.scale.data());
+    m.q.resize(n);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        m.q[static_cast<size_t>(r * cols + c)] = UnpackI4(packed.data(), r * cp + c);
+  }
+  return m;
+}
+
+absl::Status CheckOptions(int64_t hidden, int64_t inter, int64_t experts, const PackOptions& o,
+                          int64_t* i1, int64_t* e1) {
+  *i1 = o.i_end < 0 ? inter : o.i_end;
+  *e1 = o.expert_end < 0 ? experts : o.expert_end;
+  if (hidden <= 0 || inter <= 0 || experts <= 0)
+    return absl::InvalidArgumentError("hidden, intermediate and num_experts must be > 0");
+  if (o.i_begin < 0 || o.i_begin >= *i1 || *i1 > inter)
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad intermediate slice [", o.i_begin, ", ", *i1, ") of ", inter));
+  if (o.expert_begin < 0 || o.expert_begin >= *e1 || *e1 > experts)
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad expert range [", o.expert_begin, ", ", *e1, ") of ", experts));
+  if (o.format == WeightFormat::kInt4 && o.group != 32 && o.group != 64 && o.group != 128)
+    return absl::InvalidArgumentError(absl::StrCat("int4 group must be 32, 64 or 128, got ", o.group));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int64_t PackedMoeLayer::expert_bytes() const {
+  int64_t b = 0;
+  for (const Part& p : parts_) b += p.expert_stride;
+  return b;
+}
+
+absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Allocate(int64_t hidden, int64_t intermediate,
+                                                        int64_t num_experts, const PackOptions& o,
+                                                        const ThreadPool& pool) {
+  int64_t i1, e1;
+  RETURN_IF_ERROR(CheckOptions(hidden, intermediate, num_experts, o, &i1, &e1));
+  PackedMoeLayer L;
+  L.format_ = o.format;
+  L.group_ = o.format == WeightFormat::kInt4 ? o.group : 0;
+  L.hidden_ = hidden;
+  L.i_begin_ = o.i_begin;
+  L.i_end_ = i1;
+  L.expert_begin_ = o.expert_begin;
+  L.expert_end_ = e1;
+  const int nparts = pool.num_nodes();
+  const int64_t is = i1 - o.i_begin, align = KAlign(o.format, o.group);
+  int64_t prev = 0;
+  for (int p = 0; p < nparts; ++p) {
+    int64_t b = p + 1 == nparts ? is : std::min(is, RoundUp(is * (p + 1) / nparts, align));
+    b = std::max(b, prev);
+    Part part;
+    part.i0 = o.i_begin + prev;
+    part.i1 = o.i_begin + b;
+    const int64_t in = b - prev;
+    part.gu = MakeGeom(o.format, o.group, 2 * RoundUp(in, 16), hidden);
+    part.down = MakeGeom(o.format, o.group, hidden, in);
+    part.expert_stride = in > 0 ? part.gu.bytes() + part.down.bytes() : 0;
+    if (in > 0) {
+      ASSIGN_OR_RETURN(part.mem, NumaBuffer::Allocate(static_cast<size_t>(part.expert_stride * (e1 - o.expert_begin)),
+                                                      pool.mem_node(p)));
+    }
+    L.parts_.push_back(std::move(part));
+    prev = b;
+  }
+  return L;
+}
+
+absl::StatusOr<QuantExpert> QuantizeExpert(const ExpertWeights& w, const MoeWeightsSource& src,
+                                           const PackOptions& o) {
+  int64_t i1, e1;
+  RETURN_IF_ERROR(CheckOptions(src.hidden, src.intermediate, src.num_experts, o, &i1, &e1));
+  const int64_t H = src.hidden, I = src.intermediate, is = i1 - o.i_begin;
+  ASSIGN_OR_RETURN(auto gate, MatrixF32(w.gate, w.gate_scale_inv, src.fp8_block, I, H, "gate"));
+  ASSIGN_OR_RETURN(auto up, MatrixF32(w.up, w.up_scale_inv, src.fp8_block, I, H, "up"));
+  ASSIGN_OR_RETURN(auto down, MatrixF32(w.down, w.down_scale_inv, src.fp8_block, H, I, "down"));
+  std::vector<float> ds(static_cast<size_t>(H * is));
+  for (int64_t r = 0; r < H; ++r)
+    std::memcpy(&ds[static_cast<size_t>(r * is)], &down[static_cast<size_t>(r * I + o.i_begin)],
+                sizeof(float) * static_cast<size_t>(is));
+  QuantExpert q;
+  q.gate = Quantize(gate.data() + o.i_begin * H, is, H, o.format, o.group);
+  q.up = Quantize(up.data() + o.i_begin * H, is, H, o.format, o.group);
+  q.down = Quantize(ds.data(), H, is, o.format, o.group);
+  return q;
+}
+
+absl::Status PackExpert(const QuantExpert& q, int64_t e, PackedMoeLayer& L) {
+  const int64_t H = L.hidden(), is = L.i_end() - L.i_begin();
+  if (q.gate.rows != is || q.gate.cols != H || q.up.rows != is || q.up.cols != H ||
+      q.down.rows != H || q.down.cols != is || q.gate.format != L.format())
+    return absl::InvalidArgumentError("PackExpert: quantized expert does not match the layer");
+  if (e < 0 || e >= L.num_local_experts()) return absl::OutOfRangeError("PackExpert: expert index");
+  for (auto& part : L.mutable_parts()) {
+    if (part.empty()) continue;
+    const int64_t r0 = part.i0 - L.i_begin(), r1 = part.i1 - L.i_begin();
+    uint8_t* gu = part.mutable_gate_up(e);
+    for (int64_t j = 0; j < part.gu.nblocks / 2; ++j) {
+      WritePanel(part.gu, MatrixWindow{q.gate, r0 + 16 * j, r1, 0, H}, gu + (2 * j) * part.gu.panel_bytes);
+      WritePanel(part.gu, MatrixWindow{q.up, r0 + 16 * j, r1, 0, H}, gu + (2 * j + 1) * part.gu.panel_bytes);
+    }
+    uint8_t* dn = part.mutable_down(e);
+    for (int64_t j = 0; j < part.down.nblocks; ++j)
+      WritePanel(part.down, MatrixWindow{q.down, 16 * j, H, r0, r1 - r0}, dn + j * part.down.panel_bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& L, int64_t e) {
+  if (e < 0 || e >= L.num_local_experts()) return absl::OutOfRangeError("UnpackExpert: expert index");
+  const int64_t H = L.hidden(), is = L.i_end() - L.i_begin();
+  const WeightFormat f = L.format();
+  auto init = [&](QuantMatrix& m, int64_t rows, int64_t cols) {
+    m.format = f;
+    m.group = L.group();
+    m.rows = rows;
+    m.cols = cols;
+    const size_t n = static_cast<size_t>(rows * cols);
+    if (f == WeightFormat::kBf16) m.bf16.resize(n);
+    else m.q.resize(n);
+    if (f == WeightFormat::kInt8) m.scale.resize(static_cast<size_t>(rows));
+    if (f == WeightFormat::kInt4) m.scale.resize(static_cast<size_t>(rows * ((cols + L.group() - 1) / L.group())));
+  };
+  QuantExpert q;
+  init(q.gate, is, H);
+  init(q.up, is, H);
+  init(q.down, H, is);
+  auto put = [&](QuantMatrix& m, int64_t r, int64_t c, const PanelReader& pr, int pc, int64_t pk) {
+    const size_t i = static_cast<size_t>(r * m.cols + c);
+    if (f == WeightFormat::kBf16) m.bf16[i] = pr.bf16(pc, pk);
+    else m.q[i] = static_cast<int8_t>(pr.q(pc, pk));
+    if (f == WeightFormat::kInt8 && c == 0) m.scale[static_cast<size_t>(r)] = pr.scale(pc);
+    if (f == WeightFormat::kInt4 && pk % L.group() == 0) {
+      const int64_t ng = (m.cols + L.group() - 1) / L.group();
+      m.scale[static_cast<size_t>(r * ng + c / L.group())] = pr.gscale(pc, pk / L.group());
+    }
+  };
+  for (const auto& part : L.parts()) {
+    if (part.empty()) continue;
+    const int64_t r0 = part.i0 - L.i_begin(), in = part.i1 - part.i0;
+    for (int64_t r = 0; r < in; ++r) {
+      const int64_t j = r / 16;
+      const int c = static_cast<int>(r % 16);
+      PanelReader pg{part.gu, part.gate_up(e) + (2 * j) * part.gu.panel_bytes};
+      PanelReader pu{part.gu, part.gate_up(e) + (2 * j + 1) * part.gu.panel_bytes};
+      for (int64_t k = 0; k < H; ++k) {
+        put(q.gate, r0 + r, k, pg, c, k);
+        put(q.up, r0 + r, k, pu, c, k);
+      }
+    }
+    for (int64_t r = 0; r < H; ++r) {
+      PanelReader pd{part.down, part.down_w(e) + (r / 16) * part.down.panel_bytes};
+      for (int64_t k = 0; k < in; ++k) put(q.down, r, r0 + k, pd, static_cast<int>(r % 16), k);
+    }
+  }
+  return q;
+}
+
+absl::StatusOr<PackedMoeLayer> PackRandom(int64_t hidden, int64_t intermediate, int64_t num_experts,
+                                          const PackOptions& o, ThreadPool& pool, uint64_t seed) {
+  ASSIGN_OR_RETURN(PackedMoeLayer L, PackedMoeLayer::Allocate(hidden, intermediate, num_experts, o, pool));
+  const int64_t E = L.num_local_experts();
+  auto& parts = L.mutable_parts();
+  // Tasks: (part, expert, matrix 0/1) x panel chunks of 16.
+  struct T { int p; int64_t e; int mat; int64_t j0, j1; };
+  std::vector<T> tasks;
+  for (int p = 0; p < static_cast<int>(parts.size()); ++p) {
+    if (parts[p].empty()) continue;
+    for (int64_t e = 0; e < E; ++e)
+      for (int mat = 0; mat < 2; ++mat) {
+        const int64_t nb = mat == 0 ? parts[p].gu.nblocks : parts[p].down.nblocks;
+        for (int64_t j = 0; j < nb; j += 16) tasks.push_back({p, e, mat, j, std::min(nb, j + 16)});
+      }
+  }
+  pool.ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t ti, const Worker&) {
+    const T& t = tasks[static_cast<size_t>(ti)];
+    auto& part = parts[static_cast<size_t>(t.p)];
+    const int64_t in = part.i1 - part.i0;
+    const PackedGeom& g = t.mat == 0 ? part.gu : part.down;
+    uint8_t* base = t.mat == 0 ? part.mutable_gate_up(t.e) : part.mutable_down(t.e);
+    for (int64_t j = t.j0; j < t.j1; ++j) {
+      // Global row index of the panel's first row (so node splits see the same weights).
+      const int64_t grow = t.mat == 0 ? (part.i0 + 16 * (j / 2)) : 16 * j;
+      const int64_t rows_valid = t.mat == 0 ? std::min<int64_t>(16, part.i1 - (part.i0 + 16 * (j / 2)))
+                                            : std::min<int64_t>(16, hidden - 16 * j);
+      const uint64_t s = seed * 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(t.e) << 48) ^
+                         (static_cast<uint64_t>(t.mat * 2 + (t.mat == 0 ? (j & 1) : 0)) << 44) ^
+                         (static_cast<uint64_t>(grow) << 20);
+      RandomPanel rp{L.format(), rows_valid, t.mat == 0 ? hidden : in,
+                     t.mat == 0 ? hidden : L.i_end() - L.i_begin(), s,
+                     t.mat == 0 ? 0 : part.i0 - L.i_begin(), L.group()};
+      WritePanel(g, rp, base + j * g.panel_bytes);
+    }
+  });
+  return L;
+}
+
+absl::StatusOr<PackedMoeLayer> Pack(const MoeWeightsSource& src, const PackOptions& o, ThreadPool& pool) {
+  if (!src.expert) return absl::InvalidArgumentError("MoeWeightsSource.expert is not set");
+  ASSIGN_OR_RETURN(PackedMoeLayer L, PackedMoeLayer::Allocate(src.hidden, src.intermediate, src.num_experts, o, pool));
+  std::mutex mu;
+  absl::Status status;
+  pool.ParallelFor(L.num_local_experts(), [&](int64_t e, const Worker&) {
+    auto fail = [&](const absl::Status& s) {
+      std::lock_guard<std::mutex> l(mu);
+      if (status.ok()) status = Annotate(s, absl::StrCat("expert ", L.expert_begin() + e));
+    };
+    auto w = src.expert(L.expert_begin() + e);
+    if (!w.ok()) return fail(w.status());
+    auto q = QuantizeExpert(*w, src, o);
+    if (!q.ok()) return fail(q.status());
+    if (auto s = PackExpert(*q, e, L); !s.ok()) fail(s);
+  });
+  RETURN_IF_ERROR(status);
+  return L;
+}
+
+}  // namespace hmoe

@@ -1,0 +1,69 @@
+// Packed expert weights: the one layout the AMX, AVX-512, AVX2 and scalar
+// kernels all read. Weights are quantized and packed once (Pack) and never
+// copied again.
+//
+// A weight matrix W is logically [N][K]: row n is output channel n, K is the
+// reduction dim (gate/up: N = intermediate, K = hidden; down: N = hidden,
+// K = intermediate). Padding: Np = roundup(N, 16); Kp = roundup(K, 64), or
+// roundup(K, group) for int4 when group > 64. Padded weights are zero.
+//
+// W is stored as Np/16 "panels" of 16 output channels each; panel j holds rows
+// [16j, 16j+16) over all Kp, is contiguous, panel_bytes long (a multiple of
+// 64), and starts 64-byte aligned. Within a panel every 64-byte line holds
+// those 16 channels for a few consecutive k ("VNNI" order):
+//
+//   BF16: Kp/2 lines; line p = { W[16j+c][2p], W[16j+c][2p+1] : c = 0..15 }
+//         (bf16 pairs). Lines 16t..16t+15 form one AMX BF16 B tile
+//         (32 k x 16 n, 1 KiB, stride 64) and each line is one
+//         vdpbf16ps operand.
+//   INT8: Kp/4 lines; line q = { W[16j+c][4q..4q+3] : c } (int8, symmetric,
+//         |q| <= 127), then 64 B of f32 scale[16] (per output channel,
+//         w = q * scale) and 64 B of int32 rowsum[16] (sum_k q, used by the
+//         VNNI u8*s8 kernel's +128 activation offset). Lines 16t..16t+15
+//         form one AMX INT8 B tile (64 k x 16 n).
+//   INT4: per group g of G consecutive k (G = 32, 64 or 128), G/8 lines then
+//         64 B of f32 scale[16] (w = q * scale[g]). Line o of the group holds
+//         k0 = g*G + 8o: byte 4c+i = (q[16j+c][k0+i] + 8) | (q[16j+c][k0+4+i] + 8) << 4,
+//         i = 0..3: offset-binary nibbles, so the low nibbles of a line are
+//         exactly an INT8-layout line for k0..k0+3 and the high nibbles for
+//         k0+4..k0+7 (values 0..15, i.e. q + 8, q in [-8, 7]).
+//
+// gate and up are packed as one matrix of 2*Np(I) rows with panels
+// interleaved: panel 2j = gate rows [16j, 16j+16), panel 2j+1 = up rows, so a
+// task over a panel pair computes SiLU(gate)*up for 16 columns at once.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "expert_service/numa.h"
+
+namespace hmoe {
+
+enum class WeightFormat : uint8_t { kBf16, kInt8, kInt4 };
+std::string_view WeightFormatName(WeightFormat f);  // "bf16" | "int8" | "int4"
+std::optional<WeightFormat> ParseWeightFormat(std::string_view s);
+
+struct PackedGeom {
+  WeightFormat format = WeightFormat::kBf16;
+  int group = 0;  // int4 only
+  int64_t n = 0, k = 0;
+  int64_t np = 0, kp = 0;
+  int64_t nblocks = 0;      // np / 16
+  int64_t panel_bytes = 0;  // multiple of 64
+  int64_t bytes() const { return nblocks * panel_bytes; }
+  // INT8: scale / rowsum trailer of panel j; INT4: scales of group g of panel j.
+  int64_t i8_scale_offset() const { return kp * 16; }
+  int64_t i8_rowsum_offset() const { return kp * 16 + 64; }
+  int64_t i4_group_bytes() const { return int64_t{group} * 8 + 64; }
+};
+
+PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k);
+// K alignment for a format: 64, or the int4 group when larger.
+int64_t KAlign(WeightFormat f, int group);
+
+inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace hmoe

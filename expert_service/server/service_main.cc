@@ -1,0 +1,444 @@
+// hmoe-expert-service: serves one shard of a model's routed experts.
+//
+//   hmoe-expert-service (--model-dir DIR [--packed-dir DIR] | --synthetic SPEC)
+//       [--shard i/n] [--split tp|ep] [--format bf16|int8|int4g64] [--max-tokens N]
+//       [--listen HOST:PORT] [--port-file PATH] [--numa-node N | --cores LIST]
+//       [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]
+//
+// Control plane and data plane on gRPC (proto/expert.proto) plus grpc.health.v1;
+// shared-memory and UCX data planes set up through the control plane.
+// READY=1 goes to systemd (sd_notify) once the weights are loaded and every
+// front end listens. SIGTERM/SIGINT (handled on a sigwait thread): health goes
+// NOT_SERVING, new calls are refused, in-flight calls finish (up to the drain
+// timeout), then the process exits 0.
+#include <numa.h>
+#include <sched.h>
+#include <signal.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "common/transport/grpc_client.h"
+#include "common/transport/shm_transport.h"
+#include "common/transport/ucx_transport.h"
+#include "expert_service/server/expert_shard.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "proto/expert.grpc.pb.h"
+
+namespace hmoe {
+namespace {
+namespace pb = ::hmoe::expert::v1;
+
+struct ServiceOptions {
+  ShardOptions shard;
+  std::string listen = "127.0.0.1:50061";
+  std::string port_file;  // written (port number) once READY
+  int numa_node = -1;
+  std::string cores;  // e.g. "0-7,16"
+  bool shm = true;
+  bool ucx = true;
+  double drain_timeout_s = 10;
+  std::string instance;
+
+  absl::Status Validate() const {
+    RETURN_IF_ERROR(shard.Validate());
+    if (numa_node >= 0 && !cores.empty()) {
+      return absl::InvalidArgumentError("--numa-node and --cores are exclusive");
+    }
+    if (listen.empty()) return absl::InvalidArgumentError("--listen: empty");
+    if (!(drain_timeout_s >= 0)) return absl::InvalidArgumentError("--drain-timeout-s: negative");
+    return absl::OkStatus();
+  }
+  std::string ToString() const {
+    return absl::StrCat(shard.ToString(), " listen=", listen, " numa_node=", numa_node,
+                        " cores=", cores.empty() ? "all" : cores, " shm=", shm, " ucx=", ucx,
+                        " drain_timeout_s=", drain_timeout_s,
+                        " instance=", instance.empty() ? "-" : instance);
+  }
+};
+
+absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
+  ServiceOptions o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i], v;
+    const auto eq = a.find('=');
+    const bool boolean = a == "--no-shm" || a == "--no-ucx";
+    if (eq != std::string::npos) {
+      v = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    } else if (!boolean) {
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(a, ": needs a value"));
+      v = argv[++i];
+    }
+    auto int_of = [&](int64_t* out) -> absl::Status {
+      if (!absl::SimpleAtoi(v, out)) {
+        return absl::InvalidArgumentError(absl::StrCat(a, ": \"", v, "\" is not an integer"));
+      }
+      return absl::OkStatus();
+    };
+    int64_t n = 0;
+    if (a == "--model-dir") o.shard.model_dir = v;
+    else if (a == "--packed-dir") o.shard.packed_dir = v;
+    else if (a == "--synthetic") o.shard.synthetic = v;
+    else if (a == "--shard") {
+      std::vector<std::string> p = absl::StrSplit(v, '/');
+      if (p.size() != 2 || !absl::SimpleAtoi(p[0], &o.shard.shard_index) ||
+          !absl::SimpleAtoi(p[1], &o.shard.num_shards)) {
+        return absl::InvalidArgumentError(absl::StrCat("--shard: \"", v, "\" is not i/n"));
+      }
+    } else if (a == "--split") {
+      if (v == "tp") o.shard.split = SplitMode::kTp;
+      else if (v == "ep") o.shard.split = SplitMode::kEp;
+      else return absl::InvalidArgumentError(absl::StrCat("--split: \"", v, "\" is not tp or ep"));
+    } else if (a == "--format") {
+      ASSIGN_OR_RETURN(o.shard.format, ParseServeFormat(v, &o.shard.group));
+    } else if (a == "--max-tokens") {
+      RETURN_IF_ERROR(int_of(&o.shard.max_tokens));
+    } else if (a == "--listen") o.listen = v;
+    else if (a == "--port-file") o.port_file = v;
+    else if (a == "--numa-node") {
+      RETURN_IF_ERROR(int_of(&n));
+      o.numa_node = static_cast<int>(n);
+    } else if (a == "--cores") o.cores = v;
+    else if (a == "--no-shm") o.shm = false;
+    else if (a == "--no-ucx") o.ucx = false;
+    else if (a == "--drain-timeout-s") {
+      if (!absl::SimpleAtod(v, &o.drain_timeout_s)) {
+        return absl::InvalidArgumentError(absl::StrCat("--drain-timeout-s: \"", v, "\""));
+      }
+    } else if (a == "--instance") o.instance = v;
+    else return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
+  }
+  RETURN_IF_ERROR(o.Validate());
+  return o;
+}
+
+absl::Status BindResources(const ServiceOptions& o) {
+  if (o.numa_node >= 0) {
+    if (numa_available() < 0) {
+      return absl::FailedPreconditionError("--numa-node: libnuma reports NUMA unavailable");
+    }
+    if (o.numa_node > numa_max_node()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--numa-node: ", o.numa_node, " > max node ", numa_max_node()));
+    }
+    if (numa_run_on_node(o.numa_node) != 0) {
+      return absl::InternalError(absl::StrCat("numa_run_on_node: ", std::strerror(errno)));
+    }
+    numa_set_preferred(o.numa_node);
+  }
+  if (!o.cores.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (absl::string_view part : absl::StrSplit(o.cores, ',')) {
+      std::vector<std::string> r = absl::StrSplit(part, '-');
+      int lo = 0, hi = 0;
+      if (r.empty() || r.size() > 2 || !absl::SimpleAtoi(r[0], &lo) ||
+          !absl::SimpleAtoi(r.back(), &hi) || lo < 0 || hi < lo || hi >= CPU_SETSIZE) {
+        return absl::InvalidArgumentError(absl::StrCat("--cores: bad range \"", std::string(part), "\""));
+      }
+      for (int c = lo; c <= hi; ++c) CPU_SET(c, &set);
+    }
+    if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--cores: ", std::strerror(errno)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Everything the RPC handlers share; `shard` is set once loading finished.
+struct State {
+  ServiceOptions opts;
+  std::atomic<ExpertShard*> shard{nullptr};
+  ExpertShard::LoadProgress progress;
+  std::atomic<int> load_state{pb::LoadStatus::LOADING};
+  std::string load_error;
+  double load_seconds = 0;
+  std::atomic<uint64_t> streams{0};
+  ShmServer* shm = nullptr;
+  UcxServer* ucx = nullptr;
+};
+
+class ControlService final : public pb::ExpertControl::Service {
+ public:
+  explicit ControlService(State* s) : s_(s) {}
+
+  grpc::Status Describe(grpc::ServerContext*, const pb::DescribeRequest*,
+                        pb::ShardDescription* d) override {
+    ExpertShard* shard = s_->shard.load();
+    if (!shard) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "weights still loading");
+    const ShardInfo& i = shard->info();
+    d->set_model_type(i.model_type);
+    d->set_hidden(i.hidden);
+    d->set_intermediate(i.intermediate);
+    d->set_num_experts(i.num_experts);
+    d->set_top_k(i.top_k);
+    for (int32_t l : i.moe_layers) d->add_moe_layers(l);
+    d->set_shard_index(i.shard_index);
+    d->set_num_shards(i.num_shards);
+    d->set_split(i.split == SplitMode::kEp ? pb::SPLIT_EP : pb::SPLIT_TP);
+    d->set_expert_begin(i.expert_begin);
+    d->set_expert_end(i.expert_end);
+    d->set_i_begin(i.i_begin);
+    d->set_i_end(i.i_end);
+    d->set_max_tokens(i.max_tokens);
+    d->set_weight_format(i.weight_format);
+    d->set_instance(s_->opts.instance);
+    d->set_shm_available(s_->shm != nullptr);
+    d->set_ucx_available(s_->ucx != nullptr);
+    d->set_pid(::getpid());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetLoadStatus(grpc::ServerContext*, const pb::LoadStatusRequest*,
+                             pb::LoadStatus* r) override {
+    r->set_state(static_cast<pb::LoadStatus::State>(s_->load_state.load()));
+    r->set_layers_loaded(s_->progress.layers_loaded);
+    r->set_layers_total(s_->progress.layers_total);
+    r->set_weight_bytes(s_->progress.weight_bytes);
+    if (s_->load_state.load() != pb::LoadStatus::LOADING) {
+      r->set_load_seconds(s_->load_seconds);
+      r->set_error(s_->load_error);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetStats(grpc::ServerContext*, const pb::StatsRequest*, pb::Stats* r) override {
+    if (ExpertShard* shard = s_->shard.load()) {
+      const auto& c = shard->counters();
+      r->set_requests(c.requests);
+      r->set_failed(c.failed);
+      r->set_invalid(c.invalid);
+      r->set_tokens(c.tokens);
+      r->set_compute_ns(c.compute_ns);
+      r->set_in_flight(c.in_flight);
+    }
+    if (s_->shm) {
+      r->set_shm_sessions(s_->shm->sessions());
+      r->set_shm_discarded(s_->shm->discarded());
+    }
+    if (s_->ucx) {
+      r->set_ucx_endpoints(s_->ucx->endpoints());
+      r->set_ucx_peer_failures(s_->ucx->peer_failures());
+    }
+    r->set_grpc_streams(s_->streams);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status AttachShm(grpc::ServerContext*, const pb::AttachShmRequest* req,
+                         pb::AttachShmResponse* r) override {
+    if (!s_->shm) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "shared memory off");
+    auto epoch = s_->shm->Attach(req->path(), req->client_pid());
+    if (!epoch.ok()) return ToGrpcStatus(epoch.status());
+    r->set_epoch(*epoch);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status UcxConnect(grpc::ServerContext*, const pb::UcxConnectRequest* req,
+                          pb::UcxConnectResponse* r) override {
+    if (!s_->ucx) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "UCX off");
+    auto addr = s_->ucx->Connect(req->client_worker_address(), req->client_id());
+    if (!addr.ok()) return ToGrpcStatus(addr.status());
+    r->set_server_worker_address(*addr);
+    return grpc::Status::OK;
+  }
+
+ private:
+  State* s_;
+};
+
+class DataService final : public pb::ExpertData::Service {
+ public:
+  explicit DataService(State* s) : s_(s) {}
+
+  grpc::Status Moe(grpc::ServerContext*,
+                   grpc::ServerReaderWriter<pb::MoeResponse, pb::MoeRequest>* rw) override {
+    s_->streams.fetch_add(1);
+    pb::MoeRequest req;
+    pb::MoeResponse resp;
+    std::vector<float> out;
+    while (rw->Read(&req)) {
+      resp.Clear();
+      resp.set_request_id(req.request_id());
+      ExpertShard* shard = s_->shard.load();
+      absl::Status st;
+      uint64_t ns = 0;
+      if (!shard) {
+        st = absl::UnavailableError("expert service: weights still loading");
+      } else {
+        const ShardInfo& info = shard->info();
+        MoeCall call;
+        call.layer = req.layer();
+        call.tokens = req.tokens();
+        call.top_k = req.top_k();
+        call.hidden = reinterpret_cast<const uint16_t*>(req.hidden().data());
+        call.hidden_bytes = req.hidden().size();
+        call.ids = reinterpret_cast<const int32_t*>(req.expert_ids().data());
+        call.ids_bytes = req.expert_ids().size();
+        call.weights = reinterpret_cast<const float*>(req.expert_weights().data());
+        call.weights_bytes = req.expert_weights().size();
+        const int64_t t = std::clamp<int64_t>(call.tokens, 0, info.max_tokens);
+        out.resize(static_cast<size_t>(t * info.hidden));
+        st = shard->Handle(call, out.data(), &ns);
+        if (st.ok()) {
+          resp.set_tokens(call.tokens);
+          resp.set_hidden(info.hidden);
+          resp.set_compute_ns(ns);
+          if (req.output() == pb::OUTPUT_BF16) {
+            std::string b(out.size() * 2, '\0');
+            auto* p = reinterpret_cast<uint16_t*>(b.data());
+            for (size_t i = 0; i < out.size(); ++i) p[i] = F32ToBf16(out[i]);
+            resp.set_out(std::move(b));
+            resp.set_output(pb::OUTPUT_BF16);
+          } else {
+            resp.set_out(out.data(), out.size() * 4);
+          }
+        }
+      }
+      resp.set_code(static_cast<int>(st.code()));
+      resp.set_message(std::string(st.message()));
+      if (!rw->Write(resp)) break;
+    }
+    s_->streams.fetch_sub(1);
+    return grpc::Status::OK;
+  }
+
+ private:
+  State* s_;
+};
+
+void Log(const std::string& s) {
+  std::fprintf(stderr, "hmoe-expert-service[%d]: %s\n", ::getpid(), s.c_str());
+  std::fflush(stderr);
+}
+
+int Main(int argc, char** argv) {
+  // Signals go to the sigwait thread only: block them before any thread starts.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto parsed = ParseArgs(argc, argv);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "hmoe-expert-service: %s\n", std::string(parsed.status().message()).c_str());
+    return 2;
+  }
+  State state;
+  state.opts = *parsed;
+  const ServiceOptions& o = state.opts;
+  Log("options: " + o.ToString());
+  if (absl::Status st = BindResources(o); !st.ok()) {
+    Log(std::string(st.message()));
+    return 2;
+  }
+
+  ControlService control(&state);
+  DataService data(&state);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  builder.RegisterService(&control);
+  builder.RegisterService(&data);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    Log("cannot listen on " + o.listen);
+    return 1;
+  }
+  auto* health = server->GetHealthCheckService();
+  health->SetServingStatus(false);
+
+  std::atomic<bool> stop{false};
+  std::thread signals([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    Log(absl::StrCat("signal ", sig, ": draining"));
+    stop.store(true);
+  });
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto shard = ExpertShard::Load(o.shard, &state.progress);
+  state.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!shard.ok()) {
+    state.load_error = std::string(shard.status().message());
+    state.load_state = pb::LoadStatus::FAILED;
+    Log("load failed: " + state.load_error);
+    sd_notifyf(0, "STATUS=load failed: %s", state.load_error.c_str());
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    signals.detach();
+    return 1;
+  }
+  std::unique_ptr<ShmServer> shm;
+  std::unique_ptr<UcxServer> ucx;
+  if (o.shm) {
+    shm = std::make_unique<ShmServer>(shard->get());
+    state.shm = shm.get();
+  }
+  if (o.ucx) {
+    auto u = UcxServer::Create(shard->get());
+    if (u.ok()) {
+      ucx = std::move(*u);
+      state.ucx = ucx.get();
+    } else {
+      Log("UCX data plane off: " + std::string(u.status().message()));
+    }
+  }
+  state.shard.store(shard->get());
+  state.load_state = pb::LoadStatus::READY;
+  health->SetServingStatus(true);
+  Log(absl::StrCat("ready: port ", port, ", ", (*shard)->weight_bytes(), " weight bytes in ",
+                   state.load_seconds, " s; experts [", (*shard)->info().expert_begin, ", ",
+                   (*shard)->info().expert_end, "), intermediate [", (*shard)->info().i_begin,
+                   ", ", (*shard)->info().i_end, ")"));
+  if (!o.port_file.empty()) {
+    const std::string tmp = o.port_file + ".tmp";
+    std::ofstream(tmp) << port << "\n";
+    std::rename(tmp.c_str(), o.port_file.c_str());
+  }
+  sd_notifyf(0, "READY=1\nSTATUS=serving on port %d", port);
+
+  while (!stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  signals.join();
+
+  sd_notify(0, "STOPPING=1");
+  health->SetServingStatus(false);
+  state.load_state = pb::LoadStatus::DRAINING;
+  (*shard)->SetDraining();
+  const auto drain_until =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.drain_timeout_s * 1000));
+  while ((*shard)->counters().in_flight.load() > 0 && std::chrono::steady_clock::now() < drain_until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  state.shm = nullptr;
+  state.ucx = nullptr;
+  shm.reset();
+  ucx.reset();
+  Log("stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace hmoe
+
+int main(int argc, char** argv) { return hmoe::Main(argc, argv); }

@@ -1,0 +1,112 @@
+#include "expert_service/thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
+namespace hmoe {
+namespace {
+
+inline void CpuRelax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+int EnvInt(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return 0;
+  return std::atoi(v);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolOptions& opts) {
+  TopologyOptions topo;
+  topo.max_threads = opts.max_threads > 0 ? opts.max_threads : EnvInt("HMOE_THREADS");
+  topo.virtual_nodes = opts.virtual_nodes > 0 ? opts.virtual_nodes : EnvInt("HMOE_VIRTUAL_NUMA");
+  auto nodes = DiscoverTopology(topo);
+  if (!nodes.ok()) return nodes.status();
+  std::unique_ptr<ThreadPool> pool(new ThreadPool());
+  pool->nodes_ = std::move(*nodes);
+  pool->spin_us_ = opts.spin_us;
+  int g = 0;
+  for (size_t n = 0; n < pool->nodes_.size(); ++n) {
+    for (size_t i = 0; i < pool->nodes_[n].cpus.size(); ++i, ++g) {
+      Worker w{g, static_cast<int>(n), static_cast<int>(i)};
+      pool->workers_.emplace_back(&ThreadPool::Loop, pool.get(), w, pool->nodes_[n].cpus[i],
+                                  opts.pin);
+    }
+  }
+  return pool;
+}
+
+ThreadPool::~ThreadPool() {
+  stop_.store(true, std::memory_order_release);
+  gen_.fetch_add(1, std::memory_order_acq_rel);
+  gen_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::Loop(Worker w, int cpu, bool pin) {
+  if (pin) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
+  }
+  uint32_t seen = 0;
+  for (;;) {
+    uint32_t g = gen_.load(std::memory_order_acquire);
+    if (g == seen) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+      int spins = 0;
+      while ((g = gen_.load(std::memory_order_acquire)) == seen) {
+        CpuRelax();
+        if (++spins == 64) {
+          spins = 0;
+          if (std::chrono::steady_clock::now() > deadline) {
+            gen_.wait(seen, std::memory_order_acquire);
+          }
+        }
+      }
+    }
+    seen = g;
+    if (stop_.load(std::memory_order_acquire)) return;
+    (*job_)(w);
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
+  }
+}
+
+void ThreadPool::Run(absl::FunctionRef<void(const Worker&)> fn) {
+  std::lock_guard<std::mutex> lock(run_mu_);
+  job_ = &fn;
+  pending_.store(static_cast<uint32_t>(workers_.size()), std::memory_order_release);
+  gen_.fetch_add(1, std::memory_order_acq_rel);
+  gen_.notify_all();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+  int spins = 0;
+  for (;;) {
+    uint32_t p = pending_.load(std::memory_order_acquire);
+    if (p == 0) break;
+    CpuRelax();
+    if (++spins == 64) {
+      spins = 0;
+      if (std::chrono::steady_clock::now() > deadline) pending_.wait(p, std::memory_order_acquire);
+    }
+  }
+  job_ = nullptr;
+}
+
+void ThreadPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t, const Worker&)> fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  Run([&](const Worker& w) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i, w);
+  });
+}
+
+}  // namespace hmoe

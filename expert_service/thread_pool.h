@@ -1,0 +1,68 @@
+// A persistent worker pool: one thread pinned per core, grouped into (real or
+// virtual) NUMA nodes. Run() hands one function to every worker and returns
+// when all have finished it; callers split work with their own atomic
+// counters (per node for node-local work, see ParallelFor). Idle workers spin
+// for `spin_us`, then sleep on a futex (std::atomic::wait).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "expert_service/numa.h"
+
+namespace hmoe {
+
+struct ThreadPoolOptions {
+  int max_threads = 0;    // 0: one per core; env HMOE_THREADS overrides when 0
+  int virtual_nodes = 0;  // 0: real NUMA nodes; env HMOE_VIRTUAL_NUMA overrides when 0
+  bool pin = true;        // pin each worker to its core
+  int spin_us = 200;      // busy-wait this long for new work before sleeping
+};
+
+struct Worker {
+  int global = 0;   // 0 .. num_threads-1
+  int node = 0;     // 0 .. num_nodes-1
+  int in_node = 0;  // 0 .. node_threads(node)-1
+};
+
+class ThreadPool {
+ public:
+  static absl::StatusOr<std::unique_ptr<ThreadPool>> Create(const ThreadPoolOptions& opts = {});
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int num_threads() const { return static_cast<int>(workers_.size()); }
+  int num_nodes() const { return static_cast<int>(nodes_.size()); }
+  int node_threads(int node) const { return static_cast<int>(nodes_[static_cast<size_t>(node)].cpus.size()); }
+  int mem_node(int node) const { return nodes_[static_cast<size_t>(node)].mem_node; }
+  const std::vector<NodeCores>& nodes() const { return nodes_; }
+
+  // Runs fn on every worker (not on the caller) and waits. Calls from several
+  // threads are serialized.
+  void Run(absl::FunctionRef<void(const Worker&)> fn);
+
+  // fn(i, worker) for i in [0, n), dynamically scheduled over all workers.
+  void ParallelFor(int64_t n, absl::FunctionRef<void(int64_t, const Worker&)> fn);
+
+ private:
+  ThreadPool() = default;
+  void Loop(Worker w, int cpu, bool pin);
+
+  std::vector<NodeCores> nodes_;
+  std::vector<std::thread> workers_;
+  int spin_us_ = 200;
+  std::mutex run_mu_;
+  std::atomic<uint32_t> gen_{0};
+  std::atomic<uint32_t> pending_{0};
+  std::atomic<bool> stop_{false};
+  const absl::FunctionRef<void(const Worker&)>* job_ = nullptr;
+};
+
+}  // namespace hmoe

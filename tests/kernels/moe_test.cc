@@ -1,0 +1,319 @@
+// RunMoe vs the scalar reference for every format x ISA this CPU has.
+//
+// Error bounds (max |out - ref| / max |ref| over the output):
+//  * BF16 weights, and INT4 in the "many" regime: the only difference from
+//    the reference is fp32 (kernel) vs double (reference) accumulation of
+//    gate/up, which flips the bf16 rounding of h = SiLU(g)*u by one ulp
+//    (2^-8 relative) on rare elements; one flip moves the output by about
+//    2^-8 |h||w| against an output of ~sqrt(I)|h||w|: <5e-4 at I = 75. Plus
+//    fp32 accumulation of down (~1e-6). Bound: 3e-3.
+//  * INT8, and INT4 "few": activations quantize identically and integer sums
+//    are exact, but h differs from the reference in the last fp32 bits, so a
+//    few h elements round to the neighbouring int8 level; one such step moves
+//    the output by s_h |w| = max|h|/127 |w|, about 3e-3 of the output at
+//    I = 75 (max|h| ~ 3 rms). Bound: 1.5e-2 (a few steps).
+//  * Virtual NUMA (2 nodes) vs 1 node: per-column arithmetic is identical;
+//    only the fp32 sum of the two down partials differs. Bound: 1e-5.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "expert_service/kernels/isa.h"
+#include "expert_service/kernels/moe.h"
+#include "tests/kernels/moe_test_util.h"
+
+namespace hmoe {
+namespace {
+
+using testing::RandomBatch;
+using testing::RandomSource;
+using testing::RelErr;
+using testing::SharedPool;
+
+struct FormatCase {
+  WeightFormat f;
+  int group;
+};
+
+double Bound(WeightFormat f) { return f == WeightFormat::kBf16 ? 3e-3 : 1.5e-2; }
+
+std::vector<QuantExpert> QuantizeAll(const MoeWeightsSource& src, const PackOptions& o) {
+  std::vector<QuantExpert> out;
+  const int64_t e1 = o.expert_end < 0 ? src.num_experts : o.expert_end;
+  for (int64_t e = o.expert_begin; e < e1; ++e) out.push_back(QuantizeExpert(*src.expert(e), src, o).value());
+  return out;
+}
+
+std::string FmtName(FormatCase c) {
+  return c.f == WeightFormat::kInt4 ? absl::StrCat("int4g", c.group) : std::string(WeightFormatName(c.f));
+}
+
+std::vector<float> RunLayer(const PackedMoeLayer& L, const testing::Batch& b, ThreadPool& pool, RunOptions ro) {
+  auto ws = MoeWorkspace::Create(L, std::max<int64_t>(b.T, 1), b.K, pool);
+  EXPECT_TRUE(ws.ok()) << ws.status();
+  std::vector<float> out(static_cast<size_t>(b.T * L.hidden()), -1.0f);
+  absl::Status s = RunMoe(L, b.input(), out.data(), pool, **ws, ro);
+  EXPECT_TRUE(s.ok()) << s;
+  return out;
+}
+
+// ---- pack -------------------------------------------------------------------------
+
+TEST(PackTest, UnpackInvertsPackForEveryFormat) {
+  for (bool fp8 : {false, true}) {
+    auto src = RandomSource(197, 75, 3, 1, fp8);
+    for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
+                          FormatCase{WeightFormat::kInt4, 32}, FormatCase{WeightFormat::kInt4, 128}}) {
+      PackOptions o;
+      o.format = fc.f;
+      o.group = fc.group;
+      o.i_begin = 64;  // a TP slice that crosses an int4 group
+      o.i_end = 75;
+      auto L = Pack(src, o, SharedPool());
+      ASSERT_TRUE(L.ok()) << L.status();
+      for (int64_t e = 0; e < 3; ++e) {
+        auto q = QuantizeExpert(*src.expert(e), src, o).value();
+        auto u = UnpackExpert(*L, e).value();
+        for (auto [a, b] : {std::pair{&q.gate, &u.gate}, std::pair{&q.up, &u.up}, std::pair{&q.down, &u.down}}) {
+          EXPECT_EQ(a->rows, b->rows);
+          EXPECT_EQ(a->bf16, b->bf16) << FmtName(fc);
+          EXPECT_EQ(a->q, b->q) << FmtName(fc);
+          EXPECT_EQ(a->scale, b->scale) << FmtName(fc);
+        }
+      }
+    }
+  }
+}
+
+TEST(PackTest, Fp8SourceDequantizesWithBlockScales) {
+  auto src = RandomSource(130, 40, 1, 2, /*fp8=*/true);
+  auto w = src.expert(0).value();
+  PackOptions o;  // bf16
+  auto q = QuantizeExpert(w, src, o).value();
+  const float* si = w.gate_scale_inv.data<float>();
+  const int64_t bc = 2;
+  for (int64_t r : {0, 17, 39})
+    for (int64_t c : {0, 127, 128, 129}) {
+      const float v = Fp8E4M3ToF32(w.gate.data<uint8_t>()[r * 130 + c]) * si[(r / 128) * bc + c / 128];
+      EXPECT_EQ(q.gate.At(r, c), Bf16ToF32(F32ToBf16(v)));
+    }
+}
+
+TEST(PackTest, RejectsBadOptions) {
+  auto src = RandomSource(64, 32, 2, 3);
+  PackOptions o;
+  o.format = WeightFormat::kInt4;
+  o.group = 48;
+  EXPECT_EQ(Pack(src, o, SharedPool()).status().code(), absl::StatusCode::kInvalidArgument);
+  o.group = 32;
+  o.i_begin = 40;
+  EXPECT_EQ(Pack(src, o, SharedPool()).status().code(), absl::StatusCode::kInvalidArgument);
+  o.i_begin = 0;
+  o.expert_begin = 2;
+  EXPECT_EQ(Pack(src, o, SharedPool()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- kernels vs reference --------------------------------------------------------
+
+using Param = std::tuple<Isa, FormatCase, int /*T*/, int /*shape*/>;
+
+class MoeKernelTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(MoeKernelTest, MatchesReference) {
+  const auto [isa, fc, T, shape] = GetParam();
+  if (isa > DetectedIsa())
+    GTEST_SKIP() << "this CPU supports up to " << IsaName(DetectedIsa()) << ", not " << IsaName(isa);
+  struct Shape { int64_t H, I, E; int K; };
+  const Shape sh = shape == 0 ? Shape{197, 75, 6, 3} : Shape{520, 136, 9, 4};
+  auto src = RandomSource(sh.H, sh.I, sh.E, 10 + static_cast<uint64_t>(shape));
+  PackOptions o;
+  o.format = fc.f;
+  o.group = fc.group;
+  auto L = Pack(src, o, SharedPool());
+  ASSERT_TRUE(L.ok()) << L.status();
+  auto b = RandomBatch(T, sh.K, sh.H, sh.E, 100 + static_cast<uint64_t>(T), /*repeats=*/true,
+                       /*empty_expert=*/sh.E - 1);
+  RunOptions ro;
+  ro.isa = isa;
+  auto out = RunLayer(*L, b, SharedPool(), ro);
+  std::vector<float> ref(out.size());
+  ASSERT_TRUE(RunMoeReference(QuantizeAll(src, o), sh.H, 0, b.input(), ref.data(), ro).ok());
+  EXPECT_LE(RelErr(out, ref), Bound(fc.f)) << IsaName(isa) << " " << FmtName(fc) << " T=" << T;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, MoeKernelTest,
+    ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx),
+                       ::testing::Values(FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
+                                         FormatCase{WeightFormat::kInt4, 32}, FormatCase{WeightFormat::kInt4, 64},
+                                         FormatCase{WeightFormat::kInt4, 128}),
+                       ::testing::Values(1, 3, 17, 300), ::testing::Values(0, 1)),
+    [](const ::testing::TestParamInfo<Param>& p) {
+      return absl::StrCat(std::string(IsaName(std::get<0>(p.param))), "_", FmtName(std::get<1>(p.param)), "_T",
+                          std::get<2>(p.param), "_S", std::get<3>(p.param));
+    });
+
+// Shard: experts [2, 5) of 7 and intermediate slice [24, 75); foreign ids,
+// ids of other shards and tokens with no owned expert.
+TEST(MoeShardTest, ExpertRangeAndTensorParallelSlice) {
+  auto src = RandomSource(200, 75, 7, 21);
+  for (Isa isa : {Isa::kScalar, DetectedIsa()}) {
+    for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
+                          FormatCase{WeightFormat::kInt4, 32}}) {
+      PackOptions o;
+      o.format = fc.f;
+      o.group = fc.group;
+      o.expert_begin = 2;
+      o.expert_end = 5;
+      o.i_begin = 32;
+      o.i_end = 75;
+      auto L = Pack(src, o, SharedPool()).value();
+      for (int T : {1, 17, 64}) {
+        auto b = RandomBatch(T, 4, 200, 7, 7 + static_cast<uint64_t>(T), true, -1, /*foreign=*/true);
+        RunOptions ro;
+        ro.isa = isa;
+        auto out = RunLayer(L, b, SharedPool(), ro);
+        std::vector<float> ref(out.size());
+        ASSERT_TRUE(RunMoeReference(QuantizeAll(src, o), 200, 2, b.input(), ref.data(), ro).ok());
+        EXPECT_LE(RelErr(out, ref), Bound(fc.f)) << IsaName(isa) << " " << FmtName(fc) << " T=" << T;
+      }
+    }
+  }
+}
+
+// BF16 partials of two TP shards add up to the unsharded result.
+TEST(MoeShardTest, TensorParallelPartialsSum) {
+  auto src = RandomSource(130, 150, 4, 5);
+  auto b = RandomBatch(9, 2, 130, 4, 77);
+  PackOptions o;
+  auto full = RunLayer(Pack(src, o, SharedPool()).value(), b, SharedPool(), {});
+  o.i_end = 64;
+  auto a = RunLayer(Pack(src, o, SharedPool()).value(), b, SharedPool(), {});
+  o.i_begin = 64;
+  o.i_end = -1;
+  auto c = RunLayer(Pack(src, o, SharedPool()).value(), b, SharedPool(), {});
+  for (size_t i = 0; i < a.size(); ++i) a[i] += c[i];
+  EXPECT_LE(RelErr(a, full), 3e-3);
+}
+
+TEST(MoeEdgeTest, NoOwnedExpertsGivesZerosAndRepeatsCount) {
+  auto src = RandomSource(96, 48, 3, 8);
+  auto L = Pack(src, {}, SharedPool()).value();
+  testing::Batch b = RandomBatch(3, 2, 96, 3, 9);
+  b.ids = {7, -1, 1, 1, 2, 0};  // token 0: nothing owned; token 1: expert 1 twice
+  b.w = {1, 1, 0.25f, 0.75f, 0.5f, 0.5f};
+  auto out = RunLayer(L, b, SharedPool(), {});
+  for (int64_t c = 0; c < 96; ++c) EXPECT_EQ(out[static_cast<size_t>(c)], 0.0f);
+  testing::Batch one = b;
+  one.ids = {7, -1, 1, -1, 2, 0};
+  one.w = {1, 1, 1.0f, 0, 0.5f, 0.5f};
+  auto out1 = RunLayer(L, one, SharedPool(), {});
+  std::vector<float> t1(out.begin() + 96, out.begin() + 192), u1(out1.begin() + 96, out1.begin() + 192);
+  EXPECT_LE(RelErr(t1, u1), 1e-6);
+}
+
+TEST(MoeEdgeTest, WorkspaceTooSmallIsInvalidArgument) {
+  auto src = RandomSource(64, 32, 2, 3);
+  auto L = Pack(src, {}, SharedPool()).value();
+  auto ws = MoeWorkspace::Create(L, 4, 2, SharedPool()).value();
+  auto b = RandomBatch(5, 2, 64, 2, 1);
+  std::vector<float> out(5 * 64);
+  EXPECT_EQ(RunMoe(L, b.input(), out.data(), SharedPool(), *ws).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- virtual NUMA: tensor parallel across nodes equals one node ---------------------
+
+TEST(MoeNumaTest, VirtualNodesMatchOneNode) {
+  ThreadPoolOptions po;
+  po.max_threads = 2;
+  po.virtual_nodes = 2;
+  auto pool2 = ThreadPool::Create(po);
+  ASSERT_TRUE(pool2.ok()) << pool2.status();
+  ASSERT_EQ((*pool2)->num_nodes(), 2);
+  auto src = RandomSource(200, 300, 5, 31);
+  for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
+                        FormatCase{WeightFormat::kInt4, 64}, FormatCase{WeightFormat::kInt4, 128}}) {
+    PackOptions o;
+    o.format = fc.f;
+    o.group = fc.group;
+    auto L1 = Pack(src, o, SharedPool()).value();
+    auto L2 = Pack(src, o, **pool2).value();
+    ASSERT_EQ(L2.parts().size(), 2u);
+    EXPECT_GT(L2.parts()[0].i1, L2.parts()[0].i0);
+    EXPECT_EQ(L2.parts()[0].i1, L2.parts()[1].i0);
+    EXPECT_EQ(L1.expert_bytes() > 0, true);
+    for (int T : {1, 3, 40}) {
+      auto b = RandomBatch(T, 3, 200, 5, 50 + static_cast<uint64_t>(T));
+      auto a1 = RunLayer(L1, b, SharedPool(), {});
+      auto a2 = RunLayer(L2, b, **pool2, {});
+      EXPECT_LE(RelErr(a2, a1), 1e-5) << FmtName(fc) << " T=" << T;
+    }
+  }
+}
+
+// ---- dispatch ------------------------------------------------------------------------
+
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* k, const char* v) : k_(k) {
+    if (const char* o = std::getenv(k)) old_ = o, had_ = true;
+    setenv(k, v, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(k_, old_.c_str(), 1);
+    else unsetenv(k_);
+  }
+
+ private:
+  const char* k_;
+  std::string old_;
+  bool had_ = false;
+};
+
+TEST(DispatchTest, EnvCapsAndFallback) {
+  {
+    ScopedEnv e("HMOE_ISA", "scalar");
+    EXPECT_EQ(ResolveIsa(std::nullopt).value(), Isa::kScalar);
+    EXPECT_EQ(ResolveIsa(Isa::kAmx).value(), Isa::kScalar);
+  }
+  {
+    ScopedEnv e("HMOE_ISA", "avx2");
+    EXPECT_EQ(ResolveIsa(std::nullopt).value(), std::min(Isa::kAvx2, DetectedIsa()));
+  }
+  {
+    ScopedEnv e("HMOE_ISA", "sse9");
+    EXPECT_EQ(ResolveIsa(std::nullopt).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(ResolveIsa(Isa::kAmx).value(), DetectedIsa());  // falls back, never SIGILLs
+  if (DetectedIsa() < Isa::kAmx) {
+    EXPECT_EQ(ResolveIsa(Isa::kAmx, /*strict=*/true).status().code(), absl::StatusCode::kFailedPrecondition);
+    // RunMoe asked for AMX on a CPU without it: runs on the best ISA available.
+    auto src = RandomSource(64, 32, 2, 3);
+    auto L = Pack(src, {}, SharedPool()).value();
+    auto b = RandomBatch(40, 2, 64, 2, 4);
+    RunOptions ro;
+    ro.isa = Isa::kAmx;
+    auto out = RunLayer(L, b, SharedPool(), ro);
+    std::vector<float> ref(out.size());
+    ASSERT_TRUE(RunMoeReference(QuantizeAll(src, {}), 64, 0, b.input(), ref.data(), ro).ok());
+    EXPECT_LE(RelErr(out, ref), 3e-3);
+    ro.strict_isa = true;
+    auto ws = MoeWorkspace::Create(L, 40, 2, SharedPool()).value();
+    EXPECT_EQ(RunMoe(L, b.input(), out.data(), SharedPool(), *ws, ro).code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ(ParseIsa("AMX"), Isa::kAmx);
+  EXPECT_EQ(ParseIsa("avx512"), Isa::kAvx512);
+  EXPECT_FALSE(ParseIsa("neon").has_value());
+}
+
+TEST(DispatchTest, ReportsDetectedIsa) {
+  std::printf("detected ISA: %s\n", std::string(IsaName(DetectedIsa())).c_str());
+  SUCCEED();
+}
+
+}  // namespace
+}  // namespace hmoe

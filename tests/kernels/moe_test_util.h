@@ -1,0 +1,112 @@
+// Shared fixtures for the kernels tests: random checkpoints, routing, error metric.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/tensor.h"
+#include "expert_service/kernels/moe.h"
+#include "expert_service/thread_pool.h"
+
+namespace hmoe::testing {
+
+// Experts with weights ~ N(0, 1/sqrt(fan_in)) in bf16 (or fp8 e4m3 with
+// 128x128 block scales when fp8).
+inline MoeWeightsSource RandomSource(int64_t H, int64_t I, int64_t E, uint64_t seed, bool fp8 = false) {
+  struct Store { std::vector<ExpertWeights> w; };
+  auto store = std::make_shared<Store>();
+  std::mt19937_64 rng(seed);
+  auto matrix = [&](int64_t r, int64_t c, Tensor* scale_inv) {
+    std::normal_distribution<float> d(0.0f, 1.0f / std::sqrt(static_cast<float>(c)));
+    if (!fp8) {
+      Tensor t = Tensor::Empty(DType::kBF16, {r, c});
+      for (int64_t i = 0; i < r * c; ++i) t.data<uint16_t>()[i] = F32ToBf16(d(rng));
+      return t;
+    }
+    const int64_t br = (r + 127) / 128, bc = (c + 127) / 128;
+    *scale_inv = Tensor::Empty(DType::kF32, {br, bc});
+    for (int64_t i = 0; i < br * bc; ++i) scale_inv->data<float>()[i] = (0.5f + 0.1f * static_cast<float>(i % 7)) / (64.0f * std::sqrt(static_cast<float>(c)));
+    Tensor t = Tensor::Empty(DType::kF8E4M3, {r, c});
+    for (int64_t i = 0; i < r * c; ++i) {
+      const float s = scale_inv->data<float>()[(i / c / 128) * bc + (i % c) / 128];
+      t.data<uint8_t>()[i] = F32ToFp8E4M3(d(rng) / s);
+    }
+    return t;
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    ExpertWeights w;
+    w.gate = matrix(I, H, &w.gate_scale_inv);
+    w.up = matrix(I, H, &w.up_scale_inv);
+    w.down = matrix(H, I, &w.down_scale_inv);
+    store->w.push_back(std::move(w));
+  }
+  MoeWeightsSource src;
+  src.hidden = H;
+  src.intermediate = I;
+  src.num_experts = E;
+  src.expert = [store](int64_t e) -> absl::StatusOr<ExpertWeights> { return store->w[static_cast<size_t>(e)]; };
+  return src;
+}
+
+struct Batch {
+  int64_t T = 0;
+  int K = 0;
+  std::vector<uint16_t> x;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  MoeInput input() const { return MoeInput{T, K, x.data(), ids.data(), w.data()}; }
+};
+
+// Skewed routing over [0, E_total) (expert 0 takes ~1/3 of the slots so
+// regimes mix); repeats within a token allowed when `repeats`; expert
+// `empty_expert` never routed; ids outside [0, E_total) appear when `foreign`.
+inline Batch RandomBatch(int64_t T, int K, int64_t H, int64_t E_total, uint64_t seed, bool repeats = true,
+                         int64_t empty_expert = -1, bool foreign = false) {
+  Batch b;
+  b.T = T;
+  b.K = K;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  b.x.resize(static_cast<size_t>(T * H));
+  for (auto& v : b.x) v = F32ToBf16(nd(rng));
+  std::uniform_int_distribution<int64_t> ue(0, E_total - 1);
+  std::uniform_real_distribution<float> uw(0.05f, 1.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < K; ++j) {
+      int64_t e = (rng() % 3 == 0) ? 0 : ue(rng);
+      if (e == empty_expert) e = (e + 1) % E_total;
+      if (!repeats)
+        for (int jj = 0; jj < j; ++jj)
+          if (b.ids[static_cast<size_t>(t * K + jj)] == e) { e = -1; break; }
+      if (foreign && rng() % 5 == 0) e = (rng() & 1) ? E_total + 3 : -1;
+      b.ids.push_back(static_cast<int32_t>(e));
+      b.w.push_back(uw(rng));
+    }
+  return b;
+}
+
+// max |a - b| / max |b|
+inline double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, std::fabs(static_cast<double>(a[i]) - b[i]));
+    den = std::max(den, std::fabs(static_cast<double>(b[i])));
+  }
+  return den == 0 ? num : num / den;
+}
+
+inline ThreadPool& SharedPool() {
+  static ThreadPool* pool = [] {
+    ThreadPoolOptions o;
+    o.max_threads = 2;
+    o.virtual_nodes = 1;
+    return ThreadPool::Create(o).value().release();
+  }();
+  return *pool;
+}
+
+}  // namespace hmoe::testing
