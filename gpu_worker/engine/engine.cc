@@ -9,13 +9,20 @@ namespace hmoe {
 
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
-    case FinishReason::kNone: return "none";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStopToken: return "stop";
-    case FinishReason::kStopString: return "stop_string";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kDeadline: return "deadline";
-    case FinishReason::kError: return "error";
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStopToken:
+      return "stop";
+    case FinishReason::kStopString:
+      return "stop_string";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kDeadline:
+      return "deadline";
+    case FinishReason::kError:
+      return "error";
   }
   return "?";
 }
@@ -36,6 +43,7 @@ struct Engine::Request {
   size_t text_sent = 0;
   size_t stop_holdback = 0;  // longest stop string - 1
   bool cancelled = false;
+  bool holds_blocks = false;  // admitted: `blocks` counted in stats_.kv_blocks_used
   bool done = false;
   absl::Time submitted, admitted, first_token;
   double prefill_ms = 0, decode_ms = 0;
@@ -48,19 +56,26 @@ double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
 Engine::Engine(const Model* model, const Tokenizer* tokenizer, const EngineOptions& options)
     : model_(model), tokenizer_(tokenizer), options_(options) {}
 
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model, const Tokenizer* tokenizer,
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model,
+                                                       const Tokenizer* tokenizer,
                                                        const EngineOptions& options) {
   if (model == nullptr) return absl::InvalidArgumentError("engine needs a model");
   EngineOptions o = options;
-  if (o.max_batch < 1) return absl::InvalidArgumentError(absl::StrCat("max_batch must be >= 1, got ", o.max_batch));
-  if (o.max_queue < 0) return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 0, got ", o.max_queue));
+  if (o.max_batch < 1)
+    return absl::InvalidArgumentError(absl::StrCat("max_batch must be >= 1, got ", o.max_batch));
+  if (o.max_queue < 0)
+    return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 0, got ", o.max_queue));
   if (o.kv_block_tokens < 1)
-    return absl::InvalidArgumentError(absl::StrCat("kv_block_tokens must be >= 1, got ", o.kv_block_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_block_tokens must be >= 1, got ", o.kv_block_tokens));
   if (o.prefill_chunk < 1)
-    return absl::InvalidArgumentError(absl::StrCat("prefill_chunk must be >= 1, got ", o.prefill_chunk));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_chunk must be >= 1, got ", o.prefill_chunk));
   const int64_t max_seq = model->options().max_seq_len;
-  if (o.kv_blocks == 0) o.kv_blocks = (o.max_batch * max_seq + o.kv_block_tokens - 1) / o.kv_block_tokens;
-  if (o.kv_blocks < 1) return absl::InvalidArgumentError(absl::StrCat("kv_blocks must be >= 1, got ", o.kv_blocks));
+  if (o.kv_blocks == 0)
+    o.kv_blocks = (o.max_batch * max_seq + o.kv_block_tokens - 1) / o.kv_block_tokens;
+  if (o.kv_blocks < 1)
+    return absl::InvalidArgumentError(absl::StrCat("kv_blocks must be >= 1, got ", o.kv_blocks));
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));
   e->max_seq_len_ = max_seq;
   for (int64_t id : model->config().eos_token_ids) e->eos_ids_.push_back(static_cast<int32_t>(id));
@@ -76,20 +91,25 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
   if (req.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
   for (size_t i = 0; i < req.prompt.size(); ++i)
     if (req.prompt[i] < 0 || req.prompt[i] >= V)
-      return absl::InvalidArgumentError(absl::StrCat("prompt token id ", req.prompt[i], " at position ", i,
+      return absl::InvalidArgumentError(absl::StrCat("prompt token id ", req.prompt[i],
+                                                     " at position ", i,
                                                      " is outside the vocabulary [0, ", V, ")"));
-  if (req.max_tokens < 1) return absl::InvalidArgumentError(absl::StrCat("max_tokens must be >= 1, got ", req.max_tokens));
+  if (req.max_tokens < 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens must be >= 1, got ", req.max_tokens));
   const int64_t prompt_len = static_cast<int64_t>(req.prompt.size());
   if (prompt_len >= max_seq_len_)
     return absl::InvalidArgumentError(absl::StrCat("prompt has ", prompt_len,
                                                    " tokens; the context holds ", max_seq_len_,
                                                    " (prompt plus at least one generated token)"));
   // Generation stops at the context length (finish reason "length").
-  req.max_tokens = static_cast<int32_t>(std::min<int64_t>(req.max_tokens, max_seq_len_ - prompt_len));
+  req.max_tokens =
+      static_cast<int32_t>(std::min<int64_t>(req.max_tokens, max_seq_len_ - prompt_len));
   RETURN_IF_ERROR(ValidateSamplingParams(req.sampling));
   for (int32_t t : req.stop_token_ids)
     if (t < 0 || t >= V)
-      return absl::InvalidArgumentError(absl::StrCat("stop_token_ids: ", t, " is outside the vocabulary [0, ", V, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop_token_ids: ", t, " is outside the vocabulary [0, ", V, ")"));
   size_t longest_stop = 0;
   for (const std::string& s : req.stop_strings) {
     if (s.empty()) return absl::InvalidArgumentError("stop_strings: an entry is empty");
@@ -101,18 +121,20 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
   auto r = std::make_unique<Request>();
   r->req = std::move(req);
   r->cb = std::move(cb);
-  r->blocks = (prompt_len + r->req.max_tokens + options_.kv_block_tokens - 1) / options_.kv_block_tokens;
+  r->blocks =
+      (prompt_len + r->req.max_tokens + options_.kv_block_tokens - 1) / options_.kv_block_tokens;
   if (r->blocks > options_.kv_blocks)
-    return absl::InvalidArgumentError(absl::StrCat("prompt + max_tokens need ", r->blocks,
-                                                   " KV blocks; the cache has ", options_.kv_blocks));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt + max_tokens need ", r->blocks, " KV blocks; the cache has ", options_.kv_blocks));
   r->stop_holdback = longest_stop > 0 ? longest_stop - 1 : 0;
   r->submitted = absl::Now();
   std::lock_guard<std::mutex> lock(mu_);
-  if (shutting_down_) return absl::FailedPreconditionError("engine is shutting down; not accepting requests");
+  if (shutting_down_)
+    return absl::FailedPreconditionError("engine is shutting down; not accepting requests");
   if (static_cast<int64_t>(waiting_.size()) >= options_.max_queue) {
     ++stats_.rejected;
-    return absl::ResourceExhaustedError(absl::StrCat("request queue is full (", options_.max_queue,
-                                                     " waiting); retry later"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request queue is full (", options_.max_queue, " waiting); retry later"));
   }
   r->id = next_id_++;
   const uint64_t id = r->id;
@@ -167,6 +189,17 @@ void Engine::Finish(Request& r, FinishReason reason, absl::Status status) {
   ev.decode_ms = r.decode_ms;
   ev.time_to_first_token_ms = r.first_token == absl::Time() ? 0 : Ms(r.first_token - r.submitted);
   r.seq.reset();  // frees the KV storage now
+  {
+    // Accounting is settled before the final event, so a client that sees
+    // the end of its request also sees its blocks returned.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (r.holds_blocks) {
+      stats_.kv_blocks_used -= r.blocks;
+      --stats_.running;
+      r.holds_blocks = false;
+    }
+    ++stats_.completed;
+  }
   if (r.cb) r.cb(ev);
 }
 
@@ -184,7 +217,8 @@ void Engine::EmitToken(Request& r, int32_t token) {
     if (piece.ok()) r.text += *piece;
   }
   const bool is_stop_token =
-      std::find(r.req.stop_token_ids.begin(), r.req.stop_token_ids.end(), token) != r.req.stop_token_ids.end() ||
+      std::find(r.req.stop_token_ids.begin(), r.req.stop_token_ids.end(), token) !=
+          r.req.stop_token_ids.end() ||
       (!r.req.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end());
   if (!r.req.stop_strings.empty()) {
     const size_t from = r.text_sent > r.stop_holdback ? r.text_sent - r.stop_holdback : 0;
@@ -192,16 +226,20 @@ void Engine::EmitToken(Request& r, int32_t token) {
     for (const std::string& s : r.req.stop_strings) cut = std::min(cut, r.text.find(s, from));
     if (cut != std::string::npos) {
       r.text.resize(cut);  // the stop string and what follows are not returned
-      if (r.decoder) r.decoder = std::make_unique<StreamDecoder>(*tokenizer_, true);  // drop held bytes
+      if (r.decoder)
+        r.decoder = std::make_unique<StreamDecoder>(*tokenizer_, true);  // drop held bytes
       Finish(r, FinishReason::kStopString, absl::OkStatus());
       return;
     }
   }
   if (is_stop_token) return Finish(r, FinishReason::kStopToken, absl::OkStatus());
-  if (static_cast<int64_t>(r.output.size()) >= r.req.max_tokens) return Finish(r, FinishReason::kLength, absl::OkStatus());
+  if (static_cast<int64_t>(r.output.size()) >= r.req.max_tokens)
+    return Finish(r, FinishReason::kLength, absl::OkStatus());
   // Hold back a possible stop-string prefix, on a UTF-8 character boundary.
   size_t safe = r.text.size() > r.stop_holdback ? r.text.size() - r.stop_holdback : 0;
-  while (safe > r.text_sent && safe < r.text.size() && (static_cast<uint8_t>(r.text[safe]) & 0xc0) == 0x80) --safe;
+  while (safe > r.text_sent && safe < r.text.size() &&
+         (static_cast<uint8_t>(r.text[safe]) & 0xc0) == 0x80)
+    --safe;
   GenerateEvent ev;
   ev.request_id = r.id;
   ev.token_ids = std::move(r.unsent_ids);
@@ -239,7 +277,6 @@ absl::Status Engine::DecodeOne(Request& r) {
 }
 
 void Engine::Loop() {
-  int64_t blocks_used = 0;
   for (;;) {
     std::vector<std::unique_ptr<Request>> ended;  // finished while waiting: callbacks after unlock
     std::vector<std::pair<Request*, FinishReason>> to_finish;
@@ -269,18 +306,18 @@ void Engine::Loop() {
         }
       }
       while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch &&
-             blocks_used + waiting_.front()->blocks <= options_.kv_blocks) {
+             stats_.kv_blocks_used + waiting_.front()->blocks <= options_.kv_blocks) {
         std::unique_ptr<Request> r = std::move(waiting_.front());
         waiting_.pop_front();
-        blocks_used += r->blocks;
+        stats_.kv_blocks_used += r->blocks;
+        ++stats_.running;
+        r->holds_blocks = true;
         r->admitted = now;
         running_.push_back(std::move(r));
       }
       if (drain_over)
         for (auto& r : running_) r->cancelled = true;
       stats_.waiting = static_cast<int64_t>(waiting_.size());
-      stats_.running = static_cast<int64_t>(running_.size());
-      stats_.kv_blocks_used = blocks_used;
       if (running_.empty() && ended.empty()) {
         if (shutting_down_ && waiting_.empty()) break;
         cv_.wait_for(lock, std::chrono::milliseconds(20));
@@ -293,24 +330,24 @@ void Engine::Loop() {
              expired ? absl::DeadlineExceededError("deadline passed while queued")
                      : absl::CancelledError("request cancelled"));
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_.completed += static_cast<int64_t>(ended.size());
-    }
     ended.clear();
 
     // New admissions get their state here, off the lock.
     for (auto& r : running_) {
       if (r->seq) continue;
       r->seq = model_->NewSequence();
-      r->sampler = std::make_unique<Sampler>(r->req.sampling, options_.seed ^ (r->id * 0x9e3779b97f4a7c15ull));
-      if (tokenizer_) r->decoder = std::make_unique<StreamDecoder>(*tokenizer_, /*skip_special_tokens=*/true);
+      r->sampler = std::make_unique<Sampler>(r->req.sampling,
+                                             options_.seed ^ (r->id * 0x9e3779b97f4a7c15ull));
+      if (tokenizer_)
+        r->decoder = std::make_unique<StreamDecoder>(*tokenizer_, /*skip_special_tokens=*/true);
     }
     const absl::Time now = absl::Now();
     for (auto& r : running_) {
-      if (r->cancelled) Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
+      if (r->cancelled)
+        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
       else if (now >= r->req.deadline)
-        Finish(*r, FinishReason::kDeadline, absl::DeadlineExceededError("deadline passed during generation"));
+        Finish(*r, FinishReason::kDeadline,
+               absl::DeadlineExceededError("deadline passed during generation"));
     }
     // One prefill chunk: the oldest request still prefilling.
     for (auto& r : running_) {
@@ -325,20 +362,9 @@ void Engine::Loop() {
       absl::Status s = DecodeOne(*r);
       if (!s.ok()) Finish(*r, FinishReason::kError, s);
     }
-    int64_t finished = 0;
-    for (auto it = running_.begin(); it != running_.end();) {
-      if ((*it)->done) {
-        blocks_used -= (*it)->blocks;
-        ++finished;
-        it = running_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.completed += finished;
-    stats_.running = static_cast<int64_t>(running_.size());
-    stats_.kv_blocks_used = blocks_used;
+    running_.erase(
+        std::remove_if(running_.begin(), running_.end(), [](const auto& r) { return r->done; }),
+        running_.end());
   }
 }
 

@@ -52,7 +52,7 @@ const char* FinishReasonName(FinishReason r);
 struct GenerateRequest {
   std::vector<int32_t> prompt;  // token ids, non-empty
   SamplingParams sampling;
-  int32_t max_tokens = 16;             // >= 1
+  int32_t max_tokens = 16;              // >= 1
   std::vector<int32_t> stop_token_ids;  // in addition to the model's eos (unless ignore_eos)
   bool ignore_eos = false;
   std::vector<std::string> stop_strings;  // needs a tokenizer
@@ -86,7 +86,8 @@ class Engine {
   using Callback = std::function<void(const GenerateEvent&)>;
 
   // `model` and `tokenizer` (may be null: no text, no stop strings) are borrowed.
-  static absl::StatusOr<std::unique_ptr<Engine>> Create(const Model* model, const Tokenizer* tokenizer,
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const Model* model,
+                                                        const Tokenizer* tokenizer,
                                                         const EngineOptions& options);
   ~Engine();  // Shutdown(0) if still running
 
@@ -120,14 +121,14 @@ class Engine {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::unique_ptr<Request>> waiting_;       // guarded by mu_
-  std::vector<std::unique_ptr<Request>> running_;      // scheduler thread only
-  std::vector<uint64_t> cancels_;                      // guarded by mu_
-  bool shutting_down_ = false;                         // guarded by mu_
+  std::deque<std::unique_ptr<Request>> waiting_;        // guarded by mu_
+  std::vector<std::unique_ptr<Request>> running_;       // scheduler thread only
+  std::vector<uint64_t> cancels_;                       // guarded by mu_
+  bool shutting_down_ = false;                          // guarded by mu_
   absl::Time drain_deadline_ = absl::InfiniteFuture();  // guarded by mu_
-  bool stop_ = false;                                  // guarded by mu_
-  uint64_t next_id_ = 1;                               // guarded by mu_
-  EngineStats stats_;                                  // guarded by mu_
+  bool stop_ = false;                                   // guarded by mu_
+  uint64_t next_id_ = 1;                                // guarded by mu_
+  EngineStats stats_;                                   // guarded by mu_
   std::thread thread_;
 };
 

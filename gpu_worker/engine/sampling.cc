@@ -13,8 +13,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
   auto bad = [](const char* field, float v, const char* rule) {
     return absl::InvalidArgumentError(absl::StrCat(field, " must be ", rule, ", got ", v));
   };
-  if (!std::isfinite(p.temperature) || p.temperature < 0) return bad("temperature", p.temperature, "finite and >= 0");
-  if (p.top_k < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", p.top_k));
+  if (!std::isfinite(p.temperature) || p.temperature < 0)
+    return bad("temperature", p.temperature, "finite and >= 0");
+  if (p.top_k < 0)
+    return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", p.top_k));
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return bad("top_p", p.top_p, "in (0, 1]");
   if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return bad("min_p", p.min_p, "in [0, 1]");
   if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0)
@@ -58,7 +60,8 @@ int32_t Sampler::Sample(absl::Span<const float> logits, absl::Span<const int32_t
     for (int32_t t : output) ++counts[t];
     for (auto [t, n] : counts) {
       if (!in_range(t)) continue;
-      work_[static_cast<size_t>(t)] -= p.presence_penalty + p.frequency_penalty * static_cast<float>(n);
+      work_[static_cast<size_t>(t)] -=
+          p.presence_penalty + p.frequency_penalty * static_cast<float>(n);
     }
   }
   if (p.temperature == 0.0f) return Argmax(work_);
@@ -80,7 +83,8 @@ int32_t Sampler::Sample(absl::Span<const float> logits, absl::Span<const int32_t
   std::vector<double> prob(keep);
   double sum = 0;
   for (size_t i = 0; i < keep; ++i) {
-    prob[i] = std::exp((static_cast<double>(work_[static_cast<size_t>(order_[i])]) - max_l) / p.temperature);
+    prob[i] = std::exp((static_cast<double>(work_[static_cast<size_t>(order_[i])]) - max_l) /
+                       p.temperature);
     sum += prob[i];
   }
   for (double& x : prob) x /= sum;
