@@ -1,0 +1,266 @@
+#include "gpu_worker/engine/engine.h"
+
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "common/safetensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace hmoe {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Collects one request's events; Wait() returns once the final one arrived.
+struct Collector {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int32_t> ids;
+  std::string text;
+  GenerateEvent final_event;
+  bool done = false;
+  int events = 0;
+
+  Engine::Callback Callback() {
+    return [this](const GenerateEvent& ev) {
+      std::lock_guard<std::mutex> lock(mu);
+      ids.insert(ids.end(), ev.token_ids.begin(), ev.token_ids.end());
+      text += ev.text;
+      ++events;
+      if (ev.finish != FinishReason::kNone) {
+        final_event = ev;
+        done = true;
+        cv.notify_all();
+      }
+    };
+  }
+  bool Wait(absl::Duration d = absl::Seconds(60)) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, absl::ToChronoMilliseconds(d), [&] { return done; });
+  }
+};
+
+class EngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string dir = testing::FixturesDir() + "/deepseek_v3_tiny";
+    ModelOptions mo;
+    mo.max_seq_len = 256;
+    auto m = Model::Load(dir, mo);
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = m->release();
+    auto ref = SafetensorsFile::Open(dir + "/reference.safetensors");
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    for (float v : (*ref)->Get("prompt_ids")->ToF32()) prompt_->push_back(static_cast<int32_t>(v));
+    for (float v : (*ref)->Get("greedy_ids")->ToF32()) greedy_->push_back(static_cast<int32_t>(v));
+    auto t = Tokenizer::FromFile(testing::FixturesDir() + "/tokenizer.json");
+    ASSERT_TRUE(t.ok()) << t.status();
+    tokenizer_ = t->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete tokenizer_;
+  }
+  std::unique_ptr<Engine> Make(EngineOptions o = {}, bool with_tokenizer = false) {
+    auto e = Engine::Create(model_, with_tokenizer ? tokenizer_ : nullptr, o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return std::move(*e);
+  }
+  GenerateRequest Greedy(int max_tokens) {
+    GenerateRequest r;
+    r.prompt = *prompt_;
+    r.max_tokens = max_tokens;
+    r.ignore_eos = true;
+    return r;
+  }
+  static Model* model_;
+  static Tokenizer* tokenizer_;
+  static inline std::vector<int32_t>* prompt_ = new std::vector<int32_t>;
+  static inline std::vector<int32_t>* greedy_ = new std::vector<int32_t>;
+};
+Model* EngineTest::model_ = nullptr;
+Tokenizer* EngineTest::tokenizer_ = nullptr;
+
+TEST_F(EngineTest, GreedyMatchesTransformers) {
+  auto engine = Make();
+  Collector c;
+  GenerateRequest r = Greedy(static_cast<int>(greedy_->size()));
+  ASSERT_TRUE(engine->Submit(r, c.Callback()).ok());
+  ASSERT_TRUE(c.Wait());
+  EXPECT_EQ(c.ids, *greedy_);
+  EXPECT_EQ(c.final_event.finish, FinishReason::kLength);
+  EXPECT_EQ(c.final_event.completion_tokens, static_cast<int64_t>(greedy_->size()));
+  EXPECT_EQ(c.final_event.prompt_tokens, static_cast<int64_t>(prompt_->size()));
+  EXPECT_EQ(engine->stats().kv_blocks_used, 0);
+}
+
+TEST_F(EngineTest, ChunkedPrefillGivesTheSameTokens) {
+  EngineOptions o;
+  o.prefill_chunk = 3;  // prompt split across several steps
+  auto engine = Make(o);
+  Collector c;
+  ASSERT_TRUE(engine->Submit(Greedy(8), c.Callback()).ok());
+  ASSERT_TRUE(c.Wait());
+  EXPECT_EQ(c.ids, std::vector<int32_t>(greedy_->begin(), greedy_->begin() + 8));
+}
+
+// 16 concurrent requests with different prompts get what each gets alone.
+TEST_F(EngineTest, ConcurrentRequestsEqualSolo) {
+  const int n = 16;
+  std::vector<GenerateRequest> reqs(n);
+  for (int i = 0; i < n; ++i) {
+    reqs[i].prompt = {static_cast<int32_t>(3 + i), static_cast<int32_t>(100 + 7 * i),
+                      static_cast<int32_t>(40 + i)};
+    reqs[i].max_tokens = 6 + i % 3;
+    reqs[i].ignore_eos = true;
+    if (i % 2) {
+      reqs[i].sampling.temperature = 0.8f;
+      reqs[i].sampling.has_seed = true;
+      reqs[i].sampling.seed = 1000 + static_cast<uint64_t>(i);
+    }
+  }
+  std::vector<std::vector<int32_t>> solo(n);
+  {
+    auto engine = Make();
+    for (int i = 0; i < n; ++i) {
+      Collector c;
+      ASSERT_TRUE(engine->Submit(reqs[i], c.Callback()).ok());
+      ASSERT_TRUE(c.Wait());
+      solo[i] = c.ids;
+    }
+  }
+  auto engine = Make();
+  std::vector<Collector> cs(n);
+  for (int i = 0; i < n; ++i) ASSERT_TRUE(engine->Submit(reqs[i], cs[i].Callback()).ok());
+  for (int i = 0; i < n; ++i) {
+    ASSERT_TRUE(cs[i].Wait());
+    EXPECT_EQ(cs[i].ids, solo[i]) << i;
+    EXPECT_EQ(static_cast<int>(cs[i].ids.size()), reqs[i].max_tokens);
+  }
+  EXPECT_EQ(engine->stats().kv_blocks_used, 0);
+  EXPECT_EQ(engine->stats().completed, n);
+}
+
+TEST_F(EngineTest, BadRequestsAreRefusedByField) {
+  auto engine = Make();
+  auto expect = [&](GenerateRequest r, const char* needle) {
+    auto s = engine->Submit(std::move(r), nullptr).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << needle;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(needle));
+  };
+  GenerateRequest r = Greedy(4);
+  r.prompt.clear();
+  expect(r, "prompt is empty");
+  r = Greedy(4);
+  r.prompt[1] = 512;  // vocab 512
+  expect(r, "token id 512");
+  r = Greedy(0);
+  expect(r, "max_tokens");
+  r = Greedy(4);
+  r.prompt.assign(256, 5);  // context 256
+  expect(r, "context");
+  r = Greedy(4);
+  r.sampling.temperature = -1;
+  expect(r, "temperature");
+  r = Greedy(4);
+  r.sampling.top_p = 0;
+  expect(r, "top_p");
+  r = Greedy(4);
+  r.sampling.top_k = -3;
+  expect(r, "top_k");
+  r = Greedy(4);
+  r.stop_strings = {"x"};
+  expect(r, "tokenizer");  // no tokenizer on this engine
+  // Still serving.
+  Collector c;
+  ASSERT_TRUE(engine->Submit(Greedy(2), c.Callback()).ok());
+  EXPECT_TRUE(c.Wait());
+}
+
+TEST_F(EngineTest, CancelAndDeadlineFreeBlocks) {
+  EngineOptions o;
+  o.max_batch = 1;  // the second request waits in the queue
+  auto engine = Make(o);
+  Collector running, queued, expired;
+  auto id = engine->Submit(Greedy(200), running.Callback());
+  ASSERT_TRUE(id.ok());
+  auto id2 = engine->Submit(Greedy(5), queued.Callback());
+  ASSERT_TRUE(id2.ok());
+  GenerateRequest late = Greedy(5);
+  late.deadline = absl::Now() + absl::Milliseconds(1);
+  ASSERT_TRUE(engine->Submit(late, expired.Callback()).ok());
+  while (engine->stats().tokens_generated < 3)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_GT(engine->stats().kv_blocks_used, 0);
+  engine->Cancel(*id);
+  ASSERT_TRUE(running.Wait());
+  EXPECT_EQ(running.final_event.finish, FinishReason::kCancelled);
+  EXPECT_EQ(running.final_event.status.code(), absl::StatusCode::kCancelled);
+  ASSERT_TRUE(expired.Wait());
+  EXPECT_EQ(expired.final_event.finish, FinishReason::kDeadline);
+  EXPECT_EQ(expired.final_event.status.code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(queued.Wait());
+  EXPECT_EQ(queued.final_event.finish, FinishReason::kLength);
+  EXPECT_EQ(engine->stats().kv_blocks_used, 0);
+  EXPECT_EQ(engine->stats().running, 0);
+}
+
+TEST_F(EngineTest, QueueLimitAndShutdown) {
+  EngineOptions o;
+  o.max_batch = 1;
+  o.max_queue = 2;
+  auto engine = Make(o);
+  std::vector<Collector> cs(8);
+  int accepted = 0, exhausted = 0;
+  for (auto& c : cs) {
+    auto s = engine->Submit(Greedy(30), c.Callback());
+    if (s.ok())
+      ++accepted;
+    else if (s.status().code() == absl::StatusCode::kResourceExhausted)
+      ++exhausted;
+  }
+  EXPECT_GE(exhausted, 1);
+  EXPECT_GE(accepted, 2);
+  engine->Shutdown(absl::ZeroDuration());  // cancels what's left
+  int ended = 0;
+  for (int i = 0; i < 8; ++i) ended += cs[static_cast<size_t>(i)].done;
+  EXPECT_EQ(ended, accepted);  // every accepted request got its final event
+  EXPECT_EQ(engine->Submit(Greedy(1), nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(EngineTest, StopStringsTruncateText) {
+  auto engine = Make({}, /*with_tokenizer=*/true);
+  Collector full;
+  ASSERT_TRUE(engine->Submit(Greedy(16), full.Callback()).ok());
+  ASSERT_TRUE(full.Wait());
+  auto whole = tokenizer_->Decode(full.ids, true);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(full.text, *whole);  // streamed deltas add up to the decoded text
+  ASSERT_GE(whole->size(), 6u);
+  // Stop at a substring in the middle of the text.
+  const std::string stop = whole->substr(whole->size() / 2, 2);
+  const size_t cut = whole->find(stop);
+  GenerateRequest r = Greedy(16);
+  r.stop_strings = {stop};
+  Collector c;
+  ASSERT_TRUE(engine->Submit(r, c.Callback()).ok());
+  ASSERT_TRUE(c.Wait());
+  EXPECT_EQ(c.final_event.finish, FinishReason::kStopString);
+  EXPECT_EQ(c.text, whole->substr(0, cut));
+  // A stop token ends generation with reason "stop".
+  r = Greedy(16);
+  r.stop_token_ids = {(*greedy_)[3]};
+  Collector d;
+  ASSERT_TRUE(engine->Submit(r, d.Callback()).ok());
+  ASSERT_TRUE(d.Wait());
+  EXPECT_EQ(d.final_event.finish, FinishReason::kStopToken);
+  EXPECT_EQ(d.ids.back(), (*greedy_)[3]);
+}
+
+}  // namespace
+}  // namespace hmoe

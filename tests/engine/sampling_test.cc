@@ -1,0 +1,121 @@
+#include "gpu_worker/engine/sampling.h"
+
+#include <cmath>
+#include <map>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hmoe {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(Sampling, GreedyAndEquivalentFilters) {
+  std::vector<float> logits = {0.1f, 2.0f, 1.9f, -1.0f, 2.0f};
+  Sampler greedy(SamplingParams{}, 1);
+  EXPECT_EQ(greedy.Sample(logits, {}, {}), 1);  // tie between 1 and 4: lowest id
+  logits[4] = 1.95f;                            // no tie at the top for the filters below
+  for (int i = 0; i < 20; ++i) {
+    SamplingParams p;
+    p.temperature = 1.0f;
+    p.top_k = 1;
+    EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}), 1);
+    p.top_k = 0;
+    p.top_p = 1e-6f;
+    EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}), 1);
+    p.top_p = 1.0f;
+    p.min_p = 1.0f;
+    EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}), 1);
+  }
+}
+
+TEST(Sampling, SeedReproducesAndDiffers) {
+  std::vector<float> logits(64);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(static_cast<float>(i));
+  SamplingParams p;
+  p.temperature = 1.5f;
+  p.has_seed = true;
+  p.seed = 42;
+  Sampler a(p, 0), b(p, 999);
+  std::vector<int32_t> sa, sb;
+  for (int i = 0; i < 200; ++i) {
+    sa.push_back(a.Sample(logits, {}, {}));
+    sb.push_back(b.Sample(logits, {}, {}));
+  }
+  EXPECT_EQ(sa, sb);  // the request's seed wins over the fallback
+  p.seed = 43;
+  Sampler c(p, 0);
+  std::vector<int32_t> sc;
+  for (int i = 0; i < 200; ++i) sc.push_back(c.Sample(logits, {}, {}));
+  EXPECT_NE(sa, sc);
+}
+
+// Frequencies follow softmax(logits / T) restricted by top-k / top-p.
+TEST(Sampling, Distribution) {
+  std::vector<float> logits = {1.0f, 0.0f, -1.0f, 0.5f};
+  SamplingParams p;
+  p.temperature = 0.7f;
+  Sampler s(p, 7);
+  std::map<int32_t, int> n;
+  const int draws = 40000;
+  for (int i = 0; i < draws; ++i) ++n[s.Sample(logits, {}, {})];
+  double z = 0;
+  for (float l : logits) z += std::exp(l / 0.7);
+  for (int t = 0; t < 4; ++t) {
+    const double want = std::exp(logits[static_cast<size_t>(t)] / 0.7) / z;
+    EXPECT_NEAR(n[t] / static_cast<double>(draws), want, 0.01) << t;
+  }
+  // top_p = 0.6 keeps {0, 3} (0.50 + 0.30 >= 0.6), renormalized.
+  p.top_p = 0.6f;
+  Sampler q(p, 9);
+  std::map<int32_t, int> m;
+  for (int i = 0; i < draws; ++i) ++m[q.Sample(logits, {}, {})];
+  EXPECT_EQ(m.count(1) + m.count(2), 0u);
+  const double p0 = std::exp(1 / 0.7), p3 = std::exp(0.5 / 0.7);
+  EXPECT_NEAR(m[0] / static_cast<double>(draws), p0 / (p0 + p3), 0.01);
+}
+
+TEST(Sampling, Penalties) {
+  std::vector<float> logits = {3.0f, 2.9f, -1.0f};
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;  // 3.0 -> 1.5 for a seen token
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {0}, {}), 1);
+  p = SamplingParams{};
+  p.presence_penalty = 0.5f;
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {0}), 1);  // 3.0 - 0.5 < 2.9
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {0}, {}), 0);  // prompt tokens: no presence penalty
+  p = SamplingParams{};
+  p.frequency_penalty = 0.06f;
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {0}), 0);     // 3.0 - 0.06 > 2.9
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {0, 0}), 1);  // 3.0 - 0.12 < 2.9
+  p = SamplingParams{};
+  p.repetition_penalty = 2.0f;  // negative logits are multiplied
+  std::vector<float> neg = {-1.0f, -1.5f};
+  EXPECT_EQ(Sampler(p, 0).Sample(neg, {0}, {}), 1);
+}
+
+TEST(Sampling, Validation) {
+  struct Case {
+    SamplingParams p;
+    const char* field;
+  };
+  std::vector<Case> cases(8);
+  cases[0].p.temperature = NAN, cases[0].field = "temperature";
+  cases[1].p.temperature = -0.1f, cases[1].field = "temperature";
+  cases[2].p.top_p = 0.0f, cases[2].field = "top_p";
+  cases[3].p.top_p = 1.5f, cases[3].field = "top_p";
+  cases[4].p.top_k = -1, cases[4].field = "top_k";
+  cases[5].p.min_p = 2.0f, cases[5].field = "min_p";
+  cases[6].p.repetition_penalty = 0.0f, cases[6].field = "repetition_penalty";
+  cases[7].p.presence_penalty = NAN, cases[7].field = "presence_penalty";
+  for (const auto& c : cases) {
+    absl::Status s = ValidateSamplingParams(c.p);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.field));
+  }
+  EXPECT_TRUE(ValidateSamplingParams(SamplingParams{}).ok());
+}
+
+}  // namespace
+}  // namespace hmoe
