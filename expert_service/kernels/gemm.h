@@ -59,6 +59,15 @@ const KernelSet& Avx2Kernels();
 const KernelSet& Avx512Kernels();
 const KernelSet& AmxKernels();  // "many" kernels; silu from AVX-512
 
+// AVX-512 helpers shared with the AMX file: int4 panel lines for k in
+// [k0, k1) (multiples of the group) -> bf16(q * s) in the BF16 panel layout
+// ((k1 - k0) / 2 lines of 64 B at out).
+void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1,
+                              uint16_t* out);
+// The AVX-512 bf16 kernel over an already-bf16 panel set (used for int4 "many"
+// without AMX): panels at `w` with `panel_bytes` stride, kp = K extent.
+void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, int64_t kp);
+
 // Probes for the benchmark (only call after dispatch says the ISA is there).
 // Streams `bytes` (multiple of 256) with AVX-512 loads; returns a checksum.
 uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes);

@@ -1,5 +1,339 @@
+// AVX-512 kernels (BF16 vdpbf16ps, VNNI vpdpbusd): GEMV-style, for experts
+// with few tokens. Compiled with -mavx512{f,bw,dq,vl,bf16,vnni}; entered only
+// after dispatch says the CPU has them.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/dtype.h"
 #include "expert_service/kernels/gemm.h"
+
 namespace hmoe::kern {
-const KernelSet& Avx512Kernels() { return ScalarKernels(); }
-uint64_t StreamReadAvx512(const uint8_t*, int64_t) { return 0; }
+namespace {
+
+inline __m512i Bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// ---- bf16 -------------------------------------------------------------------------
+template <int MB, int NB>
+void Bf16Block(const uint8_t* const* panels, const uint16_t* const* rows, int64_t kp, float* const* c) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < kp / 2; ++kk) {
+    __m512i w[NB];
+    for (int n = 0; n < NB; ++n) w[n] = _mm512_load_si512(panels[n] + kk * 64);
+    for (int m = 0; m < MB; ++m) {
+      const __m512i x = Bcast32(rows[m] + 2 * kk);
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)w[n], (__m512bh)x);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) _mm512_storeu_ps(c[m] + 16 * n, acc[m][n]);
+}
+
+// ---- int8 x int8 (u8 = a + 128 against s8 weights; rowsum corrects) --------------------
+template <int MB, int NB>
+void I8Block(const uint8_t* const* panels, const int8_t* const* rows, const float* a_scale,
+             const PackedGeom& g, float* const* c) {
+  __m512i acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  for (int64_t q = 0; q < g.kp / 4; ++q) {
+    __m512i w[NB];
+    for (int n = 0; n < NB; ++n) w[n] = _mm512_load_si512(panels[n] + q * 64);
+    for (int m = 0; m < MB; ++m) {
+      const __m512i x = _mm512_xor_si512(Bcast32(rows[m] + 4 * q), flip);
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbusd_epi32(acc[m][n], x, w[n]);
+    }
+  }
+  for (int n = 0; n < NB; ++n) {
+    const __m512 sc = _mm512_loadu_ps(panels[n] + g.i8_scale_offset());
+    const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(panels[n] + g.i8_rowsum_offset()), 7);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][n], corr));
+      _mm512_storeu_ps(c[m] + 16 * n, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(a_scale[m])), sc));
+    }
+  }
+}
+
+// ---- int4 (u8 nibbles = q + 8) x int8 activations, per-group scales --------------------
+template <int MB, int NB>
+void I4I8Block(const uint8_t* const* panels, const int8_t* const* rows, const float* a_scale,
+               const int32_t* const* gsum, const PackedGeom& g, float* const* c) {
+  __m512 accf[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) accf[m][n] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const int64_t groups = g.kp / g.group, gb = g.i4_group_bytes(), lines = g.group / 8;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512i acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_si512();
+    for (int64_t o = 0; o < lines; ++o) {
+      __m512i lo[NB], hi[NB];
+      for (int n = 0; n < NB; ++n) {
+        const __m512i v = _mm512_load_si512(panels[n] + gi * gb + o * 64);
+        lo[n] = _mm512_and_si512(v, low4);
+        hi[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      const int64_t k0 = gi * g.group + 8 * o;
+      for (int m = 0; m < MB; ++m) {
+        const __m512i x0 = Bcast32(rows[m] + k0), x1 = Bcast32(rows[m] + k0 + 4);
+        for (int n = 0; n < NB; ++n) {
+          acc[m][n] = _mm512_dpbusd_epi32(acc[m][n], lo[n], x0);
+          acc[m][n] = _mm512_dpbusd_epi32(acc[m][n], hi[n], x1);
+        }
+      }
+    }
+    for (int n = 0; n < NB; ++n) {
+      const __m512 sc = _mm512_loadu_ps(panels[n] + gi * gb + int64_t{g.group} * 8);
+      for (int m = 0; m < MB; ++m) {
+        const __m512i corr = _mm512_set1_epi32(8 * gsum[m][gi]);
+        accf[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][n], corr)), sc, accf[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n)
+      _mm512_storeu_ps(c[m] + 16 * n, _mm512_mul_ps(accf[m][n], _mm512_set1_ps(a_scale[m])));
+}
+
+// Drives a block function over rows (chunks of up to 4) and panels (pairs).
+template <typename F>
+void ForBlocks(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, F&& f) {
+  for (int m0 = 0; m0 < a.m; m0 += 4) {
+    const int mb = std::min(4, a.m - m0);
+    for (int64_t j = a.nb0; j < a.nb1; j += 2) {
+      const int nb = static_cast<int>(std::min<int64_t>(2, a.nb1 - j));
+      const uint8_t* panels[2] = {w + j * panel_bytes, w + (j + nb - 1) * panel_bytes};
+      float* c[4];
+      for (int m = 0; m < mb; ++m) c[m] = a.c + (m0 + m) * a.ldc + (j - a.nb0) * 16;
+      f(m0, mb, nb, panels, c);
+    }
+  }
+}
+
+#define HMOE_DISPATCH_MB_NB(mb, nb, CALL) \
+  do {                                      \
+    if (nb == 2) {                          \
+      switch (mb) {                         \
+        case 1: CALL(1, 2); break;          \
+        case 2: CALL(2, 2); break;          \
+        case 3: CALL(3, 2); break;          \
+        default: CALL(4, 2); break;         \
+      }                                     \
+    } else {                                \
+      switch (mb) {                         \
+        case 1: CALL(1, 1); break;          \
+        case 2: CALL(2, 1); break;          \
+        case 3: CALL(3, 1); break;          \
+        default: CALL(4, 1); break;         \
+      }                                     \
+    }                                       \
+  } while (0)
+
+void GemmBf16(const GemmArgs& a) { GemmBf16PanelsAvx512(a, a.w, a.g->panel_bytes, a.g->kp); }
+
+void GemmI8(const GemmArgs& a) {
+  ForBlocks(a, a.w, a.g->panel_bytes, [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
+    const int8_t* rows[4];
+    for (int m = 0; m < mb; ++m) rows[m] = static_cast<const int8_t*>(a.a) + (m0 + m) * a.lda;
+#define CALL(M, N) I8Block<M, N>(panels, rows, a.a_scale + m0, *a.g, c)
+    HMOE_DISPATCH_MB_NB(mb, nb, CALL);
+#undef CALL
+  });
+}
+
+void GemmI4I8(const GemmArgs& a) {
+  ForBlocks(a, a.w, a.g->panel_bytes, [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
+    const int8_t* rows[4];
+    const int32_t* gs[4];
+    for (int m = 0; m < mb; ++m) {
+      rows[m] = static_cast<const int8_t*>(a.a) + (m0 + m) * a.lda;
+      gs[m] = a.a_gsum + (m0 + m) * a.gsum_stride;
+    }
+#define CALL(M, N) I4I8Block<M, N>(panels, rows, a.a_scale + m0, gs, *a.g, c)
+    HMOE_DISPATCH_MB_NB(mb, nb, CALL);
+#undef CALL
+  });
+}
+
+// int4 "many" without AMX: dequantize each panel to bf16 in scratch, then bf16 GEMV.
+void GemmI4Bf16(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  uint16_t* buf = reinterpret_cast<uint16_t*>(a.scratch);
+  const int64_t kc = std::min<int64_t>(g.kp, kGemmScratchBytes / 64 / 2 / g.group * g.group);
+  // Per panel, per K chunk: dequantize, then accumulate into c.
+  for (int64_t j = a.nb0; j < a.nb1; ++j)
+    for (int m = 0; m < a.m; ++m) std::memset(a.c + m * a.ldc + (j - a.nb0) * 16, 0, 64);
+  std::vector<float> dummy;
+  for (int64_t j = a.nb0; j < a.nb1; ++j) {
+    for (int64_t k0 = 0; k0 < g.kp; k0 += kc) {
+      const int64_t k1 = std::min(g.kp, k0 + kc);
+      DequantI4PanelBf16Avx512(g, a.w + j * g.panel_bytes, k0, k1, buf);
+      for (int m = 0; m < a.m; ++m) {
+        const uint16_t* x = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda) + k0;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t kk = 0; kk < (k1 - k0) / 2; ++kk)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512(buf + kk * 32), (__m512bh)Bcast32(x + 2 * kk));
+        float* c = a.c + m * a.ldc + (j - a.nb0) * 16;
+        _mm512_storeu_ps(c, _mm512_add_ps(_mm512_loadu_ps(c), acc));
+      }
+    }
+  }
+}
+
+// ---- SiLU --------------------------------------------------------------------------
+inline __m512 Exp(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 SiluMul16(__m512 g, __m512 u) {
+  const __m512 e = Exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+void SiluMul(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, SiluMul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+  if (i < n) SiluMulScalar(g + i, u + i, n - i, out + i);
+}
+
+void SiluMulBf16(const float* g, const float* u, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = SiluMul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+  if (i < n) SiluMulBf16Scalar(g + i, u + i, n - i, out + i);
+}
+
+// ---- int8 quantization of activations ---------------------------------------------------
+inline __m512 LoadBf16(const uint16_t* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+inline __mmask16 TailMask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+template <typename Load>
+void QuantCore(Load load, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum, int group) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  __m512i gacc = _mm512_setzero_si512();
+  for (int64_t i = 0; i < kp; i += 16) {
+    __m512i v = _mm512_setzero_si512();
+    if (i < n) {
+      const __mmask16 k = TailMask(n - i);
+      v = _mm512_maskz_mov_epi32(k, _mm512_cvtps_epi32(_mm512_mul_ps(load(i, k), vinv)));
+      v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(v));
+    if (gsum != nullptr) {
+      gacc = _mm512_add_epi32(gacc, v);
+      if ((i + 16) % group == 0) {
+        gsum[i / group] = _mm512_reduce_add_epi32(gacc);
+        gacc = _mm512_setzero_si512();
+      }
+    }
+  }
+}
+
+void QuantBf16(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale, int32_t* gsum, int group) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(LoadBf16(x + i, TailMask(n - i))));
+  const float s = _mm512_reduce_max_ps(m) / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+  *scale = s;
+  QuantCore([&](int64_t i, __mmask16 k) { return LoadBf16(x + i, k); }, n, kp, inv, q, gsum, group);
+}
+
+float AmaxF32(const float* x, int64_t n) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(TailMask(n - i), x + i)));
+  return _mm512_reduce_max_ps(m);
+}
+
+void QuantF32(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum, int group) {
+  QuantCore([&](int64_t i, __mmask16 k) { return _mm512_maskz_loadu_ps(k, x + i); }, n, kp, inv, q, gsum, group);
+}
+
+}  // namespace
+
+void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, int64_t kp) {
+  ForBlocks(a, w, panel_bytes, [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
+    const uint16_t* rows[4];
+    for (int m = 0; m < mb; ++m)
+      rows[m] = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + (m0 + m) * a.lda);
+#define CALL(M, N) Bf16Block<M, N>(panels, rows, kp, c)
+    HMOE_DISPATCH_MB_NB(mb, nb, CALL);
+#undef CALL
+  });
+}
+
+void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1, uint16_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i wsplit = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                                          30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i dup_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const int64_t gb = g.i4_group_bytes();
+  for (int64_t gi = k0 / g.group; gi < k1 / g.group; ++gi) {
+    const uint8_t* gp = panel + gi * gb;
+    const __m512 sc = _mm512_loadu_ps(gp + int64_t{g.group} * 8);
+    const __m512 s0 = _mm512_permutexvar_ps(dup_lo, sc), s1 = _mm512_permutexvar_ps(dup_hi, sc);
+    const __m512 n0 = _mm512_mul_ps(s0, _mm512_set1_ps(-8.0f)), n1 = _mm512_mul_ps(s1, _mm512_set1_ps(-8.0f));
+    for (int64_t o = 0; o < g.group / 8; ++o) {
+      const __m512i v = _mm512_load_si512(gp + o * 64);
+      const __m512i halves[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+      uint16_t* dst = out + ((gi * g.group - k0) / 2 + 4 * o) * 32;
+      for (int h = 0; h < 2; ++h) {
+        const __m512i p = _mm512_permutexvar_epi16(wsplit, halves[h]);  // [pair0: 32 B][pair1: 32 B]
+        for (int pr = 0; pr < 2; ++pr) {
+          const __m128i b0 = _mm512_extracti32x4_epi32(p, 0 + 2 * pr);
+          const __m128i b1 = _mm512_extracti32x4_epi32(p, 1 + 2 * pr);
+          const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b0)), s0, n0);
+          const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b1)), s1, n1);
+          _mm512_store_si512(dst + (2 * h + pr) * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        }
+      }
+    }
+  }
+}
+
+uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 256 <= bytes; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_load_si512(p + i));
+    a1 = _mm512_xor_si512(a1, _mm512_load_si512(p + i + 64));
+    a2 = _mm512_xor_si512(a2, _mm512_load_si512(p + i + 128));
+    a3 = _mm512_xor_si512(a3, _mm512_load_si512(p + i + 192));
+  }
+  return static_cast<uint64_t>(_mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3))));
+}
+
+const KernelSet& Avx512Kernels() {
+  static const KernelSet k{GemmBf16, GemmI8,   GemmI4I8, GemmI4Bf16, SiluMul,
+                           SiluMulBf16, QuantBf16, AmaxF32, QuantF32};
+  return k;
+}
+
 }  // namespace hmoe::kern
