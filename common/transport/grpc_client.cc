@@ -108,7 +108,7 @@ Health ControlClient::Check(const std::string& service, absl::Duration timeout) 
   grpc::Status st = stubs_->health->Check(&ctx, req, &resp);
   if (!st.ok()) return Health::kNotServing;
   return resp.status() == ::grpc::health::v1::HealthCheckResponse::SERVING ? Health::kServing
-                                                                            : Health::kNotServing;
+                                                                           : Health::kNotServing;
 }
 
 absl::StatusOr<uint64_t> ControlClient::AttachShm(const std::string& path, int64_t pid,

@@ -29,11 +29,10 @@ absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call) {
   bool layer_ok = false;
   for (int32_t l : info.moe_layers) layer_ok |= (l == call.layer);
   if (!layer_ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer: ", call.layer, " is not a MoE layer of this model (",
-                     info.moe_layers.size(), " MoE layers, first ",
-                     info.moe_layers.empty() ? -1 : info.moe_layers.front(), ", last ",
-                     info.moe_layers.empty() ? -1 : info.moe_layers.back(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer: ", call.layer, " is not a MoE layer of this model (", info.moe_layers.size(),
+        " MoE layers, first ", info.moe_layers.empty() ? -1 : info.moe_layers.front(), ", last ",
+        info.moe_layers.empty() ? -1 : info.moe_layers.back(), ")"));
   }
   if (call.tokens <= 0 || call.tokens > info.max_tokens) {
     return absl::InvalidArgumentError(absl::StrCat("tokens: ", call.tokens, " outside [1, ",

@@ -26,9 +26,9 @@ struct MoeCall {
   int32_t top_k = 0;
   const uint16_t* hidden = nullptr;  // bf16 [tokens][hidden]
   uint64_t hidden_bytes = 0;
-  const int32_t* ids = nullptr;      // global expert ids [tokens][top_k]
+  const int32_t* ids = nullptr;  // global expert ids [tokens][top_k]
   uint64_t ids_bytes = 0;
-  const float* weights = nullptr;    // [tokens][top_k]
+  const float* weights = nullptr;  // [tokens][top_k]
   uint64_t weights_bytes = 0;
 
   // Fills the byte sizes from the shape (for well-formed calls).

@@ -33,7 +33,8 @@ uint64_t NowNs() {
 
 // Shared (not PRIVATE) futex ops: the word lives in a MAP_SHARED file mapping.
 void FutexWait(std::atomic<uint32_t>* addr, uint32_t expected, int64_t timeout_ns) {
-  timespec ts{static_cast<time_t>(timeout_ns / 1000000000), static_cast<long>(timeout_ns % 1000000000)};
+  timespec ts{static_cast<time_t>(timeout_ns / 1000000000),
+              static_cast<long>(timeout_ns % 1000000000)};
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 void FutexWake(std::atomic<uint32_t>* addr) {
@@ -143,12 +144,14 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
       static_cast<uint64_t>(st.st_size) < sizeof(ShmHeader)) {
     ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a segment (too small or not a file)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a segment (too small or not a file)"));
   }
   s->size = static_cast<uint64_t>(st.st_size);
   void* p = mmap(nullptr, s->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
-  if (p == MAP_FAILED) return absl::InternalError(absl::StrCat(path, ": mmap: ", std::strerror(errno)));
+  if (p == MAP_FAILED)
+    return absl::InternalError(absl::StrCat(path, ": mmap: ", std::strerror(errno)));
   s->base = static_cast<uint8_t*>(p);
   auto* h = reinterpret_cast<ShmHeader*>(s->base);
   const ShardInfo& info = handler_->info();
@@ -160,9 +163,8 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": hidden ", h->hidden, " != the shard's ", info.hidden));
   }
-  const unsigned __int128 end =
-      static_cast<unsigned __int128>(h->slots_offset) +
-      static_cast<unsigned __int128>(h->num_slots) * h->slot_bytes;
+  const unsigned __int128 end = static_cast<unsigned __int128>(h->slots_offset) +
+                                static_cast<unsigned __int128>(h->num_slots) * h->slot_bytes;
   if (h->num_slots == 0 || h->num_slots > 4096 || h->slots_offset < sizeof(ShmHeader) ||
       h->slots_offset % 64 != 0 || h->slot_bytes % 64 != 0 || end > s->size ||
       h->req_capacity > h->slot_bytes || h->resp_offset % 64 != 0 ||
@@ -196,8 +198,8 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
 void ShmServer::Serve(Session* s) {
   auto* h = reinterpret_cast<ShmHeader*>(s->base);
   const uint32_t n = h->num_slots;
-  const uint64_t slot_bytes = h->slot_bytes, req_cap = h->req_capacity,
-                 resp_off = h->resp_offset, resp_cap = h->resp_capacity;
+  const uint64_t slot_bytes = h->slot_bytes, req_cap = h->req_capacity, resp_off = h->resp_offset,
+                 resp_cap = h->resp_capacity;
   uint32_t next = 0;
   bool client_gone = false;
   while (!s->stop.load() && !stop_.load()) {
@@ -207,7 +209,8 @@ void ShmServer::Serve(Session* s) {
       const uint32_t i = (next + j) % n;
       ShmSlot* slot = SlotAt(s->base, h, i);
       uint32_t expect = kSlotRequest;
-      if (!slot->state.compare_exchange_strong(expect, kSlotBusy, std::memory_order_acq_rel)) continue;
+      if (!slot->state.compare_exchange_strong(expect, kSlotBusy, std::memory_order_acq_rel))
+        continue;
       worked = true;
       next = i + 1;
       uint8_t* data = reinterpret_cast<uint8_t*>(slot) + kSlotHeaderBytes;
@@ -225,15 +228,17 @@ void ShmServer::Serve(Session* s) {
       if (!in_range(ho, hb, 2)) {
         st = absl::InvalidArgumentError("hidden: offset/length outside the slot's request region");
       } else if (!in_range(io, ib, 4)) {
-        st = absl::InvalidArgumentError("expert_ids: offset/length outside the slot's request region");
+        st = absl::InvalidArgumentError(
+            "expert_ids: offset/length outside the slot's request region");
       } else if (!in_range(wo, wb, 4)) {
         st = absl::InvalidArgumentError(
             "expert_weights: offset/length outside the slot's request region");
       } else if (call.tokens > 0 &&
-                 static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(h->hidden) * 4 > resp_cap) {
-        st = absl::InvalidArgumentError(absl::StrCat(
-            "tokens: ", call.tokens, " exceeds the segment's response capacity (",
-            resp_cap / (static_cast<uint64_t>(h->hidden) * 4), " tokens)"));
+                 static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(h->hidden) * 4 >
+                     resp_cap) {
+        st = absl::InvalidArgumentError(
+            absl::StrCat("tokens: ", call.tokens, " exceeds the segment's response capacity (",
+                         resp_cap / (static_cast<uint64_t>(h->hidden) * 4), " tokens)"));
       } else {
         call.hidden = reinterpret_cast<const uint16_t*>(data + ho);
         call.hidden_bytes = hb;
@@ -245,7 +250,8 @@ void ShmServer::Serve(Session* s) {
         float* out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(slot) + resp_off);
         st = handler_->Handle(call, out, &ns);
         slot->compute_ns = ns;
-        slot->out_bytes = st.ok() ? static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(h->hidden) * 4 : 0;
+        slot->out_bytes =
+            st.ok() ? static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(h->hidden) * 4 : 0;
       }
       (void)slot_bytes;
       SetMessage(slot, st);
@@ -335,7 +341,8 @@ absl::Status ShmClient::Connect() {
   if (ftruncate(fd, static_cast<off_t>(seg->size)) != 0) {
     ::close(fd);
     ::unlink(seg->path.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat(seg->path, ": ftruncate: ", std::strerror(errno)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(seg->path, ": ftruncate: ", std::strerror(errno)));
   }
   void* p = mmap(nullptr, seg->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
@@ -360,7 +367,8 @@ absl::Status ShmClient::Connect() {
   seg->owner.assign(geo_.slots, 0);
   // The service's pid may have changed since the last connection: ask again.
   auto info = control_->Describe(absl::Seconds(2));
-  if (!info.ok()) return absl::UnavailableError(absl::StrCat("shm: describe: ", info.status().message()));
+  if (!info.ok())
+    return absl::UnavailableError(absl::StrCat("shm: describe: ", info.status().message()));
   seg->server_pid = static_cast<int32_t>(info->pid);
   seg->server_pidfd = PidfdOpen(seg->server_pid);
   auto epoch = control_->AttachShm(seg->path, ::getpid(), absl::Seconds(2));
@@ -389,15 +397,17 @@ absl::StatusOr<uint64_t> ShmClient::Submit(const MoeCall& call, float* out) {
   const uint64_t hb = call.hidden_bytes, ib = call.ids_bytes, wb = call.weights_bytes;
   const uint64_t ho = 0, io = Align(hb, 64), wo = io + Align(ib, 64);
   if (wo + wb > h->req_capacity) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tokens: ", call.tokens, " (", wo + wb, " request bytes) over the shared-memory slot capacity of ",
-        h->req_capacity, " bytes (", geo_.max_tokens, " tokens)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens: ", call.tokens, " (", wo + wb,
+                     " request bytes) over the shared-memory slot capacity of ", h->req_capacity,
+                     " bytes (", geo_.max_tokens, " tokens)"));
   }
   // A free slot, reclaiming abandoned ones the server has finished.
   int slot_index = -1;
   for (uint32_t i = 0; i < h->num_slots && slot_index < 0; ++i) {
     ShmSlot* s = SlotAt(seg.base, h, i);
-    if (seg.owner[i] == 2 && s->state.load(std::memory_order_acquire) == kSlotDone) seg.owner[i] = 0;
+    if (seg.owner[i] == 2 && s->state.load(std::memory_order_acquire) == kSlotDone)
+      seg.owner[i] = 0;
     if (seg.owner[i] == 0) slot_index = static_cast<int>(i);
   }
   if (slot_index < 0) {
@@ -449,7 +459,8 @@ absl::Status ShmClient::Wait(uint64_t handle, absl::Time deadline) {
   ShmHeader* h = seg.header();
   ShmSlot* s = SlotAt(seg.base, h, o.slot);
   const auto until = absl::ToChronoTime(deadline);
-  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(opts_.spin_us);
+  const auto spin_until =
+      std::chrono::steady_clock::now() + std::chrono::microseconds(opts_.spin_us);
   absl::Status result;
   bool done = false;
   while (true) {
@@ -493,8 +504,7 @@ absl::Status ShmClient::Wait(uint64_t handle, absl::Time deadline) {
   if (s->code != 0) {
     result = absl::Status(static_cast<absl::StatusCode>(s->code),
                           std::string(s->msg, std::min<size_t>(s->msg_len, sizeof(s->msg))));
-  } else if (static_cast<int64_t>(s->out_bytes) != o.out_bytes ||
-             s->out_bytes > h->resp_capacity) {
+  } else if (static_cast<int64_t>(s->out_bytes) != o.out_bytes || s->out_bytes > h->resp_capacity) {
     result = absl::InternalError("expert service (shm): response size mismatch");
   } else {
     std::memcpy(o.out, reinterpret_cast<uint8_t*>(s) + h->resp_offset, s->out_bytes);

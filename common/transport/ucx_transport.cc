@@ -143,7 +143,8 @@ class Worker {
             std::function<void(ucs_status_t)> on_error = nullptr) {
     auto* op = new SendOp{std::move(header), std::move(payload), std::move(on_error)};
     ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_AM_SEND_FLAG_REPLY;
     p.cb.send = [](void* req, ucs_status_t s, void* user) {
       auto* op = static_cast<SendOp*>(user);
@@ -174,8 +175,8 @@ class Worker {
     Message msg;
   };
 
-  static ucs_status_t OnAm(void* arg, const void* header, size_t header_len, void* data,
-                           size_t len, const ucp_am_recv_param_t* param) {
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_len, void* data, size_t len,
+                           const ucp_am_recv_param_t* param) {
     auto* self = static_cast<Worker*>(arg);
     Message m;
     m.header.assign(static_cast<const char*>(header), header_len);
@@ -342,7 +343,8 @@ struct UcxServer::Impl {
     r.compute_ns = ns;
     std::vector<uint8_t> payload;
     if (st.ok()) {
-      r.out_bytes = static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(handler->info().hidden) * 4;
+      r.out_bytes =
+          static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(handler->info().hidden) * 4;
       payload.resize(r.out_bytes);
       std::memcpy(payload.data(), out.data(), r.out_bytes);
     } else {
@@ -359,7 +361,8 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler
   s->impl_ = std::make_unique<Impl>();
   Impl* impl = s->impl_.get();
   impl->handler = handler;
-  auto w = Worker::Create(kAmRequest, [impl](Message&& m) { impl->OnRequest(std::move(m)); }, 50);
+  auto w = Worker::Create(
+      kAmRequest, [impl](Message&& m) { impl->OnRequest(std::move(m)); }, 50);
   if (!w.ok()) return w.status();
   impl->worker = std::move(*w);
   return s;
@@ -376,7 +379,8 @@ UcxServer::~UcxServer() {
   }
 }
 
-absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address, uint64_t client_id) {
+absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address,
+                                               uint64_t client_id) {
   if (client_address.empty()) return absl::InvalidArgumentError("client_worker_address: empty");
   Impl* impl = impl_.get();
   absl::Status st = impl->worker->Call<absl::Status>([&]() -> absl::Status {
@@ -500,8 +504,8 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<Con
   impl->hidden = info.hidden;
   std::random_device rd;
   impl->client_id = (uint64_t{rd()} << 32) | rd();
-  auto w = Worker::Create(kAmResponse, [impl](Message&& m) { impl->OnResponse(std::move(m)); },
-                          opts.spin_us);
+  auto w = Worker::Create(
+      kAmResponse, [impl](Message&& m) { impl->OnResponse(std::move(m)); }, opts.spin_us);
   if (!w.ok()) return w.status();
   impl->worker = std::move(*w);
   absl::Status st = impl->Connect();
@@ -543,7 +547,8 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out) {
   if (call.hidden_bytes) std::memcpy(payload.data(), call.hidden, call.hidden_bytes);
   if (call.ids_bytes) std::memcpy(payload.data() + call.hidden_bytes, call.ids, call.ids_bytes);
   if (call.weights_bytes) {
-    std::memcpy(payload.data() + call.hidden_bytes + call.ids_bytes, call.weights, call.weights_bytes);
+    std::memcpy(payload.data() + call.hidden_bytes + call.ids_bytes, call.weights,
+                call.weights_bytes);
   }
   uint64_t id, gen;
   {
@@ -557,7 +562,8 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out) {
     p.generation = gen;
   }
   h.request_id = id;
-  impl->worker->Post([impl, id, gen, hdr = std::string(reinterpret_cast<const char*>(&h), sizeof(h)),
+  impl->worker->Post([impl, id, gen,
+                      hdr = std::string(reinterpret_cast<const char*>(&h), sizeof(h)),
                       payload = std::move(payload)]() mutable {
     if (!impl->ep) {
       std::lock_guard<std::mutex> lock(impl->mu);

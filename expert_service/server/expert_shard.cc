@@ -43,17 +43,25 @@ absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
       return absl::InvalidArgumentError(
           absl::StrCat("--synthetic: bad value in \"", std::string(kv), "\""));
     }
-    if (p.first == "hidden") g.hidden = v;
-    else if (p.first == "intermediate") g.intermediate = v;
-    else if (p.first == "experts") g.experts = v;
-    else if (p.first == "top_k") g.top_k = v;
-    else if (p.first == "layers") layers = v;
-    else if (p.first == "seed") g.seed = static_cast<uint64_t>(v);
-    else return absl::InvalidArgumentError(absl::StrCat("--synthetic: unknown key ", p.first));
+    if (p.first == "hidden")
+      g.hidden = v;
+    else if (p.first == "intermediate")
+      g.intermediate = v;
+    else if (p.first == "experts")
+      g.experts = v;
+    else if (p.first == "top_k")
+      g.top_k = v;
+    else if (p.first == "layers")
+      layers = v;
+    else if (p.first == "seed")
+      g.seed = static_cast<uint64_t>(v);
+    else
+      return absl::InvalidArgumentError(absl::StrCat("--synthetic: unknown key ", p.first));
   }
   if (g.hidden == 0 || g.intermediate == 0 || g.experts == 0 || g.top_k == 0) {
     return absl::InvalidArgumentError(
-        "--synthetic needs hidden=, intermediate=, experts=, top_k= (and optionally layers=, seed=)");
+        "--synthetic needs hidden=, intermediate=, experts=, top_k= (and optionally layers=, "
+        "seed=)");
   }
   for (int64_t l = 0; l < layers; ++l) g.moe_layers.push_back(static_cast<int32_t>(l));
   return g;
@@ -61,8 +69,8 @@ absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
 
 // Full [rows][cols] f32 matrix of one projection.
 absl::StatusOr<std::vector<float>> LoadMatrix(const Checkpoint& ckpt, const ModelConfig& cfg,
-                                              int layer, int expert, ExpertProj proj,
-                                              int64_t rows, int64_t cols) {
+                                              int layer, int expert, ExpertProj proj, int64_t rows,
+                                              int64_t cols) {
   const std::string name = ExpertWeightName(cfg, layer, expert, proj);
   ASSIGN_OR_RETURN(Tensor t, ckpt.Get(name));
   if (t.rank() != 2 || t.dim(0) != rows || t.dim(1) != cols) {
@@ -76,9 +84,9 @@ absl::StatusOr<std::vector<float>> LoadMatrix(const Checkpoint& ckpt, const Mode
     int64_t block = cfg.quantization.weight_block.empty() ? 128 : cfg.quantization.weight_block[0];
     if (s.dtype() != DType::kF32 || s.rank() != 2 || s.dim(0) != (rows + block - 1) / block ||
         s.dim(1) != (cols + block - 1) / block) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(ckpt.dir(), ": ", sname, " has shape ", ShapeString(s.shape()),
-                       ", not the block scales of ", name));
+      return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": ", sname, " has shape ",
+                                                     ShapeString(s.shape()),
+                                                     ", not the block scales of ", name));
     }
     std::vector<float> out(static_cast<size_t>(rows * cols));
     DequantFp8BlockToF32(t.data<uint8_t>(), rows, cols, s.data<float>(), block, out.data());
@@ -110,9 +118,12 @@ absl::StatusOr<ServeFormat> ParseServeFormat(const std::string& s, int* group) {
 
 std::string ServeFormatName(ServeFormat f, int group) {
   switch (f) {
-    case ServeFormat::kBf16: return "bf16";
-    case ServeFormat::kInt8: return "int8";
-    case ServeFormat::kInt4: return absl::StrCat("int4g", group);
+    case ServeFormat::kBf16:
+      return "bf16";
+    case ServeFormat::kInt8:
+      return "int8";
+    case ServeFormat::kInt4:
+      return absl::StrCat("int4g", group);
   }
   return "?";
 }
@@ -130,14 +141,15 @@ absl::Status ShardOptions::Validate() const {
         absl::StrCat("--shard: ", shard_index, "/", num_shards, " is not i/n with 0 <= i < n"));
   }
   if (max_tokens < 1 || max_tokens > (1 << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-tokens: ", max_tokens, " outside [1, 2^20]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-tokens: ", max_tokens, " outside [1, 2^20]"));
   }
   return absl::OkStatus();
 }
 
 std::string ShardOptions::ToString() const {
   return absl::StrCat("source=",
-                      !synthetic.empty() ? "synthetic:" + synthetic
+                      !synthetic.empty()   ? "synthetic:" + synthetic
                       : packed_dir.empty() ? model_dir
                                            : packed_dir + " (config " + model_dir + ")",
                       " shard=", shard_index, "/", num_shards, " split=", SplitModeName(split),
@@ -187,7 +199,8 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
       if (cfg.layers[l].moe) geo.moe_layers.push_back(static_cast<int32_t>(l));
     }
     if (geo.moe_layers.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(opts.model_dir, ": model has no MoE layers"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(opts.model_dir, ": model has no MoE layers"));
     }
     if (!opts.packed_dir.empty()) {
       ASSIGN_OR_RETURN(packed, PackedExperts::Open(opts.packed_dir, cfg));
@@ -217,8 +230,8 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   shard->format_ = format;
   if (opts.split == SplitMode::kEp) {
     if (opts.num_shards > geo.experts) {
-      return absl::InvalidArgumentError(absl::StrCat("--shard: ", opts.num_shards,
-                                                     " ep shards for ", geo.experts, " experts"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--shard: ", opts.num_shards, " ep shards for ", geo.experts, " experts"));
     }
     info.expert_begin = Part(geo.experts, opts.shard_index, opts.num_shards);
     info.expert_end = Part(geo.experts, opts.shard_index + 1, opts.num_shards);
@@ -311,9 +324,9 @@ absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* comp
     std::lock_guard<std::mutex> lock(compute_mu_);
     st = Compute(slot_of_layer_[static_cast<size_t>(call.layer)], call, out);
   }
-  const uint64_t ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                std::chrono::steady_clock::now() - t0)
-                                                .count());
+  const uint64_t ns = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count());
   if (compute_ns) *compute_ns = ns;
   counters_.compute_ns.fetch_add(ns);
   counters_.tokens.fetch_add(static_cast<uint64_t>(call.tokens));
@@ -325,7 +338,8 @@ absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* comp
 absl::Status ExpertShard::Compute(int slot, const MoeCall& call, float* out) {
   const int64_t H = info_.hidden, is = info_.i_end - info_.i_begin;
   const auto& experts = layers_[static_cast<size_t>(slot)];
-  std::vector<float> x(static_cast<size_t>(H)), h(static_cast<size_t>(is)), y(static_cast<size_t>(H));
+  std::vector<float> x(static_cast<size_t>(H)), h(static_cast<size_t>(is)),
+      y(static_cast<size_t>(H));
   std::fill(out, out + call.tokens * H, 0.f);
   for (int t = 0; t < call.tokens; ++t) {
     for (int64_t c = 0; c < H; ++c) x[static_cast<size_t>(c)] = Bf16ToF32(call.hidden[t * H + c]);
@@ -349,7 +363,8 @@ absl::Status ExpertShard::Compute(int slot, const MoeCall& call, float* out) {
       for (int64_t c = 0; c < H; ++c) {
         const float* dw = ex.down.data() + c * is;
         double acc = 0;
-        for (int64_t i = 0; i < is; ++i) acc += static_cast<double>(dw[i]) * h[static_cast<size_t>(i)];
+        for (int64_t i = 0; i < is; ++i)
+          acc += static_cast<double>(dw[i]) * h[static_cast<size_t>(i)];
         o[c] += w * static_cast<float>(acc);
       }
     }

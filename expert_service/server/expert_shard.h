@@ -36,7 +36,8 @@ struct ShardOptions {
   std::string ToString() const;
 };
 
-absl::StatusOr<ServeFormat> ParseServeFormat(const std::string& s, int* group);  // bf16|int8|int4g64..
+absl::StatusOr<ServeFormat> ParseServeFormat(const std::string& s,
+                                             int* group);  // bf16|int8|int4g64..
 std::string ServeFormatName(ServeFormat f, int group);
 
 // The plain scalar MoE on dequantized weights: the reference every path is
@@ -90,7 +91,7 @@ class ExpertShard : public MoeHandler {
 
   ShardInfo info_;
   ServeFormat format_ = ServeFormat::kBf16;
-  std::vector<int> slot_of_layer_;               // layer -> slot or -1
+  std::vector<int> slot_of_layer_;                // layer -> slot or -1
   std::vector<std::vector<ExpertSlice>> layers_;  // [slot][local expert]
   int64_t weight_bytes_ = 0;
   std::mutex compute_mu_;

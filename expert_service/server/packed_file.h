@@ -3,8 +3,9 @@
 // aligned tensors), named experts-<split>-<i>of<n>.safetensors, holding for
 // every MoE layer L and owned expert E the shard's slice:
 //   "L.E.gate.q", "L.E.up.q"  [I_slice][H]   int8 (int4 values in [-8, 7] packed
-//   "L.E.down.q"              [H][I_slice]    two per byte, low nibble first, as U8 [rows][ceil(cols/2)])
-//   "L.E.<proj>.s"            f32 scales: int8 [rows] (per row of the whole matrix);
+//   "L.E.down.q"              [H][I_slice]    two per byte, low nibble first, as U8
+//   [rows][ceil(cols/2)]) "L.E.<proj>.s"            f32 scales: int8 [rows] (per row of the whole
+//   matrix);
 //                             int4 [rows][groups] for the absolute groups (col / group)
 //                             the slice touches; bf16 weights have ".q" as BF16 and no ".s".
 // Header metadata: hmoe_packed_version, format, model_type, hidden, intermediate,

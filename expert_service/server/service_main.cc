@@ -92,9 +92,12 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
       return absl::OkStatus();
     };
     int64_t n = 0;
-    if (a == "--model-dir") o.shard.model_dir = v;
-    else if (a == "--packed-dir") o.shard.packed_dir = v;
-    else if (a == "--synthetic") o.shard.synthetic = v;
+    if (a == "--model-dir")
+      o.shard.model_dir = v;
+    else if (a == "--packed-dir")
+      o.shard.packed_dir = v;
+    else if (a == "--synthetic")
+      o.shard.synthetic = v;
     else if (a == "--shard") {
       std::vector<std::string> p = absl::StrSplit(v, '/');
       if (p.size() != 2 || !absl::SimpleAtoi(p[0], &o.shard.shard_index) ||
@@ -102,27 +105,37 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
         return absl::InvalidArgumentError(absl::StrCat("--shard: \"", v, "\" is not i/n"));
       }
     } else if (a == "--split") {
-      if (v == "tp") o.shard.split = SplitMode::kTp;
-      else if (v == "ep") o.shard.split = SplitMode::kEp;
-      else return absl::InvalidArgumentError(absl::StrCat("--split: \"", v, "\" is not tp or ep"));
+      if (v == "tp")
+        o.shard.split = SplitMode::kTp;
+      else if (v == "ep")
+        o.shard.split = SplitMode::kEp;
+      else
+        return absl::InvalidArgumentError(absl::StrCat("--split: \"", v, "\" is not tp or ep"));
     } else if (a == "--format") {
       ASSIGN_OR_RETURN(o.shard.format, ParseServeFormat(v, &o.shard.group));
     } else if (a == "--max-tokens") {
       RETURN_IF_ERROR(int_of(&o.shard.max_tokens));
-    } else if (a == "--listen") o.listen = v;
-    else if (a == "--port-file") o.port_file = v;
+    } else if (a == "--listen")
+      o.listen = v;
+    else if (a == "--port-file")
+      o.port_file = v;
     else if (a == "--numa-node") {
       RETURN_IF_ERROR(int_of(&n));
       o.numa_node = static_cast<int>(n);
-    } else if (a == "--cores") o.cores = v;
-    else if (a == "--no-shm") o.shm = false;
-    else if (a == "--no-ucx") o.ucx = false;
+    } else if (a == "--cores")
+      o.cores = v;
+    else if (a == "--no-shm")
+      o.shm = false;
+    else if (a == "--no-ucx")
+      o.ucx = false;
     else if (a == "--drain-timeout-s") {
       if (!absl::SimpleAtod(v, &o.drain_timeout_s)) {
         return absl::InvalidArgumentError(absl::StrCat("--drain-timeout-s: \"", v, "\""));
       }
-    } else if (a == "--instance") o.instance = v;
-    else return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
+    } else if (a == "--instance")
+      o.instance = v;
+    else
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
   }
   RETURN_IF_ERROR(o.Validate());
   return o;
@@ -150,7 +163,8 @@ absl::Status BindResources(const ServiceOptions& o) {
       int lo = 0, hi = 0;
       if (r.empty() || r.size() > 2 || !absl::SimpleAtoi(r[0], &lo) ||
           !absl::SimpleAtoi(r.back(), &hi) || lo < 0 || hi < lo || hi >= CPU_SETSIZE) {
-        return absl::InvalidArgumentError(absl::StrCat("--cores: bad range \"", std::string(part), "\""));
+        return absl::InvalidArgumentError(
+            absl::StrCat("--cores: bad range \"", std::string(part), "\""));
       }
       for (int c = lo; c <= hi; ++c) CPU_SET(c, &set);
     }
@@ -338,7 +352,8 @@ int Main(int argc, char** argv) {
 
   auto parsed = ParseArgs(argc, argv);
   if (!parsed.ok()) {
-    std::fprintf(stderr, "hmoe-expert-service: %s\n", std::string(parsed.status().message()).c_str());
+    std::fprintf(stderr, "hmoe-expert-service: %s\n",
+                 std::string(parsed.status().message()).c_str());
     return 2;
   }
   State state;
@@ -408,8 +423,8 @@ int Main(int argc, char** argv) {
   health->SetServingStatus(true);
   Log(absl::StrCat("ready: port ", port, ", ", (*shard)->weight_bytes(), " weight bytes in ",
                    state.load_seconds, " s; experts [", (*shard)->info().expert_begin, ", ",
-                   (*shard)->info().expert_end, "), intermediate [", (*shard)->info().i_begin,
-                   ", ", (*shard)->info().i_end, ")"));
+                   (*shard)->info().expert_end, "), intermediate [", (*shard)->info().i_begin, ", ",
+                   (*shard)->info().i_end, ")"));
   if (!o.port_file.empty()) {
     const std::string tmp = o.port_file + ".tmp";
     std::ofstream(tmp) << port << "\n";
@@ -425,8 +440,10 @@ int Main(int argc, char** argv) {
   state.load_state = pb::LoadStatus::DRAINING;
   (*shard)->SetDraining();
   const auto drain_until =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.drain_timeout_s * 1000));
-  while ((*shard)->counters().in_flight.load() > 0 && std::chrono::steady_clock::now() < drain_until) {
+      std::chrono::steady_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(o.drain_timeout_s * 1000));
+  while ((*shard)->counters().in_flight.load() > 0 &&
+         std::chrono::steady_clock::now() < drain_until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));

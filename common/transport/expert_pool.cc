@@ -1,0 +1,216 @@
+#include "common/transport/expert_pool.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "common/transport/shm_transport.h"
+#include "common/transport/ucx_transport.h"
+
+namespace hmoe {
+
+const char* TransportKindName(TransportKind t) {
+  switch (t) {
+    case TransportKind::kGrpc:
+      return "grpc";
+    case TransportKind::kShm:
+      return "shm";
+    case TransportKind::kUcx:
+      return "ucx";
+  }
+  return "?";
+}
+
+absl::StatusOr<TransportKind> ParseTransportKind(const std::string& s) {
+  if (s == "grpc") return TransportKind::kGrpc;
+  if (s == "shm") return TransportKind::kShm;
+  if (s == "ucx") return TransportKind::kUcx;
+  return absl::InvalidArgumentError(absl::StrCat("transport: \"", s, "\" is not grpc, shm or ucx"));
+}
+
+absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPoolOptions& opts) {
+  if (opts.targets.empty()) return absl::InvalidArgumentError("targets: no shards given");
+  auto pool = std::unique_ptr<ExpertPool>(new ExpertPool());
+  std::vector<Shard> shards(opts.targets.size());
+  for (size_t i = 0; i < opts.targets.size(); ++i) {
+    Shard s;
+    s.target = opts.targets[i];
+    s.control = std::make_shared<ControlClient>(MakeExpertChannel(s.target));
+    const absl::Time until = absl::Now() + opts.connect_timeout;
+    absl::StatusOr<ShardInfo> info;
+    while (true) {
+      info = s.control->Describe(absl::Seconds(1));
+      if (info.ok() || absl::Now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!info.ok()) {
+      return Annotate(info.status(), absl::StrCat("expert shard ", s.target));
+    }
+    s.info = *info;
+    const int idx = s.info.shard_index;
+    if (s.info.num_shards != static_cast<int>(opts.targets.size()) || idx < 0 ||
+        idx >= s.info.num_shards || !shards[static_cast<size_t>(idx)].target.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "expert shard ", s.target, " is shard ", idx, "/", s.info.num_shards, ", but ",
+          opts.targets.size(), " targets were given (or the index repeats)"));
+    }
+    const ShardInfo& a = s.info;
+    const ShardInfo& b = shards[0].target.empty() ? a : shards[0].info;
+    for (const Shard& o : shards) {
+      if (o.target.empty()) continue;
+      const ShardInfo& c = o.info;
+      if (c.hidden != a.hidden || c.intermediate != a.intermediate ||
+          c.num_experts != a.num_experts || c.top_k != a.top_k || c.moe_layers != a.moe_layers ||
+          c.split != a.split || c.weight_format != a.weight_format) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("expert shards ", o.target, " and ", s.target, " serve different models"));
+      }
+    }
+    (void)b;
+    shards[static_cast<size_t>(idx)] = std::move(s);
+  }
+  pool->model_ = shards[0].info;
+  pool->model_.max_tokens = shards[0].info.max_tokens;
+  for (Shard& s : shards) {
+    pool->model_.max_tokens = std::min(pool->model_.max_tokens, s.info.max_tokens);
+    switch (opts.transport) {
+      case TransportKind::kGrpc:
+        s.client = std::make_unique<GrpcStreamClient>(MakeExpertChannel(s.target), s.info.hidden);
+        break;
+      case TransportKind::kShm: {
+        ShmClientOptions so;
+        so.slots = opts.shm_slots;
+        ASSIGN_OR_RETURN(s.client, ShmClient::Create(s.control, s.info, so));
+        break;
+      }
+      case TransportKind::kUcx: {
+        ASSIGN_OR_RETURN(s.client, UcxClient::Create(s.control, s.info));
+        break;
+      }
+    }
+  }
+  pool->shards_ = std::move(shards);
+  return pool;
+}
+
+ExpertPool::~ExpertPool() = default;
+
+absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out) {
+  RETURN_IF_ERROR(ValidateMoeCall(model_, call));
+  auto op = std::make_unique<Op>();
+  op->out = out;
+  op->tokens = call.tokens;
+  const int64_t H = model_.hidden;
+  const int k = call.top_k;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    Shard& sh = shards_[i];
+    Sub sub;
+    sub.shard = static_cast<int>(i);
+    if (model_.split == SplitMode::kTp) {
+      sub.out.resize(static_cast<size_t>(call.tokens * H));
+      auto h = sh.client->Submit(call, sub.out.data());
+      if (h.ok())
+        sub.handle = *h;
+      else
+        sub.submit_status = h.status();
+    } else {
+      for (int32_t t = 0; t < call.tokens; ++t) {
+        for (int j = 0; j < k; ++j) {
+          const int32_t e = call.ids[t * k + j];
+          if (e >= sh.info.expert_begin && e < sh.info.expert_end) {
+            sub.rows.push_back(t);
+            break;
+          }
+        }
+      }
+      if (sub.rows.empty()) continue;
+      const int32_t n = static_cast<int32_t>(sub.rows.size());
+      std::vector<uint16_t> x(static_cast<size_t>(n * H));
+      std::vector<int32_t> ids(static_cast<size_t>(n * k));
+      std::vector<float> w(static_cast<size_t>(n * k));
+      for (int32_t r = 0; r < n; ++r) {
+        const int32_t t = sub.rows[static_cast<size_t>(r)];
+        std::copy_n(call.hidden + t * H, H, x.begin() + r * H);
+        std::copy_n(call.ids + t * k, k, ids.begin() + r * k);
+        std::copy_n(call.weights + t * k, k, w.begin() + r * k);
+      }
+      sub.out.resize(static_cast<size_t>(n * H));
+      auto h = sh.client->Submit(MoeCall::Make(call.layer, n, k, H, x.data(), ids.data(), w.data()),
+                                 sub.out.data());
+      if (h.ok())
+        sub.handle = *h;
+      else
+        sub.submit_status = h.status();
+    }
+    op->subs.push_back(std::move(sub));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = next_++;
+  ops_[id] = std::move(op);
+  return id;
+}
+
+absl::Status ExpertPool::Wait(uint64_t handle, absl::Time deadline) {
+  std::unique_ptr<Op> op;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ops_.find(handle);
+    if (it == ops_.end()) return absl::InvalidArgumentError("unknown expert-pool handle");
+    op = std::move(it->second);
+    ops_.erase(it);
+  }
+  absl::Status first;
+  for (Sub& sub : op->subs) {
+    absl::Status st = sub.submit_status.ok() ? shards_[static_cast<size_t>(sub.shard)].client->Wait(
+                                                   sub.handle, deadline)
+                                             : sub.submit_status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Shard& sh = shards_[static_cast<size_t>(sub.shard)];
+      if (st.ok())
+        sh.up = true;
+      else if (absl::IsUnavailable(st))
+        sh.up = false;
+    }
+    if (!st.ok() && first.ok()) {
+      first = Annotate(st, absl::StrCat("expert shard ", sub.shard, " (",
+                                        shards_[static_cast<size_t>(sub.shard)].target, ")"));
+    }
+  }
+  if (!first.ok()) return first;
+  const int64_t H = model_.hidden;
+  std::fill(op->out, op->out + op->tokens * H, 0.f);
+  for (const Sub& sub : op->subs) {
+    if (model_.split == SplitMode::kTp) {
+      for (int64_t i = 0; i < op->tokens * H; ++i) op->out[i] += sub.out[static_cast<size_t>(i)];
+    } else {
+      for (size_t r = 0; r < sub.rows.size(); ++r) {
+        float* o = op->out + sub.rows[r] * H;
+        const float* s = sub.out.data() + static_cast<int64_t>(r) * H;
+        for (int64_t c = 0; c < H; ++c) o[c] += s[c];
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExpertPool::Run(const MoeCall& call, float* out, absl::Time deadline) {
+  ASSIGN_OR_RETURN(uint64_t h, Submit(call, out));
+  return Wait(h, deadline);
+}
+
+std::vector<bool> ExpertPool::ShardsUp() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<bool> r;
+  for (const Shard& s : shards_) r.push_back(s.up);
+  return r;
+}
+
+std::vector<Health> ExpertPool::CheckHealth(absl::Duration timeout) {
+  std::vector<Health> r;
+  for (Shard& s : shards_) r.push_back(s.control->Check("", timeout));
+  return r;
+}
+
+}  // namespace hmoe

@@ -1,0 +1,91 @@
+// ExpertPool: the worker's view of all shards of the expert service. One MoE
+// call (a layer's routed tokens) fans out to every shard: in tp mode each
+// shard computes a slice of every expert's intermediate dim and the f32
+// partials are summed; in ep mode each token goes only to the shards owning
+// one of its experts, and rows are scattered back. Several calls (layers) may
+// be in flight; every wait has a deadline. This is the asynchronous
+// submit/wait that Expert Deferral pipelines on.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/transport/grpc_client.h"
+#include "common/transport/moe_call.h"
+
+namespace hmoe {
+
+enum class TransportKind { kGrpc, kShm, kUcx };
+const char* TransportKindName(TransportKind t);
+absl::StatusOr<TransportKind> ParseTransportKind(const std::string& s);  // grpc | shm | ucx
+
+struct ExpertPoolOptions {
+  std::vector<std::string> targets;  // host:port of each shard's gRPC endpoint (any order)
+  TransportKind transport = TransportKind::kGrpc;
+  absl::Duration connect_timeout = absl::Seconds(10);  // per shard, waiting for READY
+  uint32_t shm_slots =
+      8;  // calls in flight per shard over shared memory (more: RESOURCE_EXHAUSTED)
+};
+
+class ExpertPool {
+ public:
+  // Connects to every shard, checks that they are the n shards of one model
+  // (same geometry and split, indices 0..n-1 each once) and opens the data plane.
+  static absl::StatusOr<std::unique_ptr<ExpertPool>> Connect(const ExpertPoolOptions& opts);
+  ~ExpertPool();
+
+  // The model's expert geometry (shard-independent fields of ShardInfo).
+  const ShardInfo& model() const { return model_; }
+  int num_shards() const { return static_cast<int>(shards_.size()); }
+  SplitMode split() const { return model_.split; }
+
+  // Validates `call` (INVALID_ARGUMENT naming the field), sends it to the
+  // shards that own its experts; out [tokens][hidden] f32 is written by Wait.
+  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out);
+  // OK, or the first shard's failure (annotated with the shard):
+  // UNAVAILABLE when a shard is gone, DEADLINE_EXCEEDED when one is late.
+  absl::Status Wait(uint64_t handle, absl::Time deadline);
+  absl::Status Run(const MoeCall& call, float* out, absl::Time deadline);
+
+  // Last known state per shard: false after an UNAVAILABLE, true after success.
+  std::vector<bool> ShardsUp() const;
+  // grpc.health.v1 of every shard, asked now.
+  std::vector<Health> CheckHealth(absl::Duration timeout = absl::Seconds(1));
+
+ private:
+  struct Shard {
+    std::string target;
+    ShardInfo info;
+    std::shared_ptr<ControlClient> control;
+    std::unique_ptr<MoeClient> client;
+    bool up = true;
+  };
+  struct Sub {
+    int shard = 0;
+    uint64_t handle = 0;
+    absl::Status submit_status;
+    std::vector<float> out;
+    std::vector<int32_t> rows;  // ep: the call's token index of each sub-row
+  };
+  struct Op {
+    float* out = nullptr;
+    int32_t tokens = 0;
+    std::vector<Sub> subs;
+  };
+
+  ExpertPool() = default;
+
+  ShardInfo model_;
+  std::vector<Shard> shards_;  // by shard index
+  mutable std::mutex mu_;
+  uint64_t next_ = 1;
+  std::map<uint64_t, std::unique_ptr<Op>> ops_;
+};
+
+}  // namespace hmoe

@@ -1,0 +1,366 @@
+// The expert service as real processes on loopback: every transport, 1-3
+// shards, both split modes, against the in-process result; faults; bad input.
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "common/transport/expert_pool.h"
+#include "common/transport/grpc_client.h"
+#include "common/transport/shm_transport.h"
+#include "common/transport/ucx_transport.h"
+#include "expert_service/server/expert_shard.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/transport/service_process.h"
+#include "tests/transport/test_util.h"
+
+namespace hmoe {
+namespace {
+
+using ::hmoe::testing::MakeRandomCall;
+using ::hmoe::testing::MaxRelDiff;
+using ::hmoe::testing::ServiceProcess;
+using ::hmoe::testing::TempDir;
+
+std::string ModelDir() { return ::hmoe::testing::FixturesDir() + "/deepseek_v3_tiny"; }
+
+void UseLoopbackUcx() { setenv("UCX_TLS", "tcp,sm,self", 0); }
+
+const TransportKind kTransports[] = {TransportKind::kGrpc, TransportKind::kShm,
+                                     TransportKind::kUcx};
+
+std::unique_ptr<ExpertShard> LocalShard(const std::string& extra_format = "bf16") {
+  ShardOptions o;
+  o.model_dir = ModelDir();
+  int group = 64;
+  o.format = *ParseServeFormat(extra_format, &group);
+  o.group = group;
+  auto s = ExpertShard::Load(o);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return std::move(*s);
+}
+
+class ShardedTest : public ::testing::TestWithParam<std::tuple<int, SplitMode>> {};
+
+TEST_P(ShardedTest, AllTransportsEqualInProcess) {
+  UseLoopbackUcx();
+  const auto [n, split] = GetParam();
+  TempDir dir;
+  auto local = LocalShard();
+  std::vector<std::unique_ptr<ServiceProcess>> procs;
+  std::vector<std::string> targets;
+  for (int i = 0; i < n; ++i) {
+    procs.push_back(std::make_unique<ServiceProcess>());
+    ASSERT_TRUE(
+        procs.back()->Start({"--model-dir=" + ModelDir(), absl::StrCat("--shard=", i, "/", n),
+                             absl::StrCat("--split=", SplitModeName(split))},
+                            dir.file(absl::StrCat("port", i))));
+    targets.push_back(procs.back()->target());
+  }
+  // Reverse order: the pool sorts shards by their own index.
+  std::reverse(targets.begin(), targets.end());
+  const ShardInfo& info = local->info();
+  for (TransportKind tk : kTransports) {
+    SCOPED_TRACE(TransportKindName(tk));
+    ExpertPoolOptions po;
+    po.targets = targets;
+    po.transport = tk;
+    auto pool = ExpertPool::Connect(po);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    EXPECT_EQ((*pool)->num_shards(), n);
+    // Several layers in flight at once, then waited in order.
+    std::vector<::hmoe::testing::RandomCall> calls;
+    std::vector<std::vector<float>> outs;
+    std::vector<uint64_t> handles;
+    uint64_t seed = 1;
+    for (int32_t tokens : {1, 5, 37}) {
+      for (int32_t layer : info.moe_layers) {
+        calls.push_back(MakeRandomCall(info, layer, tokens, seed++));
+      }
+    }
+    outs.resize(calls.size());
+    for (size_t i = 0; i < calls.size(); ++i) {
+      outs[i].assign(static_cast<size_t>(calls[i].tokens * info.hidden), -1.f);
+      auto h = (*pool)->Submit(calls[i].call(), outs[i].data());
+      ASSERT_TRUE(h.ok()) << h.status();
+      handles.push_back(*h);
+    }
+    for (size_t i = 0; i < calls.size(); ++i) {
+      absl::Status st = (*pool)->Wait(handles[i], absl::Now() + absl::Seconds(20));
+      ASSERT_TRUE(st.ok()) << st;
+      std::vector<float> want(outs[i].size());
+      ASSERT_TRUE(local->Handle(calls[i].call(), want.data(), nullptr).ok());
+      EXPECT_LT(MaxRelDiff(outs[i], want), 1e-5) << "call " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shards, ShardedTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3),
+                                            ::testing::Values(SplitMode::kTp, SplitMode::kEp)),
+                         [](const auto& p) {
+                           return absl::StrCat(std::get<0>(p.param), "shards_",
+                                               SplitModeName(std::get<1>(p.param)));
+                         });
+
+// ---- faults -----------------------------------------------------------------
+
+class FaultTest : public ::testing::TestWithParam<TransportKind> {};
+
+TEST_P(FaultTest, KillMidStreamUnavailableThenRecovers) {
+  UseLoopbackUcx();
+  TempDir dir;
+  ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
+  ExpertPoolOptions po;
+  po.targets = {proc.target()};
+  po.transport = GetParam();
+  auto pool = ExpertPool::Connect(po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const ShardInfo info = (*pool)->model();
+  auto call = MakeRandomCall(info, info.moe_layers[0], 16, 7);
+  std::vector<float> out(static_cast<size_t>(16 * info.hidden));
+  ASSERT_TRUE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
+
+  // Stop it so the calls are surely in flight, then kill it.
+  proc.Signal(SIGSTOP);
+  std::vector<std::vector<float>> outs(3, out);
+  std::vector<uint64_t> handles;
+  for (auto& o : outs) {
+    auto h = (*pool)->Submit(call.call(), o.data());
+    ASSERT_TRUE(h.ok()) << h.status();
+    handles.push_back(*h);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  proc.Kill(SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint64_t h : handles) {
+    absl::Status st = (*pool)->Wait(h, absl::Now() + absl::Seconds(10));
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(secs, 2.0);
+  EXPECT_FALSE((*pool)->ShardsUp()[0]);
+  EXPECT_EQ((*pool)->CheckHealth()[0], Health::kNotServing);
+
+  ASSERT_TRUE(proc.Restart());
+  absl::Status st;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  do {
+    st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(2));
+    if (st.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  } while (std::chrono::steady_clock::now() < until);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_TRUE((*pool)->ShardsUp()[0]);
+  EXPECT_EQ((*pool)->CheckHealth(absl::Seconds(2))[0], Health::kServing);
+}
+
+TEST_P(FaultTest, StoppedShardDeadlineExceededNoThreadPileUp) {
+  UseLoopbackUcx();
+  TempDir dir;
+  ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
+  ExpertPoolOptions po;
+  po.targets = {proc.target()};
+  po.transport = GetParam();
+  po.shm_slots = 8;
+  auto pool = ExpertPool::Connect(po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const ShardInfo info = (*pool)->model();
+  auto call = MakeRandomCall(info, info.moe_layers[0], 4, 9);
+  std::vector<float> out(static_cast<size_t>(4 * info.hidden));
+  ASSERT_TRUE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
+  const int threads_before = ::hmoe::testing::ThreadCount();
+  proc.Signal(SIGSTOP);
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Milliseconds(200));
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  }
+  EXPECT_LE(::hmoe::testing::ThreadCount(), threads_before + 1);
+  proc.Signal(SIGCONT);
+  absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10));
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, FaultTest, ::testing::ValuesIn(kTransports),
+                         [](const auto& p) { return std::string(TransportKindName(p.param)); });
+
+// ---- bad input ----------------------------------------------------------------
+
+class BadInputTest : public ::testing::TestWithParam<TransportKind> {};
+
+TEST_P(BadInputTest, InvalidArgumentNamingFieldAndKeepsServing) {
+  UseLoopbackUcx();
+  TempDir dir;
+  ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir(), "--max-tokens=16"}, dir.file("port")));
+  auto control = std::make_shared<ControlClient>(MakeExpertChannel(proc.target()));
+  auto info = control->Describe();
+  ASSERT_TRUE(info.ok()) << info.status();
+  std::unique_ptr<MoeClient> client;
+  switch (GetParam()) {
+    case TransportKind::kGrpc:
+      client = std::make_unique<GrpcStreamClient>(MakeExpertChannel(proc.target()), info->hidden);
+      break;
+    case TransportKind::kShm: {
+      ShmClientOptions so;
+      so.max_tokens = 32;  // room for the over-capacity call, so the server must refuse it
+      auto c = ShmClient::Create(control, *info, so);
+      ASSERT_TRUE(c.ok()) << c.status();
+      client = std::move(*c);
+      break;
+    }
+    case TransportKind::kUcx: {
+      auto c = UcxClient::Create(control, *info);
+      ASSERT_TRUE(c.ok()) << c.status();
+      client = std::move(*c);
+      break;
+    }
+  }
+  auto run = [&](const MoeCall& call) -> absl::Status {
+    std::vector<float> out(static_cast<size_t>(std::max(call.tokens, 1) * info->hidden));
+    auto h = client->Submit(call, out.data());
+    if (!h.ok()) return h.status();
+    return client->Wait(*h, absl::Now() + absl::Seconds(10));
+  };
+  auto good = MakeRandomCall(*info, info->moe_layers[0], 3, 5);
+  ASSERT_TRUE(run(good.call()).ok());
+
+  struct Case {
+    std::string field;
+    std::function<void(::hmoe::testing::RandomCall&, MoeCall&)> mutate;
+  };
+  auto big = MakeRandomCall(*info, info->moe_layers[0], 17, 6);
+  std::vector<Case> cases = {
+      {"layer", [](auto&, MoeCall& c) { c.layer = 0; }},
+      {"hidden", [](auto&, MoeCall& c) { c.hidden_bytes -= 2; }},
+      {"expert_ids", [](auto& r, MoeCall&) { r.ids[4] = 999; }},
+      {"expert_weights", [](auto& r, MoeCall&) { r.weights[2] = std::nanf(""); }},
+  };
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(cs.field);
+    auto r = good;
+    MoeCall c = r.call();
+    cs.mutate(r, c);
+    c.ids = r.ids.data();
+    c.weights = r.weights.data();
+    absl::Status st = run(c);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find(cs.field), absl::string_view::npos) << st;
+    EXPECT_TRUE(run(good.call()).ok());
+  }
+  {
+    SCOPED_TRACE("tokens over capacity");
+    absl::Status st = run(big.call());
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("tokens"), absl::string_view::npos) << st;
+    EXPECT_TRUE(run(good.call()).ok());
+  }
+  auto stats = control->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->invalid, 5u);
+  EXPECT_EQ(control->Check(), Health::kServing);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, BadInputTest, ::testing::ValuesIn(kTransports),
+                         [](const auto& p) { return std::string(TransportKindName(p.param)); });
+
+// ---- shared memory: the worker dies holding the segment ---------------------
+
+TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
+  TempDir dir;
+  ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir(), "--no-ucx"}, dir.file("port")));
+  auto control = std::make_shared<ControlClient>(MakeExpertChannel(proc.target()));
+  auto info = control->Describe();
+  ASSERT_TRUE(info.ok());
+  // The "worker": a child that only waits to be killed.
+  const pid_t child = fork();
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  ShmGeometry geo;
+  geo.slots = 2;
+  geo.hidden = info->hidden;
+  geo.max_tokens = 8;
+  geo.max_top_k = info->top_k;
+  const std::string path = absl::StrCat("/dev/shm/hmoe-test-", getpid(), "-", child);
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(geo.total_bytes())), 0);
+  auto* base = static_cast<uint8_t*>(
+      mmap(nullptr, geo.total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  ASSERT_NE(base, MAP_FAILED);
+  auto* h = reinterpret_cast<ShmHeader*>(base);
+  h->magic = kShmMagic;
+  h->version = kShmVersion;
+  h->num_slots = geo.slots;
+  h->slot_bytes = geo.slot_bytes();
+  h->slots_offset = 4096;
+  h->req_capacity = geo.req_capacity();
+  h->resp_offset = (256 + geo.req_capacity() + 63) / 64 * 64;
+  h->resp_capacity = geo.resp_capacity();
+  h->total_bytes = geo.total_bytes();
+  h->hidden = geo.hidden;
+  auto epoch = control->AttachShm(path, child);
+  ASSERT_TRUE(epoch.ok()) << epoch.status();
+  // A hostile request: offsets far outside the slot. Refused, not dereferenced.
+  auto* slot = reinterpret_cast<ShmSlot*>(base + h->slots_offset);
+  slot->layer = info->moe_layers[0];
+  slot->tokens = 1;
+  slot->top_k = static_cast<int32_t>(info->top_k);
+  slot->hidden_off = 1ull << 40;
+  slot->hidden_bytes = static_cast<uint64_t>(info->hidden) * 2;
+  slot->state.store(kSlotRequest);
+  h->doorbell.fetch_add(1);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->doorbell), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+  for (int i = 0; i < 200 && slot->state.load() != kSlotDone; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(slot->state.load(), kSlotDone);
+  EXPECT_EQ(slot->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(std::string(slot->msg, slot->msg_len).find("hidden"), std::string::npos);
+  // Half-written second request, then the worker dies.
+  auto* slot1 = reinterpret_cast<ShmSlot*>(base + h->slots_offset + h->slot_bytes);
+  slot1->tokens = 3;
+  ::kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  uint64_t discarded = 0;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3)) {
+    auto st = control->Stats();
+    ASSERT_TRUE(st.ok());
+    discarded = st->shm_discarded;
+    if (discarded == 1 && st->shm_sessions == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(discarded, 1u);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.0);
+  EXPECT_NE(::access(path.c_str(), F_OK), 0) << "segment file not unlinked";
+  munmap(base, geo.total_bytes());
+  // Still serving a healthy worker.
+  ExpertPoolOptions po;
+  po.targets = {proc.target()};
+  po.transport = TransportKind::kShm;
+  auto pool = ExpertPool::Connect(po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto call = MakeRandomCall(*info, info->moe_layers[0], 2, 3);
+  std::vector<float> out(static_cast<size_t>(2 * info->hidden));
+  EXPECT_TRUE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(5)).ok());
+}
+
+}  // namespace
+}  // namespace hmoe

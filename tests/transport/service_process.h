@@ -1,0 +1,96 @@
+// Runs hmoe-expert-service as a child process for end-to-end tests.
+#pragma once
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+extern char** environ;
+
+namespace hmoe::testing {
+
+inline std::string ServiceBinary() {
+  const char* env = std::getenv("HMOE_EXPERT_SERVICE_BIN");
+  return env ? env : std::string(HMOE_BINARY_DIR) + "/bin/hmoe-expert-service";
+}
+
+class ServiceProcess {
+ public:
+  ServiceProcess() = default;
+  ServiceProcess(const ServiceProcess&) = delete;
+  ~ServiceProcess() { Kill(SIGKILL); }
+
+  // Starts the service with `args` (plus --listen/--port-file) and waits until
+  // it is ready (port file written). port 0: pick one.
+  bool Start(const std::vector<std::string>& args, const std::string& port_file, int port = 0) {
+    port_file_ = port_file;
+    std::remove(port_file.c_str());
+    std::vector<std::string> argv = {ServiceBinary()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.push_back("--listen=127.0.0.1:" + std::to_string(port));
+    argv.push_back("--port-file=" + port_file);
+    args_ = args;
+    std::vector<char*> cargv;
+    for (auto& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    if (posix_spawn(&pid_, cargv[0], nullptr, nullptr, cargv.data(), environ) != 0) return false;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (std::chrono::steady_clock::now() < until) {
+      std::ifstream f(port_file);
+      if (f >> port_) return true;
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  // Same arguments and port as before (after Kill).
+  bool Restart() { return Start(args_, port_file_, port_); }
+
+  // Sends `sig`; for SIGSTOP, returns once the process is stopped.
+  void Signal(int sig) {
+    if (pid_ <= 0) return;
+    ::kill(pid_, sig);
+    if (sig != SIGSTOP) return;
+    for (int i = 0; i < 1000; ++i) {
+      std::ifstream f("/proc/" + std::to_string(pid_) + "/stat");
+      std::string pid, comm, state;
+      f >> pid >> comm >> state;
+      if (state == "T" || state == "t") return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  // Sends `sig` and reaps; returns the wait status (or -1).
+  int Kill(int sig) {
+    if (pid_ <= 0) return -1;
+    ::kill(pid_, sig);
+    if (sig != SIGKILL) ::kill(pid_, SIGCONT);
+    int status = -1;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
+  int pid() const { return pid_; }
+  int port() const { return port_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string port_file_;
+  std::vector<std::string> args_;
+};
+
+}  // namespace hmoe::testing
