@@ -177,9 +177,10 @@ absl::Status ParseRope(const json& root, Reader& top, const std::string& source,
       r.IntOr("original_max_position_embeddings", c.max_position_embeddings);
   c.rope.beta_fast = r.DoubleOr("beta_fast", 32.0);
   c.rope.beta_slow = r.DoubleOr("beta_slow", 1.0);
-  c.rope.mscale = r.DoubleOr("mscale", 1.0);
+  c.rope.mscale = r.DoubleOr("mscale", 0.0);
   c.rope.mscale_all_dim = r.DoubleOr("mscale_all_dim", 0.0);
   c.rope.attention_factor = r.OptDouble("attention_factor");
+  c.rope.truncate = r.BoolOr("truncate", true);
   RETURN_IF_ERROR(r.status());
   if (c.rope.type != RopeType::kDefault && !(c.rope.factor >= 1.0))
     return absl::InvalidArgumentError(
@@ -413,7 +414,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   }
   const bool qwen_window =
       c.arch == Architecture::kQwen3Moe && r.BoolOr("use_sliding_window", false);
-  const int64_t max_window_layers = r.IntOr("max_window_layers", c.num_layers);
+  // Layers >= max_window_layers use the window. Without the key (transformers 5
+  // writes none for qwen3_moe) every layer does, as transformers 5 runs it.
+  const int64_t max_window_layers = r.IntOr("max_window_layers", 0);
   std::vector<std::string> layer_types;
   if (root.contains("layer_types") && root["layer_types"].is_array()) {
     for (const auto& t : root["layer_types"]) {

@@ -38,8 +38,9 @@ struct RopeConfig {
   int64_t original_max_position_embeddings = 0;
   double beta_fast = 32.0;
   double beta_slow = 1.0;
-  double mscale = 1.0;
-  double mscale_all_dim = 0.0;
+  double mscale = 0.0;          // 0: absent (transformers then uses get_mscale(factor) alone)
+  double mscale_all_dim = 0.0;  // 0: absent
+  bool truncate = true;         // floor/ceil the YaRN correction range
   std::optional<double> attention_factor;  // overrides the mscale-derived factor when set
   // DeepSeek MLA checkpoints store rope dims interleaved (pairs 2i, 2i+1)
   // rather than halves; transformers 5 exposes it as rope_interleave.

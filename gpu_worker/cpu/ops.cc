@@ -192,8 +192,12 @@ RopeTables ComputeRope(const RopeConfig& rope, int64_t dim) {
         return (static_cast<double>(dim) * std::log(orig / (rotations * 2 * pi))) /
                (2 * std::log(rope.theta));
       };
-      double low = std::floor(correction_dim(rope.beta_fast));
-      double high = std::ceil(correction_dim(rope.beta_slow));
+      double low = correction_dim(rope.beta_fast);
+      double high = correction_dim(rope.beta_slow);
+      if (rope.truncate) {
+        low = std::floor(low);
+        high = std::ceil(high);
+      }
       low = std::max(low, 0.0);
       high = std::min(high, static_cast<double>(dim - 1));
       if (low == high) high += 0.001;

@@ -58,7 +58,7 @@ inline float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 //   default: theta^(-2i/dim);  linear: that / factor;
 //   yarn: blend of extrapolation theta^(-2i/dim) and interpolation
 //   /factor with a linear ramp between the correction dims of beta_fast and
-//   beta_slow (floor/ceil truncated), attention factor
+//   beta_slow (floor/ceil truncated unless rope.truncate is false), attention factor
 //   get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both
 //   are nonzero, else get_mscale(factor) (or the configured attention_factor).
 // Values are rounded to f32 the way transformers computes them.

@@ -113,6 +113,15 @@ TEST(Rope, YarnInvFreqAndAttentionFactor) {
     const double want = base * (1 - ramp) + base / 40.0 * ramp;
     EXPECT_NEAR(t.inv_freq[i], want, 2e-6 * want) << i;
   }
+  r.truncate = false;  // the correction range unrounded
+  RopeTables u = ComputeRope(r, d);
+  const double ulow = std::max(0.0, corr(32)), uhigh = std::min<double>(d - 1, corr(1));
+  for (int i = 0; i < d / 2; ++i) {
+    const double base = std::pow(10000.0, -2.0 * i / d);
+    const double ramp = std::clamp((i - ulow) / (uhigh - ulow), 0.0, 1.0);
+    EXPECT_NEAR(u.inv_freq[i], base * (1 - ramp) + base / 40.0 * ramp, 2e-6 * base) << i;
+  }
+  r.truncate = true;
   EXPECT_FLOAT_EQ(t.inv_freq[0], 1.0f);  // fastest dims extrapolate
   EXPECT_NEAR(t.inv_freq[d / 2 - 1], std::pow(10000.0, -2.0 * (d / 2 - 1) / d) / 40,
               1e-9);  // slowest interpolate
