@@ -130,7 +130,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
   r->submitted = absl::Now();
   std::lock_guard<std::mutex> lock(mu_);
   if (shutting_down_)
-    return absl::FailedPreconditionError("engine is shutting down; not accepting requests");
+    return absl::UnavailableError("engine is shutting down; not accepting requests");
   if (static_cast<int64_t>(waiting_.size()) >= options_.max_queue) {
     ++stats_.rejected;
     return absl::ResourceExhaustedError(

@@ -92,8 +92,8 @@ class Engine {
   ~Engine();  // Shutdown(0) if still running
 
   // Validates the request (INVALID_ARGUMENT naming the field), then queues it
-  // (RESOURCE_EXHAUSTED when the queue is full, FAILED_PRECONDITION after
-  // Shutdown began). Returns the request id.
+  // (RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE after Shutdown
+  // began). Returns the request id.
   absl::StatusOr<uint64_t> Submit(GenerateRequest request, Callback callback);
   // Ends the request with kCancelled at the next step; unknown ids are ignored.
   void Cancel(uint64_t request_id);

@@ -1,0 +1,43 @@
+// The gRPC front end of the worker: hmoe.api.v1.Generation over an Engine.
+// Thin: validation that needs the tokenizer, request mapping, streaming, and
+// cancellation (client cancel or deadline -> Engine::Cancel, KV freed at once).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "gpu_worker/engine/engine.h"
+#include "proto/api.grpc.pb.h"
+
+namespace hmoe {
+
+class GenerationService final : public api::v1::Generation::Service {
+ public:
+  // All borrowed; `tokenizer` may be null (then only prompt_ids work).
+  GenerationService(Engine* engine, const Model* model, const Tokenizer* tokenizer,
+                    std::string model_dir, std::string experts_backend);
+
+  grpc::Status Generate(grpc::ServerContext* ctx, const api::v1::GenerateRequest* req,
+                        grpc::ServerWriter<api::v1::GenerateResponse>* writer) override;
+  grpc::Status Tokenize(grpc::ServerContext* ctx, const api::v1::TokenizeRequest* req,
+                        api::v1::TokenizeResponse* resp) override;
+  grpc::Status Detokenize(grpc::ServerContext* ctx, const api::v1::DetokenizeRequest* req,
+                          api::v1::DetokenizeResponse* resp) override;
+  grpc::Status ModelInfo(grpc::ServerContext* ctx, const api::v1::ModelInfoRequest* req,
+                         api::v1::ModelInfoResponse* resp) override;
+  grpc::Status Stats(grpc::ServerContext* ctx, const api::v1::StatsRequest* req,
+                     api::v1::StatsResponse* resp) override;
+
+  // Builds the engine request from the API message (INVALID_ARGUMENT naming
+  // the field). Public for tests.
+  absl::StatusOr<GenerateRequest> ToEngineRequest(const api::v1::GenerateRequest& req) const;
+
+ private:
+  Engine* engine_;
+  const Model* model_;
+  const Tokenizer* tokenizer_;
+  std::string model_dir_;
+  std::string experts_backend_;
+};
+
+}  // namespace hmoe

@@ -1,0 +1,39 @@
+// RoutedExperts over the expert service: the model's MoE calls go to an
+// ExpertPool (all shards, any transport). Hidden states are rounded to bf16
+// on the way out (the wire format); results are the shards' f32 sums.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "common/transport/expert_pool.h"
+#include "gpu_worker/routed_experts.h"
+
+namespace hmoe {
+
+class PoolRoutedExperts final : public RoutedExperts {
+ public:
+  // Checks that the pool serves this model's experts (hidden size, expert
+  // count, top-k, MoE layers): FAILED_PRECONDITION naming the mismatch.
+  static absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> Create(const ModelConfig& config,
+                                                                   ExpertPool* pool,
+                                                                   absl::Duration call_timeout);
+
+  absl::Status Forward(const ExpertBatch& batch, float* out) override;
+  absl::StatusOr<uint64_t> Submit(const ExpertBatch& batch, float* out) override;
+  absl::Status Wait(uint64_t ticket) override;
+
+ private:
+  PoolRoutedExperts(const ModelConfig& config, ExpertPool* pool, absl::Duration timeout)
+      : config_(config), pool_(pool), timeout_(timeout) {}
+  const ModelConfig& config_;
+  ExpertPool* pool_;
+  absl::Duration timeout_;
+  std::mutex mu_;
+  std::map<uint64_t, absl::Time> deadlines_;  // pool handle -> deadline
+};
+
+}  // namespace hmoe

@@ -1,0 +1,211 @@
+// hmoe-gpu-worker: serves hmoe.api.v1.Generation for one model.
+//
+//   hmoe-gpu-worker --model DIR [--listen 127.0.0.1:50051]
+//                   [--experts local | HOST:PORT[,HOST:PORT...]] [--transport grpc|shm|ucx]
+//                   [--max-batch 16] [--max-queue 64] [--max-context N] [--kv-blocks N]
+//                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
+//
+// Routed experts run in-process (reference) with --experts local, else on
+// the expert service shards given. Health (grpc.health.v1) is SERVING once the
+// model is loaded and, with remote experts, while every shard answers.
+// SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
+// --drain-seconds, exit 0.
+#include <signal.h>
+#include <systemd/sd-daemon.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_split.h"
+#include "common/tokenizer.h"
+#include "gpu_worker/engine/engine.h"
+#include "gpu_worker/model.h"
+#include "gpu_worker/server/generation_service.h"
+#include "gpu_worker/server/remote_experts.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace hmoe {
+namespace {
+
+struct WorkerOptions {
+  std::string model_dir;
+  std::string listen = "127.0.0.1:50051";
+  std::string experts = "local";
+  std::string transport = "grpc";
+  int max_batch = 16;
+  int max_queue = 64;
+  int64_t max_context = 0;  // 0: the model's max_position_embeddings
+  int64_t kv_blocks = 0;
+  int threads = 0;
+  int expert_timeout_ms = 10000;
+  int drain_seconds = 30;
+};
+
+[[noreturn]] void Die(const std::string& msg, int code = 2) {
+  std::fprintf(stderr, "hmoe-gpu-worker: %s\n", msg.c_str());
+  std::exit(code);
+}
+
+WorkerOptions ParseFlags(int argc, char** argv) {
+  WorkerOptions o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i], v;
+    const size_t eq = a.find('=');
+    if (eq != std::string::npos) {
+      v = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    } else if (a != "-h" && a != "--help") {
+      if (i + 1 >= argc) Die(a + " needs a value");
+      v = argv[++i];
+    }
+    auto num = [&](int64_t lo) {
+      char* end = nullptr;
+      const long long x = std::strtoll(v.c_str(), &end, 10);
+      if (end == v.c_str() || *end != '\0' || x < lo)
+        Die(a + " must be an integer >= " + std::to_string(lo) + ", got " + v);
+      return static_cast<int64_t>(x);
+    };
+    if (a == "--model")
+      o.model_dir = v;
+    else if (a == "--listen")
+      o.listen = v;
+    else if (a == "--experts")
+      o.experts = v;
+    else if (a == "--transport")
+      o.transport = v;
+    else if (a == "--max-batch")
+      o.max_batch = static_cast<int>(num(1));
+    else if (a == "--max-queue")
+      o.max_queue = static_cast<int>(num(0));
+    else if (a == "--max-context")
+      o.max_context = num(0);
+    else if (a == "--kv-blocks")
+      o.kv_blocks = num(0);
+    else if (a == "--threads")
+      o.threads = static_cast<int>(num(0));
+    else if (a == "--expert-timeout-ms")
+      o.expert_timeout_ms = static_cast<int>(num(1));
+    else if (a == "--drain-seconds")
+      o.drain_seconds = static_cast<int>(num(0));
+    else if (a == "-h" || a == "--help") {
+      std::printf(
+          "usage: hmoe-gpu-worker --model DIR [--listen ADDR] [--experts local|HOST:PORT,...]\n"
+          "       [--transport grpc|shm|ucx] [--max-batch N] [--max-queue N] [--max-context N]\n"
+          "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n");
+      std::exit(0);
+    } else {
+      Die("unknown flag " + a);
+    }
+  }
+  if (o.model_dir.empty()) Die("--model DIR is required");
+  return o;
+}
+
+int Run(int argc, char** argv) {
+  // Signals are taken by a sigwait thread, never by a handler.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  const WorkerOptions o = ParseFlags(argc, argv);
+  std::fprintf(stderr,
+               "hmoe-gpu-worker: model %s, listen %s, experts %s (%s), max_batch %d, max_queue %d, "
+               "max_context %lld, drain %ds\n",
+               o.model_dir.c_str(), o.listen.c_str(), o.experts.c_str(), o.transport.c_str(),
+               o.max_batch, o.max_queue, static_cast<long long>(o.max_context), o.drain_seconds);
+
+  auto config = LoadModelConfig(o.model_dir);
+  if (!config.ok()) Die(config.status().ToString(), 1);
+  std::unique_ptr<ExpertPool> pool;
+  std::unique_ptr<PoolRoutedExperts> remote;
+  std::string backend = "in-process reference";
+  if (o.experts != "local") {
+    ExpertPoolOptions po;
+    po.targets = absl::StrSplit(o.experts, ',', absl::SkipEmpty());
+    auto kind = ParseTransportKind(o.transport);
+    if (!kind.ok()) Die(kind.status().ToString());
+    po.transport = *kind;
+    auto p = ExpertPool::Connect(po);
+    if (!p.ok()) Die("expert service: " + p.status().ToString(), 1);
+    pool = std::move(*p);
+    auto r =
+        PoolRoutedExperts::Create(*config, pool.get(), absl::Milliseconds(o.expert_timeout_ms));
+    if (!r.ok()) Die(r.status().ToString(), 1);
+    remote = std::move(*r);
+    backend = o.experts + " over " + o.transport;
+  }
+  ModelOptions mo;
+  mo.num_threads = o.threads;
+  mo.max_seq_len = o.max_context;
+  auto model = Model::Load(o.model_dir, mo, remote.get());
+  if (!model.ok()) Die(model.status().ToString(), 1);
+  std::unique_ptr<Tokenizer> tokenizer;
+  const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
+  if (std::filesystem::exists(tok_path)) {
+    auto t = Tokenizer::FromFile(tok_path);
+    if (!t.ok()) Die(t.status().ToString(), 1);
+    tokenizer = std::move(*t);
+  }
+  EngineOptions eo;
+  eo.max_batch = o.max_batch;
+  eo.max_queue = o.max_queue;
+  eo.kv_blocks = o.kv_blocks;
+  auto engine = Engine::Create(model->get(), tokenizer.get(), eo);
+  if (!engine.ok()) Die(engine.status().ToString(), 1);
+
+  GenerationService service(engine->get(), model->get(), tokenizer.get(), o.model_dir, backend);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) Die("cannot listen on " + o.listen, 1);
+  auto* health = server->GetHealthCheckService();
+  health->SetServingStatus(true);
+  std::fprintf(stderr,
+               "hmoe-gpu-worker: serving on port %d (%s, %lld-token context, experts: %s)\n", port,
+               (*model)->config().model_type.c_str(),
+               static_cast<long long>((*model)->options().max_seq_len), backend.c_str());
+  sd_notify(0, "READY=1");
+
+  // Health follows the expert shards.
+  std::atomic<bool> stopping{false};
+  std::thread monitor([&] {
+    while (!stopping.load()) {
+      if (pool) {
+        bool all_up = true;
+        for (const Health& h : pool->CheckHealth(absl::Milliseconds(500)))
+          all_up &= h == Health::kServing;
+        health->SetServingStatus(all_up && !stopping.load());
+      }
+      for (int i = 0; i < 10 && !stopping.load(); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  std::fprintf(stderr, "hmoe-gpu-worker: signal %d, draining for up to %ds\n", sig,
+               o.drain_seconds);
+  sd_notify(0, "STOPPING=1");
+  stopping = true;
+  health->SetServingStatus(false);
+  (*engine)->Shutdown(absl::Seconds(o.drain_seconds));  // new requests refused, in-flight finish
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  monitor.join();
+  std::fprintf(stderr, "hmoe-gpu-worker: stopped\n");
+  return 0;
+}
+
+}  // namespace
+}  // namespace hmoe
+
+int main(int argc, char** argv) { return hmoe::Run(argc, argv); }
