@@ -247,7 +247,7 @@ void QuantCore(Load load, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* 
       v = _mm512_maskz_mov_epi32(k, _mm512_cvtps_epi32(_mm512_mul_ps(load(i, k), vinv)));
       v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(v));
+    _mm_mask_storeu_epi8(q + i, TailMask(kp - i), _mm512_cvtepi32_epi8(v));
     if (gsum != nullptr) {
       gacc = _mm512_add_epi32(gacc, v);
       if ((i + 16) % group == 0) {

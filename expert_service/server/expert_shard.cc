@@ -67,34 +67,6 @@ absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
   return g;
 }
 
-// Full [rows][cols] f32 matrix of one projection.
-absl::StatusOr<std::vector<float>> LoadMatrix(const Checkpoint& ckpt, const ModelConfig& cfg,
-                                              int layer, int expert, ExpertProj proj, int64_t rows,
-                                              int64_t cols) {
-  const std::string name = ExpertWeightName(cfg, layer, expert, proj);
-  ASSIGN_OR_RETURN(Tensor t, ckpt.Get(name));
-  if (t.rank() != 2 || t.dim(0) != rows || t.dim(1) != cols) {
-    return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": ", name, " has shape ",
-                                                   ShapeString(t.shape()), ", expected [", rows,
-                                                   ", ", cols, "]"));
-  }
-  if (t.dtype() == DType::kF8E4M3) {
-    const std::string sname = ScaleInvName(name);
-    ASSIGN_OR_RETURN(Tensor s, ckpt.Get(sname));
-    int64_t block = cfg.quantization.weight_block.empty() ? 128 : cfg.quantization.weight_block[0];
-    if (s.dtype() != DType::kF32 || s.rank() != 2 || s.dim(0) != (rows + block - 1) / block ||
-        s.dim(1) != (cols + block - 1) / block) {
-      return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": ", sname, " has shape ",
-                                                     ShapeString(s.shape()),
-                                                     ", not the block scales of ", name));
-    }
-    std::vector<float> out(static_cast<size_t>(rows * cols));
-    DequantFp8BlockToF32(t.data<uint8_t>(), rows, cols, s.data<float>(), block, out.data());
-    return out;
-  }
-  return t.ToF32();
-}
-
 }  // namespace
 
 absl::StatusOr<ServeFormat> ParseServeFormat(const std::string& s, int* group) {
@@ -203,7 +175,8 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
           absl::StrCat(opts.model_dir, ": model has no MoE layers"));
     }
     if (!opts.packed_dir.empty()) {
-      ASSIGN_OR_RETURN(packed, PackedExperts::Open(opts.packed_dir, cfg));
+      ASSIGN_OR_RETURN(packed, PackedExperts::Open(opts.packed_dir, cfg, opts.split,
+                                                   opts.shard_index, opts.num_shards));
     } else {
       ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(opts.model_dir));
     }
@@ -266,9 +239,9 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
       }
       if (ckpt) {
         const int ei = static_cast<int>(e);
-        ASSIGN_OR_RETURN(gate, LoadMatrix(*ckpt, cfg, layer, ei, ExpertProj::kGate, I, H));
-        ASSIGN_OR_RETURN(up, LoadMatrix(*ckpt, cfg, layer, ei, ExpertProj::kUp, I, H));
-        ASSIGN_OR_RETURN(down, LoadMatrix(*ckpt, cfg, layer, ei, ExpertProj::kDown, H, I));
+        ASSIGN_OR_RETURN(gate, LoadExpertMatrix(*ckpt, cfg, layer, ei, ExpertProj::kGate, I, H));
+        ASSIGN_OR_RETURN(up, LoadExpertMatrix(*ckpt, cfg, layer, ei, ExpertProj::kUp, I, H));
+        ASSIGN_OR_RETURN(down, LoadExpertMatrix(*ckpt, cfg, layer, ei, ExpertProj::kDown, H, I));
       } else {
         std::mt19937_64 rng(geo.seed * 1000003u + static_cast<uint64_t>(layer) * 7919u +
                             static_cast<uint64_t>(e));

@@ -2,7 +2,7 @@
 //
 //   hmoe-expert-service (--model-dir DIR [--packed-dir DIR] | --synthetic SPEC)
 //       [--shard i/n] [--split tp|ep] [--format bf16|int8|int4g64] [--max-tokens N]
-//       [--listen HOST:PORT] [--port-file PATH] [--numa-node N | --cores LIST]
+//       [--listen HOST:PORT] [--port-offset N] [--port-file PATH] [--numa-node N | --cores LIST]
 //       [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]
 //
 // Control plane and data plane on gRPC (proto/expert.proto) plus grpc.health.v1;
@@ -54,6 +54,7 @@ struct ServiceOptions {
   bool ucx = true;
   double drain_timeout_s = 10;
   std::string instance;
+  int port_offset = 0;  // added to the --listen port (systemd: the NUMA node)
 
   absl::Status Validate() const {
     RETURN_IF_ERROR(shard.Validate());
@@ -137,6 +138,16 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
     else
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
   }
+  if (o.port_offset != 0) {
+    const auto colon = o.listen.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || !absl::SimpleAtoi(o.listen.substr(colon + 1), &port) ||
+        port <= 0 || port + o.port_offset > 65535 || o.port_offset < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--port-offset: ", o.port_offset,
+                                                     " cannot be added to --listen=", o.listen));
+    }
+    o.listen = absl::StrCat(o.listen.substr(0, colon + 1), port + o.port_offset);
+  }
   RETURN_IF_ERROR(o.Validate());
   return o;
 }
@@ -153,7 +164,10 @@ absl::Status BindResources(const ServiceOptions& o) {
     if (numa_run_on_node(o.numa_node) != 0) {
       return absl::InternalError(absl::StrCat("numa_run_on_node: ", std::strerror(errno)));
     }
-    numa_set_preferred(o.numa_node);
+    bitmask* nodes = numa_allocate_nodemask();
+    numa_bitmask_setbit(nodes, static_cast<unsigned>(o.numa_node));
+    numa_set_membind(nodes);  // strict: the experts' memory stays on the node
+    numa_bitmask_free(nodes);
   }
   if (!o.cores.empty()) {
     cpu_set_t set;

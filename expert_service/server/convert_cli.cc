@@ -1,0 +1,66 @@
+#include "expert_service/server/convert_cli.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "absl/strings/numbers.h"
+#include "expert_service/server/packed_file.h"
+
+namespace hmoe {
+
+int ConvertCommand(const std::vector<std::string>& args) {
+  ConvertOptions o;
+  std::vector<std::string> pos;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string a = args[i], v;
+    const auto eq = a.find('=');
+    if (a.rfind("--", 0) == 0) {
+      if (eq != std::string::npos) {
+        v = a.substr(eq + 1);
+        a = a.substr(0, eq);
+      } else if (i + 1 < args.size()) {
+        v = args[++i];
+      } else {
+        std::fprintf(stderr, "hmoe convert: %s needs a value\n", a.c_str());
+        return 2;
+      }
+    }
+    if (a == "--format") {
+      o.format = v;
+    } else if (a == "--shards") {
+      if (!absl::SimpleAtoi(v, &o.shards) || o.shards < 1) {
+        std::fprintf(stderr, "hmoe convert: --shards must be a positive integer\n");
+        return 2;
+      }
+    } else if (a == "--split") {
+      if (v != "tp" && v != "ep") {
+        std::fprintf(stderr, "hmoe convert: --split must be tp or ep\n");
+        return 2;
+      }
+      o.split = v == "ep" ? SplitMode::kEp : SplitMode::kTp;
+    } else if (a.rfind("--", 0) == 0) {
+      std::fprintf(stderr, "hmoe convert: unknown flag %s\n", a.c_str());
+      return 2;
+    } else {
+      pos.push_back(a);
+    }
+  }
+  if (pos.size() != 2) {
+    std::fprintf(stderr,
+                 "usage: hmoe convert MODEL_DIR OUT --format int4g64|int8|bf16 "
+                 "[--shards n --split tp|ep]\n");
+    return 2;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st = ConvertModel(pos[0], pos[1], o);
+  if (!st.ok()) {
+    std::fprintf(stderr, "hmoe convert: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  std::printf("hmoe convert: wrote %d %s shard file(s) (%s split) to %s in %.1f s\n", o.shards,
+              o.format.c_str(), SplitModeName(o.split), pos[1].c_str(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return 0;
+}
+
+}  // namespace hmoe

@@ -1,0 +1,171 @@
+// hmoe-expert-bench: drives running expert-service shards through the
+// ExpertPool over one transport, and reports per-request latency and the part
+// of it that is not the shards' compute ("overhead").
+//
+//   hmoe-expert-bench --targets=HOST:PORT[,HOST:PORT...] --transport=grpc|shm|ucx
+//       [--tokens=1,128] [--iters=200] [--warmup=20] [--verify-model-dir=DIR]
+//
+// Prints one JSON object per token count: transport, tokens, hidden, p50/p99/mean
+// round trip (us), mean shard compute (us, from the shards' stats) and
+// overhead = mean round trip - mean compute. With --verify-model-dir the
+// results are also compared with the in-process computation (max_rel_diff).
+// Exit status 0 on success, 1 on any failed request or verification.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/dtype.h"
+#include "common/transport/expert_pool.h"
+#include "expert_service/server/expert_shard.h"
+
+namespace hmoe {
+namespace {
+
+int Main(int argc, char** argv) {
+  ExpertPoolOptions po;
+  std::vector<int> tokens_list = {1, 128};
+  int iters = 200, warmup = 20;
+  std::string verify_dir;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i], v;
+    const auto eq = a.find('=');
+    if (eq != std::string::npos) {
+      v = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    }
+    if (a == "--targets") {
+      po.targets = absl::StrSplit(v, ',', absl::SkipEmpty());
+    } else if (a == "--transport") {
+      auto t = ParseTransportKind(v);
+      if (!t.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(t.status().message()).c_str());
+        return 2;
+      }
+      po.transport = *t;
+    } else if (a == "--tokens") {
+      tokens_list.clear();
+      for (absl::string_view s : absl::StrSplit(v, ',')) {
+        int t = 0;
+        if (!absl::SimpleAtoi(s, &t) || t <= 0) {
+          std::fprintf(stderr, "--tokens: bad value\n");
+          return 2;
+        }
+        tokens_list.push_back(t);
+      }
+    } else if (a == "--iters" && absl::SimpleAtoi(v, &iters) && iters > 0) {
+    } else if (a == "--warmup" && absl::SimpleAtoi(v, &warmup) && warmup >= 0) {
+    } else if (a == "--verify-model-dir") {
+      verify_dir = v;
+    } else {
+      std::fprintf(stderr, "hmoe-expert-bench: bad flag %s\n", argv[i]);
+      return 2;
+    }
+  }
+  auto pool = ExpertPool::Connect(po);
+  if (!pool.ok()) {
+    std::fprintf(stderr, "hmoe-expert-bench: %s\n", pool.status().ToString().c_str());
+    return 1;
+  }
+  const ShardInfo& info = (*pool)->model();
+  std::unique_ptr<ExpertShard> local;
+  if (!verify_dir.empty()) {
+    ShardOptions so;
+    so.model_dir = verify_dir;
+    so.max_tokens = info.max_tokens;
+    auto s = ExpertShard::Load(so);
+    if (!s.ok()) {
+      std::fprintf(stderr, "hmoe-expert-bench: %s\n", s.status().ToString().c_str());
+      return 1;
+    }
+    local = std::move(*s);
+  }
+  std::vector<std::shared_ptr<ControlClient>> controls;
+  for (const std::string& t : po.targets) {
+    controls.push_back(std::make_shared<ControlClient>(MakeExpertChannel(t)));
+  }
+  auto compute_ns = [&]() {
+    uint64_t ns = 0;
+    for (auto& c : controls) {
+      auto s = c->Stats();
+      if (s.ok()) ns = std::max(ns, s->compute_ns);  // shards run in parallel: the slowest
+    }
+    return ns;
+  };
+  int rc = 0;
+  for (int T : tokens_list) {
+    if (T > info.max_tokens) {
+      std::fprintf(stderr, "tokens %d over the shards' capacity %lld\n", T,
+                   static_cast<long long>(info.max_tokens));
+      return 1;
+    }
+    const int k = static_cast<int>(info.top_k);
+    std::vector<uint16_t> x(static_cast<size_t>(T * info.hidden));
+    std::vector<int32_t> ids(static_cast<size_t>(T * k));
+    std::vector<float> w(static_cast<size_t>(T * k), 1.f / static_cast<float>(k));
+    uint64_t seed = 12345;
+    auto rnd = [&]() {
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<uint32_t>(seed >> 33);
+    };
+    for (auto& v : x) v = F32ToBf16(static_cast<float>(rnd() % 2001) / 1000.f - 1.f);
+    for (int t = 0; t < T; ++t) {
+      for (int j = 0; j < k; ++j) {
+        ids[static_cast<size_t>(t * k + j)] = static_cast<int32_t>(
+            (static_cast<int64_t>(t) * 7 + j * (info.num_experts / k + 1)) % info.num_experts);
+      }
+    }
+    const MoeCall call =
+        MoeCall::Make(info.moe_layers[0], T, k, info.hidden, x.data(), ids.data(), w.data());
+    std::vector<float> out(static_cast<size_t>(T * info.hidden));
+    std::vector<double> us;
+    uint64_t c0 = 0;
+    for (int i = 0; i < warmup + iters; ++i) {
+      if (i == warmup) c0 = compute_ns();
+      const auto t0 = std::chrono::steady_clock::now();
+      absl::Status st = (*pool)->Run(call, out.data(), absl::Now() + absl::Seconds(30));
+      const auto t1 = std::chrono::steady_clock::now();
+      if (!st.ok()) {
+        std::fprintf(stderr, "request failed: %s\n", st.ToString().c_str());
+        return 1;
+      }
+      if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
+    const double compute_us = static_cast<double>(compute_ns() - c0) / 1e3 / iters;
+    std::sort(us.begin(), us.end());
+    double mean = 0;
+    for (double u : us) mean += u;
+    mean /= static_cast<double>(us.size());
+    double max_rel = -1;
+    if (local) {
+      std::vector<float> want(out.size());
+      absl::Status st = local->Handle(call, want.data(), nullptr);
+      if (!st.ok()) return 1;
+      max_rel = 0;
+      for (size_t i = 0; i < out.size(); ++i) {
+        max_rel = std::max(max_rel, std::abs(static_cast<double>(out[i]) - want[i]) /
+                                        (1.0 + std::abs(static_cast<double>(want[i]))));
+      }
+      if (!(max_rel < 1e-5)) rc = 1;
+    }
+    std::printf(
+        "{\"transport\": \"%s\", \"shards\": %d, \"tokens\": %d, \"hidden\": %lld, \"iters\": %d, "
+        "\"p50_us\": %.1f, \"p99_us\": %.1f, \"mean_us\": %.1f, \"compute_us\": %.1f, "
+        "\"overhead_us\": %.1f, \"max_rel_diff\": %.3g}\n",
+        TransportKindName(po.transport), (*pool)->num_shards(), T,
+        static_cast<long long>(info.hidden), iters, us[us.size() / 2],
+        us[std::min(us.size() - 1, us.size() * 99 / 100)], mean, compute_us, mean - compute_us,
+        max_rel);
+    std::fflush(stdout);
+  }
+  return rc;
+}
+
+}  // namespace
+}  // namespace hmoe
+
+int main(int argc, char** argv) { return hmoe::Main(argc, argv); }
