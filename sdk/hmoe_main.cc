@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "expert_service/server/convert_cli.h"
 #include "sdk/inspect.h"
 
 namespace {
@@ -16,7 +17,9 @@ int Usage(FILE* out) {
                "commands:\n"
                "  inspect MODEL_DIR [--dram-gbps N] [--json] [--no-check]\n"
                "      architecture, layer kinds, parameter counts, routed-expert bytes per format\n"
-               "      and the decode ceiling for N GB/s of DRAM bandwidth (default 100)\n");
+               "      and the decode ceiling for N GB/s of DRAM bandwidth (default 100)\n"
+               "  convert MODEL_DIR OUT --format int4g64|int8|bf16 [--shards n --split tp|ep]\n"
+               "      packed expert files for hmoe-expert-service --packed-dir\n");
   return out == stderr ? 2 : 0;
 }
 
@@ -74,6 +77,7 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   std::vector<std::string> args(argv + 2, argv + argc);
   if (cmd == "inspect") return Inspect(args);
+  if (cmd == "convert") return hmoe::ConvertCommand(args);
   if (cmd == "-h" || cmd == "--help" || cmd == "help") return Usage(stdout);
   std::fprintf(stderr, "hmoe: unknown command \"%s\"\n", cmd.c_str());
   return Usage(stderr);

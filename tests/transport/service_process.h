@@ -18,6 +18,8 @@ extern char** environ;
 
 namespace hmoe::testing {
 
+inline std::string BenchBinary() { return std::string(HMOE_BINARY_DIR) + "/bin/hmoe-expert-bench"; }
+
 inline std::string ServiceBinary() {
   const char* env = std::getenv("HMOE_EXPERT_SERVICE_BIN");
   return env ? env : std::string(HMOE_BINARY_DIR) + "/bin/hmoe-expert-service";
@@ -31,18 +33,23 @@ class ServiceProcess {
 
   // Starts the service with `args` (plus --listen/--port-file) and waits until
   // it is ready (port file written). port 0: pick one.
-  bool Start(const std::vector<std::string>& args, const std::string& port_file, int port = 0) {
+  // `prefix` runs it through another command (e.g. {"ip", "netns", "exec", NS}).
+  bool Start(const std::vector<std::string>& args, const std::string& port_file, int port = 0,
+             const std::string& host = "127.0.0.1", const std::vector<std::string>& prefix = {}) {
     port_file_ = port_file;
+    host_ = host;
+    prefix_ = prefix;
     std::remove(port_file.c_str());
-    std::vector<std::string> argv = {ServiceBinary()};
+    std::vector<std::string> argv = prefix;
+    argv.push_back(ServiceBinary());
     argv.insert(argv.end(), args.begin(), args.end());
-    argv.push_back("--listen=127.0.0.1:" + std::to_string(port));
+    argv.push_back("--listen=" + host + ":" + std::to_string(port));
     argv.push_back("--port-file=" + port_file);
     args_ = args;
     std::vector<char*> cargv;
     for (auto& a : argv) cargv.push_back(a.data());
     cargv.push_back(nullptr);
-    if (posix_spawn(&pid_, cargv[0], nullptr, nullptr, cargv.data(), environ) != 0) return false;
+    if (posix_spawnp(&pid_, cargv[0], nullptr, nullptr, cargv.data(), environ) != 0) return false;
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (std::chrono::steady_clock::now() < until) {
       std::ifstream f(port_file);
@@ -57,7 +64,7 @@ class ServiceProcess {
     return false;
   }
   // Same arguments and port as before (after Kill).
-  bool Restart() { return Start(args_, port_file_, port_); }
+  bool Restart() { return Start(args_, port_file_, port_, host_, prefix_); }
 
   // Sends `sig`; for SIGSTOP, returns once the process is stopped.
   void Signal(int sig) {
@@ -84,13 +91,14 @@ class ServiceProcess {
   }
   int pid() const { return pid_; }
   int port() const { return port_; }
-  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::string target() const { return host_ + ":" + std::to_string(port_); }
 
  private:
   pid_t pid_ = -1;
   int port_ = 0;
   std::string port_file_;
-  std::vector<std::string> args_;
+  std::string host_ = "127.0.0.1";
+  std::vector<std::string> args_, prefix_;
 };
 
 }  // namespace hmoe::testing

@@ -1,0 +1,106 @@
+// hmoe convert's packed files: same weights as quantizing at load, and clear
+// errors for truncated, corrupted or mismatched files.
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/model_config.h"
+#include "expert_service/server/convert_cli.h"
+#include "expert_service/server/expert_shard.h"
+#include "expert_service/server/packed_file.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/transport/test_util.h"
+
+namespace hmoe {
+namespace {
+
+std::string ModelDir() { return ::hmoe::testing::FixturesDir() + "/deepseek_v3_tiny"; }
+
+ShardOptions Opts(int i, int n, SplitMode split, const std::string& format,
+                  const std::string& packed = "") {
+  ShardOptions o;
+  o.model_dir = ModelDir();
+  o.packed_dir = packed;
+  o.shard_index = i;
+  o.num_shards = n;
+  o.split = split;
+  o.format = *ParseServeFormat(format, &o.group);
+  return o;
+}
+
+TEST(Convert, PackedShardsEqualQuantizeAtLoad) {
+  ::hmoe::testing::TempDir dir;
+  struct Case {
+    std::string format;
+    int n;
+    SplitMode split;
+  };
+  for (const Case& c : {Case{"int4g64", 2, SplitMode::kTp}, Case{"int4g32", 3, SplitMode::kTp},
+                        Case{"int8", 3, SplitMode::kEp}, Case{"bf16", 1, SplitMode::kTp}}) {
+    SCOPED_TRACE(absl::StrCat(c.format, " ", c.n, " ", SplitModeName(c.split)));
+    const std::string out = dir.file(absl::StrCat(c.format, c.n, SplitModeName(c.split)));
+    ASSERT_EQ(ConvertCommand({ModelDir(), out, "--format", c.format, "--shards", absl::StrCat(c.n),
+                              "--split", SplitModeName(c.split)}),
+              0);
+    for (int i = 0; i < c.n; ++i) {
+      auto direct = ExpertShard::Load(Opts(i, c.n, c.split, c.format));
+      auto packed = ExpertShard::Load(Opts(i, c.n, c.split, "bf16", out));
+      ASSERT_TRUE(direct.ok()) << direct.status();
+      ASSERT_TRUE(packed.ok()) << packed.status();
+      EXPECT_EQ((*packed)->info().weight_format, c.format);
+      const ShardInfo& info = (*direct)->info();
+      auto call = ::hmoe::testing::MakeRandomCall(info, info.moe_layers[1], 6, 4);
+      std::vector<float> a(static_cast<size_t>(6 * info.hidden)), b(a.size());
+      ASSERT_TRUE((*direct)->Handle(call.call(), a.data(), nullptr).ok());
+      ASSERT_TRUE((*packed)->Handle(call.call(), b.data(), nullptr).ok());
+      EXPECT_EQ(a, b);  // the same quantized weights, bit for bit
+    }
+  }
+}
+
+TEST(Convert, TruncatedCorruptedOrMismatchedFilesAreRefused) {
+  ::hmoe::testing::TempDir dir;
+  const std::string out = dir.file("packed");
+  ASSERT_EQ(ConvertCommand({ModelDir(), out, "--format=int8", "--shards=2", "--split=tp"}), 0);
+  const std::string f0 = out + "/" + PackedFileName(SplitMode::kTp, 0, 2);
+  // Wrong shard layout: no file for it.
+  auto s = ExpertShard::Load(Opts(0, 3, SplitMode::kTp, "bf16", out));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kNotFound) << s.status();
+  // A file renamed to pose as another shard: metadata says otherwise.
+  std::filesystem::copy_file(f0, out + "/" + PackedFileName(SplitMode::kTp, 1, 2),
+                             std::filesystem::copy_options::overwrite_existing);
+  s = ExpertShard::Load(Opts(1, 2, SplitMode::kTp, "bf16", out));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+  EXPECT_NE(s.status().message().find("shard"), absl::string_view::npos) << s.status();
+  // Another model's config.
+  auto other = LoadModelConfig(::hmoe::testing::FixturesDir() + "/qwen3_moe_tiny");
+  ASSERT_TRUE(other.ok());
+  auto p = PackedExperts::Open(out, *other, SplitMode::kTp, 0, 2);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition) << p.status();
+  // One flipped byte in the data region: checksum.
+  const auto size = std::filesystem::file_size(f0);
+  {
+    std::fstream f(f0, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(size - 3));
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(static_cast<std::streamoff>(size - 3));
+    c = static_cast<char>(c ^ 0x5a);
+    f.write(&c, 1);
+  }
+  s = ExpertShard::Load(Opts(0, 2, SplitMode::kTp, "bf16", out));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kDataLoss) << s.status();
+  EXPECT_NE(s.status().message().find("checksum"), absl::string_view::npos) << s.status();
+  // Truncated.
+  std::filesystem::resize_file(f0, size / 2);
+  s = ExpertShard::Load(Opts(0, 2, SplitMode::kTp, "bf16", out));
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find(f0), absl::string_view::npos) << s.status();
+  // Bad arguments.
+  EXPECT_EQ(ConvertCommand({ModelDir(), out, "--format=fp4"}), 1);
+  EXPECT_EQ(ConvertCommand({ModelDir()}), 2);
+}
+
+}  // namespace
+}  // namespace hmoe
