@@ -127,7 +127,10 @@ TEST(Rope, YarnInvFreqAndAttentionFactor) {
               1e-9);  // slowest interpolate
   const double m = 0.1 * 1.0 * std::log(40.0) + 1, mad = 0.1 * 0.8 * std::log(40.0) + 1;
   EXPECT_NEAR(t.attention_factor, m / mad, 1e-6);
-  r.mscale_all_dim = 0.0;  // then get_mscale(factor) alone
+  r.mscale = 0.0;  // mscale absent: get_mscale(factor) alone, whatever mscale_all_dim
+  EXPECT_NEAR(ComputeRope(r, d).attention_factor, m, 1e-6);
+  r.mscale = 1.0;
+  r.mscale_all_dim = 0.0;  // mscale_all_dim absent: likewise
   EXPECT_NEAR(ComputeRope(r, d).attention_factor, m, 1e-6);
   r.attention_factor = 0.5;  // explicit value wins
   EXPECT_FLOAT_EQ(ComputeRope(r, d).attention_factor, 0.5f);
