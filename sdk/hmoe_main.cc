@@ -1,25 +1,36 @@
 // `hmoe`: the hybridmoe command line.
 //
 //   hmoe inspect MODEL_DIR [--dram-gbps N] [--json] [--no-check]
+//   hmoe convert MODEL_DIR OUT --format ...
+//   hmoe generate -p TEXT | chat | bench-serve   (against a running hmoe-gpu-worker)
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "expert_service/server/convert_cli.h"
+#include "sdk/commands.h"
 #include "sdk/inspect.h"
 
 namespace {
 
 int Usage(FILE* out) {
-  std::fprintf(out,
-               "usage: hmoe COMMAND ...\n\n"
-               "commands:\n"
-               "  inspect MODEL_DIR [--dram-gbps N] [--json] [--no-check]\n"
-               "      architecture, layer kinds, parameter counts, routed-expert bytes per format\n"
-               "      and the decode ceiling for N GB/s of DRAM bandwidth (default 100)\n"
-               "  convert MODEL_DIR OUT --format int4g64|int8|bf16 [--shards n --split tp|ep]\n"
-               "      packed expert files for hmoe-expert-service --packed-dir\n");
+  std::fprintf(
+      out,
+      "usage: hmoe COMMAND ...\n\n"
+      "commands:\n"
+      "  inspect MODEL_DIR [--dram-gbps N] [--json] [--no-check]\n"
+      "      architecture, layer kinds, parameter counts, routed-expert bytes per format\n"
+      "      and the decode ceiling for N GB/s of DRAM bandwidth (default 100)\n"
+      "  convert MODEL_DIR OUT --format int4g64|int8|bf16 [--shards n --split tp|ep]\n"
+      "      packed expert files for hmoe-expert-service --packed-dir\n"
+      "  generate -p TEXT [--server ADDR] [--max-tokens N] [--temperature T] [--seed S] ...\n"
+      "      stream a completion from hmoe-gpu-worker and print tok/s\n"
+      "  chat [--server ADDR] [sampling flags]\n"
+      "      interactive chat that keeps the conversation\n"
+      "  bench-serve [--server ADDR] [--clients N] [--requests M] [--max-tokens K] [-p TEXT]\n"
+      "      N concurrent clients: latency percentiles and throughput\n"
+      "(--server defaults to $HMOE_SERVER or 127.0.0.1:50051)\n");
   return out == stderr ? 2 : 0;
 }
 
@@ -78,6 +89,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 2, argv + argc);
   if (cmd == "inspect") return Inspect(args);
   if (cmd == "convert") return hmoe::ConvertCommand(args);
+  if (cmd == "generate") return hmoe::GenerateCommand(args);
+  if (cmd == "chat") return hmoe::ChatCommand(args);
+  if (cmd == "bench-serve") return hmoe::BenchServeCommand(args);
   if (cmd == "-h" || cmd == "--help" || cmd == "help") return Usage(stdout);
   std::fprintf(stderr, "hmoe: unknown command \"%s\"\n", cmd.c_str());
   return Usage(stderr);

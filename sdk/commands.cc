@@ -1,0 +1,363 @@
+#include "sdk/commands.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "sdk/client.h"
+
+namespace hmoe {
+namespace {
+
+// --name value / --name=value / boolean --name; positional arguments kept in order.
+class Flags {
+ public:
+  Flags(const std::vector<std::string>& args, const std::vector<std::string>& booleans) {
+    for (size_t i = 0; i < args.size(); ++i) {
+      const std::string& a = args[i];
+      if (a.size() < 2 || a[0] != '-') {
+        positional_.push_back(a);
+        continue;
+      }
+      std::string name = a, value;
+      const size_t eq = a.find('=');
+      if (eq != std::string::npos) {
+        name = a.substr(0, eq);
+        value = a.substr(eq + 1);
+      } else if (std::find(booleans.begin(), booleans.end(), a) != booleans.end()) {
+        value = "true";
+      } else if (i + 1 < args.size()) {
+        value = args[++i];
+      } else {
+        error_ = a + " needs a value";
+      }
+      values_[name].push_back(value);
+    }
+  }
+  std::string error() const { return error_; }
+  bool Has(const std::string& n) const { return values_.count(n) > 0; }
+  std::string Str(const std::string& n, const std::string& def = "") const {
+    auto it = values_.find(n);
+    return it == values_.end() ? def : it->second.back();
+  }
+  std::vector<std::string> All(const std::string& n) const {
+    auto it = values_.find(n);
+    return it == values_.end() ? std::vector<std::string>{} : it->second;
+  }
+  // Parses a number; records an error naming the flag.
+  double Num(const std::string& n, double def) {
+    if (!Has(n)) return def;
+    const std::string v = Str(n);
+    char* end = nullptr;
+    const double x = std::strtod(v.c_str(), &end);
+    if (end == v.c_str() || *end != '\0')
+      error_ = absl::StrCat(n, " must be a number, got \"", v, "\"");
+    return x;
+  }
+  const std::vector<std::string>& positional() const { return positional_; }
+  // Names not in `known`, for an error.
+  std::string Unknown(const std::vector<std::string>& known) const {
+    for (const auto& [name, v] : values_)
+      if (std::find(known.begin(), known.end(), name) == known.end()) return name;
+    return "";
+  }
+
+ private:
+  std::map<std::string, std::vector<std::string>> values_;
+  std::vector<std::string> positional_;
+  std::string error_;
+};
+
+const std::vector<std::string> kSamplingFlags = {"--server",
+                                                 "--max-tokens",
+                                                 "--temperature",
+                                                 "--top-k",
+                                                 "--top-p",
+                                                 "--min-p",
+                                                 "--repetition-penalty",
+                                                 "--presence-penalty",
+                                                 "--frequency-penalty",
+                                                 "--seed",
+                                                 "--stop",
+                                                 "--ignore-eos",
+                                                 "--add-special-tokens",
+                                                 "--timeout"};
+
+// Fills the request's sampling and limits from flags.
+void ApplySampling(Flags& f, api::v1::GenerateRequest& req, int default_max_tokens) {
+  req.set_max_tokens(static_cast<int32_t>(f.Num("--max-tokens", default_max_tokens)));
+  auto* s = req.mutable_sampling();
+  if (f.Has("--temperature")) s->set_temperature(static_cast<float>(f.Num("--temperature", 0)));
+  if (f.Has("--top-k")) s->set_top_k(static_cast<int32_t>(f.Num("--top-k", 0)));
+  if (f.Has("--top-p")) s->set_top_p(static_cast<float>(f.Num("--top-p", 1)));
+  if (f.Has("--min-p")) s->set_min_p(static_cast<float>(f.Num("--min-p", 0)));
+  if (f.Has("--repetition-penalty"))
+    s->set_repetition_penalty(static_cast<float>(f.Num("--repetition-penalty", 1)));
+  if (f.Has("--presence-penalty"))
+    s->set_presence_penalty(static_cast<float>(f.Num("--presence-penalty", 0)));
+  if (f.Has("--frequency-penalty"))
+    s->set_frequency_penalty(static_cast<float>(f.Num("--frequency-penalty", 0)));
+  if (f.Has("--seed")) s->set_seed(static_cast<uint64_t>(f.Num("--seed", 0)));
+  for (const std::string& stop : f.All("--stop")) req.add_stop(stop);
+  req.set_ignore_eos(f.Has("--ignore-eos"));
+  req.set_add_special_tokens(f.Has("--add-special-tokens"));
+}
+
+absl::StatusOr<std::unique_ptr<Client>> ConnectFrom(Flags& f) {
+  ClientOptions o;
+  o.target = f.Str("--server",
+                   std::getenv("HMOE_SERVER") ? std::getenv("HMOE_SERVER") : "127.0.0.1:50051");
+  return Client::Connect(o);
+}
+
+const char* FinishName(api::v1::FinishReason r) {
+  switch (r) {
+    case api::v1::FINISH_REASON_LENGTH:
+      return "length";
+    case api::v1::FINISH_REASON_STOP:
+      return "stop";
+    case api::v1::FINISH_REASON_STOP_STRING:
+      return "stop string";
+    default:
+      return "unfinished";
+  }
+}
+
+int Fail(const std::string& cmd, const absl::Status& s) {
+  std::fprintf(stderr, "hmoe %s: %s\n", cmd.c_str(), s.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int GenerateCommand(const std::vector<std::string>& args) {
+  Flags f(args, {"--ignore-eos", "--add-special-tokens", "--ids"});
+  std::vector<std::string> known = kSamplingFlags;
+  known.insert(known.end(), {"-p", "--prompt", "--ids"});
+  if (!f.Unknown(known).empty()) {
+    std::fprintf(stderr, "hmoe generate: unknown flag %s\n", f.Unknown(known).c_str());
+    return 2;
+  }
+  std::string prompt = f.Str("-p", f.Str("--prompt"));
+  if (prompt.empty() && !f.positional().empty()) prompt = f.positional()[0];
+  if (prompt.empty()) {
+    std::fprintf(stderr,
+                 "usage: hmoe generate -p TEXT [--server ADDR] [--max-tokens N] [--temperature T] "
+                 "[--top-k K]\n"
+                 "       [--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty X]\n"
+                 "       [--frequency-penalty X] [--seed S] [--stop STR]... [--ignore-eos] [--ids] "
+                 "[--timeout SEC]\n");
+    return 2;
+  }
+  api::v1::GenerateRequest req;
+  req.set_prompt(prompt);
+  ApplySampling(f, req, 64);
+  const double timeout = f.Num("--timeout", 0);
+  if (!f.error().empty()) {
+    std::fprintf(stderr, "hmoe generate: %s\n", f.error().c_str());
+    return 2;
+  }
+  auto client = ConnectFrom(f);
+  if (!client.ok()) return Fail("generate", client.status());
+  const bool ids = f.Has("--ids");
+  std::fputs(prompt.c_str(), stdout);
+  std::fflush(stdout);
+  auto r = (*client)->Generate(
+      req,
+      [&](const api::v1::GenerateResponse& c) {
+        if (ids) {
+          for (int32_t t : c.token_ids()) std::printf(" [%d]", t);
+        } else {
+          std::fputs(c.text().c_str(), stdout);
+        }
+        std::fflush(stdout);
+        return true;
+      },
+      timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
+  std::printf("\n");
+  if (!r.ok()) return Fail("generate", r.status());
+  const double decode_s = r->timings.decode_ms() / 1e3;
+  const int64_t n = r->usage.completion_tokens();
+  std::fprintf(
+      stderr,
+      "-- %lld prompt + %lld generated tokens (%s); first token %.1f ms; decode %.2f tok/s; "
+      "%.2f s wall\n",
+      static_cast<long long>(r->usage.prompt_tokens()), static_cast<long long>(n),
+      FinishName(r->finish_reason), r->timings.time_to_first_token_ms(),
+      n > 1 && decode_s > 0 ? static_cast<double>(n - 1) / decode_s : 0.0, r->wall_ms / 1e3);
+  return 0;
+}
+
+int ChatCommand(const std::vector<std::string>& args) {
+  Flags f(args, {"--ignore-eos", "--add-special-tokens"});
+  std::vector<std::string> known = kSamplingFlags;
+  known.push_back("--system");
+  if (!f.Unknown(known).empty()) {
+    std::fprintf(stderr, "hmoe chat: unknown flag %s\n", f.Unknown(known).c_str());
+    return 2;
+  }
+  auto client = ConnectFrom(f);
+  if (!client.ok()) return Fail("chat", client.status());
+  auto info = (*client)->ModelInfo();
+  if (!info.ok()) return Fail("chat", info.status());
+  const bool tty = isatty(0);
+  if (tty)
+    std::fprintf(stderr,
+                 "hmoe chat with %s (%lld-token context). /reset clears the history, /quit or "
+                 "Ctrl-D ends.\n",
+                 info->model_type().c_str(), static_cast<long long>(info->max_context()));
+  // Plain-text transcript: the tiny models have no chat template.
+  std::string history = f.Str("--system");
+  if (!history.empty()) history += "\n";
+  std::string line;
+  for (;;) {
+    if (tty) std::fputs("> ", stderr);
+    if (!std::getline(std::cin, line)) break;
+    if (line == "/quit" || line == "/exit") break;
+    if (line == "/reset") {
+      history = f.Str("--system");
+      if (!history.empty()) history += "\n";
+      continue;
+    }
+    if (line.empty()) continue;
+    std::string prompt = history + "User: " + line + "\nAssistant:";
+    api::v1::GenerateRequest req;
+    ApplySampling(f, req, 64);
+    if (!f.error().empty()) {
+      std::fprintf(stderr, "hmoe chat: %s\n", f.error().c_str());
+      return 2;
+    }
+    if (req.stop_size() == 0) req.add_stop("\nUser:");
+    // Keep the most recent turns that fit the context (by tokens).
+    for (;;) {
+      auto ids = (*client)->Tokenize(prompt);
+      if (!ids.ok()) return Fail("chat", ids.status());
+      if (static_cast<int64_t>(ids->size()) + req.max_tokens() <= info->max_context()) break;
+      const size_t cut = history.find("\nUser:", 1);
+      if (history.empty() || cut == std::string::npos) {
+        history.clear();
+        prompt = "User: " + line + "\nAssistant:";
+        break;
+      }
+      history = history.substr(cut + 1);
+      prompt = history + "User: " + line + "\nAssistant:";
+    }
+    req.set_prompt(prompt);
+    std::string reply;
+    auto r = (*client)->Generate(req, [&](const api::v1::GenerateResponse& c) {
+      std::fputs(c.text().c_str(), stdout);
+      std::fflush(stdout);
+      reply += c.text();
+      return true;
+    });
+    std::printf("\n");
+    if (!r.ok()) {
+      Fail("chat", r.status());
+      continue;
+    }
+    history = prompt + reply + "\n";
+  }
+  return 0;
+}
+
+int BenchServeCommand(const std::vector<std::string>& args) {
+  Flags f(args, {"--ignore-eos", "--add-special-tokens"});
+  std::vector<std::string> known = kSamplingFlags;
+  known.insert(known.end(), {"--clients", "--requests", "--prompt", "-p"});
+  if (!f.Unknown(known).empty()) {
+    std::fprintf(stderr, "hmoe bench-serve: unknown flag %s\n", f.Unknown(known).c_str());
+    return 2;
+  }
+  const int clients = static_cast<int>(f.Num("--clients", 8));
+  const int requests = static_cast<int>(f.Num("--requests", clients * 4));
+  const std::string prompt = f.Str("-p", f.Str("--prompt", "Once upon a time"));
+  api::v1::GenerateRequest base;
+  base.set_prompt(prompt);
+  ApplySampling(f, base, 32);
+  if (!f.Has("--ignore-eos")) base.set_ignore_eos(true);  // fixed-length outputs measure steadier
+  if (!f.error().empty() || clients < 1 || requests < 1) {
+    std::fprintf(stderr, "hmoe bench-serve: %s\n",
+                 f.error().empty() ? "--clients and --requests must be >= 1" : f.error().c_str());
+    return 2;
+  }
+  auto probe = ConnectFrom(f);
+  if (!probe.ok()) return Fail("bench-serve", probe.status());
+  std::atomic<int> next{0}, done{0}, failed{0}, exhausted{0};
+  std::atomic<int64_t> tokens{0};
+  std::mutex mu;
+  std::vector<double> latency, ttft;
+  std::string first_error;
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c) {
+    threads.emplace_back([&] {
+      auto client = ConnectFrom(f);
+      if (!client.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        first_error = client.status().ToString();
+        return;
+      }
+      while (next.fetch_add(1) < requests) {
+        auto r = (*client)->Generate(base);
+        if (r.ok()) {
+          tokens += r->usage.completion_tokens();
+          std::lock_guard<std::mutex> lock(mu);
+          latency.push_back(r->wall_ms);
+          ttft.push_back(r->first_chunk_ms);
+        } else {
+          (r.status().code() == absl::StatusCode::kResourceExhausted ? exhausted : failed)++;
+          std::lock_guard<std::mutex> lock(mu);
+          if (first_error.empty()) first_error = r.status().ToString();
+        }
+        ++done;
+      }
+    });
+  }
+  // Progress bar on stderr while the clients run.
+  std::thread progress([&] {
+    while (done.load() < requests) {
+      const int d = done.load(), w = 40, filled = w * d / requests;
+      std::fprintf(stderr, "\r[%s%s] %d/%d requests",
+                   std::string(static_cast<size_t>(filled), '#').c_str(),
+                   std::string(static_cast<size_t>(w - filled), '.').c_str(), d, requests);
+      std::fflush(stderr);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      if (!first_error.empty() && latency.empty() && done.load() == 0 &&
+          absl::Now() - start > absl::Seconds(30))
+        break;
+    }
+    std::fprintf(stderr, "\r%*s\r", 70, "");
+  });
+  for (auto& t : threads) t.join();
+  done = requests;
+  progress.join();
+  const double secs = absl::ToDoubleSeconds(absl::Now() - start);
+  auto pct = [](std::vector<double> v, double p) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
+  };
+  std::printf("bench-serve: %d clients, %d requests, %d max tokens each, prompt \"%s\"\n", clients,
+              requests, base.max_tokens(), prompt.c_str());
+  std::printf("  completed %zu, refused (queue full) %d, failed %d in %.2f s\n", latency.size(),
+              exhausted.load(), failed.load(), secs);
+  std::printf("  throughput  %.2f tok/s, %.2f req/s\n", static_cast<double>(tokens.load()) / secs,
+              static_cast<double>(latency.size()) / secs);
+  std::printf("  latency ms  p50 %.1f  p90 %.1f  p99 %.1f  max %.1f\n", pct(latency, 0.5),
+              pct(latency, 0.9), pct(latency, 0.99), pct(latency, 1.0));
+  std::printf("  first token ms  p50 %.1f  p90 %.1f  p99 %.1f\n", pct(ttft, 0.5), pct(ttft, 0.9),
+              pct(ttft, 0.99));
+  if (!first_error.empty()) std::printf("  first error: %s\n", first_error.c_str());
+  return failed.load() == 0 ? 0 : 1;
+}
+
+}  // namespace hmoe

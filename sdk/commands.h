@@ -1,0 +1,17 @@
+// `hmoe` subcommands that talk to a running hmoe-gpu-worker.
+//   generate -p TEXT   stream a completion, print tok/s
+//   chat               interactive, keeps the conversation
+//   bench-serve        N concurrent clients: latency percentiles and throughput
+// Each takes the arguments after its name and returns the process exit code.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace hmoe {
+
+int GenerateCommand(const std::vector<std::string>& args);
+int ChatCommand(const std::vector<std::string>& args);
+int BenchServeCommand(const std::vector<std::string>& args);
+
+}  // namespace hmoe
