@@ -31,6 +31,9 @@ struct ShardOptions {
   ServeFormat format = ServeFormat::kBf16;
   int group = 64;            // int4 group along K
   int64_t max_tokens = 256;  // capacity of one request (sizes shm slots too)
+  // Benchmark seam: validate every call but answer zeros without computing,
+  // so that transport overhead can be measured apart from the experts.
+  bool null_compute = false;
 
   absl::Status Validate() const;
   std::string ToString() const;
@@ -91,6 +94,7 @@ class ExpertShard : public MoeHandler {
 
   ShardInfo info_;
   ServeFormat format_ = ServeFormat::kBf16;
+  bool null_compute_ = false;
   std::vector<int> slot_of_layer_;                // layer -> slot or -1
   std::vector<std::vector<ExpertSlice>> layers_;  // [slot][local expert]
   int64_t weight_bytes_ = 0;

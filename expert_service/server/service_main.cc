@@ -4,6 +4,7 @@
 //       [--shard i/n] [--split tp|ep] [--format bf16|int8|int4g64] [--max-tokens N]
 //       [--listen HOST:PORT] [--port-offset N] [--port-file PATH] [--numa-node N | --cores LIST]
 //       [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]
+//       [--null-compute]   (benchmarks: validate, answer zeros, skip the experts)
 //
 // Control plane and data plane on gRPC (proto/expert.proto) plus grpc.health.v1;
 // shared-memory and UCX data planes set up through the control plane.
@@ -78,7 +79,7 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i], v;
     const auto eq = a.find('=');
-    const bool boolean = a == "--no-shm" || a == "--no-ucx";
+    const bool boolean = a == "--no-shm" || a == "--no-ucx" || a == "--null-compute";
     if (eq != std::string::npos) {
       v = a.substr(eq + 1);
       a = a.substr(0, eq);
@@ -129,6 +130,8 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
       o.shm = false;
     else if (a == "--no-ucx")
       o.ucx = false;
+    else if (a == "--null-compute")
+      o.shard.null_compute = true;
     else if (a == "--drain-timeout-s") {
       if (!absl::SimpleAtod(v, &o.drain_timeout_s)) {
         return absl::InvalidArgumentError(absl::StrCat("--drain-timeout-s: \"", v, "\""));
