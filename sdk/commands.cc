@@ -184,6 +184,7 @@ int GenerateCommand(const std::vector<std::string>& args) {
       },
       timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
   std::printf("\n");
+  std::fflush(stdout);
   if (!r.ok()) return Fail("generate", r.status());
   const double decode_s = r->timings.decode_ms() / 1e3;
   const int64_t n = r->usage.completion_tokens();

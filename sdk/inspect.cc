@@ -86,7 +86,12 @@ std::string Count(int64_t n) {
   }
   return out;
 }
-std::string Billions(int64_t n) { return absl::StrFormat("%.2f B", static_cast<double>(n) / 1e9); }
+std::string Billions(int64_t n) {
+  const double x = static_cast<double>(n);
+  if (x >= 1e9) return absl::StrFormat("%.2f B", x / 1e9);
+  if (x >= 1e6) return absl::StrFormat("%.2f M", x / 1e6);
+  return absl::StrFormat("%.1f K", x / 1e3);
+}
 std::string GB(double b) { return absl::StrFormat("%.1f GB", b / 1e9); }
 
 }  // namespace

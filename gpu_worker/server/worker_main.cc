@@ -4,6 +4,7 @@
 //                   [--experts local | HOST:PORT[,HOST:PORT...]] [--transport grpc|shm|ucx]
 //                   [--max-batch 16] [--max-queue 64] [--max-context N] [--kv-blocks N]
 //                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
+//                   [--port-file PATH]
 //
 // Routed experts run in-process (reference) with --experts local, else on
 // the expert service shards given. Health (grpc.health.v1) is SERVING once the
@@ -37,6 +38,7 @@ struct WorkerOptions {
   std::string listen = "127.0.0.1:50051";
   std::string experts = "local";
   std::string transport = "grpc";
+  std::string port_file;  // written with the bound port once serving (for --listen HOST:0)
   int max_batch = 16;
   int max_queue = 64;
   int64_t max_context = 0;  // 0: the model's max_position_embeddings
@@ -78,6 +80,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.experts = v;
     else if (a == "--transport")
       o.transport = v;
+    else if (a == "--port-file")
+      o.port_file = v;
     else if (a == "--max-batch")
       o.max_batch = static_cast<int>(num(1));
     else if (a == "--max-queue")
@@ -96,7 +100,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       std::printf(
           "usage: hmoe-gpu-worker --model DIR [--listen ADDR] [--experts local|HOST:PORT,...]\n"
           "       [--transport grpc|shm|ucx] [--max-batch N] [--max-queue N] [--max-context N]\n"
-          "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n");
+          "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
+          "       [--port-file PATH]\n");
       std::exit(0);
     } else {
       Die("unknown flag " + a);
@@ -174,6 +179,13 @@ int Run(int argc, char** argv) {
                "hmoe-gpu-worker: serving on port %d (%s, %lld-token context, experts: %s)\n", port,
                (*model)->config().model_type.c_str(),
                static_cast<long long>((*model)->options().max_seq_len), backend.c_str());
+  if (!o.port_file.empty()) {
+    const std::string tmp = o.port_file + ".tmp";
+    FILE* f = std::fopen(tmp.c_str(), "w");
+    if (f == nullptr || std::fprintf(f, "%d\n", port) < 0 || std::fclose(f) != 0 ||
+        std::rename(tmp.c_str(), o.port_file.c_str()) != 0)
+      Die("cannot write --port-file " + o.port_file, 1);
+  }
   sd_notify(0, "READY=1");
 
   // Health follows the expert shards.
