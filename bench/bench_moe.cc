@@ -1,1 +1,373 @@
-int main() { return 0; }
+// hmoe-bench-moe: the MoE operator against the machine's measured limits and
+// against oneDNN, at real model shapes, cache-cold.
+//
+//   hmoe-bench-moe [--preset ds-v3,qwen3-30b,ds-v2-lite,mixtral] [--T 1,8,8192]
+//                  [--format bf16,int8,int4] [--isa amx,avx512,avx2,scalar]
+//                  [--routing uniform|zipf] [--layers N] [--threads N] [--vnuma N]
+//                  [--group 128] [--min-time S] [--no-onednn] [--json FILE]
+//
+// Per row: microseconds per call, weight GB/s over the distinct expert bytes
+// the call touched, TFLOP/s, % of the measured read bandwidth, % of the
+// measured AMX peak (bf16 peak for bf16/int4, int8 peak for int8), and the
+// speedup over oneDNN (int4 is compared with oneDNN int8). Enough layers are
+// allocated that the weights cycled through exceed 4x the last-level cache,
+// and small-T routing sweeps through the experts so no call finds its
+// weights in cache.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_split.h"
+#include "common/dtype.h"
+#include "expert_service/kernels/gemm.h"
+#include "expert_service/kernels/isa.h"
+#include "expert_service/kernels/moe.h"
+#include "expert_service/kernels/onednn_moe.h"
+#include "expert_service/numa.h"
+#include "expert_service/thread_pool.h"
+
+namespace hmoe {
+namespace {
+
+struct Preset {
+  const char* name;
+  int64_t H, I, E;
+  int K;
+};
+const Preset kPresets[] = {{"ds-v3", 7168, 2048, 256, 8},
+                           {"qwen3-30b", 2048, 768, 128, 8},
+                           {"ds-v2-lite", 2048, 1408, 64, 6},
+                           {"mixtral", 4096, 14336, 8, 2}};
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+int64_t LlcBytes() {
+  int64_t best = 0;
+  for (int i = 0; i < 8; ++i) {
+    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/size");
+    std::string s;
+    if (!(f >> s)) continue;
+    int64_t v = std::atoll(s.c_str());
+    if (s.back() == 'K') v <<= 10;
+    if (s.back() == 'M') v <<= 20;
+    best = std::max(best, v);
+  }
+  return best > 0 ? best : (32ll << 20);
+}
+
+std::vector<std::string> List(const std::string& s) {
+  std::vector<std::string> out;
+  for (auto p : absl::StrSplit(s, ',', absl::SkipEmpty())) out.emplace_back(p);
+  return out;
+}
+
+// ---- machine limits ----------------------------------------------------------------
+double MeasureReadGBs(ThreadPool& pool, int64_t bytes) {
+  auto buf = NumaBuffer::Allocate(static_cast<size_t>(bytes), pool.mem_node(0)).value();
+  const int64_t n = pool.num_threads();
+  const int64_t per = bytes / n / 4096 * 4096;
+  pool.Run([&](const Worker& w) { std::memset(buf.data() + w.global * per, 1, static_cast<size_t>(per)); });
+  std::vector<uint64_t> sink(static_cast<size_t>(n));
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const double t0 = Now();
+    pool.Run([&](const Worker& w) { sink[static_cast<size_t>(w.global)] += kern::StreamReadAvx512(buf.data() + w.global * per, per); });
+    best = std::max(best, static_cast<double>(per * n) / (Now() - t0) / 1e9);
+  }
+  return best;
+}
+
+double MeasureAmxTops(ThreadPool& pool, bool int8) {
+  const int64_t iters = 200000;
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const double t0 = Now();
+    pool.Run([&](const Worker&) { kern::AmxPeakLoop(iters, int8); });
+    const double ops = static_cast<double>(pool.num_threads()) * iters * 8 * 16 * 16 * (int8 ? 64 : 32) * 2;
+    best = std::max(best, ops / (Now() - t0) / 1e12);
+  }
+  return best;
+}
+
+// ---- routing ------------------------------------------------------------------------
+struct Router {
+  int64_t E;
+  int K;
+  bool zipf;
+  std::mt19937_64 rng{12345};
+  std::vector<int32_t> perm;
+  int64_t cursor = 0;
+  std::vector<double> cdf;
+  explicit Router(int64_t e, int k, bool z) : E(e), K(k), zipf(z) {
+    perm.resize(static_cast<size_t>(E));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    double s = 0;
+    for (int64_t i = 0; i < E; ++i) cdf.push_back(s += 1.0 / static_cast<double>(i + 1));
+    for (auto& c : cdf) c /= s;
+  }
+  void Route(int64_t T, std::vector<int32_t>& ids, std::vector<float>& w) {
+    ids.resize(static_cast<size_t>(T * K));
+    w.resize(static_cast<size_t>(T * K));
+    std::uniform_real_distribution<double> u(0, 1);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int j = 0; j < K; ++j) {
+        int32_t e;
+        for (;;) {
+          if (zipf) e = perm[static_cast<size_t>(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin())];
+          else e = perm[static_cast<size_t>(cursor++ % E)];
+          bool dup = false;
+          for (int jj = 0; jj < j; ++jj) dup |= ids[static_cast<size_t>(t * K + jj)] == e;
+          if (!dup) break;
+        }
+        ids[static_cast<size_t>(t * K + j)] = e;
+        w[static_cast<size_t>(t * K + j)] = static_cast<float>(0.05 + 0.95 * u(rng));
+      }
+    }
+  }
+};
+
+struct Args {
+  std::vector<std::string> presets{"ds-v3", "qwen3-30b"};
+  std::vector<int64_t> Ts{1, 2, 4, 8, 32, 128, 512, 2048, 8192};
+  std::vector<std::string> formats{"int4", "int8", "bf16"};
+  std::vector<std::string> isas;
+  bool zipf = false;
+  int layers = 0;
+  int threads = 0;
+  int vnuma = 0;
+  int group = 128;
+  double min_time = 0.25;
+  bool onednn = true;
+  std::string json;
+};
+
+int Main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string f = argv[i];
+    auto val = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", f.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (f == "--preset") a.presets = List(val());
+    else if (f == "--T") { a.Ts.clear(); for (auto& s : List(val())) a.Ts.push_back(std::atoll(s.c_str())); }
+    else if (f == "--format") a.formats = List(val());
+    else if (f == "--isa") a.isas = List(val());
+    else if (f == "--routing") a.zipf = val() == "zipf";
+    else if (f == "--layers") a.layers = std::atoi(val().c_str());
+    else if (f == "--threads") a.threads = std::atoi(val().c_str());
+    else if (f == "--vnuma") a.vnuma = std::atoi(val().c_str());
+    else if (f == "--group") a.group = std::atoi(val().c_str());
+    else if (f == "--min-time") a.min_time = std::atof(val().c_str());
+    else if (f == "--no-onednn") a.onednn = false;
+    else if (f == "--json") a.json = val();
+    else {
+      std::fprintf(stderr, "unknown flag %s (see the header of bench/bench_moe.cc)\n", f.c_str());
+      return 2;
+    }
+  }
+  if (a.isas.empty()) a.isas = {std::string(IsaName(DetectedIsa()))};
+  ThreadPoolOptions po;
+  po.max_threads = a.threads;
+  po.virtual_nodes = a.vnuma > 0 ? a.vnuma : 1;
+  auto pool_or = ThreadPool::Create(po);
+  if (!pool_or.ok()) {
+    std::fprintf(stderr, "pool: %s\n", pool_or.status().ToString().c_str());
+    return 1;
+  }
+  ThreadPool& pool = **pool_or;
+  const int64_t llc = LlcBytes();
+  const int64_t min_touched = 4 * llc;
+  nlohmann::json J;
+  J["threads"] = pool.num_threads();
+  J["virtual_nodes"] = pool.num_nodes();
+  J["llc_bytes"] = llc;
+  J["detected_isa"] = std::string(IsaName(DetectedIsa()));
+  double bw = 0, amx_bf16 = 0, amx_i8 = 0;
+  if (DetectedIsa() >= Isa::kAvx512) bw = MeasureReadGBs(pool, std::max<int64_t>(8 * llc, 2ll << 30));
+  if (DetectedIsa() >= Isa::kAmx) {
+    amx_bf16 = MeasureAmxTops(pool, false);
+    amx_i8 = MeasureAmxTops(pool, true);
+  }
+  J["read_gbs"] = bw;
+  J["amx_bf16_tflops"] = amx_bf16;
+  J["amx_int8_tops"] = amx_i8;
+  std::printf("# threads %d, nodes %d, LLC %.0f MB, ISA %s | read %.1f GB/s | AMX bf16 %.1f TFLOP/s, int8 %.1f TOP/s\n",
+              pool.num_threads(), pool.num_nodes(), llc / 1048576.0, std::string(IsaName(DetectedIsa())).c_str(), bw,
+              amx_bf16, amx_i8);
+  std::printf("%-10s %-5s %-6s %5s %11s %9s %8s %7s %7s %11s %8s\n", "preset", "fmt", "isa", "T", "us", "GB/s",
+              "TFLOP/s", "%BW", "%AMX", "onednn_us", "speedup");
+  std::fflush(stdout);
+  J["rows"] = nlohmann::json::array();
+  auto flush_json = [&] {
+    if (a.json.empty()) return;
+    std::ofstream(a.json) << J.dump(1) << "\n";
+  };
+  flush_json();
+  const int64_t Tmax = *std::max_element(a.Ts.begin(), a.Ts.end());
+
+  for (const auto& pname : a.presets) {
+    const Preset* P = nullptr;
+    for (const auto& p : kPresets) if (pname == p.name) P = &p;
+    if (P == nullptr) { std::fprintf(stderr, "unknown preset %s\n", pname.c_str()); return 2; }
+    // bf16 x for the largest T
+    std::vector<uint16_t> x(static_cast<size_t>(Tmax * P->H));
+    {
+      std::mt19937 rng(7);
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      for (auto& v : x) v = F32ToBf16(nd(rng));
+    }
+    std::vector<float> out(static_cast<size_t>(Tmax * P->H));
+    std::map<std::string, std::map<int64_t, double>> dnn_us;  // by oneDNN format
+    for (const auto& fname : a.formats) {
+      auto fmt = ParseWeightFormat(fname);
+      if (!fmt) { std::fprintf(stderr, "unknown format %s\n", fname.c_str()); return 2; }
+      PackOptions o;
+      o.format = *fmt;
+      o.group = a.group;
+      // One layer's packed bytes decide how many layers make > 4x LLC.
+      const PackedGeom gu = MakeGeom(*fmt, a.group, 2 * RoundUp(P->I, 16), P->H), dn = MakeGeom(*fmt, a.group, P->H, P->I);
+      const int64_t expert_bytes = gu.bytes() + dn.bytes();
+      const int64_t layer_bytes = expert_bytes * P->E;
+      const int L = a.layers > 0 ? a.layers : static_cast<int>(std::max<int64_t>(1, (min_touched + layer_bytes - 1) / layer_bytes));
+      std::vector<PackedMoeLayer> layers;
+      const double tp0 = Now();
+      for (int l = 0; l < L; ++l) {
+        auto lay = PackRandom(P->H, P->I, P->E, o, pool, 1000 + static_cast<uint64_t>(l));
+        if (!lay.ok()) { std::fprintf(stderr, "pack: %s\n", lay.status().ToString().c_str()); return 1; }
+        layers.push_back(std::move(*lay));
+      }
+      auto ws_or = MoeWorkspace::Create(layers[0], Tmax, P->K, pool);
+      if (!ws_or.ok()) { std::fprintf(stderr, "workspace: %s\n", ws_or.status().ToString().c_str()); return 1; }
+      std::fprintf(stderr, "# %s %s: %d layer(s) x %.2f GB packed in %.1f s\n", P->name, fname.c_str(), L,
+                   layer_bytes / 1e9, Now() - tp0);
+      // oneDNN in the comparable format (int4 -> int8), built once per preset+format.
+      const std::string dfmt = *fmt == WeightFormat::kBf16 ? "bf16" : "int8";
+      const bool need_dnn = a.onednn && !dnn_us.count(dfmt);
+      std::vector<std::unique_ptr<OnednnMoe>> dnns;
+      int64_t dnn_expert_bytes = 3 * P->H * P->I * (dfmt == "bf16" ? 2 : 1);
+      if (need_dnn) {
+        const int64_t dl = a.layers > 0 ? a.layers : std::max<int64_t>(1, (min_touched + dnn_expert_bytes * P->E - 1) / (dnn_expert_bytes * P->E));
+        const double t0 = Now();
+        for (int l = 0; l < dl; ++l) {
+          auto d = OnednnMoe::Create(*ParseWeightFormat(dfmt), P->H, P->I, P->E, 0,
+                                     [&](int64_t e, void* gu_w, float* gus, void* dn_w, float* dns) {
+                                       const int64_t n1 = 2 * P->I * P->H * (dfmt == "bf16" ? 2 : 1), n2 = n1 / 2;
+                                       const int64_t chunk = 1 << 20;
+                                       auto fill = [&](uint8_t* p, int64_t n) {
+                                         pool.ParallelFor((n + chunk - 1) / chunk, [&](int64_t c, const Worker&) {
+                                           uint64_t s = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(e * 131 + c + l * 7919 + 1);
+                                           for (int64_t i = c * chunk; i < std::min(n, (c + 1) * chunk); i += 2) {
+                                             s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+                                             if (dfmt == "bf16") {
+                                               const float v = (static_cast<float>(s >> 40) / 16777216.0f - 0.5f) * 0.05f;
+                                               const uint16_t b = F32ToBf16(v);
+                                               std::memcpy(p + i, &b, 2);
+                                             } else {
+                                               p[i] = static_cast<uint8_t>(static_cast<int>(s % 255) - 127);
+                                               if (i + 1 < n) p[i + 1] = static_cast<uint8_t>(static_cast<int>((s >> 8) % 255) - 127);
+                                             }
+                                           }
+                                         });
+                                       };
+                                       fill(static_cast<uint8_t*>(gu_w), n1);
+                                       fill(static_cast<uint8_t*>(dn_w), n2);
+                                       for (int64_t i = 0; i < 2 * P->I; ++i) gus[i] = 1e-3f;
+                                       for (int64_t i = 0; i < P->H; ++i) dns[i] = 1e-3f;
+                                     });
+          if (!d.ok()) { std::fprintf(stderr, "onednn: %s\n", d.status().ToString().c_str()); return 1; }
+          dnns.push_back(std::move(*d));
+        }
+        std::fprintf(stderr, "# oneDNN %s: %lld layer(s) built in %.1f s\n", dfmt.c_str(), static_cast<long long>(dl), Now() - t0);
+      }
+      for (int64_t T : a.Ts) {
+        // oneDNN row first (same routing stream).
+        if (need_dnn) {
+          Router r(P->E, P->K, a.zipf);
+          std::vector<int32_t> ids;
+          std::vector<float> w;
+          int iters = 0;
+          double total = 0;
+          for (int it = 0; it < 1000; ++it) {
+            r.Route(T, ids, w);
+            MoeInput in{T, P->K, x.data(), ids.data(), w.data()};
+            const double t0 = Now();
+            auto s = dnns[static_cast<size_t>(it) % dnns.size()]->Run(in, out.data());
+            const double dt = Now() - t0;
+            if (!s.ok()) { std::fprintf(stderr, "onednn run: %s\n", s.ToString().c_str()); return 1; }
+            if (it == 0) continue;  // warm-up
+            total += dt;
+            ++iters;
+            if (total > a.min_time && iters >= 2) break;
+          }
+          dnn_us[dfmt][T] = total / iters * 1e6;
+        }
+        for (const auto& iname : a.isas) {
+          auto isa = ParseIsa(iname);
+          if (!isa || *isa > DetectedIsa()) { std::fprintf(stderr, "# skip isa %s (not on this CPU)\n", iname.c_str()); continue; }
+          RunOptions ro;
+          ro.isa = *isa;
+          Router r(P->E, P->K, a.zipf);
+          std::vector<int32_t> ids;
+          std::vector<float> w;
+          int iters = 0;
+          double total = 0, bytes = 0, flops = 0;
+          for (int it = 0; it < 100000; ++it) {
+            r.Route(T, ids, w);
+            MoeInput in{T, P->K, x.data(), ids.data(), w.data()};
+            std::vector<char> touched(static_cast<size_t>(P->E), 0);
+            for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
+            const int64_t ne = std::count(touched.begin(), touched.end(), 1);
+            const double t0 = Now();
+            auto s = RunMoe(layers[static_cast<size_t>(it) % layers.size()], in, out.data(), pool, **ws_or, ro);
+            const double dt = Now() - t0;
+            if (!s.ok()) { std::fprintf(stderr, "run: %s\n", s.ToString().c_str()); return 1; }
+            if (it == 0) continue;
+            total += dt;
+            bytes += static_cast<double>(ne * expert_bytes);
+            flops += static_cast<double>(T * P->K) * 6.0 * P->H * P->I;
+            ++iters;
+            if (total > a.min_time && iters >= 3) break;
+          }
+          const double us = total / iters * 1e6;
+          const double gbs = bytes / total / 1e9, tf = flops / total / 1e12;
+          const double peak = *fmt == WeightFormat::kInt8 ? amx_i8 : amx_bf16;
+          const double dus = dnn_us.count(dfmt) && dnn_us[dfmt].count(T) ? dnn_us[dfmt][T] : 0;
+          std::printf("%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %11.1f %7.2fx\n", P->name, fname.c_str(),
+                      iname.c_str(), static_cast<long long>(T), us, gbs, tf, bw > 0 ? 100 * gbs / bw : 0,
+                      peak > 0 ? 100 * tf / peak : 0, dus, dus > 0 ? dus / us : 0);
+          std::fflush(stdout);
+          J["rows"].push_back({{"preset", P->name}, {"format", fname}, {"isa", iname}, {"T", T}, {"us", us},
+                               {"weight_gbs", gbs}, {"tflops", tf}, {"pct_bw", bw > 0 ? 100 * gbs / bw : 0},
+                               {"pct_amx", peak > 0 ? 100 * tf / peak : 0}, {"onednn_format", dfmt},
+                               {"onednn_us", dus}, {"speedup", dus > 0 ? dus / us : 0}, {"layers", L},
+                               {"routing", a.zipf ? "zipf" : "uniform"}, {"virtual_nodes", pool.num_nodes()}});
+          flush_json();
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace hmoe
+
+int main(int argc, char** argv) { return hmoe::Main(argc, argv); }

@@ -37,6 +37,10 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolO
   for (size_t n = 0; n < pool->nodes_.size(); ++n) {
     for (size_t i = 0; i < pool->nodes_[n].cpus.size(); ++i, ++g) {
       Worker w{g, static_cast<int>(n), static_cast<int>(i)};
+      if (g == 0) {
+        pool->caller_ = w;  // the thread calling Run()
+        continue;
+      }
       pool->workers_.emplace_back(&ThreadPool::Loop, pool.get(), w, pool->nodes_[n].cpus[i],
                                   opts.pin);
     }
@@ -87,6 +91,7 @@ void ThreadPool::Run(absl::FunctionRef<void(const Worker&)> fn) {
   pending_.store(static_cast<uint32_t>(workers_.size()), std::memory_order_release);
   gen_.fetch_add(1, std::memory_order_acq_rel);
   gen_.notify_all();
+  fn(caller_);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
   int spins = 0;
   for (;;) {

@@ -1,6 +1,8 @@
-// A persistent worker pool: one thread pinned per core, grouped into (real or
-// virtual) NUMA nodes. Run() hands one function to every worker and returns
-// when all have finished it; callers split work with their own atomic
+// A persistent worker pool: one worker per core, grouped into (real or
+// virtual) NUMA nodes. Worker 0 is the thread that calls Run() (so no core
+// holds both a spinning caller and a worker); workers 1..n-1 are threads
+// pinned to the other cores. Run() hands one function to every worker and
+// returns when all have finished it; callers split work with their own atomic
 // counters (per node for node-local work, see ParallelFor). Idle workers spin
 // for `spin_us`, then sleep on a futex (std::atomic::wait).
 #pragma once
@@ -22,7 +24,7 @@ struct ThreadPoolOptions {
   int max_threads = 0;    // 0: one per core; env HMOE_THREADS overrides when 0
   int virtual_nodes = 0;  // 0: real NUMA nodes; env HMOE_VIRTUAL_NUMA overrides when 0
   bool pin = true;        // pin each worker to its core
-  int spin_us = 200;      // busy-wait this long for new work before sleeping
+  int spin_us = 500;      // busy-wait this long for new work before sleeping
 };
 
 struct Worker {
@@ -38,14 +40,14 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int num_threads() const { return static_cast<int>(workers_.size()); }
+  int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
   int num_nodes() const { return static_cast<int>(nodes_.size()); }
   int node_threads(int node) const { return static_cast<int>(nodes_[static_cast<size_t>(node)].cpus.size()); }
   int mem_node(int node) const { return nodes_[static_cast<size_t>(node)].mem_node; }
   const std::vector<NodeCores>& nodes() const { return nodes_; }
 
-  // Runs fn on every worker (not on the caller) and waits. Calls from several
-  // threads are serialized.
+  // Runs fn on every worker (worker 0 on the calling thread) and waits.
+  // Calls from several threads are serialized.
   void Run(absl::FunctionRef<void(const Worker&)> fn);
 
   // fn(i, worker) for i in [0, n), dynamically scheduled over all workers.
@@ -57,7 +59,8 @@ class ThreadPool {
 
   std::vector<NodeCores> nodes_;
   std::vector<std::thread> workers_;
-  int spin_us_ = 200;
+  int spin_us_ = 500;
+  Worker caller_;
   std::mutex run_mu_;
   std::atomic<uint32_t> gen_{0};
   std::atomic<uint32_t> pending_{0};

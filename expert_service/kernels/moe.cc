@@ -7,6 +7,9 @@
 //   reduce   out[t] = sum_j w[t][j] * sum_part y_part[row(t, j)]
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -73,6 +76,29 @@ class SpinBarrier {
   alignas(64) std::atomic<int> count_{0};
   alignas(64) std::atomic<uint32_t> gen_{0};
 };
+
+// HMOE_PROFILE=1: accumulate per-phase wall time (worker 0's view) and print
+// it at exit. For tuning only.
+struct Profile {
+  bool on = false;
+  double t[8] = {};
+  int64_t calls = 0;
+  Profile() {
+    const char* e = std::getenv("HMOE_PROFILE");
+    on = e != nullptr && *e == '1';
+  }
+  ~Profile() {
+    if (!on || calls == 0) return;
+    static const char* names[] = {"route", "wake", "gather", "gate_up", "hquant", "down", "reduce", "join"};
+    std::fprintf(stderr, "# RunMoe profile over %lld calls (us/call):", static_cast<long long>(calls));
+    for (int i = 0; i < 8; ++i) std::fprintf(stderr, " %s %.1f", names[i], t[i] / static_cast<double>(calls) * 1e6);
+    std::fprintf(stderr, "\n");
+  }
+};
+Profile g_profile;
+inline double Secs() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 }  // namespace
 
@@ -203,6 +229,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   const WeightFormat fmt = layer.format();
   const int G = layer.group();
 
+  const bool prof = g_profile.on;
+  double ts[9] = {};
+  if (prof) ts[0] = Secs();
   // ---- route (caller thread) ----
   const int64_t E = w.n_local, e_begin = layer.expert_begin();
   std::fill(w.count.begin(), w.count.end(), 0);
@@ -283,7 +312,12 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   const int64_t red_items = T * ((H + hchunk - 1) / hchunk);
   const kern::KernelSet& kfew = KernelsFor(isa, false);
 
+  if (prof) ts[1] = Secs();
+  auto mark = [&](const Worker& wk, int i) {
+    if (prof && wk.global == 0) ts[i] = Secs();
+  };
   pool.Run([&](const Worker& wk) {
+    mark(wk, 2);
     const int p = wk.node;
     auto& b = w.parts[static_cast<size_t>(p)];
     const auto& lp = layer.parts()[static_cast<size_t>(p)];
@@ -314,6 +348,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       }
     }
     w.barrier.Wait();
+    mark(wk, 3);
 
     // ---- gate_up ----
     if (!lp.empty()) {
@@ -366,6 +401,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       }
     }
     w.barrier.Wait();
+    mark(wk, 4);
 
     // ---- hquant: int8 activations of down, one scale per row over all parts ----
     if (any_int8_h) {
@@ -396,6 +432,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       }
       w.barrier.Wait();
     }
+    mark(wk, 5);
 
     // ---- down ----
     if (!lp.empty()) {
@@ -434,6 +471,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       }
     }
     w.barrier.Wait();
+    mark(wk, 6);
 
     // ---- reduce ----
     const int64_t nch = (H + hchunk - 1) / hchunk;
@@ -459,7 +497,13 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         }
       }
     }
+    mark(wk, 7);
   });
+  if (prof) {
+    ts[8] = Secs();
+    for (int i = 0; i < 8; ++i) g_profile.t[i] += ts[i + 1] - ts[i];
+    ++g_profile.calls;
+  }
   return absl::OkStatus();
 }
 
