@@ -41,7 +41,7 @@ class ServiceProcess {
     prefix_ = prefix;
     std::remove(port_file.c_str());
     std::vector<std::string> argv = prefix;
-    argv.push_back(ServiceBinary());
+    argv.push_back(binary_.empty() ? ServiceBinary() : binary_);
     argv.insert(argv.end(), args.begin(), args.end());
     argv.push_back("--listen=" + host + ":" + std::to_string(port));
     argv.push_back("--port-file=" + port_file);
@@ -89,6 +89,9 @@ class ServiceProcess {
     pid_ = -1;
     return status;
   }
+  // Another program with the same --listen / --port-file contract
+  // (e.g. hmoe-gpu-worker); default: hmoe-expert-service.
+  void set_binary(std::string path) { binary_ = std::move(path); }
   int pid() const { return pid_; }
   int port() const { return port_; }
   std::string target() const { return host_ + ":" + std::to_string(port_); }
@@ -99,6 +102,7 @@ class ServiceProcess {
   std::string port_file_;
   std::string host_ = "127.0.0.1";
   std::vector<std::string> args_, prefix_;
+  std::string binary_;
 };
 
 }  // namespace hmoe::testing

@@ -1,0 +1,379 @@
+// The pair as real processes: hmoe-expert-service + hmoe-gpu-worker, driven
+// through the C++ client. Greedy output must equal transformers' for every
+// fixture; concurrency, bad input, cancellation, load and failures of the
+// expert service are exercised against the running worker.
+#include <signal.h>
+
+#include <atomic>
+#include <filesystem>
+#include <thread>
+
+#include "common/safetensors.h"
+#include "common/tokenizer.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "sdk/client.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/transport/service_process.h"
+
+namespace hmoe {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string WorkerBinary() { return std::string(HMOE_BINARY_DIR) + "/bin/hmoe-gpu-worker"; }
+
+struct Reference {
+  std::vector<int32_t> prompt, greedy;
+};
+
+Reference LoadReference(const std::string& dir) {
+  Reference r;
+  auto f = SafetensorsFile::Open(dir + "/reference.safetensors");
+  EXPECT_TRUE(f.ok()) << f.status();
+  if (!f.ok()) return r;
+  for (float v : (*f)->Get("prompt_ids")->ToF32()) r.prompt.push_back(static_cast<int32_t>(v));
+  for (float v : (*f)->Get("greedy_ids")->ToF32()) r.greedy.push_back(static_cast<int32_t>(v));
+  return r;
+}
+
+// One expert service (or several shards) plus one worker.
+class Pair {
+ public:
+  // `shards` expert-service processes with `split`; transport for the worker.
+  bool Start(const std::string& model, int shards = 1, const std::string& split = "tp",
+             const std::string& transport = "shm",
+             const std::vector<std::string>& worker_extra = {}) {
+    std::string targets;
+    for (int i = 0; i < shards; ++i) {
+      experts_.push_back(std::make_unique<testing::ServiceProcess>());
+      std::vector<std::string> args = {
+          "--model-dir=" + model, "--format=bf16",
+          "--shard=" + std::to_string(i) + "/" + std::to_string(shards), "--split=" + split};
+      if (!experts_.back()->Start(args, dir_.file("expert" + std::to_string(i) + ".port")))
+        return false;
+      targets += (i ? "," : "") + experts_.back()->target();
+    }
+    worker_.set_binary(WorkerBinary());
+    std::vector<std::string> args = {"--model=" + model, "--experts=" + targets,
+                                     "--transport=" + transport, "--threads=2",
+                                     "--expert-timeout-ms=2000"};
+    args.insert(args.end(), worker_extra.begin(), worker_extra.end());
+    if (!worker_.Start(args, dir_.file("worker.port"))) return false;
+    ClientOptions o;
+    o.target = worker_.target();
+    auto c = Client::Connect(o);
+    if (!c.ok()) return false;
+    client_ = std::move(*c);
+    return true;
+  }
+  Client& client() { return *client_; }
+  testing::ServiceProcess& worker() { return worker_; }
+  testing::ServiceProcess& expert(int i = 0) { return *experts_[static_cast<size_t>(i)]; }
+
+ private:
+  testing::TempDir dir_;
+  std::vector<std::unique_ptr<testing::ServiceProcess>> experts_;
+  testing::ServiceProcess worker_;
+  std::unique_ptr<Client> client_;
+};
+
+api::v1::GenerateRequest IdsRequest(const std::vector<int32_t>& prompt, int max_tokens) {
+  api::v1::GenerateRequest r;
+  for (int32_t t : prompt) r.mutable_prompt_ids()->add_ids(t);
+  r.set_max_tokens(max_tokens);
+  r.set_ignore_eos(true);
+  return r;
+}
+
+std::vector<std::string> Fixtures() {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(testing::FixturesDir()))
+    if (std::filesystem::exists(e.path() / "reference.safetensors"))
+      out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Whole stack (worker + expert service over shared memory, bf16 expert
+// weights) against transformers' greedy tokens, for every fixture.
+TEST(Serving, GreedyThroughTheWholeStackEqualsTransformers) {
+  const auto fixtures = Fixtures();
+  ASSERT_GE(fixtures.size(), 5u);
+  for (const std::string& dir : fixtures) {
+    SCOPED_TRACE(dir);
+    const Reference ref = LoadReference(dir);
+    Pair pair;
+    ASSERT_TRUE(pair.Start(dir));
+    auto r = pair.client().Generate(IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size())));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->token_ids, ref.greedy);
+    EXPECT_EQ(r->finish_reason, api::v1::FINISH_REASON_LENGTH);
+  }
+}
+
+// Sharded expert service (2 and 3 shards, both splits, every transport) gives
+// the same greedy tokens.
+TEST(Serving, ShardsAndTransportsAgree) {
+  const std::string dir = testing::FixturesDir() + "/deepseek_v3_tiny";
+  const Reference ref = LoadReference(dir);
+  struct Case {
+    int shards;
+    const char* split;
+    const char* transport;
+  };
+  for (const Case& c : {Case{2, "tp", "grpc"}, Case{3, "ep", "shm"}, Case{2, "ep", "ucx"}}) {
+    SCOPED_TRACE(::testing::Message() << c.shards << " " << c.split << " " << c.transport);
+    Pair pair;
+    ASSERT_TRUE(pair.Start(dir, c.shards, c.split, c.transport));
+    auto r = pair.client().Generate(IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size())));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->token_ids, ref.greedy);
+  }
+}
+
+class TrainedModel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::FixturesDir() + "/ds3_fortunes";
+    ASSERT_TRUE(pair_.Start(dir_));
+  }
+  std::string dir_;
+  Pair pair_;
+};
+
+// The tiny trained model continues its prompt exactly as transformers did,
+// text and all, through text prompts and the server's tokenizer.
+TEST_F(TrainedModel, ProducesItsReferenceContinuation) {
+  const Reference ref = LoadReference(dir_);
+  auto r = pair_.client().Generate(IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size())));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->token_ids, ref.greedy);
+  auto tok = Tokenizer::FromFile(dir_ + "/tokenizer.json");
+  ASSERT_TRUE(tok.ok());
+  EXPECT_EQ(r->text, *(*tok)->Decode(ref.greedy, /*skip_special_tokens=*/true));
+  // Text in, text out: same tokens when the prompt text is tokenized by the server.
+  auto text = (*tok)->Decode(ref.prompt, /*skip_special_tokens=*/true);
+  ASSERT_TRUE(text.ok());
+  api::v1::GenerateRequest req;
+  req.set_prompt(*text);
+  req.set_add_special_tokens(ref.prompt[0] == 0);  // BOS
+  req.set_max_tokens(static_cast<int>(ref.greedy.size()));
+  req.set_ignore_eos(true);
+  auto t = pair_.client().Generate(req);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->token_ids, ref.greedy);
+  EXPECT_FALSE(t->text.empty());
+}
+
+// 16 concurrent clients, different prompts: each gets exactly what it gets
+// alone; the same seed gives the same sampled text.
+TEST_F(TrainedModel, ConcurrentClientsGetTheirSoloOutputs) {
+  const std::vector<std::string> starts = {"Love is",   "A wise man", "The trouble with",
+                                           "Never",     "Why",        "In the beginning",
+                                           "Computers", "If you",     "Money",
+                                           "Time",      "The best",   "Life",
+                                           "When",      "A fool",     "Work",
+                                           "Nothing"};
+  std::vector<api::v1::GenerateRequest> reqs;
+  for (size_t i = 0; i < starts.size(); ++i) {
+    api::v1::GenerateRequest r;
+    r.set_prompt(starts[i]);
+    r.set_add_special_tokens(true);
+    r.set_max_tokens(12);
+    if (i % 2) {
+      r.mutable_sampling()->set_temperature(0.9f);
+      r.mutable_sampling()->set_seed(100 + i);
+    }
+    reqs.push_back(r);
+  }
+  std::vector<std::string> solo;
+  for (const auto& r : reqs) {
+    auto g = pair_.client().Generate(r);
+    ASSERT_TRUE(g.ok()) << g.status();
+    solo.push_back(g->text);
+  }
+  std::vector<std::string> together(reqs.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < reqs.size(); ++i)
+    threads.emplace_back([&, i] {
+      auto g = pair_.client().Generate(reqs[i]);
+      together[i] = g.ok() ? g->text : "ERROR " + g.status().ToString();
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(together, solo);
+  auto again = pair_.client().Generate(reqs[1]);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->text, solo[1]);
+}
+
+TEST_F(TrainedModel, BadInputIsRefusedByFieldAndServingGoesOn) {
+  auto expect = [&](api::v1::GenerateRequest r, const char* field) {
+    auto g = pair_.client().Generate(r);
+    ASSERT_FALSE(g.ok()) << field;
+    EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument) << g.status();
+    EXPECT_THAT(std::string(g.status().message()), HasSubstr(field));
+  };
+  api::v1::GenerateRequest ok;
+  ok.set_prompt("Love is");
+  ok.set_max_tokens(4);
+  api::v1::GenerateRequest r = ok;
+  r.set_prompt("");
+  expect(r, "prompt");
+  r = ok;
+  r.set_max_tokens(0);
+  expect(r, "max_tokens");
+  r = ok;
+  r.set_max_tokens(-5);
+  expect(r, "max_tokens");
+  r = IdsRequest({5, 99999}, 4);
+  expect(r, "99999");
+  r = ok;
+  r.mutable_sampling()->set_temperature(std::nanf(""));
+  expect(r, "temperature");
+  r = ok;
+  r.mutable_sampling()->set_temperature(-0.5f);
+  expect(r, "temperature");
+  r = ok;
+  r.mutable_sampling()->set_top_p(0.0f);
+  expect(r, "top_p");
+  r = ok;
+  r.mutable_sampling()->set_top_p(1.01f);
+  expect(r, "top_p");
+  r = ok;
+  r.mutable_sampling()->set_top_k(-1);
+  expect(r, "top_k");
+  auto info = pair_.client().ModelInfo();
+  ASSERT_TRUE(info.ok());
+  r = IdsRequest(std::vector<int32_t>(static_cast<size_t>(info->max_context()) + 5, 7), 4);
+  expect(r, "context");
+  auto fine = pair_.client().Generate(ok);
+  EXPECT_TRUE(fine.ok()) << fine.status();
+}
+
+TEST_F(TrainedModel, CancelAndDeadlineFreeKvBlocks) {
+  api::v1::GenerateRequest r;
+  r.set_prompt("A wise man once said");
+  r.set_max_tokens(900);
+  r.set_ignore_eos(true);
+  std::atomic<int64_t> max_used{0};
+  int chunks = 0;
+  auto g = pair_.client().Generate(r, [&](const api::v1::GenerateResponse&) {
+    if (++chunks == 5) {
+      auto s = pair_.client().Stats();
+      if (s.ok()) max_used = s->kv_blocks_used();
+      return false;  // cancel mid-stream
+    }
+    return true;
+  });
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_GT(max_used.load(), 0);
+  auto wait_free = [&] {
+    for (int i = 0; i < 200; ++i) {
+      auto s = pair_.client().Stats();
+      if (s.ok() && s->kv_blocks_used() == 0 && s->running() == 0) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  };
+  EXPECT_TRUE(wait_free());
+  auto d = pair_.client().Generate(r, nullptr, absl::Now() + absl::Milliseconds(30));
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kDeadlineExceeded) << d.status();
+  EXPECT_TRUE(wait_free());
+}
+
+// 100 clients at once: each request completes with the right token count or
+// is refused with RESOURCE_EXHAUSTED; nothing leaks.
+TEST_F(TrainedModel, HundredClientsAtOnce) {
+  std::atomic<int> completed{0}, refused{0}, other{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 100; ++i)
+    threads.emplace_back([&, i] {
+      ClientOptions o;
+      o.target = pair_.worker().target();
+      auto c = Client::Connect(o);
+      if (!c.ok()) {
+        ++other;
+        return;
+      }
+      api::v1::GenerateRequest r;
+      r.set_prompt(i % 2 ? "Love is" : "Never");
+      r.set_max_tokens(8);
+      r.set_ignore_eos(true);
+      auto g = (*c)->Generate(r);
+      if (g.ok() && g->token_ids.size() == 8 && g->usage.completion_tokens() == 8)
+        ++completed;
+      else if (g.status().code() == absl::StatusCode::kResourceExhausted)
+        ++refused;
+      else
+        ++other;
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(completed.load() + refused.load(), 100);
+  EXPECT_GE(completed.load(), 64);  // the queue holds 64 beyond the running batch
+  auto s = pair_.client().Stats();
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->kv_blocks_used(), 0);
+  EXPECT_EQ(s->running() + s->waiting(), 0);
+}
+
+// Expert service killed: requests fail UNAVAILABLE within a bound, health goes
+// NOT_SERVING; after a restart on the same port, requests succeed again.
+TEST_F(TrainedModel, ExpertServiceDeathAndRecovery) {
+  api::v1::GenerateRequest r;
+  r.set_prompt("Love is");
+  r.set_max_tokens(4);
+  ASSERT_TRUE(pair_.client().Generate(r).ok());
+  pair_.expert().Kill(SIGKILL);
+  const absl::Time t0 = absl::Now();
+  auto g = pair_.client().Generate(r);
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable) << g.status();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(3));
+  bool not_serving = false;
+  for (int i = 0; i < 50 && !not_serving; ++i) {
+    auto h = pair_.client().Healthy();
+    not_serving = h.ok() && !*h;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(not_serving);
+  ASSERT_TRUE(pair_.expert().Restart());
+  bool recovered = false;
+  for (int i = 0; i < 50 && !recovered; ++i) {
+    recovered = pair_.client().Generate(r).ok();
+    if (!recovered) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(recovered);
+  bool serving = false;
+  for (int i = 0; i < 50 && !serving; ++i) {
+    auto h = pair_.client().Healthy();
+    serving = h.ok() && *h;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(serving);
+}
+
+// SIGTERM: the in-flight request finishes, then the worker exits 0.
+TEST_F(TrainedModel, SigtermDrains) {
+  api::v1::GenerateRequest r;
+  r.set_prompt("A wise man once said");
+  r.set_max_tokens(300);
+  r.set_ignore_eos(true);
+  std::atomic<bool> started{false};
+  absl::StatusOr<GenerateResult> result;
+  std::thread t([&] {
+    result = pair_.client().Generate(r, [&](const api::v1::GenerateResponse&) {
+      started = true;
+      return true;
+    });
+  });
+  while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const int status = pair_.worker().Kill(SIGTERM);
+  t.join();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->token_ids.size(), 300u);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+}  // namespace
+}  // namespace hmoe
