@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "expert_service/kernels/gemm.h"
@@ -35,18 +36,30 @@ void ConfigureTiles() {
 
 enum class Kind { kBf16, kInt8, kInt4Bf16 };
 
+// Bytes of each A row per K chunk: 512 keeps a row pair's A chunk (16 KiB)
+// and the B pair chunk (16 KiB) in L1 together. HMOE_AMX_KC_BYTES overrides
+// (512 or 1024), for tuning.
+int64_t ChunkBytes() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("HMOE_AMX_KC_BYTES");
+    const int64_t b = e != nullptr ? std::atoll(e) : 512;
+    return b == 1024 ? int64_t{1024} : int64_t{512};
+  }();
+  return v;
+}
+
 template <Kind kKind>
 void AmxGemm(const GemmArgs& a) {
   constexpr bool kI8 = kKind == Kind::kInt8;
-  constexpr int64_t kStepK = kI8 ? 64 : 32;      // k per tile
-  constexpr int64_t kChunkK = kI8 ? 1024 : 512;  // k per chunk (1 KiB of A row)
+  constexpr int64_t kStepK = kI8 ? 64 : 32;  // k per tile
+  const int64_t kChunkK = ChunkBytes() / (kI8 ? 1 : 2);  // k per chunk (a multiple of 128)
   const PackedGeom& g = *a.g;
   ConfigureTiles();
   const int mp = (a.m + 31) / 32 * 32;
   const int64_t ldc_b = a.ldc * 4;
   const uint8_t* A = static_cast<const uint8_t*>(a.a);
   uint8_t* buf0 = a.scratch;
-  uint8_t* buf1 = a.scratch + kChunkK * 32;  // bf16 chunk of one panel: kChunkK/2 lines x 64 B
+  uint8_t* buf1 = a.scratch + 512 * 32;  // room for the largest chunk (512 k)  // bf16 chunk of one panel: kChunkK/2 lines x 64 B
   for (int64_t kc0 = 0; kc0 < g.kp; kc0 += kChunkK) {
     const int64_t kc1 = std::min(g.kp, kc0 + kChunkK);
     for (int64_t j = a.nb0; j < a.nb1; j += 2) {
@@ -85,16 +98,16 @@ void AmxGemm(const GemmArgs& a) {
           for (int64_t s = 0; s < steps; ++s) {
             _tile_loadd(4, a0 + s * 64, a.lda);
             _tile_loadd(6, B0 + s * 1024, 64);
-            _tile_loadd(5, a1 + s * 64, a.lda);
+            if constexpr (kI8) _tile_dpbssd(0, 4, 6);
+            else _tile_dpbf16ps(0, 4, 6);
             _tile_loadd(7, B1 + s * 1024, 64);
+            if constexpr (kI8) _tile_dpbssd(1, 4, 7);
+            else _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, a1 + s * 64, a.lda);
             if constexpr (kI8) {
-              _tile_dpbssd(0, 4, 6);
-              _tile_dpbssd(1, 4, 7);
               _tile_dpbssd(2, 5, 6);
               _tile_dpbssd(3, 5, 7);
             } else {
-              _tile_dpbf16ps(0, 4, 6);
-              _tile_dpbf16ps(1, 4, 7);
               _tile_dpbf16ps(2, 5, 6);
               _tile_dpbf16ps(3, 5, 7);
             }

@@ -243,7 +243,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   int64_t rows = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int32_t c = w.count[static_cast<size_t>(e)];
-    w.many[static_cast<size_t>(e)] = c > opts.many_threshold;
+    w.many[static_cast<size_t>(e)] = c > (fmt == WeightFormat::kInt4 ? opts.many_threshold_int4 : opts.many_threshold);
     w.row_off[static_cast<size_t>(e)] = static_cast<int32_t>(rows);
     w.cursor[static_cast<size_t>(e)] = static_cast<int32_t>(rows);
     w.row_cnt[static_cast<size_t>(e)] = c;

@@ -11,7 +11,8 @@
 // Numerics (the scalar reference, RunMoeReference, is the definition; every
 // kernel matches it up to fp32 summation order, see tests/kernels):
 //   Per expert call the regime is "many" when the expert received more than
-//   RunOptions::many_threshold tokens in this call (AMX kernels), else "few"
+//   RunOptions::many_threshold (INT4: many_threshold_int4) tokens in this
+//   call (AMX kernels), else "few"
 //   (AVX-512/AVX2 GEMV). The regime, not the ISA, fixes the numerics:
 //   * BF16 weights: activations are the bf16 inputs; gate/up accumulate in
 //     fp32; h = bf16(SiLU(g) * u) (round to nearest even); down accumulates
@@ -167,6 +168,9 @@ struct RunOptions {
   std::optional<Isa> isa;   // cap; the effective ISA is min(detected, HMOE_ISA, this)
   bool strict_isa = false;  // requesting an ISA the CPU lacks fails instead of falling back
   int many_threshold = 4;   // experts with more tokens than this use the "many" (AMX) kernels
+  // INT4 "many" dequantizes weights to bf16 for AMX, which pays off only with
+  // more rows per weight than the VNNI kernel's 4: INT4 uses this instead.
+  int many_threshold_int4 = 16;
 };
 
 // Scratch for RunMoe, sized for `max_tokens` x `max_top_k` on layers shaped

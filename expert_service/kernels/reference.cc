@@ -81,8 +81,9 @@ absl::Status RunMoeReference(const std::vector<QuantExpert>& experts, int64_t hi
       const QuantExpert& q = experts[static_cast<size_t>(e)];
       if (q.gate.cols != H || q.down.rows != H)
         return absl::InvalidArgumentError(absl::StrCat("reference: expert ", e, " shape mismatch"));
-      const bool many = count[static_cast<size_t>(e)] > opts.many_threshold;
       const WeightFormat f = q.gate.format;
+      const bool many = count[static_cast<size_t>(e)] >
+                        (f == WeightFormat::kInt4 ? opts.many_threshold_int4 : opts.many_threshold);
       const bool int8_act = f == WeightFormat::kInt8 || (f == WeightFormat::kInt4 && !many);
       MatVec(q.gate, many, xf.data(), xq.data(), xs, g);
       MatVec(q.up, many, xf.data(), xq.data(), xs, u);
