@@ -59,7 +59,7 @@ ShmSlot* SlotAt(uint8_t* base, const ShmHeader* h, uint32_t i) {
 void SetMessage(ShmSlot* s, const absl::Status& st) {
   s->code = static_cast<int32_t>(st.code());
   const size_t n = std::min(st.message().size(), sizeof(s->msg));
-  std::memcpy(s->msg, st.message().data(), n);
+  if (n > 0) std::memcpy(s->msg, st.message().data(), n);
   s->msg_len = static_cast<uint32_t>(n);
 }
 

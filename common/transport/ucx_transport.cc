@@ -323,9 +323,11 @@ struct UcxServer::Impl {
       hidden.resize(h.hidden_bytes / 2 + 1);
       ids.resize(h.ids_bytes / 4 + 1);
       weights.resize(h.weights_bytes / 4 + 1);
-      std::memcpy(hidden.data(), m.data.data(), h.hidden_bytes);
-      std::memcpy(ids.data(), m.data.data() + h.hidden_bytes, h.ids_bytes);
-      std::memcpy(weights.data(), m.data.data() + h.hidden_bytes + h.ids_bytes, h.weights_bytes);
+      if (h.hidden_bytes) std::memcpy(hidden.data(), m.data.data(), h.hidden_bytes);
+      if (h.ids_bytes) std::memcpy(ids.data(), m.data.data() + h.hidden_bytes, h.ids_bytes);
+      if (h.weights_bytes) {
+        std::memcpy(weights.data(), m.data.data() + h.hidden_bytes + h.ids_bytes, h.weights_bytes);
+      }
       call.hidden = hidden.data();
       call.hidden_bytes = h.hidden_bytes;
       call.ids = ids.data();
@@ -465,7 +467,7 @@ struct UcxClient::Impl {
     } else if (h.out_bytes != p.out_bytes || m.data.size() != h.out_bytes) {
       p.status = absl::InternalError("expert service (ucx): response size mismatch");
     } else {
-      std::memcpy(p.out, m.data.data(), h.out_bytes);
+      if (h.out_bytes) std::memcpy(p.out, m.data.data(), h.out_bytes);
     }
     p.done = true;
     cv.notify_all();
