@@ -9,6 +9,7 @@ pkgs=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   nlohmann-json3-dev libpcre2-dev libnuma-dev libhwloc-dev libsystemd-dev
   systemd iproute2 procps
+  python3-grpcio python3-protobuf
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -6,8 +6,10 @@
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
 #include "gmock/gmock.h"
@@ -351,6 +353,28 @@ TEST_F(TrainedModel, ExpertServiceDeathAndRecovery) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_TRUE(serving);
+}
+
+// The Python client (sdk/python, Debian's python3-grpcio) gets the same text.
+TEST_F(TrainedModel, PythonClientAgrees) {
+  if (std::system("/usr/bin/python3 -c 'import grpc' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "Debian's python3-grpcio is not installed";
+  api::v1::GenerateRequest r;
+  r.set_prompt("Love is");
+  r.set_add_special_tokens(true);
+  r.set_max_tokens(30);
+  auto want = pair_.client().Generate(r);
+  ASSERT_TRUE(want.ok()) << want.status();
+  testing::TempDir tmp;
+  const std::string cmd =
+      absl::StrCat("HMOE_PYTHON_STUBS=", HMOE_BINARY_DIR, "/python /usr/bin/python3 ",
+                   HMOE_SOURCE_DIR, "/sdk/python/hmoe_client.py --server ", pair_.worker().target(),
+                   " generate 'Love is' --add-special-tokens --max-tokens 30 > ", tmp.file("out"),
+                   " 2>", tmp.file("err"));
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(tmp.file("out"));
+  std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(got, "Love is" + want->text + "\n");
 }
 
 // SIGTERM: the in-flight request finishes, then the worker exits 0.

@@ -1,0 +1,150 @@
+#!/usr/bin/python3
+"""Python client for hmoe-gpu-worker (hmoe.api.v1.Generation).
+
+Uses Debian's python3-grpcio and python3-protobuf and the stubs the build
+generates from proto/api.proto into BUILD_DIR/python (HMOE_PYTHON_STUBS
+overrides the location).
+
+    from hmoe_client import Client
+    c = Client("127.0.0.1:50051")
+    for chunk in c.generate_stream("Love is", max_tokens=20):
+        print(chunk.text, end="", flush=True)
+    print(c.generate("Love is", max_tokens=20, temperature=0.8, seed=1).text)
+
+Command line:
+    /usr/bin/python3 sdk/python/hmoe_client.py --server ADDR generate "prompt" [--max-tokens N]
+    /usr/bin/python3 sdk/python/hmoe_client.py --server ADDR info | stats | tokenize TEXT
+"""
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.environ.get("HMOE_PYTHON_STUBS", os.path.join(_HERE, "..", "..", "build", "python")))
+
+import grpc  # noqa: E402
+from proto import api_pb2, api_pb2_grpc  # noqa: E402
+from proto.grpc.health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed")
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: dict = field(default_factory=dict)
+
+
+class Client:
+    def __init__(self, target="127.0.0.1:50051", connect_timeout=10.0):
+        self._channel = grpc.insecure_channel(target)
+        grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+        self._stub = api_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _request(self, prompt, max_tokens, stop, stop_token_ids, ignore_eos, add_special_tokens, **sampling):
+        req = api_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                      add_special_tokens=add_special_tokens)
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_ids.ids.extend(prompt)
+        req.stop.extend(stop or [])
+        req.stop_token_ids.extend(stop_token_ids or [])
+        for k, v in sampling.items():
+            if k not in _SAMPLING:
+                raise TypeError(f"unknown sampling parameter {k!r}")
+            if v is not None:
+                setattr(req.sampling, k, v)
+        return req
+
+    def generate_stream(self, prompt, max_tokens=64, stop=None, stop_token_ids=None, ignore_eos=False,
+                        add_special_tokens=False, timeout=None, **sampling):
+        """Yields GenerateResponse chunks; raises grpc.RpcError on failure."""
+        req = self._request(prompt, max_tokens, stop, stop_token_ids, ignore_eos, add_special_tokens, **sampling)
+        yield from self._stub.Generate(req, timeout=timeout)
+
+    def generate(self, prompt, **kwargs):
+        r = Result()
+        for chunk in self.generate_stream(prompt, **kwargs):
+            r.text += chunk.text
+            r.token_ids.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                r.finish_reason = api_pb2.FinishReason.Name(chunk.finish_reason)
+                r.prompt_tokens = chunk.usage.prompt_tokens
+                r.completion_tokens = chunk.usage.completion_tokens
+                t = chunk.timings
+                r.timings = {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "decode_ms": t.decode_ms,
+                             "time_to_first_token_ms": t.time_to_first_token_ms, "total_ms": t.total_ms}
+        return r
+
+    def tokenize(self, text, add_special_tokens=False):
+        return list(self._stub.Tokenize(api_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)).ids)
+
+    def detokenize(self, ids, skip_special_tokens=False):
+        return self._stub.Detokenize(api_pb2.DetokenizeRequest(ids=ids, skip_special_tokens=skip_special_tokens)).text
+
+    def model_info(self):
+        return self._stub.ModelInfo(api_pb2.ModelInfoRequest())
+
+    def stats(self):
+        return self._stub.Stats(api_pb2.StatsRequest())
+
+    def healthy(self):
+        r = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--server", default=os.environ.get("HMOE_SERVER", "127.0.0.1:50051"))
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--add-special-tokens", action="store_true")
+    sub.add_parser("info")
+    sub.add_parser("stats")
+    t = sub.add_parser("tokenize")
+    t.add_argument("text")
+    a = ap.parse_args()
+    try:
+        c = Client(a.server)
+        if a.cmd == "generate":
+            start = time.time()
+            n = 0
+            print(a.prompt, end="", flush=True)
+            for chunk in c.generate_stream(a.prompt, max_tokens=a.max_tokens, stop=a.stop, ignore_eos=a.ignore_eos,
+                                           add_special_tokens=a.add_special_tokens, temperature=a.temperature,
+                                           top_k=a.top_k, top_p=a.top_p, seed=a.seed):
+                print(chunk.text, end="", flush=True)
+                n += len(chunk.token_ids)
+            print()
+            print(f"-- {n} tokens in {time.time() - start:.3f} s", file=sys.stderr)
+        elif a.cmd == "info":
+            print(c.model_info())
+        elif a.cmd == "stats":
+            print(c.stats())
+        elif a.cmd == "tokenize":
+            print(c.tokenize(a.text))
+    except grpc.RpcError as e:
+        print(f"hmoe_client: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+// The worker's systemd unit verifies together with the expert-service unit it
+// requires (systemd-analyze, where available).
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace hmoe {
+namespace {
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void ReplaceAll(std::string& s, const std::string& from, const std::string& to) {
+  for (size_t p = s.find(from); p != std::string::npos; p = s.find(from, p + to.size()))
+    s.replace(p, from.size(), to);
+}
+
+TEST(Deploy, GpuWorkerUnitVerifies) {
+  if (std::system("command -v systemd-analyze >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "systemd-analyze not available";
+  testing::TempDir dir;
+  const std::string src = std::string(HMOE_SOURCE_DIR) + "/deploy/systemd";
+  const std::string bin = std::string(HMOE_BINARY_DIR) + "/bin";
+  for (const char* name : {"hmoe-gpu-worker.service", "hmoe-expert-service@.service"}) {
+    std::string unit = Slurp(src + "/" + name);
+    ASSERT_FALSE(unit.empty()) << name;
+    ReplaceAll(unit, "/usr/local/bin/", bin + "/");
+    ReplaceAll(unit, "/etc/hmoe/", src + "/");
+    std::ofstream(dir.file(name)) << unit;
+  }
+  const std::string out = dir.file("out");
+  const int st = std::system(absl::StrCat("cd ", dir.path(), " && systemd-analyze verify --man=no ",
+                                          dir.file("hmoe-gpu-worker.service"), " > ", out, " 2>&1")
+                                 .c_str());
+  const std::string text = Slurp(out);
+  EXPECT_EQ(st, 0) << text;
+  EXPECT_EQ(text.find("hmoe-gpu-worker"), std::string::npos)
+      << text;  // no complaints about our unit
+}
+
+}  // namespace
+}  // namespace hmoe
