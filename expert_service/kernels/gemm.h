@@ -43,7 +43,9 @@ struct KernelSet {
   float (*amax_f32)(const float* x, int64_t n) = nullptr;
   void (*quant_f32)(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum,
                     int group) = nullptr;
+  void (*axpy)(float a, const float* x, int64_t n, float* y) = nullptr;  // y += a * x
 };
+void AxpyScalar(float a, const float* x, int64_t n, float* y);
 
 // Shared scalar helpers (kernels_scalar.cc) for ISA files that reuse them.
 void QuantBf16Scalar(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale,

@@ -276,6 +276,13 @@ void QuantF32(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32
   QuantCore([&](int64_t i, __mmask16 k) { return _mm512_maskz_loadu_ps(k, x + i); }, n, kp, inv, q, gsum, group);
 }
 
+void Axpy(float a, const float* x, int64_t n, float* y) {
+  const __m512 va = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
 }  // namespace
 
 void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, int64_t kp) {
@@ -320,19 +327,25 @@ void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t
 }
 
 uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i + 256 <= bytes; i += 256) {
-    a0 = _mm512_xor_si512(a0, _mm512_load_si512(p + i));
-    a1 = _mm512_xor_si512(a1, _mm512_load_si512(p + i + 64));
-    a2 = _mm512_xor_si512(a2, _mm512_load_si512(p + i + 128));
-    a3 = _mm512_xor_si512(a3, _mm512_load_si512(p + i + 192));
+  // Four interleaved sequential streams (as a kernel task reads several
+  // panels at once), two lines each per step: enough loads in flight.
+  const int64_t q = bytes / 4 / 128 * 128;
+  __m512i a[8];
+  for (auto& v : a) v = _mm512_setzero_si512();
+  for (int64_t i = 0; i < q; i += 128) {
+    for (int s = 0; s < 4; ++s) {
+      a[2 * s] = _mm512_xor_si512(a[2 * s], _mm512_load_si512(p + s * q + i));
+      a[2 * s + 1] = _mm512_xor_si512(a[2 * s + 1], _mm512_load_si512(p + s * q + i + 64));
+    }
   }
-  return static_cast<uint64_t>(_mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3))));
+  __m512i r = a[0];
+  for (int s = 1; s < 8; ++s) r = _mm512_xor_si512(r, a[s]);
+  return static_cast<uint64_t>(_mm512_reduce_add_epi64(r));
 }
 
 const KernelSet& Avx512Kernels() {
   static const KernelSet k{GemmBf16, GemmI8,   GemmI4I8, GemmI4Bf16, SiluMul,
-                           SiluMulBf16, QuantBf16, AmaxF32, QuantF32};
+                           SiluMulBf16, QuantBf16, AmaxF32, QuantF32, Axpy};
   return k;
 }
 

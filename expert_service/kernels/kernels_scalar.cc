@@ -147,10 +147,14 @@ void QuantBf16Scalar(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float*
     }
 }
 
+void AxpyScalar(float a, const float* x, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
 const KernelSet& ScalarKernels() {
   static const KernelSet k{GemmBf16,      GemmI8,          GemmI4I8,      GemmI4Bf16,
                            SiluMulScalar, SiluMulBf16Scalar, QuantBf16Scalar, AmaxF32Scalar,
-                           QuantF32Scalar};
+                           QuantF32Scalar, AxpyScalar};
   return k;
 }
 

@@ -483,18 +483,10 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         const int32_t r = w.slot_row[static_cast<size_t>(t * K + j)];
         if (r < 0) continue;
         const float wt = in.weights[t * K + j];
-        if (w.nparts == 1) {
-          const float* y = reinterpret_cast<const float*>(w.parts[0].y.data()) + int64_t{r} * H;
-          for (int64_t c = c0; c < c1; ++c) o[c] += wt * y[c];
-        } else {
-          for (int64_t c = c0; c < c1; ++c) {
-            float s = 0.0f;
-            for (int q = 0; q < w.nparts; ++q)
-              if (!layer.parts()[static_cast<size_t>(q)].empty())
-                s += reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data())[int64_t{r} * H + c];
-            o[c] += wt * s;
-          }
-        }
+        for (int q = 0; q < w.nparts; ++q)
+          if (!layer.parts()[static_cast<size_t>(q)].empty())
+            kfew.axpy(wt, reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data()) + int64_t{r} * H + c0,
+                      c1 - c0, o + c0);
       }
     }
     mark(wk, 7);

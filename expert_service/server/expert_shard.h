@@ -1,7 +1,8 @@
 // One expert-service shard: its routed experts (loaded from a checkpoint, our
-// packed files, or generated), quantized to the serving format, and the
-// validated MoE call on them. No gRPC here: the front ends (gRPC stream,
-// shared memory, UCX) all call ExpertShard::Handle.
+// packed files, or generated), quantized and packed once into the kernels'
+// layout (expert_service/kernels/moe.h), and the validated MoE call on them.
+// No gRPC here: the front ends (gRPC stream, shared memory, UCX) all call
+// ExpertShard::Handle.
 #pragma once
 
 #include <atomic>
@@ -13,12 +14,15 @@
 
 #include "absl/status/statusor.h"
 #include "common/transport/moe_call.h"
+#include "expert_service/kernels/moe.h"
+#include "expert_service/thread_pool.h"
 
 namespace hmoe {
 
-// Weight formats the shard serves in. Weights are quantized once at load
-// (from bf16/f32/fp8), or loaded already quantized from `hmoe convert` output.
-enum class ServeFormat { kBf16, kInt8, kInt4 };
+// Weight formats the shard serves in: the kernels' formats. Weights are
+// quantized once at load (from bf16/f32/fp8) exactly as the kernels' Pack
+// does, or loaded already quantized from `hmoe convert` output.
+using ServeFormat = WeightFormat;
 
 struct ShardOptions {
   std::string model_dir;   // Hugging Face checkpoint (bf16/f32/fp8 safetensors)
@@ -30,7 +34,12 @@ struct ShardOptions {
   SplitMode split = SplitMode::kTp;
   ServeFormat format = ServeFormat::kBf16;
   int group = 64;            // int4 group along K
-  int64_t max_tokens = 256;  // capacity of one request (sizes shm slots too)
+  int64_t max_tokens = 256;  // capacity of one request (sizes shm slots and the workspace)
+  // Compute threads: 0 = one per core the process may run on (so bind the
+  // process with --cores / --numa-node before Load); env HMOE_THREADS and
+  // HMOE_VIRTUAL_NUMA apply as in ThreadPoolOptions. Shards loaded in one
+  // process with the same count share one pool.
+  int threads = 0;
   // Benchmark seam: validate every call but answer zeros without computing,
   // so that transport overhead can be measured apart from the experts.
   bool null_compute = false;
@@ -43,20 +52,9 @@ absl::StatusOr<ServeFormat> ParseServeFormat(const std::string& s,
                                              int* group);  // bf16|int8|int4g64..
 std::string ServeFormatName(ServeFormat f, int group);
 
-// The plain scalar MoE on dequantized weights: the reference every path is
-// compared with. Weights are the quantized values (w = q * s) kept in f32;
-// h = bf16(SiLU(g) * u) as in the kernels' BF16 definition.
-struct ExpertSlice {
-  std::vector<float> gate, up;  // [I_slice][H]
-  std::vector<float> down;      // [H][I_slice]
-};
-
-class MoeCompute {
- public:
-  virtual ~MoeCompute() = default;
-  // out [tokens][hidden] f32, overwritten.
-  virtual absl::Status Run(int layer_slot, const MoeCall& call, float* out) = 0;
-};
+// The process-wide compute pool for `threads` (0: one per allowed core),
+// created on first use and kept until exit.
+absl::StatusOr<ThreadPool*> SharedThreadPool(int threads);
 
 class ExpertShard : public MoeHandler {
  public:
@@ -66,10 +64,14 @@ class ExpertShard : public MoeHandler {
     std::atomic<int64_t> weight_bytes{0};
   };
 
+  // Packs every MoE layer of the shard (checkpoints stream expert by expert;
+  // no unpacked copy of the weights is kept).
   static absl::StatusOr<std::unique_ptr<ExpertShard>> Load(const ShardOptions& opts,
                                                            LoadProgress* progress = nullptr);
 
   const ShardInfo& info() const override { return info_; }
+  // Validates the call, then RunMoe on the layer. Calls are serialized (one
+  // workspace; the pool runs one call at a time anyway).
   absl::Status Handle(const MoeCall& call, float* out, uint64_t* compute_ns) override;
 
   // New calls fail UNAVAILABLE ("draining"); in-flight ones finish.
@@ -81,31 +83,29 @@ class ExpertShard : public MoeHandler {
         in_flight{0};
   };
   const Counters& counters() const { return counters_; }
-  int64_t weight_bytes() const { return weight_bytes_; }
+  int64_t weight_bytes() const { return weight_bytes_; }  // packed bytes, all layers
+  Isa isa() const { return isa_; }                        // what RunMoe dispatches to
+  const ThreadPool& pool() const { return *pool_; }
 
-  // The experts of one layer, [local expert] (for tests and convert).
-  const std::vector<ExpertSlice>& layer_experts(int layer_slot) const {
+  // The packed experts of one layer (index into info().moe_layers).
+  const PackedMoeLayer& layer(int layer_slot) const {
     return layers_[static_cast<size_t>(layer_slot)];
   }
 
  private:
   ExpertShard() = default;
-  absl::Status Compute(int slot, const MoeCall& call, float* out);
 
   ShardInfo info_;
-  ServeFormat format_ = ServeFormat::kBf16;
   bool null_compute_ = false;
-  std::vector<int> slot_of_layer_;                // layer -> slot or -1
-  std::vector<std::vector<ExpertSlice>> layers_;  // [slot][local expert]
+  Isa isa_ = Isa::kScalar;
+  ThreadPool* pool_ = nullptr;                // SharedThreadPool: outlives every shard
+  std::vector<int> slot_of_layer_;            // layer -> slot or -1
+  std::vector<PackedMoeLayer> layers_;        // [slot]
+  std::unique_ptr<MoeWorkspace> workspace_;   // guarded by compute_mu_
   int64_t weight_bytes_ = 0;
   std::mutex compute_mu_;
   std::atomic<bool> draining_{false};
   Counters counters_;
 };
-
-// Quantizes a full expert matrix [rows][cols] in place to the serving format
-// (values replaced by q * scale): int8 per row, int4 per group of `group` along
-// cols (a last partial group is its own group), bf16 by rounding.
-void QuantizeInPlace(ServeFormat f, int group, int64_t rows, int64_t cols, float* w);
 
 }  // namespace hmoe

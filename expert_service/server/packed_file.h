@@ -1,13 +1,13 @@
 // Packed expert files: what `hmoe convert` writes and the service loads
 // without re-quantizing. One safetensors file per shard (mmap-ready, 8-byte
 // aligned tensors), named experts-<split>-<i>of<n>.safetensors, holding for
-// every MoE layer L and owned expert E the shard's slice:
-//   "L.E.gate.q", "L.E.up.q"  [I_slice][H]   int8 (int4 values in [-8, 7] packed
-//   "L.E.down.q"              [H][I_slice]    two per byte, low nibble first, as U8
-//   [rows][ceil(cols/2)]) "L.E.<proj>.s"            f32 scales: int8 [rows] (per row of the whole
-//   matrix);
-//                             int4 [rows][groups] for the absolute groups (col / group)
-//                             the slice touches; bf16 weights have ".q" as BF16 and no ".s".
+// every MoE layer L and owned expert E the shard's slice quantized exactly as
+// the kernels' QuantizeExpert quantizes it (so loading one gives the same
+// packed weights, bit for bit, as quantizing at load):
+//   "L.E.gate.q", "L.E.up.q"  [I_slice][H]  int8 | bf16 | int4 as U8 [rows][ceil(cols/2)]
+//   "L.E.down.q"              [H][I_slice]  (two values per byte, low nibble first)
+//   "L.E.<proj>.s"            f32 scales of the slice: int8 [rows][1],
+//                             int4 [rows][ceil(cols/group)]; none for bf16.
 // Header metadata: hmoe_packed_version, format, model_type, hidden, intermediate,
 // num_experts, layers, shard, num_shards, split, i_begin, i_end, expert_begin,
 // expert_end and "checksums" (FNV-1a 64 of every tensor's bytes, JSON).
@@ -38,15 +38,18 @@ class PackedExperts {
                                                              int num_shards);
   ServeFormat format() const { return format_; }
   int group() const { return group_; }
-  // Expert `e` of `layer`, intermediate slice [i0, i1): must be inside the file's part.
-  absl::StatusOr<ExpertSlice> Expert(int layer, int e, int64_t i0, int64_t i1) const;
+  int64_t i_begin() const { return i_begin_; }
+  int64_t i_end() const { return i_end_; }
+  int64_t expert_begin() const { return e_begin_; }
+  int64_t expert_end() const { return e_end_; }
+  // Expert `e` (global id, owned by the file) of `layer`: the shard's slice,
+  // checksummed and shape-checked.
+  absl::StatusOr<QuantExpert> Expert(int layer, int64_t e) const;
 
  private:
   std::string path_;
   std::unique_ptr<SafetensorsFile> file_;
   std::map<std::string, std::string> sums_;
-  int64_t cfg_cols_down_ =
-      0;  // the model's intermediate size (int8 scales of down are per whole row)
   ServeFormat format_ = ServeFormat::kBf16;
   int group_ = 64;
   int64_t hidden_ = 0, i_begin_ = 0, i_end_ = 0, e_begin_ = 0, e_end_ = 0;
@@ -63,10 +66,16 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
 
 uint64_t Fnv1a64(const void* data, size_t n);
 
-// A routed expert's projection [rows][cols] as f32 (bf16/f16/f32 converted,
-// fp8 dequantized with its block scale_inv); shape checked.
-absl::StatusOr<std::vector<float>> LoadExpertMatrix(const Checkpoint& ckpt, const ModelConfig& cfg,
-                                                    int layer, int expert, ExpertProj proj,
-                                                    int64_t rows, int64_t cols);
+// A routed expert's weights as views into the checkpoint's mapping (no copy):
+// bf16/f16/f32, or fp8 with its block scale_inv; shapes and dtypes checked,
+// errors name the checkpoint and the tensor.
+absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const ModelConfig& cfg,
+                                                int layer, int64_t expert);
+// The kernels' weight source for one MoE layer of a checkpoint (streams
+// LoadExpertWeights; `ckpt` and `cfg` must outlive it).
+MoeWeightsSource CheckpointSource(const Checkpoint& ckpt, const ModelConfig& cfg, int layer);
+// The kernels' options for shard `shard`/`num_shards` of a model.
+PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMode split,
+                             int shard, int num_shards, ServeFormat format, int group);
 
 }  // namespace hmoe
