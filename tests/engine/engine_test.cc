@@ -229,8 +229,7 @@ TEST_F(EngineTest, QueueLimitAndShutdown) {
   int ended = 0;
   for (int i = 0; i < 8; ++i) ended += cs[static_cast<size_t>(i)].done;
   EXPECT_EQ(ended, accepted);  // every accepted request got its final event
-  EXPECT_EQ(engine->Submit(Greedy(1), nullptr).status().code(),
-            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(engine->Submit(Greedy(1), nullptr).status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(EngineTest, StopStringsTruncateText) {
