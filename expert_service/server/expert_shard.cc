@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cmath>
 #include <map>
-#include <random>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -20,10 +19,6 @@
 
 namespace hmoe {
 namespace {
-
-int64_t Part(int64_t n, int i, int parts) { return n * i / parts; }
-
-float RoundBf16(float f) { return Bf16ToF32(F32ToBf16(f)); }
 
 struct Geometry {
   std::string model_type;
@@ -65,6 +60,44 @@ absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
   }
   for (int64_t l = 0; l < layers; ++l) g.moe_layers.push_back(static_cast<int32_t>(l));
   return g;
+}
+
+uint64_t Mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Synthetic experts as bf16 checkpoint tensors, w ~ U(-1, 1) / sqrt(K): a
+// pure function of (seed, layer, expert, matrix, element), so every shard
+// count and split sees the same model.
+MoeWeightsSource SyntheticSource(const Geometry& g, int layer) {
+  MoeWeightsSource src;
+  src.hidden = g.hidden;
+  src.intermediate = g.intermediate;
+  src.num_experts = g.experts;
+  const uint64_t seed = g.seed;
+  src.expert = [seed, layer, H = g.hidden, I = g.intermediate](int64_t e) {
+    auto make = [&](int mat, int64_t rows, int64_t cols) {
+      Tensor t = Tensor::Empty(DType::kBF16, {rows, cols});
+      const uint64_t base = Mix(seed * 0x9e3779b97f4a7c15ull ^ Mix(static_cast<uint64_t>(layer)) ^
+                                Mix(static_cast<uint64_t>(e) << 8 | static_cast<uint64_t>(mat)));
+      const float scale = 1.f / std::sqrt(static_cast<float>(cols));
+      uint16_t* p = t.data<uint16_t>();
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        const float u =
+            static_cast<float>(Mix(base + static_cast<uint64_t>(i)) >> 40) / float(1 << 23) - 1.f;
+        p[i] = F32ToBf16(u * scale);
+      }
+      return t;
+    };
+    ExpertWeights w;
+    w.gate = make(0, I, H);
+    w.up = make(1, I, H);
+    w.down = make(2, H, I);
+    return absl::StatusOr<ExpertWeights>(std::move(w));
+  };
+  return src;
 }
 
 }  // namespace
@@ -112,6 +145,9 @@ absl::Status ShardOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--shard: ", shard_index, "/", num_shards, " is not i/n with 0 <= i < n"));
   }
+  if (threads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--threads: ", threads, " is negative"));
+  }
   if (max_tokens < 1 || max_tokens > (1 << 20)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-tokens: ", max_tokens, " outside [1, 2^20]"));
@@ -126,29 +162,21 @@ std::string ShardOptions::ToString() const {
                                            : packed_dir + " (config " + model_dir + ")",
                       " shard=", shard_index, "/", num_shards, " split=", SplitModeName(split),
                       " format=", ServeFormatName(format, group), " max_tokens=", max_tokens,
+                      " threads=", threads == 0 ? std::string("all") : absl::StrCat(threads),
                       null_compute ? " null_compute=1" : "");
 }
 
-void QuantizeInPlace(ServeFormat f, int group, int64_t rows, int64_t cols, float* w) {
-  if (f == ServeFormat::kBf16) {
-    for (int64_t i = 0; i < rows * cols; ++i) w[i] = RoundBf16(w[i]);
-    return;
+absl::StatusOr<ThreadPool*> SharedThreadPool(int threads) {
+  static std::mutex mu;
+  static auto* pools = new std::map<int, std::unique_ptr<ThreadPool>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto& p = (*pools)[threads];
+  if (!p) {
+    ThreadPoolOptions o;
+    o.max_threads = threads;
+    ASSIGN_OR_RETURN(p, ThreadPool::Create(o));
   }
-  const int64_t g = f == ServeFormat::kInt8 ? cols : group;
-  const float qmax = f == ServeFormat::kInt8 ? 127.f : 7.f;
-  const float qmin = f == ServeFormat::kInt8 ? -127.f : -8.f;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c0 = 0; c0 < cols; c0 += g) {
-      float* p = w + r * cols + c0;
-      const int64_t n = std::min(g, cols - c0);
-      float amax = 0;
-      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(p[i]));
-      const float s = amax / qmax;
-      for (int64_t i = 0; i < n; ++i) {
-        p[i] = s == 0 ? 0.f : std::clamp(std::nearbyint(p[i] / s), qmin, qmax) * s;
-      }
-    }
-  }
+  return p.get();
 }
 
 absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOptions& opts,
@@ -182,6 +210,30 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
       ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(opts.model_dir));
     }
   }
+  if (opts.split == SplitMode::kEp && opts.num_shards > geo.experts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shard: ", opts.num_shards, " ep shards for ", geo.experts, " experts"));
+  }
+  if (opts.split == SplitMode::kTp && opts.num_shards > geo.intermediate) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shard: ", opts.num_shards, " tp shards for intermediate size ", geo.intermediate));
+  }
+  ServeFormat format = opts.format;
+  int group = opts.group;
+  if (packed) {
+    format = packed->format();
+    group = packed->group();
+  }
+  const PackOptions po = ShardPackOptions(geo.intermediate, geo.experts, opts.split,
+                                          opts.shard_index, opts.num_shards, format, group);
+  if (packed &&
+      (packed->i_begin() != po.i_begin || packed->i_end() != po.i_end ||
+       packed->expert_begin() != po.expert_begin || packed->expert_end() != po.expert_end)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(opts.packed_dir, ": packed slice (experts [", packed->expert_begin(), ", ",
+                     packed->expert_end(), "), intermediate [", packed->i_begin(), ", ",
+                     packed->i_end(), ")) is not this shard's"));
+  }
   ShardInfo& info = shard->info_;
   info.model_type = geo.model_type;
   info.hidden = geo.hidden;
@@ -194,36 +246,16 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   info.split = opts.split;
   info.max_tokens = opts.max_tokens;
   info.pid = ::getpid();
-  ServeFormat format = opts.format;
-  int group = opts.group;
-  if (packed) {
-    format = packed->format();
-    group = packed->group();
-  }
   info.weight_format = ServeFormatName(format, group);
-  shard->format_ = format;
+  info.expert_begin = po.expert_begin;
+  info.expert_end = po.expert_end;
+  info.i_begin = po.i_begin;
+  info.i_end = po.i_end;
   shard->null_compute_ = opts.null_compute;
-  if (opts.split == SplitMode::kEp) {
-    if (opts.num_shards > geo.experts) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--shard: ", opts.num_shards, " ep shards for ", geo.experts, " experts"));
-    }
-    info.expert_begin = Part(geo.experts, opts.shard_index, opts.num_shards);
-    info.expert_end = Part(geo.experts, opts.shard_index + 1, opts.num_shards);
-    info.i_begin = 0;
-    info.i_end = geo.intermediate;
-  } else {
-    if (opts.num_shards > geo.intermediate) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--shard: ", opts.num_shards, " tp shards for intermediate size ", geo.intermediate));
-    }
-    info.expert_begin = 0;
-    info.expert_end = geo.experts;
-    info.i_begin = Part(geo.intermediate, opts.shard_index, opts.num_shards);
-    info.i_end = Part(geo.intermediate, opts.shard_index + 1, opts.num_shards);
-  }
-  const int64_t H = geo.hidden, I = geo.intermediate, i0 = info.i_begin, i1 = info.i_end,
-                is = i1 - i0;
+  ASSIGN_OR_RETURN(shard->isa_, EffectiveIsa(RunOptions{}));
+  ASSIGN_OR_RETURN(shard->pool_, SharedThreadPool(opts.threads));
+  ThreadPool& pool = *shard->pool_;
+
   int max_layer = 0;
   for (int32_t l : geo.moe_layers) max_layer = std::max(max_layer, l);
   shard->slot_of_layer_.assign(static_cast<size_t>(max_layer) + 1, -1);
@@ -231,53 +263,39 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   for (size_t slot = 0; slot < geo.moe_layers.size(); ++slot) {
     const int layer = geo.moe_layers[slot];
     shard->slot_of_layer_[static_cast<size_t>(layer)] = static_cast<int>(slot);
-    std::vector<ExpertSlice> experts;
-    for (int64_t e = info.expert_begin; e < info.expert_end; ++e) {
-      std::vector<float> gate, up, down;
-      if (packed) {
-        ASSIGN_OR_RETURN(auto m, packed->Expert(layer, static_cast<int>(e), i0, i1));
-        experts.push_back(std::move(m));
-        continue;
+    absl::StatusOr<PackedMoeLayer> packed_layer;
+    if (packed) {
+      // Already quantized: unpack each expert from the file and pack it.
+      packed_layer = PackedMoeLayer::Allocate(geo.hidden, geo.intermediate, geo.experts, po, pool);
+      if (packed_layer.ok()) {
+        std::mutex mu;
+        absl::Status st;
+        PackedMoeLayer& L = *packed_layer;
+        pool.ParallelFor(L.num_local_experts(), [&](int64_t e, const Worker&) {
+          absl::StatusOr<QuantExpert> q = packed->Expert(layer, po.expert_begin + e);
+          absl::Status s = q.ok() ? PackExpert(*q, e, L) : q.status();
+          std::lock_guard<std::mutex> lock(mu);
+          if (st.ok() && !s.ok()) st = s;
+        });
+        if (!st.ok()) packed_layer = st;
       }
-      if (ckpt) {
-        const int ei = static_cast<int>(e);
-        ASSIGN_OR_RETURN(gate, LoadExpertMatrix(*ckpt, cfg, layer, ei, ExpertProj::kGate, I, H));
-        ASSIGN_OR_RETURN(up, LoadExpertMatrix(*ckpt, cfg, layer, ei, ExpertProj::kUp, I, H));
-        ASSIGN_OR_RETURN(down, LoadExpertMatrix(*ckpt, cfg, layer, ei, ExpertProj::kDown, H, I));
-      } else {
-        std::mt19937_64 rng(geo.seed * 1000003u + static_cast<uint64_t>(layer) * 7919u +
-                            static_cast<uint64_t>(e));
-        std::uniform_real_distribution<float> du(-1.f, 1.f);
-        const float sg = 1.f / std::sqrt(static_cast<float>(H)),
-                    sd = 1.f / std::sqrt(static_cast<float>(I));
-        gate.resize(static_cast<size_t>(I * H));
-        up.resize(gate.size());
-        down.resize(gate.size());
-        for (auto& v : gate) v = du(rng) * sg;
-        for (auto& v : up) v = du(rng) * sg;
-        for (auto& v : down) v = du(rng) * sd;
-      }
-      // Quantize the whole matrices, then slice: every shard count sees the same weights.
-      QuantizeInPlace(format, group, I, H, gate.data());
-      QuantizeInPlace(format, group, I, H, up.data());
-      QuantizeInPlace(format, group, H, I, down.data());
-      ExpertSlice s;
-      s.gate.assign(gate.begin() + i0 * H, gate.begin() + i1 * H);
-      s.up.assign(up.begin() + i0 * H, up.begin() + i1 * H);
-      s.down.resize(static_cast<size_t>(H * is));
-      for (int64_t h = 0; h < H; ++h) {
-        std::copy(down.begin() + h * I + i0, down.begin() + h * I + i1, s.down.begin() + h * is);
-      }
-      experts.push_back(std::move(s));
+    } else {
+      const MoeWeightsSource src =
+          ckpt ? CheckpointSource(*ckpt, cfg, layer) : SyntheticSource(geo, layer);
+      packed_layer = Pack(src, po, pool);
     }
-    const int64_t fmt_bytes = format == ServeFormat::kBf16 ? 2 : 1;  // int4 counted as a byte
-    shard->weight_bytes_ += static_cast<int64_t>(experts.size()) * 3 * H * is * fmt_bytes;
-    shard->layers_.push_back(std::move(experts));
+    if (!packed_layer.ok()) {
+      return Annotate(packed_layer.status(), absl::StrCat("MoE layer ", layer));
+    }
+    shard->weight_bytes_ += packed_layer->expert_bytes() * packed_layer->num_local_experts();
+    shard->layers_.push_back(std::move(*packed_layer));
     if (progress) {
       progress->layers_loaded = static_cast<int64_t>(slot) + 1;
       progress->weight_bytes = shard->weight_bytes_;
     }
   }
+  ASSIGN_OR_RETURN(shard->workspace_, MoeWorkspace::Create(shard->layers_.front(), opts.max_tokens,
+                                                           static_cast<int>(geo.top_k), pool));
   return shard;
 }
 
@@ -295,9 +313,18 @@ absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* comp
   }
   counters_.in_flight.fetch_add(1);
   const auto t0 = std::chrono::steady_clock::now();
-  {
+  if (null_compute_) {
+    std::fill(out, out + int64_t{call.tokens} * info_.hidden, 0.f);
+  } else {
+    MoeInput in;
+    in.tokens = call.tokens;
+    in.top_k = call.top_k;
+    in.x = call.hidden;
+    in.ids = call.ids;
+    in.weights = call.weights;
     std::lock_guard<std::mutex> lock(compute_mu_);
-    st = Compute(slot_of_layer_[static_cast<size_t>(call.layer)], call, out);
+    st = RunMoe(layers_[static_cast<size_t>(slot_of_layer_[static_cast<size_t>(call.layer)])], in,
+                out, *pool_, *workspace_);
   }
   const uint64_t ns = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
@@ -308,44 +335,6 @@ absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* comp
   counters_.in_flight.fetch_sub(1);
   if (!st.ok()) counters_.failed.fetch_add(1);
   return st;
-}
-
-absl::Status ExpertShard::Compute(int slot, const MoeCall& call, float* out) {
-  const int64_t H = info_.hidden, is = info_.i_end - info_.i_begin;
-  const auto& experts = layers_[static_cast<size_t>(slot)];
-  std::vector<float> x(static_cast<size_t>(H)), h(static_cast<size_t>(is)),
-      y(static_cast<size_t>(H));
-  std::fill(out, out + call.tokens * H, 0.f);
-  if (null_compute_) return absl::OkStatus();
-  for (int t = 0; t < call.tokens; ++t) {
-    for (int64_t c = 0; c < H; ++c) x[static_cast<size_t>(c)] = Bf16ToF32(call.hidden[t * H + c]);
-    float* o = out + t * H;
-    for (int j = 0; j < call.top_k; ++j) {
-      const int64_t e = call.ids[t * call.top_k + j];
-      if (e < info_.expert_begin || e >= info_.expert_end) continue;
-      const ExpertSlice& ex = experts[static_cast<size_t>(e - info_.expert_begin)];
-      for (int64_t i = 0; i < is; ++i) {
-        const float* gw = ex.gate.data() + i * H;
-        const float* uw = ex.up.data() + i * H;
-        double g = 0, u = 0;
-        for (int64_t c = 0; c < H; ++c) {
-          g += static_cast<double>(gw[c]) * x[static_cast<size_t>(c)];
-          u += static_cast<double>(uw[c]) * x[static_cast<size_t>(c)];
-        }
-        const float gf = static_cast<float>(g), uf = static_cast<float>(u);
-        h[static_cast<size_t>(i)] = RoundBf16(gf / (1.f + std::exp(-gf)) * uf);
-      }
-      const float w = call.weights[t * call.top_k + j];
-      for (int64_t c = 0; c < H; ++c) {
-        const float* dw = ex.down.data() + c * is;
-        double acc = 0;
-        for (int64_t i = 0; i < is; ++i)
-          acc += static_cast<double>(dw[i]) * h[static_cast<size_t>(i)];
-        o[c] += w * static_cast<float>(acc);
-      }
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace hmoe

@@ -98,10 +98,10 @@ class ExpertShard : public MoeHandler {
   ShardInfo info_;
   bool null_compute_ = false;
   Isa isa_ = Isa::kScalar;
-  ThreadPool* pool_ = nullptr;                // SharedThreadPool: outlives every shard
-  std::vector<int> slot_of_layer_;            // layer -> slot or -1
-  std::vector<PackedMoeLayer> layers_;        // [slot]
-  std::unique_ptr<MoeWorkspace> workspace_;   // guarded by compute_mu_
+  ThreadPool* pool_ = nullptr;               // SharedThreadPool: outlives every shard
+  std::vector<int> slot_of_layer_;           // layer -> slot or -1
+  std::vector<PackedMoeLayer> layers_;       // [slot]
+  std::unique_ptr<MoeWorkspace> workspace_;  // guarded by compute_mu_
   int64_t weight_bytes_ = 0;
   std::mutex compute_mu_;
   std::atomic<bool> draining_{false};

@@ -14,41 +14,10 @@
 namespace hmoe {
 namespace {
 
-constexpr const char* kVersion = "1";
+// 2: slices quantized by the kernels' QuantizeExpert (scales per slice).
+constexpr const char* kVersion = "2";
 
 int64_t Part(int64_t n, int i, int parts) { return n * i / parts; }
-
-// q and scales of a whole matrix, exactly as QuantizeInPlace rounds it.
-struct Quantized {
-  std::vector<int8_t> q;
-  std::vector<float> scale;  // [rows][groups]
-  int64_t groups = 0, group = 0;
-};
-
-Quantized Quantize(ServeFormat f, int group, int64_t rows, int64_t cols, const float* w) {
-  Quantized r;
-  r.group = f == ServeFormat::kInt8 ? cols : group;
-  r.groups = (cols + r.group - 1) / r.group;
-  const float qmax = f == ServeFormat::kInt8 ? 127.f : 7.f;
-  const float qmin = f == ServeFormat::kInt8 ? -127.f : -8.f;
-  r.q.resize(static_cast<size_t>(rows * cols));
-  r.scale.resize(static_cast<size_t>(rows * r.groups));
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t gi = 0; gi < r.groups; ++gi) {
-      const int64_t c0 = gi * r.group, n = std::min(r.group, cols - c0);
-      const float* p = w + row * cols + c0;
-      float amax = 0;
-      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(p[i]));
-      const float s = amax / qmax;
-      r.scale[static_cast<size_t>(row * r.groups + gi)] = s;
-      for (int64_t i = 0; i < n; ++i) {
-        r.q[static_cast<size_t>(row * cols + c0 + i)] =
-            s == 0 ? 0 : static_cast<int8_t>(std::clamp(std::nearbyint(p[i] / s), qmin, qmax));
-      }
-    }
-  }
-  return r;
-}
 
 struct Writer {
   SafetensorsWriter w;
@@ -59,43 +28,28 @@ struct Writer {
   }
 };
 
-// Writes rows [r0, r1) x cols [c0, c1) of a quantized matrix.
-absl::Status AddSlice(Writer& out, const std::string& name, ServeFormat f,
-                      const std::vector<float>& full, const Quantized* qz, int64_t cols, int64_t r0,
-                      int64_t r1, int64_t c0, int64_t c1) {
-  const int64_t rows = r1 - r0, n = c1 - c0;
-  if (f == ServeFormat::kBf16) {
-    std::vector<uint16_t> b(static_cast<size_t>(rows * n));
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < n; ++c)
-        b[static_cast<size_t>(r * n + c)] =
-            F32ToBf16(full[static_cast<size_t>((r0 + r) * cols + c0 + c)]);
-    }
-    return out.Add(name + ".q", DType::kBF16, {rows, n}, b.data(), b.size() * 2);
+int64_t ScaleCols(const QuantMatrix& m) {
+  return m.format == WeightFormat::kInt8 ? 1 : (m.cols + m.group - 1) / m.group;
+}
+
+absl::Status AddMatrix(Writer& out, const std::string& name, const QuantMatrix& m) {
+  const int64_t rows = m.rows, cols = m.cols;
+  if (m.format == WeightFormat::kBf16) {
+    return out.Add(name + ".q", DType::kBF16, {rows, cols}, m.bf16.data(), m.bf16.size() * 2);
   }
-  const int64_t g0 = c0 / qz->group, g1 = (c1 - 1) / qz->group + 1;
-  std::vector<float> s(static_cast<size_t>(rows * (g1 - g0)));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = g0; g < g1; ++g)
-      s[static_cast<size_t>(r * (g1 - g0) + g - g0)] =
-          qz->scale[static_cast<size_t>((r0 + r) * qz->groups + g)];
-  }
-  if (f == ServeFormat::kInt8) {
-    std::vector<int8_t> q(static_cast<size_t>(rows * n));
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(q.data() + r * n, qz->q.data() + (r0 + r) * cols + c0, static_cast<size_t>(n));
-    }
-    RETURN_IF_ERROR(out.Add(name + ".q", DType::kI8, {rows, n}, q.data(), q.size()));
+  if (m.format == WeightFormat::kInt8) {
+    RETURN_IF_ERROR(out.Add(name + ".q", DType::kI8, {rows, cols}, m.q.data(), m.q.size()));
   } else {
-    const int64_t nb = (n + 1) / 2;
+    const int64_t nb = (cols + 1) / 2;
     std::vector<uint8_t> q(static_cast<size_t>(rows * nb), 0);
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < n; ++c)
-        PackI4(q.data() + r * nb, c, qz->q[static_cast<size_t>((r0 + r) * cols + c0 + c)]);
+      for (int64_t c = 0; c < cols; ++c)
+        PackI4(q.data() + r * nb, c, m.q[static_cast<size_t>(r * cols + c)]);
     }
     RETURN_IF_ERROR(out.Add(name + ".q", DType::kU8, {rows, nb}, q.data(), q.size()));
   }
-  return out.Add(name + ".s", DType::kF32, {rows, g1 - g0}, s.data(), s.size() * 4);
+  return out.Add(name + ".s", DType::kF32, {rows, ScaleCols(m)}, m.scale.data(),
+                 m.scale.size() * 4);
 }
 
 std::string LayersString(const ModelConfig& cfg) {
@@ -120,32 +74,72 @@ uint64_t Fnv1a64(const void* data, size_t n) {
   return h;
 }
 
-absl::StatusOr<std::vector<float>> LoadExpertMatrix(const Checkpoint& ckpt, const ModelConfig& cfg,
-                                                    int layer, int expert, ExpertProj proj,
-                                                    int64_t rows, int64_t cols) {
-  const std::string name = ExpertWeightName(cfg, layer, expert, proj);
-  ASSIGN_OR_RETURN(Tensor t, ckpt.Get(name));
-  if (t.rank() != 2 || t.dim(0) != rows || t.dim(1) != cols) {
-    return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": ", name, " has shape ",
-                                                   ShapeString(t.shape()), ", expected [", rows,
-                                                   ", ", cols, "]"));
-  }
-  if (t.dtype() == DType::kF8E4M3) {
-    const std::string sname = ScaleInvName(name);
-    ASSIGN_OR_RETURN(Tensor s, ckpt.Get(sname));
-    const int64_t block =
-        cfg.quantization.weight_block.empty() ? 128 : cfg.quantization.weight_block[0];
-    if (s.dtype() != DType::kF32 || s.rank() != 2 || s.dim(0) != (rows + block - 1) / block ||
-        s.dim(1) != (cols + block - 1) / block) {
-      return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": ", sname, " has shape ",
-                                                     ShapeString(s.shape()),
-                                                     ", not the block scales of ", name));
+absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const ModelConfig& cfg,
+                                                int layer, int64_t expert) {
+  const int64_t H = cfg.hidden_size, I = cfg.moe.intermediate_size;
+  const int64_t block =
+      cfg.quantization.weight_block.empty() ? 128 : cfg.quantization.weight_block[0];
+  auto load = [&](ExpertProj proj, int64_t rows, int64_t cols, Tensor* w,
+                  Tensor* scale_inv) -> absl::Status {
+    const std::string name = ExpertWeightName(cfg, layer, static_cast<int>(expert), proj);
+    ASSIGN_OR_RETURN(*w, ckpt.Get(name));
+    if (w->rank() != 2 || w->dim(0) != rows || w->dim(1) != cols) {
+      return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": ", name, " has shape ",
+                                                     ShapeString(w->shape()), ", expected [", rows,
+                                                     ", ", cols, "]"));
     }
-    std::vector<float> out(static_cast<size_t>(rows * cols));
-    DequantFp8BlockToF32(t.data<uint8_t>(), rows, cols, s.data<float>(), block, out.data());
-    return out;
+    if (w->dtype() == DType::kF8E4M3) {
+      const std::string sname = ScaleInvName(name);
+      ASSIGN_OR_RETURN(*scale_inv, ckpt.Get(sname));
+      if (scale_inv->dtype() != DType::kF32 || scale_inv->rank() != 2 ||
+          scale_inv->dim(0) != (rows + block - 1) / block ||
+          scale_inv->dim(1) != (cols + block - 1) / block) {
+        return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": ", sname, " has shape ",
+                                                       ShapeString(scale_inv->shape()),
+                                                       ", not the block scales of ", name));
+      }
+    } else if (w->dtype() != DType::kBF16 && w->dtype() != DType::kF16 &&
+               w->dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": ", name, " has dtype ",
+                                                     DTypeName(w->dtype()),
+                                                     "; experts must be bf16, f16, f32 or fp8"));
+    }
+    return absl::OkStatus();
+  };
+  ExpertWeights w;
+  RETURN_IF_ERROR(load(ExpertProj::kGate, I, H, &w.gate, &w.gate_scale_inv));
+  RETURN_IF_ERROR(load(ExpertProj::kUp, I, H, &w.up, &w.up_scale_inv));
+  RETURN_IF_ERROR(load(ExpertProj::kDown, H, I, &w.down, &w.down_scale_inv));
+  return w;
+}
+
+MoeWeightsSource CheckpointSource(const Checkpoint& ckpt, const ModelConfig& cfg, int layer) {
+  MoeWeightsSource src;
+  src.hidden = cfg.hidden_size;
+  src.intermediate = cfg.moe.intermediate_size;
+  src.num_experts = cfg.moe.num_experts;
+  src.fp8_block = cfg.quantization.weight_block.empty() ? 128 : cfg.quantization.weight_block[0];
+  src.expert = [&ckpt, &cfg, layer](int64_t e) { return LoadExpertWeights(ckpt, cfg, layer, e); };
+  return src;
+}
+
+PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMode split, int shard,
+                             int num_shards, ServeFormat format, int group) {
+  PackOptions o;
+  o.format = format;
+  o.group = format == ServeFormat::kInt4 ? group : 128;
+  if (split == SplitMode::kEp) {
+    o.expert_begin = Part(num_experts, shard, num_shards);
+    o.expert_end = Part(num_experts, shard + 1, num_shards);
+    o.i_begin = 0;
+    o.i_end = intermediate;
+  } else {
+    o.expert_begin = 0;
+    o.expert_end = num_experts;
+    o.i_begin = Part(intermediate, shard, num_shards);
+    o.i_end = Part(intermediate, shard + 1, num_shards);
   }
-  return t.ToF32();
+  return o;
 }
 
 absl::Status ConvertModel(const std::string& model_dir, const std::string& out_dir,
@@ -163,43 +157,30 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
   std::filesystem::create_directories(out_dir, ec);
   if (ec) return absl::InternalError(absl::StrCat(out_dir, ": ", ec.message()));
   std::vector<Writer> writers(static_cast<size_t>(n));
+  std::vector<PackOptions> shard_opts;
+  for (int i = 0; i < n; ++i)
+    shard_opts.push_back(ShardPackOptions(I, E, opts.split, i, n, f, group));
   for (size_t l = 0; l < cfg.layers.size(); ++l) {
     if (!cfg.layers[l].moe) continue;
     const int layer = static_cast<int>(l);
+    const MoeWeightsSource src = CheckpointSource(*ckpt, cfg, layer);
     for (int64_t e = 0; e < E; ++e) {
-      const int ei = static_cast<int>(e);
-      ASSIGN_OR_RETURN(auto gate, LoadExpertMatrix(*ckpt, cfg, layer, ei, ExpertProj::kGate, I, H));
-      ASSIGN_OR_RETURN(auto up, LoadExpertMatrix(*ckpt, cfg, layer, ei, ExpertProj::kUp, I, H));
-      ASSIGN_OR_RETURN(auto down, LoadExpertMatrix(*ckpt, cfg, layer, ei, ExpertProj::kDown, H, I));
-      Quantized qg, qu, qd;
-      if (f == ServeFormat::kBf16) {
-        QuantizeInPlace(f, group, I, H, gate.data());
-        QuantizeInPlace(f, group, I, H, up.data());
-        QuantizeInPlace(f, group, H, I, down.data());
-      } else {
-        qg = Quantize(f, group, I, H, gate.data());
-        qu = Quantize(f, group, I, H, up.data());
-        qd = Quantize(f, group, H, I, down.data());
-      }
+      ASSIGN_OR_RETURN(ExpertWeights w, src.expert(e));
       for (int i = 0; i < n; ++i) {
-        int64_t i0 = 0, i1 = I;
-        if (opts.split == SplitMode::kEp) {
-          if (e < Part(E, i, n) || e >= Part(E, i + 1, n)) continue;
-        } else {
-          i0 = Part(I, i, n);
-          i1 = Part(I, i + 1, n);
-        }
-        Writer& w = writers[static_cast<size_t>(i)];
+        const PackOptions& po = shard_opts[static_cast<size_t>(i)];
+        if (e < po.expert_begin || e >= po.expert_end) continue;
+        ASSIGN_OR_RETURN(QuantExpert q, QuantizeExpert(w, src, po));
+        Writer& wr = writers[static_cast<size_t>(i)];
         const std::string p = absl::StrCat(layer, ".", e, ".");
-        RETURN_IF_ERROR(AddSlice(w, p + "gate", f, gate, &qg, H, i0, i1, 0, H));
-        RETURN_IF_ERROR(AddSlice(w, p + "up", f, up, &qu, H, i0, i1, 0, H));
-        RETURN_IF_ERROR(AddSlice(w, p + "down", f, down, &qd, I, 0, H, i0, i1));
+        RETURN_IF_ERROR(AddMatrix(wr, p + "gate", q.gate));
+        RETURN_IF_ERROR(AddMatrix(wr, p + "up", q.up));
+        RETURN_IF_ERROR(AddMatrix(wr, p + "down", q.down));
       }
     }
   }
   for (int i = 0; i < n; ++i) {
     Writer& w = writers[static_cast<size_t>(i)];
-    const bool ep = opts.split == SplitMode::kEp;
+    const PackOptions& po = shard_opts[static_cast<size_t>(i)];
     const std::map<std::string, std::string> meta = {
         {"hmoe_packed_version", kVersion},
         {"format", ServeFormatName(f, group)},
@@ -211,10 +192,10 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
         {"shard", absl::StrCat(i)},
         {"num_shards", absl::StrCat(n)},
         {"split", SplitModeName(opts.split)},
-        {"i_begin", absl::StrCat(ep ? 0 : Part(I, i, n))},
-        {"i_end", absl::StrCat(ep ? I : Part(I, i + 1, n))},
-        {"expert_begin", absl::StrCat(ep ? Part(E, i, n) : 0)},
-        {"expert_end", absl::StrCat(ep ? Part(E, i + 1, n) : E)},
+        {"i_begin", absl::StrCat(po.i_begin)},
+        {"i_end", absl::StrCat(po.i_end)},
+        {"expert_begin", absl::StrCat(po.expert_begin)},
+        {"expert_end", absl::StrCat(po.expert_end)},
         {"checksums", w.sums.dump()}};
     for (const auto& [k, v] : meta) w.w.SetMetadata(k, v);
     const std::string path = out_dir + "/" + PackedFileName(opts.split, i, n);
@@ -261,7 +242,6 @@ absl::StatusOr<std::unique_ptr<PackedExperts>> PackedExperts::Open(const std::st
   ASSIGN_OR_RETURN(p->format_, ParseServeFormat(get("format"), &group));
   p->group_ = group;
   p->hidden_ = cfg.hidden_size;
-  p->cfg_cols_down_ = cfg.moe.intermediate_size;
   if (!absl::SimpleAtoi(get("i_begin"), &p->i_begin_) ||
       !absl::SimpleAtoi(get("i_end"), &p->i_end_) ||
       !absl::SimpleAtoi(get("expert_begin"), &p->e_begin_) ||
@@ -280,15 +260,14 @@ absl::StatusOr<std::unique_ptr<PackedExperts>> PackedExperts::Open(const std::st
   return p;
 }
 
-absl::StatusOr<ExpertSlice> PackedExperts::Expert(int layer, int e, int64_t i0, int64_t i1) const {
-  if (i0 != i_begin_ || i1 != i_end_ || e < e_begin_ || e >= e_end_) {
+absl::StatusOr<QuantExpert> PackedExperts::Expert(int layer, int64_t e) const {
+  if (e < e_begin_ || e >= e_end_) {
     return absl::FailedPreconditionError(
-        absl::StrCat(path_, ": holds experts [", e_begin_, ", ", e_end_, ") x intermediate [",
-                     i_begin_, ", ", i_end_, "), not expert ", e, " [", i0, ", ", i1, ")"));
+        absl::StrCat(path_, ": holds experts [", e_begin_, ", ", e_end_, "), not expert ", e));
   }
-  const int64_t H = hidden_, is = i1 - i0;
-  auto load = [&](const std::string& proj, int64_t rows, int64_t cols, int64_t c_abs0,
-                  std::vector<float>* out) -> absl::Status {
+  const int64_t H = hidden_, is = i_end_ - i_begin_;
+  auto load = [&](const std::string& proj, int64_t rows, int64_t cols,
+                  QuantMatrix* m) -> absl::Status {
     const std::string base = absl::StrCat(layer, ".", e, ".", proj);
     auto tensor = [&](const std::string& name) -> absl::StatusOr<Tensor> {
       ASSIGN_OR_RETURN(Tensor t, file_->Get(name));
@@ -299,25 +278,26 @@ absl::StatusOr<ExpertSlice> PackedExperts::Expert(int layer, int e, int64_t i0, 
       }
       return t;
     };
+    m->format = format_;
+    m->group = format_ == ServeFormat::kInt4 ? group_ : 0;
+    m->rows = rows;
+    m->cols = cols;
     ASSIGN_OR_RETURN(Tensor q, tensor(base + ".q"));
-    out->resize(static_cast<size_t>(rows * cols));
     auto shape_error = [&](const Tensor& t) {
       return absl::InvalidArgumentError(
           absl::StrCat(path_, ": ", base, " has shape ", ShapeString(t.shape()), " / dtype ",
                        DTypeName(t.dtype()), ", expected [", rows, ", ", cols, "] ",
                        ServeFormatName(format_, group_)));
     };
+    const size_t n = static_cast<size_t>(rows * cols);
     if (format_ == ServeFormat::kBf16) {
       if (q.dtype() != DType::kBF16 || q.rank() != 2 || q.dim(0) != rows || q.dim(1) != cols)
         return shape_error(q);
-      const uint16_t* d = q.data<uint16_t>();
-      for (int64_t i = 0; i < rows * cols; ++i) (*out)[static_cast<size_t>(i)] = Bf16ToF32(d[i]);
+      m->bf16.assign(q.data<uint16_t>(), q.data<uint16_t>() + n);
       return absl::OkStatus();
     }
     ASSIGN_OR_RETURN(Tensor s, tensor(base + ".s"));
-    const int64_t g =
-        format_ == ServeFormat::kInt8 ? (proj == "down" ? cfg_cols_down_ : H) : group_;
-    const int64_t g0 = c_abs0 / g, ng = (c_abs0 + cols - 1) / g + 1 - g0;
+    const int64_t ng = format_ == ServeFormat::kInt8 ? 1 : (cols + group_ - 1) / group_;
     const int64_t qcols = format_ == ServeFormat::kInt8 ? cols : (cols + 1) / 2;
     if (q.rank() != 2 || q.dim(0) != rows || q.dim(1) != qcols ||
         q.dtype() != (format_ == ServeFormat::kInt8 ? DType::kI8 : DType::kU8)) {
@@ -325,21 +305,22 @@ absl::StatusOr<ExpertSlice> PackedExperts::Expert(int layer, int e, int64_t i0, 
     }
     if (s.dtype() != DType::kF32 || s.rank() != 2 || s.dim(0) != rows || s.dim(1) != ng)
       return shape_error(s);
-    const float* sc = s.data<float>();
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) {
-        const int qv = format_ == ServeFormat::kInt8 ? q.data<int8_t>()[r * cols + c]
-                                                     : UnpackI4(q.data<uint8_t>() + r * qcols, c);
-        (*out)[static_cast<size_t>(r * cols + c)] =
-            static_cast<float>(qv) * sc[r * ng + (c_abs0 + c) / g - g0];
+    m->scale.assign(s.data<float>(), s.data<float>() + rows * ng);
+    if (format_ == ServeFormat::kInt8) {
+      m->q.assign(q.data<int8_t>(), q.data<int8_t>() + n);
+    } else {
+      m->q.resize(n);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c)
+          m->q[static_cast<size_t>(r * cols + c)] = UnpackI4(q.data<uint8_t>() + r * qcols, c);
       }
     }
     return absl::OkStatus();
   };
-  ExpertSlice x;
-  RETURN_IF_ERROR(load("gate", is, H, 0, &x.gate));
-  RETURN_IF_ERROR(load("up", is, H, 0, &x.up));
-  RETURN_IF_ERROR(load("down", H, is, i0, &x.down));
+  QuantExpert x;
+  RETURN_IF_ERROR(load("gate", is, H, &x.gate));
+  RETURN_IF_ERROR(load("up", is, H, &x.up));
+  RETURN_IF_ERROR(load("down", H, is, &x.down));
   return x;
 }
 

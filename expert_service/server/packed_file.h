@@ -75,7 +75,7 @@ absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const Mo
 // LoadExpertWeights; `ckpt` and `cfg` must outlive it).
 MoeWeightsSource CheckpointSource(const Checkpoint& ckpt, const ModelConfig& cfg, int layer);
 // The kernels' options for shard `shard`/`num_shards` of a model.
-PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMode split,
-                             int shard, int num_shards, ServeFormat format, int group);
+PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMode split, int shard,
+                             int num_shards, ServeFormat format, int group);
 
 }  // namespace hmoe

@@ -1,11 +1,15 @@
 // hmoe-expert-service: serves one shard of a model's routed experts.
 //
 //   hmoe-expert-service (--model-dir DIR [--packed-dir DIR] | --synthetic SPEC)
-//       [--shard i/n] [--split tp|ep] [--format bf16|int8|int4g64] [--max-tokens N]
-//       [--listen HOST:PORT] [--port-offset N] [--port-file PATH] [--numa-node N | --cores LIST]
+//       [--shard i/n] [--split tp|ep] [--format bf16|int8|int4g32|int4g64|int4g128]
+//       [--max-tokens N] [--threads N] [--numa-node N | --cores LIST]
+//       [--listen HOST:PORT] [--port-offset N] [--port-file PATH]
 //       [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]
 //       [--null-compute]   (benchmarks: validate, answer zeros, skip the experts)
 //
+// The experts run on the CPU kernels (expert_service/kernels) with one thread
+// pool over the cores the process is bound to (--numa-node / --cores, bound
+// before the weights are loaded, so memory and workers stay there).
 // Control plane and data plane on gRPC (proto/expert.proto) plus grpc.health.v1;
 // shared-memory and UCX data planes set up through the control plane.
 // READY=1 goes to systemd (sd_notify) once the weights are loaded and every
@@ -117,6 +121,9 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
       ASSIGN_OR_RETURN(o.shard.format, ParseServeFormat(v, &o.shard.group));
     } else if (a == "--max-tokens") {
       RETURN_IF_ERROR(int_of(&o.shard.max_tokens));
+    } else if (a == "--threads") {
+      RETURN_IF_ERROR(int_of(&n));
+      o.shard.threads = static_cast<int>(n);
     } else if (a == "--listen")
       o.listen = v;
     else if (a == "--port-file")
@@ -438,10 +445,13 @@ int Main(int argc, char** argv) {
   state.shard.store(shard->get());
   state.load_state = pb::LoadStatus::READY;
   health->SetServingStatus(true);
-  Log(absl::StrCat("ready: port ", port, ", ", (*shard)->weight_bytes(), " weight bytes in ",
-                   state.load_seconds, " s; experts [", (*shard)->info().expert_begin, ", ",
-                   (*shard)->info().expert_end, "), intermediate [", (*shard)->info().i_begin, ", ",
-                   (*shard)->info().i_end, ")"));
+  const ExpertShard& sh = **shard;
+  Log(absl::StrCat("ready: port ", port, ", ", sh.weight_bytes(), " packed ",
+                   sh.info().weight_format, " weight bytes in ", state.load_seconds,
+                   " s; experts [", sh.info().expert_begin, ", ", sh.info().expert_end,
+                   "), intermediate [", sh.info().i_begin, ", ", sh.info().i_end, "); isa ",
+                   std::string(IsaName(sh.isa())), ", ", sh.pool().num_threads(), " threads on ",
+                   sh.pool().num_nodes(), " node(s)"));
   if (!o.port_file.empty()) {
     const std::string tmp = o.port_file + ".tmp";
     std::ofstream(tmp) << port << "\n";

@@ -1,5 +1,6 @@
 // The expert-service shard core (in process) and the service process:
-// sharding arithmetic, validation, formats, options, SIGTERM drain, the
+// the kernel path against the kernels' scalar reference and against plain f32
+// math, sharding arithmetic, validation, formats, options, SIGTERM drain, the
 // systemd unit.
 #include <signal.h>
 #include <sys/wait.h>
@@ -14,9 +15,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/model_config.h"
 #include "common/safetensors.h"
 #include "common/transport/expert_pool.h"
+#include "common/transport/grpc_client.h"
 #include "expert_service/server/expert_shard.h"
+#include "expert_service/server/packed_file.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
@@ -89,6 +93,82 @@ TEST(ExpertShard, MatchesPlainComputationFromCheckpoint) {
   EXPECT_LT(MaxRelDiff(got, want), 2e-2);
 }
 
+// max |a - b| / max |b|
+double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, std::fabs(static_cast<double>(a[i]) - b[i]));
+    den = std::max(den, std::fabs(static_cast<double>(b[i])));
+  }
+  return den == 0 ? num : num / den;
+}
+
+// The shard's packed weights are exactly the kernels' QuantizeExpert of the
+// checkpoint slice, and Handle (RunMoe) agrees with the kernels' scalar
+// reference (RunMoeReference) on them, for every format, whole and sharded,
+// in both regimes (3 tokens: "few"; 40 tokens over 16 experts x top-4: some
+// experts get more than the "many" thresholds).
+// Bounds are tests/kernels/moe_test.cc's, for the same reasons: the reference
+// accumulates in double where the kernels use fp32, which can move bf16(h)
+// by one ulp (bf16 / int4 "many": 3e-3) or an int8-quantized h by one level
+// (int8 / int4 "few": 1.5e-2) on rare elements. Everything else is exact.
+TEST(ExpertShard, MatchesKernelReferenceFromCheckpoint) {
+  auto cfg = LoadModelConfig(ModelDir());
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  auto ckpt = Checkpoint::Open(ModelDir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  struct Case {
+    int i, n;
+    SplitMode split;
+  };
+  for (const char* format : {"bf16", "int8", "int4g32", "int4g64", "int4g128"}) {
+    for (const Case& c :
+         {Case{0, 1, SplitMode::kTp}, Case{1, 3, SplitMode::kTp}, Case{1, 3, SplitMode::kEp}}) {
+      SCOPED_TRACE(absl::StrCat(format, " ", c.i, "/", c.n, " ", SplitModeName(c.split)));
+      auto shard = Load(c.i, c.n, c.split, format);
+      ASSERT_TRUE(shard);
+      const ShardInfo& info = shard->info();
+      const int slot = 1;
+      const int layer = info.moe_layers[slot];
+      const PackedMoeLayer& L = shard->layer(slot);
+      const MoeWeightsSource src = CheckpointSource(**ckpt, *cfg, layer);
+      const PackOptions po = ShardPackOptions(info.intermediate, info.num_experts, c.split, c.i,
+                                              c.n, L.format(), L.group() ? L.group() : 128);
+      std::vector<QuantExpert> experts;
+      for (int64_t e = info.expert_begin; e < info.expert_end; ++e) {
+        auto w = src.expert(e);
+        ASSERT_TRUE(w.ok()) << w.status();
+        auto q = QuantizeExpert(*w, src, po);
+        ASSERT_TRUE(q.ok()) << q.status();
+        auto packed = UnpackExpert(L, e - info.expert_begin);
+        ASSERT_TRUE(packed.ok()) << packed.status();
+        EXPECT_EQ(packed->gate.bf16, q->gate.bf16);
+        EXPECT_EQ(packed->gate.q, q->gate.q);
+        EXPECT_EQ(packed->up.q, q->up.q);
+        EXPECT_EQ(packed->down.q, q->down.q);
+        EXPECT_EQ(packed->down.bf16, q->down.bf16);
+        EXPECT_EQ(packed->down.scale, q->down.scale);
+        experts.push_back(std::move(*q));
+      }
+      for (int tokens : {3, 40}) {
+        auto call = MakeRandomCall(info, layer, tokens, 17 + static_cast<uint64_t>(tokens));
+        std::vector<float> got(static_cast<size_t>(tokens * info.hidden), -1.f);
+        std::vector<float> want(got.size());
+        ASSERT_TRUE(shard->Handle(call.call(), got.data(), nullptr).ok());
+        MoeInput in;
+        in.tokens = tokens;
+        in.top_k = call.top_k;
+        in.x = call.hidden.data();
+        in.ids = call.ids.data();
+        in.weights = call.weights.data();
+        ASSERT_TRUE(RunMoeReference(experts, info.hidden, info.expert_begin, in, want.data()).ok());
+        EXPECT_LE(RelErr(got, want), L.format() == WeightFormat::kBf16 ? 3e-3 : 1.5e-2)
+            << tokens << " tokens";
+      }
+    }
+  }
+}
+
 TEST(ExpertShard, TpPartialsAndEpPartsSumToWhole) {
   auto whole = Load(0, 1, SplitMode::kTp);
   ASSERT_TRUE(whole);
@@ -111,6 +191,39 @@ TEST(ExpertShard, TpPartialsAndEpPartsSumToWhole) {
       EXPECT_EQ(covered, split == SplitMode::kTp ? info.intermediate : info.num_experts);
       EXPECT_LT(MaxRelDiff(sum, want), 1e-5) << SplitModeName(split) << " " << n;
     }
+  }
+}
+
+// Synthetic weights are a function of the model, not of the sharding.
+TEST(ExpertShard, SyntheticShardsSumToWhole) {
+  const std::string spec = "hidden=96,intermediate=80,experts=6,top_k=3,layers=2,seed=5";
+  auto load = [&](int i, int n, SplitMode split) {
+    ShardOptions o;
+    o.synthetic = spec;
+    o.shard_index = i;
+    o.num_shards = n;
+    o.split = split;
+    auto s = ExpertShard::Load(o);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::move(*s) : nullptr;
+  };
+  auto whole = load(0, 1, SplitMode::kTp);
+  ASSERT_TRUE(whole);
+  auto call = MakeRandomCall(whole->info(), 1, 7, 21);
+  std::vector<float> want(static_cast<size_t>(7 * 96));
+  ASSERT_TRUE(whole->Handle(call.call(), want.data(), nullptr).ok());
+  double norm = 0;
+  for (float v : want) norm = std::max(norm, static_cast<double>(std::fabs(v)));
+  EXPECT_GT(norm, 1e-3);
+  for (SplitMode split : {SplitMode::kTp, SplitMode::kEp}) {
+    std::vector<float> sum(want.size(), 0.f), part(want.size());
+    for (int i = 0; i < 2; ++i) {
+      auto s = load(i, 2, split);
+      ASSERT_TRUE(s);
+      ASSERT_TRUE(s->Handle(call.call(), part.data(), nullptr).ok());
+      for (size_t k = 0; k < sum.size(); ++k) sum[k] += part[k];
+    }
+    EXPECT_LT(MaxRelDiff(sum, want), 1e-5) << SplitModeName(split);
   }
 }
 
@@ -170,19 +283,27 @@ TEST(ExpertShard, DrainingRefusesNewCalls) {
 TEST(ServiceProcess, SigtermFinishesInFlightThenExitsZero) {
   ::hmoe::testing::TempDir dir;
   ::hmoe::testing::ServiceProcess proc;
-  // Big enough that one call takes a while in the scalar reference.
-  ASSERT_TRUE(proc.Start({"--synthetic=hidden=512,intermediate=256,experts=8,top_k=8,layers=1",
-                          "--no-ucx", "--no-shm"},
+  // Big enough that one call takes a while (~1e10 flops on one thread).
+  ASSERT_TRUE(proc.Start({"--synthetic=hidden=1024,intermediate=1024,experts=8,top_k=8,layers=1",
+                          "--threads=1", "--no-ucx", "--no-shm"},
                          dir.file("port")));
   ExpertPoolOptions po;
   po.targets = {proc.target()};
   auto pool = ExpertPool::Connect(po);
   ASSERT_TRUE(pool.ok()) << pool.status();
-  auto call = MakeRandomCall((*pool)->model(), 0, 48, 2);
-  std::vector<float> out(static_cast<size_t>(48 * 512));
+  ControlClient control(MakeExpertChannel(proc.target()));
+  auto call = MakeRandomCall((*pool)->model(), 0, 256, 2);
+  std::vector<float> out(static_cast<size_t>(256 * 1024));
   auto h = (*pool)->Submit(call.call(), out.data());
   ASSERT_TRUE(h.ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  // SIGTERM only once the call is surely computing.
+  bool in_flight = false;
+  for (int i = 0; i < 2000 && !in_flight; ++i) {
+    auto stats = control.Stats();
+    in_flight = stats.ok() && stats->in_flight > 0;
+    if (!in_flight) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(in_flight);
   proc.Signal(SIGTERM);
   absl::Status st = (*pool)->Wait(*h, absl::Now() + absl::Seconds(60));
   EXPECT_TRUE(st.ok()) << st;  // the in-flight call finished
