@@ -172,7 +172,6 @@ void GemmI4Bf16(const GemmArgs& a) {
   // Per panel, per K chunk: dequantize, then accumulate into c.
   for (int64_t j = a.nb0; j < a.nb1; ++j)
     for (int m = 0; m < a.m; ++m) std::memset(a.c + m * a.ldc + (j - a.nb0) * 16, 0, 64);
-  std::vector<float> dummy;
   for (int64_t j = a.nb0; j < a.nb1; ++j) {
     for (int64_t k0 = 0; k0 < g.kp; k0 += kc) {
       const int64_t k1 = std::min(g.kp, k0 + kc);

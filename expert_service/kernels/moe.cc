@@ -352,7 +352,6 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
 
     // ---- gate_up ----
     if (!lp.empty()) {
-      const int64_t n_i = lp.i1 - lp.i0;
       const int64_t h_ld = b.kp_i * 4;
       const int64_t np_i = lp.gu.np / 2;
       for (int64_t it; (it = w.counters[8 + 2 * p].fetch_add(1, std::memory_order_relaxed)) <
@@ -397,7 +396,6 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
             else std::memset(reinterpret_cast<uint16_t*>(hrow) + np_i, 0, static_cast<size_t>(b.kp_i - np_i) * 2);
           }
         }
-        (void)n_i;
       }
     }
     w.barrier.Wait();
