@@ -108,8 +108,14 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out) {
     Sub sub;
     sub.shard = static_cast<int>(i);
     if (model_.split == SplitMode::kTp) {
-      sub.out.resize(static_cast<size_t>(call.tokens * H));
-      auto h = sh.client->Submit(call, sub.out.data());
+      // The first shard answers straight into `out`; the others' partials are added in Wait.
+      if (i == 0) {
+        sub.dst = out;
+      } else {
+        sub.scratch = TakeScratch(static_cast<size_t>(call.tokens * H));
+        sub.dst = sub.scratch.data();
+      }
+      auto h = sh.client->Submit(call, sub.dst);
       if (h.ok())
         sub.handle = *h;
       else
@@ -135,9 +141,10 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out) {
         std::copy_n(call.ids + t * k, k, ids.begin() + r * k);
         std::copy_n(call.weights + t * k, k, w.begin() + r * k);
       }
-      sub.out.resize(static_cast<size_t>(n * H));
+      sub.scratch = TakeScratch(static_cast<size_t>(n * H));
+      sub.dst = sub.scratch.data();
       auto h = sh.client->Submit(MoeCall::Make(call.layer, n, k, H, x.data(), ids.data(), w.data()),
-                                 sub.out.data());
+                                 sub.dst);
       if (h.ok())
         sub.handle = *h;
       else
@@ -178,21 +185,48 @@ absl::Status ExpertPool::Wait(uint64_t handle, absl::Time deadline) {
                                         shards_[static_cast<size_t>(sub.shard)].target, ")"));
     }
   }
-  if (!first.ok()) return first;
   const int64_t H = model_.hidden;
-  std::fill(op->out, op->out + op->tokens * H, 0.f);
-  for (const Sub& sub : op->subs) {
+  if (first.ok()) {
     if (model_.split == SplitMode::kTp) {
-      for (int64_t i = 0; i < op->tokens * H; ++i) op->out[i] += sub.out[static_cast<size_t>(i)];
+      for (size_t j = 1; j < op->subs.size(); ++j) {
+        const float* s = op->subs[j].dst;
+        for (int64_t i = 0; i < op->tokens * H; ++i) op->out[i] += s[i];
+      }
     } else {
-      for (size_t r = 0; r < sub.rows.size(); ++r) {
-        float* o = op->out + sub.rows[r] * H;
-        const float* s = sub.out.data() + static_cast<int64_t>(r) * H;
-        for (int64_t c = 0; c < H; ++c) o[c] += s[c];
+      std::fill(op->out, op->out + op->tokens * H, 0.f);
+      for (const Sub& sub : op->subs) {
+        for (size_t r = 0; r < sub.rows.size(); ++r) {
+          float* o = op->out + sub.rows[r] * H;
+          const float* s = sub.dst + static_cast<int64_t>(r) * H;
+          for (int64_t c = 0; c < H; ++c) o[c] += s[c];
+        }
       }
     }
   }
-  return absl::OkStatus();
+  for (Sub& sub : op->subs)
+    if (!sub.scratch.empty()) ReturnScratch(std::move(sub.scratch));
+  return first;
+}
+
+std::vector<float> ExpertPool::TakeScratch(size_t n) {
+  std::vector<float> buf;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_scratch_.begin(); it != free_scratch_.end(); ++it) {
+      if (it->size() >= n) {
+        buf = std::move(*it);
+        free_scratch_.erase(it);
+        break;
+      }
+    }
+  }
+  if (buf.size() < n) buf.resize(n);  // only grows: a recycled buffer is not cleared
+  return buf;
+}
+
+void ExpertPool::ReturnScratch(std::vector<float> buf) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_scratch_.size() < 32) free_scratch_.push_back(std::move(buf));
 }
 
 absl::Status ExpertPool::Run(const MoeCall& call, float* out, absl::Time deadline) {
