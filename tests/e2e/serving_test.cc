@@ -383,15 +383,21 @@ TEST_F(TrainedModel, SigtermDrains) {
   r.set_prompt("A wise man once said");
   r.set_max_tokens(300);
   r.set_ignore_eos(true);
-  std::atomic<bool> started{false};
+  std::atomic<bool> started{false}, returned{false};
   absl::StatusOr<GenerateResult> result;
   std::thread t([&] {
     result = pair_.client().Generate(r, [&](const api::v1::GenerateResponse&) {
       started = true;
       return true;
     });
+    returned = true;
   });
-  while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  for (int i = 0; i < 3000 && !started && !returned; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (!started) {
+    t.join();
+    FAIL() << "generation never started: " << result.status();
+  }
   const int status = pair_.worker().Kill(SIGTERM);
   t.join();
   ASSERT_TRUE(result.ok()) << result.status();
