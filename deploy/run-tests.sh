@@ -11,13 +11,13 @@ start=$(date +%s)
 echo "== normal build"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j"$jobs"
-ctest --test-dir build --output-on-failure -j"$jobs" --timeout 600
+ctest --test-dir build --output-on-failure -j"$jobs" --timeout 300
 
 echo "== ASan + UBSan build (CPU code)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHMOE_SANITIZE=ON \
   -DHMOE_ENABLE_CUDA=OFF -DHMOE_BUILD_BENCH=OFF >/dev/null
 cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-  ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 900
+  ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 300
 
 echo "== run-tests: both builds passed in $(( $(date +%s) - start )) s"
