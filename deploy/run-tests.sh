@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 bash deploy/install-deps.sh
 jobs=$(nproc)
 start=$(date +%s)
+# ccache hits across checkouts in other folders (CI clones afresh each time).
+export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
 
 echo "== normal build"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
