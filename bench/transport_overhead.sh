@@ -13,6 +13,7 @@ hidden=${HIDDEN:-7168}
 iters=${ITERS:-2000}
 tmp=$(mktemp -d)
 trap 'kill $svc 2>/dev/null || true; wait $svc 2>/dev/null || true; rm -rf "$tmp"' EXIT
+export UCX_TLS=${UCX_TLS:-tcp,sm,self}
 "$bin/hmoe-expert-service" --synthetic="hidden=$hidden,intermediate=8,experts=8,top_k=8,layers=1" \
   --null-compute --max-tokens=128 --listen=127.0.0.1:0 --port-file="$tmp/port" ${SERVICE_ARGS:-} \
   >"$tmp/service.log" 2>&1 &
@@ -22,6 +23,6 @@ for _ in $(seq 200); do [ -s "$tmp/port" ] && break; sleep 0.05; done
 port=$(cat "$tmp/port")
 echo "transport overhead, H=$hidden, k=8, null compute, $iters iterations, $(nproc) CPUs"
 for t in shm ucx grpc; do
-  UCX_TLS=${UCX_TLS:-tcp,sm,self} "$bin/hmoe-expert-bench" --targets=127.0.0.1:$port --transport=$t \
+  "$bin/hmoe-expert-bench" --targets=127.0.0.1:$port --transport=$t \
     --tokens=1,128 --iters="$iters" --warmup=200 | tee "$out/transport_$t.json"
 done

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -48,6 +49,12 @@ class Worker {
     ucp_config_t* config = nullptr;
     ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
     if (s != UCS_OK) return UcsError("config", s);
+    // Latency default for MoE calls (a T=1 request is 14 KB at H=7168): send
+    // up to 256 KB eagerly instead of paying rendezvous' extra round trip
+    // (measured: T=1 round trip 59 -> 35 us over tcp loopback). An explicit
+    // UCX_RNDV_THRESH in the environment wins.
+    if (std::getenv("UCX_RNDV_THRESH") == nullptr)
+      (void)ucp_config_modify(config, "RNDV_THRESH", "256k");
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
     params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
