@@ -21,12 +21,11 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_split.h"
 #include "common/dtype.h"
@@ -79,12 +78,17 @@ double MeasureReadGBs(ThreadPool& pool, int64_t bytes) {
   auto buf = NumaBuffer::Allocate(static_cast<size_t>(bytes), pool.mem_node(0)).value();
   const int64_t n = pool.num_threads();
   const int64_t per = bytes / n / 4096 * 4096;  // a contiguous share per thread
-  pool.Run([&](const Worker& w) { std::memset(buf.data() + w.global * per, 1, static_cast<size_t>(per)); });
+  pool.Run([&](const Worker& w) {
+    std::memset(buf.data() + w.global * per, 1, static_cast<size_t>(per));
+  });
   std::vector<uint64_t> sink(static_cast<size_t>(n));
   double best = 0;
   for (int rep = 0; rep < 8; ++rep) {
     const double t0 = Now();
-    pool.Run([&](const Worker& w) { sink[static_cast<size_t>(w.global)] += kern::StreamReadAvx512(buf.data() + w.global * per, per); });
+    pool.Run([&](const Worker& w) {
+      sink[static_cast<size_t>(w.global)] +=
+          kern::StreamReadAvx512(buf.data() + w.global * per, per);
+    });
     best = std::max(best, static_cast<double>(per / 512 * 512 * n) / (Now() - t0) / 1e9);
   }
   return best;
@@ -96,7 +100,8 @@ double MeasureAmxTops(ThreadPool& pool, bool int8) {
   for (int rep = 0; rep < 3; ++rep) {
     const double t0 = Now();
     pool.Run([&](const Worker&) { kern::AmxPeakLoop(iters, int8); });
-    const double ops = static_cast<double>(pool.num_threads()) * iters * 8 * 16 * 16 * (int8 ? 64 : 32) * 2;
+    const double ops =
+        static_cast<double>(pool.num_threads()) * iters * 8 * 16 * 16 * (int8 ? 64 : 32) * 2;
     best = std::max(best, ops / (Now() - t0) / 1e12);
   }
   return best;
@@ -127,8 +132,11 @@ struct Router {
       for (int j = 0; j < K; ++j) {
         int32_t e;
         for (;;) {
-          if (zipf) e = perm[static_cast<size_t>(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin())];
-          else e = perm[static_cast<size_t>(cursor++ % E)];
+          if (zipf)
+            e = perm[static_cast<size_t>(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) -
+                                         cdf.begin())];
+          else
+            e = perm[static_cast<size_t>(cursor++ % E)];
           bool dup = false;
           for (int jj = 0; jj < j; ++jj) dup |= ids[static_cast<size_t>(t * K + jj)] == e;
           if (!dup) break;
@@ -166,18 +174,31 @@ int Main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (f == "--preset") a.presets = List(val());
-    else if (f == "--T") { a.Ts.clear(); for (auto& s : List(val())) a.Ts.push_back(std::atoll(s.c_str())); }
-    else if (f == "--format") a.formats = List(val());
-    else if (f == "--isa") a.isas = List(val());
-    else if (f == "--routing") a.zipf = val() == "zipf";
-    else if (f == "--layers") a.layers = std::atoi(val().c_str());
-    else if (f == "--threads") a.threads = std::atoi(val().c_str());
-    else if (f == "--vnuma") a.vnuma = std::atoi(val().c_str());
-    else if (f == "--group") a.group = std::atoi(val().c_str());
-    else if (f == "--min-time") a.min_time = std::atof(val().c_str());
-    else if (f == "--no-onednn") a.onednn = false;
-    else if (f == "--json") a.json = val();
+    if (f == "--preset")
+      a.presets = List(val());
+    else if (f == "--T") {
+      a.Ts.clear();
+      for (auto& s : List(val())) a.Ts.push_back(std::atoll(s.c_str()));
+    } else if (f == "--format")
+      a.formats = List(val());
+    else if (f == "--isa")
+      a.isas = List(val());
+    else if (f == "--routing")
+      a.zipf = val() == "zipf";
+    else if (f == "--layers")
+      a.layers = std::atoi(val().c_str());
+    else if (f == "--threads")
+      a.threads = std::atoi(val().c_str());
+    else if (f == "--vnuma")
+      a.vnuma = std::atoi(val().c_str());
+    else if (f == "--group")
+      a.group = std::atoi(val().c_str());
+    else if (f == "--min-time")
+      a.min_time = std::atof(val().c_str());
+    else if (f == "--no-onednn")
+      a.onednn = false;
+    else if (f == "--json")
+      a.json = val();
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of bench/bench_moe.cc)\n", f.c_str());
       return 2;
@@ -201,7 +222,8 @@ int Main(int argc, char** argv) {
   J["llc_bytes"] = llc;
   J["detected_isa"] = std::string(IsaName(DetectedIsa()));
   double bw = 0, amx_bf16 = 0, amx_i8 = 0;
-  if (DetectedIsa() >= Isa::kAvx512) bw = MeasureReadGBs(pool, std::max<int64_t>(8 * llc, 2ll << 30));
+  if (DetectedIsa() >= Isa::kAvx512)
+    bw = MeasureReadGBs(pool, std::max<int64_t>(8 * llc, 2ll << 30));
   if (DetectedIsa() >= Isa::kAmx) {
     amx_bf16 = MeasureAmxTops(pool, false);
     amx_i8 = MeasureAmxTops(pool, true);
@@ -209,11 +231,13 @@ int Main(int argc, char** argv) {
   J["read_gbs"] = bw;
   J["amx_bf16_tflops"] = amx_bf16;
   J["amx_int8_tops"] = amx_i8;
-  std::printf("# threads %d, nodes %d, LLC %.0f MB, ISA %s | read %.1f GB/s | AMX bf16 %.1f TFLOP/s, int8 %.1f TOP/s\n",
-              pool.num_threads(), pool.num_nodes(), llc / 1048576.0, std::string(IsaName(DetectedIsa())).c_str(), bw,
-              amx_bf16, amx_i8);
-  std::printf("%-10s %-5s %-6s %5s %11s %9s %8s %7s %7s %11s %8s\n", "preset", "fmt", "isa", "T", "us", "GB/s",
-              "TFLOP/s", "%BW", "%AMX", "onednn_us", "speedup");
+  std::printf(
+      "# threads %d, nodes %d, LLC %.0f MB, ISA %s | read %.1f GB/s | AMX bf16 %.1f TFLOP/s, int8 "
+      "%.1f TOP/s\n",
+      pool.num_threads(), pool.num_nodes(), llc / 1048576.0,
+      std::string(IsaName(DetectedIsa())).c_str(), bw, amx_bf16, amx_i8);
+  std::printf("%-10s %-5s %-6s %5s %11s %9s %8s %7s %7s %11s %8s\n", "preset", "fmt", "isa", "T",
+              "us", "GB/s", "TFLOP/s", "%BW", "%AMX", "onednn_us", "speedup");
   std::fflush(stdout);
   J["rows"] = nlohmann::json::array();
   auto flush_json = [&] {
@@ -225,8 +249,12 @@ int Main(int argc, char** argv) {
 
   for (const auto& pname : a.presets) {
     const Preset* P = nullptr;
-    for (const auto& p : kPresets) if (pname == p.name) P = &p;
-    if (P == nullptr) { std::fprintf(stderr, "unknown preset %s\n", pname.c_str()); return 2; }
+    for (const auto& p : kPresets)
+      if (pname == p.name) P = &p;
+    if (P == nullptr) {
+      std::fprintf(stderr, "unknown preset %s\n", pname.c_str());
+      return 2;
+    }
     // bf16 x for the largest T
     std::vector<uint16_t> x(static_cast<size_t>(Tmax * P->H));
     {
@@ -238,64 +266,88 @@ int Main(int argc, char** argv) {
     std::map<std::string, std::map<int64_t, double>> dnn_us;  // by oneDNN format
     for (const auto& fname : a.formats) {
       auto fmt = ParseWeightFormat(fname);
-      if (!fmt) { std::fprintf(stderr, "unknown format %s\n", fname.c_str()); return 2; }
+      if (!fmt) {
+        std::fprintf(stderr, "unknown format %s\n", fname.c_str());
+        return 2;
+      }
       PackOptions o;
       o.format = *fmt;
       o.group = a.group;
       // One layer's packed bytes decide how many layers make > 4x LLC.
-      const PackedGeom gu = MakeGeom(*fmt, a.group, 2 * RoundUp(P->I, 16), P->H), dn = MakeGeom(*fmt, a.group, P->H, P->I);
+      const PackedGeom gu = MakeGeom(*fmt, a.group, 2 * RoundUp(P->I, 16), P->H),
+                       dn = MakeGeom(*fmt, a.group, P->H, P->I);
       const int64_t expert_bytes = gu.bytes() + dn.bytes();
       const int64_t layer_bytes = expert_bytes * P->E;
-      const int L = a.layers > 0 ? a.layers : static_cast<int>(std::max<int64_t>(1, (min_touched + layer_bytes - 1) / layer_bytes));
+      const int L = a.layers > 0 ? a.layers
+                                 : static_cast<int>(std::max<int64_t>(
+                                       1, (min_touched + layer_bytes - 1) / layer_bytes));
       std::vector<PackedMoeLayer> layers;
       const double tp0 = Now();
       for (int l = 0; l < L; ++l) {
         auto lay = PackRandom(P->H, P->I, P->E, o, pool, 1000 + static_cast<uint64_t>(l));
-        if (!lay.ok()) { std::fprintf(stderr, "pack: %s\n", lay.status().ToString().c_str()); return 1; }
+        if (!lay.ok()) {
+          std::fprintf(stderr, "pack: %s\n", lay.status().ToString().c_str());
+          return 1;
+        }
         layers.push_back(std::move(*lay));
       }
       auto ws_or = MoeWorkspace::Create(layers[0], Tmax, P->K, pool);
-      if (!ws_or.ok()) { std::fprintf(stderr, "workspace: %s\n", ws_or.status().ToString().c_str()); return 1; }
-      std::fprintf(stderr, "# %s %s: %d layer(s) x %.2f GB packed in %.1f s\n", P->name, fname.c_str(), L,
-                   layer_bytes / 1e9, Now() - tp0);
+      if (!ws_or.ok()) {
+        std::fprintf(stderr, "workspace: %s\n", ws_or.status().ToString().c_str());
+        return 1;
+      }
+      std::fprintf(stderr, "# %s %s: %d layer(s) x %.2f GB packed in %.1f s\n", P->name,
+                   fname.c_str(), L, layer_bytes / 1e9, Now() - tp0);
       // oneDNN in the comparable format (int4 -> int8), built once per preset+format.
       const std::string dfmt = *fmt == WeightFormat::kBf16 ? "bf16" : "int8";
       const bool need_dnn = a.onednn && !dnn_us.count(dfmt);
       std::vector<std::unique_ptr<OnednnMoe>> dnns;
       int64_t dnn_expert_bytes = 3 * P->H * P->I * (dfmt == "bf16" ? 2 : 1);
       if (need_dnn) {
-        const int64_t dl = a.layers > 0 ? a.layers : std::max<int64_t>(1, (min_touched + dnn_expert_bytes * P->E - 1) / (dnn_expert_bytes * P->E));
+        const int64_t dl = a.layers > 0
+                               ? a.layers
+                               : std::max<int64_t>(1, (min_touched + dnn_expert_bytes * P->E - 1) /
+                                                          (dnn_expert_bytes * P->E));
         const double t0 = Now();
         for (int l = 0; l < dl; ++l) {
-          auto d = OnednnMoe::Create(*ParseWeightFormat(dfmt), P->H, P->I, P->E, 0,
-                                     [&](int64_t e, void* gu_w, float* gus, void* dn_w, float* dns) {
-                                       const int64_t n1 = 2 * P->I * P->H * (dfmt == "bf16" ? 2 : 1), n2 = n1 / 2;
-                                       const int64_t chunk = 1 << 20;
-                                       auto fill = [&](uint8_t* p, int64_t n) {
-                                         pool.ParallelFor((n + chunk - 1) / chunk, [&](int64_t c, const Worker&) {
-                                           uint64_t s = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(e * 131 + c + l * 7919 + 1);
-                                           for (int64_t i = c * chunk; i < std::min(n, (c + 1) * chunk); i += 2) {
-                                             s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-                                             if (dfmt == "bf16") {
-                                               const float v = (static_cast<float>(s >> 40) / 16777216.0f - 0.5f) * 0.05f;
-                                               const uint16_t b = F32ToBf16(v);
-                                               std::memcpy(p + i, &b, 2);
-                                             } else {
-                                               p[i] = static_cast<uint8_t>(static_cast<int>(s % 255) - 127);
-                                               if (i + 1 < n) p[i + 1] = static_cast<uint8_t>(static_cast<int>((s >> 8) % 255) - 127);
-                                             }
-                                           }
-                                         });
-                                       };
-                                       fill(static_cast<uint8_t*>(gu_w), n1);
-                                       fill(static_cast<uint8_t*>(dn_w), n2);
-                                       for (int64_t i = 0; i < 2 * P->I; ++i) gus[i] = 1e-3f;
-                                       for (int64_t i = 0; i < P->H; ++i) dns[i] = 1e-3f;
-                                     });
-          if (!d.ok()) { std::fprintf(stderr, "onednn: %s\n", d.status().ToString().c_str()); return 1; }
+          auto d = OnednnMoe::Create(
+              *ParseWeightFormat(dfmt), P->H, P->I, P->E, 0,
+              [&](int64_t e, void* gu_w, float* gus, void* dn_w, float* dns) {
+                const int64_t n1 = 2 * P->I * P->H * (dfmt == "bf16" ? 2 : 1), n2 = n1 / 2;
+                const int64_t chunk = 1 << 20;
+                auto fill = [&](uint8_t* p, int64_t n) {
+                  pool.ParallelFor((n + chunk - 1) / chunk, [&](int64_t c, const Worker&) {
+                    uint64_t s =
+                        0x9e3779b97f4a7c15ull * static_cast<uint64_t>(e * 131 + c + l * 7919 + 1);
+                    for (int64_t i = c * chunk; i < std::min(n, (c + 1) * chunk); i += 2) {
+                      s ^= s << 13;
+                      s ^= s >> 7;
+                      s ^= s << 17;
+                      if (dfmt == "bf16") {
+                        const float v = (static_cast<float>(s >> 40) / 16777216.0f - 0.5f) * 0.05f;
+                        const uint16_t b = F32ToBf16(v);
+                        std::memcpy(p + i, &b, 2);
+                      } else {
+                        p[i] = static_cast<uint8_t>(static_cast<int>(s % 255) - 127);
+                        if (i + 1 < n)
+                          p[i + 1] = static_cast<uint8_t>(static_cast<int>((s >> 8) % 255) - 127);
+                      }
+                    }
+                  });
+                };
+                fill(static_cast<uint8_t*>(gu_w), n1);
+                fill(static_cast<uint8_t*>(dn_w), n2);
+                for (int64_t i = 0; i < 2 * P->I; ++i) gus[i] = 1e-3f;
+                for (int64_t i = 0; i < P->H; ++i) dns[i] = 1e-3f;
+              });
+          if (!d.ok()) {
+            std::fprintf(stderr, "onednn: %s\n", d.status().ToString().c_str());
+            return 1;
+          }
           dnns.push_back(std::move(*d));
         }
-        std::fprintf(stderr, "# oneDNN %s: %lld layer(s) built in %.1f s\n", dfmt.c_str(), static_cast<long long>(dl), Now() - t0);
+        std::fprintf(stderr, "# oneDNN %s: %lld layer(s) built in %.1f s\n", dfmt.c_str(),
+                     static_cast<long long>(dl), Now() - t0);
       }
       for (int64_t T : a.Ts) {
         // oneDNN row first (same routing stream).
@@ -311,7 +363,10 @@ int Main(int argc, char** argv) {
             const double t0 = Now();
             auto s = dnns[static_cast<size_t>(it) % dnns.size()]->Run(in, out.data());
             const double dt = Now() - t0;
-            if (!s.ok()) { std::fprintf(stderr, "onednn run: %s\n", s.ToString().c_str()); return 1; }
+            if (!s.ok()) {
+              std::fprintf(stderr, "onednn run: %s\n", s.ToString().c_str());
+              return 1;
+            }
             if (it == 0) continue;  // warm-up
             total += dt;
             ++iters;
@@ -321,7 +376,10 @@ int Main(int argc, char** argv) {
         }
         for (const auto& iname : a.isas) {
           auto isa = ParseIsa(iname);
-          if (!isa || *isa > DetectedIsa()) { std::fprintf(stderr, "# skip isa %s (not on this CPU)\n", iname.c_str()); continue; }
+          if (!isa || *isa > DetectedIsa()) {
+            std::fprintf(stderr, "# skip isa %s (not on this CPU)\n", iname.c_str());
+            continue;
+          }
           RunOptions ro;
           ro.isa = *isa;
           Router r(P->E, P->K, a.zipf);
@@ -336,9 +394,13 @@ int Main(int argc, char** argv) {
             for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
             const int64_t ne = std::count(touched.begin(), touched.end(), 1);
             const double t0 = Now();
-            auto s = RunMoe(layers[static_cast<size_t>(it) % layers.size()], in, out.data(), pool, **ws_or, ro);
+            auto s = RunMoe(layers[static_cast<size_t>(it) % layers.size()], in, out.data(), pool,
+                            **ws_or, ro);
             const double dt = Now() - t0;
-            if (!s.ok()) { std::fprintf(stderr, "run: %s\n", s.ToString().c_str()); return 1; }
+            if (!s.ok()) {
+              std::fprintf(stderr, "run: %s\n", s.ToString().c_str());
+              return 1;
+            }
             if (it == 0) continue;
             total += dt;
             bytes += static_cast<double>(ne * expert_bytes);
@@ -350,15 +412,26 @@ int Main(int argc, char** argv) {
           const double gbs = bytes / total / 1e9, tf = flops / total / 1e12;
           const double peak = *fmt == WeightFormat::kInt8 ? amx_i8 : amx_bf16;
           const double dus = dnn_us.count(dfmt) && dnn_us[dfmt].count(T) ? dnn_us[dfmt][T] : 0;
-          std::printf("%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %11.1f %7.2fx\n", P->name, fname.c_str(),
-                      iname.c_str(), static_cast<long long>(T), us, gbs, tf, bw > 0 ? 100 * gbs / bw : 0,
-                      peak > 0 ? 100 * tf / peak : 0, dus, dus > 0 ? dus / us : 0);
+          std::printf("%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %11.1f %7.2fx\n",
+                      P->name, fname.c_str(), iname.c_str(), static_cast<long long>(T), us, gbs, tf,
+                      bw > 0 ? 100 * gbs / bw : 0, peak > 0 ? 100 * tf / peak : 0, dus,
+                      dus > 0 ? dus / us : 0);
           std::fflush(stdout);
-          J["rows"].push_back({{"preset", P->name}, {"format", fname}, {"isa", iname}, {"T", T}, {"us", us},
-                               {"weight_gbs", gbs}, {"tflops", tf}, {"pct_bw", bw > 0 ? 100 * gbs / bw : 0},
-                               {"pct_amx", peak > 0 ? 100 * tf / peak : 0}, {"onednn_format", dfmt},
-                               {"onednn_us", dus}, {"speedup", dus > 0 ? dus / us : 0}, {"layers", L},
-                               {"routing", a.zipf ? "zipf" : "uniform"}, {"virtual_nodes", pool.num_nodes()}});
+          J["rows"].push_back({{"preset", P->name},
+                               {"format", fname},
+                               {"isa", iname},
+                               {"T", T},
+                               {"us", us},
+                               {"weight_gbs", gbs},
+                               {"tflops", tf},
+                               {"pct_bw", bw > 0 ? 100 * gbs / bw : 0},
+                               {"pct_amx", peak > 0 ? 100 * tf / peak : 0},
+                               {"onednn_format", dfmt},
+                               {"onednn_us", dus},
+                               {"speedup", dus > 0 ? dus / us : 0},
+                               {"layers", L},
+                               {"routing", a.zipf ? "zipf" : "uniform"},
+                               {"virtual_nodes", pool.num_nodes()}});
           flush_json();
         }
       }

@@ -76,8 +76,8 @@ absl::StatusOr<std::vector<NodeCores>> DiscoverTopology(const TopologyOptions& o
   if (opts.virtual_nodes > 0) {
     const int v = opts.virtual_nodes;
     if (static_cast<size_t>(v) > cpus.size())
-      return absl::InvalidArgumentError(absl::StrCat("virtual_nodes ", v, " exceeds the ",
-                                                     cpus.size(), " cores available"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("virtual_nodes ", v, " exceeds the ", cpus.size(), " cores available"));
     nodes.resize(static_cast<size_t>(v));
     const size_t n = cpus.size();
     for (int i = 0; i < v; ++i) {

@@ -42,7 +42,9 @@ class ThreadPool {
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
   int num_nodes() const { return static_cast<int>(nodes_.size()); }
-  int node_threads(int node) const { return static_cast<int>(nodes_[static_cast<size_t>(node)].cpus.size()); }
+  int node_threads(int node) const {
+    return static_cast<int>(nodes_[static_cast<size_t>(node)].cpus.size());
+  }
   int mem_node(int node) const { return nodes_[static_cast<size_t>(node)].mem_node; }
   const std::vector<NodeCores>& nodes() const { return nodes_; }
 

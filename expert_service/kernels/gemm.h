@@ -13,15 +13,15 @@ struct GemmArgs {
   const PackedGeom* g = nullptr;
   const uint8_t* w = nullptr;  // panel 0 of the matrix
   int64_t nb0 = 0, nb1 = 0;
-  const void* a = nullptr;  // rows of Kp bf16 or int8 (zero-padded past K)
-  int64_t lda = 0;          // bytes between rows
-  int m = 0;                // rows; rows up to roundup(m, 32) exist and are zero past m
-  const float* a_scale = nullptr;  // int8 activations: per row
-  const int32_t* a_gsum = nullptr; // int4 "few": per row, per group: sum of the int8 activations
-  int64_t gsum_stride = 0;         // int32 elements between rows of a_gsum
-  float* c = nullptr;              // roundup(m, 32) rows
-  int64_t ldc = 0;                 // floats between rows of c
-  uint8_t* scratch = nullptr;      // kGemmScratchBytes, 64-byte aligned
+  const void* a = nullptr;          // rows of Kp bf16 or int8 (zero-padded past K)
+  int64_t lda = 0;                  // bytes between rows
+  int m = 0;                        // rows; rows up to roundup(m, 32) exist and are zero past m
+  const float* a_scale = nullptr;   // int8 activations: per row
+  const int32_t* a_gsum = nullptr;  // int4 "few": per row, per group: sum of the int8 activations
+  int64_t gsum_stride = 0;          // int32 elements between rows of a_gsum
+  float* c = nullptr;               // roundup(m, 32) rows
+  int64_t ldc = 0;                  // floats between rows of c
+  uint8_t* scratch = nullptr;       // kGemmScratchBytes, 64-byte aligned
 };
 inline constexpr int64_t kGemmScratchBytes = 128 * 1024;
 

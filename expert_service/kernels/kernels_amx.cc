@@ -53,14 +53,17 @@ void AmxGemm(const GemmArgs& a) {
   constexpr bool kI8 = kKind == Kind::kInt8;
   constexpr int64_t kStepK = kI8 ? 64 : 32;  // k per tile
   // k per chunk (a multiple of 128); int4's bf16 staging holds at most 2048 k per panel.
-  const int64_t kChunkK = std::min<int64_t>(ChunkBytes() / (kI8 ? 1 : 2), kKind == Kind::kInt4Bf16 ? 2048 : 1 << 30);
+  const int64_t kChunkK =
+      std::min<int64_t>(ChunkBytes() / (kI8 ? 1 : 2), kKind == Kind::kInt4Bf16 ? 2048 : 1 << 30);
   const PackedGeom& g = *a.g;
   ConfigureTiles();
   const int mp = (a.m + 31) / 32 * 32;
   const int64_t ldc_b = a.ldc * 4;
   const uint8_t* A = static_cast<const uint8_t*>(a.a);
   uint8_t* buf0 = a.scratch;
-  uint8_t* buf1 = a.scratch + kGemmScratchBytes / 2;  // each half holds 2048 k of one panel  // bf16 chunk of one panel: kChunkK/2 lines x 64 B
+  uint8_t* buf1 =
+      a.scratch + kGemmScratchBytes / 2;  // each half holds 2048 k of one panel  // bf16 chunk of
+                                          // one panel: kChunkK/2 lines x 64 B
   for (int64_t kc0 = 0; kc0 < g.kp; kc0 += kChunkK) {
     const int64_t kc1 = std::min(g.kp, kc0 + kChunkK);
     for (int64_t j = a.nb0; j < a.nb1; j += 2) {
@@ -68,8 +71,11 @@ void AmxGemm(const GemmArgs& a) {
       const uint8_t* B0;
       const uint8_t* B1;
       if constexpr (kKind == Kind::kInt4Bf16) {
-        DequantI4PanelBf16Avx512(g, a.w + j * g.panel_bytes, kc0, kc1, reinterpret_cast<uint16_t*>(buf0));
-        if (two) DequantI4PanelBf16Avx512(g, a.w + (j + 1) * g.panel_bytes, kc0, kc1, reinterpret_cast<uint16_t*>(buf1));
+        DequantI4PanelBf16Avx512(g, a.w + j * g.panel_bytes, kc0, kc1,
+                                 reinterpret_cast<uint16_t*>(buf0));
+        if (two)
+          DequantI4PanelBf16Avx512(g, a.w + (j + 1) * g.panel_bytes, kc0, kc1,
+                                   reinterpret_cast<uint16_t*>(buf1));
         B0 = buf0;
         B1 = buf1;
       } else {
@@ -99,11 +105,15 @@ void AmxGemm(const GemmArgs& a) {
           for (int64_t s = 0; s < steps; ++s) {
             _tile_loadd(4, a0 + s * 64, a.lda);
             _tile_loadd(6, B0 + s * 1024, 64);
-            if constexpr (kI8) _tile_dpbssd(0, 4, 6);
-            else _tile_dpbf16ps(0, 4, 6);
+            if constexpr (kI8)
+              _tile_dpbssd(0, 4, 6);
+            else
+              _tile_dpbf16ps(0, 4, 6);
             _tile_loadd(7, B1 + s * 1024, 64);
-            if constexpr (kI8) _tile_dpbssd(1, 4, 7);
-            else _tile_dpbf16ps(1, 4, 7);
+            if constexpr (kI8)
+              _tile_dpbssd(1, 4, 7);
+            else
+              _tile_dpbf16ps(1, 4, 7);
             _tile_loadd(5, a1 + s * 64, a.lda);
             if constexpr (kI8) {
               _tile_dpbssd(2, 5, 6);

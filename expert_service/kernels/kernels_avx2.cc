@@ -18,12 +18,14 @@ void GemmBf16(const GemmArgs& a) {
   for (int64_t j = a.nb0; j < a.nb1; ++j) {
     const uint8_t* p = a.w + j * g.panel_bytes;
     for (int m = 0; m < a.m; ++m) {
-      const uint16_t* x = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
+      const uint16_t* x =
+          reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
       __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int64_t kk = 0; kk < g.kp / 2; ++kk) {
         const __m256 x0 = _mm256_set1_ps(Bf(x + 2 * kk)), x1 = _mm256_set1_ps(Bf(x + 2 * kk + 1));
         for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + kk * 64 + 32 * h));
+          const __m256i v =
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(p + kk * 64 + 32 * h));
           acc[h] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), x0, acc[h]);
           acc[h] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)), x1, acc[h]);
         }
@@ -38,14 +40,19 @@ void GemmBf16(const GemmArgs& a) {
 // acc[q] (q = quarter of 4 n) += pairwise int16 products of a 64-byte
 // [16 n][4 k] int8 line with 4 activations.
 inline void Dot4(const __m256i lo_half, const __m256i hi_half, __m256i x16, __m256i* acc) {
-  acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo_half)), x16));
-  acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo_half, 1)), x16));
-  acc[2] = _mm256_add_epi32(acc[2], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi_half)), x16));
-  acc[3] = _mm256_add_epi32(acc[3], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi_half, 1)), x16));
+  acc[0] = _mm256_add_epi32(
+      acc[0], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo_half)), x16));
+  acc[1] = _mm256_add_epi32(
+      acc[1], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo_half, 1)), x16));
+  acc[2] = _mm256_add_epi32(
+      acc[2], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi_half)), x16));
+  acc[3] = _mm256_add_epi32(
+      acc[3], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi_half, 1)), x16));
 }
 
 inline __m256i Act4(const int8_t* x) {
-  const int64_t v = static_cast<uint16_t>(x[0]) | static_cast<int64_t>(static_cast<uint16_t>(x[1])) << 16 |
+  const int64_t v = static_cast<uint16_t>(x[0]) |
+                    static_cast<int64_t>(static_cast<uint16_t>(x[1])) << 16 |
                     static_cast<int64_t>(static_cast<uint16_t>(x[2])) << 32 |
                     static_cast<int64_t>(static_cast<uint16_t>(x[3])) << 48;
   return _mm256_set1_epi64x(v);
@@ -65,7 +72,8 @@ void GemmI8(const GemmArgs& a) {
     const float* sc = reinterpret_cast<const float*>(p + g.i8_scale_offset());
     for (int m = 0; m < a.m; ++m) {
       const int8_t* x = static_cast<const int8_t*>(a.a) + m * a.lda;
-      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                        _mm256_setzero_si256()};
       for (int64_t q = 0; q < g.kp / 4; ++q) {
         const __m256i l0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + q * 64));
         const __m256i l1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + q * 64 + 32));
@@ -89,16 +97,18 @@ void GemmI4I8(const GemmArgs& a) {
       const int8_t* x = static_cast<const int8_t*>(a.a) + m * a.lda;
       float accf[16] = {};
       for (int64_t gi = 0; gi < groups; ++gi) {
-        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                          _mm256_setzero_si256()};
         const uint8_t* gp = p + gi * gb;
         for (int64_t o = 0; o < g.group / 8; ++o) {
           const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(gp + o * 64));
           const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(gp + o * 64 + 32));
           const int64_t k0 = gi * g.group + 8 * o;
-          Dot4(_mm256_sub_epi8(_mm256_and_si256(v0, low4), eight), _mm256_sub_epi8(_mm256_and_si256(v1, low4), eight),
-               Act4(x + k0), acc);
+          Dot4(_mm256_sub_epi8(_mm256_and_si256(v0, low4), eight),
+               _mm256_sub_epi8(_mm256_and_si256(v1, low4), eight), Act4(x + k0), acc);
           Dot4(_mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4), eight),
-               _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), eight), Act4(x + k0 + 4), acc);
+               _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), eight),
+               Act4(x + k0 + 4), acc);
         }
         int32_t s[16];
         PairSums(acc, s);

@@ -20,7 +20,8 @@ inline __m512i Bcast32(const void* p) {
 
 // ---- bf16 -------------------------------------------------------------------------
 template <int MB, int NB>
-void Bf16Block(const uint8_t* const* panels, const uint16_t* const* rows, int64_t kp, float* const* c) {
+void Bf16Block(const uint8_t* const* panels, const uint16_t* const* rows, int64_t kp,
+               float* const* c) {
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
@@ -29,7 +30,8 @@ void Bf16Block(const uint8_t* const* panels, const uint16_t* const* rows, int64_
     for (int n = 0; n < NB; ++n) w[n] = _mm512_load_si512(panels[n] + kk * 64);
     for (int m = 0; m < MB; ++m) {
       const __m512i x = Bcast32(rows[m] + 2 * kk);
-      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)w[n], (__m512bh)x);
+      for (int n = 0; n < NB; ++n)
+        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)w[n], (__m512bh)x);
     }
   }
   for (int m = 0; m < MB; ++m)
@@ -57,7 +59,8 @@ void I8Block(const uint8_t* const* panels, const int8_t* const* rows, const floa
     const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(panels[n] + g.i8_rowsum_offset()), 7);
     for (int m = 0; m < MB; ++m) {
       const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][n], corr));
-      _mm512_storeu_ps(c[m] + 16 * n, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(a_scale[m])), sc));
+      _mm512_storeu_ps(c[m] + 16 * n,
+                       _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(a_scale[m])), sc));
     }
   }
 }
@@ -95,7 +98,8 @@ void I4I8Block(const uint8_t* const* panels, const int8_t* const* rows, const fl
       const __m512 sc = _mm512_loadu_ps(panels[n] + gi * gb + int64_t{g.group} * 8);
       for (int m = 0; m < MB; ++m) {
         const __m512i corr = _mm512_set1_epi32(8 * gsum[m][gi]);
-        accf[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][n], corr)), sc, accf[m][n]);
+        accf[m][n] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][n], corr)), sc, accf[m][n]);
       }
     }
   }
@@ -120,48 +124,67 @@ void ForBlocks(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, F&& f) 
 }
 
 #define HMOE_DISPATCH_MB_NB(mb, nb, CALL) \
-  do {                                      \
-    if (nb == 2) {                          \
-      switch (mb) {                         \
-        case 1: CALL(1, 2); break;          \
-        case 2: CALL(2, 2); break;          \
-        case 3: CALL(3, 2); break;          \
-        default: CALL(4, 2); break;         \
-      }                                     \
-    } else {                                \
-      switch (mb) {                         \
-        case 1: CALL(1, 1); break;          \
-        case 2: CALL(2, 1); break;          \
-        case 3: CALL(3, 1); break;          \
-        default: CALL(4, 1); break;         \
-      }                                     \
-    }                                       \
+  do {                                    \
+    if (nb == 2) {                        \
+      switch (mb) {                       \
+        case 1:                           \
+          CALL(1, 2);                     \
+          break;                          \
+        case 2:                           \
+          CALL(2, 2);                     \
+          break;                          \
+        case 3:                           \
+          CALL(3, 2);                     \
+          break;                          \
+        default:                          \
+          CALL(4, 2);                     \
+          break;                          \
+      }                                   \
+    } else {                              \
+      switch (mb) {                       \
+        case 1:                           \
+          CALL(1, 1);                     \
+          break;                          \
+        case 2:                           \
+          CALL(2, 1);                     \
+          break;                          \
+        case 3:                           \
+          CALL(3, 1);                     \
+          break;                          \
+        default:                          \
+          CALL(4, 1);                     \
+          break;                          \
+      }                                   \
+    }                                     \
   } while (0)
 
 void GemmBf16(const GemmArgs& a) { GemmBf16PanelsAvx512(a, a.w, a.g->panel_bytes, a.g->kp); }
 
 void GemmI8(const GemmArgs& a) {
-  ForBlocks(a, a.w, a.g->panel_bytes, [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
-    const int8_t* rows[4];
-    for (int m = 0; m < mb; ++m) rows[m] = static_cast<const int8_t*>(a.a) + (m0 + m) * a.lda;
+  ForBlocks(a, a.w, a.g->panel_bytes,
+            [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
+              const int8_t* rows[4];
+              for (int m = 0; m < mb; ++m)
+                rows[m] = static_cast<const int8_t*>(a.a) + (m0 + m) * a.lda;
 #define CALL(M, N) I8Block<M, N>(panels, rows, a.a_scale + m0, *a.g, c)
-    HMOE_DISPATCH_MB_NB(mb, nb, CALL);
+              HMOE_DISPATCH_MB_NB(mb, nb, CALL);
 #undef CALL
-  });
+            });
 }
 
 void GemmI4I8(const GemmArgs& a) {
-  ForBlocks(a, a.w, a.g->panel_bytes, [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
-    const int8_t* rows[4];
-    const int32_t* gs[4];
-    for (int m = 0; m < mb; ++m) {
-      rows[m] = static_cast<const int8_t*>(a.a) + (m0 + m) * a.lda;
-      gs[m] = a.a_gsum + (m0 + m) * a.gsum_stride;
-    }
+  ForBlocks(a, a.w, a.g->panel_bytes,
+            [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
+              const int8_t* rows[4];
+              const int32_t* gs[4];
+              for (int m = 0; m < mb; ++m) {
+                rows[m] = static_cast<const int8_t*>(a.a) + (m0 + m) * a.lda;
+                gs[m] = a.a_gsum + (m0 + m) * a.gsum_stride;
+              }
 #define CALL(M, N) I4I8Block<M, N>(panels, rows, a.a_scale + m0, gs, *a.g, c)
-    HMOE_DISPATCH_MB_NB(mb, nb, CALL);
+              HMOE_DISPATCH_MB_NB(mb, nb, CALL);
 #undef CALL
-  });
+            });
 }
 
 // int4 "many" without AMX: dequantize each panel to bf16 in scratch, then bf16 GEMV.
@@ -177,10 +200,12 @@ void GemmI4Bf16(const GemmArgs& a) {
       const int64_t k1 = std::min(g.kp, k0 + kc);
       DequantI4PanelBf16Avx512(g, a.w + j * g.panel_bytes, k0, k1, buf);
       for (int m = 0; m < a.m; ++m) {
-        const uint16_t* x = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda) + k0;
+        const uint16_t* x =
+            reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda) + k0;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t kk = 0; kk < (k1 - k0) / 2; ++kk)
-          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512(buf + kk * 32), (__m512bh)Bcast32(x + 2 * kk));
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512(buf + kk * 32),
+                                 (__m512bh)Bcast32(x + 2 * kk));
         float* c = a.c + m * a.ldc + (j - a.nb0) * 16;
         _mm512_storeu_ps(c, _mm512_add_ps(_mm512_loadu_ps(c), acc));
       }
@@ -212,7 +237,8 @@ inline __m512 SiluMul16(__m512 g, __m512 u) {
 
 void SiluMul(const float* g, const float* u, int64_t n, float* out) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, SiluMul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, SiluMul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
   if (i < n) SiluMulScalar(g + i, u + i, n - i, out + i);
 }
 
@@ -227,7 +253,8 @@ void SiluMulBf16(const float* g, const float* u, int64_t n, uint16_t* out) {
 
 // ---- int8 quantization of activations ---------------------------------------------------
 inline __m512 LoadBf16(const uint16_t* p, __mmask16 k) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
 inline __mmask16 TailMask(int64_t left) {
@@ -257,9 +284,11 @@ void QuantCore(Load load, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* 
   }
 }
 
-void QuantBf16(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale, int32_t* gsum, int group) {
+void QuantBf16(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale, int32_t* gsum,
+               int group) {
   __m512 m = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(LoadBf16(x + i, TailMask(n - i))));
+  for (int64_t i = 0; i < n; i += 16)
+    m = _mm512_max_ps(m, _mm512_abs_ps(LoadBf16(x + i, TailMask(n - i))));
   const float s = _mm512_reduce_max_ps(m) / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
   *scale = s;
   QuantCore([&](int64_t i, __mmask16 k) { return LoadBf16(x + i, k); }, n, kp, inv, q, gsum, group);
@@ -267,52 +296,64 @@ void QuantBf16(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale
 
 float AmaxF32(const float* x, int64_t n) {
   __m512 m = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(TailMask(n - i), x + i)));
+  for (int64_t i = 0; i < n; i += 16)
+    m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(TailMask(n - i), x + i)));
   return _mm512_reduce_max_ps(m);
 }
 
-void QuantF32(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum, int group) {
-  QuantCore([&](int64_t i, __mmask16 k) { return _mm512_maskz_loadu_ps(k, x + i); }, n, kp, inv, q, gsum, group);
+void QuantF32(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum,
+              int group) {
+  QuantCore([&](int64_t i, __mmask16 k) { return _mm512_maskz_loadu_ps(k, x + i); }, n, kp, inv, q,
+            gsum, group);
 }
 
 void Axpy(float a, const float* x, int64_t n, float* y) {
   const __m512 va = _mm512_set1_ps(a);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
 }  // namespace
 
 void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, int64_t kp) {
-  ForBlocks(a, w, panel_bytes, [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
-    const uint16_t* rows[4];
-    for (int m = 0; m < mb; ++m)
-      rows[m] = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + (m0 + m) * a.lda);
+  ForBlocks(a, w, panel_bytes,
+            [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
+              const uint16_t* rows[4];
+              for (int m = 0; m < mb; ++m)
+                rows[m] = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) +
+                                                            (m0 + m) * a.lda);
 #define CALL(M, N) Bf16Block<M, N>(panels, rows, kp, c)
-    HMOE_DISPATCH_MB_NB(mb, nb, CALL);
+              HMOE_DISPATCH_MB_NB(mb, nb, CALL);
 #undef CALL
-  });
+            });
 }
 
-void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1, uint16_t* out) {
+void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1,
+                              uint16_t* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const __m512i wsplit = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
-                                          30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i wsplit =
+      _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26, 24,
+                       22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i dup_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const __m512i dup_hi =
+      _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   const int64_t gb = g.i4_group_bytes();
   for (int64_t gi = k0 / g.group; gi < k1 / g.group; ++gi) {
     const uint8_t* gp = panel + gi * gb;
     const __m512 sc = _mm512_loadu_ps(gp + int64_t{g.group} * 8);
     const __m512 s0 = _mm512_permutexvar_ps(dup_lo, sc), s1 = _mm512_permutexvar_ps(dup_hi, sc);
-    const __m512 n0 = _mm512_mul_ps(s0, _mm512_set1_ps(-8.0f)), n1 = _mm512_mul_ps(s1, _mm512_set1_ps(-8.0f));
+    const __m512 n0 = _mm512_mul_ps(s0, _mm512_set1_ps(-8.0f)),
+                 n1 = _mm512_mul_ps(s1, _mm512_set1_ps(-8.0f));
     for (int64_t o = 0; o < g.group / 8; ++o) {
       const __m512i v = _mm512_load_si512(gp + o * 64);
-      const __m512i halves[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+      const __m512i halves[2] = {_mm512_and_si512(v, low4),
+                                 _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
       uint16_t* dst = out + ((gi * g.group - k0) / 2 + 4 * o) * 32;
       for (int h = 0; h < 2; ++h) {
-        const __m512i p = _mm512_permutexvar_epi16(wsplit, halves[h]);  // [pair0: 32 B][pair1: 32 B]
+        const __m512i p =
+            _mm512_permutexvar_epi16(wsplit, halves[h]);  // [pair0: 32 B][pair1: 32 B]
         for (int pr = 0; pr < 2; ++pr) {
           const __m128i b0 = _mm512_extracti32x4_epi32(p, 0 + 2 * pr);
           const __m128i b1 = _mm512_extracti32x4_epi32(p, 1 + 2 * pr);
@@ -343,8 +384,8 @@ uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes) {
 }
 
 const KernelSet& Avx512Kernels() {
-  static const KernelSet k{GemmBf16, GemmI8,   GemmI4I8, GemmI4Bf16, SiluMul,
-                           SiluMulBf16, QuantBf16, AmaxF32, QuantF32, Axpy};
+  static const KernelSet k{GemmBf16,    GemmI8,    GemmI4I8, GemmI4Bf16, SiluMul,
+                           SiluMulBf16, QuantBf16, AmaxF32,  QuantF32,   Axpy};
   return k;
 }
 

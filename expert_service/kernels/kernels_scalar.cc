@@ -13,7 +13,8 @@ namespace {
 void GemmBf16(const GemmArgs& a) {
   const PackedGeom& g = *a.g;
   for (int m = 0; m < a.m; ++m) {
-    const uint16_t* x = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
+    const uint16_t* x =
+        reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
     for (int64_t j = a.nb0; j < a.nb1; ++j) {
       const uint16_t* p = reinterpret_cast<const uint16_t*>(a.w + j * g.panel_bytes);
       float acc[16] = {};
@@ -77,7 +78,8 @@ void GemmI4Bf16(const GemmArgs& a) {
   const PackedGeom& g = *a.g;
   const int64_t groups = g.kp / g.group;
   for (int m = 0; m < a.m; ++m) {
-    const uint16_t* x = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
+    const uint16_t* x =
+        reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
     for (int64_t j = a.nb0; j < a.nb1; ++j) {
       const uint8_t* panel = a.w + j * g.panel_bytes;
       float acc[16] = {};
@@ -152,9 +154,9 @@ void AxpyScalar(float a, const float* x, int64_t n, float* y) {
 }
 
 const KernelSet& ScalarKernels() {
-  static const KernelSet k{GemmBf16,      GemmI8,          GemmI4I8,      GemmI4Bf16,
-                           SiluMulScalar, SiluMulBf16Scalar, QuantBf16Scalar, AmaxF32Scalar,
-                           QuantF32Scalar, AxpyScalar};
+  static const KernelSet k{
+      GemmBf16,          GemmI8,          GemmI4I8,      GemmI4Bf16,     SiluMulScalar,
+      SiluMulBf16Scalar, QuantBf16Scalar, AmaxF32Scalar, QuantF32Scalar, AxpyScalar};
   return k;
 }
 

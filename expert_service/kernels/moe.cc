@@ -5,6 +5,8 @@
 //   hquant   (int8 activations) per-row scale over all parts' h, quantize
 //   down     tasks (part, expert, panel chunk, row chunk) -> y_part[row]
 //   reduce   out[t] = sum_j w[t][j] * sum_part y_part[row(t, j)]
+#include "expert_service/kernels/moe.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -16,7 +18,6 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "expert_service/kernels/gemm.h"
-#include "expert_service/kernels/moe.h"
 
 namespace hmoe {
 namespace {
@@ -26,10 +27,14 @@ constexpr int64_t kMaxTaskPanels = 16;  // panels per task
 
 const kern::KernelSet& KernelsFor(Isa isa, bool many) {
   switch (isa) {
-    case Isa::kAmx: return many ? kern::AmxKernels() : kern::Avx512Kernels();
-    case Isa::kAvx512: return kern::Avx512Kernels();
-    case Isa::kAvx2: return kern::Avx2Kernels();
-    case Isa::kScalar: break;
+    case Isa::kAmx:
+      return many ? kern::AmxKernels() : kern::Avx512Kernels();
+    case Isa::kAvx512:
+      return kern::Avx512Kernels();
+    case Isa::kAvx2:
+      return kern::Avx2Kernels();
+    case Isa::kScalar:
+      break;
   }
   return kern::ScalarKernels();
 }
@@ -41,17 +46,20 @@ bool Int8Act(WeightFormat f, bool many) {
 
 kern::GemmFn GemmFor(const kern::KernelSet& k, WeightFormat f, bool many) {
   switch (f) {
-    case WeightFormat::kBf16: return k.bf16;
-    case WeightFormat::kInt8: return k.i8;
-    case WeightFormat::kInt4: return many ? k.i4_bf16 : k.i4_i8;
+    case WeightFormat::kBf16:
+      return k.bf16;
+    case WeightFormat::kInt8:
+      return k.i8;
+    case WeightFormat::kInt4:
+      return many ? k.i4_bf16 : k.i4_i8;
   }
   return nullptr;
 }
 
 struct Task {
-  int32_t e;        // local expert
-  int32_t m0, m;    // row chunk within the expert
-  int32_t nb0, nb1; // panels
+  int32_t e;         // local expert
+  int32_t m0, m;     // row chunk within the expert
+  int32_t nb0, nb1;  // panels
 };
 
 class SpinBarrier {
@@ -89,9 +97,12 @@ struct Profile {
   }
   ~Profile() {
     if (!on || calls == 0) return;
-    static const char* names[] = {"route", "wake", "gather", "gate_up", "hquant", "down", "reduce", "join"};
-    std::fprintf(stderr, "# RunMoe profile over %lld calls (us/call):", static_cast<long long>(calls));
-    for (int i = 0; i < 8; ++i) std::fprintf(stderr, " %s %.1f", names[i], t[i] / static_cast<double>(calls) * 1e6);
+    static const char* names[] = {"route",  "wake", "gather", "gate_up",
+                                  "hquant", "down", "reduce", "join"};
+    std::fprintf(stderr,
+                 "# RunMoe profile over %lld calls (us/call):", static_cast<long long>(calls));
+    for (int i = 0; i < 8; ++i)
+      std::fprintf(stderr, " %s %.1f", names[i], t[i] / static_cast<double>(calls) * 1e6);
     std::fprintf(stderr, "\n");
   }
 };
@@ -124,11 +135,11 @@ struct MoeWorkspace::Impl {
     NumaBuffer h;   // [row][kp_i] f32 (bf16 rows use the first half)
     NumaBuffer hq;  // [row][kp_i] int8
     std::vector<int32_t> hgsum;
-    NumaBuffer y;   // [row][hidden] f32
+    NumaBuffer y;  // [row][hidden] f32
     std::vector<Task> gu_tasks, down_tasks;
   };
   std::vector<PartBufs> parts;
-  std::vector<float> h_scale;  // per row (shared by parts)
+  std::vector<float> h_scale;             // per row (shared by parts)
   std::vector<NumaBuffer> cbuf, scratch;  // per thread
   // phase counters
   std::vector<std::atomic<int64_t>> counters;
@@ -173,7 +184,8 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.row_token.resize(R);
   w.row_expert.resize(R);
   w.slot_row.resize(static_cast<size_t>(slots));
-  ASSIGN_OR_RETURN(w.xa, NumaBuffer::Allocate(R * static_cast<size_t>(w.kp_h) * 2, pool.mem_node(0)));
+  ASSIGN_OR_RETURN(w.xa,
+                   NumaBuffer::Allocate(R * static_cast<size_t>(w.kp_h) * 2, pool.mem_node(0)));
   w.xa_scale.resize(R);
   w.xa_gsum.resize(R * static_cast<size_t>(std::max<int64_t>(w.gmax, 1)));
   w.h_scale.resize(R);
@@ -207,7 +219,9 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   return ws;
 }
 
-absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts) { return ResolveIsa(opts.isa, opts.strict_isa); }
+absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts) {
+  return ResolveIsa(opts.isa, opts.strict_isa);
+}
 
 absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out, ThreadPool& pool,
                     MoeWorkspace& ws, const RunOptions& opts) {
@@ -219,8 +233,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
                                                    " exceed the workspace (", w.max_tokens, " x ",
                                                    w.max_top_k, ")"));
   if (H != w.hidden || layer.format() != w.format || layer.group() != w.group ||
-      layer.num_local_experts() != w.n_local || static_cast<int>(layer.parts().size()) != w.nparts ||
-      pool.num_threads() != w.threads)
+      layer.num_local_experts() != w.n_local ||
+      static_cast<int>(layer.parts().size()) != w.nparts || pool.num_threads() != w.threads)
     return absl::InvalidArgumentError("workspace was made for a differently shaped layer or pool");
   if (T == 0) return absl::OkStatus();
   if (in.x == nullptr || out == nullptr || (K > 0 && (in.ids == nullptr || in.weights == nullptr)))
@@ -243,7 +257,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   int64_t rows = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int32_t c = w.count[static_cast<size_t>(e)];
-    w.many[static_cast<size_t>(e)] = c > (fmt == WeightFormat::kInt4 ? opts.many_threshold_int4 : opts.many_threshold);
+    w.many[static_cast<size_t>(e)] =
+        c > (fmt == WeightFormat::kInt4 ? opts.many_threshold_int4 : opts.many_threshold);
     w.row_off[static_cast<size_t>(e)] = static_cast<int32_t>(rows);
     w.cursor[static_cast<size_t>(e)] = static_cast<int32_t>(rows);
     w.row_cnt[static_cast<size_t>(e)] = c;
@@ -285,8 +300,10 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       gu_work += chunks * lp.gu.nblocks;
       dn_work += chunks * lp.down.nblocks;
     }
-    const int64_t gu_chunk = std::clamp<int64_t>(RoundUp((gu_work + target - 1) / target, 2), 2, kMaxTaskPanels);
-    const int64_t dn_chunk = std::clamp<int64_t>((dn_work + target - 1) / target, 1, kMaxTaskPanels);
+    const int64_t gu_chunk =
+        std::clamp<int64_t>(RoundUp((gu_work + target - 1) / target, 2), 2, kMaxTaskPanels);
+    const int64_t dn_chunk =
+        std::clamp<int64_t>((dn_work + target - 1) / target, 1, kMaxTaskPanels);
     for (int32_t e : w.active) {
       const int64_t c = w.row_cnt[static_cast<size_t>(e)];
       for (int64_t m0 = 0; m0 < c; m0 += kRowChunk) {
@@ -334,12 +351,15 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         if (t < 0) {
           std::memset(dst, 0, static_cast<size_t>(i8 ? kp_h : xa_ld));
           w.xa_scale[static_cast<size_t>(r)] = 0.0f;
-          if (w.gmax) std::memset(&w.xa_gsum[static_cast<size_t>(r * gsum_ld)], 0, sizeof(int32_t) * static_cast<size_t>(w.gmax));
+          if (w.gmax)
+            std::memset(&w.xa_gsum[static_cast<size_t>(r * gsum_ld)], 0,
+                        sizeof(int32_t) * static_cast<size_t>(w.gmax));
           continue;
         }
         const uint16_t* x = in.x + static_cast<int64_t>(t) * H;
         if (i8) {
-          kfew.quant_bf16(x, H, kp_h, reinterpret_cast<int8_t*>(dst), &w.xa_scale[static_cast<size_t>(r)],
+          kfew.quant_bf16(x, H, kp_h, reinterpret_cast<int8_t*>(dst),
+                          &w.xa_scale[static_cast<size_t>(r)],
                           w.gmax ? &w.xa_gsum[static_cast<size_t>(r * gsum_ld)] : nullptr, G);
         } else {
           std::memcpy(dst, x, static_cast<size_t>(H) * 2);
@@ -383,8 +403,10 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
             const int64_t col = (j / 2) * 16;
             const float* gc = cbuf + m * a.ldc + (j - tk.nb0) * 16;
             if (m >= tk.m) {
-              if (i8) std::memset(reinterpret_cast<float*>(hrow) + col, 0, 64);
-              else std::memset(reinterpret_cast<uint16_t*>(hrow) + col, 0, 32);
+              if (i8)
+                std::memset(reinterpret_cast<float*>(hrow) + col, 0, 64);
+              else
+                std::memset(reinterpret_cast<uint16_t*>(hrow) + col, 0, 32);
             } else if (i8) {
               ks.silu_mul(gc, gc + 16, 16, reinterpret_cast<float*>(hrow) + col);
             } else {
@@ -392,8 +414,12 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
             }
           }
           if (tk.nb1 == lp.gu.nblocks && b.kp_i > np_i) {
-            if (i8) std::memset(reinterpret_cast<float*>(hrow) + np_i, 0, static_cast<size_t>(b.kp_i - np_i) * 4);
-            else std::memset(reinterpret_cast<uint16_t*>(hrow) + np_i, 0, static_cast<size_t>(b.kp_i - np_i) * 2);
+            if (i8)
+              std::memset(reinterpret_cast<float*>(hrow) + np_i, 0,
+                          static_cast<size_t>(b.kp_i - np_i) * 4);
+            else
+              std::memset(reinterpret_cast<uint16_t*>(hrow) + np_i, 0,
+                          static_cast<size_t>(b.kp_i - np_i) * 2);
           }
         }
       }
@@ -413,8 +439,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
             const auto& lq = layer.parts()[static_cast<size_t>(q)];
             if (lq.empty()) continue;
             const auto& bq = w.parts[static_cast<size_t>(q)];
-            amax = std::max(amax, kfew.amax_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
-                                                lq.i1 - lq.i0));
+            amax = std::max(
+                amax, kfew.amax_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
+                                    lq.i1 - lq.i0));
           }
           const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
           w.h_scale[static_cast<size_t>(r)] = s;
@@ -422,8 +449,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
             const auto& lq = layer.parts()[static_cast<size_t>(q)];
             if (lq.empty()) continue;
             auto& bq = w.parts[static_cast<size_t>(q)];
-            kfew.quant_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4), lq.i1 - lq.i0,
-                           bq.kp_i, inv, reinterpret_cast<int8_t*>(bq.hq.data() + r * bq.kp_i),
+            kfew.quant_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
+                           lq.i1 - lq.i0, bq.kp_i, inv,
+                           reinterpret_cast<int8_t*>(bq.hq.data() + r * bq.kp_i),
                            bq.groups ? &bq.hgsum[static_cast<size_t>(r * bq.groups)] : nullptr, G);
           }
         }
@@ -483,7 +511,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         const float wt = in.weights[t * K + j];
         for (int q = 0; q < w.nparts; ++q)
           if (!layer.parts()[static_cast<size_t>(q)].empty())
-            kfew.axpy(wt, reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data()) + int64_t{r} * H + c0,
+            kfew.axpy(wt,
+                      reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data()) +
+                          int64_t{r} * H + c0,
                       c1 - c0, o + c0);
       }
     }

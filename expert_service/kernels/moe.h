@@ -81,9 +81,9 @@ struct QuantMatrix {
   WeightFormat format = WeightFormat::kBf16;
   int group = 0;
   int64_t rows = 0, cols = 0;
-  std::vector<uint16_t> bf16;  // kBf16
-  std::vector<int8_t> q;       // kInt8, kInt4
-  std::vector<float> scale;    // kInt8: [rows]; kInt4: [rows][ceil(cols / group)]
+  std::vector<uint16_t> bf16;            // kBf16
+  std::vector<int8_t> q;                 // kInt8, kInt4
+  std::vector<float> scale;              // kInt8: [rows]; kInt4: [rows][ceil(cols / group)]
   float At(int64_t r, int64_t c) const;  // the weight value: bf16, or f32(q * s)
 };
 struct QuantExpert {
@@ -150,18 +150,17 @@ absl::Status PackExpert(const QuantExpert& q, int64_t e_local, PackedMoeLayer& l
 absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& layer, int64_t e_local);
 // Fills a layer with random weights directly in packed form (benchmarks):
 // bf16 ~ U(-1/sqrt(K), 1/sqrt(K)), int q uniform, scales ~ 1/(sqrt(K) * qmax).
-absl::StatusOr<PackedMoeLayer> PackRandom(int64_t hidden, int64_t intermediate,
-                                          int64_t num_experts, const PackOptions& opts,
-                                          ThreadPool& pool, uint64_t seed);
+absl::StatusOr<PackedMoeLayer> PackRandom(int64_t hidden, int64_t intermediate, int64_t num_experts,
+                                          const PackOptions& opts, ThreadPool& pool, uint64_t seed);
 
 // ---- running ---------------------------------------------------------------------
 
 struct MoeInput {
   int64_t tokens = 0;
   int top_k = 0;
-  const uint16_t* x = nullptr;      // [tokens][hidden] bf16
-  const int32_t* ids = nullptr;     // [tokens][top_k] global expert ids (others' ids are skipped)
-  const float* weights = nullptr;   // [tokens][top_k]
+  const uint16_t* x = nullptr;     // [tokens][hidden] bf16
+  const int32_t* ids = nullptr;    // [tokens][top_k] global expert ids (others' ids are skipped)
+  const float* weights = nullptr;  // [tokens][top_k]
 };
 
 struct RunOptions {

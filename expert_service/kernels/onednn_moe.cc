@@ -30,7 +30,8 @@ struct OnednnMoe::Impl {
 
 namespace {
 
-dnnl::matmul MakeMatmul(dnnl::engine& eng, WeightFormat f, int64_t K, int64_t N, dnnl::memory::desc* wdesc) {
+dnnl::matmul MakeMatmul(dnnl::engine& eng, WeightFormat f, int64_t K, int64_t N,
+                        dnnl::memory::desc* wdesc) {
   const dt a = f == WeightFormat::kBf16 ? dt::bf16 : dt::s8;
   dnnl::memory::desc src({DNNL_RUNTIME_DIM_VAL, K}, a, {K, 1});
   dnnl::memory::desc dst({DNNL_RUNTIME_DIM_VAL, N}, dt::f32, {N, 1});
@@ -53,9 +54,11 @@ dnnl::matmul MakeMatmul(dnnl::engine& eng, WeightFormat f, int64_t K, int64_t N,
 
 OnednnMoe::~OnednnMoe() = default;
 
-absl::StatusOr<std::unique_ptr<OnednnMoe>> OnednnMoe::Create(WeightFormat format, int64_t H, int64_t I,
-                                                             int64_t E, int64_t e_begin, const Fill& fill) {
-  if (format == WeightFormat::kInt4) return absl::UnimplementedError("oneDNN 2.6 has no int4 matmul");
+absl::StatusOr<std::unique_ptr<OnednnMoe>> OnednnMoe::Create(WeightFormat format, int64_t H,
+                                                             int64_t I, int64_t E, int64_t e_begin,
+                                                             const Fill& fill) {
+  if (format == WeightFormat::kInt4)
+    return absl::UnimplementedError("oneDNN 2.6 has no int4 matmul");
   std::unique_ptr<OnednnMoe> m(new OnednnMoe());
   m->impl_ = std::make_unique<Impl>();
   Impl& d = *m->impl_;
@@ -70,11 +73,13 @@ absl::StatusOr<std::unique_ptr<OnednnMoe>> OnednnMoe::Create(WeightFormat format
     d.dn_prim = MakeMatmul(d.eng, format, I, H, &dn_desc);
     const dt a = format == WeightFormat::kBf16 ? dt::bf16 : dt::s8;
     const size_t es = format == WeightFormat::kBf16 ? 2 : 1;
-    std::vector<uint8_t> gu(static_cast<size_t>(2 * I * H) * es), dn(static_cast<size_t>(H * I) * es);
+    std::vector<uint8_t> gu(static_cast<size_t>(2 * I * H) * es),
+        dn(static_cast<size_t>(H * I) * es);
     d.gu_scale.resize(static_cast<size_t>(E * 2 * I), 1.0f);
     d.dn_scale.resize(static_cast<size_t>(E * H), 1.0f);
     for (int64_t e = 0; e < E; ++e) {
-      fill(e, gu.data(), &d.gu_scale[static_cast<size_t>(e * 2 * I)], dn.data(), &d.dn_scale[static_cast<size_t>(e * H)]);
+      fill(e, gu.data(), &d.gu_scale[static_cast<size_t>(e * 2 * I)], dn.data(),
+           &d.dn_scale[static_cast<size_t>(e * H)]);
       // plain [N][K] row-major == weights [K][N] in "ba"
       dnnl::memory gu_plain({{H, 2 * I}, a, tag::ba}, d.eng, gu.data());
       dnnl::memory dn_plain({{I, H}, a, tag::ba}, d.eng, dn.data());
@@ -86,7 +91,8 @@ absl::StatusOr<std::unique_ptr<OnednnMoe>> OnednnMoe::Create(WeightFormat format
       d.dn_w.push_back(dnw);
       d.gu_s.emplace_back(dnnl::memory::desc({2 * I}, dt::f32, tag::a), d.eng,
                           &d.gu_scale[static_cast<size_t>(e * 2 * I)]);
-      d.dn_s.emplace_back(dnnl::memory::desc({H}, dt::f32, tag::a), d.eng, &d.dn_scale[static_cast<size_t>(e * H)]);
+      d.dn_s.emplace_back(dnnl::memory::desc({H}, dt::f32, tag::a), d.eng,
+                          &d.dn_scale[static_cast<size_t>(e * H)]);
     }
   } catch (const dnnl::error& e) {
     return absl::InternalError(absl::StrCat("oneDNN: ", e.what()));
@@ -94,8 +100,8 @@ absl::StatusOr<std::unique_ptr<OnednnMoe>> OnednnMoe::Create(WeightFormat format
   return m;
 }
 
-absl::StatusOr<std::unique_ptr<OnednnMoe>> OnednnMoe::FromQuant(const std::vector<QuantExpert>& experts,
-                                                                int64_t expert_begin) {
+absl::StatusOr<std::unique_ptr<OnednnMoe>> OnednnMoe::FromQuant(
+    const std::vector<QuantExpert>& experts, int64_t expert_begin) {
   if (experts.empty()) return absl::InvalidArgumentError("no experts");
   const auto& q0 = experts[0];
   const int64_t H = q0.gate.cols, I = q0.gate.rows;
@@ -124,7 +130,8 @@ absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
   const int64_t T = in.tokens, H = d.H, I = d.I;
   const int K = in.top_k;
   const bool i8 = d.format == WeightFormat::kInt8;
-  const kern::KernelSet& ks = DetectedIsa() >= Isa::kAvx512 ? kern::Avx512Kernels() : kern::ScalarKernels();
+  const kern::KernelSet& ks =
+      DetectedIsa() >= Isa::kAvx512 ? kern::Avx512Kernels() : kern::ScalarKernels();
   std::fill(out, out + T * H, 0.0f);
   // Rows per expert, in slot order.
   std::vector<std::vector<int64_t>> slots(static_cast<size_t>(d.E));
@@ -146,13 +153,18 @@ absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
       d.y.resize(static_cast<size_t>(M * H));
       for (int64_t r = 0; r < M; ++r) {
         const uint16_t* x = in.x + (sl[static_cast<size_t>(r)] / K) * H;
-        if (i8) ks.quant_bf16(x, H, H, reinterpret_cast<int8_t*>(d.xa.data()) + r * H, &d.xs[static_cast<size_t>(r)], nullptr, 1);
-        else std::memcpy(d.xa.data() + r * H * 2, x, static_cast<size_t>(H) * 2);
+        if (i8)
+          ks.quant_bf16(x, H, H, reinterpret_cast<int8_t*>(d.xa.data()) + r * H,
+                        &d.xs[static_cast<size_t>(r)], nullptr, 1);
+        else
+          std::memcpy(d.xa.data() + r * H * 2, x, static_cast<size_t>(H) * 2);
       }
       const dt a = i8 ? dt::s8 : dt::bf16;
       dnnl::memory src({{M, H}, a, {H, 1}}, d.eng, d.xa.data());
       dnnl::memory dst({{M, 2 * I}, dt::f32, {2 * I, 1}}, d.eng, d.g.data());
-      std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, d.gu_w[static_cast<size_t>(e)]}, {DNNL_ARG_DST, dst}};
+      std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, src},
+                                                 {DNNL_ARG_WEIGHTS, d.gu_w[static_cast<size_t>(e)]},
+                                                 {DNNL_ARG_DST, dst}};
       if (i8) args[DNNL_ARG_ATTR_OUTPUT_SCALES] = d.gu_s[static_cast<size_t>(e)];
       d.gu_prim.execute(d.strm, args);
       d.strm.wait();
@@ -165,14 +177,19 @@ absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
           ks.silu_mul(gr, gr + I, I, h);
           const float amax = ks.amax_f32(h, I), hs = amax / 127.0f;
           d.hs[static_cast<size_t>(r)] = hs;
-          ks.quant_f32(h, I, I, hs > 0 ? 1.0f / hs : 0.0f, reinterpret_cast<int8_t*>(d.xa.data()) + r * I, nullptr, 1);
+          ks.quant_f32(h, I, I, hs > 0 ? 1.0f / hs : 0.0f,
+                       reinterpret_cast<int8_t*>(d.xa.data()) + r * I, nullptr, 1);
         } else {
           ks.silu_mul_bf16(gr, gr + I, I, reinterpret_cast<uint16_t*>(d.hb.data()) + r * I);
         }
       }
-      dnnl::memory hsrc({{M, I}, a, {I, 1}}, d.eng, i8 ? static_cast<void*>(d.xa.data()) : static_cast<void*>(d.hb.data()));
+      dnnl::memory hsrc({{M, I}, a, {I, 1}}, d.eng,
+                        i8 ? static_cast<void*>(d.xa.data()) : static_cast<void*>(d.hb.data()));
       dnnl::memory ydst({{M, H}, dt::f32, {H, 1}}, d.eng, d.y.data());
-      std::unordered_map<int, dnnl::memory> args2{{DNNL_ARG_SRC, hsrc}, {DNNL_ARG_WEIGHTS, d.dn_w[static_cast<size_t>(e)]}, {DNNL_ARG_DST, ydst}};
+      std::unordered_map<int, dnnl::memory> args2{
+          {DNNL_ARG_SRC, hsrc},
+          {DNNL_ARG_WEIGHTS, d.dn_w[static_cast<size_t>(e)]},
+          {DNNL_ARG_DST, ydst}};
       if (i8) args2[DNNL_ARG_ATTR_OUTPUT_SCALES] = d.dn_s[static_cast<size_t>(e)];
       d.dn_prim.execute(d.strm, args2);
       d.strm.wait();

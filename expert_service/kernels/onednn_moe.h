@@ -21,13 +21,14 @@ class OnednnMoe {
   // fill(e, gate_up, gu_scale, down, down_scale) writes expert e's plain
   // row-major weights: gate_up [2I][H] (gate rows then up rows), down [H][I],
   // as bf16 (uint16) or int8, and for INT8 the per-row scales [2I] / [H].
-  using Fill = std::function<void(int64_t e, void* gate_up, float* gu_scale, void* down, float* down_scale)>;
+  using Fill =
+      std::function<void(int64_t e, void* gate_up, float* gu_scale, void* down, float* down_scale)>;
   static absl::StatusOr<std::unique_ptr<OnednnMoe>> Create(WeightFormat format, int64_t hidden,
                                                            int64_t inter, int64_t num_experts,
                                                            int64_t expert_begin, const Fill& fill);
   // From plain quantized experts (tests).
-  static absl::StatusOr<std::unique_ptr<OnednnMoe>> FromQuant(const std::vector<QuantExpert>& experts,
-                                                              int64_t expert_begin);
+  static absl::StatusOr<std::unique_ptr<OnednnMoe>> FromQuant(
+      const std::vector<QuantExpert>& experts, int64_t expert_begin);
   ~OnednnMoe();
 
   // out [T][H] f32, overwritten.

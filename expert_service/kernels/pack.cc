@@ -14,9 +14,12 @@ namespace hmoe {
 
 std::string_view WeightFormatName(WeightFormat f) {
   switch (f) {
-    case WeightFormat::kBf16: return "bf16";
-    case WeightFormat::kInt8: return "int8";
-    case WeightFormat::kInt4: return "int4";
+    case WeightFormat::kBf16:
+      return "bf16";
+    case WeightFormat::kInt8:
+      return "int8";
+    case WeightFormat::kInt4:
+      return "int4";
   }
   return "?";
 }
@@ -42,18 +45,26 @@ PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k) {
   g.kp = RoundUp(std::max<int64_t>(k, 1), KAlign(f, group));
   g.nblocks = g.np / 16;
   switch (f) {
-    case WeightFormat::kBf16: g.panel_bytes = g.kp * 32; break;
-    case WeightFormat::kInt8: g.panel_bytes = g.kp * 16 + 128; break;
-    case WeightFormat::kInt4: g.panel_bytes = g.kp / group * g.i4_group_bytes(); break;
+    case WeightFormat::kBf16:
+      g.panel_bytes = g.kp * 32;
+      break;
+    case WeightFormat::kInt8:
+      g.panel_bytes = g.kp * 16 + 128;
+      break;
+    case WeightFormat::kInt4:
+      g.panel_bytes = g.kp / group * g.i4_group_bytes();
+      break;
   }
   return g;
 }
 
 float QuantMatrix::At(int64_t r, int64_t c) const {
   switch (format) {
-    case WeightFormat::kBf16: return Bf16ToF32(bf16[static_cast<size_t>(r * cols + c)]);
+    case WeightFormat::kBf16:
+      return Bf16ToF32(bf16[static_cast<size_t>(r * cols + c)]);
     case WeightFormat::kInt8:
-      return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) * scale[static_cast<size_t>(r)];
+      return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) *
+             scale[static_cast<size_t>(r)];
     case WeightFormat::kInt4: {
       const int64_t ng = (cols + group - 1) / group;
       return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) *
@@ -169,7 +180,8 @@ struct RandomPanel {
   int group;
   uint64_t h(int c, int64_t k) const {
     k = k < 0 ? k : k + k_off;
-    uint64_t s = seed ^ (static_cast<uint64_t>(c) << 40) ^ static_cast<uint64_t>(k) * 0x2545f4914f6cdd1dull;
+    uint64_t s =
+        seed ^ (static_cast<uint64_t>(c) << 40) ^ static_cast<uint64_t>(k) * 0x2545f4914f6cdd1dull;
     return SplitMix(s);
   }
   bool in(int c, int64_t k) const { return c < rows_valid && k < kn; }
@@ -181,25 +193,30 @@ struct RandomPanel {
   int q(int c, int64_t k) const {
     if (!in(c, k)) return 0;
     const uint64_t r = h(c, k);
-    return f == WeightFormat::kInt8 ? static_cast<int>(r % 255) - 127 : static_cast<int>(r & 15) - 8;
+    return f == WeightFormat::kInt8 ? static_cast<int>(r % 255) - 127
+                                    : static_cast<int>(r & 15) - 8;
   }
   float scale(int c) const {
-    return c < rows_valid ? 1.0f / (127.0f * std::sqrt(static_cast<float>(k_total))) *
-                                (0.5f + static_cast<float>(h(c, -1) >> 40) / static_cast<float>(1 << 24))
-                          : 0.0f;
+    return c < rows_valid
+               ? 1.0f / (127.0f * std::sqrt(static_cast<float>(k_total))) *
+                     (0.5f + static_cast<float>(h(c, -1) >> 40) / static_cast<float>(1 << 24))
+               : 0.0f;
   }
   float gscale(int c, int64_t gi) const {
-    return c < rows_valid ? 1.0f / (7.0f * std::sqrt(static_cast<float>(k_total))) *
-                                (0.5f + static_cast<float>(h(c, -2 - gi - (group ? k_off / group : 0)) >> 40) / static_cast<float>(1 << 24))
-                          : 0.0f;
+    return c < rows_valid
+               ? 1.0f / (7.0f * std::sqrt(static_cast<float>(k_total))) *
+                     (0.5f + static_cast<float>(h(c, -2 - gi - (group ? k_off / group : 0)) >> 40) /
+                                 static_cast<float>(1 << 24))
+               : 0.0f;
   }
 };
 
-absl::StatusOr<std::vector<float>> MatrixF32(const Tensor& t, const Tensor& scale_inv, int64_t block,
-                                             int64_t rows, int64_t cols, std::string_view name) {
+absl::StatusOr<std::vector<float>> MatrixF32(const Tensor& t, const Tensor& scale_inv,
+                                             int64_t block, int64_t rows, int64_t cols,
+                                             std::string_view name) {
   if (t.rank() != 2 || t.dim(0) != rows || t.dim(1) != cols)
-    return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": expected shape [", rows, ", ", cols,
-                                                   "], got ", ShapeString(t.shape())));
+    return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": expected shape [", rows,
+                                                   ", ", cols, "], got ", ShapeString(t.shape())));
   if (t.dtype() == DType::kF8E4M3) {
     const int64_t br = (rows + block - 1) / block, bc = (cols + block - 1) / block;
     if (scale_inv.empty() || scale_inv.dtype() != DType::kF32 || scale_inv.numel() != br * bc)
@@ -235,7 +252,8 @@ QuantMatrix Quantize(const float* w, int64_t rows, int64_t cols, WeightFormat f,
     const int64_t cp = RoundUp(cols, group), ng = cp / group;
     std::vector<float> padded(static_cast<size_t>(rows * cp), 0.0f);
     for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(&padded[static_cast<size_t>(r * cp)], w + r * cols, sizeof(float) * static_cast<size_t>(cols));
+      std::memcpy(&padded[static_cast<size_t>(r * cp)], w + r * cols,
+                  sizeof(float) * static_cast<size_t>(cols));
     std::vector<uint8_t> packed(static_cast<size_t>(DTypeBytes(DType::kI4, rows * cp)));
     m.scale.resize(static_cast<size_t>(rows * ng));
     QuantizeI4PerGroup(padded.data(), rows, cp, group, packed.data(), m.scale.data());
@@ -260,7 +278,8 @@ absl::Status CheckOptions(int64_t hidden, int64_t inter, int64_t experts, const 
     return absl::InvalidArgumentError(
         absl::StrCat("bad expert range [", o.expert_begin, ", ", *e1, ") of ", experts));
   if (o.format == WeightFormat::kInt4 && o.group != 32 && o.group != 64 && o.group != 128)
-    return absl::InvalidArgumentError(absl::StrCat("int4 group must be 32, 64 or 128, got ", o.group));
+    return absl::InvalidArgumentError(
+        absl::StrCat("int4 group must be 32, 64 or 128, got ", o.group));
   return absl::OkStatus();
 }
 
@@ -299,7 +318,8 @@ absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Allocate(int64_t hidden, int64_t 
     part.down = MakeGeom(o.format, o.group, hidden, in);
     part.expert_stride = in > 0 ? part.gu.bytes() + part.down.bytes() : 0;
     if (in > 0) {
-      ASSIGN_OR_RETURN(part.mem, NumaBuffer::Allocate(static_cast<size_t>(part.expert_stride * (e1 - o.expert_begin)),
+      ASSIGN_OR_RETURN(part.mem, NumaBuffer::Allocate(static_cast<size_t>(part.expert_stride *
+                                                                          (e1 - o.expert_begin)),
                                                       pool.mem_node(p)));
     }
     L.parts_.push_back(std::move(part));
@@ -338,18 +358,22 @@ absl::Status PackExpert(const QuantExpert& q, int64_t e, PackedMoeLayer& L) {
     const int64_t r0 = part.i0 - L.i_begin(), r1 = part.i1 - L.i_begin();
     uint8_t* gu = part.mutable_gate_up(e);
     for (int64_t j = 0; j < part.gu.nblocks / 2; ++j) {
-      WritePanel(part.gu, MatrixWindow{q.gate, r0 + 16 * j, r1, 0, H}, gu + (2 * j) * part.gu.panel_bytes);
-      WritePanel(part.gu, MatrixWindow{q.up, r0 + 16 * j, r1, 0, H}, gu + (2 * j + 1) * part.gu.panel_bytes);
+      WritePanel(part.gu, MatrixWindow{q.gate, r0 + 16 * j, r1, 0, H},
+                 gu + (2 * j) * part.gu.panel_bytes);
+      WritePanel(part.gu, MatrixWindow{q.up, r0 + 16 * j, r1, 0, H},
+                 gu + (2 * j + 1) * part.gu.panel_bytes);
     }
     uint8_t* dn = part.mutable_down(e);
     for (int64_t j = 0; j < part.down.nblocks; ++j)
-      WritePanel(part.down, MatrixWindow{q.down, 16 * j, H, r0, r1 - r0}, dn + j * part.down.panel_bytes);
+      WritePanel(part.down, MatrixWindow{q.down, 16 * j, H, r0, r1 - r0},
+                 dn + j * part.down.panel_bytes);
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& L, int64_t e) {
-  if (e < 0 || e >= L.num_local_experts()) return absl::OutOfRangeError("UnpackExpert: expert index");
+  if (e < 0 || e >= L.num_local_experts())
+    return absl::OutOfRangeError("UnpackExpert: expert index");
   const int64_t H = L.hidden(), is = L.i_end() - L.i_begin();
   const WeightFormat f = L.format();
   auto init = [&](QuantMatrix& m, int64_t rows, int64_t cols) {
@@ -358,10 +382,13 @@ absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& L, int64_t e) {
     m.rows = rows;
     m.cols = cols;
     const size_t n = static_cast<size_t>(rows * cols);
-    if (f == WeightFormat::kBf16) m.bf16.resize(n);
-    else m.q.resize(n);
+    if (f == WeightFormat::kBf16)
+      m.bf16.resize(n);
+    else
+      m.q.resize(n);
     if (f == WeightFormat::kInt8) m.scale.resize(static_cast<size_t>(rows));
-    if (f == WeightFormat::kInt4) m.scale.resize(static_cast<size_t>(rows * ((cols + L.group() - 1) / L.group())));
+    if (f == WeightFormat::kInt4)
+      m.scale.resize(static_cast<size_t>(rows * ((cols + L.group() - 1) / L.group())));
   };
   QuantExpert q;
   init(q.gate, is, H);
@@ -369,8 +396,10 @@ absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& L, int64_t e) {
   init(q.down, H, is);
   auto put = [&](QuantMatrix& m, int64_t r, int64_t c, const PanelReader& pr, int pc, int64_t pk) {
     const size_t i = static_cast<size_t>(r * m.cols + c);
-    if (f == WeightFormat::kBf16) m.bf16[i] = pr.bf16(pc, pk);
-    else m.q[i] = static_cast<int8_t>(pr.q(pc, pk));
+    if (f == WeightFormat::kBf16)
+      m.bf16[i] = pr.bf16(pc, pk);
+    else
+      m.q[i] = static_cast<int8_t>(pr.q(pc, pk));
     if (f == WeightFormat::kInt8 && c == 0) m.scale[static_cast<size_t>(r)] = pr.scale(pc);
     if (f == WeightFormat::kInt4 && pk % L.group() == 0) {
       const int64_t ng = (m.cols + L.group() - 1) / L.group();
@@ -400,11 +429,17 @@ absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& L, int64_t e) {
 
 absl::StatusOr<PackedMoeLayer> PackRandom(int64_t hidden, int64_t intermediate, int64_t num_experts,
                                           const PackOptions& o, ThreadPool& pool, uint64_t seed) {
-  ASSIGN_OR_RETURN(PackedMoeLayer L, PackedMoeLayer::Allocate(hidden, intermediate, num_experts, o, pool));
+  ASSIGN_OR_RETURN(PackedMoeLayer L,
+                   PackedMoeLayer::Allocate(hidden, intermediate, num_experts, o, pool));
   const int64_t E = L.num_local_experts();
   auto& parts = L.mutable_parts();
   // Tasks: (part, expert, matrix 0/1) x panel chunks of 16.
-  struct T { int p; int64_t e; int mat; int64_t j0, j1; };
+  struct T {
+    int p;
+    int64_t e;
+    int mat;
+    int64_t j0, j1;
+  };
   std::vector<T> tasks;
   for (int p = 0; p < static_cast<int>(parts.size()); ++p) {
     if (parts[p].empty()) continue;
@@ -423,23 +458,30 @@ absl::StatusOr<PackedMoeLayer> PackRandom(int64_t hidden, int64_t intermediate, 
     for (int64_t j = t.j0; j < t.j1; ++j) {
       // Global row index of the panel's first row (so node splits see the same weights).
       const int64_t grow = t.mat == 0 ? (part.i0 + 16 * (j / 2)) : 16 * j;
-      const int64_t rows_valid = t.mat == 0 ? std::min<int64_t>(16, part.i1 - (part.i0 + 16 * (j / 2)))
-                                            : std::min<int64_t>(16, hidden - 16 * j);
+      const int64_t rows_valid = t.mat == 0
+                                     ? std::min<int64_t>(16, part.i1 - (part.i0 + 16 * (j / 2)))
+                                     : std::min<int64_t>(16, hidden - 16 * j);
       const uint64_t s = seed * 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(t.e) << 48) ^
                          (static_cast<uint64_t>(t.mat * 2 + (t.mat == 0 ? (j & 1) : 0)) << 44) ^
                          (static_cast<uint64_t>(grow) << 20);
-      RandomPanel rp{L.format(), rows_valid, t.mat == 0 ? hidden : in,
-                     t.mat == 0 ? hidden : L.i_end() - L.i_begin(), s,
-                     t.mat == 0 ? 0 : part.i0 - L.i_begin(), L.group()};
+      RandomPanel rp{L.format(),
+                     rows_valid,
+                     t.mat == 0 ? hidden : in,
+                     t.mat == 0 ? hidden : L.i_end() - L.i_begin(),
+                     s,
+                     t.mat == 0 ? 0 : part.i0 - L.i_begin(),
+                     L.group()};
       WritePanel(g, rp, base + j * g.panel_bytes);
     }
   });
   return L;
 }
 
-absl::StatusOr<PackedMoeLayer> Pack(const MoeWeightsSource& src, const PackOptions& o, ThreadPool& pool) {
+absl::StatusOr<PackedMoeLayer> Pack(const MoeWeightsSource& src, const PackOptions& o,
+                                    ThreadPool& pool) {
   if (!src.expert) return absl::InvalidArgumentError("MoeWeightsSource.expert is not set");
-  ASSIGN_OR_RETURN(PackedMoeLayer L, PackedMoeLayer::Allocate(src.hidden, src.intermediate, src.num_experts, o, pool));
+  ASSIGN_OR_RETURN(PackedMoeLayer L, PackedMoeLayer::Allocate(src.hidden, src.intermediate,
+                                                              src.num_experts, o, pool));
   std::mutex mu;
   absl::Status status;
   pool.ParallelFor(L.num_local_experts(), [&](int64_t e, const Worker&) {

@@ -20,7 +20,8 @@ float QuantRow(const float* x, int64_t n, std::vector<int8_t>& q) {
   const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
   q.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i)
-    q[static_cast<size_t>(i)] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f));
+    q[static_cast<size_t>(i)] =
+        static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f));
   return s;
 }
 
@@ -28,7 +29,8 @@ float QuantRow(const float* x, int64_t n, std::vector<int8_t>& q) {
 void MatVec(const QuantMatrix& W, bool many, const float* a_f, const int8_t* a_q, float a_s,
             std::vector<double>& y) {
   y.assign(static_cast<size_t>(W.rows), 0.0);
-  const bool int8_act = W.format == WeightFormat::kInt8 || (W.format == WeightFormat::kInt4 && !many);
+  const bool int8_act =
+      W.format == WeightFormat::kInt8 || (W.format == WeightFormat::kInt4 && !many);
   for (int64_t r = 0; r < W.rows; ++r) {
     double acc = 0.0;
     if (!int8_act) {
@@ -39,7 +41,8 @@ void MatVec(const QuantMatrix& W, bool many, const float* a_f, const int8_t* a_q
       }
     } else if (W.format == WeightFormat::kInt8) {
       int64_t isum = 0;
-      for (int64_t c = 0; c < W.cols; ++c) isum += int64_t{a_q[c]} * W.q[static_cast<size_t>(r * W.cols + c)];
+      for (int64_t c = 0; c < W.cols; ++c)
+        isum += int64_t{a_q[c]} * W.q[static_cast<size_t>(r * W.cols + c)];
       acc = static_cast<double>(isum) * W.scale[static_cast<size_t>(r)] * a_s;
     } else {
       const int64_t ng = (W.cols + W.group - 1) / W.group;
@@ -90,7 +93,8 @@ absl::Status RunMoeReference(const std::vector<QuantExpert>& experts, int64_t hi
       const int64_t I = q.gate.rows;
       hf.resize(static_cast<size_t>(I));
       for (int64_t i = 0; i < I; ++i) {
-        const float h = SiluF(static_cast<float>(g[static_cast<size_t>(i)])) * static_cast<float>(u[static_cast<size_t>(i)]);
+        const float h = SiluF(static_cast<float>(g[static_cast<size_t>(i)])) *
+                        static_cast<float>(u[static_cast<size_t>(i)]);
         hf[static_cast<size_t>(i)] = int8_act ? h : Bf16ToF32(F32ToBf16(h));
       }
       float hs = 0.0f;

@@ -14,6 +14,8 @@
 //    I = 75 (max|h| ~ 3 rms). Bound: 1.5e-2 (a few steps).
 //  * Virtual NUMA (2 nodes) vs 1 node: per-column arithmetic is identical;
 //    only the fp32 sum of the two down partials differs. Bound: 1e-5.
+#include "expert_service/kernels/moe.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -22,7 +24,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "expert_service/kernels/isa.h"
-#include "expert_service/kernels/moe.h"
 #include "tests/kernels/moe_test_util.h"
 
 namespace hmoe {
@@ -43,15 +44,18 @@ double Bound(WeightFormat f) { return f == WeightFormat::kBf16 ? 3e-3 : 1.5e-2; 
 std::vector<QuantExpert> QuantizeAll(const MoeWeightsSource& src, const PackOptions& o) {
   std::vector<QuantExpert> out;
   const int64_t e1 = o.expert_end < 0 ? src.num_experts : o.expert_end;
-  for (int64_t e = o.expert_begin; e < e1; ++e) out.push_back(QuantizeExpert(*src.expert(e), src, o).value());
+  for (int64_t e = o.expert_begin; e < e1; ++e)
+    out.push_back(QuantizeExpert(*src.expert(e), src, o).value());
   return out;
 }
 
 std::string FmtName(FormatCase c) {
-  return c.f == WeightFormat::kInt4 ? absl::StrCat("int4g", c.group) : std::string(WeightFormatName(c.f));
+  return c.f == WeightFormat::kInt4 ? absl::StrCat("int4g", c.group)
+                                    : std::string(WeightFormatName(c.f));
 }
 
-std::vector<float> RunLayer(const PackedMoeLayer& L, const testing::Batch& b, ThreadPool& pool, RunOptions ro) {
+std::vector<float> RunLayer(const PackedMoeLayer& L, const testing::Batch& b, ThreadPool& pool,
+                            RunOptions ro) {
   auto ws = MoeWorkspace::Create(L, std::max<int64_t>(b.T, 1), b.K, pool);
   EXPECT_TRUE(ws.ok()) << ws.status();
   std::vector<float> out(static_cast<size_t>(b.T * L.hidden()), -1.0f);
@@ -65,8 +69,9 @@ std::vector<float> RunLayer(const PackedMoeLayer& L, const testing::Batch& b, Th
 TEST(PackTest, UnpackInvertsPackForEveryFormat) {
   for (bool fp8 : {false, true}) {
     auto src = RandomSource(197, 75, 3, 1, fp8);
-    for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
-                          FormatCase{WeightFormat::kInt4, 32}, FormatCase{WeightFormat::kInt4, 128}}) {
+    for (FormatCase fc :
+         {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
+          FormatCase{WeightFormat::kInt4, 32}, FormatCase{WeightFormat::kInt4, 128}}) {
       PackOptions o;
       o.format = fc.f;
       o.group = fc.group;
@@ -77,7 +82,8 @@ TEST(PackTest, UnpackInvertsPackForEveryFormat) {
       for (int64_t e = 0; e < 3; ++e) {
         auto q = QuantizeExpert(*src.expert(e), src, o).value();
         auto u = UnpackExpert(*L, e).value();
-        for (auto [a, b] : {std::pair{&q.gate, &u.gate}, std::pair{&q.up, &u.up}, std::pair{&q.down, &u.down}}) {
+        for (auto [a, b] :
+             {std::pair{&q.gate, &u.gate}, std::pair{&q.up, &u.up}, std::pair{&q.down, &u.down}}) {
           EXPECT_EQ(a->rows, b->rows);
           EXPECT_EQ(a->bf16, b->bf16) << FmtName(fc);
           EXPECT_EQ(a->q, b->q) << FmtName(fc);
@@ -97,7 +103,8 @@ TEST(PackTest, Fp8SourceDequantizesWithBlockScales) {
   const int64_t bc = 2;
   for (int64_t r : {0, 17, 39})
     for (int64_t c : {0, 127, 128, 129}) {
-      const float v = Fp8E4M3ToF32(w.gate.data<uint8_t>()[r * 130 + c]) * si[(r / 128) * bc + c / 128];
+      const float v =
+          Fp8E4M3ToF32(w.gate.data<uint8_t>()[r * 130 + c]) * si[(r / 128) * bc + c / 128];
       EXPECT_EQ(q.gate.At(r, c), Bf16ToF32(F32ToBf16(v)));
     }
 }
@@ -125,8 +132,12 @@ class MoeKernelTest : public ::testing::TestWithParam<Param> {};
 TEST_P(MoeKernelTest, MatchesReference) {
   const auto [isa, fc, T, shape] = GetParam();
   if (isa > DetectedIsa())
-    GTEST_SKIP() << "this CPU supports up to " << IsaName(DetectedIsa()) << ", not " << IsaName(isa);
-  struct Shape { int64_t H, I, E; int K; };
+    GTEST_SKIP() << "this CPU supports up to " << IsaName(DetectedIsa()) << ", not "
+                 << IsaName(isa);
+  struct Shape {
+    int64_t H, I, E;
+    int K;
+  };
   const Shape sh = shape == 0 ? Shape{197, 75, 6, 3} : Shape{520, 136, 9, 4};
   auto src = RandomSource(sh.H, sh.I, sh.E, 10 + static_cast<uint64_t>(shape));
   PackOptions o;
@@ -147,13 +158,16 @@ TEST_P(MoeKernelTest, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(
     All, MoeKernelTest,
     ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx),
-                       ::testing::Values(FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
-                                         FormatCase{WeightFormat::kInt4, 32}, FormatCase{WeightFormat::kInt4, 64},
+                       ::testing::Values(FormatCase{WeightFormat::kBf16, 0},
+                                         FormatCase{WeightFormat::kInt8, 0},
+                                         FormatCase{WeightFormat::kInt4, 32},
+                                         FormatCase{WeightFormat::kInt4, 64},
                                          FormatCase{WeightFormat::kInt4, 128}),
                        ::testing::Values(1, 3, 17, 300), ::testing::Values(0, 1)),
     [](const ::testing::TestParamInfo<Param>& p) {
-      return absl::StrCat(std::string(IsaName(std::get<0>(p.param))), "_", FmtName(std::get<1>(p.param)), "_T",
-                          std::get<2>(p.param), "_S", std::get<3>(p.param));
+      return absl::StrCat(std::string(IsaName(std::get<0>(p.param))), "_",
+                          FmtName(std::get<1>(p.param)), "_T", std::get<2>(p.param), "_S",
+                          std::get<3>(p.param));
     });
 
 // Shard: experts [2, 5) of 7 and intermediate slice [24, 75); foreign ids,
@@ -172,13 +186,15 @@ TEST(MoeShardTest, ExpertRangeAndTensorParallelSlice) {
       o.i_end = 75;
       auto L = Pack(src, o, SharedPool()).value();
       for (int T : {1, 17, 64}) {
-        auto b = RandomBatch(T, 4, 200, 7, 7 + static_cast<uint64_t>(T), true, -1, /*foreign=*/true);
+        auto b =
+            RandomBatch(T, 4, 200, 7, 7 + static_cast<uint64_t>(T), true, -1, /*foreign=*/true);
         RunOptions ro;
         ro.isa = isa;
         auto out = RunLayer(L, b, SharedPool(), ro);
         std::vector<float> ref(out.size());
         ASSERT_TRUE(RunMoeReference(QuantizeAll(src, o), 200, 2, b.input(), ref.data(), ro).ok());
-        EXPECT_LE(RelErr(out, ref), Bound(fc.f)) << IsaName(isa) << " " << FmtName(fc) << " T=" << T;
+        EXPECT_LE(RelErr(out, ref), Bound(fc.f))
+            << IsaName(isa) << " " << FmtName(fc) << " T=" << T;
       }
     }
   }
@@ -211,7 +227,8 @@ TEST(MoeEdgeTest, NoOwnedExpertsGivesZerosAndRepeatsCount) {
   one.ids = {7, -1, 1, -1, 2, 0};
   one.w = {1, 1, 1.0f, 0, 0.5f, 0.5f};
   auto out1 = RunLayer(L, one, SharedPool(), {});
-  std::vector<float> t1(out.begin() + 96, out.begin() + 192), u1(out1.begin() + 96, out1.begin() + 192);
+  std::vector<float> t1(out.begin() + 96, out.begin() + 192),
+      u1(out1.begin() + 96, out1.begin() + 192);
   EXPECT_LE(RelErr(t1, u1), 1e-6);
 }
 
@@ -221,7 +238,8 @@ TEST(MoeEdgeTest, WorkspaceTooSmallIsInvalidArgument) {
   auto ws = MoeWorkspace::Create(L, 4, 2, SharedPool()).value();
   auto b = RandomBatch(5, 2, 64, 2, 1);
   std::vector<float> out(5 * 64);
-  EXPECT_EQ(RunMoe(L, b.input(), out.data(), SharedPool(), *ws).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RunMoe(L, b.input(), out.data(), SharedPool(), *ws).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // ---- virtual NUMA: tensor parallel across nodes equals one node ---------------------
@@ -234,8 +252,9 @@ TEST(MoeNumaTest, VirtualNodesMatchOneNode) {
   ASSERT_TRUE(pool2.ok()) << pool2.status();
   ASSERT_EQ((*pool2)->num_nodes(), 2);
   auto src = RandomSource(200, 300, 5, 31);
-  for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
-                        FormatCase{WeightFormat::kInt4, 64}, FormatCase{WeightFormat::kInt4, 128}}) {
+  for (FormatCase fc :
+       {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
+        FormatCase{WeightFormat::kInt4, 64}, FormatCase{WeightFormat::kInt4, 128}}) {
     PackOptions o;
     o.format = fc.f;
     o.group = fc.group;
@@ -263,8 +282,10 @@ class ScopedEnv {
     setenv(k, v, 1);
   }
   ~ScopedEnv() {
-    if (had_) setenv(k_, old_.c_str(), 1);
-    else unsetenv(k_);
+    if (had_)
+      setenv(k_, old_.c_str(), 1);
+    else
+      unsetenv(k_);
   }
 
  private:
@@ -289,7 +310,8 @@ TEST(DispatchTest, EnvCapsAndFallback) {
   }
   EXPECT_EQ(ResolveIsa(Isa::kAmx).value(), DetectedIsa());  // falls back, never SIGILLs
   if (DetectedIsa() < Isa::kAmx) {
-    EXPECT_EQ(ResolveIsa(Isa::kAmx, /*strict=*/true).status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(ResolveIsa(Isa::kAmx, /*strict=*/true).status().code(),
+              absl::StatusCode::kFailedPrecondition);
     // RunMoe asked for AMX on a CPU without it: runs on the best ISA available.
     auto src = RandomSource(64, 32, 2, 3);
     auto L = Pack(src, {}, SharedPool()).value();

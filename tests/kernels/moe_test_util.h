@@ -16,8 +16,11 @@ namespace hmoe::testing {
 
 // Experts with weights ~ N(0, 1/sqrt(fan_in)) in bf16 (or fp8 e4m3 with
 // 128x128 block scales when fp8).
-inline MoeWeightsSource RandomSource(int64_t H, int64_t I, int64_t E, uint64_t seed, bool fp8 = false) {
-  struct Store { std::vector<ExpertWeights> w; };
+inline MoeWeightsSource RandomSource(int64_t H, int64_t I, int64_t E, uint64_t seed,
+                                     bool fp8 = false) {
+  struct Store {
+    std::vector<ExpertWeights> w;
+  };
   auto store = std::make_shared<Store>();
   std::mt19937_64 rng(seed);
   auto matrix = [&](int64_t r, int64_t c, Tensor* scale_inv) {
@@ -29,7 +32,9 @@ inline MoeWeightsSource RandomSource(int64_t H, int64_t I, int64_t E, uint64_t s
     }
     const int64_t br = (r + 127) / 128, bc = (c + 127) / 128;
     *scale_inv = Tensor::Empty(DType::kF32, {br, bc});
-    for (int64_t i = 0; i < br * bc; ++i) scale_inv->data<float>()[i] = (0.5f + 0.1f * static_cast<float>(i % 7)) / (64.0f * std::sqrt(static_cast<float>(c)));
+    for (int64_t i = 0; i < br * bc; ++i)
+      scale_inv->data<float>()[i] =
+          (0.5f + 0.1f * static_cast<float>(i % 7)) / (64.0f * std::sqrt(static_cast<float>(c)));
     Tensor t = Tensor::Empty(DType::kF8E4M3, {r, c});
     for (int64_t i = 0; i < r * c; ++i) {
       const float s = scale_inv->data<float>()[(i / c / 128) * bc + (i % c) / 128];
@@ -48,7 +53,9 @@ inline MoeWeightsSource RandomSource(int64_t H, int64_t I, int64_t E, uint64_t s
   src.hidden = H;
   src.intermediate = I;
   src.num_experts = E;
-  src.expert = [store](int64_t e) -> absl::StatusOr<ExpertWeights> { return store->w[static_cast<size_t>(e)]; };
+  src.expert = [store](int64_t e) -> absl::StatusOr<ExpertWeights> {
+    return store->w[static_cast<size_t>(e)];
+  };
   return src;
 }
 
@@ -64,8 +71,8 @@ struct Batch {
 // Skewed routing over [0, E_total) (expert 0 takes ~1/3 of the slots so
 // regimes mix); repeats within a token allowed when `repeats`; expert
 // `empty_expert` never routed; ids outside [0, E_total) appear when `foreign`.
-inline Batch RandomBatch(int64_t T, int K, int64_t H, int64_t E_total, uint64_t seed, bool repeats = true,
-                         int64_t empty_expert = -1, bool foreign = false) {
+inline Batch RandomBatch(int64_t T, int K, int64_t H, int64_t E_total, uint64_t seed,
+                         bool repeats = true, int64_t empty_expert = -1, bool foreign = false) {
   Batch b;
   b.T = T;
   b.K = K;
@@ -81,7 +88,10 @@ inline Batch RandomBatch(int64_t T, int K, int64_t H, int64_t E_total, uint64_t 
       if (e == empty_expert) e = (e + 1) % E_total;
       if (!repeats)
         for (int jj = 0; jj < j; ++jj)
-          if (b.ids[static_cast<size_t>(t * K + jj)] == e) { e = -1; break; }
+          if (b.ids[static_cast<size_t>(t * K + jj)] == e) {
+            e = -1;
+            break;
+          }
       if (foreign && rng() % 5 == 0) e = (rng() & 1) ? E_total + 3 : -1;
       b.ids.push_back(static_cast<int32_t>(e));
       b.w.push_back(uw(rng));

@@ -37,7 +37,8 @@ TEST(OnednnMoeTest, AgreesWithReferenceAndKernels) {
 }
 
 TEST(OnednnMoeTest, Int4IsUnimplemented) {
-  auto s = OnednnMoe::Create(WeightFormat::kInt4, 64, 32, 1, 0, [](int64_t, void*, float*, void*, float*) {});
+  auto s = OnednnMoe::Create(WeightFormat::kInt4, 64, 32, 1, 0,
+                             [](int64_t, void*, float*, void*, float*) {});
   EXPECT_EQ(s.status().code(), absl::StatusCode::kUnimplemented);
 }
 
