@@ -92,7 +92,11 @@ std::string Billions(int64_t n) {
   if (x >= 1e6) return absl::StrFormat("%.2f M", x / 1e6);
   return absl::StrFormat("%.1f K", x / 1e3);
 }
-std::string GB(double b) { return absl::StrFormat("%.1f GB", b / 1e9); }
+std::string GB(double b) {
+  if (b >= 1e9) return absl::StrFormat("%.1f GB", b / 1e9);
+  if (b >= 1e6) return absl::StrFormat("%.1f MB", b / 1e6);
+  return absl::StrFormat("%.1f KB", b / 1e3);
+}
 
 }  // namespace
 
