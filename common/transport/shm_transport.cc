@@ -17,6 +17,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "common/transport/grpc_client.h"
 
 namespace hmoe {
@@ -383,7 +384,17 @@ absl::Status ShmClient::Connect() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> ShmClient::Submit(const MoeCall& call, float* out) {
+absl::StatusOr<ShmClient::SlotView> ShmClient::Acquire(int32_t tokens, int32_t top_k) {
+  const uint64_t t = static_cast<uint64_t>(tokens > 0 ? tokens : 0);
+  const uint64_t k = static_cast<uint64_t>(top_k > 0 ? top_k : 0);
+  return AcquireBytes(tokens, top_k, t * static_cast<uint64_t>(geo_.hidden) * 2, t * k * 4,
+                      t * k * 4);
+}
+
+// The byte sizes travel as given (a malformed call reaches the server, which
+// rejects it naming the field), so they are not derived from the shape here.
+absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int32_t top_k,
+                                                            uint64_t hb, uint64_t ib, uint64_t wb) {
   std::lock_guard<std::mutex> lock(mu_);
   if (seg_ && (seg_->dead.load() || PeerExited(seg_->server_pidfd, seg_->server_pid))) {
     seg_.reset();  // discard: the service is gone
@@ -394,11 +405,10 @@ absl::StatusOr<uint64_t> ShmClient::Submit(const MoeCall& call, float* out) {
   }
   Segment& seg = *seg_;
   ShmHeader* h = seg.header();
-  const uint64_t hb = call.hidden_bytes, ib = call.ids_bytes, wb = call.weights_bytes;
-  const uint64_t ho = 0, io = Align(hb, 64), wo = io + Align(ib, 64);
+  const uint64_t io = Align(hb, 64), wo = io + Align(ib, 64);
   if (wo + wb > h->req_capacity) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tokens: ", call.tokens, " (", wo + wb,
+        absl::StrCat("tokens: ", tokens, " (", wo + wb,
                      " request bytes) over the shared-memory slot capacity of ", h->req_capacity,
                      " bytes (", geo_.max_tokens, " tokens)"));
   }
@@ -415,45 +425,102 @@ absl::StatusOr<uint64_t> ShmClient::Submit(const MoeCall& call, float* out) {
         absl::StrCat("shm: all ", h->num_slots, " slots busy (calls in flight or abandoned)"));
   }
   const uint32_t i = static_cast<uint32_t>(slot_index);
-  ShmSlot* s = SlotAt(seg.base, h, i);
-  uint8_t* data = reinterpret_cast<uint8_t*>(s) + kSlotHeaderBytes;
-  if (hb) std::memcpy(data + ho, call.hidden, hb);
-  if (ib) std::memcpy(data + io, call.ids, ib);
-  if (wb) std::memcpy(data + wo, call.weights, wb);
-  const uint64_t seq = next_seq_++;
-  s->seq = seq;
-  s->layer = call.layer;
-  s->tokens = call.tokens;
-  s->top_k = call.top_k;
-  s->hidden_off = ho;
-  s->hidden_bytes = hb;
-  s->ids_off = io;
-  s->ids_bytes = ib;
-  s->weights_off = wo;
-  s->weights_bytes = wb;
-  s->client_sleeping.store(0);
-  s->state.store(kSlotRequest, std::memory_order_release);
-  h->doorbell.fetch_add(1, std::memory_order_acq_rel);
-  if (h->server_sleeping.load()) FutexWake(&h->doorbell);
   seg.owner[i] = 1;
+  uint8_t* data = reinterpret_cast<uint8_t*>(SlotAt(seg.base, h, i)) + kSlotHeaderBytes;
+  const uint64_t seq = next_seq_++;
   Outstanding& o = outstanding_[seq];
   o.seg = seg_;
   o.slot = i;
   o.seq = seq;
-  o.out = out;
-  o.out_bytes = static_cast<int64_t>(call.tokens > 0 ? call.tokens : 0) * geo_.hidden * 4;
+  o.tokens = tokens;
+  o.top_k = top_k;
+  o.out_bytes = static_cast<int64_t>(tokens > 0 ? tokens : 0) * geo_.hidden * 4;
+  o.hidden_bytes = hb;
+  o.ids_off = io;
+  o.ids_bytes = ib;
+  o.weights_off = wo;
+  o.weights_bytes = wb;
+  SlotView v;
+  v.handle = seq;
+  v.hidden = reinterpret_cast<uint16_t*>(data);
+  v.ids = reinterpret_cast<int32_t*>(data + io);
+  v.weights = reinterpret_cast<float*>(data + wo);
+  return v;
+}
+
+absl::Status ShmClient::Commit(uint64_t handle, int32_t layer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = outstanding_.find(handle);
+  if (it == outstanding_.end()) return absl::InvalidArgumentError("unknown handle");
+  Outstanding& o = it->second;
+  ShmHeader* h = o.seg->header();
+  ShmSlot* s = SlotAt(o.seg->base, h, o.slot);
+  s->seq = o.seq;
+  s->layer = layer;
+  s->tokens = o.tokens;
+  s->top_k = o.top_k;
+  s->hidden_off = 0;
+  s->hidden_bytes = o.hidden_bytes;
+  s->ids_off = o.ids_off;
+  s->ids_bytes = o.ids_bytes;
+  s->weights_off = o.weights_off;
+  s->weights_bytes = o.weights_bytes;
+  s->client_sleeping.store(0);
+  s->state.store(kSlotRequest, std::memory_order_release);
+  h->doorbell.fetch_add(1, std::memory_order_acq_rel);
+  if (h->server_sleeping.load()) FutexWake(&h->doorbell);
   h->client_heartbeat_ns.store(NowNs());
-  return seq;
+  return absl::OkStatus();
+}
+
+void ShmClient::Release(uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = outstanding_.find(handle);
+  if (it == outstanding_.end()) return;
+  Outstanding& o = it->second;
+  ShmSlot* s = SlotAt(o.seg->base, o.seg->header(), o.slot);
+  s->state.store(kSlotFree, std::memory_order_release);
+  o.seg->owner[o.slot] = 0;
+  outstanding_.erase(it);
+}
+
+absl::StatusOr<uint64_t> ShmClient::Submit(const MoeCall& call, float* out) {
+  ASSIGN_OR_RETURN(SlotView v, AcquireBytes(call.tokens, call.top_k, call.hidden_bytes,
+                                            call.ids_bytes, call.weights_bytes));
+  if (call.hidden_bytes) std::memcpy(v.hidden, call.hidden, call.hidden_bytes);
+  if (call.ids_bytes) std::memcpy(v.ids, call.ids, call.ids_bytes);
+  if (call.weights_bytes) std::memcpy(v.weights, call.weights, call.weights_bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    outstanding_[v.handle].out = out;
+  }
+  RETURN_IF_ERROR(Commit(v.handle, call.layer));
+  return v.handle;
 }
 
 absl::Status ShmClient::Wait(uint64_t handle, absl::Time deadline) {
-  Outstanding o;
+  float* out = nullptr;
+  int64_t out_bytes = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = outstanding_.find(handle);
     if (it == outstanding_.end()) return absl::InvalidArgumentError("unknown handle");
-    o = std::move(it->second);
-    outstanding_.erase(it);
+    out = it->second.out;
+    out_bytes = it->second.out_bytes;
+  }
+  ASSIGN_OR_RETURN(const float* answer, WaitInPlace(handle, deadline));
+  if (out_bytes > 0) std::memcpy(out, answer, static_cast<size_t>(out_bytes));
+  Release(handle);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const float*> ShmClient::WaitInPlace(uint64_t handle, absl::Time deadline) {
+  Outstanding o;  // a copy: the entry stays until Release (or a failure below)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = outstanding_.find(handle);
+    if (it == outstanding_.end()) return absl::InvalidArgumentError("unknown handle");
+    o = it->second;
   }
   Segment& seg = *o.seg;
   ShmHeader* h = seg.header();
@@ -489,6 +556,7 @@ absl::Status ShmClient::Wait(uint64_t handle, absl::Time deadline) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (!done) {
+    outstanding_.erase(handle);
     if (seg.dead.load()) {
       if (seg_.get() == &seg) seg_.reset();  // the last holder unmaps and unlinks it
     } else {
@@ -497,18 +565,17 @@ absl::Status ShmClient::Wait(uint64_t handle, absl::Time deadline) {
     return result;
   }
   if (s->seq != o.seq || s->epoch != seg.epoch) {
-    seg.owner[o.slot] = 0;
-    s->state.store(kSlotFree);
-    return absl::DataLossError("expert service (shm): slot answered for another request/epoch");
-  }
-  if (s->code != 0) {
+    result = absl::DataLossError("expert service (shm): slot answered for another request/epoch");
+  } else if (s->code != 0) {
     result = absl::Status(static_cast<absl::StatusCode>(s->code),
                           std::string(s->msg, std::min<size_t>(s->msg_len, sizeof(s->msg))));
   } else if (static_cast<int64_t>(s->out_bytes) != o.out_bytes || s->out_bytes > h->resp_capacity) {
     result = absl::InternalError("expert service (shm): response size mismatch");
   } else {
-    std::memcpy(o.out, reinterpret_cast<uint8_t*>(s) + h->resp_offset, s->out_bytes);
+    // Held (owner 1, state done) until Release.
+    return reinterpret_cast<const float*>(reinterpret_cast<uint8_t*>(s) + h->resp_offset);
   }
+  outstanding_.erase(handle);
   s->state.store(kSlotFree, std::memory_order_release);
   seg.owner[o.slot] = 0;
   return result;

@@ -137,6 +137,25 @@ class ShmClient : public MoeClient {
   absl::Status Wait(uint64_t handle, absl::Time deadline) override;
   const char* transport() const override { return "shm"; }
 
+  // Zero-copy use (the GPU path). Acquire reserves a free slot for `tokens` x
+  // `top_k` and returns where the request goes inside the mapped segment: the
+  // caller writes it in place (e.g. a cudaMemcpyAsync into the registered
+  // segment), then Commit(handle, layer) rings the doorbell. WaitInPlace
+  // returns the f32 answer [tokens][hidden] where it lies in the slot, valid
+  // until Release(handle); on error the slot is already released. Every
+  // acquired handle ends in exactly one Release (after WaitInPlace succeeded)
+  // or a failed WaitInPlace. Submit/Wait are these plus one copy each way.
+  struct SlotView {
+    uint64_t handle = 0;
+    uint16_t* hidden = nullptr;  // bf16 [tokens][hidden]
+    int32_t* ids = nullptr;      // [tokens][top_k]
+    float* weights = nullptr;    // [tokens][top_k]
+  };
+  absl::StatusOr<SlotView> Acquire(int32_t tokens, int32_t top_k);
+  absl::Status Commit(uint64_t handle, int32_t layer);
+  absl::StatusOr<const float*> WaitInPlace(uint64_t handle, absl::Time deadline);
+  void Release(uint64_t handle);
+
   // The mapped segment (for cudaHostRegister); null while disconnected.
   void* segment() const;
   uint64_t segment_bytes() const { return geo_.total_bytes(); }
@@ -146,12 +165,16 @@ class ShmClient : public MoeClient {
  private:
   ShmClient() = default;
   absl::Status Connect();  // mu_ held
+  absl::StatusOr<SlotView> AcquireBytes(int32_t tokens, int32_t top_k, uint64_t hidden_bytes,
+                                        uint64_t ids_bytes, uint64_t weights_bytes);
   struct Outstanding {
     std::shared_ptr<Segment> seg;
     uint32_t slot = 0;
     uint64_t seq = 0;
-    float* out = nullptr;
+    float* out = nullptr;  // Submit's destination (null for zero-copy use)
     int64_t out_bytes = 0;
+    int32_t tokens = 0, top_k = 0;
+    uint64_t hidden_bytes = 0, ids_off = 0, ids_bytes = 0, weights_off = 0, weights_bytes = 0;
   };
 
   std::shared_ptr<ControlClient> control_;
