@@ -26,3 +26,7 @@ for t in shm ucx grpc; do
   "$bin/hmoe-expert-bench" --targets=127.0.0.1:$port --transport=$t \
     --tokens=1,128 --iters="$iters" --warmup=200 | tee "$out/transport_$t.json"
 done
+# Shared memory the way the GPU worker uses it: request written and answer read
+# in place in the (cudaHostRegister-able) slot, no copies by the transport.
+"$bin/hmoe-expert-bench" --targets=127.0.0.1:$port --transport=shm --zero-copy \
+  --tokens=1,128 --iters="$iters" --warmup=200 | tee "$out/transport_shm_zero_copy.json"

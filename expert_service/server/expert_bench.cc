@@ -3,7 +3,7 @@
 // of it that is not the shards' compute ("overhead").
 //
 //   hmoe-expert-bench --targets=HOST:PORT[,HOST:PORT...] --transport=grpc|shm|ucx
-//       [--tokens=1,128] [--iters=200] [--warmup=20] [--verify-model-dir=DIR]
+//       [--tokens=1,128] [--iters=200] [--warmup=20] [--verify-model-dir=DIR] [--zero-copy]
 //
 // Prints one JSON object per token count: transport, tokens, hidden, p50/p99/mean
 // round trip (us), mean shard compute (us, from the shards' stats) and
@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -20,7 +21,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/dtype.h"
+#include "common/status.h"
 #include "common/transport/expert_pool.h"
+#include "common/transport/shm_transport.h"
 #include "expert_service/server/expert_shard.h"
 
 namespace hmoe {
@@ -31,6 +34,7 @@ int Main(int argc, char** argv) {
   std::vector<int> tokens_list = {1, 128};
   int iters = 200, warmup = 20;
   std::string verify_dir;
+  bool zero_copy = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i], v;
     const auto eq = a.find('=');
@@ -61,6 +65,8 @@ int Main(int argc, char** argv) {
     } else if (a == "--warmup" && absl::SimpleAtoi(v, &warmup) && warmup >= 0) {
     } else if (a == "--verify-model-dir") {
       verify_dir = v;
+    } else if (a == "--zero-copy") {
+      zero_copy = true;
     } else {
       std::fprintf(stderr, "hmoe-expert-bench: bad flag %s\n", argv[i]);
       return 2;
@@ -88,6 +94,36 @@ int Main(int argc, char** argv) {
   for (const std::string& t : po.targets) {
     controls.push_back(std::make_shared<ControlClient>(MakeExpertChannel(t)));
   }
+  // --zero-copy (shm, one shard): requests are written in place in the slot
+  // and answers read in place (ShmClient::Acquire/Commit/WaitInPlace/Release),
+  // as the GPU worker does with DMA into the registered segment: what is left
+  // is the transport's own cost.
+  std::unique_ptr<ShmClient> shm;
+  if (zero_copy) {
+    if (po.transport != TransportKind::kShm || po.targets.size() != 1) {
+      std::fprintf(stderr, "hmoe-expert-bench: --zero-copy needs --transport=shm and one target\n");
+      return 2;
+    }
+    auto c = ShmClient::Create(controls[0], info);
+    if (!c.ok()) {
+      std::fprintf(stderr, "hmoe-expert-bench: %s\n", c.status().ToString().c_str());
+      return 1;
+    }
+    shm = std::move(*c);
+  }
+  std::set<const void*> filled;  // zero-copy slots whose hidden states are written
+  auto run_zero_copy = [&](const MoeCall& call, float* out, bool copy_out) -> absl::Status {
+    ASSIGN_OR_RETURN(ShmClient::SlotView v, shm->Acquire(call.tokens, call.top_k));
+    if (filled.insert(v.hidden).second) std::memcpy(v.hidden, call.hidden, call.hidden_bytes);
+    std::memcpy(v.ids, call.ids, call.ids_bytes);
+    std::memcpy(v.weights, call.weights, call.weights_bytes);
+    RETURN_IF_ERROR(shm->Commit(v.handle, call.layer));
+    auto answer = shm->WaitInPlace(v.handle, absl::Now() + absl::Seconds(30));
+    if (!answer.ok()) return answer.status();
+    if (copy_out) std::memcpy(out, *answer, static_cast<size_t>(call.tokens) * info.hidden * 4);
+    shm->Release(v.handle);
+    return absl::OkStatus();
+  };
   auto compute_ns = [&]() {
     uint64_t ns = 0;
     for (auto& c : controls) {
@@ -127,7 +163,8 @@ int Main(int argc, char** argv) {
     for (int i = 0; i < warmup + iters; ++i) {
       if (i == warmup) c0 = compute_ns();
       const auto t0 = std::chrono::steady_clock::now();
-      absl::Status st = (*pool)->Run(call, out.data(), absl::Now() + absl::Seconds(30));
+      absl::Status st = shm ? run_zero_copy(call, out.data(), /*copy_out=*/i + 1 == warmup + iters)
+                            : (*pool)->Run(call, out.data(), absl::Now() + absl::Seconds(30));
       const auto t1 = std::chrono::steady_clock::now();
       if (!st.ok()) {
         std::fprintf(stderr, "request failed: %s\n", st.ToString().c_str());
@@ -156,7 +193,7 @@ int Main(int argc, char** argv) {
         "{\"transport\": \"%s\", \"shards\": %d, \"tokens\": %d, \"hidden\": %lld, \"iters\": %d, "
         "\"p50_us\": %.1f, \"p99_us\": %.1f, \"mean_us\": %.1f, \"compute_us\": %.1f, "
         "\"overhead_us\": %.1f, \"max_rel_diff\": %.3g}\n",
-        TransportKindName(po.transport), (*pool)->num_shards(), T,
+        shm ? "shm-zero-copy" : TransportKindName(po.transport), (*pool)->num_shards(), T,
         static_cast<long long>(info.hidden), iters, us[us.size() / 2],
         us[std::min(us.size() - 1, us.size() * 99 / 100)], mean, compute_us, mean - compute_us,
         max_rel);
