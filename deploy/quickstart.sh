@@ -15,8 +15,12 @@ transport=${TRANSPORT:-shm}
 
 bash deploy/install-deps.sh
 echo "== building (first time: a few minutes)"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build --target hmoe hmoe-gpu-worker hmoe-expert-service -j"$(nproc)" >/dev/null
+buildlog=$(mktemp)
+if ! { cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo &&
+       cmake --build build --target hmoe hmoe-gpu-worker hmoe-expert-service -j"$(nproc)"; } >"$buildlog" 2>&1; then
+  tail -n 40 "$buildlog"; echo "quickstart: build failed (full log: $buildlog)"; exit 1
+fi
+rm -f "$buildlog"
 
 run=$(mktemp -d)
 pids=()
