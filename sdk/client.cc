@@ -1,15 +1,11 @@
 #include "sdk/client.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/transport/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 
 namespace hmoe {
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
 
 Client::Client(std::shared_ptr<grpc::Channel> channel)
     : channel_(std::move(channel)), stub_(api::v1::Generation::NewStub(channel_)) {}
@@ -54,7 +50,7 @@ absl::StatusOr<GenerateResult> Client::Generate(
   }
   grpc::Status s = reader->Finish();
   result.wall_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
-  if (!s.ok()) return FromGrpc(s);
+  if (!s.ok()) return FromGrpcStatus(s);
   return result;
 }
 
@@ -66,7 +62,7 @@ absl::StatusOr<std::vector<int32_t>> Client::Tokenize(const std::string& text,
   req.set_add_special_tokens(add_special_tokens);
   api::v1::TokenizeResponse resp;
   grpc::Status s = stub_->Tokenize(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
+  if (!s.ok()) return FromGrpcStatus(s);
   return std::vector<int32_t>(resp.ids().begin(), resp.ids().end());
 }
 
@@ -78,7 +74,7 @@ absl::StatusOr<std::string> Client::Detokenize(const std::vector<int32_t>& ids,
   req.set_skip_special_tokens(skip_special_tokens);
   api::v1::DetokenizeResponse resp;
   grpc::Status s = stub_->Detokenize(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
+  if (!s.ok()) return FromGrpcStatus(s);
   return resp.text();
 }
 
@@ -86,7 +82,7 @@ absl::StatusOr<api::v1::ModelInfoResponse> Client::ModelInfo() {
   grpc::ClientContext ctx;
   api::v1::ModelInfoResponse resp;
   grpc::Status s = stub_->ModelInfo(&ctx, api::v1::ModelInfoRequest(), &resp);
-  if (!s.ok()) return FromGrpc(s);
+  if (!s.ok()) return FromGrpcStatus(s);
   return resp;
 }
 
@@ -94,7 +90,7 @@ absl::StatusOr<api::v1::StatsResponse> Client::Stats() {
   grpc::ClientContext ctx;
   api::v1::StatsResponse resp;
   grpc::Status s = stub_->Stats(&ctx, api::v1::StatsRequest(), &resp);
-  if (!s.ok()) return FromGrpc(s);
+  if (!s.ok()) return FromGrpcStatus(s);
   return resp;
 }
 
@@ -106,7 +102,7 @@ absl::StatusOr<bool> Client::Healthy(const std::string& service) {
   req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;
   grpc::Status s = stub->Check(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
+  if (!s.ok()) return FromGrpcStatus(s);
   return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
 

@@ -55,6 +55,4 @@ class Client {
   std::unique_ptr<api::v1::Generation::Stub> stub_;
 };
 
-absl::Status FromGrpc(const grpc::Status& s);
-
 }  // namespace hmoe

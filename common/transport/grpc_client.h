@@ -11,18 +11,14 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "common/transport/grpc_status.h"
 #include "common/transport/moe_call.h"
 
 namespace grpc {
 class Channel;
-class Status;
 }  // namespace grpc
 
 namespace hmoe {
-
-// Our status <-> grpc::Status (the one mapping, both directions).
-grpc::Status ToGrpcStatus(const absl::Status& s);
-absl::Status FromGrpcStatus(const grpc::Status& s);
 
 // A channel with our settings: unlimited message size, fast reconnect.
 std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target);
