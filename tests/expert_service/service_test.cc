@@ -1,7 +1,7 @@
 // The expert-service shard core (in process) and the service process:
 // the kernel path against the kernels' scalar reference and against plain f32
-// math, sharding arithmetic, validation, formats, options, SIGTERM drain, the
-// systemd unit.
+// math, sharding arithmetic, validation, formats, options, SIGTERM drain.
+// (The systemd units are verified in tests/e2e/deploy_test.cc.)
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -344,36 +344,6 @@ TEST(ServiceProcess, NumaNodeBinding) {
     if (line.rfind("Mems_allowed_list:", 0) == 0) mems = line;
   }
   EXPECT_FALSE(mems.empty());
-}
-
-// ---- deploy ----------------------------------------------------------------------
-
-TEST(Deploy, SystemdUnitVerifies) {
-  if (std::system("command -v systemd-analyze >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "systemd-analyze not available";
-  }
-  ::hmoe::testing::TempDir dir;
-  const std::string src = std::string(HMOE_SOURCE_DIR) + "/deploy/systemd";
-  std::ifstream in(src + "/hmoe-expert-service@.service");
-  std::string unit((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  ASSERT_FALSE(unit.empty());
-  auto replace = [&](const std::string& from, const std::string& to) {
-    for (size_t p = unit.find(from); p != std::string::npos; p = unit.find(from, p + to.size())) {
-      unit.replace(p, from.size(), to);
-    }
-  };
-  replace("/usr/local/bin/hmoe-expert-service", ::hmoe::testing::ServiceBinary());
-  replace("/etc/hmoe/expert-service.conf", src + "/expert-service.conf");
-  std::ofstream(dir.file("hmoe-expert-service@.service")) << unit;
-  const std::string cmd =
-      absl::StrCat("cd ", dir.path(), " && systemd-analyze verify --man=no ",
-                   dir.file("hmoe-expert-service@0.service"), " > ", dir.file("out"), " 2>&1");
-  const int st = std::system(cmd.c_str());
-  std::ifstream out(dir.file("out"));
-  std::string text((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(st, 0) << text;
-  EXPECT_EQ(text.find("hmoe-expert-service@"), std::string::npos)
-      << text;  // no complaints about our unit
 }
 
 }  // namespace
