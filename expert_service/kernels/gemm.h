@@ -15,6 +15,11 @@ struct GemmArgs {
   int64_t nb0 = 0, nb1 = 0;
   const void* a = nullptr;          // rows of Kp bf16 or int8 (zero-padded past K)
   int64_t lda = 0;                  // bytes between rows
+  // AMX kernels only: A in the tile layout. Rows come in blocks of 16; block b
+  // starts at a + 16 * b * lda and holds its k steps (64 bytes of each row:
+  // 32 bf16 or 64 int8) one after another, 1 KiB each, row i of the block at
+  // +64 i: every A tile is one contiguous KiB.
+  bool a_tiled = false;
   int m = 0;                        // rows; rows up to roundup(m, 32) exist and are zero past m
   const float* a_scale = nullptr;   // int8 activations: per row
   const int32_t* a_gsum = nullptr;  // int4 "few": per row, per group: sum of the int8 activations
@@ -44,6 +49,10 @@ struct KernelSet {
   void (*quant_f32)(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum,
                     int group) = nullptr;
   void (*axpy)(float a, const float* x, int64_t n, float* y) = nullptr;  // y += a * x
+  // dst[r][0..n) = src[r][0..n) for r < rows (lds/ldd in floats). Written with
+  // streaming stores where aligned (output read only much later), fenced.
+  void (*store_rows)(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
+                     int64_t n) = nullptr;
 };
 void AxpyScalar(float a, const float* x, int64_t n, float* y);
 
@@ -55,11 +64,16 @@ void QuantF32Scalar(const float* x, int64_t n, int64_t kp, float inv, int8_t* q,
                     int group);
 void SiluMulScalar(const float* g, const float* u, int64_t n, float* out);
 void SiluMulBf16Scalar(const float* g, const float* u, int64_t n, uint16_t* out);
+void StoreRowsScalar(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
+                     int64_t n);
 
 const KernelSet& ScalarKernels();
 const KernelSet& Avx2Kernels();
 const KernelSet& Avx512Kernels();
 const KernelSet& AmxKernels();  // "many" kernels; silu from AVX-512
+// The AMX kernels run on a software model of the tile registers (needs
+// AVX-512 for the epilogues): lets CI without AMX test the AMX code path.
+const KernelSet& AmxEmulatedKernels();
 
 // AVX-512 helpers shared with the AMX file: int4 panel lines for k in
 // [k0, k1) (multiples of the group) -> bf16(q * s) in the BF16 panel layout

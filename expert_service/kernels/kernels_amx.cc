@@ -3,15 +3,27 @@
 // dispatch has seen AMX in cpuid and been granted XTILEDATA by the kernel.
 //
 // Blocking: C = 2x2 tiles (32 rows x 2 panels), A = 2 tiles, B = 2 tiles.
-// K is walked in chunks (1 KiB of each A row) so the chunk of A (rows x 1 KiB)
-// stays in L2 across the task's panel pairs and the B chunk (2 x 16 KiB) in
-// L1 across row pairs; partial C lives in the caller's c buffer between chunks.
+// K is walked in chunks (1 KiB of each A row by default) so the chunk of A
+// (rows x 1 KiB) stays in L2 across the task's panel pairs and the B chunk
+// (2 x 16 KiB) in L1 across row pairs; partial C lives in the caller's c
+// buffer between chunks. While one panel pair computes, the next pair's B
+// chunk is prefetched into L2 (the weights come from DRAM exactly once).
+//
+// A is read either row-major (stride lda) or in the tile layout (GemmArgs::
+// a_tiled), where every A tile is one contiguous KiB: no strided loads, no
+// TLB walk per row.
+//
+// The kernel is written once against a tile-machine policy: HwTiles issues
+// the AMX instructions; EmuTiles is a plain-C++ model of the same eight tile
+// registers (tdpbf16ps / tdpbssd semantics) so CI machines without AMX run
+// this exact code path (blocking, layouts, epilogues) against the reference.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
+#include "common/dtype.h"
 #include "expert_service/kernels/gemm.h"
 
 namespace hmoe::kern {
@@ -25,47 +37,170 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void ConfigureTiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
+// Every tile is 16 rows x 64 bytes. GCC's tile intrinsics paste the register
+// number into the asm text, so each (register) use is spelled out below.
+struct HwTiles {
+  static void Configure() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
   }
-  _tile_loadconfig(&cfg);
-}
+  template <int T>
+  static void Zero();
+  template <int T>
+  static void Load(const void* p, int64_t stride);
+  template <int T>
+  static void Store(void* p, int64_t stride);
+  template <int C, int A, int B>
+  static void DpBf16();
+  template <int C, int A, int B>
+  static void DpI8();
+  static void PrefetchL2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+};
+#define HMOE_TILE_REG(T)                                             \
+  template <>                                                        \
+  inline void HwTiles::Zero<T>() {                                   \
+    _tile_zero(T);                                                   \
+  }                                                                  \
+  template <>                                                        \
+  inline void HwTiles::Load<T>(const void* p, int64_t stride) {      \
+    _tile_loadd(T, p, stride);                                       \
+  }                                                                  \
+  template <>                                                        \
+  inline void HwTiles::Store<T>(void* p, int64_t stride) {           \
+    _tile_stored(T, p, stride);                                      \
+  }
+HMOE_TILE_REG(0)
+HMOE_TILE_REG(1)
+HMOE_TILE_REG(2)
+HMOE_TILE_REG(3)
+HMOE_TILE_REG(4)
+HMOE_TILE_REG(5)
+HMOE_TILE_REG(6)
+HMOE_TILE_REG(7)
+#undef HMOE_TILE_REG
+#define HMOE_TILE_DP(C, A, B)                \
+  template <>                                \
+  inline void HwTiles::DpBf16<C, A, B>() {   \
+    _tile_dpbf16ps(C, A, B);                 \
+  }                                          \
+  template <>                                \
+  inline void HwTiles::DpI8<C, A, B>() {     \
+    _tile_dpbssd(C, A, B);                   \
+  }
+HMOE_TILE_DP(0, 4, 6)
+HMOE_TILE_DP(1, 4, 7)
+HMOE_TILE_DP(2, 5, 6)
+HMOE_TILE_DP(3, 5, 7)
+#undef HMOE_TILE_DP
+
+// The software model: same registers, same arithmetic (fp32 sums of exact
+// bf16 products; exact int32 sums of int8 products).
+struct EmuTiles {
+  struct alignas(64) Regs {
+    uint8_t t[8][1024];
+  };
+  static Regs& R() {
+    static thread_local Regs r;
+    return r;
+  }
+  static void Configure() {}
+  template <int T>
+  static void Zero() {
+    std::memset(R().t[T], 0, 1024);
+  }
+  template <int T>
+  static void Load(const void* p, int64_t stride) {
+    for (int r = 0; r < 16; ++r)
+      std::memcpy(R().t[T] + r * 64, static_cast<const uint8_t*>(p) + r * stride, 64);
+  }
+  template <int T>
+  static void Store(void* p, int64_t stride) {
+    for (int r = 0; r < 16; ++r)
+      std::memcpy(static_cast<uint8_t*>(p) + r * stride, R().t[T] + r * 64, 64);
+  }
+  template <int C, int A, int B>
+  static void DpBf16() {
+    float c[16][16];
+    uint16_t a[16][32], b[16][32];
+    std::memcpy(c, R().t[C], 1024);
+    std::memcpy(a, R().t[A], 1024);
+    std::memcpy(b, R().t[B], 1024);
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 16; ++n) {
+        float s = c[m][n];
+        for (int p = 0; p < 16; ++p)
+          s += Bf16ToF32(a[m][2 * p]) * Bf16ToF32(b[p][2 * n]) +
+               Bf16ToF32(a[m][2 * p + 1]) * Bf16ToF32(b[p][2 * n + 1]);
+        c[m][n] = s;
+      }
+    std::memcpy(R().t[C], c, 1024);
+  }
+  template <int C, int A, int B>
+  static void DpI8() {
+    int32_t c[16][16];
+    int8_t a[16][64], b[16][64];
+    std::memcpy(c, R().t[C], 1024);
+    std::memcpy(a, R().t[A], 1024);
+    std::memcpy(b, R().t[B], 1024);
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 16; ++n) {
+        int32_t s = c[m][n];
+        for (int q = 0; q < 16; ++q)
+          for (int i = 0; i < 4; ++i) s += int32_t{a[m][4 * q + i]} * int32_t{b[q][4 * n + i]};
+        c[m][n] = s;
+      }
+    std::memcpy(R().t[C], c, 1024);
+  }
+  static void PrefetchL2(const void*) {}
+};
 
 enum class Kind { kBf16, kInt8, kInt4Bf16 };
 
-// Bytes of each A row per K chunk (partial C is stored and reloaded between
-// chunks). 1024 measured best on Emerald Rapids (49% vs 31% of the AMX BF16
-// peak at 512). HMOE_AMX_KC_BYTES = 512 | 1024 | 2048 | 4096 overrides.
-int64_t ChunkBytes() {
-  static const int64_t v = [] {
-    const char* e = std::getenv("HMOE_AMX_KC_BYTES");
-    const int64_t b = e != nullptr ? std::atoll(e) : 1024;
-    return (b == 512 || b == 2048 || b == 4096) ? b : int64_t{1024};
-  }();
-  return v;
+// Tuning knobs, read once (benchmarks only; the defaults are the measured best).
+//   HMOE_AMX_KC_BYTES = 512 | 1024 | 2048: bytes of each A row per K chunk.
+//   HMOE_AMX_PREFETCH = 0 | 1: prefetch the next panel pair's B chunk into L2.
+struct Tuning {
+  int64_t kc_bytes = 1024;
+  bool prefetch = true;
+  Tuning() {
+    if (const char* e = std::getenv("HMOE_AMX_KC_BYTES")) {
+      const int64_t b = std::atoll(e);
+      if (b == 512 || b == 2048) kc_bytes = b;
+    }
+    if (const char* e = std::getenv("HMOE_AMX_PREFETCH")) prefetch = *e != '0';
+  }
+};
+const Tuning& Tune() {
+  static const Tuning t;
+  return t;
 }
 
-template <Kind kKind>
+template <Kind kKind, class X>
 void AmxGemm(const GemmArgs& a) {
   constexpr bool kI8 = kKind == Kind::kInt8;
   constexpr int64_t kStepK = kI8 ? 64 : 32;  // k per tile
+  const Tuning& tune = Tune();
   // k per chunk (a multiple of 128); int4's bf16 staging holds at most 2048 k per panel.
-  const int64_t kChunkK =
-      std::min<int64_t>(ChunkBytes() / (kI8 ? 1 : 2), kKind == Kind::kInt4Bf16 ? 2048 : 1 << 30);
+  const int64_t kChunkK = std::min<int64_t>(tune.kc_bytes / (kI8 ? 1 : 2),
+                                            kKind == Kind::kInt4Bf16 ? 2048 : int64_t{1} << 30);
   const PackedGeom& g = *a.g;
-  ConfigureTiles();
+  X::Configure();
   const int mp = (a.m + 31) / 32 * 32;
   const int64_t ldc_b = a.ldc * 4;
   const uint8_t* A = static_cast<const uint8_t*>(a.a);
+  // A tile: rows at a_rs apart; consecutive k steps a_ss apart.
+  const int64_t a_rs = a.a_tiled ? 64 : a.lda;
+  const int64_t a_ss = a.a_tiled ? 1024 : 64;
   uint8_t* buf0 = a.scratch;
-  uint8_t* buf1 =
-      a.scratch + kGemmScratchBytes / 2;  // each half holds 2048 k of one panel  // bf16 chunk of
-                                          // one panel: kChunkK/2 lines x 64 B
+  uint8_t* buf1 = a.scratch + kGemmScratchBytes / 2;  // each half: <= 2048 k of one panel
+  const bool prefetch = tune.prefetch && kKind != Kind::kInt4Bf16;
   for (int64_t kc0 = 0; kc0 < g.kp; kc0 += kChunkK) {
     const int64_t kc1 = std::min(g.kp, kc0 + kChunkK);
+    const int64_t steps = (kc1 - kc0) / kStepK;
     for (int64_t j = a.nb0; j < a.nb1; j += 2) {
       const bool two = j + 1 < a.nb1;
       const uint8_t* B0;
@@ -82,65 +217,87 @@ void AmxGemm(const GemmArgs& a) {
         B0 = a.w + j * g.panel_bytes + kc0 / kStepK * 1024;
         B1 = B0 + g.panel_bytes;
       }
+      // The B chunk used after this one: the next pair, or the first pair of
+      // the next K chunk. Its lines are prefetched a few per k step.
+      const uint8_t* pf[2] = {nullptr, nullptr};
+      int64_t pf_lines = 0, pf_per_step = 0, pf_done = 0, pf_panel_lines = 0;
+      if (prefetch) {
+        int64_t nj = j + 2, nk = kc0;
+        if (nj >= a.nb1) {
+          nj = a.nb0;
+          nk = kc1;
+        }
+        if (nk < g.kp) {
+          const int64_t nsteps = (std::min(g.kp, nk + kChunkK) - nk) / kStepK;
+          pf[0] = a.w + nj * g.panel_bytes + nk / kStepK * 1024;
+          pf[1] = nj + 1 < a.nb1 ? pf[0] + g.panel_bytes : nullptr;
+          pf_panel_lines = nsteps * 16;
+          pf_lines = pf_panel_lines * (pf[1] != nullptr ? 2 : 1);
+          const int64_t slots = (mp / 32) * steps;
+          pf_per_step = (pf_lines + slots - 1) / slots;
+        }
+      }
+      auto prefetch_some = [&] {
+        for (int64_t q = 0; q < pf_per_step && pf_done < pf_lines; ++q, ++pf_done)
+          X::PrefetchL2(pf_done < pf_panel_lines ? pf[0] + pf_done * 64
+                                                 : pf[1] + (pf_done - pf_panel_lines) * 64);
+      };
       for (int m0 = 0; m0 < mp; m0 += 32) {
         uint8_t* C00 = reinterpret_cast<uint8_t*>(a.c + m0 * a.ldc + (j - a.nb0) * 16);
         uint8_t* C10 = C00 + 16 * ldc_b;
         if (kc0 == 0) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
+          X::template Zero<0>();
+          X::template Zero<1>();
+          X::template Zero<2>();
+          X::template Zero<3>();
         } else {
-          _tile_loadd(0, C00, ldc_b);
-          _tile_loadd(2, C10, ldc_b);
+          X::template Load<0>(C00, ldc_b);
+          X::template Load<2>(C10, ldc_b);
           if (two) {
-            _tile_loadd(1, C00 + 64, ldc_b);
-            _tile_loadd(3, C10 + 64, ldc_b);
+            X::template Load<1>(C00 + 64, ldc_b);
+            X::template Load<3>(C10 + 64, ldc_b);
           }
         }
-        const uint8_t* a0 = A + m0 * a.lda + kc0 * (kI8 ? 1 : 2);
+        const uint8_t* a0 = A + m0 * a.lda + kc0 / kStepK * a_ss;
         const uint8_t* a1 = a0 + 16 * a.lda;
-        const int64_t steps = (kc1 - kc0) / kStepK;
         if (two) {
           for (int64_t s = 0; s < steps; ++s) {
-            _tile_loadd(4, a0 + s * 64, a.lda);
-            _tile_loadd(6, B0 + s * 1024, 64);
-            if constexpr (kI8)
-              _tile_dpbssd(0, 4, 6);
-            else
-              _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, B1 + s * 1024, 64);
-            if constexpr (kI8)
-              _tile_dpbssd(1, 4, 7);
-            else
-              _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, a1 + s * 64, a.lda);
+            X::template Load<4>(a0 + s * a_ss, a_rs);
+            X::template Load<6>(B0 + s * 1024, 64);
+            X::template Load<7>(B1 + s * 1024, 64);
+            X::template Load<5>(a1 + s * a_ss, a_rs);
             if constexpr (kI8) {
-              _tile_dpbssd(2, 5, 6);
-              _tile_dpbssd(3, 5, 7);
+              X::template DpI8<0, 4, 6>();
+              X::template DpI8<1, 4, 7>();
+              X::template DpI8<2, 5, 6>();
+              X::template DpI8<3, 5, 7>();
             } else {
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
+              X::template DpBf16<0, 4, 6>();
+              X::template DpBf16<1, 4, 7>();
+              X::template DpBf16<2, 5, 6>();
+              X::template DpBf16<3, 5, 7>();
             }
+            prefetch_some();
           }
-          _tile_stored(1, C00 + 64, ldc_b);
-          _tile_stored(3, C10 + 64, ldc_b);
+          X::template Store<1>(C00 + 64, ldc_b);
+          X::template Store<3>(C10 + 64, ldc_b);
         } else {
           for (int64_t s = 0; s < steps; ++s) {
-            _tile_loadd(4, a0 + s * 64, a.lda);
-            _tile_loadd(6, B0 + s * 1024, 64);
-            _tile_loadd(5, a1 + s * 64, a.lda);
+            X::template Load<4>(a0 + s * a_ss, a_rs);
+            X::template Load<6>(B0 + s * 1024, 64);
+            X::template Load<5>(a1 + s * a_ss, a_rs);
             if constexpr (kI8) {
-              _tile_dpbssd(0, 4, 6);
-              _tile_dpbssd(2, 5, 6);
+              X::template DpI8<0, 4, 6>();
+              X::template DpI8<2, 5, 6>();
             } else {
-              _tile_dpbf16ps(0, 4, 6);
-              _tile_dpbf16ps(2, 5, 6);
+              X::template DpBf16<0, 4, 6>();
+              X::template DpBf16<2, 5, 6>();
             }
+            prefetch_some();
           }
         }
-        _tile_stored(0, C00, ldc_b);
-        _tile_stored(2, C10, ldc_b);
+        X::template Store<0>(C00, ldc_b);
+        X::template Store<2>(C10, ldc_b);
       }
     }
   }
@@ -160,7 +317,7 @@ void AmxGemm(const GemmArgs& a) {
 
 void AmxPeakLoop(int64_t iters, bool int8) {
   alignas(64) static const uint8_t zeros[1024] = {};
-  ConfigureTiles();
+  HwTiles::Configure();
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -200,9 +357,20 @@ void AmxPeakLoop(int64_t iters, bool int8) {
 const KernelSet& AmxKernels() {
   static const KernelSet k = [] {
     KernelSet s = Avx512Kernels();
-    s.bf16 = AmxGemm<Kind::kBf16>;
-    s.i8 = AmxGemm<Kind::kInt8>;
-    s.i4_bf16 = AmxGemm<Kind::kInt4Bf16>;
+    s.bf16 = AmxGemm<Kind::kBf16, HwTiles>;
+    s.i8 = AmxGemm<Kind::kInt8, HwTiles>;
+    s.i4_bf16 = AmxGemm<Kind::kInt4Bf16, HwTiles>;
+    return s;
+  }();
+  return k;
+}
+
+const KernelSet& AmxEmulatedKernels() {
+  static const KernelSet k = [] {
+    KernelSet s = Avx512Kernels();
+    s.bf16 = AmxGemm<Kind::kBf16, EmuTiles>;
+    s.i8 = AmxGemm<Kind::kInt8, EmuTiles>;
+    s.i4_bf16 = AmxGemm<Kind::kInt4Bf16, EmuTiles>;
     return s;
   }();
   return k;

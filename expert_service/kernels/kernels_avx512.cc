@@ -383,9 +383,18 @@ uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes) {
   return static_cast<uint64_t>(_mm512_reduce_add_epi64(r));
 }
 
+void StoreRows(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t n) {
+  const bool stream = n % 16 == 0 && ldd % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0;
+  if (!stream) return StoreRowsScalar(src, lds, dst, ldd, rows, n);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; i += 16)
+      _mm512_stream_ps(dst + r * ldd + i, _mm512_loadu_ps(src + r * lds + i));
+  _mm_sfence();  // streaming stores are weakly ordered: publish before the phase barrier
+}
+
 const KernelSet& Avx512Kernels() {
-  static const KernelSet k{GemmBf16,    GemmI8,    GemmI4I8, GemmI4Bf16, SiluMul,
-                           SiluMulBf16, QuantBf16, AmaxF32,  QuantF32,   Axpy};
+  static const KernelSet k{GemmBf16, GemmI8,  GemmI4I8, GemmI4Bf16, SiluMul,  SiluMulBf16,
+                           QuantBf16, AmaxF32, QuantF32, Axpy,       StoreRows};
   return k;
 }
 

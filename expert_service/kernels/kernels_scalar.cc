@@ -153,10 +153,17 @@ void AxpyScalar(float a, const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+void StoreRowsScalar(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
+                     int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(dst + r * ldd, src + r * lds, static_cast<size_t>(n) * sizeof(float));
+}
+
 const KernelSet& ScalarKernels() {
-  static const KernelSet k{
-      GemmBf16,          GemmI8,          GemmI4I8,      GemmI4Bf16,     SiluMulScalar,
-      SiluMulBf16Scalar, QuantBf16Scalar, AmaxF32Scalar, QuantF32Scalar, AxpyScalar};
+  static const KernelSet k{GemmBf16,        GemmI8,          GemmI4I8,
+                           GemmI4Bf16,      SiluMulScalar,   SiluMulBf16Scalar,
+                           QuantBf16Scalar, AmaxF32Scalar,   QuantF32Scalar,
+                           AxpyScalar,      StoreRowsScalar};
   return k;
 }
 

@@ -1,6 +1,8 @@
 // RunMoe: routing, the phase pipeline and kernel dispatch. One pool.Run per
 // call; phases are separated by a spin barrier among the pool's workers:
-//   gather   rows of x per expert (bf16, or int8 quantized per token)
+//   xquant   (int8 activations, T >= 32) each token quantized once
+//   gather   rows of x per expert (bf16, or int8 quantized per token); the
+//            AMX experts' rows in the tile layout (gemm.h GemmArgs::a_tiled)
 //   gate_up  tasks (part, expert, panel-pair chunk, row chunk) -> h = SiLU(g)*u
 //   hquant   (int8 activations) per-row scale over all parts' h, quantize
 //   down     tasks (part, expert, panel chunk, row chunk) -> y_part[row]
@@ -22,21 +24,53 @@
 namespace hmoe {
 namespace {
 
-constexpr int64_t kRowChunk = 256;      // rows per task (AMX: a multiple of 32)
+// Rows per task: an expert's rows are split into the fewest chunks of at most
+// this many (a multiple of 32), so its weights stream from DRAM once per call.
+constexpr int64_t kMaxRowChunk = 512;
 constexpr int64_t kMaxTaskPanels = 16;  // panels per task
+constexpr int64_t kCbufFloats = kMaxRowChunk * kMaxTaskPanels * 16;
+constexpr int64_t kPreQuantTokens = 32;  // int8 activations: quantize tokens once from here
 
-const kern::KernelSet& KernelsFor(Isa isa, bool many) {
+// The kernel sets of one call: "few" (GEMV) and "many" experts, and whether
+// the many kernels read A in the AMX tile layout.
+struct Dispatch {
+  const kern::KernelSet* few;
+  const kern::KernelSet* many;
+  bool tiled;
+  const kern::KernelSet& For(bool m) const { return m ? *many : *few; }
+};
+
+Dispatch DispatchFor(Isa isa, bool emulate_amx) {
   switch (isa) {
     case Isa::kAmx:
-      return many ? kern::AmxKernels() : kern::Avx512Kernels();
+      return {&kern::Avx512Kernels(), &kern::AmxKernels(), true};
     case Isa::kAvx512:
-      return kern::Avx512Kernels();
+      if (emulate_amx) return {&kern::Avx512Kernels(), &kern::AmxEmulatedKernels(), true};
+      return {&kern::Avx512Kernels(), &kern::Avx512Kernels(), false};
     case Isa::kAvx2:
-      return kern::Avx2Kernels();
+      return {&kern::Avx2Kernels(), &kern::Avx2Kernels(), false};
     case Isa::kScalar:
       break;
   }
-  return kern::ScalarKernels();
+  return {&kern::ScalarKernels(), &kern::ScalarKernels(), false};
+}
+
+// Row r of a tile-layout buffer (blocks of 16 rows counted from `row0`, the
+// expert's first row; `ld` bytes per row): where k step 0 of that row lives.
+// Step s is at +1024 s.
+inline uint8_t* TiledRow(uint8_t* buf, int64_t ld, int64_t row0, int64_t r) {
+  const int64_t i = (r - row0) % 16;
+  return buf + (r - i) * ld + i * 64;
+}
+// Writes `n` bytes of src (nullptr: zeros) to a tiled row, zero-filled to
+// `kbytes` (a multiple of 64).
+inline void PutTiledRow(const uint8_t* src, int64_t n, int64_t kbytes, uint8_t* dst) {
+  for (int64_t s = 0; s * 64 < kbytes; ++s) {
+    uint8_t* d = dst + s * 1024;
+    const int64_t c = src == nullptr ? 0 : std::clamp<int64_t>(n - s * 64, 0, 64);
+    if (c > 0) std::memcpy(d, src + s * 64, static_cast<size_t>(c));
+    if (c < 64) std::memset(d + c, 0, static_cast<size_t>(64 - c));
+  }
 }
 
 // Activations of an expert call: int8 for INT8 weights and INT4 "few".
@@ -130,6 +164,10 @@ struct MoeWorkspace::Impl {
   NumaBuffer xa;
   std::vector<float> xa_scale;
   std::vector<int32_t> xa_gsum;  // [row][kp_h / group]
+  // x quantized once per token (int8 activations, large T): [token][kp_h]
+  NumaBuffer xt;
+  std::vector<float> xt_scale;
+  std::vector<int32_t> xt_gsum;  // [token][kp_h / group]
   struct PartBufs {
     int64_t kp_i = 0, groups = 0;
     NumaBuffer h;   // [row][kp_i] f32 (bf16 rows use the first half)
@@ -170,7 +208,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.nparts = static_cast<int>(layer.parts().size());
   w.threads = pool.num_threads();
   const int64_t slots = max_tokens * max_top_k;
-  w.max_rows = slots + 32 * std::min<int64_t>(w.n_local, slots);
+  w.max_rows = slots + 32 * std::min<int64_t>(w.n_local, slots);  // + padding to 32 rows
   const auto& p0 = layer.parts()[0];
   w.kp_h = p0.gu.kp;
   w.gmax = w.format == WeightFormat::kInt4 ? w.kp_h / w.group : 0;
@@ -188,12 +226,21 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
                    NumaBuffer::Allocate(R * static_cast<size_t>(w.kp_h) * 2, pool.mem_node(0)));
   w.xa_scale.resize(R);
   w.xa_gsum.resize(R * static_cast<size_t>(std::max<int64_t>(w.gmax, 1)));
+  if (layer.format() != WeightFormat::kBf16 && max_tokens >= kPreQuantTokens) {
+    ASSIGN_OR_RETURN(w.xt, NumaBuffer::Allocate(static_cast<size_t>(max_tokens * w.kp_h),
+                                                pool.mem_node(0)));
+    w.xt_scale.resize(static_cast<size_t>(max_tokens));
+    w.xt_gsum.resize(static_cast<size_t>(max_tokens * std::max<int64_t>(w.gmax, 1)));
+  }
   w.h_scale.resize(R);
   w.parts.resize(static_cast<size_t>(w.nparts));
   for (int p = 0; p < w.nparts; ++p) {
     const auto& lp = layer.parts()[static_cast<size_t>(p)];
     auto& b = w.parts[static_cast<size_t>(p)];
     b.kp_i = lp.down.kp;
+    if (b.kp_i > kern::kGemmScratchBytes)  // hquant stages one int8 row in the scratch
+      return absl::InvalidArgumentError(
+          absl::StrCat("intermediate slice of ", b.kp_i, " exceeds the kernel scratch"));
     b.groups = w.format == WeightFormat::kInt4 ? b.kp_i / w.group : 0;
     const int node = pool.mem_node(p);
     ASSIGN_OR_RETURN(b.h, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i) * 4, node));
@@ -201,7 +248,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
     b.hgsum.resize(R * static_cast<size_t>(std::max<int64_t>(b.groups, 1)));
     ASSIGN_OR_RETURN(b.y, NumaBuffer::Allocate(R * static_cast<size_t>(w.hidden) * 4, node));
     // Task upper bound: per expert row chunks x panel chunks.
-    const int64_t chunks = static_cast<int64_t>(E) + slots / kRowChunk + 1;
+    const int64_t chunks = static_cast<int64_t>(E) + slots / kMaxRowChunk + 1;
     b.gu_tasks.reserve(static_cast<size_t>(chunks * (lp.gu.nblocks / 2 + 1)));
     b.down_tasks.reserve(static_cast<size_t>(chunks * (lp.down.nblocks + 1)));
   }
@@ -211,7 +258,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   for (int p = 0; p < pool.num_nodes(); ++p)
     for (int i = 0; i < pool.node_threads(p); ++i, ++t) {
       ASSIGN_OR_RETURN(w.cbuf[static_cast<size_t>(t)],
-                       NumaBuffer::Allocate(kRowChunk * kMaxTaskPanels * 16 * 4, pool.mem_node(p)));
+                       NumaBuffer::Allocate(kCbufFloats * 4, pool.mem_node(p)));
       ASSIGN_OR_RETURN(w.scratch[static_cast<size_t>(t)],
                        NumaBuffer::Allocate(kern::kGemmScratchBytes, pool.mem_node(p)));
     }
@@ -284,8 +331,17 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   }
 
   // ---- tasks per part ----
+  const Dispatch dsp = DispatchFor(isa, opts.emulate_amx);
+  auto tiled = [&](int32_t e) { return dsp.tiled && w.many[static_cast<size_t>(e)]; };
   bool any_int8_h = false;
   for (int32_t e : w.active) any_int8_h |= Int8Act(fmt, w.many[static_cast<size_t>(e)]);
+  // Row chunks of expert e: the fewest of at most kMaxRowChunk rows, equal
+  // sizes rounded up to 32 (so chunk starts stay on 32-row tile blocks).
+  auto row_chunk = [&](int32_t e) {
+    const int64_t c = std::max<int64_t>(w.row_cnt[static_cast<size_t>(e)], 1);
+    const int64_t n = (c + kMaxRowChunk - 1) / kMaxRowChunk, size = (c + n - 1) / n;
+    return w.many[static_cast<size_t>(e)] ? RoundUp(size, 32) : size;
+  };
   const int64_t nthreads = pool.num_threads();
   for (int p = 0; p < w.nparts; ++p) {
     auto& b = w.parts[static_cast<size_t>(p)];
@@ -296,7 +352,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     const int64_t target = 4 * std::max(1, pool.node_threads(p));
     int64_t gu_work = 0, dn_work = 0;
     for (int32_t e : w.active) {
-      const int64_t chunks = (w.row_cnt[static_cast<size_t>(e)] + kRowChunk - 1) / kRowChunk;
+      const int64_t chunks = (w.row_cnt[static_cast<size_t>(e)] + row_chunk(e) - 1) / row_chunk(e);
       gu_work += chunks * lp.gu.nblocks;
       dn_work += chunks * lp.down.nblocks;
     }
@@ -305,9 +361,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     const int64_t dn_chunk =
         std::clamp<int64_t>((dn_work + target - 1) / target, 1, kMaxTaskPanels);
     for (int32_t e : w.active) {
-      const int64_t c = w.row_cnt[static_cast<size_t>(e)];
-      for (int64_t m0 = 0; m0 < c; m0 += kRowChunk) {
-        const int32_t m = static_cast<int32_t>(std::min(kRowChunk, c - m0));
+      const int64_t c = w.row_cnt[static_cast<size_t>(e)], rc = row_chunk(e);
+      for (int64_t m0 = 0; m0 < c; m0 += rc) {
+        const int32_t m = static_cast<int32_t>(std::min(rc, c - m0));
         for (int64_t j = 0; j < lp.gu.nblocks; j += gu_chunk)
           b.gu_tasks.push_back({e, static_cast<int32_t>(m0), m, static_cast<int32_t>(j),
                                 static_cast<int32_t>(std::min(lp.gu.nblocks, j + gu_chunk))});
@@ -327,7 +383,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   const int64_t row_items = (rows + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t hchunk = 1024;
   const int64_t red_items = T * ((H + hchunk - 1) / hchunk);
-  const kern::KernelSet& kfew = KernelsFor(isa, false);
+  const kern::KernelSet& kfew = *dsp.few;
+  const bool prequant = any_int8_h && T >= kPreQuantTokens && w.xt.data() != nullptr;
 
   if (prof) ts[1] = Secs();
   auto mark = [&](const Worker& wk, int i) {
@@ -341,29 +398,55 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     float* cbuf = reinterpret_cast<float*>(w.cbuf[static_cast<size_t>(wk.global)].data());
     uint8_t* scratch = w.scratch[static_cast<size_t>(wk.global)].data();
 
+    // ---- xquant: every token once (int8 activations) ----
+    if (prequant) {
+      for (int64_t t; (t = w.counters[3].fetch_add(1, std::memory_order_relaxed)) < T;)
+        kfew.quant_bf16(in.x + t * H, H, kp_h, reinterpret_cast<int8_t*>(w.xt.data() + t * kp_h),
+                        &w.xt_scale[static_cast<size_t>(t)],
+                        w.gmax ? &w.xt_gsum[static_cast<size_t>(t * gsum_ld)] : nullptr, G);
+      w.barrier.Wait();
+    }
+
     // ---- gather ----
     for (int64_t it; (it = w.counters[0].fetch_add(1, std::memory_order_relaxed)) < row_items;) {
       for (int64_t r = it * kRowsPerItem; r < std::min(rows, (it + 1) * kRowsPerItem); ++r) {
         const int32_t t = w.row_token[static_cast<size_t>(r)];
         const int32_t e = w.row_expert[static_cast<size_t>(r)];
-        uint8_t* dst = w.xa.data() + r * xa_ld;
         const bool i8 = Int8Act(fmt, w.many[static_cast<size_t>(e)]);
+        const int64_t kbytes = i8 ? kp_h : xa_ld;
+        uint8_t* dst = tiled(e) ? TiledRow(w.xa.data(), xa_ld, w.row_off[static_cast<size_t>(e)], r)
+                                : w.xa.data() + r * xa_ld;
+        auto put = [&](const uint8_t* src, int64_t n) {
+          if (tiled(e)) {
+            PutTiledRow(src, n, kbytes, dst);
+          } else {
+            if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n));
+            std::memset(dst + n, 0, static_cast<size_t>(kbytes - n));
+          }
+        };
+        int32_t* gsum = w.gmax ? &w.xa_gsum[static_cast<size_t>(r * gsum_ld)] : nullptr;
         if (t < 0) {
-          std::memset(dst, 0, static_cast<size_t>(i8 ? kp_h : xa_ld));
+          put(nullptr, 0);
           w.xa_scale[static_cast<size_t>(r)] = 0.0f;
-          if (w.gmax)
-            std::memset(&w.xa_gsum[static_cast<size_t>(r * gsum_ld)], 0,
-                        sizeof(int32_t) * static_cast<size_t>(w.gmax));
+          if (gsum) std::memset(gsum, 0, sizeof(int32_t) * static_cast<size_t>(w.gmax));
           continue;
         }
         const uint16_t* x = in.x + static_cast<int64_t>(t) * H;
-        if (i8) {
-          kfew.quant_bf16(x, H, kp_h, reinterpret_cast<int8_t*>(dst),
-                          &w.xa_scale[static_cast<size_t>(r)],
-                          w.gmax ? &w.xa_gsum[static_cast<size_t>(r * gsum_ld)] : nullptr, G);
+        if (!i8) {
+          put(reinterpret_cast<const uint8_t*>(x), H * 2);
+        } else if (prequant) {
+          put(w.xt.data() + int64_t{t} * kp_h, kp_h);
+          w.xa_scale[static_cast<size_t>(r)] = w.xt_scale[static_cast<size_t>(t)];
+          if (gsum)
+            std::memcpy(gsum, &w.xt_gsum[static_cast<size_t>(int64_t{t} * gsum_ld)],
+                        sizeof(int32_t) * static_cast<size_t>(w.gmax));
+        } else if (tiled(e)) {
+          kfew.quant_bf16(x, H, kp_h, reinterpret_cast<int8_t*>(scratch),
+                          &w.xa_scale[static_cast<size_t>(r)], gsum, G);
+          put(scratch, kp_h);
         } else {
-          std::memcpy(dst, x, static_cast<size_t>(H) * 2);
-          std::memset(dst + H * 2, 0, static_cast<size_t>(xa_ld - H * 2));
+          kfew.quant_bf16(x, H, kp_h, reinterpret_cast<int8_t*>(dst),
+                          &w.xa_scale[static_cast<size_t>(r)], gsum, G);
         }
       }
     }
@@ -379,8 +462,10 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         const Task& tk = b.gu_tasks[static_cast<size_t>(it)];
         const bool many = w.many[static_cast<size_t>(tk.e)];
         const bool i8 = Int8Act(fmt, many);
-        const kern::KernelSet& ks = KernelsFor(isa, many);
-        const int64_t r0 = w.row_off[static_cast<size_t>(tk.e)] + tk.m0;
+        const bool tl = tiled(tk.e);
+        const kern::KernelSet& ks = dsp.For(many);
+        const int64_t row0 = w.row_off[static_cast<size_t>(tk.e)];
+        const int64_t r0 = row0 + tk.m0;
         kern::GemmArgs a;
         a.g = &lp.gu;
         a.w = lp.gate_up(tk.e);
@@ -388,6 +473,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         a.nb1 = tk.nb1;
         a.a = w.xa.data() + r0 * xa_ld;
         a.lda = xa_ld;
+        a.a_tiled = tl;
         a.m = tk.m;
         a.a_scale = &w.xa_scale[static_cast<size_t>(r0)];
         a.a_gsum = w.gmax ? &w.xa_gsum[static_cast<size_t>(r0 * gsum_ld)] : nullptr;
@@ -396,9 +482,16 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         a.ldc = (tk.nb1 - tk.nb0) * 16;
         a.scratch = scratch;
         GemmFor(ks, fmt, many)(a);
+        // h: f32 rows for int8 activations (quantized below), else bf16 rows
+        // (tiled for the AMX down).
         const int64_t rows_alloc = many ? RoundUp(tk.m, 32) : tk.m;
         for (int64_t m = 0; m < rows_alloc; ++m) {
-          uint8_t* hrow = b.h.data() + (r0 + m) * h_ld;
+          uint8_t* hrow = tl && !i8 ? TiledRow(b.h.data(), h_ld, row0, r0 + m)
+                                    : b.h.data() + (r0 + m) * h_ld;
+          auto bf16_at = [&](int64_t col) {
+            return reinterpret_cast<uint16_t*>(hrow + (tl ? (col / 32) * 1024 + (col % 32) * 2
+                                                          : col * 2));
+          };
           for (int64_t j = tk.nb0; j < tk.nb1; j += 2) {
             const int64_t col = (j / 2) * 16;
             const float* gc = cbuf + m * a.ldc + (j - tk.nb0) * 16;
@@ -406,20 +499,21 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
               if (i8)
                 std::memset(reinterpret_cast<float*>(hrow) + col, 0, 64);
               else
-                std::memset(reinterpret_cast<uint16_t*>(hrow) + col, 0, 32);
+                std::memset(bf16_at(col), 0, 32);
             } else if (i8) {
               ks.silu_mul(gc, gc + 16, 16, reinterpret_cast<float*>(hrow) + col);
             } else {
-              ks.silu_mul_bf16(gc, gc + 16, 16, reinterpret_cast<uint16_t*>(hrow) + col);
+              ks.silu_mul_bf16(gc, gc + 16, 16, bf16_at(col));
             }
           }
           if (tk.nb1 == lp.gu.nblocks && b.kp_i > np_i) {
             if (i8)
               std::memset(reinterpret_cast<float*>(hrow) + np_i, 0,
                           static_cast<size_t>(b.kp_i - np_i) * 4);
+            else if (tl)
+              for (int64_t col = np_i; col < b.kp_i; col += 16) std::memset(bf16_at(col), 0, 32);
             else
-              std::memset(reinterpret_cast<uint16_t*>(hrow) + np_i, 0,
-                          static_cast<size_t>(b.kp_i - np_i) * 2);
+              std::memset(bf16_at(np_i), 0, static_cast<size_t>(b.kp_i - np_i) * 2);
           }
         }
       }
@@ -449,10 +543,17 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
             const auto& lq = layer.parts()[static_cast<size_t>(q)];
             if (lq.empty()) continue;
             auto& bq = w.parts[static_cast<size_t>(q)];
-            kfew.quant_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
-                           lq.i1 - lq.i0, bq.kp_i, inv,
-                           reinterpret_cast<int8_t*>(bq.hq.data() + r * bq.kp_i),
-                           bq.groups ? &bq.hgsum[static_cast<size_t>(r * bq.groups)] : nullptr, G);
+            const float* hf = reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4);
+            int32_t* gs = bq.groups ? &bq.hgsum[static_cast<size_t>(r * bq.groups)] : nullptr;
+            if (tiled(e)) {
+              kfew.quant_f32(hf, lq.i1 - lq.i0, bq.kp_i, inv, reinterpret_cast<int8_t*>(scratch),
+                             gs, G);
+              PutTiledRow(scratch, bq.kp_i, bq.kp_i,
+                          TiledRow(bq.hq.data(), bq.kp_i, w.row_off[static_cast<size_t>(e)], r));
+            } else {
+              kfew.quant_f32(hf, lq.i1 - lq.i0, bq.kp_i, inv,
+                             reinterpret_cast<int8_t*>(bq.hq.data() + r * bq.kp_i), gs, G);
+            }
           }
         }
       }
@@ -468,7 +569,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         const Task& tk = b.down_tasks[static_cast<size_t>(it)];
         const bool many = w.many[static_cast<size_t>(tk.e)];
         const bool i8 = Int8Act(fmt, many);
-        const kern::KernelSet& ks = KernelsFor(isa, many);
+        const kern::KernelSet& ks = dsp.For(many);
         const int64_t r0 = w.row_off[static_cast<size_t>(tk.e)] + tk.m0;
         kern::GemmArgs a;
         a.g = &lp.down;
@@ -482,6 +583,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
           a.a = b.h.data() + r0 * b.kp_i * 4;
           a.lda = b.kp_i * 4;
         }
+        a.a_tiled = tiled(tk.e);
         a.m = tk.m;
         a.a_scale = &w.h_scale[static_cast<size_t>(r0)];
         a.a_gsum = b.groups ? &b.hgsum[static_cast<size_t>(r0 * hg_ld)] : nullptr;
@@ -491,9 +593,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         a.scratch = scratch;
         GemmFor(ks, fmt, many)(a);
         const int64_t c0 = int64_t{tk.nb0} * 16, c1 = std::min<int64_t>(int64_t{tk.nb1} * 16, H);
-        for (int64_t m = 0; m < tk.m; ++m)
-          std::memcpy(reinterpret_cast<float*>(b.y.data()) + (r0 + m) * H + c0, cbuf + m * a.ldc,
-                      static_cast<size_t>(c1 - c0) * 4);
+        kfew.store_rows(cbuf, a.ldc, reinterpret_cast<float*>(b.y.data()) + r0 * H + c0, H, tk.m,
+                        c1 - c0);
       }
     }
     w.barrier.Wait();

@@ -170,6 +170,10 @@ struct RunOptions {
   // INT4 "many" dequantizes weights to bf16 for AMX, which pays off only with
   // more rows per weight than the VNNI kernel's 4: INT4 uses this instead.
   int many_threshold_int4 = 16;
+  // Tests only: on a CPU with AVX-512 but no AMX, run the "many" experts on
+  // the AMX kernels over a software model of the tile registers (slow), so
+  // the AMX code path and its tile layouts are checked without AMX.
+  bool emulate_amx = false;
 };
 
 // Scratch for RunMoe, sized for `max_tokens` x `max_top_k` on layers shaped

@@ -129,11 +129,9 @@ using Param = std::tuple<Isa, FormatCase, int /*T*/, int /*shape*/>;
 
 class MoeKernelTest : public ::testing::TestWithParam<Param> {};
 
-TEST_P(MoeKernelTest, MatchesReference) {
-  const auto [isa, fc, T, shape] = GetParam();
-  if (isa > DetectedIsa())
-    GTEST_SKIP() << "this CPU supports up to " << IsaName(DetectedIsa()) << ", not "
-                 << IsaName(isa);
+// Packs a random layer, runs it with `ro` and compares with the reference.
+// shape 0: H 197, I 75, E 6, top-3; shape 1: H 520, I 136, E 9, top-4.
+void CheckAgainstReference(FormatCase fc, int T, int shape, const RunOptions& ro) {
   struct Shape {
     int64_t H, I, E;
     int K;
@@ -147,12 +145,21 @@ TEST_P(MoeKernelTest, MatchesReference) {
   ASSERT_TRUE(L.ok()) << L.status();
   auto b = RandomBatch(T, sh.K, sh.H, sh.E, 100 + static_cast<uint64_t>(T), /*repeats=*/true,
                        /*empty_expert=*/sh.E - 1);
-  RunOptions ro;
-  ro.isa = isa;
   auto out = RunLayer(*L, b, SharedPool(), ro);
   std::vector<float> ref(out.size());
   ASSERT_TRUE(RunMoeReference(QuantizeAll(src, o), sh.H, 0, b.input(), ref.data(), ro).ok());
-  EXPECT_LE(RelErr(out, ref), Bound(fc.f)) << IsaName(isa) << " " << FmtName(fc) << " T=" << T;
+  EXPECT_LE(RelErr(out, ref), Bound(fc.f))
+      << IsaName(*ro.isa) << (ro.emulate_amx ? " (AMX model) " : " ") << FmtName(fc) << " T=" << T;
+}
+
+TEST_P(MoeKernelTest, MatchesReference) {
+  const auto [isa, fc, T, shape] = GetParam();
+  if (isa > DetectedIsa())
+    GTEST_SKIP() << "this CPU supports up to " << IsaName(DetectedIsa()) << ", not "
+                 << IsaName(isa);
+  RunOptions ro;
+  ro.isa = isa;
+  CheckAgainstReference(fc, T, shape, ro);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -168,6 +175,40 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat(std::string(IsaName(std::get<0>(p.param))), "_",
                           FmtName(std::get<1>(p.param)), "_T", std::get<2>(p.param), "_S",
                           std::get<3>(p.param));
+    });
+
+// The AMX kernels on the software tile model (kernels_amx.cc EmuTiles): the
+// AMX code path (tile layouts, K chunks, row chunks, prefetch bookkeeping)
+// checked on CPUs without AMX. T = 1100 on shape 0 gives ~550 rows per
+// expert: two row chunks per expert; T >= 32 quantizes int8 tokens once.
+using EmuParam = std::tuple<FormatCase, int /*T*/, int /*shape*/>;
+class AmxEmulationTest : public ::testing::TestWithParam<EmuParam> {};
+
+TEST_P(AmxEmulationTest, MatchesReference) {
+  if (DetectedIsa() < Isa::kAvx512)
+    GTEST_SKIP() << "the AMX model's epilogues need AVX-512; this CPU has "
+                 << IsaName(DetectedIsa());
+  const auto [fc, T, shape] = GetParam();
+  RunOptions ro;
+  ro.isa = Isa::kAvx512;
+  ro.emulate_amx = true;
+  CheckAgainstReference(fc, T, shape, ro);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, AmxEmulationTest,
+    ::testing::Values(EmuParam{{WeightFormat::kBf16, 0}, 17, 0},
+                      EmuParam{{WeightFormat::kBf16, 0}, 300, 1},
+                      EmuParam{{WeightFormat::kBf16, 0}, 1100, 0},
+                      EmuParam{{WeightFormat::kInt8, 0}, 17, 0},
+                      EmuParam{{WeightFormat::kInt8, 0}, 300, 1},
+                      EmuParam{{WeightFormat::kInt8, 0}, 1100, 0},
+                      EmuParam{{WeightFormat::kInt4, 32}, 300, 1},
+                      EmuParam{{WeightFormat::kInt4, 64}, 1100, 0},
+                      EmuParam{{WeightFormat::kInt4, 128}, 300, 0}),
+    [](const ::testing::TestParamInfo<EmuParam>& p) {
+      return absl::StrCat(FmtName(std::get<0>(p.param)), "_T", std::get<1>(p.param), "_S",
+                          std::get<2>(p.param));
     });
 
 // Shard: experts [2, 5) of 7 and intermediate slice [24, 75); foreign ids,
@@ -264,12 +305,21 @@ TEST(MoeNumaTest, VirtualNodesMatchOneNode) {
     EXPECT_GT(L2.parts()[0].i1, L2.parts()[0].i0);
     EXPECT_EQ(L2.parts()[0].i1, L2.parts()[1].i0);
     EXPECT_EQ(L1.expert_bytes() > 0, true);
-    for (int T : {1, 3, 40}) {
-      auto b = RandomBatch(T, 3, 200, 5, 50 + static_cast<uint64_t>(T));
-      auto a1 = RunLayer(L1, b, SharedPool(), {});
-      auto a2 = RunLayer(L2, b, **pool2, {});
-      EXPECT_LE(RelErr(a2, a1), 1e-5) << FmtName(fc) << " T=" << T;
+    // Default dispatch, and (with AVX-512) the AMX code path on the tile model.
+    std::vector<RunOptions> variants(1);
+    if (DetectedIsa() >= Isa::kAvx512) {
+      variants.emplace_back();
+      variants.back().isa = Isa::kAvx512;
+      variants.back().emulate_amx = true;
     }
+    for (const RunOptions& ro : variants)
+      for (int T : {1, 3, 40}) {
+        auto b = RandomBatch(T, 3, 200, 5, 50 + static_cast<uint64_t>(T));
+        auto a1 = RunLayer(L1, b, SharedPool(), ro);
+        auto a2 = RunLayer(L2, b, **pool2, ro);
+        EXPECT_LE(RelErr(a2, a1), 1e-5)
+            << FmtName(fc) << " T=" << T << (ro.emulate_amx ? " (AMX model)" : "");
+      }
   }
 }
 
