@@ -53,6 +53,12 @@ struct KernelSet {
   // streaming stores where aligned (output read only much later), fenced.
   void (*store_rows)(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
                      int64_t n) = nullptr;
+  // Writes one 16-row block of the tile layout (GemmArgs::a_tiled) at `block`
+  // (16 * kbytes bytes, 64-byte aligned): row i is n bytes from rows[i]
+  // (nullptr: zeros), zero-filled to kbytes (a multiple of 64). `stream`:
+  // streaming stores where the ISA has them, fenced.
+  void (*pack_tiled_block)(const uint8_t* const* rows, int64_t n, int64_t kbytes, uint8_t* block,
+                           bool stream) = nullptr;
 };
 void AxpyScalar(float a, const float* x, int64_t n, float* y);
 
@@ -66,6 +72,8 @@ void SiluMulScalar(const float* g, const float* u, int64_t n, float* out);
 void SiluMulBf16Scalar(const float* g, const float* u, int64_t n, uint16_t* out);
 void StoreRowsScalar(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
                      int64_t n);
+void PackTiledBlockScalar(const uint8_t* const* rows, int64_t n, int64_t kbytes, uint8_t* block,
+                          bool stream);
 
 const KernelSet& ScalarKernels();
 const KernelSet& Avx2Kernels();

@@ -59,6 +59,10 @@ struct HwTiles {
   template <int C, int A, int B>
   static void DpI8();
   static void PrefetchL2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+  static void PrefetchL1(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  static void PrefetchNta(const void* p) {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
+  }
 };
 #define HMOE_TILE_REG(T)                                             \
   template <>                                                        \
@@ -156,6 +160,8 @@ struct EmuTiles {
     std::memcpy(R().t[C], c, 1024);
   }
   static void PrefetchL2(const void*) {}
+  static void PrefetchL1(const void*) {}
+  static void PrefetchNta(const void*) {}
 };
 
 enum class Kind { kBf16, kInt8, kInt4Bf16 };
@@ -163,10 +169,14 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 // Tuning knobs, read once (benchmarks only; the defaults are the measured best).
 //   HMOE_AMX_KC_BYTES = 512 | 1024 | 2048: bytes of each A row per K chunk.
 //   HMOE_AMX_PREFETCH = 0 | 1: prefetch the next panel pair's B chunk into L2.
+//   HMOE_AMX_PF_A = 0 | 1 | 2: prefetch the A tiles kPfDist steps ahead into
+//     L1: no, as T0, as NTA (kept out of the way of the L1-resident B chunk).
 struct Tuning {
   int64_t kc_bytes = 1024;
   bool prefetch = true;
+  int pf_a = 2;
   Tuning() {
+    if (const char* e = std::getenv("HMOE_AMX_PF_A")) pf_a = std::clamp(std::atoi(e), 0, 2);
     if (const char* e = std::getenv("HMOE_AMX_KC_BYTES")) {
       const int64_t b = std::atoll(e);
       if (b == 512 || b == 2048) kc_bytes = b;
@@ -242,6 +252,29 @@ void AmxGemm(const GemmArgs& a) {
           X::PrefetchL2(pf_done < pf_panel_lines ? pf[0] + pf_done * 64
                                                  : pf[1] + (pf_done - pf_panel_lines) * 64);
       };
+      constexpr int64_t kPfDist = 2;
+      // A tiles kPfDist steps after step s of the row pair at m0 (running on
+      // into the next row pair), 16 lines each, into L1.
+      auto prefetch_a = [&](int m0, int64_t s) {
+        if (tune.pf_a == 0) return;
+        int64_t t = s + kPfDist, mm = m0;
+        if (t >= steps) {
+          t -= steps;
+          mm += 32;
+          if (mm >= mp) return;
+        }
+        const uint8_t* p0 = A + mm * a.lda + (kc0 / kStepK + t) * a_ss;
+        const uint8_t* p1 = p0 + 16 * a.lda;
+        for (int r = 0; r < 16; ++r) {
+          if (tune.pf_a == 1) {
+            X::PrefetchL1(p0 + r * a_rs);
+            X::PrefetchL1(p1 + r * a_rs);
+          } else {
+            X::PrefetchNta(p0 + r * a_rs);
+            X::PrefetchNta(p1 + r * a_rs);
+          }
+        }
+      };
       for (int m0 = 0; m0 < mp; m0 += 32) {
         uint8_t* C00 = reinterpret_cast<uint8_t*>(a.c + m0 * a.ldc + (j - a.nb0) * 16);
         uint8_t* C10 = C00 + 16 * ldc_b;
@@ -262,21 +295,27 @@ void AmxGemm(const GemmArgs& a) {
         const uint8_t* a1 = a0 + 16 * a.lda;
         if (two) {
           for (int64_t s = 0; s < steps; ++s) {
+            // Loads interleaved with the products that need them.
             X::template Load<4>(a0 + s * a_ss, a_rs);
             X::template Load<6>(B0 + s * 1024, 64);
+            if constexpr (kI8)
+              X::template DpI8<0, 4, 6>();
+            else
+              X::template DpBf16<0, 4, 6>();
             X::template Load<7>(B1 + s * 1024, 64);
+            if constexpr (kI8)
+              X::template DpI8<1, 4, 7>();
+            else
+              X::template DpBf16<1, 4, 7>();
             X::template Load<5>(a1 + s * a_ss, a_rs);
             if constexpr (kI8) {
-              X::template DpI8<0, 4, 6>();
-              X::template DpI8<1, 4, 7>();
               X::template DpI8<2, 5, 6>();
               X::template DpI8<3, 5, 7>();
             } else {
-              X::template DpBf16<0, 4, 6>();
-              X::template DpBf16<1, 4, 7>();
               X::template DpBf16<2, 5, 6>();
               X::template DpBf16<3, 5, 7>();
             }
+            prefetch_a(m0, s);
             prefetch_some();
           }
           X::template Store<1>(C00 + 64, ldc_b);
@@ -293,6 +332,7 @@ void AmxGemm(const GemmArgs& a) {
               X::template DpBf16<0, 4, 6>();
               X::template DpBf16<2, 5, 6>();
             }
+            prefetch_a(m0, s);
             prefetch_some();
           }
         }

@@ -392,9 +392,27 @@ void StoreRows(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t r
   _mm_sfence();  // streaming stores are weakly ordered: publish before the phase barrier
 }
 
+void PackTiledBlock(const uint8_t* const* rows, int64_t n, int64_t kbytes, uint8_t* block,
+                    bool stream) {
+  for (int64_t s = 0; s * 64 < kbytes; ++s) {
+    const int64_t c = std::clamp<int64_t>(n - s * 64, 0, 64);
+    const __mmask64 mask = c == 64 ? ~__mmask64{0} : (__mmask64{1} << c) - 1;
+    for (int i = 0; i < 16; ++i) {
+      const __m512i v = rows[i] == nullptr || c == 0
+                            ? _mm512_setzero_si512()
+                            : _mm512_maskz_loadu_epi8(mask, rows[i] + s * 64);
+      if (stream)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(block + s * 1024 + i * 64), v);
+      else
+        _mm512_store_si512(block + s * 1024 + i * 64, v);
+    }
+  }
+  if (stream) _mm_sfence();
+}
+
 const KernelSet& Avx512Kernels() {
-  static const KernelSet k{GemmBf16, GemmI8,  GemmI4I8, GemmI4Bf16, SiluMul,  SiluMulBf16,
-                           QuantBf16, AmaxF32, QuantF32, Axpy,       StoreRows};
+  static const KernelSet k{GemmBf16,  GemmI8,  GemmI4I8, GemmI4Bf16, SiluMul,   SiluMulBf16,
+                           QuantBf16, AmaxF32, QuantF32, Axpy,       StoreRows, PackTiledBlock};
   return k;
 }
 

@@ -159,11 +159,22 @@ void StoreRowsScalar(const float* src, int64_t lds, float* dst, int64_t ldd, int
     std::memcpy(dst + r * ldd, src + r * lds, static_cast<size_t>(n) * sizeof(float));
 }
 
+void PackTiledBlockScalar(const uint8_t* const* rows, int64_t n, int64_t kbytes, uint8_t* block,
+                          bool /*stream*/) {
+  for (int64_t s = 0; s * 64 < kbytes; ++s)
+    for (int i = 0; i < 16; ++i) {
+      uint8_t* d = block + s * 1024 + i * 64;
+      const int64_t c = rows[i] == nullptr ? 0 : std::clamp<int64_t>(n - s * 64, 0, 64);
+      if (c > 0) std::memcpy(d, rows[i] + s * 64, static_cast<size_t>(c));
+      if (c < 64) std::memset(d + c, 0, static_cast<size_t>(64 - c));
+    }
+}
+
 const KernelSet& ScalarKernels() {
   static const KernelSet k{GemmBf16,        GemmI8,          GemmI4I8,
                            GemmI4Bf16,      SiluMulScalar,   SiluMulBf16Scalar,
                            QuantBf16Scalar, AmaxF32Scalar,   QuantF32Scalar,
-                           AxpyScalar,      StoreRowsScalar};
+                           AxpyScalar,      StoreRowsScalar, PackTiledBlockScalar};
   return k;
 }
 

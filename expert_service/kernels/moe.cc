@@ -62,16 +62,6 @@ inline uint8_t* TiledRow(uint8_t* buf, int64_t ld, int64_t row0, int64_t r) {
   const int64_t i = (r - row0) % 16;
   return buf + (r - i) * ld + i * 64;
 }
-// Writes `n` bytes of src (nullptr: zeros) to a tiled row, zero-filled to
-// `kbytes` (a multiple of 64).
-inline void PutTiledRow(const uint8_t* src, int64_t n, int64_t kbytes, uint8_t* dst) {
-  for (int64_t s = 0; s * 64 < kbytes; ++s) {
-    uint8_t* d = dst + s * 1024;
-    const int64_t c = src == nullptr ? 0 : std::clamp<int64_t>(n - s * 64, 0, 64);
-    if (c > 0) std::memcpy(d, src + s * 64, static_cast<size_t>(c));
-    if (c < 64) std::memset(d + c, 0, static_cast<size_t>(64 - c));
-  }
-}
 
 // Activations of an expert call: int8 for INT8 weights and INT4 "few".
 bool Int8Act(WeightFormat f, bool many) {
@@ -89,6 +79,12 @@ kern::GemmFn GemmFor(const kern::KernelSet& k, WeightFormat f, bool many) {
   }
   return nullptr;
 }
+
+// A gather / hquant work item: rows [r0, r0 + n) of expert e; a whole 16-row
+// block when the expert's rows are in the tile layout, else up to 4 rows.
+struct RowItem {
+  int32_t e, r0, n;
+};
 
 struct Task {
   int32_t e;         // local expert
@@ -155,11 +151,13 @@ struct MoeWorkspace::Impl {
   int group = 0;
   int nparts = 0;
   int64_t threads = 0;
+  int64_t scratch_bytes = kern::kGemmScratchBytes;  // per thread
 
   // routing
   std::vector<int32_t> count, row_off, row_cnt, cursor;
   std::vector<uint8_t> many;
   std::vector<int32_t> row_token, row_expert, slot_row, active;
+  std::vector<RowItem> row_items;
   // x, gathered per row: bf16 or int8 rows of kp_h (row stride kp_h * 2 bytes)
   NumaBuffer xa;
   std::vector<float> xa_scale;
@@ -222,11 +220,12 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.row_token.resize(R);
   w.row_expert.resize(R);
   w.slot_row.resize(static_cast<size_t>(slots));
+  w.row_items.reserve(R / 4 + 2 * E + 1);
   ASSIGN_OR_RETURN(w.xa,
                    NumaBuffer::Allocate(R * static_cast<size_t>(w.kp_h) * 2, pool.mem_node(0)));
   w.xa_scale.resize(R);
   w.xa_gsum.resize(R * static_cast<size_t>(std::max<int64_t>(w.gmax, 1)));
-  if (layer.format() != WeightFormat::kBf16 && max_tokens >= kPreQuantTokens) {
+  if (layer.format() != WeightFormat::kBf16) {
     ASSIGN_OR_RETURN(w.xt, NumaBuffer::Allocate(static_cast<size_t>(max_tokens * w.kp_h),
                                                 pool.mem_node(0)));
     w.xt_scale.resize(static_cast<size_t>(max_tokens));
@@ -238,9 +237,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
     const auto& lp = layer.parts()[static_cast<size_t>(p)];
     auto& b = w.parts[static_cast<size_t>(p)];
     b.kp_i = lp.down.kp;
-    if (b.kp_i > kern::kGemmScratchBytes)  // hquant stages one int8 row in the scratch
-      return absl::InvalidArgumentError(
-          absl::StrCat("intermediate slice of ", b.kp_i, " exceeds the kernel scratch"));
+    w.scratch_bytes = std::max(w.scratch_bytes, 16 * b.kp_i);  // hquant stages 16 int8 rows
     b.groups = w.format == WeightFormat::kInt4 ? b.kp_i / w.group : 0;
     const int node = pool.mem_node(p);
     ASSIGN_OR_RETURN(b.h, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i) * 4, node));
@@ -260,7 +257,8 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
       ASSIGN_OR_RETURN(w.cbuf[static_cast<size_t>(t)],
                        NumaBuffer::Allocate(kCbufFloats * 4, pool.mem_node(p)));
       ASSIGN_OR_RETURN(w.scratch[static_cast<size_t>(t)],
-                       NumaBuffer::Allocate(kern::kGemmScratchBytes, pool.mem_node(p)));
+                       NumaBuffer::Allocate(static_cast<size_t>(w.scratch_bytes),
+                                            pool.mem_node(p)));
     }
   w.counters = std::vector<std::atomic<int64_t>>(static_cast<size_t>(8 + 2 * w.nparts));
   return ws;
@@ -330,11 +328,18 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     }
   }
 
-  // ---- tasks per part ----
   const Dispatch dsp = DispatchFor(isa, opts.emulate_amx);
   auto tiled = [&](int32_t e) { return dsp.tiled && w.many[static_cast<size_t>(e)]; };
   bool any_int8_h = false;
   for (int32_t e : w.active) any_int8_h |= Int8Act(fmt, w.many[static_cast<size_t>(e)]);
+  w.row_items.clear();
+  for (int32_t e : w.active) {
+    const int32_t r0 = w.row_off[static_cast<size_t>(e)], r1 = w.row_off[static_cast<size_t>(e) + 1];
+    const int32_t step = tiled(e) ? 16 : 4;
+    for (int32_t r = r0; r < r1; r += step) w.row_items.push_back({e, r, std::min(step, r1 - r)});
+  }
+
+  // ---- tasks per part ----
   // Row chunks of expert e: the fewest of at most kMaxRowChunk rows, equal
   // sizes rounded up to 32 (so chunk starts stay on 32-row tile blocks).
   auto row_chunk = [&](int32_t e) {
@@ -379,12 +384,14 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   const int64_t kp_h = w.kp_h;
   const int64_t xa_ld = kp_h * 2;
   const int64_t gsum_ld = std::max<int64_t>(w.gmax, 1);
-  constexpr int64_t kRowsPerItem = 4;
-  const int64_t row_items = (rows + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t hchunk = 1024;
   const int64_t red_items = T * ((H + hchunk - 1) / hchunk);
   const kern::KernelSet& kfew = *dsp.few;
-  const bool prequant = any_int8_h && T >= kPreQuantTokens && w.xt.data() != nullptr;
+  // Tiled int8 rows always come from the per-token quantization.
+  bool any_tiled_i8 = false;
+  for (int32_t e : w.active)
+    any_tiled_i8 |= tiled(e) && Int8Act(fmt, w.many[static_cast<size_t>(e)]);
+  const bool prequant = any_tiled_i8 || (any_int8_h && T >= kPreQuantTokens);
 
   if (prof) ts[1] = Secs();
   auto mark = [&](const Worker& wk, int i) {
@@ -408,44 +415,44 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     }
 
     // ---- gather ----
-    for (int64_t it; (it = w.counters[0].fetch_add(1, std::memory_order_relaxed)) < row_items;) {
-      for (int64_t r = it * kRowsPerItem; r < std::min(rows, (it + 1) * kRowsPerItem); ++r) {
+    const int64_t n_items = static_cast<int64_t>(w.row_items.size());
+    for (int64_t it; (it = w.counters[0].fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+      const RowItem& ri = w.row_items[static_cast<size_t>(it)];
+      const bool i8 = Int8Act(fmt, w.many[static_cast<size_t>(ri.e)]);
+      if (tiled(ri.e)) {  // one 16-row block, written front to back
+        const uint8_t* src[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t r = ri.r0 + i;
+          const int32_t t = w.row_token[static_cast<size_t>(r)];
+          src[i] = t < 0 ? nullptr
+                   : i8  ? w.xt.data() + int64_t{t} * kp_h
+                         : reinterpret_cast<const uint8_t*>(in.x + int64_t{t} * H);
+          if (i8) w.xa_scale[static_cast<size_t>(r)] = t < 0 ? 0.0f : w.xt_scale[static_cast<size_t>(t)];
+        }
+        kfew.pack_tiled_block(src, i8 ? kp_h : H * 2, i8 ? kp_h : xa_ld,
+                              w.xa.data() + int64_t{ri.r0} * xa_ld, /*stream=*/true);
+        continue;
+      }
+      for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {
         const int32_t t = w.row_token[static_cast<size_t>(r)];
-        const int32_t e = w.row_expert[static_cast<size_t>(r)];
-        const bool i8 = Int8Act(fmt, w.many[static_cast<size_t>(e)]);
+        uint8_t* dst = w.xa.data() + r * xa_ld;
         const int64_t kbytes = i8 ? kp_h : xa_ld;
-        uint8_t* dst = tiled(e) ? TiledRow(w.xa.data(), xa_ld, w.row_off[static_cast<size_t>(e)], r)
-                                : w.xa.data() + r * xa_ld;
-        auto put = [&](const uint8_t* src, int64_t n) {
-          if (tiled(e)) {
-            PutTiledRow(src, n, kbytes, dst);
-          } else {
-            if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n));
-            std::memset(dst + n, 0, static_cast<size_t>(kbytes - n));
-          }
-        };
         int32_t* gsum = w.gmax ? &w.xa_gsum[static_cast<size_t>(r * gsum_ld)] : nullptr;
         if (t < 0) {
-          put(nullptr, 0);
+          std::memset(dst, 0, static_cast<size_t>(kbytes));
           w.xa_scale[static_cast<size_t>(r)] = 0.0f;
           if (gsum) std::memset(gsum, 0, sizeof(int32_t) * static_cast<size_t>(w.gmax));
-          continue;
-        }
-        const uint16_t* x = in.x + static_cast<int64_t>(t) * H;
-        if (!i8) {
-          put(reinterpret_cast<const uint8_t*>(x), H * 2);
+        } else if (!i8) {
+          std::memcpy(dst, in.x + int64_t{t} * H, static_cast<size_t>(H) * 2);
+          std::memset(dst + H * 2, 0, static_cast<size_t>(xa_ld - H * 2));
         } else if (prequant) {
-          put(w.xt.data() + int64_t{t} * kp_h, kp_h);
+          std::memcpy(dst, w.xt.data() + int64_t{t} * kp_h, static_cast<size_t>(kp_h));
           w.xa_scale[static_cast<size_t>(r)] = w.xt_scale[static_cast<size_t>(t)];
           if (gsum)
             std::memcpy(gsum, &w.xt_gsum[static_cast<size_t>(int64_t{t} * gsum_ld)],
                         sizeof(int32_t) * static_cast<size_t>(w.gmax));
-        } else if (tiled(e)) {
-          kfew.quant_bf16(x, H, kp_h, reinterpret_cast<int8_t*>(scratch),
-                          &w.xa_scale[static_cast<size_t>(r)], gsum, G);
-          put(scratch, kp_h);
         } else {
-          kfew.quant_bf16(x, H, kp_h, reinterpret_cast<int8_t*>(dst),
+          kfew.quant_bf16(in.x + int64_t{t} * H, H, kp_h, reinterpret_cast<int8_t*>(dst),
                           &w.xa_scale[static_cast<size_t>(r)], gsum, G);
         }
       }
@@ -523,11 +530,11 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
 
     // ---- hquant: int8 activations of down, one scale per row over all parts ----
     if (any_int8_h) {
-      const int64_t n_items = row_items;
+      const int64_t n_items = static_cast<int64_t>(w.row_items.size());
       for (int64_t it; (it = w.counters[1].fetch_add(1, std::memory_order_relaxed)) < n_items;) {
-        for (int64_t r = it * kRowsPerItem; r < std::min(rows, (it + 1) * kRowsPerItem); ++r) {
-          const int32_t e = w.row_expert[static_cast<size_t>(r)];
-          if (!Int8Act(fmt, w.many[static_cast<size_t>(e)])) continue;
+        const RowItem& ri = w.row_items[static_cast<size_t>(it)];
+        if (!Int8Act(fmt, w.many[static_cast<size_t>(ri.e)])) continue;
+        for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {
           float amax = 0.0f;
           for (int q = 0; q < w.nparts; ++q) {
             const auto& lq = layer.parts()[static_cast<size_t>(q)];
@@ -537,24 +544,26 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
                 amax, kfew.amax_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
                                     lq.i1 - lq.i0));
           }
-          const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
-          w.h_scale[static_cast<size_t>(r)] = s;
-          for (int q = 0; q < w.nparts; ++q) {
-            const auto& lq = layer.parts()[static_cast<size_t>(q)];
-            if (lq.empty()) continue;
-            auto& bq = w.parts[static_cast<size_t>(q)];
-            const float* hf = reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4);
-            int32_t* gs = bq.groups ? &bq.hgsum[static_cast<size_t>(r * bq.groups)] : nullptr;
-            if (tiled(e)) {
-              kfew.quant_f32(hf, lq.i1 - lq.i0, bq.kp_i, inv, reinterpret_cast<int8_t*>(scratch),
-                             gs, G);
-              PutTiledRow(scratch, bq.kp_i, bq.kp_i,
-                          TiledRow(bq.hq.data(), bq.kp_i, w.row_off[static_cast<size_t>(e)], r));
-            } else {
-              kfew.quant_f32(hf, lq.i1 - lq.i0, bq.kp_i, inv,
-                             reinterpret_cast<int8_t*>(bq.hq.data() + r * bq.kp_i), gs, G);
-            }
+          w.h_scale[static_cast<size_t>(r)] = amax / 127.0f;
+        }
+        for (int q = 0; q < w.nparts; ++q) {
+          const auto& lq = layer.parts()[static_cast<size_t>(q)];
+          if (lq.empty()) continue;
+          auto& bq = w.parts[static_cast<size_t>(q)];
+          const bool tl = tiled(ri.e);
+          const uint8_t* rows16[16] = {};
+          for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {
+            const float sc = w.h_scale[static_cast<size_t>(r)], inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+            int8_t* dst = reinterpret_cast<int8_t*>(tl ? scratch + (r - ri.r0) * bq.kp_i
+                                                       : bq.hq.data() + r * bq.kp_i);
+            kfew.quant_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
+                           lq.i1 - lq.i0, bq.kp_i, inv, dst,
+                           bq.groups ? &bq.hgsum[static_cast<size_t>(r * bq.groups)] : nullptr, G);
+            rows16[r - ri.r0] = reinterpret_cast<const uint8_t*>(dst);
           }
+          if (tl)
+            kfew.pack_tiled_block(rows16, bq.kp_i, bq.kp_i, bq.hq.data() + int64_t{ri.r0} * bq.kp_i,
+                                  /*stream=*/false);
         }
       }
       w.barrier.Wait();
