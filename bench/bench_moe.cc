@@ -5,6 +5,7 @@
 //                  [--format bf16,int8,int4] [--isa amx,avx512,avx2,scalar]
 //                  [--routing uniform|zipf] [--layers N] [--threads N] [--vnuma N]
 //                  [--group 128] [--min-time S] [--no-onednn] [--json FILE]
+//                  [--kernel-probe]   (AMX GEMM alone, in cache; see KernelProbe)
 //
 // Per row: microseconds per call, weight GB/s over the distinct expert bytes
 // the call touched, TFLOP/s, % of the measured read bandwidth, % of the
@@ -107,6 +108,80 @@ double MeasureAmxTops(ThreadPool& pool, bool int8) {
   return best;
 }
 
+// --kernel-probe: the AMX "many" GEMM alone, every thread repeating its own
+// task (256 rows x 16 panels x K): K = 1024 (A and B resident in L2) and
+// K = the preset's hidden size (B from L3), tile-layout and row-major A.
+// Separates the micro-kernel's efficiency from the memory system's.
+void KernelProbe(ThreadPool& pool, int64_t hidden, double peak_bf16, double peak_i8,
+                 double min_time) {
+  const int rows = 256, panels = 16;
+  const int nt = pool.num_threads();
+  for (bool i8 : {false, true})
+    for (int64_t K : {int64_t{1024}, hidden})
+      for (bool tiled : {true, false}) {
+        const PackedGeom g =
+            MakeGeom(i8 ? WeightFormat::kInt8 : WeightFormat::kBf16, 0, panels * 16, K);
+        const int64_t lda = g.kp * (i8 ? 1 : 2);
+        std::vector<NumaBuffer> w(nt), A(nt), C(nt), S(nt);
+        std::vector<float> scales(rows, 0.01f);
+        pool.Run([&](const Worker& wk) {
+          const int t = wk.global;
+          w[t] = *NumaBuffer::Allocate(static_cast<size_t>(g.bytes()), wk.node);
+          A[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * lda), wk.node);
+          C[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * panels * 16 * 4), wk.node);
+          S[t] = *NumaBuffer::Allocate(kern::kGemmScratchBytes, wk.node);
+          uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(t + 1);
+          auto fill = [&](uint8_t* p, int64_t n) {
+            for (int64_t i = 0; i < n; i += 2) {
+              x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+              const uint16_t v =
+                  i8 ? static_cast<uint16_t>(x & 0x0707) : F32ToBf16(((x >> 40) % 200) * 1e-4f);
+              std::memcpy(p + i, &v, 2);
+            }
+          };
+          fill(w[t].data(), g.bytes());
+          fill(A[t].data(), rows * lda);
+          if (i8)
+            for (int64_t j = 0; j < g.nblocks; ++j)
+              for (int c = 0; c < 16; ++c)
+                reinterpret_cast<float*>(w[t].data() + j * g.panel_bytes + g.i8_scale_offset())[c] =
+                    1.0f;
+        });
+        const kern::GemmFn fn = i8 ? kern::AmxKernels().i8 : kern::AmxKernels().bf16;
+        int64_t reps = 1;
+        double secs = 0;
+        for (;;) {
+          const double t0 = Now();
+          pool.Run([&](const Worker& wk) {
+            const int t = wk.global;
+            kern::GemmArgs ga;
+            ga.g = &g;
+            ga.w = w[t].data();
+            ga.nb0 = 0;
+            ga.nb1 = panels;
+            ga.a = A[t].data();
+            ga.lda = lda;
+            ga.a_tiled = tiled;
+            ga.m = rows;
+            ga.a_scale = scales.data();
+            ga.c = reinterpret_cast<float*>(C[t].data());
+            ga.ldc = panels * 16;
+            ga.scratch = S[t].data();
+            for (int64_t r = 0; r < reps; ++r) fn(ga);
+          });
+          secs = Now() - t0;
+          if (secs >= min_time) break;
+          reps *= 2;
+        }
+        const double ops = 2.0 * nt * static_cast<double>(reps) * rows * panels * 16 * g.kp;
+        const double tops = ops / secs / 1e12;
+        std::printf("# kernel-probe %s K=%-5lld A %-9s %6.2f T(FL)OP/s = %5.1f%% of AMX peak\n",
+                    i8 ? "int8" : "bf16", static_cast<long long>(K),
+                    tiled ? "tiled" : "row-major", tops, 100.0 * tops / (i8 ? peak_i8 : peak_bf16));
+        std::fflush(stdout);
+      }
+}
+
 // ---- routing ------------------------------------------------------------------------
 struct Router {
   int64_t E;
@@ -160,6 +235,7 @@ struct Args {
   int group = 128;
   double min_time = 0.25;
   bool onednn = true;
+  bool kernel_probe = false;
   std::string json;
 };
 
@@ -195,6 +271,8 @@ int Main(int argc, char** argv) {
       a.group = std::atoi(val().c_str());
     else if (f == "--min-time")
       a.min_time = std::atof(val().c_str());
+    else if (f == "--kernel-probe")
+      a.kernel_probe = true;
     else if (f == "--no-onednn")
       a.onednn = false;
     else if (f == "--json")
@@ -236,6 +314,16 @@ int Main(int argc, char** argv) {
       "%.1f TOP/s\n",
       pool.num_threads(), pool.num_nodes(), llc / 1048576.0,
       std::string(IsaName(DetectedIsa())).c_str(), bw, amx_bf16, amx_i8);
+  if (a.kernel_probe) {
+    if (DetectedIsa() < Isa::kAmx) {
+      std::fprintf(stderr, "--kernel-probe needs AMX\n");
+      return 1;
+    }
+    for (const auto& pname : a.presets)
+      for (const auto& p : kPresets)
+        if (pname == p.name) KernelProbe(pool, p.H, amx_bf16, amx_i8, a.min_time);
+    return 0;
+  }
   std::printf("%-10s %-5s %-6s %5s %11s %9s %8s %7s %7s %11s %8s\n", "preset", "fmt", "isa", "T",
               "us", "GB/s", "TFLOP/s", "%BW", "%AMX", "onednn_us", "speedup");
   std::fflush(stdout);

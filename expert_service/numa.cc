@@ -115,11 +115,21 @@ absl::StatusOr<NumaBuffer> NumaBuffer::Allocate(size_t bytes, int node) {
     b.data_ = static_cast<uint8_t*>(p);
     b.numa_ = true;
   } else {
-    void* p = std::aligned_alloc(4096, rounded);
+    // Large buffers on 2 MiB boundaries so transparent huge pages can back them.
+    const size_t align = rounded >= (size_t{4} << 20) ? size_t{2} << 20 : size_t{4096};
+    const size_t total = (rounded + align - 1) & ~(align - 1);
+    void* p = std::aligned_alloc(align, total);
     if (p == nullptr)
-      return absl::ResourceExhaustedError(absl::StrCat("aligned_alloc(", rounded, ") failed"));
+      return absl::ResourceExhaustedError(absl::StrCat("aligned_alloc(", total, ") failed"));
     b.data_ = static_cast<uint8_t*>(p);
   }
+  // Weights and activations are streamed: huge pages spare TLB walks (advice
+  // only; ignored where THP is off; HMOE_THP=0 skips it, for benchmarks).
+  static const bool thp = [] {
+    const char* e = std::getenv("HMOE_THP");
+    return e == nullptr || *e != '0';
+  }();
+  if (thp && rounded >= (size_t{4} << 20)) madvise(b.data_, rounded, MADV_HUGEPAGE);
   b.size_ = rounded;
   b.node_ = node;
   return b;
