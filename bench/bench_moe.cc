@@ -109,16 +109,21 @@ double MeasureAmxTops(ThreadPool& pool, bool int8) {
 }
 
 // --kernel-probe: the AMX "many" GEMM alone, every thread repeating its own
-// task (256 rows x 16 panels x K): K = 1024 (A and B resident in L2) and
-// K = the preset's hidden size (B from L3), tile-layout and row-major A.
-// Separates the micro-kernel's efficiency from the memory system's.
+// task: 32 rows x 2 panels x K 256 (all in L1), 256 x 16 x 1024 (in L2) and
+// 256 x 16 x the preset's hidden size (B from L3); tile-layout and row-major
+// A. Separates the micro-kernel's efficiency from the memory system's.
 void KernelProbe(ThreadPool& pool, int64_t hidden, double peak_bf16, double peak_i8,
                  double min_time) {
-  const int rows = 256, panels = 16;
+  struct Shape {
+    int rows, panels;
+    int64_t K;
+  };
   const int nt = pool.num_threads();
   for (bool i8 : {false, true})
-    for (int64_t K : {int64_t{1024}, hidden})
+    for (Shape sh : {Shape{32, 2, 256}, Shape{256, 16, 1024}, Shape{256, 16, hidden}})
       for (bool tiled : {true, false}) {
+        const int rows = sh.rows, panels = sh.panels;
+        const int64_t K = sh.K;
         const PackedGeom g =
             MakeGeom(i8 ? WeightFormat::kInt8 : WeightFormat::kBf16, 0, panels * 16, K);
         const int64_t lda = g.kp * (i8 ? 1 : 2);
@@ -175,8 +180,8 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, double peak_bf16, double peak
         }
         const double ops = 2.0 * nt * static_cast<double>(reps) * rows * panels * 16 * g.kp;
         const double tops = ops / secs / 1e12;
-        std::printf("# kernel-probe %s K=%-5lld A %-9s %6.2f T(FL)OP/s = %5.1f%% of AMX peak\n",
-                    i8 ? "int8" : "bf16", static_cast<long long>(K),
+        std::printf("# kernel-probe %s %3dx%2dx%-5lld A %-9s %6.2f T(FL)OP/s = %5.1f%% of AMX peak\n",
+                    i8 ? "int8" : "bf16", rows, panels, static_cast<long long>(K),
                     tiled ? "tiled" : "row-major", tops, 100.0 * tops / (i8 ? peak_i8 : peak_bf16));
         std::fflush(stdout);
       }

@@ -53,6 +53,8 @@ struct HwTiles {
   template <int T>
   static void Load(const void* p, int64_t stride);
   template <int T>
+  static void LoadStream(const void* p, int64_t stride);  // tileloaddt1: no L1 reuse expected
+  template <int T>
   static void Store(void* p, int64_t stride);
   template <int C, int A, int B>
   static void DpBf16();
@@ -72,6 +74,10 @@ struct HwTiles {
   template <>                                                        \
   inline void HwTiles::Load<T>(const void* p, int64_t stride) {      \
     _tile_loadd(T, p, stride);                                       \
+  }                                                                  \
+  template <>                                                        \
+  inline void HwTiles::LoadStream<T>(const void* p, int64_t stride) { \
+    _tile_stream_loadd(T, p, stride);                                \
   }                                                                  \
   template <>                                                        \
   inline void HwTiles::Store<T>(void* p, int64_t stride) {           \
@@ -120,6 +126,10 @@ struct EmuTiles {
   static void Load(const void* p, int64_t stride) {
     for (int r = 0; r < 16; ++r)
       std::memcpy(R().t[T] + r * 64, static_cast<const uint8_t*>(p) + r * stride, 64);
+  }
+  template <int T>
+  static void LoadStream(const void* p, int64_t stride) {
+    Load<T>(p, stride);
   }
   template <int T>
   static void Store(void* p, int64_t stride) {
@@ -171,11 +181,18 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //   HMOE_AMX_PREFETCH = 0 | 1: prefetch the next panel pair's B chunk into L2.
 //   HMOE_AMX_PF_A = 0 | 1 | 2: prefetch the A tiles kPfDist steps ahead into
 //     L1: no, as T0, as NTA (kept out of the way of the L1-resident B chunk).
+//   HMOE_AMX_ORDER = 0 | 1: loop order inside a K chunk (see AmxGemm).
+//   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
+//     tileloaddt1 (so it does not evict the reused one).
 struct Tuning {
   int64_t kc_bytes = 1024;
   bool prefetch = true;
   int pf_a = 2;
+  int order = 0;
+  bool stream = false;
   Tuning() {
+    if (const char* e = std::getenv("HMOE_AMX_STREAM")) stream = *e == '1';
+    if (const char* e = std::getenv("HMOE_AMX_ORDER")) order = *e == '1' ? 1 : 0;
     if (const char* e = std::getenv("HMOE_AMX_PF_A")) pf_a = std::clamp(std::atoi(e), 0, 2);
     if (const char* e = std::getenv("HMOE_AMX_KC_BYTES")) {
       const int64_t b = std::atoll(e);
@@ -187,6 +204,14 @@ struct Tuning {
 const Tuning& Tune() {
   static const Tuning t;
   return t;
+}
+
+template <class X, int T>
+inline void LoadOp(const uint8_t* p, int64_t stride, bool stream) {
+  if (stream)
+    X::template LoadStream<T>(p, stride);
+  else
+    X::template Load<T>(p, stride);
 }
 
 template <Kind kKind, class X>
@@ -208,136 +233,174 @@ void AmxGemm(const GemmArgs& a) {
   uint8_t* buf0 = a.scratch;
   uint8_t* buf1 = a.scratch + kGemmScratchBytes / 2;  // each half: <= 2048 k of one panel
   const bool prefetch = tune.prefetch && kKind != Kind::kInt4Bf16;
-  for (int64_t kc0 = 0; kc0 < g.kp; kc0 += kChunkK) {
-    const int64_t kc1 = std::min(g.kp, kc0 + kChunkK);
-    const int64_t steps = (kc1 - kc0) / kStepK;
-    for (int64_t j = a.nb0; j < a.nb1; j += 2) {
-      const bool two = j + 1 < a.nb1;
-      const uint8_t* B0;
-      const uint8_t* B1;
-      if constexpr (kKind == Kind::kInt4Bf16) {
-        DequantI4PanelBf16Avx512(g, a.w + j * g.panel_bytes, kc0, kc1,
-                                 reinterpret_cast<uint16_t*>(buf0));
-        if (two)
-          DequantI4PanelBf16Avx512(g, a.w + (j + 1) * g.panel_bytes, kc0, kc1,
-                                   reinterpret_cast<uint16_t*>(buf1));
-        B0 = buf0;
-        B1 = buf1;
-      } else {
-        B0 = a.w + j * g.panel_bytes + kc0 / kStepK * 1024;
-        B1 = B0 + g.panel_bytes;
+  // One 32-row x 2-panel C block over the k steps [kc0, kc0 + steps*kStepK):
+  // C from c (zero on the first chunk), the products, C back to c. The
+  // operand not reused from L1 (A in order 0, B in order 1) may be loaded
+  // with tileloaddt1; `after_step` issues prefetches.
+  auto block = [&](int m0, int64_t j, const uint8_t* B0, const uint8_t* B1, bool two, int64_t kc0,
+                   int64_t steps, bool stream_a, bool stream_b, auto&& after_step) {
+    uint8_t* C00 = reinterpret_cast<uint8_t*>(a.c + m0 * a.ldc + (j - a.nb0) * 16);
+    uint8_t* C10 = C00 + 16 * ldc_b;
+    if (kc0 == 0) {
+      X::template Zero<0>();
+      X::template Zero<1>();
+      X::template Zero<2>();
+      X::template Zero<3>();
+    } else {
+      X::template Load<0>(C00, ldc_b);
+      X::template Load<2>(C10, ldc_b);
+      if (two) {
+        X::template Load<1>(C00 + 64, ldc_b);
+        X::template Load<3>(C10 + 64, ldc_b);
       }
-      // The B chunk used after this one: the next pair, or the first pair of
-      // the next K chunk. Its lines are prefetched a few per k step.
-      const uint8_t* pf[2] = {nullptr, nullptr};
+    }
+    const uint8_t* a0 = A + m0 * a.lda + kc0 / kStepK * a_ss;
+    const uint8_t* a1 = a0 + 16 * a.lda;
+    if (two) {
+      for (int64_t s = 0; s < steps; ++s) {
+        // Loads interleaved with the products that need them.
+        LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
+        LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
+        if constexpr (kI8)
+          X::template DpI8<0, 4, 6>();
+        else
+          X::template DpBf16<0, 4, 6>();
+        LoadOp<X, 7>(B1 + s * 1024, 64, stream_b);
+        if constexpr (kI8)
+          X::template DpI8<1, 4, 7>();
+        else
+          X::template DpBf16<1, 4, 7>();
+        LoadOp<X, 5>(a1 + s * a_ss, a_rs, stream_a);
+        if constexpr (kI8) {
+          X::template DpI8<2, 5, 6>();
+          X::template DpI8<3, 5, 7>();
+        } else {
+          X::template DpBf16<2, 5, 6>();
+          X::template DpBf16<3, 5, 7>();
+        }
+        after_step(s);
+      }
+      X::template Store<1>(C00 + 64, ldc_b);
+      X::template Store<3>(C10 + 64, ldc_b);
+    } else {
+      for (int64_t s = 0; s < steps; ++s) {
+        LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
+        LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
+        LoadOp<X, 5>(a1 + s * a_ss, a_rs, stream_a);
+        if constexpr (kI8) {
+          X::template DpI8<0, 4, 6>();
+          X::template DpI8<2, 5, 6>();
+        } else {
+          X::template DpBf16<0, 4, 6>();
+          X::template DpBf16<2, 5, 6>();
+        }
+        after_step(s);
+      }
+    }
+    X::template Store<0>(C00, ldc_b);
+    X::template Store<2>(C10, ldc_b);
+  };
+
+  if (kKind != Kind::kInt4Bf16 && tune.order == 1) {
+    // Order 1: per K chunk, row pairs outer (A chunk reused from L1), panel
+    // pairs inner (B chunk of all the task's panels reused from L2); the next
+    // chunk's B is prefetched into L2 across the whole chunk.
+    for (int64_t kc0 = 0; kc0 < g.kp; kc0 += kChunkK) {
+      const int64_t kc1 = std::min(g.kp, kc0 + kChunkK);
+      const int64_t steps = (kc1 - kc0) / kStepK;
+      const int64_t npanels = a.nb1 - a.nb0;
       int64_t pf_lines = 0, pf_per_step = 0, pf_done = 0, pf_panel_lines = 0;
-      if (prefetch) {
-        int64_t nj = j + 2, nk = kc0;
-        if (nj >= a.nb1) {
-          nj = a.nb0;
-          nk = kc1;
-        }
-        if (nk < g.kp) {
-          const int64_t nsteps = (std::min(g.kp, nk + kChunkK) - nk) / kStepK;
-          pf[0] = a.w + nj * g.panel_bytes + nk / kStepK * 1024;
-          pf[1] = nj + 1 < a.nb1 ? pf[0] + g.panel_bytes : nullptr;
-          pf_panel_lines = nsteps * 16;
-          pf_lines = pf_panel_lines * (pf[1] != nullptr ? 2 : 1);
-          const int64_t slots = (mp / 32) * steps;
-          pf_per_step = (pf_lines + slots - 1) / slots;
-        }
+      if (tune.prefetch && kc1 < g.kp) {
+        pf_panel_lines = (std::min(g.kp, kc1 + kChunkK) - kc1) / kStepK * 16;
+        pf_lines = pf_panel_lines * npanels;
+        const int64_t slots = (mp / 32) * ((npanels + 1) / 2) * steps;
+        pf_per_step = (pf_lines + slots - 1) / slots;
       }
-      auto prefetch_some = [&] {
+      auto after_step = [&](int64_t) {
         for (int64_t q = 0; q < pf_per_step && pf_done < pf_lines; ++q, ++pf_done)
-          X::PrefetchL2(pf_done < pf_panel_lines ? pf[0] + pf_done * 64
-                                                 : pf[1] + (pf_done - pf_panel_lines) * 64);
+          X::PrefetchL2(a.w + (a.nb0 + pf_done / pf_panel_lines) * g.panel_bytes +
+                        kc1 / kStepK * 1024 + (pf_done % pf_panel_lines) * 64);
       };
-      constexpr int64_t kPfDist = 2;
-      // A tiles kPfDist steps after step s of the row pair at m0 (running on
-      // into the next row pair), 16 lines each, into L1.
-      auto prefetch_a = [&](int m0, int64_t s) {
-        if (tune.pf_a == 0) return;
-        int64_t t = s + kPfDist, mm = m0;
-        if (t >= steps) {
-          t -= steps;
-          mm += 32;
-          if (mm >= mp) return;
+      for (int m0 = 0; m0 < mp; m0 += 32)
+        for (int64_t j = a.nb0; j < a.nb1; j += 2) {
+          const uint8_t* B0 = a.w + j * g.panel_bytes + kc0 / kStepK * 1024;
+          block(m0, j, B0, B0 + g.panel_bytes, j + 1 < a.nb1, kc0, steps, false, tune.stream,
+                after_step);
         }
-        const uint8_t* p0 = A + mm * a.lda + (kc0 / kStepK + t) * a_ss;
-        const uint8_t* p1 = p0 + 16 * a.lda;
-        for (int r = 0; r < 16; ++r) {
-          if (tune.pf_a == 1) {
-            X::PrefetchL1(p0 + r * a_rs);
-            X::PrefetchL1(p1 + r * a_rs);
-          } else {
-            X::PrefetchNta(p0 + r * a_rs);
-            X::PrefetchNta(p1 + r * a_rs);
-          }
-        }
-      };
-      for (int m0 = 0; m0 < mp; m0 += 32) {
-        uint8_t* C00 = reinterpret_cast<uint8_t*>(a.c + m0 * a.ldc + (j - a.nb0) * 16);
-        uint8_t* C10 = C00 + 16 * ldc_b;
-        if (kc0 == 0) {
-          X::template Zero<0>();
-          X::template Zero<1>();
-          X::template Zero<2>();
-          X::template Zero<3>();
+    }
+  } else {
+    // Order 0: per K chunk, panel pairs outer (B chunk reused from L1), row
+    // pairs inner (A chunk reused from L2).
+    for (int64_t kc0 = 0; kc0 < g.kp; kc0 += kChunkK) {
+      const int64_t kc1 = std::min(g.kp, kc0 + kChunkK);
+      const int64_t steps = (kc1 - kc0) / kStepK;
+      for (int64_t j = a.nb0; j < a.nb1; j += 2) {
+        const bool two = j + 1 < a.nb1;
+        const uint8_t* B0;
+        const uint8_t* B1;
+        if constexpr (kKind == Kind::kInt4Bf16) {
+          DequantI4PanelBf16Avx512(g, a.w + j * g.panel_bytes, kc0, kc1,
+                                   reinterpret_cast<uint16_t*>(buf0));
+          if (two)
+            DequantI4PanelBf16Avx512(g, a.w + (j + 1) * g.panel_bytes, kc0, kc1,
+                                     reinterpret_cast<uint16_t*>(buf1));
+          B0 = buf0;
+          B1 = buf1;
         } else {
-          X::template Load<0>(C00, ldc_b);
-          X::template Load<2>(C10, ldc_b);
-          if (two) {
-            X::template Load<1>(C00 + 64, ldc_b);
-            X::template Load<3>(C10 + 64, ldc_b);
+          B0 = a.w + j * g.panel_bytes + kc0 / kStepK * 1024;
+          B1 = B0 + g.panel_bytes;
+        }
+        // The B chunk used after this one: the next pair, or the first pair
+        // of the next K chunk. Its lines are prefetched a few per k step.
+        const uint8_t* pf[2] = {nullptr, nullptr};
+        int64_t pf_lines = 0, pf_per_step = 0, pf_done = 0, pf_panel_lines = 0;
+        if (prefetch) {
+          int64_t nj = j + 2, nk = kc0;
+          if (nj >= a.nb1) {
+            nj = a.nb0;
+            nk = kc1;
+          }
+          if (nk < g.kp) {
+            const int64_t nsteps = (std::min(g.kp, nk + kChunkK) - nk) / kStepK;
+            pf[0] = a.w + nj * g.panel_bytes + nk / kStepK * 1024;
+            pf[1] = nj + 1 < a.nb1 ? pf[0] + g.panel_bytes : nullptr;
+            pf_panel_lines = nsteps * 16;
+            pf_lines = pf_panel_lines * (pf[1] != nullptr ? 2 : 1);
+            const int64_t slots = (mp / 32) * steps;
+            pf_per_step = (pf_lines + slots - 1) / slots;
           }
         }
-        const uint8_t* a0 = A + m0 * a.lda + kc0 / kStepK * a_ss;
-        const uint8_t* a1 = a0 + 16 * a.lda;
-        if (two) {
-          for (int64_t s = 0; s < steps; ++s) {
-            // Loads interleaved with the products that need them.
-            X::template Load<4>(a0 + s * a_ss, a_rs);
-            X::template Load<6>(B0 + s * 1024, 64);
-            if constexpr (kI8)
-              X::template DpI8<0, 4, 6>();
-            else
-              X::template DpBf16<0, 4, 6>();
-            X::template Load<7>(B1 + s * 1024, 64);
-            if constexpr (kI8)
-              X::template DpI8<1, 4, 7>();
-            else
-              X::template DpBf16<1, 4, 7>();
-            X::template Load<5>(a1 + s * a_ss, a_rs);
-            if constexpr (kI8) {
-              X::template DpI8<2, 5, 6>();
-              X::template DpI8<3, 5, 7>();
-            } else {
-              X::template DpBf16<2, 5, 6>();
-              X::template DpBf16<3, 5, 7>();
+        for (int m0 = 0; m0 < mp; m0 += 32) {
+          // After step s: A tiles kPfDist steps on (running into the next row
+          // pair) into L1, and some lines of the next B chunk into L2.
+          auto after_step = [&](int64_t s) {
+            constexpr int64_t kPfDist = 2;
+            if (tune.pf_a != 0) {
+              int64_t t = s + kPfDist, mm = m0;
+              if (t >= steps) {
+                t -= steps;
+                mm += 32;
+              }
+              if (mm < mp) {
+                const uint8_t* p0 = A + mm * a.lda + (kc0 / kStepK + t) * a_ss;
+                const uint8_t* p1 = p0 + 16 * a.lda;
+                for (int r = 0; r < 16; ++r) {
+                  if (tune.pf_a == 1) {
+                    X::PrefetchL1(p0 + r * a_rs);
+                    X::PrefetchL1(p1 + r * a_rs);
+                  } else {
+                    X::PrefetchNta(p0 + r * a_rs);
+                    X::PrefetchNta(p1 + r * a_rs);
+                  }
+                }
+              }
             }
-            prefetch_a(m0, s);
-            prefetch_some();
-          }
-          X::template Store<1>(C00 + 64, ldc_b);
-          X::template Store<3>(C10 + 64, ldc_b);
-        } else {
-          for (int64_t s = 0; s < steps; ++s) {
-            X::template Load<4>(a0 + s * a_ss, a_rs);
-            X::template Load<6>(B0 + s * 1024, 64);
-            X::template Load<5>(a1 + s * a_ss, a_rs);
-            if constexpr (kI8) {
-              X::template DpI8<0, 4, 6>();
-              X::template DpI8<2, 5, 6>();
-            } else {
-              X::template DpBf16<0, 4, 6>();
-              X::template DpBf16<2, 5, 6>();
-            }
-            prefetch_a(m0, s);
-            prefetch_some();
-          }
+            for (int64_t q = 0; q < pf_per_step && pf_done < pf_lines; ++q, ++pf_done)
+              X::PrefetchL2(pf_done < pf_panel_lines ? pf[0] + pf_done * 64
+                                                     : pf[1] + (pf_done - pf_panel_lines) * 64);
+          };
+          block(m0, j, B0, B1, two, kc0, steps, tune.stream, false, after_step);
         }
-        X::template Store<0>(C00, ldc_b);
-        X::template Store<2>(C10, ldc_b);
       }
     }
   }
