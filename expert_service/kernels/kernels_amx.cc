@@ -185,18 +185,18 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
 //     tileloaddt1 (so it does not evict the reused one).
 struct Tuning {
-  int64_t kc_bytes = 1024;
+  int64_t kc_bytes = 2048;
   bool prefetch = true;
-  int pf_a = 2;
-  int order = 0;
+  int pf_a = 0;
+  int order = 1;
   bool stream = false;
   Tuning() {
     if (const char* e = std::getenv("HMOE_AMX_STREAM")) stream = *e == '1';
-    if (const char* e = std::getenv("HMOE_AMX_ORDER")) order = *e == '1' ? 1 : 0;
+    if (const char* e = std::getenv("HMOE_AMX_ORDER")) order = *e == '0' ? 0 : 1;
     if (const char* e = std::getenv("HMOE_AMX_PF_A")) pf_a = std::clamp(std::atoi(e), 0, 2);
     if (const char* e = std::getenv("HMOE_AMX_KC_BYTES")) {
       const int64_t b = std::atoll(e);
-      if (b == 512 || b == 2048) kc_bytes = b;
+      if (b == 512 || b == 1024 || b == 2048 || b == 4096) kc_bytes = b;
     }
     if (const char* e = std::getenv("HMOE_AMX_PREFETCH")) prefetch = *e != '0';
   }

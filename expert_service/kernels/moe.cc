@@ -27,7 +27,7 @@ namespace {
 // Rows per task: an expert's rows are split into the fewest chunks of at most
 // this many (a multiple of 32), so its weights stream from DRAM once per call.
 constexpr int64_t kMaxRowChunk = 512;
-constexpr int64_t kMaxTaskPanels = 16;  // panels per task
+constexpr int64_t kMaxTaskPanels = 16;  // panels per task (at most)
 constexpr int64_t kCbufFloats = kMaxRowChunk * kMaxTaskPanels * 16;
 constexpr int64_t kPreQuantTokens = 32;  // int8 activations: quantize tokens once from here
 
@@ -289,6 +289,11 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   const int G = layer.group();
 
   const bool prof = g_profile.on;
+  // HMOE_MOE_TASK_PANELS (2..16, benchmarks): fewer panels per task.
+  static const int64_t task_panels = [] {
+    const char* e = std::getenv("HMOE_MOE_TASK_PANELS");
+    return e == nullptr ? kMaxTaskPanels : std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
+  }();
   double ts[9] = {};
   if (prof) ts[0] = Secs();
   // ---- route (caller thread) ----
@@ -362,9 +367,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       dn_work += chunks * lp.down.nblocks;
     }
     const int64_t gu_chunk =
-        std::clamp<int64_t>(RoundUp((gu_work + target - 1) / target, 2), 2, kMaxTaskPanels);
-    const int64_t dn_chunk =
-        std::clamp<int64_t>((dn_work + target - 1) / target, 1, kMaxTaskPanels);
+        std::clamp<int64_t>(RoundUp((gu_work + target - 1) / target, 2), 2, task_panels);
+    const int64_t dn_chunk = std::clamp<int64_t>((dn_work + target - 1) / target, 1, task_panels);
     for (int32_t e : w.active) {
       const int64_t c = w.row_cnt[static_cast<size_t>(e)], rc = row_chunk(e);
       for (int64_t m0 = 0; m0 < c; m0 += rc) {
