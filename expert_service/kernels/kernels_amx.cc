@@ -186,7 +186,7 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //     tileloaddt1 (so it does not evict the reused one).
 struct Tuning {
   int64_t kc_bytes = 2048;
-  bool prefetch = true;
+  bool prefetch = false;
   int pf_a = 0;
   int order = 1;
   bool stream = false;
@@ -198,7 +198,7 @@ struct Tuning {
       const int64_t b = std::atoll(e);
       if (b == 512 || b == 1024 || b == 2048 || b == 4096) kc_bytes = b;
     }
-    if (const char* e = std::getenv("HMOE_AMX_PREFETCH")) prefetch = *e != '0';
+    if (const char* e = std::getenv("HMOE_AMX_PREFETCH")) prefetch = *e == '1';
   }
 };
 const Tuning& Tune() {
