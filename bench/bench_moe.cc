@@ -172,6 +172,7 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, double peak_bf16, double peak
             ga.c = reinterpret_cast<float*>(C[t].data());
             ga.ldc = panels * 16;
             ga.scratch = S[t].data();
+            ga.scratch_bytes = kern::kGemmScratchBytes;
             for (int64_t r = 0; r < reps; ++r) fn(ga);
           });
           secs = Now() - t0;

@@ -26,7 +26,8 @@ struct GemmArgs {
   int64_t gsum_stride = 0;          // int32 elements between rows of a_gsum
   float* c = nullptr;               // roundup(m, 32) rows
   int64_t ldc = 0;                  // floats between rows of c
-  uint8_t* scratch = nullptr;       // kGemmScratchBytes, 64-byte aligned
+  uint8_t* scratch = nullptr;       // scratch_bytes (>= kGemmScratchBytes), 64-byte aligned
+  int64_t scratch_bytes = 0;
 };
 inline constexpr int64_t kGemmScratchBytes = 128 * 1024;
 

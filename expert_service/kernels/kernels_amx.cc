@@ -182,6 +182,8 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //   HMOE_AMX_PF_A = 0 | 1 | 2: prefetch the A tiles kPfDist steps ahead into
 //     L1: no, as T0, as NTA (kept out of the way of the L1-resident B chunk).
 //   HMOE_AMX_ORDER = 0 | 1: loop order inside a K chunk (see AmxGemm).
+//   HMOE_AMX_CTMP = 0 | 1: (order 1) keep partial C between K chunks in the
+//     scratch as contiguous tiles instead of strided rows of c.
 //   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
 //     tileloaddt1 (so it does not evict the reused one).
 struct Tuning {
@@ -190,7 +192,9 @@ struct Tuning {
   int pf_a = 0;
   int order = 1;
   bool stream = false;
+  bool ctmp = false;
   Tuning() {
+    if (const char* e = std::getenv("HMOE_AMX_CTMP")) ctmp = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_STREAM")) stream = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_ORDER")) order = *e == '0' ? 0 : 1;
     if (const char* e = std::getenv("HMOE_AMX_PF_A")) pf_a = std::clamp(std::atoi(e), 0, 2);
@@ -237,21 +241,38 @@ void AmxGemm(const GemmArgs& a) {
   // C from c (zero on the first chunk), the products, C back to c. The
   // operand not reused from L1 (A in order 0, B in order 1) may be loaded
   // with tileloaddt1; `after_step` issues prefetches.
+  // Partial C between K chunks: strided rows of c, or (ctmp) contiguous
+  // tiles in the scratch, tile (row block, panel) at ((m0/16)*np + p) KiB.
+  const int64_t npan = a.nb1 - a.nb0;
+  const bool ctmp = tune.ctmp && tune.order == 1 && kKind != Kind::kInt4Bf16 &&
+                    int64_t{mp} * npan * 64 <= a.scratch_bytes;
   auto block = [&](int m0, int64_t j, const uint8_t* B0, const uint8_t* B1, bool two, int64_t kc0,
                    int64_t steps, bool stream_a, bool stream_b, auto&& after_step) {
-    uint8_t* C00 = reinterpret_cast<uint8_t*>(a.c + m0 * a.ldc + (j - a.nb0) * 16);
-    uint8_t* C10 = C00 + 16 * ldc_b;
+    const bool last = kc0 + steps * kStepK >= g.kp;
+    uint8_t* R00 = reinterpret_cast<uint8_t*>(a.c + m0 * a.ldc + (j - a.nb0) * 16);
+    // Where C is loaded from (chunks after the first) and stored to.
+    uint8_t* L00 = R00;
+    int64_t l_rs = ldc_b, l_r1 = 16 * ldc_b, l_c1 = 64;
+    if (ctmp) {
+      L00 = a.scratch + ((m0 / 16) * npan + (j - a.nb0)) * 1024;
+      l_rs = 64;
+      l_r1 = npan * 1024;
+      l_c1 = 1024;
+    }
+    uint8_t* S00 = last ? R00 : L00;
+    const int64_t s_rs = last ? ldc_b : l_rs, s_r1 = last ? 16 * ldc_b : l_r1,
+                  s_c1 = last ? 64 : l_c1;
     if (kc0 == 0) {
       X::template Zero<0>();
       X::template Zero<1>();
       X::template Zero<2>();
       X::template Zero<3>();
     } else {
-      X::template Load<0>(C00, ldc_b);
-      X::template Load<2>(C10, ldc_b);
+      X::template Load<0>(L00, l_rs);
+      X::template Load<2>(L00 + l_r1, l_rs);
       if (two) {
-        X::template Load<1>(C00 + 64, ldc_b);
-        X::template Load<3>(C10 + 64, ldc_b);
+        X::template Load<1>(L00 + l_c1, l_rs);
+        X::template Load<3>(L00 + l_r1 + l_c1, l_rs);
       }
     }
     const uint8_t* a0 = A + m0 * a.lda + kc0 / kStepK * a_ss;
@@ -280,8 +301,8 @@ void AmxGemm(const GemmArgs& a) {
         }
         after_step(s);
       }
-      X::template Store<1>(C00 + 64, ldc_b);
-      X::template Store<3>(C10 + 64, ldc_b);
+      X::template Store<1>(S00 + s_c1, s_rs);
+      X::template Store<3>(S00 + s_r1 + s_c1, s_rs);
     } else {
       for (int64_t s = 0; s < steps; ++s) {
         LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
@@ -297,8 +318,8 @@ void AmxGemm(const GemmArgs& a) {
         after_step(s);
       }
     }
-    X::template Store<0>(C00, ldc_b);
-    X::template Store<2>(C10, ldc_b);
+    X::template Store<0>(S00, s_rs);
+    X::template Store<2>(S00 + s_r1, s_rs);
   };
 
   if (kKind != Kind::kInt4Bf16 && tune.order == 1) {

@@ -237,7 +237,8 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
     const auto& lp = layer.parts()[static_cast<size_t>(p)];
     auto& b = w.parts[static_cast<size_t>(p)];
     b.kp_i = lp.down.kp;
-    w.scratch_bytes = std::max(w.scratch_bytes, 16 * b.kp_i);  // hquant stages 16 int8 rows
+    // hquant stages 16 int8 rows; the AMX kernels may keep a task's partial C.
+    w.scratch_bytes = std::max({w.scratch_bytes, 16 * b.kp_i, kCbufFloats * 4});
     b.groups = w.format == WeightFormat::kInt4 ? b.kp_i / w.group : 0;
     const int node = pool.mem_node(p);
     ASSIGN_OR_RETURN(b.h, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i) * 4, node));
@@ -492,6 +493,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         a.c = cbuf;
         a.ldc = (tk.nb1 - tk.nb0) * 16;
         a.scratch = scratch;
+        a.scratch_bytes = w.scratch_bytes;
         GemmFor(ks, fmt, many)(a);
         // h: f32 rows for int8 activations (quantized below), else bf16 rows
         // (tiled for the AMX down).
@@ -604,6 +606,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         a.c = cbuf;
         a.ldc = (tk.nb1 - tk.nb0) * 16;
         a.scratch = scratch;
+        a.scratch_bytes = w.scratch_bytes;
         GemmFor(ks, fmt, many)(a);
         const int64_t c0 = int64_t{tk.nb0} * 16, c1 = std::min<int64_t>(int64_t{tk.nb1} * 16, H);
         kfew.store_rows(cbuf, a.ldc, reinterpret_cast<float*>(b.y.data()) + r0 * H + c0, H, tk.m,

@@ -130,13 +130,17 @@ using Param = std::tuple<Isa, FormatCase, int /*T*/, int /*shape*/>;
 class MoeKernelTest : public ::testing::TestWithParam<Param> {};
 
 // Packs a random layer, runs it with `ro` and compares with the reference.
-// shape 0: H 197, I 75, E 6, top-3; shape 1: H 520, I 136, E 9, top-4.
+// shape 0: H 197, I 75, E 6, top-3; shape 1: H 520, I 136, E 9, top-4;
+// shape 2: H 2100, I 150, E 4, top-2 (rows longer than the AMX K chunk, so
+// partial C is carried between chunks in bf16 and int8).
 void CheckAgainstReference(FormatCase fc, int T, int shape, const RunOptions& ro) {
   struct Shape {
     int64_t H, I, E;
     int K;
   };
-  const Shape sh = shape == 0 ? Shape{197, 75, 6, 3} : Shape{520, 136, 9, 4};
+  const Shape sh = shape == 0   ? Shape{197, 75, 6, 3}
+                   : shape == 1 ? Shape{520, 136, 9, 4}
+                                : Shape{2100, 150, 4, 2};
   auto src = RandomSource(sh.H, sh.I, sh.E, 10 + static_cast<uint64_t>(shape));
   PackOptions o;
   o.format = fc.f;
@@ -205,7 +209,9 @@ INSTANTIATE_TEST_SUITE_P(
                       EmuParam{{WeightFormat::kInt8, 0}, 1100, 0},
                       EmuParam{{WeightFormat::kInt4, 32}, 300, 1},
                       EmuParam{{WeightFormat::kInt4, 64}, 1100, 0},
-                      EmuParam{{WeightFormat::kInt4, 128}, 300, 0}),
+                      EmuParam{{WeightFormat::kInt4, 128}, 300, 0},
+                      EmuParam{{WeightFormat::kBf16, 0}, 200, 2},
+                      EmuParam{{WeightFormat::kInt8, 0}, 200, 2}),
     [](const ::testing::TestParamInfo<EmuParam>& p) {
       return absl::StrCat(FmtName(std::get<0>(p.param)), "_T", std::get<1>(p.param), "_S",
                           std::get<2>(p.param));
