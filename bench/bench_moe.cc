@@ -181,9 +181,10 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, double peak_bf16, double peak
         }
         const double ops = 2.0 * nt * static_cast<double>(reps) * rows * panels * 16 * g.kp;
         const double tops = ops / secs / 1e12;
-        std::printf("# kernel-probe %s %3dx%2dx%-5lld A %-9s %6.2f T(FL)OP/s = %5.1f%% of AMX peak\n",
-                    i8 ? "int8" : "bf16", rows, panels, static_cast<long long>(K),
-                    tiled ? "tiled" : "row-major", tops, 100.0 * tops / (i8 ? peak_i8 : peak_bf16));
+        std::printf(
+            "# kernel-probe %s %3dx%2dx%-5lld A %-9s %6.2f T(FL)OP/s = %5.1f%% of AMX peak\n",
+            i8 ? "int8" : "bf16", rows, panels, static_cast<long long>(K),
+            tiled ? "tiled" : "row-major", tops, 100.0 * tops / (i8 ? peak_i8 : peak_bf16));
         std::fflush(stdout);
       }
 }

@@ -13,8 +13,8 @@ struct GemmArgs {
   const PackedGeom* g = nullptr;
   const uint8_t* w = nullptr;  // panel 0 of the matrix
   int64_t nb0 = 0, nb1 = 0;
-  const void* a = nullptr;          // rows of Kp bf16 or int8 (zero-padded past K)
-  int64_t lda = 0;                  // bytes between rows
+  const void* a = nullptr;  // rows of Kp bf16 or int8 (zero-padded past K)
+  int64_t lda = 0;          // bytes between rows
   // AMX kernels only: A in the tile layout. Rows come in blocks of 16; block b
   // starts at a + 16 * b * lda and holds its k steps (64 bytes of each row:
   // 32 bf16 or 64 int8) one after another, 1 KiB each, row i of the block at

@@ -2,21 +2,23 @@
 // with -mamx-{tile,bf16,int8} (+AVX-512 for epilogues); entered only after
 // dispatch has seen AMX in cpuid and been granted XTILEDATA by the kernel.
 //
-// Blocking: C = 2x2 tiles (32 rows x 2 panels), A = 2 tiles, B = 2 tiles.
-// K is walked in chunks (1 KiB of each A row by default) so the chunk of A
-// (rows x 1 KiB) stays in L2 across the task's panel pairs and the B chunk
-// (2 x 16 KiB) in L1 across row pairs; partial C lives in the caller's c
-// buffer between chunks. While one panel pair computes, the next pair's B
-// chunk is prefetched into L2 (the weights come from DRAM exactly once).
+// Blocking: C = 2x2 tiles (32 rows x 2 panels), A = 2 tiles, B = 2 tiles:
+// one tile load per tile product. K is walked in chunks (2 KiB of each row by
+// default); partial C is stored to the caller's c buffer between chunks.
+// Inside a chunk the default order (1) runs row pairs outer, panel pairs
+// inner: the row pair's A chunk is reused across the task's panels and the
+// B chunk of the task's panels (<= 16 x 32 KiB) across row pairs, from L2.
+// Order 0 (panel pairs outer) and the other knobs in Tuning exist for
+// benchmarks; the defaults are the best of same-machine sweeps recorded in
+// bench/results/README.md.
 //
 // A is read either row-major (stride lda) or in the tile layout (GemmArgs::
-// a_tiled), where every A tile is one contiguous KiB: no strided loads, no
-// TLB walk per row.
+// a_tiled), where every A tile is one contiguous KiB.
 //
 // The kernel is written once against a tile-machine policy: HwTiles issues
 // the AMX instructions; EmuTiles is a plain-C++ model of the same eight tile
 // registers (tdpbf16ps / tdpbssd semantics) so CI machines without AMX run
-// this exact code path (blocking, layouts, epilogues) against the reference.
+// this exact code path (blocking, layouts, K chunks) against the reference.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -66,22 +68,22 @@ struct HwTiles {
     _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
   }
 };
-#define HMOE_TILE_REG(T)                                             \
-  template <>                                                        \
-  inline void HwTiles::Zero<T>() {                                   \
-    _tile_zero(T);                                                   \
-  }                                                                  \
-  template <>                                                        \
-  inline void HwTiles::Load<T>(const void* p, int64_t stride) {      \
-    _tile_loadd(T, p, stride);                                       \
-  }                                                                  \
-  template <>                                                        \
+#define HMOE_TILE_REG(T)                                              \
+  template <>                                                         \
+  inline void HwTiles::Zero<T>() {                                    \
+    _tile_zero(T);                                                    \
+  }                                                                   \
+  template <>                                                         \
+  inline void HwTiles::Load<T>(const void* p, int64_t stride) {       \
+    _tile_loadd(T, p, stride);                                        \
+  }                                                                   \
+  template <>                                                         \
   inline void HwTiles::LoadStream<T>(const void* p, int64_t stride) { \
-    _tile_stream_loadd(T, p, stride);                                \
-  }                                                                  \
-  template <>                                                        \
-  inline void HwTiles::Store<T>(void* p, int64_t stride) {           \
-    _tile_stored(T, p, stride);                                      \
+    _tile_stream_loadd(T, p, stride);                                 \
+  }                                                                   \
+  template <>                                                         \
+  inline void HwTiles::Store<T>(void* p, int64_t stride) {            \
+    _tile_stored(T, p, stride);                                       \
   }
 HMOE_TILE_REG(0)
 HMOE_TILE_REG(1)
@@ -92,14 +94,14 @@ HMOE_TILE_REG(5)
 HMOE_TILE_REG(6)
 HMOE_TILE_REG(7)
 #undef HMOE_TILE_REG
-#define HMOE_TILE_DP(C, A, B)                \
-  template <>                                \
-  inline void HwTiles::DpBf16<C, A, B>() {   \
-    _tile_dpbf16ps(C, A, B);                 \
-  }                                          \
-  template <>                                \
-  inline void HwTiles::DpI8<C, A, B>() {     \
-    _tile_dpbssd(C, A, B);                   \
+#define HMOE_TILE_DP(C, A, B)              \
+  template <>                              \
+  inline void HwTiles::DpBf16<C, A, B>() { \
+    _tile_dpbf16ps(C, A, B);               \
+  }                                        \
+  template <>                              \
+  inline void HwTiles::DpI8<C, A, B>() {   \
+    _tile_dpbssd(C, A, B);                 \
   }
 HMOE_TILE_DP(0, 4, 6)
 HMOE_TILE_DP(1, 4, 7)
@@ -177,8 +179,9 @@ struct EmuTiles {
 enum class Kind { kBf16, kInt8, kInt4Bf16 };
 
 // Tuning knobs, read once (benchmarks only; the defaults are the measured best).
-//   HMOE_AMX_KC_BYTES = 512 | 1024 | 2048: bytes of each A row per K chunk.
-//   HMOE_AMX_PREFETCH = 0 | 1: prefetch the next panel pair's B chunk into L2.
+//   HMOE_AMX_KC_BYTES = 512 | 1024 | 2048 | 4096: bytes of each A row per K chunk.
+//   HMOE_AMX_PREFETCH = 0 | 1: prefetch the next B chunk into L2 (order 0:
+//     the next panel pair's; order 1: the next K chunk's).
 //   HMOE_AMX_PF_A = 0 | 1 | 2: prefetch the A tiles kPfDist steps ahead into
 //     L1: no, as T0, as NTA (kept out of the way of the L1-resident B chunk).
 //   HMOE_AMX_ORDER = 0 | 1: loop order inside a K chunk (see AmxGemm).

@@ -226,8 +226,8 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.xa_scale.resize(R);
   w.xa_gsum.resize(R * static_cast<size_t>(std::max<int64_t>(w.gmax, 1)));
   if (layer.format() != WeightFormat::kBf16) {
-    ASSIGN_OR_RETURN(w.xt, NumaBuffer::Allocate(static_cast<size_t>(max_tokens * w.kp_h),
-                                                pool.mem_node(0)));
+    ASSIGN_OR_RETURN(
+        w.xt, NumaBuffer::Allocate(static_cast<size_t>(max_tokens * w.kp_h), pool.mem_node(0)));
     w.xt_scale.resize(static_cast<size_t>(max_tokens));
     w.xt_gsum.resize(static_cast<size_t>(max_tokens * std::max<int64_t>(w.gmax, 1)));
   }
@@ -257,9 +257,9 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
     for (int i = 0; i < pool.node_threads(p); ++i, ++t) {
       ASSIGN_OR_RETURN(w.cbuf[static_cast<size_t>(t)],
                        NumaBuffer::Allocate(kCbufFloats * 4, pool.mem_node(p)));
-      ASSIGN_OR_RETURN(w.scratch[static_cast<size_t>(t)],
-                       NumaBuffer::Allocate(static_cast<size_t>(w.scratch_bytes),
-                                            pool.mem_node(p)));
+      ASSIGN_OR_RETURN(
+          w.scratch[static_cast<size_t>(t)],
+          NumaBuffer::Allocate(static_cast<size_t>(w.scratch_bytes), pool.mem_node(p)));
     }
   w.counters = std::vector<std::atomic<int64_t>>(static_cast<size_t>(8 + 2 * w.nparts));
   return ws;
@@ -293,7 +293,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   // HMOE_MOE_TASK_PANELS (2..16, benchmarks): fewer panels per task.
   static const int64_t task_panels = [] {
     const char* e = std::getenv("HMOE_MOE_TASK_PANELS");
-    return e == nullptr ? kMaxTaskPanels : std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
+    return e == nullptr ? kMaxTaskPanels
+                        : std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
   }();
   double ts[9] = {};
   if (prof) ts[0] = Secs();
@@ -340,7 +341,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   for (int32_t e : w.active) any_int8_h |= Int8Act(fmt, w.many[static_cast<size_t>(e)]);
   w.row_items.clear();
   for (int32_t e : w.active) {
-    const int32_t r0 = w.row_off[static_cast<size_t>(e)], r1 = w.row_off[static_cast<size_t>(e) + 1];
+    const int32_t r0 = w.row_off[static_cast<size_t>(e)],
+                  r1 = w.row_off[static_cast<size_t>(e) + 1];
     const int32_t step = tiled(e) ? 16 : 4;
     for (int32_t r = r0; r < r1; r += step) w.row_items.push_back({e, r, std::min(step, r1 - r)});
   }
@@ -432,7 +434,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
           src[i] = t < 0 ? nullptr
                    : i8  ? w.xt.data() + int64_t{t} * kp_h
                          : reinterpret_cast<const uint8_t*>(in.x + int64_t{t} * H);
-          if (i8) w.xa_scale[static_cast<size_t>(r)] = t < 0 ? 0.0f : w.xt_scale[static_cast<size_t>(t)];
+          if (i8)
+            w.xa_scale[static_cast<size_t>(r)] = t < 0 ? 0.0f : w.xt_scale[static_cast<size_t>(t)];
         }
         kfew.pack_tiled_block(src, i8 ? kp_h : H * 2, i8 ? kp_h : xa_ld,
                               w.xa.data() + int64_t{ri.r0} * xa_ld, /*stream=*/true);
@@ -499,11 +502,11 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         // (tiled for the AMX down).
         const int64_t rows_alloc = many ? RoundUp(tk.m, 32) : tk.m;
         for (int64_t m = 0; m < rows_alloc; ++m) {
-          uint8_t* hrow = tl && !i8 ? TiledRow(b.h.data(), h_ld, row0, r0 + m)
-                                    : b.h.data() + (r0 + m) * h_ld;
+          uint8_t* hrow =
+              tl && !i8 ? TiledRow(b.h.data(), h_ld, row0, r0 + m) : b.h.data() + (r0 + m) * h_ld;
           auto bf16_at = [&](int64_t col) {
-            return reinterpret_cast<uint16_t*>(hrow + (tl ? (col / 32) * 1024 + (col % 32) * 2
-                                                          : col * 2));
+            return reinterpret_cast<uint16_t*>(hrow +
+                                               (tl ? (col / 32) * 1024 + (col % 32) * 2 : col * 2));
           };
           for (int64_t j = tk.nb0; j < tk.nb1; j += 2) {
             const int64_t col = (j / 2) * 16;

@@ -199,23 +199,22 @@ TEST_P(AmxEmulationTest, MatchesReference) {
   CheckAgainstReference(fc, T, shape, ro);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, AmxEmulationTest,
-    ::testing::Values(EmuParam{{WeightFormat::kBf16, 0}, 17, 0},
-                      EmuParam{{WeightFormat::kBf16, 0}, 300, 1},
-                      EmuParam{{WeightFormat::kBf16, 0}, 1100, 0},
-                      EmuParam{{WeightFormat::kInt8, 0}, 17, 0},
-                      EmuParam{{WeightFormat::kInt8, 0}, 300, 1},
-                      EmuParam{{WeightFormat::kInt8, 0}, 1100, 0},
-                      EmuParam{{WeightFormat::kInt4, 32}, 300, 1},
-                      EmuParam{{WeightFormat::kInt4, 64}, 1100, 0},
-                      EmuParam{{WeightFormat::kInt4, 128}, 300, 0},
-                      EmuParam{{WeightFormat::kBf16, 0}, 200, 2},
-                      EmuParam{{WeightFormat::kInt8, 0}, 200, 2}),
-    [](const ::testing::TestParamInfo<EmuParam>& p) {
-      return absl::StrCat(FmtName(std::get<0>(p.param)), "_T", std::get<1>(p.param), "_S",
-                          std::get<2>(p.param));
-    });
+INSTANTIATE_TEST_SUITE_P(All, AmxEmulationTest,
+                         ::testing::Values(EmuParam{{WeightFormat::kBf16, 0}, 17, 0},
+                                           EmuParam{{WeightFormat::kBf16, 0}, 300, 1},
+                                           EmuParam{{WeightFormat::kBf16, 0}, 1100, 0},
+                                           EmuParam{{WeightFormat::kInt8, 0}, 17, 0},
+                                           EmuParam{{WeightFormat::kInt8, 0}, 300, 1},
+                                           EmuParam{{WeightFormat::kInt8, 0}, 1100, 0},
+                                           EmuParam{{WeightFormat::kInt4, 32}, 300, 1},
+                                           EmuParam{{WeightFormat::kInt4, 64}, 1100, 0},
+                                           EmuParam{{WeightFormat::kInt4, 128}, 300, 0},
+                                           EmuParam{{WeightFormat::kBf16, 0}, 200, 2},
+                                           EmuParam{{WeightFormat::kInt8, 0}, 200, 2}),
+                         [](const ::testing::TestParamInfo<EmuParam>& p) {
+                           return absl::StrCat(FmtName(std::get<0>(p.param)), "_T",
+                                               std::get<1>(p.param), "_S", std::get<2>(p.param));
+                         });
 
 // Shard: experts [2, 5) of 7 and intermediate slice [24, 75); foreign ids,
 // ids of other shards and tokens with no owned expert.
