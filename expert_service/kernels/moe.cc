@@ -428,6 +428,21 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     const auto& lp = layer.parts()[static_cast<size_t>(p)];
     float* cbuf = reinterpret_cast<float*>(w.cbuf[static_cast<size_t>(wk.global)].data());
     uint8_t* scratch = w.scratch[static_cast<size_t>(wk.global)].data();
+    // The GemmArgs fields every task sets the same way: its matrix, panels,
+    // rows, and this worker's C buffer and scratch.
+    auto task_args = [&](const Task& tk, const PackedGeom& g, const uint8_t* weights) {
+      kern::GemmArgs a;
+      a.g = &g;
+      a.w = weights;
+      a.nb0 = tk.nb0;
+      a.nb1 = tk.nb1;
+      a.m = tk.m;
+      a.c = cbuf;
+      a.ldc = (tk.nb1 - tk.nb0) * 16;
+      a.scratch = scratch;
+      a.scratch_bytes = w.scratch_bytes;
+      return a;
+    };
 
     // ---- xquant: every token once (int8 activations) ----
     if (prequant) {
@@ -498,22 +513,13 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         const kern::KernelSet& ks = dsp.For(many);
         const int64_t row0 = w.row_off[static_cast<size_t>(tk.e)];
         const int64_t r0 = row0 + tk.m0;
-        kern::GemmArgs a;
-        a.g = &lp.gu;
-        a.w = lp.gate_up(tk.e);
-        a.nb0 = tk.nb0;
-        a.nb1 = tk.nb1;
+        kern::GemmArgs a = task_args(tk, lp.gu, lp.gate_up(tk.e));
         a.a = w.xa.data() + r0 * xa_ld;
         a.lda = xa_ld;
         a.a_tiled = tl;
-        a.m = tk.m;
         a.a_scale = &w.xa_scale[static_cast<size_t>(r0)];
         a.a_gsum = w.gmax ? &w.xa_gsum[static_cast<size_t>(r0 * gsum_ld)] : nullptr;
         a.gsum_stride = gsum_ld;
-        a.c = cbuf;
-        a.ldc = (tk.nb1 - tk.nb0) * 16;
-        a.scratch = scratch;
-        a.scratch_bytes = w.scratch_bytes;
         GemmFor(ks, fmt, many)(a);
         // h: f32 rows for int8 activations (quantized below), else bf16 rows
         // (tiled for the AMX down).
@@ -606,11 +612,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         const bool i8 = Int8Act(fmt, many);
         const kern::KernelSet& ks = dsp.For(many);
         const int64_t r0 = w.row_off[static_cast<size_t>(tk.e)] + tk.m0;
-        kern::GemmArgs a;
-        a.g = &lp.down;
-        a.w = lp.down_w(tk.e);
-        a.nb0 = tk.nb0;
-        a.nb1 = tk.nb1;
+        kern::GemmArgs a = task_args(tk, lp.down, lp.down_w(tk.e));
         if (i8) {
           a.a = b.hq.data() + r0 * b.kp_i;
           a.lda = b.kp_i;
@@ -619,14 +621,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
           a.lda = b.kp_i * 4;
         }
         a.a_tiled = tiled(tk.e);
-        a.m = tk.m;
         a.a_scale = &w.h_scale[static_cast<size_t>(r0)];
         a.a_gsum = b.groups ? &b.hgsum[static_cast<size_t>(r0 * hg_ld)] : nullptr;
         a.gsum_stride = hg_ld;
-        a.c = cbuf;
-        a.ldc = (tk.nb1 - tk.nb0) * 16;
-        a.scratch = scratch;
-        a.scratch_bytes = w.scratch_bytes;
         GemmFor(ks, fmt, many)(a);
         const int64_t c0 = int64_t{tk.nb0} * 16, c1 = std::min<int64_t>(int64_t{tk.nb1} * 16, H);
         kfew.store_rows(cbuf, a.ldc, reinterpret_cast<float*>(b.y.data()) + r0 * H + c0, H, tk.m,
