@@ -6,6 +6,12 @@
 //                  [--routing uniform|zipf] [--layers N] [--threads N] [--vnuma N]
 //                  [--group 128] [--min-time S] [--no-onednn] [--json FILE]
 //                  [--kernel-probe]   (AMX GEMM alone, in cache; see KernelProbe)
+//                  [--tune "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=1;B:"] [--reps N]
+//
+// --tune compares AMX tuning settings (the HMOE_AMX_* knobs of
+// kernels_amx.cc) in one process on the same weights: every row is measured
+// --reps times per setting, settings interleaved, and tagged cfg=NAME; the
+// knobs a setting does not name are unset (defaults).
 //
 // Per row: microseconds per call, weight GB/s over the distinct expert bytes
 // the call touched, TFLOP/s, % of the measured read bandwidth, % of the
@@ -68,9 +74,9 @@ int64_t LlcBytes() {
   return best > 0 ? best : (32ll << 20);
 }
 
-std::vector<std::string> List(const std::string& s) {
+std::vector<std::string> List(const std::string& s, char sep = ',') {
   std::vector<std::string> out;
-  for (auto p : absl::StrSplit(s, ',', absl::SkipEmpty())) out.emplace_back(p);
+  for (auto p : absl::StrSplit(s, sep, absl::SkipEmpty())) out.emplace_back(p);
   return out;
 }
 
@@ -244,7 +250,37 @@ struct Args {
   bool onednn = true;
   bool kernel_probe = false;
   std::string json;
+  struct Tune {
+    std::string name;
+    std::vector<std::pair<std::string, std::string>> env;
+  };
+  std::vector<Tune> tunes;  // empty: one untagged measurement per row
+  int reps = 1;
 };
+
+// "A:K=V,K=V;B:K=V" -> settings; false on a malformed list.
+bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
+  for (const auto& item : List(s, ';')) {
+    const size_t colon = item.find(':');
+    if (colon == std::string::npos || colon == 0) return false;
+    Args::Tune t{item.substr(0, colon), {}};
+    for (const auto& kv : List(item.substr(colon + 1), ',')) {
+      const size_t eq = kv.find('=');
+      if (eq == std::string::npos || kv.rfind("HMOE_AMX_", 0) != 0) return false;
+      t.env.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
+    }
+    out.push_back(std::move(t));
+  }
+  return !out.empty();
+}
+
+void ApplyTune(const Args::Tune& t) {
+  for (const char* k : {"HMOE_AMX_KC_BYTES", "HMOE_AMX_PREFETCH", "HMOE_AMX_PF_A", "HMOE_AMX_ORDER",
+                        "HMOE_AMX_CTMP", "HMOE_AMX_STREAM", "HMOE_AMX_SCHED"})
+    unsetenv(k);
+  for (const auto& [k, v] : t.env) setenv(k.c_str(), v.c_str(), 1);
+  kern::ReloadAmxTuning();
+}
 
 int Main(int argc, char** argv) {
   Args a;
@@ -284,6 +320,13 @@ int Main(int argc, char** argv) {
       a.onednn = false;
     else if (f == "--json")
       a.json = val();
+    else if (f == "--tune") {
+      if (!ParseTunes(val(), a.tunes)) {
+        std::fprintf(stderr, "--tune wants NAME:HMOE_AMX_K=V,...;NAME:...\n");
+        return 2;
+      }
+    } else if (f == "--reps")
+      a.reps = std::max(1, std::atoi(val().c_str()));
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of bench/bench_moe.cc)\n", f.c_str());
       return 2;
@@ -475,59 +518,67 @@ int Main(int argc, char** argv) {
             std::fprintf(stderr, "# skip isa %s (not on this CPU)\n", iname.c_str());
             continue;
           }
-          RunOptions ro;
-          ro.isa = *isa;
-          Router r(P->E, P->K, a.zipf);
-          std::vector<int32_t> ids;
-          std::vector<float> w;
-          int iters = 0;
-          double total = 0, bytes = 0, flops = 0;
-          for (int it = 0; it < 100000; ++it) {
-            r.Route(T, ids, w);
-            MoeInput in{T, P->K, x.data(), ids.data(), w.data()};
-            std::vector<char> touched(static_cast<size_t>(P->E), 0);
-            for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
-            const int64_t ne = std::count(touched.begin(), touched.end(), 1);
-            const double t0 = Now();
-            auto s = RunMoe(layers[static_cast<size_t>(it) % layers.size()], in, out.data(), pool,
-                            **ws_or, ro);
-            const double dt = Now() - t0;
-            if (!s.ok()) {
-              std::fprintf(stderr, "run: %s\n", s.ToString().c_str());
-              return 1;
+          const std::vector<Args::Tune> tunes =
+              a.tunes.empty() ? std::vector<Args::Tune>{Args::Tune{}} : a.tunes;
+          for (int rep = 0; rep < a.reps; ++rep)
+            for (const Args::Tune& tune : tunes) {
+              if (!a.tunes.empty()) ApplyTune(tune);
+              RunOptions ro;
+              ro.isa = *isa;
+              Router r(P->E, P->K, a.zipf);
+              std::vector<int32_t> ids;
+              std::vector<float> w;
+              int iters = 0;
+              double total = 0, bytes = 0, flops = 0;
+              for (int it = 0; it < 100000; ++it) {
+                r.Route(T, ids, w);
+                MoeInput in{T, P->K, x.data(), ids.data(), w.data()};
+                std::vector<char> touched(static_cast<size_t>(P->E), 0);
+                for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
+                const int64_t ne = std::count(touched.begin(), touched.end(), 1);
+                const double t0 = Now();
+                auto s = RunMoe(layers[static_cast<size_t>(it) % layers.size()], in, out.data(),
+                                pool, **ws_or, ro);
+                const double dt = Now() - t0;
+                if (!s.ok()) {
+                  std::fprintf(stderr, "run: %s\n", s.ToString().c_str());
+                  return 1;
+                }
+                if (it == 0) continue;
+                total += dt;
+                bytes += static_cast<double>(ne * expert_bytes);
+                flops += static_cast<double>(T * P->K) * 6.0 * P->H * P->I;
+                ++iters;
+                if (total > a.min_time && iters >= 3) break;
+              }
+              const double us = total / iters * 1e6;
+              const double gbs = bytes / total / 1e9, tf = flops / total / 1e12;
+              const double peak = *fmt == WeightFormat::kInt8 ? amx_i8 : amx_bf16;
+              const double dus = dnn_us.count(dfmt) && dnn_us[dfmt].count(T) ? dnn_us[dfmt][T] : 0;
+              std::printf(
+                  "%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %11.1f %7.2fx%s\n",
+                  P->name, fname.c_str(), iname.c_str(), static_cast<long long>(T), us, gbs, tf,
+                  bw > 0 ? 100 * gbs / bw : 0, peak > 0 ? 100 * tf / peak : 0, dus,
+                  dus > 0 ? dus / us : 0, tune.name.empty() ? "" : (" cfg=" + tune.name).c_str());
+              std::fflush(stdout);
+              J["rows"].push_back({{"preset", P->name},
+                                   {"format", fname},
+                                   {"isa", iname},
+                                   {"T", T},
+                                   {"us", us},
+                                   {"weight_gbs", gbs},
+                                   {"tflops", tf},
+                                   {"pct_bw", bw > 0 ? 100 * gbs / bw : 0},
+                                   {"pct_amx", peak > 0 ? 100 * tf / peak : 0},
+                                   {"onednn_format", dfmt},
+                                   {"onednn_us", dus},
+                                   {"speedup", dus > 0 ? dus / us : 0},
+                                   {"layers", L},
+                                   {"routing", a.zipf ? "zipf" : "uniform"},
+                                   {"virtual_nodes", pool.num_nodes()},
+                                   {"cfg", tune.name}});
+              flush_json();
             }
-            if (it == 0) continue;
-            total += dt;
-            bytes += static_cast<double>(ne * expert_bytes);
-            flops += static_cast<double>(T * P->K) * 6.0 * P->H * P->I;
-            ++iters;
-            if (total > a.min_time && iters >= 3) break;
-          }
-          const double us = total / iters * 1e6;
-          const double gbs = bytes / total / 1e9, tf = flops / total / 1e12;
-          const double peak = *fmt == WeightFormat::kInt8 ? amx_i8 : amx_bf16;
-          const double dus = dnn_us.count(dfmt) && dnn_us[dfmt].count(T) ? dnn_us[dfmt][T] : 0;
-          std::printf("%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %11.1f %7.2fx\n",
-                      P->name, fname.c_str(), iname.c_str(), static_cast<long long>(T), us, gbs, tf,
-                      bw > 0 ? 100 * gbs / bw : 0, peak > 0 ? 100 * tf / peak : 0, dus,
-                      dus > 0 ? dus / us : 0);
-          std::fflush(stdout);
-          J["rows"].push_back({{"preset", P->name},
-                               {"format", fname},
-                               {"isa", iname},
-                               {"T", T},
-                               {"us", us},
-                               {"weight_gbs", gbs},
-                               {"tflops", tf},
-                               {"pct_bw", bw > 0 ? 100 * gbs / bw : 0},
-                               {"pct_amx", peak > 0 ? 100 * tf / peak : 0},
-                               {"onednn_format", dfmt},
-                               {"onednn_us", dus},
-                               {"speedup", dus > 0 ? dus / us : 0},
-                               {"layers", L},
-                               {"routing", a.zipf ? "zipf" : "uniform"},
-                               {"virtual_nodes", pool.num_nodes()}});
-          flush_json();
         }
       }
     }

@@ -3,14 +3,17 @@
 // dispatch has seen AMX in cpuid and been granted XTILEDATA by the kernel.
 //
 // Blocking: C = 2x2 tiles (32 rows x 2 panels), A = 2 tiles, B = 2 tiles:
-// one tile load per tile product. K is walked in chunks (2 KiB of each row by
-// default); partial C is stored to the caller's c buffer between chunks.
-// Inside a chunk the default order (1) runs row pairs outer, panel pairs
-// inner: the row pair's A chunk is reused across the task's panels and the
-// B chunk of the task's panels (<= 16 x 32 KiB) across row pairs, from L2.
+// one tile load per tile product; each k step issues its four loads, then
+// its four products. K is walked in chunks (2 KiB of each row for bf16,
+// 1 KiB for int8 by default); partial C is stored to the caller's c buffer
+// between chunks. Inside a chunk the default order (1) runs row pairs outer,
+// panel pairs inner: the row pair's A chunk is reused across the task's
+// panels and the B chunk of the task's panels across row pairs, from L2.
+// Meanwhile the next chunk's B (and the next row pair's A) is prefetched
+// into L2 a few lines per k step, so tile loads do not wait on DRAM.
 // Order 0 (panel pairs outer) and the other knobs in Tuning exist for
 // benchmarks; the defaults are the best of same-machine sweeps recorded in
-// bench/results/README.md.
+// bench/results/README.md (hmoe-bench-moe --tune compares them in one run).
 //
 // A is read either row-major (stride lda) or in the tile layout (GemmArgs::
 // a_tiled), where every A tile is one contiguous KiB.
@@ -178,10 +181,14 @@ struct EmuTiles {
 
 enum class Kind { kBf16, kInt8, kInt4Bf16 };
 
-// Tuning knobs, read once (benchmarks only; the defaults are the measured best).
-//   HMOE_AMX_KC_BYTES = 512 | 1024 | 2048 | 4096: bytes of each A row per K chunk.
-//   HMOE_AMX_PREFETCH = 0 | 1: prefetch the next B chunk into L2 (order 0:
-//     the next panel pair's; order 1: the next K chunk's).
+// Tuning knobs, read once, again on ReloadAmxTuning (benchmarks only; the
+// defaults are the measured best).
+//   HMOE_AMX_KC_BYTES = 512 | 1024 | 2048 | 4096: bytes of each A row per K chunk
+//     (default: 2048 for bf16, 1024 for int8, whose faster products leave
+//     less room for tile loads from L2).
+//   HMOE_AMX_PREFETCH = 0 | 1: prefetch into L2 what comes next (order 0:
+//     the next panel pair's B chunk; order 1: the next K chunk's B and, for
+//     tile-layout A, the next row pair's A chunk).
 //   HMOE_AMX_PF_A = 0 | 1 | 2: prefetch the A tiles kPfDist steps ahead into
 //     L1: no, as T0, as NTA (kept out of the way of the L1-resident B chunk).
 //   HMOE_AMX_ORDER = 0 | 1: loop order inside a K chunk (see AmxGemm).
@@ -189,14 +196,18 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //     scratch as contiguous tiles instead of strided rows of c.
 //   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
 //     tileloaddt1 (so it does not evict the reused one).
+//   HMOE_AMX_SCHED = 0 | 1: k step as four loads then four products, or loads
+//     interleaved just before their first product.
 struct Tuning {
-  int64_t kc_bytes = 2048;
-  bool prefetch = false;
+  int sched = 0;
+  int64_t kc_bytes = 0;  // 0: per format
+  bool prefetch = true;
   int pf_a = 0;
   int order = 1;
   bool stream = false;
   bool ctmp = false;
   Tuning() {
+    if (const char* e = std::getenv("HMOE_AMX_SCHED")) sched = *e == '1' ? 1 : 0;
     if (const char* e = std::getenv("HMOE_AMX_CTMP")) ctmp = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_STREAM")) stream = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_ORDER")) order = *e == '0' ? 0 : 1;
@@ -208,10 +219,11 @@ struct Tuning {
     if (const char* e = std::getenv("HMOE_AMX_PREFETCH")) prefetch = *e == '1';
   }
 };
-const Tuning& Tune() {
-  static const Tuning t;
+Tuning& MutableTune() {
+  static Tuning t;
   return t;
 }
+const Tuning& Tune() { return MutableTune(); }
 
 template <class X, int T>
 inline void LoadOp(const uint8_t* p, int64_t stride, bool stream) {
@@ -227,7 +239,8 @@ void AmxGemm(const GemmArgs& a) {
   constexpr int64_t kStepK = kI8 ? 64 : 32;  // k per tile
   const Tuning& tune = Tune();
   // k per chunk (a multiple of 128); int4's bf16 staging holds at most 2048 k per panel.
-  const int64_t kChunkK = std::min<int64_t>(tune.kc_bytes / (kI8 ? 1 : 2),
+  const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : (kI8 ? 1024 : 2048);
+  const int64_t kChunkK = std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2),
                                             kKind == Kind::kInt4Bf16 ? 2048 : int64_t{1} << 30);
   const PackedGeom& g = *a.g;
   X::Configure();
@@ -282,25 +295,44 @@ void AmxGemm(const GemmArgs& a) {
     const uint8_t* a1 = a0 + 16 * a.lda;
     if (two) {
       for (int64_t s = 0; s < steps; ++s) {
-        // Loads interleaved with the products that need them.
-        LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
-        LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
-        if constexpr (kI8)
-          X::template DpI8<0, 4, 6>();
-        else
-          X::template DpBf16<0, 4, 6>();
-        LoadOp<X, 7>(B1 + s * 1024, 64, stream_b);
-        if constexpr (kI8)
-          X::template DpI8<1, 4, 7>();
-        else
-          X::template DpBf16<1, 4, 7>();
-        LoadOp<X, 5>(a1 + s * a_ss, a_rs, stream_a);
-        if constexpr (kI8) {
-          X::template DpI8<2, 5, 6>();
-          X::template DpI8<3, 5, 7>();
+        if (tune.sched == 0) {
+          // All four loads, then the four products.
+          LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
+          LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
+          LoadOp<X, 7>(B1 + s * 1024, 64, stream_b);
+          LoadOp<X, 5>(a1 + s * a_ss, a_rs, stream_a);
+          if constexpr (kI8) {
+            X::template DpI8<0, 4, 6>();
+            X::template DpI8<1, 4, 7>();
+            X::template DpI8<2, 5, 6>();
+            X::template DpI8<3, 5, 7>();
+          } else {
+            X::template DpBf16<0, 4, 6>();
+            X::template DpBf16<1, 4, 7>();
+            X::template DpBf16<2, 5, 6>();
+            X::template DpBf16<3, 5, 7>();
+          }
         } else {
-          X::template DpBf16<2, 5, 6>();
-          X::template DpBf16<3, 5, 7>();
+          // Loads interleaved with the products that need them.
+          LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
+          LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
+          if constexpr (kI8)
+            X::template DpI8<0, 4, 6>();
+          else
+            X::template DpBf16<0, 4, 6>();
+          LoadOp<X, 7>(B1 + s * 1024, 64, stream_b);
+          if constexpr (kI8)
+            X::template DpI8<1, 4, 7>();
+          else
+            X::template DpBf16<1, 4, 7>();
+          LoadOp<X, 5>(a1 + s * a_ss, a_rs, stream_a);
+          if constexpr (kI8) {
+            X::template DpI8<2, 5, 6>();
+            X::template DpI8<3, 5, 7>();
+          } else {
+            X::template DpBf16<2, 5, 6>();
+            X::template DpBf16<3, 5, 7>();
+          }
         }
         after_step(s);
       }
@@ -327,30 +359,64 @@ void AmxGemm(const GemmArgs& a) {
 
   if (kKind != Kind::kInt4Bf16 && tune.order == 1) {
     // Order 1: per K chunk, row pairs outer (A chunk reused from L1), panel
-    // pairs inner (B chunk of all the task's panels reused from L2); the next
-    // chunk's B is prefetched into L2 across the whole chunk.
+    // pairs inner (B chunk of all the task's panels reused from L2). With
+    // prefetch on, the next chunk's B lines go to L2 spread over the whole
+    // chunk, and (tile-layout A) each row pair's successor A lines spread
+    // over the row pair, so no tile load waits on DRAM.
+    const int64_t npanels = a.nb1 - a.nb0;
+    const int64_t npairs = (npanels + 1) / 2;
     for (int64_t kc0 = 0; kc0 < g.kp; kc0 += kChunkK) {
       const int64_t kc1 = std::min(g.kp, kc0 + kChunkK);
       const int64_t steps = (kc1 - kc0) / kStepK;
-      const int64_t npanels = a.nb1 - a.nb0;
-      int64_t pf_lines = 0, pf_per_step = 0, pf_done = 0, pf_panel_lines = 0;
-      if (tune.prefetch && kc1 < g.kp) {
-        pf_panel_lines = (std::min(g.kp, kc1 + kChunkK) - kc1) / kStepK * 16;
-        pf_lines = pf_panel_lines * npanels;
-        const int64_t slots = (mp / 32) * ((npanels + 1) / 2) * steps;
-        pf_per_step = (pf_lines + slots - 1) / slots;
+      const int64_t next_steps = (std::min(g.kp, kc1 + kChunkK) - kc1) / kStepK;
+      // B cursor: panel b_p, byte b_off within [b_start, b_end) of the panel.
+      const int64_t b_start = kc1 / kStepK * 1024, b_end = b_start + next_steps * 1024;
+      int64_t b_p = a.nb0, b_off = b_start, b_per_step = 0;
+      if (prefetch && kc1 < g.kp) {
+        const int64_t lines = npanels * next_steps * 16, slots = (mp / 32) * npairs * steps;
+        b_per_step = (lines + slots - 1) / slots;
       }
+      // A cursor over the next row pair's chunk (two contiguous row-block runs).
+      const bool pf_a = prefetch && a.a_tiled;
+      const int64_t a_per_step =
+          pf_a ? (2 * steps * 16 + npairs * steps - 1) / (npairs * steps) : 0;
+      const uint8_t* a_run[2] = {nullptr, nullptr};
+      int64_t a_off = 0, a_r = 2, a_len = 0;
       auto after_step = [&](int64_t) {
-        for (int64_t q = 0; q < pf_per_step && pf_done < pf_lines; ++q, ++pf_done)
-          X::PrefetchL2(a.w + (a.nb0 + pf_done / pf_panel_lines) * g.panel_bytes +
-                        kc1 / kStepK * 1024 + (pf_done % pf_panel_lines) * 64);
+        for (int64_t q = 0; q < b_per_step && b_p < a.nb1; ++q) {
+          X::PrefetchL2(a.w + b_p * g.panel_bytes + b_off);
+          b_off += 64;
+          if (b_off == b_end) {
+            b_off = b_start;
+            ++b_p;
+          }
+        }
+        for (int64_t q = 0; q < a_per_step && a_r < 2; ++q) {
+          X::PrefetchL2(a_run[a_r] + a_off);
+          a_off += 64;
+          if (a_off == a_len) {
+            a_off = 0;
+            ++a_r;
+          }
+        }
       };
-      for (int m0 = 0; m0 < mp; m0 += 32)
+      for (int m0 = 0; m0 < mp; m0 += 32) {
+        if (pf_a) {
+          // The next row pair of this chunk, or the first of the next chunk.
+          const int64_t nm = m0 + 32 < mp ? m0 + 32 : 0;
+          const int64_t nk = m0 + 32 < mp ? kc0 : kc1;
+          a_r = nk < g.kp ? 0 : 2;
+          a_off = 0;
+          a_len = (nk == kc0 ? steps : next_steps) * 1024;
+          a_run[0] = A + nm * a.lda + nk / kStepK * 1024;
+          a_run[1] = a_run[0] + 16 * a.lda;
+        }
         for (int64_t j = a.nb0; j < a.nb1; j += 2) {
           const uint8_t* B0 = a.w + j * g.panel_bytes + kc0 / kStepK * 1024;
           block(m0, j, B0, B0 + g.panel_bytes, j + 1 < a.nb1, kc0, steps, false, tune.stream,
                 after_step);
         }
+      }
     }
   } else {
     // Order 0: per K chunk, panel pairs outer (B chunk reused from L1), row
@@ -441,6 +507,8 @@ void AmxGemm(const GemmArgs& a) {
 }
 
 }  // namespace
+
+void ReloadAmxTuning() { MutableTune() = Tuning(); }
 
 void AmxPeakLoop(int64_t iters, bool int8) {
   alignas(64) static const uint8_t zeros[1024] = {};

@@ -1,0 +1,443 @@
+// hmoe-amx-microprobe: AMX micro-kernel schedules measured alone, operands
+// in L1 or L2, one thread and all threads. Used to choose the schedule of
+// the AMX GEMM in expert_service/kernels/kernels_amx.cc; prints GFLOP/s per
+// core and % of the register-only loop (4 independent accumulators, the
+// "AMX peak" hmoe-bench-moe reports).
+//
+// Every variant runs `steps` k steps per rep over tiled operands (1 KiB per
+// tile): A tile of row block r at step s lives at A + ((r * sa) + s % sa) KiB,
+// B tile of panel p at B + ((p * sb) + s % sb) KiB, so sa / sb pick the
+// working set (sa = 8 -> 16 KiB of A for two row blocks: L1; 256 -> 512 KiB:
+// L2).
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void Configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+struct Ops {
+  const uint8_t* A;
+  const uint8_t* B;
+  int64_t sa, sb;  // k steps held per row block / per panel (powers of two)
+  int64_t steps;
+};
+
+inline const uint8_t* At(const Ops& o, int r, int64_t s) {
+  return o.A + (r * o.sa + (s & (o.sa - 1))) * 1024;
+}
+inline const uint8_t* Bt(const Ops& o, int p, int64_t s) {
+  return o.B + (p * o.sb + (s & (o.sb - 1))) * 1024;
+}
+
+alignas(64) thread_local uint8_t sink[8][1024];
+
+void StoreC() {
+  _tile_stored(0, sink[0], 64);
+  _tile_stored(1, sink[1], 64);
+  _tile_stored(2, sink[2], 64);
+  _tile_stored(3, sink[3], 64);
+}
+
+// Peak: 4 accumulators, no loads.
+void Peak4(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, o.A, 64);
+  _tile_loadd(5, o.A, 64);
+  _tile_loadd(6, o.B, 64);
+  _tile_loadd(7, o.B, 64);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  StoreC();
+}
+
+// 6 accumulators, no loads: shows whether 4 chains are latency bound.
+void Peak6(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_loadd(6, o.A, 64);
+  _tile_loadd(7, o.B, 64);
+  for (int64_t s = 0; s < o.steps; s += 4) {  // 6 per 4 "steps" ~ keep 4 TDP/step
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_dpbf16ps(5, 6, 7);
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_dpbf16ps(5, 6, 7);
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_dpbf16ps(3, 6, 7);
+  }
+  StoreC();
+}
+
+void Peak4I8(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, o.A, 64);
+  _tile_loadd(5, o.A, 64);
+  _tile_loadd(6, o.B, 64);
+  _tile_loadd(7, o.B, 64);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  StoreC();
+}
+
+// The current kernel's step: loads interleaved just before their first use.
+void Cur(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    _tile_loadd(4, At(o, 0, s), 64);
+    _tile_loadd(6, Bt(o, 0, s), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, Bt(o, 1, s), 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, At(o, 1, s), 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  StoreC();
+}
+
+// Loads grouped at the top of the step.
+void Top(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    _tile_loadd(4, At(o, 0, s), 64);
+    _tile_loadd(6, Bt(o, 0, s), 64);
+    _tile_loadd(7, Bt(o, 1, s), 64);
+    _tile_loadd(5, At(o, 1, s), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  StoreC();
+}
+
+// Software pipelined: each operand register is reloaded for step s+1 right
+// after the last product of step s that reads it.
+void Pipe(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, At(o, 0, 0), 64);
+  _tile_loadd(6, Bt(o, 0, 0), 64);
+  _tile_loadd(7, Bt(o, 1, 0), 64);
+  _tile_loadd(5, At(o, 1, 0), 64);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    const int64_t n = s + 1;  // one extra load round at the end: harmless
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(4, At(o, 0, n), 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(6, Bt(o, 0, n), 64);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(5, At(o, 1, n), 64);
+    _tile_loadd(7, Bt(o, 1, n), 64);
+  }
+  StoreC();
+}
+
+// Pipe with a zig-zag product order so each reloaded register has two
+// products between its last read and its next use: step order alternates
+// (0,4,6)(1,4,7)(3,5,7)(2,5,6) and (2,5,6)(3,5,7)... handled by unrolling 2.
+void Zig(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, At(o, 0, 0), 64);
+  _tile_loadd(6, Bt(o, 0, 0), 64);
+  _tile_loadd(7, Bt(o, 1, 0), 64);
+  _tile_loadd(5, At(o, 1, 0), 64);
+  for (int64_t s = 0; s < o.steps; s += 2) {
+    // even step: A0B0, A0B1 | A0 free; A1B1 | B1 free; A1B0 | A1, B0 free
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(4, At(o, 0, s + 1), 64);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(7, Bt(o, 1, s + 1), 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(5, At(o, 1, s + 1), 64);
+    _tile_loadd(6, Bt(o, 0, s + 1), 64);
+    // odd step: A0B1 (A0, B1 loaded first), A0B0 | A0 free, A1B0, A1B1
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(4, At(o, 0, s + 2), 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(6, Bt(o, 0, s + 2), 64);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(5, At(o, 1, s + 2), 64);
+    _tile_loadd(7, Bt(o, 1, s + 2), 64);
+  }
+  StoreC();
+}
+
+// 1 x 2 C (2 accumulators) with double-buffered A and B: 1.5 loads per
+// product, but no load ever waits on a product of the same step.
+void Db12(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_loadd(2, At(o, 0, 0), 64);
+  _tile_loadd(4, Bt(o, 0, 0), 64);
+  _tile_loadd(5, Bt(o, 1, 0), 64);
+  for (int64_t s = 0; s < o.steps; s += 2) {
+    _tile_loadd(3, At(o, 0, s + 1), 64);
+    _tile_loadd(6, Bt(o, 0, s + 1), 64);
+    _tile_loadd(7, Bt(o, 1, s + 1), 64);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+    _tile_loadd(2, At(o, 0, s + 2), 64);
+    _tile_loadd(4, Bt(o, 0, s + 2), 64);
+    _tile_loadd(5, Bt(o, 1, s + 2), 64);
+    _tile_dpbf16ps(0, 3, 6);
+    _tile_dpbf16ps(1, 3, 7);
+  }
+  StoreC();
+}
+
+// 2x2 with A from L1 only (B loaded, A registers fixed): isolates B loads.
+void OnlyB(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, At(o, 0, 0), 64);
+  _tile_loadd(5, At(o, 1, 0), 64);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    _tile_loadd(6, Bt(o, 0, s), 64);
+    _tile_loadd(7, Bt(o, 1, s), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  StoreC();
+}
+
+// Top with the C block reloaded every kKc steps, as in the real kernel's K
+// chunks: C stored to and loaded back from a 4 KiB buffer (L1).
+template <int64_t kKc>
+void Blk(const Ops& o) {
+  alignas(64) static thread_local float cbuf[4][256];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s0 = 0; s0 < o.steps; s0 += kKc) {
+    if (s0 > 0) {
+      _tile_loadd(0, cbuf[0], 64);
+      _tile_loadd(1, cbuf[1], 64);
+      _tile_loadd(2, cbuf[2], 64);
+      _tile_loadd(3, cbuf[3], 64);
+    }
+    for (int64_t s = s0; s < s0 + kKc; ++s) {
+      _tile_loadd(4, At(o, 0, s), 64);
+      _tile_loadd(6, Bt(o, 0, s), 64);
+      _tile_loadd(7, Bt(o, 1, s), 64);
+      _tile_loadd(5, At(o, 1, s), 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(1, cbuf[1], 64);
+    _tile_stored(3, cbuf[3], 64);
+    _tile_stored(0, cbuf[0], 64);
+    _tile_stored(2, cbuf[2], 64);
+  }
+}
+
+// Pipe in int8.
+void PipeI8(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, At(o, 0, 0), 64);
+  _tile_loadd(6, Bt(o, 0, 0), 64);
+  _tile_loadd(7, Bt(o, 1, 0), 64);
+  _tile_loadd(5, At(o, 1, 0), 64);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    const int64_t n = s + 1;
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_loadd(4, At(o, 0, n), 64);
+    _tile_dpbssd(2, 5, 6);
+    _tile_loadd(6, Bt(o, 0, n), 64);
+    _tile_dpbssd(3, 5, 7);
+    _tile_loadd(5, At(o, 1, n), 64);
+    _tile_loadd(7, Bt(o, 1, n), 64);
+  }
+  StoreC();
+}
+
+void CurI8(const Ops& o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    _tile_loadd(4, At(o, 0, s), 64);
+    _tile_loadd(6, Bt(o, 0, s), 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_loadd(7, Bt(o, 1, s), 64);
+    _tile_dpbssd(1, 4, 7);
+    _tile_loadd(5, At(o, 1, s), 64);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  StoreC();
+}
+
+struct Variant {
+  const char* name;
+  void (*fn)(const Ops&);
+  double tdp_per_step;
+};
+
+double RunThreads(int nthreads, const Variant& v, int64_t sa, int64_t sb, double seconds) {
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<double> rate(nthreads);
+  std::vector<std::thread> th;
+  for (int t = 0; t < nthreads; ++t) {
+    th.emplace_back([&, t] {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(t, &set);
+      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+      const int64_t abytes = 2 * (sa + 2) * 1024, bbytes = 2 * (sb + 2) * 1024;
+      auto* A = static_cast<uint8_t*>(std::aligned_alloc(4096, (abytes + 4095) / 4096 * 4096));
+      auto* B = static_cast<uint8_t*>(std::aligned_alloc(4096, (bbytes + 4095) / 4096 * 4096));
+      for (int64_t i = 0; i < abytes; ++i) A[i] = static_cast<uint8_t>((i * 7 + t) & 0x3f);
+      for (int64_t i = 0; i < bbytes; ++i) B[i] = static_cast<uint8_t>((i * 13 + t) & 0x3f);
+      Configure();
+      Ops o{A, B, sa, sb, 4096};
+      v.fn(o);  // warm
+      ready.fetch_add(1);
+      while (!go.load()) {
+      }
+      int64_t reps = 0;
+      const auto t0 = std::chrono::steady_clock::now();
+      double el = 0;
+      do {
+        for (int i = 0; i < 8; ++i) v.fn(o);
+        reps += 8;
+        el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      } while (el < seconds);
+      rate[t] = reps * o.steps * v.tdp_per_step * 16384.0 / el;
+      _tile_release();
+      std::free(A);
+      std::free(B);
+    });
+  }
+  while (ready.load() < nthreads) {
+  }
+  go.store(true);
+  for (auto& x : th) x.join();
+  double sum = 0;
+  for (double r : rate) sum += r;
+  return sum;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+    std::fprintf(stderr, "no XTILEDATA permission\n");
+    return 1;
+  }
+  const int nthreads = argc > 1 ? std::atoi(argv[1]) : 16;
+  const double secs = argc > 2 ? std::atof(argv[2]) : 0.3;
+  const Variant peak{"peak4", Peak4, 4}, peak6{"peak6", Peak6, 4}, peaki8{"peak4-i8", Peak4I8, 4};
+  const Variant vs[] = {{"cur", Cur, 4},        {"top", Top, 4},      {"pipe", Pipe, 4},
+                        {"zig", Zig, 4},        {"db12", Db12, 2},    {"onlyB", OnlyB, 4},
+                        {"pipe-i8", PipeI8, 4}, {"cur-i8", CurI8, 4}, {"blk8", Blk<8>, 4},
+                        {"blk16", Blk<16>, 4},  {"blk32", Blk<32>, 4}};
+  struct Ws {
+    const char* name;
+    int64_t sa, sb;
+  } ws[] = {
+      {"A L1 B L1", 4, 4}, {"A L2 B L1", 256, 4}, {"A L1 B L2", 4, 256}, {"A L2 B L2", 128, 128}};
+  for (int nt : {1, nthreads}) {
+    const double p4 = RunThreads(nt, peak, 4, 4, secs);
+    const double p6 = RunThreads(nt, peak6, 4, 4, secs);
+    const double pi8 = RunThreads(nt, peaki8, 4, 4, secs);
+    std::printf(
+        "## threads %d: peak4 %.2f TFLOP/s (%.0f GFLOP/s/core), peak6 %.2f, peak4-i8 %.2f TOP/s\n",
+        nt, p4 / 1e12, p4 / nt / 1e9, p6 / 1e12, pi8 / 1e12);
+    for (const Variant& v : vs) {
+      std::printf("%-8s", v.name);
+      for (const Ws& w : ws) {
+        const double r = RunThreads(nt, v, w.sa, w.sb, secs);
+        const double ref = std::string(v.name).find("i8") != std::string::npos ? pi8 : p4;
+        std::printf(" | %s %6.1f%%", w.name, 100.0 * r / ref);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
