@@ -8,7 +8,15 @@
 // tile): A tile of row block r at step s lives at A + ((r * sa) + s % sa) KiB,
 // B tile of panel p at B + ((p * sb) + s % sb) KiB, so sa / sb pick the
 // working set (sa = 8 -> 16 KiB of A for two row blocks: L1; 256 -> 512 KiB:
-// L2).
+// L2). Rates are per thread, summed, so one descheduled vCPU does not set the
+// figure (hmoe-bench-moe's peak uses the wall time of the whole pool).
+//
+//   hmoe-amx-microprobe [threads=16] [seconds per case=0.3]
+//
+// results/emr16-run5-microprobe.txt was made with a build on the GPU machine
+// itself (g++ -O2 -std=c++20 -mamx-tile -mamx-bf16 -mamx-int8 -mavx512f
+// amx_microprobe.cc -lpthread); the bundled Debian build segfaulted there
+// once before printing anything, cause not found.
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
