@@ -13,10 +13,6 @@
 //
 //   hmoe-amx-microprobe [threads=16] [seconds per case=0.3]
 //
-// results/emr16-run5-microprobe.txt was made with a build on the GPU machine
-// itself (g++ -O2 -std=c++20 -mamx-tile -mamx-bf16 -mamx-int8 -mavx512f
-// amx_microprobe.cc -lpthread); the bundled Debian build segfaulted there
-// once before printing anything, cause not found.
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
@@ -44,14 +40,19 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void Configure() {
-  TileConfig cfg;
+// A constant, not a stack object: GCC 12 dropped the colsb stores of a
+// stack-built config before ldtilecfg (zero-width tiles, fault on first load).
+constexpr TileConfig MakeTileConfig() {
+  TileConfig c;
   for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
   }
-  _tile_loadconfig(&cfg);
+  return c;
 }
+alignas(64) constexpr TileConfig kTileConfig = MakeTileConfig();
+
+void Configure() { _tile_loadconfig(&kTileConfig); }
 
 struct Ops {
   const uint8_t* A;
