@@ -286,8 +286,10 @@ void OnlyB(const Ops& o) {
 }
 
 // Top with the C block reloaded every kKc steps, as in the real kernel's K
-// chunks: C stored to and loaded back from a 4 KiB buffer (L1).
-template <int64_t kKc>
+// chunks: C stored to and loaded back from a 4 KiB buffer (L1). kEdge: the
+// stores and reloads interleaved register by register with the first step's
+// loads and products (kernels_amx.cc HMOE_AMX_EDGE).
+template <int64_t kKc, bool kEdge>
 void Blk(const Ops& o) {
   alignas(64) static thread_local float cbuf[4][256];
   _tile_zero(0);
@@ -295,13 +297,36 @@ void Blk(const Ops& o) {
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s0 = 0; s0 < o.steps; s0 += kKc) {
-    if (s0 > 0) {
+    int64_t s = s0;
+    if (s0 > 0 && kEdge) {
+      _tile_stored(0, cbuf[0], 64);
+      _tile_loadd(0, cbuf[0], 64);
+      _tile_loadd(4, At(o, 0, s), 64);
+      _tile_loadd(6, Bt(o, 0, s), 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_stored(1, cbuf[1], 64);
+      _tile_loadd(1, cbuf[1], 64);
+      _tile_loadd(7, Bt(o, 1, s), 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_stored(2, cbuf[2], 64);
+      _tile_loadd(2, cbuf[2], 64);
+      _tile_loadd(5, At(o, 1, s), 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_stored(3, cbuf[3], 64);
+      _tile_loadd(3, cbuf[3], 64);
+      _tile_dpbf16ps(3, 5, 7);
+      ++s;
+    } else if (s0 > 0) {
+      _tile_stored(1, cbuf[1], 64);
+      _tile_stored(3, cbuf[3], 64);
+      _tile_stored(0, cbuf[0], 64);
+      _tile_stored(2, cbuf[2], 64);
       _tile_loadd(0, cbuf[0], 64);
       _tile_loadd(1, cbuf[1], 64);
       _tile_loadd(2, cbuf[2], 64);
       _tile_loadd(3, cbuf[3], 64);
     }
-    for (int64_t s = s0; s < s0 + kKc; ++s) {
+    for (; s < s0 + kKc; ++s) {
       _tile_loadd(4, At(o, 0, s), 64);
       _tile_loadd(6, Bt(o, 0, s), 64);
       _tile_loadd(7, Bt(o, 1, s), 64);
@@ -311,11 +336,8 @@ void Blk(const Ops& o) {
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(1, cbuf[1], 64);
-    _tile_stored(3, cbuf[3], 64);
-    _tile_stored(0, cbuf[0], 64);
-    _tile_stored(2, cbuf[2], 64);
   }
+  StoreC();
 }
 
 // Pipe in int8.
@@ -421,10 +443,20 @@ int main(int argc, char** argv) {
   const int nthreads = argc > 1 ? std::atoi(argv[1]) : 16;
   const double secs = argc > 2 ? std::atof(argv[2]) : 0.3;
   const Variant peak{"peak4", Peak4, 4}, peak6{"peak6", Peak6, 4}, peaki8{"peak4-i8", Peak4I8, 4};
-  const Variant vs[] = {{"cur", Cur, 4},        {"top", Top, 4},      {"pipe", Pipe, 4},
-                        {"zig", Zig, 4},        {"db12", Db12, 2},    {"onlyB", OnlyB, 4},
-                        {"pipe-i8", PipeI8, 4}, {"cur-i8", CurI8, 4}, {"blk8", Blk<8>, 4},
-                        {"blk16", Blk<16>, 4},  {"blk32", Blk<32>, 4}};
+  const Variant vs[] = {{"cur", Cur, 4},
+                        {"top", Top, 4},
+                        {"pipe", Pipe, 4},
+                        {"zig", Zig, 4},
+                        {"db12", Db12, 2},
+                        {"onlyB", OnlyB, 4},
+                        {"pipe-i8", PipeI8, 4},
+                        {"cur-i8", CurI8, 4},
+                        {"blk8", Blk<8, false>, 4},
+                        {"blk16", Blk<16, false>, 4},
+                        {"blk32", Blk<32, false>, 4},
+                        {"blkE8", Blk<8, true>, 4},
+                        {"blkE16", Blk<16, true>, 4},
+                        {"blkE32", Blk<32, true>, 4}};
   struct Ws {
     const char* name;
     int64_t sa, sb;

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "common/dtype.h"
 #include "expert_service/kernels/gemm.h"
@@ -202,10 +203,10 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //     scratch as contiguous tiles instead of strided rows of c.
 //   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
 //     tileloaddt1 (so it does not evict the reused one).
-//   HMOE_AMX_SCHED = 0 | 1: k step as four loads then four products, or loads
-//     interleaved just before their first product.
+//   HMOE_AMX_EDGE = 0 | 1: overlap a block's C stores with the next block's
+//     first k step (see `pend` in AmxGemm). Not yet measured on AMX: off.
 struct Tuning {
-  int sched = 0;
+  bool edge = false;
   int64_t kc_bytes = 0;  // 0: per format
   bool prefetch = true;
   int pf_a = 0;
@@ -213,7 +214,7 @@ struct Tuning {
   bool stream = false;
   bool ctmp = false;
   Tuning() {
-    if (const char* e = std::getenv("HMOE_AMX_SCHED")) sched = *e == '1' ? 1 : 0;
+    if (const char* e = std::getenv("HMOE_AMX_EDGE")) edge = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_CTMP")) ctmp = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_STREAM")) stream = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_ORDER")) order = *e == '0' ? 0 : 1;
@@ -268,6 +269,47 @@ void AmxGemm(const GemmArgs& a) {
   const int64_t npan = a.nb1 - a.nb0;
   const bool ctmp = tune.ctmp && tune.order == 1 && kKind != Kind::kInt4Bf16 &&
                     int64_t{mp} * npan * 64 <= a.scratch_bytes;
+  // Edge overlap (Tuning::edge): a block leaves its C tiles in the registers
+  // and the next block stores them one by one, each just before it
+  // initializes that register, inside its first k step; so the products of
+  // the new block start while the old tiles drain. `pend` is the store still
+  // owed (flushed before the epilogue).
+  struct Pending {
+    uint8_t* p = nullptr;
+    int64_t rs = 0, r1 = 0, c1 = 0;
+    bool two = false;
+  } pend;
+  // Tile register I of a 32-row x 2-panel C block at p (row stride rs, second
+  // row block at +r1, second panel at +c1).
+  auto tile_at = [](uint8_t* p, int64_t r1, int64_t c1, int i) {
+    return p + (i >= 2 ? r1 : 0) + (i % 2 == 1 ? c1 : 0);
+  };
+  auto flush = [&](auto reg) {
+    constexpr int kReg = decltype(reg)::value;
+    if (pend.p != nullptr && (pend.two || kReg % 2 == 0))
+      X::template Store<kReg>(tile_at(pend.p, pend.r1, pend.c1, kReg), pend.rs);
+  };
+  auto flush_all = [&] {
+    flush(std::integral_constant<int, 0>{});
+    flush(std::integral_constant<int, 1>{});
+    flush(std::integral_constant<int, 2>{});
+    flush(std::integral_constant<int, 3>{});
+    pend.p = nullptr;
+  };
+  auto product = [&](auto c, auto ta, auto tb) {
+    if constexpr (kI8)
+      X::template DpI8<decltype(c)::value, decltype(ta)::value, decltype(tb)::value>();
+    else
+      X::template DpBf16<decltype(c)::value, decltype(ta)::value, decltype(tb)::value>();
+  };
+  using R0 = std::integral_constant<int, 0>;
+  using R1 = std::integral_constant<int, 1>;
+  using R2 = std::integral_constant<int, 2>;
+  using R3 = std::integral_constant<int, 3>;
+  using RA0 = std::integral_constant<int, 4>;
+  using RA1 = std::integral_constant<int, 5>;
+  using RB0 = std::integral_constant<int, 6>;
+  using RB1 = std::integral_constant<int, 7>;
   auto block = [&](int m0, int64_t j, const uint8_t* B0, const uint8_t* B1, bool two, int64_t kc0,
                    int64_t steps, bool stream_a, bool stream_b, auto&& after_step) {
     const bool last = kc0 + steps * kStepK >= g.kp;
@@ -284,83 +326,76 @@ void AmxGemm(const GemmArgs& a) {
     uint8_t* S00 = last ? R00 : L00;
     const int64_t s_rs = last ? ldc_b : l_rs, s_r1 = last ? 16 * ldc_b : l_r1,
                   s_c1 = last ? 64 : l_c1;
-    if (kc0 == 0) {
-      X::template Zero<0>();
-      X::template Zero<1>();
-      X::template Zero<2>();
-      X::template Zero<3>();
-    } else {
-      X::template Load<0>(L00, l_rs);
-      X::template Load<2>(L00 + l_r1, l_rs);
-      if (two) {
-        X::template Load<1>(L00 + l_c1, l_rs);
-        X::template Load<3>(L00 + l_r1 + l_c1, l_rs);
-      }
-    }
+    // C register I from its partial sums (or zero on the first chunk).
+    auto init = [&](auto reg) {
+      constexpr int kReg = decltype(reg)::value;
+      if (kc0 == 0)
+        X::template Zero<kReg>();
+      else
+        X::template Load<kReg>(tile_at(L00, l_r1, l_c1, kReg), l_rs);
+    };
     const uint8_t* a0 = A + m0 * a.lda + kc0 / kStepK * a_ss;
     const uint8_t* a1 = a0 + 16 * a.lda;
+    int64_t s = 0;
+    if (tune.edge) {
+      // Step 0 with the previous block's stores and this block's C inits
+      // interleaved, register by register, in the order the products run.
+      flush(R0{});
+      init(R0{});
+      LoadOp<X, 4>(a0, a_rs, stream_a);
+      LoadOp<X, 6>(B0, 64, stream_b);
+      product(R0{}, RA0{}, RB0{});
+      flush(R1{});
+      if (two) {
+        init(R1{});
+        LoadOp<X, 7>(B1, 64, stream_b);
+        product(R1{}, RA0{}, RB1{});
+      }
+      flush(R2{});
+      init(R2{});
+      LoadOp<X, 5>(a1, a_rs, stream_a);
+      product(R2{}, RA1{}, RB0{});
+      flush(R3{});
+      if (two) {
+        init(R3{});
+        product(R3{}, RA1{}, RB1{});
+      }
+      pend.p = nullptr;
+      after_step(int64_t{0});
+      s = 1;
+    } else {
+      init(R0{});
+      init(R2{});
+      if (two) {
+        init(R1{});
+        init(R3{});
+      }
+    }
+    // Each k step: its four tile loads, then its four products.
     if (two) {
-      for (int64_t s = 0; s < steps; ++s) {
-        if (tune.sched == 0) {
-          // All four loads, then the four products.
-          LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
-          LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
-          LoadOp<X, 7>(B1 + s * 1024, 64, stream_b);
-          LoadOp<X, 5>(a1 + s * a_ss, a_rs, stream_a);
-          if constexpr (kI8) {
-            X::template DpI8<0, 4, 6>();
-            X::template DpI8<1, 4, 7>();
-            X::template DpI8<2, 5, 6>();
-            X::template DpI8<3, 5, 7>();
-          } else {
-            X::template DpBf16<0, 4, 6>();
-            X::template DpBf16<1, 4, 7>();
-            X::template DpBf16<2, 5, 6>();
-            X::template DpBf16<3, 5, 7>();
-          }
-        } else {
-          // Loads interleaved with the products that need them.
-          LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
-          LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
-          if constexpr (kI8)
-            X::template DpI8<0, 4, 6>();
-          else
-            X::template DpBf16<0, 4, 6>();
-          LoadOp<X, 7>(B1 + s * 1024, 64, stream_b);
-          if constexpr (kI8)
-            X::template DpI8<1, 4, 7>();
-          else
-            X::template DpBf16<1, 4, 7>();
-          LoadOp<X, 5>(a1 + s * a_ss, a_rs, stream_a);
-          if constexpr (kI8) {
-            X::template DpI8<2, 5, 6>();
-            X::template DpI8<3, 5, 7>();
-          } else {
-            X::template DpBf16<2, 5, 6>();
-            X::template DpBf16<3, 5, 7>();
-          }
-        }
+      for (; s < steps; ++s) {
+        LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
+        LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
+        LoadOp<X, 7>(B1 + s * 1024, 64, stream_b);
+        LoadOp<X, 5>(a1 + s * a_ss, a_rs, stream_a);
+        product(R0{}, RA0{}, RB0{});
+        product(R1{}, RA0{}, RB1{});
+        product(R2{}, RA1{}, RB0{});
+        product(R3{}, RA1{}, RB1{});
         after_step(s);
       }
-      X::template Store<1>(S00 + s_c1, s_rs);
-      X::template Store<3>(S00 + s_r1 + s_c1, s_rs);
     } else {
-      for (int64_t s = 0; s < steps; ++s) {
+      for (; s < steps; ++s) {
         LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
         LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
         LoadOp<X, 5>(a1 + s * a_ss, a_rs, stream_a);
-        if constexpr (kI8) {
-          X::template DpI8<0, 4, 6>();
-          X::template DpI8<2, 5, 6>();
-        } else {
-          X::template DpBf16<0, 4, 6>();
-          X::template DpBf16<2, 5, 6>();
-        }
+        product(R0{}, RA0{}, RB0{});
+        product(R2{}, RA1{}, RB0{});
         after_step(s);
       }
     }
-    X::template Store<0>(S00, s_rs);
-    X::template Store<2>(S00 + s_r1, s_rs);
+    pend = Pending{S00, s_rs, s_r1, s_c1, two};
+    if (!tune.edge) flush_all();
   };
 
   if (kKind != Kind::kInt4Bf16 && tune.order == 1) {
@@ -500,6 +535,7 @@ void AmxGemm(const GemmArgs& a) {
       }
     }
   }
+  flush_all();
   if constexpr (kI8) {
     for (int64_t j = a.nb0; j < a.nb1; ++j) {
       const __m512 sc = _mm512_loadu_ps(a.w + j * g.panel_bytes + g.i8_scale_offset());

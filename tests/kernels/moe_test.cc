@@ -21,8 +21,11 @@
 #include <cstdlib>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "expert_service/kernels/gemm.h"
 #include "expert_service/kernels/isa.h"
 #include "tests/kernels/moe_test_util.h"
 
@@ -215,6 +218,63 @@ INSTANTIATE_TEST_SUITE_P(All, AmxEmulationTest,
                            return absl::StrCat(FmtName(std::get<0>(p.param)), "_T",
                                                std::get<1>(p.param), "_S", std::get<2>(p.param));
                          });
+
+// The AMX tuning knobs (kernels_amx.cc Tuning) change loop orders, K-chunk
+// sizes, where partial C lives between chunks and how a block's C stores
+// overlap the next block: every setting must give the same numerics.
+// Restores the knobs it touched on exit.
+class AmxTuningEnv {
+ public:
+  explicit AmxTuningEnv(std::vector<std::pair<std::string, std::string>> env) {
+    for (auto& [k, v] : env) {
+      const char* old = std::getenv(k.c_str());
+      saved_.push_back({k, old != nullptr, old != nullptr ? old : ""});
+      setenv(k.c_str(), v.c_str(), 1);
+    }
+    kern::ReloadAmxTuning();
+  }
+  ~AmxTuningEnv() {
+    for (auto& s : saved_) {
+      if (s.had)
+        setenv(s.key.c_str(), s.value.c_str(), 1);
+      else
+        unsetenv(s.key.c_str());
+    }
+    kern::ReloadAmxTuning();
+  }
+
+ private:
+  struct Saved {
+    std::string key;
+    bool had;
+    std::string value;
+  };
+  std::vector<Saved> saved_;
+};
+
+TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
+  if (DetectedIsa() < Isa::kAvx512)
+    GTEST_SKIP() << "the AMX model's epilogues need AVX-512; this CPU has "
+                 << IsaName(DetectedIsa());
+  const std::vector<std::vector<std::pair<std::string, std::string>>> settings = {
+      {{"HMOE_AMX_EDGE", "1"}},
+      {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "512"}},
+      {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_CTMP", "1"}, {"HMOE_AMX_KC_BYTES", "512"}},
+      {{"HMOE_AMX_PREFETCH", "0"}, {"HMOE_AMX_STREAM", "1"}, {"HMOE_AMX_KC_BYTES", "4096"}},
+  };
+  for (const auto& setting : settings) {
+    AmxTuningEnv env(setting);
+    std::string name;
+    for (const auto& [k, v] : setting) absl::StrAppend(&name, k, "=", v, " ");
+    SCOPED_TRACE(name);
+    RunOptions ro;
+    ro.isa = Isa::kAvx512;
+    ro.emulate_amx = true;
+    CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
+    CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
+    CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
+  }
+}
 
 // Shard: experts [2, 5) of 7 and intermediate slice [24, 75); foreign ids,
 // ids of other shards and tokens with no owned expert.
