@@ -394,8 +394,16 @@ void AmxGemm(const GemmArgs& a) {
         after_step(s);
       }
     }
-    pend = Pending{S00, s_rs, s_r1, s_c1, two};
-    if (!tune.edge) flush_all();
+    if (tune.edge) {
+      pend = Pending{S00, s_rs, s_r1, s_c1, two};
+    } else {
+      if (two) {
+        X::template Store<1>(S00 + s_c1, s_rs);
+        X::template Store<3>(S00 + s_r1 + s_c1, s_rs);
+      }
+      X::template Store<0>(S00, s_rs);
+      X::template Store<2>(S00 + s_r1, s_rs);
+    }
   };
 
   if (kKind != Kind::kInt4Bf16 && tune.order == 1) {
