@@ -8,8 +8,8 @@
 //                  [--kernel-probe]   (AMX GEMM alone, in cache; see KernelProbe)
 //                  [--tune "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=1;B:"] [--reps N]
 //
-// --tune compares AMX tuning settings (the HMOE_AMX_* knobs of
-// kernels_amx.cc) in one process on the same weights: every row is measured
+// --tune compares tuning settings (the HMOE_AMX_* knobs of kernels_amx.cc,
+// HMOE_MOE_* of moe.cc) in one process on the same weights: every row is measured
 // --reps times per setting, settings interleaved, and tagged cfg=NAME; the
 // knobs a setting does not name are unset (defaults).
 //
@@ -266,7 +266,9 @@ bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
     Args::Tune t{item.substr(0, colon), {}};
     for (const auto& kv : List(item.substr(colon + 1), ',')) {
       const size_t eq = kv.find('=');
-      if (eq == std::string::npos || kv.rfind("HMOE_AMX_", 0) != 0) return false;
+      if (eq == std::string::npos ||
+          (kv.rfind("HMOE_AMX_", 0) != 0 && kv.rfind("HMOE_MOE_", 0) != 0))
+        return false;
       t.env.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
     }
     out.push_back(std::move(t));
@@ -276,10 +278,12 @@ bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
 
 void ApplyTune(const Args::Tune& t) {
   for (const char* k : {"HMOE_AMX_KC_BYTES", "HMOE_AMX_PREFETCH", "HMOE_AMX_PF_A", "HMOE_AMX_ORDER",
-                        "HMOE_AMX_CTMP", "HMOE_AMX_STREAM", "HMOE_AMX_EDGE"})
+                        "HMOE_AMX_CTMP", "HMOE_AMX_STREAM", "HMOE_AMX_EDGE", "HMOE_MOE_TASK_PANELS",
+                        "HMOE_MOE_DIRECT_Y"})
     unsetenv(k);
   for (const auto& [k, v] : t.env) setenv(k.c_str(), v.c_str(), 1);
   kern::ReloadAmxTuning();
+  ReloadMoeTuning();
 }
 
 int Main(int argc, char** argv) {
@@ -322,7 +326,7 @@ int Main(int argc, char** argv) {
       a.json = val();
     else if (f == "--tune") {
       if (!ParseTunes(val(), a.tunes)) {
-        std::fprintf(stderr, "--tune wants NAME:HMOE_AMX_K=V,...;NAME:...\n");
+        std::fprintf(stderr, "--tune wants NAME:HMOE_AMX_K=V,HMOE_MOE_K=V,...;NAME:...\n");
         return 2;
       }
     } else if (f == "--reps")

@@ -137,11 +137,34 @@ struct Profile {
   }
 };
 Profile g_profile;
+
+// Benchmark knobs, read once (again on ReloadMoeTuning); the defaults are
+// what RunMoe does without them.
+//   HMOE_MOE_TASK_PANELS = 2..16: panels per gate_up / down task at most.
+//   HMOE_MOE_DIRECT_Y = 0 | 1: down tasks of "many" experts write their C
+//     straight into y (when hidden % 16 == 0: whole panels fit in a row)
+//     instead of the worker's C buffer plus a streaming copy. Not yet
+//     measured on the AMX machine: off.
+struct MoeTuning {
+  int64_t task_panels = kMaxTaskPanels;
+  bool direct_y = false;
+  MoeTuning() {
+    if (const char* e = std::getenv("HMOE_MOE_TASK_PANELS"))
+      task_panels = std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
+    if (const char* e = std::getenv("HMOE_MOE_DIRECT_Y")) direct_y = *e == '1';
+  }
+};
+MoeTuning& MutableMoeTuning() {
+  static MoeTuning t;
+  return t;
+}
 inline double Secs() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
+
+void ReloadMoeTuning() { MutableMoeTuning() = MoeTuning(); }
 
 struct MoeWorkspace::Impl {
   int64_t max_tokens = 0;
@@ -307,12 +330,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   const int G = layer.group();
 
   const bool prof = g_profile.on;
-  // HMOE_MOE_TASK_PANELS (2..16, benchmarks): fewer panels per task.
-  static const int64_t task_panels = [] {
-    const char* e = std::getenv("HMOE_MOE_TASK_PANELS");
-    return e == nullptr ? kMaxTaskPanels
-                        : std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
-  }();
+  const MoeTuning& tuning = MutableMoeTuning();
+  const int64_t task_panels = tuning.task_panels;
   double ts[9] = {};
   if (prof) ts[0] = Secs();
   // ---- route (caller thread) ----
@@ -613,6 +632,14 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         const kern::KernelSet& ks = dsp.For(many);
         const int64_t r0 = w.row_off[static_cast<size_t>(tk.e)] + tk.m0;
         kern::GemmArgs a = task_args(tk, lp.down, lp.down_w(tk.e));
+        const int64_t c0 = int64_t{tk.nb0} * 16, c1 = std::min<int64_t>(int64_t{tk.nb1} * 16, H);
+        // Direct: C rows are y rows (a many expert's rows are padded to 32,
+        // which the kernel writes; whole panels end inside a row).
+        const bool direct = tuning.direct_y && many && H % 16 == 0;
+        if (direct) {
+          a.c = reinterpret_cast<float*>(b.y.data()) + r0 * H + c0;
+          a.ldc = H;
+        }
         if (i8) {
           a.a = b.hq.data() + r0 * b.kp_i;
           a.lda = b.kp_i;
@@ -625,9 +652,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         a.a_gsum = b.groups ? &b.hgsum[static_cast<size_t>(r0 * hg_ld)] : nullptr;
         a.gsum_stride = hg_ld;
         GemmFor(ks, fmt, many)(a);
-        const int64_t c0 = int64_t{tk.nb0} * 16, c1 = std::min<int64_t>(int64_t{tk.nb1} * 16, H);
-        kfew.store_rows(cbuf, a.ldc, reinterpret_cast<float*>(b.y.data()) + r0 * H + c0, H, tk.m,
-                        c1 - c0);
+        if (!direct)
+          kfew.store_rows(cbuf, a.ldc, reinterpret_cast<float*>(b.y.data()) + r0 * H + c0, H, tk.m,
+                          c1 - c0);
       }
     }
     w.barrier.Wait();

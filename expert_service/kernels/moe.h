@@ -198,6 +198,10 @@ class MoeWorkspace {
 absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out, ThreadPool& pool,
                     MoeWorkspace& ws, const RunOptions& opts = {});
 
+// Re-reads RunMoe's HMOE_MOE_* benchmark knobs (moe.cc MoeTuning). Benchmarks
+// and tests only, and only while no RunMoe call is running.
+void ReloadMoeTuning();
+
 // The ISA RunMoe would use for these options (after HMOE_ISA and fallback).
 absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts);
 

@@ -135,7 +135,9 @@ class MoeKernelTest : public ::testing::TestWithParam<Param> {};
 // Packs a random layer, runs it with `ro` and compares with the reference.
 // shape 0: H 197, I 75, E 6, top-3; shape 1: H 520, I 136, E 9, top-4;
 // shape 2: H 2100, I 150, E 4, top-2 (rows longer than the AMX K chunk, so
-// partial C is carried between chunks in bf16 and int8).
+// partial C is carried between chunks in bf16 and int8); shape 3: H 528,
+// I 1100, E 3, top-2 (H a multiple of 16; the down GEMM's K also spans two
+// chunks).
 void CheckAgainstReference(FormatCase fc, int T, int shape, const RunOptions& ro) {
   struct Shape {
     int64_t H, I, E;
@@ -143,7 +145,8 @@ void CheckAgainstReference(FormatCase fc, int T, int shape, const RunOptions& ro
   };
   const Shape sh = shape == 0   ? Shape{197, 75, 6, 3}
                    : shape == 1 ? Shape{520, 136, 9, 4}
-                                : Shape{2100, 150, 4, 2};
+                   : shape == 2 ? Shape{2100, 150, 4, 2}
+                                : Shape{528, 1100, 3, 2};
   auto src = RandomSource(sh.H, sh.I, sh.E, 10 + static_cast<uint64_t>(shape));
   PackOptions o;
   o.format = fc.f;
@@ -219,10 +222,10 @@ INSTANTIATE_TEST_SUITE_P(All, AmxEmulationTest,
                                                std::get<1>(p.param), "_S", std::get<2>(p.param));
                          });
 
-// The AMX tuning knobs (kernels_amx.cc Tuning) change loop orders, K-chunk
-// sizes, where partial C lives between chunks and how a block's C stores
-// overlap the next block: every setting must give the same numerics.
-// Restores the knobs it touched on exit.
+// The tuning knobs (kernels_amx.cc Tuning, moe.cc MoeTuning) change loop
+// orders, K-chunk sizes, where partial C lives, how a block's C stores overlap
+// the next block and where down writes its rows: every setting must give the
+// same numerics. Restores the knobs it touched on exit.
 class AmxTuningEnv {
  public:
   explicit AmxTuningEnv(std::vector<std::pair<std::string, std::string>> env) {
@@ -232,6 +235,7 @@ class AmxTuningEnv {
       setenv(k.c_str(), v.c_str(), 1);
     }
     kern::ReloadAmxTuning();
+    ReloadMoeTuning();
   }
   ~AmxTuningEnv() {
     for (auto& s : saved_) {
@@ -241,6 +245,7 @@ class AmxTuningEnv {
         unsetenv(s.key.c_str());
     }
     kern::ReloadAmxTuning();
+    ReloadMoeTuning();
   }
 
  private:
@@ -261,18 +266,31 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_CTMP", "1"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_AMX_PREFETCH", "0"}, {"HMOE_AMX_STREAM", "1"}, {"HMOE_AMX_KC_BYTES", "4096"}},
+      {{"HMOE_MOE_DIRECT_Y", "1"}},
+      {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "4"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
     std::string name;
-    for (const auto& [k, v] : setting) absl::StrAppend(&name, k, "=", v, " ");
+    bool direct_y = false;
+    for (const auto& [k, v] : setting) {
+      absl::StrAppend(&name, k, "=", v, " ");
+      direct_y |= k == "HMOE_MOE_DIRECT_Y";
+    }
     SCOPED_TRACE(name);
     RunOptions ro;
     ro.isa = Isa::kAvx512;
     ro.emulate_amx = true;
-    CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
-    CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
-    CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
+    if (!direct_y) {
+      CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
+      CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
+      CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
+      continue;
+    }
+    CheckAgainstReference({WeightFormat::kBf16, 0}, 48, 3, ro);
+    CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
+    ro.emulate_amx = false;  // AVX-512 "many" kernels
+    CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
   }
 }
 
