@@ -279,7 +279,7 @@ bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
 void ApplyTune(const Args::Tune& t) {
   for (const char* k : {"HMOE_AMX_KC_BYTES", "HMOE_AMX_PREFETCH", "HMOE_AMX_PF_A", "HMOE_AMX_ORDER",
                         "HMOE_AMX_CTMP", "HMOE_AMX_STREAM", "HMOE_AMX_EDGE", "HMOE_MOE_TASK_PANELS",
-                        "HMOE_MOE_DIRECT_Y"})
+                        "HMOE_MOE_DIRECT_Y", "HMOE_MOE_LOOKAHEAD"})
     unsetenv(k);
   for (const auto& [k, v] : t.env) setenv(k.c_str(), v.c_str(), 1);
   kern::ReloadAmxTuning();

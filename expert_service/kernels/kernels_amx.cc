@@ -418,11 +418,24 @@ void AmxGemm(const GemmArgs& a) {
       const int64_t kc1 = std::min(g.kp, kc0 + kChunkK);
       const int64_t steps = (kc1 - kc0) / kStepK;
       const int64_t next_steps = (std::min(g.kp, kc1 + kChunkK) - kc1) / kStepK;
-      // B cursor: panel b_p, byte b_off within [b_start, b_end) of the panel.
-      const int64_t b_start = kc1 / kStepK * 1024, b_end = b_start + next_steps * 1024;
-      int64_t b_p = a.nb0, b_off = b_start, b_per_step = 0;
-      if (prefetch && kc1 < g.kp) {
-        const int64_t lines = npanels * next_steps * 16, slots = (mp / 32) * npairs * steps;
+      // B cursor: panel b_p of [b_p, b_p1) at b_w (b_stride apart), byte b_off
+      // within [b_start, b_end) of the panel: the next chunk's B or, in the
+      // last chunk, the first chunk of the caller's next task (GemmArgs::next_w).
+      const uint8_t* b_w = a.w;
+      int64_t b_stride = g.panel_bytes, b_p = a.nb0, b_p1 = a.nb1;
+      int64_t b_start = kc1 / kStepK * 1024, b_end = b_start + next_steps * 1024;
+      if (kc1 >= g.kp && a.next_w != nullptr) {
+        b_w = a.next_w;
+        b_stride = a.next_g->panel_bytes;
+        b_p = a.next_nb0;
+        b_p1 = a.next_nb1;
+        b_start = 0;
+        b_end = std::min(a.next_g->kp, kChunkK) / kStepK * 1024;
+      }
+      int64_t b_off = b_start, b_per_step = 0;
+      if (prefetch && b_end > b_start) {
+        const int64_t lines = (b_p1 - b_p) * (b_end - b_start) / 64,
+                      slots = (mp / 32) * npairs * steps;
         b_per_step = (lines + slots - 1) / slots;
       }
       // A cursor over the next row pair's chunk (two contiguous row-block runs).
@@ -432,8 +445,8 @@ void AmxGemm(const GemmArgs& a) {
       const uint8_t* a_run[2] = {nullptr, nullptr};
       int64_t a_off = 0, a_r = 2, a_len = 0;
       auto after_step = [&](int64_t) {
-        for (int64_t q = 0; q < b_per_step && b_p < a.nb1; ++q) {
-          X::PrefetchL2(a.w + b_p * g.panel_bytes + b_off);
+        for (int64_t q = 0; q < b_per_step && b_p < b_p1; ++q) {
+          X::PrefetchL2(b_w + b_p * b_stride + b_off);
           b_off += 64;
           if (b_off == b_end) {
             b_off = b_start;

@@ -145,13 +145,18 @@ Profile g_profile;
 //     straight into y (when hidden % 16 == 0: whole panels fit in a row)
 //     instead of the worker's C buffer plus a streaming copy. Not yet
 //     measured on the AMX machine: off.
+//   HMOE_MOE_LOOKAHEAD = 0 | 1: gate_up / down workers claim one task ahead
+//     and pass it to the kernel, which prefetches its first K chunk into L2
+//     during the current task's last chunk. Not yet measured: off.
 struct MoeTuning {
   int64_t task_panels = kMaxTaskPanels;
   bool direct_y = false;
+  bool lookahead = false;
   MoeTuning() {
     if (const char* e = std::getenv("HMOE_MOE_TASK_PANELS"))
       task_panels = std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
     if (const char* e = std::getenv("HMOE_MOE_DIRECT_Y")) direct_y = *e == '1';
+    if (const char* e = std::getenv("HMOE_MOE_LOOKAHEAD")) lookahead = *e == '1';
   }
 };
 MoeTuning& MutableMoeTuning() {
@@ -462,6 +467,20 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       a.scratch_bytes = w.scratch_bytes;
       return a;
     };
+    // Task claiming for gate_up and down. With HMOE_MOE_LOOKAHEAD a worker
+    // holds the task after its current one (`nxt`) so the kernel can
+    // prefetch that task's first K chunk (GemmArgs::next_w).
+    auto claim = [](std::atomic<int64_t>& c) { return c.fetch_add(1, std::memory_order_relaxed); };
+    auto next_task = [&](std::atomic<int64_t>& c, int64_t held) {
+      return tuning.lookahead ? held : claim(c);
+    };
+    auto hint_next = [](kern::GemmArgs& a, const PackedGeom& g, const uint8_t* weights,
+                        const Task& tn) {
+      a.next_g = &g;
+      a.next_w = weights;
+      a.next_nb0 = tn.nb0;
+      a.next_nb1 = tn.nb1;
+    };
 
     // ---- xquant: every token once (int8 activations) ----
     if (prequant) {
@@ -523,8 +542,10 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     if (!lp.empty()) {
       const int64_t h_ld = b.kp_i * 4;
       const int64_t np_i = lp.gu.np / 2;
-      for (int64_t it; (it = w.counters[8 + 2 * p].fetch_add(1, std::memory_order_relaxed)) <
-                       static_cast<int64_t>(b.gu_tasks.size());) {
+      const int64_t n_gu = static_cast<int64_t>(b.gu_tasks.size());
+      std::atomic<int64_t>& gu_ctr = w.counters[8 + 2 * p];
+      for (int64_t it = claim(gu_ctr), nxt; it < n_gu; it = next_task(gu_ctr, nxt)) {
+        nxt = tuning.lookahead ? claim(gu_ctr) : -1;
         const Task& tk = b.gu_tasks[static_cast<size_t>(it)];
         const bool many = w.many[static_cast<size_t>(tk.e)];
         const bool i8 = Int8Act(fmt, many);
@@ -539,6 +560,10 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         a.a_scale = &w.xa_scale[static_cast<size_t>(r0)];
         a.a_gsum = w.gmax ? &w.xa_gsum[static_cast<size_t>(r0 * gsum_ld)] : nullptr;
         a.gsum_stride = gsum_ld;
+        if (nxt >= 0 && nxt < n_gu) {
+          const Task& tn = b.gu_tasks[static_cast<size_t>(nxt)];
+          hint_next(a, lp.gu, lp.gate_up(tn.e), tn);
+        }
         GemmFor(ks, fmt, many)(a);
         // h: f32 rows for int8 activations (quantized below), else bf16 rows
         // (tiled for the AMX down).
@@ -624,8 +649,10 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     // ---- down ----
     if (!lp.empty()) {
       const int64_t hg_ld = std::max<int64_t>(b.groups, 1);
-      for (int64_t it; (it = w.counters[9 + 2 * p].fetch_add(1, std::memory_order_relaxed)) <
-                       static_cast<int64_t>(b.down_tasks.size());) {
+      const int64_t n_dn = static_cast<int64_t>(b.down_tasks.size());
+      std::atomic<int64_t>& dn_ctr = w.counters[9 + 2 * p];
+      for (int64_t it = claim(dn_ctr), nxt; it < n_dn; it = next_task(dn_ctr, nxt)) {
+        nxt = tuning.lookahead ? claim(dn_ctr) : -1;
         const Task& tk = b.down_tasks[static_cast<size_t>(it)];
         const bool many = w.many[static_cast<size_t>(tk.e)];
         const bool i8 = Int8Act(fmt, many);
@@ -651,6 +678,10 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         a.a_scale = &w.h_scale[static_cast<size_t>(r0)];
         a.a_gsum = b.groups ? &b.hgsum[static_cast<size_t>(r0 * hg_ld)] : nullptr;
         a.gsum_stride = hg_ld;
+        if (nxt >= 0 && nxt < n_dn) {
+          const Task& tn = b.down_tasks[static_cast<size_t>(nxt)];
+          hint_next(a, lp.down, lp.down_w(tn.e), tn);
+        }
         GemmFor(ks, fmt, many)(a);
         if (!direct)
           kfew.store_rows(cbuf, a.ldc, reinterpret_cast<float*>(b.y.data()) + r0 * H + c0, H, tk.m,

@@ -268,6 +268,7 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_AMX_PREFETCH", "0"}, {"HMOE_AMX_STREAM", "1"}, {"HMOE_AMX_KC_BYTES", "4096"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "4"}},
+      {{"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
