@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -258,7 +259,13 @@ struct Args {
   int reps = 1;
 };
 
-// "A:K=V,K=V;B:K=V" -> settings; false on a malformed list.
+// The knobs --tune may set (kernels_amx.cc Tuning, moe.cc MoeTuning).
+constexpr const char* kTuneKnobs[] = {
+    "HMOE_AMX_KC_BYTES", "HMOE_AMX_PREFETCH", "HMOE_AMX_PF_A", "HMOE_AMX_ORDER",
+    "HMOE_AMX_CTMP",     "HMOE_AMX_STREAM",   "HMOE_AMX_EDGE", "HMOE_MOE_TASK_PANELS",
+    "HMOE_MOE_DIRECT_Y", "HMOE_MOE_LOOKAHEAD"};
+
+// "A:K=V,K=V;B:K=V" -> settings; false on a malformed list or an unknown knob.
 bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
   for (const auto& item : List(s, ';')) {
     const size_t colon = item.find(':');
@@ -266,9 +273,12 @@ bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
     Args::Tune t{item.substr(0, colon), {}};
     for (const auto& kv : List(item.substr(colon + 1), ',')) {
       const size_t eq = kv.find('=');
-      if (eq == std::string::npos ||
-          (kv.rfind("HMOE_AMX_", 0) != 0 && kv.rfind("HMOE_MOE_", 0) != 0))
+      if (eq == std::string::npos) return false;
+      const std::string key = kv.substr(0, eq);
+      if (std::find(std::begin(kTuneKnobs), std::end(kTuneKnobs), key) == std::end(kTuneKnobs)) {
+        std::fprintf(stderr, "--tune: unknown knob %s\n", key.c_str());
         return false;
+      }
       t.env.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
     }
     out.push_back(std::move(t));
@@ -277,10 +287,7 @@ bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
 }
 
 void ApplyTune(const Args::Tune& t) {
-  for (const char* k : {"HMOE_AMX_KC_BYTES", "HMOE_AMX_PREFETCH", "HMOE_AMX_PF_A", "HMOE_AMX_ORDER",
-                        "HMOE_AMX_CTMP", "HMOE_AMX_STREAM", "HMOE_AMX_EDGE", "HMOE_MOE_TASK_PANELS",
-                        "HMOE_MOE_DIRECT_Y", "HMOE_MOE_LOOKAHEAD"})
-    unsetenv(k);
+  for (const char* k : kTuneKnobs) unsetenv(k);
   for (const auto& [k, v] : t.env) setenv(k.c_str(), v.c_str(), 1);
   kern::ReloadAmxTuning();
   ReloadMoeTuning();

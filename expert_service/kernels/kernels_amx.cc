@@ -250,6 +250,7 @@ void AmxGemm(const GemmArgs& a) {
   const int64_t kChunkK = std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2),
                                             kKind == Kind::kInt4Bf16 ? 2048 : int64_t{1} << 30);
   const PackedGeom& g = *a.g;
+  if (a.m <= 0 || a.nb1 <= a.nb0) return;  // nothing to compute (and no 0 divisors below)
   X::Configure();
   const int mp = (a.m + 31) / 32 * 32;
   const int64_t ldc_b = a.ldc * 4;
@@ -424,7 +425,7 @@ void AmxGemm(const GemmArgs& a) {
       const uint8_t* b_w = a.w;
       int64_t b_stride = g.panel_bytes, b_p = a.nb0, b_p1 = a.nb1;
       int64_t b_start = kc1 / kStepK * 1024, b_end = b_start + next_steps * 1024;
-      if (kc1 >= g.kp && a.next_w != nullptr) {
+      if (kc1 >= g.kp && a.next_w != nullptr && a.next_g != nullptr) {
         b_w = a.next_w;
         b_stride = a.next_g->panel_bytes;
         b_p = a.next_nb0;

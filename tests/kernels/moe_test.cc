@@ -238,7 +238,8 @@ class AmxTuningEnv {
     ReloadMoeTuning();
   }
   ~AmxTuningEnv() {
-    for (auto& s : saved_) {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {  // reverse: repeated keys
+      const Saved& s = *it;
       if (s.had)
         setenv(s.key.c_str(), s.value.c_str(), 1);
       else
@@ -268,7 +269,7 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_AMX_PREFETCH", "0"}, {"HMOE_AMX_STREAM", "1"}, {"HMOE_AMX_KC_BYTES", "4096"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "4"}},
-      {{"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
+      {{"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
@@ -290,7 +291,9 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
     }
     CheckAgainstReference({WeightFormat::kBf16, 0}, 48, 3, ro);
     CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
-    ro.emulate_amx = false;  // AVX-512 "many" kernels
+    CheckAgainstReference({WeightFormat::kInt4, 64}, 48, 3, ro);
+    CheckAgainstReference({WeightFormat::kInt8, 0}, 800, 3, ro);  // two row chunks per expert
+    ro.emulate_amx = false;                                       // AVX-512 "many" kernels
     CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
   }
 }
