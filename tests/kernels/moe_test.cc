@@ -410,6 +410,39 @@ TEST(MoeNumaTest, VirtualNodesMatchOneNode) {
   }
 }
 
+// The benchmark knobs that change where down writes (direct y), how tasks are
+// claimed (lookahead) and how C tiles drain (edge), with the intermediate dim
+// split over two virtual nodes: same result as one node. Hidden 208 (a
+// multiple of 16) so direct y applies.
+TEST(MoeNumaTest, TuningKnobsOnVirtualNodesMatchOneNode) {
+  if (DetectedIsa() < Isa::kAvx512)
+    GTEST_SKIP() << "the AMX model's epilogues need AVX-512; this CPU has "
+                 << IsaName(DetectedIsa());
+  AmxTuningEnv env(
+      {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_AMX_EDGE", "1"}});
+  ThreadPoolOptions po;
+  po.max_threads = 2;
+  po.virtual_nodes = 2;
+  auto pool2 = ThreadPool::Create(po);
+  ASSERT_TRUE(pool2.ok()) << pool2.status();
+  auto src = RandomSource(208, 300, 5, 37);
+  for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0}}) {
+    PackOptions o;
+    o.format = fc.f;
+    o.group = fc.group;
+    auto L1 = Pack(src, o, SharedPool()).value();
+    auto L2 = Pack(src, o, **pool2).value();
+    ASSERT_EQ(L2.parts().size(), 2u);
+    RunOptions ro;
+    ro.isa = Isa::kAvx512;
+    ro.emulate_amx = true;
+    auto b = RandomBatch(40, 3, 208, 5, 77);
+    auto a1 = RunLayer(L1, b, SharedPool(), ro);
+    auto a2 = RunLayer(L2, b, **pool2, ro);
+    EXPECT_LE(RelErr(a2, a1), 1e-5) << FmtName(fc);
+  }
+}
+
 // ---- dispatch ------------------------------------------------------------------------
 
 class ScopedEnv {
