@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One pass of the CPU-expert checks that need an AMX machine, for a single
+# device call: the AMX tests, the micro-kernel probe, the tuning knobs
+# compared in one process (interleaved reps, same weights), the kernel probe
+# and the issue-4 table. Results go to OUT_DIR (text files, plus bench.json).
+#
+#   bench/amx_check.sh [BIN_DIR] [OUT_DIR]
+#   TUNE="D:;E:HMOE_AMX_EDGE=1" REPS=3 bench/amx_check.sh /tmp/b/bin "$OUT"
+#
+# Every step has its own time limit and the script goes on after a failure,
+# so one slow or failing step does not cost the rest of the call; the limits
+# add up to 550 s, under the device tool's 600 s per call.
+set -uo pipefail
+bin=${1:-build/bin}
+out=${2:-.}
+reps=${REPS:-3}
+tune=${TUNE:-"D:;E:HMOE_AMX_EDGE=1;Y:HMOE_MOE_DIRECT_Y=1;L:HMOE_MOE_LOOKAHEAD=1;EYL:HMOE_AMX_EDGE=1,HMOE_MOE_DIRECT_Y=1,HMOE_MOE_LOOKAHEAD=1"}
+mkdir -p "$out"
+
+step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, output to OUT/NAME.txt
+  local name=$1 secs=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$secs" "$@" >"$out/$name.txt" 2>&1
+  local rc=$?
+  echo "rc=$rc" >>"$out/$name.txt"
+  echo "   rc=$rc"
+}
+
+(lscpu; grep -m1 MHz /proc/cpuinfo) >"$out/machine.txt" 2>&1
+step tests 100 "$bin/hmoe-tests" \
+  --gtest_filter='*MoeKernelTest*amx*:Moe*:Dispatch*:*AmxEmulation*'
+grep -E "PASSED|FAILED|SKIPPED" "$out/tests.txt" | tail -3
+step microprobe 40 "$bin/hmoe-amx-microprobe" 16 0.1
+step tune 200 "$bin/hmoe-bench-moe" --preset ds-v3 --T 8192 --format int8,bf16 --min-time 0.2 \
+  --no-onednn --reps "$reps" --tune "$tune"
+grep -E "^ds-v3" "$out/tune.txt"
+step kernel_probe 40 "$bin/hmoe-bench-moe" --preset ds-v3 --kernel-probe --min-time 0.15
+step table 170 "$bin/hmoe-bench-moe" --preset ds-v3,qwen3-30b --T 1,8,128,8192 \
+  --format int4,int8,bf16 --min-time 0.3 --json "$out/bench.json"
+grep -E "^(ds-v3|qwen3)" "$out/table.txt"
