@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One pass of the CPU-expert checks that need an AMX machine, for a single
 # device call: the AMX tests, the micro-kernel probe, the tuning knobs
-# compared in one process (interleaved reps, same weights), the kernel probe
+# compared in one process (interleaved reps, same weights, each row with its
+# phase profile), the kernel probe
 # and the issue-4 table. Results go to OUT_DIR (text files, plus bench.json).
 #
 #   bench/amx_check.sh [BIN_DIR] [OUT_DIR]
@@ -32,9 +33,9 @@ step tests 100 "$bin/hmoe-tests" \
   --gtest_filter='*MoeKernelTest*amx*:Moe*:Dispatch*:*AmxEmulation*'
 grep -E "PASSED|FAILED|SKIPPED" "$out/tests.txt" | tail -3
 step microprobe 40 "$bin/hmoe-amx-microprobe" 16 0.1
-step tune 200 "$bin/hmoe-bench-moe" --preset ds-v3 --T 8192 --format int8,bf16 --min-time 0.2 \
-  --no-onednn --reps "$reps" --tune "$tune"
-grep -E "^ds-v3" "$out/tune.txt"
+step tune 200 env HMOE_PROFILE=1 "$bin/hmoe-bench-moe" --preset ds-v3 --T 8192 \
+  --format int8,bf16 --min-time 0.2 --no-onednn --reps "$reps" --tune "$tune"
+grep -E "^ds-v3|phases" "$out/tune.txt"
 step kernel_probe 40 "$bin/hmoe-bench-moe" --preset ds-v3 --kernel-probe --min-time 0.15
 step table 170 "$bin/hmoe-bench-moe" --preset ds-v3,qwen3-30b --T 1,8,128,8192 \
   --format int4,int8,bf16 --min-time 0.3 --json "$out/bench.json"

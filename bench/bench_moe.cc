@@ -565,7 +565,10 @@ int Main(int argc, char** argv) {
                   std::fprintf(stderr, "run: %s\n", s.ToString().c_str());
                   return 1;
                 }
-                if (it == 0) continue;
+                if (it == 0) {
+                  TakeMoeProfile();  // the warm-up call's phases are not reported
+                  continue;
+                }
                 total += dt;
                 bytes += static_cast<double>(ne * expert_bytes);
                 flops += static_cast<double>(T * P->K) * 6.0 * P->H * P->I;
@@ -582,6 +585,20 @@ int Main(int argc, char** argv) {
                   bw > 0 ? 100 * gbs / bw : 0, peak > 0 ? 100 * tf / peak : 0, dus,
                   dus > 0 ? dus / us : 0, tune.name.empty() ? "" : (" cfg=" + tune.name).c_str());
               std::fflush(stdout);
+              // HMOE_PROFILE=1: where this row's time went, per call.
+              const MoePhaseProfile phases = TakeMoeProfile();
+              nlohmann::json phase_us = nlohmann::json::object();
+              if (phases.calls > 0) {
+                std::printf("#   phases (us/call)%s:",
+                            tune.name.empty() ? "" : (" cfg=" + tune.name).c_str());
+                for (int i = 0; i < MoePhaseProfile::kPhases; ++i) {
+                  const double v = phases.seconds[i] / static_cast<double>(phases.calls) * 1e6;
+                  std::printf(" %s %.0f", MoePhaseProfile::Name(i), v);
+                  phase_us[MoePhaseProfile::Name(i)] = v;
+                }
+                std::printf("\n");
+                std::fflush(stdout);
+              }
               J["rows"].push_back({{"preset", P->name},
                                    {"format", fname},
                                    {"isa", iname},
@@ -597,7 +614,8 @@ int Main(int argc, char** argv) {
                                    {"layers", L},
                                    {"routing", a.zipf ? "zipf" : "uniform"},
                                    {"virtual_nodes", pool.num_nodes()},
-                                   {"cfg", tune.name}});
+                                   {"cfg", tune.name},
+                                   {"phases_us", phase_us}});
               flush_json();
             }
         }

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
@@ -127,12 +128,11 @@ struct Profile {
   }
   ~Profile() {
     if (!on || calls == 0) return;
-    static const char* names[] = {"route",  "wake", "gather", "gate_up",
-                                  "hquant", "down", "reduce", "join"};
     std::fprintf(stderr,
                  "# RunMoe profile over %lld calls (us/call):", static_cast<long long>(calls));
     for (int i = 0; i < 8; ++i)
-      std::fprintf(stderr, " %s %.1f", names[i], t[i] / static_cast<double>(calls) * 1e6);
+      std::fprintf(stderr, " %s %.1f", MoePhaseProfile::Name(i),
+                   t[i] / static_cast<double>(calls) * 1e6);
     std::fprintf(stderr, "\n");
   }
 };
@@ -170,6 +170,21 @@ inline double Secs() {
 }  // namespace
 
 void ReloadMoeTuning() { MutableMoeTuning() = MoeTuning(); }
+
+const char* MoePhaseProfile::Name(int phase) {
+  static const char* const kNames[kPhases] = {"route",  "wake", "gather", "gate_up",
+                                              "hquant", "down", "reduce", "join"};
+  return phase >= 0 && phase < kPhases ? kNames[phase] : "?";
+}
+
+MoePhaseProfile TakeMoeProfile() {
+  MoePhaseProfile p;
+  p.calls = g_profile.calls;
+  for (int i = 0; i < MoePhaseProfile::kPhases; ++i) p.seconds[i] = g_profile.t[i];
+  g_profile.calls = 0;
+  std::fill(std::begin(g_profile.t), std::end(g_profile.t), 0.0);
+  return p;
+}
 
 struct MoeWorkspace::Impl {
   int64_t max_tokens = 0;

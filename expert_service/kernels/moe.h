@@ -198,6 +198,18 @@ class MoeWorkspace {
 absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out, ThreadPool& pool,
                     MoeWorkspace& ws, const RunOptions& opts = {});
 
+// With HMOE_PROFILE=1: RunMoe's per-phase wall time (worker 0's view, seconds)
+// summed over the calls since the last take, in phase order (route, wake,
+// gather, gate_up, hquant, down, reduce, join). Returns it and starts over.
+// Benchmarks only; calls == 0 without HMOE_PROFILE.
+struct MoePhaseProfile {
+  static constexpr int kPhases = 8;
+  static const char* Name(int phase);
+  int64_t calls = 0;
+  double seconds[kPhases] = {};
+};
+MoePhaseProfile TakeMoeProfile();
+
 // Re-reads RunMoe's HMOE_MOE_* benchmark knobs (moe.cc MoeTuning). Benchmarks
 // and tests only, and only while no RunMoe call is running.
 void ReloadMoeTuning();
