@@ -30,29 +30,11 @@
 #include <thread>
 #include <vector>
 
+#include "expert_service/kernels/amx_tile_config.h"
+
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// A constant, not a stack object: GCC 12 dropped the colsb stores of a
-// stack-built config before ldtilecfg (zero-width tiles, fault on first load).
-constexpr TileConfig MakeTileConfig() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  return c;
-}
-alignas(64) constexpr TileConfig kTileConfig = MakeTileConfig();
-
-void Configure() { _tile_loadconfig(&kTileConfig); }
+void Configure() { _tile_loadconfig(&hmoe::kern::kTileConfig); }
 
 struct Ops {
   const uint8_t* A;

@@ -30,31 +30,11 @@
 #include <type_traits>
 
 #include "common/dtype.h"
+#include "expert_service/kernels/amx_tile_config.h"
 #include "expert_service/kernels/gemm.h"
 
 namespace hmoe::kern {
 namespace {
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Palette 1, eight 16 x 64-byte tiles. A constant in read-only data: GCC 12
-// was seen dropping the colsb stores of a stack-built config before
-// ldtilecfg, which then configures zero-width tiles (fault on first load).
-constexpr TileConfig MakeTileConfig() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  return c;
-}
-alignas(64) constexpr TileConfig kTileConfig = MakeTileConfig();
 
 // Every tile is 16 rows x 64 bytes. GCC's tile intrinsics paste the register
 // number into the asm text, so each (register) use is spelled out below.

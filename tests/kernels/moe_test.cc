@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -372,22 +373,37 @@ TEST(MoeEdgeTest, WorkspaceTooSmallIsInvalidArgument) {
 
 // ---- virtual NUMA: tensor parallel across nodes equals one node ---------------------
 
-TEST(MoeNumaTest, VirtualNodesMatchOneNode) {
+// Two threads split into two virtual nodes.
+std::unique_ptr<ThreadPool> TwoNodePool() {
   ThreadPoolOptions po;
   po.max_threads = 2;
   po.virtual_nodes = 2;
-  auto pool2 = ThreadPool::Create(po);
-  ASSERT_TRUE(pool2.ok()) << pool2.status();
-  ASSERT_EQ((*pool2)->num_nodes(), 2);
+  auto pool = ThreadPool::Create(po);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return pool.ok() ? std::move(*pool) : nullptr;
+}
+
+// `src` packed for the shared one-node pool and for `pool2` (two parts).
+std::pair<PackedMoeLayer, PackedMoeLayer> PackOneAndTwoNodes(const MoeWeightsSource& src,
+                                                             FormatCase fc, ThreadPool& pool2) {
+  PackOptions o;
+  o.format = fc.f;
+  o.group = fc.group;
+  auto one = Pack(src, o, SharedPool()).value();
+  auto two = Pack(src, o, pool2).value();
+  EXPECT_EQ(two.parts().size(), 2u);
+  return {std::move(one), std::move(two)};
+}
+
+TEST(MoeNumaTest, VirtualNodesMatchOneNode) {
+  auto pool2 = TwoNodePool();
+  ASSERT_NE(pool2, nullptr);
+  ASSERT_EQ(pool2->num_nodes(), 2);
   auto src = RandomSource(200, 300, 5, 31);
   for (FormatCase fc :
        {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
         FormatCase{WeightFormat::kInt4, 64}, FormatCase{WeightFormat::kInt4, 128}}) {
-    PackOptions o;
-    o.format = fc.f;
-    o.group = fc.group;
-    auto L1 = Pack(src, o, SharedPool()).value();
-    auto L2 = Pack(src, o, **pool2).value();
+    auto [L1, L2] = PackOneAndTwoNodes(src, fc, *pool2);
     ASSERT_EQ(L2.parts().size(), 2u);
     EXPECT_GT(L2.parts()[0].i1, L2.parts()[0].i0);
     EXPECT_EQ(L2.parts()[0].i1, L2.parts()[1].i0);
@@ -403,7 +419,7 @@ TEST(MoeNumaTest, VirtualNodesMatchOneNode) {
       for (int T : {1, 3, 40}) {
         auto b = RandomBatch(T, 3, 200, 5, 50 + static_cast<uint64_t>(T));
         auto a1 = RunLayer(L1, b, SharedPool(), ro);
-        auto a2 = RunLayer(L2, b, **pool2, ro);
+        auto a2 = RunLayer(L2, b, *pool2, ro);
         EXPECT_LE(RelErr(a2, a1), 1e-5)
             << FmtName(fc) << " T=" << T << (ro.emulate_amx ? " (AMX model)" : "");
       }
@@ -420,25 +436,18 @@ TEST(MoeNumaTest, TuningKnobsOnVirtualNodesMatchOneNode) {
                  << IsaName(DetectedIsa());
   AmxTuningEnv env(
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_AMX_EDGE", "1"}});
-  ThreadPoolOptions po;
-  po.max_threads = 2;
-  po.virtual_nodes = 2;
-  auto pool2 = ThreadPool::Create(po);
-  ASSERT_TRUE(pool2.ok()) << pool2.status();
+  auto pool2 = TwoNodePool();
+  ASSERT_NE(pool2, nullptr);
   auto src = RandomSource(208, 300, 5, 37);
   for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0}}) {
-    PackOptions o;
-    o.format = fc.f;
-    o.group = fc.group;
-    auto L1 = Pack(src, o, SharedPool()).value();
-    auto L2 = Pack(src, o, **pool2).value();
+    auto [L1, L2] = PackOneAndTwoNodes(src, fc, *pool2);
     ASSERT_EQ(L2.parts().size(), 2u);
     RunOptions ro;
     ro.isa = Isa::kAvx512;
     ro.emulate_amx = true;
     auto b = RandomBatch(40, 3, 208, 5, 77);
     auto a1 = RunLayer(L1, b, SharedPool(), ro);
-    auto a2 = RunLayer(L2, b, **pool2, ro);
+    auto a2 = RunLayer(L2, b, *pool2, ro);
     EXPECT_LE(RelErr(a2, a1), 1e-5) << FmtName(fc);
   }
 }
