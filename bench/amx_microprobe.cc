@@ -59,7 +59,18 @@ void StoreC() {
   _tile_stored(3, sink[3], 64);
 }
 
+// One tile product in the calling template's format: tdpbssd when kI8,
+// else tdpbf16ps (the intrinsics need literal register numbers).
+#define DP(c, a, b)            \
+  do {                         \
+    if constexpr (kI8)         \
+      _tile_dpbssd(c, a, b);   \
+    else                       \
+      _tile_dpbf16ps(c, a, b); \
+  } while (0)
+
 // Peak: 4 accumulators, no loads.
+template <bool kI8>
 void Peak4(const Ops& o) {
   _tile_zero(0);
   _tile_zero(1);
@@ -70,10 +81,10 @@ void Peak4(const Ops& o) {
   _tile_loadd(6, o.B, 64);
   _tile_loadd(7, o.B, 64);
   for (int64_t s = 0; s < o.steps; ++s) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    DP(0, 4, 6);
+    DP(1, 4, 7);
+    DP(2, 5, 6);
+    DP(3, 5, 7);
   }
   StoreC();
 }
@@ -109,25 +120,8 @@ void Peak6(const Ops& o) {
   StoreC();
 }
 
-void Peak4I8(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_loadd(4, o.A, 64);
-  _tile_loadd(5, o.A, 64);
-  _tile_loadd(6, o.B, 64);
-  _tile_loadd(7, o.B, 64);
-  for (int64_t s = 0; s < o.steps; ++s) {
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
-  }
-  StoreC();
-}
-
-// The current kernel's step: loads interleaved just before their first use.
+// The old kernel step: loads interleaved just before their first use.
+template <bool kI8>
 void Cur(const Ops& o) {
   _tile_zero(0);
   _tile_zero(1);
@@ -136,12 +130,12 @@ void Cur(const Ops& o) {
   for (int64_t s = 0; s < o.steps; ++s) {
     _tile_loadd(4, At(o, 0, s), 64);
     _tile_loadd(6, Bt(o, 0, s), 64);
-    _tile_dpbf16ps(0, 4, 6);
+    DP(0, 4, 6);
     _tile_loadd(7, Bt(o, 1, s), 64);
-    _tile_dpbf16ps(1, 4, 7);
+    DP(1, 4, 7);
     _tile_loadd(5, At(o, 1, s), 64);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    DP(2, 5, 6);
+    DP(3, 5, 7);
   }
   StoreC();
 }
@@ -167,6 +161,7 @@ void Top(const Ops& o) {
 
 // Software pipelined: each operand register is reloaded for step s+1 right
 // after the last product of step s that reads it.
+template <bool kI8>
 void Pipe(const Ops& o) {
   _tile_zero(0);
   _tile_zero(1);
@@ -178,12 +173,12 @@ void Pipe(const Ops& o) {
   _tile_loadd(5, At(o, 1, 0), 64);
   for (int64_t s = 0; s < o.steps; ++s) {
     const int64_t n = s + 1;  // one extra load round at the end: harmless
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
+    DP(0, 4, 6);
+    DP(1, 4, 7);
     _tile_loadd(4, At(o, 0, n), 64);
-    _tile_dpbf16ps(2, 5, 6);
+    DP(2, 5, 6);
     _tile_loadd(6, Bt(o, 0, n), 64);
-    _tile_dpbf16ps(3, 5, 7);
+    DP(3, 5, 7);
     _tile_loadd(5, At(o, 1, n), 64);
     _tile_loadd(7, Bt(o, 1, n), 64);
   }
@@ -322,48 +317,6 @@ void Blk(const Ops& o) {
   StoreC();
 }
 
-// Pipe in int8.
-void PipeI8(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_loadd(4, At(o, 0, 0), 64);
-  _tile_loadd(6, Bt(o, 0, 0), 64);
-  _tile_loadd(7, Bt(o, 1, 0), 64);
-  _tile_loadd(5, At(o, 1, 0), 64);
-  for (int64_t s = 0; s < o.steps; ++s) {
-    const int64_t n = s + 1;
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    _tile_loadd(4, At(o, 0, n), 64);
-    _tile_dpbssd(2, 5, 6);
-    _tile_loadd(6, Bt(o, 0, n), 64);
-    _tile_dpbssd(3, 5, 7);
-    _tile_loadd(5, At(o, 1, n), 64);
-    _tile_loadd(7, Bt(o, 1, n), 64);
-  }
-  StoreC();
-}
-
-void CurI8(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t s = 0; s < o.steps; ++s) {
-    _tile_loadd(4, At(o, 0, s), 64);
-    _tile_loadd(6, Bt(o, 0, s), 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_loadd(7, Bt(o, 1, s), 64);
-    _tile_dpbssd(1, 4, 7);
-    _tile_loadd(5, At(o, 1, s), 64);
-    _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
-  }
-  StoreC();
-}
-
 struct Variant {
   const char* name;
   void (*fn)(const Ops&);
@@ -424,15 +377,16 @@ int main(int argc, char** argv) {
   }
   const int nthreads = argc > 1 ? std::atoi(argv[1]) : 16;
   const double secs = argc > 2 ? std::atof(argv[2]) : 0.3;
-  const Variant peak{"peak4", Peak4, 4}, peak6{"peak6", Peak6, 4}, peaki8{"peak4-i8", Peak4I8, 4};
-  const Variant vs[] = {{"cur", Cur, 4},
+  const Variant peak{"peak4", Peak4<false>, 4}, peak6{"peak6", Peak6, 4},
+      peaki8{"peak4-i8", Peak4<true>, 4};
+  const Variant vs[] = {{"cur", Cur<false>, 4},
                         {"top", Top, 4},
-                        {"pipe", Pipe, 4},
+                        {"pipe", Pipe<false>, 4},
                         {"zig", Zig, 4},
                         {"db12", Db12, 2},
                         {"onlyB", OnlyB, 4},
-                        {"pipe-i8", PipeI8, 4},
-                        {"cur-i8", CurI8, 4},
+                        {"pipe-i8", Pipe<true>, 4},
+                        {"cur-i8", Cur<true>, 4},
                         {"blk8", Blk<8, false>, 4},
                         {"blk16", Blk<16, false>, 4},
                         {"blk32", Blk<32, false>, 4},

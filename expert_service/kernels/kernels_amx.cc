@@ -171,8 +171,8 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 // Tuning knobs, read once, again on ReloadAmxTuning (benchmarks only; the
 // defaults are the measured best).
 //   HMOE_AMX_KC_BYTES = 512 | 1024 | 2048 | 4096: bytes of each A row per K chunk
-//     (default: 2048 for bf16, 1024 for int8, whose faster products leave
-//     less room for tile loads from L2).
+//     (default: 2048 for bf16, 1024 for int8: each won its format's
+//     in-process comparison, bench/results/README.md run 5).
 //   HMOE_AMX_PREFETCH = 0 | 1: prefetch into L2 what comes next (order 0:
 //     the next panel pair's B chunk; order 1: the next K chunk's B and, for
 //     tile-layout A, the next row pair's A chunk).
