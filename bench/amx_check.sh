@@ -10,12 +10,13 @@
 #
 # Every step has its own time limit and the script goes on after a failure,
 # so one slow or failing step does not cost the rest of the call; the limits
-# add up to 550 s, under the device tool's 600 s per call.
+# add up to 550 s (510 with MICRO=0), under the device tool's 600 s per call.
 set -uo pipefail
 bin=${1:-build/bin}
 out=${2:-.}
 reps=${REPS:-3}
-tune=${TUNE:-"D:;E:HMOE_AMX_EDGE=1;Y:HMOE_MOE_DIRECT_Y=1;L:HMOE_MOE_LOOKAHEAD=1;EYL:HMOE_AMX_EDGE=1,HMOE_MOE_DIRECT_Y=1,HMOE_MOE_LOOKAHEAD=1"}
+tune=${TUNE:-"D:;K5:HMOE_AMX_KC_BYTES=512;K5S:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=1;E:HMOE_AMX_EDGE=1;Y:HMOE_MOE_DIRECT_Y=1;L:HMOE_MOE_LOOKAHEAD=1;EYL:HMOE_AMX_EDGE=1,HMOE_MOE_DIRECT_Y=1,HMOE_MOE_LOOKAHEAD=1"}
+micro=${MICRO:-1}
 mkdir -p "$out"
 
 step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, output to OUT/NAME.txt
@@ -32,11 +33,11 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, output to OUT
 step tests 100 "$bin/hmoe-tests" \
   --gtest_filter='*MoeKernelTest*amx*:Moe*:Dispatch*:*AmxEmulation*'
 grep -E "PASSED|FAILED|SKIPPED" "$out/tests.txt" | tail -3
-step microprobe 40 "$bin/hmoe-amx-microprobe" 16 0.1
+[ "$micro" = 1 ] && step microprobe 40 "$bin/hmoe-amx-microprobe" 16 0.1
 step tune 200 env HMOE_PROFILE=1 "$bin/hmoe-bench-moe" --preset ds-v3 --T 8192 \
-  --format int8,bf16 --min-time 0.2 --no-onednn --reps "$reps" --tune "$tune"
+  --format int8,bf16 --min-time 0.2 --no-onednn --reps "$reps" --tune "$tune" --row-limits
 grep -E "^ds-v3|phases" "$out/tune.txt"
 step kernel_probe 40 "$bin/hmoe-bench-moe" --preset ds-v3 --kernel-probe --min-time 0.15
 step table 170 "$bin/hmoe-bench-moe" --preset ds-v3,qwen3-30b --T 1,8,128,8192 \
-  --format int4,int8,bf16 --min-time 0.3 --json "$out/bench.json"
+  --format int4,int8,bf16 --min-time 0.3 --row-limits --json "$out/bench.json"
 grep -E "^(ds-v3|qwen3)" "$out/table.txt"

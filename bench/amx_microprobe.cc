@@ -12,6 +12,13 @@
 // figure (hmoe-bench-moe's peak uses the wall time of the whole pool).
 //
 //   hmoe-amx-microprobe [threads=16] [seconds per case=0.3]
+//   hmoe-amx-microprobe --pairs [seconds per case=0.2]
+//
+// --pairs finds which logical CPUs share one AMX unit (hyperthread siblings a
+// VM may not report): the register-only loop on CPU 0 alone, then on CPU 0
+// and CPU c together for every c (and the same from CPU 1); a pair of one
+// core runs at ~1x the single rate, two cores at ~2x. Then the loop on one
+// CPU per core found vs all CPUs.
 //
 #include <immintrin.h>
 #include <pthread.h>
@@ -323,7 +330,9 @@ struct Variant {
   double tdp_per_step;
 };
 
-double RunThreads(int nthreads, const Variant& v, int64_t sa, int64_t sb, double seconds) {
+double RunOnCpus(const std::vector<int>& cpus, const Variant& v, int64_t sa, int64_t sb,
+                 double seconds) {
+  const int nthreads = static_cast<int>(cpus.size());
   std::atomic<int> ready{0};
   std::atomic<bool> go{false};
   std::vector<double> rate(nthreads);
@@ -332,7 +341,7 @@ double RunThreads(int nthreads, const Variant& v, int64_t sa, int64_t sb, double
     th.emplace_back([&, t] {
       cpu_set_t set;
       CPU_ZERO(&set);
-      CPU_SET(t, &set);
+      CPU_SET(cpus[static_cast<size_t>(t)], &set);
       pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
       const int64_t abytes = 2 * (sa + 2) * 1024, bbytes = 2 * (sb + 2) * 1024;
       auto* A = static_cast<uint8_t*>(std::aligned_alloc(4096, (abytes + 4095) / 4096 * 4096));
@@ -353,7 +362,9 @@ double RunThreads(int nthreads, const Variant& v, int64_t sa, int64_t sb, double
         reps += 8;
         el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       } while (el < seconds);
-      rate[t] = reps * o.steps * v.tdp_per_step * 16384.0 / el;
+      // One tile product: 16x16x32 bf16 MACs or 16x16x64 int8 MACs.
+      const double ops = std::string(v.name).find("i8") != std::string::npos ? 32768.0 : 16384.0;
+      rate[t] = reps * o.steps * v.tdp_per_step * ops / el;
       _tile_release();
       std::free(A);
       std::free(B);
@@ -368,6 +379,48 @@ double RunThreads(int nthreads, const Variant& v, int64_t sa, int64_t sb, double
   return sum;
 }
 
+double RunThreads(int nthreads, const Variant& v, int64_t sa, int64_t sb, double seconds) {
+  std::vector<int> cpus(static_cast<size_t>(nthreads));
+  for (int t = 0; t < nthreads; ++t) cpus[static_cast<size_t>(t)] = t;
+  return RunOnCpus(cpus, v, sa, sb, seconds);
+}
+
+// --pairs: see the header.
+int Pairs(const Variant& peak, double secs) {
+  const int n = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  std::vector<int> seen(static_cast<size_t>(n), -1);  // seen[c]: a CPU sharing c's AMX unit
+  for (int base : {0, 1}) {
+    if (base >= n) break;
+    const double one = RunOnCpus({base}, peak, 4, 4, secs);
+    std::printf("## CPU %d alone: %.2f TFLOP/s; with CPU c (ratio to alone):", base, one / 1e12);
+    for (int c = 0; c < n; ++c) {
+      if (c == base) continue;
+      const double two = RunOnCpus({base, c}, peak, 4, 4, secs);
+      std::printf(" %d:%.2f", c, two / one);
+      if (two / one < 1.5 && seen[static_cast<size_t>(c)] < 0) seen[static_cast<size_t>(c)] = base;
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  // One CPU per core, for the two layouts hypervisors use: siblings adjacent
+  // (0,1), (2,3), ... or half the count apart (0,n/2), (1,n/2+1), ...
+  int partner = -1;
+  for (int c = 1; c < n; ++c)
+    if (seen[static_cast<size_t>(c)] == 0) partner = c;
+  std::vector<int> picks;
+  for (int c = 0; c < n; ++c)
+    if (partner < 0 || (partner == 1 && c % 2 == 0) || (partner == n / 2 && c < n / 2))
+      picks.push_back(c);
+  std::vector<int> all(static_cast<size_t>(n));
+  for (int c = 0; c < n; ++c) all[static_cast<size_t>(c)] = c;
+  const double r_all = RunOnCpus(all, peak, 4, 4, secs), r_picks = RunOnCpus(picks, peak, 4, 4, secs);
+  std::printf("## register loop on all %d CPUs: %.2f TFLOP/s; on %zu CPUs (", n, r_all / 1e12,
+              picks.size());
+  for (size_t i = 0; i < picks.size(); ++i) std::printf("%s%d", i ? "," : "", picks[i]);
+  std::printf("): %.2f TFLOP/s\n", r_picks / 1e12);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -375,10 +428,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "no XTILEDATA permission\n");
     return 1;
   }
-  const int nthreads = argc > 1 ? std::atoi(argv[1]) : 16;
-  const double secs = argc > 2 ? std::atof(argv[2]) : 0.3;
   const Variant peak{"peak4", Peak4<false>, 4}, peak6{"peak6", Peak6, 4},
       peaki8{"peak4-i8", Peak4<true>, 4};
+  if (argc > 1 && std::string(argv[1]) == "--pairs")
+    return Pairs(peak, argc > 2 ? std::atof(argv[2]) : 0.2);
+  const int nthreads = argc > 1 ? std::atoi(argv[1]) : 16;
+  const double secs = argc > 2 ? std::atof(argv[2]) : 0.3;
   const Variant vs[] = {{"cur", Cur<false>, 4},
                         {"top", Top, 4},
                         {"pipe", Pipe<false>, 4},
