@@ -413,7 +413,8 @@ int Pairs(const Variant& peak, double secs) {
       picks.push_back(c);
   std::vector<int> all(static_cast<size_t>(n));
   for (int c = 0; c < n; ++c) all[static_cast<size_t>(c)] = c;
-  const double r_all = RunOnCpus(all, peak, 4, 4, secs), r_picks = RunOnCpus(picks, peak, 4, 4, secs);
+  const double r_all = RunOnCpus(all, peak, 4, 4, secs),
+               r_picks = RunOnCpus(picks, peak, 4, 4, secs);
   std::printf("## register loop on all %d CPUs: %.2f TFLOP/s; on %zu CPUs (", n, r_all / 1e12,
               picks.size());
   for (size_t i = 0; i < picks.size(); ++i) std::printf("%s%d", i ? "," : "", picks[i]);

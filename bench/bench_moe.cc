@@ -609,8 +609,8 @@ int Main(int argc, char** argv) {
                 row_peak = MeasureAmxTops(pool, *fmt == WeightFormat::kInt8);
                 double& best = *fmt == WeightFormat::kInt8 ? best_i8 : best_bf16;
                 best = std::max(best, row_peak);
-                std::printf("#   AMX peak after the row: %.1f T(FL)OP/s -> %.1f%% of it\n", row_peak,
-                            100 * tf / row_peak);
+                std::printf("#   AMX peak after the row: %.1f T(FL)OP/s -> %.1f%% of it\n",
+                            row_peak, 100 * tf / row_peak);
               }
               // HMOE_PROFILE=1: where this row's time went, per call.
               if (T >= 128 && *isa == Isa::kAmx)

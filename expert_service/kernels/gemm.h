@@ -67,6 +67,12 @@ struct KernelSet {
   // streaming stores where the ISA has them, fenced.
   void (*pack_tiled_block)(const uint8_t* const* rows, int64_t n, int64_t kbytes, uint8_t* block,
                            bool stream) = nullptr;
+  // out[i] = sum_{j < n} w[j] * rows[j][i] for i < len, the j terms added in
+  // order from 0 (n = 0: zeros). Reads the n rows side by side (as many
+  // memory streams in flight). `stream`: streaming stores where out is
+  // 64-byte aligned (the output is not read again soon), fenced.
+  void (*weighted_sum)(const float* const* rows, const float* w, int n, int64_t len, float* out,
+                       bool stream) = nullptr;
 };
 void AxpyScalar(float a, const float* x, int64_t n, float* y);
 
@@ -82,6 +88,8 @@ void StoreRowsScalar(const float* src, int64_t lds, float* dst, int64_t ldd, int
                      int64_t n);
 void PackTiledBlockScalar(const uint8_t* const* rows, int64_t n, int64_t kbytes, uint8_t* block,
                           bool stream);
+void WeightedSumScalar(const float* const* rows, const float* w, int n, int64_t len, float* out,
+                       bool stream);
 
 const KernelSet& ScalarKernels();
 const KernelSet& Avx2Kernels();

@@ -2,6 +2,7 @@
 // numerics). Compiled with -mavx2 -mfma -mf16c; entered only after dispatch.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "common/dtype.h"
@@ -121,6 +122,28 @@ void GemmI4I8(const GemmArgs& a) {
   }
 }
 
+// KernelSet::weighted_sum: 16 floats per step (two sums), scalar tail;
+// plain stores (AVX2 machines: the output is small next to the rows read).
+void WeightedSum(const float* const* rows, const float* w, int n, int64_t len, float* out,
+                 bool /*stream*/) {
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      s0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(rows[j] + i), s0);
+      s1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(rows[j] + i + 8), s1);
+    }
+    _mm256_storeu_ps(out + i, s0);
+    _mm256_storeu_ps(out + i + 8, s1);
+  }
+  for (; i < len; ++i) {
+    float s = 0.0f;
+    for (int j = 0; j < n; ++j) s = std::fma(w[j], rows[j][i], s);
+    out[i] = s;
+  }
+}
+
 }  // namespace
 
 const KernelSet& Avx2Kernels() {
@@ -129,6 +152,7 @@ const KernelSet& Avx2Kernels() {
     s.bf16 = GemmBf16;
     s.i8 = GemmI8;
     s.i4_i8 = GemmI4I8;
+    s.weighted_sum = WeightedSum;
     return s;  // i4_bf16, SiLU and quantization: the scalar versions
   }();
   return k;

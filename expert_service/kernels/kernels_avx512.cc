@@ -410,9 +410,41 @@ void PackTiledBlock(const uint8_t* const* rows, int64_t n, int64_t kbytes, uint8
   if (stream) _mm_sfence();
 }
 
+void WeightedSum(const float* const* rows, const float* w, int n, int64_t len, float* out,
+                 bool stream) {
+  const bool nt = stream && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+  int64_t i = 0;
+  // 32 floats per step: two independent sums, n rows read side by side.
+  for (; i + 32 <= len; i += 32) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+      const __m512 wj = _mm512_set1_ps(w[j]);
+      s0 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(rows[j] + i), s0);
+      s1 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(rows[j] + i + 16), s1);
+    }
+    if (nt) {
+      _mm512_stream_ps(out + i, s0);
+      _mm512_stream_ps(out + i + 16, s1);
+    } else {
+      _mm512_storeu_ps(out + i, s0);
+      _mm512_storeu_ps(out + i + 16, s1);
+    }
+  }
+  for (; i < len; i += 16) {
+    const int64_t c = std::min<int64_t>(16, len - i);
+    const __mmask16 m = static_cast<__mmask16>((1u << c) - 1);
+    __m512 s0 = _mm512_setzero_ps();
+    for (int j = 0; j < n; ++j)
+      s0 = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_maskz_loadu_ps(m, rows[j] + i), s0);
+    _mm512_mask_storeu_ps(out + i, m, s0);
+  }
+  if (nt) _mm_sfence();  // publish the streaming stores before the caller's barrier
+}
+
 const KernelSet& Avx512Kernels() {
-  static const KernelSet k{GemmBf16,  GemmI8,  GemmI4I8, GemmI4Bf16, SiluMul,   SiluMulBf16,
-                           QuantBf16, AmaxF32, QuantF32, Axpy,       StoreRows, PackTiledBlock};
+  static const KernelSet k{GemmBf16,    GemmI8,         GemmI4I8,   GemmI4Bf16, SiluMul,
+                           SiluMulBf16, QuantBf16,      AmaxF32,    QuantF32,   Axpy,
+                           StoreRows,   PackTiledBlock, WeightedSum};
   return k;
 }
 

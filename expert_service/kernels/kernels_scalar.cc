@@ -170,11 +170,21 @@ void PackTiledBlockScalar(const uint8_t* const* rows, int64_t n, int64_t kbytes,
     }
 }
 
+void WeightedSumScalar(const float* const* rows, const float* w, int n, int64_t len, float* out,
+                       bool /*stream*/) {
+  for (int64_t i = 0; i < len; ++i) {
+    float s = 0.0f;
+    for (int j = 0; j < n; ++j) s = std::fma(w[j], rows[j][i], s);
+    out[i] = s;
+  }
+}
+
 const KernelSet& ScalarKernels() {
-  static const KernelSet k{GemmBf16,        GemmI8,          GemmI4I8,
-                           GemmI4Bf16,      SiluMulScalar,   SiluMulBf16Scalar,
-                           QuantBf16Scalar, AmaxF32Scalar,   QuantF32Scalar,
-                           AxpyScalar,      StoreRowsScalar, PackTiledBlockScalar};
+  static const KernelSet k{GemmBf16,         GemmI8,          GemmI4I8,
+                           GemmI4Bf16,       SiluMulScalar,   SiluMulBf16Scalar,
+                           QuantBf16Scalar,  AmaxF32Scalar,   QuantF32Scalar,
+                           AxpyScalar,       StoreRowsScalar, PackTiledBlockScalar,
+                           WeightedSumScalar};
   return k;
 }
 

@@ -28,9 +28,12 @@ namespace {
 // Rows per task: an expert's rows are split into the fewest chunks of at most
 // this many (a multiple of 32), so its weights stream from DRAM once per call.
 constexpr int64_t kMaxRowChunk = 512;
-constexpr int64_t kMaxTaskPanels = 16;  // panels per task (at most)
+constexpr int64_t kMaxTaskPanels = 32;      // panels per task (at most, HMOE_MOE_TASK_PANELS)
+constexpr int64_t kDefaultTaskPanels = 16;  // panels per task (at most, by default)
 constexpr int64_t kCbufFloats = kMaxRowChunk * kMaxTaskPanels * 16;
-constexpr int64_t kPreQuantTokens = 32;  // int8 activations: quantize tokens once from here
+constexpr int64_t kPreQuantTokens = 32;
+constexpr int kMaxSumRows = 32;  // y rows per weighted_sum call in the reduce  // int8 activations:
+                                 // quantize tokens once from here
 
 // The kernel sets of one call: "few" (GEMV) and "many" experts, and whether
 // the many kernels read A in the AMX tile layout.
@@ -140,7 +143,9 @@ Profile g_profile;
 
 // Benchmark knobs, read once (again on ReloadMoeTuning); the defaults are
 // what RunMoe does without them.
-//   HMOE_MOE_TASK_PANELS = 2..16: panels per gate_up / down task at most.
+//   HMOE_MOE_TASK_PANELS = 2..32: panels per gate_up / down task at most
+//     (default 16). More panels: fewer re-reads of an expert's rows from L3,
+//     larger B chunks and C blocks in L2.
 //   HMOE_MOE_DIRECT_Y = 0 | 1: down tasks of "many" experts write their C
 //     straight into y (when hidden % 16 == 0: whole panels fit in a row)
 //     instead of the worker's C buffer plus a streaming copy. Not yet
@@ -149,7 +154,7 @@ Profile g_profile;
 //     and pass it to the kernel, which prefetches its first K chunk into L2
 //     during the current task's last chunk. Not yet measured: off.
 struct MoeTuning {
-  int64_t task_panels = kMaxTaskPanels;
+  int64_t task_panels = kDefaultTaskPanels;
   bool direct_y = false;
   bool lookahead = false;
   MoeTuning() {
@@ -447,7 +452,12 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   const int64_t kp_h = w.kp_h;
   const int64_t xa_ld = kp_h * 2;
   const int64_t gsum_ld = std::max<int64_t>(w.gmax, 1);
-  const int64_t hchunk = 1024;
+  // Reduce items: whole token rows when there are enough tokens (long
+  // sequential streams), else row pieces of >= 256 floats so every thread
+  // gets some (decode).
+  const int64_t hchunk = std::min<int64_t>(
+      H, std::max<int64_t>(
+             256, RoundUp((H * T + 4 * pool.num_threads() - 1) / (4 * pool.num_threads()), 16)));
   const int64_t red_items = T * ((H + hchunk - 1) / hchunk);
   const kern::KernelSet& kfew = *dsp.few;
   // Tiled int8 rows always come from the per-token quantization.
@@ -707,22 +717,38 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     mark(wk, 6);
 
     // ---- reduce ----
+    // out[t] = sum over (slot j, part q) of w[t][j] * y_q[row(t, j)]: one
+    // weighted_sum of all the token's rows, written once (streaming).
     const int64_t nch = (H + hchunk - 1) / hchunk;
+    const float* yrows[kMaxSumRows];
+    float ywts[kMaxSumRows];
     for (int64_t it; (it = w.counters[2].fetch_add(1, std::memory_order_relaxed)) < red_items;) {
       const int64_t t = it / nch, c0 = (it % nch) * hchunk, c1 = std::min(H, c0 + hchunk);
-      float* o = out + t * H;
-      std::memset(o + c0, 0, static_cast<size_t>(c1 - c0) * 4);
+      float* o = out + t * H + c0;
+      int n = 0;
+      bool written = false;
       for (int j = 0; j < K; ++j) {
         const int32_t r = w.slot_row[static_cast<size_t>(t * K + j)];
         if (r < 0) continue;
-        const float wt = in.weights[t * K + j];
-        for (int q = 0; q < w.nparts; ++q)
-          if (!layer.parts()[static_cast<size_t>(q)].empty())
-            kfew.axpy(wt,
-                      reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data()) +
-                          int64_t{r} * H + c0,
-                      c1 - c0, o + c0);
+        for (int q = 0; q < w.nparts; ++q) {
+          if (layer.parts()[static_cast<size_t>(q)].empty()) continue;
+          if (n == kMaxSumRows) {  // more rows than one call takes: add the rest with axpy
+            if (!written)
+              kfew.weighted_sum(yrows, ywts, n, c1 - c0, o, /*stream=*/false);
+            else
+              for (int i = 0; i < n; ++i) kfew.axpy(ywts[i], yrows[i], c1 - c0, o);
+            written = true;
+            n = 0;
+          }
+          yrows[n] = reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data()) +
+                     int64_t{r} * H + c0;
+          ywts[n++] = in.weights[t * K + j];
+        }
       }
+      if (!written)
+        kfew.weighted_sum(yrows, ywts, n, c1 - c0, o, /*stream=*/true);
+      else
+        for (int i = 0; i < n; ++i) kfew.axpy(ywts[i], yrows[i], c1 - c0, o);
     }
     mark(wk, 7);
   });

@@ -268,8 +268,10 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_CTMP", "1"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_AMX_PREFETCH", "0"}, {"HMOE_AMX_STREAM", "1"}, {"HMOE_AMX_KC_BYTES", "4096"}},
+      {{"HMOE_MOE_TASK_PANELS", "32"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "4"}},
+      {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_MOE_TASK_PANELS", "32"}},
       {{"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
   };
   for (const auto& setting : settings) {
