@@ -6,7 +6,8 @@
 //   gate_up  tasks (part, expert, panel-pair chunk, row chunk) -> h = SiLU(g)*u
 //   hquant   (int8 activations) per-row scale over all parts' h, quantize
 //   down     tasks (part, expert, panel chunk, row chunk) -> y_part[row]
-//   reduce   out[t] = sum_j w[t][j] * sum_part y_part[row(t, j)]
+//   reduce   out[t] = sum_j w[t][j] * sum_part y_part[row(t, j)], one
+//            weighted_sum over all of a token's rows, out written once
 #include "expert_service/kernels/moe.h"
 
 #include <algorithm>
@@ -31,9 +32,8 @@ constexpr int64_t kMaxRowChunk = 512;
 constexpr int64_t kMaxTaskPanels = 32;      // panels per task (at most, HMOE_MOE_TASK_PANELS)
 constexpr int64_t kDefaultTaskPanels = 16;  // panels per task (at most, by default)
 constexpr int64_t kCbufFloats = kMaxRowChunk * kMaxTaskPanels * 16;
-constexpr int64_t kPreQuantTokens = 32;
-constexpr int kMaxSumRows = 32;  // y rows per weighted_sum call in the reduce  // int8 activations:
-                                 // quantize tokens once from here
+constexpr int64_t kPreQuantTokens = 32;  // int8 activations: quantize tokens once from here
+constexpr int kMaxSumRows = 32;          // y rows per weighted_sum call in the reduce
 
 // The kernel sets of one call: "few" (GEMV) and "many" experts, and whether
 // the many kernels read A in the AMX tile layout.
