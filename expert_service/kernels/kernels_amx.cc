@@ -170,7 +170,8 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 
 // Tuning knobs, read once, again on ReloadAmxTuning (benchmarks only; the
 // defaults are the measured best).
-//   HMOE_AMX_KC_BYTES = 512 | 1024 | 2048 | 4096: bytes of each A row per K chunk
+//   HMOE_AMX_KC_BYTES = 256 | 512 | 1024 | 2048 | 4096: bytes of each A row per K chunk
+//     (256 lost to the default in 11 of 12 reps of run 6)
 //     (default: 2048 for bf16, 1024 for int8: each won its format's
 //     in-process comparison, bench/results/README.md run 5).
 //   HMOE_AMX_PREFETCH = 0 | 1: prefetch into L2 what comes next (order 0:
@@ -184,7 +185,9 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
 //     tileloaddt1 (so it does not evict the reused one).
 //   HMOE_AMX_EDGE = 0 | 1: overlap a block's C stores with the next block's
-//     first k step (see `pend` in AmxGemm). Not yet measured on AMX: off.
+//     first k step (see `pend` in AmxGemm). Measured (ds-v3 T=8192, in
+//     process, bench/results run 6): within noise of off, alone or with
+//     kc 512 (+3% on average over 6 reps, not in every rep): off.
 struct Tuning {
   bool edge = false;
   int64_t kc_bytes = 0;  // 0: per format
@@ -201,7 +204,7 @@ struct Tuning {
     if (const char* e = std::getenv("HMOE_AMX_PF_A")) pf_a = std::clamp(std::atoi(e), 0, 2);
     if (const char* e = std::getenv("HMOE_AMX_KC_BYTES")) {
       const int64_t b = std::atoll(e);
-      if (b == 512 || b == 1024 || b == 2048 || b == 4096) kc_bytes = b;
+      if (b == 256 || b == 512 || b == 1024 || b == 2048 || b == 4096) kc_bytes = b;
     }
     if (const char* e = std::getenv("HMOE_AMX_PREFETCH")) prefetch = *e == '1';
   }

@@ -145,14 +145,16 @@ Profile g_profile;
 // what RunMoe does without them.
 //   HMOE_MOE_TASK_PANELS = 2..32: panels per gate_up / down task at most
 //     (default 16). More panels: fewer re-reads of an expert's rows from L3,
-//     larger B chunks and C blocks in L2.
+//     larger B chunks and C blocks in L2. Run 6: 32 lost to 16 in 6 of 6
+//     reps; 32 with kc 512 was mixed.
 //   HMOE_MOE_DIRECT_Y = 0 | 1: down tasks of "many" experts write their C
 //     straight into y (when hidden % 16 == 0: whole panels fit in a row)
-//     instead of the worker's C buffer plus a streaming copy. Not yet
-//     measured on the AMX machine: off.
+//     instead of the worker's C buffer plus a streaming copy. Measured on
+//     the AMX machine (run 6): int8 down +25% (C stores to y's strided rows
+//     are slower than the copy): off.
 //   HMOE_MOE_LOOKAHEAD = 0 | 1: gate_up / down workers claim one task ahead
 //     and pass it to the kernel, which prefetches its first K chunk into L2
-//     during the current task's last chunk. Not yet measured: off.
+//     during the current task's last chunk. Measured (run 6): within noise: off.
 struct MoeTuning {
   int64_t task_panels = kDefaultTaskPanels;
   bool direct_y = false;

@@ -269,6 +269,7 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_CTMP", "1"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_AMX_PREFETCH", "0"}, {"HMOE_AMX_STREAM", "1"}, {"HMOE_AMX_KC_BYTES", "4096"}},
       {{"HMOE_MOE_TASK_PANELS", "32"}, {"HMOE_AMX_KC_BYTES", "512"}},
+      {{"HMOE_AMX_KC_BYTES", "256"}, {"HMOE_AMX_EDGE", "1"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "4"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_MOE_TASK_PANELS", "32"}},
