@@ -56,7 +56,6 @@ struct KernelSet {
   float (*amax_f32)(const float* x, int64_t n) = nullptr;
   void (*quant_f32)(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum,
                     int group) = nullptr;
-  void (*axpy)(float a, const float* x, int64_t n, float* y) = nullptr;  // y += a * x
   // dst[r][0..n) = src[r][0..n) for r < rows (lds/ldd in floats). Written with
   // streaming stores where aligned (output read only much later), fenced.
   void (*store_rows)(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
@@ -74,7 +73,6 @@ struct KernelSet {
   void (*weighted_sum)(const float* const* rows, const float* w, int n, int64_t len, float* out,
                        bool stream) = nullptr;
 };
-void AxpyScalar(float a, const float* x, int64_t n, float* y);
 
 // Shared scalar helpers (kernels_scalar.cc) for ISA files that reuse them.
 void QuantBf16Scalar(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale,

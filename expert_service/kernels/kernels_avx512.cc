@@ -307,14 +307,6 @@ void QuantF32(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32
             gsum, group);
 }
 
-void Axpy(float a, const float* x, int64_t n, float* y) {
-  const __m512 va = _mm512_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-
 }  // namespace
 
 void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, int64_t kp) {
@@ -442,9 +434,8 @@ void WeightedSum(const float* const* rows, const float* w, int n, int64_t len, f
 }
 
 const KernelSet& Avx512Kernels() {
-  static const KernelSet k{GemmBf16,    GemmI8,         GemmI4I8,   GemmI4Bf16, SiluMul,
-                           SiluMulBf16, QuantBf16,      AmaxF32,    QuantF32,   Axpy,
-                           StoreRows,   PackTiledBlock, WeightedSum};
+  static const KernelSet k{GemmBf16,  GemmI8,  GemmI4I8, GemmI4Bf16, SiluMul,        SiluMulBf16,
+                           QuantBf16, AmaxF32, QuantF32, StoreRows,  PackTiledBlock, WeightedSum};
   return k;
 }
 

@@ -149,10 +149,6 @@ void QuantBf16Scalar(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float*
     }
 }
 
-void AxpyScalar(float a, const float* x, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
 void StoreRowsScalar(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
                      int64_t n) {
   for (int64_t r = 0; r < rows; ++r)
@@ -180,10 +176,17 @@ void WeightedSumScalar(const float* const* rows, const float* w, int n, int64_t 
 }
 
 const KernelSet& ScalarKernels() {
-  static const KernelSet k{GemmBf16,         GemmI8,          GemmI4I8,
-                           GemmI4Bf16,       SiluMulScalar,   SiluMulBf16Scalar,
-                           QuantBf16Scalar,  AmaxF32Scalar,   QuantF32Scalar,
-                           AxpyScalar,       StoreRowsScalar, PackTiledBlockScalar,
+  static const KernelSet k{GemmBf16,
+                           GemmI8,
+                           GemmI4I8,
+                           GemmI4Bf16,
+                           SiluMulScalar,
+                           SiluMulBf16Scalar,
+                           QuantBf16Scalar,
+                           AmaxF32Scalar,
+                           QuantF32Scalar,
+                           StoreRowsScalar,
+                           PackTiledBlockScalar,
                            WeightedSumScalar};
   return k;
 }

@@ -33,7 +33,6 @@ constexpr int64_t kMaxTaskPanels = 32;      // panels per task (at most, HMOE_MO
 constexpr int64_t kDefaultTaskPanels = 16;  // panels per task (at most, by default)
 constexpr int64_t kCbufFloats = kMaxRowChunk * kMaxTaskPanels * 16;
 constexpr int64_t kPreQuantTokens = 32;  // int8 activations: quantize tokens once from here
-constexpr int kMaxSumRows = 32;          // y rows per weighted_sum call in the reduce
 
 // The kernel sets of one call: "few" (GEMV) and "many" experts, and whether
 // the many kernels read A in the AMX tile layout.
@@ -227,6 +226,9 @@ struct MoeWorkspace::Impl {
   std::vector<PartBufs> parts;
   std::vector<float> h_scale;             // per row (shared by parts)
   std::vector<NumaBuffer> cbuf, scratch;  // per thread
+  // reduce: a token's y rows and weights, [thread][max_top_k * nparts]
+  std::vector<const float*> sum_rows;
+  std::vector<float> sum_wts;
   // phase counters
   std::vector<std::atomic<int64_t>> counters;
   SpinBarrier barrier;
@@ -302,6 +304,8 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   }
   w.cbuf.resize(static_cast<size_t>(w.threads));
   w.scratch.resize(static_cast<size_t>(w.threads));
+  w.sum_rows.resize(static_cast<size_t>(w.threads * w.max_top_k * w.nparts));
+  w.sum_wts.resize(w.sum_rows.size());
   int t = 0;
   for (int p = 0; p < pool.num_nodes(); ++p)
     for (int i = 0; i < pool.node_threads(p); ++i, ++t) {
@@ -722,35 +726,23 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     // out[t] = sum over (slot j, part q) of w[t][j] * y_q[row(t, j)]: one
     // weighted_sum of all the token's rows, written once (streaming).
     const int64_t nch = (H + hchunk - 1) / hchunk;
-    const float* yrows[kMaxSumRows];
-    float ywts[kMaxSumRows];
+    const size_t sum_off = static_cast<size_t>(wk.global * w.max_top_k * w.nparts);
+    const float** yrows = w.sum_rows.data() + sum_off;
+    float* ywts = w.sum_wts.data() + sum_off;
     for (int64_t it; (it = w.counters[2].fetch_add(1, std::memory_order_relaxed)) < red_items;) {
       const int64_t t = it / nch, c0 = (it % nch) * hchunk, c1 = std::min(H, c0 + hchunk);
-      float* o = out + t * H + c0;
       int n = 0;
-      bool written = false;
       for (int j = 0; j < K; ++j) {
         const int32_t r = w.slot_row[static_cast<size_t>(t * K + j)];
         if (r < 0) continue;
         for (int q = 0; q < w.nparts; ++q) {
           if (layer.parts()[static_cast<size_t>(q)].empty()) continue;
-          if (n == kMaxSumRows) {  // more rows than one call takes: add the rest with axpy
-            if (!written)
-              kfew.weighted_sum(yrows, ywts, n, c1 - c0, o, /*stream=*/false);
-            else
-              for (int i = 0; i < n; ++i) kfew.axpy(ywts[i], yrows[i], c1 - c0, o);
-            written = true;
-            n = 0;
-          }
           yrows[n] = reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data()) +
                      int64_t{r} * H + c0;
           ywts[n++] = in.weights[t * K + j];
         }
       }
-      if (!written)
-        kfew.weighted_sum(yrows, ywts, n, c1 - c0, o, /*stream=*/true);
-      else
-        for (int i = 0; i < n; ++i) kfew.axpy(ywts[i], yrows[i], c1 - c0, o);
+      kfew.weighted_sum(yrows, ywts, n, c1 - c0, out + t * H + c0, /*stream=*/true);
     }
     mark(wk, 7);
   });
