@@ -392,7 +392,7 @@ int Main(int argc, char** argv) {
     double tf;
     bool i8;
   };
-  std::vector<AmxRow> amx_rows;  // rows with T >= 128, for the closing summary
+  std::vector<AmxRow> amx_rows;  // --row-limits: AMX rows with T >= 128, for the closing summary
   J["read_gbs"] = bw;
   J["amx_bf16_tflops"] = amx_bf16;
   J["amx_int8_tops"] = amx_i8;
@@ -605,18 +605,17 @@ int Main(int argc, char** argv) {
               // ratio can be read against the machine's state at that moment
               // (on a shared VM the start-of-run peak drifts between processes).
               double row_peak = 0;
-              if (a.row_limits && DetectedIsa() >= Isa::kAmx && T >= 128) {
+              if (a.row_limits && T >= 128 && *isa == Isa::kAmx) {
                 row_peak = MeasureAmxTops(pool, *fmt == WeightFormat::kInt8);
                 double& best = *fmt == WeightFormat::kInt8 ? best_i8 : best_bf16;
                 best = std::max(best, row_peak);
                 std::printf("#   AMX peak after the row: %.1f T(FL)OP/s -> %.1f%% of it\n",
                             row_peak, 100 * tf / row_peak);
-              }
-              // HMOE_PROFILE=1: where this row's time went, per call.
-              if (T >= 128 && *isa == Isa::kAmx)
                 amx_rows.push_back({absl::StrCat(P->name, " ", fname, " T=", T,
                                                  tune.name.empty() ? "" : " cfg=", tune.name),
                                     tf, *fmt == WeightFormat::kInt8});
+              }
+              // HMOE_PROFILE=1: where this row's time went, per call.
               const MoePhaseProfile phases = TakeMoeProfile();
               nlohmann::json phase_us = nlohmann::json::object();
               if (phases.calls > 0) {
