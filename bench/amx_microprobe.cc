@@ -59,6 +59,13 @@ inline const uint8_t* Bt(const Ops& o, int p, int64_t s) {
 
 alignas(64) thread_local uint8_t sink[8][1024];
 
+void ZeroC() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 void StoreC() {
   _tile_stored(0, sink[0], 64);
   _tile_stored(1, sink[1], 64);
@@ -79,10 +86,7 @@ void StoreC() {
 // Peak: 4 accumulators, no loads.
 template <bool kI8>
 void Peak4(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  ZeroC();
   _tile_loadd(4, o.A, 64);
   _tile_loadd(5, o.A, 64);
   _tile_loadd(6, o.B, 64);
@@ -98,10 +102,7 @@ void Peak4(const Ops& o) {
 
 // 6 accumulators, no loads: shows whether 4 chains are latency bound.
 void Peak6(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  ZeroC();
   _tile_zero(4);
   _tile_zero(5);
   _tile_loadd(6, o.A, 64);
@@ -130,10 +131,7 @@ void Peak6(const Ops& o) {
 // The old kernel step: loads interleaved just before their first use.
 template <bool kI8>
 void Cur(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  ZeroC();
   for (int64_t s = 0; s < o.steps; ++s) {
     _tile_loadd(4, At(o, 0, s), 64);
     _tile_loadd(6, Bt(o, 0, s), 64);
@@ -149,10 +147,7 @@ void Cur(const Ops& o) {
 
 // Loads grouped at the top of the step.
 void Top(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  ZeroC();
   for (int64_t s = 0; s < o.steps; ++s) {
     _tile_loadd(4, At(o, 0, s), 64);
     _tile_loadd(6, Bt(o, 0, s), 64);
@@ -170,10 +165,7 @@ void Top(const Ops& o) {
 // after the last product of step s that reads it.
 template <bool kI8>
 void Pipe(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  ZeroC();
   _tile_loadd(4, At(o, 0, 0), 64);
   _tile_loadd(6, Bt(o, 0, 0), 64);
   _tile_loadd(7, Bt(o, 1, 0), 64);
@@ -196,10 +188,7 @@ void Pipe(const Ops& o) {
 // products between its last read and its next use: step order alternates
 // (0,4,6)(1,4,7)(3,5,7)(2,5,6) and (2,5,6)(3,5,7)... handled by unrolling 2.
 void Zig(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  ZeroC();
   _tile_loadd(4, At(o, 0, 0), 64);
   _tile_loadd(6, Bt(o, 0, 0), 64);
   _tile_loadd(7, Bt(o, 1, 0), 64);
@@ -252,10 +241,7 @@ void Db12(const Ops& o) {
 
 // 2x2 with A from L1 only (B loaded, A registers fixed): isolates B loads.
 void OnlyB(const Ops& o) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  ZeroC();
   _tile_loadd(4, At(o, 0, 0), 64);
   _tile_loadd(5, At(o, 1, 0), 64);
   for (int64_t s = 0; s < o.steps; ++s) {
@@ -276,10 +262,7 @@ void OnlyB(const Ops& o) {
 template <int64_t kKc, bool kEdge>
 void Blk(const Ops& o) {
   alignas(64) static thread_local float cbuf[4][256];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  ZeroC();
   for (int64_t s0 = 0; s0 < o.steps; s0 += kKc) {
     int64_t s = s0;
     if (s0 > 0 && kEdge) {
