@@ -1,7 +1,7 @@
 // hmoe-bench-moe: the MoE operator against the machine's measured limits and
 // against oneDNN, at real model shapes, cache-cold.
 //
-//   hmoe-bench-moe [--preset ds-v3,qwen3-30b,ds-v2-lite,mixtral] [--T 1,8,8192]
+//   hmoe-bench-moe [--preset ds-v3,qwen3-30b,ds-v2-lite,mixtral,HxIxExK] [--T 1,8,8192]
 //                  [--format bf16,int8,int4] [--isa amx,avx512,avx2,scalar]
 //                  [--routing uniform|zipf] [--layers N] [--threads N] [--vnuma N]
 //                  [--group 128] [--min-time S] [--no-onednn] [--json FILE]
@@ -32,6 +32,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -58,6 +59,21 @@ const Preset kPresets[] = {{"ds-v3", 7168, 2048, 256, 8},
                            {"qwen3-30b", 2048, 768, 128, 8},
                            {"ds-v2-lite", 2048, 1408, 64, 6},
                            {"mixtral", 4096, 14336, 8, 2}};
+
+// A preset by name, or a custom shape spelled HxIxExK (e.g. 7168x2048x4x4:
+// ds-v3's expert shape, 4 experts, top-4; with --layers 1 its weights stay in
+// the LLC, which separates the GEMM from DRAM streaming).
+std::optional<Preset> FindPreset(const std::string& name) {
+  for (const auto& p : kPresets)
+    if (name == p.name) return p;
+  long long h = 0, i = 0, e = 0;
+  int k = 0;
+  char tail = 0;
+  if (std::sscanf(name.c_str(), "%lldx%lldx%lldx%d%c", &h, &i, &e, &k, &tail) == 4 && h > 0 &&
+      i > 0 && e > 0 && k > 0 && k <= e)
+    return Preset{"custom", h, i, e, k};
+  return std::nullopt;
+}
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -407,8 +423,7 @@ int Main(int argc, char** argv) {
       return 1;
     }
     for (const auto& pname : a.presets)
-      for (const auto& p : kPresets)
-        if (pname == p.name) KernelProbe(pool, p.H, amx_bf16, amx_i8, a.min_time);
+      if (auto p = FindPreset(pname)) KernelProbe(pool, p->H, amx_bf16, amx_i8, a.min_time);
     return 0;
   }
   std::printf("%-10s %-5s %-6s %5s %11s %9s %8s %7s %7s %11s %8s\n", "preset", "fmt", "isa", "T",
@@ -423,9 +438,8 @@ int Main(int argc, char** argv) {
   const int64_t Tmax = *std::max_element(a.Ts.begin(), a.Ts.end());
 
   for (const auto& pname : a.presets) {
-    const Preset* P = nullptr;
-    for (const auto& p : kPresets)
-      if (pname == p.name) P = &p;
+    const std::optional<Preset> found = FindPreset(pname);
+    const Preset* P = found ? &*found : nullptr;
     if (P == nullptr) {
       std::fprintf(stderr, "unknown preset %s\n", pname.c_str());
       return 2;
@@ -471,7 +485,7 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "workspace: %s\n", ws_or.status().ToString().c_str());
         return 1;
       }
-      std::fprintf(stderr, "# %s %s: %d layer(s) x %.2f GB packed in %.1f s\n", P->name,
+      std::fprintf(stderr, "# %s %s: %d layer(s) x %.2f GB packed in %.1f s\n", pname.c_str(),
                    fname.c_str(), L, layer_bytes / 1e9, Now() - tp0);
       // oneDNN in the comparable format (int4 -> int8), built once per preset+format.
       const std::string dfmt = *fmt == WeightFormat::kBf16 ? "bf16" : "int8";
@@ -597,8 +611,8 @@ int Main(int argc, char** argv) {
               const double dus = dnn_us.count(dfmt) && dnn_us[dfmt].count(T) ? dnn_us[dfmt][T] : 0;
               std::printf(
                   "%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %11.1f %7.2fx%s\n",
-                  P->name, fname.c_str(), iname.c_str(), static_cast<long long>(T), us, gbs, tf,
-                  bw > 0 ? 100 * gbs / bw : 0, peak > 0 ? 100 * tf / peak : 0, dus,
+                  pname.c_str(), fname.c_str(), iname.c_str(), static_cast<long long>(T), us, gbs,
+                  tf, bw > 0 ? 100 * gbs / bw : 0, peak > 0 ? 100 * tf / peak : 0, dus,
                   dus > 0 ? dus / us : 0, tune.name.empty() ? "" : (" cfg=" + tune.name).c_str());
               std::fflush(stdout);
               // --row-limits: the peak again, right after the row, so a row's
@@ -611,7 +625,7 @@ int Main(int argc, char** argv) {
                 best = std::max(best, row_peak);
                 std::printf("#   AMX peak after the row: %.1f T(FL)OP/s -> %.1f%% of it\n",
                             row_peak, 100 * tf / row_peak);
-                amx_rows.push_back({absl::StrCat(P->name, " ", fname, " T=", T,
+                amx_rows.push_back({absl::StrCat(pname, " ", fname, " T=", T,
                                                  tune.name.empty() ? "" : " cfg=", tune.name),
                                     tf, *fmt == WeightFormat::kInt8});
               }
@@ -629,7 +643,7 @@ int Main(int argc, char** argv) {
                 std::printf("\n");
                 std::fflush(stdout);
               }
-              J["rows"].push_back({{"preset", P->name},
+              J["rows"].push_back({{"preset", pname},
                                    {"format", fname},
                                    {"isa", iname},
                                    {"T", T},

@@ -1,5 +1,5 @@
-// RunMoe: routing, the phase pipeline and kernel dispatch. One pool.Run per
-// call; phases are separated by a spin barrier among the pool's workers:
+// RunMoe: routing, the stages of one call and kernel dispatch. One pool.Run
+// per call; the work:
 //   xquant   (int8 activations, T >= 32) each token quantized once
 //   gather   rows of x per expert (bf16, or int8 quantized per token); the
 //            AMX experts' rows in the tile layout (gemm.h GemmArgs::a_tiled)
@@ -8,7 +8,15 @@
 //   down     tasks (part, expert, panel chunk, row chunk) -> y_part[row]
 //   reduce   out[t] = sum_j w[t][j] * sum_part y_part[row(t, j)], one
 //            weighted_sum over all of a token's rows, out written once
+// A spin barrier among the pool's workers follows xquant and precedes
+// reduce. In between, gather, gate_up, hquant and down run as one stage
+// ordered by per-expert dependencies (an expert's rows gathered before its
+// gate_up tasks; all its gate_up tasks, then its hquant, before its down
+// tasks), so the memory-bound steps of one expert overlap the GEMMs of
+// others; HMOE_MOE_PIPELINE=0 restores a barrier after each step.
 #include "expert_service/kernels/moe.h"
+
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -33,6 +41,7 @@ constexpr int64_t kMaxTaskPanels = 32;      // panels per task (at most, HMOE_MO
 constexpr int64_t kDefaultTaskPanels = 16;  // panels per task (at most, by default)
 constexpr int64_t kCbufFloats = kMaxRowChunk * kMaxTaskPanels * 16;
 constexpr int64_t kPreQuantTokens = 32;  // int8 activations: quantize tokens once from here
+constexpr int64_t kGatherAhead = 2;      // pipelined: gather this many experts past the one needed
 
 // The kernel sets of one call: "few" (GEMV) and "many" experts, and whether
 // the many kernels read A in the AMX tile layout.
@@ -119,7 +128,8 @@ class SpinBarrier {
 };
 
 // HMOE_PROFILE=1: accumulate per-phase wall time (worker 0's view) and print
-// it at exit. For tuning only.
+// it at exit. For tuning only. Pipelined, "gather" is xquant alone and
+// "gate_up" the whole gather..down stage (hquant and down read 0).
 struct Profile {
   bool on = false;
   double t[8] = {};
@@ -151,6 +161,9 @@ Profile g_profile;
 //     instead of the worker's C buffer plus a streaming copy. Measured on
 //     the AMX machine (run 6): int8 down +25% (C stores to y's strided rows
 //     are slower than the copy): off.
+//   HMOE_MOE_PIPELINE = 0 | 1: 1 (default) runs gather, gate_up, hquant and
+//     down as one dependency-driven stage (see RunMoe); 0 puts a barrier
+//     after each of them.
 //   HMOE_MOE_LOOKAHEAD = 0 | 1: gate_up / down workers claim one task ahead
 //     and pass it to the kernel, which prefetches its first K chunk into L2
 //     during the current task's last chunk. Measured (run 6): within noise: off.
@@ -158,7 +171,9 @@ struct MoeTuning {
   int64_t task_panels = kDefaultTaskPanels;
   bool direct_y = false;
   bool lookahead = false;
+  bool pipeline = true;
   MoeTuning() {
+    if (const char* e = std::getenv("HMOE_MOE_PIPELINE")) pipeline = *e != '0';
     if (const char* e = std::getenv("HMOE_MOE_TASK_PANELS"))
       task_panels = std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
     if (const char* e = std::getenv("HMOE_MOE_DIRECT_Y")) direct_y = *e == '1';
@@ -206,7 +221,13 @@ struct MoeWorkspace::Impl {
   std::vector<int32_t> count, row_off, row_cnt, cursor;
   std::vector<uint8_t> many;
   std::vector<int32_t> row_token, row_expert, slot_row, active;
-  std::vector<RowItem> row_items;
+  std::vector<RowItem> row_items;  // by expert, in `active` order
+  // Pipelined stage, per local expert: its position in `active`, row items
+  // not yet gathered, gate_up tasks not yet done (all parts), whether its
+  // down tasks may run; per active position, one past its last row item.
+  std::vector<int32_t> active_pos;
+  std::vector<int64_t> item_end;
+  std::vector<std::atomic<int32_t>> gather_left, gu_left, down_ready;
   // x, gathered per row: bf16 or int8 rows of kp_h (row stride kp_h * 2 bytes)
   NumaBuffer xa;
   std::vector<float> xa_scale;
@@ -269,6 +290,11 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.cursor.resize(E);
   w.many.resize(E);
   w.active.reserve(E);
+  w.active_pos.resize(E);
+  w.item_end.reserve(E);
+  w.gather_left = std::vector<std::atomic<int32_t>>(E);
+  w.gu_left = std::vector<std::atomic<int32_t>>(E);
+  w.down_ready = std::vector<std::atomic<int32_t>>(E);
   w.row_token.resize(R);
   w.row_expert.resize(R);
   w.slot_row.resize(static_cast<size_t>(slots));
@@ -407,12 +433,21 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   bool any_int8_h = false;
   for (int32_t e : w.active) any_int8_h |= Int8Act(fmt, w.many[static_cast<size_t>(e)]);
   w.row_items.clear();
+  w.item_end.clear();
   for (int32_t e : w.active) {
     const int32_t r0 = w.row_off[static_cast<size_t>(e)],
                   r1 = w.row_off[static_cast<size_t>(e) + 1];
     const int32_t step = tiled(e) ? 16 : 4;
+    const size_t first = w.row_items.size();
     for (int32_t r = r0; r < r1; r += step) w.row_items.push_back({e, r, std::min(step, r1 - r)});
+    w.active_pos[static_cast<size_t>(e)] = static_cast<int32_t>(w.item_end.size());
+    w.item_end.push_back(static_cast<int64_t>(w.row_items.size()));
+    w.gather_left[static_cast<size_t>(e)].store(static_cast<int32_t>(w.row_items.size() - first),
+                                                std::memory_order_relaxed);
+    w.gu_left[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
+    w.down_ready[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
   }
+  const int64_t n_active = static_cast<int64_t>(w.active.size());
 
   // ---- tasks per part ----
   // Row chunks of expert e: the fewest of at most kMaxRowChunk rows, equal
@@ -443,9 +478,11 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       const int64_t c = w.row_cnt[static_cast<size_t>(e)], rc = row_chunk(e);
       for (int64_t m0 = 0; m0 < c; m0 += rc) {
         const int32_t m = static_cast<int32_t>(std::min(rc, c - m0));
-        for (int64_t j = 0; j < lp.gu.nblocks; j += gu_chunk)
+        for (int64_t j = 0; j < lp.gu.nblocks; j += gu_chunk) {
           b.gu_tasks.push_back({e, static_cast<int32_t>(m0), m, static_cast<int32_t>(j),
                                 static_cast<int32_t>(std::min(lp.gu.nblocks, j + gu_chunk))});
+          w.gu_left[static_cast<size_t>(e)].fetch_add(1, std::memory_order_relaxed);
+        }
         for (int64_t j = 0; j < lp.down.nblocks; j += dn_chunk)
           b.down_tasks.push_back({e, static_cast<int32_t>(m0), m, static_cast<int32_t>(j),
                                   static_cast<int32_t>(std::min(lp.down.nblocks, j + dn_chunk))});
@@ -522,12 +559,12 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       w.barrier.Wait();
     }
 
-    // ---- gather ----
+    // ---- the work items: gather, gate_up, hquant, down ----
     const int64_t n_items = static_cast<int64_t>(w.row_items.size());
-    for (int64_t it; (it = w.counters[0].fetch_add(1, std::memory_order_relaxed)) < n_items;) {
-      const RowItem& ri = w.row_items[static_cast<size_t>(it)];
+    // Rows of x for one row item (tile layout: one 16-row block, front to back).
+    auto gather_item = [&](const RowItem& ri) {
       const bool i8 = Int8Act(fmt, w.many[static_cast<size_t>(ri.e)]);
-      if (tiled(ri.e)) {  // one 16-row block, written front to back
+      if (tiled(ri.e)) {
         const uint8_t* src[16];
         for (int i = 0; i < 16; ++i) {
           const int64_t r = ri.r0 + i;
@@ -540,7 +577,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         }
         kfew.pack_tiled_block(src, i8 ? kp_h : H * 2, i8 ? kp_h : xa_ld,
                               w.xa.data() + int64_t{ri.r0} * xa_ld, /*stream=*/true);
-        continue;
+        return;
       }
       for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {
         const int32_t t = w.row_token[static_cast<size_t>(r)];
@@ -565,162 +602,218 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
                           &w.xa_scale[static_cast<size_t>(r)], gsum, G);
         }
       }
-    }
-    w.barrier.Wait();
-    mark(wk, 3);
-
-    // ---- gate_up ----
-    if (!lp.empty()) {
+    };
+    // One gate_up task: the GEMM, then h = SiLU(g) * u: f32 rows for int8
+    // activations (quantized by hquant), else bf16 rows (tiled for the AMX down).
+    auto gate_up_task = [&](const Task& tk, const Task* tn) {
       const int64_t h_ld = b.kp_i * 4;
       const int64_t np_i = lp.gu.np / 2;
-      const int64_t n_gu = static_cast<int64_t>(b.gu_tasks.size());
-      std::atomic<int64_t>& gu_ctr = w.counters[8 + 2 * p];
-      for (int64_t it = claim(gu_ctr), nxt; it < n_gu; it = next_task(gu_ctr, nxt)) {
-        nxt = tuning.lookahead ? claim(gu_ctr) : -1;
-        const Task& tk = b.gu_tasks[static_cast<size_t>(it)];
-        const bool many = w.many[static_cast<size_t>(tk.e)];
-        const bool i8 = Int8Act(fmt, many);
-        const bool tl = tiled(tk.e);
-        const kern::KernelSet& ks = dsp.For(many);
-        const int64_t row0 = w.row_off[static_cast<size_t>(tk.e)];
-        const int64_t r0 = row0 + tk.m0;
-        kern::GemmArgs a = task_args(tk, lp.gu, lp.gate_up(tk.e));
-        a.a = w.xa.data() + r0 * xa_ld;
-        a.lda = xa_ld;
-        a.a_tiled = tl;
-        a.a_scale = &w.xa_scale[static_cast<size_t>(r0)];
-        a.a_gsum = w.gmax ? &w.xa_gsum[static_cast<size_t>(r0 * gsum_ld)] : nullptr;
-        a.gsum_stride = gsum_ld;
-        if (nxt >= 0 && nxt < n_gu) {
-          const Task& tn = b.gu_tasks[static_cast<size_t>(nxt)];
-          hint_next(a, lp.gu, lp.gate_up(tn.e), tn);
-        }
-        GemmFor(ks, fmt, many)(a);
-        // h: f32 rows for int8 activations (quantized below), else bf16 rows
-        // (tiled for the AMX down).
-        const int64_t rows_alloc = many ? RoundUp(tk.m, 32) : tk.m;
-        for (int64_t m = 0; m < rows_alloc; ++m) {
-          uint8_t* hrow =
-              tl && !i8 ? TiledRow(b.h.data(), h_ld, row0, r0 + m) : b.h.data() + (r0 + m) * h_ld;
-          auto bf16_at = [&](int64_t col) {
-            return reinterpret_cast<uint16_t*>(hrow +
-                                               (tl ? (col / 32) * 1024 + (col % 32) * 2 : col * 2));
-          };
-          for (int64_t j = tk.nb0; j < tk.nb1; j += 2) {
-            const int64_t col = (j / 2) * 16;
-            const float* gc = cbuf + m * a.ldc + (j - tk.nb0) * 16;
-            if (m >= tk.m) {
-              if (i8)
-                std::memset(reinterpret_cast<float*>(hrow) + col, 0, 64);
-              else
-                std::memset(bf16_at(col), 0, 32);
-            } else if (i8) {
-              ks.silu_mul(gc, gc + 16, 16, reinterpret_cast<float*>(hrow) + col);
-            } else {
-              ks.silu_mul_bf16(gc, gc + 16, 16, bf16_at(col));
-            }
-          }
-          if (tk.nb1 == lp.gu.nblocks && b.kp_i > np_i) {
+      const bool many = w.many[static_cast<size_t>(tk.e)];
+      const bool i8 = Int8Act(fmt, many);
+      const bool tl = tiled(tk.e);
+      const kern::KernelSet& ks = dsp.For(many);
+      const int64_t row0 = w.row_off[static_cast<size_t>(tk.e)];
+      const int64_t r0 = row0 + tk.m0;
+      kern::GemmArgs a = task_args(tk, lp.gu, lp.gate_up(tk.e));
+      a.a = w.xa.data() + r0 * xa_ld;
+      a.lda = xa_ld;
+      a.a_tiled = tl;
+      a.a_scale = &w.xa_scale[static_cast<size_t>(r0)];
+      a.a_gsum = w.gmax ? &w.xa_gsum[static_cast<size_t>(r0 * gsum_ld)] : nullptr;
+      a.gsum_stride = gsum_ld;
+      if (tn != nullptr) hint_next(a, lp.gu, lp.gate_up(tn->e), *tn);
+      GemmFor(ks, fmt, many)(a);
+      const int64_t rows_alloc = many ? RoundUp(tk.m, 32) : tk.m;
+      for (int64_t m = 0; m < rows_alloc; ++m) {
+        uint8_t* hrow =
+            tl && !i8 ? TiledRow(b.h.data(), h_ld, row0, r0 + m) : b.h.data() + (r0 + m) * h_ld;
+        auto bf16_at = [&](int64_t col) {
+          return reinterpret_cast<uint16_t*>(hrow +
+                                             (tl ? (col / 32) * 1024 + (col % 32) * 2 : col * 2));
+        };
+        for (int64_t j = tk.nb0; j < tk.nb1; j += 2) {
+          const int64_t col = (j / 2) * 16;
+          const float* gc = cbuf + m * a.ldc + (j - tk.nb0) * 16;
+          if (m >= tk.m) {
             if (i8)
-              std::memset(reinterpret_cast<float*>(hrow) + np_i, 0,
-                          static_cast<size_t>(b.kp_i - np_i) * 4);
-            else if (tl)
-              for (int64_t col = np_i; col < b.kp_i; col += 16) std::memset(bf16_at(col), 0, 32);
+              std::memset(reinterpret_cast<float*>(hrow) + col, 0, 64);
             else
-              std::memset(bf16_at(np_i), 0, static_cast<size_t>(b.kp_i - np_i) * 2);
+              std::memset(bf16_at(col), 0, 32);
+          } else if (i8) {
+            ks.silu_mul(gc, gc + 16, 16, reinterpret_cast<float*>(hrow) + col);
+          } else {
+            ks.silu_mul_bf16(gc, gc + 16, 16, bf16_at(col));
           }
+        }
+        if (tk.nb1 == lp.gu.nblocks && b.kp_i > np_i) {
+          if (i8)
+            std::memset(reinterpret_cast<float*>(hrow) + np_i, 0,
+                        static_cast<size_t>(b.kp_i - np_i) * 4);
+          else if (tl)
+            for (int64_t col = np_i; col < b.kp_i; col += 16) std::memset(bf16_at(col), 0, 32);
+          else
+            std::memset(bf16_at(np_i), 0, static_cast<size_t>(b.kp_i - np_i) * 2);
         }
       }
-    }
-    w.barrier.Wait();
-    mark(wk, 4);
-
-    // ---- hquant: int8 activations of down, one scale per row over all parts ----
-    if (any_int8_h) {
-      const int64_t n_items = static_cast<int64_t>(w.row_items.size());
-      for (int64_t it; (it = w.counters[1].fetch_add(1, std::memory_order_relaxed)) < n_items;) {
-        const RowItem& ri = w.row_items[static_cast<size_t>(it)];
-        if (!Int8Act(fmt, w.many[static_cast<size_t>(ri.e)])) continue;
-        for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {
-          float amax = 0.0f;
-          for (int q = 0; q < w.nparts; ++q) {
-            const auto& lq = layer.parts()[static_cast<size_t>(q)];
-            if (lq.empty()) continue;
-            const auto& bq = w.parts[static_cast<size_t>(q)];
-            amax = std::max(
-                amax, kfew.amax_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
-                                    lq.i1 - lq.i0));
-          }
-          w.h_scale[static_cast<size_t>(r)] = amax / 127.0f;
-        }
+    };
+    // hquant of one row item: int8 activations of down, one scale per row
+    // over all parts' h.
+    auto hquant_item = [&](const RowItem& ri) {
+      if (!Int8Act(fmt, w.many[static_cast<size_t>(ri.e)])) return;
+      for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {
+        float amax = 0.0f;
         for (int q = 0; q < w.nparts; ++q) {
           const auto& lq = layer.parts()[static_cast<size_t>(q)];
           if (lq.empty()) continue;
-          auto& bq = w.parts[static_cast<size_t>(q)];
-          const bool tl = tiled(ri.e);
-          const uint8_t* rows16[16] = {};
-          for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {
-            const float sc = w.h_scale[static_cast<size_t>(r)], inv = sc > 0.0f ? 1.0f / sc : 0.0f;
-            int8_t* dst = reinterpret_cast<int8_t*>(tl ? scratch + (r - ri.r0) * bq.kp_i
-                                                       : bq.hq.data() + r * bq.kp_i);
-            kfew.quant_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
-                           lq.i1 - lq.i0, bq.kp_i, inv, dst,
-                           bq.groups ? &bq.hgsum[static_cast<size_t>(r * bq.groups)] : nullptr, G);
-            rows16[r - ri.r0] = reinterpret_cast<const uint8_t*>(dst);
-          }
-          if (tl)
-            kfew.pack_tiled_block(rows16, bq.kp_i, bq.kp_i, bq.hq.data() + int64_t{ri.r0} * bq.kp_i,
-                                  /*stream=*/false);
+          const auto& bq = w.parts[static_cast<size_t>(q)];
+          amax = std::max(
+              amax, kfew.amax_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
+                                  lq.i1 - lq.i0));
+        }
+        w.h_scale[static_cast<size_t>(r)] = amax / 127.0f;
+      }
+      for (int q = 0; q < w.nparts; ++q) {
+        const auto& lq = layer.parts()[static_cast<size_t>(q)];
+        if (lq.empty()) continue;
+        auto& bq = w.parts[static_cast<size_t>(q)];
+        const bool tl = tiled(ri.e);
+        const uint8_t* rows16[16] = {};
+        for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {
+          const float sc = w.h_scale[static_cast<size_t>(r)], inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+          int8_t* dst = reinterpret_cast<int8_t*>(tl ? scratch + (r - ri.r0) * bq.kp_i
+                                                     : bq.hq.data() + r * bq.kp_i);
+          kfew.quant_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
+                         lq.i1 - lq.i0, bq.kp_i, inv, dst,
+                         bq.groups ? &bq.hgsum[static_cast<size_t>(r * bq.groups)] : nullptr, G);
+          rows16[r - ri.r0] = reinterpret_cast<const uint8_t*>(dst);
+        }
+        if (tl)
+          kfew.pack_tiled_block(rows16, bq.kp_i, bq.kp_i, bq.hq.data() + int64_t{ri.r0} * bq.kp_i,
+                                /*stream=*/false);
+      }
+    };
+    // One down task: the GEMM over h (or hq), C rows to y.
+    auto down_task = [&](const Task& tk, const Task* tn) {
+      const int64_t hg_ld = std::max<int64_t>(b.groups, 1);
+      const bool many = w.many[static_cast<size_t>(tk.e)];
+      const bool i8 = Int8Act(fmt, many);
+      const kern::KernelSet& ks = dsp.For(many);
+      const int64_t r0 = w.row_off[static_cast<size_t>(tk.e)] + tk.m0;
+      kern::GemmArgs a = task_args(tk, lp.down, lp.down_w(tk.e));
+      const int64_t c0 = int64_t{tk.nb0} * 16, c1 = std::min<int64_t>(int64_t{tk.nb1} * 16, H);
+      // Direct: C rows are y rows (a many expert's rows are padded to 32,
+      // which the kernel writes; whole panels end inside a row).
+      const bool direct = tuning.direct_y && many && H % 16 == 0;
+      if (direct) {
+        a.c = reinterpret_cast<float*>(b.y.data()) + r0 * H + c0;
+        a.ldc = H;
+      }
+      if (i8) {
+        a.a = b.hq.data() + r0 * b.kp_i;
+        a.lda = b.kp_i;
+      } else {
+        a.a = b.h.data() + r0 * b.kp_i * 4;
+        a.lda = b.kp_i * 4;
+      }
+      a.a_tiled = tiled(tk.e);
+      a.a_scale = &w.h_scale[static_cast<size_t>(r0)];
+      a.a_gsum = b.groups ? &b.hgsum[static_cast<size_t>(r0 * hg_ld)] : nullptr;
+      a.gsum_stride = hg_ld;
+      if (tn != nullptr) hint_next(a, lp.down, lp.down_w(tn->e), *tn);
+      GemmFor(ks, fmt, many)(a);
+      if (!direct)
+        kfew.store_rows(cbuf, a.ldc, reinterpret_cast<float*>(b.y.data()) + r0 * H + c0, H, tk.m,
+                        c1 - c0);
+    };
+    const int64_t n_gu = lp.empty() ? 0 : static_cast<int64_t>(b.gu_tasks.size());
+    const int64_t n_dn = lp.empty() ? 0 : static_cast<int64_t>(b.down_tasks.size());
+
+    if (tuning.pipeline) {
+      // ---- pipelined: one list per part, gate_up tasks then down tasks ----
+      // No barrier between the stages: gather items are claimed just ahead
+      // of the gate_up tasks that need them (kGatherAhead experts ahead), the
+      // worker finishing an expert's last gate_up task (over all parts) runs
+      // its hquant and marks it ready, and a down task waits only for its own
+      // expert. Memory-bound gather and hquant so overlap other workers' GEMMs.
+      // Waits are only ever on items already claimed by running workers, and
+      // no item waits on a later one: no deadlock.
+      auto gather_ahead = [&](int32_t e) {
+        const int64_t pos = w.active_pos[static_cast<size_t>(e)];
+        const int64_t want =
+            w.item_end[static_cast<size_t>(std::min<int64_t>(pos + kGatherAhead, n_active - 1))];
+        std::atomic<int64_t>& g = w.counters[0];
+        while (g.load(std::memory_order_relaxed) < want) {
+          const int64_t it = g.fetch_add(1, std::memory_order_relaxed);
+          if (it >= n_items) break;
+          const RowItem& ri = w.row_items[static_cast<size_t>(it)];
+          gather_item(ri);
+          _mm_sfence();  // the streaming stores are visible before the count drops
+          w.gather_left[static_cast<size_t>(ri.e)].fetch_sub(1, std::memory_order_release);
+        }
+        while (w.gather_left[static_cast<size_t>(e)].load(std::memory_order_acquire) > 0)
+          __builtin_ia32_pause();
+      };
+      auto finish_expert = [&](int32_t e) {
+        if (any_int8_h && Int8Act(fmt, w.many[static_cast<size_t>(e)])) {
+          const int64_t pos = w.active_pos[static_cast<size_t>(e)];
+          for (int64_t it = pos == 0 ? 0 : w.item_end[static_cast<size_t>(pos - 1)];
+               it < w.item_end[static_cast<size_t>(pos)]; ++it)
+            hquant_item(w.row_items[static_cast<size_t>(it)]);
+        }
+        w.down_ready[static_cast<size_t>(e)].store(1, std::memory_order_release);
+      };
+      mark(wk, 3);
+      std::atomic<int64_t>& ctr = w.counters[8 + 2 * p];
+      const int64_t n_all = n_gu + n_dn;
+      for (int64_t it = claim(ctr), nxt; it < n_all; it = next_task(ctr, nxt)) {
+        nxt = tuning.lookahead ? claim(ctr) : -1;
+        if (it < n_gu) {
+          const Task& tk = b.gu_tasks[static_cast<size_t>(it)];
+          gather_ahead(tk.e);
+          gate_up_task(tk,
+                       nxt >= 0 && nxt < n_gu ? &b.gu_tasks[static_cast<size_t>(nxt)] : nullptr);
+          if (w.gu_left[static_cast<size_t>(tk.e)].fetch_sub(1, std::memory_order_acq_rel) == 1)
+            finish_expert(tk.e);
+        } else {
+          const Task& tk = b.down_tasks[static_cast<size_t>(it - n_gu)];
+          while (w.down_ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0)
+            __builtin_ia32_pause();
+          down_task(tk, nxt >= n_gu && nxt < n_all ? &b.down_tasks[static_cast<size_t>(nxt - n_gu)]
+                                                   : nullptr);
         }
       }
       w.barrier.Wait();
-    }
-    mark(wk, 5);
-
-    // ---- down ----
-    if (!lp.empty()) {
-      const int64_t hg_ld = std::max<int64_t>(b.groups, 1);
-      const int64_t n_dn = static_cast<int64_t>(b.down_tasks.size());
-      std::atomic<int64_t>& dn_ctr = w.counters[9 + 2 * p];
-      for (int64_t it = claim(dn_ctr), nxt; it < n_dn; it = next_task(dn_ctr, nxt)) {
-        nxt = tuning.lookahead ? claim(dn_ctr) : -1;
-        const Task& tk = b.down_tasks[static_cast<size_t>(it)];
-        const bool many = w.many[static_cast<size_t>(tk.e)];
-        const bool i8 = Int8Act(fmt, many);
-        const kern::KernelSet& ks = dsp.For(many);
-        const int64_t r0 = w.row_off[static_cast<size_t>(tk.e)] + tk.m0;
-        kern::GemmArgs a = task_args(tk, lp.down, lp.down_w(tk.e));
-        const int64_t c0 = int64_t{tk.nb0} * 16, c1 = std::min<int64_t>(int64_t{tk.nb1} * 16, H);
-        // Direct: C rows are y rows (a many expert's rows are padded to 32,
-        // which the kernel writes; whole panels end inside a row).
-        const bool direct = tuning.direct_y && many && H % 16 == 0;
-        if (direct) {
-          a.c = reinterpret_cast<float*>(b.y.data()) + r0 * H + c0;
-          a.ldc = H;
+      mark(wk, 4);
+      mark(wk, 5);
+      mark(wk, 6);
+    } else {
+      // ---- phased (HMOE_MOE_PIPELINE=0): a barrier after every stage ----
+      for (int64_t it; (it = w.counters[0].fetch_add(1, std::memory_order_relaxed)) < n_items;)
+        gather_item(w.row_items[static_cast<size_t>(it)]);
+      w.barrier.Wait();
+      mark(wk, 3);
+      // Claims the n tasks from c (HMOE_MOE_LOOKAHEAD: one ahead) and runs them.
+      auto run_tasks = [&](std::atomic<int64_t>& c, const std::vector<Task>& tasks, int64_t n,
+                           auto&& run) {
+        for (int64_t it = claim(c), nxt; it < n; it = next_task(c, nxt)) {
+          nxt = tuning.lookahead ? claim(c) : -1;
+          run(tasks[static_cast<size_t>(it)],
+              nxt >= 0 && nxt < n ? &tasks[static_cast<size_t>(nxt)] : nullptr);
         }
-        if (i8) {
-          a.a = b.hq.data() + r0 * b.kp_i;
-          a.lda = b.kp_i;
-        } else {
-          a.a = b.h.data() + r0 * b.kp_i * 4;
-          a.lda = b.kp_i * 4;
-        }
-        a.a_tiled = tiled(tk.e);
-        a.a_scale = &w.h_scale[static_cast<size_t>(r0)];
-        a.a_gsum = b.groups ? &b.hgsum[static_cast<size_t>(r0 * hg_ld)] : nullptr;
-        a.gsum_stride = hg_ld;
-        if (nxt >= 0 && nxt < n_dn) {
-          const Task& tn = b.down_tasks[static_cast<size_t>(nxt)];
-          hint_next(a, lp.down, lp.down_w(tn.e), tn);
-        }
-        GemmFor(ks, fmt, many)(a);
-        if (!direct)
-          kfew.store_rows(cbuf, a.ldc, reinterpret_cast<float*>(b.y.data()) + r0 * H + c0, H, tk.m,
-                          c1 - c0);
+      };
+      run_tasks(w.counters[8 + 2 * p], b.gu_tasks, n_gu, gate_up_task);
+      w.barrier.Wait();
+      mark(wk, 4);
+      if (any_int8_h) {
+        for (int64_t it; (it = w.counters[1].fetch_add(1, std::memory_order_relaxed)) < n_items;)
+          hquant_item(w.row_items[static_cast<size_t>(it)]);
+        w.barrier.Wait();
       }
+      mark(wk, 5);
+      run_tasks(w.counters[9 + 2 * p], b.down_tasks, n_dn, down_task);
+      w.barrier.Wait();
+      mark(wk, 6);
     }
-    w.barrier.Wait();
-    mark(wk, 6);
 
     // ---- reduce ----
     // out[t] = sum over (slot j, part q) of w[t][j] * y_q[row(t, j)]: one

@@ -274,6 +274,8 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "4"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_MOE_TASK_PANELS", "32"}},
       {{"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
+      {{"HMOE_MOE_PIPELINE", "0"}},
+      {{"HMOE_MOE_PIPELINE", "0"}, {"HMOE_MOE_LOOKAHEAD", "1"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
@@ -452,6 +454,48 @@ TEST(MoeNumaTest, TuningKnobsOnVirtualNodesMatchOneNode) {
     auto a1 = RunLayer(L1, b, SharedPool(), ro);
     auto a2 = RunLayer(L2, b, *pool2, ro);
     EXPECT_LE(RelErr(a2, a1), 1e-5) << FmtName(fc);
+  }
+}
+
+// The pipelined stage (default) and the phased one (HMOE_MOE_PIPELINE=0) do
+// the same arithmetic on every item, only in another order: bit-identical
+// outputs, on one node and on two virtual nodes (where an expert's hquant
+// waits for both parts' gate_up), call after call on one workspace.
+TEST(MoePipelineTest, SameBitsAsPhased) {
+  auto pool2 = TwoNodePool();
+  ASSERT_NE(pool2, nullptr);
+  auto src = RandomSource(200, 300, 7, 41);
+  std::vector<RunOptions> variants(1);
+  if (DetectedIsa() >= Isa::kAvx512) {
+    variants.emplace_back();
+    variants.back().isa = Isa::kAvx512;
+    variants.back().emulate_amx = true;
+  }
+  for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
+                        FormatCase{WeightFormat::kInt4, 64}}) {
+    auto [L1, L2] = PackOneAndTwoNodes(src, fc, *pool2);
+    for (const RunOptions& ro : variants)
+      for (int T : {1, 5, 120}) {
+        SCOPED_TRACE(absl::StrCat(FmtName(fc), " T=", T, ro.emulate_amx ? " (AMX model)" : ""));
+        auto b = RandomBatch(T, 3, 200, 7, 90 + static_cast<uint64_t>(T), /*repeats=*/true,
+                             /*empty_expert=*/6);
+        for (auto [L, pool] : {std::pair<const PackedMoeLayer*, ThreadPool*>{&L1, &SharedPool()},
+                               std::pair<const PackedMoeLayer*, ThreadPool*>{&L2, pool2.get()}}) {
+          std::vector<float> phased;
+          {
+            AmxTuningEnv env(
+                std::vector<std::pair<std::string, std::string>>{{"HMOE_MOE_PIPELINE", "0"}});
+            phased = RunLayer(*L, b, *pool, ro);
+          }
+          auto ws = MoeWorkspace::Create(*L, T, 3, *pool);
+          ASSERT_TRUE(ws.ok()) << ws.status();
+          for (int call = 0; call < 4; ++call) {
+            std::vector<float> out(phased.size(), -1.0f);
+            ASSERT_TRUE(RunMoe(*L, b.input(), out.data(), *pool, **ws, ro).ok());
+            ASSERT_EQ(out, phased) << "call " << call << ", " << L->parts().size() << " part(s)";
+          }
+        }
+      }
   }
 }
 
