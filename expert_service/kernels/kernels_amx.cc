@@ -188,11 +188,8 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //     first k step (see `pend` in AmxGemm). Measured (ds-v3 T=8192, in
 //     process, bench/results run 6): within noise of off, alone or with
 //     kc 512 (+3% on average over 6 reps, not in every rep): off.
-//   HMOE_AMX_I8_BLOCK_SCALE = 0 | 1: int8 C scaled to f32 per block right
-//     after its last stores (1, default) or in one pass over the task's C.
 struct Tuning {
   bool edge = false;
-  bool i8_block_scale = true;
   int64_t kc_bytes = 0;  // 0: per format
   bool prefetch = true;
   int pf_a = 0;
@@ -201,7 +198,6 @@ struct Tuning {
   bool ctmp = false;
   Tuning() {
     if (const char* e = std::getenv("HMOE_AMX_EDGE")) edge = *e == '1';
-    if (const char* e = std::getenv("HMOE_AMX_I8_BLOCK_SCALE")) i8_block_scale = *e != '0';
     if (const char* e = std::getenv("HMOE_AMX_CTMP")) ctmp = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_STREAM")) stream = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_ORDER")) order = *e == '0' ? 0 : 1;
@@ -298,23 +294,6 @@ void AmxGemm(const GemmArgs& a) {
   using RA1 = std::integral_constant<int, 5>;
   using RB0 = std::integral_constant<int, 6>;
   using RB1 = std::integral_constant<int, 7>;
-  // int8: C rows [m0, m0 + 32) of panels j (and j + 1) from int32 sums to
-  // f32 (x the row's activation scale x the channel's weight scale). Run on
-  // each block right after its last chunk's stores, while they are in L1;
-  // with edge overlap (stores deferred) or HMOE_AMX_I8_BLOCK_SCALE=0, once
-  // over the task after flush_all.
-  const bool i8_scale_per_block = kI8 && !tune.edge && tune.i8_block_scale;
-  auto scale_i8 = [&](int64_t m0, int64_t j, bool two) {
-    const int64_t m1 = std::min<int64_t>(m0 + 32, a.m);
-    for (int64_t p = j; p < j + (two ? 2 : 1); ++p) {
-      const __m512 sc = _mm512_loadu_ps(a.w + p * g.panel_bytes + g.i8_scale_offset());
-      for (int64_t m = m0; m < m1; ++m) {
-        float* c = a.c + m * a.ldc + (p - a.nb0) * 16;
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(c));
-        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(a.a_scale[m])), sc));
-      }
-    }
-  };
   auto block = [&](int m0, int64_t j, const uint8_t* B0, const uint8_t* B1, bool two, int64_t kc0,
                    int64_t steps, bool stream_a, bool stream_b, auto&& after_step) {
     const bool last = kc0 + steps * kStepK >= g.kp;
@@ -408,7 +387,6 @@ void AmxGemm(const GemmArgs& a) {
       }
       X::template Store<0>(S00, s_rs);
       X::template Store<2>(S00 + s_r1, s_rs);
-      if (i8_scale_per_block && last) scale_i8(m0, j, two);
     }
   };
 
@@ -563,9 +541,16 @@ void AmxGemm(const GemmArgs& a) {
     }
   }
   flush_all();
-  if (kI8 && !i8_scale_per_block)
-    for (int64_t m0 = 0; m0 < a.m; m0 += 32)
-      for (int64_t j = a.nb0; j < a.nb1; j += 2) scale_i8(m0, j, j + 1 < a.nb1);
+  if constexpr (kI8) {
+    for (int64_t j = a.nb0; j < a.nb1; ++j) {
+      const __m512 sc = _mm512_loadu_ps(a.w + j * g.panel_bytes + g.i8_scale_offset());
+      for (int m = 0; m < a.m; ++m) {
+        float* c = a.c + m * a.ldc + (j - a.nb0) * 16;
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(c));
+        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(a.a_scale[m])), sc));
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -274,7 +274,7 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "4"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_MOE_TASK_PANELS", "32"}},
       {{"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
-      {{"HMOE_MOE_PIPELINE", "0"}, {"HMOE_AMX_I8_BLOCK_SCALE", "0"}},
+      {{"HMOE_MOE_PIPELINE", "0"}},
       {{"HMOE_MOE_PIPELINE", "0"}, {"HMOE_MOE_LOOKAHEAD", "1"}},
   };
   for (const auto& setting : settings) {
