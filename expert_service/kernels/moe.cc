@@ -727,6 +727,14 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     };
     const int64_t n_gu = lp.empty() ? 0 : static_cast<int64_t>(b.gu_tasks.size());
     const int64_t n_dn = lp.empty() ? 0 : static_cast<int64_t>(b.down_tasks.size());
+    // Claims items [0, n) from c and runs run(item, next): next is the item
+    // this worker holds after it (HMOE_MOE_LOOKAHEAD), else -1.
+    auto run_claimed = [&](std::atomic<int64_t>& c, int64_t n, auto&& run) {
+      for (int64_t it = claim(c), nxt; it < n; it = next_task(c, nxt)) {
+        nxt = tuning.lookahead ? claim(c) : -1;
+        run(it, nxt < n ? nxt : -1);
+      }
+    };
 
     if (tuning.pipeline) {
       // ---- pipelined: one list per part, gate_up tasks then down tasks ----
@@ -753,20 +761,15 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         while (w.gather_left[static_cast<size_t>(e)].load(std::memory_order_acquire) > 0)
           __builtin_ia32_pause();
       };
-      auto finish_expert = [&](int32_t e) {
-        if (any_int8_h && Int8Act(fmt, w.many[static_cast<size_t>(e)])) {
-          const int64_t pos = w.active_pos[static_cast<size_t>(e)];
-          for (int64_t it = pos == 0 ? 0 : w.item_end[static_cast<size_t>(pos - 1)];
-               it < w.item_end[static_cast<size_t>(pos)]; ++it)
-            hquant_item(w.row_items[static_cast<size_t>(it)]);
-        }
+      auto finish_expert = [&](int32_t e) {  // hquant_item skips rows without int8 activations
+        const int64_t pos = w.active_pos[static_cast<size_t>(e)];
+        for (int64_t it = pos == 0 ? 0 : w.item_end[static_cast<size_t>(pos - 1)];
+             it < w.item_end[static_cast<size_t>(pos)]; ++it)
+          hquant_item(w.row_items[static_cast<size_t>(it)]);
         w.down_ready[static_cast<size_t>(e)].store(1, std::memory_order_release);
       };
       mark(wk, 3);
-      std::atomic<int64_t>& ctr = w.counters[8 + 2 * p];
-      const int64_t n_all = n_gu + n_dn;
-      for (int64_t it = claim(ctr), nxt; it < n_all; it = next_task(ctr, nxt)) {
-        nxt = tuning.lookahead ? claim(ctr) : -1;
+      run_claimed(w.counters[8 + 2 * p], n_gu + n_dn, [&](int64_t it, int64_t nxt) {
         if (it < n_gu) {
           const Task& tk = b.gu_tasks[static_cast<size_t>(it)];
           gather_ahead(tk.e);
@@ -778,10 +781,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
           const Task& tk = b.down_tasks[static_cast<size_t>(it - n_gu)];
           while (w.down_ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0)
             __builtin_ia32_pause();
-          down_task(tk, nxt >= n_gu && nxt < n_all ? &b.down_tasks[static_cast<size_t>(nxt - n_gu)]
-                                                   : nullptr);
+          down_task(tk, nxt >= n_gu ? &b.down_tasks[static_cast<size_t>(nxt - n_gu)] : nullptr);
         }
-      }
+      });
       w.barrier.Wait();
       mark(wk, 4);
       mark(wk, 5);
@@ -792,16 +794,13 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         gather_item(w.row_items[static_cast<size_t>(it)]);
       w.barrier.Wait();
       mark(wk, 3);
-      // Claims the n tasks from c (HMOE_MOE_LOOKAHEAD: one ahead) and runs them.
-      auto run_tasks = [&](std::atomic<int64_t>& c, const std::vector<Task>& tasks, int64_t n,
-                           auto&& run) {
-        for (int64_t it = claim(c), nxt; it < n; it = next_task(c, nxt)) {
-          nxt = tuning.lookahead ? claim(c) : -1;
+      auto run_tasks = [&](std::atomic<int64_t>& c, const std::vector<Task>& tasks, auto&& run) {
+        run_claimed(c, static_cast<int64_t>(tasks.size()), [&](int64_t it, int64_t nxt) {
           run(tasks[static_cast<size_t>(it)],
-              nxt >= 0 && nxt < n ? &tasks[static_cast<size_t>(nxt)] : nullptr);
-        }
+              nxt >= 0 ? &tasks[static_cast<size_t>(nxt)] : nullptr);
+        });
       };
-      run_tasks(w.counters[8 + 2 * p], b.gu_tasks, n_gu, gate_up_task);
+      run_tasks(w.counters[8 + 2 * p], b.gu_tasks, gate_up_task);
       w.barrier.Wait();
       mark(wk, 4);
       if (any_int8_h) {
@@ -810,7 +809,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         w.barrier.Wait();
       }
       mark(wk, 5);
-      run_tasks(w.counters[9 + 2 * p], b.down_tasks, n_dn, down_task);
+      run_tasks(w.counters[9 + 2 * p], b.down_tasks, down_task);
       w.barrier.Wait();
       mark(wk, 6);
     }
