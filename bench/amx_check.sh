@@ -7,7 +7,7 @@
 #
 #   bench/amx_check.sh [BIN_DIR] [OUT_DIR]
 #   TUNE="D:;E:HMOE_AMX_EDGE=1" REPS=3 bench/amx_check.sh /tmp/b/bin "$OUT"
-#   MICRO=0 PROBE=0 ...: without the micro-probe / the kernel probe
+#   MICRO=0 PROBE=0 TABLE=0 ...: without the micro-probe / the kernel probe / the table
 #
 # Every step has its own time limit and the script goes on after a failure,
 # so one slow or failing step does not cost the rest of the call; the limits
@@ -20,6 +20,7 @@ reps=${REPS:-3}
 tune=${TUNE:-"D:;K5:HMOE_AMX_KC_BYTES=512;K5E:HMOE_AMX_KC_BYTES=512,HMOE_AMX_EDGE=1"}
 micro=${MICRO:-1}
 probe=${PROBE:-1}
+table=${TABLE:-1}
 mkdir -p "$out"
 
 step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, output to OUT/NAME.txt
@@ -37,10 +38,10 @@ step tests 100 "$bin/hmoe-tests" \
   --gtest_filter='*MoeKernelTest*amx*:Moe*:Dispatch*:*AmxEmulation*'
 grep -E "PASSED|FAILED|SKIPPED" "$out/tests.txt" | tail -3
 [ "$micro" = 1 ] && step microprobe 40 "$bin/hmoe-amx-microprobe" 16 0.1
-step tune 200 env HMOE_PROFILE=1 "$bin/hmoe-bench-moe" --preset ds-v3 --T 8192 \
+step tune "${TUNE_SECS:-200}" env HMOE_PROFILE=1 "$bin/hmoe-bench-moe" --preset "${TUNE_PRESET:-ds-v3}" --T 8192 \
   --format int8,bf16 --min-time 0.2 --no-onednn --reps "$reps" --tune "$tune" --row-limits
 grep -E "^ds-v3|phases" "$out/tune.txt"
 [ "$probe" = 1 ] && step kernel_probe 40 "$bin/hmoe-bench-moe" --preset ds-v3 --kernel-probe --min-time 0.15
-step table 170 "$bin/hmoe-bench-moe" --preset ds-v3,qwen3-30b --T 1,8,128,8192 \
+[ "$table" = 1 ] && step table 170 "$bin/hmoe-bench-moe" --preset ds-v3,qwen3-30b --T 1,8,128,8192 \
   --format int4,int8,bf16 --min-time 0.3 --row-limits --json "$out/bench.json"
-grep -E "^(ds-v3|qwen3)" "$out/table.txt"
+[ "$table" = 1 ] && grep -E "^(ds-v3|qwen3)" "$out/table.txt"

@@ -4,13 +4,14 @@
 //
 // Blocking: C = 2x2 tiles (32 rows x 2 panels), A = 2 tiles, B = 2 tiles:
 // one tile load per tile product; each k step issues its four loads, then
-// its four products. K is walked in chunks (2 KiB of each row for bf16,
-// 1 KiB for int8 by default); partial C is stored to the caller's c buffer
-// between chunks. Inside a chunk the default order (1) runs row pairs outer,
-// panel pairs inner: the row pair's A chunk is reused across the task's
-// panels and the B chunk of the task's panels across row pairs, from L2.
-// Meanwhile the next chunk's B (and the next row pair's A) is prefetched
-// into L2 a few lines per k step, so tile loads do not wait on DRAM.
+// its four products. K is walked in chunks (1 KiB of each row by default);
+// partial C is stored to the caller's c buffer between chunks. Inside a
+// chunk the default order (1) runs row pairs outer, panel pairs inner: the
+// row pair's A chunk (32 KiB) is reused across the task's panels from L1,
+// and the B chunk of the task's panels across row pairs from L2; B tiles are
+// loaded with tileloaddt1 so they do not evict A. Meanwhile the next chunk's
+// B is prefetched into L2 a few lines per k step, so tile loads do not wait
+// on DRAM.
 // Order 0 (panel pairs outer) and the other knobs in Tuning exist for
 // benchmarks; the defaults are the best of same-machine sweeps recorded in
 // bench/results/README.md (hmoe-bench-moe --tune compares them in one run).
@@ -171,30 +172,40 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 // Tuning knobs, read once, again on ReloadAmxTuning (benchmarks only; the
 // defaults are the measured best).
 //   HMOE_AMX_KC_BYTES = 256 | 512 | 1024 | 2048 | 4096: bytes of each A row per K chunk
-//     (256 lost to the default in 11 of 12 reps of run 6)
-//     (default: 2048 for bf16, 1024 for int8: each won its format's
-//     in-process comparison, bench/results/README.md run 5).
+//     (default 1024: a row pair's A chunk is 32 KiB and stays in L1 while B
+//     streams past it; 256 lost to the default in 11 of 12 reps of run 6).
 //   HMOE_AMX_PREFETCH = 0 | 1: prefetch into L2 what comes next (order 0:
 //     the next panel pair's B chunk; order 1: the next K chunk's B and, for
 //     tile-layout A, the next row pair's A chunk).
+//   HMOE_AMX_PF_MASK = 1 | 2 | 3: (order 1, with prefetch on) what is
+//     prefetched: 1 the B lines (default), 2 the A lines, 3 both. Every
+//     software prefetch holds one of the core's L1 fill buffers until its
+//     line arrives, the same buffers the tile loads from L2 need.
 //   HMOE_AMX_PF_A = 0 | 1 | 2: prefetch the A tiles kPfDist steps ahead into
 //     L1: no, as T0, as NTA (kept out of the way of the L1-resident B chunk).
 //   HMOE_AMX_ORDER = 0 | 1: loop order inside a K chunk (see AmxGemm).
 //   HMOE_AMX_CTMP = 0 | 1: (order 1) keep partial C between K chunks in the
 //     scratch as contiguous tiles instead of strided rows of c.
 //   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
-//     tileloaddt1 (so it does not evict the reused one).
+//     tileloaddt1 (so it does not evict the reused one). Default 1.
 //   HMOE_AMX_EDGE = 0 | 1: overlap a block's C stores with the next block's
 //     first k step (see `pend` in AmxGemm). Measured (ds-v3 T=8192, in
 //     process, bench/results run 6): within noise of off, alone or with
 //     kc 512 (+3% on average over 6 reps, not in every rep): off.
+// Session 8 defaults (kc 1024 for bf16 too, STREAM=1, PF_MASK=1) against
+// session 7's (kc 2048 bf16 / 1024 int8, STREAM=0, PF_MASK=3): one core, the
+// GEMM alone (256 rows x 16 panels x K 7168, weights from L3), interleaved
+// with the register-only loop: 54% vs 46-47% of it, both formats; ds-v3
+// T=8192 on the GPU machine, 16 threads, 3 interleaved reps each: int8
+// 398-402 vs 420-449 ms, bf16 724-829 vs 800-900 ms (bench/results run 8).
 struct Tuning {
   bool edge = false;
   int64_t kc_bytes = 0;  // 0: per format
   bool prefetch = true;
+  int pf_mask = 1;
   int pf_a = 0;
   int order = 1;
-  bool stream = false;
+  bool stream = true;
   bool ctmp = false;
   Tuning() {
     if (const char* e = std::getenv("HMOE_AMX_EDGE")) edge = *e == '1';
@@ -207,6 +218,7 @@ struct Tuning {
       if (b == 256 || b == 512 || b == 1024 || b == 2048 || b == 4096) kc_bytes = b;
     }
     if (const char* e = std::getenv("HMOE_AMX_PREFETCH")) prefetch = *e == '1';
+    if (const char* e = std::getenv("HMOE_AMX_PF_MASK")) pf_mask = std::clamp(std::atoi(e), 0, 3);
   }
 };
 Tuning& MutableTune() {
@@ -229,7 +241,7 @@ void AmxGemm(const GemmArgs& a) {
   constexpr int64_t kStepK = kI8 ? 64 : 32;  // k per tile
   const Tuning& tune = Tune();
   // k per chunk (a multiple of 128); int4's bf16 staging holds at most 2048 k per panel.
-  const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : (kI8 ? 1024 : 2048);
+  const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : 1024;
   const int64_t kChunkK = std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2),
                                             kKind == Kind::kInt4Bf16 ? 2048 : int64_t{1} << 30);
   const PackedGeom& g = *a.g;
@@ -417,13 +429,13 @@ void AmxGemm(const GemmArgs& a) {
         b_end = std::min(a.next_g->kp, kChunkK) / kStepK * 1024;
       }
       int64_t b_off = b_start, b_per_step = 0;
-      if (prefetch && b_end > b_start) {
+      if (prefetch && (tune.pf_mask & 1) && b_end > b_start) {
         const int64_t lines = (b_p1 - b_p) * (b_end - b_start) / 64,
                       slots = (mp / 32) * npairs * steps;
         b_per_step = (lines + slots - 1) / slots;
       }
       // A cursor over the next row pair's chunk (two contiguous row-block runs).
-      const bool pf_a = prefetch && a.a_tiled;
+      const bool pf_a = prefetch && (tune.pf_mask & 2) && a.a_tiled;
       const int64_t a_per_step =
           pf_a ? (2 * steps * 16 + npairs * steps - 1) / (npairs * steps) : 0;
       const uint8_t* a_run[2] = {nullptr, nullptr};

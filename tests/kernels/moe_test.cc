@@ -276,6 +276,9 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
       {{"HMOE_MOE_PIPELINE", "0"}},
       {{"HMOE_MOE_PIPELINE", "0"}, {"HMOE_MOE_LOOKAHEAD", "1"}},
+      // Session 7's defaults, and the other prefetch selections.
+      {{"HMOE_AMX_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}, {"HMOE_AMX_KC_BYTES", "2048"}},
+      {{"HMOE_AMX_PF_MASK", "2"}, {"HMOE_AMX_KC_BYTES", "512"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
