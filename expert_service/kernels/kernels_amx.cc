@@ -187,7 +187,8 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //   HMOE_AMX_CTMP = 0 | 1: (order 1) keep partial C between K chunks in the
 //     scratch as contiguous tiles instead of strided rows of c.
 //   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
-//     tileloaddt1 (so it does not evict the reused one). Default 1.
+//     tileloaddt1 (so it does not evict the reused one). Default 1 (bf16,
+//     int8; the int4 path never streams and its default chunk is 2 KiB).
 //   HMOE_AMX_EDGE = 0 | 1: overlap a block's C stores with the next block's
 //     first k step (see `pend` in AmxGemm). Measured (ds-v3 T=8192, in
 //     process, bench/results run 6): within noise of off, alone or with
@@ -241,7 +242,11 @@ void AmxGemm(const GemmArgs& a) {
   constexpr int64_t kStepK = kI8 ? 64 : 32;  // k per tile
   const Tuning& tune = Tune();
   // k per chunk (a multiple of 128); int4's bf16 staging holds at most 2048 k per panel.
-  const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : 1024;
+  // int4 (bf16 staging, order 0) keeps 2 KiB chunks and plain loads: its
+  // in-process comparison (run 8) lost ~10% with the bf16/int8 defaults.
+  constexpr bool kI4 = kKind == Kind::kInt4Bf16;
+  const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : (kI4 ? 2048 : 1024);
+  const bool stream = tune.stream && !kI4;
   const int64_t kChunkK = std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2),
                                             kKind == Kind::kInt4Bf16 ? 2048 : int64_t{1} << 30);
   const PackedGeom& g = *a.g;
@@ -471,7 +476,7 @@ void AmxGemm(const GemmArgs& a) {
         }
         for (int64_t j = a.nb0; j < a.nb1; j += 2) {
           const uint8_t* B0 = a.w + j * g.panel_bytes + kc0 / kStepK * 1024;
-          block(m0, j, B0, B0 + g.panel_bytes, j + 1 < a.nb1, kc0, steps, false, tune.stream,
+          block(m0, j, B0, B0 + g.panel_bytes, j + 1 < a.nb1, kc0, steps, false, stream,
                 after_step);
         }
       }
@@ -547,7 +552,7 @@ void AmxGemm(const GemmArgs& a) {
               X::PrefetchL2(pf_done < pf_panel_lines ? pf[0] + pf_done * 64
                                                      : pf[1] + (pf_done - pf_panel_lines) * 64);
           };
-          block(m0, j, B0, B1, two, kc0, steps, tune.stream, false, after_step);
+          block(m0, j, B0, B1, two, kc0, steps, stream, false, after_step);
         }
       }
     }

@@ -164,6 +164,10 @@ Profile g_profile;
 //   HMOE_MOE_PIPELINE = 0 | 1: 1 (default) runs gather, gate_up, hquant and
 //     down as one dependency-driven stage (see RunMoe); 0 puts a barrier
 //     after each of them.
+//   HMOE_MOE_GATHER_STREAM = 0 | 1: 1 (default) writes the gathered
+//     activations (tile layout) with streaming stores; 0 with ordinary
+//     stores, so the gate_up tasks of the expert find them in L2 / L3
+//     instead of DRAM.
 //   HMOE_MOE_LOOKAHEAD = 0 | 1: gate_up / down workers claim one task ahead
 //     and pass it to the kernel, which prefetches its first K chunk into L2
 //     during the current task's last chunk. Measured (run 6): within noise: off.
@@ -172,7 +176,9 @@ struct MoeTuning {
   bool direct_y = false;
   bool lookahead = false;
   bool pipeline = true;
+  bool gather_stream = true;
   MoeTuning() {
+    if (const char* e = std::getenv("HMOE_MOE_GATHER_STREAM")) gather_stream = *e != '0';
     if (const char* e = std::getenv("HMOE_MOE_PIPELINE")) pipeline = *e != '0';
     if (const char* e = std::getenv("HMOE_MOE_TASK_PANELS"))
       task_panels = std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
@@ -576,7 +582,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
             w.xa_scale[static_cast<size_t>(r)] = t < 0 ? 0.0f : w.xt_scale[static_cast<size_t>(t)];
         }
         kfew.pack_tiled_block(src, i8 ? kp_h : H * 2, i8 ? kp_h : xa_ld,
-                              w.xa.data() + int64_t{ri.r0} * xa_ld, /*stream=*/true);
+                              w.xa.data() + int64_t{ri.r0} * xa_ld, tuning.gather_stream);
         return;
       }
       for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {

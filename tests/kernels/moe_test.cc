@@ -279,6 +279,7 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       // Session 7's defaults, and the other prefetch selections.
       {{"HMOE_AMX_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}, {"HMOE_AMX_KC_BYTES", "2048"}},
       {{"HMOE_AMX_PF_MASK", "2"}, {"HMOE_AMX_KC_BYTES", "512"}},
+      {{"HMOE_MOE_GATHER_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
