@@ -5,7 +5,7 @@
 //                  [--format bf16,int8,int4] [--isa amx,avx512,avx2,scalar]
 //                  [--routing uniform|zipf] [--layers N] [--threads N] [--vnuma N]
 //                  [--group 128] [--min-time S] [--no-onednn] [--json FILE]
-//                  [--kernel-probe]   (AMX GEMM alone, in cache; see KernelProbe)
+//                  [--kernel-probe]   (AMX GEMM alone vs the tile loop, per --tune setting)
 //                  [--tune "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=1;B:"] [--reps N]
 //                  [--row-limits]     (AMX peak re-measured after every AMX-sized row)
 //
@@ -137,97 +137,6 @@ double MeasureAmxTops(ThreadPool& pool, bool int8) {
   return best;
 }
 
-// --kernel-probe: the AMX "many" GEMM alone, every thread repeating its own
-// task (rate over the pool's wall time, and per-thread rates summed): 32 rows x 2 panels x K 256
-// (all in L1), 256 x 16 x 1024 (in L2) and 256 x 16 x the preset's hidden size (B from L3);
-// tile-layout and row-major A. Separates the micro-kernel's efficiency from the memory system's.
-void KernelProbe(ThreadPool& pool, int64_t hidden, double peak_bf16, double peak_i8,
-                 double min_time) {
-  struct Shape {
-    int rows, panels;
-    int64_t K;
-  };
-  const int nt = pool.num_threads();
-  for (bool i8 : {false, true})
-    for (Shape sh : {Shape{32, 2, 256}, Shape{256, 16, 1024}, Shape{256, 16, hidden}})
-      for (bool tiled : {true, false}) {
-        const int rows = sh.rows, panels = sh.panels;
-        const int64_t K = sh.K;
-        const PackedGeom g =
-            MakeGeom(i8 ? WeightFormat::kInt8 : WeightFormat::kBf16, 0, panels * 16, K);
-        const int64_t lda = g.kp * (i8 ? 1 : 2);
-        std::vector<NumaBuffer> w(nt), A(nt), C(nt), S(nt);
-        std::vector<float> scales(rows, 0.01f);
-        pool.Run([&](const Worker& wk) {
-          const int t = wk.global;
-          w[t] = *NumaBuffer::Allocate(static_cast<size_t>(g.bytes()), wk.node);
-          A[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * lda), wk.node);
-          C[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * panels * 16 * 4), wk.node);
-          S[t] = *NumaBuffer::Allocate(kern::kGemmScratchBytes, wk.node);
-          uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(t + 1);
-          auto fill = [&](uint8_t* p, int64_t n) {
-            for (int64_t i = 0; i < n; i += 2) {
-              x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-              const uint16_t v =
-                  i8 ? static_cast<uint16_t>(x & 0x0707) : F32ToBf16(((x >> 40) % 200) * 1e-4f);
-              std::memcpy(p + i, &v, 2);
-            }
-          };
-          fill(w[t].data(), g.bytes());
-          fill(A[t].data(), rows * lda);
-          if (i8)
-            for (int64_t j = 0; j < g.nblocks; ++j)
-              for (int c = 0; c < 16; ++c)
-                reinterpret_cast<float*>(w[t].data() + j * g.panel_bytes + g.i8_scale_offset())[c] =
-                    1.0f;
-        });
-        const kern::GemmFn fn = i8 ? kern::AmxKernels().i8 : kern::AmxKernels().bf16;
-        int64_t reps = 1;
-        double secs = 0;
-        std::vector<double> thread_secs(static_cast<size_t>(nt));
-        for (;;) {
-          const double t0 = Now();
-          pool.Run([&](const Worker& wk) {
-            const int t = wk.global;
-            const double tt0 = Now();
-            kern::GemmArgs ga;
-            ga.g = &g;
-            ga.w = w[t].data();
-            ga.nb0 = 0;
-            ga.nb1 = panels;
-            ga.a = A[t].data();
-            ga.lda = lda;
-            ga.a_tiled = tiled;
-            ga.m = rows;
-            ga.a_scale = scales.data();
-            ga.c = reinterpret_cast<float*>(C[t].data());
-            ga.ldc = panels * 16;
-            ga.scratch = S[t].data();
-            ga.scratch_bytes = kern::kGemmScratchBytes;
-            for (int64_t r = 0; r < reps; ++r) fn(ga);
-            thread_secs[static_cast<size_t>(t)] = Now() - tt0;
-          });
-          secs = Now() - t0;
-          if (secs >= min_time) break;
-          reps *= 2;
-        }
-        const double ops = 2.0 * nt * static_cast<double>(reps) * rows * panels * 16 * g.kp;
-        const double tops = ops / secs / 1e12;
-        // Per-thread rates summed: what the threads reach while running, not
-        // held back by the slowest one (a descheduled vCPU on a shared host).
-        double sum_tops = 0;
-        for (double ts : thread_secs) sum_tops += ops / nt / ts / 1e12;
-        const double peak = i8 ? peak_i8 : peak_bf16;
-        std::printf(
-            "# kernel-probe %s %3dx%2dx%-5lld A %-9s %6.2f T(FL)OP/s = %5.1f%% of AMX peak "
-            "(threads summed: %6.2f = %5.1f%%)\n",
-            i8 ? "int8" : "bf16", rows, panels, static_cast<long long>(K),
-            tiled ? "tiled" : "row-major", tops, 100.0 * tops / peak, sum_tops,
-            100.0 * sum_tops / peak);
-        std::fflush(stdout);
-      }
-}
-
 // ---- routing ------------------------------------------------------------------------
 struct Router {
   int64_t E;
@@ -327,6 +236,134 @@ void ApplyTune(const Args::Tune& t) {
   ReloadMoeTuning();
 }
 
+// --kernel-probe: the AMX "many" GEMM alone, every thread running its own
+// copy, in rounds; each round times the register-only tile loop for the same
+// number of tile products, then the GEMM once per --tune setting (interleaved,
+// same buffers). Each sample is one thread's GEMM time against the faster of
+// its own peak-loop times just before and after the round, so a shared host
+// that slows the AMX units for a while (other tenants) moves both alike.
+// Shapes: 32 rows x 2 panels x K 256 (all in L1), 256 x 16 x 1024 (A and B in
+// L2) and 256 x 16 x the preset's hidden size, weights cycling through 4
+// copies per thread (B from L3 / DRAM). Separates the micro-kernel's
+// efficiency from the memory system's and compares the AMX knobs cheaply.
+void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>& tunes,
+                 double min_time) {
+  struct Shape {
+    int rows, panels;
+    int64_t K;
+    int copies;
+  };
+  const std::vector<Args::Tune> settings =
+      tunes.empty() ? std::vector<Args::Tune>{{"D", {}}} : tunes;
+  const int nt = pool.num_threads();
+  for (bool i8 : {false, true})
+    for (Shape sh : {Shape{32, 2, 256, 1}, Shape{256, 16, 1024, 1}, Shape{256, 16, hidden, 4}}) {
+      const int rows = sh.rows, panels = sh.panels;
+      const PackedGeom g =
+          MakeGeom(i8 ? WeightFormat::kInt8 : WeightFormat::kBf16, 0, panels * 16, sh.K);
+      const int64_t lda = g.kp * (i8 ? 1 : 2);
+      std::vector<NumaBuffer> w(static_cast<size_t>(nt * sh.copies)), A(nt), C(nt), S(nt);
+      std::vector<float> scales(static_cast<size_t>(rows), 0.01f);
+      pool.Run([&](const Worker& wk) {
+        const int t = wk.global;
+        for (int c = 0; c < sh.copies; ++c)
+          w[static_cast<size_t>(t * sh.copies + c)] =
+              *NumaBuffer::Allocate(static_cast<size_t>(g.bytes()), wk.node);
+        A[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * lda), wk.node);
+        C[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * panels * 16 * 4), wk.node);
+        S[t] = *NumaBuffer::Allocate(kern::kGemmScratchBytes, wk.node);
+        uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(t + 1);
+        auto fill = [&](uint8_t* p, int64_t n) {
+          for (int64_t i = 0; i < n; i += 2) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            const uint16_t v =
+                i8 ? static_cast<uint16_t>(x & 0x0707) : F32ToBf16(((x >> 40) % 200) * 1e-4f);
+            std::memcpy(p + i, &v, 2);
+          }
+        };
+        for (int c = 0; c < sh.copies; ++c) {
+          uint8_t* p = w[static_cast<size_t>(t * sh.copies + c)].data();
+          fill(p, g.bytes());
+          if (i8)
+            for (int64_t j = 0; j < g.nblocks; ++j)
+              for (int col = 0; col < 16; ++col)
+                reinterpret_cast<float*>(p + j * g.panel_bytes + g.i8_scale_offset())[col] = 1.0f;
+        }
+        fill(A[t].data(), rows * lda);
+      });
+      const kern::GemmFn fn = i8 ? kern::AmxKernels().i8 : kern::AmxKernels().bf16;
+      const int64_t products = (rows + 15) / 16 * panels * (g.kp / (i8 ? 64 : 32));
+      const int64_t iters = std::max<int64_t>(1, products / 8);
+      const size_t ns = settings.size();
+      // peak[r][t], gemm[r][s][t]: seconds.
+      std::vector<std::vector<double>> peak;
+      std::vector<std::vector<std::vector<double>>> gemm;
+      std::vector<int> cursor(static_cast<size_t>(nt), 0);
+      auto time_peak = [&] {
+        std::vector<double> v(static_cast<size_t>(nt));
+        pool.Run([&](const Worker& wk) {
+          const double t0 = Now();
+          kern::AmxPeakLoop(iters, i8);
+          v[static_cast<size_t>(wk.global)] = Now() - t0;
+        });
+        peak.push_back(std::move(v));
+      };
+      const double t_start = Now();
+      time_peak();
+      while (Now() - t_start < min_time * static_cast<double>(ns) || peak.size() < 12) {
+        std::vector<std::vector<double>> round(ns, std::vector<double>(static_cast<size_t>(nt)));
+        for (size_t s = 0; s < ns; ++s) {
+          if (!tunes.empty()) ApplyTune(settings[s]);
+          pool.Run([&](const Worker& wk) {
+            const int t = wk.global;
+            int& cur = cursor[static_cast<size_t>(t)];
+            kern::GemmArgs ga;
+            ga.g = &g;
+            ga.w = w[static_cast<size_t>(t * sh.copies + cur)].data();
+            cur = (cur + 1) % sh.copies;
+            ga.next_g = &g;
+            ga.next_w = w[static_cast<size_t>(t * sh.copies + cur)].data();
+            ga.nb0 = ga.next_nb0 = 0;
+            ga.nb1 = ga.next_nb1 = panels;
+            ga.a = A[t].data();
+            ga.lda = lda;
+            ga.a_tiled = true;
+            ga.m = rows;
+            ga.a_scale = scales.data();
+            ga.c = reinterpret_cast<float*>(C[t].data());
+            ga.ldc = panels * 16;
+            ga.scratch = S[t].data();
+            ga.scratch_bytes = kern::kGemmScratchBytes;
+            const double t0 = Now();
+            fn(ga);
+            round[s][static_cast<size_t>(t)] = Now() - t0;
+          });
+        }
+        gemm.push_back(std::move(round));
+        time_peak();
+      }
+      if (!tunes.empty()) ApplyTune(Args::Tune{});
+      for (size_t s = 0; s < ns; ++s) {
+        std::vector<double> ratio;
+        for (size_t r = 0; r < gemm.size(); ++r)
+          for (int t = 0; t < nt; ++t) {
+            const auto ti = static_cast<size_t>(t);
+            ratio.push_back(std::min(peak[r][ti], peak[r + 1][ti]) / gemm[r][s][ti]);
+          }
+        std::sort(ratio.begin(), ratio.end());
+        auto q = [&](double f) {
+          return 100.0 * ratio[static_cast<size_t>(f * static_cast<double>(ratio.size() - 1))];
+        };
+        std::printf(
+            "# kernel-probe %s %3dx%2dx%-5lld %-8s %% of the adjacent register-only loop: median "
+            "%5.1f  p10 %5.1f  p90 %5.1f  (%zu samples)\n",
+            i8 ? "int8" : "bf16", rows, panels, static_cast<long long>(sh.K),
+            settings[s].name.c_str(), q(0.5), q(0.1), q(0.9), ratio.size());
+      }
+      std::fflush(stdout);
+    }
+}
+
 int Main(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -424,7 +461,7 @@ int Main(int argc, char** argv) {
       return 1;
     }
     for (const auto& pname : a.presets)
-      if (auto p = FindPreset(pname)) KernelProbe(pool, p->H, amx_bf16, amx_i8, a.min_time);
+      if (auto p = FindPreset(pname)) KernelProbe(pool, p->H, a.tunes, a.min_time);
     return 0;
   }
   std::printf("%-10s %-5s %-6s %5s %11s %9s %8s %7s %7s %11s %8s\n", "preset", "fmt", "isa", "T",
