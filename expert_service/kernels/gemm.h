@@ -112,6 +112,9 @@ uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes);
 // Register-only AMX loop: `iters` x 8 tile dot-products (16x16x32 bf16 or
 // 16x16x64 int8). Returns nothing useful; time it.
 void AmxPeakLoop(int64_t iters, bool int8);
+// Re-reads the HMOE_FEW_* prefetch knobs of the AVX-512 GEMV kernels
+// (kernels_avx512.cc). Benchmarks only, and only while no kernel is running.
+void ReloadFewTuning();
 // Re-reads the HMOE_AMX_* tuning knobs (kernels_amx.cc). Benchmarks only, and
 // only while no AMX kernel is running.
 void ReloadAmxTuning();

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "common/dtype.h"
@@ -11,6 +12,35 @@
 
 namespace hmoe::kern {
 namespace {
+
+// Software prefetch distances of the GEMV kernels: bytes ahead in each panel
+// stream, 0 = none. Read once, again on ReloadFewTuning (benchmarks only).
+//   HMOE_FEW_PF_I4 (default 2048, rounded up to whole int4 groups; one
+//     prefetch per line of the group that far ahead),
+//   HMOE_FEW_PF_I8 (default 0), HMOE_FEW_PF_BF16 (default 1024): one
+//     prefetch per 64-byte line.
+// The hardware prefetchers keep up with these streams' loads but not with
+// the int4 kernel's ~2.5x longer instruction stream per byte (bench/results
+// run 8).
+struct FewTuning {
+  int64_t i4 = 2048, i8 = 0, bf16 = 1024;
+  FewTuning() {
+    auto read = [](const char* name, int64_t& v) {
+      if (const char* e = std::getenv(name)) v = std::clamp<int64_t>(std::atoll(e), 0, 1 << 16);
+    };
+    read("HMOE_FEW_PF_I4", i4);
+    read("HMOE_FEW_PF_I8", i8);
+    read("HMOE_FEW_PF_BF16", bf16);
+  }
+};
+FewTuning& MutableFewTune() {
+  static FewTuning t;
+  return t;
+}
+
+inline void Prefetch(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
 
 inline __m512i Bcast32(const void* p) {
   int32_t v;
@@ -20,12 +50,14 @@ inline __m512i Bcast32(const void* p) {
 
 // ---- bf16 -------------------------------------------------------------------------
 template <int MB, int NB>
-void Bf16Block(const uint8_t* const* panels, const uint16_t* const* rows, int64_t kp,
+void Bf16Block(const uint8_t* const* panels, const uint16_t* const* rows, int64_t kp, int64_t pf,
                float* const* c) {
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < kp / 2; ++kk) {
+    if (pf > 0)
+      for (int n = 0; n < NB; ++n) Prefetch(panels[n] + kk * 64 + pf);
     __m512i w[NB];
     for (int n = 0; n < NB; ++n) w[n] = _mm512_load_si512(panels[n] + kk * 64);
     for (int m = 0; m < MB; ++m) {
@@ -41,12 +73,14 @@ void Bf16Block(const uint8_t* const* panels, const uint16_t* const* rows, int64_
 // ---- int8 x int8 (u8 = a + 128 against s8 weights; rowsum corrects) --------------------
 template <int MB, int NB>
 void I8Block(const uint8_t* const* panels, const int8_t* const* rows, const float* a_scale,
-             const PackedGeom& g, float* const* c) {
+             const PackedGeom& g, int64_t pf, float* const* c) {
   __m512i acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_si512();
   const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
   for (int64_t q = 0; q < g.kp / 4; ++q) {
+    if (pf > 0)
+      for (int n = 0; n < NB; ++n) Prefetch(panels[n] + q * 64 + pf);
     __m512i w[NB];
     for (int n = 0; n < NB; ++n) w[n] = _mm512_load_si512(panels[n] + q * 64);
     for (int m = 0; m < MB; ++m) {
@@ -68,13 +102,17 @@ void I8Block(const uint8_t* const* panels, const int8_t* const* rows, const floa
 // ---- int4 (u8 nibbles = q + 8) x int8 activations, per-group scales --------------------
 template <int MB, int NB>
 void I4I8Block(const uint8_t* const* panels, const int8_t* const* rows, const float* a_scale,
-               const int32_t* const* gsum, const PackedGeom& g, float* const* c) {
+               const int32_t* const* gsum, const PackedGeom& g, int64_t pf, float* const* c) {
   __m512 accf[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) accf[m][n] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const int64_t groups = g.kp / g.group, gb = g.i4_group_bytes(), lines = g.group / 8;
+  pf = (pf + gb - 1) / gb * gb;  // whole groups ahead
   for (int64_t gi = 0; gi < groups; ++gi) {
+    if (pf > 0)
+      for (int n = 0; n < NB; ++n)
+        for (int64_t b = 0; b < gb; b += 64) Prefetch(panels[n] + gi * gb + pf + b);
     __m512i acc[MB][NB];
     for (int m = 0; m < MB; ++m)
       for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_si512();
@@ -161,18 +199,20 @@ void ForBlocks(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, F&& f) 
 void GemmBf16(const GemmArgs& a) { GemmBf16PanelsAvx512(a, a.w, a.g->panel_bytes, a.g->kp); }
 
 void GemmI8(const GemmArgs& a) {
+  const int64_t pf = MutableFewTune().i8;
   ForBlocks(a, a.w, a.g->panel_bytes,
             [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
               const int8_t* rows[4];
               for (int m = 0; m < mb; ++m)
                 rows[m] = static_cast<const int8_t*>(a.a) + (m0 + m) * a.lda;
-#define CALL(M, N) I8Block<M, N>(panels, rows, a.a_scale + m0, *a.g, c)
+#define CALL(M, N) I8Block<M, N>(panels, rows, a.a_scale + m0, *a.g, pf, c)
               HMOE_DISPATCH_MB_NB(mb, nb, CALL);
 #undef CALL
             });
 }
 
 void GemmI4I8(const GemmArgs& a) {
+  const int64_t pf = MutableFewTune().i4;
   ForBlocks(a, a.w, a.g->panel_bytes,
             [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
               const int8_t* rows[4];
@@ -181,7 +221,7 @@ void GemmI4I8(const GemmArgs& a) {
                 rows[m] = static_cast<const int8_t*>(a.a) + (m0 + m) * a.lda;
                 gs[m] = a.a_gsum + (m0 + m) * a.gsum_stride;
               }
-#define CALL(M, N) I4I8Block<M, N>(panels, rows, a.a_scale + m0, gs, *a.g, c)
+#define CALL(M, N) I4I8Block<M, N>(panels, rows, a.a_scale + m0, gs, *a.g, pf, c)
               HMOE_DISPATCH_MB_NB(mb, nb, CALL);
 #undef CALL
             });
@@ -310,13 +350,14 @@ void QuantF32(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32
 }  // namespace
 
 void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, int64_t kp) {
+  const int64_t pf = MutableFewTune().bf16;
   ForBlocks(a, w, panel_bytes,
             [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
               const uint16_t* rows[4];
               for (int m = 0; m < mb; ++m)
                 rows[m] = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) +
                                                             (m0 + m) * a.lda);
-#define CALL(M, N) Bf16Block<M, N>(panels, rows, kp, c)
+#define CALL(M, N) Bf16Block<M, N>(panels, rows, kp, pf, c)
               HMOE_DISPATCH_MB_NB(mb, nb, CALL);
 #undef CALL
             });
@@ -432,6 +473,8 @@ void WeightedSum(const float* const* rows, const float* w, int n, int64_t len, f
   }
   if (nt) _mm_sfence();  // publish the streaming stores before the caller's barrier
 }
+
+void ReloadFewTuning() { MutableFewTune() = FewTuning(); }
 
 const KernelSet& Avx512Kernels() {
   static const KernelSet k{GemmBf16,  GemmI8,  GemmI4I8, GemmI4Bf16, SiluMul,        SiluMulBf16,

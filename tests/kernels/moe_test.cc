@@ -236,6 +236,7 @@ class AmxTuningEnv {
       setenv(k.c_str(), v.c_str(), 1);
     }
     kern::ReloadAmxTuning();
+    kern::ReloadFewTuning();
     ReloadMoeTuning();
   }
   ~AmxTuningEnv() {
@@ -247,6 +248,7 @@ class AmxTuningEnv {
         unsetenv(s.key.c_str());
     }
     kern::ReloadAmxTuning();
+    kern::ReloadFewTuning();
     ReloadMoeTuning();
   }
 
@@ -280,6 +282,7 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_AMX_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}, {"HMOE_AMX_KC_BYTES", "2048"}},
       {{"HMOE_AMX_PF_MASK", "2"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_MOE_GATHER_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}},
+      {{"HMOE_FEW_PF_I4", "0"}, {"HMOE_FEW_PF_I8", "4096"}, {"HMOE_FEW_PF_BF16", "1024"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
