@@ -314,19 +314,21 @@ void Blk(const Ops& o) {
   StoreC();
 }
 
-// Top with B loaded by tileloaddt1 (kernels_amx.cc HMOE_AMX_STREAM=1).
+// Top's k step with B loaded by tileloaddt1 (kernels_amx.cc HMOE_AMX_STREAM=1).
+inline void StepT1(const Ops& o, int64_t s) {
+  _tile_loadd(4, At(o, 0, s), 64);
+  _tile_stream_loadd(6, Bt(o, 0, s), 64);
+  _tile_stream_loadd(7, Bt(o, 1, s), 64);
+  _tile_loadd(5, At(o, 1, s), 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 void TopT1(const Ops& o) {
   ZeroC();
-  for (int64_t s = 0; s < o.steps; ++s) {
-    _tile_loadd(4, At(o, 0, s), 64);
-    _tile_stream_loadd(6, Bt(o, 0, s), 64);
-    _tile_stream_loadd(7, Bt(o, 1, s), 64);
-    _tile_loadd(5, At(o, 1, s), 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
+  for (int64_t s = 0; s < o.steps; ++s) StepT1(o, s);
   StoreC();
 }
 
@@ -383,14 +385,7 @@ void Chunked(const Ops& o) {
       }
     }
     for (int64_t s = s0; s < s0 + kKc && s < o.steps; ++s) {
-      _tile_loadd(4, At(o, 0, s), 64);
-      _tile_stream_loadd(6, Bt(o, 0, s), 64);
-      _tile_stream_loadd(7, Bt(o, 1, s), 64);
-      _tile_loadd(5, At(o, 1, s), 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      StepT1(o, s);
       for (int q = 0; q < kPf; ++q) {
         _mm_prefetch(reinterpret_cast<const char*>(far + far_off), _MM_HINT_T1);
         far_off = (far_off + 64) % kFarBytes;
@@ -406,6 +401,38 @@ struct Variant {
   double tdp_per_step;
 };
 
+// One probe thread's setup: pinned to `cpu`, its own A and B (sa / sb k
+// steps per row block / panel, see Ops), tiles configured; released on exit.
+class ThreadOperands {
+ public:
+  ThreadOperands(int cpu, int seed, int64_t sa, int64_t sb, int64_t steps) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    const int64_t abytes = 2 * (sa + 2) * 1024, bbytes = 2 * (sb + 2) * 1024;
+    a_ = static_cast<uint8_t*>(std::aligned_alloc(4096, (abytes + 4095) / 4096 * 4096));
+    b_ = static_cast<uint8_t*>(std::aligned_alloc(4096, (bbytes + 4095) / 4096 * 4096));
+    for (int64_t i = 0; i < abytes; ++i) a_[i] = static_cast<uint8_t>((i * 7 + seed) & 0x3f);
+    for (int64_t i = 0; i < bbytes; ++i) b_[i] = static_cast<uint8_t>((i * 13 + seed) & 0x3f);
+    Configure();
+    ops_ = Ops{a_, b_, sa, sb, steps};
+  }
+  ~ThreadOperands() {
+    _tile_release();
+    std::free(a_);
+    std::free(b_);
+  }
+  ThreadOperands(const ThreadOperands&) = delete;
+  ThreadOperands& operator=(const ThreadOperands&) = delete;
+  const Ops& ops() const { return ops_; }
+
+ private:
+  uint8_t* a_ = nullptr;
+  uint8_t* b_ = nullptr;
+  Ops ops_{};
+};
+
 double RunOnCpus(const std::vector<int>& cpus, const Variant& v, int64_t sa, int64_t sb,
                  double seconds) {
   const int nthreads = static_cast<int>(cpus.size());
@@ -415,17 +442,8 @@ double RunOnCpus(const std::vector<int>& cpus, const Variant& v, int64_t sa, int
   std::vector<std::thread> th;
   for (int t = 0; t < nthreads; ++t) {
     th.emplace_back([&, t] {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      CPU_SET(cpus[static_cast<size_t>(t)], &set);
-      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-      const int64_t abytes = 2 * (sa + 2) * 1024, bbytes = 2 * (sb + 2) * 1024;
-      auto* A = static_cast<uint8_t*>(std::aligned_alloc(4096, (abytes + 4095) / 4096 * 4096));
-      auto* B = static_cast<uint8_t*>(std::aligned_alloc(4096, (bbytes + 4095) / 4096 * 4096));
-      for (int64_t i = 0; i < abytes; ++i) A[i] = static_cast<uint8_t>((i * 7 + t) & 0x3f);
-      for (int64_t i = 0; i < bbytes; ++i) B[i] = static_cast<uint8_t>((i * 13 + t) & 0x3f);
-      Configure();
-      Ops o{A, B, sa, sb, 4096};
+      const ThreadOperands to(cpus[static_cast<size_t>(t)], t, sa, sb, 4096);
+      const Ops& o = to.ops();
       v.fn(o);  // warm
       ready.fetch_add(1);
       while (!go.load()) {
@@ -441,9 +459,6 @@ double RunOnCpus(const std::vector<int>& cpus, const Variant& v, int64_t sa, int
       // One tile product: 16x16x32 bf16 MACs or 16x16x64 int8 MACs.
       const double ops = std::string(v.name).find("i8") != std::string::npos ? 32768.0 : 16384.0;
       rate[t] = reps * o.steps * v.tdp_per_step * ops / el;
-      _tile_release();
-      std::free(A);
-      std::free(B);
     });
   }
   while (ready.load() < nthreads) {
@@ -470,17 +485,8 @@ double RunAdjacent(int nthreads, const Variant& v, const Variant& ref, int64_t s
   std::vector<std::thread> th;
   for (int t = 0; t < nthreads; ++t) {
     th.emplace_back([&, t] {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      CPU_SET(t, &set);
-      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-      const int64_t abytes = 2 * (sa + 2) * 1024, bbytes = 2 * (sb + 2) * 1024;
-      auto* A = static_cast<uint8_t*>(std::aligned_alloc(4096, (abytes + 4095) / 4096 * 4096));
-      auto* B = static_cast<uint8_t*>(std::aligned_alloc(4096, (bbytes + 4095) / 4096 * 4096));
-      for (int64_t i = 0; i < abytes; ++i) A[i] = static_cast<uint8_t>((i * 7 + t) & 0x3f);
-      for (int64_t i = 0; i < bbytes; ++i) B[i] = static_cast<uint8_t>((i * 13 + t) & 0x3f);
-      Configure();
-      Ops o{A, B, sa, sb, 2048};
+      const ThreadOperands to(t, t, sa, sb, 2048);
+      const Ops& o = to.ops();
       v.fn(o);  // warm
       auto timed = [&](const Variant& x) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -499,9 +505,6 @@ double RunAdjacent(int nthreads, const Variant& v, const Variant& ref, int64_t s
         out.push_back(std::min(before, after) / tv);
         before = after;
       }
-      _tile_release();
-      std::free(A);
-      std::free(B);
     });
   }
   for (auto& x : th) x.join();
