@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -38,8 +39,13 @@ FewTuning& MutableFewTune() {
   return t;
 }
 
-inline void Prefetch(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+// Prefetches base + off. The address may lie past the end of the panel
+// buffer (the last panel's stream runs ahead of its data): it is formed as an
+// integer, never as an out-of-range pointer, and prefetches do not fault.
+inline void Prefetch(const uint8_t* base, int64_t off) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) +
+                                             static_cast<uintptr_t>(off)),
+               _MM_HINT_T0);
 }
 
 inline __m512i Bcast32(const void* p) {
@@ -57,7 +63,7 @@ void Bf16Block(const uint8_t* const* panels, const uint16_t* const* rows, int64_
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < kp / 2; ++kk) {
     if (pf > 0)
-      for (int n = 0; n < NB; ++n) Prefetch(panels[n] + kk * 64 + pf);
+      for (int n = 0; n < NB; ++n) Prefetch(panels[n], kk * 64 + pf);
     __m512i w[NB];
     for (int n = 0; n < NB; ++n) w[n] = _mm512_load_si512(panels[n] + kk * 64);
     for (int m = 0; m < MB; ++m) {
@@ -80,7 +86,7 @@ void I8Block(const uint8_t* const* panels, const int8_t* const* rows, const floa
   const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
   for (int64_t q = 0; q < g.kp / 4; ++q) {
     if (pf > 0)
-      for (int n = 0; n < NB; ++n) Prefetch(panels[n] + q * 64 + pf);
+      for (int n = 0; n < NB; ++n) Prefetch(panels[n], q * 64 + pf);
     __m512i w[NB];
     for (int n = 0; n < NB; ++n) w[n] = _mm512_load_si512(panels[n] + q * 64);
     for (int m = 0; m < MB; ++m) {
@@ -112,7 +118,7 @@ void I4I8Block(const uint8_t* const* panels, const int8_t* const* rows, const fl
   for (int64_t gi = 0; gi < groups; ++gi) {
     if (pf > 0)
       for (int n = 0; n < NB; ++n)
-        for (int64_t b = 0; b < gb; b += 64) Prefetch(panels[n] + gi * gb + pf + b);
+        for (int64_t b = 0; b < gb; b += 64) Prefetch(panels[n], gi * gb + pf + b);
     __m512i acc[MB][NB];
     for (int m = 0; m < MB; ++m)
       for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_si512();
