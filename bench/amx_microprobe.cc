@@ -152,19 +152,30 @@ void Cur(const Ops& o) {
   StoreC();
 }
 
-// Loads grouped at the top of the step.
-void Top(const Ops& o) {
-  ZeroC();
-  for (int64_t s = 0; s < o.steps; ++s) {
-    _tile_loadd(4, At(o, 0, s), 64);
+// One k step with its loads grouped at the top; kT1: B loaded by
+// tileloaddt1 (kernels_amx.cc HMOE_AMX_STREAM=1).
+template <bool kT1>
+inline void TopStep(const Ops& o, int64_t s) {
+  _tile_loadd(4, At(o, 0, s), 64);
+  if constexpr (kT1) {
+    _tile_stream_loadd(6, Bt(o, 0, s), 64);
+    _tile_stream_loadd(7, Bt(o, 1, s), 64);
+  } else {
     _tile_loadd(6, Bt(o, 0, s), 64);
     _tile_loadd(7, Bt(o, 1, s), 64);
-    _tile_loadd(5, At(o, 1, s), 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
   }
+  _tile_loadd(5, At(o, 1, s), 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// Loads grouped at the top of the step.
+template <bool kT1>
+void Top(const Ops& o) {
+  ZeroC();
+  for (int64_t s = 0; s < o.steps; ++s) TopStep<kT1>(o, s);
   StoreC();
 }
 
@@ -300,35 +311,8 @@ void Blk(const Ops& o) {
       _tile_loadd(2, cbuf[2], 64);
       _tile_loadd(3, cbuf[3], 64);
     }
-    for (; s < s0 + kKc; ++s) {
-      _tile_loadd(4, At(o, 0, s), 64);
-      _tile_loadd(6, Bt(o, 0, s), 64);
-      _tile_loadd(7, Bt(o, 1, s), 64);
-      _tile_loadd(5, At(o, 1, s), 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    for (; s < s0 + kKc; ++s) TopStep<false>(o, s);
   }
-  StoreC();
-}
-
-// Top's k step with B loaded by tileloaddt1 (kernels_amx.cc HMOE_AMX_STREAM=1).
-inline void StepT1(const Ops& o, int64_t s) {
-  _tile_loadd(4, At(o, 0, s), 64);
-  _tile_stream_loadd(6, Bt(o, 0, s), 64);
-  _tile_stream_loadd(7, Bt(o, 1, s), 64);
-  _tile_loadd(5, At(o, 1, s), 64);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_dpbf16ps(2, 5, 6);
-  _tile_dpbf16ps(3, 5, 7);
-}
-
-void TopT1(const Ops& o) {
-  ZeroC();
-  for (int64_t s = 0; s < o.steps; ++s) StepT1(o, s);
   StoreC();
 }
 
@@ -344,7 +328,7 @@ uint8_t* FarRegion() {
   return far;
 }
 
-// TopT1 with the C block stored and reloaded every kKc steps as the kernel
+// Top<true> with the C block stored and reloaded every kKc steps as the kernel
 // does at K-chunk boundaries: C rows strided (1 KiB apart, a 16-panel task's
 // C) in a 256 KiB ring (L2), or (kL1) as contiguous tiles in one 4 KiB
 // buffer (L1). kPf software prefetches (T1) per step of lines from FarRegion():
@@ -385,7 +369,7 @@ void Chunked(const Ops& o) {
       }
     }
     for (int64_t s = s0; s < s0 + kKc && s < o.steps; ++s) {
-      StepT1(o, s);
+      TopStep<true>(o, s);
       for (int q = 0; q < kPf; ++q) {
         _mm_prefetch(reinterpret_cast<const char*>(far + far_off), _MM_HINT_T1);
         far_off = (far_off + 64) % kFarBytes;
@@ -565,7 +549,7 @@ int main(int argc, char** argv) {
   const int nthreads = argc > 1 ? std::atoi(argv[1]) : 16;
   const double secs = argc > 2 ? std::atof(argv[2]) : 0.3;
   const Variant vs[] = {{"cur", Cur<false>, 4},
-                        {"top", Top, 4},
+                        {"top", Top<false>, 4},
                         {"pipe", Pipe<false>, 4},
                         {"zig", Zig, 4},
                         {"db12", Db12, 2},
@@ -578,7 +562,7 @@ int main(int argc, char** argv) {
                         {"blkE8", Blk<8, true>, 4},
                         {"blkE16", Blk<16, true>, 4},
                         {"blkE32", Blk<32, true>, 4},
-                        {"topT1", TopT1, 4},
+                        {"topT1", Top<true>, 4},
                         {"ch16", Chunked<16, false, 0>, 4},
                         {"ch16L1", Chunked<16, true, 0>, 4},
                         {"ch32", Chunked<32, false, 0>, 4},
