@@ -239,16 +239,16 @@ inline void LoadOp(const uint8_t* p, int64_t stride, bool stream) {
 template <Kind kKind, class X>
 void AmxGemm(const GemmArgs& a) {
   constexpr bool kI8 = kKind == Kind::kInt8;
-  constexpr int64_t kStepK = kI8 ? 64 : 32;  // k per tile
+  constexpr bool kI4 = kKind == Kind::kInt4Bf16;  // int4 weights staged as bf16
+  constexpr int64_t kStepK = kI8 ? 64 : 32;       // k per tile
   const Tuning& tune = Tune();
   // k per chunk (a multiple of 128); int4's bf16 staging holds at most 2048 k per panel.
   // int4 (bf16 staging, order 0) keeps 2 KiB chunks and plain loads: its
   // in-process comparison (run 8) lost ~10% with the bf16/int8 defaults.
-  constexpr bool kI4 = kKind == Kind::kInt4Bf16;
   const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : (kI4 ? 2048 : 1024);
   const bool stream = tune.stream && !kI4;
-  const int64_t kChunkK = std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2),
-                                            kKind == Kind::kInt4Bf16 ? 2048 : int64_t{1} << 30);
+  const int64_t kChunkK =
+      std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2), kI4 ? 2048 : int64_t{1} << 30);
   const PackedGeom& g = *a.g;
   if (a.m <= 0 || a.nb1 <= a.nb0) return;  // nothing to compute (and no 0 divisors below)
   X::Configure();
@@ -260,7 +260,7 @@ void AmxGemm(const GemmArgs& a) {
   const int64_t a_ss = a.a_tiled ? 1024 : 64;
   uint8_t* buf0 = a.scratch;
   uint8_t* buf1 = a.scratch + kGemmScratchBytes / 2;  // each half: <= 2048 k of one panel
-  const bool prefetch = tune.prefetch && kKind != Kind::kInt4Bf16;
+  const bool prefetch = tune.prefetch && !kI4;
   // One 32-row x 2-panel C block over the k steps [kc0, kc0 + steps*kStepK):
   // C from c (zero on the first chunk), the products, C back to c. The
   // operand not reused from L1 (A in order 0, B in order 1) may be loaded
@@ -268,8 +268,8 @@ void AmxGemm(const GemmArgs& a) {
   // Partial C between K chunks: strided rows of c, or (ctmp) contiguous
   // tiles in the scratch, tile (row block, panel) at ((m0/16)*np + p) KiB.
   const int64_t npan = a.nb1 - a.nb0;
-  const bool ctmp = tune.ctmp && tune.order == 1 && kKind != Kind::kInt4Bf16 &&
-                    int64_t{mp} * npan * 64 <= a.scratch_bytes;
+  const bool ctmp =
+      tune.ctmp && tune.order == 1 && !kI4 && int64_t{mp} * npan * 64 <= a.scratch_bytes;
   // Edge overlap (Tuning::edge): a block leaves its C tiles in the registers
   // and the next block stores them one by one, each just before it
   // initializes that register, inside its first k step; so the products of
@@ -407,7 +407,7 @@ void AmxGemm(const GemmArgs& a) {
     }
   };
 
-  if (kKind != Kind::kInt4Bf16 && tune.order == 1) {
+  if (!kI4 && tune.order == 1) {
     // Order 1: per K chunk, row pairs outer (A chunk reused from L1), panel
     // pairs inner (B chunk of all the task's panels reused from L2). With
     // prefetch on, the next chunk's B lines go to L2 spread over the whole
@@ -491,7 +491,7 @@ void AmxGemm(const GemmArgs& a) {
         const bool two = j + 1 < a.nb1;
         const uint8_t* B0;
         const uint8_t* B1;
-        if constexpr (kKind == Kind::kInt4Bf16) {
+        if constexpr (kI4) {
           DequantI4PanelBf16Avx512(g, a.w + j * g.panel_bytes, kc0, kc1,
                                    reinterpret_cast<uint16_t*>(buf0));
           if (two)
