@@ -16,6 +16,12 @@
 // over rounds and threads. On a shared host the AMX rate of a core moves
 // for seconds at a time (other tenants); both sides of a round see the same
 // conditions, so the ratio repeats where separately timed rates do not.
+// After each timing the thread also times a chain of 512 dependent imuls
+// (3 cycles each: the core clock in TSC ticks, whatever the AMX unit does);
+// "clk" is the median of the clock after the variant over the clock after
+// the loop. A schedule that loses rate at an equal clock loses it in the
+// core (loads and products sharing the AMX unit, cache misses); one whose
+// clock drops with it loses it to the power / frequency limit.
 //
 //   hmoe-amx-microprobe [threads=16] [seconds per case=0.3]
 //   hmoe-amx-microprobe --pairs [seconds per case=0.2]
@@ -273,6 +279,18 @@ void OnlyB(const Ops& o) {
   StoreC();
 }
 
+// The step's four tile loads alone (A, B from the working set), no products:
+// the tile-load rate, in k steps, against the loop's product rate.
+void Ld4(const Ops& o) {
+  for (int64_t s = 0; s < o.steps; ++s) {
+    _tile_loadd(4, At(o, 0, s), 64);
+    _tile_loadd(6, Bt(o, 0, s), 64);
+    _tile_loadd(7, Bt(o, 1, s), 64);
+    _tile_loadd(5, At(o, 1, s), 64);
+  }
+  _tile_stored(4, sink[4], 64);
+}
+
 // Top with the C block reloaded every kKc steps, as in the real kernel's K
 // chunks: C stored to and loaded back from a 4 KiB buffer (L1). kEdge: the
 // stores and reloads interleaved register by register with the first step's
@@ -417,12 +435,31 @@ class ThreadOperands {
   Ops ops_{};
 };
 
+// Core clock over TSC: 512 dependent 3-cycle imuls timed with rdtsc, fenced
+// so the chain starts after what came before has issued.
+double ClockPerTsc() {
+  uint64_t x = 3;
+  _mm_lfence();
+  const uint64_t t0 = __rdtsc();
+  _mm_lfence();
+  for (int i = 0; i < 64; ++i)
+    asm volatile(
+        "imul %0, %0\n\timul %0, %0\n\timul %0, %0\n\timul %0, %0\n\t"
+        "imul %0, %0\n\timul %0, %0\n\timul %0, %0\n\timul %0, %0"
+        : "+r"(x));
+  _mm_lfence();
+  const uint64_t t1 = __rdtsc();
+  return 1536.0 / static_cast<double>(t1 - t0);
+}
+
+// Rates summed over threads; *clock (if set): the mean core clock over TSC
+// measured just after each thread's last rep.
 double RunOnCpus(const std::vector<int>& cpus, const Variant& v, int64_t sa, int64_t sb,
-                 double seconds) {
+                 double seconds, double* clock = nullptr) {
   const int nthreads = static_cast<int>(cpus.size());
   std::atomic<int> ready{0};
   std::atomic<bool> go{false};
-  std::vector<double> rate(nthreads);
+  std::vector<double> rate(nthreads), clk(nthreads);
   std::vector<std::thread> th;
   for (int t = 0; t < nthreads; ++t) {
     th.emplace_back([&, t] {
@@ -440,6 +477,7 @@ double RunOnCpus(const std::vector<int>& cpus, const Variant& v, int64_t sa, int
         reps += 8;
         el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       } while (el < seconds);
+      clk[t] = ClockPerTsc();
       // One tile product: 16x16x32 bf16 MACs or 16x16x64 int8 MACs.
       const double ops = std::string(v.name).find("i8") != std::string::npos ? 32768.0 : 16384.0;
       rate[t] = reps * o.steps * v.tdp_per_step * ops / el;
@@ -451,51 +489,71 @@ double RunOnCpus(const std::vector<int>& cpus, const Variant& v, int64_t sa, int
   for (auto& x : th) x.join();
   double sum = 0;
   for (double r : rate) sum += r;
+  if (clock != nullptr) {
+    *clock = 0;
+    for (double c : clk) *clock += c / nthreads;
+  }
   return sum;
 }
 
-double RunThreads(int nthreads, const Variant& v, int64_t sa, int64_t sb, double seconds) {
+double RunThreads(int nthreads, const Variant& v, int64_t sa, int64_t sb, double seconds,
+                  double* clock = nullptr) {
   std::vector<int> cpus(static_cast<size_t>(nthreads));
   for (int t = 0; t < nthreads; ++t) cpus[static_cast<size_t>(t)] = t;
-  return RunOnCpus(cpus, v, sa, sb, seconds);
+  return RunOnCpus(cpus, v, sa, sb, seconds, clock);
 }
+
+struct Adjacent {
+  double rate = 0, clock = 0;  // medians: variant / loop
+};
 
 // The adjacent-round measurement (see the header): median over rounds and
 // threads of the variant's rate against the faster of the reference loop's
 // timings just before and after it (same k steps, rates per tile product).
-double RunAdjacent(int nthreads, const Variant& v, const Variant& ref, int64_t sa, int64_t sb,
-                   double seconds) {
-  std::vector<std::vector<double>> ratios(static_cast<size_t>(nthreads));
+Adjacent RunAdjacent(int nthreads, const Variant& v, const Variant& ref, int64_t sa, int64_t sb,
+                     double seconds) {
+  std::vector<std::vector<double>> ratios(static_cast<size_t>(nthreads)),
+      clocks(static_cast<size_t>(nthreads));
   std::vector<std::thread> th;
   for (int t = 0; t < nthreads; ++t) {
     th.emplace_back([&, t] {
       const ThreadOperands to(t, t, sa, sb, 2048);
       const Ops& o = to.ops();
       v.fn(o);  // warm
-      auto timed = [&](const Variant& x) {
+      // Seconds per tile product of x, and the clock just after it.
+      auto timed = [&](const Variant& x, double* clock) {
         const auto t0 = std::chrono::steady_clock::now();
         x.fn(o);
-        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
-               x.tdp_per_step;
+        const double el =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        *clock = ClockPerTsc();
+        return el / x.tdp_per_step;
       };
       std::vector<double>& out = ratios[static_cast<size_t>(t)];
+      std::vector<double>& clk = clocks[static_cast<size_t>(t)];
       const auto start = std::chrono::steady_clock::now();
-      double before = timed(ref);
+      double c_before = 0, c_v = 0, c_after = 0;
+      double before = timed(ref, &c_before);
       while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() <
                  seconds ||
              out.size() < 20) {
-        const double tv = timed(v);
-        const double after = timed(ref);
+        const double tv = timed(v, &c_v);
+        const double after = timed(ref, &c_after);
         out.push_back(std::min(before, after) / tv);
+        clk.push_back(c_v / std::max(c_before, c_after));
         before = after;
+        c_before = c_after;
       }
     });
   }
   for (auto& x : th) x.join();
-  std::vector<double> all;
-  for (const auto& r : ratios) all.insert(all.end(), r.begin(), r.end());
-  std::sort(all.begin(), all.end());
-  return all[all.size() / 2];
+  auto median = [](const std::vector<std::vector<double>>& per_thread) {
+    std::vector<double> all;
+    for (const auto& r : per_thread) all.insert(all.end(), r.begin(), r.end());
+    std::sort(all.begin(), all.end());
+    return all[all.size() / 2];
+  };
+  return Adjacent{median(ratios), median(clocks)};
 }
 
 // --pairs: see the header.
@@ -554,6 +612,7 @@ int main(int argc, char** argv) {
                         {"zig", Zig, 4},
                         {"db12", Db12, 2},
                         {"onlyB", OnlyB, 4},
+                        {"ld4", Ld4, 4},
                         {"pipe-i8", Pipe<true>, 4},
                         {"cur-i8", Cur<true>, 4},
                         {"blk8", Blk<8, false>, 4},
@@ -574,19 +633,21 @@ int main(int argc, char** argv) {
   } ws[] = {
       {"A L1 B L1", 4, 4}, {"A L2 B L1", 256, 4}, {"A L1 B L2", 4, 256}, {"A L2 B L2", 128, 128}};
   for (int nt : {1, nthreads}) {
-    const double p4 = RunThreads(nt, peak, 4, 4, secs);
+    double clk = 0;
+    const double p4 = RunThreads(nt, peak, 4, 4, secs, &clk);
     const double p6 = RunThreads(nt, peak6, 4, 4, secs);
     const double pi8 = RunThreads(nt, peaki8, 4, 4, secs);
     std::printf(
-        "## threads %d: peak4 %.2f TFLOP/s (%.0f GFLOP/s/core), peak6 %.2f, peak4-i8 %.2f TOP/s "
-        "(rates summed over threads); rows: %% of the adjacent peak4 (peak4-i8) loop\n",
-        nt, p4 / 1e12, p4 / nt / 1e9, p6 / 1e12, pi8 / 1e12);
+        "## threads %d: peak4 %.2f TFLOP/s (%.0f GFLOP/s/core, clock %.3f x TSC), peak6 %.2f, "
+        "peak4-i8 %.2f TOP/s (rates summed over threads); rows: %% of the adjacent peak4 "
+        "(peak4-i8) loop, clk = clock after the row's schedule / after the loop\n",
+        nt, p4 / 1e12, p4 / nt / 1e9, clk, p6 / 1e12, pi8 / 1e12);
     for (const Variant& v : vs) {
       std::printf("%-10s", v.name);
       const bool i8 = std::string(v.name).find("i8") != std::string::npos;
       for (const Ws& w : ws) {
-        const double r = RunAdjacent(nt, v, i8 ? peaki8 : peak, w.sa, w.sb, secs);
-        std::printf(" | %s %6.1f%%", w.name, 100.0 * r);
+        const Adjacent r = RunAdjacent(nt, v, i8 ? peaki8 : peak, w.sa, w.sb, secs);
+        std::printf(" | %s %6.1f%% clk %5.3f", w.name, 100.0 * r.rate, r.clock);
       }
       std::printf("\n");
       std::fflush(stdout);

@@ -189,6 +189,10 @@ enum class Kind { kBf16, kInt8, kInt4Bf16 };
 //   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
 //     tileloaddt1 (so it does not evict the reused one). Default 1 (bf16,
 //     int8; the int4 path never streams and its default chunk is 2 KiB).
+//   HMOE_AMX_I8_EPI = 0 | 1: (int8) where the int32 -> f32 scaling of C
+//     runs: 0 one pass over the task's C after the GEMM (from L2); 1
+//     (default) per C block, right after the last K chunk stores it (from
+//     L1, beside the next block's tile work).
 //   HMOE_AMX_EDGE = 0 | 1: overlap a block's C stores with the next block's
 //     first k step (see `pend` in AmxGemm). Measured (ds-v3 T=8192, in
 //     process, bench/results run 6): within noise of off, alone or with
@@ -208,7 +212,9 @@ struct Tuning {
   int order = 1;
   bool stream = true;
   bool ctmp = false;
+  bool i8_block_epi = true;
   Tuning() {
+    if (const char* e = std::getenv("HMOE_AMX_I8_EPI")) i8_block_epi = *e != '0';
     if (const char* e = std::getenv("HMOE_AMX_EDGE")) edge = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_CTMP")) ctmp = *e == '1';
     if (const char* e = std::getenv("HMOE_AMX_STREAM")) stream = *e == '1';
@@ -303,6 +309,19 @@ void AmxGemm(const GemmArgs& a) {
     else
       X::template DpBf16<decltype(c)::value, decltype(ta)::value, decltype(tb)::value>();
   };
+  // int8: C rows [m0, m1) of panels [j, j + np) from int32 sums to f32,
+  // times the row's activation scale and the column's weight scale.
+  auto i8_scale = [&](int m0, int m1, int64_t j, int64_t np) {
+    for (int64_t jj = j; jj < j + np; ++jj) {
+      const __m512 sc = _mm512_loadu_ps(a.w + jj * g.panel_bytes + g.i8_scale_offset());
+      for (int m = m0; m < m1; ++m) {
+        float* c = a.c + m * a.ldc + (jj - a.nb0) * 16;
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(c));
+        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(a.a_scale[m])), sc));
+      }
+    }
+  };
+  const bool block_epi = kI8 && tune.i8_block_epi && !tune.edge;
   using R0 = std::integral_constant<int, 0>;
   using R1 = std::integral_constant<int, 1>;
   using R2 = std::integral_constant<int, 2>;
@@ -404,6 +423,7 @@ void AmxGemm(const GemmArgs& a) {
       }
       X::template Store<0>(S00, s_rs);
       X::template Store<2>(S00 + s_r1, s_rs);
+      if (block_epi && last) i8_scale(m0, std::min(m0 + 32, a.m), j, two ? 2 : 1);
     }
   };
 
@@ -558,16 +578,7 @@ void AmxGemm(const GemmArgs& a) {
     }
   }
   flush_all();
-  if constexpr (kI8) {
-    for (int64_t j = a.nb0; j < a.nb1; ++j) {
-      const __m512 sc = _mm512_loadu_ps(a.w + j * g.panel_bytes + g.i8_scale_offset());
-      for (int m = 0; m < a.m; ++m) {
-        float* c = a.c + m * a.ldc + (j - a.nb0) * 16;
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(c));
-        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(a.a_scale[m])), sc));
-      }
-    }
-  }
+  if (kI8 && !block_epi) i8_scale(0, a.m, a.nb0, a.nb1 - a.nb0);
 }
 
 }  // namespace

@@ -283,6 +283,10 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_AMX_PF_MASK", "2"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_MOE_GATHER_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}},
       {{"HMOE_FEW_PF_I4", "0"}, {"HMOE_FEW_PF_I8", "4096"}, {"HMOE_FEW_PF_BF16", "1024"}},
+      // int8 scaling in one pass after the GEMM (session 8's way), both orders.
+      {{"HMOE_AMX_I8_EPI", "0"}},
+      {{"HMOE_AMX_I8_EPI", "0"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "256"}},
+      {{"HMOE_AMX_ORDER", "0"}, {"HMOE_MOE_TASK_PANELS", "4"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
