@@ -203,11 +203,11 @@ struct Args {
 
 // The knobs --tune may set (kernels_amx.cc Tuning, moe.cc MoeTuning).
 constexpr const char* kTuneKnobs[] = {
-    "HMOE_AMX_KC_BYTES",      "HMOE_AMX_PREFETCH",  "HMOE_AMX_PF_A",     "HMOE_AMX_ORDER",
-    "HMOE_AMX_CTMP",          "HMOE_AMX_STREAM",    "HMOE_AMX_EDGE",     "HMOE_MOE_TASK_PANELS",
-    "HMOE_MOE_DIRECT_Y",      "HMOE_MOE_LOOKAHEAD", "HMOE_MOE_PIPELINE", "HMOE_AMX_PF_MASK",
-    "HMOE_MOE_GATHER_STREAM", "HMOE_FEW_PF_I4",     "HMOE_FEW_PF_I8",    "HMOE_FEW_PF_BF16",
-    "HMOE_AMX_I8_EPI"};
+    "HMOE_AMX_KC_BYTES",      "HMOE_AMX_PREFETCH",      "HMOE_AMX_PF_A",     "HMOE_AMX_ORDER",
+    "HMOE_AMX_CTMP",          "HMOE_AMX_STREAM",        "HMOE_AMX_EDGE",     "HMOE_MOE_TASK_PANELS",
+    "HMOE_MOE_DIRECT_Y",      "HMOE_MOE_LOOKAHEAD",     "HMOE_MOE_PIPELINE", "HMOE_AMX_PF_MASK",
+    "HMOE_MOE_GATHER_STREAM", "HMOE_FEW_PF_I4",         "HMOE_FEW_PF_I8",    "HMOE_FEW_PF_BF16",
+    "HMOE_AMX_I8_EPI",        "HMOE_MOE_OVERLAP_REDUCE"};
 
 // "A:K=V,K=V;B:K=V" -> settings; false on a malformed list or an unknown knob.
 bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {

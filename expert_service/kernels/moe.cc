@@ -14,6 +14,11 @@
 // gate_up tasks; all its gate_up tasks, then its hquant, before its down
 // tasks), so the memory-bound steps of one expert overlap the GEMMs of
 // others; HMOE_MOE_PIPELINE=0 restores a barrier after each step.
+// From kOverlapReduceTokens tokens the reduce joins that stage too: down
+// tasks run in column waves (all experts' tasks of output columns [c0, c1),
+// then the next columns), and a wave's reduce items, (token, wave), run as
+// soon as its last down task is done, a few after each later down task, so
+// the reduce's DRAM traffic overlaps the GEMMs instead of following them.
 #include "expert_service/kernels/moe.h"
 
 #include <xmmintrin.h>
@@ -42,6 +47,9 @@ constexpr int64_t kDefaultTaskPanels = 16;  // panels per task (at most, by defa
 constexpr int64_t kCbufFloats = kMaxRowChunk * kMaxTaskPanels * 16;
 constexpr int64_t kPreQuantTokens = 32;  // int8 activations: quantize tokens once from here
 constexpr int64_t kGatherAhead = 2;      // pipelined: gather this many experts past the one needed
+constexpr int64_t kOverlapReduceTokens = 64;  // from here the reduce overlaps the down stage
+constexpr int64_t kReduceWaves = 8;           // column waves of the down tasks (at most)
+constexpr int64_t kReduceBatch = 4;           // reduce items claimed at once
 
 // The kernel sets of one call: "few" (GEMV) and "many" experts, and whether
 // the many kernels read A in the AMX tile layout.
@@ -164,6 +172,9 @@ Profile g_profile;
 //   HMOE_MOE_PIPELINE = 0 | 1: 1 (default) runs gather, gate_up, hquant and
 //     down as one dependency-driven stage (see RunMoe); 0 puts a barrier
 //     after each of them.
+//   HMOE_MOE_OVERLAP_REDUCE = 0 | 1: 1 (default) overlaps the reduce with
+//     the down tasks from kOverlapReduceTokens tokens (column waves, see the
+//     header); 0 runs it after a barrier, as for fewer tokens.
 //   HMOE_MOE_GATHER_STREAM = 0 | 1: 1 (default) writes the gathered
 //     activations (tile layout) with streaming stores; 0 with ordinary
 //     stores, so the gate_up tasks of the expert find them in L2 / L3
@@ -177,7 +188,9 @@ struct MoeTuning {
   bool lookahead = false;
   bool pipeline = true;
   bool gather_stream = true;
+  bool overlap_reduce = true;
   MoeTuning() {
+    if (const char* e = std::getenv("HMOE_MOE_OVERLAP_REDUCE")) overlap_reduce = *e != '0';
     if (const char* e = std::getenv("HMOE_MOE_GATHER_STREAM")) gather_stream = *e != '0';
     if (const char* e = std::getenv("HMOE_MOE_PIPELINE")) pipeline = *e != '0';
     if (const char* e = std::getenv("HMOE_MOE_TASK_PANELS"))
@@ -234,6 +247,8 @@ struct MoeWorkspace::Impl {
   std::vector<int32_t> active_pos;
   std::vector<int64_t> item_end;
   std::vector<std::atomic<int32_t>> gather_left, gu_left, down_ready;
+  // Overlapped reduce: down tasks (all parts) of each column wave not yet done.
+  std::vector<std::atomic<int32_t>> wave_left;
   // x, gathered per row: bf16 or int8 rows of kp_h (row stride kp_h * 2 bytes)
   NumaBuffer xa;
   std::vector<float> xa_scale;
@@ -301,6 +316,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.gather_left = std::vector<std::atomic<int32_t>>(E);
   w.gu_left = std::vector<std::atomic<int32_t>>(E);
   w.down_ready = std::vector<std::atomic<int32_t>>(E);
+  w.wave_left = std::vector<std::atomic<int32_t>>(kReduceWaves);
   w.row_token.resize(R);
   w.row_expert.resize(R);
   w.slot_row.resize(static_cast<size_t>(slots));
@@ -464,6 +480,11 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     return w.many[static_cast<size_t>(e)] ? RoundUp(size, 32) : size;
   };
   const int64_t nthreads = pool.num_threads();
+  // Overlapped reduce: down tasks in column waves of wave_panels panels
+  // (every part's down matrix has the same ceil(H / 16) panels).
+  bool overlap = tuning.pipeline && tuning.overlap_reduce && T >= kOverlapReduceTokens;
+  int64_t wave_panels = 0;
+  for (auto& c : w.wave_left) c.store(0, std::memory_order_relaxed);
   for (int p = 0; p < w.nparts; ++p) {
     auto& b = w.parts[static_cast<size_t>(p)];
     const auto& lp = layer.parts()[static_cast<size_t>(p)];
@@ -489,9 +510,29 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
                                 static_cast<int32_t>(std::min(lp.gu.nblocks, j + gu_chunk))});
           w.gu_left[static_cast<size_t>(e)].fetch_add(1, std::memory_order_relaxed);
         }
-        for (int64_t j = 0; j < lp.down.nblocks; j += dn_chunk)
-          b.down_tasks.push_back({e, static_cast<int32_t>(m0), m, static_cast<int32_t>(j),
-                                  static_cast<int32_t>(std::min(lp.down.nblocks, j + dn_chunk))});
+      }
+    }
+    // Down tasks: expert by expert, or (overlapped reduce) wave by wave, each
+    // wave expert by expert; no task crosses a wave boundary. The first part
+    // sets the waves: whole tasks of its chunk size, at most kReduceWaves.
+    const int64_t nb = lp.down.nblocks;
+    if (overlap && wave_panels == 0) {
+      wave_panels = RoundUp((nb + kReduceWaves - 1) / kReduceWaves, dn_chunk);  // <= 8 waves
+    }
+    const int64_t wp = overlap ? wave_panels : nb;
+    for (int64_t w0 = 0; w0 < nb; w0 += wp) {
+      const int64_t w1 = std::min(nb, w0 + wp);
+      for (int32_t e : w.active) {
+        const int64_t c = w.row_cnt[static_cast<size_t>(e)], rc = row_chunk(e);
+        for (int64_t m0 = 0; m0 < c; m0 += rc) {
+          const int32_t m = static_cast<int32_t>(std::min(rc, c - m0));
+          for (int64_t j = w0; j < w1; j += dn_chunk) {
+            b.down_tasks.push_back({e, static_cast<int32_t>(m0), m, static_cast<int32_t>(j),
+                                    static_cast<int32_t>(std::min(w1, j + dn_chunk))});
+            if (overlap)
+              w.wave_left[static_cast<size_t>(w0 / wp)].fetch_add(1, std::memory_order_relaxed);
+          }
+        }
       }
     }
   }
@@ -504,10 +545,20 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   // Reduce items: whole token rows when there are enough tokens (long
   // sequential streams), else row pieces of >= 256 floats so every thread
   // gets some (decode).
-  const int64_t hchunk = std::min<int64_t>(
-      H, std::max<int64_t>(
-             256, RoundUp((H * T + 4 * pool.num_threads() - 1) / (4 * pool.num_threads()), 16)));
+  overlap = overlap && wave_panels > 0;  // (no part with an intermediate slice: no waves)
+  // Overlapped: one item per (token, wave), wave-major.
+  const int64_t hchunk =
+      overlap ? wave_panels * 16
+              : std::min<int64_t>(
+                    H, std::max<int64_t>(256,
+                                         RoundUp((H * T + 4 * nthreads - 1) / (4 * nthreads), 16)));
   const int64_t red_items = T * ((H + hchunk - 1) / hchunk);
+  int64_t n_dn_all = 0;
+  for (const auto& b : w.parts) n_dn_all += static_cast<int64_t>(b.down_tasks.size());
+  // Ready reduce items a worker takes after each down task, at most: twice
+  // the even share, so the reduce keeps pace with the waves.
+  const int64_t reduce_quota =
+      overlap ? 2 * ((red_items + n_dn_all - 1) / std::max<int64_t>(n_dn_all, 1)) : 0;
   const kern::KernelSet& kfew = *dsp.few;
   // Tiled int8 rows always come from the per-token quantization.
   bool any_tiled_i8 = false;
@@ -730,6 +781,11 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       if (!direct)
         kfew.store_rows(cbuf, a.ldc, reinterpret_cast<float*>(b.y.data()) + r0 * H + c0, H, tk.m,
                         c1 - c0);
+      if (overlap) {
+        _mm_sfence();  // y's streaming stores are visible before the wave count drops
+        w.wave_left[static_cast<size_t>(tk.nb0 / wave_panels)].fetch_sub(1,
+                                                                         std::memory_order_release);
+      }
     };
     const int64_t n_gu = lp.empty() ? 0 : static_cast<int64_t>(b.gu_tasks.size());
     const int64_t n_dn = lp.empty() ? 0 : static_cast<int64_t>(b.down_tasks.size());
@@ -739,6 +795,43 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       for (int64_t it = claim(c), nxt; it < n; it = next_task(c, nxt)) {
         nxt = tuning.lookahead ? claim(c) : -1;
         run(it, nxt < n ? nxt : -1);
+      }
+    };
+
+    // One reduce item: token-major pieces of hchunk columns, or (overlapped)
+    // wave-major (token, wave).
+    const int64_t nch = (H + hchunk - 1) / hchunk;
+    const size_t sum_off = static_cast<size_t>(wk.global * w.max_top_k * w.nparts);
+    const float** yrows = w.sum_rows.data() + sum_off;
+    float* ywts = w.sum_wts.data() + sum_off;
+    auto reduce_item = [&](int64_t it) {
+      const int64_t t = overlap ? it % T : it / nch;
+      const int64_t c0 = (overlap ? it / T : it % nch) * hchunk, c1 = std::min(H, c0 + hchunk);
+      int n = 0;
+      for (int j = 0; j < K; ++j) {
+        const int32_t r = w.slot_row[static_cast<size_t>(t * K + j)];
+        if (r < 0) continue;
+        for (int q = 0; q < w.nparts; ++q) {
+          if (layer.parts()[static_cast<size_t>(q)].empty()) continue;
+          yrows[n] = reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data()) +
+                     int64_t{r} * H + c0;
+          ywts[n++] = in.weights[t * K + j];
+        }
+      }
+      kfew.weighted_sum(yrows, ywts, n, c1 - c0, out + t * H + c0, /*stream=*/true);
+    };
+    // Overlapped: up to reduce_quota items whose wave is done, without waiting.
+    auto reduce_ready = [&] {
+      std::atomic<int64_t>& rc = w.counters[2];
+      int64_t left = reduce_quota, v = rc.load(std::memory_order_relaxed);
+      while (left > 0 && v < red_items) {
+        const int64_t wave = v / T;
+        if (w.wave_left[static_cast<size_t>(wave)].load(std::memory_order_acquire) > 0) return;
+        const int64_t n = std::min({left, (wave + 1) * T - v, kReduceBatch});
+        if (!rc.compare_exchange_weak(v, v + n, std::memory_order_relaxed)) continue;
+        for (int64_t it = v; it < v + n; ++it) reduce_item(it);
+        left -= n;
+        v = rc.load(std::memory_order_relaxed);
       }
     };
 
@@ -788,9 +881,10 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
           while (w.down_ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0)
             __builtin_ia32_pause();
           down_task(tk, nxt >= n_gu ? &b.down_tasks[static_cast<size_t>(nxt - n_gu)] : nullptr);
+          if (overlap) reduce_ready();
         }
       });
-      w.barrier.Wait();
+      if (!overlap) w.barrier.Wait();
       mark(wk, 4);
       mark(wk, 5);
       mark(wk, 6);
@@ -823,24 +917,18 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     // ---- reduce ----
     // out[t] = sum over (slot j, part q) of w[t][j] * y_q[row(t, j)]: one
     // weighted_sum of all the token's rows, written once (streaming).
-    const int64_t nch = (H + hchunk - 1) / hchunk;
-    const size_t sum_off = static_cast<size_t>(wk.global * w.max_top_k * w.nparts);
-    const float** yrows = w.sum_rows.data() + sum_off;
-    float* ywts = w.sum_wts.data() + sum_off;
-    for (int64_t it; (it = w.counters[2].fetch_add(1, std::memory_order_relaxed)) < red_items;) {
-      const int64_t t = it / nch, c0 = (it % nch) * hchunk, c1 = std::min(H, c0 + hchunk);
-      int n = 0;
-      for (int j = 0; j < K; ++j) {
-        const int32_t r = w.slot_row[static_cast<size_t>(t * K + j)];
-        if (r < 0) continue;
-        for (int q = 0; q < w.nparts; ++q) {
-          if (layer.parts()[static_cast<size_t>(q)].empty()) continue;
-          yrows[n] = reinterpret_cast<const float*>(w.parts[static_cast<size_t>(q)].y.data()) +
-                     int64_t{r} * H + c0;
-          ywts[n++] = in.weights[t * K + j];
+    // Overlapped, each wave's items wait for that wave's down tasks.
+    if (overlap) {
+      for (int64_t v;
+           (v = w.counters[2].fetch_add(kReduceBatch, std::memory_order_relaxed)) < red_items;)
+        for (int64_t it = v; it < std::min(red_items, v + kReduceBatch); ++it) {
+          while (w.wave_left[static_cast<size_t>(it / T)].load(std::memory_order_acquire) > 0)
+            __builtin_ia32_pause();
+          reduce_item(it);
         }
-      }
-      kfew.weighted_sum(yrows, ywts, n, c1 - c0, out + t * H + c0, /*stream=*/true);
+    } else {
+      for (int64_t it; (it = w.counters[2].fetch_add(1, std::memory_order_relaxed)) < red_items;)
+        reduce_item(it);
     }
     mark(wk, 7);
   });

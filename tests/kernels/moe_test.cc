@@ -33,6 +33,7 @@
 namespace hmoe {
 namespace {
 
+using testing::Batch;
 using testing::RandomBatch;
 using testing::RandomSource;
 using testing::RelErr;
@@ -287,6 +288,9 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_AMX_I8_EPI", "0"}},
       {{"HMOE_AMX_I8_EPI", "0"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "256"}},
       {{"HMOE_AMX_ORDER", "0"}, {"HMOE_MOE_TASK_PANELS", "4"}},
+      // The reduce after a barrier at every T; waves of one-panel tasks.
+      {{"HMOE_MOE_OVERLAP_REDUCE", "0"}},
+      {{"HMOE_MOE_TASK_PANELS", "2"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
@@ -526,21 +530,28 @@ TEST(MoePipelineTest, SameBitsAsPhasedOnAllCores) {
       o.format = fc.f;
       auto L = Pack(src, o, **pool);
       ASSERT_TRUE(L.ok()) << L.status();
-      auto b = RandomBatch(400, 4, 208, 32, 123, /*repeats=*/true, /*empty_expert=*/31);
+      // Two batches, alternated: what a call leaves in the workspace (y, h,
+      // gathered rows) is wrong for the next, so a read that runs ahead of
+      // its writer shows. T=400 overlaps the reduce with the down waves.
+      const Batch batches[2] = {
+          RandomBatch(400, 4, 208, 32, 123, /*repeats=*/true, /*empty_expert=*/31),
+          RandomBatch(400, 4, 208, 32, 321, /*repeats=*/true, /*empty_expert=*/30)};
       RunOptions ro;
-      std::vector<float> phased;
+      std::vector<float> phased[2];
       {
         AmxTuningEnv env(
             std::vector<std::pair<std::string, std::string>>{{"HMOE_MOE_PIPELINE", "0"}});
-        phased = RunLayer(*L, b, **pool, ro);
+        for (int i = 0; i < 2; ++i) phased[i] = RunLayer(*L, batches[i], **pool, ro);
       }
-      auto ws = MoeWorkspace::Create(*L, b.T, b.K, **pool);
+      ASSERT_NE(phased[0], phased[1]);
+      auto ws = MoeWorkspace::Create(*L, 400, 4, **pool);
       ASSERT_TRUE(ws.ok()) << ws.status();
       for (int call = 0; call < 8; ++call) {
-        std::vector<float> out(phased.size(), -1.0f);
-        ASSERT_TRUE(RunMoe(*L, b.input(), out.data(), **pool, **ws, ro).ok());
-        ASSERT_EQ(out, phased) << FmtName(fc) << ", " << (*pool)->num_threads() << " workers, "
-                               << nodes << " node(s), call " << call;
+        const int i = call % 2;
+        std::vector<float> out(phased[i].size(), -1.0f);
+        ASSERT_TRUE(RunMoe(*L, batches[i].input(), out.data(), **pool, **ws, ro).ok());
+        ASSERT_EQ(out, phased[i]) << FmtName(fc) << ", " << (*pool)->num_threads() << " workers, "
+                                  << nodes << " node(s), call " << call;
       }
     }
   }
