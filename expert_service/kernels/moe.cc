@@ -14,11 +14,12 @@
 // gate_up tasks; all its gate_up tasks, then its hquant, before its down
 // tasks), so the memory-bound steps of one expert overlap the GEMMs of
 // others; HMOE_MOE_PIPELINE=0 restores a barrier after each step.
-// From kOverlapReduceTokens tokens the reduce joins that stage too: down
-// tasks run in column waves (all experts' tasks of output columns [c0, c1),
-// then the next columns), and a wave's reduce items, (token, wave), run as
-// soon as its last down task is done, a few after each later down task, so
-// the reduce's DRAM traffic overlaps the GEMMs instead of following them.
+// With HMOE_MOE_OVERLAP_REDUCE=1 (from kOverlapReduceTokens tokens) the
+// reduce joins that stage too: down tasks run in column waves (all experts'
+// tasks of output columns [c0, c1), then the next columns), and a wave's
+// reduce items, (token, wave), run once its last down task is done, a few
+// after each later down task. Off by default: measured slower (see
+// MoeTuning).
 #include "expert_service/kernels/moe.h"
 
 #include <xmmintrin.h>
@@ -172,9 +173,14 @@ Profile g_profile;
 //   HMOE_MOE_PIPELINE = 0 | 1: 1 (default) runs gather, gate_up, hquant and
 //     down as one dependency-driven stage (see RunMoe); 0 puts a barrier
 //     after each of them.
-//   HMOE_MOE_OVERLAP_REDUCE = 0 | 1: 1 (default) overlaps the reduce with
-//     the down tasks from kOverlapReduceTokens tokens (column waves, see the
-//     header); 0 runs it after a barrier, as for fewer tokens.
+//   HMOE_MOE_OVERLAP_REDUCE = 0 | 1: 1 overlaps the reduce with the down
+//     tasks from kOverlapReduceTokens tokens (column waves, see the header);
+//     0 (default) runs it after a barrier. Measured (GPU machine, 16
+//     threads, T=8192, 3 interleaved reps, bench/results run 9): the reduce
+//     tail drops from ~22 ms to ~4 ms but the GEMM stage grows by more
+//     (reduce traffic beside the GEMMs, each expert's rows re-read per
+//     wave): ds-v3 int8 403-482 vs 412-437 ms, bf16 647-772 vs 703-799,
+//     qwen3-30b int8 62-67 vs 56-65, bf16 88-96 vs 82-93.
 //   HMOE_MOE_GATHER_STREAM = 0 | 1: 1 (default) writes the gathered
 //     activations (tile layout) with streaming stores; 0 with ordinary
 //     stores, so the gate_up tasks of the expert find them in L2 / L3
@@ -188,9 +194,9 @@ struct MoeTuning {
   bool lookahead = false;
   bool pipeline = true;
   bool gather_stream = true;
-  bool overlap_reduce = true;
+  bool overlap_reduce = false;
   MoeTuning() {
-    if (const char* e = std::getenv("HMOE_MOE_OVERLAP_REDUCE")) overlap_reduce = *e != '0';
+    if (const char* e = std::getenv("HMOE_MOE_OVERLAP_REDUCE")) overlap_reduce = *e == '1';
     if (const char* e = std::getenv("HMOE_MOE_GATHER_STREAM")) gather_stream = *e != '0';
     if (const char* e = std::getenv("HMOE_MOE_PIPELINE")) pipeline = *e != '0';
     if (const char* e = std::getenv("HMOE_MOE_TASK_PANELS"))

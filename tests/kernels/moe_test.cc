@@ -288,9 +288,9 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       {{"HMOE_AMX_I8_EPI", "0"}},
       {{"HMOE_AMX_I8_EPI", "0"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "256"}},
       {{"HMOE_AMX_ORDER", "0"}, {"HMOE_MOE_TASK_PANELS", "4"}},
-      // The reduce after a barrier at every T; waves of one-panel tasks.
-      {{"HMOE_MOE_OVERLAP_REDUCE", "0"}},
-      {{"HMOE_MOE_TASK_PANELS", "2"}},
+      // The reduce overlapped with the down waves; with two-panel tasks.
+      {{"HMOE_MOE_OVERLAP_REDUCE", "1"}},
+      {{"HMOE_MOE_OVERLAP_REDUCE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
@@ -532,7 +532,8 @@ TEST(MoePipelineTest, SameBitsAsPhasedOnAllCores) {
       ASSERT_TRUE(L.ok()) << L.status();
       // Two batches, alternated: what a call leaves in the workspace (y, h,
       // gathered rows) is wrong for the next, so a read that runs ahead of
-      // its writer shows. T=400 overlaps the reduce with the down waves.
+      // its writer shows. Default stages, then the reduce overlapped with
+      // the down waves (HMOE_MOE_OVERLAP_REDUCE=1, T=400 >= 64).
       const Batch batches[2] = {
           RandomBatch(400, 4, 208, 32, 123, /*repeats=*/true, /*empty_expert=*/31),
           RandomBatch(400, 4, 208, 32, 321, /*repeats=*/true, /*empty_expert=*/30)};
@@ -546,12 +547,17 @@ TEST(MoePipelineTest, SameBitsAsPhasedOnAllCores) {
       ASSERT_NE(phased[0], phased[1]);
       auto ws = MoeWorkspace::Create(*L, 400, 4, **pool);
       ASSERT_TRUE(ws.ok()) << ws.status();
-      for (int call = 0; call < 8; ++call) {
-        const int i = call % 2;
-        std::vector<float> out(phased[i].size(), -1.0f);
-        ASSERT_TRUE(RunMoe(*L, batches[i].input(), out.data(), **pool, **ws, ro).ok());
-        ASSERT_EQ(out, phased[i]) << FmtName(fc) << ", " << (*pool)->num_threads() << " workers, "
-                                  << nodes << " node(s), call " << call;
+      for (const char* overlap : {"0", "1"}) {
+        AmxTuningEnv env(
+            std::vector<std::pair<std::string, std::string>>{{"HMOE_MOE_OVERLAP_REDUCE", overlap}});
+        for (int call = 0; call < 8; ++call) {
+          const int i = call % 2;
+          std::vector<float> out(phased[i].size(), -1.0f);
+          ASSERT_TRUE(RunMoe(*L, batches[i].input(), out.data(), **pool, **ws, ro).ok());
+          ASSERT_EQ(out, phased[i])
+              << FmtName(fc) << ", " << (*pool)->num_threads() << " workers, " << nodes
+              << " node(s), overlapped reduce " << overlap << ", call " << call;
+        }
       }
     }
   }
