@@ -347,11 +347,13 @@ uint8_t* FarRegion() {
 }
 
 // Top<true> with the C block stored and reloaded every kKc steps as the kernel
-// does at K-chunk boundaries: C rows strided (1 KiB apart, a 16-panel task's
-// C) in a 256 KiB ring (L2), or (kL1) as contiguous tiles in one 4 KiB
-// buffer (L1). kPf software prefetches (T1) per step of lines from FarRegion():
-// the fill-buffer pressure of prefetching the next chunk.
-template <int64_t kKc, bool kL1, int kPf>
+// does at K-chunk boundaries. kLay: 0 C rows strided (1 KiB apart, a
+// 16-panel task's C) in a 256 KiB ring (L2); 1 contiguous tiles in one 4 KiB
+// buffer (L1); 2 contiguous tiles in the ring (HMOE_AMX_CTMP's layout). kPf
+// software prefetches (T1) per step of lines from FarRegion(): the
+// fill-buffer pressure of prefetching the next chunk. kPfC: the next block's
+// 64 C lines prefetched into L1 (T0) over the block's steps.
+template <int64_t kKc, int kLay, int kPf, bool kPfC = false>
 void Chunked(const Ops& o) {
   constexpr int64_t kRing = 8, kSlot = 32 * 256;  // floats: 32 rows x 1 KiB
   alignas(64) static thread_local float ring[kRing * kSlot];
@@ -360,34 +362,37 @@ void Chunked(const Ops& o) {
       static_cast<int64_t>(std::hash<std::thread::id>{}(std::this_thread::get_id()) %
                            (kFarBytes / 64)) *
       64;
+  // Tile i of the C block at `base`, and its row stride in bytes.
+  constexpr int64_t kStride = kLay == 0 ? 1024 : 64;
+  auto tile = [](float* base, int i) {
+    return kLay == 0 ? base + (i >= 2 ? 16 * 256 : 0) + (i % 2 == 1 ? 16 : 0) : base + i * 256;
+  };
+  auto slot = [&](int64_t b) { return kLay == 1 ? ring : ring + (b % kRing) * kSlot; };
   ZeroC();
   int64_t blk = 0;
   for (int64_t s0 = 0; s0 < o.steps; s0 += kKc, ++blk) {
     if (s0 > 0) {
-      float* c = kL1 ? ring : ring + (blk % kRing) * kSlot;
-      float* d = kL1 ? ring : ring + ((blk + 1) % kRing) * kSlot;
-      if (kL1) {
-        _tile_stored(0, c, 64);
-        _tile_stored(1, c + 256, 64);
-        _tile_stored(2, c + 512, 64);
-        _tile_stored(3, c + 768, 64);
-        _tile_loadd(0, d, 64);
-        _tile_loadd(1, d + 256, 64);
-        _tile_loadd(2, d + 512, 64);
-        _tile_loadd(3, d + 768, 64);
-      } else {
-        _tile_stored(0, c, 1024);
-        _tile_stored(1, c + 16, 1024);
-        _tile_stored(2, c + 16 * 256, 1024);
-        _tile_stored(3, c + 16 * 256 + 16, 1024);
-        _tile_loadd(0, d, 1024);
-        _tile_loadd(1, d + 16, 1024);
-        _tile_loadd(2, d + 16 * 256, 1024);
-        _tile_loadd(3, d + 16 * 256 + 16, 1024);
-      }
+      float* c = slot(blk);
+      float* d = slot(blk + 1);
+      _tile_stored(0, tile(c, 0), kStride);
+      _tile_stored(1, tile(c, 1), kStride);
+      _tile_stored(2, tile(c, 2), kStride);
+      _tile_stored(3, tile(c, 3), kStride);
+      _tile_loadd(0, tile(d, 0), kStride);
+      _tile_loadd(1, tile(d, 1), kStride);
+      _tile_loadd(2, tile(d, 2), kStride);
+      _tile_loadd(3, tile(d, 3), kStride);
     }
+    float* const nc = slot(blk + 2);  // C loaded at the next boundary
     for (int64_t s = s0; s < s0 + kKc && s < o.steps; ++s) {
       TopStep<true>(o, s);
+      if constexpr (kPfC) {
+        // 64 lines over kKc steps, tile by tile, rows in order.
+        for (int64_t l = (s - s0) * 64 / kKc; l < (s - s0 + 1) * 64 / kKc; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(tile(nc, static_cast<int>(l / 16))) +
+                           (l % 16) * kStride,
+                       _MM_HINT_T0);
+      }
       for (int q = 0; q < kPf; ++q) {
         _mm_prefetch(reinterpret_cast<const char*>(far + far_off), _MM_HINT_T1);
         far_off = (far_off + 64) % kFarBytes;
@@ -622,11 +627,14 @@ int main(int argc, char** argv) {
                         {"blkE16", Blk<16, true>, 4},
                         {"blkE32", Blk<32, true>, 4},
                         {"topT1", Top<true>, 4},
-                        {"ch16", Chunked<16, false, 0>, 4},
-                        {"ch16L1", Chunked<16, true, 0>, 4},
-                        {"ch32", Chunked<32, false, 0>, 4},
-                        {"ch16pf4", Chunked<16, false, 4>, 4},
-                        {"ch16pf9", Chunked<16, false, 9>, 4}};
+                        {"ch16", Chunked<16, 0, 0>, 4},
+                        {"ch16L1", Chunked<16, 1, 0>, 4},
+                        {"ch16ct", Chunked<16, 2, 0>, 4},
+                        {"ch32", Chunked<32, 0, 0>, 4},
+                        {"ch16pf4", Chunked<16, 0, 4>, 4},
+                        {"ch16pf9", Chunked<16, 0, 9>, 4},
+                        {"ch16pc", Chunked<16, 0, 0, true>, 4},
+                        {"ch16ctpc", Chunked<16, 2, 0, true>, 4}};
   struct Ws {
     const char* name;
     int64_t sa, sb;

@@ -258,6 +258,8 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
   const std::vector<Args::Tune> settings =
       tunes.empty() ? std::vector<Args::Tune>{{"D", {}}} : tunes;
   const int nt = pool.num_threads();
+  // RunMoe's per-thread scratch (its C buffer size): room for HMOE_AMX_CTMP's tiles.
+  constexpr int64_t kProbeScratchBytes = 512 * 32 * 16 * 4;
   for (bool i8 : {false, true})
     for (Shape sh : {Shape{32, 2, 256, 1}, Shape{256, 16, 1024, 1}, Shape{256, 16, hidden, 4}}) {
       const int rows = sh.rows, panels = sh.panels;
@@ -273,7 +275,7 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
               *NumaBuffer::Allocate(static_cast<size_t>(g.bytes()), wk.node);
         A[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * lda), wk.node);
         C[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * panels * 16 * 4), wk.node);
-        S[t] = *NumaBuffer::Allocate(kern::kGemmScratchBytes, wk.node);
+        S[t] = *NumaBuffer::Allocate(kProbeScratchBytes, wk.node);
         uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(t + 1);
         auto fill = [&](uint8_t* p, int64_t n) {
           for (int64_t i = 0; i < n; i += 2) {
@@ -335,7 +337,7 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
             ga.c = reinterpret_cast<float*>(C[t].data());
             ga.ldc = panels * 16;
             ga.scratch = S[t].data();
-            ga.scratch_bytes = kern::kGemmScratchBytes;
+            ga.scratch_bytes = kProbeScratchBytes;
             const double t0 = Now();
             fn(ga);
             round[s][static_cast<size_t>(t)] = Now() - t0;
