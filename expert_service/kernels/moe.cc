@@ -187,11 +187,14 @@ Profile g_profile;
 //     instead of DRAM.
 //   HMOE_MOE_LOOKAHEAD = 0 | 1: gate_up / down workers claim one task ahead
 //     and pass it to the kernel, which prefetches its first K chunk into L2
-//     during the current task's last chunk. Measured (run 6): within noise: off.
+//     during the current task's last chunk (the one chunk no other prefetch
+//     covers: half of an int8 down task's weights). Default 1: run 6 (slow
+//     grants) within noise; run 9 (a grant where the GEMMs ran fastest),
+//     ds-v3 int8 T=8192, 3 interleaved reps: 224-227 ms vs 248-268 off.
 struct MoeTuning {
   int64_t task_panels = kDefaultTaskPanels;
   bool direct_y = false;
-  bool lookahead = false;
+  bool lookahead = true;
   bool pipeline = true;
   bool gather_stream = true;
   bool overlap_reduce = false;
@@ -202,7 +205,7 @@ struct MoeTuning {
     if (const char* e = std::getenv("HMOE_MOE_TASK_PANELS"))
       task_panels = std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
     if (const char* e = std::getenv("HMOE_MOE_DIRECT_Y")) direct_y = *e == '1';
-    if (const char* e = std::getenv("HMOE_MOE_LOOKAHEAD")) lookahead = *e == '1';
+    if (const char* e = std::getenv("HMOE_MOE_LOOKAHEAD")) lookahead = *e != '0';
   }
 };
 MoeTuning& MutableMoeTuning() {

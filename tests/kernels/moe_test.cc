@@ -291,6 +291,8 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       // The reduce overlapped with the down waves; with two-panel tasks.
       {{"HMOE_MOE_OVERLAP_REDUCE", "1"}},
       {{"HMOE_MOE_OVERLAP_REDUCE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
+      // Tasks claimed one at a time (no look-ahead).
+      {{"HMOE_MOE_LOOKAHEAD", "0"}},
   };
   for (const auto& setting : settings) {
     AmxTuningEnv env(setting);
