@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "expert_service/kernels/gemm.h"
 #include "expert_service/kernels/isa.h"
 #include "tests/kernels/moe_test_util.h"
@@ -262,11 +264,12 @@ class AmxTuningEnv {
   std::vector<Saved> saved_;
 };
 
-TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
-  if (DetectedIsa() < Isa::kAvx512)
-    GTEST_SKIP() << "the AMX model's epilogues need AVX-512; this CPU has "
-                 << IsaName(DetectedIsa());
-  const std::vector<std::vector<std::pair<std::string, std::string>>> settings = {
+// Every benchmark knob setting of kernels_amx.cc / moe.cc that changes the
+// code path, on the AMX software model, against the reference: one test per
+// setting (each with its own ctest time limit; CI also runs them under ASan).
+using TuningSetting = std::vector<std::pair<std::string, std::string>>;
+const std::vector<TuningSetting>& TuningSettings() {
+  static const std::vector<TuningSetting> settings = {
       {{"HMOE_AMX_EDGE", "1"}},
       {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_CTMP", "1"}, {"HMOE_AMX_KC_BYTES", "512"}},
@@ -294,32 +297,49 @@ TEST(AmxEmulationTuningTest, EverySettingMatchesReference) {
       // Tasks claimed one at a time (no look-ahead).
       {{"HMOE_MOE_LOOKAHEAD", "0"}},
   };
-  for (const auto& setting : settings) {
-    AmxTuningEnv env(setting);
-    std::string name;
-    bool direct_y = false;
-    for (const auto& [k, v] : setting) {
-      absl::StrAppend(&name, k, "=", v, " ");
-      direct_y |= k == "HMOE_MOE_DIRECT_Y";
-    }
-    SCOPED_TRACE(name);
-    RunOptions ro;
-    ro.isa = Isa::kAvx512;
-    ro.emulate_amx = true;
-    if (!direct_y) {
-      CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
-      CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
-      CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
-      continue;
-    }
-    CheckAgainstReference({WeightFormat::kBf16, 0}, 48, 3, ro);
-    CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
-    CheckAgainstReference({WeightFormat::kInt4, 64}, 48, 3, ro);
-    CheckAgainstReference({WeightFormat::kInt8, 0}, 800, 3, ro);  // two row chunks per expert
-    ro.emulate_amx = false;                                       // AVX-512 "many" kernels
-    CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
-  }
+  return settings;
 }
+
+class AmxEmulationTuningTest : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(AmxEmulationTuningTest, MatchesReference) {
+  if (DetectedIsa() < Isa::kAvx512)
+    GTEST_SKIP() << "the AMX model's epilogues need AVX-512; this CPU has "
+                 << IsaName(DetectedIsa());
+  const TuningSetting& setting = TuningSettings()[GetParam()];
+  AmxTuningEnv env(setting);
+  bool direct_y = false;
+  for (const auto& kv : setting) direct_y |= kv.first == "HMOE_MOE_DIRECT_Y";
+  RunOptions ro;
+  ro.isa = Isa::kAvx512;
+  ro.emulate_amx = true;
+  if (!direct_y) {
+    CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
+    CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
+    CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
+    return;
+  }
+  CheckAgainstReference({WeightFormat::kBf16, 0}, 48, 3, ro);
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
+  CheckAgainstReference({WeightFormat::kInt4, 64}, 48, 3, ro);
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 800, 3, ro);  // two row chunks per expert
+  ro.emulate_amx = false;                                       // AVX-512 "many" kernels
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
+}
+
+// Test names: the setting spelled out, e.g. AMX_EDGE_1__AMX_ORDER_0.
+INSTANTIATE_TEST_SUITE_P(Settings, AmxEmulationTuningTest,
+                         ::testing::Range<size_t>(0, TuningSettings().size()),
+                         [](const ::testing::TestParamInfo<size_t>& info) {
+                           std::string name;
+                           for (const auto& [k, v] : TuningSettings()[info.param]) {
+                             if (!name.empty()) name += "__";
+                             absl::StrAppend(&name, absl::StripPrefix(k, "HMOE_"), "_", v);
+                           }
+                           for (char& c : name)
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           return absl::StrCat(info.param, "_", name);
+                         });
 
 // Shard: experts [2, 5) of 7 and intermediate slice [24, 75); foreign ids,
 // ids of other shards and tokens with no owned expert.
