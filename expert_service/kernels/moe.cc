@@ -48,7 +48,7 @@ constexpr int64_t kDefaultTaskPanels = 16;  // panels per task (at most, by defa
 constexpr int64_t kCbufFloats = kMaxRowChunk * kMaxTaskPanels * 16;
 constexpr int64_t kPreQuantTokens = 32;  // int8 activations: quantize tokens once from here
 constexpr int64_t kGatherAhead = 2;      // pipelined: gather this many experts past the one needed
-constexpr int64_t kOverlapReduceTokens = 64;  // from here the reduce overlaps the down stage
+constexpr int64_t kOverlapReduceTokens = 64;  // HMOE_MOE_OVERLAP_REDUCE=1 applies from here
 constexpr int64_t kReduceWaves = 8;           // column waves of the down tasks (at most)
 constexpr int64_t kReduceBatch = 4;           // reduce items claimed at once
 
