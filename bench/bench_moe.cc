@@ -258,14 +258,16 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
   const std::vector<Args::Tune> settings =
       tunes.empty() ? std::vector<Args::Tune>{{"D", {}}} : tunes;
   const int nt = pool.num_threads();
-  // RunMoe's per-thread scratch (its C buffer size): room for HMOE_AMX_CTMP's tiles.
-  constexpr int64_t kProbeScratchBytes = 512 * 32 * 16 * 4;
   for (bool i8 : {false, true})
     for (Shape sh : {Shape{32, 2, 256, 1}, Shape{256, 16, 1024, 1}, Shape{256, 16, hidden, 4}}) {
       const int rows = sh.rows, panels = sh.panels;
       const PackedGeom g =
           MakeGeom(i8 ? WeightFormat::kInt8 : WeightFormat::kBf16, 0, panels * 16, sh.K);
       const int64_t lda = g.kp * (i8 ? 1 : 2);
+      // Scratch as in RunMoe: at least the kernels' minimum, and room for
+      // HMOE_AMX_CTMP's partial-C tiles (1 KiB per 16 rows x 1 panel).
+      const int64_t scratch_bytes =
+          std::max<int64_t>(kern::kGemmScratchBytes, int64_t{(rows + 31) / 32 * 32} * panels * 64);
       std::vector<NumaBuffer> w(static_cast<size_t>(nt * sh.copies)), A(nt), C(nt), S(nt);
       std::vector<float> scales(static_cast<size_t>(rows), 0.01f);
       pool.Run([&](const Worker& wk) {
@@ -275,7 +277,7 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
               *NumaBuffer::Allocate(static_cast<size_t>(g.bytes()), wk.node);
         A[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * lda), wk.node);
         C[t] = *NumaBuffer::Allocate(static_cast<size_t>(rows * panels * 16 * 4), wk.node);
-        S[t] = *NumaBuffer::Allocate(kProbeScratchBytes, wk.node);
+        S[t] = *NumaBuffer::Allocate(static_cast<size_t>(scratch_bytes), wk.node);
         uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(t + 1);
         auto fill = [&](uint8_t* p, int64_t n) {
           for (int64_t i = 0; i < n; i += 2) {
@@ -337,7 +339,7 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
             ga.c = reinterpret_cast<float*>(C[t].data());
             ga.ldc = panels * 16;
             ga.scratch = S[t].data();
-            ga.scratch_bytes = kProbeScratchBytes;
+            ga.scratch_bytes = scratch_bytes;
             const double t0 = Now();
             fn(ga);
             round[s][static_cast<size_t>(t)] = Now() - t0;
