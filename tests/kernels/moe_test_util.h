@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <random>
 #include <vector>
@@ -99,10 +100,15 @@ inline Batch RandomBatch(int64_t T, int K, int64_t H, int64_t E_total, uint64_t 
   return b;
 }
 
-// max |a - b| / max |b|
+// max |a - b| / max |b|; +inf when the sizes differ or either side holds a
+// NaN or inf (so a kernel that writes NaN fails every bound: std::max would
+// skip it).
 inline double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  if (a.size() != b.size()) return kInf;
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return kInf;
     num = std::max(num, std::fabs(static_cast<double>(a[i]) - b[i]));
     den = std::max(den, std::fabs(static_cast<double>(b[i])));
   }

@@ -1,8 +1,12 @@
 #include "expert_service/thread_pool.h"
 
 #include <gtest/gtest.h>
+#include <time.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <vector>
 
 namespace hmoe {
@@ -24,19 +28,50 @@ TEST(ThreadPoolTest, RunReachesEveryWorkerWithNodeIds) {
   o.max_threads = 2;
   auto pool = ThreadPool::Create(o);
   ASSERT_TRUE(pool.ok()) << pool.status();
-  ASSERT_EQ((*pool)->num_nodes(), 2);
-  std::vector<std::atomic<int>> seen(static_cast<size_t>((*pool)->num_threads()));
-  (*pool)->Run([&](const Worker& w) {
-    EXPECT_LT(w.node, 2);
-    EXPECT_LT(w.in_node, (*pool)->node_threads(w.node));
-    seen[static_cast<size_t>(w.global)]++;
+  ThreadPool& p = **pool;
+  ASSERT_EQ(p.num_nodes(), 2);
+  int sum = 0;
+  for (int n = 0; n < p.num_nodes(); ++n) {
+    EXPECT_GE(p.node_threads(n), 1) << "node " << n;
+    sum += p.node_threads(n);
+  }
+  EXPECT_EQ(sum, p.num_threads());
+  // seen[node][in_node] and seen_global: each slot exactly once.
+  std::vector<std::vector<std::atomic<int>>> seen(2);
+  for (int n = 0; n < 2; ++n)
+    seen[static_cast<size_t>(n)] =
+        std::vector<std::atomic<int>>(static_cast<size_t>(p.node_threads(n)));
+  std::vector<std::atomic<int>> seen_global(static_cast<size_t>(p.num_threads()));
+  std::atomic<int> bad{0};
+  p.Run([&](const Worker& w) {
+    if (w.global < 0 || w.global >= p.num_threads() || w.node < 0 || w.node >= 2 || w.in_node < 0 ||
+        w.in_node >= p.node_threads(w.node)) {
+      bad++;
+      return;
+    }
+    seen_global[static_cast<size_t>(w.global)]++;
+    seen[static_cast<size_t>(w.node)][static_cast<size_t>(w.in_node)]++;
   });
-  for (auto& s : seen) EXPECT_EQ(s.load(), 1);
+  EXPECT_EQ(bad.load(), 0) << "a worker id out of range";
+  for (auto& s : seen_global) EXPECT_EQ(s.load(), 1);
+  for (auto& node : seen)
+    for (auto& s : node) EXPECT_EQ(s.load(), 1);
 }
 
+// Process CPU time in seconds (all threads).
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// Idle workers go to sleep after spin_us (no CPU burnt while waiting) and
+// wake for the next Run. A pool whose workers kept spinning would burn about
+// one core per worker over the idle window; a sleeping one burns ~nothing.
 TEST(ThreadPoolTest, SleepsAndWakes) {
   ThreadPoolOptions o;
   o.spin_us = 1;
+  o.max_threads = 2;
   auto pool = ThreadPool::Create(o).value();
   std::atomic<int> n{0};
   for (int i = 0; i < 5; ++i) {
@@ -44,6 +79,16 @@ TEST(ThreadPoolTest, SleepsAndWakes) {
     pool->Run([&](const Worker&) { n++; });
   }
   EXPECT_EQ(n.load(), 5 * pool->num_threads());
+  const int idle_workers = pool->num_threads() - 1;
+  if (idle_workers == 0) GTEST_SKIP() << "one CPU: the pool has no worker threads to sleep";
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // past the spin
+  const double c0 = ProcessCpuSeconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const double burnt = ProcessCpuSeconds() - c0;
+  // Spinning would be ~0.3 s per worker even at a quarter of a core each.
+  EXPECT_LT(burnt, 0.05 * idle_workers) << "idle workers burnt " << burnt << " s of CPU";
+  pool->Run([&](const Worker&) { n++; });  // and they wake again
+  EXPECT_EQ(n.load(), 6 * pool->num_threads());
 }
 
 TEST(ThreadPoolTest, TooManyVirtualNodesIsAnError) {
@@ -54,13 +99,67 @@ TEST(ThreadPoolTest, TooManyVirtualNodesIsAnError) {
 }
 
 TEST(NumaBufferTest, AllocatesAndFrees) {
-  auto b = NumaBuffer::Allocate(1 << 20, 0);
-  ASSERT_TRUE(b.ok());
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % 64, 0u);
-  b->data()[0] = 1;
-  b->data()[(1 << 20) - 1] = 2;
-  NumaBuffer moved = std::move(*b);
-  EXPECT_EQ(moved.data()[0], 1);
+  for (int node : {0, -1}) {
+    auto b = NumaBuffer::Allocate(1 << 20, node);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % 64, 0u);
+    EXPECT_GE(b->size(), size_t{1} << 20);
+    EXPECT_EQ(b->node(), node);
+    b->data()[0] = 1;
+    b->data()[(1 << 20) - 1] = 2;
+    uint8_t* const p = b->data();
+    NumaBuffer moved = std::move(*b);
+    EXPECT_EQ(moved.data(), p);
+    EXPECT_EQ(moved.data()[0], 1);
+    EXPECT_EQ(moved.data()[(1 << 20) - 1], 2);
+    EXPECT_EQ(b->data(), nullptr);  // NOLINT(bugprone-use-after-move): moved-from is empty
+    EXPECT_EQ(b->size(), 0u);
+  }
+}
+
+// Virtual nodes: contiguous runs of the same cores, every core once, sizes
+// differing by at most one; each virtual node's memory is a real node.
+TEST(TopologyTest, VirtualNodesSplitTheCoresContiguously) {
+  auto one = DiscoverTopology({});
+  ASSERT_TRUE(one.ok()) << one.status();
+  std::vector<int> all;
+  for (const NodeCores& n : *one) all.insert(all.end(), n.cpus.begin(), n.cpus.end());
+  ASSERT_FALSE(all.empty());
+  const int reals = NumaNodeCount();
+  EXPECT_GE(reals, 1);
+  for (const NodeCores& n : *one) EXPECT_LT(n.mem_node, reals);
+  const int cores = static_cast<int>(all.size());
+  for (int v = 1; v <= std::min(cores, 4); ++v) {
+    TopologyOptions o;
+    o.virtual_nodes = v;
+    auto t = DiscoverTopology(o);
+    ASSERT_TRUE(t.ok()) << "virtual_nodes=" << v << ": " << t.status();
+    ASSERT_EQ(static_cast<int>(t->size()), v);
+    std::vector<int> cat;
+    size_t lo = all.size(), hi = 0;
+    for (const NodeCores& n : *t) {
+      cat.insert(cat.end(), n.cpus.begin(), n.cpus.end());
+      lo = std::min(lo, n.cpus.size());
+      hi = std::max(hi, n.cpus.size());
+      EXPECT_GE(n.mem_node, 0);
+      EXPECT_LT(n.mem_node, reals);
+    }
+    std::vector<int> sorted_all = all, sorted_cat = cat;
+    std::sort(sorted_all.begin(), sorted_all.end());
+    std::sort(sorted_cat.begin(), sorted_cat.end());
+    EXPECT_EQ(sorted_cat, sorted_all) << "virtual_nodes=" << v << ": not every core once";
+    if (one->size() == 1) {
+      EXPECT_EQ(cat, all) << "virtual_nodes=" << v << ": runs not in core order";
+    }
+    EXPECT_LE(hi - lo, 1u) << "virtual_nodes=" << v;
+  }
+  TopologyOptions limited;
+  limited.max_threads = 1;
+  auto t1 = DiscoverTopology(limited);
+  ASSERT_TRUE(t1.ok());
+  int n1 = 0;
+  for (const NodeCores& n : *t1) n1 += static_cast<int>(n.cpus.size());
+  EXPECT_EQ(n1, 1);
 }
 
 }  // namespace

@@ -57,7 +57,9 @@ TEST(WeightedSumTest, MatchesPlainSumOnOddShapes) {
             const float guard = out[len];
             ks.set->weighted_sum(ptrs.data(), w.data(), n, len, out, stream);
             double max_err = 0, max_ref = 0;
+            int64_t non_finite = 0;
             for (int64_t i = 0; i < len; ++i) {
+              non_finite += std::isfinite(out[i]) ? 0 : 1;
               double ref = 0;
               for (int j = 0; j < n; ++j)
                 ref += static_cast<double>(w[static_cast<size_t>(j)]) *
@@ -66,6 +68,7 @@ TEST(WeightedSumTest, MatchesPlainSumOnOddShapes) {
               max_ref = std::max(max_ref, std::abs(ref));
             }
             // fp32 sums of n products: a few ulps of the largest term per row.
+            EXPECT_EQ(non_finite, 0) << "NaN or inf in the output";
             EXPECT_LE(max_err, 1e-5 * (max_ref + 1.0) * (n + 1));
             EXPECT_EQ(out[len], guard) << "wrote past len";
           }
