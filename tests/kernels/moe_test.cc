@@ -32,6 +32,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -144,16 +145,31 @@ TEST(PackTest, Fp8SourceDequantizesWithBlockScales) {
 
 TEST(PackTest, RejectsBadOptions) {
   auto src = RandomSource(64, 32, 2, 3);
+  // Each bad option: INVALID_ARGUMENT with a message naming it.
+  auto expect_bad = [&](const PackOptions& o, std::string_view what) {
+    const absl::Status s = Pack(src, o, SharedPool()).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(std::string(s.message()).find(what), std::string::npos) << s;
+  };
   PackOptions o;
   o.format = WeightFormat::kInt4;
   o.group = 48;
-  EXPECT_EQ(Pack(src, o, SharedPool()).status().code(), absl::StatusCode::kInvalidArgument);
+  expect_bad(o, "int4 group must be 32, 64 or 128, got 48");
   o.group = 32;
-  o.i_begin = 40;
-  EXPECT_EQ(Pack(src, o, SharedPool()).status().code(), absl::StatusCode::kInvalidArgument);
+  o.i_begin = 40;  // past I = 32
+  expect_bad(o, "bad intermediate slice [40, 32) of 32");
+  o.i_begin = 16;
+  o.i_end = 16;  // empty
+  expect_bad(o, "bad intermediate slice [16, 16) of 32");
   o.i_begin = 0;
-  o.expert_begin = 2;
-  EXPECT_EQ(Pack(src, o, SharedPool()).status().code(), absl::StatusCode::kInvalidArgument);
+  o.i_end = 33;  // past I
+  expect_bad(o, "bad intermediate slice [0, 33) of 32");
+  o.i_end = -1;
+  o.expert_begin = 2;  // empty range of 2 experts
+  expect_bad(o, "bad expert range [2, 2) of 2");
+  o.expert_begin = 0;
+  o.expert_end = 3;
+  expect_bad(o, "bad expert range [0, 3) of 2");
 }
 
 // ---- kernels vs reference --------------------------------------------------------
