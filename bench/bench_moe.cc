@@ -9,10 +9,12 @@
 //                  [--tune "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=1;B:"] [--reps N]
 //                  [--row-limits]     (AMX peak re-measured after every AMX-sized row)
 //
-// --tune compares tuning settings (the HMOE_AMX_* knobs of kernels_amx.cc,
-// HMOE_MOE_* of moe.cc) in one process on the same weights: every row is measured
-// --reps times per setting, settings interleaved, and tagged cfg=NAME; the
-// knobs a setting does not name are unset (defaults).
+// Kernel tuning (expert_service/kernels/tuning.h) comes from the HMOE_AMX_*,
+// HMOE_FEW_*, HMOE_MOE_* and HMOE_PROFILE environment variables. --tune
+// compares settings in one process on the same weights: every row is measured
+// --reps times per setting, settings interleaved, and tagged cfg=NAME; a
+// setting is the defaults plus the knobs it names (and HMOE_PROFILE from the
+// environment).
 //
 // Per row: microseconds per call, weight GB/s over the distinct expert bytes
 // the call touched, TFLOP/s, % of the measured read bandwidth, % of the
@@ -25,6 +27,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -35,6 +38,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -44,6 +48,7 @@
 #include "expert_service/kernels/isa.h"
 #include "expert_service/kernels/moe.h"
 #include "expert_service/kernels/onednn_moe.h"
+#include "expert_service/kernels/tuning.h"
 #include "expert_service/numa.h"
 #include "expert_service/thread_pool.h"
 
@@ -194,48 +199,43 @@ struct Args {
   bool row_limits = false;
   std::string json;
   struct Tune {
-    std::string name;
-    std::vector<std::pair<std::string, std::string>> env;
+    std::string name;  // empty: untagged (no --tune)
+    KernelTuning tuning;
   };
-  std::vector<Tune> tunes;  // empty: one untagged measurement per row
+  std::vector<Tune> tunes;  // empty: one untagged measurement per row, tuned by the environment
   int reps = 1;
 };
 
-// The knobs --tune may set (kernels_amx.cc Tuning, moe.cc MoeTuning).
-constexpr const char* kTuneKnobs[] = {
-    "HMOE_AMX_KC_BYTES",      "HMOE_AMX_PREFETCH",      "HMOE_AMX_PF_A",     "HMOE_AMX_ORDER",
-    "HMOE_AMX_CTMP",          "HMOE_AMX_STREAM",        "HMOE_AMX_EDGE",     "HMOE_MOE_TASK_PANELS",
-    "HMOE_MOE_DIRECT_Y",      "HMOE_MOE_LOOKAHEAD",     "HMOE_MOE_PIPELINE", "HMOE_AMX_PF_MASK",
-    "HMOE_MOE_GATHER_STREAM", "HMOE_FEW_PF_I4",         "HMOE_FEW_PF_I8",    "HMOE_FEW_PF_BF16",
-    "HMOE_AMX_I8_EPI",        "HMOE_MOE_OVERLAP_REDUCE"};
-
-// "A:K=V,K=V;B:K=V" -> settings; false on a malformed list or an unknown knob.
+// "A:K=V,K=V;B:K=V" -> settings; false (with a message) on a malformed list,
+// an unknown knob or a bad value.
 bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
+  const std::vector<std::string>& known = KernelTuningVariables();
   for (const auto& item : List(s, ';')) {
     const size_t colon = item.find(':');
     if (colon == std::string::npos || colon == 0) return false;
-    Args::Tune t{item.substr(0, colon), {}};
+    std::vector<std::pair<std::string, std::string>> env;
     for (const auto& kv : List(item.substr(colon + 1), ',')) {
       const size_t eq = kv.find('=');
       if (eq == std::string::npos) return false;
       const std::string key = kv.substr(0, eq);
-      if (std::find(std::begin(kTuneKnobs), std::end(kTuneKnobs), key) == std::end(kTuneKnobs)) {
+      if (std::find(known.begin(), known.end(), key) == known.end()) {
         std::fprintf(stderr, "--tune: unknown knob %s\n", key.c_str());
         return false;
       }
-      t.env.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
+      env.emplace_back(key, kv.substr(eq + 1));
     }
-    out.push_back(std::move(t));
+    auto tuning = KernelTuningFromEnv([&](const char* name) -> const char* {
+      for (auto it = env.rbegin(); it != env.rend(); ++it)  // the last one named wins
+        if (it->first == name) return it->second.c_str();
+      return std::string_view(name) == "HMOE_PROFILE" ? std::getenv(name) : nullptr;
+    });
+    if (!tuning.ok()) {
+      std::fprintf(stderr, "--tune %s: %s\n", item.c_str(), tuning.status().ToString().c_str());
+      return false;
+    }
+    out.push_back({item.substr(0, colon), *tuning});
   }
   return !out.empty();
-}
-
-void ApplyTune(const Args::Tune& t) {
-  for (const char* k : kTuneKnobs) unsetenv(k);
-  for (const auto& [k, v] : t.env) setenv(k.c_str(), v.c_str(), 1);
-  kern::ReloadAmxTuning();
-  kern::ReloadFewTuning();
-  ReloadMoeTuning();
 }
 
 // --kernel-probe: the AMX "many" GEMM alone, every thread running its own
@@ -248,15 +248,13 @@ void ApplyTune(const Args::Tune& t) {
 // L2) and 256 x 16 x the preset's hidden size, weights cycling through 4
 // copies per thread (B from L3 / DRAM). Separates the micro-kernel's
 // efficiency from the memory system's and compares the AMX knobs cheaply.
-void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>& tunes,
+void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>& settings,
                  double min_time) {
   struct Shape {
     int rows, panels;
     int64_t K;
     int copies;
   };
-  const std::vector<Args::Tune> settings =
-      tunes.empty() ? std::vector<Args::Tune>{{"D", {}}} : tunes;
   const int nt = pool.num_threads();
   for (bool i8 : {false, true})
     for (Shape sh : {Shape{32, 2, 256, 1}, Shape{256, 16, 1024, 1}, Shape{256, 16, hidden, 4}}) {
@@ -319,7 +317,6 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
       while (Now() - t_start < min_time * static_cast<double>(ns) || peak.size() < 12) {
         std::vector<std::vector<double>> round(ns, std::vector<double>(static_cast<size_t>(nt)));
         for (size_t s = 0; s < ns; ++s) {
-          if (!tunes.empty()) ApplyTune(settings[s]);
           pool.Run([&](const Worker& wk) {
             const int t = wk.global;
             int& cur = cursor[static_cast<size_t>(t)];
@@ -340,6 +337,7 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
             ga.ldc = panels * 16;
             ga.scratch = S[t].data();
             ga.scratch_bytes = scratch_bytes;
+            ga.tuning = &settings[s].tuning;
             const double t0 = Now();
             fn(ga);
             round[s][static_cast<size_t>(t)] = Now() - t0;
@@ -348,7 +346,6 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
         gemm.push_back(std::move(round));
         time_peak();
       }
-      if (!tunes.empty()) ApplyTune(Args::Tune{});
       for (size_t s = 0; s < ns; ++s) {
         std::vector<double> ratio;
         for (size_t r = 0; r < gemm.size(); ++r)
@@ -423,6 +420,17 @@ int Main(int argc, char** argv) {
     }
   }
   if (a.isas.empty()) a.isas = {std::string(IsaName(DetectedIsa()))};
+  const absl::StatusOr<KernelTuning> env_tuning_or = KernelTuningFromEnv();
+  if (!env_tuning_or.ok()) {
+    std::fprintf(stderr, "%s\n", env_tuning_or.status().ToString().c_str());
+    return 2;
+  }
+  const KernelTuning env_tuning = *env_tuning_or;
+  if (const std::string t = KernelTuningToString(env_tuning); !t.empty())
+    std::printf(a.tunes.empty() ? "# kernel tuning from the environment: %s\n"
+                                : "# kernel tuning from the environment (%s) ignored: each --tune "
+                                  "setting starts from the defaults\n",
+                t.c_str());
   ThreadPoolOptions po;
   po.max_threads = a.threads;
   po.virtual_nodes = a.vnuma > 0 ? a.vnuma : 1;
@@ -467,7 +475,10 @@ int Main(int argc, char** argv) {
       return 1;
     }
     for (const auto& pname : a.presets)
-      if (auto p = FindPreset(pname)) KernelProbe(pool, p->H, a.tunes, a.min_time);
+      if (auto p = FindPreset(pname))
+        KernelProbe(pool, p->H,
+                    a.tunes.empty() ? std::vector<Args::Tune>{{"D", env_tuning}} : a.tunes,
+                    a.min_time);
     return 0;
   }
   std::printf("%-10s %-5s %-6s %5s %11s %9s %8s %7s %7s %11s %8s\n", "preset", "fmt", "isa", "T",
@@ -614,12 +625,12 @@ int Main(int argc, char** argv) {
             continue;
           }
           const std::vector<Args::Tune> tunes =
-              a.tunes.empty() ? std::vector<Args::Tune>{Args::Tune{}} : a.tunes;
+              a.tunes.empty() ? std::vector<Args::Tune>{Args::Tune{"", env_tuning}} : a.tunes;
           for (int rep = 0; rep < a.reps; ++rep)
             for (const Args::Tune& tune : tunes) {
-              if (!a.tunes.empty()) ApplyTune(tune);
               RunOptions ro;
               ro.isa = *isa;
+              ro.tuning = tune.tuning;
               Router r(P->E, P->K, a.zipf);
               std::vector<int32_t> ids;
               std::vector<float> w;
@@ -640,7 +651,7 @@ int Main(int argc, char** argv) {
                   return 1;
                 }
                 if (it == 0) {
-                  TakeMoeProfile();  // the warm-up call's phases are not reported
+                  (*ws_or)->TakeProfile();  // the warm-up call's phases are not reported
                   continue;
                 }
                 total += dt;
@@ -674,7 +685,7 @@ int Main(int argc, char** argv) {
                                     tf, *fmt == WeightFormat::kInt8});
               }
               // HMOE_PROFILE=1: where this row's time went, per call.
-              const MoePhaseProfile phases = TakeMoeProfile();
+              const MoePhaseProfile phases = (*ws_or)->TakeProfile();
               nlohmann::json phase_us = nlohmann::json::object();
               if (phases.calls > 0) {
                 std::printf("#   phases (us/call)%s:",

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "expert_service/kernels/packed.h"
+#include "expert_service/kernels/tuning.h"
 
 namespace hmoe::kern {
 
@@ -35,6 +36,10 @@ struct GemmArgs {
   const PackedGeom* next_g = nullptr;
   const uint8_t* next_w = nullptr;
   int64_t next_nb0 = 0, next_nb1 = 0;
+  // Loop orders, chunk sizes and prefetch distances (tuning.h); null: the
+  // defaults. Speed only: every setting computes the same c.
+  const KernelTuning* tuning = nullptr;
+  const KernelTuning& tune() const { return tuning != nullptr ? *tuning : kDefaultKernelTuning; }
 };
 inline constexpr int64_t kGemmScratchBytes = 128 * 1024;
 
@@ -112,11 +117,5 @@ uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes);
 // Register-only AMX loop: `iters` x 8 tile dot-products (16x16x32 bf16 or
 // 16x16x64 int8). Returns nothing useful; time it.
 void AmxPeakLoop(int64_t iters, bool int8);
-// Re-reads the HMOE_FEW_* prefetch knobs of the AVX-512 GEMV kernels
-// (kernels_avx512.cc). Benchmarks only, and only while no kernel is running.
-void ReloadFewTuning();
-// Re-reads the HMOE_AMX_* tuning knobs (kernels_amx.cc). Benchmarks only, and
-// only while no AMX kernel is running.
-void ReloadAmxTuning();
 
 }  // namespace hmoe::kern

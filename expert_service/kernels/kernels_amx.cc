@@ -169,70 +169,18 @@ struct EmuTiles {
 
 enum class Kind { kBf16, kInt8, kInt4Bf16 };
 
-// Tuning knobs, read once, again on ReloadAmxTuning (benchmarks only; the
-// defaults are the measured best).
-//   HMOE_AMX_KC_BYTES = 256 | 512 | 1024 | 2048 | 4096: bytes of each A row per K chunk
-//     (default 1024: a row pair's A chunk is 32 KiB and stays in L1 while B
-//     streams past it; 256 lost to the default in 11 of 12 reps of run 6).
-//   HMOE_AMX_PREFETCH = 0 | 1: prefetch into L2 what comes next (order 0:
-//     the next panel pair's B chunk; order 1: the next K chunk's B and, for
-//     tile-layout A, the next row pair's A chunk).
-//   HMOE_AMX_PF_MASK = 1 | 2 | 3: (order 1, with prefetch on) what is
-//     prefetched: 1 the B lines (default), 2 the A lines, 3 both. Every
-//     software prefetch holds one of the core's L1 fill buffers until its
-//     line arrives, the same buffers the tile loads from L2 need.
-//   HMOE_AMX_PF_A = 0 | 1 | 2: prefetch the A tiles kPfDist steps ahead into
-//     L1: no, as T0, as NTA (kept out of the way of the L1-resident B chunk).
-//   HMOE_AMX_ORDER = 0 | 1: loop order inside a K chunk (see AmxGemm).
-//   HMOE_AMX_CTMP = 0 | 1: (order 1) keep partial C between K chunks in the
-//     scratch as contiguous tiles instead of strided rows of c.
-//   HMOE_AMX_STREAM = 0 | 1: load the operand that is not reused from L1 with
-//     tileloaddt1 (so it does not evict the reused one). Default 1 (bf16,
-//     int8; the int4 path never streams and its default chunk is 2 KiB).
-//   HMOE_AMX_I8_EPI = 0 | 1: (int8) where the int32 -> f32 scaling of C
-//     runs: 0 one pass over the task's C after the GEMM (from L2); 1
-//     (default) per C block, right after the last K chunk stores it (from
-//     L1, beside the next block's tile work).
-//   HMOE_AMX_EDGE = 0 | 1: overlap a block's C stores with the next block's
-//     first k step (see `pend` in AmxGemm). Measured (ds-v3 T=8192, in
-//     process, bench/results run 6): within noise of off, alone or with
-//     kc 512 (+3% on average over 6 reps, not in every rep): off.
+// Tuning: AmxTuning (tuning.h). What the measurements said:
+//   kc_bytes: 1024 (bf16, int8) keeps a row pair's A chunk (32 KiB) in L1
+//     while B streams past it; 256 lost to it in 11 of 12 reps of run 6.
+//   edge: ds-v3 T=8192, in process (bench/results run 6): within noise of
+//     off, alone or with kc 512 (+3% on average over 6 reps, not in every
+//     rep): off.
 // Session 8 defaults (kc 1024 for bf16 too, STREAM=1, PF_MASK=1) against
 // session 7's (kc 2048 bf16 / 1024 int8, STREAM=0, PF_MASK=3): one core, the
 // GEMM alone (256 rows x 16 panels x K 7168, weights from L3), interleaved
 // with the register-only loop: 54% vs 46-47% of it, both formats; ds-v3
 // T=8192 on the GPU machine, 16 threads, 3 interleaved reps each: int8
 // 398-402 vs 420-449 ms, bf16 724-829 vs 800-900 ms (bench/results run 8).
-struct Tuning {
-  bool edge = false;
-  int64_t kc_bytes = 0;  // 0: per format
-  bool prefetch = true;
-  int pf_mask = 1;
-  int pf_a = 0;
-  int order = 1;
-  bool stream = true;
-  bool ctmp = false;
-  bool i8_block_epi = true;
-  Tuning() {
-    if (const char* e = std::getenv("HMOE_AMX_I8_EPI")) i8_block_epi = *e != '0';
-    if (const char* e = std::getenv("HMOE_AMX_EDGE")) edge = *e == '1';
-    if (const char* e = std::getenv("HMOE_AMX_CTMP")) ctmp = *e == '1';
-    if (const char* e = std::getenv("HMOE_AMX_STREAM")) stream = *e == '1';
-    if (const char* e = std::getenv("HMOE_AMX_ORDER")) order = *e == '0' ? 0 : 1;
-    if (const char* e = std::getenv("HMOE_AMX_PF_A")) pf_a = std::clamp(std::atoi(e), 0, 2);
-    if (const char* e = std::getenv("HMOE_AMX_KC_BYTES")) {
-      const int64_t b = std::atoll(e);
-      if (b == 256 || b == 512 || b == 1024 || b == 2048 || b == 4096) kc_bytes = b;
-    }
-    if (const char* e = std::getenv("HMOE_AMX_PREFETCH")) prefetch = *e == '1';
-    if (const char* e = std::getenv("HMOE_AMX_PF_MASK")) pf_mask = std::clamp(std::atoi(e), 0, 3);
-  }
-};
-Tuning& MutableTune() {
-  static Tuning t;
-  return t;
-}
-const Tuning& Tune() { return MutableTune(); }
 
 template <class X, int T>
 inline void LoadOp(const uint8_t* p, int64_t stride, bool stream) {
@@ -247,7 +195,7 @@ void AmxGemm(const GemmArgs& a) {
   constexpr bool kI8 = kKind == Kind::kInt8;
   constexpr bool kI4 = kKind == Kind::kInt4Bf16;  // int4 weights staged as bf16
   constexpr int64_t kStepK = kI8 ? 64 : 32;       // k per tile
-  const Tuning& tune = Tune();
+  const AmxTuning& tune = a.tune().amx;
   // k per chunk (a multiple of 128); int4's bf16 staging holds at most 2048 k per panel.
   // int4 (bf16 staging, order 0) keeps 2 KiB chunks and plain loads: its
   // in-process comparison (run 8) lost ~10% with the bf16/int8 defaults.
@@ -582,8 +530,6 @@ void AmxGemm(const GemmArgs& a) {
 }
 
 }  // namespace
-
-void ReloadAmxTuning() { MutableTune() = Tuning(); }
 
 void AmxPeakLoop(int64_t iters, bool int8) {
   alignas(64) static const uint8_t zeros[1024] = {};

@@ -14,30 +14,10 @@
 namespace hmoe::kern {
 namespace {
 
-// Software prefetch distances of the GEMV kernels: bytes ahead in each panel
-// stream, 0 = none. Read once, again on ReloadFewTuning (benchmarks only).
-//   HMOE_FEW_PF_I4 (default 2048, rounded up to whole int4 groups; one
-//     prefetch per line of the group that far ahead),
-//   HMOE_FEW_PF_I8 (default 2048), HMOE_FEW_PF_BF16 (default 1024): one
-//     prefetch per 64-byte line.
+// Software prefetch distances of the GEMV kernels: FewTuning (tuning.h).
 // Measured in process on the GPU machine (16 threads, bench/results run 8):
-// ds-v3 T=1 int4 1.38-1.45 ms with vs 1.66-1.69 ms without; bf16 and int8
-// gain 4-15% at T=1 / T=8 (qwen3-30b too).
-struct FewTuning {
-  int64_t i4 = 2048, i8 = 2048, bf16 = 1024;
-  FewTuning() {
-    auto read = [](const char* name, int64_t& v) {
-      if (const char* e = std::getenv(name)) v = std::clamp<int64_t>(std::atoll(e), 0, 1 << 16);
-    };
-    read("HMOE_FEW_PF_I4", i4);
-    read("HMOE_FEW_PF_I8", i8);
-    read("HMOE_FEW_PF_BF16", bf16);
-  }
-};
-FewTuning& MutableFewTune() {
-  static FewTuning t;
-  return t;
-}
+// ds-v3 T=1 int4 1.38-1.45 ms with the defaults vs 1.66-1.69 ms without;
+// bf16 and int8 gain 4-15% at T=1 / T=8 (qwen3-30b too).
 
 // Prefetches base + off. The address may lie past the end of the panel
 // buffer (the last panel's stream runs ahead of its data): it is formed as an
@@ -205,7 +185,7 @@ void ForBlocks(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, F&& f) 
 void GemmBf16(const GemmArgs& a) { GemmBf16PanelsAvx512(a, a.w, a.g->panel_bytes, a.g->kp); }
 
 void GemmI8(const GemmArgs& a) {
-  const int64_t pf = MutableFewTune().i8;
+  const int64_t pf = a.tune().few.pf_i8;
   ForBlocks(a, a.w, a.g->panel_bytes,
             [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
               const int8_t* rows[4];
@@ -218,7 +198,7 @@ void GemmI8(const GemmArgs& a) {
 }
 
 void GemmI4I8(const GemmArgs& a) {
-  const int64_t pf = MutableFewTune().i4;
+  const int64_t pf = a.tune().few.pf_i4;
   ForBlocks(a, a.w, a.g->panel_bytes,
             [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
               const int8_t* rows[4];
@@ -356,7 +336,7 @@ void QuantF32(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32
 }  // namespace
 
 void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, int64_t kp) {
-  const int64_t pf = MutableFewTune().bf16;
+  const int64_t pf = a.tune().few.pf_bf16;
   ForBlocks(a, w, panel_bytes,
             [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
               const uint16_t* rows[4];
@@ -479,8 +459,6 @@ void WeightedSum(const float* const* rows, const float* w, int n, int64_t len, f
   }
   if (nt) _mm_sfence();  // publish the streaming stores before the caller's barrier
 }
-
-void ReloadFewTuning() { MutableFewTune() = FewTuning(); }
 
 const KernelSet& Avx512Kernels() {
   static const KernelSet k{GemmBf16,  GemmI8,  GemmI4I8, GemmI4Bf16, SiluMul,        SiluMulBf16,

@@ -13,13 +13,13 @@
 // ordered by per-expert dependencies (an expert's rows gathered before its
 // gate_up tasks; all its gate_up tasks, then its hquant, before its down
 // tasks), so the memory-bound steps of one expert overlap the GEMMs of
-// others; HMOE_MOE_PIPELINE=0 restores a barrier after each step.
-// With HMOE_MOE_OVERLAP_REDUCE=1 (from kOverlapReduceTokens tokens) the
+// others; MoeTuning::pipeline = false restores a barrier after each step.
+// With MoeTuning::overlap_reduce (from kOverlapReduceTokens tokens) the
 // reduce joins that stage too: down tasks run in column waves (all experts'
 // tasks of output columns [c0, c1), then the next columns), and a wave's
 // reduce items, (token, wave), run once its last down task is done, a few
-// after each later down task. Off by default: measured slower (see
-// MoeTuning).
+// after each later down task. Off by default: measured slower (see the
+// knob notes below).
 #include "expert_service/kernels/moe.h"
 
 #include <xmmintrin.h>
@@ -43,9 +43,7 @@ namespace {
 // Rows per task: an expert's rows are split into the fewest chunks of at most
 // this many (a multiple of 32), so its weights stream from DRAM once per call.
 constexpr int64_t kMaxRowChunk = 512;
-constexpr int64_t kMaxTaskPanels = 32;      // panels per task (at most, HMOE_MOE_TASK_PANELS)
-constexpr int64_t kDefaultTaskPanels = 16;  // panels per task (at most, by default)
-constexpr int64_t kCbufFloats = kMaxRowChunk * kMaxTaskPanels * 16;
+constexpr int64_t kCbufFloats = kMaxRowChunk * MoeTuning::kMaxTaskPanels * 16;
 constexpr int64_t kPreQuantTokens = 32;  // int8 activations: quantize tokens once from here
 constexpr int64_t kGatherAhead = 2;      // pipelined: gather this many experts past the one needed
 constexpr int64_t kOverlapReduceTokens = 64;  // HMOE_MOE_OVERLAP_REDUCE=1 applies from here
@@ -136,31 +134,7 @@ class SpinBarrier {
   alignas(64) std::atomic<uint32_t> gen_{0};
 };
 
-// HMOE_PROFILE=1: accumulate per-phase wall time (worker 0's view) and print
-// it at exit. For tuning only. Pipelined, "gather" is xquant alone and
-// "gate_up" the whole gather..down stage (hquant and down read 0).
-struct Profile {
-  bool on = false;
-  double t[8] = {};
-  int64_t calls = 0;
-  Profile() {
-    const char* e = std::getenv("HMOE_PROFILE");
-    on = e != nullptr && *e == '1';
-  }
-  ~Profile() {
-    if (!on || calls == 0) return;
-    std::fprintf(stderr,
-                 "# RunMoe profile over %lld calls (us/call):", static_cast<long long>(calls));
-    for (int i = 0; i < 8; ++i)
-      std::fprintf(stderr, " %s %.1f", MoePhaseProfile::Name(i),
-                   t[i] / static_cast<double>(calls) * 1e6);
-    std::fprintf(stderr, "\n");
-  }
-};
-Profile g_profile;
-
-// Benchmark knobs, read once (again on ReloadMoeTuning); the defaults are
-// what RunMoe does without them.
+// Scheduling knobs: MoeTuning (tuning.h). What the measurements said:
 //   HMOE_MOE_TASK_PANELS = 2..32: panels per gate_up / down task at most
 //     (default 16). More panels: fewer re-reads of an expert's rows from L3,
 //     larger B chunks and C blocks in L2. Run 6: 32 lost to 16 in 6 of 6
@@ -192,48 +166,16 @@ Profile g_profile;
 //     covers: half of an int8 down task's weights). Default 1: run 6 (slow
 //     grants) within noise; run 9 (a grant where the GEMMs ran fastest),
 //     ds-v3 int8 T=8192, 3 interleaved reps: 224-227 ms vs 248-268 off.
-struct MoeTuning {
-  int64_t task_panels = kDefaultTaskPanels;
-  bool direct_y = false;
-  bool lookahead = true;
-  bool pipeline = true;
-  bool gather_stream = true;
-  bool overlap_reduce = false;
-  MoeTuning() {
-    if (const char* e = std::getenv("HMOE_MOE_OVERLAP_REDUCE")) overlap_reduce = *e == '1';
-    if (const char* e = std::getenv("HMOE_MOE_GATHER_STREAM")) gather_stream = *e != '0';
-    if (const char* e = std::getenv("HMOE_MOE_PIPELINE")) pipeline = *e != '0';
-    if (const char* e = std::getenv("HMOE_MOE_TASK_PANELS"))
-      task_panels = std::clamp<int64_t>(std::atoll(e) / 2 * 2, 2, kMaxTaskPanels);
-    if (const char* e = std::getenv("HMOE_MOE_DIRECT_Y")) direct_y = *e == '1';
-    if (const char* e = std::getenv("HMOE_MOE_LOOKAHEAD")) lookahead = *e != '0';
-  }
-};
-MoeTuning& MutableMoeTuning() {
-  static MoeTuning t;
-  return t;
-}
 inline double Secs() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
 
-void ReloadMoeTuning() { MutableMoeTuning() = MoeTuning(); }
-
 const char* MoePhaseProfile::Name(int phase) {
   static const char* const kNames[kPhases] = {"route",  "wake", "gather", "gate_up",
                                               "hquant", "down", "reduce", "join"};
   return phase >= 0 && phase < kPhases ? kNames[phase] : "?";
-}
-
-MoePhaseProfile TakeMoeProfile() {
-  MoePhaseProfile p;
-  p.calls = g_profile.calls;
-  for (int i = 0; i < MoePhaseProfile::kPhases; ++i) p.seconds[i] = g_profile.t[i];
-  g_profile.calls = 0;
-  std::fill(std::begin(g_profile.t), std::end(g_profile.t), 0.0);
-  return p;
 }
 
 struct MoeWorkspace::Impl {
@@ -245,6 +187,7 @@ struct MoeWorkspace::Impl {
   int nparts = 0;
   int64_t threads = 0;
   int64_t scratch_bytes = kern::kGemmScratchBytes;  // per thread
+  MoePhaseProfile profile;                          // MoeTuning::profile
 
   // routing
   std::vector<int32_t> count, row_off, row_cnt, cursor;
@@ -287,6 +230,12 @@ struct MoeWorkspace::Impl {
 };
 
 MoeWorkspace::~MoeWorkspace() = default;
+
+MoePhaseProfile MoeWorkspace::TakeProfile() {
+  MoePhaseProfile p = impl_->profile;
+  impl_->profile = MoePhaseProfile();
+  return p;
+}
 
 absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedMoeLayer& layer,
                                                                    int64_t max_tokens,
@@ -415,11 +364,12 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   if (in.x == nullptr || out == nullptr || (K > 0 && (in.ids == nullptr || in.weights == nullptr)))
     return absl::InvalidArgumentError("null input or output");
   ASSIGN_OR_RETURN(const Isa isa, EffectiveIsa(opts));
+  RETURN_IF_ERROR(ValidateKernelTuning(opts.tuning));
   const WeightFormat fmt = layer.format();
   const int G = layer.group();
 
-  const bool prof = g_profile.on;
-  const MoeTuning& tuning = MutableMoeTuning();
+  const MoeTuning& tuning = opts.tuning.moe;
+  const bool prof = tuning.profile;
   const int64_t task_panels = tuning.task_panels;
   double ts[9] = {};
   if (prof) ts[0] = Secs();
@@ -600,6 +550,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       a.ldc = (tk.nb1 - tk.nb0) * 16;
       a.scratch = scratch;
       a.scratch_bytes = w.scratch_bytes;
+      a.tuning = &opts.tuning;
       return a;
     };
     // Task claiming for gate_up and down. With HMOE_MOE_LOOKAHEAD a worker
@@ -944,8 +895,8 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   });
   if (prof) {
     ts[8] = Secs();
-    for (int i = 0; i < 8; ++i) g_profile.t[i] += ts[i + 1] - ts[i];
-    ++g_profile.calls;
+    for (int i = 0; i < MoePhaseProfile::kPhases; ++i) w.profile.seconds[i] += ts[i + 1] - ts[i];
+    ++w.profile.calls;
   }
   return absl::OkStatus();
 }

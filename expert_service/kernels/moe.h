@@ -42,6 +42,7 @@
 #include "common/tensor.h"
 #include "expert_service/kernels/isa.h"
 #include "expert_service/kernels/packed.h"
+#include "expert_service/kernels/tuning.h"
 #include "expert_service/numa.h"
 #include "expert_service/thread_pool.h"
 
@@ -174,6 +175,22 @@ struct RunOptions {
   // the AMX kernels over a software model of the tile registers (slow), so
   // the AMX code path and its tile layouts are checked without AMX.
   bool emulate_amx = false;
+  // Loop orders, chunk sizes, prefetch and scheduling (tuning.h): speed
+  // only, every valid setting gives the same result; the defaults are the
+  // measured best. RunMoe rejects invalid ones (INVALID_ARGUMENT).
+  KernelTuning tuning;
+};
+
+// RunMoe's per-phase wall time (worker 0's view, seconds) summed over calls
+// with MoeTuning::profile set, in phase order (route, wake, gather, gate_up,
+// hquant, down, reduce, join). Pipelined, "gather" is the activation
+// quantization alone and "gate_up" the whole gather..down stage (hquant and
+// down read 0).
+struct MoePhaseProfile {
+  static constexpr int kPhases = 8;
+  static const char* Name(int phase);
+  int64_t calls = 0;
+  double seconds[kPhases] = {};
 };
 
 // Scratch for RunMoe, sized for `max_tokens` x `max_top_k` on layers shaped
@@ -185,6 +202,9 @@ class MoeWorkspace {
                                                               int64_t max_tokens, int max_top_k,
                                                               ThreadPool& pool);
   ~MoeWorkspace();
+  // The profile of the calls since the last take (see MoePhaseProfile);
+  // starts over. Not while a RunMoe call on this workspace runs.
+  MoePhaseProfile TakeProfile();
   struct Impl;
   Impl* impl() const { return impl_.get(); }
 
@@ -197,22 +217,6 @@ class MoeWorkspace {
 // count vs workspace, pointers): shapes are validated one layer up.
 absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out, ThreadPool& pool,
                     MoeWorkspace& ws, const RunOptions& opts = {});
-
-// With HMOE_PROFILE=1: RunMoe's per-phase wall time (worker 0's view, seconds)
-// summed over the calls since the last take, in phase order (route, wake,
-// gather, gate_up, hquant, down, reduce, join). Returns it and starts over.
-// Benchmarks only; calls == 0 without HMOE_PROFILE.
-struct MoePhaseProfile {
-  static constexpr int kPhases = 8;
-  static const char* Name(int phase);
-  int64_t calls = 0;
-  double seconds[kPhases] = {};
-};
-MoePhaseProfile TakeMoeProfile();
-
-// Re-reads RunMoe's HMOE_MOE_* benchmark knobs (moe.cc MoeTuning). Benchmarks
-// and tests only, and only while no RunMoe call is running.
-void ReloadMoeTuning();
 
 // The ISA RunMoe would use for these options (after HMOE_ISA and fallback).
 absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts);

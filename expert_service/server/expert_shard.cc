@@ -152,18 +152,20 @@ absl::Status ShardOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-tokens: ", max_tokens, " outside [1, 2^20]"));
   }
-  return absl::OkStatus();
+  return ValidateKernelTuning(tuning);
 }
 
 std::string ShardOptions::ToString() const {
-  return absl::StrCat("source=",
-                      !synthetic.empty()   ? "synthetic:" + synthetic
-                      : packed_dir.empty() ? model_dir
-                                           : packed_dir + " (config " + model_dir + ")",
-                      " shard=", shard_index, "/", num_shards, " split=", SplitModeName(split),
-                      " format=", ServeFormatName(format, group), " max_tokens=", max_tokens,
-                      " threads=", threads == 0 ? std::string("all") : absl::StrCat(threads),
-                      null_compute ? " null_compute=1" : "");
+  return absl::StrCat(
+      "source=",
+      !synthetic.empty()   ? "synthetic:" + synthetic
+      : packed_dir.empty() ? model_dir
+                           : packed_dir + " (config " + model_dir + ")",
+      " shard=", shard_index, "/", num_shards, " split=", SplitModeName(split),
+      " format=", ServeFormatName(format, group), " max_tokens=", max_tokens,
+      " threads=", threads == 0 ? std::string("all") : absl::StrCat(threads),
+      null_compute ? " null_compute=1" : "",
+      KernelTuningToString(tuning).empty() ? "" : " tuning: ", KernelTuningToString(tuning));
 }
 
 absl::StatusOr<ThreadPool*> SharedThreadPool(int threads) {
@@ -252,7 +254,8 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   info.i_begin = po.i_begin;
   info.i_end = po.i_end;
   shard->null_compute_ = opts.null_compute;
-  ASSIGN_OR_RETURN(shard->isa_, EffectiveIsa(RunOptions{}));
+  shard->run_opts_.tuning = opts.tuning;
+  ASSIGN_OR_RETURN(shard->isa_, EffectiveIsa(shard->run_opts_));
   ASSIGN_OR_RETURN(shard->pool_, SharedThreadPool(opts.threads));
   ThreadPool& pool = *shard->pool_;
 
@@ -324,7 +327,7 @@ absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* comp
     in.weights = call.weights;
     std::lock_guard<std::mutex> lock(compute_mu_);
     st = RunMoe(layers_[static_cast<size_t>(slot_of_layer_[static_cast<size_t>(call.layer)])], in,
-                out, *pool_, *workspace_);
+                out, *pool_, *workspace_, run_opts_);
   }
   const uint64_t ns = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)

@@ -43,6 +43,10 @@ struct ShardOptions {
   // Benchmark seam: validate every call but answer zeros without computing,
   // so that transport overhead can be measured apart from the experts.
   bool null_compute = false;
+  // Speed knobs of the CPU kernels (kernels/tuning.h); the defaults are the
+  // measured best. hmoe-expert-service reads them once from HMOE_AMX_*,
+  // HMOE_FEW_* and HMOE_MOE_* at start-up and logs those it changes.
+  KernelTuning tuning;
 
   absl::Status Validate() const;
   std::string ToString() const;
@@ -98,6 +102,7 @@ class ExpertShard : public MoeHandler {
   ShardInfo info_;
   bool null_compute_ = false;
   Isa isa_ = Isa::kScalar;
+  RunOptions run_opts_;                      // the tuning of ShardOptions
   ThreadPool* pool_ = nullptr;               // SharedThreadPool: outlives every shard
   std::vector<int> slot_of_layer_;           // layer -> slot or -1
   std::vector<PackedMoeLayer> layers_;       // [slot]

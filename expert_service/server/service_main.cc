@@ -158,6 +158,7 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
     }
     o.listen = absl::StrCat(o.listen.substr(0, colon + 1), port + o.port_offset);
   }
+  ASSIGN_OR_RETURN(o.shard.tuning, KernelTuningFromEnv());
   RETURN_IF_ERROR(o.Validate());
   return o;
 }

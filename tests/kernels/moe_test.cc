@@ -322,48 +322,24 @@ INSTANTIATE_TEST_SUITE_P(All, AmxEmulationTest,
                                                std::get<1>(p.param), "_S", std::get<2>(p.param));
                          });
 
-// The tuning knobs (kernels_amx.cc Tuning, moe.cc MoeTuning) change loop
-// orders, K-chunk sizes, where partial C lives, how a block's C stores overlap
-// the next block and where down writes its rows: every setting must give the
-// same numerics. Restores the knobs it touched on exit.
-class AmxTuningEnv {
- public:
-  explicit AmxTuningEnv(std::vector<std::pair<std::string, std::string>> env) {
-    for (auto& [k, v] : env) {
-      const char* old = std::getenv(k.c_str());
-      saved_.push_back({k, old != nullptr, old != nullptr ? old : ""});
-      setenv(k.c_str(), v.c_str(), 1);
-    }
-    kern::ReloadAmxTuning();
-    kern::ReloadFewTuning();
-    ReloadMoeTuning();
-  }
-  ~AmxTuningEnv() {
-    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {  // reverse: repeated keys
-      const Saved& s = *it;
-      if (s.had)
-        setenv(s.key.c_str(), s.value.c_str(), 1);
-      else
-        unsetenv(s.key.c_str());
-    }
-    kern::ReloadAmxTuning();
-    kern::ReloadFewTuning();
-    ReloadMoeTuning();
-  }
-
- private:
-  struct Saved {
-    std::string key;
-    bool had;
-    std::string value;
-  };
-  std::vector<Saved> saved_;
-};
+// The tuning knobs (tuning.h) change loop orders, K-chunk sizes, where
+// partial C lives, how a block's C stores overlap the next block and where
+// down writes its rows: every setting must give the same numerics. Settings
+// are spelled as the environment variables the benchmark reads.
+using TuningSetting = std::vector<std::pair<std::string, std::string>>;
+KernelTuning TuningOf(const TuningSetting& setting) {
+  auto t = KernelTuningFromEnv([&](const char* name) -> const char* {
+    for (const auto& [k, v] : setting)
+      if (k == name) return v.c_str();
+    return nullptr;
+  });
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *t : KernelTuning();
+}
 
 // Every benchmark knob setting of kernels_amx.cc / moe.cc that changes the
 // code path, on the AMX software model, against the reference: one test per
 // setting (each with its own ctest time limit; CI also runs them under ASan).
-using TuningSetting = std::vector<std::pair<std::string, std::string>>;
 const std::vector<TuningSetting>& TuningSettings() {
   static const std::vector<TuningSetting> settings = {
       {{"HMOE_AMX_EDGE", "1"}},
@@ -402,10 +378,10 @@ TEST_P(AmxEmulationTuningTest, MatchesReference) {
   if (auto why = IsaUnavailable(Isa::kAvx512))
     GTEST_SKIP() << "the AMX model's epilogues need AVX-512: " << *why;
   const TuningSetting& setting = TuningSettings()[GetParam()];
-  AmxTuningEnv env(setting);
-  bool direct_y = false;
-  for (const auto& kv : setting) direct_y |= kv.first == "HMOE_MOE_DIRECT_Y";
   RunOptions ro;
+  ro.tuning = TuningOf(setting);
+  ASSERT_NE(KernelTuningToString(ro.tuning), "") << "the setting changes nothing";
+  const bool direct_y = ro.tuning.moe.direct_y;
   ro.isa = Isa::kAvx512;
   ro.emulate_amx = true;
   if (!direct_y) {
@@ -575,8 +551,6 @@ TEST(MoeNumaTest, TuningKnobsOnVirtualNodesMatchOneNode) {
   if (DetectedIsa() < Isa::kAvx512)
     GTEST_SKIP() << "the AMX model's epilogues need AVX-512; this CPU has "
                  << IsaName(DetectedIsa());
-  AmxTuningEnv env(
-      {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_AMX_EDGE", "1"}});
   auto pool2 = TwoNodePool();
   ASSERT_NE(pool2, nullptr);
   auto src = RandomSource(208, 300, 5, 37);
@@ -586,6 +560,9 @@ TEST(MoeNumaTest, TuningKnobsOnVirtualNodesMatchOneNode) {
     RunOptions ro;
     ro.isa = Isa::kAvx512;
     ro.emulate_amx = true;
+    ro.tuning.moe.direct_y = true;
+    ro.tuning.moe.lookahead = true;
+    ro.tuning.amx.edge = true;
     auto b = RandomBatch(40, 3, 208, 5, 77);
     auto a1 = RunLayer(L1, b, SharedPool(), ro);
     auto a2 = RunLayer(L2, b, *pool2, ro);
@@ -617,12 +594,9 @@ TEST(MoePipelineTest, SameBitsAsPhased) {
                              /*empty_expert=*/6);
         for (auto [L, pool] : {std::pair<const PackedMoeLayer*, ThreadPool*>{&L1, &SharedPool()},
                                std::pair<const PackedMoeLayer*, ThreadPool*>{&L2, pool2.get()}}) {
-          std::vector<float> phased;
-          {
-            AmxTuningEnv env(
-                std::vector<std::pair<std::string, std::string>>{{"HMOE_MOE_PIPELINE", "0"}});
-            phased = RunLayer(*L, b, *pool, ro);
-          }
+          RunOptions phased_ro = ro;
+          phased_ro.tuning.moe.pipeline = false;
+          const std::vector<float> phased = RunLayer(*L, b, *pool, phased_ro);
           auto ws = MoeWorkspace::Create(*L, T, 3, *pool);
           ASSERT_TRUE(ws.ok()) << ws.status();
           for (int call = 0; call < 4; ++call) {
@@ -658,19 +632,16 @@ TEST(MoePipelineTest, SameBitsAsPhasedOnAllCores) {
       const Batch batches[2] = {
           RandomBatch(400, 4, 208, 32, 123, /*repeats=*/true, /*empty_expert=*/31),
           RandomBatch(400, 4, 208, 32, 321, /*repeats=*/true, /*empty_expert=*/30)};
-      RunOptions ro;
+      RunOptions phased_ro;
+      phased_ro.tuning.moe.pipeline = false;
       std::vector<float> phased[2];
-      {
-        AmxTuningEnv env(
-            std::vector<std::pair<std::string, std::string>>{{"HMOE_MOE_PIPELINE", "0"}});
-        for (int i = 0; i < 2; ++i) phased[i] = RunLayer(*L, batches[i], **pool, ro);
-      }
+      for (int i = 0; i < 2; ++i) phased[i] = RunLayer(*L, batches[i], **pool, phased_ro);
       ASSERT_NE(phased[0], phased[1]);
       auto ws = MoeWorkspace::Create(*L, 400, 4, **pool);
       ASSERT_TRUE(ws.ok()) << ws.status();
-      for (const char* overlap : {"0", "1"}) {
-        AmxTuningEnv env(
-            std::vector<std::pair<std::string, std::string>>{{"HMOE_MOE_OVERLAP_REDUCE", overlap}});
+      for (const bool overlap : {false, true}) {
+        RunOptions ro;
+        ro.tuning.moe.overlap_reduce = overlap;
         for (int call = 0; call < 8; ++call) {
           const int i = call % 2;
           std::vector<float> out(phased[i].size(), -1.0f);

@@ -1,0 +1,113 @@
+// Tuning of the CPU expert kernels: typed options with the measured-best
+// defaults in the structs (bench/results/README.md has the measurements).
+// They change speed only: every valid setting computes the same numbers
+// (tests/kernels/moe_test.cc checks each against the reference).
+//
+// Callers carry a KernelTuning in RunOptions; nothing in the kernels reads
+// the environment. Benchmarks and operators set knobs through HMOE_AMX_*,
+// HMOE_FEW_*, HMOE_MOE_* and HMOE_PROFILE, read once by KernelTuningFromEnv.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace hmoe {
+
+// AMX GEMM ("many" tokens per expert; kernels_amx.cc, whose header comment
+// describes the blocking these knobs change).
+struct AmxTuning {
+  // HMOE_AMX_KC_BYTES: bytes of each A row per K chunk, 256..4096 (a power
+  // of two) or 0 = per format (1024 for bf16 / int8: a row pair's A chunk is
+  // 32 KiB and stays in L1; 2048 for int4's bf16 staging).
+  int64_t kc_bytes = 0;
+  // HMOE_AMX_PREFETCH: prefetch into L2 what comes next (order 0: the next
+  // panel pair's B chunk; order 1: the next K chunk's B and, for tile-layout
+  // A, the next row pair's A chunk).
+  bool prefetch = true;
+  // HMOE_AMX_PF_MASK = 1..3: (order 1, prefetch on) 1 the B lines, 2 the A
+  // lines, 3 both. Every software prefetch holds one of the core's L1 fill
+  // buffers, the same buffers the tile loads from L2 need.
+  int pf_mask = 1;
+  // HMOE_AMX_PF_A = 0..2: prefetch A tiles a few steps ahead into L1: no, as
+  // T0, as NTA.
+  int pf_a = 0;
+  // HMOE_AMX_ORDER = 0 | 1: inside a K chunk, panel pairs outer (0) or row
+  // pairs outer (1).
+  int order = 1;
+  // HMOE_AMX_STREAM: load B (not reused from L1) with tileloaddt1 so it does
+  // not evict A (bf16 and int8; int4 never streams).
+  bool stream = true;
+  // HMOE_AMX_CTMP: (order 1) keep partial C between K chunks in the scratch
+  // as contiguous tiles instead of strided rows of c.
+  bool ctmp = false;
+  // HMOE_AMX_I8_EPI: (int8) scale C to f32 per block right after its last K
+  // chunk (1, from L1) or in one pass after the GEMM (0).
+  bool i8_block_epi = true;
+  // HMOE_AMX_EDGE: overlap a block's C stores with the next block's first k
+  // step.
+  bool edge = false;
+};
+
+// Software prefetch distances of the AVX-512 GEMV kernels ("few" tokens per
+// expert): bytes ahead in each panel stream, 0 = none, at most 65536.
+struct FewTuning {
+  int64_t pf_i4 = 2048;    // HMOE_FEW_PF_I4 (rounded up to whole int4 groups)
+  int64_t pf_i8 = 2048;    // HMOE_FEW_PF_I8
+  int64_t pf_bf16 = 1024;  // HMOE_FEW_PF_BF16
+};
+
+// RunMoe's scheduling (moe.cc, whose header comment describes the stages).
+struct MoeTuning {
+  static constexpr int64_t kMaxTaskPanels = 32;  // sizes the workers' C buffers
+  // HMOE_MOE_TASK_PANELS: panels (16 columns each) per gate_up / down task
+  // at most; even, 2..kMaxTaskPanels.
+  int64_t task_panels = 16;
+  // HMOE_MOE_DIRECT_Y: down tasks of "many" experts store C straight into y
+  // instead of the worker's buffer plus a streaming copy.
+  bool direct_y = false;
+  // HMOE_MOE_LOOKAHEAD: workers claim one task ahead so the kernel
+  // prefetches its first K chunk.
+  bool lookahead = true;
+  // HMOE_MOE_PIPELINE: gather, gate_up, hquant and down as one
+  // dependency-driven stage (1) or with a barrier after each (0).
+  bool pipeline = true;
+  // HMOE_MOE_GATHER_STREAM: write gathered activations with streaming stores.
+  bool gather_stream = true;
+  // HMOE_MOE_OVERLAP_REDUCE: overlap the reduce with the down tasks (column
+  // waves) from 64 tokens.
+  bool overlap_reduce = false;
+  // HMOE_PROFILE: accumulate per-phase wall time in the workspace
+  // (MoeWorkspace::TakeProfile).
+  bool profile = false;
+};
+
+struct KernelTuning {
+  AmxTuning amx;
+  FewTuning few;
+  MoeTuning moe;
+};
+inline constexpr KernelTuning kDefaultKernelTuning{};
+
+// OK, or INVALID_ARGUMENT naming the first field out of range.
+absl::Status ValidateKernelTuning(const KernelTuning& t);
+
+// The defaults overridden by the environment variables named above, looked
+// up with `getenv` (tests pass their own). Booleans take 0 or 1; a bad value
+// is INVALID_ARGUMENT naming the variable and the value.
+absl::StatusOr<KernelTuning> KernelTuningFromEnv(
+    const std::function<const char*(const char*)>& getenv);
+absl::StatusOr<KernelTuning> KernelTuningFromEnv();  // the process environment
+
+// The settings that differ from the defaults, as "HMOE_X=v HMOE_Y=w"; empty
+// when none do. For logging once at start-up.
+std::string KernelTuningToString(const KernelTuning& t);
+
+// The names of every variable KernelTuningFromEnv reads.
+const std::vector<std::string>& KernelTuningVariables();
+
+}  // namespace hmoe
