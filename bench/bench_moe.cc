@@ -426,11 +426,18 @@ int Main(int argc, char** argv) {
     return 2;
   }
   const KernelTuning env_tuning = *env_tuning_or;
-  if (const std::string t = KernelTuningToString(env_tuning); !t.empty())
-    std::printf(a.tunes.empty() ? "# kernel tuning from the environment: %s\n"
-                                : "# kernel tuning from the environment (%s) ignored: each --tune "
-                                  "setting starts from the defaults\n",
-                t.c_str());
+  if (const std::string t = KernelTuningToString(env_tuning); !t.empty()) {
+    // --tune settings take HMOE_PROFILE from the environment and nothing else.
+    KernelTuning ignored = env_tuning;
+    ignored.moe.profile = false;
+    if (a.tunes.empty())
+      std::printf("# kernel tuning from the environment: %s\n", t.c_str());
+    else if (const std::string i = KernelTuningToString(ignored); !i.empty())
+      std::printf(
+          "# kernel tuning from the environment (%s) ignored: each --tune setting "
+          "starts from the defaults\n",
+          i.c_str());
+  }
   ThreadPoolOptions po;
   po.max_threads = a.threads;
   po.virtual_nodes = a.vnuma > 0 ? a.vnuma : 1;

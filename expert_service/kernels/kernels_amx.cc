@@ -12,7 +12,7 @@
 // loaded with tileloaddt1 so they do not evict A. Meanwhile the next chunk's
 // B is prefetched into L2 a few lines per k step, so tile loads do not wait
 // on DRAM.
-// Order 0 (panel pairs outer) and the other knobs in Tuning exist for
+// Order 0 (panel pairs outer) and the other knobs of AmxTuning (tuning.h) exist for
 // benchmarks; the defaults are the best of same-machine sweeps recorded in
 // bench/results/README.md (hmoe-bench-moe --tune compares them in one run).
 //
