@@ -224,7 +224,7 @@ void AmxGemm(const GemmArgs& a) {
   const int64_t npan = a.nb1 - a.nb0;
   const bool ctmp =
       tune.ctmp && tune.order == 1 && !kI4 && int64_t{mp} * npan * 64 <= a.scratch_bytes;
-  // Edge overlap (Tuning::edge): a block leaves its C tiles in the registers
+  // Edge overlap (AmxTuning::edge): a block leaves its C tiles in the registers
   // and the next block stores them one by one, each just before it
   // initializes that register, inside its first k step; so the products of
   // the new block start while the old tiles drain. `pend` is the store still

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -176,6 +177,16 @@ const char* MoePhaseProfile::Name(int phase) {
   static const char* const kNames[kPhases] = {"route",  "wake", "gather", "gate_up",
                                               "hquant", "down", "reduce", "join"};
   return phase >= 0 && phase < kPhases ? kNames[phase] : "?";
+}
+
+std::string MoePhaseProfile::ToString() const {
+  if (calls == 0) return "no calls";
+  std::string s = absl::StrCat(calls, " calls, us per call:");
+  for (int i = 0; i < kPhases; ++i)
+    absl::StrAppend(
+        &s, " ", Name(i), " ",
+        static_cast<int64_t>(std::lround(seconds[i] / static_cast<double>(calls) * 1e6)));
+  return s;
 }
 
 struct MoeWorkspace::Impl {
@@ -360,11 +371,11 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       layer.num_local_experts() != w.n_local ||
       static_cast<int>(layer.parts().size()) != w.nparts || pool.num_threads() != w.threads)
     return absl::InvalidArgumentError("workspace was made for a differently shaped layer or pool");
+  RETURN_IF_ERROR(ValidateKernelTuning(opts.tuning));
   if (T == 0) return absl::OkStatus();
   if (in.x == nullptr || out == nullptr || (K > 0 && (in.ids == nullptr || in.weights == nullptr)))
     return absl::InvalidArgumentError("null input or output");
   ASSIGN_OR_RETURN(const Isa isa, EffectiveIsa(opts));
-  RETURN_IF_ERROR(ValidateKernelTuning(opts.tuning));
   const WeightFormat fmt = layer.format();
   const int G = layer.group();
 

@@ -35,6 +35,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -191,6 +192,8 @@ struct MoePhaseProfile {
   static const char* Name(int phase);
   int64_t calls = 0;
   double seconds[kPhases] = {};
+  // "N calls, us per call: route 12 wake 3 ..."; "no calls" when calls == 0.
+  std::string ToString() const;
 };
 
 // Scratch for RunMoe, sized for `max_tokens` x `max_top_k` on layers shaped

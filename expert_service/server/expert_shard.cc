@@ -302,6 +302,11 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   return shard;
 }
 
+MoePhaseProfile ExpertShard::TakeProfile() {
+  std::lock_guard<std::mutex> lock(compute_mu_);
+  return workspace_->TakeProfile();
+}
+
 absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* compute_ns) {
   counters_.requests.fetch_add(1);
   if (draining_.load()) {

@@ -45,7 +45,8 @@ struct ShardOptions {
   bool null_compute = false;
   // Speed knobs of the CPU kernels (kernels/tuning.h); the defaults are the
   // measured best. hmoe-expert-service reads them once from HMOE_AMX_*,
-  // HMOE_FEW_* and HMOE_MOE_* at start-up and logs those it changes.
+  // HMOE_FEW_*, HMOE_MOE_* and HMOE_PROFILE at start-up and logs those it
+  // changes (and, with HMOE_PROFILE=1, RunMoe's phase times when it stops).
   KernelTuning tuning;
 
   absl::Status Validate() const;
@@ -90,6 +91,9 @@ class ExpertShard : public MoeHandler {
   int64_t weight_bytes() const { return weight_bytes_; }  // packed bytes, all layers
   Isa isa() const { return isa_; }                        // what RunMoe dispatches to
   const ThreadPool& pool() const { return *pool_; }
+  // RunMoe's phase times since the last take (calls == 0 unless the shard
+  // was loaded with tuning.moe.profile, HMOE_PROFILE=1).
+  MoePhaseProfile TakeProfile();
 
   // The packed experts of one layer (index into info().moe_layers).
   const PackedMoeLayer& layer(int layer_slot) const {

@@ -479,6 +479,7 @@ int Main(int argc, char** argv) {
   state.ucx = nullptr;
   shm.reset();
   ucx.reset();
+  if (o.shard.tuning.moe.profile) Log("RunMoe phases: " + (*shard)->TakeProfile().ToString());
   Log("stopped");
   return 0;
 }

@@ -149,6 +149,11 @@ TEST(KernelTuningTest, RunMoeRejectsInvalidTuning) {
   absl::Status s = RunMoe(L, b.input(), out.data(), SharedPool(), *ws, ro);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("HMOE_MOE_TASK_PANELS"), absl::string_view::npos) << s;
+  MoeInput empty = b.input();
+  empty.tokens = 0;
+  EXPECT_EQ(RunMoe(L, empty, out.data(), SharedPool(), *ws, ro).code(),
+            absl::StatusCode::kInvalidArgument)
+      << "rejected with no tokens too";
 }
 
 // The profile lives in the workspace: counted only for calls with
@@ -174,6 +179,10 @@ TEST(KernelTuningTest, ProfileAccumulatesPerWorkspace) {
     total += s;
   }
   EXPECT_GT(total, 0.0);
+  const std::string text = p.ToString();
+  EXPECT_EQ(text.rfind("3 calls, us per call: route ", 0), 0u) << text;
+  EXPECT_NE(text.find(" reduce "), std::string::npos) << text;
+  EXPECT_EQ(MoePhaseProfile().ToString(), "no calls");
   EXPECT_EQ(ws1->TakeProfile().calls, 0) << "TakeProfile starts over";
   EXPECT_EQ(ws2->TakeProfile().calls, 0) << "calls without profile are not counted";
 }
