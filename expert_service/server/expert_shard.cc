@@ -156,16 +156,16 @@ absl::Status ShardOptions::Validate() const {
 }
 
 std::string ShardOptions::ToString() const {
-  return absl::StrCat(
-      "source=",
-      !synthetic.empty()   ? "synthetic:" + synthetic
-      : packed_dir.empty() ? model_dir
-                           : packed_dir + " (config " + model_dir + ")",
-      " shard=", shard_index, "/", num_shards, " split=", SplitModeName(split),
-      " format=", ServeFormatName(format, group), " max_tokens=", max_tokens,
-      " threads=", threads == 0 ? std::string("all") : absl::StrCat(threads),
-      null_compute ? " null_compute=1" : "",
-      KernelTuningToString(tuning).empty() ? "" : " tuning: ", KernelTuningToString(tuning));
+  const std::string tuned = KernelTuningToString(tuning);
+  return absl::StrCat("source=",
+                      !synthetic.empty()   ? "synthetic:" + synthetic
+                      : packed_dir.empty() ? model_dir
+                                           : packed_dir + " (config " + model_dir + ")",
+                      " shard=", shard_index, "/", num_shards, " split=", SplitModeName(split),
+                      " format=", ServeFormatName(format, group), " max_tokens=", max_tokens,
+                      " threads=", threads == 0 ? std::string("all") : absl::StrCat(threads),
+                      null_compute ? " null_compute=1" : "",
+                      tuned.empty() ? "" : " tuning: ", tuned);
 }
 
 absl::StatusOr<ThreadPool*> SharedThreadPool(int threads) {
