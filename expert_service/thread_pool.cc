@@ -7,6 +7,9 @@
 #include <cstdlib>
 #include <string>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
 namespace hmoe {
 namespace {
 
@@ -16,18 +19,33 @@ inline void CpuRelax() {
 #endif
 }
 
-int EnvInt(const char* name) {
+// A non-negative count from the environment; unset or empty is 0.
+absl::StatusOr<int> EnvCount(const char* name) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return 0;
-  return std::atoi(v);
+  int n = 0;
+  if (!absl::SimpleAtoi(v, &n) || n < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, "='", v, "' is not a non-negative integer"));
+  return n;
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolOptions& opts) {
   TopologyOptions topo;
-  topo.max_threads = opts.max_threads > 0 ? opts.max_threads : EnvInt("HMOE_THREADS");
-  topo.virtual_nodes = opts.virtual_nodes > 0 ? opts.virtual_nodes : EnvInt("HMOE_VIRTUAL_NUMA");
+  topo.max_threads = opts.max_threads;
+  topo.virtual_nodes = opts.virtual_nodes;
+  if (topo.max_threads == 0) {
+    auto n = EnvCount("HMOE_THREADS");
+    if (!n.ok()) return n.status();
+    topo.max_threads = *n;
+  }
+  if (topo.virtual_nodes == 0) {
+    auto n = EnvCount("HMOE_VIRTUAL_NUMA");
+    if (!n.ok()) return n.status();
+    topo.virtual_nodes = *n;
+  }
   auto nodes = DiscoverTopology(topo);
   if (!nodes.ok()) return nodes.status();
   std::unique_ptr<ThreadPool> pool(new ThreadPool());

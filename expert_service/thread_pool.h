@@ -21,10 +21,12 @@
 namespace hmoe {
 
 struct ThreadPoolOptions {
-  int max_threads = 0;    // 0: one per core; env HMOE_THREADS overrides when 0
-  int virtual_nodes = 0;  // 0: real NUMA nodes; env HMOE_VIRTUAL_NUMA overrides when 0
-  bool pin = true;        // pin each worker to its core
-  int spin_us = 500;      // busy-wait this long for new work before sleeping
+  // 0: env HMOE_THREADS if set, else one per core.
+  int max_threads = 0;
+  // 0: env HMOE_VIRTUAL_NUMA if set, else the real NUMA nodes.
+  int virtual_nodes = 0;
+  bool pin = true;    // pin each worker to its core
+  int spin_us = 500;  // busy-wait this long for new work before sleeping
 };
 
 struct Worker {
@@ -35,6 +37,8 @@ struct Worker {
 
 class ThreadPool {
  public:
+  // INVALID_ARGUMENT for negative counts, or an env value that is not a
+  // non-negative integer (named in the message); see DiscoverTopology.
   static absl::StatusOr<std::unique_ptr<ThreadPool>> Create(const ThreadPoolOptions& opts = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;

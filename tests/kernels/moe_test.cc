@@ -42,6 +42,7 @@
 #include "expert_service/kernels/gemm.h"
 #include "expert_service/kernels/isa.h"
 #include "tests/kernels/moe_test_util.h"
+#include "tests/testing/scoped_env.h"
 
 namespace hmoe {
 namespace {
@@ -50,6 +51,7 @@ using testing::Batch;
 using testing::RandomBatch;
 using testing::RandomSource;
 using testing::RelErr;
+using testing::ScopedEnv;
 using testing::SharedPool;
 
 struct FormatCase {
@@ -656,25 +658,6 @@ TEST(MoePipelineTest, SameBitsAsPhasedOnAllCores) {
 }
 
 // ---- dispatch ------------------------------------------------------------------------
-
-class ScopedEnv {
- public:
-  ScopedEnv(const char* k, const char* v) : k_(k) {
-    if (const char* o = std::getenv(k)) old_ = o, had_ = true;
-    setenv(k, v, 1);
-  }
-  ~ScopedEnv() {
-    if (had_)
-      setenv(k_, old_.c_str(), 1);
-    else
-      unsetenv(k_);
-  }
-
- private:
-  const char* k_;
-  std::string old_;
-  bool had_ = false;
-};
 
 TEST(DispatchTest, EnvCapsAndFallback) {
   {

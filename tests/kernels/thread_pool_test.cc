@@ -7,8 +7,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <string_view>
 #include <thread>
 #include <vector>
+
+#include "tests/testing/scoped_env.h"
 
 namespace hmoe {
 namespace {
@@ -103,6 +106,36 @@ TEST(ThreadPoolTest, TooManyVirtualNodesIsAnError) {
   o.max_threads = 1;
   o.virtual_nodes = 4;
   EXPECT_FALSE(ThreadPool::Create(o).ok());
+}
+
+// HMOE_THREADS / HMOE_VIRTUAL_NUMA apply when the option is 0; a value that
+// is not a non-negative integer is INVALID_ARGUMENT naming the variable,
+// never a silent default.
+TEST(ThreadPoolTest, EnvCountsAreValidated) {
+  {
+    testing::ScopedEnv e("HMOE_THREADS", "1");
+    auto pool = ThreadPool::Create({});
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    EXPECT_EQ((*pool)->num_threads(), 1);
+  }
+  for (const char* name : {"HMOE_THREADS", "HMOE_VIRTUAL_NUMA"}) {
+    for (const char* bad : {"abc", "-1", "2x", "99999999999"}) {
+      testing::ScopedEnv e(name, bad);
+      auto pool = ThreadPool::Create({});
+      ASSERT_FALSE(pool.ok()) << name << "=" << bad;
+      EXPECT_EQ(pool.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(pool.status().message().find(name), std::string_view::npos) << pool.status();
+      EXPECT_NE(pool.status().message().find(bad), std::string_view::npos) << pool.status();
+    }
+  }
+  {
+    testing::ScopedEnv e("HMOE_THREADS", "abc");  // an explicit option wins over the env
+    ThreadPoolOptions o;
+    o.max_threads = 1;
+    auto pool = ThreadPool::Create(o);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    EXPECT_EQ((*pool)->num_threads(), 1);
+  }
 }
 
 TEST(NumaBufferTest, AllocatesAndFrees) {
