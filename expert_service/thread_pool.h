@@ -1,7 +1,9 @@
 // A persistent worker pool: one worker per core, grouped into (real or
-// virtual) NUMA nodes. Worker 0 is the thread that calls Run() (so no core
-// holds both a spinning caller and a worker); workers 1..n-1 are threads
-// pinned to the other cores. Run() hands one function to every worker and
+// virtual) NUMA nodes. Worker 0 is the thread that calls Run() (no thread
+// spins idle waiting for the others); workers 1..n-1 are threads pinned to
+// the other cores. The pool does not pin the caller: to keep it off the
+// workers' cores, pin the calling thread to node 0's first core (or to a core
+// outside the pool). Run() hands one function to every worker and
 // returns when all have finished it; callers split work with their own atomic
 // counters (per node for node-local work, see ParallelFor). Idle workers spin
 // for `spin_us`, then sleep on a futex (std::atomic::wait).

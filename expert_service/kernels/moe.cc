@@ -32,6 +32,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <string>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
@@ -197,6 +199,7 @@ struct MoeWorkspace::Impl {
   int group = 0;
   int nparts = 0;
   int64_t threads = 0;
+  std::vector<int> node_threads;                    // the pool's threads per node
   int64_t scratch_bytes = kern::kGemmScratchBytes;  // per thread
   MoePhaseProfile profile;                          // MoeTuning::profile
 
@@ -269,6 +272,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.n_local = layer.num_local_experts();
   w.nparts = static_cast<int>(layer.parts().size());
   w.threads = pool.num_threads();
+  for (int n = 0; n < pool.num_nodes(); ++n) w.node_threads.push_back(pool.node_threads(n));
   const int64_t slots = max_tokens * max_top_k;
   w.max_rows = slots + 32 * std::min<int64_t>(w.n_local, slots);  // + padding to 32 rows
   const auto& p0 = layer.parts()[0];
@@ -354,6 +358,43 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   return ws;
 }
 
+namespace {
+
+// The workspace's buffers are sized and strided for one layer shape and one
+// pool layout; anything else would overrun them.
+absl::Status CheckWorkspaceFits(const PackedMoeLayer& layer, const ThreadPool& pool,
+                                const MoeWorkspace::Impl& w) {
+  auto mismatch = [](std::string_view what, int64_t layer_or_pool, int64_t made_for) {
+    return absl::InvalidArgumentError(absl::StrCat("workspace was made for a differently shaped ",
+                                                   std::string(what), ": ", layer_or_pool,
+                                                   " here, ", made_for, " in the workspace"));
+  };
+  if (layer.hidden() != w.hidden) return mismatch("layer (hidden)", layer.hidden(), w.hidden);
+  if (layer.format() != w.format || layer.group() != w.group)
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace was made for a differently shaped layer (format/group): ",
+                     std::string(WeightFormatName(layer.format())), "/", layer.group(), " here, ",
+                     std::string(WeightFormatName(w.format)), "/", w.group, " in the workspace"));
+  if (layer.num_local_experts() != w.n_local)
+    return mismatch("layer (local experts)", layer.num_local_experts(), w.n_local);
+  if (static_cast<int>(layer.parts().size()) != w.nparts)
+    return mismatch("layer (node parts)", static_cast<int64_t>(layer.parts().size()), w.nparts);
+  for (int p = 0; p < w.nparts; ++p) {
+    const auto& lp = layer.parts()[static_cast<size_t>(p)];
+    if (lp.gu.kp != w.kp_h) return mismatch("layer (padded hidden)", lp.gu.kp, w.kp_h);
+    const int64_t kp_i = w.parts[static_cast<size_t>(p)].kp_i;
+    if (lp.down.kp != kp_i) return mismatch("layer (padded intermediate slice)", lp.down.kp, kp_i);
+  }
+  if (pool.num_nodes() != w.nparts) return mismatch("pool (nodes)", pool.num_nodes(), w.nparts);
+  for (int n = 0; n < pool.num_nodes(); ++n)
+    if (pool.node_threads(n) != w.node_threads[static_cast<size_t>(n)])
+      return mismatch("pool (threads per node)", pool.node_threads(n),
+                      w.node_threads[static_cast<size_t>(n)]);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts) {
   return ResolveIsa(opts.isa, opts.strict_isa);
 }
@@ -367,10 +408,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
     return absl::InvalidArgumentError(absl::StrCat("tokens ", T, " x top_k ", K,
                                                    " exceed the workspace (", w.max_tokens, " x ",
                                                    w.max_top_k, ")"));
-  if (H != w.hidden || layer.format() != w.format || layer.group() != w.group ||
-      layer.num_local_experts() != w.n_local ||
-      static_cast<int>(layer.parts().size()) != w.nparts || pool.num_threads() != w.threads)
-    return absl::InvalidArgumentError("workspace was made for a differently shaped layer or pool");
+  RETURN_IF_ERROR(CheckWorkspaceFits(layer, pool, w));
   RETURN_IF_ERROR(ValidateKernelTuning(opts.tuning));
   if (T == 0) return absl::OkStatus();
   if (in.x == nullptr || out == nullptr || (K > 0 && (in.ids == nullptr || in.weights == nullptr)))

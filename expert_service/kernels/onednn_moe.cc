@@ -145,7 +145,8 @@ absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
       const auto& sl = slots[static_cast<size_t>(e)];
       const int64_t M = static_cast<int64_t>(sl.size());
       if (M == 0) continue;
-      d.xa.resize(static_cast<size_t>(M * H) * es);
+      // xa holds the gate_up input (M x H) and, for int8, later the quantized h (M x I).
+      d.xa.resize(static_cast<size_t>(M * std::max(H, I)) * es);
       d.xs.resize(static_cast<size_t>(M));
       d.g.resize(static_cast<size_t>(M * 2 * I));
       d.hb.resize(static_cast<size_t>(M * I) * 4);

@@ -218,6 +218,9 @@ absl::StatusOr<std::vector<float>> MatrixF32(const Tensor& t, const Tensor& scal
     return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": expected shape [", rows,
                                                    ", ", cols, "], got ", ShapeString(t.shape())));
   if (t.dtype() == DType::kF8E4M3) {
+    if (block <= 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat(std::string(name), ": fp8 block size must be > 0, got ", block));
     const int64_t br = (rows + block - 1) / block, bc = (cols + block - 1) / block;
     if (scale_inv.empty() || scale_inv.dtype() != DType::kF32 || scale_inv.numel() != br * bc)
       return absl::InvalidArgumentError(

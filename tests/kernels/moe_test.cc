@@ -160,6 +160,16 @@ TEST(PackTest, Fp8SourceDequantizesWithBlockScales) {
     }
 }
 
+TEST(PackTest, Fp8SourceWithoutBlockSizeIsInvalidArgument) {
+  auto src = RandomSource(130, 40, 1, 2, /*fp8=*/true);
+  for (int64_t block : {0, -128}) {
+    src.fp8_block = block;
+    const absl::Status s = Pack(src, {}, SharedPool()).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("fp8 block size must be > 0"), std::string_view::npos) << s;
+  }
+}
+
 TEST(PackTest, RejectsBadOptions) {
   auto src = RandomSource(64, 32, 2, 3);
   // Each bad option: INVALID_ARGUMENT with a message naming it.
@@ -347,20 +357,20 @@ const std::vector<TuningSetting>& TuningSettings() {
       {{"HMOE_AMX_EDGE", "1"}},
       {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_CTMP", "1"}, {"HMOE_AMX_KC_BYTES", "512"}},
-      {{"HMOE_AMX_PREFETCH", "0"}, {"HMOE_AMX_STREAM", "1"}, {"HMOE_AMX_KC_BYTES", "4096"}},
+      {{"HMOE_AMX_PREFETCH", "0"}, {"HMOE_AMX_STREAM", "0"}, {"HMOE_AMX_KC_BYTES", "4096"}},
       {{"HMOE_MOE_TASK_PANELS", "32"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_AMX_KC_BYTES", "256"}, {"HMOE_AMX_EDGE", "1"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "4"}},
       {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_MOE_TASK_PANELS", "32"}},
-      {{"HMOE_MOE_LOOKAHEAD", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
+      {{"HMOE_MOE_LOOKAHEAD", "0"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
       {{"HMOE_MOE_PIPELINE", "0"}},
-      {{"HMOE_MOE_PIPELINE", "0"}, {"HMOE_MOE_LOOKAHEAD", "1"}},
+      {{"HMOE_MOE_PIPELINE", "0"}, {"HMOE_MOE_LOOKAHEAD", "0"}},
       // Session 7's defaults, and the other prefetch selections.
       {{"HMOE_AMX_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}, {"HMOE_AMX_KC_BYTES", "2048"}},
       {{"HMOE_AMX_PF_MASK", "2"}, {"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_MOE_GATHER_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}},
-      {{"HMOE_FEW_PF_I4", "0"}, {"HMOE_FEW_PF_I8", "4096"}, {"HMOE_FEW_PF_BF16", "1024"}},
+      {{"HMOE_FEW_PF_I4", "0"}, {"HMOE_FEW_PF_I8", "4096"}, {"HMOE_FEW_PF_BF16", "0"}},
       // int8 scaling in one pass after the GEMM (session 8's way), both orders.
       {{"HMOE_AMX_I8_EPI", "0"}},
       {{"HMOE_AMX_I8_EPI", "0"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "256"}},
@@ -377,12 +387,15 @@ const std::vector<TuningSetting>& TuningSettings() {
 class AmxEmulationTuningTest : public ::testing::TestWithParam<size_t> {};
 
 TEST_P(AmxEmulationTuningTest, MatchesReference) {
-  if (auto why = IsaUnavailable(Isa::kAvx512))
-    GTEST_SKIP() << "the AMX model's epilogues need AVX-512: " << *why;
   const TuningSetting& setting = TuningSettings()[GetParam()];
   RunOptions ro;
   ro.tuning = TuningOf(setting);
-  ASSERT_NE(KernelTuningToString(ro.tuning), "") << "the setting changes nothing";
+  // Every variable of the setting moves its knob off the default.
+  const std::string changed = " " + KernelTuningToString(ro.tuning);
+  for (const auto& [k, v] : setting)
+    ASSERT_NE(changed.find(" " + k + "="), std::string::npos) << k << "=" << v << " is the default";
+  if (auto why = IsaUnavailable(Isa::kAvx512))
+    GTEST_SKIP() << "the AMX model's epilogues need AVX-512: " << *why;
   const bool direct_y = ro.tuning.moe.direct_y;
   ro.isa = Isa::kAvx512;
   ro.emulate_amx = true;
@@ -512,6 +525,33 @@ std::pair<PackedMoeLayer, PackedMoeLayer> PackOneAndTwoNodes(const MoeWeightsSou
   auto two = Pack(src, o, pool2).value();
   EXPECT_EQ(two.parts().size(), 2u);
   return {std::move(one), std::move(two)};
+}
+
+// A workspace's buffers are sized and strided for one layer shape and pool
+// layout: any other layer or pool is INVALID_ARGUMENT naming what differs,
+// never an overrun or a wait for tasks no worker runs.
+TEST(MoeNumaTest, WorkspaceMustFitLayerAndPool) {
+  auto pool2 = TwoNodePool();
+  ASSERT_NE(pool2, nullptr);
+  auto L = Pack(RandomSource(64, 64, 2, 3), {}, SharedPool()).value();
+  auto wider = Pack(RandomSource(64, 2048, 2, 3), {}, SharedPool()).value();
+  auto taller = Pack(RandomSource(128, 64, 2, 3), {}, SharedPool()).value();
+  auto L2 = Pack(RandomSource(64, 64, 2, 3), {}, *pool2).value();
+  auto ws = MoeWorkspace::Create(L, 4, 2, SharedPool()).value();
+  auto ws2 = MoeWorkspace::Create(L2, 4, 2, *pool2).value();
+  auto b = RandomBatch(2, 2, 128, 2, 1);  // x rows wide enough for every layer here
+  std::vector<float> out(2 * 128);
+  auto expect = [&](absl::Status s, std::string_view what) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what << ": " << s;
+    EXPECT_NE(std::string(s.message()).find(what), std::string_view::npos) << s;
+  };
+  expect(RunMoe(wider, b.input(), out.data(), SharedPool(), *ws), "intermediate");
+  expect(RunMoe(taller, b.input(), out.data(), SharedPool(), *ws), "hidden");
+  expect(RunMoe(L2, b.input(), out.data(), SharedPool(), *ws), "node parts");
+  expect(RunMoe(L, b.input(), out.data(), *pool2, *ws), "pool (nodes)");
+  expect(RunMoe(L2, b.input(), out.data(), SharedPool(), *ws2), "pool (nodes)");
+  EXPECT_TRUE(RunMoe(L, b.input(), out.data(), SharedPool(), *ws).ok());
+  EXPECT_TRUE(RunMoe(L2, b.input(), out.data(), *pool2, *ws2).ok());
 }
 
 TEST(MoeNumaTest, VirtualNodesMatchOneNode) {

@@ -4,34 +4,43 @@
 // flips of bf16 / int8 intermediates.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
 #include "expert_service/kernels/onednn_moe.h"
 #include "tests/kernels/moe_test_util.h"
 
 namespace hmoe {
 namespace {
 
+// Both I < H and I > H (the int8 path reuses its activation buffer for h).
 TEST(OnednnMoeTest, AgreesWithReferenceAndKernels) {
-  auto src = testing::RandomSource(197, 75, 5, 41);
-  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kInt8}) {
-    PackOptions o;
-    o.format = f;
-    std::vector<QuantExpert> q;
-    for (int64_t e = 0; e < 5; ++e) q.push_back(QuantizeExpert(*src.expert(e), src, o).value());
-    auto dnn = OnednnMoe::FromQuant(q, 0);
-    ASSERT_TRUE(dnn.ok()) << dnn.status();
-    auto L = Pack(src, o, testing::SharedPool()).value();
-    for (int T : {1, 3, 40}) {
-      auto b = testing::RandomBatch(T, 2, 197, 5, 60 + static_cast<uint64_t>(T));
-      std::vector<float> got(static_cast<size_t>(T * 197)), ref(got.size()), ours(got.size());
-      ASSERT_TRUE((*dnn)->Run(b.input(), got.data()).ok());
-      RunOptions ro;
-      ro.many_threshold = 1 << 30;  // int8 numerics are regime-independent; bf16 too
-      ASSERT_TRUE(RunMoeReference(q, 197, 0, b.input(), ref.data(), ro).ok());
-      const double bound = f == WeightFormat::kBf16 ? 3e-3 : 1.5e-2;
-      EXPECT_LE(testing::RelErr(got, ref), bound) << WeightFormatName(f) << " T=" << T;
-      auto ws = MoeWorkspace::Create(L, T, 2, testing::SharedPool()).value();
-      ASSERT_TRUE(RunMoe(L, b.input(), ours.data(), testing::SharedPool(), *ws).ok());
-      EXPECT_LE(testing::RelErr(ours, got), bound) << WeightFormatName(f) << " T=" << T;
+  for (auto [H, I] : {std::pair<int64_t, int64_t>{197, 75}, {70, 203}}) {
+    auto src = testing::RandomSource(H, I, 5, 41);
+    for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kInt8}) {
+      PackOptions o;
+      o.format = f;
+      std::vector<QuantExpert> q;
+      for (int64_t e = 0; e < 5; ++e) q.push_back(QuantizeExpert(*src.expert(e), src, o).value());
+      auto dnn = OnednnMoe::FromQuant(q, 0);
+      ASSERT_TRUE(dnn.ok()) << dnn.status();
+      auto L = Pack(src, o, testing::SharedPool()).value();
+      for (int T : {1, 3, 40}) {
+        const std::string what =
+            absl::StrCat(std::string(WeightFormatName(f)), " H=", H, " I=", I, " T=", T);
+        auto b = testing::RandomBatch(T, 2, H, 5, 60 + static_cast<uint64_t>(T));
+        std::vector<float> got(static_cast<size_t>(T * H)), ref(got.size()), ours(got.size());
+        ASSERT_TRUE((*dnn)->Run(b.input(), got.data()).ok()) << what;
+        RunOptions ro;
+        ro.many_threshold = 1 << 30;  // int8 numerics are regime-independent; bf16 too
+        ASSERT_TRUE(RunMoeReference(q, H, 0, b.input(), ref.data(), ro).ok());
+        const double bound = f == WeightFormat::kBf16 ? 3e-3 : 1.5e-2;
+        EXPECT_LE(testing::RelErr(got, ref), bound) << what;
+        auto ws = MoeWorkspace::Create(L, T, 2, testing::SharedPool()).value();
+        ASSERT_TRUE(RunMoe(L, b.input(), ours.data(), testing::SharedPool(), *ws).ok());
+        EXPECT_LE(testing::RelErr(ours, got), bound) << what;
+      }
     }
   }
 }
