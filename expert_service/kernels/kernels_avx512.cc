@@ -373,13 +373,14 @@ void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t
       for (int h = 0; h < 2; ++h) {
         const __m512i p =
             _mm512_permutexvar_epi16(wsplit, halves[h]);  // [pair0: 32 B][pair1: 32 B]
-        for (int pr = 0; pr < 2; ++pr) {
-          const __m128i b0 = _mm512_extracti32x4_epi32(p, 0 + 2 * pr);
-          const __m128i b1 = _mm512_extracti32x4_epi32(p, 1 + 2 * pr);
+        // Lanes 0-1 are pair 0, lanes 2-3 pair 1 (immediates: no loop).
+        const auto store_pair = [&](__m128i b0, __m128i b1, int pr) {
           const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b0)), s0, n0);
           const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b1)), s1, n1);
           _mm512_store_si512(dst + (2 * h + pr) * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
-        }
+        };
+        store_pair(_mm512_extracti32x4_epi32(p, 0), _mm512_extracti32x4_epi32(p, 1), 0);
+        store_pair(_mm512_extracti32x4_epi32(p, 2), _mm512_extracti32x4_epi32(p, 3), 1);
       }
     }
   }
