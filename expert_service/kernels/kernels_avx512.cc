@@ -315,7 +315,7 @@ void QuantBf16(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale
   __m512 m = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16)
     m = _mm512_max_ps(m, _mm512_abs_ps(LoadBf16(x + i, TailMask(n - i))));
-  const float s = _mm512_reduce_max_ps(m) / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+  const float s = _mm512_reduce_max_ps(m) / 127.0f, inv = Int8InvScale(s);
   *scale = s;
   QuantCore([&](int64_t i, __mmask16 k) { return LoadBf16(x + i, k); }, n, kp, inv, q, gsum, group);
 }

@@ -136,7 +136,7 @@ void QuantBf16Scalar(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float*
                      int32_t* gsum, int group) {
   float m = 0.0f;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(Bf16ToF32(x[i])));
-  const float s = m / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+  const float s = m / 127.0f, inv = Int8InvScale(s);
   *scale = s;
   for (int64_t i = 0; i < n; ++i)
     q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(Bf16ToF32(x[i]) * inv), -127.0f, 127.0f));

@@ -746,7 +746,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
         const bool tl = tiled(ri.e);
         const uint8_t* rows16[16] = {};
         for (int64_t r = ri.r0; r < ri.r0 + ri.n; ++r) {
-          const float sc = w.h_scale[static_cast<size_t>(r)], inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+          const float sc = w.h_scale[static_cast<size_t>(r)], inv = Int8InvScale(sc);
           int8_t* dst = reinterpret_cast<int8_t*>(tl ? scratch + (r - ri.r0) * bq.kp_i
                                                      : bq.hq.data() + r * bq.kp_i);
           kfew.quant_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),

@@ -178,8 +178,8 @@ absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
           ks.silu_mul(gr, gr + I, I, h);
           const float amax = ks.amax_f32(h, I), hs = amax / 127.0f;
           d.hs[static_cast<size_t>(r)] = hs;
-          ks.quant_f32(h, I, I, hs > 0 ? 1.0f / hs : 0.0f,
-                       reinterpret_cast<int8_t*>(d.xa.data()) + r * I, nullptr, 1);
+          ks.quant_f32(h, I, I, Int8InvScale(hs), reinterpret_cast<int8_t*>(d.xa.data()) + r * I,
+                       nullptr, 1);
         } else {
           ks.silu_mul_bf16(gr, gr + I, I, reinterpret_cast<uint16_t*>(d.hb.data()) + r * I);
         }

@@ -34,6 +34,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -65,5 +66,12 @@ PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k);
 int64_t KAlign(WeightFormat f, int group);
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// int8 activations (per row): scale s = amax / 127, q = round(x * inv)
+// clamped to [-127, 127]. inv = 1 / s, or 0 when s is 0 or below FLT_MIN
+// (1 / s would overflow and 0 * inf is NaN): such a row quantizes to zeros.
+inline float Int8InvScale(float s) {
+  return s >= std::numeric_limits<float>::min() ? 1.0f / s : 0.0f;
+}
 
 }  // namespace hmoe

@@ -17,7 +17,7 @@ float SiluF(float v) { return v / (1.0f + std::exp(-v)); }
 float QuantRow(const float* x, int64_t n, std::vector<int8_t>& q) {
   float amax = 0.0f;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+  const float s = amax / 127.0f, inv = Int8InvScale(s);
   q.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i)
     q[static_cast<size_t>(i)] =

@@ -493,6 +493,45 @@ TEST(MoeEdgeTest, NoOwnedExpertsGivesZerosAndRepeatsCount) {
   EXPECT_LE(RelErr(t1, u1), 1e-6);
 }
 
+// A token whose hidden state is all zeros and subnormals (amax / 127 below
+// FLT_MIN) through the whole operator, every path, both regimes: its output
+// stays finite and ~0, the other tokens match the reference. (QuantTest
+// checks that such a row quantizes to zeros.)
+TEST(MoeEdgeTest, SubnormalActivationsQuantizeToZeros) {
+  constexpr int64_t H = 96;
+  auto src = RandomSource(H, 40, 3, 5);
+  for (FormatCase fc : {FormatCase{WeightFormat::kInt8, 0}, FormatCase{WeightFormat::kInt4, 32}}) {
+    PackOptions o;
+    o.format = fc.f;
+    o.group = fc.group;
+    auto L = Pack(src, o, SharedPool()).value();
+    auto q = QuantizeAll(src, o);
+    auto b = RandomBatch(3, 2, H, 3, 8);
+    for (int64_t c = 0; c < H; ++c) b.x[static_cast<size_t>(H + c)] = c % 3 == 0 ? 0x0001 : 0;
+    for (int many : {1 << 30, 0}) {  // all "few", all "many"
+      RunOptions ro;
+      ro.many_threshold = many;
+      ro.many_threshold_int4 = many;
+      std::vector<float> ref(static_cast<size_t>(3 * H));
+      ASSERT_TRUE(RunMoeReference(q, H, 0, b.input(), ref.data(), ro).ok());
+      for (IsaVariant v : AvailableVariants()) {
+        ro.isa = v.isa;
+        ro.emulate_amx = v.emulate_amx;
+        const std::string what = absl::StrCat(FmtName(fc), " ", std::string(IsaName(v.isa)),
+                                              v.emulate_amx ? "(model)" : "", " many>", many);
+        auto out = RunLayer(L, b, SharedPool(), ro);
+        for (int64_t c = 0; c < H; ++c) {
+          const float y = out[static_cast<size_t>(H + c)];
+          ASSERT_TRUE(std::isfinite(y) && std::fabs(y) < 1e-30f)
+              << what << " col " << c << ": " << y;
+        }
+        for (float y : out) ASSERT_TRUE(std::isfinite(y)) << what;
+        EXPECT_LE(RelErr(out, ref), Bound(fc.f, ro)) << what;
+      }
+    }
+  }
+}
+
 TEST(MoeEdgeTest, WorkspaceTooSmallIsInvalidArgument) {
   auto src = RandomSource(64, 32, 2, 3);
   auto L = Pack(src, {}, SharedPool()).value();

@@ -6,10 +6,13 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/dtype.h"
 #include "common/tensor.h"
+#include "expert_service/kernels/gemm.h"
+#include "expert_service/kernels/isa.h"
 #include "expert_service/kernels/moe.h"
 #include "expert_service/thread_pool.h"
 
@@ -123,6 +126,19 @@ inline ThreadPool& SharedPool() {
     return ThreadPool::Create(o).value().release();
   }();
   return *pool;
+}
+
+// The kernel sets this CPU runs, by name.
+struct NamedSet {
+  std::string name;
+  const kern::KernelSet* set;
+};
+inline std::vector<NamedSet> SetsOnThisCpu() {
+  std::vector<NamedSet> sets = {{"scalar", &kern::ScalarKernels()}};
+  if (DetectedIsa() >= Isa::kAvx2) sets.push_back({"avx2", &kern::Avx2Kernels()});
+  if (DetectedIsa() >= Isa::kAvx512) sets.push_back({"avx512", &kern::Avx512Kernels()});
+  if (DetectedIsa() >= Isa::kAmx) sets.push_back({"amx", &kern::AmxKernels()});
+  return sets;
 }
 
 }  // namespace hmoe::testing

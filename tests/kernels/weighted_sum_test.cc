@@ -12,27 +12,17 @@
 #include "absl/strings/str_cat.h"
 #include "expert_service/kernels/gemm.h"
 #include "expert_service/kernels/isa.h"
+#include "tests/kernels/moe_test_util.h"
 
 namespace hmoe {
 namespace {
 
-struct NamedSet {
-  std::string name;
-  const kern::KernelSet* set;
-};
-
-std::vector<NamedSet> SetsOnThisCpu() {
-  std::vector<NamedSet> sets = {{"scalar", &kern::ScalarKernels()}};
-  if (DetectedIsa() >= Isa::kAvx2) sets.push_back({"avx2", &kern::Avx2Kernels()});
-  if (DetectedIsa() >= Isa::kAvx512) sets.push_back({"avx512", &kern::Avx512Kernels()});
-  if (DetectedIsa() >= Isa::kAmx) sets.push_back({"amx", &kern::AmxKernels()});
-  return sets;
-}
+using testing::SetsOnThisCpu;
 
 TEST(WeightedSumTest, MatchesPlainSumOnOddShapes) {
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (const NamedSet& ks : SetsOnThisCpu()) {
+  for (const auto& ks : SetsOnThisCpu()) {
     ASSERT_NE(ks.set->weighted_sum, nullptr) << ks.name;
     for (int64_t len : {1, 7, 15, 16, 17, 31, 32, 33, 100, 256, 1000, 7168}) {
       for (int n : {0, 1, 2, 3, 8, 9, 40}) {
