@@ -1,13 +1,6 @@
 // hmoe-bench-moe: the MoE operator against the machine's measured limits and
-// against oneDNN, at real model shapes, cache-cold.
-//
-//   hmoe-bench-moe [--preset ds-v3,qwen3-30b,ds-v2-lite,mixtral,HxIxExK] [--T 1,8,8192]
-//                  [--format bf16,int8,int4] [--isa amx,avx512,avx2,scalar]
-//                  [--routing uniform|zipf] [--layers N] [--threads N] [--vnuma N]
-//                  [--group 128] [--min-time S] [--no-onednn] [--json FILE]
-//                  [--kernel-probe]   (AMX GEMM alone vs the tile loop, per --tune setting)
-//                  [--tune "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=1;B:"] [--reps N]
-//                  [--row-limits]     (AMX peak re-measured after every AMX-sized row)
+// against oneDNN, at real model shapes, cache-cold. Flags: kUsage below
+// (`--help`).
 //
 // Kernel tuning (expert_service/kernels/tuning.h) comes from the HMOE_AMX_*,
 // HMOE_FEW_*, HMOE_MOE_* and HMOE_PROFILE environment variables. --tune
@@ -19,9 +12,10 @@
 // Per row: microseconds per call, weight GB/s over the distinct expert bytes
 // the call touched, TFLOP/s, % of the measured read bandwidth, % of the
 // measured AMX peak (bf16 peak for bf16/int4, int8 peak for int8), and the
-// speedup over oneDNN (int4 is compared with oneDNN int8). Enough layers are
-// allocated that the weights cycled through exceed 4x the last-level cache,
-// and small-T routing sweeps through the experts so no call finds its
+// speedup over oneDNN (int4 is compared with oneDNN int8; oneDNN runs on as
+// many OpenMP threads as our pool has). Enough layers are allocated that the
+// weights cycled through exceed 4x the last-level cache, and each layer's
+// routing sweeps through its experts (see Router) so no call finds its
 // weights in cache.
 #include <algorithm>
 #include <chrono>
@@ -41,7 +35,9 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/dtype.h"
 #include "expert_service/kernels/gemm.h"
@@ -54,6 +50,32 @@
 
 namespace hmoe {
 namespace {
+
+constexpr char kUsage[] = R"(usage: hmoe-bench-moe [flags]
+  --preset LIST     ds-v3, qwen3-30b, ds-v2-lite, mixtral, or a shape HxIxExK
+                    (default ds-v3,qwen3-30b)
+  --T LIST          tokens per call, each >= 1 (default 1,2,4,8,32,128,512,2048,8192)
+  --format LIST     bf16, int8, int4 (default int4,int8,bf16)
+  --isa LIST        amx, avx512, avx2, scalar (default: the best this CPU has;
+                    one above it is skipped with a note)
+  --routing R       uniform (a balanced sweep) or zipf (default uniform)
+  --zipf-s S        Zipf exponent, P(rank r) ~ 1/r^S, 0 < S <= 4 (default 1)
+  --layers N        layers to cycle through (default 0: enough that the
+                    weights exceed 4x the last-level cache)
+  --threads N       pool threads (default 0: one per core)
+  --vnuma N         split the cores into N virtual NUMA nodes (tensor-parallel
+                    split of every expert; default 1)
+  --group G         int4 group: 32, 64 or 128 (default 128)
+  --min-time S      seconds of timed calls per row, > 0 (default 0.25)
+  --reps N          measurements per row and --tune setting (default 1)
+  --tune SETTINGS   "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=0;B:" compares
+                    kernel settings in one process, interleaved
+  --row-limits      re-measure the AMX peak after every AMX row with T >= 128
+  --kernel-probe    the AMX GEMM alone vs the register-only tile loop
+  --no-onednn       skip the oneDNN baseline
+  --json FILE       also write the rows as JSON
+  --help            this text
+)";
 
 struct Preset {
   const char* name;
@@ -143,35 +165,48 @@ double MeasureAmxTops(ThreadPool& pool, bool int8) {
 }
 
 // ---- routing ------------------------------------------------------------------------
+// One router per layer (each keeps its own sweep, so the layers cycled
+// through never alias with the sweep period: every call finds its experts
+// cold). Top-k ids are distinct within a token; weights uniform in
+// [0.05, 1); deterministic per seed.
+//   uniform: a balanced sweep through a fixed random permutation of the
+//     experts (each gets T*k/E tokens, +-1).
+//   zipf: expert ranks drawn with P(rank r) ~ 1/r^s (--zipf-s), ranks mapped
+//     to experts by a permutation drawn afresh every call: the skew is within
+//     a call (a few experts take many tokens); which experts are hot moves,
+//     so no expert stays cache-resident across calls by construction.
 struct Router {
   int64_t E;
   int K;
   bool zipf;
-  std::mt19937_64 rng{12345};
+  std::mt19937_64 rng;
   std::vector<int32_t> perm;
   int64_t cursor = 0;
   std::vector<double> cdf;
-  explicit Router(int64_t e, int k, bool z) : E(e), K(k), zipf(z) {
+  Router(int64_t e, int k, bool z, double zipf_s, uint64_t seed) : E(e), K(k), zipf(z), rng(seed) {
     perm.resize(static_cast<size_t>(E));
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
-    double s = 0;
-    for (int64_t i = 0; i < E; ++i) cdf.push_back(s += 1.0 / static_cast<double>(i + 1));
-    for (auto& c : cdf) c /= s;
+    double sum = 0;
+    for (int64_t i = 0; i < E; ++i)
+      cdf.push_back(sum += std::pow(static_cast<double>(i + 1), -zipf_s));
+    for (auto& c : cdf) c /= sum;
   }
   void Route(int64_t T, std::vector<int32_t>& ids, std::vector<float>& w) {
     ids.resize(static_cast<size_t>(T * K));
     w.resize(static_cast<size_t>(T * K));
     std::uniform_real_distribution<double> u(0, 1);
+    if (zipf) std::shuffle(perm.begin(), perm.end(), rng);
     for (int64_t t = 0; t < T; ++t) {
       for (int j = 0; j < K; ++j) {
         int32_t e;
         for (;;) {
-          if (zipf)
-            e = perm[static_cast<size_t>(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) -
-                                         cdf.begin())];
-          else
+          if (zipf) {
+            const auto rank = std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin();
+            e = perm[static_cast<size_t>(std::min<int64_t>(rank, E - 1))];
+          } else {
             e = perm[static_cast<size_t>(cursor++ % E)];
+          }
           bool dup = false;
           for (int jj = 0; jj < j; ++jj) dup |= ids[static_cast<size_t>(t * K + jj)] == e;
           if (!dup) break;
@@ -183,12 +218,22 @@ struct Router {
   }
 };
 
+// Routers for `layers` layers: layer l's has seed 12345 + l, so our rows and
+// oneDNN's see the same routing wherever their layer counts agree.
+std::vector<Router> LayerRouters(int64_t layers, int64_t E, int K, bool zipf, double zipf_s) {
+  std::vector<Router> r;
+  for (int64_t l = 0; l < layers; ++l)
+    r.emplace_back(E, K, zipf, zipf_s, 12345 + static_cast<uint64_t>(l));
+  return r;
+}
+
 struct Args {
   std::vector<std::string> presets{"ds-v3", "qwen3-30b"};
   std::vector<int64_t> Ts{1, 2, 4, 8, 32, 128, 512, 2048, 8192};
   std::vector<std::string> formats{"int4", "int8", "bf16"};
   std::vector<std::string> isas;
   bool zipf = false;
+  double zipf_s = 1.0;
   int layers = 0;
   int threads = 0;
   int vnuma = 0;
@@ -368,57 +413,104 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
 }
 
 int Main(int argc, char** argv) {
+  static constexpr std::string_view kValueFlags[] = {
+      "--preset",  "--T",     "--format", "--isa",      "--routing", "--zipf-s", "--layers",
+      "--threads", "--vnuma", "--group",  "--min-time", "--reps",    "--json",   "--tune"};
   Args a;
+  auto bad = [](const std::string& msg) {
+    std::fprintf(stderr, "hmoe-bench-moe: %s (--help for usage)\n", msg.c_str());
+    return 2;
+  };
   for (int i = 1; i < argc; ++i) {
-    std::string f = argv[i];
-    auto val = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", f.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
+    const std::string f = argv[i];
+    if (f == "--help" || f == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    const bool has_value = i + 1 < argc;
+    auto val = [&]() -> std::string { return has_value ? argv[++i] : std::string(); };
+    auto count = [&](int64_t lo, int64_t hi, int64_t* out) {
+      const std::string v = val();
+      return absl::SimpleAtoi(v, out) && *out >= lo && *out <= hi;
     };
-    if (f == "--preset")
-      a.presets = List(val());
-    else if (f == "--T") {
-      a.Ts.clear();
-      for (auto& s : List(val())) a.Ts.push_back(std::atoll(s.c_str()));
-    } else if (f == "--format")
-      a.formats = List(val());
-    else if (f == "--isa")
-      a.isas = List(val());
-    else if (f == "--routing")
-      a.zipf = val() == "zipf";
-    else if (f == "--layers")
-      a.layers = std::atoi(val().c_str());
-    else if (f == "--threads")
-      a.threads = std::atoi(val().c_str());
-    else if (f == "--vnuma")
-      a.vnuma = std::atoi(val().c_str());
-    else if (f == "--group")
-      a.group = std::atoi(val().c_str());
-    else if (f == "--min-time")
-      a.min_time = std::atof(val().c_str());
-    else if (f == "--kernel-probe")
+    auto range = [&](int64_t lo, int64_t hi) {
+      return absl::StrCat(f, " wants an integer in [", lo, ", ", hi, "]");
+    };
+    int64_t n = 0;
+    if (f == "--kernel-probe") {
       a.kernel_probe = true;
-    else if (f == "--row-limits")
+    } else if (f == "--row-limits") {
       a.row_limits = true;
-    else if (f == "--no-onednn")
+    } else if (f == "--no-onednn") {
       a.onednn = false;
-    else if (f == "--json")
-      a.json = val();
-    else if (f == "--tune") {
-      if (!ParseTunes(val(), a.tunes)) {
-        std::fprintf(stderr, "--tune wants NAME:HMOE_AMX_K=V,HMOE_MOE_K=V,...;NAME:...\n");
-        return 2;
+    } else if (std::find(std::begin(kValueFlags), std::end(kValueFlags), f) ==
+               std::end(kValueFlags)) {
+      return bad(absl::StrCat("unknown flag ", f));
+    } else if (!has_value) {
+      return bad(absl::StrCat(f, " needs a value"));
+    } else if (f == "--preset") {
+      a.presets = List(val());
+    } else if (f == "--T") {
+      a.Ts.clear();
+      for (const auto& t : List(val())) {
+        if (!absl::SimpleAtoi(t, &n) || n < 1 || n > (int64_t{1} << 20))
+          return bad(absl::StrCat("--T: '", t, "' is not a token count in [1, 1048576]"));
+        a.Ts.push_back(n);
       }
-    } else if (f == "--reps")
-      a.reps = std::max(1, std::atoi(val().c_str()));
-    else {
-      std::fprintf(stderr, "unknown flag %s (see the header of bench/bench_moe.cc)\n", f.c_str());
-      return 2;
+    } else if (f == "--format") {
+      a.formats = List(val());
+    } else if (f == "--isa") {
+      a.isas = List(val());
+    } else if (f == "--routing") {
+      const std::string r = val();
+      if (r != "uniform" && r != "zipf")
+        return bad(absl::StrCat("--routing: '", r, "' is not uniform or zipf"));
+      a.zipf = r == "zipf";
+    } else if (f == "--zipf-s") {
+      const std::string v = val();
+      if (!absl::SimpleAtod(v, &a.zipf_s) || !(a.zipf_s > 0 && a.zipf_s <= 4))
+        return bad(absl::StrCat("--zipf-s: '", v, "' is not in (0, 4]"));
+    } else if (f == "--layers") {
+      if (!count(0, 4096, &n)) return bad(range(0, 4096));
+      a.layers = static_cast<int>(n);
+    } else if (f == "--threads") {
+      if (!count(0, 4096, &n)) return bad(range(0, 4096));
+      a.threads = static_cast<int>(n);
+    } else if (f == "--vnuma") {
+      if (!count(0, 256, &n)) return bad(range(0, 256));
+      a.vnuma = static_cast<int>(n);
+    } else if (f == "--group") {
+      if (!count(32, 128, &n) || (n != 32 && n != 64 && n != 128))
+        return bad("--group wants 32, 64 or 128");
+      a.group = static_cast<int>(n);
+    } else if (f == "--min-time") {
+      const std::string v = val();
+      if (!absl::SimpleAtod(v, &a.min_time) || !(a.min_time > 0 && a.min_time <= 3600))
+        return bad(absl::StrCat("--min-time: '", v, "' is not seconds in (0, 3600]"));
+    } else if (f == "--reps") {
+      if (!count(1, 1000, &n)) return bad(range(1, 1000));
+      a.reps = static_cast<int>(n);
+    } else if (f == "--json") {
+      a.json = val();
+    } else if (f == "--tune") {
+      if (!ParseTunes(val(), a.tunes))
+        return bad("--tune wants NAME:HMOE_AMX_K=V,HMOE_MOE_K=V,...;NAME:...");
     }
   }
+  // Names checked before the probes spend any time.
+  if (a.Ts.empty()) return bad("--T lists no token counts");
+  if (a.presets.empty()) return bad("--preset lists no presets");
+  for (const auto& p : a.presets)
+    if (!FindPreset(p))
+      return bad(absl::StrCat("unknown preset '", p,
+                              "' (ds-v3, qwen3-30b, ds-v2-lite, mixtral or HxIxExK)"));
+  if (a.formats.empty()) return bad("--format lists no formats");
+  for (const auto& fm : a.formats)
+    if (!ParseWeightFormat(fm))
+      return bad(absl::StrCat("unknown format '", fm, "' (bf16, int8, int4)"));
+  for (const auto& is : a.isas)
+    if (!ParseIsa(is))
+      return bad(absl::StrCat("unknown ISA '", is, "' (amx, avx512, avx2, scalar)"));
   if (a.isas.empty()) a.isas = {std::string(IsaName(DetectedIsa()))};
   const absl::StatusOr<KernelTuning> env_tuning_or = KernelTuningFromEnv();
   if (!env_tuning_or.ok()) {
@@ -447,6 +539,7 @@ int Main(int argc, char** argv) {
     return 1;
   }
   ThreadPool& pool = **pool_or;
+  OnednnMoe::SetThreads(pool.num_threads());  // the baseline gets as many threads as we do
   const int64_t llc = LlcBytes();
   const int64_t min_touched = 4 * llc;
   nlohmann::json J;
@@ -527,8 +620,7 @@ int Main(int argc, char** argv) {
       // One layer's packed bytes decide how many layers make > 4x LLC.
       const PackedGeom gu = MakeGeom(*fmt, a.group, 2 * RoundUp(P->I, 16), P->H),
                        dn = MakeGeom(*fmt, a.group, P->H, P->I);
-      const int64_t expert_bytes = gu.bytes() + dn.bytes();
-      const int64_t layer_bytes = expert_bytes * P->E;
+      const int64_t layer_bytes = (gu.bytes() + dn.bytes()) * P->E;
       const int L = a.layers > 0 ? a.layers
                                  : static_cast<int>(std::max<int64_t>(
                                        1, (min_touched + layer_bytes - 1) / layer_bytes));
@@ -542,6 +634,9 @@ int Main(int argc, char** argv) {
         }
         layers.push_back(std::move(*lay));
       }
+      // Weight bytes per expert as packed (all node parts, with their int8
+      // scale / int4 group trailers): what a touched expert streams.
+      const int64_t expert_bytes = layers[0].expert_bytes();
       auto ws_or = MoeWorkspace::Create(layers[0], Tmax, P->K, pool);
       if (!ws_or.ok()) {
         std::fprintf(stderr, "workspace: %s\n", ws_or.status().ToString().c_str());
@@ -603,16 +698,18 @@ int Main(int argc, char** argv) {
       for (int64_t T : a.Ts) {
         // oneDNN row first (same routing stream).
         if (need_dnn) {
-          Router r(P->E, P->K, a.zipf);
+          std::vector<Router> routers =
+              LayerRouters(static_cast<int64_t>(dnns.size()), P->E, P->K, a.zipf, a.zipf_s);
           std::vector<int32_t> ids;
           std::vector<float> w;
           int iters = 0;
           double total = 0;
           for (int it = 0; it < 1000; ++it) {
-            r.Route(T, ids, w);
+            const size_t l = static_cast<size_t>(it) % dnns.size();
+            routers[l].Route(T, ids, w);
             MoeInput in{T, P->K, x.data(), ids.data(), w.data()};
             const double t0 = Now();
-            auto s = dnns[static_cast<size_t>(it) % dnns.size()]->Run(in, out.data());
+            auto s = dnns[l]->Run(in, out.data());
             const double dt = Now() - t0;
             if (!s.ok()) {
               std::fprintf(stderr, "onednn run: %s\n", s.ToString().c_str());
@@ -638,20 +735,21 @@ int Main(int argc, char** argv) {
               RunOptions ro;
               ro.isa = *isa;
               ro.tuning = tune.tuning;
-              Router r(P->E, P->K, a.zipf);
+              std::vector<Router> routers =
+                  LayerRouters(static_cast<int64_t>(layers.size()), P->E, P->K, a.zipf, a.zipf_s);
               std::vector<int32_t> ids;
               std::vector<float> w;
               int iters = 0;
               double total = 0, bytes = 0, flops = 0;
               for (int it = 0; it < 100000; ++it) {
-                r.Route(T, ids, w);
+                const size_t l = static_cast<size_t>(it) % layers.size();
+                routers[l].Route(T, ids, w);
                 MoeInput in{T, P->K, x.data(), ids.data(), w.data()};
                 std::vector<char> touched(static_cast<size_t>(P->E), 0);
                 for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
                 const int64_t ne = std::count(touched.begin(), touched.end(), 1);
                 const double t0 = Now();
-                auto s = RunMoe(layers[static_cast<size_t>(it) % layers.size()], in, out.data(),
-                                pool, **ws_or, ro);
+                auto s = RunMoe(layers[l], in, out.data(), pool, **ws_or, ro);
                 const double dt = Now() - t0;
                 if (!s.ok()) {
                   std::fprintf(stderr, "run: %s\n", s.ToString().c_str());
@@ -671,11 +769,12 @@ int Main(int argc, char** argv) {
               const double gbs = bytes / total / 1e9, tf = flops / total / 1e12;
               const double peak = *fmt == WeightFormat::kInt8 ? amx_i8 : amx_bf16;
               const double dus = dnn_us.count(dfmt) && dnn_us[dfmt].count(T) ? dnn_us[dfmt][T] : 0;
-              std::printf(
-                  "%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %11.1f %7.2fx%s\n",
-                  pname.c_str(), fname.c_str(), iname.c_str(), static_cast<long long>(T), us, gbs,
-                  tf, bw > 0 ? 100 * gbs / bw : 0, peak > 0 ? 100 * tf / peak : 0, dus,
-                  dus > 0 ? dus / us : 0, tune.name.empty() ? "" : (" cfg=" + tune.name).c_str());
+              const std::string dnn_cols = dus > 0 ? absl::StrFormat("%11.1f %7.2fx", dus, dus / us)
+                                                   : absl::StrFormat("%11s %8s", "-", "-");
+              std::printf("%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %s%s\n",
+                          pname.c_str(), fname.c_str(), iname.c_str(), static_cast<long long>(T),
+                          us, gbs, tf, bw > 0 ? 100 * gbs / bw : 0, peak > 0 ? 100 * tf / peak : 0,
+                          dnn_cols.c_str(), tune.name.empty() ? "" : (" cfg=" + tune.name).c_str());
               std::fflush(stdout);
               // --row-limits: the peak again, right after the row, so a row's
               // ratio can be read against the machine's state at that moment
@@ -705,24 +804,26 @@ int Main(int argc, char** argv) {
                 std::printf("\n");
                 std::fflush(stdout);
               }
-              J["rows"].push_back({{"preset", pname},
-                                   {"format", fname},
-                                   {"isa", iname},
-                                   {"T", T},
-                                   {"us", us},
-                                   {"weight_gbs", gbs},
-                                   {"tflops", tf},
-                                   {"pct_bw", bw > 0 ? 100 * gbs / bw : 0},
-                                   {"pct_amx", peak > 0 ? 100 * tf / peak : 0},
-                                   {"onednn_format", dfmt},
-                                   {"onednn_us", dus},
-                                   {"speedup", dus > 0 ? dus / us : 0},
-                                   {"layers", L},
-                                   {"routing", a.zipf ? "zipf" : "uniform"},
-                                   {"virtual_nodes", pool.num_nodes()},
-                                   {"cfg", tune.name},
-                                   {"row_peak", row_peak},
-                                   {"phases_us", phase_us}});
+              J["rows"].push_back(
+                  {{"preset", pname},
+                   {"format", fname},
+                   {"isa", iname},
+                   {"T", T},
+                   {"us", us},
+                   {"weight_gbs", gbs},
+                   {"tflops", tf},
+                   {"pct_bw", bw > 0 ? 100 * gbs / bw : 0},
+                   {"pct_amx", peak > 0 ? 100 * tf / peak : 0},
+                   {"onednn_format", dfmt},
+                   {"onednn_us", dus > 0 ? nlohmann::json(dus) : nlohmann::json()},
+                   {"speedup", dus > 0 ? nlohmann::json(dus / us) : nlohmann::json()},
+                   {"layers", L},
+                   {"routing", a.zipf ? "zipf" : "uniform"},
+                   {"zipf_s", a.zipf ? a.zipf_s : 0.0},
+                   {"virtual_nodes", pool.num_nodes()},
+                   {"cfg", tune.name},
+                   {"row_peak", row_peak},
+                   {"phases_us", phase_us}});
               flush_json();
             }
         }

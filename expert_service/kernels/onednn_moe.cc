@@ -1,5 +1,7 @@
 #include "expert_service/kernels/onednn_moe.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -125,6 +127,10 @@ absl::StatusOr<std::unique_ptr<OnednnMoe>> OnednnMoe::FromQuant(
                 });
 }
 
+void OnednnMoe::SetThreads(int threads) {
+  if (threads > 0) omp_set_num_threads(threads);
+}
+
 absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
   Impl& d = *impl_;
   const int64_t T = in.tokens, H = d.H, I = d.I;
@@ -132,7 +138,12 @@ absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
   const bool i8 = d.format == WeightFormat::kInt8;
   const kern::KernelSet& ks =
       DetectedIsa() >= Isa::kAvx512 ? kern::Avx512Kernels() : kern::ScalarKernels();
-  std::fill(out, out + T * H, 0.0f);
+  // Elementwise glue on oneDNN's OpenMP threads too (a serial fill, copy or
+  // accumulate would make the baseline look slower than the library is);
+  // small loops stay serial.
+  constexpr int64_t kParallelMin = int64_t{1} << 16;
+#pragma omp parallel for schedule(static) if (T * H >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) std::fill(out + t * H, out + (t + 1) * H, 0.0f);
   // Rows per expert, in slot order.
   std::vector<std::vector<int64_t>> slots(static_cast<size_t>(d.E));
   for (int64_t s = 0; s < T * K; ++s) {
@@ -152,6 +163,7 @@ absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
       d.hb.resize(static_cast<size_t>(M * I) * 4);
       d.hs.resize(static_cast<size_t>(M));
       d.y.resize(static_cast<size_t>(M * H));
+#pragma omp parallel for schedule(static) if (M * H >= kParallelMin)
       for (int64_t r = 0; r < M; ++r) {
         const uint16_t* x = in.x + (sl[static_cast<size_t>(r)] / K) * H;
         if (i8)
@@ -169,6 +181,7 @@ absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
       if (i8) args[DNNL_ARG_ATTR_OUTPUT_SCALES] = d.gu_s[static_cast<size_t>(e)];
       d.gu_prim.execute(d.strm, args);
       d.strm.wait();
+#pragma omp parallel for schedule(static) if (M * I >= kParallelMin)
       for (int64_t r = 0; r < M; ++r) {
         float* gr = &d.g[static_cast<size_t>(r * 2 * I)];
         if (i8) {
@@ -194,12 +207,18 @@ absl::Status OnednnMoe::Run(const MoeInput& in, float* out) {
       if (i8) args2[DNNL_ARG_ATTR_OUTPUT_SCALES] = d.dn_s[static_cast<size_t>(e)];
       d.dn_prim.execute(d.strm, args2);
       d.strm.wait();
-      for (int64_t r = 0; r < M; ++r) {
-        const int64_t s = sl[static_cast<size_t>(r)];
-        const float w = in.weights[s] * (i8 ? d.hs[static_cast<size_t>(r)] : 1.0f);
-        float* o = out + (s / K) * H;
-        const float* y = &d.y[static_cast<size_t>(r * H)];
-        for (int64_t c = 0; c < H; ++c) o[c] += w * y[c];
+      // By column chunks: rows of one token (a repeated expert) never race.
+      constexpr int64_t kChunk = 256;
+#pragma omp parallel for schedule(static) if (M * H >= kParallelMin)
+      for (int64_t c0 = 0; c0 < H; c0 += kChunk) {
+        const int64_t c1 = std::min(H, c0 + kChunk);
+        for (int64_t r = 0; r < M; ++r) {
+          const int64_t s = sl[static_cast<size_t>(r)];
+          const float w = in.weights[s] * (i8 ? d.hs[static_cast<size_t>(r)] : 1.0f);
+          float* o = out + (s / K) * H;
+          const float* y = &d.y[static_cast<size_t>(r * H)];
+          for (int64_t c = c0; c < c1; ++c) o[c] += w * y[c];
+        }
       }
     }
   } catch (const dnnl::error& e) {

@@ -31,8 +31,12 @@ class OnednnMoe {
       const std::vector<QuantExpert>& experts, int64_t expert_begin);
   ~OnednnMoe();
 
-  // out [T][H] f32, overwritten.
+  // out [T][H] f32, overwritten. Runs on the calling thread's OpenMP team
+  // (oneDNN's runtime here), matmuls and glue alike.
   absl::Status Run(const MoeInput& in, float* out);
+  // OpenMP threads for later Run calls from this thread (0: leave as is), so
+  // a benchmark can give the baseline the same thread count as ours.
+  static void SetThreads(int threads);
 
   struct Impl;
 
