@@ -64,7 +64,10 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-moe [flags]
                     weights exceed 4x the last-level cache)
   --threads N       pool threads (default 0: one per core)
   --vnuma N         split the cores into N virtual NUMA nodes (tensor-parallel
-                    split of every expert; default 1)
+                    split of every expert; default 1); N > 1 also runs every
+                    row on the same cores as one node (rows tagged nodes=N /
+                    nodes=1, interleaved), so the split's cost reads off
+                    adjacent rows
   --group G         int4 group: 32, 64 or 128 (default 128)
   --min-time S      seconds of timed calls per row, > 0 (default 0.25)
   --reps N          measurements per row and --tune setting (default 1)
@@ -539,6 +542,19 @@ int Main(int argc, char** argv) {
     return 1;
   }
   ThreadPool& pool = **pool_or;
+  // --vnuma N > 1: the same cores as one node too, so every row also runs
+  // unsplit in this process and the split's cost reads off adjacent rows.
+  std::unique_ptr<ThreadPool> pool1;
+  if (pool.num_nodes() > 1) {
+    ThreadPoolOptions p1 = po;
+    p1.virtual_nodes = 1;
+    auto p1_or = ThreadPool::Create(p1);
+    if (!p1_or.ok()) {
+      std::fprintf(stderr, "one-node pool: %s\n", p1_or.status().ToString().c_str());
+      return 1;
+    }
+    pool1 = std::move(*p1_or);
+  }
   OnednnMoe::SetThreads(pool.num_threads());  // the baseline gets as many threads as we do
   const int64_t llc = LlcBytes();
   const int64_t min_touched = 4 * llc;
@@ -624,23 +640,37 @@ int Main(int argc, char** argv) {
       const int L = a.layers > 0 ? a.layers
                                  : static_cast<int>(std::max<int64_t>(
                                        1, (min_touched + layer_bytes - 1) / layer_bytes));
-      std::vector<PackedMoeLayer> layers;
+      // The pools rows run on: the main one, and with --vnuma the one-node
+      // twin (same weights, packed unsplit).
+      struct Variant {
+        ThreadPool* pool;
+        std::string tag;  // "nodes=N" when comparing, else empty
+        std::vector<PackedMoeLayer> layers;
+        std::unique_ptr<MoeWorkspace> ws;
+        // Weight bytes per expert as packed (all node parts, with their int8
+        // scale / int4 group trailers): what a touched expert streams.
+        int64_t expert_bytes = 0;
+      };
+      std::vector<Variant> variants;
+      variants.push_back({&pool, pool1 ? absl::StrCat("nodes=", pool.num_nodes()) : "", {}, {}, 0});
+      if (pool1) variants.push_back({pool1.get(), "nodes=1", {}, {}, 0});
       const double tp0 = Now();
-      for (int l = 0; l < L; ++l) {
-        auto lay = PackRandom(P->H, P->I, P->E, o, pool, 1000 + static_cast<uint64_t>(l));
-        if (!lay.ok()) {
-          std::fprintf(stderr, "pack: %s\n", lay.status().ToString().c_str());
+      for (Variant& v : variants) {
+        for (int l = 0; l < L; ++l) {
+          auto lay = PackRandom(P->H, P->I, P->E, o, *v.pool, 1000 + static_cast<uint64_t>(l));
+          if (!lay.ok()) {
+            std::fprintf(stderr, "pack: %s\n", lay.status().ToString().c_str());
+            return 1;
+          }
+          v.layers.push_back(std::move(*lay));
+        }
+        v.expert_bytes = v.layers[0].expert_bytes();
+        auto ws_or = MoeWorkspace::Create(v.layers[0], Tmax, P->K, *v.pool);
+        if (!ws_or.ok()) {
+          std::fprintf(stderr, "workspace: %s\n", ws_or.status().ToString().c_str());
           return 1;
         }
-        layers.push_back(std::move(*lay));
-      }
-      // Weight bytes per expert as packed (all node parts, with their int8
-      // scale / int4 group trailers): what a touched expert streams.
-      const int64_t expert_bytes = layers[0].expert_bytes();
-      auto ws_or = MoeWorkspace::Create(layers[0], Tmax, P->K, pool);
-      if (!ws_or.ok()) {
-        std::fprintf(stderr, "workspace: %s\n", ws_or.status().ToString().c_str());
-        return 1;
+        v.ws = std::move(*ws_or);
       }
       std::fprintf(stderr, "# %s %s: %d layer(s) x %.2f GB packed in %.1f s\n", pname.c_str(),
                    fname.c_str(), L, layer_bytes / 1e9, Now() - tp0);
@@ -731,101 +761,105 @@ int Main(int argc, char** argv) {
           const std::vector<Args::Tune> tunes =
               a.tunes.empty() ? std::vector<Args::Tune>{Args::Tune{"", env_tuning}} : a.tunes;
           for (int rep = 0; rep < a.reps; ++rep)
-            for (const Args::Tune& tune : tunes) {
-              RunOptions ro;
-              ro.isa = *isa;
-              ro.tuning = tune.tuning;
-              std::vector<Router> routers =
-                  LayerRouters(static_cast<int64_t>(layers.size()), P->E, P->K, a.zipf, a.zipf_s);
-              std::vector<int32_t> ids;
-              std::vector<float> w;
-              int iters = 0;
-              double total = 0, bytes = 0, flops = 0;
-              for (int it = 0; it < 100000; ++it) {
-                const size_t l = static_cast<size_t>(it) % layers.size();
-                routers[l].Route(T, ids, w);
-                MoeInput in{T, P->K, x.data(), ids.data(), w.data()};
-                std::vector<char> touched(static_cast<size_t>(P->E), 0);
-                for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
-                const int64_t ne = std::count(touched.begin(), touched.end(), 1);
-                const double t0 = Now();
-                auto s = RunMoe(layers[l], in, out.data(), pool, **ws_or, ro);
-                const double dt = Now() - t0;
-                if (!s.ok()) {
-                  std::fprintf(stderr, "run: %s\n", s.ToString().c_str());
-                  return 1;
+            for (const Args::Tune& tune : tunes)
+              for (Variant& v : variants) {
+                const std::vector<PackedMoeLayer>& layers = v.layers;
+                const std::string tag = absl::StrCat(tune.name.empty() ? "" : " cfg=", tune.name,
+                                                     v.tag.empty() ? "" : " ", v.tag);
+                RunOptions ro;
+                ro.isa = *isa;
+                ro.tuning = tune.tuning;
+                std::vector<Router> routers =
+                    LayerRouters(static_cast<int64_t>(layers.size()), P->E, P->K, a.zipf, a.zipf_s);
+                std::vector<int32_t> ids;
+                std::vector<float> w;
+                int iters = 0;
+                double total = 0, bytes = 0, flops = 0;
+                for (int it = 0; it < 100000; ++it) {
+                  const size_t l = static_cast<size_t>(it) % layers.size();
+                  routers[l].Route(T, ids, w);
+                  MoeInput in{T, P->K, x.data(), ids.data(), w.data()};
+                  std::vector<char> touched(static_cast<size_t>(P->E), 0);
+                  for (int32_t e : ids) touched[static_cast<size_t>(e)] = 1;
+                  const int64_t ne = std::count(touched.begin(), touched.end(), 1);
+                  const double t0 = Now();
+                  auto s = RunMoe(layers[l], in, out.data(), *v.pool, *v.ws, ro);
+                  const double dt = Now() - t0;
+                  if (!s.ok()) {
+                    std::fprintf(stderr, "run: %s\n", s.ToString().c_str());
+                    return 1;
+                  }
+                  if (it == 0) {
+                    v.ws->TakeProfile();  // the warm-up call's phases are not reported
+                    continue;
+                  }
+                  total += dt;
+                  bytes += static_cast<double>(ne * v.expert_bytes);
+                  flops += static_cast<double>(T * P->K) * 6.0 * P->H * P->I;
+                  ++iters;
+                  if (total > a.min_time && iters >= 3) break;
                 }
-                if (it == 0) {
-                  (*ws_or)->TakeProfile();  // the warm-up call's phases are not reported
-                  continue;
-                }
-                total += dt;
-                bytes += static_cast<double>(ne * expert_bytes);
-                flops += static_cast<double>(T * P->K) * 6.0 * P->H * P->I;
-                ++iters;
-                if (total > a.min_time && iters >= 3) break;
-              }
-              const double us = total / iters * 1e6;
-              const double gbs = bytes / total / 1e9, tf = flops / total / 1e12;
-              const double peak = *fmt == WeightFormat::kInt8 ? amx_i8 : amx_bf16;
-              const double dus = dnn_us.count(dfmt) && dnn_us[dfmt].count(T) ? dnn_us[dfmt][T] : 0;
-              const std::string dnn_cols = dus > 0 ? absl::StrFormat("%11.1f %7.2fx", dus, dus / us)
-                                                   : absl::StrFormat("%11s %8s", "-", "-");
-              std::printf("%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %s%s\n",
-                          pname.c_str(), fname.c_str(), iname.c_str(), static_cast<long long>(T),
-                          us, gbs, tf, bw > 0 ? 100 * gbs / bw : 0, peak > 0 ? 100 * tf / peak : 0,
-                          dnn_cols.c_str(), tune.name.empty() ? "" : (" cfg=" + tune.name).c_str());
-              std::fflush(stdout);
-              // --row-limits: the peak again, right after the row, so a row's
-              // ratio can be read against the machine's state at that moment
-              // (on a shared VM the start-of-run peak drifts between processes).
-              double row_peak = 0;
-              if (a.row_limits && T >= 128 && *isa == Isa::kAmx) {
-                row_peak = MeasureAmxTops(pool, *fmt == WeightFormat::kInt8);
-                double& best = *fmt == WeightFormat::kInt8 ? best_i8 : best_bf16;
-                best = std::max(best, row_peak);
-                std::printf("#   AMX peak after the row: %.1f T(FL)OP/s -> %.1f%% of it\n",
-                            row_peak, 100 * tf / row_peak);
-                amx_rows.push_back({absl::StrCat(pname, " ", fname, " T=", T,
-                                                 tune.name.empty() ? "" : " cfg=", tune.name),
-                                    tf, *fmt == WeightFormat::kInt8});
-              }
-              // HMOE_PROFILE=1: where this row's time went, per call.
-              const MoePhaseProfile phases = (*ws_or)->TakeProfile();
-              nlohmann::json phase_us = nlohmann::json::object();
-              if (phases.calls > 0) {
-                std::printf("#   phases (us/call)%s:",
-                            tune.name.empty() ? "" : (" cfg=" + tune.name).c_str());
-                for (int i = 0; i < MoePhaseProfile::kPhases; ++i) {
-                  const double v = phases.seconds[i] / static_cast<double>(phases.calls) * 1e6;
-                  std::printf(" %s %.0f", MoePhaseProfile::Name(i), v);
-                  phase_us[MoePhaseProfile::Name(i)] = v;
-                }
-                std::printf("\n");
+                const double us = total / iters * 1e6;
+                const double gbs = bytes / total / 1e9, tf = flops / total / 1e12;
+                const double peak = *fmt == WeightFormat::kInt8 ? amx_i8 : amx_bf16;
+                const double dus =
+                    dnn_us.count(dfmt) && dnn_us[dfmt].count(T) ? dnn_us[dfmt][T] : 0;
+                const std::string dnn_cols = dus > 0
+                                                 ? absl::StrFormat("%11.1f %7.2fx", dus, dus / us)
+                                                 : absl::StrFormat("%11s %8s", "-", "-");
+                std::printf("%-10s %-5s %-6s %5lld %11.1f %9.1f %8.2f %6.1f%% %6.1f%% %s%s\n",
+                            pname.c_str(), fname.c_str(), iname.c_str(), static_cast<long long>(T),
+                            us, gbs, tf, bw > 0 ? 100 * gbs / bw : 0,
+                            peak > 0 ? 100 * tf / peak : 0, dnn_cols.c_str(), tag.c_str());
                 std::fflush(stdout);
+                // --row-limits: the peak again, right after the row, so a row's
+                // ratio can be read against the machine's state at that moment
+                // (on a shared VM the start-of-run peak drifts between processes).
+                double row_peak = 0;
+                if (a.row_limits && T >= 128 && *isa == Isa::kAmx) {
+                  row_peak = MeasureAmxTops(pool, *fmt == WeightFormat::kInt8);
+                  double& best = *fmt == WeightFormat::kInt8 ? best_i8 : best_bf16;
+                  best = std::max(best, row_peak);
+                  std::printf("#   AMX peak after the row: %.1f T(FL)OP/s -> %.1f%% of it\n",
+                              row_peak, 100 * tf / row_peak);
+                  amx_rows.push_back({absl::StrCat(pname, " ", fname, " T=", T, tag), tf,
+                                      *fmt == WeightFormat::kInt8});
+                }
+                // HMOE_PROFILE=1: where this row's time went, per call.
+                const MoePhaseProfile phases = v.ws->TakeProfile();
+                nlohmann::json phase_us = nlohmann::json::object();
+                if (phases.calls > 0) {
+                  std::printf("#   phases (us/call)%s:", tag.c_str());
+                  for (int i = 0; i < MoePhaseProfile::kPhases; ++i) {
+                    const double v = phases.seconds[i] / static_cast<double>(phases.calls) * 1e6;
+                    std::printf(" %s %.0f", MoePhaseProfile::Name(i), v);
+                    phase_us[MoePhaseProfile::Name(i)] = v;
+                  }
+                  std::printf("\n");
+                  std::fflush(stdout);
+                }
+                J["rows"].push_back(
+                    {{"preset", pname},
+                     {"format", fname},
+                     {"isa", iname},
+                     {"T", T},
+                     {"us", us},
+                     {"weight_gbs", gbs},
+                     {"tflops", tf},
+                     {"pct_bw", bw > 0 ? 100 * gbs / bw : 0},
+                     {"pct_amx", peak > 0 ? 100 * tf / peak : 0},
+                     {"onednn_format", dfmt},
+                     {"onednn_us", dus > 0 ? nlohmann::json(dus) : nlohmann::json()},
+                     {"speedup", dus > 0 ? nlohmann::json(dus / us) : nlohmann::json()},
+                     {"layers", L},
+                     {"routing", a.zipf ? "zipf" : "uniform"},
+                     {"zipf_s", a.zipf ? a.zipf_s : 0.0},
+                     {"virtual_nodes", v.pool->num_nodes()},
+                     {"cfg", tune.name},
+                     {"row_peak", row_peak},
+                     {"phases_us", phase_us}});
+                flush_json();
               }
-              J["rows"].push_back(
-                  {{"preset", pname},
-                   {"format", fname},
-                   {"isa", iname},
-                   {"T", T},
-                   {"us", us},
-                   {"weight_gbs", gbs},
-                   {"tflops", tf},
-                   {"pct_bw", bw > 0 ? 100 * gbs / bw : 0},
-                   {"pct_amx", peak > 0 ? 100 * tf / peak : 0},
-                   {"onednn_format", dfmt},
-                   {"onednn_us", dus > 0 ? nlohmann::json(dus) : nlohmann::json()},
-                   {"speedup", dus > 0 ? nlohmann::json(dus / us) : nlohmann::json()},
-                   {"layers", L},
-                   {"routing", a.zipf ? "zipf" : "uniform"},
-                   {"zipf_s", a.zipf ? a.zipf_s : 0.0},
-                   {"virtual_nodes", pool.num_nodes()},
-                   {"cfg", tune.name},
-                   {"row_peak", row_peak},
-                   {"phases_us", phase_us}});
-              flush_json();
-            }
         }
       }
     }
