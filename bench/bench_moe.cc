@@ -74,6 +74,8 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-moe [flags]
   --tune SETTINGS   "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=0;B:" compares
                     kernel settings in one process, interleaved
   --row-limits      re-measure the AMX peak after every AMX row with T >= 128
+  --no-pin-caller   let the OS place the calling thread (worker 0) during
+                    our calls (default: the pool moves it to its first core)
   --kernel-probe    the AMX GEMM alone vs the register-only tile loop
   --no-onednn       skip the oneDNN baseline
   --json FILE       also write the rows as JSON
@@ -245,6 +247,7 @@ struct Args {
   bool onednn = true;
   bool kernel_probe = false;
   bool row_limits = false;
+  bool pin_caller = true;
   std::string json;
   struct Tune {
     std::string name;  // empty: untagged (no --tune)
@@ -444,6 +447,8 @@ int Main(int argc, char** argv) {
       a.kernel_probe = true;
     } else if (f == "--row-limits") {
       a.row_limits = true;
+    } else if (f == "--no-pin-caller") {
+      a.pin_caller = false;
     } else if (f == "--no-onednn") {
       a.onednn = false;
     } else if (std::find(std::begin(kValueFlags), std::end(kValueFlags), f) ==
@@ -536,6 +541,7 @@ int Main(int argc, char** argv) {
   ThreadPoolOptions po;
   po.max_threads = a.threads;
   po.virtual_nodes = a.vnuma > 0 ? a.vnuma : 1;
+  po.pin_caller = a.pin_caller;
   auto pool_or = ThreadPool::Create(po);
   if (!pool_or.ok()) {
     std::fprintf(stderr, "pool: %s\n", pool_or.status().ToString().c_str());

@@ -51,12 +51,14 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolO
   std::unique_ptr<ThreadPool> pool(new ThreadPool());
   pool->nodes_ = std::move(*nodes);
   pool->spin_us_ = opts.spin_us;
+  pool->pin_caller_ = opts.pin && opts.pin_caller;
   int g = 0;
   for (size_t n = 0; n < pool->nodes_.size(); ++n) {
     for (size_t i = 0; i < pool->nodes_[n].cpus.size(); ++i, ++g) {
       Worker w{g, static_cast<int>(n), static_cast<int>(i)};
       if (g == 0) {
         pool->caller_ = w;  // the thread calling Run()
+        pool->caller_cpu_ = pool->nodes_[n].cpus[i];
         continue;
       }
       pool->workers_.emplace_back(&ThreadPool::Loop, pool.get(), w, pool->nodes_[n].cpus[i],
@@ -105,6 +107,20 @@ void ThreadPool::Loop(Worker w, int cpu, bool pin) {
 
 void ThreadPool::Run(absl::FunctionRef<void(const Worker&)> fn) {
   std::lock_guard<std::mutex> lock(run_mu_);
+  // Worker 0 runs here: on node 0's first core, not on a core whose pinned
+  // worker it would share. Only a thread found elsewhere is moved, and its
+  // own affinity is restored after the call (threads it creates later must
+  // not inherit one core); it then usually stays, so later calls cost one
+  // sched_getcpu.
+  cpu_set_t saved;
+  bool moved = false;
+  if (pin_caller_ && sched_getcpu() != caller_cpu_ &&
+      pthread_getaffinity_np(pthread_self(), sizeof(saved), &saved) == 0) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(caller_cpu_, &one);
+    moved = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
+  }
   job_ = &fn;
   pending_.store(static_cast<uint32_t>(workers_.size()), std::memory_order_release);
   gen_.fetch_add(1, std::memory_order_acq_rel);
@@ -122,6 +138,7 @@ void ThreadPool::Run(absl::FunctionRef<void(const Worker&)> fn) {
     }
   }
   job_ = nullptr;
+  if (moved) pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved);
 }
 
 void ThreadPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t, const Worker&)> fn) {

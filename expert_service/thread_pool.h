@@ -1,9 +1,8 @@
 // A persistent worker pool: one worker per core, grouped into (real or
 // virtual) NUMA nodes. Worker 0 is the thread that calls Run() (no thread
 // spins idle waiting for the others); workers 1..n-1 are threads pinned to
-// the other cores. The pool does not pin the caller: to keep it off the
-// workers' cores, pin the calling thread to node 0's first core (or to a core
-// outside the pool). Run() hands one function to every worker and
+// the other cores; Run() keeps the caller on node 0's first core for the call
+// (ThreadPoolOptions::pin_caller). Run() hands one function to every worker and
 // returns when all have finished it; callers split work with their own atomic
 // counters (per node for node-local work, see ParallelFor). Idle workers spin
 // for `spin_us`, then sleep on a futex (std::atomic::wait).
@@ -27,7 +26,10 @@ struct ThreadPoolOptions {
   int max_threads = 0;
   // 0: env HMOE_VIRTUAL_NUMA if set, else the real NUMA nodes.
   int virtual_nodes = 0;
-  bool pin = true;    // pin each worker to its core
+  bool pin = true;  // pin each worker to its core
+  // (with pin) Run() moves a calling thread that is not on node 0's first
+  // core there for the call and restores its affinity after it.
+  bool pin_caller = true;
   int spin_us = 500;  // busy-wait this long for new work before sleeping
 };
 
@@ -68,6 +70,8 @@ class ThreadPool {
   std::vector<NodeCores> nodes_;
   std::vector<std::thread> workers_;
   int spin_us_ = 500;
+  bool pin_caller_ = false;
+  int caller_cpu_ = 0;  // node 0's first core
   Worker caller_;
   std::mutex run_mu_;
   std::atomic<uint32_t> gen_{0};

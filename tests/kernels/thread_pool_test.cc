@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 #include <pthread.h>
+#include <sched.h>
 #include <time.h>
 
 #include <algorithm>
@@ -99,6 +100,35 @@ TEST(ThreadPoolTest, SleepsAndWakes) {
   }
   pool->Run([&](const Worker&) { n++; });  // and they wake again
   EXPECT_EQ(n.load(), 6 * pool->num_threads());
+}
+
+// Worker 0 runs on the calling thread, moved to node 0's first core for the
+// call; the caller's own affinity mask is back after it.
+TEST(ThreadPoolTest, RunKeepsTheCallerOnTheFirstCore) {
+  ThreadPoolOptions o;
+  o.max_threads = 2;
+  auto pool = ThreadPool::Create(o).value();
+  const int cpu0 = pool->nodes()[0].cpus[0];
+  cpu_set_t orig;
+  ASSERT_EQ(pthread_getaffinity_np(pthread_self(), sizeof(orig), &orig), 0);
+  // Start elsewhere when there is an elsewhere: on the pool's other core.
+  cpu_set_t start = orig;
+  if (pool->num_threads() > 1) {
+    CPU_ZERO(&start);
+    CPU_SET(pool->nodes().back().cpus.back(), &start);
+    ASSERT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(start), &start), 0);
+  }
+  for (int call = 0; call < 3; ++call) {
+    int seen = -1;
+    pool->Run([&](const Worker& w) {
+      if (w.global == 0) seen = sched_getcpu();
+    });
+    EXPECT_EQ(seen, cpu0) << "call " << call;
+    cpu_set_t now;
+    ASSERT_EQ(pthread_getaffinity_np(pthread_self(), sizeof(now), &now), 0);
+    EXPECT_TRUE(CPU_EQUAL(&now, &start)) << "call " << call << ": the caller's mask changed";
+  }
+  ASSERT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(orig), &orig), 0);
 }
 
 TEST(ThreadPoolTest, TooManyVirtualNodesIsAnError) {
