@@ -13,8 +13,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -53,6 +56,17 @@ bool PeerExited(int pidfd, int32_t pid) {
   return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH;
 }
 
+// The slot geometry as checked at attach. The header stays client-writable,
+// so the server never reads these fields from it again.
+struct SlotGeometry {
+  uint32_t num_slots = 0;
+  uint64_t slots_offset = 0, slot_bytes = 0, req_capacity = 0, resp_offset = 0, resp_capacity = 0;
+};
+
+ShmSlot* SlotAt(uint8_t* base, const SlotGeometry& g, uint32_t i) {
+  return reinterpret_cast<ShmSlot*>(base + g.slots_offset + uint64_t{i} * g.slot_bytes);
+}
+// Client side: the geometry of a segment it wrote itself.
 ShmSlot* SlotAt(uint8_t* base, const ShmHeader* h, uint32_t i) {
   return reinterpret_cast<ShmSlot*>(base + h->slots_offset + uint64_t{i} * h->slot_bytes);
 }
@@ -82,8 +96,14 @@ uint64_t ShmGeometry::total_bytes() const { return 4096 + uint64_t{slots} * slot
 
 struct ShmServer::Session {
   std::string path;
-  uint8_t* base = nullptr;
+  std::mutex mu;            // guards base against Serve's unmap at the end
+  uint8_t* base = nullptr;  // null once Serve has dropped a dead client's segment
   uint64_t size = 0;
+  SlotGeometry geo;
+  // Private copies of each call's ids and weights: validated once, used as
+  // validated (the client can still write the slot while it is BUSY).
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
   int client_pidfd = -1;
   int32_t client_pid = 0;
   uint64_t epoch = 0;
@@ -110,10 +130,15 @@ ShmServer::~ShmServer() {
   }
   for (auto& [id, s] : all) {
     s->stop = true;
-    auto* h = reinterpret_cast<ShmHeader*>(s->base);
-    h->closed.store(1);
-    h->doorbell.fetch_add(1);
-    FutexWake(&h->doorbell);
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      if (s->base != nullptr) {
+        auto* h = reinterpret_cast<ShmHeader*>(s->base);
+        h->closed.store(1);
+        h->doorbell.fetch_add(1);
+        FutexWake(&h->doorbell);
+      }
+    }
     if (s->thread.joinable()) s->thread.join();
   }
 }
@@ -129,7 +154,9 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   if (path.rfind("/dev/shm/", 0) != 0 || path.find("..") != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("path: \"", path, "\" is not under /dev/shm/"));
   }
-  if (client_pid <= 0) return absl::InvalidArgumentError("client_pid: must be > 0");
+  if (client_pid <= 0 || client_pid > INT32_MAX)
+    return absl::InvalidArgumentError(
+        absl::StrCat("client_pid: ", client_pid, " is not a process id"));
   auto s = std::make_unique<Session>();
   s->path = path;
   s->client_pid = static_cast<int32_t>(client_pid);
@@ -156,21 +183,30 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   s->base = static_cast<uint8_t*>(p);
   auto* h = reinterpret_cast<ShmHeader*>(s->base);
   const ShardInfo& info = handler_->info();
-  // Header geometry is client-written: check it describes slots inside the file.
+  // Header geometry is client-written: read it once, check that copy
+  // describes slots inside the file, and use only the copy from here on.
   if (h->magic != kShmMagic || h->version != kShmVersion) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": bad magic/version"));
   }
-  if (h->hidden != info.hidden) {
+  const int64_t hidden = h->hidden;
+  if (hidden != info.hidden) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": hidden ", h->hidden, " != the shard's ", info.hidden));
+        absl::StrCat(path, ": hidden ", hidden, " != the shard's ", info.hidden));
   }
-  const unsigned __int128 end = static_cast<unsigned __int128>(h->slots_offset) +
-                                static_cast<unsigned __int128>(h->num_slots) * h->slot_bytes;
-  if (h->num_slots == 0 || h->num_slots > 4096 || h->slots_offset < sizeof(ShmHeader) ||
-      h->slots_offset % 64 != 0 || h->slot_bytes % 64 != 0 || end > s->size ||
-      h->req_capacity > h->slot_bytes || h->resp_offset % 64 != 0 ||
-      h->resp_offset < kSlotHeaderBytes + h->req_capacity ||
-      static_cast<unsigned __int128>(h->resp_offset) + h->resp_capacity > h->slot_bytes) {
+  SlotGeometry& g = s->geo;
+  g.num_slots = h->num_slots;
+  g.slots_offset = h->slots_offset;
+  g.slot_bytes = h->slot_bytes;
+  g.req_capacity = h->req_capacity;
+  g.resp_offset = h->resp_offset;
+  g.resp_capacity = h->resp_capacity;
+  const unsigned __int128 end = static_cast<unsigned __int128>(g.slots_offset) +
+                                static_cast<unsigned __int128>(g.num_slots) * g.slot_bytes;
+  if (g.num_slots == 0 || g.num_slots > 4096 || g.slots_offset < sizeof(ShmHeader) ||
+      g.slots_offset % 64 != 0 || g.slot_bytes % 64 != 0 || end > s->size ||
+      g.req_capacity > g.slot_bytes || g.resp_offset % 64 != 0 ||
+      g.resp_offset < kSlotHeaderBytes + g.req_capacity ||
+      static_cast<unsigned __int128>(g.resp_offset) + g.resp_capacity > g.slot_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": slot geometry outside the segment"));
   }
   s->epoch = next_epoch_.fetch_add(2);
@@ -190,17 +226,19 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
         ++it;
       }
     }
+    // Started under the lock: a reaper never sees a session without its thread.
+    raw->thread = std::thread(&ShmServer::Serve, this, raw);
     sessions_[epoch] = std::move(s);
   }
-  raw->thread = std::thread(&ShmServer::Serve, this, raw);
   return epoch;
 }
 
 void ShmServer::Serve(Session* s) {
   auto* h = reinterpret_cast<ShmHeader*>(s->base);
-  const uint32_t n = h->num_slots;
-  const uint64_t slot_bytes = h->slot_bytes, req_cap = h->req_capacity, resp_off = h->resp_offset,
-                 resp_cap = h->resp_capacity;
+  const SlotGeometry& g = s->geo;
+  const uint32_t n = g.num_slots;
+  const uint64_t req_cap = g.req_capacity, resp_off = g.resp_offset, resp_cap = g.resp_capacity;
+  const uint64_t row_bytes = static_cast<uint64_t>(handler_->info().hidden) * 4;  // one output row
   uint32_t next = 0;
   bool client_gone = false;
   while (!s->stop.load() && !stop_.load()) {
@@ -208,7 +246,7 @@ void ShmServer::Serve(Session* s) {
     bool worked = false;
     for (uint32_t j = 0; j < n; ++j) {
       const uint32_t i = (next + j) % n;
-      ShmSlot* slot = SlotAt(s->base, h, i);
+      ShmSlot* slot = SlotAt(s->base, g, i);
       uint32_t expect = kSlotRequest;
       if (!slot->state.compare_exchange_strong(expect, kSlotBusy, std::memory_order_acq_rel))
         continue;
@@ -234,27 +272,29 @@ void ShmServer::Serve(Session* s) {
       } else if (!in_range(wo, wb, 4)) {
         st = absl::InvalidArgumentError(
             "expert_weights: offset/length outside the slot's request region");
-      } else if (call.tokens > 0 &&
-                 static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(h->hidden) * 4 >
-                     resp_cap) {
-        st = absl::InvalidArgumentError(
-            absl::StrCat("tokens: ", call.tokens, " exceeds the segment's response capacity (",
-                         resp_cap / (static_cast<uint64_t>(h->hidden) * 4), " tokens)"));
+      } else if (call.tokens > 0 && static_cast<uint64_t>(call.tokens) * row_bytes > resp_cap) {
+        st = absl::InvalidArgumentError(absl::StrCat("tokens: ", call.tokens,
+                                                     " exceeds the segment's response capacity (",
+                                                     resp_cap / row_bytes, " tokens)"));
       } else {
+        // Hidden rows are read in place (their values never steer an
+        // address); ids and weights are copied, then validated and used.
+        s->ids.resize(ib / 4);
+        s->weights.resize(wb / 4);
+        if (ib > 0) std::memcpy(s->ids.data(), data + io, ib / 4 * 4);
+        if (wb > 0) std::memcpy(s->weights.data(), data + wo, wb / 4 * 4);
         call.hidden = reinterpret_cast<const uint16_t*>(data + ho);
         call.hidden_bytes = hb;
-        call.ids = reinterpret_cast<const int32_t*>(data + io);
+        call.ids = s->ids.data();
         call.ids_bytes = ib;
-        call.weights = reinterpret_cast<const float*>(data + wo);
+        call.weights = s->weights.data();
         call.weights_bytes = wb;
         uint64_t ns = 0;
         float* out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(slot) + resp_off);
         st = handler_->Handle(call, out, &ns);
         slot->compute_ns = ns;
-        slot->out_bytes =
-            st.ok() ? static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(h->hidden) * 4 : 0;
+        slot->out_bytes = st.ok() ? static_cast<uint64_t>(call.tokens) * row_bytes : 0;
       }
-      (void)slot_bytes;
       SetMessage(slot, st);
       slot->epoch = s->epoch;
       slot->state.store(kSlotDone, std::memory_order_release);
@@ -277,9 +317,16 @@ void ShmServer::Serve(Session* s) {
     }
   }
   if (client_gone) {
-    // The worker is gone: whatever it left half-written is dropped with the segment.
+    // The worker is gone: whatever it left half-written is dropped with the
+    // segment, and so are this session's mapping and pidfd (not kept until
+    // the next attach).
     ::unlink(s->path.c_str());
     discarded_.fetch_add(1);
+    std::lock_guard<std::mutex> lock(s->mu);
+    munmap(s->base, s->size);
+    s->base = nullptr;
+    if (s->client_pidfd >= 0) ::close(s->client_pidfd);
+    s->client_pidfd = -1;
   }
   s->finished.store(true);
 }

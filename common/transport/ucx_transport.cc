@@ -87,8 +87,13 @@ class Worker {
   }
 
   ~Worker() {
-    Post([this] { stop_ = true; });
-    if (thread_.joinable()) thread_.join();
+    // A Create that failed part-way has no progress thread (and maybe no
+    // worker) to signal.
+    if (thread_.joinable()) {
+      Post([this] { stop_ = true; });
+      thread_.join();
+    }
+    if (epoll_fd_ >= 0) ::close(epoll_fd_);
     if (worker_) ucp_worker_destroy(worker_);
     if (context_) ucp_cleanup(context_);
   }
@@ -251,20 +256,21 @@ class Worker {
     }
   }
 
+  // Progress thread only; the epoll fd is the worker's, closed with it.
   void pollfd_wait(int ms) {
     epoll_event ev{};
-    static thread_local int ep = -1;
-    if (ep < 0) {
-      ep = epoll_create1(EPOLL_CLOEXEC);
+    if (epoll_fd_ < 0) {
+      epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
       ev.events = EPOLLIN;
-      epoll_ctl(ep, EPOLL_CTL_ADD, efd_, &ev);
+      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, efd_, &ev);
     }
-    epoll_wait(ep, &ev, 1, ms);
+    epoll_wait(epoll_fd_, &ev, 1, ms);
   }
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
+  int epoll_fd_ = -1;
   std::string address_;
   OnMessage on_message_;
   int spin_us_ = 50;

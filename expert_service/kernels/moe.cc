@@ -425,9 +425,13 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   // ---- route (caller thread) ----
   const int64_t E = w.n_local, e_begin = layer.expert_begin();
   std::fill(w.count.begin(), w.count.end(), 0);
+  // ids are read once (they may sit in memory a client can still write):
+  // slot_row holds each slot's local expert (or -1) until rows are assigned.
   for (int64_t s = 0; s < T * K; ++s) {
     const int64_t e = static_cast<int64_t>(in.ids[s]) - e_begin;
-    if (e >= 0 && e < E) ++w.count[static_cast<size_t>(e)];
+    const bool owned = e >= 0 && e < E;
+    w.slot_row[static_cast<size_t>(s)] = owned ? static_cast<int32_t>(e) : -1;
+    if (owned) ++w.count[static_cast<size_t>(e)];
   }
   w.active.clear();
   int64_t rows = 0;
@@ -448,15 +452,12 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   }
   w.row_off[static_cast<size_t>(E)] = static_cast<int32_t>(rows);
   for (int64_t s = 0; s < T * K; ++s) {
-    const int64_t e = static_cast<int64_t>(in.ids[s]) - e_begin;
-    if (e >= 0 && e < E) {
-      const int32_t r = w.cursor[static_cast<size_t>(e)]++;
-      w.slot_row[static_cast<size_t>(s)] = r;
-      w.row_token[static_cast<size_t>(r)] = static_cast<int32_t>(s / K);
-      w.row_expert[static_cast<size_t>(r)] = static_cast<int32_t>(e);
-    } else {
-      w.slot_row[static_cast<size_t>(s)] = -1;
-    }
+    const int32_t e = w.slot_row[static_cast<size_t>(s)];
+    if (e < 0) continue;
+    const int32_t r = w.cursor[static_cast<size_t>(e)]++;
+    w.slot_row[static_cast<size_t>(s)] = r;
+    w.row_token[static_cast<size_t>(r)] = static_cast<int32_t>(s / K);
+    w.row_expert[static_cast<size_t>(r)] = e;
   }
 
   const Dispatch dsp = DispatchFor(isa, opts.emulate_amx);

@@ -309,17 +309,21 @@ MoePhaseProfile ExpertShard::TakeProfile() {
 
 absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* compute_ns) {
   counters_.requests.fetch_add(1);
+  // Counted in flight before the draining check: a drain that sees zero in
+  // flight has no call left that could still start computing.
+  counters_.in_flight.fetch_add(1);
   if (draining_.load()) {
+    counters_.in_flight.fetch_sub(1);
     counters_.failed.fetch_add(1);
     return absl::UnavailableError("expert service is draining (shutting down)");
   }
   absl::Status st = ValidateMoeCall(info_, call);
   if (!st.ok()) {
+    counters_.in_flight.fetch_sub(1);
     counters_.invalid.fetch_add(1);
     counters_.failed.fetch_add(1);
     return st;
   }
-  counters_.in_flight.fetch_add(1);
   const auto t0 = std::chrono::steady_clock::now();
   if (null_compute_) {
     std::fill(out, out + int64_t{call.tokens} * info_.hidden, 0.f);

@@ -12,6 +12,10 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
 #include <thread>
 
 #include "common/transport/expert_pool.h"
@@ -20,6 +24,7 @@
 #include "common/transport/ucx_transport.h"
 #include "expert_service/server/expert_shard.h"
 #include "gtest/gtest.h"
+#include "tests/testing/scoped_env.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
 #include "tests/transport/test_util.h"
@@ -280,6 +285,16 @@ INSTANTIATE_TEST_SUITE_P(Transports, BadInputTest, ::testing::ValuesIn(kTranspor
 
 // ---- shared memory: the worker dies holding the segment ---------------------
 
+// A UCX set-up that fails part-way (here: a malformed UCX_ environment value)
+// is an error from Create, not a crash while the half-built worker is torn
+// down.
+TEST(UcxSetup, BadEnvironmentIsAnErrorNotACrash) {
+  testing::ScopedEnv env("UCX_RNDV_THRESH", "not-a-size");
+  auto server = UcxServer::Create(nullptr);
+  ASSERT_FALSE(server.ok());
+  EXPECT_NE(std::string(server.status().message()), "");
+}
+
 TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   TempDir dir;
   ServiceProcess proc;
@@ -294,6 +309,14 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
     _exit(0);
   }
   ASSERT_GT(child, 0);
+  // Reaped on every exit path (a failed ASSERT must not leave it paused).
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      ::kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  } reap{child};
   ShmGeometry geo;
   geo.slots = 2;
   geo.hidden = info->hidden;
@@ -336,8 +359,45 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   ASSERT_EQ(slot->state.load(), kSlotDone);
   EXPECT_EQ(slot->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
   EXPECT_NE(std::string(slot->msg, slot->msg_len).find("hidden"), std::string::npos);
+  // The header stays writable by the worker: geometry rewritten after the
+  // attach (slots far outside the file, hidden 0, a huge response region)
+  // changes nothing on the server, which keeps the copy it checked. A full
+  // (max_tokens) call still lands where it should.
+  const uint64_t slots_offset = h->slots_offset, slot_bytes = h->slot_bytes;
+  h->slots_offset = 1ull << 40;
+  h->num_slots = 4000;
+  h->hidden = 0;
+  h->resp_capacity = 1ull << 40;
+  {
+    auto rc = MakeRandomCall(*info, info->moe_layers[0], geo.max_tokens, 5);
+    uint8_t* data = reinterpret_cast<uint8_t*>(slot) + 256;
+    const uint64_t hb = rc.hidden.size() * 2, ib = rc.ids.size() * 4, wb = rc.weights.size() * 4;
+    const uint64_t io = (hb + 63) / 64 * 64, wo = io + (ib + 63) / 64 * 64;
+    std::memcpy(data, rc.hidden.data(), hb);
+    std::memcpy(data + io, rc.ids.data(), ib);
+    std::memcpy(data + wo, rc.weights.data(), wb);
+    slot->layer = rc.layer;
+    slot->tokens = rc.tokens;
+    slot->top_k = rc.top_k;
+    slot->hidden_off = 0;
+    slot->hidden_bytes = hb;
+    slot->ids_off = io;
+    slot->ids_bytes = ib;
+    slot->weights_off = wo;
+    slot->weights_bytes = wb;
+    slot->state.store(kSlotRequest);
+    h->doorbell.fetch_add(1);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->doorbell), FUTEX_WAKE, 1, nullptr, nullptr,
+            0);
+    for (int i = 0; i < 400 && slot->state.load() != kSlotDone; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ASSERT_EQ(slot->state.load(), kSlotDone);
+    EXPECT_EQ(slot->code, 0) << std::string(slot->msg, slot->msg_len);
+    EXPECT_EQ(slot->out_bytes, static_cast<uint64_t>(geo.max_tokens) * info->hidden * 4);
+  }
   // Half-written second request, then the worker dies.
-  auto* slot1 = reinterpret_cast<ShmSlot*>(base + h->slots_offset + h->slot_bytes);
+  auto* slot1 = reinterpret_cast<ShmSlot*>(base + slots_offset + slot_bytes);
   slot1->tokens = 3;
   ::kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
@@ -353,6 +413,11 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   EXPECT_EQ(discarded, 1u);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.0);
   EXPECT_NE(::access(path.c_str(), F_OK), 0) << "segment file not unlinked";
+  {  // and the service no longer maps it (not kept until the next attach)
+    std::ifstream maps("/proc/" + std::to_string(proc.pid()) + "/maps");
+    const std::string all((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(all.find(path), std::string::npos) << "the dead worker's segment is still mapped";
+  }
   munmap(base, geo.total_bytes());
   // Still serving a healthy worker.
   ExpertPoolOptions po;
