@@ -209,8 +209,16 @@ struct State {
   std::string load_error;
   double load_seconds = 0;
   std::atomic<uint64_t> streams{0};
-  ShmServer* shm = nullptr;
-  UcxServer* ucx = nullptr;
+  // Set by Main once the shard is loaded (RPC handlers read them meanwhile).
+  std::atomic<ShmServer*> shm{nullptr};
+  std::atomic<UcxServer*> ucx{nullptr};
+  // A data plane that is on but not up yet: UNAVAILABLE (retry), not "off".
+  grpc::Status DataPlaneDown(bool enabled, const char* name) const {
+    if (enabled && load_state.load() == pb::LoadStatus::LOADING)
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          absl::StrCat(name, ": the expert service is still loading; retry"));
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, absl::StrCat(name, " off"));
+  }
 };
 
 class ControlService final : public pb::ExpertControl::Service {
@@ -238,8 +246,8 @@ class ControlService final : public pb::ExpertControl::Service {
     d->set_max_tokens(i.max_tokens);
     d->set_weight_format(i.weight_format);
     d->set_instance(s_->opts.instance);
-    d->set_shm_available(s_->shm != nullptr);
-    d->set_ucx_available(s_->ucx != nullptr);
+    d->set_shm_available(s_->shm.load() != nullptr);
+    d->set_ucx_available(s_->ucx.load() != nullptr);
     d->set_pid(::getpid());
     return grpc::Status::OK;
   }
@@ -267,13 +275,13 @@ class ControlService final : public pb::ExpertControl::Service {
       r->set_compute_ns(c.compute_ns);
       r->set_in_flight(c.in_flight);
     }
-    if (s_->shm) {
-      r->set_shm_sessions(s_->shm->sessions());
-      r->set_shm_discarded(s_->shm->discarded());
+    if (ShmServer* shm = s_->shm.load()) {
+      r->set_shm_sessions(shm->sessions());
+      r->set_shm_discarded(shm->discarded());
     }
-    if (s_->ucx) {
-      r->set_ucx_endpoints(s_->ucx->endpoints());
-      r->set_ucx_peer_failures(s_->ucx->peer_failures());
+    if (UcxServer* ucx = s_->ucx.load()) {
+      r->set_ucx_endpoints(ucx->endpoints());
+      r->set_ucx_peer_failures(ucx->peer_failures());
     }
     r->set_grpc_streams(s_->streams);
     return grpc::Status::OK;
@@ -281,8 +289,9 @@ class ControlService final : public pb::ExpertControl::Service {
 
   grpc::Status AttachShm(grpc::ServerContext*, const pb::AttachShmRequest* req,
                          pb::AttachShmResponse* r) override {
-    if (!s_->shm) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "shared memory off");
-    auto epoch = s_->shm->Attach(req->path(), req->client_pid());
+    ShmServer* shm = s_->shm.load();
+    if (shm == nullptr) return s_->DataPlaneDown(s_->opts.shm, "shared memory");
+    auto epoch = shm->Attach(req->path(), req->client_pid());
     if (!epoch.ok()) return ToGrpcStatus(epoch.status());
     r->set_epoch(*epoch);
     return grpc::Status::OK;
@@ -290,8 +299,9 @@ class ControlService final : public pb::ExpertControl::Service {
 
   grpc::Status UcxConnect(grpc::ServerContext*, const pb::UcxConnectRequest* req,
                           pb::UcxConnectResponse* r) override {
-    if (!s_->ucx) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "UCX off");
-    auto addr = s_->ucx->Connect(req->client_worker_address(), req->client_id());
+    UcxServer* ucx = s_->ucx.load();
+    if (ucx == nullptr) return s_->DataPlaneDown(s_->opts.ucx, "UCX");
+    auto addr = ucx->Connect(req->client_worker_address(), req->client_id());
     if (!addr.ok()) return ToGrpcStatus(addr.status());
     r->set_server_worker_address(*addr);
     return grpc::Status::OK;
