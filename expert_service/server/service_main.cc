@@ -419,10 +419,11 @@ int Main(int argc, char** argv) {
   health->SetServingStatus(false);
 
   std::atomic<bool> stop{false};
+  std::atomic<bool> load_failed{false};  // the thread is being woken to exit, not to drain
   std::thread signals([&] {
     int sig = 0;
     sigwait(&sigs, &sig);
-    Log(absl::StrCat("signal ", sig, ": draining"));
+    if (!load_failed.load()) Log(absl::StrCat("signal ", sig, ": draining"));
     stop.store(true);
   });
 
@@ -435,7 +436,11 @@ int Main(int argc, char** argv) {
     Log("load failed: " + state.load_error);
     sd_notifyf(0, "STATUS=load failed: %s", state.load_error.c_str());
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    signals.detach();
+    // Joined, not detached: it references this frame. SIGTERM is blocked
+    // here, so sent to that thread it is what its sigwait returns.
+    load_failed.store(true);
+    pthread_kill(signals.native_handle(), SIGTERM);
+    signals.join();
     return 1;
   }
   std::unique_ptr<ShmServer> shm;
