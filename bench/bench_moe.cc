@@ -615,12 +615,8 @@ int Main(int argc, char** argv) {
   const int64_t Tmax = *std::max_element(a.Ts.begin(), a.Ts.end());
 
   for (const auto& pname : a.presets) {
-    const std::optional<Preset> found = FindPreset(pname);
-    const Preset* P = found ? &*found : nullptr;
-    if (P == nullptr) {
-      std::fprintf(stderr, "unknown preset %s\n", pname.c_str());
-      return 2;
-    }
+    const Preset preset = *FindPreset(pname);  // names checked after parsing
+    const Preset* P = &preset;
     // bf16 x for the largest T
     std::vector<uint16_t> x(static_cast<size_t>(Tmax * P->H));
     {
@@ -631,11 +627,7 @@ int Main(int argc, char** argv) {
     std::vector<float> out(static_cast<size_t>(Tmax * P->H));
     std::map<std::string, std::map<int64_t, double>> dnn_us;  // by oneDNN format
     for (const auto& fname : a.formats) {
-      auto fmt = ParseWeightFormat(fname);
-      if (!fmt) {
-        std::fprintf(stderr, "unknown format %s\n", fname.c_str());
-        return 2;
-      }
+      const std::optional<WeightFormat> fmt = ParseWeightFormat(fname);  // checked after parsing
       PackOptions o;
       o.format = *fmt;
       o.group = a.group;
@@ -759,8 +751,8 @@ int Main(int argc, char** argv) {
           dnn_us[dfmt][T] = total / iters * 1e6;
         }
         for (const auto& iname : a.isas) {
-          auto isa = ParseIsa(iname);
-          if (!isa || *isa > DetectedIsa()) {
+          const std::optional<Isa> isa = ParseIsa(iname);  // checked after parsing
+          if (*isa > DetectedIsa()) {
             std::fprintf(stderr, "# skip isa %s (not on this CPU)\n", iname.c_str());
             continue;
           }
