@@ -19,6 +19,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/transport/grpc_client.h"
@@ -151,12 +152,20 @@ uint64_t ShmServer::sessions() const {
 }
 
 absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t client_pid) {
-  if (path.rfind("/dev/shm/", 0) != 0 || path.find("..") != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("path: \"", path, "\" is not under /dev/shm/"));
-  }
   if (client_pid <= 0 || client_pid > INT32_MAX)
     return absl::InvalidArgumentError(
         absl::StrCat("client_pid: ", client_pid, " is not a process id"));
+  // The segment is the client's sealed memfd, reached through its fd table:
+  // exactly /proc/<client_pid>/fd/<n>, nothing else is opened.
+  const std::string prefix = absl::StrCat("/proc/", client_pid, "/fd/");
+  int fd_number = -1;
+  if (path.rfind(prefix, 0) != 0 || path.size() == prefix.size() ||
+      path.size() > prefix.size() + 9 ||
+      path.find_first_not_of("0123456789", prefix.size()) != std::string::npos ||
+      !absl::SimpleAtoi(path.substr(prefix.size()), &fd_number)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("path: \"", path, "\" is not ", prefix, "<fd> (the client's memfd)"));
+  }
   auto s = std::make_unique<Session>();
   s->path = path;
   s->client_pid = static_cast<int32_t>(client_pid);
@@ -164,16 +173,30 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   if (s->client_pidfd < 0 && errno == ESRCH) {
     return absl::InvalidArgumentError(absl::StrCat("client_pid: ", client_pid, " is not running"));
   }
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  // O_NONBLOCK: a FIFO in the client's fd table must not block the service.
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) {
     return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(errno)));
   }
   struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
-      static_cast<uint64_t>(st.st_size) < sizeof(ShmHeader)) {
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": not a segment (too small or not a file)"));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a segment (not a regular file)"));
+  }
+  // Sealed against shrinking, or the client could truncate it under our
+  // mapping and every later access would SIGBUS the service.
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": not a memfd sealed with F_SEAL_SHRINK (",
+        seals < 0 ? std::string(std::strerror(errno)) : absl::StrCat("seals 0x", absl::Hex(seals)),
+        ")"));
+  }
+  // Size read after the seal check: from here it can only grow.
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < sizeof(ShmHeader)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a segment (too small)"));
   }
   s->size = static_cast<uint64_t>(st.st_size);
   void* p = mmap(nullptr, s->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -319,8 +342,7 @@ void ShmServer::Serve(Session* s) {
   if (client_gone) {
     // The worker is gone: whatever it left half-written is dropped with the
     // segment, and so are this session's mapping and pidfd (not kept until
-    // the next attach).
-    ::unlink(s->path.c_str());
+    // the next attach). The memfd goes with the last mapping.
     discarded_.fetch_add(1);
     std::lock_guard<std::mutex> lock(s->mu);
     munmap(s->base, s->size);
@@ -336,7 +358,8 @@ void ShmServer::Serve(Session* s) {
 struct ShmClient::Segment {
   uint8_t* base = nullptr;
   uint64_t size = 0;
-  std::string path;
+  int fd = -1;       // the sealed memfd
+  std::string path;  // /proc/<pid>/fd/<fd>, what the service opens
   int server_pidfd = -1;
   int32_t server_pid = 0;
   uint64_t epoch = 0;
@@ -350,7 +373,7 @@ struct ShmClient::Segment {
       FutexWake(&header()->doorbell);
       munmap(base, size);
     }
-    if (!path.empty()) ::unlink(path.c_str());
+    if (fd >= 0) ::close(fd);
     if (server_pidfd >= 0) ::close(server_pidfd);
   }
 };
@@ -379,25 +402,25 @@ absl::StatusOr<std::unique_ptr<ShmClient>> ShmClient::Create(std::shared_ptr<Con
 ShmClient::~ShmClient() = default;
 
 absl::Status ShmClient::Connect() {
-  static std::atomic<uint64_t> counter{0};
   auto seg = std::make_shared<Segment>();
-  seg->path = absl::StrCat("/dev/shm/hmoe-", ::getpid(), "-", counter.fetch_add(1), "-",
-                           NowNs() % 1000000007);
   seg->size = geo_.total_bytes();
-  const int fd = ::open(seg->path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return absl::InternalError(absl::StrCat(seg->path, ": ", std::strerror(errno)));
-  if (ftruncate(fd, static_cast<off_t>(seg->size)) != 0) {
-    ::close(fd);
-    ::unlink(seg->path.c_str());
+  // A memfd, sized, then sealed against shrinking (and growing) before the
+  // service sees it: it maps the file and must never find it truncated. The
+  // fd stays open for the segment's life; the service opens it through
+  // /proc/<our pid>/fd/<fd>.
+  seg->fd = memfd_create("hmoe-shm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (seg->fd < 0)
+    return absl::InternalError(absl::StrCat("shm: memfd_create: ", std::strerror(errno)));
+  seg->path = absl::StrCat("/proc/", ::getpid(), "/fd/", seg->fd);
+  if (ftruncate(seg->fd, static_cast<off_t>(seg->size)) != 0) {
     return absl::ResourceExhaustedError(
-        absl::StrCat(seg->path, ": ftruncate: ", std::strerror(errno)));
+        absl::StrCat("shm: ftruncate memfd to ", seg->size, " bytes: ", std::strerror(errno)));
   }
-  void* p = mmap(nullptr, seg->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
-  if (p == MAP_FAILED) {
-    ::unlink(seg->path.c_str());
+  if (fcntl(seg->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+    return absl::InternalError(absl::StrCat("shm: sealing the memfd: ", std::strerror(errno)));
+  void* p = mmap(nullptr, seg->size, PROT_READ | PROT_WRITE, MAP_SHARED, seg->fd, 0);
+  if (p == MAP_FAILED)
     return absl::InternalError(absl::StrCat(seg->path, ": mmap: ", std::strerror(errno)));
-  }
   seg->base = static_cast<uint8_t*>(p);
   ShmHeader* h = seg->header();
   h->magic = kShmMagic;
@@ -605,7 +628,7 @@ absl::StatusOr<const float*> ShmClient::WaitInPlace(uint64_t handle, absl::Time 
   if (!done) {
     outstanding_.erase(handle);
     if (seg.dead.load()) {
-      if (seg_.get() == &seg) seg_.reset();  // the last holder unmaps and unlinks it
+      if (seg_.get() == &seg) seg_.reset();  // the last holder unmaps it and closes the memfd
     } else {
       seg.owner[o.slot] = 2;  // reclaimed once the server finishes it
     }

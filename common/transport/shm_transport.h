@@ -1,11 +1,14 @@
 // Shared-memory data plane (same host).
 //
-// The worker creates a segment (a file under /dev/shm), sizes it for its
-// largest call, and hands its path and pid to the service over the control
-// plane (ExpertControl.AttachShm); the service maps it and serves it from one
-// thread per segment. Layout (all offsets from the segment base, page-aligned
-// so the worker can cudaHostRegister the whole segment and let the GPU copy
-// straight into a slot's request region and out of its response region):
+// The worker creates a segment (a memfd), sizes it for its largest call,
+// seals it against shrinking (F_SEAL_SHRINK: truncated under the service's
+// mapping it would SIGBUS the service), and hands its path,
+// /proc/<worker pid>/fd/<fd>, and pid to the service over the control plane
+// (ExpertControl.AttachShm); the service opens it through that path, refuses
+// anything but a shrink-sealed memfd of that pid, maps it and serves it from
+// one thread per segment. Nothing is left in /dev/shm when both sides die. Layout (all offsets from
+// the segment base, page-aligned so the worker can cudaHostRegister the whole segment and let the
+// GPU copy straight into a slot's request region and out of its response region):
 //
 //   [0, 4096)            ShmHeader: magic, version, geometry, epoch, pids,
 //                        doorbell futex, heartbeats
@@ -27,7 +30,7 @@
 // ns) are written for diagnosis and for peers without pidfd. A dead service
 // fails the client's calls with UNAVAILABLE and the client discards the
 // segment (a later Submit re-attaches a fresh one); a dead client makes the
-// service discard the segment (unmap, unlink). A stopped (SIGSTOP) service is
+// service discard the segment (unmap; the memfd goes with it). A stopped (SIGSTOP) service is
 // not dead: waits end in DEADLINE_EXCEEDED.
 #pragma once
 
@@ -103,7 +106,8 @@ class ShmServer {
  public:
   explicit ShmServer(MoeHandler* handler);
   ~ShmServer();
-  // Maps `path` (a regular file under /dev/shm), checks its header, starts
+  // Maps `path` (/proc/<client_pid>/fd/<n>: the client's memfd, sealed with
+  // F_SEAL_SHRINK; INVALID_ARGUMENT otherwise), checks its header, starts
   // serving it; returns the epoch written into it.
   absl::StatusOr<uint64_t> Attach(const std::string& path, int64_t client_pid);
   uint64_t sessions() const;
@@ -160,7 +164,7 @@ class ShmClient : public MoeClient {
   void* segment() const;
   uint64_t segment_bytes() const { return geo_.total_bytes(); }
 
-  struct Segment;  // a mapping + the server's pidfd; unmapped and unlinked when dropped
+  struct Segment;  // the memfd, its mapping, the server's pidfd; all released when dropped
 
  private:
   ShmClient() = default;

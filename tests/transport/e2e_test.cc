@@ -302,6 +302,18 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   auto control = std::make_shared<ControlClient>(MakeExpertChannel(proc.target()));
   auto info = control->Describe();
   ASSERT_TRUE(info.ok());
+  ShmGeometry geo;
+  geo.slots = 2;
+  geo.hidden = info->hidden;
+  geo.max_tokens = 8;
+  geo.max_top_k = info->top_k;
+  // The segment: a sealed memfd made before the fork, so the child holds it
+  // at the same fd number (the service opens it as /proc/<child>/fd/<fd>).
+  const std::string memfd_name = absl::StrCat("hmoe-test-", getpid());
+  const int fd = memfd_create(memfd_name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(geo.total_bytes())), 0);
+  ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
   // The "worker": a child that only waits to be killed.
   const pid_t child = fork();
   if (child == 0) {
@@ -317,15 +329,7 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
       waitpid(pid, nullptr, 0);
     }
   } reap{child};
-  ShmGeometry geo;
-  geo.slots = 2;
-  geo.hidden = info->hidden;
-  geo.max_tokens = 8;
-  geo.max_top_k = info->top_k;
-  const std::string path = absl::StrCat("/dev/shm/hmoe-test-", getpid(), "-", child);
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(geo.total_bytes())), 0);
+  const std::string path = absl::StrCat("/proc/", child, "/fd/", fd);
   auto* base = static_cast<uint8_t*>(
       mmap(nullptr, geo.total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   ::close(fd);
@@ -343,6 +347,12 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   h->hidden = geo.hidden;
   auto epoch = control->AttachShm(path, child);
   ASSERT_TRUE(epoch.ok()) << epoch.status();
+  auto service_maps = [&] {
+    std::ifstream maps("/proc/" + std::to_string(proc.pid()) + "/maps");
+    return std::string((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
+  };
+  ASSERT_NE(service_maps().find("memfd:" + memfd_name), std::string::npos)
+      << "the service does not map the attached segment";
   // A hostile request: offsets far outside the slot. Refused, not dereferenced.
   auto* slot = reinterpret_cast<ShmSlot*>(base + h->slots_offset);
   slot->layer = info->moe_layers[0];
@@ -412,12 +422,9 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   }
   EXPECT_EQ(discarded, 1u);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.0);
-  EXPECT_NE(::access(path.c_str(), F_OK), 0) << "segment file not unlinked";
-  {  // and the service no longer maps it (not kept until the next attach)
-    std::ifstream maps("/proc/" + std::to_string(proc.pid()) + "/maps");
-    const std::string all((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
-    EXPECT_EQ(all.find(path), std::string::npos) << "the dead worker's segment is still mapped";
-  }
+  // and the service no longer maps it (not kept until the next attach)
+  EXPECT_EQ(service_maps().find("memfd:" + memfd_name), std::string::npos)
+      << "the dead worker's segment is still mapped";
   munmap(base, geo.total_bytes());
   // Still serving a healthy worker.
   ExpertPoolOptions po;

@@ -1,7 +1,13 @@
 // The shared-memory client's zero-copy API: requests written and answers read
 // in place in the slot give exactly what Submit/Wait give; slots are held until
 // Release and refused (RESOURCE_EXHAUSTED) when all are taken.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <string>
 
 #include "common/transport/grpc_client.h"
 #include "common/transport/shm_transport.h"
@@ -27,6 +33,21 @@ TEST(ShmZeroCopy, InPlaceEqualsSubmitWaitAndSlotsAreHeldUntilRelease) {
   auto client = ShmClient::Create(control, *info, so);
   ASSERT_TRUE(client.ok()) << client.status();
   ShmClient& shm = **client;
+  {  // The segment is a memfd sealed against shrinking: truncating it under
+     // the service's mapping (SIGBUS there) is refused by the kernel.
+    int sealed = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+      std::error_code ec;
+      const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
+      if (ec || target.rfind("/memfd:hmoe-shm", 0) != 0) continue;
+      const int fd = std::stoi(e.path().filename().string());
+      EXPECT_NE(fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK, 0);
+      EXPECT_NE(ftruncate(fd, 0), 0);
+      EXPECT_EQ(errno, EPERM);
+      ++sealed;
+    }
+    EXPECT_EQ(sealed, 1) << "expected one hmoe-shm memfd in this process";
+  }
 
   auto rc = testing::MakeRandomCall(*info, info->moe_layers[0], 5, 7);
   const MoeCall& call = rc.call();

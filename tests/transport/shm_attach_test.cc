@@ -1,0 +1,143 @@
+// ShmServer::Attach accepts only the client's own memfd, sealed against
+// shrinking: a segment the client could truncate under the service's mapping
+// would SIGBUS the service on its next access.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/transport/shm_transport.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hmoe {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Answers every call with zeros; the tests here only attach.
+class ZeroHandler : public MoeHandler {
+ public:
+  ZeroHandler() {
+    info_.hidden = 64;
+    info_.top_k = 2;
+    info_.num_experts = 4;
+    info_.max_tokens = 4;
+    info_.moe_layers = {0};
+  }
+  const ShardInfo& info() const override { return info_; }
+  absl::Status Handle(const MoeCall& call, float* out, uint64_t* compute_ns) override {
+    std::fill(out, out + call.tokens * info_.hidden, 0.0f);
+    *compute_ns = 0;
+    return absl::OkStatus();
+  }
+
+ private:
+  ShardInfo info_;
+};
+
+ShmGeometry Geometry(const ShardInfo& info) {
+  ShmGeometry g;
+  g.slots = 1;
+  g.hidden = info.hidden;
+  g.max_tokens = info.max_tokens;
+  g.max_top_k = info.top_k;
+  return g;
+}
+
+// A memfd of the geometry's size with a valid header; sealed with `seals`
+// (0: none). Returns the fd (the mapping is dropped again).
+int MakeSegment(const ShmGeometry& g, unsigned int memfd_flags, int seals) {
+  const int fd = memfd_create("hmoe-shm-attach-test", MFD_CLOEXEC | memfd_flags);
+  if (fd < 0) return -1;
+  if (ftruncate(fd, static_cast<off_t>(g.total_bytes())) != 0) return -1;
+  void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return -1;
+  auto* h = static_cast<ShmHeader*>(p);
+  h->magic = kShmMagic;
+  h->version = kShmVersion;
+  h->num_slots = g.slots;
+  h->slot_bytes = g.slot_bytes();
+  h->slots_offset = 4096;
+  h->req_capacity = g.req_capacity();
+  h->resp_offset = (256 + g.req_capacity() + 63) / 64 * 64;
+  h->resp_capacity = g.resp_capacity();
+  h->total_bytes = g.total_bytes();
+  h->hidden = g.hidden;
+  munmap(p, 4096);
+  if (seals != 0 && fcntl(fd, F_ADD_SEALS, seals) != 0) return -1;
+  return fd;
+}
+
+std::string FdPath(int fd) { return absl::StrCat("/proc/", getpid(), "/fd/", fd); }
+
+TEST(ShmAttach, SealedMemfdOfTheClientIsServedAndCannotShrink) {
+  ZeroHandler handler;
+  ShmServer server(&handler);
+  const ShmGeometry g = Geometry(handler.info());
+  const int fd = MakeSegment(g, MFD_ALLOW_SEALING, F_SEAL_SHRINK | F_SEAL_GROW);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  auto epoch = server.Attach(FdPath(fd), getpid());
+  ASSERT_TRUE(epoch.ok()) << epoch.status();
+  EXPECT_EQ(server.sessions(), 1u);
+  // The attack the seal closes: shrinking the file under the service's map.
+  EXPECT_NE(ftruncate(fd, 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  ::close(fd);
+}
+
+TEST(ShmAttach, RefusesUnsealedSegments) {
+  ZeroHandler handler;
+  ShmServer server(&handler);
+  const ShmGeometry g = Geometry(handler.info());
+  for (const auto& [flags, seals] :
+       {std::pair<unsigned, int>{0u, 0},                              // no sealing possible at all
+        std::pair<unsigned, int>{MFD_ALLOW_SEALING, 0},               // could be sealed, is not
+        std::pair<unsigned, int>{MFD_ALLOW_SEALING, F_SEAL_GROW}}) {  // sealed, but not shrink
+    const int fd = MakeSegment(g, flags, seals);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    auto epoch = server.Attach(FdPath(fd), getpid());
+    EXPECT_EQ(epoch.status().code(), absl::StatusCode::kInvalidArgument) << flags << " " << seals;
+    EXPECT_THAT(std::string(epoch.status().message()), HasSubstr("F_SEAL_SHRINK"));
+    EXPECT_THAT(std::string(epoch.status().message()), HasSubstr(FdPath(fd)));
+    ::close(fd);
+  }
+  EXPECT_EQ(server.sessions(), 0u);
+}
+
+TEST(ShmAttach, RefusesPathsOutsideTheClientsFdTable) {
+  ZeroHandler handler;
+  ShmServer server(&handler);
+  const ShmGeometry g = Geometry(handler.info());
+  const int fd = MakeSegment(g, MFD_ALLOW_SEALING, F_SEAL_SHRINK);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  const std::string self = absl::StrCat("/proc/", getpid(), "/fd/");
+  for (const std::string& path :
+       {std::string("/dev/shm/hmoe-x"), absl::StrCat("/proc/self/fd/", fd),
+        absl::StrCat("/proc/1/fd/", fd), absl::StrCat(self, fd, "x"), absl::StrCat(self, "../", fd),
+        absl::StrCat(self, "-", fd), self, absl::StrCat(self, "99999999999")}) {
+    auto epoch = server.Attach(path, getpid());
+    EXPECT_EQ(epoch.status().code(), absl::StatusCode::kInvalidArgument) << path;
+    EXPECT_THAT(std::string(epoch.status().message()), HasSubstr("path")) << path;
+  }
+  // A well-formed path naming no open fd.
+  EXPECT_EQ(server.Attach(absl::StrCat(self, 987654), getpid()).status().code(),
+            absl::StatusCode::kNotFound);
+  // Not a regular file: a pipe end must neither block nor be mapped.
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  auto piped = server.Attach(FdPath(pipe_fds[0]), getpid());
+  EXPECT_EQ(piped.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(piped.status().message()), HasSubstr("regular file"));
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+  EXPECT_EQ(server.sessions(), 0u);
+  ::close(fd);
+}
+
+}  // namespace
+}  // namespace hmoe
