@@ -92,6 +92,18 @@ uint64_t ShmGeometry::slot_bytes() const {
   return Align(kSlotHeaderBytes + req_capacity() + resp_capacity(), 4096);
 }
 uint64_t ShmGeometry::total_bytes() const { return 4096 + uint64_t{slots} * slot_bytes(); }
+void ShmGeometry::WriteHeader(ShmHeader* h) const {
+  h->magic = kShmMagic;
+  h->version = kShmVersion;
+  h->num_slots = slots;
+  h->slot_bytes = slot_bytes();
+  h->slots_offset = 4096;
+  h->req_capacity = req_capacity();
+  h->resp_offset = Align(kSlotHeaderBytes + req_capacity(), 64);
+  h->resp_capacity = resp_capacity();
+  h->total_bytes = total_bytes();
+  h->hidden = hidden;
+}
 
 // ---- server -------------------------------------------------------------------
 
@@ -423,16 +435,7 @@ absl::Status ShmClient::Connect() {
     return absl::InternalError(absl::StrCat(seg->path, ": mmap: ", std::strerror(errno)));
   seg->base = static_cast<uint8_t*>(p);
   ShmHeader* h = seg->header();
-  h->magic = kShmMagic;
-  h->version = kShmVersion;
-  h->num_slots = geo_.slots;
-  h->slot_bytes = geo_.slot_bytes();
-  h->slots_offset = 4096;
-  h->req_capacity = geo_.req_capacity();
-  h->resp_offset = Align(kSlotHeaderBytes + geo_.req_capacity(), 64);
-  h->resp_capacity = geo_.resp_capacity();
-  h->total_bytes = seg->size;
-  h->hidden = geo_.hidden;
+  geo_.WriteHeader(h);
   h->client_pid.store(static_cast<int32_t>(::getpid()));
   h->client_heartbeat_ns.store(NowNs());
   seg->owner.assign(geo_.slots, 0);

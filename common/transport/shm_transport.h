@@ -99,6 +99,9 @@ struct ShmGeometry {
   uint64_t resp_capacity() const;
   uint64_t slot_bytes() const;
   uint64_t total_bytes() const;
+  // Writes the layout fields of a fresh segment's header (magic, version,
+  // slot geometry, total size, hidden); pids, epoch and futexes untouched.
+  void WriteHeader(ShmHeader* h) const;
 };
 
 // Service side: one thread per attached segment.

@@ -335,16 +335,7 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   ::close(fd);
   ASSERT_NE(base, MAP_FAILED);
   auto* h = reinterpret_cast<ShmHeader*>(base);
-  h->magic = kShmMagic;
-  h->version = kShmVersion;
-  h->num_slots = geo.slots;
-  h->slot_bytes = geo.slot_bytes();
-  h->slots_offset = 4096;
-  h->req_capacity = geo.req_capacity();
-  h->resp_offset = (256 + geo.req_capacity() + 63) / 64 * 64;
-  h->resp_capacity = geo.resp_capacity();
-  h->total_bytes = geo.total_bytes();
-  h->hidden = geo.hidden;
+  geo.WriteHeader(h);
   auto epoch = control->AttachShm(path, child);
   ASSERT_TRUE(epoch.ok()) << epoch.status();
   auto service_maps = [&] {

@@ -57,17 +57,7 @@ int MakeSegment(const ShmGeometry& g, unsigned int memfd_flags, int seals) {
   if (ftruncate(fd, static_cast<off_t>(g.total_bytes())) != 0) return -1;
   void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return -1;
-  auto* h = static_cast<ShmHeader*>(p);
-  h->magic = kShmMagic;
-  h->version = kShmVersion;
-  h->num_slots = g.slots;
-  h->slot_bytes = g.slot_bytes();
-  h->slots_offset = 4096;
-  h->req_capacity = g.req_capacity();
-  h->resp_offset = (256 + g.req_capacity() + 63) / 64 * 64;
-  h->resp_capacity = g.resp_capacity();
-  h->total_bytes = g.total_bytes();
-  h->hidden = g.hidden;
+  g.WriteHeader(static_cast<ShmHeader*>(p));
   munmap(p, 4096);
   if (seals != 0 && fcntl(fd, F_ADD_SEALS, seals) != 0) return -1;
   return fd;
