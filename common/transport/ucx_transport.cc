@@ -290,7 +290,6 @@ struct UcxServer::Impl {
   std::unique_ptr<Worker> worker;
   struct Peer {
     ucp_ep_h ep = nullptr;
-    bool failed = false;
   };
   std::map<uint64_t, Peer> peers;  // progress thread only
   std::atomic<uint64_t> n_endpoints{0}, n_failures{0};
@@ -301,12 +300,15 @@ struct UcxServer::Impl {
     self->n_failures.fetch_add(1);
     for (auto it = self->peers.begin(); it != self->peers.end(); ++it) {
       if (it->second.ep == ep) {
-        self->worker->CloseEp(ep);
-        self->peers.erase(it);
-        self->n_endpoints.fetch_sub(1);
+        self->DropPeer(it);
         break;
       }
     }
+  }
+  void DropPeer(std::map<uint64_t, Peer>::iterator it) {
+    worker->CloseEp(it->second.ep);
+    peers.erase(it);
+    n_endpoints.fetch_sub(1);
   }
 
   void OnRequest(Message&& m) {
@@ -418,7 +420,22 @@ absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address
 uint64_t UcxServer::endpoints() const { return impl_->n_endpoints.load(); }
 uint64_t UcxServer::peer_failures() const { return impl_->n_failures.load(); }
 
+void UcxServer::FailPeersForTesting() {
+  Impl* impl = impl_.get();
+  impl->worker->Call<int>([impl] {
+    while (!impl->peers.empty()) {
+      impl->n_failures.fetch_add(1);
+      impl->DropPeer(impl->peers.begin());
+    }
+    return 0;
+  });
+}
+
 // ---- client -------------------------------------------------------------------
+
+constexpr absl::Duration kConnectTimeout = absl::Seconds(2);
+constexpr absl::Duration kSuspectConnectTimeout = absl::Milliseconds(250);
+constexpr std::chrono::seconds kSuspectRetry{1};
 
 struct UcxClient::Impl {
   std::shared_ptr<ControlClient> control;
@@ -429,6 +446,12 @@ struct UcxClient::Impl {
   std::mutex mu;
   std::condition_variable cv;
   bool connected = false;
+  // A call ran out its deadline: the next Submit re-handshakes first (the
+  // service may have dropped its endpoint to us while ours looks up; our
+  // requests then vanish and nothing else would tell us). At most one
+  // attempt per kSuspectRetry; a failed one leaves the old endpoint in use.
+  bool suspect = false;
+  std::chrono::steady_clock::time_point last_retry{};
   uint64_t generation = 0;
   uint64_t next_id = 1;
   struct Pending {
@@ -444,6 +467,9 @@ struct UcxClient::Impl {
     std::lock_guard<std::mutex> lock(mu);
     if (gen != generation) return;
     connected = false;
+    FailGeneration(gen, why);
+  }
+  void FailGeneration(uint64_t gen, const std::string& why) {  // mu held
     for (auto& [id, p] : pending) {
       if (!p.done && p.generation == gen) {
         p.done = true;
@@ -474,6 +500,7 @@ struct UcxClient::Impl {
     auto it = pending.find(h.request_id);
     if (it == pending.end()) return;  // abandoned after a deadline
     Pending& p = it->second;
+    if (p.done) return;  // already failed (its generation was replaced)
     if (h.code != 0) {
       p.status = absl::Status(static_cast<absl::StatusCode>(h.code),
                               std::string(m.data.begin(), m.data.end()));
@@ -486,8 +513,8 @@ struct UcxClient::Impl {
     cv.notify_all();
   }
 
-  absl::Status Connect() {
-    auto server_addr = control->UcxConnect(worker->address(), client_id, absl::Seconds(2));
+  absl::Status Connect(absl::Duration timeout) {
+    auto server_addr = control->UcxConnect(worker->address(), client_id, timeout);
     if (!server_addr.ok()) {
       return absl::UnavailableError(absl::StrCat("ucx connect: ", server_addr.status().message()));
     }
@@ -501,10 +528,18 @@ struct UcxClient::Impl {
       ep = *e;
       return absl::OkStatus();
     });
-    if (!st.ok()) return st;
+    if (!st.ok()) {  // the old endpoint is closed already
+      std::lock_guard<std::mutex> lock(mu);
+      connected = false;
+      FailGeneration(generation, st.ToString());
+      return st;
+    }
     std::lock_guard<std::mutex> lock(mu);
+    // Calls still out on the replaced endpoint get no answer: fail them now.
+    FailGeneration(generation, "reconnected; the call was on the old endpoint");
     ++generation;
     connected = true;
+    suspect = false;
     return absl::OkStatus();
   }
 };
@@ -523,7 +558,7 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<Con
       kAmResponse, [impl](Message&& m) { impl->OnResponse(std::move(m)); }, opts.spin_us);
   if (!w.ok()) return w.status();
   impl->worker = std::move(*w);
-  absl::Status st = impl->Connect();
+  absl::Status st = impl->Connect(kConnectTimeout);
   if (!st.ok()) return st;
   return c;
 }
@@ -541,14 +576,23 @@ UcxClient::~UcxClient() {
 
 absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out) {
   Impl* impl = impl_.get();
-  bool connected;
+  bool connected, retry = false;
   {
     std::lock_guard<std::mutex> lock(impl->mu);
     connected = impl->connected;
+    const auto now = std::chrono::steady_clock::now();
+    if (connected && impl->suspect && now - impl->last_retry >= kSuspectRetry) {
+      retry = true;
+      impl->last_retry = now;
+    }
   }
   if (!connected) {
-    absl::Status st = impl->Connect();
+    absl::Status st = impl->Connect(kConnectTimeout);
     if (!st.ok()) return st;
+  } else if (retry) {
+    // Short: a stopped service must still end this call by its own deadline.
+    // Failure keeps the old endpoint (and the suspicion, retried later).
+    impl->Connect(kSuspectConnectTimeout).IgnoreError();
   }
   UcxRequestHeader h{};
   h.client_id = impl->client_id;
@@ -607,6 +651,7 @@ absl::Status UcxClient::Wait(uint64_t handle, absl::Time deadline) {
   while (!it->second.done) {
     if (impl->cv.wait_until(lock, until) == std::cv_status::timeout && !it->second.done) {
       impl->pending.erase(it);
+      impl->suspect = true;
       return absl::DeadlineExceededError("expert service (ucx): no answer before the deadline");
     }
   }

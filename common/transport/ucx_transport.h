@@ -6,7 +6,14 @@
 // sends its address and a client id, the service answers with its own), and
 // both sides create endpoints with UCP_ERR_HANDLING_MODE_PEER, so a dead peer
 // surfaces as an endpoint error: the client fails its calls UNAVAILABLE and
-// reconnects on a later Submit; the service drops the endpoint.
+// reconnects on a later Submit; the service drops the endpoint. A service
+// that dropped its endpoint to a client also stops receiving that client's
+// requests, while the client's endpoint may look healthy: so once a call ends
+// in DEADLINE_EXCEEDED, the client's next Submit (at most once a second)
+// first redoes the handshake with a 250 ms control-plane timeout; if the
+// service answers, calls still out on the old endpoint fail UNAVAILABLE and
+// the new one is used; if not (e.g. a stopped service), the call goes out on
+// the old endpoint and ends by its own deadline as before.
 //
 // Messages are UCP active messages: id 1 request (header UcxRequestHeader,
 // data hidden | ids | weights), id 2 response (UcxResponseHeader, data = f32
@@ -48,6 +55,9 @@ class UcxServer {
   absl::StatusOr<std::string> Connect(const std::string& client_address, uint64_t client_id);
   uint64_t endpoints() const;
   uint64_t peer_failures() const;
+  // Fault injection: every peer's endpoint fails and is dropped as if UCX had
+  // reported an error on it; the clients are not told.
+  void FailPeersForTesting();
 
   struct Impl;
 

@@ -13,32 +13,12 @@
 #include "common/transport/shm_transport.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/transport/test_util.h"
 
 namespace hmoe {
 namespace {
 
 using ::testing::HasSubstr;
-
-// Answers every call with zeros; the tests here only attach.
-class ZeroHandler : public MoeHandler {
- public:
-  ZeroHandler() {
-    info_.hidden = 64;
-    info_.top_k = 2;
-    info_.num_experts = 4;
-    info_.max_tokens = 4;
-    info_.moe_layers = {0};
-  }
-  const ShardInfo& info() const override { return info_; }
-  absl::Status Handle(const MoeCall& call, float* out, uint64_t* compute_ns) override {
-    std::fill(out, out + call.tokens * info_.hidden, 0.0f);
-    *compute_ns = 0;
-    return absl::OkStatus();
-  }
-
- private:
-  ShardInfo info_;
-};
 
 ShmGeometry Geometry(const ShardInfo& info) {
   ShmGeometry g;
@@ -66,7 +46,7 @@ int MakeSegment(const ShmGeometry& g, unsigned int memfd_flags, int seals) {
 std::string FdPath(int fd) { return absl::StrCat("/proc/", getpid(), "/fd/", fd); }
 
 TEST(ShmAttach, SealedMemfdOfTheClientIsServedAndCannotShrink) {
-  ZeroHandler handler;
+  testing::RowHandler handler;
   ShmServer server(&handler);
   const ShmGeometry g = Geometry(handler.info());
   const int fd = MakeSegment(g, MFD_ALLOW_SEALING, F_SEAL_SHRINK | F_SEAL_GROW);
@@ -81,7 +61,7 @@ TEST(ShmAttach, SealedMemfdOfTheClientIsServedAndCannotShrink) {
 }
 
 TEST(ShmAttach, RefusesUnsealedSegments) {
-  ZeroHandler handler;
+  testing::RowHandler handler;
   ShmServer server(&handler);
   const ShmGeometry g = Geometry(handler.info());
   for (const auto& [flags, seals] :
@@ -100,7 +80,7 @@ TEST(ShmAttach, RefusesUnsealedSegments) {
 }
 
 TEST(ShmAttach, RefusesPathsOutsideTheClientsFdTable) {
-  ZeroHandler handler;
+  testing::RowHandler handler;
   ShmServer server(&handler);
   const ShmGeometry g = Geometry(handler.info());
   const int fd = MakeSegment(g, MFD_ALLOW_SEALING, F_SEAL_SHRINK);

@@ -68,4 +68,31 @@ inline int ThreadCount() {
   return n;
 }
 
+// A shard without weights, for transport tests that need no model: every
+// call is validated like a real shard's, then row t of the answer is t + 1
+// in every column.
+class RowHandler : public MoeHandler {
+ public:
+  RowHandler() {
+    info_.hidden = 32;
+    info_.top_k = 2;
+    info_.num_experts = 4;
+    info_.expert_end = 4;
+    info_.max_tokens = 8;
+    info_.moe_layers = {0};
+  }
+  const ShardInfo& info() const override { return info_; }
+  absl::Status Handle(const MoeCall& call, float* out, uint64_t* compute_ns) override {
+    if (absl::Status st = ValidateMoeCall(info_, call); !st.ok()) return st;
+    for (int64_t t = 0; t < call.tokens; ++t)
+      for (int64_t h = 0; h < info_.hidden; ++h)
+        out[t * info_.hidden + h] = static_cast<float>(t + 1);
+    if (compute_ns) *compute_ns = 0;
+    return absl::OkStatus();
+  }
+
+ private:
+  ShardInfo info_;
+};
+
 }  // namespace hmoe::testing
