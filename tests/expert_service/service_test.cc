@@ -2,15 +2,22 @@
 // the kernel path against the kernels' scalar reference and against plain f32
 // math, sharding arithmetic, validation, formats, options, SIGTERM drain.
 // (The systemd units are verified in tests/e2e/deploy_test.cc.)
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -331,6 +338,85 @@ TEST(ServiceProcess, BadFlagsAndUnloadableModelExitNonZero) {
     ::hmoe::testing::ServiceProcess proc;
     EXPECT_FALSE(proc.Start(args, dir.file("port"))) << args.back();
   }
+}
+
+// A free TCP port on 127.0.0.1 (closed again; the service binds it next).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+bool Listening(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
+  ::hmoe::testing::TempDir dir;
+  // The fixture, except that config.json is a FIFO: loading blocks on it
+  // until the test writes the real config, with the control plane up.
+  const std::string model = dir.file("model");
+  ASSERT_TRUE(std::filesystem::create_directory(model));
+  for (const auto& e : std::filesystem::directory_iterator(ModelDir())) {
+    const std::string to = model + "/" + e.path().filename().string();
+    if (e.path().filename() == "config.json") {
+      ASSERT_EQ(mkfifo(to.c_str(), 0600), 0);
+    } else {
+      std::filesystem::create_symlink(e.path(), to);
+    }
+  }
+  std::ifstream cfg_in(ModelDir() + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(cfg_in)),
+                           std::istreambuf_iterator<char>());
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  ::hmoe::testing::ServiceProcess proc;
+  bool started = false;
+  std::thread starter(
+      [&] { started = proc.Start({"--model-dir=" + model}, dir.file("port"), port); });
+  // The channel only once the port listens (a refused first connection
+  // would put gRPC into its reconnect backoff).
+  for (int i = 0; i < 1000 && !Listening(port); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ControlClient control(MakeExpertChannel(absl::StrCat("127.0.0.1:", port)));
+  // Up but loading: Describe says so.
+  absl::Status describe = control.Describe(absl::Seconds(5)).status();
+  EXPECT_EQ(describe.code(), absl::StatusCode::kUnavailable) << describe;
+  EXPECT_NE(std::string(describe.message()).find("still loading"), std::string::npos) << describe;
+  // The data planes are on but not up yet: retry later (UNAVAILABLE), not
+  // FAILED_PRECONDITION "off".
+  auto shm = control.AttachShm(absl::StrCat("/proc/", getpid(), "/fd/0"), getpid());
+  EXPECT_EQ(shm.status().code(), absl::StatusCode::kUnavailable) << shm.status();
+  EXPECT_NE(std::string(shm.status().message()).find("still loading"), std::string::npos);
+  auto ucx = control.UcxConnect("not-an-address", 7);
+  EXPECT_EQ(ucx.status().code(), absl::StatusCode::kUnavailable) << ucx.status();
+  EXPECT_NE(std::string(ucx.status().message()).find("still loading"), std::string::npos);
+  EXPECT_EQ(control.Check(), Health::kNotServing);
+  {  // Let it load (blocks until the service opens the FIFO, which it has).
+    std::ofstream fifo(model + "/config.json");
+    fifo << config;
+  }
+  starter.join();
+  ASSERT_TRUE(started);
+  EXPECT_EQ(control.Check(), Health::kServing);
+  // Up now: the same bad path is judged on its merits.
+  shm = control.AttachShm(absl::StrCat("/proc/", getpid(), "/fd/0"), getpid());
+  EXPECT_EQ(shm.status().code(), absl::StatusCode::kInvalidArgument) << shm.status();
 }
 
 TEST(ServiceProcess, NumaNodeBinding) {
