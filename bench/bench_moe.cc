@@ -58,7 +58,9 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-moe [flags]
   --format LIST     bf16, int8, int4 (default int4,int8,bf16)
   --isa LIST        amx, avx512, avx2, scalar (default: the best this CPU has;
                     one above it is skipped with a note)
-  --routing R       uniform (a balanced sweep) or zipf (default uniform)
+  --routing R       uniform (a balanced sweep: every expert T*k/E tokens),
+                    random (each token's k experts drawn at random: a real
+                    router's imbalance without skew) or zipf (default uniform)
   --zipf-s S        Zipf exponent, P(rank r) ~ 1/r^S, 0 < S <= 4 (default 1)
   --layers N        layers to cycle through (default 0: enough that the
                     weights exceed 4x the last-level cache)
@@ -176,19 +178,27 @@ double MeasureAmxTops(ThreadPool& pool, bool int8) {
 // [0.05, 1); deterministic per seed.
 //   uniform: a balanced sweep through a fixed random permutation of the
 //     experts (each gets T*k/E tokens, +-1).
+//   random: each token's k distinct experts drawn uniformly, independently
+//     per token and per call (loads vary around T*k/E as a router's do).
 //   zipf: expert ranks drawn with P(rank r) ~ 1/r^s (--zipf-s), ranks mapped
 //     to experts by a permutation drawn afresh every call: the skew is within
 //     a call (a few experts take many tokens); which experts are hot moves,
 //     so no expert stays cache-resident across calls by construction.
+enum class Routing { kSweep, kRandom, kZipf };
+const char* RoutingName(Routing r) {
+  return r == Routing::kSweep ? "uniform" : r == Routing::kRandom ? "random" : "zipf";
+}
+
 struct Router {
   int64_t E;
   int K;
-  bool zipf;
+  Routing mode;
   std::mt19937_64 rng;
   std::vector<int32_t> perm;
   int64_t cursor = 0;
   std::vector<double> cdf;
-  Router(int64_t e, int k, bool z, double zipf_s, uint64_t seed) : E(e), K(k), zipf(z), rng(seed) {
+  Router(int64_t e, int k, Routing m, double zipf_s, uint64_t seed)
+      : E(e), K(k), mode(m), rng(seed) {
     perm.resize(static_cast<size_t>(E));
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
@@ -201,14 +211,17 @@ struct Router {
     ids.resize(static_cast<size_t>(T * K));
     w.resize(static_cast<size_t>(T * K));
     std::uniform_real_distribution<double> u(0, 1);
-    if (zipf) std::shuffle(perm.begin(), perm.end(), rng);
+    std::uniform_int_distribution<int32_t> any(0, static_cast<int32_t>(E - 1));
+    if (mode == Routing::kZipf) std::shuffle(perm.begin(), perm.end(), rng);
     for (int64_t t = 0; t < T; ++t) {
       for (int j = 0; j < K; ++j) {
         int32_t e;
         for (;;) {
-          if (zipf) {
+          if (mode == Routing::kZipf) {
             const auto rank = std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin();
             e = perm[static_cast<size_t>(std::min<int64_t>(rank, E - 1))];
+          } else if (mode == Routing::kRandom) {
+            e = any(rng);
           } else {
             e = perm[static_cast<size_t>(cursor++ % E)];
           }
@@ -225,10 +238,10 @@ struct Router {
 
 // Routers for `layers` layers: layer l's has seed 12345 + l, so our rows and
 // oneDNN's see the same routing wherever their layer counts agree.
-std::vector<Router> LayerRouters(int64_t layers, int64_t E, int K, bool zipf, double zipf_s) {
+std::vector<Router> LayerRouters(int64_t layers, int64_t E, int K, Routing mode, double zipf_s) {
   std::vector<Router> r;
   for (int64_t l = 0; l < layers; ++l)
-    r.emplace_back(E, K, zipf, zipf_s, 12345 + static_cast<uint64_t>(l));
+    r.emplace_back(E, K, mode, zipf_s, 12345 + static_cast<uint64_t>(l));
   return r;
 }
 
@@ -237,7 +250,7 @@ struct Args {
   std::vector<int64_t> Ts{1, 2, 4, 8, 32, 128, 512, 2048, 8192};
   std::vector<std::string> formats{"int4", "int8", "bf16"};
   std::vector<std::string> isas;
-  bool zipf = false;
+  Routing routing = Routing::kSweep;
   double zipf_s = 1.0;
   int layers = 0;
   int threads = 0;
@@ -471,9 +484,14 @@ int Main(int argc, char** argv) {
       a.isas = List(val());
     } else if (f == "--routing") {
       const std::string r = val();
-      if (r != "uniform" && r != "zipf")
-        return bad(absl::StrCat("--routing: '", r, "' is not uniform or zipf"));
-      a.zipf = r == "zipf";
+      if (r == "uniform")
+        a.routing = Routing::kSweep;
+      else if (r == "random")
+        a.routing = Routing::kRandom;
+      else if (r == "zipf")
+        a.routing = Routing::kZipf;
+      else
+        return bad(absl::StrCat("--routing: '", r, "' is not uniform, random or zipf"));
     } else if (f == "--zipf-s") {
       const std::string v = val();
       if (!absl::SimpleAtod(v, &a.zipf_s) || !(a.zipf_s > 0 && a.zipf_s <= 4))
@@ -727,7 +745,7 @@ int Main(int argc, char** argv) {
         // oneDNN row first (same routing stream).
         if (need_dnn) {
           std::vector<Router> routers =
-              LayerRouters(static_cast<int64_t>(dnns.size()), P->E, P->K, a.zipf, a.zipf_s);
+              LayerRouters(static_cast<int64_t>(dnns.size()), P->E, P->K, a.routing, a.zipf_s);
           std::vector<int32_t> ids;
           std::vector<float> w;
           int iters = 0;
@@ -767,8 +785,8 @@ int Main(int argc, char** argv) {
                 RunOptions ro;
                 ro.isa = *isa;
                 ro.tuning = tune.tuning;
-                std::vector<Router> routers =
-                    LayerRouters(static_cast<int64_t>(layers.size()), P->E, P->K, a.zipf, a.zipf_s);
+                std::vector<Router> routers = LayerRouters(static_cast<int64_t>(layers.size()),
+                                                           P->E, P->K, a.routing, a.zipf_s);
                 std::vector<int32_t> ids;
                 std::vector<float> w;
                 int iters = 0;
@@ -850,8 +868,8 @@ int Main(int argc, char** argv) {
                      {"onednn_us", dus > 0 ? nlohmann::json(dus) : nlohmann::json()},
                      {"speedup", dus > 0 ? nlohmann::json(dus / us) : nlohmann::json()},
                      {"layers", L},
-                     {"routing", a.zipf ? "zipf" : "uniform"},
-                     {"zipf_s", a.zipf ? a.zipf_s : 0.0},
+                     {"routing", RoutingName(a.routing)},
+                     {"zipf_s", a.routing == Routing::kZipf ? a.zipf_s : 0.0},
                      {"virtual_nodes", v.pool->num_nodes()},
                      {"cfg", tune.name},
                      {"row_peak", row_peak},
