@@ -102,12 +102,13 @@ Health ControlClient::Check(const std::string& service, absl::Duration timeout) 
 }
 
 absl::StatusOr<uint64_t> ControlClient::AttachShm(const std::string& path, int64_t pid,
-                                                  absl::Duration timeout) {
+                                                  uint64_t nonce, absl::Duration timeout) {
   grpc::ClientContext ctx;
   SetDeadline(ctx, timeout);
   pb::AttachShmRequest req;
   req.set_path(path);
   req.set_client_pid(pid);
+  req.set_nonce(nonce);
   pb::AttachShmResponse resp;
   grpc::Status st = stubs_->control->AttachShm(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);

@@ -39,7 +39,7 @@ class ControlClient {
   absl::StatusOr<ShardStats> Stats(absl::Duration timeout = absl::Seconds(5));
   // grpc.health.v1 Check of `service` ("" = the whole server). Unreachable -> kNotServing.
   Health Check(const std::string& service = "", absl::Duration timeout = absl::Seconds(1));
-  absl::StatusOr<uint64_t> AttachShm(const std::string& path, int64_t pid,
+  absl::StatusOr<uint64_t> AttachShm(const std::string& path, int64_t pid, uint64_t nonce,
                                      absl::Duration timeout = absl::Seconds(5));
   absl::StatusOr<std::string> UcxConnect(const std::string& client_address, uint64_t client_id,
                                          absl::Duration timeout = absl::Seconds(5));

@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <linux/magic.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -163,7 +165,8 @@ uint64_t ShmServer::sessions() const {
   return n;
 }
 
-absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t client_pid) {
+absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t client_pid,
+                                           uint64_t nonce) {
   if (client_pid <= 0 || client_pid > INT32_MAX)
     return absl::InvalidArgumentError(
         absl::StrCat("client_pid: ", client_pid, " is not a process id"));
@@ -185,16 +188,24 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   if (s->client_pidfd < 0 && errno == ESRCH) {
     return absl::InvalidArgumentError(absl::StrCat("client_pid: ", client_pid, " is not running"));
   }
-  // O_NONBLOCK: a FIFO in the client's fd table must not block the service.
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(errno)));
-  }
+  // Resolved without opening the target (O_PATH: no driver open, no FUSE or
+  // NFS round trip); only a regular file on tmpfs is opened for real.
+  const int pfd = ::open(path.c_str(), O_PATH | O_CLOEXEC);
+  if (pfd < 0) return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(errno)));
   struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a segment (not a regular file)"));
+  struct statfs sfs;
+  const bool regular = fstat(pfd, &st) == 0 && S_ISREG(st.st_mode);
+  const bool tmpfs = fstatfs(pfd, &sfs) == 0 && sfs.f_type == TMPFS_MAGIC;
+  if (!regular || !tmpfs) {
+    ::close(pfd);
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a segment (",
+                     !regular ? "not a regular file" : "not on tmpfs: not a memfd", ")"));
   }
+  const int fd = ::open(absl::StrCat("/proc/self/fd/", pfd).c_str(), O_RDWR | O_CLOEXEC);
+  const int open_errno = errno;
+  ::close(pfd);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(open_errno)));
   // Sealed against shrinking, or the client could truncate it under our
   // mapping and every later access would SIGBUS the service.
   const int seals = fcntl(fd, F_GET_SEALS);
@@ -222,6 +233,11 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   // describes slots inside the file, and use only the copy from here on.
   if (h->magic != kShmMagic || h->version != kShmVersion) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": bad magic/version"));
+  }
+  if (h->nonce != nonce) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": holds segment ", absl::Hex(h->nonce),
+                                                   ", not the requested ", absl::Hex(nonce),
+                                                   " (the fd number was reused)"));
   }
   const int64_t hidden = h->hidden;
   if (hidden != info.hidden) {
@@ -370,8 +386,9 @@ void ShmServer::Serve(Session* s) {
 struct ShmClient::Segment {
   uint8_t* base = nullptr;
   uint64_t size = 0;
-  int fd = -1;       // the sealed memfd
-  std::string path;  // /proc/<pid>/fd/<fd>, what the service opens
+  int fd = -1;         // the sealed memfd
+  std::string path;    // /proc/<pid>/fd/<fd>, what the service opens
+  uint64_t nonce = 0;  // random, in the header and the attach request
   int server_pidfd = -1;
   int32_t server_pid = 0;
   uint64_t epoch = 0;
@@ -436,6 +453,9 @@ absl::Status ShmClient::Connect() {
   seg->base = static_cast<uint8_t*>(p);
   ShmHeader* h = seg->header();
   geo_.WriteHeader(h);
+  std::random_device rd;
+  seg->nonce = (uint64_t{rd()} << 32 | rd()) | 1;
+  h->nonce = seg->nonce;
   h->client_pid.store(static_cast<int32_t>(::getpid()));
   h->client_heartbeat_ns.store(NowNs());
   seg->owner.assign(geo_.slots, 0);
@@ -445,7 +465,7 @@ absl::Status ShmClient::Connect() {
     return absl::UnavailableError(absl::StrCat("shm: describe: ", info.status().message()));
   seg->server_pid = static_cast<int32_t>(info->pid);
   seg->server_pidfd = PidfdOpen(seg->server_pid);
-  auto epoch = control_->AttachShm(seg->path, ::getpid(), absl::Seconds(2));
+  auto epoch = control_->AttachShm(seg->path, ::getpid(), seg->nonce, absl::Seconds(2));
   if (!epoch.ok()) {
     return absl::Status(epoch.status().code() == absl::StatusCode::kDeadlineExceeded
                             ? absl::StatusCode::kUnavailable

@@ -3,10 +3,13 @@
 // The worker creates a segment (a memfd), sizes it for its largest call,
 // seals it against shrinking (F_SEAL_SHRINK: truncated under the service's
 // mapping it would SIGBUS the service), and hands its path,
-// /proc/<worker pid>/fd/<fd>, and pid to the service over the control plane
-// (ExpertControl.AttachShm); the service opens it through that path, refuses
-// anything but a shrink-sealed memfd of that pid, maps it and serves it from
-// one thread per segment. Nothing is left in /dev/shm when both sides die. Layout (all offsets from
+// /proc/<worker pid>/fd/<fd>, its pid and the segment's random nonce to the
+// service over the control plane (ExpertControl.AttachShm). The service
+// resolves the path without opening the target (O_PATH), accepts only a
+// regular file on tmpfs (not hugetlbfs, whose hole punching could still
+// SIGBUS it; not a device, FIFO or network file), reopens it, requires the
+// seal and the nonce in its header, maps it and serves it from one thread per
+// segment. Nothing is left in /dev/shm when both sides die. Layout (all offsets from
 // the segment base, page-aligned so the worker can cudaHostRegister the whole segment and let the
 // GPU copy straight into a slot's request region and out of its response region):
 //
@@ -51,7 +54,7 @@ namespace hmoe {
 class ControlClient;
 
 inline constexpr uint64_t kShmMagic = 0x31304D48534D4F48ull;  // "HOMSHM01"
-inline constexpr uint32_t kShmVersion = 1;
+inline constexpr uint32_t kShmVersion = 2;
 
 enum ShmSlotState : uint32_t { kSlotFree = 0, kSlotRequest = 1, kSlotBusy = 2, kSlotDone = 3 };
 
@@ -66,6 +69,7 @@ struct alignas(64) ShmHeader {
   uint64_t resp_capacity;
   uint64_t total_bytes;
   int64_t hidden;
+  uint64_t nonce;               // the client's random id of this segment, repeated in AttachShm
   std::atomic<uint64_t> epoch;  // written by the server at attach
   std::atomic<int32_t> server_pid;
   std::atomic<int32_t> client_pid;
@@ -109,10 +113,12 @@ class ShmServer {
  public:
   explicit ShmServer(MoeHandler* handler);
   ~ShmServer();
-  // Maps `path` (/proc/<client_pid>/fd/<n>: the client's memfd, sealed with
-  // F_SEAL_SHRINK; INVALID_ARGUMENT otherwise), checks its header, starts
-  // serving it; returns the epoch written into it.
-  absl::StatusOr<uint64_t> Attach(const std::string& path, int64_t client_pid);
+  // Maps `path` (/proc/<client_pid>/fd/<n>: the client's memfd on tmpfs,
+  // sealed with F_SEAL_SHRINK, whose header carries `nonce`; INVALID_ARGUMENT
+  // otherwise), checks its header, starts serving it; returns the epoch
+  // written into it. The nonce guards against a stale attach finding a newer
+  // segment under a reused fd number.
+  absl::StatusOr<uint64_t> Attach(const std::string& path, int64_t client_pid, uint64_t nonce);
   uint64_t sessions() const;
   uint64_t discarded() const { return discarded_.load(); }
 

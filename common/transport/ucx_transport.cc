@@ -443,6 +443,7 @@ struct UcxClient::Impl {
   uint64_t client_id = 0;
   std::unique_ptr<Worker> worker;
   ucp_ep_h ep = nullptr;  // progress thread only
+  std::mutex connect_mu;  // one handshake at a time
   std::mutex mu;
   std::condition_variable cv;
   bool connected = false;
@@ -451,6 +452,7 @@ struct UcxClient::Impl {
   // requests then vanish and nothing else would tell us). At most one
   // attempt per kSuspectRetry; a failed one leaves the old endpoint in use.
   bool suspect = false;
+  bool handshaking = false;  // a Submit is redoing the handshake (others wait)
   std::chrono::steady_clock::time_point last_retry{};
   uint64_t generation = 0;
   uint64_t next_id = 1;
@@ -513,34 +515,41 @@ struct UcxClient::Impl {
     cv.notify_all();
   }
 
-  absl::Status Connect(absl::Duration timeout) {
+  // Redoes the control-plane handshake and replaces the endpoint. Serialized;
+  // a caller that saw generation `seen` returns at once if another thread
+  // has replaced that connection meanwhile. Calls still out on the old
+  // endpoint are left to finish: the service answers them on its new
+  // endpoint to us, or they end by their own deadline.
+  absl::Status Connect(absl::Duration timeout, uint64_t seen) {
+    std::lock_guard<std::mutex> serial(connect_mu);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (generation != seen && connected) return absl::OkStatus();
+    }
     auto server_addr = control->UcxConnect(worker->address(), client_id, timeout);
     if (!server_addr.ok()) {
       return absl::UnavailableError(absl::StrCat("ucx connect: ", server_addr.status().message()));
     }
-    absl::Status st = worker->Call<absl::Status>([&]() -> absl::Status {
+    // On the progress thread, where endpoint errors are handled too: the
+    // swap and the new generation are one step for OnEpError.
+    return worker->Call<absl::Status>([&]() -> absl::Status {
       if (ep) {
         worker->CloseEp(ep);
         ep = nullptr;
       }
       auto e = worker->CreateEp(*server_addr, &Impl::OnEpError, this);
-      if (!e.ok()) return e.status();
+      std::lock_guard<std::mutex> lock(mu);
+      if (!e.ok()) {
+        connected = false;
+        FailGeneration(generation, e.status().ToString());
+        return e.status();
+      }
       ep = *e;
+      ++generation;
+      connected = true;
+      suspect = false;
       return absl::OkStatus();
     });
-    if (!st.ok()) {  // the old endpoint is closed already
-      std::lock_guard<std::mutex> lock(mu);
-      connected = false;
-      FailGeneration(generation, st.ToString());
-      return st;
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    // Calls still out on the replaced endpoint get no answer: fail them now.
-    FailGeneration(generation, "reconnected; the call was on the old endpoint");
-    ++generation;
-    connected = true;
-    suspect = false;
-    return absl::OkStatus();
   }
 };
 
@@ -558,7 +567,7 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<Con
       kAmResponse, [impl](Message&& m) { impl->OnResponse(std::move(m)); }, opts.spin_us);
   if (!w.ok()) return w.status();
   impl->worker = std::move(*w);
-  absl::Status st = impl->Connect(kConnectTimeout);
+  absl::Status st = impl->Connect(kConnectTimeout, impl->generation);
   if (!st.ok()) return st;
   return c;
 }
@@ -577,22 +586,31 @@ UcxClient::~UcxClient() {
 absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out) {
   Impl* impl = impl_.get();
   bool connected, retry = false;
+  uint64_t seen;
   {
-    std::lock_guard<std::mutex> lock(impl->mu);
+    std::unique_lock<std::mutex> lock(impl->mu);
+    // Another Submit is re-handshaking: wait (<= its 250 ms), then use the
+    // endpoint it leaves, rather than send on the suspect one meanwhile.
+    impl->cv.wait(lock, [impl] { return !impl->handshaking; });
     connected = impl->connected;
+    seen = impl->generation;
     const auto now = std::chrono::steady_clock::now();
     if (connected && impl->suspect && now - impl->last_retry >= kSuspectRetry) {
       retry = true;
       impl->last_retry = now;
+      impl->handshaking = true;
     }
   }
   if (!connected) {
-    absl::Status st = impl->Connect(kConnectTimeout);
+    absl::Status st = impl->Connect(kConnectTimeout, seen);
     if (!st.ok()) return st;
   } else if (retry) {
     // Short: a stopped service must still end this call by its own deadline.
-    // Failure keeps the old endpoint (and the suspicion, retried later).
-    impl->Connect(kSuspectConnectTimeout).IgnoreError();
+    // A failed handshake keeps the old endpoint (and the suspicion).
+    impl->Connect(kSuspectConnectTimeout, seen).IgnoreError();
+    std::lock_guard<std::mutex> lock(impl->mu);
+    impl->handshaking = false;
+    impl->cv.notify_all();
   }
   UcxRequestHeader h{};
   h.client_id = impl->client_id;
@@ -626,6 +644,7 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out) {
                       payload = std::move(payload)]() mutable {
     if (!impl->ep) {
       std::lock_guard<std::mutex> lock(impl->mu);
+      impl->connected = false;  // the next Submit reconnects
       auto it = impl->pending.find(id);
       if (it != impl->pending.end() && !it->second.done) {
         it->second.done = true;
@@ -650,8 +669,10 @@ absl::Status UcxClient::Wait(uint64_t handle, absl::Time deadline) {
   const auto until = absl::ToChronoTime(deadline);
   while (!it->second.done) {
     if (impl->cv.wait_until(lock, until) == std::cv_status::timeout && !it->second.done) {
+      // Only a call on the current endpoint makes it suspect: calls left on
+      // a replaced one must not trigger handshake after handshake.
+      if (it->second.generation == impl->generation) impl->suspect = true;
       impl->pending.erase(it);
-      impl->suspect = true;
       return absl::DeadlineExceededError("expert service (ucx): no answer before the deadline");
     }
   }

@@ -6,14 +6,16 @@
 // sends its address and a client id, the service answers with its own), and
 // both sides create endpoints with UCP_ERR_HANDLING_MODE_PEER, so a dead peer
 // surfaces as an endpoint error: the client fails its calls UNAVAILABLE and
-// reconnects on a later Submit; the service drops the endpoint. A service
-// that dropped its endpoint to a client also stops receiving that client's
-// requests, while the client's endpoint may look healthy: so once a call ends
-// in DEADLINE_EXCEEDED, the client's next Submit (at most once a second)
-// first redoes the handshake with a 250 ms control-plane timeout; if the
-// service answers, calls still out on the old endpoint fail UNAVAILABLE and
-// the new one is used; if not (e.g. a stopped service), the call goes out on
-// the old endpoint and ends by its own deadline as before.
+// reconnects on a later Submit; the service drops the endpoint. Once the
+// service has closed its endpoint to a client, that client's requests are no
+// longer delivered (measured: UCX reports nothing to the client's endpoint
+// for seconds). So once a call ends in DEADLINE_EXCEEDED, the client's next
+// Submit (at most once a second) first redoes the handshake with a 250 ms
+// control-plane timeout, which that Submit waits for (an ExpertPool submits
+// to its shards in turn); if the service answers, the new endpoint is used
+// and calls still out on the old one finish or end by their deadline; if not
+// (e.g. a stopped service), the call goes out on the old endpoint and ends by
+// its own deadline as before.
 //
 // Messages are UCP active messages: id 1 request (header UcxRequestHeader,
 // data hidden | ids | weights), id 2 response (UcxResponseHeader, data = f32

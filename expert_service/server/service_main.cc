@@ -291,7 +291,7 @@ class ControlService final : public pb::ExpertControl::Service {
                          pb::AttachShmResponse* r) override {
     ShmServer* shm = s_->shm.load();
     if (shm == nullptr) return s_->DataPlaneDown(s_->opts.shm, "shared memory");
-    auto epoch = shm->Attach(req->path(), req->client_pid());
+    auto epoch = shm->Attach(req->path(), req->client_pid(), req->nonce());
     if (!epoch.ok()) return ToGrpcStatus(epoch.status());
     r->set_epoch(*epoch);
     return grpc::Status::OK;

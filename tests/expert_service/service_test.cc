@@ -3,6 +3,7 @@
 // math, sharding arithmetic, validation, formats, options, SIGTERM drain.
 // (The systemd units are verified in tests/e2e/deploy_test.cc.)
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -400,22 +401,31 @@ TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
   EXPECT_NE(std::string(describe.message()).find("still loading"), std::string::npos) << describe;
   // The data planes are on but not up yet: retry later (UNAVAILABLE), not
   // FAILED_PRECONDITION "off".
-  auto shm = control.AttachShm(absl::StrCat("/proc/", getpid(), "/fd/0"), getpid());
+  auto shm = control.AttachShm("/dev/shm/not-a-memfd", getpid(), 1);
   EXPECT_EQ(shm.status().code(), absl::StatusCode::kUnavailable) << shm.status();
   EXPECT_NE(std::string(shm.status().message()).find("still loading"), std::string::npos);
   auto ucx = control.UcxConnect("not-an-address", 7);
   EXPECT_EQ(ucx.status().code(), absl::StatusCode::kUnavailable) << ucx.status();
   EXPECT_NE(std::string(ucx.status().message()).find("still loading"), std::string::npos);
   EXPECT_EQ(control.Check(), Health::kNotServing);
-  {  // Let it load (blocks until the service opens the FIFO, which it has).
-    std::ofstream fifo(model + "/config.json");
-    fifo << config;
+  // Let it load: write the config into the FIFO once the service has it
+  // open for reading (ENXIO before). If it never does, Start gives up (60 s).
+  int fifo = -1;
+  for (int i = 0; i < 2000 && fifo < 0; ++i) {
+    fifo = ::open((model + "/config.json").c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fifo < 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GE(fifo, 0) << "the service never opened config.json";
+  if (fifo >= 0) {
+    fcntl(fifo, F_SETFL, 0);  // blocking writes from here
+    EXPECT_EQ(::write(fifo, config.data(), config.size()), static_cast<ssize_t>(config.size()));
+    ::close(fifo);
   }
   starter.join();
   ASSERT_TRUE(started);
   EXPECT_EQ(control.Check(), Health::kServing);
   // Up now: the same bad path is judged on its merits.
-  shm = control.AttachShm(absl::StrCat("/proc/", getpid(), "/fd/0"), getpid());
+  shm = control.AttachShm("/dev/shm/not-a-memfd", getpid(), 1);
   EXPECT_EQ(shm.status().code(), absl::StatusCode::kInvalidArgument) << shm.status();
 }
 

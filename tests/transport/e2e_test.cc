@@ -336,7 +336,8 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   ASSERT_NE(base, MAP_FAILED);
   auto* h = reinterpret_cast<ShmHeader*>(base);
   geo.WriteHeader(h);
-  auto epoch = control->AttachShm(path, child);
+  h->nonce = 0xabcdef;
+  auto epoch = control->AttachShm(path, child, 0xabcdef);
   ASSERT_TRUE(epoch.ok()) << epoch.status();
   auto service_maps = [&] {
     std::ifstream maps("/proc/" + std::to_string(proc.pid()) + "/maps");

@@ -31,6 +31,8 @@ ShmGeometry Geometry(const ShardInfo& info) {
 
 // A memfd of the geometry's size with a valid header; sealed with `seals`
 // (0: none). Returns the fd (the mapping is dropped again).
+constexpr uint64_t kNonce = 0x5eedf00d12345679ull;
+
 int MakeSegment(const ShmGeometry& g, unsigned int memfd_flags, int seals) {
   const int fd = memfd_create("hmoe-shm-attach-test", MFD_CLOEXEC | memfd_flags);
   if (fd < 0) return -1;
@@ -38,6 +40,7 @@ int MakeSegment(const ShmGeometry& g, unsigned int memfd_flags, int seals) {
   void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return -1;
   g.WriteHeader(static_cast<ShmHeader*>(p));
+  static_cast<ShmHeader*>(p)->nonce = kNonce;
   munmap(p, 4096);
   if (seals != 0 && fcntl(fd, F_ADD_SEALS, seals) != 0) return -1;
   return fd;
@@ -51,7 +54,7 @@ TEST(ShmAttach, SealedMemfdOfTheClientIsServedAndCannotShrink) {
   const ShmGeometry g = Geometry(handler.info());
   const int fd = MakeSegment(g, MFD_ALLOW_SEALING, F_SEAL_SHRINK | F_SEAL_GROW);
   ASSERT_GE(fd, 0) << std::strerror(errno);
-  auto epoch = server.Attach(FdPath(fd), getpid());
+  auto epoch = server.Attach(FdPath(fd), getpid(), kNonce);
   ASSERT_TRUE(epoch.ok()) << epoch.status();
   EXPECT_EQ(server.sessions(), 1u);
   // The attack the seal closes: shrinking the file under the service's map.
@@ -70,7 +73,7 @@ TEST(ShmAttach, RefusesUnsealedSegments) {
         std::pair<unsigned, int>{MFD_ALLOW_SEALING, F_SEAL_GROW}}) {  // sealed, but not shrink
     const int fd = MakeSegment(g, flags, seals);
     ASSERT_GE(fd, 0) << std::strerror(errno);
-    auto epoch = server.Attach(FdPath(fd), getpid());
+    auto epoch = server.Attach(FdPath(fd), getpid(), kNonce);
     EXPECT_EQ(epoch.status().code(), absl::StatusCode::kInvalidArgument) << flags << " " << seals;
     EXPECT_THAT(std::string(epoch.status().message()), HasSubstr("F_SEAL_SHRINK"));
     EXPECT_THAT(std::string(epoch.status().message()), HasSubstr(FdPath(fd)));
@@ -90,21 +93,65 @@ TEST(ShmAttach, RefusesPathsOutsideTheClientsFdTable) {
        {std::string("/dev/shm/hmoe-x"), absl::StrCat("/proc/self/fd/", fd),
         absl::StrCat("/proc/1/fd/", fd), absl::StrCat(self, fd, "x"), absl::StrCat(self, "../", fd),
         absl::StrCat(self, "-", fd), self, absl::StrCat(self, "99999999999")}) {
-    auto epoch = server.Attach(path, getpid());
+    auto epoch = server.Attach(path, getpid(), kNonce);
     EXPECT_EQ(epoch.status().code(), absl::StatusCode::kInvalidArgument) << path;
     EXPECT_THAT(std::string(epoch.status().message()), HasSubstr("path")) << path;
   }
   // A well-formed path naming no open fd.
-  EXPECT_EQ(server.Attach(absl::StrCat(self, 987654), getpid()).status().code(),
+  EXPECT_EQ(server.Attach(absl::StrCat(self, 987654), getpid(), kNonce).status().code(),
             absl::StatusCode::kNotFound);
-  // Not a regular file: a pipe end must neither block nor be mapped.
+  // Not a regular file: a pipe end is refused (resolved with O_PATH, never
+  // opened for real); so is whatever another process's fd 0 is (a device,
+  // a pipe, /dev/null), named with that process's pid.
   int pipe_fds[2];
   ASSERT_EQ(pipe(pipe_fds), 0);
-  auto piped = server.Attach(FdPath(pipe_fds[0]), getpid());
+  auto piped = server.Attach(FdPath(pipe_fds[0]), getpid(), kNonce);
   EXPECT_EQ(piped.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(piped.status().message()), HasSubstr("regular file"));
   ::close(pipe_fds[0]);
   ::close(pipe_fds[1]);
+  const auto init = server.Attach("/proc/1/fd/0", 1, kNonce).status();
+  EXPECT_TRUE(init.code() == absl::StatusCode::kInvalidArgument ||
+              init.code() == absl::StatusCode::kNotFound)
+      << init;
+  // A regular file that is not on tmpfs (this test binary): not a memfd.
+  const int exe = ::open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(exe, 0);
+  auto on_disk = server.Attach(FdPath(exe), getpid(), kNonce);
+  EXPECT_EQ(on_disk.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(on_disk.status().message()), HasSubstr("not on tmpfs"));
+  ::close(exe);
+  EXPECT_EQ(server.sessions(), 0u);
+  ::close(fd);
+}
+
+TEST(ShmAttach, RefusesHugetlbMemfds) {
+  // hugetlbfs memfds can be sealed too, but a punched hole there can SIGBUS
+  // the mapping when the huge page pool is empty: refused for their filesystem.
+  testing::RowHandler handler;
+  ShmServer server(&handler);
+  const int fd = memfd_create("hmoe-shm-huge", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+  if (fd < 0) GTEST_SKIP() << "no hugetlb memfd here: " << std::strerror(errno);
+  if (ftruncate(fd, 2 << 20) != 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    ::close(fd);
+    GTEST_SKIP() << "hugetlb memfd cannot be sized and sealed here: " << std::strerror(errno);
+  }
+  auto epoch = server.Attach(FdPath(fd), getpid(), kNonce);
+  EXPECT_EQ(epoch.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(epoch.status().message()), HasSubstr("not on tmpfs"));
+  ::close(fd);
+}
+
+TEST(ShmAttach, RefusesAnotherSegmentUnderTheSameFdNumber) {
+  // A stale attach (its client gave up, closed the fd and made a new segment
+  // that got the same number) must not serve the new segment.
+  testing::RowHandler handler;
+  ShmServer server(&handler);
+  const int fd = MakeSegment(Geometry(handler.info()), MFD_ALLOW_SEALING, F_SEAL_SHRINK);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  auto epoch = server.Attach(FdPath(fd), getpid(), kNonce + 2);
+  EXPECT_EQ(epoch.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(epoch.status().message()), HasSubstr("reused"));
   EXPECT_EQ(server.sessions(), 0u);
   ::close(fd);
 }
