@@ -21,7 +21,6 @@
 #include <random>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/transport/grpc_client.h"
@@ -46,6 +45,12 @@ void FutexWait(std::atomic<uint32_t>* addr, uint32_t expected, int64_t timeout_n
 }
 void FutexWake(std::atomic<uint32_t>* addr) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// Random, never 0 (an unset header field).
+uint64_t RandomOdd64() {
+  std::random_device rd;
+  return (uint64_t{rd()} << 32 | rd()) | 1;
 }
 
 int PidfdOpen(int32_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
@@ -131,10 +136,7 @@ struct ShmServer::Session {
   }
 };
 
-ShmServer::ShmServer(MoeHandler* handler) : handler_(handler) {
-  std::random_device rd;
-  next_epoch_ = (uint64_t{rd()} << 32 | rd()) | 1;
-}
+ShmServer::ShmServer(MoeHandler* handler) : handler_(handler) { next_epoch_ = RandomOdd64(); }
 
 ShmServer::~ShmServer() {
   stop_ = true;
@@ -173,11 +175,9 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   // The segment is the client's sealed memfd, reached through its fd table:
   // exactly /proc/<client_pid>/fd/<n>, nothing else is opened.
   const std::string prefix = absl::StrCat("/proc/", client_pid, "/fd/");
-  int fd_number = -1;
   if (path.rfind(prefix, 0) != 0 || path.size() == prefix.size() ||
       path.size() > prefix.size() + 9 ||
-      path.find_first_not_of("0123456789", prefix.size()) != std::string::npos ||
-      !absl::SimpleAtoi(path.substr(prefix.size()), &fd_number)) {
+      path.find_first_not_of("0123456789", prefix.size()) != std::string::npos) {
     return absl::InvalidArgumentError(
         absl::StrCat("path: \"", path, "\" is not ", prefix, "<fd> (the client's memfd)"));
   }
@@ -453,8 +453,7 @@ absl::Status ShmClient::Connect() {
   seg->base = static_cast<uint8_t*>(p);
   ShmHeader* h = seg->header();
   geo_.WriteHeader(h);
-  std::random_device rd;
-  seg->nonce = (uint64_t{rd()} << 32 | rd()) | 1;
+  seg->nonce = RandomOdd64();
   h->nonce = seg->nonce;
   h->client_pid.store(static_cast<int32_t>(::getpid()));
   h->client_heartbeat_ns.store(NowNs());

@@ -502,7 +502,7 @@ struct UcxClient::Impl {
     auto it = pending.find(h.request_id);
     if (it == pending.end()) return;  // abandoned after a deadline
     Pending& p = it->second;
-    if (p.done) return;  // already failed (its generation was replaced)
+    if (p.done) return;  // already ended (failed with its endpoint)
     if (h.code != 0) {
       p.status = absl::Status(static_cast<absl::StatusCode>(h.code),
                               std::string(m.data.begin(), m.data.end()));
