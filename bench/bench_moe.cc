@@ -71,6 +71,9 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-moe [flags]
                     nodes=1, interleaved), so the split's cost reads off
                     adjacent rows
   --group G         int4 group: 32, 64 or 128 (default 128)
+  --many N          experts with more than N tokens in a call take the AMX
+                    ("many") kernels, int8 / bf16 (default: RunOptions')
+  --many-int4 N     the same for int4 (default: RunOptions')
   --min-time S      seconds of timed calls per row, > 0 (default 0.25)
   --reps N          measurements per row and --tune setting (default 1)
   --tune SETTINGS   "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=0;B:" compares
@@ -256,6 +259,8 @@ struct Args {
   int threads = 0;
   int vnuma = 0;
   int group = 128;
+  int many = RunOptions{}.many_threshold;
+  int many_int4 = RunOptions{}.many_threshold_int4;
   double min_time = 0.25;
   bool onednn = true;
   bool kernel_probe = false;
@@ -433,8 +438,9 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
 
 int Main(int argc, char** argv) {
   static constexpr std::string_view kValueFlags[] = {
-      "--preset",  "--T",     "--format", "--isa",      "--routing", "--zipf-s", "--layers",
-      "--threads", "--vnuma", "--group",  "--min-time", "--reps",    "--json",   "--tune"};
+      "--preset", "--T",       "--format", "--isa",      "--routing",  "--zipf-s",
+      "--layers", "--threads", "--vnuma",  "--group",    "--min-time", "--reps",
+      "--json",   "--tune",    "--many",   "--many-int4"};
   Args a;
   auto bad = [](const std::string& msg) {
     std::fprintf(stderr, "hmoe-bench-moe: %s (--help for usage)\n", msg.c_str());
@@ -509,6 +515,12 @@ int Main(int argc, char** argv) {
       if (!count(32, 128, &n) || (n != 32 && n != 64 && n != 128))
         return bad("--group wants 32, 64 or 128");
       a.group = static_cast<int>(n);
+    } else if (f == "--many") {
+      if (!count(0, 1 << 20, &n)) return bad(range(0, 1 << 20));
+      a.many = static_cast<int>(n);
+    } else if (f == "--many-int4") {
+      if (!count(0, 1 << 20, &n)) return bad(range(0, 1 << 20));
+      a.many_int4 = static_cast<int>(n);
     } else if (f == "--min-time") {
       const std::string v = val();
       if (!absl::SimpleAtod(v, &a.min_time) || !(a.min_time > 0 && a.min_time <= 3600))
@@ -609,6 +621,8 @@ int Main(int argc, char** argv) {
       "%.1f TOP/s\n",
       pool.num_threads(), pool.num_nodes(), llc / 1048576.0,
       std::string(IsaName(DetectedIsa())).c_str(), bw, amx_bf16, amx_i8);
+  std::printf("# routing %s; AMX (\"many\") kernels for experts with > %d tokens (int4: > %d)\n",
+              RoutingName(a.routing), a.many, a.many_int4);
   if (a.kernel_probe) {
     if (DetectedIsa() < Isa::kAmx) {
       std::fprintf(stderr, "--kernel-probe needs AMX\n");
@@ -784,6 +798,8 @@ int Main(int argc, char** argv) {
                                                      v.tag.empty() ? "" : " ", v.tag);
                 RunOptions ro;
                 ro.isa = *isa;
+                ro.many_threshold = a.many;
+                ro.many_threshold_int4 = a.many_int4;
                 ro.tuning = tune.tuning;
                 std::vector<Router> routers = LayerRouters(static_cast<int64_t>(layers.size()),
                                                            P->E, P->K, a.routing, a.zipf_s);
@@ -870,6 +886,8 @@ int Main(int argc, char** argv) {
                      {"layers", L},
                      {"routing", RoutingName(a.routing)},
                      {"zipf_s", a.routing == Routing::kZipf ? a.zipf_s : 0.0},
+                     {"many_threshold", a.many},
+                     {"many_threshold_int4", a.many_int4},
                      {"virtual_nodes", v.pool->num_nodes()},
                      {"cfg", tune.name},
                      {"row_peak", row_peak},
