@@ -490,14 +490,13 @@ int Main(int argc, char** argv) {
       a.isas = List(val());
     } else if (f == "--routing") {
       const std::string r = val();
-      if (r == "uniform")
-        a.routing = Routing::kSweep;
-      else if (r == "random")
-        a.routing = Routing::kRandom;
-      else if (r == "zipf")
-        a.routing = Routing::kZipf;
-      else
-        return bad(absl::StrCat("--routing: '", r, "' is not uniform, random or zipf"));
+      bool known = false;
+      for (Routing m : {Routing::kSweep, Routing::kRandom, Routing::kZipf})
+        if (r == RoutingName(m)) {
+          a.routing = m;
+          known = true;
+        }
+      if (!known) return bad(absl::StrCat("--routing: '", r, "' is not uniform, random or zipf"));
     } else if (f == "--zipf-s") {
       const std::string v = val();
       if (!absl::SimpleAtod(v, &a.zipf_s) || !(a.zipf_s > 0 && a.zipf_s <= 4))

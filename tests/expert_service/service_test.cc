@@ -341,12 +341,18 @@ TEST(ServiceProcess, BadFlagsAndUnloadableModelExitNonZero) {
   }
 }
 
-// A free TCP port on 127.0.0.1 (closed again; the service binds it next).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+sockaddr_in Loopback(int port) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  return a;
+}
+
+// A free TCP port on 127.0.0.1 (closed again; the service binds it next).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a = Loopback(0);
   socklen_t len = sizeof(a);
   int port = 0;
   if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
@@ -358,11 +364,8 @@ int FreePort() {
 
 bool Listening(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  const sockaddr_in a = Loopback(port);
+  const bool ok = connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) == 0;
   ::close(fd);
   return ok;
 }

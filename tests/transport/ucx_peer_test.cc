@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/transport/grpc_client.h"
+#include "common/transport/grpc_status.h"
 #include "common/transport/ucx_transport.h"
 #include "gtest/gtest.h"
 #include "proto/expert.grpc.pb.h"
@@ -29,8 +30,7 @@ class Control final : public pb::ExpertControl::Service {
   grpc::Status UcxConnect(grpc::ServerContext*, const pb::UcxConnectRequest* req,
                           pb::UcxConnectResponse* r) override {
     auto addr = ucx_->Connect(req->client_worker_address(), req->client_id());
-    if (!addr.ok())
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(addr.status().message()));
+    if (!addr.ok()) return ToGrpcStatus(addr.status());
     r->set_server_worker_address(*addr);
     return grpc::Status::OK;
   }
