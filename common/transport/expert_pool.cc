@@ -96,7 +96,7 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
 
 ExpertPool::~ExpertPool() = default;
 
-absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out) {
+absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, absl::Time deadline) {
   RETURN_IF_ERROR(ValidateMoeCall(model_, call));
   auto op = std::make_unique<Op>();
   op->out = out;
@@ -115,7 +115,7 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out) {
         sub.scratch = TakeScratch(static_cast<size_t>(call.tokens * H));
         sub.dst = sub.scratch.data();
       }
-      auto h = sh.client->Submit(call, sub.dst);
+      auto h = sh.client->Submit(call, sub.dst, deadline);
       if (h.ok())
         sub.handle = *h;
       else
@@ -144,7 +144,7 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out) {
       sub.scratch = TakeScratch(static_cast<size_t>(n * H));
       sub.dst = sub.scratch.data();
       auto h = sh.client->Submit(MoeCall::Make(call.layer, n, k, H, x.data(), ids.data(), w.data()),
-                                 sub.dst);
+                                 sub.dst, deadline);
       if (h.ok())
         sub.handle = *h;
       else
@@ -230,7 +230,7 @@ void ExpertPool::ReturnScratch(std::vector<float> buf) {
 }
 
 absl::Status ExpertPool::Run(const MoeCall& call, float* out, absl::Time deadline) {
-  ASSIGN_OR_RETURN(uint64_t h, Submit(call, out));
+  ASSIGN_OR_RETURN(uint64_t h, Submit(call, out, deadline));
   return Wait(h, deadline);
 }
 

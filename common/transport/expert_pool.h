@@ -47,7 +47,9 @@ class ExpertPool {
 
   // Validates `call` (INVALID_ARGUMENT naming the field), sends it to the
   // shards that own its experts; out [tokens][hidden] f32 is written by Wait.
-  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out);
+  // Returns by `deadline` (MoeClient::Submit); a shard that could not take
+  // the call in time reports DEADLINE_EXCEEDED from Wait.
+  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out, absl::Time deadline);
   // OK, or the first shard's failure (annotated with the shard):
   // UNAVAILABLE when a shard is gone, DEADLINE_EXCEEDED when one is late.
   absl::Status Wait(uint64_t handle, absl::Time deadline);

@@ -1,8 +1,11 @@
 #include "common/transport/grpc_client.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/expert.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
@@ -20,6 +23,22 @@ std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target) {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+absl::Duration ControlBudget(absl::Time deadline, absl::Duration own, bool* capped) {
+  const absl::Duration left = deadline - absl::Now();
+  *capped = left < own;
+  return std::max(std::min(left, own), absl::ZeroDuration());
+}
+
+absl::Status ControlFailure(const absl::Status& st, bool capped, const std::string& what) {
+  if (st.code() != absl::StatusCode::kDeadlineExceeded)
+    return absl::Status(st.code(), absl::StrCat(what, ": ", std::string(st.message())));
+  if (capped) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(what, ": ", std::string(st.message()), " (the call's deadline)"));
+  }
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::string(st.message())));
 }
 
 namespace {
@@ -133,73 +152,122 @@ absl::StatusOr<std::string> ControlClient::UcxConnect(const std::string& client_
 struct GrpcStreamClient::Stream {
   grpc::ClientContext ctx;
   std::unique_ptr<grpc::ClientReaderWriter<pb::MoeRequest, pb::MoeResponse>> rw;
+  std::thread reader, writer;
+  bool ended = false;  // mu_: the reader has seen the stream finish
 };
 
-GrpcStreamClient::GrpcStreamClient(std::shared_ptr<grpc::Channel> channel, int64_t hidden)
-    : channel_(std::move(channel)), hidden_(hidden) {}
+struct GrpcStreamClient::Outgoing {
+  uint64_t id = 0;
+  uint64_t bytes = 0;
+  pb::MoeRequest req;
+};
+
+GrpcStreamClient::GrpcStreamClient(std::shared_ptr<grpc::Channel> channel, int64_t hidden,
+                                   uint64_t max_queued_bytes)
+    : channel_(std::move(channel)), hidden_(hidden), max_queued_bytes_(max_queued_bytes) {}
 
 GrpcStreamClient::~GrpcStreamClient() {
+  std::unique_ptr<Stream> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stream_) stream_->ctx.TryCancel();
+    stopping_ = true;
+    s = std::move(stream_);
+    if (s) s->ctx.TryCancel();  // unblocks a Read and a Write in progress
+    writer_cv_.notify_all();
   }
-  if (reader_.joinable()) reader_.join();
+  if (s) {
+    s->reader.join();
+    s->writer.join();
+  }
 }
 
-absl::Status GrpcStreamClient::EnsureStream() {
-  if (!broken_) return absl::OkStatus();
-  if (reader_.joinable()) {
-    // The old reader has failed every pending call and is exiting.
-    mu_.unlock();
-    reader_.join();
-    mu_.lock();
-    if (!broken_) return absl::OkStatus();
+absl::Status GrpcStreamClient::EnsureStream(std::unique_lock<std::mutex>& lock) {
+  while (broken_) {
+    if (stream_) {
+      // The old reader has failed every pending call; both threads are exiting.
+      std::unique_ptr<Stream> old = std::move(stream_);
+      lock.unlock();
+      old->reader.join();
+      old->writer.join();
+      lock.lock();
+      continue;  // another Submit may have opened a stream meanwhile
+    }
+    auto s = std::make_unique<Stream>();
+    auto stub = pb::ExpertData::NewStub(channel_);
+    s->rw = stub->Moe(&s->ctx);
+    if (!s->rw) return absl::UnavailableError("expert service: cannot open the MoE stream");
+    Stream* raw = s.get();
+    stream_ = std::move(s);
+    broken_ = false;
+    raw->reader = std::thread(&GrpcStreamClient::ReadLoop, this, raw);
+    raw->writer = std::thread(&GrpcStreamClient::WriteLoop, this, raw);
   }
-  auto s = std::make_unique<Stream>();
-  auto stub = pb::ExpertData::NewStub(channel_);
-  s->rw = stub->Moe(&s->ctx);
-  if (!s->rw) return absl::UnavailableError("expert service: cannot open the MoE stream");
-  stream_ = std::move(s);
-  broken_ = false;
-  reader_ = std::thread(&GrpcStreamClient::ReadLoop, this, stream_.get());
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* out) {
-  pb::MoeRequest req;
+absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* out,
+                                                  absl::Time deadline) {
+  auto o = std::make_unique<Outgoing>();
+  pb::MoeRequest& req = o->req;
   req.set_layer(call.layer);
   req.set_tokens(call.tokens);
   req.set_top_k(call.top_k);
   req.set_hidden(call.hidden, call.hidden_bytes);
   req.set_expert_ids(call.ids, call.ids_bytes);
   req.set_expert_weights(call.weights, call.weights_bytes);
-  uint64_t id;
-  Stream* s;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    absl::Status st = EnsureStream();
+  o->bytes = req.ByteSizeLong();
+  const auto until = absl::ToChronoTime(deadline);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    if (stopping_) return absl::CancelledError("expert service (grpc): client shutting down");
+    absl::Status st = EnsureStream(lock);
     if (!st.ok()) return st;
-    id = next_id_++;
-    Pending& p = pending_[id];
-    p.out = out;
-    p.elems = static_cast<int64_t>(call.tokens > 0 ? call.tokens : 0) * hidden_;
-    s = stream_.get();
-  }
-  req.set_request_id(id);
-  bool ok;
-  {
-    std::lock_guard<std::mutex> wlock(write_mu_);
-    ok = s->rw->Write(req);
-  }
-  if (!ok) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = pending_.find(id);
-    if (it != pending_.end() && !it->second.done) {
-      it->second.done = true;
-      it->second.status = absl::UnavailableError("expert service: MoE stream closed");
+    if (queued_bytes_ == 0 || queued_bytes_ + o->bytes <= max_queued_bytes_) break;
+    // The writer is stuck behind a service that does not read: wait for room.
+    if (cv_.wait_until(lock, until) == std::cv_status::timeout &&
+        !(queued_bytes_ == 0 || queued_bytes_ + o->bytes <= max_queued_bytes_)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("expert service (grpc): send queue full (", queued_bytes_,
+                       " bytes the stream has not taken) until the deadline"));
     }
   }
+  const uint64_t id = next_id_++;
+  Pending& p = pending_[id];
+  p.out = out;
+  p.elems = static_cast<int64_t>(call.tokens > 0 ? call.tokens : 0) * hidden_;
+  o->id = id;
+  req.set_request_id(id);
+  queued_bytes_ += o->bytes;
+  outbox_.push_back(std::move(o));
+  writer_cv_.notify_one();
   return id;
+}
+
+void GrpcStreamClient::WriteLoop(Stream* s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    writer_cv_.wait(lock, [&] { return stopping_ || s->ended || !outbox_.empty(); });
+    if (stopping_ || s->ended) return;
+    std::unique_ptr<Outgoing> o = std::move(outbox_.front());
+    outbox_.pop_front();
+    queued_bytes_ -= o->bytes;
+    cv_.notify_all();
+    auto it = pending_.find(o->id);
+    if (it == pending_.end() || it->second.done) continue;  // abandoned: not sent
+    lock.unlock();
+    const bool ok = s->rw->Write(o->req);
+    lock.lock();
+    if (!ok) {
+      // The stream is closing; the reader fails everything else still pending.
+      it = pending_.find(o->id);
+      if (it != pending_.end() && !it->second.done) {
+        it->second.done = true;
+        it->second.status = absl::UnavailableError("expert service: MoE stream closed");
+        cv_.notify_all();
+      }
+      return;
+    }
+  }
 }
 
 void GrpcStreamClient::ReadLoop(Stream* s) {
@@ -222,6 +290,7 @@ void GrpcStreamClient::ReadLoop(Stream* s) {
   }
   grpc::Status st = s->rw->Finish();
   std::lock_guard<std::mutex> lock(mu_);
+  s->ended = true;
   broken_ = true;
   for (auto& [id, p] : pending_) {
     if (!p.done) {
@@ -231,6 +300,7 @@ void GrpcStreamClient::ReadLoop(Stream* s) {
     }
   }
   cv_.notify_all();
+  writer_cv_.notify_all();
 }
 
 absl::Status GrpcStreamClient::Wait(uint64_t handle, absl::Time deadline) {

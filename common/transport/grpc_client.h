@@ -4,6 +4,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -31,6 +32,16 @@ struct ShardStats {
 
 enum class Health { kUnknown, kServing, kNotServing };
 
+// The time one control RPC may take inside a data-plane call with `deadline`:
+// `own` (the transport's timeout), or what is left before `deadline` if that
+// is less (then *capped is set); never negative.
+absl::Duration ControlBudget(absl::Time deadline, absl::Duration own, bool* capped);
+// The status of a control RPC `what` that failed within ControlBudget, for
+// the data-plane caller: running out of the caller's time stays
+// DEADLINE_EXCEEDED; running out of the transport's own is UNAVAILABLE (the
+// service did not answer); other codes pass; the message names `what`.
+absl::Status ControlFailure(const absl::Status& st, bool capped, const std::string& what);
+
 class ControlClient {
  public:
   explicit ControlClient(std::shared_ptr<grpc::Channel> channel);
@@ -50,16 +61,25 @@ class ControlClient {
 };
 
 // MoeClient over one bidi stream (reopened after a failure on the next Submit).
+// Submit never writes to the stream itself: it queues the request for the
+// stream's writer thread, so a service that stops reading (flow control
+// closes the window) cannot block it; when the queue holds more than
+// `max_queued_bytes` (one call of any size is always taken into an empty
+// queue), Submit waits for room until its deadline. Requests abandoned
+// before the writer reaches them (Wait's deadline passed) are never sent.
 class GrpcStreamClient : public MoeClient {
  public:
-  GrpcStreamClient(std::shared_ptr<grpc::Channel> channel, int64_t hidden);
+  static constexpr uint64_t kDefaultMaxQueuedBytes = uint64_t{64} << 20;
+  GrpcStreamClient(std::shared_ptr<grpc::Channel> channel, int64_t hidden,
+                   uint64_t max_queued_bytes = kDefaultMaxQueuedBytes);
   ~GrpcStreamClient() override;
-  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out) override;
+  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out, absl::Time deadline) override;
   absl::Status Wait(uint64_t handle, absl::Time deadline) override;
   const char* transport() const override { return "grpc"; }
 
  private:
   struct Stream;
+  struct Outgoing;
   struct Pending {
     float* out = nullptr;
     int64_t elems = 0;
@@ -67,16 +87,20 @@ class GrpcStreamClient : public MoeClient {
     absl::Status status;
   };
   void ReadLoop(Stream* s);
-  absl::Status EnsureStream();  // mu_ held
+  void WriteLoop(Stream* s);
+  absl::Status EnsureStream(std::unique_lock<std::mutex>& lock);  // mu_ held
 
   std::shared_ptr<grpc::Channel> channel_;
   int64_t hidden_;
+  uint64_t max_queued_bytes_;
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::unique_ptr<Stream> stream_;
-  bool broken_ = true;
-  std::thread reader_;
-  std::mutex write_mu_;
+  std::condition_variable cv_;         // answers arrived; room in the outbox
+  std::condition_variable writer_cv_;  // work for the writer
+  std::unique_ptr<Stream> stream_;     // with its reader and writer threads
+  bool broken_ = true;                 // stream_ (if any) has ended
+  bool stopping_ = false;
+  std::deque<std::unique_ptr<Outgoing>> outbox_;
+  uint64_t queued_bytes_ = 0;
   uint64_t next_id_ = 1;
   std::map<uint64_t, Pending> pending_;
 };

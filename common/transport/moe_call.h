@@ -72,6 +72,10 @@ class MoeHandler {
 // Submit() has consumed the call's buffers when it returns (they may be
 // reused); `out` ([tokens][hidden] f32) must stay valid until Wait() on the
 // handle returns, and is written only inside Wait() or before it returns OK.
+// Submit() returns by `deadline` whatever the service does: a reconnect
+// handshake, a wait for a free shared-memory slot or for room in a stalled
+// stream's send queue is cut there (DEADLINE_EXCEEDED; no handle). A hung
+// service must not hold the caller past the call's own deadline.
 // Wait() returns the call's status: OK, the server's error, UNAVAILABLE (peer
 // gone; the client reconnects on a later Submit), or DEADLINE_EXCEEDED (the
 // handle is then abandoned: a late answer is dropped and `out` is not touched).
@@ -79,7 +83,7 @@ class MoeHandler {
 class MoeClient {
  public:
   virtual ~MoeClient() = default;
-  virtual absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out) = 0;
+  virtual absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out, absl::Time deadline) = 0;
   virtual absl::Status Wait(uint64_t handle, absl::Time deadline) = 0;
   virtual const char* transport() const = 0;
 };

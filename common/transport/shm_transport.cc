@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status.h"
 #include "common/transport/grpc_client.h"
 
@@ -29,6 +30,8 @@ namespace hmoe {
 namespace {
 
 constexpr uint64_t kSlotHeaderBytes = 256;
+// Each control-plane RPC of a (re)connect, unless the call's deadline is nearer.
+constexpr absl::Duration kControlTimeout = absl::Seconds(2);
 uint64_t Align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 uint64_t NowNs() {
@@ -423,14 +426,14 @@ absl::StatusOr<std::unique_ptr<ShmClient>> ShmClient::Create(std::shared_ptr<Con
   c->geo_.max_tokens = opts.max_tokens > 0 ? opts.max_tokens : info.max_tokens;
   c->geo_.max_top_k = info.top_k;
   std::lock_guard<std::mutex> lock(c->mu_);
-  absl::Status st = c->Connect();
+  absl::Status st = c->Connect(absl::InfiniteFuture());
   if (!st.ok()) return st;
   return c;
 }
 
 ShmClient::~ShmClient() = default;
 
-absl::Status ShmClient::Connect() {
+absl::Status ShmClient::Connect(absl::Time deadline) {
   auto seg = std::make_shared<Segment>();
   seg->size = geo_.total_bytes();
   // A memfd, sized, then sealed against shrinking (and growing) before the
@@ -459,63 +462,81 @@ absl::Status ShmClient::Connect() {
   h->client_heartbeat_ns.store(NowNs());
   seg->owner.assign(geo_.slots, 0);
   // The service's pid may have changed since the last connection: ask again.
-  auto info = control_->Describe(absl::Seconds(2));
-  if (!info.ok())
-    return absl::UnavailableError(absl::StrCat("shm: describe: ", info.status().message()));
+  // Each control RPC gets kControlTimeout or what is left of the call's deadline.
+  bool capped = false;
+  auto info = control_->Describe(ControlBudget(deadline, kControlTimeout, &capped));
+  if (!info.ok()) {
+    const absl::Status st = ControlFailure(info.status(), capped, "shm: describe");
+    return absl::IsDeadlineExceeded(st) ? st : absl::UnavailableError(st.message());
+  }
   seg->server_pid = static_cast<int32_t>(info->pid);
   seg->server_pidfd = PidfdOpen(seg->server_pid);
-  auto epoch = control_->AttachShm(seg->path, ::getpid(), seg->nonce, absl::Seconds(2));
-  if (!epoch.ok()) {
-    return absl::Status(epoch.status().code() == absl::StatusCode::kDeadlineExceeded
-                            ? absl::StatusCode::kUnavailable
-                            : epoch.status().code(),
-                        absl::StrCat("shm: attach: ", epoch.status().message()));
-  }
+  auto epoch = control_->AttachShm(seg->path, ::getpid(), seg->nonce,
+                                   ControlBudget(deadline, kControlTimeout, &capped));
+  if (!epoch.ok()) return ControlFailure(epoch.status(), capped, "shm: attach");
   seg->epoch = *epoch;
   seg_ = std::move(seg);
   return absl::OkStatus();
 }
 
-absl::StatusOr<ShmClient::SlotView> ShmClient::Acquire(int32_t tokens, int32_t top_k) {
+absl::StatusOr<ShmClient::SlotView> ShmClient::Acquire(int32_t tokens, int32_t top_k,
+                                                       absl::Time deadline) {
   const uint64_t t = static_cast<uint64_t>(tokens > 0 ? tokens : 0);
   const uint64_t k = static_cast<uint64_t>(top_k > 0 ? top_k : 0);
   return AcquireBytes(tokens, top_k, t * static_cast<uint64_t>(geo_.hidden) * 2, t * k * 4,
-                      t * k * 4);
+                      t * k * 4, deadline);
 }
 
 // The byte sizes travel as given (a malformed call reaches the server, which
 // rejects it naming the field), so they are not derived from the shape here.
 absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int32_t top_k,
-                                                            uint64_t hb, uint64_t ib, uint64_t wb) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (seg_ && (seg_->dead.load() || PeerExited(seg_->server_pidfd, seg_->server_pid))) {
-    seg_.reset();  // discard: the service is gone
-  }
-  if (!seg_) {
-    absl::Status st = Connect();
-    if (!st.ok()) return st;
+                                                            uint64_t hb, uint64_t ib, uint64_t wb,
+                                                            absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  int slot_index = -1;
+  while (true) {
+    if (seg_ && (seg_->dead.load() || PeerExited(seg_->server_pidfd, seg_->server_pid))) {
+      seg_.reset();  // discard: the service is gone
+    }
+    if (!seg_) {
+      absl::Status st = Connect(deadline);
+      if (!st.ok()) return st;
+    }
+    ShmHeader* h = seg_->header();
+    const uint64_t io = Align(hb, 64), wo = io + Align(ib, 64);
+    if (wo + wb > h->req_capacity) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens: ", tokens, " (", wo + wb,
+                       " request bytes) over the shared-memory slot capacity of ", h->req_capacity,
+                       " bytes (", geo_.max_tokens, " tokens)"));
+    }
+    // A free slot, reclaiming abandoned ones the server has finished.
+    int abandoned = 0;
+    for (uint32_t i = 0; i < h->num_slots && slot_index < 0; ++i) {
+      ShmSlot* s = SlotAt(seg_->base, h, i);
+      if (seg_->owner[i] == 2 && s->state.load(std::memory_order_acquire) == kSlotDone)
+        seg_->owner[i] = 0;
+      if (seg_->owner[i] == 0) slot_index = static_cast<int>(i);
+      if (seg_->owner[i] == 2) ++abandoned;
+    }
+    if (slot_index >= 0) break;
+    // All busy: calls in flight (ours or other threads'), zero-copy slots not
+    // yet released, or abandoned calls the service has not finished (a
+    // stalled service). Wait for one, until the call's deadline.
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "expert service (shm): no free slot before the deadline: all ", h->num_slots,
+          " slots busy (", abandoned, " with abandoned calls the service has not finished, ",
+          h->num_slots - static_cast<uint32_t>(abandoned),
+          " with calls not yet waited or released)"));
+    }
+    lock.unlock();
+    absl::SleepFor(std::min(absl::Microseconds(200), deadline - absl::Now()));
+    lock.lock();
   }
   Segment& seg = *seg_;
   ShmHeader* h = seg.header();
   const uint64_t io = Align(hb, 64), wo = io + Align(ib, 64);
-  if (wo + wb > h->req_capacity) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokens: ", tokens, " (", wo + wb,
-                     " request bytes) over the shared-memory slot capacity of ", h->req_capacity,
-                     " bytes (", geo_.max_tokens, " tokens)"));
-  }
-  // A free slot, reclaiming abandoned ones the server has finished.
-  int slot_index = -1;
-  for (uint32_t i = 0; i < h->num_slots && slot_index < 0; ++i) {
-    ShmSlot* s = SlotAt(seg.base, h, i);
-    if (seg.owner[i] == 2 && s->state.load(std::memory_order_acquire) == kSlotDone)
-      seg.owner[i] = 0;
-    if (seg.owner[i] == 0) slot_index = static_cast<int>(i);
-  }
-  if (slot_index < 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("shm: all ", h->num_slots, " slots busy (calls in flight or abandoned)"));
-  }
   const uint32_t i = static_cast<uint32_t>(slot_index);
   seg.owner[i] = 1;
   uint8_t* data = reinterpret_cast<uint8_t*>(SlotAt(seg.base, h, i)) + kSlotHeaderBytes;
@@ -576,9 +597,9 @@ void ShmClient::Release(uint64_t handle) {
   outstanding_.erase(it);
 }
 
-absl::StatusOr<uint64_t> ShmClient::Submit(const MoeCall& call, float* out) {
+absl::StatusOr<uint64_t> ShmClient::Submit(const MoeCall& call, float* out, absl::Time deadline) {
   ASSIGN_OR_RETURN(SlotView v, AcquireBytes(call.tokens, call.top_k, call.hidden_bytes,
-                                            call.ids_bytes, call.weights_bytes));
+                                            call.ids_bytes, call.weights_bytes, deadline));
   if (call.hidden_bytes) std::memcpy(v.hidden, call.hidden, call.hidden_bytes);
   if (call.ids_bytes) std::memcpy(v.ids, call.ids, call.ids_bytes);
   if (call.weights_bytes) std::memcpy(v.weights, call.weights, call.weights_bytes);

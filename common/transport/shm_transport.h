@@ -146,12 +146,14 @@ class ShmClient : public MoeClient {
                                                            const ShardInfo& info,
                                                            const ShmClientOptions& opts = {});
   ~ShmClient() override;
-  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out) override;
+  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out, absl::Time deadline) override;
   absl::Status Wait(uint64_t handle, absl::Time deadline) override;
   const char* transport() const override { return "shm"; }
 
   // Zero-copy use (the GPU path). Acquire reserves a free slot for `tokens` x
-  // `top_k` and returns where the request goes inside the mapped segment: the
+  // `top_k`, waiting for one (or for a reconnect) until `deadline` (then
+  // DEADLINE_EXCEEDED, naming how many slots abandoned calls still hold),
+  // and returns where the request goes inside the mapped segment: the
   // caller writes it in place (e.g. a cudaMemcpyAsync into the registered
   // segment), then Commit(handle, layer) rings the doorbell. WaitInPlace
   // returns the f32 answer [tokens][hidden] where it lies in the slot, valid
@@ -164,7 +166,7 @@ class ShmClient : public MoeClient {
     int32_t* ids = nullptr;      // [tokens][top_k]
     float* weights = nullptr;    // [tokens][top_k]
   };
-  absl::StatusOr<SlotView> Acquire(int32_t tokens, int32_t top_k);
+  absl::StatusOr<SlotView> Acquire(int32_t tokens, int32_t top_k, absl::Time deadline);
   absl::Status Commit(uint64_t handle, int32_t layer);
   absl::StatusOr<const float*> WaitInPlace(uint64_t handle, absl::Time deadline);
   void Release(uint64_t handle);
@@ -177,9 +179,10 @@ class ShmClient : public MoeClient {
 
  private:
   ShmClient() = default;
-  absl::Status Connect();  // mu_ held
+  absl::Status Connect(absl::Time deadline);  // mu_ held
   absl::StatusOr<SlotView> AcquireBytes(int32_t tokens, int32_t top_k, uint64_t hidden_bytes,
-                                        uint64_t ids_bytes, uint64_t weights_bytes);
+                                        uint64_t ids_bytes, uint64_t weights_bytes,
+                                        absl::Time deadline);
   struct Outstanding {
     std::shared_ptr<Segment> seg;
     uint32_t slot = 0;

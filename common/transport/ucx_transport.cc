@@ -442,8 +442,8 @@ struct UcxClient::Impl {
   int64_t hidden = 0;
   uint64_t client_id = 0;
   std::unique_ptr<Worker> worker;
-  ucp_ep_h ep = nullptr;  // progress thread only
-  std::mutex connect_mu;  // one handshake at a time
+  ucp_ep_h ep = nullptr;        // progress thread only
+  std::timed_mutex connect_mu;  // one handshake at a time
   std::mutex mu;
   std::condition_variable cv;
   bool connected = false;
@@ -515,20 +515,30 @@ struct UcxClient::Impl {
     cv.notify_all();
   }
 
-  // Redoes the control-plane handshake and replaces the endpoint. Serialized;
-  // a caller that saw generation `seen` returns at once if another thread
-  // has replaced that connection meanwhile. Calls still out on the old
-  // endpoint are left to finish: the service answers them on its new
-  // endpoint to us, or they end by their own deadline.
-  absl::Status Connect(absl::Duration timeout, uint64_t seen) {
-    std::lock_guard<std::mutex> serial(connect_mu);
+  // Redoes the control-plane handshake and replaces the endpoint, within
+  // `timeout` or by `deadline` if nearer (then DEADLINE_EXCEEDED; else
+  // UNAVAILABLE). Serialized; a caller that saw generation `seen` returns at
+  // once if another thread has replaced that connection meanwhile. Calls
+  // still out on the old endpoint are left to finish: the service answers
+  // them on its new endpoint to us, or they end by their own deadline.
+  absl::Status Connect(absl::Duration timeout, absl::Time deadline, uint64_t seen) {
+    std::unique_lock<std::timed_mutex> serial(connect_mu, std::defer_lock);
+    if (deadline == absl::InfiniteFuture()) {
+      serial.lock();
+    } else if (!serial.try_lock_until(absl::ToChronoTime(deadline))) {
+      return absl::DeadlineExceededError(
+          "ucx connect: another handshake still running at the call's deadline");
+    }
     {
       std::lock_guard<std::mutex> lock(mu);
       if (generation != seen && connected) return absl::OkStatus();
     }
-    auto server_addr = control->UcxConnect(worker->address(), client_id, timeout);
+    bool capped = false;
+    auto server_addr = control->UcxConnect(worker->address(), client_id,
+                                           ControlBudget(deadline, timeout, &capped));
     if (!server_addr.ok()) {
-      return absl::UnavailableError(absl::StrCat("ucx connect: ", server_addr.status().message()));
+      const absl::Status st = ControlFailure(server_addr.status(), capped, "ucx connect");
+      return absl::IsDeadlineExceeded(st) ? st : absl::UnavailableError(st.message());
     }
     // On the progress thread, where endpoint errors are handled too: the
     // swap and the new generation are one step for OnEpError.
@@ -567,7 +577,7 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<Con
       kAmResponse, [impl](Message&& m) { impl->OnResponse(std::move(m)); }, opts.spin_us);
   if (!w.ok()) return w.status();
   impl->worker = std::move(*w);
-  absl::Status st = impl->Connect(kConnectTimeout, impl->generation);
+  absl::Status st = impl->Connect(kConnectTimeout, absl::InfiniteFuture(), impl->generation);
   if (!st.ok()) return st;
   return c;
 }
@@ -583,31 +593,37 @@ UcxClient::~UcxClient() {
   }
 }
 
-absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out) {
+absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl::Time deadline) {
   Impl* impl = impl_.get();
   bool connected, retry = false;
   uint64_t seen;
   {
     std::unique_lock<std::mutex> lock(impl->mu);
-    // Another Submit is re-handshaking: wait (<= its 250 ms), then use the
-    // endpoint it leaves, rather than send on the suspect one meanwhile.
-    impl->cv.wait(lock, [impl] { return !impl->handshaking; });
+    // Another Submit is re-handshaking: wait (<= its 250 ms, or our
+    // deadline), then use the endpoint it leaves, rather than send on the
+    // suspect one meanwhile.
+    if (!impl->cv.wait_until(lock, absl::ToChronoTime(deadline),
+                             [impl] { return !impl->handshaking; })) {
+      return absl::DeadlineExceededError(
+          "expert service (ucx): a reconnect handshake still running at the deadline");
+    }
     connected = impl->connected;
     seen = impl->generation;
     const auto now = std::chrono::steady_clock::now();
-    if (connected && impl->suspect && now - impl->last_retry >= kSuspectRetry) {
+    if (connected && impl->suspect && now - impl->last_retry >= kSuspectRetry &&
+        absl::Now() < deadline) {
       retry = true;
       impl->last_retry = now;
       impl->handshaking = true;
     }
   }
   if (!connected) {
-    absl::Status st = impl->Connect(kConnectTimeout, seen);
+    absl::Status st = impl->Connect(kConnectTimeout, deadline, seen);
     if (!st.ok()) return st;
   } else if (retry) {
     // Short: a stopped service must still end this call by its own deadline.
     // A failed handshake keeps the old endpoint (and the suspicion).
-    impl->Connect(kSuspectConnectTimeout, seen).IgnoreError();
+    impl->Connect(kSuspectConnectTimeout, deadline, seen).IgnoreError();
     std::lock_guard<std::mutex> lock(impl->mu);
     impl->handshaking = false;
     impl->cv.notify_all();

@@ -77,7 +77,7 @@ class UcxClient : public MoeClient {
                                                            const ShardInfo& info,
                                                            const UcxClientOptions& opts = {});
   ~UcxClient() override;
-  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out) override;
+  absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out, absl::Time deadline) override;
   absl::Status Wait(uint64_t handle, absl::Time deadline) override;
   const char* transport() const override { return "ucx"; }
 

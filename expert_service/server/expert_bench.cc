@@ -113,12 +113,13 @@ int Main(int argc, char** argv) {
   }
   std::set<const void*> filled;  // zero-copy slots whose hidden states are written
   auto run_zero_copy = [&](const MoeCall& call, float* out, bool copy_out) -> absl::Status {
-    ASSIGN_OR_RETURN(ShmClient::SlotView v, shm->Acquire(call.tokens, call.top_k));
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    ASSIGN_OR_RETURN(ShmClient::SlotView v, shm->Acquire(call.tokens, call.top_k, deadline));
     if (filled.insert(v.hidden).second) std::memcpy(v.hidden, call.hidden, call.hidden_bytes);
     std::memcpy(v.ids, call.ids, call.ids_bytes);
     std::memcpy(v.weights, call.weights, call.weights_bytes);
     RETURN_IF_ERROR(shm->Commit(v.handle, call.layer));
-    auto answer = shm->WaitInPlace(v.handle, absl::Now() + absl::Seconds(30));
+    auto answer = shm->WaitInPlace(v.handle, deadline);
     if (!answer.ok()) return answer.status();
     if (copy_out) std::memcpy(out, *answer, static_cast<size_t>(call.tokens) * info.hidden * 4);
     shm->Release(v.handle);

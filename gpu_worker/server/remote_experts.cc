@@ -38,9 +38,11 @@ absl::StatusOr<uint64_t> PoolRoutedExperts::Submit(const ExpertBatch& b, float* 
   for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = F32ToBf16(b.hidden[i]);
   const MoeCall call = MoeCall::Make(b.layer, static_cast<int32_t>(b.num_tokens), b.top_k,
                                      b.hidden_size, hidden.data(), b.expert_ids, b.weights);
-  ASSIGN_OR_RETURN(uint64_t handle, pool_->Submit(call, out));
+  // The call's deadline starts before Submit: a reconnect inside it counts.
+  const absl::Time deadline = absl::Now() + timeout_;
+  ASSIGN_OR_RETURN(uint64_t handle, pool_->Submit(call, out, deadline));
   std::lock_guard<std::mutex> lock(mu_);
-  deadlines_[handle] = absl::Now() + timeout_;
+  deadlines_[handle] = deadline;
   return handle;
 }
 

@@ -302,7 +302,7 @@ TEST(ServiceProcess, SigtermFinishesInFlightThenExitsZero) {
   ControlClient control(MakeExpertChannel(proc.target()));
   auto call = MakeRandomCall((*pool)->model(), 0, 256, 2);
   std::vector<float> out(static_cast<size_t>(256 * 1024));
-  auto h = (*pool)->Submit(call.call(), out.data());
+  auto h = (*pool)->Submit(call.call(), out.data(), absl::Now() + absl::Seconds(10));
   ASSERT_TRUE(h.ok());
   // SIGTERM only once the call is surely computing.
   bool in_flight = false;

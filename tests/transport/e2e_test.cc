@@ -96,7 +96,7 @@ TEST_P(ShardedTest, AllTransportsEqualInProcess) {
     outs.resize(calls.size());
     for (size_t i = 0; i < calls.size(); ++i) {
       outs[i].assign(static_cast<size_t>(calls[i].tokens * info.hidden), -1.f);
-      auto h = (*pool)->Submit(calls[i].call(), outs[i].data());
+      auto h = (*pool)->Submit(calls[i].call(), outs[i].data(), absl::Now() + absl::Seconds(20));
       ASSERT_TRUE(h.ok()) << h.status();
       handles.push_back(*h);
     }
@@ -142,7 +142,7 @@ TEST_P(FaultTest, KillMidStreamUnavailableThenRecovers) {
   std::vector<std::vector<float>> outs(3, out);
   std::vector<uint64_t> handles;
   for (auto& o : outs) {
-    auto h = (*pool)->Submit(call.call(), o.data());
+    auto h = (*pool)->Submit(call.call(), o.data(), absl::Now() + absl::Seconds(10));
     ASSERT_TRUE(h.ok()) << h.status();
     handles.push_back(*h);
   }
@@ -200,8 +200,80 @@ TEST_P(FaultTest, StoppedShardDeadlineExceededNoThreadPileUp) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// A stopped (hung) shard fed large calls: the gRPC stream's flow-control
+// window fills (its writes would block), the shm slots stay held by
+// abandoned calls, the UCX client keeps re-handshaking. Every call still
+// ends by its own deadline, DEADLINE_EXCEEDED (Submit never holds the caller
+// past it), and the shard serves again once continued.
+TEST_P(FaultTest, StoppedShardLargeCallsEndByTheirDeadline) {
+  UseLoopbackUcx();
+  TempDir dir;
+  ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir(), "--max-tokens=4096"}, dir.file("port")));
+  ExpertPoolOptions po;
+  po.targets = {proc.target()};
+  po.transport = GetParam();
+  po.shm_slots = 4;
+  auto pool = ExpertPool::Connect(po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const ShardInfo info = (*pool)->model();
+  auto call = MakeRandomCall(info, info.moe_layers[0], 4096, 9);  // 640 KiB of request
+  std::vector<float> out(static_cast<size_t>(4096 * info.hidden));
+  ASSERT_TRUE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
+  proc.Signal(SIGSTOP);
+  for (int i = 0; i < 40; ++i) {  // 25 MiB in all, two seconds of calls
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Milliseconds(50));
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << "call " << i << ": " << st;
+    EXPECT_LT(secs, 0.2) << "call " << i << " with a 50 ms deadline: " << st;
+  }
+  proc.Signal(SIGCONT);
+  absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10));
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, FaultTest, ::testing::ValuesIn(kTransports),
                          [](const auto& p) { return std::string(TransportKindName(p.param)); });
+
+// The gRPC client's send queue is bounded: behind a stopped service (its
+// window full, the writer blocked) Submit waits for room only until the
+// call's deadline, then says why; nothing it queued is lost once the
+// service continues.
+TEST(GrpcStream, StalledServiceSubmitWaitsForRoomUntilTheDeadline) {
+  TempDir dir;
+  ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir(), "--max-tokens=4096"}, dir.file("port")));
+  auto channel = MakeExpertChannel(proc.target());
+  auto info = ControlClient(channel).Describe();
+  ASSERT_TRUE(info.ok()) << info.status();
+  GrpcStreamClient client(channel, info->hidden, uint64_t{2} << 20);
+  auto call = MakeRandomCall(*info, info->moe_layers[0], 4096, 3);
+  std::vector<float> out(static_cast<size_t>(4096 * info->hidden));
+  auto run = [&](absl::Duration timeout) -> absl::Status {
+    const absl::Time deadline = absl::Now() + timeout;
+    auto h = client.Submit(call.call(), out.data(), deadline);
+    if (!h.ok()) return h.status();
+    return client.Wait(*h, deadline);
+  };
+  ASSERT_TRUE(run(absl::Seconds(10)).ok());
+  proc.Signal(SIGSTOP);
+  int queue_full = 0;
+  for (int i = 0; i < 40; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status st = run(absl::Milliseconds(50));
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << "call " << i << ": " << st;
+    EXPECT_LT(secs, 0.2) << "call " << i << ": " << st;
+    if (st.message().find("send queue full") != absl::string_view::npos) ++queue_full;
+  }
+  EXPECT_GT(queue_full, 0) << "the 2 MiB queue never filled behind the stopped service";
+  proc.Signal(SIGCONT);
+  absl::Status st = run(absl::Seconds(10));
+  EXPECT_TRUE(st.ok()) << st;
+}
 
 // ---- bad input ----------------------------------------------------------------
 
@@ -237,7 +309,7 @@ TEST_P(BadInputTest, InvalidArgumentNamingFieldAndKeepsServing) {
   }
   auto run = [&](const MoeCall& call) -> absl::Status {
     std::vector<float> out(static_cast<size_t>(std::max(call.tokens, 1) * info->hidden));
-    auto h = client->Submit(call, out.data());
+    auto h = client->Submit(call, out.data(), absl::Now() + absl::Seconds(10));
     if (!h.ok()) return h.status();
     return client->Wait(*h, absl::Now() + absl::Seconds(10));
   };

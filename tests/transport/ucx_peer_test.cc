@@ -42,7 +42,7 @@ class Control final : public pb::ExpertControl::Service {
 absl::Status OneCall(UcxClient& client, const ShardInfo& info, absl::Duration timeout) {
   auto rc = testing::MakeRandomCall(info, info.moe_layers[0], 3, 11);
   std::vector<float> out(static_cast<size_t>(rc.tokens * info.hidden), -1.f);
-  auto h = client.Submit(rc.call(), out.data());
+  auto h = client.Submit(rc.call(), out.data(), absl::Now() + timeout);
   if (!h.ok()) return h.status();
   absl::Status st = client.Wait(*h, absl::Now() + timeout);
   if (!st.ok()) return st;
