@@ -187,12 +187,17 @@ absl::Status GrpcStreamClient::EnsureStream(std::unique_lock<std::mutex>& lock) 
       // The old reader has failed every pending call; both threads are exiting.
       std::unique_ptr<Stream> old = std::move(stream_);
       lock.unlock();
+      old->ctx.TryCancel();  // ended already; makes sure no Write is left blocked
       old->reader.join();
       old->writer.join();
       lock.lock();
       continue;  // another Submit may have opened a stream meanwhile
     }
     auto s = std::make_unique<Stream>();
+    // Corked: the stream's opening goes out with its first Write, on the
+    // writer thread. Uncorked, opening would wait here (under mu_) for a
+    // connection to a service that accepts TCP but never answers.
+    s->ctx.set_initial_metadata_corked(true);
     auto stub = pb::ExpertData::NewStub(channel_);
     s->rw = stub->Moe(&s->ctx);
     if (!s->rw) return absl::UnavailableError("expert service: cannot open the MoE stream");
@@ -216,6 +221,10 @@ absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* ou
   req.set_expert_ids(call.ids, call.ids_bytes);
   req.set_expert_weights(call.weights, call.weights_bytes);
   o->bytes = req.ByteSizeLong();
+  if (absl::Now() >= deadline) {
+    return absl::DeadlineExceededError(
+        "expert service (grpc): the call's deadline passed before it was sent");
+  }
   const auto until = absl::ToChronoTime(deadline);
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
@@ -299,6 +308,9 @@ void GrpcStreamClient::ReadLoop(Stream* s) {
           absl::StrCat("expert service: MoE stream ended: ", st.error_message()));
     }
   }
+  // Everything still queued was for this stream and has just failed.
+  outbox_.clear();
+  queued_bytes_ = 0;
   cv_.notify_all();
   writer_cv_.notify_all();
 }

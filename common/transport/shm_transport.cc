@@ -425,15 +425,15 @@ absl::StatusOr<std::unique_ptr<ShmClient>> ShmClient::Create(std::shared_ptr<Con
   c->geo_.hidden = info.hidden;
   c->geo_.max_tokens = opts.max_tokens > 0 ? opts.max_tokens : info.max_tokens;
   c->geo_.max_top_k = info.top_k;
-  std::lock_guard<std::mutex> lock(c->mu_);
-  absl::Status st = c->Connect(absl::InfiniteFuture());
-  if (!st.ok()) return st;
+  auto seg = c->Connect(absl::InfiniteFuture());
+  if (!seg.ok()) return seg.status();
+  c->seg_ = std::move(*seg);
   return c;
 }
 
 ShmClient::~ShmClient() = default;
 
-absl::Status ShmClient::Connect(absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<ShmClient::Segment>> ShmClient::Connect(absl::Time deadline) const {
   auto seg = std::make_shared<Segment>();
   seg->size = geo_.total_bytes();
   // A memfd, sized, then sealed against shrinking (and growing) before the
@@ -475,8 +475,7 @@ absl::Status ShmClient::Connect(absl::Time deadline) {
                                    ControlBudget(deadline, kControlTimeout, &capped));
   if (!epoch.ok()) return ControlFailure(epoch.status(), capped, "shm: attach");
   seg->epoch = *epoch;
-  seg_ = std::move(seg);
-  return absl::OkStatus();
+  return seg;
 }
 
 absl::StatusOr<ShmClient::SlotView> ShmClient::Acquire(int32_t tokens, int32_t top_k,
@@ -492,6 +491,10 @@ absl::StatusOr<ShmClient::SlotView> ShmClient::Acquire(int32_t tokens, int32_t t
 absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int32_t top_k,
                                                             uint64_t hb, uint64_t ib, uint64_t wb,
                                                             absl::Time deadline) {
+  if (absl::Now() >= deadline) {
+    return absl::DeadlineExceededError(
+        "expert service (shm): the call's deadline passed before it was sent");
+  }
   std::unique_lock<std::mutex> lock(mu_);
   int slot_index = -1;
   while (true) {
@@ -499,8 +502,24 @@ absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int3
       seg_.reset();  // discard: the service is gone
     }
     if (!seg_) {
-      absl::Status st = Connect(deadline);
-      if (!st.ok()) return st;
+      // One thread reconnects, without mu_ (its control RPCs may take
+      // seconds; Wait and Release need mu_ meanwhile); others wait for it.
+      if (connecting_) {
+        if (connect_cv_.wait_until(lock, absl::ToChronoTime(deadline)) == std::cv_status::timeout &&
+            connecting_) {
+          return absl::DeadlineExceededError(
+              "expert service (shm): a reconnect still running at the call's deadline");
+        }
+        continue;
+      }
+      connecting_ = true;
+      lock.unlock();
+      auto seg = Connect(deadline);
+      lock.lock();
+      connecting_ = false;
+      connect_cv_.notify_all();
+      if (!seg.ok()) return seg.status();
+      seg_ = std::move(*seg);
     }
     ShmHeader* h = seg_->header();
     const uint64_t io = Align(hb, 64), wo = io + Align(ib, 64);

@@ -38,6 +38,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -179,7 +180,8 @@ class ShmClient : public MoeClient {
 
  private:
   ShmClient() = default;
-  absl::Status Connect(absl::Time deadline);  // mu_ held
+  // A new segment, attached by the service; mu_ not held (the RPCs may take seconds).
+  absl::StatusOr<std::shared_ptr<Segment>> Connect(absl::Time deadline) const;
   absl::StatusOr<SlotView> AcquireBytes(int32_t tokens, int32_t top_k, uint64_t hidden_bytes,
                                         uint64_t ids_bytes, uint64_t weights_bytes,
                                         absl::Time deadline);
@@ -197,6 +199,8 @@ class ShmClient : public MoeClient {
   ShmClientOptions opts_;
   ShmGeometry geo_;
   mutable std::mutex mu_;
+  std::condition_variable connect_cv_;
+  bool connecting_ = false;  // a thread is in Connect (mu_)
   std::shared_ptr<Segment> seg_;
   uint64_t next_seq_ = 1;
   std::map<uint64_t, Outstanding> outstanding_;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/transport/grpc_client.h"
 
 namespace hmoe {
@@ -594,6 +595,10 @@ UcxClient::~UcxClient() {
 }
 
 absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl::Time deadline) {
+  if (absl::Now() >= deadline) {
+    return absl::DeadlineExceededError(
+        "expert service (ucx): the call's deadline passed before it was sent");
+  }
   Impl* impl = impl_.get();
   bool connected, retry = false;
   uint64_t seen;
@@ -610,8 +615,7 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
     connected = impl->connected;
     seen = impl->generation;
     const auto now = std::chrono::steady_clock::now();
-    if (connected && impl->suspect && now - impl->last_retry >= kSuspectRetry &&
-        absl::Now() < deadline) {
+    if (connected && impl->suspect && now - impl->last_retry >= kSuspectRetry) {
       retry = true;
       impl->last_retry = now;
       impl->handshaking = true;

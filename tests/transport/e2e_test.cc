@@ -227,10 +227,55 @@ TEST_P(FaultTest, StoppedShardLargeCallsEndByTheirDeadline) {
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << "call " << i << ": " << st;
-    EXPECT_LT(secs, 0.2) << "call " << i << " with a 50 ms deadline: " << st;
+    // Slack for a loaded 2-core CI machine; the old blocking Write took seconds.
+    EXPECT_LT(secs, 0.5) << "call " << i << " with a 50 ms deadline: " << st;
   }
   proc.Signal(SIGCONT);
   absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10));
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// The shard dies and comes back hung (restarted, then stopped: its port
+// accepts connections, nothing answers). The client's reconnect (a new
+// stream; shm describe + attach; the UCX handshake) ends by each call's
+// deadline rather than running out the transport's own control-plane
+// timeouts (2 s) or the channel's connect timeout (20 s).
+TEST_P(FaultTest, ReconnectToAHungShardEndsByTheDeadline) {
+  UseLoopbackUcx();
+  TempDir dir;
+  ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
+  ExpertPoolOptions po;
+  po.targets = {proc.target()};
+  po.transport = GetParam();
+  auto pool = ExpertPool::Connect(po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const ShardInfo info = (*pool)->model();
+  auto call = MakeRandomCall(info, info.moe_layers[0], 4, 5);
+  std::vector<float> out(static_cast<size_t>(4 * info.hidden));
+  ASSERT_TRUE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
+  proc.Kill(SIGKILL);
+  EXPECT_FALSE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(1)).ok());
+  ASSERT_TRUE(proc.Restart());
+  proc.Signal(SIGSTOP);
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Milliseconds(50));
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // DEADLINE_EXCEEDED, or UNAVAILABLE where the channel has already given
+    // up on the port (a connection attempt that saw no HTTP/2 settings).
+    EXPECT_TRUE(absl::IsDeadlineExceeded(st) || absl::IsUnavailable(st))
+        << "call " << i << ": " << st;
+    EXPECT_LT(secs, 0.5) << "call " << i << " with a 50 ms deadline: " << st;
+  }
+  proc.Signal(SIGCONT);
+  absl::Status st;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  do {  // the channel retries the port after its backoff (a few seconds)
+    st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(2));
+    if (!st.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  } while (!st.ok() && std::chrono::steady_clock::now() < until);
   EXPECT_TRUE(st.ok()) << st;
 }
 
@@ -266,7 +311,7 @@ TEST(GrpcStream, StalledServiceSubmitWaitsForRoomUntilTheDeadline) {
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << "call " << i << ": " << st;
-    EXPECT_LT(secs, 0.2) << "call " << i << ": " << st;
+    EXPECT_LT(secs, 0.5) << "call " << i << ": " << st;
     if (st.message().find("send queue full") != absl::string_view::npos) ++queue_full;
   }
   EXPECT_GT(queue_full, 0) << "the 2 MiB queue never filled behind the stopped service";
