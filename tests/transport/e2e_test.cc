@@ -120,83 +120,91 @@ INSTANTIATE_TEST_SUITE_P(Shards, ShardedTest,
 
 // ---- faults -----------------------------------------------------------------
 
-class FaultTest : public ::testing::TestWithParam<TransportKind> {};
+class FaultTest : public ::testing::TestWithParam<TransportKind> {
+ protected:
+  // Starts one shard of the tiny model (plus `flags`) and connects a pool to
+  // it over the transport under test; shm_slots 0: the pool's default.
+  void StartShard(std::vector<std::string> flags = {}, uint32_t shm_slots = 0) {
+    UseLoopbackUcx();
+    flags.insert(flags.begin(), "--model-dir=" + ModelDir());
+    ASSERT_TRUE(proc_.Start(flags, dir_.file("port")));
+    ExpertPoolOptions po;
+    po.targets = {proc_.target()};
+    po.transport = GetParam();
+    if (shm_slots > 0) po.shm_slots = shm_slots;
+    auto pool = ExpertPool::Connect(po);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::move(*pool);
+  }
+  // Runs `call` until it is served (a restarted port is retried after the
+  // channel's backoff) or 10 s pass; the last status.
+  absl::Status RunUntilServed(const MoeCall& call, float* out) {
+    absl::Status st;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    do {
+      st = pool_->Run(call, out, absl::Now() + absl::Seconds(2));
+      if (!st.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } while (!st.ok() && std::chrono::steady_clock::now() < until);
+    return st;
+  }
+
+  TempDir dir_;
+  ServiceProcess proc_;
+  std::unique_ptr<ExpertPool> pool_;
+};
 
 TEST_P(FaultTest, KillMidStreamUnavailableThenRecovers) {
-  UseLoopbackUcx();
-  TempDir dir;
-  ServiceProcess proc;
-  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
-  ExpertPoolOptions po;
-  po.targets = {proc.target()};
-  po.transport = GetParam();
-  auto pool = ExpertPool::Connect(po);
-  ASSERT_TRUE(pool.ok()) << pool.status();
-  const ShardInfo info = (*pool)->model();
+  ASSERT_NO_FATAL_FAILURE(StartShard());
+  const ShardInfo info = pool_->model();
   auto call = MakeRandomCall(info, info.moe_layers[0], 16, 7);
   std::vector<float> out(static_cast<size_t>(16 * info.hidden));
-  ASSERT_TRUE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
+  ASSERT_TRUE(pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
 
   // Stop it so the calls are surely in flight, then kill it.
-  proc.Signal(SIGSTOP);
+  proc_.Signal(SIGSTOP);
   std::vector<std::vector<float>> outs(3, out);
   std::vector<uint64_t> handles;
   for (auto& o : outs) {
-    auto h = (*pool)->Submit(call.call(), o.data(), absl::Now() + absl::Seconds(10));
+    auto h = pool_->Submit(call.call(), o.data(), absl::Now() + absl::Seconds(10));
     ASSERT_TRUE(h.ok()) << h.status();
     handles.push_back(*h);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  proc.Kill(SIGKILL);
+  proc_.Kill(SIGKILL);
   const auto t0 = std::chrono::steady_clock::now();
   for (uint64_t h : handles) {
-    absl::Status st = (*pool)->Wait(h, absl::Now() + absl::Seconds(10));
+    absl::Status st = pool_->Wait(h, absl::Now() + absl::Seconds(10));
     EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_LT(secs, 2.0);
-  EXPECT_FALSE((*pool)->ShardsUp()[0]);
-  EXPECT_EQ((*pool)->CheckHealth()[0], Health::kNotServing);
+  EXPECT_FALSE(pool_->ShardsUp()[0]);
+  EXPECT_EQ(pool_->CheckHealth()[0], Health::kNotServing);
 
-  ASSERT_TRUE(proc.Restart());
-  absl::Status st;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  do {
-    st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(2));
-    if (st.ok()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  } while (std::chrono::steady_clock::now() < until);
+  ASSERT_TRUE(proc_.Restart());
+  absl::Status st = RunUntilServed(call.call(), out.data());
   EXPECT_TRUE(st.ok()) << st;
-  EXPECT_TRUE((*pool)->ShardsUp()[0]);
-  EXPECT_EQ((*pool)->CheckHealth(absl::Seconds(2))[0], Health::kServing);
+  EXPECT_TRUE(pool_->ShardsUp()[0]);
+  EXPECT_EQ(pool_->CheckHealth(absl::Seconds(2))[0], Health::kServing);
 }
 
 TEST_P(FaultTest, StoppedShardDeadlineExceededNoThreadPileUp) {
-  UseLoopbackUcx();
-  TempDir dir;
-  ServiceProcess proc;
-  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
-  ExpertPoolOptions po;
-  po.targets = {proc.target()};
-  po.transport = GetParam();
-  po.shm_slots = 8;
-  auto pool = ExpertPool::Connect(po);
-  ASSERT_TRUE(pool.ok()) << pool.status();
-  const ShardInfo info = (*pool)->model();
+  ASSERT_NO_FATAL_FAILURE(StartShard({}, 8));
+  const ShardInfo info = pool_->model();
   auto call = MakeRandomCall(info, info.moe_layers[0], 4, 9);
   std::vector<float> out(static_cast<size_t>(4 * info.hidden));
-  ASSERT_TRUE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
+  ASSERT_TRUE(pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
   const int threads_before = ::hmoe::testing::ThreadCount();
-  proc.Signal(SIGSTOP);
+  proc_.Signal(SIGSTOP);
   for (int i = 0; i < 4; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Milliseconds(200));
+    absl::Status st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Milliseconds(200));
     EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
   }
   EXPECT_LE(::hmoe::testing::ThreadCount(), threads_before + 1);
-  proc.Signal(SIGCONT);
-  absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10));
+  proc_.Signal(SIGCONT);
+  absl::Status st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10));
   EXPECT_TRUE(st.ok()) << st;
 }
 
@@ -206,32 +214,23 @@ TEST_P(FaultTest, StoppedShardDeadlineExceededNoThreadPileUp) {
 // ends by its own deadline, DEADLINE_EXCEEDED (Submit never holds the caller
 // past it), and the shard serves again once continued.
 TEST_P(FaultTest, StoppedShardLargeCallsEndByTheirDeadline) {
-  UseLoopbackUcx();
-  TempDir dir;
-  ServiceProcess proc;
-  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir(), "--max-tokens=4096"}, dir.file("port")));
-  ExpertPoolOptions po;
-  po.targets = {proc.target()};
-  po.transport = GetParam();
-  po.shm_slots = 4;
-  auto pool = ExpertPool::Connect(po);
-  ASSERT_TRUE(pool.ok()) << pool.status();
-  const ShardInfo info = (*pool)->model();
+  ASSERT_NO_FATAL_FAILURE(StartShard({"--max-tokens=4096"}, 4));
+  const ShardInfo info = pool_->model();
   auto call = MakeRandomCall(info, info.moe_layers[0], 4096, 9);  // 640 KiB of request
   std::vector<float> out(static_cast<size_t>(4096 * info.hidden));
-  ASSERT_TRUE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
-  proc.Signal(SIGSTOP);
+  ASSERT_TRUE(pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
+  proc_.Signal(SIGSTOP);
   for (int i = 0; i < 40; ++i) {  // 25 MiB in all, two seconds of calls
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Milliseconds(50));
+    absl::Status st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Milliseconds(50));
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << "call " << i << ": " << st;
     // Slack for a loaded 2-core CI machine; the old blocking Write took seconds.
     EXPECT_LT(secs, 0.5) << "call " << i << " with a 50 ms deadline: " << st;
   }
-  proc.Signal(SIGCONT);
-  absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10));
+  proc_.Signal(SIGCONT);
+  absl::Status st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10));
   EXPECT_TRUE(st.ok()) << st;
 }
 
@@ -241,26 +240,18 @@ TEST_P(FaultTest, StoppedShardLargeCallsEndByTheirDeadline) {
 // deadline rather than running out the transport's own control-plane
 // timeouts (2 s) or the channel's connect timeout (20 s).
 TEST_P(FaultTest, ReconnectToAHungShardEndsByTheDeadline) {
-  UseLoopbackUcx();
-  TempDir dir;
-  ServiceProcess proc;
-  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
-  ExpertPoolOptions po;
-  po.targets = {proc.target()};
-  po.transport = GetParam();
-  auto pool = ExpertPool::Connect(po);
-  ASSERT_TRUE(pool.ok()) << pool.status();
-  const ShardInfo info = (*pool)->model();
+  ASSERT_NO_FATAL_FAILURE(StartShard());
+  const ShardInfo info = pool_->model();
   auto call = MakeRandomCall(info, info.moe_layers[0], 4, 5);
   std::vector<float> out(static_cast<size_t>(4 * info.hidden));
-  ASSERT_TRUE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
-  proc.Kill(SIGKILL);
-  EXPECT_FALSE((*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(1)).ok());
-  ASSERT_TRUE(proc.Restart());
-  proc.Signal(SIGSTOP);
+  ASSERT_TRUE(pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
+  proc_.Kill(SIGKILL);
+  EXPECT_FALSE(pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(1)).ok());
+  ASSERT_TRUE(proc_.Restart());
+  proc_.Signal(SIGSTOP);
   for (int i = 0; i < 5; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Milliseconds(50));
+    absl::Status st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Milliseconds(50));
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     // DEADLINE_EXCEEDED, or UNAVAILABLE where the channel has already given
@@ -269,13 +260,8 @@ TEST_P(FaultTest, ReconnectToAHungShardEndsByTheDeadline) {
         << "call " << i << ": " << st;
     EXPECT_LT(secs, 0.5) << "call " << i << " with a 50 ms deadline: " << st;
   }
-  proc.Signal(SIGCONT);
-  absl::Status st;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  do {  // the channel retries the port after its backoff (a few seconds)
-    st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(2));
-    if (!st.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  } while (!st.ok() && std::chrono::steady_clock::now() < until);
+  proc_.Signal(SIGCONT);
+  absl::Status st = RunUntilServed(call.call(), out.data());
   EXPECT_TRUE(st.ok()) << st;
 }
 
