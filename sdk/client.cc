@@ -29,7 +29,7 @@ absl::StatusOr<GenerateResult> Client::Generate(
   auto reader = stub_->Generate(&ctx, request);
   GenerateResult result;
   api::v1::GenerateResponse chunk;
-  bool first = true;
+  bool first = true, stopped = false;
   while (reader->Read(&chunk)) {
     if (first) {
       result.first_chunk_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
@@ -45,11 +45,19 @@ absl::StatusOr<GenerateResult> Client::Generate(
     }
     if (on_chunk && !on_chunk(chunk)) {
       ctx.TryCancel();
+      stopped = true;
       break;
     }
   }
   grpc::Status s = reader->Finish();
   result.wall_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+  if (stopped) {
+    // Whether Finish saw our cancel or the server's OK is a race: decide by
+    // what arrived. The final chunk came: the result is whole.
+    if (result.finish_reason != api::v1::FINISH_REASON_UNSPECIFIED) return result;
+    return absl::CancelledError(
+        absl::StrCat("cancelled by the caller after ", result.token_ids.size(), " tokens"));
+  }
   if (!s.ok()) return FromGrpcStatus(s);
   return result;
 }

@@ -35,7 +35,8 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
 
   // Streams: `on_chunk` sees every message (return false to cancel the
-  // request). `deadline` (InfiniteFuture: none) becomes the RPC deadline.
+  // request: CANCELLED, unless that was the final message, then the whole
+  // result). `deadline` (InfiniteFuture: none) becomes the RPC deadline.
   absl::StatusOr<GenerateResult> Generate(
       const api::v1::GenerateRequest& request,
       const std::function<bool(const api::v1::GenerateResponse&)>& on_chunk = nullptr,

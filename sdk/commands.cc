@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -63,6 +66,33 @@ class Flags {
       error_ = absl::StrCat(n, " must be a number, got \"", v, "\"");
     return x;
   }
+  // Parses an integer in [lo, hi]; records an error naming the flag.
+  int64_t Int(const std::string& n, int64_t def, int64_t lo, int64_t hi) {
+    if (!Has(n)) return def;
+    const std::string v = Str(n);
+    char* end = nullptr;
+    errno = 0;
+    const long long x = std::strtoll(v.c_str(), &end, 10);
+    if (end == v.c_str() || *end != '\0' || errno == ERANGE || x < lo || x > hi) {
+      error_ = absl::StrCat(n, " must be an integer in [", lo, ", ", hi, "], got \"", v, "\"");
+      return def;
+    }
+    return x;
+  }
+  // Parses an unsigned 64-bit integer (decimal); records an error naming the flag.
+  uint64_t U64(const std::string& n, uint64_t def) {
+    if (!Has(n)) return def;
+    const std::string v = Str(n);
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
+    if (v.empty() || v[0] == '-' || v[0] == '+' || end == v.c_str() || *end != '\0' ||
+        errno == ERANGE) {
+      error_ = absl::StrCat(n, " must be an integer in [0, 2^64), got \"", v, "\"");
+      return def;
+    }
+    return x;
+  }
   const std::vector<std::string>& positional() const { return positional_; }
   // Names not in `known`, for an error.
   std::string Unknown(const std::vector<std::string>& known) const {
@@ -94,10 +124,11 @@ const std::vector<std::string> kSamplingFlags = {"--server",
 
 // Fills the request's sampling and limits from flags.
 void ApplySampling(Flags& f, api::v1::GenerateRequest& req, int default_max_tokens) {
-  req.set_max_tokens(static_cast<int32_t>(f.Num("--max-tokens", default_max_tokens)));
+  constexpr int64_t kI32 = std::numeric_limits<int32_t>::max();
+  req.set_max_tokens(static_cast<int32_t>(f.Int("--max-tokens", default_max_tokens, 1, kI32)));
   auto* s = req.mutable_sampling();
   if (f.Has("--temperature")) s->set_temperature(static_cast<float>(f.Num("--temperature", 0)));
-  if (f.Has("--top-k")) s->set_top_k(static_cast<int32_t>(f.Num("--top-k", 0)));
+  if (f.Has("--top-k")) s->set_top_k(static_cast<int32_t>(f.Int("--top-k", 0, 0, kI32)));
   if (f.Has("--top-p")) s->set_top_p(static_cast<float>(f.Num("--top-p", 1)));
   if (f.Has("--min-p")) s->set_min_p(static_cast<float>(f.Num("--min-p", 0)));
   if (f.Has("--repetition-penalty"))
@@ -106,7 +137,7 @@ void ApplySampling(Flags& f, api::v1::GenerateRequest& req, int default_max_toke
     s->set_presence_penalty(static_cast<float>(f.Num("--presence-penalty", 0)));
   if (f.Has("--frequency-penalty"))
     s->set_frequency_penalty(static_cast<float>(f.Num("--frequency-penalty", 0)));
-  if (f.Has("--seed")) s->set_seed(static_cast<uint64_t>(f.Num("--seed", 0)));
+  if (f.Has("--seed")) s->set_seed(f.U64("--seed", 0));
   for (const std::string& stop : f.All("--stop")) req.add_stop(stop);
   req.set_ignore_eos(f.Has("--ignore-eos"));
   req.set_add_special_tokens(f.Has("--add-special-tokens"));
@@ -278,8 +309,8 @@ int BenchServeCommand(const std::vector<std::string>& args) {
     std::fprintf(stderr, "hmoe bench-serve: unknown flag %s\n", f.Unknown(known).c_str());
     return 2;
   }
-  const int clients = static_cast<int>(f.Num("--clients", 8));
-  const int requests = static_cast<int>(f.Num("--requests", clients * 4));
+  const int clients = static_cast<int>(f.Int("--clients", 8, 1, 4096));
+  const int requests = static_cast<int>(f.Int("--requests", int64_t{clients} * 4, 1, 1 << 24));
   const std::string prompt = f.Str("-p", f.Str("--prompt", "Once upon a time"));
   api::v1::GenerateRequest base;
   base.set_prompt(prompt);
@@ -332,9 +363,12 @@ int BenchServeCommand(const std::vector<std::string>& args) {
                    std::string(static_cast<size_t>(w - filled), '.').c_str(), d, requests);
       std::fflush(stderr);
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      if (!first_error.empty() && latency.empty() && done.load() == 0 &&
-          absl::Now() - start > absl::Seconds(30))
-        break;
+      bool nothing_works;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        nothing_works = !first_error.empty() && latency.empty();
+      }
+      if (nothing_works && done.load() == 0 && absl::Now() - start > absl::Seconds(30)) break;
     }
     std::fprintf(stderr, "\r%*s\r", 70, "");
   });

@@ -41,8 +41,9 @@ struct Engine::Request {
   std::vector<float> logits;  // next-token logits once prefill is done
   std::string text;
   size_t text_sent = 0;
-  size_t stop_holdback = 0;  // longest stop string - 1
-  bool cancelled = false;
+  size_t stop_holdback = 0;   // longest stop string - 1
+  bool cancelled = false;     // by the client
+  bool shut_out = false;      // still unfinished when the shutdown drain ran out
   bool holds_blocks = false;  // admitted: `blocks` counted in stats_.kv_blocks_used
   bool done = false;
   absl::Time submitted, admitted, first_token;
@@ -51,6 +52,12 @@ struct Engine::Request {
 
 namespace {
 double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
+// api.proto: a worker shutting down answers UNAVAILABLE (the client may retry
+// elsewhere); CANCELLED is only for what the client cancelled itself.
+absl::Status ShutOutStatus() {
+  return absl::UnavailableError(
+      "worker shutting down: the drain time ran out before this request finished");
+}
 }  // namespace
 
 Engine::Engine(const Model* model, const Tokenizer* tokenizer, const EngineOptions& options)
@@ -63,8 +70,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model,
   EngineOptions o = options;
   if (o.max_batch < 1)
     return absl::InvalidArgumentError(absl::StrCat("max_batch must be >= 1, got ", o.max_batch));
-  if (o.max_queue < 0)
-    return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 0, got ", o.max_queue));
+  // Every request waits in the queue at least until the next scheduler step.
+  if (o.max_queue < 1)
+    return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 1, got ", o.max_queue));
   if (o.kv_block_tokens < 1)
     return absl::InvalidArgumentError(
         absl::StrCat("kv_block_tokens must be >= 1, got ", o.kv_block_tokens));
@@ -298,7 +306,7 @@ void Engine::Loop() {
       for (auto it = waiting_.begin(); it != waiting_.end();) {
         Request& r = **it;
         if (r.cancelled || drain_over || now >= r.req.deadline) {
-          r.cancelled = r.cancelled || drain_over;
+          r.shut_out = drain_over && !r.cancelled;
           ended.push_back(std::move(*it));
           it = waiting_.erase(it);
         } else {
@@ -316,7 +324,7 @@ void Engine::Loop() {
         running_.push_back(std::move(r));
       }
       if (drain_over)
-        for (auto& r : running_) r->cancelled = true;
+        for (auto& r : running_) r->shut_out = r->shut_out || !r->cancelled;
       stats_.waiting = static_cast<int64_t>(waiting_.size());
       if (running_.empty() && ended.empty()) {
         if (shutting_down_ && waiting_.empty()) break;
@@ -325,10 +333,13 @@ void Engine::Loop() {
       }
     }
     for (auto& r : ended) {
-      const bool expired = !r->cancelled;
-      Finish(*r, expired ? FinishReason::kDeadline : FinishReason::kCancelled,
-             expired ? absl::DeadlineExceededError("deadline passed while queued")
-                     : absl::CancelledError("request cancelled"));
+      if (r->shut_out)
+        Finish(*r, FinishReason::kCancelled, ShutOutStatus());
+      else if (r->cancelled)
+        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
+      else
+        Finish(*r, FinishReason::kDeadline,
+               absl::DeadlineExceededError("deadline passed while queued"));
     }
     ended.clear();
 
@@ -343,7 +354,9 @@ void Engine::Loop() {
     }
     const absl::Time now = absl::Now();
     for (auto& r : running_) {
-      if (r->cancelled)
+      if (r->shut_out)
+        Finish(*r, FinishReason::kCancelled, ShutOutStatus());
+      else if (r->cancelled)
         Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
       else if (now >= r->req.deadline)
         Finish(*r, FinishReason::kDeadline,

@@ -8,6 +8,16 @@
 
 namespace hmoe {
 
+// The expert call's deadline is the worker's own --expert-timeout-ms, not
+// the client's: a shard that misses it is unavailable to the client
+// (api.proto), not the client's DEADLINE_EXCEEDED.
+absl::Status PoolRoutedExperts::ExpertFailure(const absl::Status& st) const {
+  if (!absl::IsDeadlineExceeded(st)) return st;
+  return absl::UnavailableError(absl::StrCat("expert service did not answer within ",
+                                             absl::FormatDuration(timeout_), ": ",
+                                             std::string(st.message())));
+}
+
 absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> PoolRoutedExperts::Create(
     const ModelConfig& c, ExpertPool* pool, absl::Duration call_timeout) {
   const ShardInfo& m = pool->model();
@@ -40,7 +50,9 @@ absl::StatusOr<uint64_t> PoolRoutedExperts::Submit(const ExpertBatch& b, float* 
                                      b.hidden_size, hidden.data(), b.expert_ids, b.weights);
   // The call's deadline starts before Submit: a reconnect inside it counts.
   const absl::Time deadline = absl::Now() + timeout_;
-  ASSIGN_OR_RETURN(uint64_t handle, pool_->Submit(call, out, deadline));
+  auto submitted = pool_->Submit(call, out, deadline);
+  if (!submitted.ok()) return ExpertFailure(submitted.status());
+  const uint64_t handle = *submitted;
   std::lock_guard<std::mutex> lock(mu_);
   deadlines_[handle] = deadline;
   return handle;
@@ -56,7 +68,7 @@ absl::Status PoolRoutedExperts::Wait(uint64_t ticket) {
     deadline = it->second;
     deadlines_.erase(it);
   }
-  return pool_->Wait(ticket, deadline);
+  return ExpertFailure(pool_->Wait(ticket, deadline));
 }
 
 absl::Status PoolRoutedExperts::Forward(const ExpertBatch& b, float* out) {

@@ -18,6 +18,7 @@ class PoolRoutedExperts final : public RoutedExperts {
  public:
   // Checks that the pool serves this model's experts (hidden size, expert
   // count, top-k, MoE layers): FAILED_PRECONDITION naming the mismatch.
+  // Each call gets `call_timeout`; a shard that misses it is UNAVAILABLE.
   static absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> Create(const ModelConfig& config,
                                                                    ExpertPool* pool,
                                                                    absl::Duration call_timeout);
@@ -29,6 +30,7 @@ class PoolRoutedExperts final : public RoutedExperts {
  private:
   PoolRoutedExperts(const ModelConfig& config, ExpertPool* pool, absl::Duration timeout)
       : config_(config), pool_(pool), timeout_(timeout) {}
+  absl::Status ExpertFailure(const absl::Status& st) const;
   const ModelConfig& config_;
   ExpertPool* pool_;
   absl::Duration timeout_;

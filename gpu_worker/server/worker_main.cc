@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -85,7 +86,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
     else if (a == "--max-batch")
       o.max_batch = static_cast<int>(num(1));
     else if (a == "--max-queue")
-      o.max_queue = static_cast<int>(num(0));
+      o.max_queue = static_cast<int>(num(1));
     else if (a == "--max-context")
       o.max_context = num(0);
     else if (a == "--kv-blocks")
@@ -188,15 +189,18 @@ int Run(int argc, char** argv) {
   }
   sd_notify(0, "READY=1");
 
-  // Health follows the expert shards.
+  // Health follows the expert shards. `health_mu` orders the monitor's
+  // update against the shutdown's NOT_SERVING, which must be the last word.
   std::atomic<bool> stopping{false};
+  std::mutex health_mu;
   std::thread monitor([&] {
     while (!stopping.load()) {
       if (pool) {
         bool all_up = true;
         for (const Health& h : pool->CheckHealth(absl::Milliseconds(500)))
           all_up &= h == Health::kServing;
-        health->SetServingStatus(all_up && !stopping.load());
+        std::lock_guard<std::mutex> lock(health_mu);
+        if (!stopping.load()) health->SetServingStatus(all_up);
       }
       for (int i = 0; i < 10 && !stopping.load(); ++i)
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -208,8 +212,11 @@ int Run(int argc, char** argv) {
   std::fprintf(stderr, "hmoe-gpu-worker: signal %d, draining for up to %ds\n", sig,
                o.drain_seconds);
   sd_notify(0, "STOPPING=1");
-  stopping = true;
-  health->SetServingStatus(false);
+  {
+    std::lock_guard<std::mutex> lock(health_mu);
+    stopping = true;
+    health->SetServingStatus(false);
+  }
   (*engine)->Shutdown(absl::Seconds(o.drain_seconds));  // new requests refused, in-flight finish
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   monitor.join();

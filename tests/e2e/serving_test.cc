@@ -355,6 +355,29 @@ TEST_F(TrainedModel, ExpertServiceDeathAndRecovery) {
   EXPECT_TRUE(serving);
 }
 
+// Expert service hung (stopped): the worker's expert call runs out its
+// --expert-timeout-ms and the client sees UNAVAILABLE (api.proto), not a
+// DEADLINE_EXCEEDED it never asked for; once continued, requests succeed.
+TEST_F(TrainedModel, HungExpertServiceIsUnavailableToTheClient) {
+  api::v1::GenerateRequest r;
+  r.set_prompt("Love is");
+  r.set_max_tokens(4);
+  ASSERT_TRUE(pair_.client().Generate(r).ok());
+  pair_.expert().Signal(SIGSTOP);
+  const absl::Time t0 = absl::Now();
+  auto g = pair_.client().Generate(r);
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable) << g.status();
+  EXPECT_THAT(std::string(g.status().message()), HasSubstr("did not answer within 2s"));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(6));  // one 2 s expert timeout, plus slack
+  pair_.expert().Signal(SIGCONT);
+  bool recovered = false;
+  for (int i = 0; i < 50 && !recovered; ++i) {
+    recovered = pair_.client().Generate(r).ok();
+    if (!recovered) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(recovered);
+}
+
 // The Python client (sdk/python, Debian's python3-grpcio) gets the same text.
 TEST_F(TrainedModel, PythonClientAgrees) {
   if (std::system("/usr/bin/python3 -c 'import grpc' >/dev/null 2>&1") != 0)

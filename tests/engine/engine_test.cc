@@ -218,7 +218,7 @@ TEST_F(EngineTest, QueueLimitAndShutdown) {
   std::vector<Collector> cs(8);
   int accepted = 0, exhausted = 0;
   for (auto& c : cs) {
-    auto s = engine->Submit(Greedy(30), c.Callback());
+    auto s = engine->Submit(Greedy(200), c.Callback());
     if (s.ok())
       ++accepted;
     else if (s.status().code() == absl::StatusCode::kResourceExhausted)
@@ -226,11 +226,23 @@ TEST_F(EngineTest, QueueLimitAndShutdown) {
   }
   EXPECT_GE(exhausted, 1);
   EXPECT_GE(accepted, 2);
-  engine->Shutdown(absl::ZeroDuration());  // cancels what's left
-  int ended = 0;
-  for (int i = 0; i < 8; ++i) ended += cs[static_cast<size_t>(i)].done;
+  engine->Shutdown(absl::ZeroDuration());  // ends what's left
+  int ended = 0, shut_out = 0;
+  for (auto& c : cs) {
+    if (!c.done) continue;
+    ++ended;
+    // Cut by the shutdown: UNAVAILABLE (api.proto: retry elsewhere), never
+    // the client's CANCELLED.
+    if (c.final_event.status.ok()) continue;
+    EXPECT_EQ(c.final_event.status.code(), absl::StatusCode::kUnavailable) << c.final_event.status;
+    ++shut_out;
+  }
   EXPECT_EQ(ended, accepted);  // every accepted request got its final event
+  EXPECT_GE(shut_out, 1);      // 200 tokens each, one at a time: not all finished
   EXPECT_EQ(engine->Submit(Greedy(1), nullptr).status().code(), absl::StatusCode::kUnavailable);
+  // A queue of 0 would refuse every request.
+  o.max_queue = 0;
+  EXPECT_EQ(Engine::Create(model_, nullptr, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(EngineTest, StopStringsTruncateText) {
