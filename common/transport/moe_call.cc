@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace hmoe {
 
@@ -25,7 +26,7 @@ MoeCall MoeCall::Make(int32_t layer, int32_t tokens, int32_t top_k, int64_t hidd
   return c;
 }
 
-absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call) {
+absl::Status ValidateMoeCallShape(const ShardInfo& info, const MoeCall& call) {
   bool layer_ok = false;
   for (int32_t l : info.moe_layers) layer_ok |= (l == call.layer);
   if (!layer_ok) {
@@ -59,7 +60,13 @@ absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call) {
                                                    " bytes, expected ", t * k * 4, " (tokens ", t,
                                                    " x top_k ", k, " x f32)"));
   }
-  for (uint64_t i = 0; i < t * k; ++i) {
+  return absl::OkStatus();
+}
+
+absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call) {
+  RETURN_IF_ERROR(ValidateMoeCallShape(info, call));
+  const uint64_t n = static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(call.top_k);
+  for (uint64_t i = 0; i < n; ++i) {
     if (call.ids[i] < 0 || call.ids[i] >= info.num_experts) {
       return absl::InvalidArgumentError(absl::StrCat("expert_ids[", i, "]: ", call.ids[i],
                                                      " out of range [0, ", info.num_experts, ")"));

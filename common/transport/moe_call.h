@@ -65,6 +65,9 @@ class MoeHandler {
   virtual ~MoeHandler() = default;
   virtual const ShardInfo& info() const = 0;
   virtual absl::Status Handle(const MoeCall& call, float* out, uint64_t* compute_ns) = 0;
+  // A call the transport refused before Handle (its sizes or ranges cannot
+  // be valid; nothing was copied): counted like Handle's own refusals.
+  virtual void Refused(const absl::Status& status) { (void)status; }
 };
 
 // Worker side: one connection to one shard.
@@ -90,5 +93,8 @@ class MoeClient {
 
 // Validates a call against a shard's description (the server's check).
 absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call);
+// The part of ValidateMoeCall that reads no buffer contents: layer, tokens,
+// top_k and the byte sizes (a server checks these before copying anything).
+absl::Status ValidateMoeCallShape(const ShardInfo& info, const MoeCall& call);
 
 }  // namespace hmoe

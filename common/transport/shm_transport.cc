@@ -32,6 +32,22 @@ namespace {
 constexpr uint64_t kSlotHeaderBytes = 256;
 // Each control-plane RPC of a (re)connect, unless the call's deadline is nearer.
 constexpr absl::Duration kControlTimeout = absl::Seconds(2);
+// Segments one service serves at once (each has a serving thread).
+constexpr size_t kMaxSessions = 1024;
+
+// A slot's call as its header describes it, pointing into the slot: for the
+// checks that read no contents.
+MoeCall ShapeOf(const MoeCall& c, const uint8_t* data, uint64_t ho, uint64_t hb, uint64_t io,
+                uint64_t ib, uint64_t wo, uint64_t wb) {
+  MoeCall s = c;
+  s.hidden = reinterpret_cast<const uint16_t*>(data + ho);
+  s.hidden_bytes = hb;
+  s.ids = reinterpret_cast<const int32_t*>(data + io);
+  s.ids_bytes = ib;
+  s.weights = reinterpret_cast<const float*>(data + wo);
+  s.weights_bytes = wb;
+  return s;
+}
 uint64_t Align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 uint64_t NowNs() {
@@ -129,6 +145,7 @@ struct ShmServer::Session {
   std::vector<float> weights;
   int client_pidfd = -1;
   int32_t client_pid = 0;
+  uint64_t nonce = 0;
   uint64_t epoch = 0;
   std::atomic<bool> stop{false};
   std::atomic<bool> finished{false};
@@ -186,6 +203,7 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   }
   auto s = std::make_unique<Session>();
   s->path = path;
+  s->nonce = nonce;
   s->client_pid = static_cast<int32_t>(client_pid);
   s->client_pidfd = PidfdOpen(s->client_pid);
   if (s->client_pidfd < 0 && errno == ESRCH) {
@@ -263,12 +281,8 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
       static_cast<unsigned __int128>(g.resp_offset) + g.resp_capacity > g.slot_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": slot geometry outside the segment"));
   }
-  s->epoch = next_epoch_.fetch_add(2);
-  h->epoch.store(s->epoch);
-  h->server_pid.store(static_cast<int32_t>(::getpid()));
-  h->server_heartbeat_ns.store(NowNs());
-  const uint64_t epoch = s->epoch;
   Session* raw = s.get();
+  uint64_t epoch = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Reap sessions whose thread ended.
@@ -280,6 +294,23 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
         ++it;
       }
     }
+    // One serving thread per segment: a second attach of the same one would
+    // have two threads claim its slots and rewrite its epoch.
+    for (const auto& [e, other] : sessions_) {
+      if (other->nonce == nonce) {
+        return absl::AlreadyExistsError(absl::StrCat(path, ": segment ", absl::Hex(nonce),
+                                                     " is already attached (epoch ", e, ")"));
+      }
+    }
+    if (sessions_.size() >= kMaxSessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "shm: ", sessions_.size(), " segments attached, the most one service serves"));
+    }
+    s->epoch = next_epoch_.fetch_add(2);
+    epoch = s->epoch;
+    h->epoch.store(epoch);
+    h->server_pid.store(static_cast<int32_t>(::getpid()));
+    h->server_heartbeat_ns.store(NowNs());
     // Started under the lock: a reaper never sees a session without its thread.
     raw->thread = std::thread(&ShmServer::Serve, this, raw);
     sessions_[epoch] = std::move(s);
@@ -315,6 +346,7 @@ void ShmServer::Serve(Session* s) {
       call.tokens = slot->tokens;
       call.top_k = slot->top_k;
       absl::Status st;
+      bool handled = false;
       auto in_range = [&](uint64_t off, uint64_t len, uint64_t align) {
         return off <= req_cap && len <= req_cap - off && off % align == 0;
       };
@@ -330,6 +362,10 @@ void ShmServer::Serve(Session* s) {
         st = absl::InvalidArgumentError(absl::StrCat("tokens: ", call.tokens,
                                                      " exceeds the segment's response capacity (",
                                                      resp_cap / row_bytes, " tokens)"));
+      } else if (MoeCall shape = ShapeOf(call, data, ho, hb, io, ib, wo, wb);
+                 !(st = ValidateMoeCallShape(handler_->info(), shape)).ok()) {
+        // Sizes first: nothing is copied for a call that cannot be valid
+        // (the client chooses the segment's size, and these lengths).
       } else {
         // Hidden rows are read in place (their values never steer an
         // address); ids and weights are copied, then validated and used.
@@ -348,7 +384,9 @@ void ShmServer::Serve(Session* s) {
         st = handler_->Handle(call, out, &ns);
         slot->compute_ns = ns;
         slot->out_bytes = st.ok() ? static_cast<uint64_t>(call.tokens) * row_bytes : 0;
+        handled = true;
       }
+      if (!handled) handler_->Refused(st);
       SetMessage(slot, st);
       slot->epoch = s->epoch;
       slot->state.store(kSlotDone, std::memory_order_release);

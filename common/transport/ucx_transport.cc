@@ -30,10 +30,26 @@ absl::Status UcsError(const char* what, ucs_status_t s) {
   return absl::UnavailableError(absl::StrCat("UCX ", what, ": ", ucs_status_string(s)));
 }
 
+// The largest well-formed request payload a shard takes: bf16 hidden rows,
+// int32 ids and f32 weights for max_tokens tokens.
+uint64_t MaxRequestBytes(const ShardInfo& info) {
+  const uint64_t t = static_cast<uint64_t>(std::max<int64_t>(info.max_tokens, 0));
+  return t * (2 * static_cast<uint64_t>(std::max<int64_t>(info.hidden, 0)) +
+              8 * static_cast<uint64_t>(std::max<int64_t>(info.top_k, 0)));
+}
+// The largest response a client takes: f32 rows for max_tokens tokens, or an
+// error message.
+uint64_t MaxResponseBytes(const ShardInfo& info) {
+  const uint64_t t = static_cast<uint64_t>(std::max<int64_t>(info.max_tokens, 0));
+  return std::max<uint64_t>(t * 4 * static_cast<uint64_t>(std::max<int64_t>(info.hidden, 0)),
+                            uint64_t{64} << 10);
+}
+
 // One message received by the worker: header and data copied out of UCX.
 struct Message {
   std::string header;
   std::vector<uint8_t> data;
+  uint64_t refused_bytes = 0;  // a payload over the worker's limit: not received, data empty
 };
 
 // A UCP context + worker driven by one progress thread. Everything touching
@@ -42,11 +58,14 @@ class Worker {
  public:
   using OnMessage = std::function<void(Message&&)>;
 
+  // Payloads over `max_payload` bytes are not received (no allocation of a
+  // peer-chosen size): on_message sees the header and refused_bytes.
   static absl::StatusOr<std::unique_ptr<Worker>> Create(uint16_t am_id, OnMessage on_message,
-                                                        int spin_us) {
+                                                        int spin_us, uint64_t max_payload) {
     auto w = std::unique_ptr<Worker>(new Worker());
     w->on_message_ = std::move(on_message);
     w->spin_us_ = spin_us;
+    w->max_payload_ = max_payload;
     ucp_config_t* config = nullptr;
     ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
     if (s != UCS_OK) return UcsError("config", s);
@@ -193,6 +212,12 @@ class Worker {
     auto* self = static_cast<Worker*>(arg);
     Message m;
     m.header.assign(static_cast<const char*>(header), header_len);
+    if (len > self->max_payload_) {
+      // Returning UCS_OK without receiving drops a rendezvous payload.
+      m.refused_bytes = len;
+      self->on_message_(std::move(m));
+      return UCS_OK;
+    }
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
       auto* op = new RecvOp{self, std::move(m)};
       op->msg.data.resize(len);
@@ -274,6 +299,7 @@ class Worker {
   int epoll_fd_ = -1;
   std::string address_;
   OnMessage on_message_;
+  uint64_t max_payload_ = 0;
   int spin_us_ = 50;
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
@@ -324,8 +350,12 @@ struct UcxServer::Impl {
     call.tokens = h.tokens;
     call.top_k = h.top_k;
     const uint64_t total = m.data.size();
-    if (h.hidden_bytes > total || h.ids_bytes > total - h.hidden_bytes ||
-        h.weights_bytes != total - h.hidden_bytes - h.ids_bytes) {
+    if (m.refused_bytes > 0) {
+      st = absl::InvalidArgumentError(absl::StrCat(
+          "request payload of ", m.refused_bytes, " bytes over the shard's largest call (",
+          MaxRequestBytes(handler->info()), " bytes: max_tokens x (2 x hidden + 8 x top_k))"));
+    } else if (h.hidden_bytes > total || h.ids_bytes > total - h.hidden_bytes ||
+               h.weights_bytes != total - h.hidden_bytes - h.ids_bytes) {
       st = absl::InvalidArgumentError(absl::StrCat("hidden/expert_ids/expert_weights: lengths ",
                                                    h.hidden_bytes, "+", h.ids_bytes, "+",
                                                    h.weights_bytes, " != payload ", total));
@@ -354,6 +384,8 @@ struct UcxServer::Impl {
       const int64_t t = std::clamp<int64_t>(call.tokens, 0, info.max_tokens);
       out.resize(static_cast<size_t>(t * info.hidden));
       st = handler->Handle(call, out.data(), &ns);
+    } else {
+      handler->Refused(st);
     }
     UcxResponseHeader r{};
     r.request_id = h.request_id;
@@ -380,7 +412,8 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler
   Impl* impl = s->impl_.get();
   impl->handler = handler;
   auto w = Worker::Create(
-      kAmRequest, [impl](Message&& m) { impl->OnRequest(std::move(m)); }, 50);
+      kAmRequest, [impl](Message&& m) { impl->OnRequest(std::move(m)); }, 50,
+      handler != nullptr ? MaxRequestBytes(handler->info()) : 0);
   if (!w.ok()) return w.status();
   impl->worker = std::move(*w);
   return s;
@@ -504,6 +537,14 @@ struct UcxClient::Impl {
     if (it == pending.end()) return;  // abandoned after a deadline
     Pending& p = it->second;
     if (p.done) return;  // already ended (failed with its endpoint)
+    if (m.refused_bytes > 0) {
+      p.status =
+          absl::InternalError(absl::StrCat("expert service (ucx): a response of ", m.refused_bytes,
+                                           " bytes, expected ", p.out_bytes));
+      p.done = true;
+      cv.notify_all();
+      return;
+    }
     if (h.code != 0) {
       p.status = absl::Status(static_cast<absl::StatusCode>(h.code),
                               std::string(m.data.begin(), m.data.end()));
@@ -575,7 +616,8 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<Con
   std::random_device rd;
   impl->client_id = (uint64_t{rd()} << 32) | rd();
   auto w = Worker::Create(
-      kAmResponse, [impl](Message&& m) { impl->OnResponse(std::move(m)); }, opts.spin_us);
+      kAmResponse, [impl](Message&& m) { impl->OnResponse(std::move(m)); }, opts.spin_us,
+      MaxResponseBytes(info));
   if (!w.ok()) return w.status();
   impl->worker = std::move(*w);
   absl::Status st = impl->Connect(kConnectTimeout, absl::InfiniteFuture(), impl->generation);

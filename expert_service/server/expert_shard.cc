@@ -307,6 +307,12 @@ MoePhaseProfile ExpertShard::TakeProfile() {
   return workspace_->TakeProfile();
 }
 
+void ExpertShard::Refused(const absl::Status& status) {
+  counters_.requests.fetch_add(1);
+  counters_.failed.fetch_add(1);
+  if (absl::IsInvalidArgument(status)) counters_.invalid.fetch_add(1);
+}
+
 absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* compute_ns) {
   counters_.requests.fetch_add(1);
   // Counted in flight before the draining check: a drain that sees zero in

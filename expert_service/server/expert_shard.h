@@ -78,6 +78,7 @@ class ExpertShard : public MoeHandler {
   // Validates the call, then RunMoe on the layer. Calls are serialized (one
   // workspace; the pool runs one call at a time anyway).
   absl::Status Handle(const MoeCall& call, float* out, uint64_t* compute_ns) override;
+  void Refused(const absl::Status& status) override;
 
   // New calls fail UNAVAILABLE ("draining"); in-flight ones finish.
   void SetDraining() { draining_.store(true); }

@@ -60,6 +60,17 @@ TEST(ShmAttach, SealedMemfdOfTheClientIsServedAndCannotShrink) {
   // The attack the seal closes: shrinking the file under the service's map.
   EXPECT_NE(ftruncate(fd, 0), 0);
   EXPECT_EQ(errno, EPERM);
+  // The same segment again, by its fd or a dup of it: one serving thread per
+  // segment (two would claim its slots and rewrite its epoch).
+  const int dup_fd = dup(fd);
+  ASSERT_GE(dup_fd, 0);
+  for (int f : {fd, dup_fd}) {
+    auto again = server.Attach(FdPath(f), getpid(), kNonce);
+    EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists) << again.status();
+    EXPECT_THAT(std::string(again.status().message()), HasSubstr("already attached"));
+  }
+  EXPECT_EQ(server.sessions(), 1u);
+  ::close(dup_fd);
   ::close(fd);
 }
 
