@@ -254,6 +254,10 @@ absl::StatusOr<std::unique_ptr<PackedExperts>> PackedExperts::Open(const std::st
     if (!sums.contains(t.name)) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": no checksum for ", t.name));
     }
+    if (!sums[t.name].is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": bad checksum entry for ", t.name, " (not a string)"));
+    }
     p->sums_[t.name] = sums[t.name].get<std::string>();
   }
   p->path_ = path;

@@ -67,7 +67,10 @@ struct ServiceOptions {
       return absl::InvalidArgumentError("--numa-node and --cores are exclusive");
     }
     if (listen.empty()) return absl::InvalidArgumentError("--listen: empty");
-    if (!(drain_timeout_s >= 0)) return absl::InvalidArgumentError("--drain-timeout-s: negative");
+    if (!(drain_timeout_s >= 0 && drain_timeout_s <= 3600)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--drain-timeout-s: ", drain_timeout_s, " outside [0, 3600]"));
+    }
     return absl::OkStatus();
   }
   std::string ToString() const {
@@ -442,6 +445,14 @@ int Main(int argc, char** argv) {
     pthread_kill(signals.native_handle(), SIGTERM);
     signals.join();
     return 1;
+  }
+  if (stop.load()) {
+    // Asked to stop while loading: nothing was served, nothing to drain; do
+    // not announce READY (or turn health SERVING) on the way out.
+    Log("stop requested while loading: exiting without serving");
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    signals.join();
+    return 0;
   }
   std::unique_ptr<ShmServer> shm;
   std::unique_ptr<UcxServer> ucx;

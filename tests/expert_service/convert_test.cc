@@ -2,6 +2,8 @@
 // errors for truncated, corrupted or mismatched files.
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/model_config.h"
@@ -78,6 +80,29 @@ TEST(Convert, TruncatedCorruptedOrMismatchedFilesAreRefused) {
   ASSERT_TRUE(other.ok());
   auto p = PackedExperts::Open(out, *other, SplitMode::kTp, 0, 2);
   EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition) << p.status();
+  // A checksum entry that is a number, not a string (same file length): an
+  // error naming the file, not an exception out of the JSON library.
+  {
+    std::ifstream in(f0, std::ios::binary);
+    const std::string original((std::istreambuf_iterator<char>(in)),
+                               std::istreambuf_iterator<char>());
+    in.close();
+    const size_t at = original.find("checksums");
+    ASSERT_NE(at, std::string::npos);
+    const size_t open = original.find(R"(\":\")", at);  // ends a name, opens its value
+    ASSERT_NE(open, std::string::npos);
+    const size_t close = original.find(R"(\")", open + 5);
+    ASSERT_NE(close, std::string::npos);
+    std::string edited = original;
+    edited.replace(open + 3, 2, "  ");  // the value's opening \" -> spaces
+    edited.replace(close, 2, "  ");     // and its closing one
+    std::ofstream(f0, std::ios::binary | std::ios::trunc) << edited;
+    s = ExpertShard::Load(Opts(0, 2, SplitMode::kTp, "bf16", out));
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_NE(s.status().message().find("bad checksum entry"), absl::string_view::npos)
+        << s.status();
+    std::ofstream(f0, std::ios::binary | std::ios::trunc) << original;  // restored
+  }
   // One flipped byte in the data region: checksum.
   const auto size = std::filesystem::file_size(f0);
   {

@@ -335,7 +335,8 @@ TEST(ServiceProcess, BadFlagsAndUnloadableModelExitNonZero) {
        {std::vector<std::string>{"--model-dir=" + ModelDir(), "--shard=3/2"},
         std::vector<std::string>{"--model-dir=" + ModelDir(), "--numa-node=4096"},
         std::vector<std::string>{"--model-dir=/nonexistent"},
-        std::vector<std::string>{"--model-dir=" + ModelDir(), "--bogus=1"}}) {
+        std::vector<std::string>{"--model-dir=" + ModelDir(), "--bogus=1"},
+        std::vector<std::string>{"--model-dir=" + ModelDir(), "--drain-timeout-s=inf"}}) {
     ::hmoe::testing::ServiceProcess proc;
     EXPECT_FALSE(proc.Start(args, dir.file("port"))) << args.back();
   }
@@ -370,29 +371,54 @@ bool Listening(int port) {
   return ok;
 }
 
-TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
-  ::hmoe::testing::TempDir dir;
-  // The fixture, except that config.json is a FIFO: loading blocks on it
-  // until the test writes the real config, with the control plane up.
-  const std::string model = dir.file("model");
-  ASSERT_TRUE(std::filesystem::create_directory(model));
-  for (const auto& e : std::filesystem::directory_iterator(ModelDir())) {
-    const std::string to = model + "/" + e.path().filename().string();
-    if (e.path().filename() == "config.json") {
-      ASSERT_EQ(mkfifo(to.c_str(), 0600), 0);
-    } else {
-      std::filesystem::create_symlink(e.path(), to);
+// The fixture, except that config.json is a FIFO: loading blocks on it
+// until Release() writes the real config (the control plane is up meanwhile).
+class FifoConfigModel {
+ public:
+  explicit FifoConfigModel(const std::string& dir) : dir_(dir) {
+    EXPECT_TRUE(std::filesystem::create_directory(dir_));
+    for (const auto& e : std::filesystem::directory_iterator(ModelDir())) {
+      const std::string to = dir_ + "/" + e.path().filename().string();
+      if (e.path().filename() == "config.json") {
+        EXPECT_EQ(mkfifo(to.c_str(), 0600), 0);
+      } else {
+        std::filesystem::create_symlink(e.path(), to);
+      }
     }
   }
-  std::ifstream cfg_in(ModelDir() + "/config.json");
-  const std::string config((std::istreambuf_iterator<char>(cfg_in)),
-                           std::istreambuf_iterator<char>());
+  const std::string& dir() const { return dir_; }
+  // Writes the config once the service has the FIFO open for reading (ENXIO
+  // before); false if it never opens it.
+  bool Release() {
+    std::ifstream cfg_in(ModelDir() + "/config.json");
+    const std::string config((std::istreambuf_iterator<char>(cfg_in)),
+                             std::istreambuf_iterator<char>());
+    int fifo = -1;
+    for (int i = 0; i < 2000 && fifo < 0; ++i) {
+      fifo = ::open((dir_ + "/config.json").c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+      if (fifo < 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (fifo < 0) return false;
+    fcntl(fifo, F_SETFL, 0);  // blocking writes from here
+    const bool ok =
+        ::write(fifo, config.data(), config.size()) == static_cast<ssize_t>(config.size());
+    ::close(fifo);
+    return ok;
+  }
+
+ private:
+  std::string dir_;
+};
+
+TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
+  ::hmoe::testing::TempDir dir;
+  FifoConfigModel model(dir.file("model"));
   const int port = FreePort();
   ASSERT_GT(port, 0);
   ::hmoe::testing::ServiceProcess proc;
   bool started = false;
   std::thread starter(
-      [&] { started = proc.Start({"--model-dir=" + model}, dir.file("port"), port); });
+      [&] { started = proc.Start({"--model-dir=" + model.dir()}, dir.file("port"), port); });
   // The channel only once the port listens (a refused first connection
   // would put gRPC into its reconnect backoff).
   for (int i = 0; i < 1000 && !Listening(port); ++i)
@@ -411,25 +437,35 @@ TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
   EXPECT_EQ(ucx.status().code(), absl::StatusCode::kUnavailable) << ucx.status();
   EXPECT_NE(std::string(ucx.status().message()).find("still loading"), std::string::npos);
   EXPECT_EQ(control.Check(), Health::kNotServing);
-  // Let it load: write the config into the FIFO once the service has it
-  // open for reading (ENXIO before). If it never does, Start gives up (60 s).
-  int fifo = -1;
-  for (int i = 0; i < 2000 && fifo < 0; ++i) {
-    fifo = ::open((model + "/config.json").c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fifo < 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  EXPECT_GE(fifo, 0) << "the service never opened config.json";
-  if (fifo >= 0) {
-    fcntl(fifo, F_SETFL, 0);  // blocking writes from here
-    EXPECT_EQ(::write(fifo, config.data(), config.size()), static_cast<ssize_t>(config.size()));
-    ::close(fifo);
-  }
+  // Let it load. If it never opens the FIFO, Start gives up (60 s).
+  EXPECT_TRUE(model.Release()) << "the service never opened config.json";
   starter.join();
   ASSERT_TRUE(started);
   EXPECT_EQ(control.Check(), Health::kServing);
   // Up now: the same bad path is judged on its merits.
   shm = control.AttachShm("/dev/shm/not-a-memfd", getpid(), 1);
   EXPECT_EQ(shm.status().code(), absl::StatusCode::kInvalidArgument) << shm.status();
+}
+
+// SIGTERM while loading: once the load ends, the service exits without
+// announcing READY or serving (no port file, no SERVING on the way out).
+TEST(ServiceProcess, SigtermWhileLoadingExitsWithoutServing) {
+  ::hmoe::testing::TempDir dir;
+  FifoConfigModel model(dir.file("model"));
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  ::hmoe::testing::ServiceProcess proc;
+  bool started = false;
+  std::thread starter(
+      [&] { started = proc.Start({"--model-dir=" + model.dir()}, dir.file("port"), port); });
+  for (int i = 0; i < 1000 && !Listening(port); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_TRUE(Listening(port));
+  proc.Signal(SIGTERM);  // spawned: its pid is set before it listens
+  EXPECT_TRUE(model.Release()) << "the service never opened config.json";
+  starter.join();
+  EXPECT_FALSE(started) << "it wrote its port file (announced READY) after SIGTERM";
+  EXPECT_FALSE(std::filesystem::exists(dir.file("port")));
 }
 
 TEST(ServiceProcess, NumaNodeBinding) {
