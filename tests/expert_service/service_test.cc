@@ -410,19 +410,45 @@ class FifoConfigModel {
   std::string dir_;
 };
 
+// ServiceProcess::Start on a thread (it returns once the service is ready or
+// gone), on a free port; the constructor waits until the port listens.
+class BackgroundStart {
+ public:
+  BackgroundStart(::hmoe::testing::ServiceProcess& proc, std::vector<std::string> args,
+                  std::string port_file)
+      : port_(FreePort()) {
+    thread_ = std::thread([this, &proc, args = std::move(args), port_file = std::move(port_file)] {
+      started_ = proc.Start(args, port_file, port_);
+    });
+    for (int i = 0; i < 1000 && port_ > 0 && !Listening(port_); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ~BackgroundStart() {
+    if (thread_.joinable()) thread_.join();
+  }
+  int port() const { return port_; }
+  bool listening() const { return port_ > 0 && Listening(port_); }
+  // Start's result: true once the service announced READY (its port file).
+  bool Join() {
+    thread_.join();
+    return started_;
+  }
+
+ private:
+  int port_;
+  bool started_ = false;
+  std::thread thread_;
+};
+
 TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
   ::hmoe::testing::TempDir dir;
   FifoConfigModel model(dir.file("model"));
-  const int port = FreePort();
-  ASSERT_GT(port, 0);
   ::hmoe::testing::ServiceProcess proc;
-  bool started = false;
-  std::thread starter(
-      [&] { started = proc.Start({"--model-dir=" + model.dir()}, dir.file("port"), port); });
   // The channel only once the port listens (a refused first connection
   // would put gRPC into its reconnect backoff).
-  for (int i = 0; i < 1000 && !Listening(port); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  BackgroundStart start(proc, {"--model-dir=" + model.dir()}, dir.file("port"));
+  ASSERT_TRUE(start.listening());
+  const int port = start.port();
   ControlClient control(MakeExpertChannel(absl::StrCat("127.0.0.1:", port)));
   // Up but loading: Describe says so.
   absl::Status describe = control.Describe(absl::Seconds(5)).status();
@@ -439,8 +465,7 @@ TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
   EXPECT_EQ(control.Check(), Health::kNotServing);
   // Let it load. If it never opens the FIFO, Start gives up (60 s).
   EXPECT_TRUE(model.Release()) << "the service never opened config.json";
-  starter.join();
-  ASSERT_TRUE(started);
+  ASSERT_TRUE(start.Join());
   EXPECT_EQ(control.Check(), Health::kServing);
   // Up now: the same bad path is judged on its merits.
   shm = control.AttachShm("/dev/shm/not-a-memfd", getpid(), 1);
@@ -452,19 +477,12 @@ TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
 TEST(ServiceProcess, SigtermWhileLoadingExitsWithoutServing) {
   ::hmoe::testing::TempDir dir;
   FifoConfigModel model(dir.file("model"));
-  const int port = FreePort();
-  ASSERT_GT(port, 0);
   ::hmoe::testing::ServiceProcess proc;
-  bool started = false;
-  std::thread starter(
-      [&] { started = proc.Start({"--model-dir=" + model.dir()}, dir.file("port"), port); });
-  for (int i = 0; i < 1000 && !Listening(port); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  ASSERT_TRUE(Listening(port));
+  BackgroundStart start(proc, {"--model-dir=" + model.dir()}, dir.file("port"));
+  ASSERT_TRUE(start.listening());
   proc.Signal(SIGTERM);  // spawned: its pid is set before it listens
   EXPECT_TRUE(model.Release()) << "the service never opened config.json";
-  starter.join();
-  EXPECT_FALSE(started) << "it wrote its port file (announced READY) after SIGTERM";
+  EXPECT_FALSE(start.Join()) << "it wrote its port file (announced READY) after SIGTERM";
   EXPECT_FALSE(std::filesystem::exists(dir.file("port")));
 }
 
