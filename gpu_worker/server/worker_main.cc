@@ -7,10 +7,12 @@
 //                   [--port-file PATH]
 //
 // Routed experts run in-process (reference) with --experts local, else on
-// the expert service shards given. Health (grpc.health.v1) is SERVING once the
+// the expert service shards given; an expert call that misses
+// --expert-timeout-ms fails its request UNAVAILABLE, and expert calls fail
+// at once for the next second. Health (grpc.health.v1) is SERVING once the
 // model is loaded and, with remote experts, while every shard answers.
 // SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
-// --drain-seconds, exit 0.
+// --drain-seconds (the rest end UNAVAILABLE), exit 0.
 #include <signal.h>
 #include <systemd/sd-daemon.h>
 
