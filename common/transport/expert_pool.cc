@@ -32,6 +32,7 @@ absl::StatusOr<TransportKind> ParseTransportKind(const std::string& s) {
 absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPoolOptions& opts) {
   if (opts.targets.empty()) return absl::InvalidArgumentError("targets: no shards given");
   auto pool = std::unique_ptr<ExpertPool>(new ExpertPool());
+  pool->fail_fast_after_miss_ = opts.fail_fast_after_miss;
   std::vector<Shard> shards(opts.targets.size());
   for (size_t i = 0; i < opts.targets.size(); ++i) {
     Shard s;
@@ -96,6 +97,14 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
 
 ExpertPool::~ExpertPool() = default;
 
+absl::Status ExpertPool::FailingFast(const Shard& sh) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Now() >= sh.fail_fast_until) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("missed a call deadline less than ",
+                                             absl::FormatDuration(fail_fast_after_miss_),
+                                             " ago; failing fast"));
+}
+
 absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, absl::Time deadline) {
   RETURN_IF_ERROR(ValidateMoeCall(model_, call));
   auto op = std::make_unique<Op>();
@@ -115,11 +124,15 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, abs
         sub.scratch = TakeScratch(static_cast<size_t>(call.tokens * H));
         sub.dst = sub.scratch.data();
       }
-      auto h = sh.client->Submit(call, sub.dst, deadline);
-      if (h.ok())
-        sub.handle = *h;
-      else
-        sub.submit_status = h.status();
+      if (absl::Status ff = FailingFast(sh); !ff.ok()) {
+        sub.submit_status = ff;
+      } else {
+        auto h = sh.client->Submit(call, sub.dst, deadline);
+        if (h.ok())
+          sub.handle = *h;
+        else
+          sub.submit_status = h.status();
+      }
     } else {
       for (int32_t t = 0; t < call.tokens; ++t) {
         for (int j = 0; j < k; ++j) {
@@ -143,12 +156,16 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, abs
       }
       sub.scratch = TakeScratch(static_cast<size_t>(n * H));
       sub.dst = sub.scratch.data();
-      auto h = sh.client->Submit(MoeCall::Make(call.layer, n, k, H, x.data(), ids.data(), w.data()),
-                                 sub.dst, deadline);
-      if (h.ok())
-        sub.handle = *h;
-      else
-        sub.submit_status = h.status();
+      if (absl::Status ff = FailingFast(sh); !ff.ok()) {
+        sub.submit_status = ff;
+      } else {
+        auto h = sh.client->Submit(
+            MoeCall::Make(call.layer, n, k, H, x.data(), ids.data(), w.data()), sub.dst, deadline);
+        if (h.ok())
+          sub.handle = *h;
+        else
+          sub.submit_status = h.status();
+      }
     }
     op->subs.push_back(std::move(sub));
   }
@@ -179,6 +196,8 @@ absl::Status ExpertPool::Wait(uint64_t handle, absl::Time deadline) {
         sh.up = true;
       else if (absl::IsUnavailable(st))
         sh.up = false;
+      if (absl::IsDeadlineExceeded(st) && fail_fast_after_miss_ > absl::ZeroDuration())
+        sh.fail_fast_until = absl::Now() + fail_fast_after_miss_;
     }
     if (!st.ok() && first.ok()) {
       first = Annotate(st, absl::StrCat("expert shard ", sub.shard, " (",

@@ -29,8 +29,13 @@ struct ExpertPoolOptions {
   std::vector<std::string> targets;  // host:port of each shard's gRPC endpoint (any order)
   TransportKind transport = TransportKind::kGrpc;
   absl::Duration connect_timeout = absl::Seconds(10);  // per shard, waiting for READY
-  uint32_t shm_slots =
-      8;  // calls in flight per shard over shared memory (more: RESOURCE_EXHAUSTED)
+  // Calls in flight per shard over shared memory (more wait for a slot until
+  // their deadline).
+  uint32_t shm_slots = 8;
+  // After a shard misses a call's deadline, calls to that shard fail
+  // UNAVAILABLE at once for this long (0: off): a hung shard then costs one
+  // deadline, not one per call queued behind it.
+  absl::Duration fail_fast_after_miss = absl::ZeroDuration();
 };
 
 class ExpertPool {
@@ -51,7 +56,8 @@ class ExpertPool {
   // the call in time reports DEADLINE_EXCEEDED from Wait.
   absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out, absl::Time deadline);
   // OK, or the first shard's failure (annotated with the shard):
-  // UNAVAILABLE when a shard is gone, DEADLINE_EXCEEDED when one is late.
+  // UNAVAILABLE when a shard is gone (or failing fast after a miss),
+  // DEADLINE_EXCEEDED when one is late.
   absl::Status Wait(uint64_t handle, absl::Time deadline);
   absl::Status Run(const MoeCall& call, float* out, absl::Time deadline);
 
@@ -66,7 +72,8 @@ class ExpertPool {
     ShardInfo info;
     std::shared_ptr<ControlClient> control;
     std::unique_ptr<MoeClient> client;
-    bool up = true;
+    bool up = true;                                     // guarded by mu_
+    absl::Time fail_fast_until = absl::InfinitePast();  // guarded by mu_
   };
   struct Sub {
     int shard = 0;
@@ -85,12 +92,15 @@ class ExpertPool {
   };
 
   ExpertPool() = default;
+  // UNAVAILABLE while `sh` fails fast after a missed deadline, else OK.
+  absl::Status FailingFast(const Shard& sh) const;
   // Scratch buffers are recycled so that a call neither allocates nor
   // page-faults its partial outputs (a T=128, H=7168 partial is 3.7 MB).
   std::vector<float> TakeScratch(size_t n);
   void ReturnScratch(std::vector<float> buf);
 
   ShardInfo model_;
+  absl::Duration fail_fast_after_miss_;
   std::vector<Shard> shards_;  // by shard index
   mutable std::mutex mu_;
   uint64_t next_ = 1;

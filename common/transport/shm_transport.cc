@@ -568,18 +568,26 @@ absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int3
                        " bytes (", geo_.max_tokens, " tokens)"));
     }
     // A free slot, reclaiming abandoned ones the server has finished.
-    int abandoned = 0;
+    int abandoned = 0, at_service = 0;
     for (uint32_t i = 0; i < h->num_slots && slot_index < 0; ++i) {
       ShmSlot* s = SlotAt(seg_->base, h, i);
-      if (seg_->owner[i] == 2 && s->state.load(std::memory_order_acquire) == kSlotDone)
-        seg_->owner[i] = 0;
+      const uint32_t state = s->state.load(std::memory_order_acquire);
+      if (seg_->owner[i] == 2 && state == kSlotDone) seg_->owner[i] = 0;
       if (seg_->owner[i] == 0) slot_index = static_cast<int>(i);
       if (seg_->owner[i] == 2) ++abandoned;
+      if (state == kSlotRequest || state == kSlotBusy) ++at_service;
     }
     if (slot_index >= 0) break;
-    // All busy: calls in flight (ours or other threads'), zero-copy slots not
-    // yet released, or abandoned calls the service has not finished (a
-    // stalled service). Wait for one, until the call's deadline.
+    // All busy. With calls at the service (in flight, or abandoned and not
+    // finished: a stalled service) one frees by itself: wait for it, until
+    // the call's deadline. Otherwise every slot is held by this client's own
+    // handles (acquired and not committed, or answered and not released),
+    // which only a Release or Wait frees: say so at once.
+    if (at_service == 0 && abandoned == 0) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "expert service (shm): all ", h->num_slots,
+          " slots held by this client's handles (acquired, or answered and not yet released)"));
+    }
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
           "expert service (shm): no free slot before the deadline: all ", h->num_slots,

@@ -118,7 +118,8 @@ class ShmServer {
   // sealed with F_SEAL_SHRINK, whose header carries `nonce`; INVALID_ARGUMENT
   // otherwise), checks its header, starts serving it; returns the epoch
   // written into it. The nonce guards against a stale attach finding a newer
-  // segment under a reused fd number.
+  // segment under a reused fd number. A segment already served:
+  // ALREADY_EXISTS; 1024 segments served: RESOURCE_EXHAUSTED.
   absl::StatusOr<uint64_t> Attach(const std::string& path, int64_t client_pid, uint64_t nonce);
   uint64_t sessions() const;
   uint64_t discarded() const { return discarded_.load(); }
@@ -152,8 +153,10 @@ class ShmClient : public MoeClient {
   const char* transport() const override { return "shm"; }
 
   // Zero-copy use (the GPU path). Acquire reserves a free slot for `tokens` x
-  // `top_k`, waiting for one (or for a reconnect) until `deadline` (then
-  // DEADLINE_EXCEEDED, naming how many slots abandoned calls still hold),
+  // `top_k`, waiting for one held by a call at the service (or for a
+  // reconnect) until `deadline` (then DEADLINE_EXCEEDED, naming how many
+  // slots abandoned calls still hold); RESOURCE_EXHAUSTED at once when every
+  // slot is held by this client's own handles,
   // and returns where the request goes inside the mapped segment: the
   // caller writes it in place (e.g. a cudaMemcpyAsync into the registered
   // segment), then Commit(handle, layer) rings the doorbell. WaitInPlace

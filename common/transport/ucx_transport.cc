@@ -351,9 +351,22 @@ struct UcxServer::Impl {
     call.top_k = h.top_k;
     const uint64_t total = m.data.size();
     if (m.refused_bytes > 0) {
-      st = absl::InvalidArgumentError(absl::StrCat(
-          "request payload of ", m.refused_bytes, " bytes over the shard's largest call (",
-          MaxRequestBytes(handler->info()), " bytes: max_tokens x (2 x hidden + 8 x top_k))"));
+      // Name the field the header got wrong (tokens, top_k, a length) where
+      // it says; else the payload itself is the fault.
+      MoeCall shape = call;
+      static const uint8_t kNone[8] = {};
+      shape.hidden = reinterpret_cast<const uint16_t*>(kNone);
+      shape.ids = reinterpret_cast<const int32_t*>(kNone);
+      shape.weights = reinterpret_cast<const float*>(kNone);
+      shape.hidden_bytes = h.hidden_bytes;
+      shape.ids_bytes = h.ids_bytes;
+      shape.weights_bytes = h.weights_bytes;
+      st = ValidateMoeCallShape(handler->info(), shape);
+      if (st.ok()) {
+        st = absl::InvalidArgumentError(absl::StrCat(
+            "request payload of ", m.refused_bytes, " bytes over the shard's largest call (",
+            MaxRequestBytes(handler->info()), " bytes: max_tokens x (2 x hidden + 8 x top_k))"));
+      }
     } else if (h.hidden_bytes > total || h.ids_bytes > total - h.hidden_bytes ||
                h.weights_bytes != total - h.hidden_bytes - h.ids_bytes) {
       st = absl::InvalidArgumentError(absl::StrCat("hidden/expert_ids/expert_weights: lengths ",

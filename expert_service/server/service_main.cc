@@ -426,7 +426,7 @@ int Main(int argc, char** argv) {
   std::thread signals([&] {
     int sig = 0;
     sigwait(&sigs, &sig);
-    if (!load_failed.load()) Log(absl::StrCat("signal ", sig, ": draining"));
+    if (!load_failed.load()) Log(absl::StrCat("signal ", sig, ": stopping"));
     stop.store(true);
   });
 

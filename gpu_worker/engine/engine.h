@@ -101,7 +101,8 @@ class Engine {
   const EngineOptions& options() const { return options_; }
 
   // Refuses new requests, lets running and queued ones finish until `drain`
-  // has passed, then cancels the rest and stops the scheduler thread.
+  // has passed, then ends the rest UNAVAILABLE ("worker shutting down") and
+  // stops the scheduler thread.
   void Shutdown(absl::Duration drain);
 
  private:

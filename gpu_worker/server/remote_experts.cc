@@ -8,20 +8,20 @@
 
 namespace hmoe {
 
-// The expert call's deadline is the worker's own --expert-timeout-ms, not
-// the client's: a shard that misses it is unavailable to the client
-// (api.proto), not the client's DEADLINE_EXCEEDED.
-// A miss also opens the breaker: for kFailFast, calls fail at once instead
-// of each waiting out its own timeout behind the same hung shard.
-absl::Status PoolRoutedExperts::ExpertFailure(const absl::Status& st) {
-  if (!absl::IsDeadlineExceeded(st)) return st;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    fail_fast_until_ = absl::Now() + kFailFast;
+// Whatever went wrong between the worker and the expert service, other than
+// a call the worker itself got wrong (INVALID_ARGUMENT), is UNAVAILABLE to
+// the client, as api.proto says; the message keeps the transport's words.
+// The expert call's deadline is the worker's own --expert-timeout-ms: a miss
+// is not the client's DEADLINE_EXCEEDED.
+absl::Status PoolRoutedExperts::ExpertFailure(const absl::Status& st) const {
+  if (st.ok() || absl::IsInvalidArgument(st) || absl::IsUnavailable(st)) return st;
+  if (absl::IsDeadlineExceeded(st)) {
+    return absl::UnavailableError(absl::StrCat("expert service did not answer within ",
+                                               absl::FormatDuration(timeout_), ": ",
+                                               std::string(st.message())));
   }
-  return absl::UnavailableError(absl::StrCat("expert service did not answer within ",
-                                             absl::FormatDuration(timeout_), ": ",
-                                             std::string(st.message())));
+  return absl::UnavailableError(absl::StrCat(
+      "expert service: ", absl::StatusCodeToString(st.code()), ": ", std::string(st.message())));
 }
 
 absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> PoolRoutedExperts::Create(
@@ -49,14 +49,6 @@ absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> PoolRoutedExperts::Create(
 
 absl::StatusOr<uint64_t> PoolRoutedExperts::Submit(const ExpertBatch& b, float* out) {
   RETURN_IF_ERROR(ValidateExpertBatch(config_, b));
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Now() < fail_fast_until_) {
-      return absl::UnavailableError(absl::StrCat(
-          "expert service missed a ", absl::FormatDuration(timeout_), " call deadline less than ",
-          absl::FormatDuration(kFailFast), " ago; failing fast"));
-    }
-  }
   // bf16 copy for the wire; the transport has consumed it when Submit returns.
   std::vector<uint16_t> hidden(static_cast<size_t>(b.num_tokens * b.hidden_size));
   for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = F32ToBf16(b.hidden[i]);

@@ -18,9 +18,8 @@ class PoolRoutedExperts final : public RoutedExperts {
  public:
   // Checks that the pool serves this model's experts (hidden size, expert
   // count, top-k, MoE layers): FAILED_PRECONDITION naming the mismatch.
-  // Each call gets `call_timeout`; a shard that misses it is UNAVAILABLE, and
-  // for the next kFailFast every call fails UNAVAILABLE at once (a hung
-  // shard costs one timeout, not one per request and layer).
+  // Each call gets `call_timeout`; a shard that misses it is UNAVAILABLE (the
+  // pool's fail_fast_after_miss then spares the calls queued behind it).
   static absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> Create(const ModelConfig& config,
                                                                    ExpertPool* pool,
                                                                    absl::Duration call_timeout);
@@ -32,14 +31,12 @@ class PoolRoutedExperts final : public RoutedExperts {
  private:
   PoolRoutedExperts(const ModelConfig& config, ExpertPool* pool, absl::Duration timeout)
       : config_(config), pool_(pool), timeout_(timeout) {}
-  absl::Status ExpertFailure(const absl::Status& st);
-  static constexpr absl::Duration kFailFast = absl::Seconds(1);
+  absl::Status ExpertFailure(const absl::Status& st) const;
   const ModelConfig& config_;
   ExpertPool* pool_;
   absl::Duration timeout_;
   std::mutex mu_;
   std::map<uint64_t, absl::Time> deadlines_;  // pool handle -> deadline
-  absl::Time fail_fast_until_ = absl::InfinitePast();
 };
 
 }  // namespace hmoe

@@ -140,6 +140,8 @@ int Run(int argc, char** argv) {
     auto kind = ParseTransportKind(o.transport);
     if (!kind.ok()) Die(kind.status().ToString());
     po.transport = *kind;
+    // A hung shard costs one --expert-timeout-ms, not one per queued call.
+    po.fail_fast_after_miss = absl::Seconds(1);
     auto p = ExpertPool::Connect(po);
     if (!p.ok()) Die("expert service: " + p.status().ToString(), 1);
     pool = std::move(*p);

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <string>
@@ -49,7 +50,10 @@ class ServiceProcess {
     std::vector<char*> cargv;
     for (auto& a : argv) cargv.push_back(a.data());
     cargv.push_back(nullptr);
-    if (posix_spawnp(&pid_, cargv[0], nullptr, nullptr, cargv.data(), environ) != 0) return false;
+    pid_t spawned = -1;
+    if (posix_spawnp(&spawned, cargv[0], nullptr, nullptr, cargv.data(), environ) != 0)
+      return false;
+    pid_ = spawned;
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (std::chrono::steady_clock::now() < until) {
       std::ifstream f(port_file);
@@ -72,7 +76,7 @@ class ServiceProcess {
     ::kill(pid_, sig);
     if (sig != SIGSTOP) return;
     for (int i = 0; i < 1000; ++i) {
-      std::ifstream f("/proc/" + std::to_string(pid_) + "/stat");
+      std::ifstream f("/proc/" + std::to_string(pid_.load()) + "/stat");
       std::string pid, comm, state;
       f >> pid >> comm >> state;
       if (state == "T" || state == "t") return;
@@ -97,7 +101,7 @@ class ServiceProcess {
   std::string target() const { return host_ + ":" + std::to_string(port_); }
 
  private:
-  pid_t pid_ = -1;
+  std::atomic<pid_t> pid_{-1};  // Start may run on another thread than Signal
   int port_ = 0;
   std::string port_file_;
   std::string host_ = "127.0.0.1";
