@@ -45,17 +45,17 @@ absl::Status ValidateMoeCallShape(const ShardInfo& info, const MoeCall& call) {
   }
   const uint64_t t = static_cast<uint64_t>(call.tokens), k = static_cast<uint64_t>(call.top_k);
   const uint64_t hb = t * static_cast<uint64_t>(info.hidden) * 2;
-  if (call.hidden_bytes != hb || call.hidden == nullptr) {
+  if (call.hidden_bytes != hb) {
     return absl::InvalidArgumentError(absl::StrCat("hidden: ", call.hidden_bytes,
                                                    " bytes, expected ", hb, " (tokens ", t,
                                                    " x hidden ", info.hidden, " x bf16)"));
   }
-  if (call.ids_bytes != t * k * 4 || call.ids == nullptr) {
+  if (call.ids_bytes != t * k * 4) {
     return absl::InvalidArgumentError(absl::StrCat("expert_ids: ", call.ids_bytes,
                                                    " bytes, expected ", t * k * 4, " (tokens ", t,
                                                    " x top_k ", k, " x int32)"));
   }
-  if (call.weights_bytes != t * k * 4 || call.weights == nullptr) {
+  if (call.weights_bytes != t * k * 4) {
     return absl::InvalidArgumentError(absl::StrCat("expert_weights: ", call.weights_bytes,
                                                    " bytes, expected ", t * k * 4, " (tokens ", t,
                                                    " x top_k ", k, " x f32)"));
@@ -65,6 +65,9 @@ absl::Status ValidateMoeCallShape(const ShardInfo& info, const MoeCall& call) {
 
 absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call) {
   RETURN_IF_ERROR(ValidateMoeCallShape(info, call));
+  if (call.hidden == nullptr) return absl::InvalidArgumentError("hidden: no data");
+  if (call.ids == nullptr) return absl::InvalidArgumentError("expert_ids: no data");
+  if (call.weights == nullptr) return absl::InvalidArgumentError("expert_weights: no data");
   const uint64_t n = static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(call.top_k);
   for (uint64_t i = 0; i < n; ++i) {
     if (call.ids[i] < 0 || call.ids[i] >= info.num_experts) {

@@ -93,8 +93,9 @@ class MoeClient {
 
 // Validates a call against a shard's description (the server's check).
 absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call);
-// The part of ValidateMoeCall that reads no buffer contents: layer, tokens,
-// top_k and the byte sizes (a server checks these before copying anything).
+// The part of ValidateMoeCall that needs no buffers: layer, tokens, top_k
+// and the byte sizes (a server checks these before copying anything; the
+// data pointers may be null).
 absl::Status ValidateMoeCallShape(const ShardInfo& info, const MoeCall& call);
 
 }  // namespace hmoe

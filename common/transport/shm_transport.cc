@@ -35,19 +35,6 @@ constexpr absl::Duration kControlTimeout = absl::Seconds(2);
 // Segments one service serves at once (each has a serving thread).
 constexpr size_t kMaxSessions = 1024;
 
-// A slot's call as its header describes it, pointing into the slot: for the
-// checks that read no contents.
-MoeCall ShapeOf(const MoeCall& c, const uint8_t* data, uint64_t ho, uint64_t hb, uint64_t io,
-                uint64_t ib, uint64_t wo, uint64_t wb) {
-  MoeCall s = c;
-  s.hidden = reinterpret_cast<const uint16_t*>(data + ho);
-  s.hidden_bytes = hb;
-  s.ids = reinterpret_cast<const int32_t*>(data + io);
-  s.ids_bytes = ib;
-  s.weights = reinterpret_cast<const float*>(data + wo);
-  s.weights_bytes = wb;
-  return s;
-}
 uint64_t Align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 uint64_t NowNs() {
@@ -345,6 +332,9 @@ void ShmServer::Serve(Session* s) {
       call.layer = slot->layer;
       call.tokens = slot->tokens;
       call.top_k = slot->top_k;
+      call.hidden_bytes = hb;
+      call.ids_bytes = ib;
+      call.weights_bytes = wb;
       absl::Status st;
       bool handled = false;
       auto in_range = [&](uint64_t off, uint64_t len, uint64_t align) {
@@ -362,8 +352,7 @@ void ShmServer::Serve(Session* s) {
         st = absl::InvalidArgumentError(absl::StrCat("tokens: ", call.tokens,
                                                      " exceeds the segment's response capacity (",
                                                      resp_cap / row_bytes, " tokens)"));
-      } else if (MoeCall shape = ShapeOf(call, data, ho, hb, io, ib, wo, wb);
-                 !(st = ValidateMoeCallShape(handler_->info(), shape)).ok()) {
+      } else if (!(st = ValidateMoeCallShape(handler_->info(), call)).ok()) {
         // Sizes first: nothing is copied for a call that cannot be valid
         // (the client chooses the segment's size, and these lengths).
       } else {
@@ -374,11 +363,8 @@ void ShmServer::Serve(Session* s) {
         if (ib > 0) std::memcpy(s->ids.data(), data + io, ib / 4 * 4);
         if (wb > 0) std::memcpy(s->weights.data(), data + wo, wb / 4 * 4);
         call.hidden = reinterpret_cast<const uint16_t*>(data + ho);
-        call.hidden_bytes = hb;
         call.ids = s->ids.data();
-        call.ids_bytes = ib;
         call.weights = s->weights.data();
-        call.weights_bytes = wb;
         uint64_t ns = 0;
         float* out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(slot) + resp_off);
         st = handler_->Handle(call, out, &ns);

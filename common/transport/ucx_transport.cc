@@ -354,10 +354,6 @@ struct UcxServer::Impl {
       // Name the field the header got wrong (tokens, top_k, a length) where
       // it says; else the payload itself is the fault.
       MoeCall shape = call;
-      static const uint8_t kNone[8] = {};
-      shape.hidden = reinterpret_cast<const uint16_t*>(kNone);
-      shape.ids = reinterpret_cast<const int32_t*>(kNone);
-      shape.weights = reinterpret_cast<const float*>(kNone);
       shape.hidden_bytes = h.hidden_bytes;
       shape.ids_bytes = h.ids_bytes;
       shape.weights_bytes = h.weights_bytes;
