@@ -17,8 +17,13 @@ std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
+  // Retry a lost shard quickly (50 ms, backing off to 500 ms), but give each
+  // connection attempt 2 s to finish its handshake: gRPC uses the "min
+  // reconnect backoff" as the minimum connect timeout, and at 50 ms a
+  // service just resumed from a stall (its listen backlog full of stale
+  // attempts) could not be reached for seconds on a loaded machine.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
