@@ -232,14 +232,14 @@ absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* ou
   }
   const auto until = absl::ToChronoTime(deadline);
   std::unique_lock<std::mutex> lock(mu_);
+  auto room = [&] { return queued_bytes_ == 0 || queued_bytes_ + o->bytes <= max_queued_bytes_; };
   while (true) {
     if (stopping_) return absl::CancelledError("expert service (grpc): client shutting down");
     absl::Status st = EnsureStream(lock);
     if (!st.ok()) return st;
-    if (queued_bytes_ == 0 || queued_bytes_ + o->bytes <= max_queued_bytes_) break;
+    if (room()) break;
     // The writer is stuck behind a service that does not read: wait for room.
-    if (cv_.wait_until(lock, until) == std::cv_status::timeout &&
-        !(queued_bytes_ == 0 || queued_bytes_ + o->bytes <= max_queued_bytes_)) {
+    if (cv_.wait_until(lock, until) == std::cv_status::timeout && !room()) {
       return absl::DeadlineExceededError(
           absl::StrCat("expert service (grpc): send queue full (", queued_bytes_,
                        " bytes the stream has not taken) until the deadline"));

@@ -81,6 +81,15 @@ class Pair {
   std::unique_ptr<Client> client_;
 };
 
+// Generate `r` until it succeeds, for up to 5 s (a shard coming back).
+bool ServedWithin5s(Client& client, const api::v1::GenerateRequest& r) {
+  for (int i = 0; i < 50; ++i) {
+    if (client.Generate(r).ok()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
 api::v1::GenerateRequest IdsRequest(const std::vector<int32_t>& prompt, int max_tokens) {
   api::v1::GenerateRequest r;
   for (int32_t t : prompt) r.mutable_prompt_ids()->add_ids(t);
@@ -341,12 +350,7 @@ TEST_F(TrainedModel, ExpertServiceDeathAndRecovery) {
   }
   EXPECT_TRUE(not_serving);
   ASSERT_TRUE(pair_.expert().Restart());
-  bool recovered = false;
-  for (int i = 0; i < 50 && !recovered; ++i) {
-    recovered = pair_.client().Generate(r).ok();
-    if (!recovered) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_TRUE(recovered);
+  EXPECT_TRUE(ServedWithin5s(pair_.client(), r));
   bool serving = false;
   for (int i = 0; i < 50 && !serving; ++i) {
     auto h = pair_.client().Healthy();
@@ -381,12 +385,7 @@ TEST_F(TrainedModel, HungExpertServiceIsUnavailableToTheClient) {
   EXPECT_GE(timed_out, 1);
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5));  // one 2 s expert timeout, not four
   pair_.expert().Signal(SIGCONT);
-  bool recovered = false;
-  for (int i = 0; i < 50 && !recovered; ++i) {
-    recovered = pair_.client().Generate(r).ok();
-    if (!recovered) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_TRUE(recovered);
+  EXPECT_TRUE(ServedWithin5s(pair_.client(), r));
 }
 
 // The Python client (sdk/python, Debian's python3-grpcio) gets the same text.
