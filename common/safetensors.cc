@@ -356,29 +356,157 @@ absl::Status SafetensorsWriter::Add(const std::string& name, const Tensor& t) {
 }
 
 absl::Status SafetensorsWriter::Write(const std::string& path) const {
-  json header = json::object();
-  if (!metadata_.empty()) header["__metadata__"] = metadata_;
-  uint64_t offset = 0;
-  for (const auto& [name, p] : tensors_) {
-    header[name] = {{"dtype", std::string(DTypeName(p.dtype))},
-                    {"shape", p.shape},
-                    {"data_offsets", {offset, offset + p.bytes.size()}}};
-    offset += p.bytes.size();
-  }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open for writing"));
-  uint8_t len[8];
-  for (int i = 0; i < 8; ++i)
-    len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
-  out.write(reinterpret_cast<const char*>(len), 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  std::vector<TensorSpec> plan;
+  for (const auto& [name, p] : tensors_) plan.push_back({name, p.dtype, p.shape});
+  const uint64_t header = SafetensorsStreamWriter::HeaderBytes(plan, metadata_);
+  ASSIGN_OR_RETURN(auto w, SafetensorsStreamWriter::Create(path, std::move(plan), header));
+  for (const auto& [k, v] : metadata_) w->SetMetadata(k, v);
   for (const auto& [name, p] : tensors_)
-    out.write(reinterpret_cast<const char*>(p.bytes.data()),
-              static_cast<std::streamsize>(p.bytes.size()));
-  out.close();
-  if (!out) return absl::DataLossError(absl::StrCat(path, ": write failed"));
+    RETURN_IF_ERROR(w->Append({name, p.dtype, p.shape}, p.bytes.data(), p.bytes.size()));
+  return w->Finish();
+}
+
+namespace {
+
+// The header JSON of `plan` at `offsets` (as SafetensorsFile reads it).
+std::string HeaderText(const std::vector<TensorSpec>& plan, const std::vector<uint64_t>& offsets,
+                       const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    header[plan[i].name] = {{"dtype", std::string(DTypeName(plan[i].dtype))},
+                            {"shape", plan[i].shape},
+                            {"data_offsets", {offsets[i], offsets[i + 1]}}};
+  }
+  return header.dump();
+}
+
+std::vector<uint64_t> PlanOffsets(const std::vector<TensorSpec>& plan) {
+  std::vector<uint64_t> offsets{0};
+  for (const TensorSpec& t : plan)
+    offsets.push_back(offsets.back() +
+                      static_cast<uint64_t>(DTypeBytes(t.dtype, NumElements(t.shape))));
+  return offsets;
+}
+
+}  // namespace
+
+uint64_t SafetensorsStreamWriter::HeaderBytes(const std::vector<TensorSpec>& plan,
+                                              const std::map<std::string, std::string>& metadata) {
+  return HeaderText(plan, PlanOffsets(plan), metadata).size();
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsStreamWriter>> SafetensorsStreamWriter::Create(
+    const std::string& path, std::vector<TensorSpec> plan, uint64_t header_reserve) {
+  std::set<std::string> names;
+  for (const TensorSpec& t : plan) {
+    if (t.name == "__metadata__" || t.name.empty())
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor name \"", t.name, "\" is reserved"));
+    if (!names.insert(t.name).second)
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor \"", t.name, "\" is planned twice"));
+    if (t.dtype == DType::kI4)
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor \"", t.name, "\": I4 is not a safetensors dtype"));
+    for (int64_t d : t.shape) {
+      if (d < 0)
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": tensor \"", t.name, "\" has shape ", ShapeString(t.shape)));
+    }
+  }
+  std::unique_ptr<SafetensorsStreamWriter> w(new SafetensorsStreamWriter());
+  w->path_ = path;
+  w->offsets_ = PlanOffsets(plan);
+  w->plan_ = std::move(plan);
+  w->reserve_ = (header_reserve + 7) / 8 * 8;
+  w->fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (w->fd_ < 0)
+    return absl::PermissionDeniedError(
+        absl::StrCat(path, ": cannot open for writing: ", std::strerror(errno)));
+  struct stat st;
+  w->regular_ = ::fstat(w->fd_, &st) == 0 && S_ISREG(st.st_mode);
+  return w;
+}
+
+SafetensorsStreamWriter::~SafetensorsStreamWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!finished_ && regular_) ::unlink(path_.c_str());
+}
+
+std::string SafetensorsStreamWriter::next() const {
+  return next_ < plan_.size() ? plan_[next_].name : std::string();
+}
+
+absl::Status SafetensorsStreamWriter::WriteAt(uint64_t offset, const void* bytes, size_t size) {
+  const auto* p = static_cast<const uint8_t*>(bytes);
+  while (size > 0) {
+    const ssize_t n =
+        ::pwrite(fd_, p, std::min<size_t>(size, size_t{1} << 30), static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      failed_ = true;
+      return absl::DataLossError(absl::StrCat(path_, ": write failed at byte ", offset, ": ",
+                                              n < 0 ? std::strerror(errno) : "no progress"));
+    }
+    p += n;
+    offset += static_cast<uint64_t>(n);
+    size -= static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SafetensorsStreamWriter::Append(const TensorSpec& t, const void* bytes, size_t size) {
+  const std::string& name = t.name;
+  if (finished_ || failed_)
+    return absl::FailedPreconditionError(absl::StrCat(path_, ": Append of \"", name, "\" after ",
+                                                      finished_ ? "Finish" : "a failed write"));
+  if (next_ >= plan_.size() || plan_[next_].name != name)
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": tensor \"", name, "\" appended out of plan order (next is ",
+                     next_ < plan_.size() ? absl::StrCat("\"", plan_[next_].name, "\"")
+                                          : std::string("none: all were written"),
+                     ")"));
+  const TensorSpec& planned = plan_[next_];
+  if (t.dtype != planned.dtype || t.shape != planned.shape)
+    return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor \"", name, "\" appended as ",
+                                                   DTypeName(t.dtype), " ", ShapeString(t.shape),
+                                                   ", planned as ", DTypeName(planned.dtype), " ",
+                                                   ShapeString(planned.shape)));
+  const uint64_t want = offsets_[next_ + 1] - offsets_[next_];
+  if (size != want)
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": tensor \"", name, "\": shape ", ShapeString(plan_[next_].shape),
+                     " of ", DTypeName(plan_[next_].dtype), " needs ", want, " bytes, got ", size));
+  RETURN_IF_ERROR(WriteAt(8 + reserve_ + offsets_[next_], bytes, size));
+  ++next_;
+  return absl::OkStatus();
+}
+
+absl::Status SafetensorsStreamWriter::Finish() {
+  if (finished_ || failed_)
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, ": Finish after ", finished_ ? "Finish" : "a failed write"));
+  if (next_ < plan_.size())
+    return absl::FailedPreconditionError(absl::StrCat(path_, ": Finish with ", plan_.size() - next_,
+                                                      " planned tensor(s) unwritten, the first \"",
+                                                      plan_[next_].name, "\""));
+  std::string text = HeaderText(plan_, offsets_, metadata_);
+  if (text.size() > reserve_)
+    return absl::OutOfRangeError(absl::StrCat(path_, ": the header needs ", text.size(),
+                                              " bytes, more than the ", reserve_, " reserved"));
+  text.append(reserve_ - text.size(), ' ');
+  uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(reserve_ >> (8 * i));
+  RETURN_IF_ERROR(WriteAt(0, len, 8));
+  RETURN_IF_ERROR(WriteAt(8, text.data(), text.size()));
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) {
+    failed_ = true;
+    return absl::DataLossError(absl::StrCat(path_, ": close failed: ", std::strerror(errno)));
+  }
+  finished_ = true;
   return absl::OkStatus();
 }
 

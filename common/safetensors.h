@@ -83,6 +83,65 @@ class Checkpoint {
   std::map<std::string, size_t> where_;  // tensor -> index into files_
 };
 
+// One tensor of a planned file: what SafetensorsStreamWriter writes in order.
+struct TensorSpec {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+
+// Writes one .safetensors file tensor by tensor, holding none of them: the
+// plan (names, dtypes, shapes) fixes every data offset up front (data in plan
+// order, contiguous), each Append writes its bytes at once, and Finish writes
+// the header into room reserved before the data, padded with spaces. Metadata
+// may be set until Finish, so it can describe the data (checksums); the
+// header must fit `header_reserve` bytes: HeaderBytes(plan, metadata) with
+// every metadata value at its longest. Errors name the file and the tensor:
+//   INVALID_ARGUMENT     bad or duplicate plan names; Append out of plan order
+//                        or with the wrong byte count
+//   FAILED_PRECONDITION  Finish before every planned tensor was appended, or
+//                        any call after Finish or after a failed write
+//   OUT_OF_RANGE         the header outgrew header_reserve
+//   PERMISSION_DENIED    the file cannot be created
+//   DATA_LOSS            a write failed (e.g. the disk is full)
+// A writer destroyed before a successful Finish removes its file (if it is a
+// regular file).
+class SafetensorsStreamWriter {
+ public:
+  static absl::StatusOr<std::unique_ptr<SafetensorsStreamWriter>> Create(
+      const std::string& path, std::vector<TensorSpec> plan, uint64_t header_reserve);
+  ~SafetensorsStreamWriter();
+  SafetensorsStreamWriter(const SafetensorsStreamWriter&) = delete;
+  SafetensorsStreamWriter& operator=(const SafetensorsStreamWriter&) = delete;
+
+  // The header's length in bytes, unpadded, for `plan` and `metadata`.
+  static uint64_t HeaderBytes(const std::vector<TensorSpec>& plan,
+                              const std::map<std::string, std::string>& metadata);
+
+  const std::string& path() const { return path_; }
+  // The name of the next tensor Append expects ("" once all are written).
+  std::string next() const;
+  // Writes the next planned tensor: `t` must equal its plan entry and `size`
+  // its shape x dtype bytes.
+  absl::Status Append(const TensorSpec& t, const void* bytes, size_t size);
+  void SetMetadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
+  // Writes the header and closes the file (data flushed to the OS, not fsynced).
+  absl::Status Finish();
+
+ private:
+  SafetensorsStreamWriter() = default;
+  absl::Status WriteAt(uint64_t offset, const void* bytes, size_t size);
+  std::string path_;
+  int fd_ = -1;
+  std::vector<TensorSpec> plan_;
+  std::vector<uint64_t> offsets_;  // data offset of plan_[i]; offsets_.back() = data size
+  size_t next_ = 0;
+  uint64_t reserve_ = 0;  // header bytes (a multiple of 8) before the data
+  bool finished_ = false, failed_ = false;
+  bool regular_ = false;  // a regular file (only those are removed when unfinished)
+  std::map<std::string, std::string> metadata_;
+};
+
 // Collects tensors and writes one .safetensors file (tensors sorted by name,
 // contiguous, header padded with spaces to a multiple of 8 bytes).
 class SafetensorsWriter {

@@ -32,6 +32,11 @@ int ConvertCommand(const std::vector<std::string>& args) {
         std::fprintf(stderr, "hmoe convert: --shards must be a positive integer\n");
         return 2;
       }
+    } else if (a == "--threads") {
+      if (!absl::SimpleAtoi(v, &o.threads) || o.threads < 0 || o.threads > 1024) {
+        std::fprintf(stderr, "hmoe convert: --threads must be an integer in [0, 1024]\n");
+        return 2;
+      }
     } else if (a == "--split") {
       if (v != "tp" && v != "ep") {
         std::fprintf(stderr, "hmoe convert: --split must be tp or ep\n");
@@ -48,7 +53,7 @@ int ConvertCommand(const std::vector<std::string>& args) {
   if (pos.size() != 2) {
     std::fprintf(stderr,
                  "usage: hmoe convert MODEL_DIR OUT --format int4g64|int8|bf16 "
-                 "[--shards n --split tp|ep]\n");
+                 "[--shards n --split tp|ep] [--threads n]\n");
     return 2;
   }
   const auto t0 = std::chrono::steady_clock::now();

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -19,37 +21,51 @@ constexpr const char* kVersion = "2";
 
 int64_t Part(int64_t n, int i, int parts) { return n * i / parts; }
 
-struct Writer {
-  SafetensorsWriter w;
+// One shard's output file, written expert by expert, and its checksums.
+struct ShardOut {
+  std::unique_ptr<SafetensorsStreamWriter> w;
   nlohmann::json sums = nlohmann::json::object();
-  absl::Status Add(const std::string& name, DType dt, Shape shape, const void* data, size_t n) {
-    sums[name] = absl::StrCat(Fnv1a64(data, n));
-    return w.Add(name, dt, std::move(shape), data, n);
+  absl::Status Add(const TensorSpec& t, const void* data, size_t n) {
+    sums[t.name] = absl::StrCat(Fnv1a64(data, n));
+    return w->Append(t, data, n);
   }
 };
 
-int64_t ScaleCols(const QuantMatrix& m) {
-  return m.format == WeightFormat::kInt8 ? 1 : (m.cols + m.group - 1) / m.group;
+int64_t ScaleCols(WeightFormat f, int group, int64_t cols) {
+  return f == WeightFormat::kInt8 ? 1 : (cols + group - 1) / group;
 }
 
-absl::Status AddMatrix(Writer& out, const std::string& name, const QuantMatrix& m) {
-  const int64_t rows = m.rows, cols = m.cols;
-  if (m.format == WeightFormat::kBf16) {
-    return out.Add(name + ".q", DType::kBF16, {rows, cols}, m.bf16.data(), m.bf16.size() * 2);
+// The tensors AddMatrix writes for a [rows][cols] matrix `name`.
+std::vector<TensorSpec> MatrixSpecs(const std::string& name, WeightFormat f, int group,
+                                    int64_t rows, int64_t cols) {
+  switch (f) {
+    case WeightFormat::kBf16:
+      return {{name + ".q", DType::kBF16, {rows, cols}}};
+    case WeightFormat::kInt8:
+      return {{name + ".q", DType::kI8, {rows, cols}},
+              {name + ".s", DType::kF32, {rows, ScaleCols(f, group, cols)}}};
+    case WeightFormat::kInt4:
+      break;
   }
+  return {{name + ".q", DType::kU8, {rows, (cols + 1) / 2}},
+          {name + ".s", DType::kF32, {rows, ScaleCols(f, group, cols)}}};
+}
+
+absl::Status AddMatrix(ShardOut& out, const std::string& name, const QuantMatrix& m) {
+  const std::vector<TensorSpec> specs = MatrixSpecs(name, m.format, m.group, m.rows, m.cols);
+  if (m.format == WeightFormat::kBf16) return out.Add(specs[0], m.bf16.data(), m.bf16.size() * 2);
   if (m.format == WeightFormat::kInt8) {
-    RETURN_IF_ERROR(out.Add(name + ".q", DType::kI8, {rows, cols}, m.q.data(), m.q.size()));
+    RETURN_IF_ERROR(out.Add(specs[0], m.q.data(), m.q.size()));
   } else {
-    const int64_t nb = (cols + 1) / 2;
+    const int64_t rows = m.rows, cols = m.cols, nb = (cols + 1) / 2;
     std::vector<uint8_t> q(static_cast<size_t>(rows * nb), 0);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c)
         PackI4(q.data() + r * nb, c, m.q[static_cast<size_t>(r * cols + c)]);
     }
-    RETURN_IF_ERROR(out.Add(name + ".q", DType::kU8, {rows, nb}, q.data(), q.size()));
+    RETURN_IF_ERROR(out.Add(specs[0], q.data(), q.size()));
   }
-  return out.Add(name + ".s", DType::kF32, {rows, ScaleCols(m)}, m.scale.data(),
-                 m.scale.size() * 4);
+  return out.Add(specs[1], m.scale.data(), m.scale.size() * 4);
 }
 
 std::string LayersString(const ModelConfig& cfg) {
@@ -153,54 +169,119 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
   if (n < 1 || (opts.split == SplitMode::kEp ? n > E : n > I)) {
     return absl::InvalidArgumentError(absl::StrCat("--shards: ", n, " does not fit the model"));
   }
+  if (opts.threads < 0)
+    return absl::InvalidArgumentError(absl::StrCat("--threads: ", opts.threads, " is negative"));
+  const int threads = opts.threads > 0
+                          ? opts.threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
   if (ec) return absl::InternalError(absl::StrCat(out_dir, ": ", ec.message()));
-  std::vector<Writer> writers(static_cast<size_t>(n));
   std::vector<PackOptions> shard_opts;
   for (int i = 0; i < n; ++i)
     shard_opts.push_back(ShardPackOptions(I, E, opts.split, i, n, f, group));
+
+  // Plan every shard file (tensor order = the order written below) and open
+  // it with room for a header whose checksums are all at their longest.
+  std::vector<ShardOut> outs(static_cast<size_t>(n));
+  std::vector<std::map<std::string, std::string>> metas(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    const PackOptions& po = shard_opts[static_cast<size_t>(i)];
+    const int64_t is = po.i_end - po.i_begin;
+    std::vector<TensorSpec> plan;
+    for (size_t l = 0; l < cfg.layers.size(); ++l) {
+      if (!cfg.layers[l].moe) continue;
+      for (int64_t e = po.expert_begin; e < po.expert_end; ++e) {
+        const std::string p = absl::StrCat(l, ".", e, ".");
+        for (auto&& t : MatrixSpecs(p + "gate", f, po.group, is, H)) plan.push_back(std::move(t));
+        for (auto&& t : MatrixSpecs(p + "up", f, po.group, is, H)) plan.push_back(std::move(t));
+        for (auto&& t : MatrixSpecs(p + "down", f, po.group, H, is)) plan.push_back(std::move(t));
+      }
+    }
+    metas[static_cast<size_t>(i)] = {{"hmoe_packed_version", kVersion},
+                                     {"format", ServeFormatName(f, group)},
+                                     {"model_type", cfg.model_type},
+                                     {"hidden", absl::StrCat(H)},
+                                     {"intermediate", absl::StrCat(I)},
+                                     {"num_experts", absl::StrCat(E)},
+                                     {"layers", LayersString(cfg)},
+                                     {"shard", absl::StrCat(i)},
+                                     {"num_shards", absl::StrCat(n)},
+                                     {"split", SplitModeName(opts.split)},
+                                     {"i_begin", absl::StrCat(po.i_begin)},
+                                     {"i_end", absl::StrCat(po.i_end)},
+                                     {"expert_begin", absl::StrCat(po.expert_begin)},
+                                     {"expert_end", absl::StrCat(po.expert_end)}};
+    std::map<std::string, std::string> longest = metas[static_cast<size_t>(i)];
+    nlohmann::json sums = nlohmann::json::object();
+    for (const TensorSpec& t : plan) sums[t.name] = absl::StrCat(~uint64_t{0});
+    longest["checksums"] = sums.dump();
+    const uint64_t reserve = SafetensorsStreamWriter::HeaderBytes(plan, longest);
+    const std::string path = out_dir + "/" + PackedFileName(opts.split, i, n) + ".tmp";
+    ASSIGN_OR_RETURN(outs[static_cast<size_t>(i)].w,
+                     SafetensorsStreamWriter::Create(path, std::move(plan), reserve));
+  }
+
+  // Quantize `threads` experts at a time, write them in order: at most that
+  // many experts' weights are in memory at once.
+  struct Slot {
+    absl::Status status;
+    std::vector<std::optional<QuantExpert>> per_shard;
+  };
+  std::vector<Slot> slots(static_cast<size_t>(threads));
   for (size_t l = 0; l < cfg.layers.size(); ++l) {
     if (!cfg.layers[l].moe) continue;
     const int layer = static_cast<int>(l);
     const MoeWeightsSource src = CheckpointSource(*ckpt, cfg, layer);
-    for (int64_t e = 0; e < E; ++e) {
-      ASSIGN_OR_RETURN(ExpertWeights w, src.expert(e));
-      for (int i = 0; i < n; ++i) {
-        const PackOptions& po = shard_opts[static_cast<size_t>(i)];
-        if (e < po.expert_begin || e >= po.expert_end) continue;
-        ASSIGN_OR_RETURN(QuantExpert q, QuantizeExpert(w, src, po));
-        Writer& wr = writers[static_cast<size_t>(i)];
-        const std::string p = absl::StrCat(layer, ".", e, ".");
-        RETURN_IF_ERROR(AddMatrix(wr, p + "gate", q.gate));
-        RETURN_IF_ERROR(AddMatrix(wr, p + "up", q.up));
-        RETURN_IF_ERROR(AddMatrix(wr, p + "down", q.down));
+    for (int64_t e0 = 0; e0 < E; e0 += threads) {
+      const int64_t e1 = std::min<int64_t>(E, e0 + threads);
+      auto quantize = [&](int64_t e) {
+        Slot& slot = slots[static_cast<size_t>(e - e0)];
+        slot.status = absl::OkStatus();
+        slot.per_shard.assign(static_cast<size_t>(n), std::nullopt);
+        auto w = src.expert(e);
+        if (!w.ok()) {
+          slot.status = w.status();
+          return;
+        }
+        for (int i = 0; i < n; ++i) {
+          const PackOptions& po = shard_opts[static_cast<size_t>(i)];
+          if (e < po.expert_begin || e >= po.expert_end) continue;
+          auto q = QuantizeExpert(*w, src, po);
+          if (!q.ok()) {
+            slot.status = q.status();
+            return;
+          }
+          slot.per_shard[static_cast<size_t>(i)] = *std::move(q);
+        }
+      };
+      std::vector<std::thread> pool;
+      for (int64_t e = e0 + 1; e < e1; ++e) pool.emplace_back(quantize, e);
+      quantize(e0);
+      for (std::thread& t : pool) t.join();
+      for (int64_t e = e0; e < e1; ++e) {
+        Slot& slot = slots[static_cast<size_t>(e - e0)];
+        RETURN_IF_ERROR(slot.status);
+        for (int i = 0; i < n; ++i) {
+          auto& q = slot.per_shard[static_cast<size_t>(i)];
+          if (!q) continue;
+          ShardOut& out = outs[static_cast<size_t>(i)];
+          const std::string p = absl::StrCat(layer, ".", e, ".");
+          RETURN_IF_ERROR(AddMatrix(out, p + "gate", q->gate));
+          RETURN_IF_ERROR(AddMatrix(out, p + "up", q->up));
+          RETURN_IF_ERROR(AddMatrix(out, p + "down", q->down));
+          q.reset();
+        }
       }
     }
   }
   for (int i = 0; i < n; ++i) {
-    Writer& w = writers[static_cast<size_t>(i)];
-    const PackOptions& po = shard_opts[static_cast<size_t>(i)];
-    const std::map<std::string, std::string> meta = {
-        {"hmoe_packed_version", kVersion},
-        {"format", ServeFormatName(f, group)},
-        {"model_type", cfg.model_type},
-        {"hidden", absl::StrCat(H)},
-        {"intermediate", absl::StrCat(I)},
-        {"num_experts", absl::StrCat(E)},
-        {"layers", LayersString(cfg)},
-        {"shard", absl::StrCat(i)},
-        {"num_shards", absl::StrCat(n)},
-        {"split", SplitModeName(opts.split)},
-        {"i_begin", absl::StrCat(po.i_begin)},
-        {"i_end", absl::StrCat(po.i_end)},
-        {"expert_begin", absl::StrCat(po.expert_begin)},
-        {"expert_end", absl::StrCat(po.expert_end)},
-        {"checksums", w.sums.dump()}};
-    for (const auto& [k, v] : meta) w.w.SetMetadata(k, v);
+    ShardOut& out = outs[static_cast<size_t>(i)];
+    for (const auto& [k, v] : metas[static_cast<size_t>(i)]) out.w->SetMetadata(k, v);
+    out.w->SetMetadata("checksums", out.sums.dump());
+    RETURN_IF_ERROR(out.w->Finish());
     const std::string path = out_dir + "/" + PackedFileName(opts.split, i, n);
-    RETURN_IF_ERROR(w.w.Write(path + ".tmp"));
-    std::filesystem::rename(path + ".tmp", path, ec);
+    std::filesystem::rename(out.w->path(), path, ec);
     if (ec) return absl::InternalError(absl::StrCat(path, ": ", ec.message()));
   }
   return absl::OkStatus();

@@ -1,6 +1,7 @@
 #include "common/safetensors.h"
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -183,6 +184,110 @@ TEST_F(SafetensorsTest, MalformedEntries) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << h << " -> " << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr(path_));
   }
+}
+
+// The stream writer: data in plan order, the header written last into the
+// reserved room; the file reads back like the collecting writer's.
+TEST_F(SafetensorsTest, StreamWriterWritesInPlanOrderAndFinishesWithTheHeader) {
+  std::vector<float> a = {1, 2, 3, 4, 5, 6};
+  std::vector<uint16_t> b = {F32ToBf16(0.5f), F32ToBf16(-1.0f), F32ToBf16(3.0f)};
+  std::vector<uint8_t> c = {7, 8, 9};  // odd sizes: no padding between tensors
+  const std::vector<TensorSpec> plan = {{"z.second", DType::kF32, {2, 3}},
+                                        {"a.first", DType::kBF16, {3}},
+                                        {"m.u8", DType::kU8, {1, 3}},
+                                        {"empty", DType::kF32, {0}}};
+  // Reserve for the longest value "sum" can take; the real one is shorter.
+  const uint64_t reserve =
+      SafetensorsStreamWriter::HeaderBytes(plan, {{"sum", std::string(20, '9')}});
+  auto w = SafetensorsStreamWriter::Create(path_, plan, reserve);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ((*w)->next(), "z.second");
+  // Out of order, wrong bytes, wrong shape: refused, naming the file and tensor.
+  auto s = (*w)->Append(plan[1], b.data(), 6);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr(path_), HasSubstr("a.first"), HasSubstr("next is \"z.second\"")));
+  s = (*w)->Append(plan[0], a.data(), 20);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("needs 24 bytes, got 20")));
+  s = (*w)->Append({"z.second", DType::kF32, {3, 2}}, a.data(), 24);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("planned as F32 [2, 3]"));
+  ASSERT_TRUE((*w)->Append(plan[0], a.data(), 24).ok());
+  ASSERT_TRUE((*w)->Append(plan[1], b.data(), 6).ok());
+  // Finish before the plan is written: names the first missing tensor.
+  s = (*w)->Finish();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("2 planned tensor(s) unwritten, the first \"m.u8\""));
+  ASSERT_TRUE((*w)->Append(plan[2], c.data(), 3).ok());
+  ASSERT_TRUE((*w)->Append(plan[3], nullptr, 0).ok());
+  EXPECT_EQ((*w)->next(), "");
+  (*w)->SetMetadata("sum", "12345");
+  ASSERT_TRUE((*w)->Finish().ok());
+  EXPECT_EQ((*w)->Append(plan[3], nullptr, 0).code(), absl::StatusCode::kFailedPrecondition);
+  w->reset();  // a finished file stays
+
+  auto file = SafetensorsFile::Open(path_);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->metadata().at("sum"), "12345");
+  // Data in plan order: z.second first although the header lists it last.
+  EXPECT_EQ((*file)->Find("z.second")->begin, 0u);
+  EXPECT_EQ((*file)->Find("a.first")->begin, 24u);
+  EXPECT_EQ((*file)->Find("m.u8")->begin, 30u);
+  EXPECT_THAT((*file)->Get("z.second")->ToF32(), ::testing::ElementsAre(1, 2, 3, 4, 5, 6));
+  EXPECT_THAT((*file)->Get("a.first")->ToF32(), ::testing::ElementsAre(0.5f, -1.0f, 3.0f));
+  auto u8 = (*file)->Get("m.u8");
+  ASSERT_TRUE(u8.ok());
+  EXPECT_EQ(std::memcmp(u8->raw(), c.data(), 3), 0);
+  // The header length is the reserve rounded up to 8, padded with spaces.
+  std::ifstream in(path_, std::ios::binary);
+  uint8_t len[8];
+  in.read(reinterpret_cast<char*>(len), 8);
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len[i];
+  EXPECT_EQ(header_len, (reserve + 7) / 8 * 8);
+  EXPECT_GT(header_len, SafetensorsStreamWriter::HeaderBytes(plan, {{"sum", "12345"}}));
+}
+
+TEST_F(SafetensorsTest, StreamWriterRefusesBadPlansAndOversizedHeaders) {
+  for (const std::vector<TensorSpec>& plan :
+       {std::vector<TensorSpec>{{"x", DType::kF32, {1}}, {"x", DType::kF32, {1}}},
+        std::vector<TensorSpec>{{"__metadata__", DType::kF32, {1}}},
+        std::vector<TensorSpec>{{"n", DType::kF32, {-1}}}}) {
+    auto w = SafetensorsStreamWriter::Create(path_, plan, 4096);
+    EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument) << w.status();
+    EXPECT_THAT(std::string(w.status().message()), HasSubstr(path_));
+  }
+  const std::vector<TensorSpec> plan = {{"x", DType::kF32, {1}}};
+  auto w =
+      SafetensorsStreamWriter::Create(path_, plan, SafetensorsStreamWriter::HeaderBytes(plan, {}));
+  ASSERT_TRUE(w.ok());
+  float one = 1;
+  ASSERT_TRUE((*w)->Append(plan[0], &one, 4).ok());
+  (*w)->SetMetadata("longer", "than the room reserved for the header");
+  auto s = (*w)->Finish();
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("reserved"));
+  w->reset();  // an unfinished file is removed
+  EXPECT_FALSE(std::filesystem::exists(path_));
+  auto denied = SafetensorsStreamWriter::Create(dir_.file("no/such/dir/x.safetensors"), plan, 64);
+  EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied) << denied.status();
+}
+
+// A full disk: the write error surfaces as DATA_LOSS naming the file.
+TEST_F(SafetensorsTest, StreamWriterReportsAFailedWrite) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full on this machine";
+  const std::vector<TensorSpec> plan = {{"x", DType::kF32, {2}}};
+  auto w = SafetensorsStreamWriter::Create("/dev/full", plan, 128);
+  ASSERT_TRUE(w.ok()) << w.status();
+  float v[2] = {1, 2};
+  auto s = (*w)->Append(plan[0], v, 8);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("/dev/full"), HasSubstr("write failed")));
+  EXPECT_EQ((*w)->Finish().code(), absl::StatusCode::kFailedPrecondition);
+  w->reset();
+  EXPECT_TRUE(std::filesystem::exists("/dev/full"));  // only regular files are removed
 }
 
 // Random corruption of a valid file: every outcome is a status, never a crash

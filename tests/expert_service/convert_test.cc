@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/model_config.h"
+#include "common/safetensors.h"
+#include "common/weight_map.h"
 #include "expert_service/server/convert_cli.h"
 #include "expert_service/server/expert_shard.h"
 #include "expert_service/server/packed_file.h"
@@ -59,6 +61,81 @@ TEST(Convert, PackedShardsEqualQuantizeAtLoad) {
       EXPECT_EQ(a, b);  // the same quantized weights, bit for bit
     }
   }
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Experts are quantized `--threads` at a time but written in one order: the
+// files do not depend on the thread count.
+TEST(Convert, FilesAreTheSameForAnyThreadCount) {
+  ::hmoe::testing::TempDir dir;
+  for (const char* format : {"int4g32", "int8"}) {
+    SCOPED_TRACE(format);
+    const std::string one = dir.file(absl::StrCat(format, "-1")),
+                      many = dir.file(absl::StrCat(format, "-5"));
+    ASSERT_EQ(ConvertCommand({ModelDir(), one, "--format", format, "--shards=2", "--threads=1"}),
+              0);
+    ASSERT_EQ(ConvertCommand({ModelDir(), many, "--format", format, "--shards=2", "--threads=5"}),
+              0);
+    for (int i = 0; i < 2; ++i) {
+      const std::string name = PackedFileName(SplitMode::kTp, i, 2);
+      const std::string a = ReadAll(one + "/" + name), b = ReadAll(many + "/" + name);
+      EXPECT_GT(a.size(), 1000u);
+      EXPECT_TRUE(a == b) << name << " differs between --threads 1 and 5";
+    }
+  }
+  EXPECT_EQ(ConvertCommand({ModelDir(), dir.file("x"), "--threads=-1"}), 2);
+  EXPECT_EQ(ConvertCommand({ModelDir(), dir.file("x"), "--threads=two"}), 2);
+}
+
+// A checkpoint whose last MoE layer has a malformed expert: the conversion
+// fails naming the tensor after the shard files were partly written, and
+// leaves neither those partial files nor finished-looking ones behind.
+TEST(Convert, AFailureHalfwayLeavesNoFiles) {
+  ::hmoe::testing::TempDir dir;
+  const std::string model = dir.file("broken");
+  std::filesystem::create_directories(model);
+  std::filesystem::copy_file(ModelDir() + "/config.json", model + "/config.json");
+  auto cfg = LoadModelConfig(ModelDir());
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  int last_moe = -1;
+  for (size_t l = 0; l < cfg->layers.size(); ++l)
+    if (cfg->layers[l].moe) last_moe = static_cast<int>(l);
+  ASSERT_GT(last_moe, 0);
+  const std::string bad = ExpertWeightName(*cfg, last_moe, 3, ExpertProj::kDown);
+  auto ckpt = Checkpoint::Open(ModelDir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  SafetensorsWriter w;
+  bool found = false;
+  for (const std::string& name : (*ckpt)->Names()) {
+    auto t = (*ckpt)->Get(name);
+    ASSERT_TRUE(t.ok()) << t.status();
+    Shape shape = t->shape();
+    size_t bytes = static_cast<size_t>(t->nbytes());
+    if (name == bad) {  // one column short; the same leading bytes
+      found = true;
+      shape.back() -= 1;
+      bytes = static_cast<size_t>(DTypeBytes(t->dtype(), NumElements(shape)));
+    }
+    ASSERT_TRUE(w.Add(name, t->dtype(), shape, t->raw(), bytes).ok()) << name;
+  }
+  ASSERT_TRUE(found) << bad;
+  ASSERT_TRUE(w.Write(model + "/model.safetensors").ok());
+
+  const std::string out = dir.file("out");
+  ConvertOptions o;
+  o.format = "int8";
+  o.shards = 2;
+  o.threads = 2;
+  absl::Status st = ConvertModel(model, out, o);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find(bad), absl::string_view::npos) << st;
+  ASSERT_TRUE(std::filesystem::exists(out));
+  EXPECT_TRUE(std::filesystem::is_empty(out))
+      << "left behind: " << std::filesystem::directory_iterator(out)->path();
 }
 
 TEST(Convert, TruncatedCorruptedOrMismatchedFilesAreRefused) {
