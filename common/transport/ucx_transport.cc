@@ -1,11 +1,17 @@
 #include "common/transport/ucx_transport.h"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/epoll.h>
+#include <sys/wait.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -18,7 +24,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/status.h"
 #include "common/transport/grpc_client.h"
+
+extern char** environ;
 
 namespace hmoe {
 namespace {
@@ -45,6 +54,125 @@ uint64_t MaxResponseBytes(const ShardInfo& info) {
                             uint64_t{64} << 10);
 }
 
+// Zero bytes after a peer's address, as parsed by the checker and the service.
+constexpr size_t kAddressPad = 4096;
+
+// The UCP context and worker both sides (and the address checker) use.
+absl::Status InitUcp(ucp_context_h* context, ucp_worker_h* worker) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) return UcsError("config", s);
+  // Latency default for MoE calls (a T=1 request is 14 KB at H=7168): send
+  // up to 256 KB eagerly instead of paying rendezvous' extra round trip
+  // (measured: T=1 round trip 59 -> 35 us over tcp loopback). An explicit
+  // UCX_RNDV_THRESH in the environment wins.
+  if (std::getenv("UCX_RNDV_THRESH") == nullptr)
+    (void)ucp_config_modify(config, "RNDV_THRESH", "256k");
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  s = ucp_init(&params, config, context);
+  ucp_config_release(config);
+  if (s != UCS_OK) return UcsError("init", s);
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  s = ucp_worker_create(*context, &wp, worker);
+  if (s != UCS_OK) return UcsError("worker", s);
+  return absl::OkStatus();
+}
+
+// Runs `argv` with `input` on its stdin (stdout to /dev/null, stderr shared)
+// and waits up to `timeout`: OK if it exits 0; INVALID_ARGUMENT if it exits
+// otherwise or dies of a signal; UNAVAILABLE if it runs out the timeout
+// (killed); INTERNAL if it cannot be started.
+absl::Status RunAddressChecker(const std::vector<std::string>& argv, const std::string& input,
+                               absl::Duration timeout) {
+  int in[2];
+  if (::pipe2(in, O_CLOEXEC) != 0)
+    return absl::InternalError(absl::StrCat("UCX address check: pipe: ", std::strerror(errno)));
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, all;
+  sigemptyset(&none);
+  sigfillset(&all);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  // The environment, with UCX's backtrace on a fatal error turned off (the
+  // assertion's own line stays): a refused address is one log line.
+  std::vector<std::string> env_strings = {"UCX_HANDLE_ERRORS=none"};
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::strncmp(*e, "UCX_HANDLE_ERRORS=", 18) != 0) env_strings.emplace_back(*e);
+  }
+  std::vector<char*> envp;
+  for (std::string& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  pid_t pid = -1;
+  const int err = posix_spawn(&pid, args[0], &fa, &attr, args.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&attr);
+  ::close(in[0]);
+  if (err != 0) {
+    ::close(in[1]);
+    return absl::InternalError(
+        absl::StrCat("UCX address check: cannot start ", argv[0], ": ", std::strerror(err)));
+  }
+  // The address fits the pipe (kMaxUcxAddressBytes <= 64 KiB): no partial writes
+  // to wait on; a child that died early gives EPIPE (SIGPIPE is not raised:
+  // MSG_NOSIGNAL does not apply to pipes, so block it around the write).
+  sigset_t pipe_set, old_set;
+  sigemptyset(&pipe_set);
+  sigaddset(&pipe_set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_set, &old_set);
+  size_t done = 0;
+  while (done < input.size()) {
+    const ssize_t n = ::write(in[1], input.data() + done, input.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  ::close(in[1]);
+  {
+    // Consume a SIGPIPE this thread raised, so unblocking does not deliver it.
+    const timespec zero{0, 0};
+    while (sigtimedwait(&pipe_set, nullptr, &zero) == SIGPIPE) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &old_set, nullptr);
+  const absl::Time until = absl::Now() + timeout;
+  int status = 0;
+  while (true) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (r < 0 && errno != EINTR)
+      return absl::InternalError(
+          absl::StrCat("UCX address check: waitpid: ", std::strerror(errno)));
+    if (absl::Now() >= until) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return absl::UnavailableError(
+          absl::StrCat("UCX address check did not finish within ", absl::FormatDuration(timeout)));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("client_worker_address (", input.size(),
+                   " bytes) is not a worker address this service's UCX (", ucp_get_version_string(),
+                   ") can connect to (the check ",
+                   WIFSIGNALED(status) ? absl::StrCat("died of signal ", WTERMSIG(status))
+                                       : absl::StrCat("exited ", WEXITSTATUS(status)),
+                   "); is the client's UCX the same version?"));
+}
+
 // One message received by the worker: header and data copied out of UCX.
 struct Message {
   std::string header;
@@ -66,29 +194,10 @@ class Worker {
     w->on_message_ = std::move(on_message);
     w->spin_us_ = spin_us;
     w->max_payload_ = max_payload;
-    ucp_config_t* config = nullptr;
-    ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
-    if (s != UCS_OK) return UcsError("config", s);
-    // Latency default for MoE calls (a T=1 request is 14 KB at H=7168): send
-    // up to 256 KB eagerly instead of paying rendezvous' extra round trip
-    // (measured: T=1 round trip 59 -> 35 us over tcp loopback). An explicit
-    // UCX_RNDV_THRESH in the environment wins.
-    if (std::getenv("UCX_RNDV_THRESH") == nullptr)
-      (void)ucp_config_modify(config, "RNDV_THRESH", "256k");
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-    s = ucp_init(&params, config, &w->context_);
-    ucp_config_release(config);
-    if (s != UCS_OK) return UcsError("init", s);
-    ucp_worker_params_t wp{};
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
-    s = ucp_worker_create(w->context_, &wp, &w->worker_);
-    if (s != UCS_OK) return UcsError("worker", s);
+    RETURN_IF_ERROR(InitUcp(&w->context_, &w->worker_));
     ucp_address_t* addr = nullptr;
     size_t len = 0;
-    s = ucp_worker_get_address(w->worker_, &addr, &len);
+    ucs_status_t s = ucp_worker_get_address(w->worker_, &addr, &len);
     if (s != UCS_OK) return UcsError("worker address", s);
     w->address_.assign(reinterpret_cast<const char*>(addr), len);
     ucp_worker_release_address(w->worker_, addr);
@@ -314,6 +423,7 @@ class Worker {
 
 struct UcxServer::Impl {
   MoeHandler* handler = nullptr;
+  UcxServerOptions opts;
   std::unique_ptr<Worker> worker;
   struct Peer {
     ucp_ep_h ep = nullptr;
@@ -415,11 +525,13 @@ struct UcxServer::Impl {
   }
 };
 
-absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler) {
+absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler,
+                                                             const UcxServerOptions& opts) {
   auto s = std::unique_ptr<UcxServer>(new UcxServer());
   s->impl_ = std::make_unique<Impl>();
   Impl* impl = s->impl_.get();
   impl->handler = handler;
+  impl->opts = opts;
   auto w = Worker::Create(
       kAmRequest, [impl](Message&& m) { impl->OnRequest(std::move(m)); }, 50,
       handler != nullptr ? MaxRequestBytes(handler->info()) : 0);
@@ -442,7 +554,15 @@ UcxServer::~UcxServer() {
 absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address,
                                                uint64_t client_id) {
   if (client_address.empty()) return absl::InvalidArgumentError("client_worker_address: empty");
+  if (client_address.size() > kMaxUcxAddressBytes)
+    return absl::InvalidArgumentError(absl::StrCat("client_worker_address: ", client_address.size(),
+                                                   " bytes, over the ", kMaxUcxAddressBytes,
+                                                   " a UCX address takes"));
   Impl* impl = impl_.get();
+  if (!impl->opts.address_checker.empty()) {
+    RETURN_IF_ERROR(
+        RunAddressChecker(impl->opts.address_checker, client_address, impl->opts.check_timeout));
+  }
   absl::Status st = impl->worker->Call<absl::Status>([&]() -> absl::Status {
     auto it = impl->peers.find(client_id);
     if (it != impl->peers.end()) {
@@ -450,7 +570,9 @@ absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address
       impl->peers.erase(it);
       impl->n_endpoints.fetch_sub(1);
     }
-    auto ep = impl->worker->CreateEp(client_address, &Impl::OnEpError, impl);
+    // Parsed with the same zero padding as in the checker.
+    auto ep = impl->worker->CreateEp(client_address + std::string(kAddressPad, '\0'),
+                                     &Impl::OnEpError, impl);
     if (!ep.ok()) return ep.status();
     impl->peers[client_id].ep = *ep;
     impl->n_endpoints.fetch_add(1);
@@ -750,6 +872,41 @@ absl::Status UcxClient::Wait(uint64_t handle, absl::Time deadline) {
   absl::Status st = it->second.status;
   impl->pending.erase(it);
   return st;
+}
+
+}  // namespace hmoe
+
+namespace hmoe {
+
+int UcxAddressCheckMain(int in_fd) {
+  std::string address;
+  char buf[4096];
+  while (address.size() <= kMaxUcxAddressBytes) {
+    const ssize_t n = ::read(in_fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    address.append(buf, static_cast<size_t>(n));
+  }
+  if (address.empty() || address.size() > kMaxUcxAddressBytes) return 2;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  if (absl::Status st = InitUcp(&context, &worker); !st.ok()) {
+    std::fprintf(stderr, "hmoe UCX address check: %s\n", std::string(st.message()).c_str());
+    return 3;
+  }
+  // The service's own endpoint creation, on a copy with room after it (a
+  // parser that runs past the end reads zeros, not unmapped memory).
+  std::vector<char> padded(address.size() + kAddressPad, 0);
+  std::memcpy(padded.data(), address.data(), address.size());
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep.address = reinterpret_cast<const ucp_address_t*>(padded.data());
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ucp_ep_h h = nullptr;
+  const ucs_status_t s = ucp_ep_create(worker, &ep, &h);
+  // Exit without closing anything: the endpoint never progressed, the
+  // process is gone in a moment.
+  return s == UCS_OK ? 0 : 1;
 }
 
 }  // namespace hmoe

@@ -27,8 +27,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/transport/moe_call.h"
 
 namespace hmoe {
@@ -49,9 +51,32 @@ struct UcxResponseHeader {
   uint64_t compute_ns;
 };
 
+// A UCX worker address is longer than this only if it is not one.
+inline constexpr size_t kMaxUcxAddressBytes = 64 << 10;
+
+struct UcxServerOptions {
+  // argv of a program that reads a client's worker address on stdin and exits
+  // 0 only if this host's UCX creates an endpoint to it (UcxAddressCheckMain;
+  // the service runs itself with --check-ucx-address). UCX 1.13 aborts the
+  // process on a malformed address (an assertion in its address parser), so
+  // every UcxConnect address is tried in such a child first: a bad one ends
+  // that call INVALID_ARGUMENT, not the service. Costs one process start per
+  // connect. Empty: no check (trusted peers only).
+  std::vector<std::string> address_checker;
+  absl::Duration check_timeout = absl::Seconds(10);
+};
+
+// The checker's body: reads an address (at most kMaxUcxAddressBytes) from
+// `in_fd` and creates an endpoint to it as UcxServer::Connect would. Returns
+// 0 if that succeeds, 1 if UCX refuses it, 2 for empty or oversized input, 3
+// if UCX cannot start here; an address UCX cannot parse may instead end the
+// process (abort), which the caller reads as a refusal too.
+int UcxAddressCheckMain(int in_fd);
+
 class UcxServer {
  public:
-  static absl::StatusOr<std::unique_ptr<UcxServer>> Create(MoeHandler* handler);
+  static absl::StatusOr<std::unique_ptr<UcxServer>> Create(MoeHandler* handler,
+                                                           const UcxServerOptions& opts = {});
   ~UcxServer();
   // Connects to a client worker; returns this service's worker address.
   absl::StatusOr<std::string> Connect(const std::string& client_address, uint64_t client_id);

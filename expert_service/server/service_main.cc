@@ -380,6 +380,9 @@ void Log(const std::string& s) {
 }
 
 int Main(int argc, char** argv) {
+  // The UCX address checker (UcxServerOptions::address_checker): this binary
+  // re-run by the service itself, the address on stdin.
+  if (argc == 2 && std::strcmp(argv[1], "--check-ucx-address") == 0) return UcxAddressCheckMain(0);
   // Signals go to the sigwait thread only: block them before any thread starts.
   sigset_t sigs;
   sigemptyset(&sigs);
@@ -461,7 +464,9 @@ int Main(int argc, char** argv) {
     state.shm = shm.get();
   }
   if (o.ucx) {
-    auto u = UcxServer::Create(shard->get());
+    UcxServerOptions uo;
+    uo.address_checker = {"/proc/self/exe", "--check-ucx-address"};
+    auto u = UcxServer::Create(shard->get(), uo);
     if (u.ok()) {
       ucx = std::move(*u);
       state.ucx = ucx.get();

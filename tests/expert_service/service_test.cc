@@ -470,6 +470,14 @@ TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
   // Up now: the same bad path is judged on its merits.
   shm = control.AttachShm("/dev/shm/not-a-memfd", getpid(), 1);
   EXPECT_EQ(shm.status().code(), absl::StatusCode::kInvalidArgument) << shm.status();
+  // And the bad UCX address too: refused by the service's checker child (UCX
+  // itself would abort the service on it).
+  ucx = control.UcxConnect("not-an-address", 7);
+  EXPECT_EQ(ucx.status().code(), absl::StatusCode::kInvalidArgument) << ucx.status();
+  EXPECT_NE(std::string(ucx.status().message()).find("client_worker_address"), std::string::npos)
+      << ucx.status();
+  EXPECT_EQ(control.Check(), Health::kServing);
+  EXPECT_TRUE(control.Describe(absl::Seconds(5)).ok());
 }
 
 // SIGTERM while loading: once the load ends, the service exits without

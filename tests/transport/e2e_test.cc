@@ -9,12 +9,14 @@
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <ucp/api/ucp.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -429,6 +431,65 @@ TEST(UcxSetup, BadEnvironmentIsAnErrorNotACrash) {
   auto server = UcxServer::Create(nullptr);
   ASSERT_FALSE(server.ok());
   EXPECT_NE(std::string(server.status().message()), "");
+}
+
+// UcxConnect's address comes from the network, and UCX aborts the process on
+// one it cannot parse (found by this test: an assertion in ucp_address_unpack).
+// With the checker, a malformed address is an INVALID_ARGUMENT for that call;
+// a real one still connects, and the server goes on serving.
+TEST(UcxSetup, MalformedWorkerAddressesAreRefusedNotFatal) {
+  UcxServerOptions opts;
+  opts.address_checker = {::hmoe::testing::ServiceBinary(), "--check-ucx-address"};
+  auto server = UcxServer::Create(nullptr, opts);
+  ASSERT_TRUE(server.ok()) << server.status();
+  // A real client address: a plain UCX worker's.
+  ucp_context_h ctx = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_AM;
+  ASSERT_EQ(ucp_init(&params, nullptr, &ctx), UCS_OK);
+  ucp_worker_params_t wp{};
+  ASSERT_EQ(ucp_worker_create(ctx, &wp, &worker), UCS_OK);
+  ucp_address_t* addr = nullptr;
+  size_t len = 0;
+  ASSERT_EQ(ucp_worker_get_address(worker, &addr, &len), UCS_OK);
+  const std::string real(reinterpret_cast<const char*>(addr), len);
+  ucp_worker_release_address(worker, addr);
+
+  std::mt19937 rng(5);
+  std::vector<std::string> bad = {"x", std::string(7, '\0'), std::string(64, '\xff'),
+                                  "not-an-address", real.substr(0, 1)};
+  for (int i = 0; i < 6; ++i) {
+    std::string b(1 + rng() % 400, '\0');
+    for (char& c : b) c = static_cast<char>(rng());
+    bad.push_back(b);
+  }
+  for (size_t i = 0; i < bad.size(); ++i) {
+    SCOPED_TRACE(i);
+    auto r = (*server)->Connect(bad[i], 1000 + i);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(std::string(r.status().message()).find("client_worker_address"), std::string::npos)
+        << r.status();
+  }
+  auto big = (*server)->Connect(std::string(kMaxUcxAddressBytes + 1, 'a'), 7);
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument) << big.status();
+  // The real address with bytes changed past its header: refused or accepted,
+  // never fatal.
+  for (size_t at : {len / 3, len / 2, len - 1}) {
+    std::string edited = real;
+    edited[at] = static_cast<char>(edited[at] ^ 0x5a);
+    auto r = (*server)->Connect(edited, 2000 + at);
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    }
+  }
+  // Still up: the real address connects.
+  auto ok = (*server)->Connect(real, 1);
+  EXPECT_TRUE(ok.ok()) << ok.status();
+  server->reset();
+  ucp_worker_destroy(worker);
+  ucp_cleanup(ctx);
 }
 
 TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
