@@ -282,7 +282,7 @@ class Worker {
   // Sends header + payload (owned until completion). on_error runs if the send fails.
   void Send(ucp_ep_h ep, uint16_t id, std::string header, std::vector<uint8_t> payload,
             std::function<void(ucs_status_t)> on_error = nullptr) {
-    auto* op = new SendOp{std::move(header), std::move(payload), std::move(on_error)};
+    auto* op = new SendOp{this, std::move(header), std::move(payload), std::move(on_error)};
     ucp_request_param_t p{};
     p.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -290,6 +290,7 @@ class Worker {
     p.cb.send = [](void* req, ucs_status_t s, void* user) {
       auto* op = static_cast<SendOp*>(user);
       if (s != UCS_OK && op->on_error) op->on_error(s);
+      --op->self->pending_sends_;
       delete op;
       ucp_request_free(req);
     };
@@ -301,12 +302,19 @@ class Worker {
     } else if (UCS_PTR_IS_ERR(r)) {
       if (op->on_error) op->on_error(UCS_PTR_STATUS(r));
       delete op;
+    } else {
+      ++pending_sends_;
     }
   }
+
+  // Sends handed to UCX and not yet complete (a rendezvous send completes
+  // once the peer has fetched the data).
+  int64_t pending_sends() const { return pending_sends_; }
 
  private:
   Worker() = default;
   struct SendOp {
+    Worker* self;
     std::string header;
     std::vector<uint8_t> payload;
     std::function<void(ucs_status_t)> on_error;
@@ -413,6 +421,7 @@ class Worker {
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
   std::vector<void*> closing_;
+  int64_t pending_sends_ = 0;  // progress thread only
   bool stop_ = false;
   std::thread thread_;
 };
@@ -542,6 +551,14 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler
 
 UcxServer::~UcxServer() {
   if (impl_ && impl_->worker) {
+    // Answers already handed to UCX go out before the endpoints close (a
+    // forced close cancels them; a rendezvous answer waits for the client to
+    // fetch it): a drained service's last answers arrive. Asked on the
+    // progress thread, so a Send issued just before is counted.
+    Worker* w = impl_->worker.get();
+    const absl::Time until = absl::Now() + impl_->opts.close_timeout;
+    while (w->Call<int64_t>([w] { return w->pending_sends(); }) > 0 && absl::Now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     impl_->worker->Call<int>([this] {
       for (auto& [id, p] : impl_->peers) impl_->worker->CloseEp(p.ep);
       impl_->peers.clear();

@@ -17,6 +17,10 @@
 // (e.g. a stopped service), the call goes out on the old endpoint and ends by
 // its own deadline as before.
 //
+// The service closes its endpoints (UcxServer's destructor) only once the
+// answers already handed to UCX have completed, up to close_timeout: a
+// forced close would cancel a rendezvous answer the client has not fetched.
+//
 // Messages are UCP active messages: id 1 request (header UcxRequestHeader,
 // data hidden | ids | weights), id 2 response (UcxResponseHeader, data = f32
 // output or the error message). Large payloads take UCX's rendezvous path.
@@ -64,6 +68,9 @@ struct UcxServerOptions {
   // connect. Empty: no check (trusted peers only).
   std::vector<std::string> address_checker;
   absl::Duration check_timeout = absl::Seconds(10);
+  // The destructor waits up to this long for answers already handed to UCX
+  // to reach their clients before it closes the endpoints.
+  absl::Duration close_timeout = absl::Seconds(5);
 };
 
 // The checker's body: reads an address (at most kMaxUcxAddressBytes) from

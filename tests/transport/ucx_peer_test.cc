@@ -4,7 +4,9 @@
 // client re-handshakes after a deadline), not lost until every deadline.
 #include <grpcpp/grpcpp.h>
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -53,32 +55,54 @@ absl::Status OneCall(UcxClient& client, const ShardInfo& info, absl::Duration ti
   return absl::OkStatus();
 }
 
+// A UcxServer in front of `handler`, its control plane in process, and a
+// client that has completed one call.
+struct Rig {
+  std::unique_ptr<UcxServer> ucx;
+  std::unique_ptr<Control> control_service;
+  std::unique_ptr<grpc::Server> grpc_server;
+  std::unique_ptr<UcxClient> client;
+
+  absl::Status Start(MoeHandler& handler) {
+    auto u = UcxServer::Create(&handler);
+    if (!u.ok()) return u.status();
+    ucx = std::move(*u);
+    control_service = std::make_unique<Control>(ucx.get());
+    int port = 0;
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(control_service.get());
+    grpc_server = b.BuildAndStart();
+    if (grpc_server == nullptr || port == 0) return absl::InternalError("no control server");
+    auto control =
+        std::make_shared<ControlClient>(MakeExpertChannel(absl::StrCat("127.0.0.1:", port)));
+    auto c = UcxClient::Create(control, handler.info());
+    if (!c.ok()) return c.status();
+    client = std::move(*c);
+    return OneCall(*client, handler.info(), absl::Seconds(10));
+  }
+  ~Rig() {
+    client.reset();
+    if (grpc_server) grpc_server->Shutdown();
+  }
+};
+
 TEST(UcxPeer, DroppedByTheServiceOneDeadlineThenAnsweredAgain) {
   testing::ScopedEnv tls("UCX_TLS", "tcp,sm,self");
   testing::RowHandler handler;
-  auto ucx = UcxServer::Create(&handler);
-  ASSERT_TRUE(ucx.ok()) << ucx.status();
-  Control control_service(ucx->get());
-  int port = 0;
-  grpc::ServerBuilder b;
-  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  b.RegisterService(&control_service);
-  std::unique_ptr<grpc::Server> grpc_server = b.BuildAndStart();
-  ASSERT_NE(grpc_server, nullptr);
-  ASSERT_GT(port, 0);
-  auto control =
-      std::make_shared<ControlClient>(MakeExpertChannel(absl::StrCat("127.0.0.1:", port)));
-  auto client = UcxClient::Create(control, handler.info());
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE(OneCall(**client, handler.info(), absl::Seconds(10)).ok());
-  EXPECT_EQ((*ucx)->endpoints(), 1u);
+  Rig rig;
+  absl::Status started = rig.Start(handler);
+  ASSERT_TRUE(started.ok()) << started;
+  UcxServer& ucx = *rig.ucx;
+  UcxClient& client = *rig.client;
+  EXPECT_EQ(ucx.endpoints(), 1u);
 
-  (*ucx)->FailPeersForTesting();
-  EXPECT_EQ((*ucx)->endpoints(), 0u);
-  EXPECT_EQ((*ucx)->peer_failures(), 1u);
+  ucx.FailPeersForTesting();
+  EXPECT_EQ(ucx.endpoints(), 0u);
+  EXPECT_EQ(ucx.peer_failures(), 1u);
   // The client is not told (its endpoint looks fine) and its requests no
   // longer reach the service: the first call can only end by its deadline.
-  absl::Status lost = OneCall(**client, handler.info(), absl::Milliseconds(300));
+  absl::Status lost = OneCall(client, handler.info(), absl::Milliseconds(300));
   EXPECT_EQ(lost.code(), absl::StatusCode::kDeadlineExceeded) << lost;
   // The next ones, from four threads at once, are answered: one Submit
   // re-handshakes, the others wait for it instead of sending on the dead
@@ -88,16 +112,63 @@ TEST(UcxPeer, DroppedByTheServiceOneDeadlineThenAnsweredAgain) {
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < 3; ++i)
-        results[static_cast<size_t>(t * 3 + i)] =
-            OneCall(**client, handler.info(), absl::Seconds(5));
+        results[static_cast<size_t>(t * 3 + i)] = OneCall(client, handler.info(), absl::Seconds(5));
     });
   }
   for (auto& t : threads) t.join();
   for (size_t i = 0; i < results.size(); ++i)
     EXPECT_TRUE(results[i].ok()) << "call " << i << " after the deadline: " << results[i];
-  EXPECT_EQ((*ucx)->endpoints(), 1u);
-  client->reset();
-  grpc_server->Shutdown();
+  EXPECT_EQ(ucx.endpoints(), 1u);
+}
+
+// RowHandler that counts the calls it has answered.
+class CountingHandler : public testing::RowHandler {
+ public:
+  absl::Status Handle(const MoeCall& call, float* out, uint64_t* compute_ns) override {
+    absl::Status st = RowHandler::Handle(call, out, compute_ns);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++answered_;
+    cv_.notify_all();
+    return st;
+  }
+  void WaitAnswered(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return answered_ >= n; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int answered_ = 0;
+};
+
+// The service's drain: once the last Handle has returned it closes the UCX
+// server. An answer still on its way (here every answer takes UCX's
+// rendezvous path, as a large prefill answer does) must reach the client,
+// not be cancelled by the endpoint's forced close.
+TEST(UcxPeer, ClosingTheServerDeliversAnswersAlreadyComputed) {
+  testing::ScopedEnv tls("UCX_TLS", "tcp,sm,self");
+  testing::ScopedEnv rndv("UCX_RNDV_THRESH", "256");  // 3 tokens x 32 x f32 = 384 bytes
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(round);
+    CountingHandler handler;
+    Rig rig;
+    absl::Status started = rig.Start(handler);
+    ASSERT_TRUE(started.ok()) << started;
+    const ShardInfo& info = handler.info();
+    auto rc = testing::MakeRandomCall(info, info.moe_layers[0], 3, 11);
+    std::vector<float> out(static_cast<size_t>(rc.tokens * info.hidden), -1.f);
+    auto h = rig.client->Submit(rc.call(), out.data(), absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(h.ok()) << h.status();
+    handler.WaitAnswered(2);
+    rig.ucx.reset();  // as the drain does once in_flight is 0
+    absl::Status st = rig.client->Wait(*h, absl::Now() + absl::Seconds(5));
+    EXPECT_TRUE(st.ok()) << st;
+    if (st.ok()) {
+      for (size_t i = 0; i < out.size(); ++i)
+        ASSERT_EQ(out[i], static_cast<float>(i / static_cast<size_t>(info.hidden) + 1)) << i;
+    }
+  }
 }
 
 }  // namespace
