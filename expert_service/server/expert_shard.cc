@@ -181,6 +181,10 @@ absl::StatusOr<ThreadPool*> SharedThreadPool(int threads) {
   return p.get();
 }
 
+namespace {
+absl::Status CancelledLoad() { return absl::CancelledError("loading cancelled"); }
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOptions& opts,
                                                                LoadProgress* progress) {
   RETURN_IF_ERROR(opts.Validate());
@@ -263,7 +267,9 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   for (int32_t l : geo.moe_layers) max_layer = std::max(max_layer, l);
   shard->slot_of_layer_.assign(static_cast<size_t>(max_layer) + 1, -1);
   if (progress) progress->layers_total = static_cast<int64_t>(geo.moe_layers.size());
+  auto cancelled = [progress] { return progress != nullptr && progress->cancel.load(); };
   for (size_t slot = 0; slot < geo.moe_layers.size(); ++slot) {
+    if (cancelled()) return CancelledLoad();
     const int layer = geo.moe_layers[slot];
     shard->slot_of_layer_[static_cast<size_t>(layer)] = static_cast<int>(slot);
     absl::StatusOr<PackedMoeLayer> packed_layer;
@@ -275,6 +281,11 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
         absl::Status st;
         PackedMoeLayer& L = *packed_layer;
         pool.ParallelFor(L.num_local_experts(), [&](int64_t e, const Worker&) {
+          if (cancelled()) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (st.ok()) st = CancelledLoad();
+            return;
+          }
           absl::StatusOr<QuantExpert> q = packed->Expert(layer, po.expert_begin + e);
           absl::Status s = q.ok() ? PackExpert(*q, e, L) : q.status();
           std::lock_guard<std::mutex> lock(mu);
@@ -283,10 +294,17 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
         if (!st.ok()) packed_layer = st;
       }
     } else {
-      const MoeWeightsSource src =
+      MoeWeightsSource src =
           ckpt ? CheckpointSource(*ckpt, cfg, layer) : SyntheticSource(geo, layer);
+      // Every expert is fetched through here: a cancel stops the next one.
+      src.expert = [inner = std::move(src.expert),
+                    &cancelled](int64_t e) -> absl::StatusOr<ExpertWeights> {
+        if (cancelled()) return CancelledLoad();
+        return inner(e);
+      };
       packed_layer = Pack(src, po, pool);
     }
+    if (absl::IsCancelled(packed_layer.status()) && cancelled()) return CancelledLoad();
     if (!packed_layer.ok()) {
       return Annotate(packed_layer.status(), absl::StrCat("MoE layer ", layer));
     }

@@ -67,6 +67,9 @@ class ExpertShard : public MoeHandler {
     std::atomic<int64_t> layers_loaded{0};
     std::atomic<int64_t> layers_total{0};
     std::atomic<int64_t> weight_bytes{0};
+    // Set by another thread to stop the load: Load returns CANCELLED once
+    // the experts being packed at that moment are done (no new one starts).
+    std::atomic<bool> cancel{false};
   };
 
   // Packs every MoE layer of the shard (checkpoints stream expert by expert;

@@ -431,11 +431,20 @@ int Main(int argc, char** argv) {
     sigwait(&sigs, &sig);
     if (!load_failed.load()) Log(absl::StrCat("signal ", sig, ": stopping"));
     stop.store(true);
+    state.progress.cancel.store(true);  // a load still running stops at the next expert
   });
 
   const auto t0 = std::chrono::steady_clock::now();
   auto shard = ExpertShard::Load(o.shard, &state.progress);
   state.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!shard.ok() && absl::IsCancelled(shard.status()) && stop.load()) {
+    // Asked to stop while loading: the load stopped at its next expert.
+    Log(absl::StrCat("stop requested while loading: load cancelled after ", state.load_seconds,
+                     " s; exiting without serving"));
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    signals.join();
+    return 0;
+  }
   if (!shard.ok()) {
     state.load_error = std::string(shard.status().message());
     state.load_state = pb::LoadStatus::FAILED;

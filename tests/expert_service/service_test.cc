@@ -4,6 +4,7 @@
 // (The systemd units are verified in tests/e2e/deploy_test.cc.)
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -30,6 +31,7 @@
 #include "expert_service/server/expert_shard.h"
 #include "expert_service/server/packed_file.h"
 #include "gtest/gtest.h"
+#include "proto/expert.grpc.pb.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
 #include "tests/transport/test_util.h"
@@ -492,6 +494,42 @@ TEST(ServiceProcess, SigtermWhileLoadingExitsWithoutServing) {
   EXPECT_TRUE(model.Release()) << "the service never opened config.json";
   EXPECT_FALSE(start.Join()) << "it wrote its port file (announced READY) after SIGTERM";
   EXPECT_FALSE(std::filesystem::exists(dir.file("port")));
+}
+
+// SIGTERM during a long load stops it at the next expert (a 671B shard
+// loads for minutes; systemd's stop should not wait for that): the service
+// exits 0 without announcing READY, long before the load could end.
+TEST(ServiceProcess, SigtermCancelsALongLoad) {
+  namespace pb = ::hmoe::expert::v1;
+  ::hmoe::testing::TempDir dir;
+  ::hmoe::testing::ServiceProcess proc;
+  // 400 layers of 64 experts (about 100 M weights a layer): minutes to load here.
+  BackgroundStart start(proc,
+                        {"--synthetic=hidden=1024,intermediate=512,experts=64,top_k=4,layers=400",
+                         "--format=int4g64", "--no-ucx"},
+                        dir.file("port"));
+  ASSERT_TRUE(start.listening());
+  auto stub =
+      pb::ExpertControl::NewStub(MakeExpertChannel(absl::StrCat("127.0.0.1:", start.port())));
+  pb::LoadStatus load;
+  for (int i = 0; i < 600; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ASSERT_TRUE(stub->GetLoadStatus(&ctx, pb::LoadStatusRequest(), &load).ok());
+    if (load.layers_loaded() >= 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_GE(load.layers_loaded(), 1) << "the load did not get going within 60 s";
+  EXPECT_EQ(load.layers_total(), 400);
+  const auto t0 = std::chrono::steady_clock::now();
+  proc.Signal(SIGTERM);
+  EXPECT_FALSE(start.Join()) << "it announced READY after SIGTERM";
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int status = proc.exit_status();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "wait status " << status;
+  // Liveness, not speed: the whole load would take minutes.
+  EXPECT_LT(seconds, 30.0) << "SIGTERM waited for the load";
 }
 
 TEST(ServiceProcess, NumaNodeBinding) {

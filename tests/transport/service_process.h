@@ -60,6 +60,7 @@ class ServiceProcess {
       if (f >> port_) return true;
       int status;
       if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        exit_status_ = status;
         pid_ = -1;
         return false;
       }
@@ -97,11 +98,14 @@ class ServiceProcess {
   // (e.g. hmoe-gpu-worker); default: hmoe-expert-service.
   void set_binary(std::string path) { binary_ = std::move(path); }
   int pid() const { return pid_; }
+  // The wait status of a service that exited while Start waited for it (-1: none).
+  int exit_status() const { return exit_status_; }
   int port() const { return port_; }
   std::string target() const { return host_ + ":" + std::to_string(port_); }
 
  private:
   std::atomic<pid_t> pid_{-1};  // Start may run on another thread than Signal
+  std::atomic<int> exit_status_{-1};
   int port_ = 0;
   std::string port_file_;
   std::string host_ = "127.0.0.1";
