@@ -909,6 +909,8 @@ int UcxAddressCheckMain(int in_fd) {
   ucp_worker_h worker = nullptr;
   if (absl::Status st = InitUcp(&context, &worker); !st.ok()) {
     std::fprintf(stderr, "hmoe UCX address check: %s\n", std::string(st.message()).c_str());
+    if (worker != nullptr) ucp_worker_destroy(worker);
+    if (context != nullptr) ucp_cleanup(context);
     return 3;
   }
   // The service's own endpoint creation, on a copy with room after it (a
@@ -921,8 +923,18 @@ int UcxAddressCheckMain(int in_fd) {
   ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   ucp_ep_h h = nullptr;
   const ucs_status_t s = ucp_ep_create(worker, &ep, &h);
-  // Exit without closing anything: the endpoint never progressed, the
-  // process is gone in a moment.
+  if (s == UCS_OK) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(h, &p);
+    if (UCS_PTR_IS_PTR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker);
+      ucp_request_free(r);
+    }
+  }
+  ucp_worker_destroy(worker);
+  ucp_cleanup(context);
   return s == UCS_OK ? 0 : 1;
 }
 
