@@ -1,9 +1,13 @@
 #include "common/transport/ucx_transport.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
@@ -82,96 +86,188 @@ absl::Status InitUcp(ucp_context_h* context, ucp_worker_h* worker) {
   return absl::OkStatus();
 }
 
-// Runs `argv` with `input` on its stdin (stdout to /dev/null, stderr shared)
-// and waits up to `timeout`: OK if it exits 0; INVALID_ARGUMENT if it exits
-// otherwise or dies of a signal; UNAVAILABLE if it runs out the timeout
-// (killed); INTERNAL if it cannot be started.
-absl::Status RunAddressChecker(const std::vector<std::string>& argv, const std::string& input,
-                               absl::Duration timeout) {
-  int in[2];
-  if (::pipe2(in, O_CLOEXEC) != 0)
-    return absl::InternalError(absl::StrCat("UCX address check: pipe: ", std::strerror(errno)));
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, all;
-  sigemptyset(&none);
-  sigfillset(&all);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &all);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  // The environment, with UCX's backtrace on a fatal error turned off (the
-  // assertion's own line stays): a refused address is one log line.
-  std::vector<std::string> env_strings = {"UCX_HANDLE_ERRORS=none"};
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::strncmp(*e, "UCX_HANDLE_ERRORS=", 18) != 0) env_strings.emplace_back(*e);
+// Frames between UcxServer and its checker child (one SOCK_STREAM
+// socketpair, fd kCheckerFd in the child): the child sends kCheckerReady
+// once UCX is up; each request is a u32 (host order) length and the address
+// bytes, each answer one byte, kCheckerAccept or kCheckerRefuse.
+constexpr char kCheckerReady = 'R', kCheckerAccept = 'A', kCheckerRefuse = 'N';
+
+bool WriteAll(int fd, const void* p, size_t n) {
+  const auto* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, c, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    c += w;
+    n -= static_cast<size_t>(w);
   }
-  std::vector<char*> envp;
-  for (std::string& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  pid_t pid = -1;
-  const int err = posix_spawn(&pid, args[0], &fa, &attr, args.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&attr);
-  ::close(in[0]);
-  if (err != 0) {
-    ::close(in[1]);
-    return absl::InternalError(
-        absl::StrCat("UCX address check: cannot start ", argv[0], ": ", std::strerror(err)));
-  }
-  // The address fits the pipe (kMaxUcxAddressBytes <= 64 KiB): no partial writes
-  // to wait on; a child that died early gives EPIPE (SIGPIPE is not raised:
-  // MSG_NOSIGNAL does not apply to pipes, so block it around the write).
-  sigset_t pipe_set, old_set;
-  sigemptyset(&pipe_set);
-  sigaddset(&pipe_set, SIGPIPE);
-  pthread_sigmask(SIG_BLOCK, &pipe_set, &old_set);
-  size_t done = 0;
-  while (done < input.size()) {
-    const ssize_t n = ::write(in[1], input.data() + done, input.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    done += static_cast<size_t>(n);
-  }
-  ::close(in[1]);
-  {
-    // Consume a SIGPIPE this thread raised, so unblocking does not deliver it.
-    const timespec zero{0, 0};
-    while (sigtimedwait(&pipe_set, nullptr, &zero) == SIGPIPE) {
-    }
-  }
-  pthread_sigmask(SIG_SETMASK, &old_set, nullptr);
-  const absl::Time until = absl::Now() + timeout;
-  int status = 0;
-  while (true) {
-    const pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) break;
-    if (r < 0 && errno != EINTR)
-      return absl::InternalError(
-          absl::StrCat("UCX address check: waitpid: ", std::strerror(errno)));
-    if (absl::Now() >= until) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return absl::UnavailableError(
-          absl::StrCat("UCX address check did not finish within ", absl::FormatDuration(timeout)));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("client_worker_address (", input.size(),
-                   " bytes) is not a worker address this service's UCX (", ucp_get_version_string(),
-                   ") can connect to (the check ",
-                   WIFSIGNALED(status) ? absl::StrCat("died of signal ", WTERMSIG(status))
-                                       : absl::StrCat("exited ", WEXITSTATUS(status)),
-                   "); is the client's UCX the same version?"));
+  return true;
 }
+
+bool ReadAll(int fd, void* p, size_t n) {
+  auto* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = ::read(fd, c, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// The long-lived checker child (UcxServerOptions::address_checker): UCX
+// starts once in it, each Connect costs one endpoint creation there. A child
+// that dies on an address (UCX aborts) is restarted by the next Check.
+class AddressChecker {
+ public:
+  AddressChecker(std::vector<std::string> argv, absl::Duration timeout)
+      : argv_(std::move(argv)), timeout_(timeout) {}
+  ~AddressChecker() {
+    std::lock_guard<std::mutex> lock(mu_);
+    Stop();
+  }
+
+  // Starts the child now (a service checks it can before serving).
+  absl::Status Start() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return EnsureChild(absl::Now() + timeout_);
+  }
+
+  // OK: this host's UCX creates an endpoint to `address`. INVALID_ARGUMENT:
+  // it refuses it or dies on it. UNAVAILABLE: no verdict within the timeout
+  // or no child could be started (the service's problem, not the address's).
+  absl::Status Check(const std::string& address) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const absl::Time deadline = absl::Now() + timeout_;
+    RETURN_IF_ERROR(EnsureChild(deadline));
+    const uint32_t n = static_cast<uint32_t>(address.size());
+    char verdict = 0;
+    if (!WriteAll(fd_, &n, sizeof(n)) || !WriteAll(fd_, address.data(), address.size()) ||
+        !ReadByte(deadline, &verdict)) {
+      if (absl::Now() >= deadline) {
+        Stop();
+        return absl::UnavailableError(absl::StrCat("UCX address check gave no verdict within ",
+                                                   absl::FormatDuration(timeout_)));
+      }
+      const int status = Stop();
+      if (WIFSIGNALED(status)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "client_worker_address (", address.size(),
+            " bytes) is not a worker address this service's UCX (", ucp_get_version_string(),
+            ") can read: parsing it killed the check (signal ", WTERMSIG(status),
+            "); is the client's UCX the same version?"));
+      }
+      return absl::UnavailableError(
+          absl::StrCat("UCX address check ended (wait status ", status, ") without a verdict"));
+    }
+    if (verdict == kCheckerAccept) return absl::OkStatus();
+    if (verdict == kCheckerRefuse) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("client_worker_address (", address.size(), " bytes): this service's UCX (",
+                       ucp_get_version_string(), ") cannot create an endpoint to it"));
+    }
+    Stop();
+    return absl::UnavailableError("UCX address check: unexpected answer");
+  }
+
+ private:
+  // mu_ held. A child ready to check, started if there is none.
+  absl::Status EnsureChild(absl::Time deadline) {
+    if (pid_ > 0) return absl::OkStatus();
+    int sv[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
+      return absl::UnavailableError(
+          absl::StrCat("UCX address check: socketpair: ", std::strerror(errno)));
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    // The socket at fd 3 (UCX logs to stdout: not a channel), nothing else of
+    // this process past stderr (its sockets, UCX's).
+    posix_spawn_file_actions_adddup2(&fa, sv[1], kCheckerFd);
+    posix_spawn_file_actions_addclosefrom_np(&fa, kCheckerFd + 1);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    sigset_t none, all;
+    sigemptyset(&none);
+    sigfillset(&all);
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setsigdefault(&attr, &all);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    std::vector<char*> args;
+    for (const std::string& a : argv_) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    // UCX's backtrace on a fatal error off in the child (the assertion's own
+    // line stays): a refused address is one line of the service's log.
+    std::vector<std::string> env_strings = {"UCX_HANDLE_ERRORS=none"};
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (std::strncmp(*e, "UCX_HANDLE_ERRORS=", 18) != 0) env_strings.emplace_back(*e);
+    }
+    std::vector<char*> envp;
+    for (std::string& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    pid_t pid = -1;
+    const int err = posix_spawn(&pid, args[0], &fa, &attr, args.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    posix_spawnattr_destroy(&attr);
+    ::close(sv[1]);
+    if (err != 0) {
+      ::close(sv[0]);
+      return absl::UnavailableError(
+          absl::StrCat("UCX address check: cannot start ", argv_[0], ": ", std::strerror(err)));
+    }
+    pid_ = pid;
+    fd_ = sv[0];
+    char ready = 0;
+    if (!ReadByte(deadline, &ready) || ready != kCheckerReady) {
+      const int status = Stop();
+      return absl::UnavailableError(absl::StrCat("UCX address check: ", argv_[0],
+                                                 " did not start (wait status ", status, ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  // mu_ held. One byte from the child by `deadline`.
+  bool ReadByte(absl::Time deadline, char* c) {
+    while (true) {
+      const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+      if (ms <= 0) return false;
+      pollfd p{fd_, POLLIN, 0};
+      const int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1000)));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return false;
+      if (r == 0) continue;
+      return ReadAll(fd_, c, 1);
+    }
+  }
+
+  // mu_ held. Ends the child (SIGKILL unless it has exited) and returns its
+  // wait status (-1: none).
+  int Stop() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    if (pid_ <= 0) return -1;
+    int status = -1;
+    // A child that just died on an address has exited: reap without killing.
+    for (int i = 0; i < 100; ++i) {
+      const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+      if (r == pid_ || r < 0) {
+        pid_ = -1;
+        return status;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
+
+  const std::vector<std::string> argv_;
+  const absl::Duration timeout_;
+  std::mutex mu_;
+  pid_t pid_ = -1;
+  int fd_ = -1;
+};
 
 // One message received by the worker: header and data copied out of UCX.
 struct Message {
@@ -433,6 +529,7 @@ class Worker {
 struct UcxServer::Impl {
   MoeHandler* handler = nullptr;
   UcxServerOptions opts;
+  std::unique_ptr<AddressChecker> checker;  // null: addresses not checked
   std::unique_ptr<Worker> worker;
   struct Peer {
     ucp_ep_h ep = nullptr;
@@ -541,6 +638,10 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler
   Impl* impl = s->impl_.get();
   impl->handler = handler;
   impl->opts = opts;
+  if (!opts.address_checker.empty()) {
+    impl->checker = std::make_unique<AddressChecker>(opts.address_checker, opts.check_timeout);
+    RETURN_IF_ERROR(impl->checker->Start());
+  }
   auto w = Worker::Create(
       kAmRequest, [impl](Message&& m) { impl->OnRequest(std::move(m)); }, 50,
       handler != nullptr ? MaxRequestBytes(handler->info()) : 0);
@@ -576,10 +677,7 @@ absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address
                                                    " bytes, over the ", kMaxUcxAddressBytes,
                                                    " a UCX address takes"));
   Impl* impl = impl_.get();
-  if (!impl->opts.address_checker.empty()) {
-    RETURN_IF_ERROR(
-        RunAddressChecker(impl->opts.address_checker, client_address, impl->opts.check_timeout));
-  }
+  if (impl->checker) RETURN_IF_ERROR(impl->checker->Check(client_address));
   absl::Status st = impl->worker->Call<absl::Status>([&]() -> absl::Status {
     auto it = impl->peers.find(client_id);
     if (it != impl->peers.end()) {
@@ -895,16 +993,11 @@ absl::Status UcxClient::Wait(uint64_t handle, absl::Time deadline) {
 
 namespace hmoe {
 
-int UcxAddressCheckMain(int in_fd) {
-  std::string address;
-  char buf[4096];
-  while (address.size() <= kMaxUcxAddressBytes) {
-    const ssize_t n = ::read(in_fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    address.append(buf, static_cast<size_t>(n));
-  }
-  if (address.empty() || address.size() > kMaxUcxAddressBytes) return 2;
+int UcxAddressCheckMain(int in_fd, int out_fd) {
+  // A malformed address ends this process by abort(): no core file for it.
+  ::prctl(PR_SET_DUMPABLE, 0);
+  const rlimit no_core{0, 0};
+  ::setrlimit(RLIMIT_CORE, &no_core);
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   if (absl::Status st = InitUcp(&context, &worker); !st.ok()) {
@@ -913,29 +1006,44 @@ int UcxAddressCheckMain(int in_fd) {
     if (context != nullptr) ucp_cleanup(context);
     return 3;
   }
-  // The service's own endpoint creation, on a copy with room after it (a
-  // parser that runs past the end reads zeros, not unmapped memory).
-  std::vector<char> padded(address.size() + kAddressPad, 0);
-  std::memcpy(padded.data(), address.data(), address.size());
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  ep.address = reinterpret_cast<const ucp_address_t*>(padded.data());
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ucp_ep_h h = nullptr;
-  const ucs_status_t s = ucp_ep_create(worker, &ep, &h);
-  if (s == UCS_OK) {
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(h, &p);
-    if (UCS_PTR_IS_PTR(r)) {
-      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker);
-      ucp_request_free(r);
+  int rc = 0;
+  std::vector<char> padded;
+  if (!WriteAll(out_fd, &kCheckerReady, 1)) rc = 2;
+  while (rc == 0) {
+    uint32_t n = 0;
+    if (!ReadAll(in_fd, &n, sizeof(n))) break;  // the service closed: done
+    if (n == 0 || n > kMaxUcxAddressBytes) {
+      rc = 2;
+      break;
     }
+    // The service's own endpoint creation, on the same zero-padded bytes.
+    padded.assign(n + kAddressPad, 0);
+    if (!ReadAll(in_fd, padded.data(), n)) {
+      rc = 2;
+      break;
+    }
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.address = reinterpret_cast<const ucp_address_t*>(padded.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ucp_ep_h h = nullptr;
+    const ucs_status_t s = ucp_ep_create(worker, &ep, &h);
+    if (s == UCS_OK) {
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t r = ucp_ep_close_nbx(h, &p);
+      if (UCS_PTR_IS_PTR(r)) {
+        while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker);
+        ucp_request_free(r);
+      }
+    }
+    const char verdict = s == UCS_OK ? kCheckerAccept : kCheckerRefuse;
+    if (!WriteAll(out_fd, &verdict, 1)) rc = 2;
   }
   ucp_worker_destroy(worker);
   ucp_cleanup(context);
-  return s == UCS_OK ? 0 : 1;
+  return rc;
 }
 
 }  // namespace hmoe

@@ -59,26 +59,36 @@ struct UcxResponseHeader {
 inline constexpr size_t kMaxUcxAddressBytes = 64 << 10;
 
 struct UcxServerOptions {
-  // argv of a program that reads a client's worker address on stdin and exits
-  // 0 only if this host's UCX creates an endpoint to it (UcxAddressCheckMain;
-  // the service runs itself with --check-ucx-address). UCX 1.13 aborts the
-  // process on a malformed address (an assertion in its address parser), so
-  // every UcxConnect address is tried in such a child first: a bad one ends
-  // that call INVALID_ARGUMENT, not the service. Costs one process start per
-  // connect. Empty: no check (trusted peers only).
+  // argv of the address checker: a child process that reads client worker
+  // addresses and answers whether this host's UCX creates an endpoint to
+  // each (UcxAddressCheckMain; the service runs itself with
+  // --check-ucx-address). UCX 1.13 aborts the process on a malformed address
+  // (an assertion in its address parser), so every UcxConnect address is
+  // tried in the child first: a bad one ends that call INVALID_ARGUMENT and
+  // that child (restarted by the next connect), not the service. The child
+  // starts with the server (Create fails if it cannot) and keeps UCX up, so
+  // a check costs one endpoint creation. It predicts the service's own parse
+  // of the same bytes (both zero-padded); it cannot vouch for an address
+  // that parses differently against a changed local UCX. Empty: no check
+  // (trusted peers only).
   std::vector<std::string> address_checker;
-  absl::Duration check_timeout = absl::Seconds(10);
+  // Longest wait for the child's start or for one verdict (UNAVAILABLE then).
+  absl::Duration check_timeout = absl::Seconds(5);
   // The destructor waits up to this long for answers already handed to UCX
   // to reach their clients before it closes the endpoints.
   absl::Duration close_timeout = absl::Seconds(5);
 };
 
-// The checker's body: reads an address (at most kMaxUcxAddressBytes) from
-// `in_fd` and creates an endpoint to it as UcxServer::Connect would. Returns
-// 0 if that succeeds, 1 if UCX refuses it, 2 for empty or oversized input, 3
-// if UCX cannot start here; an address UCX cannot parse may instead end the
-// process (abort), which the caller reads as a refusal too.
-int UcxAddressCheckMain(int in_fd);
+// The checker's body: reads framed addresses from `in_fd` (u32 length, then
+// at most kMaxUcxAddressBytes) until EOF, creates an endpoint to each as
+// UcxServer::Connect would, and answers one byte on `out_fd` for each (after
+// one ready byte). Returns 0 at EOF, 2 on a bad frame, 3 if UCX cannot start
+// here; an address UCX cannot parse may instead end the process (abort; no
+// core file), which the server reads as a refusal.
+int UcxAddressCheckMain(int in_fd, int out_fd);
+// The fd the checker child finds its socket at (stdin / stdout / stderr stay
+// the service's: UCX logs to stdout).
+inline constexpr int kCheckerFd = 3;
 
 class UcxServer {
  public:

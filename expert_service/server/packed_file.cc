@@ -1,10 +1,13 @@
 #include "expert_service/server/packed_file.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <optional>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -171,9 +174,14 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
   }
   if (opts.threads < 0)
     return absl::InvalidArgumentError(absl::StrCat("--threads: ", opts.threads, " is negative"));
-  const int threads = opts.threads > 0
-                          ? opts.threads
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // Default: the CPUs this process may run on (not the machine's: a
+  // container or taskset limits both speed and the memory budget).
+  int threads = opts.threads;
+  if (threads == 0) {
+    cpu_set_t set;
+    threads = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    threads = std::clamp(threads, 1, 64);
+  }
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
   if (ec) return absl::InternalError(absl::StrCat(out_dir, ": ", ec.message()));
@@ -256,9 +264,18 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
         }
       };
       std::vector<std::thread> pool;
-      for (int64_t e = e0 + 1; e < e1; ++e) pool.emplace_back(quantize, e);
-      quantize(e0);
+      absl::Status started;
+      for (int64_t e = e0 + 1; e < e1 && started.ok(); ++e) {
+        try {
+          pool.emplace_back(quantize, e);
+        } catch (const std::system_error& err) {  // e.g. the pids limit
+          started = absl::ResourceExhaustedError(
+              absl::StrCat("--threads ", threads, ": cannot start a thread: ", err.what()));
+        }
+      }
+      if (started.ok()) quantize(e0);
       for (std::thread& t : pool) t.join();
+      RETURN_IF_ERROR(started);
       for (int64_t e = e0; e < e1; ++e) {
         Slot& slot = slots[static_cast<size_t>(e - e0)];
         RETURN_IF_ERROR(slot.status);
@@ -282,7 +299,10 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
     RETURN_IF_ERROR(out.w->Finish());
     const std::string path = out_dir + "/" + PackedFileName(opts.split, i, n);
     std::filesystem::rename(out.w->path(), path, ec);
-    if (ec) return absl::InternalError(absl::StrCat(path, ": ", ec.message()));
+    if (ec) {
+      std::filesystem::remove(out.w->path());
+      return absl::InternalError(absl::StrCat(path, ": ", ec.message()));
+    }
   }
   return absl::OkStatus();
 }

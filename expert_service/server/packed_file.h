@@ -59,7 +59,7 @@ struct ConvertOptions {
   std::string format = "int4g64";
   int shards = 1;
   SplitMode split = SplitMode::kTp;
-  int threads = 0;  // experts quantized at once; 0: one per hardware thread
+  int threads = 0;  // experts quantized at once; 0: the CPUs this process may use (<= 64)
 };
 // Reads MODEL_DIR (bf16/fp8), quantizes, writes one packed file per shard into
 // out_dir. Streams: each expert is written as soon as it is quantized, so

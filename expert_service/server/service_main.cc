@@ -22,11 +22,13 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -379,10 +381,22 @@ void Log(const std::string& s) {
   std::fflush(stderr);
 }
 
+// The gRPC data plane's largest request, fixed before the model's shape is
+// known (the server is up while the weights load): --max-tokens rows of the
+// widest hidden size taken (kGrpcMaxHidden) plus ids and weights for top-k up
+// to kGrpcMaxTopK, plus framing. gRPC refuses a larger message
+// (RESOURCE_EXHAUSTED) before allocating or parsing it.
+constexpr int64_t kGrpcMaxHidden = 32768, kGrpcMaxTopK = 64;
+int GrpcMaxRequestBytes(int64_t max_tokens) {
+  const int64_t bytes = max_tokens * (2 * kGrpcMaxHidden + 8 * kGrpcMaxTopK) + (64 << 10);
+  return static_cast<int>(std::min<int64_t>(bytes, std::numeric_limits<int>::max()));
+}
+
 int Main(int argc, char** argv) {
   // The UCX address checker (UcxServerOptions::address_checker): this binary
-  // re-run by the service itself, the address on stdin.
-  if (argc == 2 && std::strcmp(argv[1], "--check-ucx-address") == 0) return UcxAddressCheckMain(0);
+  // re-run by the service itself, its socket at kCheckerFd.
+  if (argc == 2 && std::strcmp(argv[1], "--check-ucx-address") == 0)
+    return UcxAddressCheckMain(kCheckerFd, kCheckerFd);
   // Signals go to the sigwait thread only: block them before any thread starts.
   sigset_t sigs;
   sigemptyset(&sigs);
@@ -412,7 +426,7 @@ int Main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxReceiveMessageSize(GrpcMaxRequestBytes(o.shard.max_tokens));
   builder.SetMaxSendMessageSize(-1);
   builder.RegisterService(&control);
   builder.RegisterService(&data);
@@ -482,6 +496,12 @@ int Main(int argc, char** argv) {
     } else {
       Log("UCX data plane off: " + std::string(u.status().message()));
     }
+  }
+  if ((*shard)->info().hidden > kGrpcMaxHidden || (*shard)->info().top_k > kGrpcMaxTopK) {
+    Log(absl::StrCat("warning: hidden ", (*shard)->info().hidden, " / top_k ",
+                     (*shard)->info().top_k, " over the ", kGrpcMaxHidden, " / ", kGrpcMaxTopK,
+                     " the gRPC data plane is sized for: its largest calls will be refused "
+                     "(RESOURCE_EXHAUSTED); shm and UCX are not limited"));
   }
   state.shard.store(shard->get());
   state.load_state = pb::LoadStatus::READY;

@@ -503,10 +503,11 @@ TEST(ServiceProcess, SigtermCancelsALongLoad) {
   namespace pb = ::hmoe::expert::v1;
   ::hmoe::testing::TempDir dir;
   ::hmoe::testing::ServiceProcess proc;
-  // 400 layers of 64 experts (about 100 M weights a layer): minutes to load here.
+  // 400 layers of 64 experts (about 100 M weights a layer) on 2 threads:
+  // minutes to load on any host.
   BackgroundStart start(proc,
                         {"--synthetic=hidden=1024,intermediate=512,experts=64,top_k=4,layers=400",
-                         "--format=int4g64", "--no-ucx"},
+                         "--format=int4g64", "--no-ucx", "--threads=2"},
                         dir.file("port"));
   ASSERT_TRUE(start.listening());
   auto stub =
@@ -530,6 +531,45 @@ TEST(ServiceProcess, SigtermCancelsALongLoad) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "wait status " << status;
   // Liveness, not speed: the whole load would take minutes.
   EXPECT_LT(seconds, 30.0) << "SIGTERM waited for the load";
+}
+
+// The gRPC data plane refuses a request larger than --max-tokens could ever
+// need before parsing it (it took any size up to gRPC's 2 GB), and goes on
+// serving well-formed calls.
+TEST(ServiceProcess, OversizedGrpcRequestIsRefusedUnread) {
+  namespace pb = ::hmoe::expert::v1;
+  ::hmoe::testing::TempDir dir;
+  ::hmoe::testing::ServiceProcess proc;
+  // --max-tokens 4: the cap is 4 x (2 x 32768 + 8 x 64) + 64 KiB, about 330 KB.
+  ASSERT_TRUE(
+      proc.Start({"--model-dir=" + ModelDir(), "--max-tokens=4", "--no-ucx"}, dir.file("port")));
+  auto channel = MakeExpertChannel(proc.target());
+  auto stub = pb::ExpertData::NewStub(channel);
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub->Moe(&ctx);
+    pb::MoeRequest req;
+    req.set_request_id(1);
+    req.set_tokens(1);
+    req.set_top_k(4);
+    req.set_hidden(std::string(1 << 20, '\0'));  // 1 MiB
+    stream->Write(req);
+    stream->WritesDone();
+    pb::MoeResponse resp;
+    EXPECT_FALSE(stream->Read(&resp));
+    grpc::Status st = stream->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  }
+  // Still serving: a well-formed call on a new stream is answered.
+  auto control = std::make_shared<ControlClient>(channel);
+  auto info = control->Describe();
+  ASSERT_TRUE(info.ok()) << info.status();
+  GrpcStreamClient client(channel, info->hidden);
+  auto call = ::hmoe::testing::MakeRandomCall(*info, info->moe_layers[0], 4, 3);
+  std::vector<float> out(static_cast<size_t>(4 * info->hidden));
+  auto h = client.Submit(call.call(), out.data(), absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_TRUE(client.Wait(*h, absl::Now() + absl::Seconds(10)).ok());
 }
 
 TEST(ServiceProcess, NumaNodeBinding) {

@@ -492,6 +492,26 @@ TEST(UcxSetup, MalformedWorkerAddressesAreRefusedNotFatal) {
   ucp_cleanup(ctx);
 }
 
+// A checker that never becomes ready (here: a program that does not speak
+// the protocol) or cannot be run: Create fails UNAVAILABLE within the check
+// timeout, and the service runs without UCX rather than unchecked.
+TEST(UcxSetup, ACheckerThatCannotStartFailsCreate) {
+  UcxServerOptions opts;
+  opts.check_timeout = absl::Milliseconds(300);
+  for (const std::vector<std::string>& argv :
+       {std::vector<std::string>{"/bin/sleep", "30"},
+        std::vector<std::string>{"/nonexistent/hmoe-expert-service", "--check-ucx-address"}}) {
+    SCOPED_TRACE(argv[0]);
+    opts.address_checker = argv;
+    const auto t0 = absl::Now();
+    auto server = UcxServer::Create(nullptr, opts);
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable) << server.status();
+    EXPECT_NE(std::string(server.status().message()).find("UCX address check"), std::string::npos)
+        << server.status();
+    EXPECT_LT(absl::Now() - t0, absl::Seconds(10));
+  }
+}
+
 TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   TempDir dir;
   ServiceProcess proc;

@@ -59,11 +59,13 @@ class ServiceProcess {
       std::ifstream f(port_file);
       if (f >> port_) return true;
       int status;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      const pid_t r = waitpid(spawned, &status, WNOHANG);
+      if (r == spawned) {
         exit_status_ = status;
         pid_ = -1;
         return false;
       }
+      if (r < 0) return false;  // reaped by Kill on another thread
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     return false;
@@ -73,11 +75,14 @@ class ServiceProcess {
 
   // Sends `sig`; for SIGSTOP, returns once the process is stopped.
   void Signal(int sig) {
-    if (pid_ <= 0) return;
-    ::kill(pid_, sig);
+    // One read: Start (on another thread) may set pid_ to -1 meanwhile, and
+    // kill(-1, sig) signals every process.
+    const pid_t pid = pid_.load();
+    if (pid <= 0) return;
+    ::kill(pid, sig);
     if (sig != SIGSTOP) return;
     for (int i = 0; i < 1000; ++i) {
-      std::ifstream f("/proc/" + std::to_string(pid_.load()) + "/stat");
+      std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
       std::string pid, comm, state;
       f >> pid >> comm >> state;
       if (state == "T" || state == "t") return;
@@ -86,12 +91,12 @@ class ServiceProcess {
   }
   // Sends `sig` and reaps; returns the wait status (or -1).
   int Kill(int sig) {
-    if (pid_ <= 0) return -1;
-    ::kill(pid_, sig);
-    if (sig != SIGKILL) ::kill(pid_, SIGCONT);
+    const pid_t pid = pid_.exchange(-1);  // one read (see Signal)
+    if (pid <= 0) return -1;
+    ::kill(pid, sig);
+    if (sig != SIGKILL) ::kill(pid, SIGCONT);
     int status = -1;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
+    waitpid(pid, &status, 0);
     return status;
   }
   // Another program with the same --listen / --port-file contract
