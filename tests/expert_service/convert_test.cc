@@ -13,6 +13,7 @@
 #include "expert_service/server/expert_shard.h"
 #include "expert_service/server/packed_file.h"
 #include "gtest/gtest.h"
+#include "tests/testing/checkpoint_edit.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/test_util.h"
 
@@ -98,7 +99,6 @@ TEST(Convert, AFailureHalfwayLeavesNoFiles) {
   ::hmoe::testing::TempDir dir;
   const std::string model = dir.file("broken");
   std::filesystem::create_directories(model);
-  std::filesystem::copy_file(ModelDir() + "/config.json", model + "/config.json");
   auto cfg = LoadModelConfig(ModelDir());
   ASSERT_TRUE(cfg.ok()) << cfg.status();
   int last_moe = -1;
@@ -106,24 +106,19 @@ TEST(Convert, AFailureHalfwayLeavesNoFiles) {
     if (cfg->layers[l].moe) last_moe = static_cast<int>(l);
   ASSERT_GT(last_moe, 0);
   const std::string bad = ExpertWeightName(*cfg, last_moe, 3, ExpertProj::kDown);
-  auto ckpt = Checkpoint::Open(ModelDir());
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  SafetensorsWriter w;
   bool found = false;
-  for (const std::string& name : (*ckpt)->Names()) {
-    auto t = (*ckpt)->Get(name);
-    ASSERT_TRUE(t.ok()) << t.status();
-    Shape shape = t->shape();
-    size_t bytes = static_cast<size_t>(t->nbytes());
-    if (name == bad) {  // one column short; the same leading bytes
-      found = true;
-      shape.back() -= 1;
-      bytes = static_cast<size_t>(DTypeBytes(t->dtype(), NumElements(shape)));
-    }
-    ASSERT_TRUE(w.Add(name, t->dtype(), shape, t->raw(), bytes).ok()) << name;
-  }
+  ::hmoe::testing::RewriteCheckpoint(
+      ModelDir(), model, [&](const std::string& name, const Tensor& t, SafetensorsWriter& w) {
+        if (name != bad) return ::hmoe::testing::Keep(name, t, w);
+        found = true;  // one column short; the same leading bytes
+        Shape shape = t.shape();
+        shape.back() -= 1;
+        EXPECT_TRUE(w.Add(name, t.dtype(), shape, t.raw(),
+                          static_cast<size_t>(DTypeBytes(t.dtype(), NumElements(shape))))
+                        .ok());
+        return true;
+      });
   ASSERT_TRUE(found) << bad;
-  ASSERT_TRUE(w.Write(model + "/model.safetensors").ok());
 
   const std::string out = dir.file("out");
   ConvertOptions o;
@@ -136,6 +131,54 @@ TEST(Convert, AFailureHalfwayLeavesNoFiles) {
   ASSERT_TRUE(std::filesystem::exists(out));
   EXPECT_TRUE(std::filesystem::is_empty(out))
       << "left behind: " << std::filesystem::directory_iterator(out)->path();
+}
+
+// DeepSeek-V3's own format: a block-scaled fp8 checkpoint converts to the
+// same packed weights as quantizing it at load, and to exactly those of an
+// f32 checkpoint of its dequantized values (the block scales are applied).
+TEST(Convert, Fp8CheckpointPacksLikeQuantizeAtLoad) {
+  ::hmoe::testing::TempDir dir;
+  const int64_t B = 16;
+  const std::string fp8 = dir.file("fp8"), f32 = dir.file("f32");
+  std::filesystem::create_directories(fp8);
+  std::filesystem::create_directories(f32);
+  ::hmoe::testing::RewriteCheckpoint(ModelDir(), fp8, ::hmoe::testing::Fp8ProjEdit(true, B),
+                                     ::hmoe::testing::Fp8Config(B));
+  ::hmoe::testing::RewriteCheckpoint(ModelDir(), f32, ::hmoe::testing::Fp8ProjEdit(false, B));
+  for (const char* format : {"int4g64", "int8", "bf16"}) {
+    SCOPED_TRACE(format);
+    const std::string out = dir.file(absl::StrCat("packed-", format));
+    ASSERT_EQ(ConvertCommand({fp8, out, "--format", format, "--shards=2", "--threads=3"}), 0);
+    for (int i = 0; i < 2; ++i) {
+      ShardOptions from_fp8 = Opts(i, 2, SplitMode::kTp, format), from_f32 = from_fp8;
+      from_fp8.model_dir = fp8;
+      from_f32.model_dir = f32;
+      ShardOptions packed_opts = Opts(i, 2, SplitMode::kTp, "bf16", out);
+      packed_opts.model_dir = fp8;
+      auto direct = ExpertShard::Load(from_fp8);
+      auto packed = ExpertShard::Load(packed_opts);
+      auto dequantized = ExpertShard::Load(from_f32);
+      ASSERT_TRUE(direct.ok()) << direct.status();
+      ASSERT_TRUE(packed.ok()) << packed.status();
+      ASSERT_TRUE(dequantized.ok()) << dequantized.status();
+      const ShardInfo& info = (*direct)->info();
+      auto call = ::hmoe::testing::MakeRandomCall(info, info.moe_layers[0], 5, 9);
+      std::vector<float> a(static_cast<size_t>(5 * info.hidden)), b(a.size()), c(a.size());
+      ASSERT_TRUE((*direct)->Handle(call.call(), a.data(), nullptr).ok());
+      ASSERT_TRUE((*packed)->Handle(call.call(), b.data(), nullptr).ok());
+      ASSERT_TRUE((*dequantized)->Handle(call.call(), c.data(), nullptr).ok());
+      EXPECT_EQ(a, b);  // bit for bit
+      // Exactly the weights of the f32 checkpoint holding the dequantized
+      // values (block scales applied, nothing else lost on the way).
+      EXPECT_EQ(b, c);
+      // And fp8 really changed them: the bf16 original's shard differs.
+      auto original = ExpertShard::Load(Opts(i, 2, SplitMode::kTp, format));
+      ASSERT_TRUE(original.ok()) << original.status();
+      std::vector<float> d(a.size());
+      ASSERT_TRUE((*original)->Handle(call.call(), d.data(), nullptr).ok());
+      EXPECT_NE(b, d);
+    }
+  }
 }
 
 TEST(Convert, TruncatedCorruptedOrMismatchedFilesAreRefused) {

@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/model/model_test_util.h"
+#include "tests/testing/checkpoint_edit.h"
 #include "tests/testing/temp_dir.h"
 
 namespace hmoe {
@@ -79,31 +80,8 @@ TEST(ModelErrors, ForeignSequenceAndBadOptions) {
   EXPECT_EQ(Model::Load("/nonexistent/model").status().code(), absl::StatusCode::kNotFound);
 }
 
-// Copies `src`'s config.json and rewrites its tensors through `edit` (return
-// false to drop a tensor), plus optional config changes.
-void RewriteCheckpoint(
-    const std::string& src, const std::string& dst,
-    const std::function<bool(const std::string&, const Tensor&, SafetensorsWriter&)>& edit,
-    const std::function<void(nlohmann::json&)>& config_edit = nullptr) {
-  std::ifstream in(src + "/config.json");
-  nlohmann::json j = nlohmann::json::parse(in);
-  if (config_edit) config_edit(j);
-  std::ofstream(dst + "/config.json") << j.dump(1);
-  auto f = SafetensorsFile::Open(src + "/model.safetensors");
-  ASSERT_TRUE(f.ok()) << f.status();
-  SafetensorsWriter w;
-  for (const auto& e : (*f)->entries()) {
-    auto t = (*f)->Get(e.name);
-    ASSERT_TRUE(t.ok()) << t.status();
-    if (!edit(e.name, *t, w)) continue;
-  }
-  ASSERT_TRUE(w.Write(dst + "/model.safetensors").ok());
-}
-
-bool Keep(const std::string& name, const Tensor& t, SafetensorsWriter& w) {
-  EXPECT_TRUE(w.Add(name, t).ok());
-  return true;
-}
+using testing::Keep;
+using testing::RewriteCheckpoint;
 
 TEST(ModelErrors, MissingTensorIsNamed) {
   testing::TempDir dir;
@@ -206,43 +184,9 @@ TEST(ModelErrors, ExpertFailureLeavesSequenceIntactAndExternalExpertsMatch) {
 TEST(ModelFp8, BlockScaledWeightsDequantizeExactly) {
   testing::TempDir fp8_dir, f32_dir;
   const int64_t B = 16;
-  auto quantize = [&](bool as_fp8) {
-    return [as_fp8, B](const std::string& n, const Tensor& t, SafetensorsWriter& w) {
-      const bool linear = t.rank() == 2 && n.find("_proj") != std::string::npos;
-      if (!linear) return Keep(n, t, w);
-      const int64_t R = t.dim(0), C = t.dim(1), br = (R + B - 1) / B, bc = (C + B - 1) / B;
-      const std::vector<float> v = t.ToF32();
-      std::vector<float> scale(static_cast<size_t>(br * bc));
-      std::vector<uint8_t> q(static_cast<size_t>(R * C));
-      for (int64_t i = 0; i < br; ++i)
-        for (int64_t j = 0; j < bc; ++j) {
-          float mx = 0;
-          for (int64_t r = i * B; r < std::min(R, i * B + B); ++r)
-            for (int64_t c = j * B; c < std::min(C, j * B + B); ++c)
-              mx = std::max(mx, std::abs(v[r * C + c]));
-          const float s = mx > 0 ? mx / 448.0f : 1.0f;
-          scale[i * bc + j] = s;
-          for (int64_t r = i * B; r < std::min(R, i * B + B); ++r)
-            for (int64_t c = j * B; c < std::min(C, j * B + B); ++c)
-              q[r * C + c] = F32ToFp8E4M3(v[r * C + c] / s);
-        }
-      if (as_fp8) {
-        EXPECT_TRUE(w.Add(n, DType::kF8E4M3, {R, C}, q.data(), q.size()).ok());
-        EXPECT_TRUE(
-            w.Add(n + "_scale_inv", DType::kF32, {br, bc}, scale.data(), scale.size() * 4).ok());
-      } else {
-        std::vector<float> d(static_cast<size_t>(R * C));
-        DequantFp8BlockToF32(q.data(), R, C, scale.data(), B, d.data());
-        EXPECT_TRUE(w.Add(n, DType::kF32, {R, C}, d.data(), d.size() * 4).ok());
-      }
-      return true;
-    };
-  };
   const std::string src = Fixture("deepseek_v3_tiny");
-  RewriteCheckpoint(src, fp8_dir.path(), quantize(true), [&](nlohmann::json& j) {
-    j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {B, B}}};
-  });
-  RewriteCheckpoint(src, f32_dir.path(), quantize(false));
+  RewriteCheckpoint(src, fp8_dir.path(), testing::Fp8ProjEdit(true, B), testing::Fp8Config(B));
+  RewriteCheckpoint(src, f32_dir.path(), testing::Fp8ProjEdit(false, B));
   auto a = LoadOrDie(fp8_dir.path()), b = LoadOrDie(f32_dir.path()), orig = LoadOrDie(src);
   ASSERT_TRUE(a && b && orig);
   auto sa = a->NewSequence(), sb = b->NewSequence(), so = orig->NewSequence();
