@@ -57,6 +57,11 @@ int ConvertCommand(const std::vector<std::string>& args) {
     return 2;
   }
   const auto t0 = std::chrono::steady_clock::now();
+  o.progress = [t0](int layer, int done, int total) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr, "hmoe convert: layer %d written (%d of %d MoE layers) after %.1f s\n",
+                 layer, done, total, s);
+  };
   absl::Status st = ConvertModel(pos[0], pos[1], o);
   if (!st.ok()) {
     std::fprintf(stderr, "hmoe convert: %s\n", st.ToString().c_str());

@@ -237,6 +237,8 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
     std::vector<std::optional<QuantExpert>> per_shard;
   };
   std::vector<Slot> slots(static_cast<size_t>(threads));
+  int moe_done = 0, moe_total = 0;
+  for (const auto& layer_cfg : cfg.layers) moe_total += layer_cfg.moe ? 1 : 0;
   for (size_t l = 0; l < cfg.layers.size(); ++l) {
     if (!cfg.layers[l].moe) continue;
     const int layer = static_cast<int>(l);
@@ -291,6 +293,8 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
         }
       }
     }
+    ++moe_done;
+    if (opts.progress) opts.progress(layer, moe_done, moe_total);
   }
   for (int i = 0; i < n; ++i) {
     ShardOut& out = outs[static_cast<size_t>(i)];

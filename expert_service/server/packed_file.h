@@ -15,6 +15,7 @@
 // refused with an error naming the file and the field or tensor.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -60,6 +61,9 @@ struct ConvertOptions {
   int shards = 1;
   SplitMode split = SplitMode::kTp;
   int threads = 0;  // experts quantized at once; 0: the CPUs this process may use (<= 64)
+  // Called after each MoE layer is written (on the calling thread): its
+  // decoder layer index, MoE layers done so far and in all.
+  std::function<void(int layer, int done, int total)> progress;
 };
 // Reads MODEL_DIR (bf16/fp8), quantizes, writes one packed file per shard into
 // out_dir. Streams: each expert is written as soon as it is quantized, so

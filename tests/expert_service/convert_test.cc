@@ -88,6 +88,21 @@ TEST(Convert, FilesAreTheSameForAnyThreadCount) {
       EXPECT_TRUE(a == b) << name << " differs between --threads 1 and 5";
     }
   }
+  // Progress: once per MoE layer, in order, on the calling thread.
+  ConvertOptions o;
+  o.format = "int8";
+  std::vector<std::vector<int>> calls;
+  o.progress = [&](int layer, int done, int total) { calls.push_back({layer, done, total}); };
+  ASSERT_TRUE(ConvertModel(ModelDir(), dir.file("progress"), o).ok());
+  auto cfg = LoadModelConfig(ModelDir());
+  ASSERT_TRUE(cfg.ok());
+  std::vector<std::vector<int>> want;
+  int moe = 0;
+  for (size_t l = 0; l < cfg->layers.size(); ++l) moe += cfg->layers[l].moe ? 1 : 0;
+  for (size_t l = 0, done = 0; l < cfg->layers.size(); ++l) {
+    if (cfg->layers[l].moe) want.push_back({static_cast<int>(l), static_cast<int>(++done), moe});
+  }
+  EXPECT_EQ(calls, want);
   EXPECT_EQ(ConvertCommand({ModelDir(), dir.file("x"), "--threads=-1"}), 2);
   EXPECT_EQ(ConvertCommand({ModelDir(), dir.file("x"), "--threads=two"}), 2);
 }
