@@ -15,7 +15,11 @@
 // READY=1 goes to systemd (sd_notify) once the weights are loaded and every
 // front end listens. SIGTERM/SIGINT (handled on a sigwait thread): health goes
 // NOT_SERVING, new calls are refused, in-flight calls finish (up to the drain
-// timeout), then the process exits 0.
+// timeout), then the process exits 0; during loading it stops the load at the
+// next expert and exits 0 without READY.
+//
+//   hmoe-expert-service --check-ucx-address   (internal: the UCX address
+//       checker child the service starts itself; see UcxServerOptions)
 #include <numa.h>
 #include <sched.h>
 #include <signal.h>
