@@ -398,23 +398,18 @@ absl::StatusOr<QuantExpert> PackedExperts::Expert(int layer, int64_t e) const {
                        DTypeName(t.dtype()), ", expected [", rows, ", ", cols, "] ",
                        ServeFormatName(format_, group_)));
     };
+    // What convert wrote for this matrix: .q, then .s unless bf16.
+    const std::vector<TensorSpec> want = MatrixSpecs(base, format_, group_, rows, cols);
     const size_t n = static_cast<size_t>(rows * cols);
+    if (q.dtype() != want[0].dtype || q.shape() != want[0].shape) return shape_error(q);
     if (format_ == ServeFormat::kBf16) {
-      if (q.dtype() != DType::kBF16 || q.rank() != 2 || q.dim(0) != rows || q.dim(1) != cols)
-        return shape_error(q);
       m->bf16.assign(q.data<uint16_t>(), q.data<uint16_t>() + n);
       return absl::OkStatus();
     }
     ASSIGN_OR_RETURN(Tensor s, tensor(base + ".s"));
-    const int64_t ng = format_ == ServeFormat::kInt8 ? 1 : (cols + group_ - 1) / group_;
-    const int64_t qcols = format_ == ServeFormat::kInt8 ? cols : (cols + 1) / 2;
-    if (q.rank() != 2 || q.dim(0) != rows || q.dim(1) != qcols ||
-        q.dtype() != (format_ == ServeFormat::kInt8 ? DType::kI8 : DType::kU8)) {
-      return shape_error(q);
-    }
-    if (s.dtype() != DType::kF32 || s.rank() != 2 || s.dim(0) != rows || s.dim(1) != ng)
-      return shape_error(s);
-    m->scale.assign(s.data<float>(), s.data<float>() + rows * ng);
+    if (s.dtype() != want[1].dtype || s.shape() != want[1].shape) return shape_error(s);
+    const int64_t qcols = want[0].shape[1];
+    m->scale.assign(s.data<float>(), s.data<float>() + s.numel());
     if (format_ == ServeFormat::kInt8) {
       m->q.assign(q.data<int8_t>(), q.data<int8_t>() + n);
     } else {

@@ -196,6 +196,15 @@ TEST(Convert, Fp8CheckpointPacksLikeQuantizeAtLoad) {
   }
 }
 
+// The fixture's first MoE layer.
+int FirstMoeLayer() {
+  auto cfg = LoadModelConfig(ModelDir());
+  if (!cfg.ok()) return -1;
+  for (size_t l = 0; l < cfg->layers.size(); ++l)
+    if (cfg->layers[l].moe) return static_cast<int>(l);
+  return -1;
+}
+
 TEST(Convert, TruncatedCorruptedOrMismatchedFilesAreRefused) {
   ::hmoe::testing::TempDir dir;
   const std::string out = dir.file("packed");
@@ -235,6 +244,36 @@ TEST(Convert, TruncatedCorruptedOrMismatchedFilesAreRefused) {
     s = ExpertShard::Load(Opts(0, 2, SplitMode::kTp, "bf16", out));
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
     EXPECT_NE(s.status().message().find("bad checksum entry"), absl::string_view::npos)
+        << s.status();
+    std::ofstream(f0, std::ios::binary | std::ios::trunc) << original;  // restored
+  }
+  // A tensor with its own bytes and checksum but another shape: refused,
+  // naming the file and the tensor.
+  {
+    const std::string original = ReadAll(f0);
+    auto packed = SafetensorsFile::Open(f0);
+    ASSERT_TRUE(packed.ok()) << packed.status();
+    SafetensorsWriter w;
+    for (const auto& [k, v] : (*packed)->metadata()) w.SetMetadata(k, v);
+    const std::string victim = absl::StrCat(FirstMoeLayer(), ".0.gate.q");
+    bool found = false;
+    for (const auto& e : (*packed)->entries()) {
+      auto t = (*packed)->Get(e.name);
+      ASSERT_TRUE(t.ok());
+      Shape shape = t->shape();
+      if (e.name == victim) {
+        found = true;
+        shape = {shape[0] / 2, shape[1] * 2};  // the same bytes
+      }
+      ASSERT_TRUE(
+          w.Add(e.name, t->dtype(), shape, t->raw(), static_cast<size_t>(t->nbytes())).ok());
+    }
+    ASSERT_TRUE(found) << victim;
+    ASSERT_TRUE(w.Write(f0).ok());
+    s = ExpertShard::Load(Opts(0, 2, SplitMode::kTp, "bf16", out));
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_NE(s.status().message().find(absl::StrCat(FirstMoeLayer(), ".0.gate")),
+              absl::string_view::npos)
         << s.status();
     std::ofstream(f0, std::ios::binary | std::ios::trunc) << original;  // restored
   }
