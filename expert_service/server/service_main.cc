@@ -455,10 +455,12 @@ int Main(int argc, char** argv) {
   const auto t0 = std::chrono::steady_clock::now();
   auto shard = ExpertShard::Load(o.shard, &state.progress);
   state.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!shard.ok() && absl::IsCancelled(shard.status()) && stop.load()) {
-    // Asked to stop while loading: the load stopped at its next expert.
-    Log(absl::StrCat("stop requested while loading: load cancelled after ", state.load_seconds,
-                     " s; exiting without serving"));
+  if (stop.load() && (shard.ok() || absl::IsCancelled(shard.status()))) {
+    // Asked to stop while loading (the load stopped at its next expert, or
+    // had just ended): nothing was served, nothing to drain; do not announce
+    // READY (or turn health SERVING) on the way out.
+    Log(absl::StrCat("stop requested while loading", shard.ok() ? "" : ": load cancelled",
+                     " after ", state.load_seconds, " s; exiting without serving"));
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     signals.join();
     return 0;
@@ -475,14 +477,6 @@ int Main(int argc, char** argv) {
     pthread_kill(signals.native_handle(), SIGTERM);
     signals.join();
     return 1;
-  }
-  if (stop.load()) {
-    // Asked to stop while loading: nothing was served, nothing to drain; do
-    // not announce READY (or turn health SERVING) on the way out.
-    Log("stop requested while loading: exiting without serving");
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    signals.join();
-    return 0;
   }
   std::unique_ptr<ShmServer> shm;
   std::unique_ptr<UcxServer> ucx;
