@@ -296,16 +296,30 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
     ++moe_done;
     if (opts.progress) opts.progress(layer, moe_done, moe_total);
   }
+  // Every file complete before any is renamed: a failure to finish one (a
+  // full disk at the last write) leaves a previous conversion's files whole,
+  // not half old and half new. Finished .tmp files are not removed by their
+  // writers, so a failure removes them here.
+  auto remove_tmp_from = [&](int first) {
+    for (int j = first; j < n; ++j)
+      std::filesystem::remove(outs[static_cast<size_t>(j)].w->path(), ec);
+  };
   for (int i = 0; i < n; ++i) {
     ShardOut& out = outs[static_cast<size_t>(i)];
     for (const auto& [k, v] : metas[static_cast<size_t>(i)]) out.w->SetMetadata(k, v);
     out.w->SetMetadata("checksums", out.sums.dump());
-    RETURN_IF_ERROR(out.w->Finish());
+    if (absl::Status st = out.w->Finish(); !st.ok()) {
+      remove_tmp_from(0);
+      return st;
+    }
+  }
+  for (int i = 0; i < n; ++i) {
     const std::string path = out_dir + "/" + PackedFileName(opts.split, i, n);
-    std::filesystem::rename(out.w->path(), path, ec);
+    std::filesystem::rename(outs[static_cast<size_t>(i)].w->path(), path, ec);
     if (ec) {
-      std::filesystem::remove(out.w->path());
-      return absl::InternalError(absl::StrCat(path, ": ", ec.message()));
+      const std::string why = ec.message();
+      remove_tmp_from(i);
+      return absl::InternalError(absl::StrCat(path, ": ", why));
     }
   }
   return absl::OkStatus();

@@ -68,9 +68,9 @@ struct ConvertOptions {
 // Reads MODEL_DIR (bf16/fp8), quantizes, writes one packed file per shard into
 // out_dir. Streams: each expert is written as soon as it is quantized, so
 // memory holds `threads` experts (each as f32 while it is quantized: ~16 bytes
-// per weight), not the model. The files are the same for any `threads`. A
-// file is written as <name>.tmp and renamed when complete; on failure no
-// .tmp is left.
+// per weight), not the model. The files are the same for any `threads`.
+// Files are written as <name>.tmp and renamed once every shard's file is
+// complete; on failure no .tmp is left.
 absl::Status ConvertModel(const std::string& model_dir, const std::string& out_dir,
                           const ConvertOptions& opts);
 

@@ -146,6 +146,17 @@ TEST(Convert, AFailureHalfwayLeavesNoFiles) {
   ASSERT_TRUE(std::filesystem::exists(out));
   EXPECT_TRUE(std::filesystem::is_empty(out))
       << "left behind: " << std::filesystem::directory_iterator(out)->path();
+
+  // A failure at the very end (here: shard 1's final name is taken by a
+  // directory, so its rename fails): an error naming it, no .tmp left.
+  const std::string out2 = dir.file("out2");
+  const std::string taken = out2 + "/" + PackedFileName(SplitMode::kTp, 1, 2);
+  std::filesystem::create_directories(taken + "/occupied");
+  st = ConvertModel(ModelDir(), out2, o);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_NE(st.message().find(taken), absl::string_view::npos) << st;
+  for (const auto& e : std::filesystem::directory_iterator(out2))
+    EXPECT_NE(e.path().extension(), ".tmp") << e.path();
 }
 
 // DeepSeek-V3's own format: a block-scaled fp8 checkpoint converts to the
