@@ -27,6 +27,12 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,
   return cpu::CreateCpuModel(config, ckpt, options, experts);
 }
 
+absl::Status Model::Forward(Sequence& seq, absl::Span<const int32_t> tokens, LogitsMode mode,
+                            std::vector<float>* logits) const {
+  const ForwardStep step{&seq, tokens, mode, logits};
+  return ForwardBatch(absl::MakeConstSpan(&step, 1));
+}
+
 absl::StatusOr<std::vector<float>> Model::Prefill(Sequence& seq, absl::Span<const int32_t> tokens,
                                                   LogitsMode mode) const {
   std::vector<float> logits;

@@ -62,6 +62,14 @@ enum class LogitsMode {
   kLast,  // the last token's row only: [vocab_size]
 };
 
+// One sequence's part of Model::ForwardBatch; pointers are borrowed for the call.
+struct ForwardStep {
+  Sequence* seq = nullptr;
+  absl::Span<const int32_t> tokens;  // T >= 1, appended at seq->length()
+  LogitsMode mode = LogitsMode::kLast;
+  std::vector<float>* logits = nullptr;  // resized as by Forward
+};
+
 class Model {
  public:
   virtual ~Model() = default;
@@ -87,8 +95,18 @@ class Model {
 
   // Appends `tokens` (T >= 1) to `seq` at positions length() .. length()+T-1
   // and writes logits to `logits` (resized: [T, V] for kAll, [V] for kLast).
-  virtual absl::Status Forward(Sequence& seq, absl::Span<const int32_t> tokens, LogitsMode mode,
-                               std::vector<float>* logits) const = 0;
+  absl::Status Forward(Sequence& seq, absl::Span<const int32_t> tokens, LogitsMode mode,
+                       std::vector<float>* logits) const;
+
+  // Several sequences' steps as one forward pass: all their tokens share the
+  // projections, MLPs and routed experts (one RoutedExperts call per MoE
+  // layer for the whole batch); attention reads each token's own Sequence.
+  // Each step gets the logits Forward would give it alone, up to the
+  // rounding of expert kernels that depend on the batch (the CPU reference
+  // with in-process experts: bit for bit). Errors are Forward's, prefixed
+  // "step i: " when there are several steps; a Sequence in two steps is
+  // INVALID_ARGUMENT. All or nothing: on any error no Sequence changes.
+  virtual absl::Status ForwardBatch(absl::Span<const ForwardStep> steps) const = 0;
 
   // Conveniences over Forward.
   absl::StatusOr<std::vector<float>> Prefill(Sequence& seq, absl::Span<const int32_t> tokens,

@@ -83,6 +83,14 @@ class CpuSequence final : public Sequence {
   std::vector<std::vector<float>> k_, v_;
 };
 
+// Where each token of a batch belongs: its Sequence's cache and its position.
+struct TokenSlots {
+  int64_t size() const { return static_cast<int64_t>(pos.size()); }
+  std::vector<CpuSequence*> seq;
+  std::vector<int64_t> pos;
+  int64_t max_pos = 0;
+};
+
 class CpuModel final : public Model {
  public:
   static absl::StatusOr<std::unique_ptr<CpuModel>> Create(const ModelConfig& config,
@@ -98,16 +106,13 @@ class CpuModel final : public Model {
     const int64_t v_row = c_.is_mla() ? 0 : k_row;
     return std::make_unique<CpuSequence>(this, options_.max_seq_len, k_row, v_row, c_.num_layers);
   }
-  absl::Status Forward(Sequence& seq, absl::Span<const int32_t> tokens, LogitsMode mode,
-                       std::vector<float>* logits) const override;
+  absl::Status ForwardBatch(absl::Span<const ForwardStep> steps) const override;
 
  private:
   CpuModel() = default;
   absl::Status LoadWeights(const Checkpoint& ckpt);
-  void MlaAttention(int l, const float* h, int64_t T, int64_t p0, const float* cs, CpuSequence& s,
-                    float* out) const;
-  void GqaAttention(int l, const float* h, int64_t T, int64_t p0, const float* cs, CpuSequence& s,
-                    float* out) const;
+  void MlaAttention(int l, const float* h, const TokenSlots& at, const float* cs, float* out) const;
+  void GqaAttention(int l, const float* h, const TokenSlots& at, const float* cs, float* out) const;
   absl::Status FeedForward(int l, const float* h, int64_t T, float* out) const;
   void RunMlp(const Mlp& m, const float* h, int64_t T, float* out) const;
 
@@ -293,8 +298,9 @@ absl::Status CpuModel::FeedForward(int l, const float* h, int64_t T, float* out)
   return absl::OkStatus();
 }
 
-void CpuModel::MlaAttention(int l, const float* h, int64_t T, int64_t p0, const float* cs,
-                            CpuSequence& s, float* out) const {
+void CpuModel::MlaAttention(int l, const float* h, const TokenSlots& at, const float* cs,
+                            float* out) const {
+  const int64_t T = at.size();
   const Layer& L = layers_[static_cast<size_t>(l)];
   const int64_t nh = c_.num_heads, nope = c_.mla.qk_nope_head_dim, rope = c_.mla.qk_rope_head_dim;
   const int64_t vd = c_.mla.v_head_dim, r = c_.mla.kv_lora_rank, qk = nope + rope;
@@ -311,9 +317,8 @@ void CpuModel::MlaAttention(int l, const float* h, int64_t T, int64_t p0, const 
   }
   std::vector<float> kva(static_cast<size_t>(T * row));
   Linear(pool_.get(), h, T, L.kv_a.w, L.kv_a.bias(), kva.data());
-  float* cache = s.k(l);
   for (int64_t t = 0; t < T; ++t) {
-    float* dst = cache + (p0 + t) * row;
+    float* dst = at.seq[t]->k(l) + at.pos[t] * row;
     RmsNorm(kva.data() + t * row, 1, r, L.kv_a_norm.data(), kMlaNormEps, dst);
     std::copy_n(kva.data() + t * row + r, rope, dst + r);
     ApplyRope(dst + r, rope, cs + t * rope, rope_layout_);
@@ -324,7 +329,7 @@ void CpuModel::MlaAttention(int l, const float* h, int64_t T, int64_t p0, const 
   const Matrix& wkv = L.kv_b.w;  // [nh * (nope + vd), r]
   pool_->ParallelFor(T * nh, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> qfull(static_cast<size_t>(row)), wrow(static_cast<size_t>(r)),
-        olat(static_cast<size_t>(r)), scores(static_cast<size_t>(p0 + T));
+        olat(static_cast<size_t>(r)), scores(static_cast<size_t>(at.max_pos + 1));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / nh, hd = i % nh;
       const float* qh = q.data() + t * nh * qk + hd * qk;
@@ -336,7 +341,8 @@ void CpuModel::MlaAttention(int l, const float* h, int64_t T, int64_t p0, const 
       }
       std::copy_n(qh + nope, rope, qfull.data() + r);
       ApplyRope(qfull.data() + r, rope, cs + t * rope, rope_layout_);
-      AttendOne(qfull.data(), row, cache, row, cache, r, row, p0 + t, L.window, softmax_scale_,
+      const float* cache = at.seq[t]->k(l);
+      AttendOne(qfull.data(), row, cache, row, cache, r, row, at.pos[t], L.window, softmax_scale_,
                 scores.data(), olat.data());
       float* o = attn.data() + t * nh * vd + hd * vd;
       for (int64_t d = 0; d < vd; ++d) {
@@ -350,8 +356,9 @@ void CpuModel::MlaAttention(int l, const float* h, int64_t T, int64_t p0, const 
   Linear(pool_.get(), attn.data(), T, L.o.w, L.o.bias(), out);
 }
 
-void CpuModel::GqaAttention(int l, const float* h, int64_t T, int64_t p0, const float* cs,
-                            CpuSequence& s, float* out) const {
+void CpuModel::GqaAttention(int l, const float* h, const TokenSlots& at, const float* cs,
+                            float* out) const {
+  const int64_t T = at.size();
   const Layer& L = layers_[static_cast<size_t>(l)];
   const int64_t nh = c_.num_heads, nkv = c_.num_kv_heads, hd = c_.head_dim;
   const int64_t row = nkv * hd, group = nh / nkv;
@@ -371,65 +378,116 @@ void CpuModel::GqaAttention(int l, const float* h, int64_t T, int64_t p0, const 
     for (int64_t i = 0; i < nkv; ++i)
       ApplyRope(k.data() + (t * nkv + i) * hd, hd, cs + t * hd, rope_layout_);
   }
-  float* kc = s.k(l);
-  float* vc = s.v(l);
-  std::copy(k.begin(), k.end(), kc + p0 * row);
-  std::copy(v.begin(), v.end(), vc + p0 * row);
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy_n(k.data() + t * row, row, at.seq[t]->k(l) + at.pos[t] * row);
+    std::copy_n(v.data() + t * row, row, at.seq[t]->v(l) + at.pos[t] * row);
+  }
   std::vector<float> attn(static_cast<size_t>(T * nh * hd));
   pool_->ParallelFor(T * nh, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(static_cast<size_t>(p0 + T));
+    std::vector<float> scores(static_cast<size_t>(at.max_pos + 1));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / nh, head = i % nh, kvh = head / group;
-      AttendOne(q.data() + i * hd, hd, kc + kvh * hd, row, vc + kvh * hd, hd, row, p0 + t, L.window,
-                softmax_scale_, scores.data(), attn.data() + i * hd);
+      const float* kc = at.seq[t]->k(l);
+      const float* vc = at.seq[t]->v(l);
+      AttendOne(q.data() + i * hd, hd, kc + kvh * hd, row, vc + kvh * hd, hd, row, at.pos[t],
+                L.window, softmax_scale_, scores.data(), attn.data() + i * hd);
     }
   });
   Linear(pool_.get(), attn.data(), T, L.o.w, L.o.bias(), out);
 }
 
-absl::Status CpuModel::Forward(Sequence& seq, absl::Span<const int32_t> tokens, LogitsMode mode,
-                               std::vector<float>* logits) const {
-  auto* s = dynamic_cast<CpuSequence*>(&seq);
-  if (s == nullptr || s->owner_ != this)
-    return absl::InvalidArgumentError("Forward: the Sequence was not made by this Model");
-  const int64_t T = static_cast<int64_t>(tokens.size());
-  if (T == 0) return absl::InvalidArgumentError("Forward: no tokens");
-  for (int64_t i = 0; i < T; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= c_.vocab_size)
-      return absl::InvalidArgumentError(absl::StrCat("token id ", tokens[i], " at index ", i,
-                                                     " is outside the vocabulary [0, ",
-                                                     c_.vocab_size, ")"));
+absl::Status CpuModel::ForwardBatch(absl::Span<const ForwardStep> steps) const {
+  if (steps.empty()) return absl::InvalidArgumentError("ForwardBatch: no steps");
+  const bool several = steps.size() > 1;
+  auto step_error = [&](size_t i, absl::Status st) {
+    return several ? Annotate(st, absl::StrCat("step ", i)) : st;
+  };
+  TokenSlots at;
+  std::vector<CpuSequence*> seqs(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const ForwardStep& st = steps[i];
+    auto* s = dynamic_cast<CpuSequence*>(st.seq);
+    if (s == nullptr || s->owner_ != this)
+      return step_error(
+          i, absl::InvalidArgumentError("Forward: the Sequence was not made by this Model"));
+    if (st.logits == nullptr)
+      return step_error(i, absl::InvalidArgumentError("Forward: no logits output"));
+    for (size_t j = 0; j < i; ++j)
+      if (seqs[j] == s)
+        return step_error(i, absl::InvalidArgumentError(absl::StrCat(
+                                 "ForwardBatch: the Sequence of step ", j, " appears again")));
+    seqs[i] = s;
+    const int64_t T = static_cast<int64_t>(st.tokens.size());
+    if (T == 0) return step_error(i, absl::InvalidArgumentError("Forward: no tokens"));
+    for (int64_t t = 0; t < T; ++t) {
+      if (st.tokens[t] < 0 || st.tokens[t] >= c_.vocab_size)
+        return step_error(i, absl::InvalidArgumentError(absl::StrCat(
+                                 "token id ", st.tokens[t], " at index ", t,
+                                 " is outside the vocabulary [0, ", c_.vocab_size, ")")));
+    }
+    const int64_t p0 = s->length_;
+    if (p0 + T > s->capacity())
+      return step_error(i, absl::ResourceExhaustedError(
+                               absl::StrCat("sequence holds ", p0, " tokens; ", T,
+                                            " more exceed its capacity of ", s->capacity())));
+    for (int64_t t = 0; t < T; ++t) {
+      at.seq.push_back(s);
+      at.pos.push_back(p0 + t);
+    }
+    at.max_pos = std::max(at.max_pos, p0 + T - 1);
   }
-  const int64_t p0 = s->length_;
-  if (p0 + T > s->capacity())
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "sequence holds ", p0, " tokens; ", T, " more exceed its capacity of ", s->capacity()));
-  s->Reserve(p0 + T);
-  const int64_t H = c_.hidden_size;
+  for (size_t i = 0; i < steps.size(); ++i)
+    seqs[i]->Reserve(seqs[i]->length_ + static_cast<int64_t>(steps[i].tokens.size()));
+
+  const int64_t T = at.size(), H = c_.hidden_size;
   std::vector<float> cs(static_cast<size_t>(T * rope_dim_));
-  for (int64_t t = 0; t < T; ++t) RopeCosSin(rope_, p0 + t, cs.data() + t * rope_dim_);
+  for (int64_t t = 0; t < T; ++t) RopeCosSin(rope_, at.pos[t], cs.data() + t * rope_dim_);
   std::vector<float> x(static_cast<size_t>(T * H)), h(static_cast<size_t>(T * H)),
       y(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t) embed_.RowToF32(tokens[t], x.data() + t * H);
+  {
+    int64_t t = 0;
+    for (const ForwardStep& st : steps)
+      for (int32_t id : st.tokens) embed_.RowToF32(id, x.data() + (t++) * H);
+  }
   const float eps = static_cast<float>(c_.rms_norm_eps);
   for (int l = 0; l < c_.num_layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     RmsNorm(x.data(), T, H, L.in_norm.data(), eps, h.data());
     if (c_.is_mla())
-      MlaAttention(l, h.data(), T, p0, cs.data(), *s, y.data());
+      MlaAttention(l, h.data(), at, cs.data(), y.data());
     else
-      GqaAttention(l, h.data(), T, p0, cs.data(), *s, y.data());
+      GqaAttention(l, h.data(), at, cs.data(), y.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
     RmsNorm(x.data(), T, H, L.post_norm.data(), eps, h.data());
     RETURN_IF_ERROR(FeedForward(l, h.data(), T, y.data()));
     for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
   }
-  const int64_t first = mode == LogitsMode::kAll ? 0 : T - 1;
-  const int64_t rows = T - first;
-  RmsNorm(x.data() + first * H, rows, H, final_norm_.data(), eps, h.data());
-  logits->resize(static_cast<size_t>(rows * c_.vocab_size));
-  Linear(pool_.get(), h.data(), rows, lm_head_, nullptr, logits->data());
-  s->length_ = p0 + T;
+  // The rows that need logits (each step's last token, or all of it), in
+  // step order, through the final norm and the head in one product.
+  std::vector<int64_t> first_row(steps.size()), num_rows(steps.size());
+  int64_t rows = 0;
+  {
+    int64_t t0 = 0;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const int64_t n = static_cast<int64_t>(steps[i].tokens.size());
+      const int64_t keep = steps[i].mode == LogitsMode::kAll ? n : 1;
+      for (int64_t r = 0; r < keep; ++r)
+        RmsNorm(x.data() + (t0 + n - keep + r) * H, 1, H, final_norm_.data(), eps,
+                h.data() + (rows + r) * H);
+      first_row[i] = rows;
+      num_rows[i] = keep;
+      rows += keep;
+      t0 += n;
+    }
+  }
+  const int64_t V = c_.vocab_size;
+  std::vector<float> all(static_cast<size_t>(rows * V));
+  Linear(pool_.get(), h.data(), rows, lm_head_, nullptr, all.data());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    steps[i].logits->assign(all.begin() + first_row[i] * V,
+                            all.begin() + (first_row[i] + num_rows[i]) * V);
+    seqs[i]->length_ += static_cast<int64_t>(steps[i].tokens.size());
+  }
   return absl::OkStatus();
 }
 

@@ -38,7 +38,8 @@ struct Engine::Request {
   std::vector<int32_t> output;
   std::vector<int32_t> unsent_ids;
   int64_t prefilled = 0;
-  std::vector<float> logits;  // next-token logits once prefill is done
+  std::vector<float> logits;  // logits of the last forward pass
+  int32_t pending = -1;       // sampled, emitted, not yet in the cache (next step's token)
   std::string text;
   size_t text_sent = 0;
   size_t stop_holdback = 0;   // longest stop string - 1
@@ -52,6 +53,13 @@ struct Engine::Request {
 
 namespace {
 double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
+// Request-specific failures of a batch: the step is re-run alone to find
+// whose it was. Anything else (the expert service gone, ...) is every
+// step's failure.
+bool StepSpecific(const absl::Status& s) {
+  return absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s) || absl::IsOutOfRange(s);
+}
+
 // api.proto: a worker shutting down answers UNAVAILABLE (the client may retry
 // elsewhere); CANCELLED is only for what the client cancelled itself.
 absl::Status ShutOutStatus() {
@@ -259,29 +267,73 @@ void Engine::EmitToken(Request& r, int32_t token) {
   if (r.cb) r.cb(ev);
 }
 
-absl::Status Engine::PrefillChunk(Request& r) {
-  const int64_t P = static_cast<int64_t>(r.req.prompt.size());
-  const int64_t n = std::min(options_.prefill_chunk, P - r.prefilled);
-  const absl::Time t0 = absl::Now();
-  absl::Span<const int32_t> chunk(r.req.prompt.data() + r.prefilled, static_cast<size_t>(n));
-  RETURN_IF_ERROR(model_->Forward(*r.seq, chunk, LogitsMode::kLast, &r.logits));
-  r.prefilled += n;
-  r.prefill_ms += Ms(absl::Now() - t0);
-  return absl::OkStatus();
-}
-
-absl::Status Engine::DecodeOne(Request& r) {
-  const absl::Time t0 = absl::Now();
+// Samples the next token from the logits of the request's last forward pass
+// and emits it; unless that ends the request, the token goes into the next
+// step's batch.
+void Engine::SampleNext(Request& r) {
   const int32_t token = r.sampler->Sample(r.logits, r.req.prompt, r.output);
   EmitToken(r, token);
-  if (!r.done) {
-    const int32_t one[1] = {token};
-    absl::Status s = model_->Forward(*r.seq, one, LogitsMode::kLast, &r.logits);
-    r.decode_ms += Ms(absl::Now() - t0);
-    return s;
+  if (!r.done) r.pending = token;
+}
+
+void Engine::Step() {
+  struct Entry {
+    Request* r;
+    int64_t prefill;  // prompt tokens in this step; 0: one decode token
+  };
+  std::vector<Entry> entries;
+  // The oldest request still prefilling gives one chunk.
+  for (auto& r : running_) {
+    const int64_t P = static_cast<int64_t>(r->req.prompt.size());
+    if (r->done || r->prefilled >= P) continue;
+    entries.push_back({r.get(), std::min(options_.prefill_chunk, P - r->prefilled)});
+    break;
   }
-  r.decode_ms += Ms(absl::Now() - t0);
-  return absl::OkStatus();
+  // Every request with a sampled token not yet in its cache gives that token.
+  for (auto& r : running_)
+    if (!r->done && r->pending >= 0) entries.push_back({r.get(), 0});
+  if (entries.empty()) return;
+  std::vector<ForwardStep> steps;
+  steps.reserve(entries.size());
+  for (const Entry& e : entries) {
+    Request& r = *e.r;
+    ForwardStep st;
+    st.seq = r.seq.get();
+    st.tokens = e.prefill > 0 ? absl::MakeConstSpan(r.req.prompt.data() + r.prefilled,
+                                                    static_cast<size_t>(e.prefill))
+                              : absl::MakeConstSpan(&r.pending, 1);
+    st.mode = LogitsMode::kLast;
+    st.logits = &r.logits;
+    steps.push_back(st);
+  }
+  auto run = [&](absl::Span<const ForwardStep> s) {
+    const absl::Time t0 = absl::Now();
+    absl::Status st = model_->ForwardBatch(s);
+    return std::make_pair(st, Ms(absl::Now() - t0));
+  };
+  auto settle = [&](const Entry& e, const absl::Status& st, double ms) {
+    Request& r = *e.r;
+    if (!st.ok()) return Finish(r, FinishReason::kError, st);
+    if (e.prefill > 0) {
+      r.prefill_ms += ms;
+      r.prefilled += e.prefill;
+      if (r.prefilled == static_cast<int64_t>(r.req.prompt.size())) SampleNext(r);
+    } else {
+      r.decode_ms += ms;
+      r.pending = -1;
+      SampleNext(r);
+    }
+  };
+  auto [status, ms] = run(steps);
+  if (status.ok() || steps.size() == 1 || !StepSpecific(status)) {
+    for (const Entry& e : entries) settle(e, status, ms);
+    return;
+  }
+  // A failed batch changed no Sequence: each step again on its own.
+  for (size_t i = 0; i < entries.size(); ++i) {
+    auto [st, one_ms] = run(absl::MakeConstSpan(&steps[i], 1));
+    settle(entries[i], st, one_ms);
+  }
 }
 
 void Engine::Loop() {
@@ -362,19 +414,7 @@ void Engine::Loop() {
         Finish(*r, FinishReason::kDeadline,
                absl::DeadlineExceededError("deadline passed during generation"));
     }
-    // One prefill chunk: the oldest request still prefilling.
-    for (auto& r : running_) {
-      if (r->done || r->prefilled >= static_cast<int64_t>(r->req.prompt.size())) continue;
-      absl::Status s = PrefillChunk(*r);
-      if (!s.ok()) Finish(*r, FinishReason::kError, s);
-      break;
-    }
-    // One decode step for every request whose prompt is in the cache.
-    for (auto& r : running_) {
-      if (r->done || r->prefilled < static_cast<int64_t>(r->req.prompt.size())) continue;
-      absl::Status s = DecodeOne(*r);
-      if (!s.ok()) Finish(*r, FinishReason::kError, s);
-    }
+    Step();
     running_.erase(
         std::remove_if(running_.begin(), running_.end(), [](const auto& r) { return r->done; }),
         running_.end());

@@ -4,9 +4,14 @@
 //
 // One scheduler thread owns all model calls. Each step it (1) retires
 // cancelled / expired requests, (2) admits waiting requests while KV blocks
-// and batch slots allow, (3) prefills at most `prefill_chunk` prompt tokens
-// (one chunk of the oldest prefilling request, so a long prompt never stalls
-// the running ones for long), (4) decodes one token for every running request.
+// and batch slots allow, (3) runs one Model::ForwardBatch over at most
+// `prefill_chunk` prompt tokens (one chunk of the oldest prefilling request,
+// so a long prompt never stalls the running ones for long) and one token of
+// every other running request (the token sampled after its last pass), and
+// (4) samples each request's next token from that pass. A batch that fails
+// for one request's reason (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+// OUT_OF_RANGE) is re-run step by step so only that request fails; any other
+// failure (e.g. the expert service UNAVAILABLE) fails every request in it.
 //
 // KV accounting: the cache is counted in blocks of `kv_block_tokens`; a
 // request reserves ceil((prompt + max_tokens) / kv_block_tokens) blocks when
@@ -111,8 +116,8 @@ class Engine {
   void Loop();
   void Finish(Request& r, FinishReason reason, absl::Status status);
   void EmitToken(Request& r, int32_t token);
-  absl::Status PrefillChunk(Request& r);
-  absl::Status DecodeOne(Request& r);
+  void Step();
+  void SampleNext(Request& r);
 
   const Model* model_;
   const Tokenizer* tokenizer_;

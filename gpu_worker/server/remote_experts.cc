@@ -52,29 +52,45 @@ absl::StatusOr<uint64_t> PoolRoutedExperts::Submit(const ExpertBatch& b, float* 
   // bf16 copy for the wire; the transport has consumed it when Submit returns.
   std::vector<uint16_t> hidden(static_cast<size_t>(b.num_tokens * b.hidden_size));
   for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = F32ToBf16(b.hidden[i]);
-  const MoeCall call = MoeCall::Make(b.layer, static_cast<int32_t>(b.num_tokens), b.top_k,
-                                     b.hidden_size, hidden.data(), b.expert_ids, b.weights);
   // The call's deadline starts before Submit: a reconnect inside it counts.
   const absl::Time deadline = absl::Now() + timeout_;
-  auto submitted = pool_->Submit(call, out, deadline);
-  if (!submitted.ok()) return ExpertFailure(submitted.status());
-  const uint64_t handle = *submitted;
+  // A batch over the shards' max_tokens goes as several calls, in order.
+  const int64_t piece = std::max<int64_t>(1, pool_->model().max_tokens);
+  std::vector<uint64_t> handles;
+  for (int64_t t0 = 0; t0 < b.num_tokens; t0 += piece) {
+    const int64_t n = std::min(piece, b.num_tokens - t0);
+    const MoeCall call = MoeCall::Make(b.layer, static_cast<int32_t>(n), b.top_k, b.hidden_size,
+                                       hidden.data() + t0 * b.hidden_size,
+                                       b.expert_ids + t0 * b.top_k, b.weights + t0 * b.top_k);
+    auto submitted = pool_->Submit(call, out + t0 * b.hidden_size, deadline);
+    if (!submitted.ok()) {
+      for (uint64_t h : handles) pool_->Wait(h, deadline).IgnoreError();
+      return ExpertFailure(submitted.status());
+    }
+    handles.push_back(*submitted);
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  deadlines_[handle] = deadline;
-  return handle;
+  const uint64_t ticket = next_ticket_++;
+  pending_[ticket] = Pending{std::move(handles), deadline};
+  return ticket;
 }
 
 absl::Status PoolRoutedExperts::Wait(uint64_t ticket) {
-  absl::Time deadline;
+  Pending p;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = deadlines_.find(ticket);
-    if (it == deadlines_.end())
+    auto it = pending_.find(ticket);
+    if (it == pending_.end())
       return absl::InvalidArgumentError(absl::StrCat("unknown expert ticket ", ticket));
-    deadline = it->second;
-    deadlines_.erase(it);
+    p = std::move(it->second);
+    pending_.erase(it);
   }
-  return ExpertFailure(pool_->Wait(ticket, deadline));
+  absl::Status first;
+  for (uint64_t h : p.handles) {
+    absl::Status st = pool_->Wait(h, p.deadline);
+    if (first.ok()) first = st;
+  }
+  return ExpertFailure(first);
 }
 
 absl::Status PoolRoutedExperts::Forward(const ExpertBatch& b, float* out) {

@@ -19,7 +19,9 @@ class PoolRoutedExperts final : public RoutedExperts {
   // Checks that the pool serves this model's experts (hidden size, expert
   // count, top-k, MoE layers): FAILED_PRECONDITION naming the mismatch.
   // Each call gets `call_timeout`; a shard that misses it is UNAVAILABLE (the
-  // pool's fail_fast_after_miss then spares the calls queued behind it).
+  // pool's fail_fast_after_miss then spares the calls queued behind it). A
+  // batch of more tokens than the shards take (ShardInfo::max_tokens) is sent
+  // as several calls under the one deadline.
   static absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> Create(const ModelConfig& config,
                                                                    ExpertPool* pool,
                                                                    absl::Duration call_timeout);
@@ -35,8 +37,13 @@ class PoolRoutedExperts final : public RoutedExperts {
   const ModelConfig& config_;
   ExpertPool* pool_;
   absl::Duration timeout_;
+  struct Pending {
+    std::vector<uint64_t> handles;  // the pool's calls, in token order
+    absl::Time deadline;
+  };
   std::mutex mu_;
-  std::map<uint64_t, absl::Time> deadlines_;  // pool handle -> deadline
+  uint64_t next_ticket_ = 1;             // guarded by mu_
+  std::map<uint64_t, Pending> pending_;  // ticket -> its calls; guarded by mu_
 };
 
 }  // namespace hmoe

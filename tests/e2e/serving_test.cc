@@ -46,13 +46,15 @@ class Pair {
   // `shards` expert-service processes with `split`; transport for the worker.
   bool Start(const std::string& model, int shards = 1, const std::string& split = "tp",
              const std::string& transport = "shm",
-             const std::vector<std::string>& worker_extra = {}) {
+             const std::vector<std::string>& worker_extra = {},
+             const std::vector<std::string>& expert_extra = {}) {
     std::string targets;
     for (int i = 0; i < shards; ++i) {
       experts_.push_back(std::make_unique<testing::ServiceProcess>());
       std::vector<std::string> args = {
           "--model-dir=" + model, "--format=bf16",
           "--shard=" + std::to_string(i) + "/" + std::to_string(shards), "--split=" + split};
+      args.insert(args.end(), expert_extra.begin(), expert_extra.end());
       if (!experts_.back()->Start(args, dir_.file("expert" + std::to_string(i) + ".port")))
         return false;
       targets += (i ? "," : "") + experts_.back()->target();
@@ -141,6 +143,33 @@ TEST(Serving, ShardsAndTransportsAgree) {
     auto r = pair.client().Generate(IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size())));
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->token_ids, ref.greedy);
+  }
+}
+
+// Shards that take 3 tokens per call: the worker's prefill chunks and
+// batched decode steps (more tokens) go as several calls and give the same
+// tokens, alone and with concurrent clients.
+TEST(Serving, BatchesOverTheShardsMaxTokensGoAsSeveralCalls) {
+  const std::string dir = testing::FixturesDir() + "/deepseek_v3_tiny";
+  const Reference ref = LoadReference(dir);
+  ASSERT_GT(ref.prompt.size(), 3u);
+  for (const char* transport : {"shm", "grpc"}) {
+    SCOPED_TRACE(transport);
+    Pair pair;
+    ASSERT_TRUE(pair.Start(dir, 2, "tp", transport, {}, {"--max-tokens=3"}));
+    const auto req = IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size()));
+    std::vector<std::vector<int32_t>> got(6);
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < got.size(); ++i)
+      threads.emplace_back([&, i] {
+        auto r = pair.client().Generate(req);
+        if (r.ok())
+          got[i] = r->token_ids;
+        else
+          ADD_FAILURE() << r.status();
+      });
+    for (auto& t : threads) t.join();
+    for (const auto& g : got) EXPECT_EQ(g, ref.greedy);
   }
 }
 

@@ -274,5 +274,153 @@ TEST_F(EngineTest, StopStringsTruncateText) {
   EXPECT_EQ(d.ids.back(), (*greedy_)[3]);
 }
 
+// The fixture model behind a wrapper that records each pass's steps, can
+// hold the first pass until Release() (so requests submitted meanwhile are
+// admitted together), and fails a pass holding a step that starts with
+// `poison` (a prompt chunk) with `poison_status`.
+class InstrumentedModel final : public Model {
+ public:
+  explicit InstrumentedModel(const Model* inner) : inner_(inner) {}
+  const ModelConfig& config() const override { return inner_->config(); }
+  const ModelOptions& options() const override { return inner_->options(); }
+  std::unique_ptr<Sequence> NewSequence() const override { return inner_->NewSequence(); }
+  absl::Status ForwardBatch(absl::Span<const ForwardStep> steps) const override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      passes_.push_back(static_cast<int>(steps.size()));
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return !hold_; });
+    }
+    for (const ForwardStep& st : steps)
+      if (!poison.empty() && st.tokens.size() >= poison.size() &&
+          std::equal(poison.begin(), poison.end(), st.tokens.begin()))
+        return poison_status;
+    return inner_->ForwardBatch(steps);
+  }
+  void Hold() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_ = true;
+  }
+  bool WaitForPasses(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(60), [&] { return passes_.size() >= n; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_ = false;
+    cv_.notify_all();
+  }
+  std::vector<int> passes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return passes_;
+  }
+  std::vector<int32_t> poison;  // set before the engine runs
+  absl::Status poison_status;
+
+ private:
+  const Model* inner_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  mutable std::vector<int> passes_;  // steps per ForwardBatch call
+  bool hold_ = false;
+};
+
+GenerateRequest Short(int i, int max_tokens) {
+  GenerateRequest r;
+  r.prompt = {static_cast<int32_t>(3 + i), static_cast<int32_t>(100 + 7 * i),
+              static_cast<int32_t>(40 + i)};
+  r.max_tokens = max_tokens;
+  r.ignore_eos = true;
+  return r;
+}
+
+// Every running request decodes in the same forward pass as the others and
+// the prefill chunk: 8 requests of 6 tokens take 13 passes, not 48, and
+// get what each gets alone.
+TEST_F(EngineTest, AllRunningRequestsShareOneForwardPassPerStep) {
+  const int n = 8, max_tokens = 6;
+  std::vector<std::vector<int32_t>> solo(n);
+  {
+    auto engine = Make();
+    for (int i = 0; i < n; ++i) {
+      Collector c;
+      ASSERT_TRUE(engine->Submit(Short(i, max_tokens), c.Callback()).ok());
+      ASSERT_TRUE(c.Wait());
+      solo[i] = c.ids;
+    }
+  }
+  InstrumentedModel model(model_);
+  auto engine = Engine::Create(&model, nullptr, {});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<Collector> cs(n);
+  model.Hold();
+  ASSERT_TRUE((*engine)->Submit(Short(0, max_tokens), cs[0].Callback()).ok());
+  ASSERT_TRUE(model.WaitForPasses(1));  // the first prefill, held
+  for (int i = 1; i < n; ++i)
+    ASSERT_TRUE((*engine)->Submit(Short(i, max_tokens), cs[i].Callback()).ok());
+  model.Release();
+  for (int i = 0; i < n; ++i) {
+    ASSERT_TRUE(cs[i].Wait());
+    EXPECT_EQ(cs[i].ids, solo[i]) << i;
+  }
+  const std::vector<int> passes = model.passes();
+  int steps = 0, widest = 0;
+  for (int p : passes) {
+    steps += p;
+    widest = std::max(widest, p);
+  }
+  // One prefill step and max_tokens - 1 decode steps per request; the first
+  // request's prefill alone, then one prefill per pass with every decode.
+  EXPECT_EQ(steps, n * max_tokens);
+  EXPECT_EQ(static_cast<int>(passes.size()), n + max_tokens - 1);
+  EXPECT_EQ(widest, max_tokens);  // a prefill and the 5 requests not yet done
+}
+
+// A pass that fails for one request's reason (INVALID_ARGUMENT) fails only
+// that request; one that fails for everyone's (UNAVAILABLE) fails every
+// request in it and no other.
+TEST_F(EngineTest, AFailedPassFailsOnlyTheRequestsItConcerns) {
+  std::vector<std::vector<int32_t>> solo(3);
+  {
+    auto engine = Make();
+    for (int i : {0, 2}) {
+      Collector c;
+      ASSERT_TRUE(engine->Submit(Short(i, 5), c.Callback()).ok());
+      ASSERT_TRUE(c.Wait());
+      solo[i] = c.ids;
+    }
+  }
+  for (const absl::Status& st : {absl::InvalidArgumentError("poisoned prompt"),
+                                 absl::UnavailableError("expert service down")}) {
+    SCOPED_TRACE(st.ToString());
+    InstrumentedModel model(model_);
+    model.poison = Short(1, 5).prompt;
+    model.poison_status = st;
+    auto engine = Engine::Create(&model, nullptr, {});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    std::vector<Collector> cs(3);
+    model.Hold();
+    ASSERT_TRUE((*engine)->Submit(Short(0, 5), cs[0].Callback()).ok());
+    ASSERT_TRUE(model.WaitForPasses(1));
+    for (int i : {1, 2}) ASSERT_TRUE((*engine)->Submit(Short(i, 5), cs[i].Callback()).ok());
+    model.Release();
+    for (auto& c : cs) ASSERT_TRUE(c.Wait());
+    // Request 1's prefill shares its pass with request 0's first decode.
+    EXPECT_EQ(cs[1].final_event.finish, FinishReason::kError);
+    EXPECT_EQ(cs[1].final_event.status, st);
+    if (absl::IsInvalidArgument(st)) {
+      EXPECT_EQ(cs[0].final_event.finish, FinishReason::kLength);
+      EXPECT_EQ(cs[0].ids, solo[0]);
+    } else {
+      EXPECT_EQ(cs[0].final_event.finish, FinishReason::kError);
+      EXPECT_EQ(cs[0].final_event.status, st);
+      EXPECT_EQ(cs[0].ids.size(), 1u);  // sampled after its prefill, before the failed pass
+    }
+    EXPECT_EQ(cs[2].final_event.finish, FinishReason::kLength);
+    EXPECT_EQ(cs[2].ids, solo[2]);
+    EXPECT_EQ((*engine)->stats().kv_blocks_used, 0);
+  }
+}
+
 }  // namespace
 }  // namespace hmoe

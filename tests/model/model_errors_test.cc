@@ -112,33 +112,58 @@ TEST(ModelErrors, MisshapedTensorIsNamed) {
   EXPECT_THAT(std::string(m.status().message()), HasSubstr(o));
 }
 
-// Forwards to another RoutedExperts, or fails with UNAVAILABLE.
+// Forwards to another RoutedExperts, or fails with UNAVAILABLE (always, or
+// from the call after `fail_after` more calls); records each call's tokens.
 class FlakyExperts : public RoutedExperts {
  public:
   explicit FlakyExperts(RoutedExperts* inner) : inner_(inner) {}
   absl::Status Forward(const ExpertBatch& b, float* out) override {
     ++calls;
-    if (fail) return absl::UnavailableError("expert service down");
+    tokens.push_back(b.num_tokens);
+    if (fail || fail_after == 0) return absl::UnavailableError("expert service down");
+    if (fail_after > 0) --fail_after;
     return inner_->Forward(b, out);
   }
   bool fail = false;
+  int fail_after = -1;  // < 0: never
   int calls = 0;
+  std::vector<int64_t> tokens;
 
  private:
   RoutedExperts* inner_;
 };
 
+// A fixture model twice: `base` with its own experts, `m` with the same
+// reference experts behind `flaky`.
+struct FlakyRig {
+  explicit FlakyRig(const std::string& dir) {
+    base = LoadOrDie(dir);
+    auto c = Checkpoint::Open(dir);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!base || !c.ok()) return;
+    ckpt = std::move(*c);
+    auto r = MakeReferenceRoutedExperts(base->config(), *ckpt, 1);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return;
+    ref = std::move(*r);
+    flaky = std::make_unique<FlakyExperts>(ref.get());
+    m = LoadOrDie(dir, {}, flaky.get());
+  }
+  bool ok() const { return m != nullptr; }
+  std::unique_ptr<Model> base;
+  std::unique_ptr<Checkpoint> ckpt;
+  std::unique_ptr<RoutedExperts> ref;
+  std::unique_ptr<FlakyExperts> flaky;
+  std::unique_ptr<Model> m;
+};
+
 TEST(ModelErrors, ExpertFailureLeavesSequenceIntactAndExternalExpertsMatch) {
-  const std::string dir = Fixture("deepseek_v2_tiny");
-  auto base = LoadOrDie(dir);
-  ASSERT_TRUE(base);
-  auto ckpt = Checkpoint::Open(dir);
-  ASSERT_TRUE(ckpt.ok());
-  auto ref = MakeReferenceRoutedExperts(base->config(), **ckpt, 1);
-  ASSERT_TRUE(ref.ok()) << ref.status();
-  FlakyExperts flaky(ref->get());
-  auto m = LoadOrDie(dir, {}, &flaky);
-  ASSERT_TRUE(m);
+  FlakyRig rig(Fixture("deepseek_v2_tiny"));
+  ASSERT_TRUE(rig.ok());
+  auto& base = rig.base;
+  auto& m = rig.m;
+  auto& ref = rig.ref;
+  FlakyExperts& flaky = *rig.flaky;
 
   auto seq = m->NewSequence();
   ASSERT_TRUE(m->Prefill(*seq, absl::MakeConstSpan(kPrompt).subspan(0, 4)).ok());
@@ -163,7 +188,7 @@ TEST(ModelErrors, ExpertFailureLeavesSequenceIntactAndExternalExpertsMatch) {
   b.hidden_size = base->config().hidden_size;
   b.top_k = 1;
   std::vector<float> out(1);
-  EXPECT_EQ((*ref)->Forward(b, out.data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ref->Forward(b, out.data()).code(), absl::StatusCode::kInvalidArgument);
   b.layer = 1;
   const int32_t id = 99;
   const float w = 1.0f;
@@ -173,10 +198,70 @@ TEST(ModelErrors, ExpertFailureLeavesSequenceIntactAndExternalExpertsMatch) {
   b.hidden = h.data();
   b.expert_ids = &id;
   b.weights = &w;
-  auto ticket = (*ref)->Submit(b, out.data());
+  auto ticket = ref->Submit(b, out.data());
   ASSERT_TRUE(ticket.ok());
-  EXPECT_THAT(std::string((*ref)->Wait(*ticket).message()), HasSubstr("expert id 99"));
-  EXPECT_EQ((*ref)->Wait(*ticket).code(), absl::StatusCode::kInvalidArgument);  // already waited
+  EXPECT_THAT(std::string(ref->Wait(*ticket).message()), HasSubstr("expert id 99"));
+  EXPECT_EQ(ref->Wait(*ticket).code(), absl::StatusCode::kInvalidArgument);  // already waited
+}
+
+// ForwardBatch: one expert call per MoE layer for all the steps' tokens;
+// a bad step is named; a failure anywhere, also after some layers' caches
+// were written, leaves every Sequence as it was.
+TEST(ModelErrors, ForwardBatchIsOneExpertCallPerLayerAndAllOrNothing) {
+  FlakyRig rig(Fixture("deepseek_v3_tiny"));
+  ASSERT_TRUE(rig.ok());
+  auto& base = rig.base;
+  auto& m = rig.m;
+  FlakyExperts& flaky = *rig.flaky;
+  int moe_layers = 0;
+  for (const auto& l : m->config().layers) moe_layers += l.moe ? 1 : 0;
+  ASSERT_GE(moe_layers, 2);
+  const int64_t V = m->config().vocab_size;
+
+  auto s1 = m->NewSequence();
+  auto s2 = m->NewSequence();
+  ASSERT_TRUE(m->Prefill(*s1, absl::MakeConstSpan(kPrompt).subspan(0, 4)).ok());
+  const std::vector<int32_t> one = {kPrompt[4]}, three = {kPrompt[0], kPrompt[1], kPrompt[2]};
+  const std::vector<int32_t> bad = {kPrompt[0], static_cast<int32_t>(V)};
+  std::vector<float> l1, l2;
+  auto expect_refused = [&](std::vector<ForwardStep> steps, const std::string& needle) {
+    absl::Status st = m->ForwardBatch(steps);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(needle));
+    EXPECT_EQ(s1->length(), 4);
+    EXPECT_EQ(s2->length(), 0);
+  };
+  expect_refused({{s1.get(), one, LogitsMode::kLast, &l1}, {s2.get(), bad, LogitsMode::kLast, &l2}},
+                 absl::StrCat("step 1: token id ", V, " at index 1"));
+  expect_refused({{s1.get(), one, LogitsMode::kLast, &l1}, {s1.get(), one, LogitsMode::kLast, &l2}},
+                 "step 1: ForwardBatch: the Sequence of step 0 appears again");
+  expect_refused({{s1.get(), one, LogitsMode::kLast, nullptr}}, "no logits output");
+  expect_refused({}, "no steps");
+  EXPECT_EQ(flaky.calls, 1 * moe_layers);  // only the first Prefill reached the experts
+
+  // Fails in the second MoE layer: the first layers' caches were written.
+  flaky.tokens.clear();
+  flaky.fail_after = 1;
+  const std::vector<ForwardStep> steps = {{s1.get(), one, LogitsMode::kLast, &l1},
+                                          {s2.get(), three, LogitsMode::kAll, &l2}};
+  absl::Status st = m->ForwardBatch(steps);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  EXPECT_EQ(s1->length(), 4);
+  EXPECT_EQ(s2->length(), 0);
+  flaky.fail_after = -1;
+  flaky.tokens.clear();
+  ASSERT_TRUE(m->ForwardBatch(steps).ok());
+  EXPECT_EQ(flaky.tokens, std::vector<int64_t>(static_cast<size_t>(moe_layers), 4));
+  EXPECT_EQ(s1->length(), 5);
+  EXPECT_EQ(s2->length(), 3);
+
+  auto b1 = base->NewSequence();
+  auto b2 = base->NewSequence();
+  auto want1 = base->Prefill(*b1, absl::MakeConstSpan(kPrompt).subspan(0, 5), LogitsMode::kLast);
+  auto want2 = base->Prefill(*b2, three, LogitsMode::kAll);
+  ASSERT_TRUE(want1.ok() && want2.ok());
+  EXPECT_EQ(l1, *want1);
+  EXPECT_EQ(l2, *want2);
 }
 
 // An fp8 checkpoint (block-scaled e4m3 + F32 scale_inv, 16x16 blocks) gives

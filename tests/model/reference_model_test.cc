@@ -118,6 +118,57 @@ TEST_P(FixtureTest, IncrementalEqualsFullRecompute) {
   RecordProperty("incremental_vs_full_rel_err", std::to_string(err));
 }
 
+// Sequences holding the first `lens[i]` tokens of `all`, made by Prefill.
+std::vector<std::unique_ptr<Sequence>> WithHistories(const Model& model,
+                                                     const std::vector<int32_t>& all,
+                                                     const std::vector<int64_t>& lens) {
+  std::vector<std::unique_ptr<Sequence>> out;
+  for (int64_t n : lens) {
+    out.push_back(model.NewSequence());
+    if (n > 0) {
+      auto p = model.Prefill(*out.back(), absl::MakeConstSpan(all).subspan(0, n));
+      EXPECT_TRUE(p.ok()) << p.status();
+    }
+  }
+  return out;
+}
+
+// Three sequences at different points (a whole prompt from nothing with every
+// row's logits, a chunk in the middle, one decode token), in one batch, get
+// exactly what each gets alone, and their caches continue alike.
+TEST_P(FixtureTest, ForwardBatchEqualsEachStepAlone) {
+  const std::string name = GetParam();
+  const Model& model = GetModel(name);
+  const ReferenceOutputs ref = LoadReference(ModelFixturesRoot() + "/" + name);
+  std::vector<int32_t> all = ref.prompt;
+  all.insert(all.end(), ref.greedy.begin(), ref.greedy.end());
+  const int64_t P = static_cast<int64_t>(ref.prompt.size());
+  ASSERT_GE(P, 4);
+  // Histories and the tokens each step appends.
+  const std::vector<int64_t> lens = {P, 0, 2};
+  const std::vector<std::pair<int64_t, int64_t>> spans = {{P, 1}, {0, P}, {2, P - 2}};
+  const std::vector<LogitsMode> modes = {LogitsMode::kLast, LogitsMode::kAll, LogitsMode::kLast};
+  auto alone = WithHistories(model, all, lens);
+  auto batched = WithHistories(model, all, lens);
+  std::vector<std::vector<float>> want(3), got(3);
+  std::vector<ForwardStep> steps;
+  for (size_t i = 0; i < 3; ++i) {
+    const auto tokens = absl::MakeConstSpan(all).subspan(static_cast<size_t>(spans[i].first),
+                                                         static_cast<size_t>(spans[i].second));
+    ASSERT_TRUE(model.Forward(*alone[i], tokens, modes[i], &want[i]).ok());
+    steps.push_back({batched[i].get(), tokens, modes[i], &got[i]});
+  }
+  ASSERT_TRUE(model.ForwardBatch(steps).ok());
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(batched[i]->length(), alone[i]->length()) << i;
+    EXPECT_EQ(got[i], want[i]) << name << ": step " << i;
+    auto a = model.Decode(*alone[i], all[static_cast<size_t>(alone[i]->length())]);
+    auto b = model.Decode(*batched[i], all[static_cast<size_t>(batched[i]->length())]);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(*b, *a) << name << ": the decode after step " << i;
+  }
+}
+
 std::string ParamName(const ::testing::TestParamInfo<std::string>& info) {
   std::string s = info.param;
   for (char& c : s)
