@@ -288,13 +288,18 @@ absl::Status CpuModel::FeedForward(int l, const float* h, int64_t T, float* out)
   b.top_k = static_cast<int>(K);
   b.expert_ids = ids.data();
   b.weights = weights.data();
-  RETURN_IF_ERROR(
-      Annotate(experts_->Forward(b, out), absl::StrCat("layer ", l, " routed experts")));
+  // The routed experts run (remote ones: on the expert service) while this
+  // thread computes the shared experts.
+  const std::string where = absl::StrCat("layer ", l, " routed experts");
+  auto ticket = experts_->Submit(b, out);
+  if (!ticket.ok()) return Annotate(ticket.status(), where);
+  std::vector<float> sh;
   if (L.has_shared) {
-    std::vector<float> sh(static_cast<size_t>(T * H));
+    sh.resize(static_cast<size_t>(T * H));
     RunMlp(L.shared, h, T, sh.data());
-    for (size_t i = 0; i < sh.size(); ++i) out[i] += sh[i];
   }
+  RETURN_IF_ERROR(Annotate(experts_->Wait(*ticket), where));
+  for (size_t i = 0; i < sh.size(); ++i) out[i] += sh[i];
   return absl::OkStatus();
 }
 

@@ -3,6 +3,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
@@ -202,6 +204,60 @@ TEST(ModelErrors, ExpertFailureLeavesSequenceIntactAndExternalExpertsMatch) {
   ASSERT_TRUE(ticket.ok());
   EXPECT_THAT(std::string(ref->Wait(*ticket).message()), HasSubstr("expert id 99"));
   EXPECT_EQ(ref->Wait(*ticket).code(), absl::StatusCode::kInvalidArgument);  // already waited
+}
+
+// Only the asynchronous pair: Submit starts the inner Forward on a thread,
+// Wait joins it (or fails, with `fail_wait`). Forward itself is an error.
+class AsyncOnlyExperts : public RoutedExperts {
+ public:
+  explicit AsyncOnlyExperts(RoutedExperts* inner) : inner_(inner) {}
+  absl::Status Forward(const ExpertBatch&, float*) override {
+    return absl::InternalError("the model must use Submit / Wait");
+  }
+  absl::StatusOr<uint64_t> Submit(const ExpertBatch& b, float* out) override {
+    const uint64_t t = next_++;
+    running_[t] =
+        std::async(std::launch::async, [this, b, out] { return inner_->Forward(b, out); });
+    return t;
+  }
+  absl::Status Wait(uint64_t t) override {
+    auto it = running_.find(t);
+    if (it == running_.end()) return absl::InvalidArgumentError("unknown ticket");
+    absl::Status st = it->second.get();
+    running_.erase(it);
+    ++waits;
+    return fail_wait ? absl::UnavailableError("answer lost") : st;
+  }
+  bool fail_wait = false;
+  int waits = 0;
+
+ private:
+  RoutedExperts* inner_;
+  uint64_t next_ = 1;
+  std::map<uint64_t, std::future<absl::Status>> running_;
+};
+
+// The model submits each layer's routed experts and computes the shared
+// experts before it waits; a failed Wait is the layer's failure.
+TEST(ModelErrors, RoutedExpertsAreSubmittedAndWaitedOn) {
+  FlakyRig rig(Fixture("deepseek_v3_tiny"));
+  ASSERT_TRUE(rig.ok());
+  AsyncOnlyExperts async(rig.ref.get());
+  auto m = LoadOrDie(Fixture("deepseek_v3_tiny"), {}, &async);
+  ASSERT_TRUE(m);
+  auto seq = m->NewSequence();
+  auto bseq = rig.base->NewSequence();
+  auto got = m->Prefill(*seq, kPrompt);
+  auto want = rig.base->Prefill(*bseq, kPrompt);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_TRUE(want.ok());
+  EXPECT_EQ(*got, *want);
+  EXPECT_GT(async.waits, 0);
+  async.fail_wait = true;
+  auto r = m->Decode(*seq, 5);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("routed experts: answer lost"));
+  EXPECT_EQ(seq->length(), static_cast<int64_t>(kPrompt.size()));
 }
 
 // ForwardBatch: one expert call per MoE layer for all the steps' tokens;
