@@ -36,8 +36,8 @@ TEST(ThreadPool, CoversEveryIndexOnceAndNestsInline) {
   }
 }
 
-TEST(Ops, LinearBf16MatchesF32AndIgnoresBatching) {
-  const int64_t T = 5, K = 37, N = 300;
+void LinearCase(int64_t T, int64_t K) {
+  const int64_t N = 300;
   std::vector<float> x = Random(T * K, 1), wf = Random(N * K, 2), bias = Random(N, 3);
   std::vector<uint16_t> wb(wf.size());
   for (size_t i = 0; i < wf.size(); ++i) {
@@ -58,6 +58,16 @@ TEST(Ops, LinearBf16MatchesF32AndIgnoresBatching) {
       for (int64_t k = 0; k < K; ++k) ref += double(x[t * K + k]) * wf[n * K + k];
       EXPECT_NEAR(yf[t * N + n], ref, 1e-4);
     }
+  }
+}
+
+// Every batch size (and K with or without a tail) gives each row the bits
+// it gets alone: ForwardBatch relies on it.
+TEST(Ops, LinearBf16MatchesF32AndIgnoresBatching) {
+  for (const auto& [T, K] : std::vector<std::pair<int64_t, int64_t>>{
+           {5, 37}, {1, 37}, {4, 64}, {9, 64}, {13, 7}, {8, 129}}) {
+    SCOPED_TRACE(::testing::Message() << "T " << T << " K " << K);
+    LinearCase(T, K);
   }
 }
 
