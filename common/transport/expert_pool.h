@@ -48,6 +48,10 @@ class ExpertPool {
   // The model's expert geometry (shard-independent fields of ShardInfo).
   const ShardInfo& model() const { return model_; }
   int num_shards() const { return static_cast<int>(shards_.size()); }
+  // Calls that may be in flight at once (submitted, not yet waited on)
+  // before a shard refuses more: the shm slots; 0 when the transport sets
+  // no such limit.
+  int max_in_flight() const { return max_in_flight_; }
   SplitMode split() const { return model_.split; }
 
   // Validates `call` (INVALID_ARGUMENT naming the field), sends it to the
@@ -101,6 +105,7 @@ class ExpertPool {
 
   ShardInfo model_;
   absl::Duration fail_fast_after_miss_;
+  int max_in_flight_ = 0;
   std::vector<Shard> shards_;  // by shard index
   mutable std::mutex mu_;
   uint64_t next_ = 1;

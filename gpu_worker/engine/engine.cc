@@ -282,12 +282,15 @@ void Engine::Step() {
     int64_t prefill;  // prompt tokens in this step; 0: one decode token
   };
   std::vector<Entry> entries;
-  // The oldest request still prefilling gives one chunk.
+  // Prompt chunks, oldest request first, up to prefill_chunk tokens in all.
+  int64_t budget = options_.prefill_chunk;
   for (auto& r : running_) {
     const int64_t P = static_cast<int64_t>(r->req.prompt.size());
+    if (budget == 0) break;
     if (r->done || r->prefilled >= P) continue;
-    entries.push_back({r.get(), std::min(options_.prefill_chunk, P - r->prefilled)});
-    break;
+    const int64_t n = std::min(budget, P - r->prefilled);
+    entries.push_back({r.get(), n});
+    budget -= n;
   }
   // Every request with a sampled token not yet in its cache gives that token.
   for (auto& r : running_)

@@ -5,9 +5,10 @@
 // One scheduler thread owns all model calls. Each step it (1) retires
 // cancelled / expired requests, (2) admits waiting requests while KV blocks
 // and batch slots allow, (3) runs one Model::ForwardBatch over at most
-// `prefill_chunk` prompt tokens (one chunk of the oldest prefilling request,
-// so a long prompt never stalls the running ones for long) and one token of
-// every other running request (the token sampled after its last pass), and
+// `prefill_chunk` prompt tokens (chunks of the prefilling requests, oldest
+// first, so a long prompt never stalls the running ones for long and short
+// prompts that arrive together start together) and one token of every
+// other running request (the token sampled after its last pass), and
 // (4) samples each request's next token from that pass. A batch that fails
 // for one request's reason (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 // OUT_OF_RANGE) is re-run step by step so only that request fails; any other
@@ -47,7 +48,7 @@ struct EngineOptions {
   int max_queue = 64;            // waiting requests; a full queue -> RESOURCE_EXHAUSTED
   int64_t kv_block_tokens = 16;  // tokens per KV block
   int64_t kv_blocks = 0;         // total blocks; 0: max_batch * max_seq_len / kv_block_tokens
-  int64_t prefill_chunk = 64;    // prompt tokens per scheduler step
+  int64_t prefill_chunk = 64;    // prompt tokens per scheduler step, all requests together
   uint64_t seed = 0x9e3779b97f4a7c15ull;  // base for requests without a seed
 };
 

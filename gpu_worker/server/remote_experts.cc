@@ -47,36 +47,45 @@ absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> PoolRoutedExperts::Create(
   return std::unique_ptr<PoolRoutedExperts>(new PoolRoutedExperts(c, pool, call_timeout));
 }
 
+void PoolRoutedExperts::SubmitMore(Pending& p) {
+  const int window = pool_->max_in_flight() > 0 ? pool_->max_in_flight() : 64;
+  const ExpertBatch& b = p.batch;
+  while (p.first.ok() && p.next < b.num_tokens && static_cast<int>(p.handles.size()) < window) {
+    const int64_t t0 = p.next, n = std::min(p.piece, b.num_tokens - t0);
+    const MoeCall call = MoeCall::Make(b.layer, static_cast<int32_t>(n), b.top_k, b.hidden_size,
+                                       p.hidden.data() + t0 * b.hidden_size,
+                                       b.expert_ids + t0 * b.top_k, b.weights + t0 * b.top_k);
+    auto submitted = pool_->Submit(call, p.out + t0 * b.hidden_size, p.deadline);
+    if (!submitted.ok()) {
+      p.first = submitted.status();
+      break;
+    }
+    p.handles.push_back(*submitted);
+    p.next = t0 + n;
+  }
+}
+
 absl::StatusOr<uint64_t> PoolRoutedExperts::Submit(const ExpertBatch& b, float* out) {
   RETURN_IF_ERROR(ValidateExpertBatch(config_, b));
-  // bf16 copy for the wire; the transport has consumed it when Submit returns.
-  std::vector<uint16_t> hidden(static_cast<size_t>(b.num_tokens * b.hidden_size));
-  for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = F32ToBf16(b.hidden[i]);
+  auto p = std::make_unique<Pending>();
+  // bf16 copy for the wire, kept until the last piece is submitted.
+  p->hidden.resize(static_cast<size_t>(b.num_tokens * b.hidden_size));
+  for (size_t i = 0; i < p->hidden.size(); ++i) p->hidden[i] = F32ToBf16(b.hidden[i]);
+  p->batch = b;
+  p->out = out;
+  p->piece = std::max<int64_t>(1, pool_->model().max_tokens);
   // The call's deadline starts before Submit: a reconnect inside it counts.
-  const absl::Time deadline = absl::Now() + timeout_;
-  // A batch over the shards' max_tokens goes as several calls, in order.
-  const int64_t piece = std::max<int64_t>(1, pool_->model().max_tokens);
-  std::vector<uint64_t> handles;
-  for (int64_t t0 = 0; t0 < b.num_tokens; t0 += piece) {
-    const int64_t n = std::min(piece, b.num_tokens - t0);
-    const MoeCall call = MoeCall::Make(b.layer, static_cast<int32_t>(n), b.top_k, b.hidden_size,
-                                       hidden.data() + t0 * b.hidden_size,
-                                       b.expert_ids + t0 * b.top_k, b.weights + t0 * b.top_k);
-    auto submitted = pool_->Submit(call, out + t0 * b.hidden_size, deadline);
-    if (!submitted.ok()) {
-      for (uint64_t h : handles) pool_->Wait(h, deadline).IgnoreError();
-      return ExpertFailure(submitted.status());
-    }
-    handles.push_back(*submitted);
-  }
+  p->deadline = absl::Now() + timeout_;
+  SubmitMore(*p);
+  if (p->handles.empty() && !p->first.ok()) return ExpertFailure(p->first);
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t ticket = next_ticket_++;
-  pending_[ticket] = Pending{std::move(handles), deadline};
+  pending_[ticket] = std::move(p);
   return ticket;
 }
 
 absl::Status PoolRoutedExperts::Wait(uint64_t ticket) {
-  Pending p;
+  std::unique_ptr<Pending> p;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(ticket);
@@ -85,12 +94,15 @@ absl::Status PoolRoutedExperts::Wait(uint64_t ticket) {
     p = std::move(it->second);
     pending_.erase(it);
   }
-  absl::Status first;
-  for (uint64_t h : p.handles) {
-    absl::Status st = pool_->Wait(h, p.deadline);
-    if (first.ok()) first = st;
+  // Oldest piece first; each one waited on frees room for the next piece.
+  while (!p->handles.empty()) {
+    const uint64_t h = p->handles.front();
+    p->handles.pop_front();
+    absl::Status st = pool_->Wait(h, p->deadline);
+    if (p->first.ok()) p->first = st;
+    SubmitMore(*p);
   }
-  return ExpertFailure(first);
+  return ExpertFailure(p->first);
 }
 
 absl::Status PoolRoutedExperts::Forward(const ExpertBatch& b, float* out) {

@@ -3,6 +3,7 @@
 // on the way out (the wire format); results are the shards' f32 sums.
 #pragma once
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -37,13 +38,23 @@ class PoolRoutedExperts final : public RoutedExperts {
   const ModelConfig& config_;
   ExpertPool* pool_;
   absl::Duration timeout_;
+  // One Submit's calls: pieces of at most `piece` tokens, at most the
+  // pool's max_in_flight() submitted at a time (the rest as earlier ones
+  // are waited on).
   struct Pending {
-    std::vector<uint64_t> handles;  // the pool's calls, in token order
+    ExpertBatch batch;  // the caller's pointers, valid until Wait returns
+    float* out = nullptr;
+    std::vector<uint16_t> hidden;  // batch.hidden as bf16
+    int64_t piece = 1;
+    int64_t next = 0;              // first token not yet submitted
+    std::deque<uint64_t> handles;  // the pool's calls in flight, oldest first
     absl::Time deadline;
+    absl::Status first;  // the first failure
   };
+  void SubmitMore(Pending& p);
   std::mutex mu_;
-  uint64_t next_ticket_ = 1;             // guarded by mu_
-  std::map<uint64_t, Pending> pending_;  // ticket -> its calls; guarded by mu_
+  uint64_t next_ticket_ = 1;                              // guarded by mu_
+  std::map<uint64_t, std::unique_ptr<Pending>> pending_;  // guarded by mu_
 };
 
 }  // namespace hmoe

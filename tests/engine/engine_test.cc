@@ -335,8 +335,8 @@ GenerateRequest Short(int i, int max_tokens) {
 }
 
 // Every running request decodes in the same forward pass as the others and
-// the prefill chunk: 8 requests of 6 tokens take 13 passes, not 48, and
-// get what each gets alone.
+// the prompt chunks: 8 requests of 6 tokens take 7 passes, not 48, and get
+// what each gets alone.
 TEST_F(EngineTest, AllRunningRequestsShareOneForwardPassPerStep) {
   const int n = 8, max_tokens = 6;
   std::vector<std::vector<int32_t>> solo(n);
@@ -370,10 +370,11 @@ TEST_F(EngineTest, AllRunningRequestsShareOneForwardPassPerStep) {
     widest = std::max(widest, p);
   }
   // One prefill step and max_tokens - 1 decode steps per request; the first
-  // request's prefill alone, then one prefill per pass with every decode.
+  // request's prefill alone (held), then the other 7 prompts (21 tokens, one
+  // prefill_chunk) with its first decode, then decodes together.
   EXPECT_EQ(steps, n * max_tokens);
-  EXPECT_EQ(static_cast<int>(passes.size()), n + max_tokens - 1);
-  EXPECT_EQ(widest, max_tokens);  // a prefill and the 5 requests not yet done
+  EXPECT_EQ(static_cast<int>(passes.size()), 1 + max_tokens);
+  EXPECT_EQ(widest, n);
 }
 
 // A pass that fails for one request's reason (INVALID_ARGUMENT) fails only
@@ -396,7 +397,9 @@ TEST_F(EngineTest, AFailedPassFailsOnlyTheRequestsItConcerns) {
     InstrumentedModel model(model_);
     model.poison = Short(1, 5).prompt;
     model.poison_status = st;
-    auto engine = Engine::Create(&model, nullptr, {});
+    EngineOptions o;
+    o.prefill_chunk = 3;  // one 3-token prompt per pass: request 2 comes a pass later
+    auto engine = Engine::Create(&model, nullptr, o);
     ASSERT_TRUE(engine.ok()) << engine.status();
     std::vector<Collector> cs(3);
     model.Hold();
