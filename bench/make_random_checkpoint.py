@@ -7,8 +7,10 @@ dependency of the product).
   bench/make_random_checkpoint.py OUT_DIR [--hidden 2048] [--moe-inter 1024]
       [--experts 64] [--top-k 4] [--layers 4] [--dense-layers 1] [--vocab 3072]
 
-Weights are one 64 KiB block of random bf16 values (|x| in [2^-9, 2^-6))
-repeated; norms are 1, the router's correction bias 0.
+Weights come from one 2 MiB block of random bf16 values (|x| in [2^-9,
+2^-5)), each tensor starting at its own random offset and wrapping around,
+so experts and router rows differ (routing spreads as in a real model);
+norms are 1, the router's correction bias 0.
 """
 import argparse
 import json
@@ -18,13 +20,11 @@ import shutil
 import struct
 
 
-def random_block(seed):
+def random_block(seed, values):
     rng = random.Random(seed)
-    out = bytearray()
-    for _ in range(32768):
-        bits = (rng.getrandbits(1) << 15) | (rng.randint(118, 121) << 7) | rng.getrandbits(7)
-        out += struct.pack("<H", bits)
-    return bytes(out)
+    bits = [(rng.getrandbits(1) << 15) | (rng.randint(118, 121) << 7) | rng.getrandbits(7)
+            for _ in range(values)]
+    return struct.pack(f"<{values}H", *bits)
 
 
 def main():
@@ -103,7 +103,8 @@ def main():
         off += size
     blob = json.dumps(header).encode()
     blob += b" " * ((8 - len(blob) % 8) % 8)
-    block = random_block(1)
+    block = random_block(1, 1 << 20)
+    offsets = random.Random(2)
     with open(os.path.join(a.out, "model.safetensors"), "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
@@ -114,10 +115,12 @@ def main():
             elif kind == "one":
                 f.write(struct.pack("<H", 0x3F80) * (size // 2))
             else:
+                at = 2 * offsets.randrange(len(block) // 2)
                 while size > 0:
-                    chunk = block[: min(size, len(block))]
+                    chunk = block[at : at + min(size, len(block) - at)]
                     f.write(chunk)
                     size -= len(chunk)
+                    at = 0
     print(f"{a.out}: {len(tensors)} tensors, {off / 1e9:.2f} GB")
 
 

@@ -16,7 +16,8 @@ shift
 bin=${BIN_DIR:-build/bin}
 tmp=$(mktemp -d)
 svc=
-trap '[ -n "$svc" ] && kill -TERM $svc 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
+w=
+trap 'kill -TERM $svc $w 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
 wait_port() {  # file pid log
   for _ in $(seq 6000); do
     [ -s "$1" ] && return 0
@@ -41,9 +42,11 @@ for rep in $(seq "${REPS:-2}"); do
     wait_port "$tmp/w.port" $w "$tmp/w.log"
     echo "== round $rep: $worker"
     "$bin/hmoe" bench-serve --server "127.0.0.1:$(cat "$tmp/w.port")" --clients "${CLIENTS:-16}" \
-      --requests "${REQUESTS:-32}" --max-tokens "${MAX_TOKENS:-16}" -p "A wise man once said" 2>/dev/null |
-      grep -E "completed|throughput|latency ms|first token|error"
+      --requests "${REQUESTS:-32}" --max-tokens "${MAX_TOKENS:-16}" -p "A wise man once said" \
+      2>"$tmp/bench.err" | grep -E "completed|throughput|latency ms|first token|error" ||
+      { echo "bench-serve printed no results:"; tr '\r' '\n' <"$tmp/bench.err" | tail -5; }
     kill -TERM $w
     wait $w || true
+    w=
   done
 done

@@ -103,8 +103,9 @@ class Model {
   // layer for the whole batch); attention reads each token's own Sequence.
   // Each step gets the logits Forward would give it alone, up to the
   // rounding of expert kernels that depend on the batch (the CPU reference
-  // with in-process experts: bit for bit). Errors are Forward's, prefixed
-  // "step i: " when there are several steps; a Sequence in two steps is
+  // with in-process experts: bit for bit). Errors are Forward's; a step's
+  // validation error (token id, capacity, foreign Sequence) is prefixed
+  // "step i: " when there are several steps, and a Sequence in two steps is
   // INVALID_ARGUMENT. All or nothing: on any error no Sequence changes.
   virtual absl::Status ForwardBatch(absl::Span<const ForwardStep> steps) const = 0;
 

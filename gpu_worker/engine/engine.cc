@@ -55,7 +55,8 @@ namespace {
 double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
 // Request-specific failures of a batch: the step is re-run alone to find
 // whose it was. Anything else (the expert service gone, ...) is every
-// step's failure.
+// step's failure. (RESOURCE_EXHAUSTED here is the model's own capacity
+// check: PoolRoutedExperts reports transport failures as UNAVAILABLE.)
 bool StepSpecific(const absl::Status& s) {
   return absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s) || absl::IsOutOfRange(s);
 }
@@ -332,10 +333,15 @@ void Engine::Step() {
     for (const Entry& e : entries) settle(e, status, ms);
     return;
   }
-  // A failed batch changed no Sequence: each step again on its own.
+  // A failed batch changed no Sequence: each step again on its own, until a
+  // step fails for everyone's reason (then the rest fail with it unrun).
   for (size_t i = 0; i < entries.size(); ++i) {
     auto [st, one_ms] = run(absl::MakeConstSpan(&steps[i], 1));
     settle(entries[i], st, one_ms);
+    if (!st.ok() && !StepSpecific(st)) {
+      for (size_t j = i + 1; j < entries.size(); ++j) settle(entries[j], st, 0);
+      return;
+    }
   }
 }
 

@@ -74,6 +74,10 @@ struct GenerateEvent {
   // Set on the final event.
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
+  // prefill_ms / decode_ms: wall time of the forward passes that carried
+  // this request's prompt chunks / generated tokens. A pass is shared by all
+  // running requests, so these include the others' work and sum to more
+  // than the wall time across requests.
   double queue_ms = 0, prefill_ms = 0, decode_ms = 0, time_to_first_token_ms = 0;
 };
 

@@ -40,7 +40,9 @@ class PoolRoutedExperts final : public RoutedExperts {
   absl::Duration timeout_;
   // One Submit's calls: pieces of at most `piece` tokens, at most the
   // pool's max_in_flight() submitted at a time (the rest as earlier ones
-  // are waited on).
+  // are waited on). The window is per ticket: it assumes one ticket in
+  // flight at a time, which is how the model calls (Submit, then Wait,
+  // layer by layer); overlapping tickets could together exceed the slots.
   struct Pending {
     ExpertBatch batch;  // the caller's pointers, valid until Wait returns
     float* out = nullptr;

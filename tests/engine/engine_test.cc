@@ -294,7 +294,7 @@ class InstrumentedModel final : public Model {
     for (const ForwardStep& st : steps)
       if (!poison.empty() && st.tokens.size() >= poison.size() &&
           std::equal(poison.begin(), poison.end(), st.tokens.begin()))
-        return poison_status;
+        return steps.size() == 1 && !poison_alone_status.ok() ? poison_alone_status : poison_status;
     return inner_->ForwardBatch(steps);
   }
   void Hold() {
@@ -316,6 +316,7 @@ class InstrumentedModel final : public Model {
   }
   std::vector<int32_t> poison;  // set before the engine runs
   absl::Status poison_status;
+  absl::Status poison_alone_status;  // when set: the poisoned step run alone
 
  private:
   const Model* inner_;
@@ -375,6 +376,58 @@ TEST_F(EngineTest, AllRunningRequestsShareOneForwardPassPerStep) {
   EXPECT_EQ(steps, n * max_tokens);
   EXPECT_EQ(static_cast<int>(passes.size()), 1 + max_tokens);
   EXPECT_EQ(widest, n);
+}
+
+// A pass fails for one request's reason, but re-run alone that step fails
+// for everyone's (the expert service went away meanwhile): the steps not yet
+// re-run fail with it instead of each waiting out its own failure.
+TEST_F(EngineTest, ARerunThatFailsForEveryoneEndsTheRerun) {
+  InstrumentedModel model(model_);
+  model.poison = Short(1, 5).prompt;
+  model.poison_status = absl::InvalidArgumentError("poisoned prompt");
+  model.poison_alone_status = absl::UnavailableError("expert service down");
+  EngineOptions o;
+  o.prefill_chunk = 3;
+  auto engine = Engine::Create(&model, nullptr, o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<Collector> cs(2);
+  model.Hold();
+  ASSERT_TRUE((*engine)->Submit(Short(0, 5), cs[0].Callback()).ok());
+  ASSERT_TRUE(model.WaitForPasses(1));
+  ASSERT_TRUE((*engine)->Submit(Short(1, 5), cs[1].Callback()).ok());
+  model.Release();
+  for (auto& c : cs) ASSERT_TRUE(c.Wait());
+  // Pass 2 = request 1's prompt + request 0's decode; re-run: request 1
+  // alone fails UNAVAILABLE, request 0 is not re-run.
+  EXPECT_EQ(model.passes(), (std::vector<int>{1, 2, 1}));
+  for (auto& c : cs) {
+    EXPECT_EQ(c.final_event.finish, FinishReason::kError);
+    EXPECT_EQ(c.final_event.status, model.poison_alone_status);
+  }
+  EXPECT_EQ((*engine)->stats().kv_blocks_used, 0);
+}
+
+// Cancelled while its next token is sampled and sent but not yet in the
+// cache: the request ends at the next step with that token, its blocks free,
+// and the token is never run.
+TEST_F(EngineTest, CancelWithATokenPendingEndsAtTheNextStep) {
+  InstrumentedModel model(model_);
+  auto engine = Engine::Create(&model, nullptr, {});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Collector c;
+  model.Hold();
+  auto id = (*engine)->Submit(Short(0, 10), c.Callback());
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(model.WaitForPasses(1));  // its prefill, held
+  (*engine)->Cancel(*id);
+  model.Release();
+  ASSERT_TRUE(c.Wait());
+  EXPECT_EQ(c.final_event.finish, FinishReason::kCancelled);
+  EXPECT_EQ(c.ids.size(), 1u);
+  EXPECT_EQ(c.final_event.completion_tokens, 1);
+  EXPECT_EQ(model.passes(), std::vector<int>{1});
+  EXPECT_EQ((*engine)->stats().kv_blocks_used, 0);
+  EXPECT_EQ((*engine)->stats().running, 0);
 }
 
 // A pass that fails for one request's reason (INVALID_ARGUMENT) fails only
