@@ -24,6 +24,13 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,
   if (options.max_seq_len < 0)
     return absl::InvalidArgumentError(
         absl::StrCat("ModelOptions.max_seq_len must be >= 0, got ", options.max_seq_len));
+  if (options.deferred_experts != 0 &&
+      (options.deferred_experts < 0 || config.moe.experts_per_token <= 0 ||
+       options.deferred_experts >= config.moe.experts_per_token))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ModelOptions.deferred_experts must be 0 or in [1, ", config.moe.experts_per_token - 1,
+        "] (experts_per_token ", config.moe.experts_per_token, " of ", config.model_type, "), got ",
+        options.deferred_experts));
   return cpu::CreateCpuModel(config, ckpt, options, experts);
 }
 

@@ -37,6 +37,14 @@ namespace hmoe {
 struct ModelOptions {
   int num_threads = 0;      // worker threads for the parallel loops; 0: hardware concurrency
   int64_t max_seq_len = 0;  // Sequence capacity in tokens; 0: config max_position_embeddings
+  // Expert Deferral: per token, the `deferred_experts` lowest-weighted routed
+  // experts of each MoE layer but the last layer are submitted as a second
+  // RoutedExperts call that is waited on only at the end of the next layer,
+  // where their sum joins the residual (one layer late): the expert service
+  // computes them while the next layer's attention runs. 0 (default): off,
+  // the exact model; otherwise in [1, experts_per_token - 1]. Changes the
+  // numbers (an approximation; bench/results has its perplexity cost).
+  int deferred_experts = 0;
 };
 
 // Per-request state: the tokens seen so far, as each layer's KV cache.

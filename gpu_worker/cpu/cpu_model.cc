@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <numeric>
 #include <thread>
 #include <vector>
 
@@ -91,6 +93,52 @@ struct TokenSlots {
   int64_t max_pos = 0;
 };
 
+// One MoE layer's deferred experts (ModelOptions::deferred_experts) from
+// their Submit to the Wait at the end of the next layer. Owns what the call
+// borrows; a call still pending at destruction (an error path) is waited on
+// and its result dropped, so no ticket is left behind.
+class DeferredCall {
+ public:
+  DeferredCall(RoutedExperts* experts, int layer) : experts_(experts), layer_(layer) {}
+  DeferredCall(const DeferredCall&) = delete;
+  DeferredCall& operator=(const DeferredCall&) = delete;
+  ~DeferredCall() {
+    if (pending_) experts_->Wait(ticket_).IgnoreError();
+  }
+  absl::Status Submit(int64_t T, int64_t H, int n) {
+    ExpertBatch b;
+    b.layer = layer_;
+    b.num_tokens = T;
+    b.hidden_size = H;
+    b.hidden = hidden.data();
+    b.top_k = n;
+    b.expert_ids = ids.data();
+    b.weights = weights.data();
+    out.resize(static_cast<size_t>(T * H));
+    ASSIGN_OR_RETURN(ticket_, experts_->Submit(b, out.data()));
+    pending_ = true;
+    return absl::OkStatus();
+  }
+  // Waits and adds the deferred experts' sum into x ([T, H]).
+  absl::Status Join(float* x) {
+    pending_ = false;
+    RETURN_IF_ERROR(Annotate(experts_->Wait(ticket_),
+                             absl::StrCat("layer ", layer_, " deferred routed experts")));
+    for (size_t i = 0; i < out.size(); ++i) x[i] += out[i];
+    return absl::OkStatus();
+  }
+  std::vector<float> hidden;  // [T, H], the layer's input (h is overwritten by the next layer)
+  std::vector<int32_t> ids;   // [T, n]
+  std::vector<float> weights;
+  std::vector<float> out;
+
+ private:
+  RoutedExperts* experts_;
+  int layer_;
+  uint64_t ticket_ = 0;
+  bool pending_ = false;
+};
+
 class CpuModel final : public Model {
  public:
   static absl::StatusOr<std::unique_ptr<CpuModel>> Create(const ModelConfig& config,
@@ -113,7 +161,10 @@ class CpuModel final : public Model {
   absl::Status LoadWeights(const Checkpoint& ckpt);
   void MlaAttention(int l, const float* h, const TokenSlots& at, const float* cs, float* out) const;
   void GqaAttention(int l, const float* h, const TokenSlots& at, const float* cs, float* out) const;
-  absl::Status FeedForward(int l, const float* h, int64_t T, float* out) const;
+  // Layer l's MLP or MoE into out. `deferred`: set to the layer's deferred
+  // experts' call when it defers some (ModelOptions::deferred_experts).
+  absl::Status FeedForward(int l, const float* h, int64_t T, float* out,
+                           std::unique_ptr<DeferredCall>* deferred) const;
   void RunMlp(const Mlp& m, const float* h, int64_t T, float* out) const;
 
   ModelConfig c_;
@@ -268,7 +319,8 @@ void CpuModel::RunMlp(const Mlp& m, const float* h, int64_t T, float* out) const
   Linear(pool_.get(), g.data(), T, m.down.w, m.down.bias(), out);
 }
 
-absl::Status CpuModel::FeedForward(int l, const float* h, int64_t T, float* out) const {
+absl::Status CpuModel::FeedForward(int l, const float* h, int64_t T, float* out,
+                                   std::unique_ptr<DeferredCall>* deferred) const {
   const Layer& L = layers_[static_cast<size_t>(l)];
   if (!L.moe) {
     RunMlp(L.dense, h, T, out);
@@ -280,19 +332,62 @@ absl::Status CpuModel::FeedForward(int l, const float* h, int64_t T, float* out)
   Linear(pool_.get(), h, T, L.router.w, nullptr, logits.data());
   Route(gate_, logits.data(), T, L.router_bias.empty() ? nullptr : L.router_bias.data(), ids.data(),
         weights.data());
+  // The last layer never defers: nothing would be left to overlap with.
+  const int n = l + 1 < c_.num_layers ? options_.deferred_experts : 0;
+  int64_t k_now = K;
+  std::unique_ptr<DeferredCall> later;
+  if (n > 0) {
+    // Per token, the n lowest weights (ties: the later slot) go to `later`;
+    // the others keep their order.
+    later = std::make_unique<DeferredCall>(experts_, l);
+    later->hidden.assign(h, h + T * H);
+    later->ids.resize(static_cast<size_t>(T * n));
+    later->weights.resize(static_cast<size_t>(T * n));
+    k_now = K - n;
+    std::vector<int64_t> order(static_cast<size_t>(K));
+    std::vector<char> deferred_slot(static_cast<size_t>(K));
+    for (int64_t t = 0; t < T; ++t) {
+      const float* w = weights.data() + t * K;
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return w[a] < w[b] || (w[a] == w[b] && a > b);
+      });
+      std::fill(deferred_slot.begin(), deferred_slot.end(), 0);
+      for (int j = 0; j < n; ++j) {
+        const int64_t slot = order[static_cast<size_t>(j)];
+        deferred_slot[static_cast<size_t>(slot)] = 1;
+        later->ids[static_cast<size_t>(t * n + j)] = ids[static_cast<size_t>(t * K + slot)];
+        later->weights[static_cast<size_t>(t * n + j)] = w[slot];
+      }
+      int64_t kept = 0;
+      for (int64_t j = 0; j < K; ++j) {
+        if (deferred_slot[static_cast<size_t>(j)]) continue;
+        ids[static_cast<size_t>(t * k_now + kept)] = ids[static_cast<size_t>(t * K + j)];
+        weights[static_cast<size_t>(t * k_now + kept)] = w[j];
+        ++kept;
+      }
+    }
+  }
   ExpertBatch b;
   b.layer = l;
   b.num_tokens = T;
   b.hidden_size = H;
   b.hidden = h;
-  b.top_k = static_cast<int>(K);
+  b.top_k = static_cast<int>(k_now);
   b.expert_ids = ids.data();
   b.weights = weights.data();
   // The routed experts run (remote ones: on the expert service) while this
-  // thread computes the shared experts.
+  // thread computes the shared experts; deferred ones keep running after.
   const std::string where = absl::StrCat("layer ", l, " routed experts");
   auto ticket = experts_->Submit(b, out);
   if (!ticket.ok()) return Annotate(ticket.status(), where);
+  if (later) {
+    absl::Status st = later->Submit(T, H, n);
+    if (!st.ok()) {
+      experts_->Wait(*ticket).IgnoreError();
+      return Annotate(st, absl::StrCat("layer ", l, " deferred routed experts"));
+    }
+  }
   std::vector<float> sh;
   if (L.has_shared) {
     sh.resize(static_cast<size_t>(T * H));
@@ -300,6 +395,7 @@ absl::Status CpuModel::FeedForward(int l, const float* h, int64_t T, float* out)
   }
   RETURN_IF_ERROR(Annotate(experts_->Wait(*ticket), where));
   for (size_t i = 0; i < sh.size(); ++i) out[i] += sh[i];
+  *deferred = std::move(later);
   return absl::OkStatus();
 }
 
@@ -455,6 +551,9 @@ absl::Status CpuModel::ForwardBatch(absl::Span<const ForwardStep> steps) const {
       for (int32_t id : st.tokens) embed_.RowToF32(id, x.data() + (t++) * H);
   }
   const float eps = static_cast<float>(c_.rms_norm_eps);
+  // Expert Deferral: the previous layer's deferred experts, joined at the
+  // end of this one.
+  std::unique_ptr<DeferredCall> deferred, previous;
   for (int l = 0; l < c_.num_layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     RmsNorm(x.data(), T, H, L.in_norm.data(), eps, h.data());
@@ -464,8 +563,10 @@ absl::Status CpuModel::ForwardBatch(absl::Span<const ForwardStep> steps) const {
       GqaAttention(l, h.data(), at, cs.data(), y.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
     RmsNorm(x.data(), T, H, L.post_norm.data(), eps, h.data());
-    RETURN_IF_ERROR(FeedForward(l, h.data(), T, y.data()));
+    RETURN_IF_ERROR(FeedForward(l, h.data(), T, y.data(), &deferred));
     for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
+    if (previous) RETURN_IF_ERROR(previous->Join(x.data()));
+    previous = std::move(deferred);
   }
   // The rows that need logits (each step's last token, or all of it), in
   // step order, through the final norm and the head in one product.

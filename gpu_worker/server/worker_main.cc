@@ -4,12 +4,14 @@
 //                   [--experts local | HOST:PORT[,HOST:PORT...]] [--transport grpc|shm|ucx]
 //                   [--max-batch 16] [--max-queue 64] [--max-context N] [--kv-blocks N]
 //                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
-//                   [--port-file PATH]
+//                   [--defer-experts 0] [--port-file PATH]
 //
 // Routed experts run in-process (reference) with --experts local, else on
 // the expert service shards given; an expert call that misses
 // --expert-timeout-ms fails its request UNAVAILABLE, and expert calls fail
-// at once for the next second. Health (grpc.health.v1) is SERVING once the
+// at once for the next second. --defer-experts N: Expert Deferral (the N
+// lowest-weighted routed experts per token join one layer late; see
+// ModelOptions::deferred_experts; 0 = the exact model). Health (grpc.health.v1) is SERVING once the
 // model is loaded and, with remote experts, while every shard answers.
 // SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
 // --drain-seconds (the rest end UNAVAILABLE), exit 0.
@@ -49,6 +51,7 @@ struct WorkerOptions {
   int threads = 0;
   int expert_timeout_ms = 10000;
   int drain_seconds = 30;
+  int defer_experts = 0;
 };
 
 [[noreturn]] void Die(const std::string& msg, int code = 2) {
@@ -99,12 +102,14 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.expert_timeout_ms = static_cast<int>(num(1));
     else if (a == "--drain-seconds")
       o.drain_seconds = static_cast<int>(num(0));
+    else if (a == "--defer-experts")
+      o.defer_experts = static_cast<int>(num(0));
     else if (a == "-h" || a == "--help") {
       std::printf(
           "usage: hmoe-gpu-worker --model DIR [--listen ADDR] [--experts local|HOST:PORT,...]\n"
           "       [--transport grpc|shm|ucx] [--max-batch N] [--max-queue N] [--max-context N]\n"
           "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
-          "       [--port-file PATH]\n");
+          "       [--defer-experts N] [--port-file PATH]\n");
       std::exit(0);
     } else {
       Die("unknown flag " + a);
@@ -125,9 +130,10 @@ int Run(int argc, char** argv) {
   const WorkerOptions o = ParseFlags(argc, argv);
   std::fprintf(stderr,
                "hmoe-gpu-worker: model %s, listen %s, experts %s (%s), max_batch %d, max_queue %d, "
-               "max_context %lld, drain %ds\n",
+               "max_context %lld, drain %ds, deferred experts %d\n",
                o.model_dir.c_str(), o.listen.c_str(), o.experts.c_str(), o.transport.c_str(),
-               o.max_batch, o.max_queue, static_cast<long long>(o.max_context), o.drain_seconds);
+               o.max_batch, o.max_queue, static_cast<long long>(o.max_context), o.drain_seconds,
+               o.defer_experts);
 
   auto config = LoadModelConfig(o.model_dir);
   if (!config.ok()) Die(config.status().ToString(), 1);
@@ -154,6 +160,7 @@ int Run(int argc, char** argv) {
   ModelOptions mo;
   mo.num_threads = o.threads;
   mo.max_seq_len = o.max_context;
+  mo.deferred_experts = o.defer_experts;
   auto model = Model::Load(o.model_dir, mo, remote.get());
   if (!model.ok()) Die(model.status().ToString(), 1);
   std::unique_ptr<Tokenizer> tokenizer;

@@ -216,6 +216,12 @@ class AsyncOnlyExperts : public RoutedExperts {
   }
   absl::StatusOr<uint64_t> Submit(const ExpertBatch& b, float* out) override {
     const uint64_t t = next_++;
+    const std::string name = absl::StrCat(b.layer, "/", b.top_k);
+    log.push_back("S" + name);
+    names_[t] = name;
+    calls.push_back({b.layer, b.top_k,
+                     std::vector<int32_t>(b.expert_ids, b.expert_ids + b.num_tokens * b.top_k),
+                     std::vector<float>(b.weights, b.weights + b.num_tokens * b.top_k)});
     running_[t] =
         std::async(std::launch::async, [this, b, out] { return inner_->Forward(b, out); });
     return t;
@@ -226,15 +232,28 @@ class AsyncOnlyExperts : public RoutedExperts {
     absl::Status st = it->second.get();
     running_.erase(it);
     ++waits;
-    return fail_wait ? absl::UnavailableError("answer lost") : st;
+    log.push_back("W" + names_[t]);
+    const bool fail =
+        fail_wait || (fail_wait_k > 0 && names_[t].ends_with(absl::StrCat("/", fail_wait_k)));
+    return fail ? absl::UnavailableError("answer lost") : st;
   }
+  size_t in_flight() const { return running_.size(); }
+  struct Call {
+    int layer, k;
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+  };
   bool fail_wait = false;
+  int fail_wait_k = 0;  // > 0: fail the waits of calls with this top_k
   int waits = 0;
+  std::vector<std::string> log;  // "S<layer>/<k>" per Submit, "W<layer>/<k>" per Wait
+  std::vector<Call> calls;
 
  private:
   RoutedExperts* inner_;
   uint64_t next_ = 1;
   std::map<uint64_t, std::future<absl::Status>> running_;
+  std::map<uint64_t, std::string> names_;
 };
 
 // The model submits each layer's routed experts and computes the shared
@@ -258,6 +277,64 @@ TEST(ModelErrors, RoutedExpertsAreSubmittedAndWaitedOn) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("routed experts: answer lost"));
   EXPECT_EQ(seq->length(), static_cast<int64_t>(kPrompt.size()));
+}
+
+// Expert Deferral, deferred_experts = 1 on a model with MoE layers 1 and 2
+// (of 3): layer 1 sends its 3 highest-weighted experts per token and, as a
+// second call, the lowest one, which is waited on only after layer 2 (the
+// last layer, which never defers); a failure of that late call fails the
+// step, leaves the Sequence and no call behind.
+TEST(ModelErrors, ExpertDeferralJoinsTheLowestWeightedExpertsOneLayerLate) {
+  const std::string dir = Fixture("deepseek_v3_tiny");
+  FlakyRig rig(dir);
+  ASSERT_TRUE(rig.ok());
+  AsyncOnlyExperts exact(rig.ref.get()), late(rig.ref.get());
+  auto m0 = LoadOrDie(dir, {}, &exact);
+  ModelOptions opt;
+  opt.deferred_experts = 1;
+  auto m1 = LoadOrDie(dir, opt, &late);
+  ASSERT_TRUE(m0 && m1);
+  auto s0 = m0->NewSequence();
+  auto s1 = m1->NewSequence();
+  auto want = m0->Prefill(*s0, kPrompt, LogitsMode::kLast);
+  auto got = m1->Prefill(*s1, kPrompt, LogitsMode::kLast);
+  ASSERT_TRUE(want.ok() && got.ok());
+  EXPECT_EQ(late.log, (std::vector<std::string>{"S1/3", "S1/1", "W1/3", "S2/4", "W2/4", "W1/1"}));
+  // Layer 1 sees the same hidden states in both: the split is of the same routing.
+  ASSERT_EQ(exact.calls.size(), 2u);
+  ASSERT_EQ(late.calls.size(), 3u);
+  const auto& full = exact.calls[0];
+  const auto& now = late.calls[0];
+  const auto& later = late.calls[1];
+  for (size_t t = 0; t < kPrompt.size(); ++t) {
+    std::vector<std::pair<int32_t, float>> a, b;
+    for (size_t j = 0; j < 4; ++j) a.push_back({full.ids[t * 4 + j], full.weights[t * 4 + j]});
+    for (size_t j = 0; j < 3; ++j) b.push_back({now.ids[t * 3 + j], now.weights[t * 3 + j]});
+    b.push_back({later.ids[t], later.weights[t]});
+    for (size_t j = 0; j < 3; ++j) EXPECT_LE(later.weights[t], now.weights[t * 3 + j]) << t;
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    EXPECT_EQ(a, b) << "token " << t;
+  }
+  // The join changes the numbers, a little.
+  EXPECT_NE(*got, *want);
+  EXPECT_LT(RelErr(got->data(), want->data(), static_cast<int64_t>(want->size())), 0.5);
+
+  late.fail_wait_k = 1;
+  auto r = m1->Decode(*s1, 5);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("layer 1 deferred routed experts: answer lost"));
+  EXPECT_EQ(s1->length(), static_cast<int64_t>(kPrompt.size()));
+  EXPECT_EQ(late.in_flight(), 0u);
+
+  for (int bad : {-1, 4}) {
+    opt.deferred_experts = bad;
+    auto m = Model::Load(dir, opt, &late);
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(m.status().message()),
+                HasSubstr("deferred_experts must be 0 or in [1, 3]"));
+  }
 }
 
 // ForwardBatch: one expert call per MoE layer for all the steps' tokens;
