@@ -148,15 +148,20 @@ TEST(Serving, ShardsAndTransportsAgree) {
 
 // Shards that take 3 tokens per call: the worker's prefill chunks and
 // batched decode steps (more tokens) go as several calls and give the same
-// tokens, alone and with concurrent clients.
+// tokens, alone and with concurrent clients; with Expert Deferral (three
+// calls in flight at once) too, within the shm slots (tokens: its own).
 TEST(Serving, BatchesOverTheShardsMaxTokensGoAsSeveralCalls) {
   const std::string dir = testing::FixturesDir() + "/deepseek_v3_tiny";
   const Reference ref = LoadReference(dir);
   ASSERT_GT(ref.prompt.size(), 3u);
-  for (const char* transport : {"shm", "grpc"}) {
+  for (const char* transport : {"shm", "grpc", "shm+defer"}) {
     SCOPED_TRACE(transport);
+    const bool defer = std::string(transport) == "shm+defer";
     Pair pair;
-    ASSERT_TRUE(pair.Start(dir, 2, "tp", transport, {}, {"--max-tokens=3"}));
+    ASSERT_TRUE(pair.Start(
+        dir, 2, "tp", defer ? "shm" : transport,
+        defer ? std::vector<std::string>{"--defer-experts=1"} : std::vector<std::string>{},
+        {"--max-tokens=3"}));
     const auto req = IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size()));
     std::vector<std::vector<int32_t>> got(6);
     std::vector<std::thread> threads;
@@ -169,7 +174,8 @@ TEST(Serving, BatchesOverTheShardsMaxTokensGoAsSeveralCalls) {
           ADD_FAILURE() << r.status();
       });
     for (auto& t : threads) t.join();
-    for (const auto& g : got) EXPECT_EQ(g, ref.greedy);
+    for (const auto& g : got) EXPECT_EQ(g, defer ? got[0] : ref.greedy);
+    EXPECT_EQ(got[0].size(), ref.greedy.size());
   }
 }
 
