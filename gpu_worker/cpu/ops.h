@@ -43,9 +43,13 @@ absl::StatusOr<std::vector<float>> LoadOptionalVector(const Checkpoint& ckpt,
                                                       int64_t expected_numel);
 
 // y[t, n] = dot(x[t, :], w[n, :]) (+ bias[n]) for t < T, n < w.rows;
-// x is [T, w.cols]. Parallel over output rows. bias may be null.
+// x is [T, w.cols]. Parallel over output rows. bias may be null. Each dot
+// product keeps 8 partial sums (lane j: elements j, j + 8, ...), each a
+// rounded multiply then a rounded add (no fused multiply-add), combined
+// pairwise, then the tail: with `simd` and AVX2 in cpuid the 8 lanes run in
+// one vector register, with the same bits as the scalar loop.
 void Linear(ThreadPool* pool, const float* x, int64_t T, const Matrix& w, const float* bias,
-            float* y);
+            float* y, bool simd = true);
 
 // y = x * rsqrt(mean(x^2) + eps) * weight, per row of n (in place allowed).
 void RmsNorm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* y);

@@ -71,6 +71,32 @@ TEST(Ops, LinearBf16MatchesF32AndIgnoresBatching) {
   }
 }
 
+// The AVX2 dot products give the scalar loop's bits: bf16 and f32 weights,
+// K with and without a tail, several T, with a bias and without.
+TEST(Ops, LinearAvx2EqualsScalarBitForBit) {
+  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
+  ThreadPool pool(2);
+  for (int64_t K : {1, 7, 8, 9, 16, 37, 64, 129, 2048}) {
+    for (int64_t T : {1, 3, 8}) {
+      SCOPED_TRACE(::testing::Message() << "K " << K << " T " << T);
+      const int64_t N = 67;
+      std::vector<float> x = Random(T * K, 11, 4.0f), wf = Random(N * K, 12), bias = Random(N, 13);
+      std::vector<uint16_t> wb(wf.size());
+      for (size_t i = 0; i < wf.size(); ++i) wb[i] = F32ToBf16(wf[i]);
+      const Matrix mf{N, K, wf.data(), nullptr, nullptr}, mb{N, K, nullptr, wb.data(), nullptr};
+      for (const Matrix* m : {&mf, &mb}) {
+        for (const float* b :
+             {static_cast<const float*>(bias.data()), static_cast<const float*>(nullptr)}) {
+          std::vector<float> scalar(T * N), simd(T * N);
+          Linear(&pool, x.data(), T, *m, b, scalar.data(), /*simd=*/false);
+          Linear(&pool, x.data(), T, *m, b, simd.data(), /*simd=*/true);
+          ASSERT_EQ(simd, scalar) << (m == &mf ? "f32" : "bf16");
+        }
+      }
+    }
+  }
+}
+
 TEST(Ops, RmsNorm) {
   const int64_t n = 24;
   std::vector<float> x = Random(2 * n, 4, 3.0f), w = Random(n, 5), y(2 * n);
