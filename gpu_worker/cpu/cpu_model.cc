@@ -106,14 +106,13 @@ class DeferredCall {
     if (pending_) experts_->Wait(ticket_).IgnoreError();
   }
   absl::Status Submit(int64_t T, int64_t H, int n) {
-    ExpertBatch b;
-    b.layer = layer_;
-    b.num_tokens = T;
-    b.hidden_size = H;
-    b.hidden = hidden.data();
-    b.top_k = n;
-    b.expert_ids = ids.data();
-    b.weights = weights.data();
+    const ExpertBatch b{.layer = layer_,
+                        .num_tokens = T,
+                        .hidden_size = H,
+                        .hidden = hidden.data(),
+                        .top_k = n,
+                        .expert_ids = ids.data(),
+                        .weights = weights.data()};
     out.resize(static_cast<size_t>(T * H));
     ASSIGN_OR_RETURN(ticket_, experts_->Submit(b, out.data()));
     pending_ = true;
@@ -349,9 +348,8 @@ absl::Status CpuModel::FeedForward(int l, const float* h, int64_t T, float* out,
     for (int64_t t = 0; t < T; ++t) {
       const float* w = weights.data() + t * K;
       std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-        return w[a] < w[b] || (w[a] == w[b] && a > b);
-      });
+      std::sort(order.begin(), order.end(),
+                [&](int64_t a, int64_t b) { return w[a] < w[b] || (w[a] == w[b] && a > b); });
       std::fill(deferred_slot.begin(), deferred_slot.end(), 0);
       for (int j = 0; j < n; ++j) {
         const int64_t slot = order[static_cast<size_t>(j)];
@@ -368,14 +366,13 @@ absl::Status CpuModel::FeedForward(int l, const float* h, int64_t T, float* out,
       }
     }
   }
-  ExpertBatch b;
-  b.layer = l;
-  b.num_tokens = T;
-  b.hidden_size = H;
-  b.hidden = h;
-  b.top_k = static_cast<int>(k_now);
-  b.expert_ids = ids.data();
-  b.weights = weights.data();
+  const ExpertBatch b{.layer = l,
+                      .num_tokens = T,
+                      .hidden_size = H,
+                      .hidden = h,
+                      .top_k = static_cast<int>(k_now),
+                      .expert_ids = ids.data(),
+                      .weights = weights.data()};
   // The routed experts run (remote ones: on the expert service) while this
   // thread computes the shared experts; deferred ones keep running after.
   const std::string where = absl::StrCat("layer ", l, " routed experts");
@@ -570,28 +567,24 @@ absl::Status CpuModel::ForwardBatch(absl::Span<const ForwardStep> steps) const {
   }
   // The rows that need logits (each step's last token, or all of it), in
   // step order, through the final norm and the head in one product.
-  std::vector<int64_t> first_row(steps.size()), num_rows(steps.size());
+  auto kept_rows = [](const ForwardStep& st) {
+    return st.mode == LogitsMode::kAll ? static_cast<int64_t>(st.tokens.size()) : int64_t{1};
+  };
   int64_t rows = 0;
-  {
-    int64_t t0 = 0;
-    for (size_t i = 0; i < steps.size(); ++i) {
-      const int64_t n = static_cast<int64_t>(steps[i].tokens.size());
-      const int64_t keep = steps[i].mode == LogitsMode::kAll ? n : 1;
-      for (int64_t r = 0; r < keep; ++r)
-        RmsNorm(x.data() + (t0 + n - keep + r) * H, 1, H, final_norm_.data(), eps,
-                h.data() + (rows + r) * H);
-      first_row[i] = rows;
-      num_rows[i] = keep;
-      rows += keep;
-      t0 += n;
-    }
+  for (int64_t t0 = 0; const ForwardStep& st : steps) {
+    const int64_t n = static_cast<int64_t>(st.tokens.size()), keep = kept_rows(st);
+    RmsNorm(x.data() + (t0 + n - keep) * H, keep, H, final_norm_.data(), eps, h.data() + rows * H);
+    rows += keep;
+    t0 += n;
   }
   const int64_t V = c_.vocab_size;
   std::vector<float> all(static_cast<size_t>(rows * V));
   Linear(pool_.get(), h.data(), rows, lm_head_, nullptr, all.data());
+  auto from = all.begin();
   for (size_t i = 0; i < steps.size(); ++i) {
-    steps[i].logits->assign(all.begin() + first_row[i] * V,
-                            all.begin() + (first_row[i] + num_rows[i]) * V);
+    const auto to = from + kept_rows(steps[i]) * V;
+    steps[i].logits->assign(from, to);
+    from = to;
     seqs[i]->length_ += static_cast<int64_t>(steps[i].tokens.size());
   }
   return absl::OkStatus();
