@@ -1,6 +1,7 @@
 #include "sdk/client.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
@@ -13,7 +14,8 @@ Client::Client(std::shared_ptr<grpc::Channel> channel)
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& o) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
-  auto channel = grpc::CreateCustomChannel(o.target, grpc::InsecureChannelCredentials(), args);
+  auto channel =
+      CreateChannelWithToken(o.target, grpc::InsecureChannelCredentials(), args, o.auth_token);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + o.connect_timeout)))
     return absl::UnavailableError(absl::StrCat("cannot connect to ", o.target, " within ",
                                                absl::FormatDuration(o.connect_timeout)));

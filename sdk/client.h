@@ -17,6 +17,9 @@ namespace hmoe {
 struct ClientOptions {
   std::string target = "127.0.0.1:50051";
   absl::Duration connect_timeout = absl::Seconds(10);
+  // Sent with every call (the worker's --auth-token-file; common/auth_token.h
+  // reads token files); empty: none.
+  std::string auth_token;
 };
 
 struct GenerateResult {

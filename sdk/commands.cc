@@ -16,6 +16,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/auth_token.h"
+#include "common/status.h"
 #include "sdk/client.h"
 
 namespace hmoe {
@@ -108,6 +110,7 @@ class Flags {
 };
 
 const std::vector<std::string> kSamplingFlags = {"--server",
+                                                 "--token-file",
                                                  "--max-tokens",
                                                  "--temperature",
                                                  "--top-k",
@@ -147,6 +150,11 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectFrom(Flags& f) {
   ClientOptions o;
   o.target = f.Str("--server",
                    std::getenv("HMOE_SERVER") ? std::getenv("HMOE_SERVER") : "127.0.0.1:50051");
+  const char* env_token = std::getenv("HMOE_TOKEN_FILE");
+  const std::string token_file = f.Str("--token-file", env_token ? env_token : "");
+  if (!token_file.empty()) {
+    ASSIGN_OR_RETURN(o.auth_token, ReadAuthTokenFile(token_file));
+  }
   return Client::Connect(o);
 }
 

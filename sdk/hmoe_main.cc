@@ -30,7 +30,8 @@ int Usage(FILE* out) {
       "      interactive chat that keeps the conversation\n"
       "  bench-serve [--server ADDR] [--clients N] [--requests M] [--max-tokens K] [-p TEXT]\n"
       "      N concurrent clients: latency percentiles and throughput\n"
-      "(--server defaults to $HMOE_SERVER or 127.0.0.1:50051)\n");
+      "(--server defaults to $HMOE_SERVER or 127.0.0.1:50051; --token-file, default\n"
+      " $HMOE_TOKEN_FILE, names the file with the worker's --auth-token-file token)\n");
   return out == stderr ? 2 : 0;
 }
 

@@ -39,12 +39,13 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
   for (size_t i = 0; i < opts.targets.size(); ++i) {
     Shard s;
     s.target = opts.targets[i];
-    s.control = std::make_shared<ControlClient>(MakeExpertChannel(s.target));
+    s.control = std::make_shared<ControlClient>(MakeExpertChannel(s.target, opts.auth_token));
     const absl::Time until = absl::Now() + opts.connect_timeout;
     absl::StatusOr<ShardInfo> info;
     while (true) {
       info = s.control->Describe(absl::Seconds(1));
-      if (info.ok() || absl::Now() >= until) break;
+      // A refused token will not be accepted later: no retry.
+      if (info.ok() || absl::Now() >= until || absl::IsUnauthenticated(info.status())) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     if (!info.ok()) {
@@ -79,16 +80,21 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
     pool->model_.max_tokens = std::min(pool->model_.max_tokens, s.info.max_tokens);
     switch (opts.transport) {
       case TransportKind::kGrpc:
-        s.client = std::make_unique<GrpcStreamClient>(MakeExpertChannel(s.target), s.info.hidden);
+        s.client = std::make_unique<GrpcStreamClient>(MakeExpertChannel(s.target, opts.auth_token),
+                                                      s.info.hidden);
         break;
       case TransportKind::kShm: {
         ShmClientOptions so;
         so.slots = opts.shm_slots;
-        ASSIGN_OR_RETURN(s.client, ShmClient::Create(s.control, s.info, so));
+        auto c = ShmClient::Create(s.control, s.info, so);
+        if (!c.ok()) return Annotate(c.status(), absl::StrCat("expert shard ", s.target));
+        s.client = std::move(*c);
         break;
       }
       case TransportKind::kUcx: {
-        ASSIGN_OR_RETURN(s.client, UcxClient::Create(s.control, s.info));
+        auto c = UcxClient::Create(s.control, s.info);
+        if (!c.ok()) return Annotate(c.status(), absl::StrCat("expert shard ", s.target));
+        s.client = std::move(*c);
         break;
       }
     }

@@ -36,6 +36,9 @@ struct ExpertPoolOptions {
   // UNAVAILABLE at once for this long (0: off): a hung shard then costs one
   // deadline, not one per call queued behind it.
   absl::Duration fail_fast_after_miss = absl::ZeroDuration();
+  // Sent with every control and gRPC data call (the service's
+  // --auth-token-file; common/auth_token.h); empty: none.
+  std::string auth_token;
 };
 
 class ExpertPool {

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/transport/grpc_auth.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/expert.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
@@ -13,7 +14,8 @@
 namespace hmoe {
 namespace pb = ::hmoe::expert::v1;
 
-std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target) {
+std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target,
+                                                 const std::string& auth_token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
@@ -27,7 +29,7 @@ std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target) {
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  return CreateChannelWithToken(target, grpc::InsecureChannelCredentials(), args, auth_token);
 }
 
 absl::Duration ControlBudget(absl::Time deadline, absl::Duration own, bool* capped) {
@@ -44,6 +46,19 @@ absl::Status ControlFailure(const absl::Status& st, bool capped, const std::stri
         absl::StrCat(what, ": ", std::string(st.message()), " (the call's deadline)"));
   }
   return absl::UnavailableError(absl::StrCat(what, ": ", std::string(st.message())));
+}
+
+absl::Status SetupFailure(const absl::Status& st) {
+  switch (st.code()) {
+    case absl::StatusCode::kOk:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kResourceExhausted:
+      return st;
+    default:
+      return absl::UnavailableError(st.message());
+  }
 }
 
 namespace {
@@ -306,10 +321,18 @@ void GrpcStreamClient::ReadLoop(Stream* s) {
   std::lock_guard<std::mutex> lock(mu_);
   s->ended = true;
   broken_ = true;
+  // The service's refusals (a token it does not accept, its stream cap, a
+  // request over its size cap) keep their code; any other end of the stream
+  // is the service going away.
+  const grpc::StatusCode code = st.error_code();
+  const bool refused = code == grpc::StatusCode::UNAUTHENTICATED ||
+                       code == grpc::StatusCode::PERMISSION_DENIED ||
+                       code == grpc::StatusCode::RESOURCE_EXHAUSTED;
   for (auto& [id, p] : pending_) {
     if (!p.done) {
       p.done = true;
-      p.status = absl::UnavailableError(
+      p.status = absl::Status(
+          refused ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnavailable,
           absl::StrCat("expert service: MoE stream ended: ", st.error_message()));
     }
   }

@@ -21,8 +21,10 @@ class Channel;
 
 namespace hmoe {
 
-// A channel with our settings: unlimited message size, fast reconnect.
-std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target);
+// A channel with our settings: unlimited message size, fast reconnect; every
+// call carries `auth_token` (grpc_auth.h) unless it is empty.
+std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target,
+                                                 const std::string& auth_token = "");
 
 struct ShardStats {
   uint64_t requests = 0, failed = 0, invalid = 0, tokens = 0, compute_ns = 0, in_flight = 0;
@@ -41,6 +43,11 @@ absl::Duration ControlBudget(absl::Time deadline, absl::Duration own, bool* capp
 // DEADLINE_EXCEEDED; running out of the transport's own is UNAVAILABLE (the
 // service did not answer); other codes pass; the message names `what`.
 absl::Status ControlFailure(const absl::Status& st, bool capped, const std::string& what);
+// A data plane's set-up failure (from ControlFailure) as its caller sees it:
+// the service's refusals (UNAUTHENTICATED, PERMISSION_DENIED,
+// RESOURCE_EXHAUSTED) and DEADLINE_EXCEEDED keep their code, anything else is
+// UNAVAILABLE (the service is not there to set up with).
+absl::Status SetupFailure(const absl::Status& st);
 
 class ControlClient {
  public:

@@ -33,7 +33,6 @@ constexpr uint64_t kSlotHeaderBytes = 256;
 // Each control-plane RPC of a (re)connect, unless the call's deadline is nearer.
 constexpr absl::Duration kControlTimeout = absl::Seconds(2);
 // Segments one service serves at once (each has a serving thread).
-constexpr size_t kMaxSessions = 1024;
 
 uint64_t Align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
@@ -143,7 +142,10 @@ struct ShmServer::Session {
   }
 };
 
-ShmServer::ShmServer(MoeHandler* handler) : handler_(handler) { next_epoch_ = RandomOdd64(); }
+ShmServer::ShmServer(MoeHandler* handler, size_t max_sessions)
+    : handler_(handler), max_sessions_(max_sessions) {
+  next_epoch_ = RandomOdd64();
+}
 
 ShmServer::~ShmServer() {
   stop_ = true;
@@ -289,9 +291,10 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
                                                      " is already attached (epoch ", e, ")"));
       }
     }
-    if (sessions_.size() >= kMaxSessions) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "shm: ", sessions_.size(), " segments attached, the most one service serves"));
+    if (sessions_.size() >= max_sessions_) {
+      return absl::ResourceExhaustedError(absl::StrCat("shm: ", sessions_.size(),
+                                                       " segments attached, the service's cap (",
+                                                       max_sessions_, ", --max-peers)"));
     }
     s->epoch = next_epoch_.fetch_add(2);
     epoch = s->epoch;
@@ -490,8 +493,7 @@ absl::StatusOr<std::shared_ptr<ShmClient::Segment>> ShmClient::Connect(absl::Tim
   bool capped = false;
   auto info = control_->Describe(ControlBudget(deadline, kControlTimeout, &capped));
   if (!info.ok()) {
-    const absl::Status st = ControlFailure(info.status(), capped, "shm: describe");
-    return absl::IsDeadlineExceeded(st) ? st : absl::UnavailableError(st.message());
+    return SetupFailure(ControlFailure(info.status(), capped, "shm: describe"));
   }
   seg->server_pid = static_cast<int32_t>(info->pid);
   seg->server_pidfd = PidfdOpen(seg->server_pid);

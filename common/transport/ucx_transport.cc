@@ -684,6 +684,10 @@ absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address
       impl->worker->CloseEp(it->second.ep);
       impl->peers.erase(it);
       impl->n_endpoints.fetch_sub(1);
+    } else if (impl->peers.size() >= impl->opts.max_endpoints) {
+      return absl::ResourceExhaustedError(absl::StrCat("UCX: ", impl->peers.size(),
+                                                       " clients connected, the service's cap (",
+                                                       impl->opts.max_endpoints, ", --max-peers)"));
     }
     // Parsed with the same zero padding as in the checker.
     auto ep = impl->worker->CreateEp(client_address + std::string(kAddressPad, '\0'),
@@ -825,8 +829,7 @@ struct UcxClient::Impl {
     auto server_addr = control->UcxConnect(worker->address(), client_id,
                                            ControlBudget(deadline, timeout, &capped));
     if (!server_addr.ok()) {
-      const absl::Status st = ControlFailure(server_addr.status(), capped, "ucx connect");
-      return absl::IsDeadlineExceeded(st) ? st : absl::UnavailableError(st.message());
+      return SetupFailure(ControlFailure(server_addr.status(), capped, "ucx connect"));
     }
     // On the progress thread, where endpoint errors are handled too: the
     // swap and the new generation are one step for OnEpError.

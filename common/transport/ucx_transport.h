@@ -77,6 +77,9 @@ struct UcxServerOptions {
   // The destructor waits up to this long for answers already handed to UCX
   // to reach their clients before it closes the endpoints.
   absl::Duration close_timeout = absl::Seconds(5);
+  // Clients with an endpoint at once; a new client over it: RESOURCE_EXHAUSTED
+  // (a client reconnecting under its id replaces its own endpoint).
+  size_t max_endpoints = 1024;
 };
 
 // The checker's body: reads framed addresses from `in_fd` (u32 length, then
@@ -96,6 +99,7 @@ class UcxServer {
                                                            const UcxServerOptions& opts = {});
   ~UcxServer();
   // Connects to a client worker; returns this service's worker address.
+  // RESOURCE_EXHAUSTED when max_endpoints other clients are connected.
   absl::StatusOr<std::string> Connect(const std::string& client_address, uint64_t client_id);
   uint64_t endpoints() const;
   uint64_t peer_failures() const;

@@ -4,6 +4,7 @@
 //
 //   hmoe-expert-bench --targets=HOST:PORT[,HOST:PORT...] --transport=grpc|shm|ucx
 //       [--tokens=1,128] [--iters=200] [--warmup=20] [--verify-model-dir=DIR] [--zero-copy]
+//       [--auth-token-file=PATH]
 //
 // Prints one JSON object per token count: transport, tokens, hidden, p50/p99/mean
 // round trip (us), mean shard compute (us, from the shards' stats) and
@@ -20,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/auth_token.h"
 #include "common/dtype.h"
 #include "common/status.h"
 #include "common/transport/expert_pool.h"
@@ -67,6 +69,14 @@ int Main(int argc, char** argv) {
       verify_dir = v;
     } else if (a == "--zero-copy") {
       zero_copy = true;
+    } else if (a == "--auth-token-file") {
+      auto token = ReadAuthTokenFile(v);
+      if (!token.ok()) {
+        std::fprintf(stderr, "hmoe-expert-bench: %s\n",
+                     std::string(token.status().message()).c_str());
+        return 2;
+      }
+      po.auth_token = *token;
     } else {
       std::fprintf(stderr, "hmoe-expert-bench: bad flag %s\n", argv[i]);
       return 2;
@@ -92,7 +102,7 @@ int Main(int argc, char** argv) {
   }
   std::vector<std::shared_ptr<ControlClient>> controls;
   for (const std::string& t : po.targets) {
-    controls.push_back(std::make_shared<ControlClient>(MakeExpertChannel(t)));
+    controls.push_back(std::make_shared<ControlClient>(MakeExpertChannel(t, po.auth_token)));
   }
   // --zero-copy (shm, one shard): requests are written in place in the slot
   // and answers read in place (ShmClient::Acquire/Commit/WaitInPlace/Release),

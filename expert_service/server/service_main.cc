@@ -5,6 +5,7 @@
 //       [--max-tokens N] [--threads N] [--numa-node N | --cores LIST]
 //       [--listen HOST:PORT] [--port-offset N] [--port-file PATH]
 //       [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]
+//       [--auth-token-file PATH] [--max-peers N]
 //       [--null-compute]   (benchmarks: validate, answer zeros, skip the experts)
 //
 // The experts run on the CPU kernels (expert_service/kernels) with one thread
@@ -17,6 +18,14 @@
 // NOT_SERVING, new calls are refused, in-flight calls finish (up to the drain
 // timeout), then the process exits 0; during loading it stops the load at the
 // next expert and exits 0 without READY.
+//
+// --auth-token-file: every control and data call must carry the token in the
+// file (common/auth_token.h; the worker's --expert-auth-token-file), else
+// UNAUTHENTICATED; health stays open. UCX and shared-memory sessions are set
+// up through the control plane, so they need it too. Without it, anyone who
+// reaches --listen may call the service (the default listens on loopback).
+// --max-peers N (default 64): at most N gRPC MoE streams, N shared-memory
+// segments and N UCX clients at once; one more is refused RESOURCE_EXHAUSTED.
 //
 //   hmoe-expert-service --check-ucx-address   (internal: the UCX address
 //       checker child the service starts itself; see UcxServerOptions)
@@ -41,8 +50,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/auth_token.h"
 #include "common/dtype.h"
 #include "common/status.h"
+#include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_client.h"
 #include "common/transport/shm_transport.h"
 #include "common/transport/ucx_transport.h"
@@ -66,6 +77,9 @@ struct ServiceOptions {
   double drain_timeout_s = 10;
   std::string instance;
   int port_offset = 0;  // added to the --listen port (systemd: the NUMA node)
+  std::string auth_token_file;
+  std::string auth_token;  // read from auth_token_file; empty: no auth
+  int64_t max_peers = 64;
 
   absl::Status Validate() const {
     RETURN_IF_ERROR(shard.Validate());
@@ -73,6 +87,10 @@ struct ServiceOptions {
       return absl::InvalidArgumentError("--numa-node and --cores are exclusive");
     }
     if (listen.empty()) return absl::InvalidArgumentError("--listen: empty");
+    if (max_peers < 1 || max_peers > 65536) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--max-peers: ", max_peers, " outside [1, 65536]"));
+    }
     if (!(drain_timeout_s >= 0 && drain_timeout_s <= 3600)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--drain-timeout-s: ", drain_timeout_s, " outside [0, 3600]"));
@@ -80,10 +98,12 @@ struct ServiceOptions {
     return absl::OkStatus();
   }
   std::string ToString() const {
-    return absl::StrCat(shard.ToString(), " listen=", listen, " numa_node=", numa_node,
-                        " cores=", cores.empty() ? "all" : cores, " shm=", shm, " ucx=", ucx,
-                        " drain_timeout_s=", drain_timeout_s,
-                        " instance=", instance.empty() ? "-" : instance);
+    return absl::StrCat(
+        shard.ToString(), " listen=", listen, " numa_node=", numa_node,
+        " cores=", cores.empty() ? "all" : cores, " shm=", shm, " ucx=", ucx,
+        " drain_timeout_s=", drain_timeout_s, " instance=", instance.empty() ? "-" : instance,
+        " auth=", auth_token_file.empty() ? "none" : "token file " + auth_token_file,
+        " max_peers=", max_peers);
   }
 };
 
@@ -154,7 +174,11 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
       }
     } else if (a == "--instance")
       o.instance = v;
-    else
+    else if (a == "--auth-token-file")
+      o.auth_token_file = v;
+    else if (a == "--max-peers") {
+      RETURN_IF_ERROR(int_of(&o.max_peers));
+    } else
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
   }
   if (o.port_offset != 0) {
@@ -169,6 +193,9 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
   }
   ASSIGN_OR_RETURN(o.shard.tuning, KernelTuningFromEnv());
   RETURN_IF_ERROR(o.Validate());
+  if (!o.auth_token_file.empty()) {
+    ASSIGN_OR_RETURN(o.auth_token, ReadAuthTokenFile(o.auth_token_file));
+  }
   return o;
 }
 
@@ -228,14 +255,19 @@ struct State {
                           absl::StrCat(name, ": the expert service is still loading; retry"));
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, absl::StrCat(name, " off"));
   }
+  grpc::Status Authorize(const grpc::ServerContext* ctx) const {
+    return CheckBearer(*ctx, opts.auth_token,
+                       "the worker's --expert-auth-token-file sets the expert service's token");
+  }
 };
 
 class ControlService final : public pb::ExpertControl::Service {
  public:
   explicit ControlService(State* s) : s_(s) {}
 
-  grpc::Status Describe(grpc::ServerContext*, const pb::DescribeRequest*,
+  grpc::Status Describe(grpc::ServerContext* ctx, const pb::DescribeRequest*,
                         pb::ShardDescription* d) override {
+    if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
     ExpertShard* shard = s_->shard.load();
     if (!shard) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "weights still loading");
     const ShardInfo& i = shard->info();
@@ -261,8 +293,9 @@ class ControlService final : public pb::ExpertControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetLoadStatus(grpc::ServerContext*, const pb::LoadStatusRequest*,
+  grpc::Status GetLoadStatus(grpc::ServerContext* ctx, const pb::LoadStatusRequest*,
                              pb::LoadStatus* r) override {
+    if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
     r->set_state(static_cast<pb::LoadStatus::State>(s_->load_state.load()));
     r->set_layers_loaded(s_->progress.layers_loaded);
     r->set_layers_total(s_->progress.layers_total);
@@ -274,7 +307,8 @@ class ControlService final : public pb::ExpertControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetStats(grpc::ServerContext*, const pb::StatsRequest*, pb::Stats* r) override {
+  grpc::Status GetStats(grpc::ServerContext* ctx, const pb::StatsRequest*, pb::Stats* r) override {
+    if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
     if (ExpertShard* shard = s_->shard.load()) {
       const auto& c = shard->counters();
       r->set_requests(c.requests);
@@ -296,8 +330,9 @@ class ControlService final : public pb::ExpertControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status AttachShm(grpc::ServerContext*, const pb::AttachShmRequest* req,
+  grpc::Status AttachShm(grpc::ServerContext* ctx, const pb::AttachShmRequest* req,
                          pb::AttachShmResponse* r) override {
+    if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
     ShmServer* shm = s_->shm.load();
     if (shm == nullptr) return s_->DataPlaneDown(s_->opts.shm, "shared memory");
     auto epoch = shm->Attach(req->path(), req->client_pid(), req->nonce());
@@ -306,8 +341,9 @@ class ControlService final : public pb::ExpertControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status UcxConnect(grpc::ServerContext*, const pb::UcxConnectRequest* req,
+  grpc::Status UcxConnect(grpc::ServerContext* ctx, const pb::UcxConnectRequest* req,
                           pb::UcxConnectResponse* r) override {
+    if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
     UcxServer* ucx = s_->ucx.load();
     if (ucx == nullptr) return s_->DataPlaneDown(s_->opts.ucx, "UCX");
     auto addr = ucx->Connect(req->client_worker_address(), req->client_id());
@@ -324,9 +360,16 @@ class DataService final : public pb::ExpertData::Service {
  public:
   explicit DataService(State* s) : s_(s) {}
 
-  grpc::Status Moe(grpc::ServerContext*,
+  grpc::Status Moe(grpc::ServerContext* ctx,
                    grpc::ServerReaderWriter<pb::MoeResponse, pb::MoeRequest>* rw) override {
-    s_->streams.fetch_add(1);
+    if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
+    if (s_->streams.fetch_add(1) >= static_cast<uint64_t>(s_->opts.max_peers)) {
+      const uint64_t open = s_->streams.fetch_sub(1) - 1;
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("expert service: ", open, " gRPC MoE streams open, the service's cap (",
+                       s_->opts.max_peers, ", --max-peers)"));
+    }
     pb::MoeRequest req;
     pb::MoeResponse resp;
     std::vector<float> out;
@@ -419,6 +462,10 @@ int Main(int argc, char** argv) {
   state.opts = *parsed;
   const ServiceOptions& o = state.opts;
   Log("options: " + o.ToString());
+  if (o.auth_token.empty() && !IsLoopbackListenAddress(o.listen)) {
+    Log("warning: listening on " + o.listen +
+        " without --auth-token-file: any host that reaches it can use this service");
+  }
   if (absl::Status st = BindResources(o); !st.ok()) {
     Log(std::string(st.message()));
     return 2;
@@ -481,12 +528,13 @@ int Main(int argc, char** argv) {
   std::unique_ptr<ShmServer> shm;
   std::unique_ptr<UcxServer> ucx;
   if (o.shm) {
-    shm = std::make_unique<ShmServer>(shard->get());
+    shm = std::make_unique<ShmServer>(shard->get(), static_cast<size_t>(o.max_peers));
     state.shm = shm.get();
   }
   if (o.ucx) {
     UcxServerOptions uo;
     uo.address_checker = {"/proc/self/exe", "--check-ucx-address"};
+    uo.max_endpoints = static_cast<size_t>(o.max_peers);
     auto u = UcxServer::Create(shard->get(), uo);
     if (u.ok()) {
       ucx = std::move(*u);

@@ -6,18 +6,27 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_client.h"
 #include "common/weight_map.h"
 
 namespace hmoe {
 
 GenerationService::GenerationService(Engine* engine, const Model* model, const Tokenizer* tokenizer,
-                                     std::string model_dir, std::string experts_backend)
+                                     std::string model_dir, std::string experts_backend,
+                                     std::string auth_token)
     : engine_(engine),
       model_(model),
       tokenizer_(tokenizer),
       model_dir_(std::move(model_dir)),
-      experts_backend_(std::move(experts_backend)) {}
+      experts_backend_(std::move(experts_backend)),
+      auth_token_(std::move(auth_token)) {}
+
+grpc::Status GenerationService::Authorize(const grpc::ServerContext* ctx) const {
+  return CheckBearer(
+      *ctx, auth_token_,
+      "hmoe: --token-file or $HMOE_TOKEN_FILE; the C++ client: ClientOptions::auth_token");
+}
 
 absl::StatusOr<GenerateRequest> GenerationService::ToEngineRequest(
     const api::v1::GenerateRequest& req) const {
@@ -85,6 +94,7 @@ struct EventQueue {
 grpc::Status GenerationService::Generate(grpc::ServerContext* ctx,
                                          const api::v1::GenerateRequest* req,
                                          grpc::ServerWriter<api::v1::GenerateResponse>* writer) {
+  if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
   const absl::Time start = absl::Now();
   auto er = ToEngineRequest(*req);
   if (!er.ok()) return ToGrpcStatus(er.status());
@@ -141,8 +151,10 @@ grpc::Status GenerationService::Generate(grpc::ServerContext* ctx,
   }
 }
 
-grpc::Status GenerationService::Tokenize(grpc::ServerContext*, const api::v1::TokenizeRequest* req,
+grpc::Status GenerationService::Tokenize(grpc::ServerContext* ctx,
+                                         const api::v1::TokenizeRequest* req,
                                          api::v1::TokenizeResponse* resp) {
+  if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
   if (tokenizer_ == nullptr)
     return ToGrpcStatus(absl::FailedPreconditionError("this model has no tokenizer.json"));
   auto ids = tokenizer_->Encode(req->text(), req->add_special_tokens());
@@ -151,9 +163,10 @@ grpc::Status GenerationService::Tokenize(grpc::ServerContext*, const api::v1::To
   return grpc::Status::OK;
 }
 
-grpc::Status GenerationService::Detokenize(grpc::ServerContext*,
+grpc::Status GenerationService::Detokenize(grpc::ServerContext* ctx,
                                            const api::v1::DetokenizeRequest* req,
                                            api::v1::DetokenizeResponse* resp) {
+  if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
   if (tokenizer_ == nullptr)
     return ToGrpcStatus(absl::FailedPreconditionError("this model has no tokenizer.json"));
   std::vector<int32_t> ids(req->ids().begin(), req->ids().end());
@@ -163,8 +176,10 @@ grpc::Status GenerationService::Detokenize(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status GenerationService::ModelInfo(grpc::ServerContext*, const api::v1::ModelInfoRequest*,
+grpc::Status GenerationService::ModelInfo(grpc::ServerContext* ctx,
+                                          const api::v1::ModelInfoRequest*,
                                           api::v1::ModelInfoResponse* resp) {
+  if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
   const ModelConfig& c = model_->config();
   resp->set_model_type(c.model_type);
   resp->set_model_dir(model_dir_);
@@ -185,8 +200,9 @@ grpc::Status GenerationService::ModelInfo(grpc::ServerContext*, const api::v1::M
   return grpc::Status::OK;
 }
 
-grpc::Status GenerationService::Stats(grpc::ServerContext*, const api::v1::StatsRequest*,
+grpc::Status GenerationService::Stats(grpc::ServerContext* ctx, const api::v1::StatsRequest*,
                                       api::v1::StatsResponse* resp) {
+  if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
   const EngineStats s = engine_->stats();
   resp->set_kv_blocks_total(s.kv_blocks_total);
   resp->set_kv_blocks_used(s.kv_blocks_used);

@@ -14,8 +14,11 @@ namespace hmoe {
 class GenerationService final : public api::v1::Generation::Service {
  public:
   // All borrowed; `tokenizer` may be null (then only prompt_ids work).
+  // `auth_token` non-empty: every call must carry it (common/transport/
+  // grpc_auth.h), else UNAUTHENTICATED.
   GenerationService(Engine* engine, const Model* model, const Tokenizer* tokenizer,
-                    std::string model_dir, std::string experts_backend);
+                    std::string model_dir, std::string experts_backend,
+                    std::string auth_token = "");
 
   grpc::Status Generate(grpc::ServerContext* ctx, const api::v1::GenerateRequest* req,
                         grpc::ServerWriter<api::v1::GenerateResponse>* writer) override;
@@ -38,6 +41,8 @@ class GenerationService final : public api::v1::Generation::Service {
   const Tokenizer* tokenizer_;
   std::string model_dir_;
   std::string experts_backend_;
+  std::string auth_token_;
+  grpc::Status Authorize(const grpc::ServerContext* ctx) const;
 };
 
 }  // namespace hmoe

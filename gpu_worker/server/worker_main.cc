@@ -5,6 +5,7 @@
 //                   [--max-batch 16] [--max-queue 64] [--max-context N] [--kv-blocks N]
 //                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
 //                   [--defer-experts 0] [--port-file PATH]
+//                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
 //
 // Routed experts run in-process (reference) with --experts local, else on
 // the expert service shards given; an expert call that misses
@@ -15,6 +16,10 @@
 // model is loaded and, with remote experts, while every shard answers.
 // SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
 // --drain-seconds (the rest end UNAVAILABLE), exit 0.
+// --auth-token-file: clients must send the token in that file (hmoe
+// --token-file; common/auth_token.h), else UNAUTHENTICATED; health stays open.
+// --expert-auth-token-file: the token the expert service shards require
+// (their --auth-token-file).
 #include <signal.h>
 #include <systemd/sd-daemon.h>
 
@@ -27,6 +32,7 @@
 #include <thread>
 
 #include "absl/strings/str_split.h"
+#include "common/auth_token.h"
 #include "common/tokenizer.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/model.h"
@@ -52,6 +58,8 @@ struct WorkerOptions {
   int expert_timeout_ms = 10000;
   int drain_seconds = 30;
   int defer_experts = 0;
+  std::string auth_token_file;
+  std::string expert_auth_token_file;
 };
 
 [[noreturn]] void Die(const std::string& msg, int code = 2) {
@@ -104,12 +112,17 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.drain_seconds = static_cast<int>(num(0));
     else if (a == "--defer-experts")
       o.defer_experts = static_cast<int>(num(0));
+    else if (a == "--auth-token-file")
+      o.auth_token_file = v;
+    else if (a == "--expert-auth-token-file")
+      o.expert_auth_token_file = v;
     else if (a == "-h" || a == "--help") {
       std::printf(
           "usage: hmoe-gpu-worker --model DIR [--listen ADDR] [--experts local|HOST:PORT,...]\n"
           "       [--transport grpc|shm|ucx] [--max-batch N] [--max-queue N] [--max-context N]\n"
           "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
-          "       [--defer-experts N] [--port-file PATH]\n");
+          "       [--defer-experts N] [--port-file PATH]\n"
+          "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n");
       std::exit(0);
     } else {
       Die("unknown flag " + a);
@@ -135,6 +148,22 @@ int Run(int argc, char** argv) {
                o.max_batch, o.max_queue, static_cast<long long>(o.max_context), o.drain_seconds,
                o.defer_experts);
 
+  // Token files are read (and their errors reported) before anything loads.
+  auto read_token = [](const std::string& path) -> std::string {
+    if (path.empty()) return "";
+    auto t = ReadAuthTokenFile(path);
+    if (!t.ok()) Die(std::string(t.status().message()));
+    return *t;
+  };
+  const std::string auth_token = read_token(o.auth_token_file);
+  const std::string expert_auth_token = read_token(o.expert_auth_token_file);
+  if (auth_token.empty() && !IsLoopbackListenAddress(o.listen)) {
+    std::fprintf(stderr,
+                 "hmoe-gpu-worker: warning: listening on %s without --auth-token-file: any host "
+                 "that reaches it can use this worker\n",
+                 o.listen.c_str());
+  }
+
   auto config = LoadModelConfig(o.model_dir);
   if (!config.ok()) Die(config.status().ToString(), 1);
   std::unique_ptr<ExpertPool> pool;
@@ -148,6 +177,7 @@ int Run(int argc, char** argv) {
     po.transport = *kind;
     // A hung shard costs one --expert-timeout-ms, not one per queued call.
     po.fail_fast_after_miss = absl::Seconds(1);
+    po.auth_token = expert_auth_token;
     auto p = ExpertPool::Connect(po);
     if (!p.ok()) Die("expert service: " + p.status().ToString(), 1);
     pool = std::move(*p);
@@ -177,7 +207,8 @@ int Run(int argc, char** argv) {
   auto engine = Engine::Create(model->get(), tokenizer.get(), eo);
   if (!engine.ok()) Die(engine.status().ToString(), 1);
 
-  GenerationService service(engine->get(), model->get(), tokenizer.get(), o.model_dir, backend);
+  GenerationService service(engine->get(), model->get(), tokenizer.get(), o.model_dir, backend,
+                            auth_token);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;

@@ -43,7 +43,9 @@ class Result:
 
 
 class Client:
-    def __init__(self, target="127.0.0.1:50051", connect_timeout=10.0):
+    def __init__(self, target="127.0.0.1:50051", connect_timeout=10.0, token=None):
+        """token: the worker's --auth-token-file contents (read_token_file), or None."""
+        self._md = (("authorization", "Bearer " + token),) if token else None
         self._channel = grpc.insecure_channel(target)
         grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         self._stub = api_pb2_grpc.GenerationStub(self._channel)
@@ -69,7 +71,7 @@ class Client:
                         add_special_tokens=False, timeout=None, **sampling):
         """Yields GenerateResponse chunks; raises grpc.RpcError on failure."""
         req = self._request(prompt, max_tokens, stop, stop_token_ids, ignore_eos, add_special_tokens, **sampling)
-        yield from self._stub.Generate(req, timeout=timeout)
+        yield from self._stub.Generate(req, timeout=timeout, metadata=self._md)
 
     def generate(self, prompt, **kwargs):
         r = Result()
@@ -86,25 +88,39 @@ class Client:
         return r
 
     def tokenize(self, text, add_special_tokens=False):
-        return list(self._stub.Tokenize(api_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)).ids)
+        return list(self._stub.Tokenize(api_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
+                                        metadata=self._md).ids)
 
     def detokenize(self, ids, skip_special_tokens=False):
-        return self._stub.Detokenize(api_pb2.DetokenizeRequest(ids=ids, skip_special_tokens=skip_special_tokens)).text
+        return self._stub.Detokenize(api_pb2.DetokenizeRequest(ids=ids, skip_special_tokens=skip_special_tokens),
+                                     metadata=self._md).text
 
     def model_info(self):
-        return self._stub.ModelInfo(api_pb2.ModelInfoRequest())
+        return self._stub.ModelInfo(api_pb2.ModelInfoRequest(), metadata=self._md)
 
     def stats(self):
-        return self._stub.Stats(api_pb2.StatsRequest())
+        return self._stub.Stats(api_pb2.StatsRequest(), metadata=self._md)
 
     def healthy(self):
         r = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def read_token_file(path):
+    """The token in `path` without its trailing newline; refuses a file other users can read."""
+    mode = os.stat(path).st_mode
+    if mode & 0o077:
+        raise PermissionError(f"auth token file {path}: mode {mode & 0o7777:04o} lets other users at the token; "
+                              "chmod 600 it")
+    with open(path) as f:
+        return f.read().rstrip()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--server", default=os.environ.get("HMOE_SERVER", "127.0.0.1:50051"))
+    ap.add_argument("--token-file", default=os.environ.get("HMOE_TOKEN_FILE"),
+                    help="file with the worker's --auth-token-file token (default $HMOE_TOKEN_FILE)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate")
     g.add_argument("prompt")
@@ -122,7 +138,7 @@ def main():
     t.add_argument("text")
     a = ap.parse_args()
     try:
-        c = Client(a.server)
+        c = Client(a.server, token=read_token_file(a.token_file) if a.token_file else None)
         if a.cmd == "generate":
             start = time.time()
             n = 0

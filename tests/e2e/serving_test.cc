@@ -3,10 +3,13 @@
 // fixture; concurrency, bad input, cancellation, load and failures of the
 // expert service are exercised against the running worker.
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <thread>
 #include <vector>
 
@@ -124,6 +127,78 @@ TEST(Serving, GreedyThroughTheWholeStackEqualsTransformers) {
     EXPECT_EQ(r->token_ids, ref.greedy);
     EXPECT_EQ(r->finish_reason, api::v1::FINISH_REASON_LENGTH);
   }
+}
+
+std::string WriteToken(const testing::TempDir& dir, const std::string& name,
+                       const std::string& token) {
+  const std::string path = dir.file(name);
+  std::ofstream(path) << token << "\n";
+  std::filesystem::permissions(
+      path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  return path;
+}
+
+// --auth-token-file on both processes: the worker reaches the expert service
+// with --expert-auth-token-file, and clients need the worker's own token
+// (the C++ client's ClientOptions::auth_token, hmoe's --token-file).
+TEST(Serving, TokensGuardTheClientApiAndTheExpertPlane) {
+  const std::string dir = testing::FixturesDir() + "/ds3_fortunes";
+  const Reference ref = LoadReference(dir);
+  testing::TempDir tmp;
+  const std::string client_token = WriteToken(tmp, "client", "client-token-0123456789abcdef");
+  const std::string expert_token = WriteToken(tmp, "expert", "expert-token-0123456789abcdef");
+  Pair pair;
+  ASSERT_TRUE(
+      pair.Start(dir, 1, "tp", "shm",
+                 {"--auth-token-file=" + client_token, "--expert-auth-token-file=" + expert_token},
+                 {"--auth-token-file=" + expert_token}));
+  const auto request = IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size()));
+  auto refused = pair.client().Generate(request);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("--token-file"));
+  EXPECT_EQ(pair.client().ModelInfo().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(*pair.client().Healthy());  // health stays open
+
+  ClientOptions o;
+  o.target = pair.worker().target();
+  o.auth_token = "client-token-0123456789abcdef";
+  auto client = Client::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto r = (*client)->Generate(request);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->token_ids, ref.greedy);
+
+  // The command line: with --token-file it generates, without it the error
+  // names the code.
+  const std::string hmoe = std::string(HMOE_BINARY_DIR) + "/bin/hmoe";
+  const std::string base = absl::StrCat(hmoe, " generate --server ", pair.worker().target(),
+                                        " -p 'hello' --max-tokens 2 ");
+  EXPECT_EQ(std::system((base + "--token-file " + client_token + " >/dev/null 2>&1").c_str()), 0);
+  const std::string err = tmp.file("err");
+  EXPECT_NE(std::system((base + ">/dev/null 2>" + err).c_str()), 0);
+  std::ifstream in(err);
+  const std::string said((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(said, HasSubstr("UNAUTHENTICATED"));
+  // The Python client likewise (where Debian's python3-grpcio is installed).
+  if (std::system("/usr/bin/python3 -c 'import grpc' >/dev/null 2>&1") == 0) {
+    const std::string py = absl::StrCat(
+        "HMOE_PYTHON_STUBS=", HMOE_BINARY_DIR, "/python /usr/bin/python3 ", HMOE_SOURCE_DIR,
+        "/sdk/python/hmoe_client.py --server ", pair.worker().target(), " ");
+    const std::string gen = " generate hello --max-tokens 2 >/dev/null 2>&1";
+    EXPECT_EQ(std::system((py + "--token-file " + client_token + gen).c_str()), 0);
+    EXPECT_NE(std::system((py + gen).c_str()), 0);
+  }
+
+  // A worker whose expert token is wrong stops at start with the reason.
+  const std::string wrong = WriteToken(tmp, "wrong", "expert-token-0123456789abcdeX");
+  testing::ServiceProcess worker;
+  worker.set_binary(WorkerBinary());
+  EXPECT_FALSE(worker.Start({"--model=" + dir, "--experts=" + pair.expert().target(),
+                             "--transport=shm", "--expert-auth-token-file=" + wrong},
+                            tmp.file("worker2.port")));
+  EXPECT_TRUE(WIFEXITED(worker.exit_status()) && WEXITSTATUS(worker.exit_status()) == 1)
+      << worker.exit_status();
 }
 
 // Sharded expert service (2 and 3 shards, both splits, every transport) gives

@@ -1,0 +1,97 @@
+#include "common/auth_token.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace hmoe {
+
+absl::StatusOr<std::string> ReadAuthTokenFile(const std::string& path) {
+  const std::string what = absl::StrCat("auth token file ", path);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    const int err = errno;
+    const std::string msg = absl::StrCat(what, ": ", std::strerror(err));
+    if (err == ENOENT) return absl::NotFoundError(msg);
+    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
+    if (err == ELOOP) return absl::FailedPreconditionError(absl::StrCat(what, ": a symlink"));
+    return absl::InternalError(msg);
+  }
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat(what, ": fstat failed"));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": not a regular file"));
+  }
+  if ((st.st_mode & 0077) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("%s: mode %04o lets other users at the token; chmod 600 it", what,
+                        static_cast<unsigned>(st.st_mode & 07777)));
+  }
+  if (st.st_size > static_cast<off_t>(kMaxAuthTokenBytes + 2)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", st.st_size, " bytes, over the ",
+                                                   kMaxAuthTokenBytes, " a token may have"));
+  }
+  std::string token(kMaxAuthTokenBytes + 3, '\0');
+  size_t n = 0;
+  while (n < token.size()) {
+    const ssize_t r = ::read(fd, token.data() + n, token.size() - n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+    if (r == 0) break;
+    n += static_cast<size_t>(r);
+  }
+  token.resize(n);
+  while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ' ||
+                            token.back() == '\t')) {
+    token.pop_back();
+  }
+  if (token.size() > kMaxAuthTokenBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": token of ", token.size(), " bytes, over the ", kMaxAuthTokenBytes));
+  }
+  for (size_t i = 0; i < token.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(token[i]);
+    if (c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: byte %zu is 0x%02x; a token is printable ASCII without spaces "
+                          "(e.g. `head -c 32 /dev/urandom | base64 -w0`)",
+                          what, i, static_cast<unsigned>(c)));
+    }
+  }
+  if (token.size() < kMinAuthTokenBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": token of ", token.size(), " bytes; at least ", kMinAuthTokenBytes,
+                     " (e.g. `head -c 32 /dev/urandom | base64 -w0`)"));
+  }
+  return token;
+}
+
+bool IsLoopbackListenAddress(absl::string_view listen) {
+  if (absl::StartsWith(listen, "unix:")) return true;
+  const size_t colon = listen.rfind(':');
+  const absl::string_view host =
+      colon == absl::string_view::npos ? listen : listen.substr(0, colon);
+  return host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.");
+}
+
+bool AuthTokensEqual(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
+  return diff == 0;
+}
+
+}  // namespace hmoe

@@ -1,0 +1,97 @@
+// Bearer tokens on gRPC (common/auth_token.h has the token files): a client
+// channel that sends `authorization: Bearer <token>` with every call, and the
+// server-side check each of our handlers runs first. Header-only, like
+// grpc_status.h, so thin clients (sdk/) use it without the transports.
+// grpc.health.v1 stays open (it tells SERVING / NOT_SERVING, nothing else).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/auth_token.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/client_interceptor.h"
+#include "grpcpp/support/status.h"
+
+namespace hmoe {
+
+inline constexpr char kAuthMetadataKey[] = "authorization";
+inline constexpr absl::string_view kBearerPrefix = "Bearer ";
+
+namespace internal {
+
+class BearerInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerInterceptor(const std::string* value) : value_(value) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+    if (m->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      m->GetSendInitialMetadata()->emplace(kAuthMetadataKey, *value_);
+    }
+    m->Proceed();
+  }
+
+ private:
+  const std::string* value_;  // owned by the factory, which the channel keeps
+};
+
+class BearerInterceptorFactory final
+    : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerInterceptorFactory(absl::string_view token)
+      : value_(absl::StrCat(kBearerPrefix, token)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo*) override {
+    return new BearerInterceptor(&value_);
+  }
+
+ private:
+  const std::string value_;
+};
+
+}  // namespace internal
+
+// A channel whose every call carries `token` (none when empty).
+inline std::shared_ptr<grpc::Channel> CreateChannelWithToken(
+    const std::string& target, const std::shared_ptr<grpc::ChannelCredentials>& creds,
+    const grpc::ChannelArguments& args, absl::string_view token) {
+  if (token.empty()) return grpc::CreateCustomChannel(target, creds, args);
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> f;
+  f.push_back(std::make_unique<internal::BearerInterceptorFactory>(token));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args, std::move(f));
+}
+
+// OK when `token` is empty (auth off) or the call's metadata carries exactly
+// one `authorization: Bearer <token>`; else UNAUTHENTICATED, saying which
+// (`hint` names the client's flag that sets the token).
+inline grpc::Status CheckBearer(const grpc::ServerContextBase& ctx, absl::string_view token,
+                                absl::string_view hint) {
+  if (token.empty()) return grpc::Status::OK;
+  const auto& md = ctx.client_metadata();
+  const auto [lo, hi] = md.equal_range(kAuthMetadataKey);
+  if (lo == hi) {
+    return grpc::Status(
+        grpc::StatusCode::UNAUTHENTICATED,
+        absl::StrCat("this server requires a token and the call sent none (", hint, ")"));
+  }
+  if (std::next(lo) != hi) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "the call sent more than one authorization value");
+  }
+  const absl::string_view v(lo->second.data(), lo->second.size());
+  if (!absl::StartsWith(v, kBearerPrefix) ||
+      !AuthTokensEqual(v.substr(kBearerPrefix.size()), token)) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        absl::StrCat("the call's token does not match this server's (", hint, ")"));
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace hmoe

@@ -1,0 +1,94 @@
+#include "common/auth_token.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace hmoe {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string WriteFile(const testing::TempDir& dir, const std::string& name,
+                      const std::string& bytes, mode_t mode = 0600) {
+  const std::string path = dir.file(name);
+  std::ofstream(path, std::ios::binary) << bytes;
+  ::chmod(path.c_str(), mode);
+  return path;
+}
+
+TEST(AuthToken, ReadsTheTokenWithoutItsNewline) {
+  testing::TempDir dir;
+  const std::string token = "hm0e-Secret+Token/0123456789==";
+  auto t = ReadAuthTokenFile(WriteFile(dir, "t", token + "\n"));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(*t, token);
+  t = ReadAuthTokenFile(WriteFile(dir, "crlf", token + "\r\n", 0400));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(*t, token);
+}
+
+TEST(AuthToken, RefusesWhatIsNotAPrivateTokenFileNamingIt) {
+  testing::TempDir dir;
+  const std::string good = "0123456789abcdef0123";
+  struct Case {
+    std::string path;
+    absl::StatusCode code;
+    std::string says;
+  };
+  ::symlink(WriteFile(dir, "target", good).c_str(), dir.file("link").c_str());
+  const Case cases[] = {
+      {dir.file("missing"), absl::StatusCode::kNotFound, "No such file"},
+      {WriteFile(dir, "shared", good, 0644), absl::StatusCode::kFailedPrecondition,
+       "mode 0644 lets other users at the token; chmod 600"},
+      {WriteFile(dir, "group", good, 0640), absl::StatusCode::kFailedPrecondition, "mode 0640"},
+      {dir.path(), absl::StatusCode::kFailedPrecondition, "not a regular file"},
+      {dir.file("link"), absl::StatusCode::kFailedPrecondition, "a symlink"},
+      {WriteFile(dir, "short", "0123456789abcde\n"), absl::StatusCode::kInvalidArgument,
+       "token of 15 bytes; at least 16"},
+      {WriteFile(dir, "empty", ""), absl::StatusCode::kInvalidArgument, "token of 0 bytes"},
+      {WriteFile(dir, "space", "0123 456789abcdef0"), absl::StatusCode::kInvalidArgument,
+       "byte 4 is 0x20"},
+      {WriteFile(dir, "nul", std::string("0123456789\0abcdef", 17)),
+       absl::StatusCode::kInvalidArgument, "byte 10 is 0x00"},
+      {WriteFile(dir, "long", std::string(kMaxAuthTokenBytes + 1, 'x')),
+       absl::StatusCode::kInvalidArgument, "over the 4096"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.path);
+    auto t = ReadAuthTokenFile(c.path);
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), c.code) << t.status();
+    EXPECT_THAT(t.status().message(), HasSubstr(c.says));
+    EXPECT_THAT(t.status().message(), HasSubstr("auth token file " + c.path));
+  }
+  // The longest token is taken.
+  auto t = ReadAuthTokenFile(WriteFile(dir, "max", std::string(kMaxAuthTokenBytes, 'x') + "\n"));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->size(), kMaxAuthTokenBytes);
+}
+
+TEST(AuthToken, EqualityAndLoopbackAddresses) {
+  EXPECT_TRUE(AuthTokensEqual("abcdefghijklmnop", "abcdefghijklmnop"));
+  EXPECT_FALSE(AuthTokensEqual("abcdefghijklmnop", "abcdefghijklmnoq"));
+  EXPECT_FALSE(AuthTokensEqual("abcdefghijklmnop", "abcdefghijklmno"));
+  EXPECT_FALSE(AuthTokensEqual("", "a"));
+  for (const char* a :
+       {"127.0.0.1:50061", "127.1.2.3:0", "localhost:1", "[::1]:50051", "unix:/run/hmoe.sock"}) {
+    EXPECT_TRUE(IsLoopbackListenAddress(a)) << a;
+  }
+  for (const char* a : {"0.0.0.0:50061", "[::]:50051", "10.0.0.7:1", "host.example:50061",
+                        "localhost.example:1", "128.0.0.1:2"}) {
+    EXPECT_FALSE(IsLoopbackListenAddress(a)) << a;
+  }
+}
+
+}  // namespace
+}  // namespace hmoe
