@@ -77,7 +77,8 @@ TEST(Ops, LinearAvx2EqualsScalarBitForBit) {
   if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
   ThreadPool pool(2);
   for (int64_t K : {1, 7, 8, 9, 16, 37, 64, 129, 2048}) {
-    for (int64_t T : {1, 3, 8}) {
+    // T and N around the SIMD path's blocks of 2 rows x 4 tokens.
+    for (int64_t T : {1, 3, 4, 5, 8, 13}) {
       SCOPED_TRACE(::testing::Message() << "K " << K << " T " << T);
       const int64_t N = 67;
       std::vector<float> x = Random(T * K, 11, 4.0f), wf = Random(N * K, 12), bias = Random(N, 13);
