@@ -63,65 +63,73 @@ void LinearRows(const float* x, int64_t T, const W* w, int64_t K, int64_t N, con
 // The AVX2 path in blocks of 2 weight rows x 4 tokens: each weight load
 // serves 4 tokens and each activation load 2 rows, while every output keeps
 // its own register of 8 partial sums, filled in DotAvx2's order and finished
-// as DotAvx2 finishes (same bits). Rows and tokens left over go one by one.
+// as DotAvx2 finishes (same bits). Rows are taken in chunks whose weights
+// stay in L2 (~256 KiB) while every 4-token block passes over them, so the
+// activations (4 x K floats) are read from L1 and the weights from L2.
+// Rows and tokens left over go one by one.
+template <typename W>
+__attribute__((target("avx2"))) void Block2x4Avx2(const float* xt, int64_t K, const W* w0,
+                                                  const float* bias, int64_t n, int64_t N,
+                                                  float* yt) {
+  const W* w1 = w0 + K;
+  const int64_t k8 = K / 8 * 8;
+  // Named accumulators: GCC -O2 keeps arrays of them on the stack.
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+  __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+  const float* x0 = xt;
+  const float* x1 = xt + K;
+  const float* x2 = xt + 2 * K;
+  const float* x3 = xt + 3 * K;
+  for (int64_t i = 0; i < k8; i += 8) {
+    const __m256 v0 = Load8(w0 + i), v1 = Load8(w1 + i);
+    __m256 xv = _mm256_loadu_ps(x0 + i);
+    a00 = _mm256_add_ps(a00, _mm256_mul_ps(xv, v0));
+    a10 = _mm256_add_ps(a10, _mm256_mul_ps(xv, v1));
+    xv = _mm256_loadu_ps(x1 + i);
+    a01 = _mm256_add_ps(a01, _mm256_mul_ps(xv, v0));
+    a11 = _mm256_add_ps(a11, _mm256_mul_ps(xv, v1));
+    xv = _mm256_loadu_ps(x2 + i);
+    a02 = _mm256_add_ps(a02, _mm256_mul_ps(xv, v0));
+    a12 = _mm256_add_ps(a12, _mm256_mul_ps(xv, v1));
+    xv = _mm256_loadu_ps(x3 + i);
+    a03 = _mm256_add_ps(a03, _mm256_mul_ps(xv, v0));
+    a13 = _mm256_add_ps(a13, _mm256_mul_ps(xv, v1));
+  }
+  const __m256 acc[2][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}};
+  for (int r = 0; r < 2; ++r) {
+    const W* row = r == 0 ? w0 : w1;
+    const float b = bias ? bias[n + r] : 0.0f;
+    for (int j = 0; j < 4; ++j) {
+      alignas(32) float p[8];
+      _mm256_store_ps(p, acc[r][j]);
+      float s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+      const float* xj = xt + j * K;
+      for (int64_t i = k8; i < K; ++i) s += xj[i] * ToF(row[i]);
+      yt[j * N + n + r] = s + b;
+    }
+  }
+}
+
 template <typename W>
 __attribute__((target("avx2"))) void LinearRowsAvx2(const float* x, int64_t T, const W* w,
                                                     int64_t K, int64_t N, const float* bias,
                                                     int64_t n0, int64_t n1, float* y) {
-  constexpr int kR = 2, kT = 4;
-  const int64_t k8 = K / 8 * 8;
-  int64_t n = n0;
-  for (; n + kR <= n1; n += kR) {
-    const W* w0 = w + n * K;
-    const W* w1 = w0 + K;
-    int64_t t = 0;
-    for (; t + kT <= T; t += kT) {
-      const float* xt = x + t * K;
-      // Named accumulators: GCC -O2 keeps arrays of them on the stack.
-      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-      __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-      const float* x0 = xt;
-      const float* x1 = xt + K;
-      const float* x2 = xt + 2 * K;
-      const float* x3 = xt + 3 * K;
-      for (int64_t i = 0; i < k8; i += 8) {
-        const __m256 v0 = Load8(w0 + i), v1 = Load8(w1 + i);
-        __m256 xv = _mm256_loadu_ps(x0 + i);
-        a00 = _mm256_add_ps(a00, _mm256_mul_ps(xv, v0));
-        a10 = _mm256_add_ps(a10, _mm256_mul_ps(xv, v1));
-        xv = _mm256_loadu_ps(x1 + i);
-        a01 = _mm256_add_ps(a01, _mm256_mul_ps(xv, v0));
-        a11 = _mm256_add_ps(a11, _mm256_mul_ps(xv, v1));
-        xv = _mm256_loadu_ps(x2 + i);
-        a02 = _mm256_add_ps(a02, _mm256_mul_ps(xv, v0));
-        a12 = _mm256_add_ps(a12, _mm256_mul_ps(xv, v1));
-        xv = _mm256_loadu_ps(x3 + i);
-        a03 = _mm256_add_ps(a03, _mm256_mul_ps(xv, v0));
-        a13 = _mm256_add_ps(a13, _mm256_mul_ps(xv, v1));
-      }
-      const __m256 a0[kT] = {a00, a01, a02, a03}, a1[kT] = {a10, a11, a12, a13};
-      for (int r = 0; r < kR; ++r) {
-        const W* row = r == 0 ? w0 : w1;
-        const float b = bias ? bias[n + r] : 0.0f;
-        for (int j = 0; j < kT; ++j) {
-          alignas(32) float p[8];
-          _mm256_store_ps(p, r == 0 ? a0[j] : a1[j]);
-          float s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-          const float* xj = xt + j * K;
-          for (int64_t i = k8; i < K; ++i) s += xj[i] * ToF(row[i]);
-          y[(t + j) * N + n + r] = s + b;
-        }
-      }
+  constexpr int64_t kL2Bytes = 256 << 10;
+  const int64_t chunk =
+      std::max<int64_t>(2, kL2Bytes / std::max<int64_t>(1, K * int64_t{sizeof(W)}) / 2 * 2);
+  const int64_t t4 = T / 4 * 4;
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t c1 = std::min(n1, c0 + chunk), pairs_end = c0 + (c1 - c0) / 2 * 2;
+    for (int64_t t = 0; t < t4; t += 4)
+      for (int64_t n = c0; n < pairs_end; n += 2)
+        Block2x4Avx2(x + t * K, K, w + n * K, bias, n, N, y + t * N);
+    for (int64_t n = c0; n < c1; ++n) {
+      const W* row = w + n * K;
+      const float b = bias ? bias[n] : 0.0f;
+      // The tokens past the blocks; for an odd last row, every token.
+      for (int64_t t = n < pairs_end ? t4 : 0; t < T; ++t)
+        y[t * N + n] = DotAvx2(x + t * K, row, K) + b;
     }
-    for (; t < T; ++t) {
-      y[t * N + n] = DotAvx2(x + t * K, w0, K) + (bias ? bias[n] : 0.0f);
-      y[t * N + n + 1] = DotAvx2(x + t * K, w1, K) + (bias ? bias[n + 1] : 0.0f);
-    }
-  }
-  for (; n < n1; ++n) {
-    const W* row = w + n * K;
-    const float b = bias ? bias[n] : 0.0f;
-    for (int64_t t = 0; t < T; ++t) y[t * N + n] = DotAvx2(x + t * K, row, K) + b;
   }
 }
 
