@@ -63,10 +63,7 @@ void LinearRows(const float* x, int64_t T, const W* w, int64_t K, int64_t N, con
 // The AVX2 path in blocks of 2 weight rows x 4 tokens: each weight load
 // serves 4 tokens and each activation load 2 rows, while every output keeps
 // its own register of 8 partial sums, filled in DotAvx2's order and finished
-// as DotAvx2 finishes (same bits). Rows are taken in chunks whose weights
-// stay in L2 (~256 KiB) while every 4-token block passes over them, so the
-// activations (4 x K floats) are read from L1 and the weights from L2.
-// Rows and tokens left over go one by one.
+// as DotAvx2 finishes (same bits).
 template <typename W>
 __attribute__((target("avx2"))) void Block2x4Avx2(const float* xt, int64_t K, const W* w0,
                                                   const float* bias, int64_t n, int64_t N,
@@ -110,24 +107,96 @@ __attribute__((target("avx2"))) void Block2x4Avx2(const float* xt, int64_t K, co
   }
 }
 
+// AVX-512: the same 8-lane accumulators, two rows' in one register (lanes
+// 0-7 one row, 8-15 the next), in blocks of 4 rows x 4 tokens: twice the
+// arithmetic per instruction, each lane still a multiply then an add (this
+// file is built with -ffp-contract=off: AVX-512F brings FMA, which GCC
+// would otherwise contract into).
+// (Here and below the maskz forms: GCC 12 warns that the plain ones'
+// undefined sources may be used uninitialized.)
+__attribute__((target("avx512f"))) inline __m512 Load8x2(const float* a, const float* b) {
+  const __m256d lo = _mm256_castps_pd(_mm256_loadu_ps(a)),
+                hi = _mm256_castps_pd(_mm256_loadu_ps(b));
+  return _mm512_castpd_ps(
+      _mm512_mask_broadcast_f64x4(_mm512_maskz_broadcast_f64x4(0x0F, lo), 0xF0, hi));
+}
+__attribute__((target("avx512f"))) inline __m512 Load8x2(const uint16_t* a, const uint16_t* b) {
+  const __m256i u = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  const __m512i v = _mm512_maskz_cvtepu16_epi32(0xFFFF, u);
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, v, 16));
+}
+__attribute__((target("avx512f"))) inline __m512 Broadcast8(const float* x) {
+  return _mm512_castpd_ps(_mm512_maskz_broadcast_f64x4(0xFF, _mm256_castps_pd(_mm256_loadu_ps(x))));
+}
 template <typename W>
-__attribute__((target("avx2"))) void LinearRowsAvx2(const float* x, int64_t T, const W* w,
-                                                    int64_t K, int64_t N, const float* bias,
-                                                    int64_t n0, int64_t n1, float* y) {
+__attribute__((target("avx512f"))) void Block4x4Avx512(const float* xt, int64_t K, const W* w0,
+                                                       const float* bias, int64_t n, int64_t N,
+                                                       float* yt) {
+  const W* w1 = w0 + K;
+  const W* w2 = w1 + K;
+  const W* w3 = w2 + K;
+  const int64_t k8 = K / 8 * 8;
+  __m512 p00 = _mm512_setzero_ps(), p01 = p00, p02 = p00, p03 = p00;  // rows 0, 1
+  __m512 p10 = p00, p11 = p00, p12 = p00, p13 = p00;                  // rows 2, 3
+  const float* x0 = xt;
+  const float* x1 = xt + K;
+  const float* x2 = xt + 2 * K;
+  const float* x3 = xt + 3 * K;
+  for (int64_t i = 0; i < k8; i += 8) {
+    const __m512 v01 = Load8x2(w0 + i, w1 + i), v23 = Load8x2(w2 + i, w3 + i);
+    __m512 xb = Broadcast8(x0 + i);
+    p00 = _mm512_add_ps(p00, _mm512_mul_ps(xb, v01));
+    p10 = _mm512_add_ps(p10, _mm512_mul_ps(xb, v23));
+    xb = Broadcast8(x1 + i);
+    p01 = _mm512_add_ps(p01, _mm512_mul_ps(xb, v01));
+    p11 = _mm512_add_ps(p11, _mm512_mul_ps(xb, v23));
+    xb = Broadcast8(x2 + i);
+    p02 = _mm512_add_ps(p02, _mm512_mul_ps(xb, v01));
+    p12 = _mm512_add_ps(p12, _mm512_mul_ps(xb, v23));
+    xb = Broadcast8(x3 + i);
+    p03 = _mm512_add_ps(p03, _mm512_mul_ps(xb, v01));
+    p13 = _mm512_add_ps(p13, _mm512_mul_ps(xb, v23));
+  }
+  const __m512 acc[2][4] = {{p00, p01, p02, p03}, {p10, p11, p12, p13}};
+  const W* rows[4] = {w0, w1, w2, w3};
+  for (int r = 0; r < 4; ++r) {
+    const float b = bias ? bias[n + r] : 0.0f;
+    for (int j = 0; j < 4; ++j) {
+      alignas(64) float q[16];
+      _mm512_store_ps(q, acc[r / 2][j]);
+      const float* p = q + (r % 2) * 8;
+      float s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+      const float* xj = xt + j * K;
+      for (int64_t i = k8; i < K; ++i) s += xj[i] * ToF(rows[r][i]);
+      yt[j * N + n + r] = s + b;
+    }
+  }
+}
+
+// Rows [n0, n1) in chunks whose weights stay in L2 (~256 KiB) while every
+// 4-token block passes over them (activations from L1, weights from L2),
+// in blocks of kRows rows x 4 tokens; rows and tokens left over go one by
+// one through DotAvx2 (the same bits as the blocks).
+template <int kRows, typename W>
+void LinearRowsBlocked(const float* x, int64_t T, const W* w, int64_t K, int64_t N,
+                       const float* bias, int64_t n0, int64_t n1, float* y,
+                       void (*block)(const float*, int64_t, const W*, const float*, int64_t,
+                                     int64_t, float*)) {
   constexpr int64_t kL2Bytes = 256 << 10;
-  const int64_t chunk =
-      std::max<int64_t>(2, kL2Bytes / std::max<int64_t>(1, K * int64_t{sizeof(W)}) / 2 * 2);
+  const int64_t chunk = std::max<int64_t>(
+      kRows, kL2Bytes / std::max<int64_t>(1, K * int64_t{sizeof(W)}) / kRows * kRows);
   const int64_t t4 = T / 4 * 4;
   for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-    const int64_t c1 = std::min(n1, c0 + chunk), pairs_end = c0 + (c1 - c0) / 2 * 2;
+    const int64_t c1 = std::min(n1, c0 + chunk), blocks_end = c0 + (c1 - c0) / kRows * kRows;
     for (int64_t t = 0; t < t4; t += 4)
-      for (int64_t n = c0; n < pairs_end; n += 2)
-        Block2x4Avx2(x + t * K, K, w + n * K, bias, n, N, y + t * N);
+      for (int64_t n = c0; n < blocks_end; n += kRows)
+        block(x + t * K, K, w + n * K, bias, n, N, y + t * N);
     for (int64_t n = c0; n < c1; ++n) {
       const W* row = w + n * K;
       const float b = bias ? bias[n] : 0.0f;
-      // The tokens past the blocks; for an odd last row, every token.
-      for (int64_t t = n < pairs_end ? t4 : 0; t < T; ++t)
+      // The tokens past the blocks; for rows past the last block, every token.
+      for (int64_t t = n < blocks_end ? t4 : 0; t < T; ++t)
         y[t * N + n] = DotAvx2(x + t * K, row, K) + b;
     }
   }
@@ -219,19 +288,37 @@ absl::StatusOr<std::vector<float>> LoadOptionalVector(const Checkpoint& ckpt,
   return LoadVector(ckpt, name, expected_numel);
 }
 
+LinearIsa BestLinearIsa() {
+  if (__builtin_cpu_supports("avx512f")) return LinearIsa::kAvx512;
+  if (__builtin_cpu_supports("avx2")) return LinearIsa::kAvx2;
+  return LinearIsa::kScalar;
+}
+
 void Linear(ThreadPool* pool, const float* x, int64_t T, const Matrix& w, const float* bias,
-            float* y, bool simd) {
+            float* y, LinearIsa isa) {
   const int64_t K = w.cols, N = w.rows;
   if (T <= 0 || N <= 0) return;
   // Chunks of at least ~32k multiply-adds, so tiny products stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K * T));
-  const bool avx2 = simd && __builtin_cpu_supports("avx2");
+  const LinearIsa use = std::min(isa, BestLinearIsa());
   auto body = [&](int64_t n0, int64_t n1) {
-    if (avx2 && w.f32)
-      LinearRowsAvx2(x, T, w.f32, K, N, bias, n0, n1, y);
-    else if (avx2)
-      LinearRowsAvx2(x, T, w.bf16, K, N, bias, n0, n1, y);
-    else if (w.f32)
+    switch (use) {
+      case LinearIsa::kAvx512:
+        if (w.f32)
+          LinearRowsBlocked<4>(x, T, w.f32, K, N, bias, n0, n1, y, &Block4x4Avx512<float>);
+        else
+          LinearRowsBlocked<4>(x, T, w.bf16, K, N, bias, n0, n1, y, &Block4x4Avx512<uint16_t>);
+        return;
+      case LinearIsa::kAvx2:
+        if (w.f32)
+          LinearRowsBlocked<2>(x, T, w.f32, K, N, bias, n0, n1, y, &Block2x4Avx2<float>);
+        else
+          LinearRowsBlocked<2>(x, T, w.bf16, K, N, bias, n0, n1, y, &Block2x4Avx2<uint16_t>);
+        return;
+      case LinearIsa::kScalar:
+        break;
+    }
+    if (w.f32)
       LinearRows(x, T, w.f32, K, N, bias, n0, n1, y);
     else
       LinearRows(x, T, w.bf16, K, N, bias, n0, n1, y);

@@ -42,14 +42,22 @@ absl::StatusOr<std::vector<float>> LoadOptionalVector(const Checkpoint& ckpt,
                                                       const std::string& name,
                                                       int64_t expected_numel);
 
+// Instruction sets Linear can use, in order; each gives the same bits.
+enum class LinearIsa { kScalar, kAvx2, kAvx512 };
+// The best this CPU has (cpuid).
+LinearIsa BestLinearIsa();
+
 // y[t, n] = dot(x[t, :], w[n, :]) (+ bias[n]) for t < T, n < w.rows;
 // x is [T, w.cols]. Parallel over output rows. bias may be null. Each dot
 // product keeps 8 partial sums (lane j: elements j, j + 8, ...), each a
 // rounded multiply then a rounded add (no fused multiply-add), combined
-// pairwise, then the tail: with `simd` and AVX2 in cpuid the 8 lanes run in
-// one vector register, with the same bits as the scalar loop.
+// pairwise, then the tail. `isa` caps the instructions (the CPU's best
+// below it is used): with AVX2 the 8 lanes run in one register, blocks of 2
+// rows x 4 tokens sharing their loads; with AVX-512 two rows' lanes share
+// one register, blocks of 4 rows x 4 tokens. Every path has the scalar
+// loop's bits.
 void Linear(ThreadPool* pool, const float* x, int64_t T, const Matrix& w, const float* bias,
-            float* y, bool simd = true);
+            float* y, LinearIsa isa = LinearIsa::kAvx512);
 
 // y = x * rsqrt(mean(x^2) + eps) * weight, per row of n (in place allowed).
 void RmsNorm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* y);

@@ -71,9 +71,9 @@ TEST(Ops, LinearBf16MatchesF32AndIgnoresBatching) {
   }
 }
 
-// The AVX2 dot products give the scalar loop's bits: bf16 and f32 weights,
+// The AVX2 and AVX-512 paths give the scalar loop's bits: bf16 and f32 weights,
 // K with and without a tail, several T, with a bias and without.
-TEST(Ops, LinearAvx2EqualsScalarBitForBit) {
+TEST(Ops, LinearSimdPathsEqualScalarBitForBit) {
   if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
   ThreadPool pool(2);
   for (int64_t K : {1, 7, 8, 9, 16, 37, 64, 129, 2048}) {
@@ -88,10 +88,15 @@ TEST(Ops, LinearAvx2EqualsScalarBitForBit) {
       for (const Matrix* m : {&mf, &mb}) {
         for (const float* b :
              {static_cast<const float*>(bias.data()), static_cast<const float*>(nullptr)}) {
-          std::vector<float> scalar(T * N), simd(T * N);
-          Linear(&pool, x.data(), T, *m, b, scalar.data(), /*simd=*/false);
-          Linear(&pool, x.data(), T, *m, b, simd.data(), /*simd=*/true);
-          ASSERT_EQ(simd, scalar) << (m == &mf ? "f32" : "bf16");
+          std::vector<float> scalar(T * N);
+          Linear(&pool, x.data(), T, *m, b, scalar.data(), LinearIsa::kScalar);
+          for (LinearIsa isa : {LinearIsa::kAvx2, LinearIsa::kAvx512}) {
+            if (isa > BestLinearIsa()) continue;  // the test's first line covers AVX2
+            std::vector<float> simd(T * N);
+            Linear(&pool, x.data(), T, *m, b, simd.data(), isa);
+            ASSERT_EQ(simd, scalar)
+                << (m == &mf ? "f32" : "bf16") << (isa == LinearIsa::kAvx2 ? " avx2" : " avx512");
+          }
         }
       }
     }
