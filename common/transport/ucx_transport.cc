@@ -670,14 +670,22 @@ UcxServer::~UcxServer() {
 }
 
 absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address,
-                                               uint64_t client_id) {
+                                               uint64_t client_id,
+                                               const std::function<bool()>& caller_gone) {
   if (client_address.empty()) return absl::InvalidArgumentError("client_worker_address: empty");
   if (client_address.size() > kMaxUcxAddressBytes)
     return absl::InvalidArgumentError(absl::StrCat("client_worker_address: ", client_address.size(),
                                                    " bytes, over the ", kMaxUcxAddressBytes,
                                                    " a UCX address takes"));
   Impl* impl = impl_.get();
+  auto gone = [&] { return caller_gone != nullptr && caller_gone(); };
+  if (gone())
+    return absl::CancelledError("UCX connect: the client gave up before the address check");
   if (impl->checker) RETURN_IF_ERROR(impl->checker->Check(client_address));
+  if (gone()) {
+    return absl::CancelledError(
+        "UCX connect: the client gave up during the address check; no endpoint made");
+  }
   absl::Status st = impl->worker->Call<absl::Status>([&]() -> absl::Status {
     auto it = impl->peers.find(client_id);
     if (it != impl->peers.end()) {

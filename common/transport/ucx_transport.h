@@ -29,6 +29,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -100,7 +101,11 @@ class UcxServer {
   ~UcxServer();
   // Connects to a client worker; returns this service's worker address.
   // RESOURCE_EXHAUSTED when max_endpoints other clients are connected.
-  absl::StatusOr<std::string> Connect(const std::string& client_address, uint64_t client_id);
+  // `caller_gone` (optional) says whether the client has given up (e.g. the
+  // control call's deadline passed while the address check ran): asked
+  // before and after the check; then CANCELLED and no endpoint is made.
+  absl::StatusOr<std::string> Connect(const std::string& client_address, uint64_t client_id,
+                                      const std::function<bool()>& caller_gone = nullptr);
   uint64_t endpoints() const;
   uint64_t peer_failures() const;
   // Fault injection: every peer's endpoint fails and is dropped as if UCX had

@@ -346,7 +346,8 @@ class ControlService final : public pb::ExpertControl::Service {
     if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
     UcxServer* ucx = s_->ucx.load();
     if (ucx == nullptr) return s_->DataPlaneDown(s_->opts.ucx, "UCX");
-    auto addr = ucx->Connect(req->client_worker_address(), req->client_id());
+    auto addr = ucx->Connect(req->client_worker_address(), req->client_id(),
+                             [ctx] { return ctx->IsCancelled(); });
     if (!addr.ok()) return ToGrpcStatus(addr.status());
     r->set_server_worker_address(*addr);
     return grpc::Status::OK;

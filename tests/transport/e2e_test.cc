@@ -25,6 +25,7 @@
 #include "common/transport/shm_transport.h"
 #include "common/transport/ucx_transport.h"
 #include "expert_service/server/expert_shard.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/scoped_env.h"
 #include "tests/testing/temp_dir.h"
@@ -437,25 +438,45 @@ TEST(UcxSetup, BadEnvironmentIsAnErrorNotACrash) {
 // one it cannot parse (found by this test: an assertion in ucp_address_unpack).
 // With the checker, a malformed address is an INVALID_ARGUMENT for that call;
 // a real one still connects, and the server goes on serving.
-TEST(UcxSetup, MalformedWorkerAddressesAreRefusedNotFatal) {
-  UcxServerOptions opts;
-  opts.address_checker = {::hmoe::testing::ServiceBinary(), "--check-ucx-address"};
-  auto server = UcxServer::Create(nullptr, opts);
-  ASSERT_TRUE(server.ok()) << server.status();
-  // A real client address: a plain UCX worker's.
+// A plain UCX worker of this process: a real client worker address.
+struct PlainUcxWorker {
+  PlainUcxWorker() {
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM;
+    if (ucp_init(&params, nullptr, &ctx) != UCS_OK) return;
+    ucp_worker_params_t wp{};
+    if (ucp_worker_create(ctx, &wp, &worker) != UCS_OK) return;
+    ucp_address_t* addr = nullptr;
+    size_t len = 0;
+    if (ucp_worker_get_address(worker, &addr, &len) != UCS_OK) return;
+    address.assign(reinterpret_cast<const char*>(addr), len);
+    ucp_worker_release_address(worker, addr);
+  }
+  ~PlainUcxWorker() {
+    if (worker) ucp_worker_destroy(worker);
+    if (ctx) ucp_cleanup(ctx);
+  }
   ucp_context_h ctx = nullptr;
   ucp_worker_h worker = nullptr;
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_AM;
-  ASSERT_EQ(ucp_init(&params, nullptr, &ctx), UCS_OK);
-  ucp_worker_params_t wp{};
-  ASSERT_EQ(ucp_worker_create(ctx, &wp, &worker), UCS_OK);
-  ucp_address_t* addr = nullptr;
-  size_t len = 0;
-  ASSERT_EQ(ucp_worker_get_address(worker, &addr, &len), UCS_OK);
-  const std::string real(reinterpret_cast<const char*>(addr), len);
-  ucp_worker_release_address(worker, addr);
+  std::string address;  // empty if UCX could not start
+};
+
+// A UcxServer (no handler) with the service's own address checker.
+absl::StatusOr<std::unique_ptr<UcxServer>> CheckedUcxServer() {
+  UcxServerOptions opts;
+  opts.address_checker = {::hmoe::testing::ServiceBinary(), "--check-ucx-address"};
+  return UcxServer::Create(nullptr, opts);
+}
+
+TEST(UcxSetup, MalformedWorkerAddressesAreRefusedNotFatal) {
+  auto server = CheckedUcxServer();
+  ASSERT_TRUE(server.ok()) << server.status();
+  // A real client address: a plain UCX worker's.
+  PlainUcxWorker client;
+  ASSERT_FALSE(client.address.empty());
+  const std::string& real = client.address;
+  const size_t len = real.size();
 
   std::mt19937 rng(5);
   std::vector<std::string> bad = {"x", std::string(7, '\0'), std::string(64, '\xff'),
@@ -488,8 +509,29 @@ TEST(UcxSetup, MalformedWorkerAddressesAreRefusedNotFatal) {
   auto ok = (*server)->Connect(real, 1);
   EXPECT_TRUE(ok.ok()) << ok.status();
   server->reset();
-  ucp_worker_destroy(worker);
-  ucp_cleanup(ctx);
+}
+
+// A client that gave up (its control call's deadline passed) while the
+// address check ran gets no endpoint: asked before and after the check.
+TEST(UcxSetup, AClientThatGaveUpGetsNoEndpoint) {
+  auto server = CheckedUcxServer();
+  ASSERT_TRUE(server.ok()) << server.status();
+  PlainUcxWorker client;
+  ASSERT_FALSE(client.address.empty());
+  const std::string& real = client.address;
+
+  auto before = (*server)->Connect(real, 1, [] { return true; });
+  EXPECT_EQ(before.status().code(), absl::StatusCode::kCancelled) << before.status();
+  int asked = 0;
+  auto during = (*server)->Connect(real, 2, [&asked] { return ++asked > 1; });
+  EXPECT_EQ(during.status().code(), absl::StatusCode::kCancelled) << during.status();
+  EXPECT_THAT(std::string(during.status().message()), ::testing::HasSubstr("no endpoint"));
+  EXPECT_EQ(asked, 2);
+  EXPECT_EQ((*server)->endpoints(), 0u);
+  auto stayed = (*server)->Connect(real, 3, [] { return false; });
+  EXPECT_TRUE(stayed.ok()) << stayed.status();
+  EXPECT_EQ((*server)->endpoints(), 1u);
+  server->reset();
 }
 
 // A checker that never becomes ready (here: a program that does not speak
