@@ -11,18 +11,20 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 
 namespace hmoe {
 
 absl::StatusOr<std::string> ReadAuthTokenFile(const std::string& path) {
   const std::string what = absl::StrCat("auth token file ", path);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  // O_NONBLOCK: a FIFO must not block the open (it is refused below as not
+  // a regular file). Symlinks are followed: the mode checked is the file's.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     const std::string msg = absl::StrCat(what, ": ", std::strerror(err));
     if (err == ENOENT) return absl::NotFoundError(msg);
     if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
-    if (err == ELOOP) return absl::FailedPreconditionError(absl::StrCat(what, ": a symlink"));
     return absl::InternalError(msg);
   }
   struct FdCloser {
@@ -79,11 +81,21 @@ absl::StatusOr<std::string> ReadAuthTokenFile(const std::string& path) {
 }
 
 bool IsLoopbackListenAddress(absl::string_view listen) {
-  if (absl::StartsWith(listen, "unix:")) return true;
+  if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) return true;
   const size_t colon = listen.rfind(':');
-  const absl::string_view host =
-      colon == absl::string_view::npos ? listen : listen.substr(0, colon);
-  return host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.");
+  absl::string_view host = colon == absl::string_view::npos ? listen : listen.substr(0, colon);
+  if (host == "localhost" || host == "[::1]") return true;
+  if (absl::ConsumePrefix(&host, "[::ffff:") && !absl::ConsumeSuffix(&host, "]")) return false;
+  // An IPv4 literal in 127.0.0.0/8.
+  if (!absl::StartsWith(host, "127.")) return false;
+  int dots = 0;
+  for (char c : host) {
+    if (c == '.')
+      ++dots;
+    else if (c < '0' || c > '9')
+      return false;
+  }
+  return dots == 3;
 }
 
 bool AuthTokensEqual(absl::string_view a, absl::string_view b) {

@@ -20,7 +20,8 @@ inline constexpr size_t kMaxAuthTokenBytes = 4096;
 // (a final newline). Errors name the path:
 //   NOT_FOUND / PERMISSION_DENIED  the file cannot be opened;
 //   FAILED_PRECONDITION            not a regular file, or group / other
-//                                  users have any access (chmod 600 it);
+//                                  users have any access (chmod 600 it;
+//                                  through a symlink, the target's mode);
 //   INVALID_ARGUMENT               shorter than kMinAuthTokenBytes, longer
 //                                  than kMaxAuthTokenBytes, or a byte outside
 //                                  printable ASCII without space (0x21-0x7e).

@@ -14,8 +14,9 @@ Client::Client(std::shared_ptr<grpc::Channel> channel)
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& o) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
-  auto channel =
-      CreateChannelWithToken(o.target, grpc::InsecureChannelCredentials(), args, o.auth_token);
+  auto creds = ChannelCredentialsFrom(o.tls);
+  if (!creds.ok()) return creds.status();
+  auto channel = CreateChannelWithToken(o.target, *creds, args, o.auth_token);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + o.connect_timeout)))
     return absl::UnavailableError(absl::StrCat("cannot connect to ", o.target, " within ",
                                                absl::FormatDuration(o.connect_timeout)));

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/transport/grpc_tls.h"
 #include "proto/api.grpc.pb.h"
 
 namespace hmoe {
@@ -20,6 +21,9 @@ struct ClientOptions {
   // Sent with every call (the worker's --auth-token-file; common/auth_token.h
   // reads token files); empty: none.
   std::string auth_token;
+  // TLS (the worker's --tls-cert-file): CA to verify it, client certificate
+  // for mutual TLS; plaintext when none is set.
+  TlsClientFiles tls;
 };
 
 struct GenerateResult {

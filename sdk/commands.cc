@@ -111,6 +111,9 @@ class Flags {
 
 const std::vector<std::string> kSamplingFlags = {"--server",
                                                  "--token-file",
+                                                 "--tls-ca-file",
+                                                 "--tls-cert-file",
+                                                 "--tls-key-file",
                                                  "--max-tokens",
                                                  "--temperature",
                                                  "--top-k",
@@ -155,6 +158,10 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectFrom(Flags& f) {
   if (!token_file.empty()) {
     ASSIGN_OR_RETURN(o.auth_token, ReadAuthTokenFile(token_file));
   }
+  const char* env_ca = std::getenv("HMOE_TLS_CA_FILE");
+  o.tls.ca_file = f.Str("--tls-ca-file", env_ca ? env_ca : "");
+  o.tls.cert_file = f.Str("--tls-cert-file");
+  o.tls.key_file = f.Str("--tls-key-file");
   return Client::Connect(o);
 }
 

@@ -31,7 +31,9 @@ int Usage(FILE* out) {
       "  bench-serve [--server ADDR] [--clients N] [--requests M] [--max-tokens K] [-p TEXT]\n"
       "      N concurrent clients: latency percentiles and throughput\n"
       "(--server defaults to $HMOE_SERVER or 127.0.0.1:50051; --token-file, default\n"
-      " $HMOE_TOKEN_FILE, names the file with the worker's --auth-token-file token)\n");
+      " $HMOE_TOKEN_FILE, names the file with the worker's --auth-token-file token;\n"
+      " --tls-ca-file, default $HMOE_TLS_CA_FILE, turns on TLS and verifies the worker with\n"
+      " that CA; --tls-cert-file / --tls-key-file give a client certificate)\n");
   return out == stderr ? 2 : 0;
 }
 

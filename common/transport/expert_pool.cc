@@ -33,13 +33,15 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
   if (opts.targets.empty()) return absl::InvalidArgumentError("targets: no shards given");
   auto pool = std::unique_ptr<ExpertPool>(new ExpertPool());
   pool->fail_fast_after_miss_ = opts.fail_fast_after_miss;
+  pool->authenticated_ = !opts.auth_token.empty();
   pool->max_in_flight_ =
       opts.transport == TransportKind::kShm ? static_cast<int>(opts.shm_slots) : 0;
   std::vector<Shard> shards(opts.targets.size());
   for (size_t i = 0; i < opts.targets.size(); ++i) {
     Shard s;
     s.target = opts.targets[i];
-    s.control = std::make_shared<ControlClient>(MakeExpertChannel(s.target, opts.auth_token));
+    s.control = std::make_shared<ControlClient>(
+        MakeExpertChannel(s.target, opts.auth_token, opts.credentials));
     const absl::Time until = absl::Now() + opts.connect_timeout;
     absl::StatusOr<ShardInfo> info;
     while (true) {
@@ -80,8 +82,8 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
     pool->model_.max_tokens = std::min(pool->model_.max_tokens, s.info.max_tokens);
     switch (opts.transport) {
       case TransportKind::kGrpc:
-        s.client = std::make_unique<GrpcStreamClient>(MakeExpertChannel(s.target, opts.auth_token),
-                                                      s.info.hidden);
+        s.client = std::make_unique<GrpcStreamClient>(
+            MakeExpertChannel(s.target, opts.auth_token, opts.credentials), s.info.hidden);
         break;
       case TransportKind::kShm: {
         ShmClientOptions so;
@@ -202,7 +204,8 @@ absl::Status ExpertPool::Wait(uint64_t handle, absl::Time deadline) {
       Shard& sh = shards_[static_cast<size_t>(sub.shard)];
       if (st.ok())
         sh.up = true;
-      else if (absl::IsUnavailable(st))
+      else if (absl::IsUnavailable(st) || absl::IsUnauthenticated(st) ||
+               absl::IsPermissionDenied(st))
         sh.up = false;
       if (absl::IsDeadlineExceeded(st) && fail_fast_after_miss_ > absl::ZeroDuration())
         sh.fail_fast_until = absl::Now() + fail_fast_after_miss_;
@@ -270,7 +273,14 @@ std::vector<bool> ExpertPool::ShardsUp() const {
 
 std::vector<Health> ExpertPool::CheckHealth(absl::Duration timeout) {
   std::vector<Health> r;
-  for (Shard& s : shards_) r.push_back(s.control->Check("", timeout));
+  for (Shard& s : shards_) {
+    Health h = s.control->Check("", timeout);
+    // grpc.health.v1 is open to all; with a token, also ask something that
+    // needs it, so a shard that no longer takes ours is not SERVING to us.
+    if (h == Health::kServing && authenticated_ && !s.control->Stats(timeout).ok())
+      h = Health::kNotServing;
+    r.push_back(h);
+  }
   return r;
 }
 

@@ -39,6 +39,9 @@ struct ExpertPoolOptions {
   // Sent with every control and gRPC data call (the service's
   // --auth-token-file; common/auth_token.h); empty: none.
   std::string auth_token;
+  // TLS to the shards' gRPC endpoints (grpc_tls.h ChannelCredentialsFrom);
+  // null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
 class ExpertPool {
@@ -68,9 +71,11 @@ class ExpertPool {
   absl::Status Wait(uint64_t handle, absl::Time deadline);
   absl::Status Run(const MoeCall& call, float* out, absl::Time deadline);
 
-  // Last known state per shard: false after an UNAVAILABLE, true after success.
+  // Last known state per shard: false after an UNAVAILABLE (or a refused
+  // token), true after success.
   std::vector<bool> ShardsUp() const;
-  // grpc.health.v1 of every shard, asked now.
+  // grpc.health.v1 of every shard, asked now; with an auth token also an
+  // authenticated call (a shard refusing our token is kNotServing).
   std::vector<Health> CheckHealth(absl::Duration timeout = absl::Seconds(1));
 
  private:
@@ -108,6 +113,7 @@ class ExpertPool {
 
   ShardInfo model_;
   absl::Duration fail_fast_after_miss_;
+  bool authenticated_ = false;
   int max_in_flight_ = 0;
   std::vector<Shard> shards_;  // by shard index
   mutable std::mutex mu_;

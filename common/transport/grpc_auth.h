@@ -29,17 +29,17 @@ namespace internal {
 
 class BearerInterceptor final : public grpc::experimental::Interceptor {
  public:
-  explicit BearerInterceptor(const std::string* value) : value_(value) {}
+  explicit BearerInterceptor(std::string value) : value_(std::move(value)) {}
   void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
     if (m->QueryInterceptionHookPoint(
             grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
-      m->GetSendInitialMetadata()->emplace(kAuthMetadataKey, *value_);
+      m->GetSendInitialMetadata()->emplace(kAuthMetadataKey, value_);
     }
     m->Proceed();
   }
 
  private:
-  const std::string* value_;  // owned by the factory, which the channel keeps
+  const std::string value_;
 };
 
 class BearerInterceptorFactory final
@@ -49,7 +49,7 @@ class BearerInterceptorFactory final
       : value_(absl::StrCat(kBearerPrefix, token)) {}
   grpc::experimental::Interceptor* CreateClientInterceptor(
       grpc::experimental::ClientRpcInfo*) override {
-    return new BearerInterceptor(&value_);
+    return new BearerInterceptor(value_);
   }
 
  private:
@@ -86,7 +86,8 @@ inline grpc::Status CheckBearer(const grpc::ServerContextBase& ctx, absl::string
                         "the call sent more than one authorization value");
   }
   const absl::string_view v(lo->second.data(), lo->second.size());
-  if (!absl::StartsWith(v, kBearerPrefix) ||
+  // The scheme is case-insensitive (RFC 7235); the token is not.
+  if (!absl::StartsWithIgnoreCase(v, kBearerPrefix) ||
       !AuthTokensEqual(v.substr(kBearerPrefix.size()), token)) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         absl::StrCat("the call's token does not match this server's (", hint, ")"));

@@ -14,8 +14,9 @@
 namespace hmoe {
 namespace pb = ::hmoe::expert::v1;
 
-std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target,
-                                                 const std::string& auth_token) {
+std::shared_ptr<grpc::Channel> MakeExpertChannel(
+    const std::string& target, const std::string& auth_token,
+    std::shared_ptr<grpc::ChannelCredentials> credentials) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
@@ -29,7 +30,8 @@ std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target,
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
-  return CreateChannelWithToken(target, grpc::InsecureChannelCredentials(), args, auth_token);
+  if (!credentials) credentials = grpc::InsecureChannelCredentials();
+  return CreateChannelWithToken(target, credentials, args, auth_token);
 }
 
 absl::Duration ControlBudget(absl::Time deadline, absl::Duration own, bool* capped) {

@@ -17,14 +17,17 @@
 
 namespace grpc {
 class Channel;
+class ChannelCredentials;
 }  // namespace grpc
 
 namespace hmoe {
 
 // A channel with our settings: unlimited message size, fast reconnect; every
-// call carries `auth_token` (grpc_auth.h) unless it is empty.
-std::shared_ptr<grpc::Channel> MakeExpertChannel(const std::string& target,
-                                                 const std::string& auth_token = "");
+// call carries `auth_token` (grpc_auth.h) unless it is empty; TLS with
+// `credentials` (grpc_tls.h), plaintext when null.
+std::shared_ptr<grpc::Channel> MakeExpertChannel(
+    const std::string& target, const std::string& auth_token = "",
+    std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
 struct ShardStats {
   uint64_t requests = 0, failed = 0, invalid = 0, tokens = 0, compute_ns = 0, in_flight = 0;

@@ -4,7 +4,7 @@
 //
 //   hmoe-expert-bench --targets=HOST:PORT[,HOST:PORT...] --transport=grpc|shm|ucx
 //       [--tokens=1,128] [--iters=200] [--warmup=20] [--verify-model-dir=DIR] [--zero-copy]
-//       [--auth-token-file=PATH]
+//       [--auth-token-file=PATH] [--tls-ca-file=PEM [--tls-cert-file=PEM --tls-key-file=PEM]]
 //
 // Prints one JSON object per token count: transport, tokens, hidden, p50/p99/mean
 // round trip (us), mean shard compute (us, from the shards' stats) and
@@ -25,6 +25,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "common/transport/expert_pool.h"
+#include "common/transport/grpc_tls.h"
 #include "common/transport/shm_transport.h"
 #include "expert_service/server/expert_shard.h"
 
@@ -37,6 +38,7 @@ int Main(int argc, char** argv) {
   int iters = 200, warmup = 20;
   std::string verify_dir;
   bool zero_copy = false;
+  TlsClientFiles tls;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i], v;
     const auto eq = a.find('=');
@@ -69,6 +71,7 @@ int Main(int argc, char** argv) {
       verify_dir = v;
     } else if (a == "--zero-copy") {
       zero_copy = true;
+    } else if (TakeTlsFlag(a, v, &tls)) {
     } else if (a == "--auth-token-file") {
       auto token = ReadAuthTokenFile(v);
       if (!token.ok()) {
@@ -81,6 +84,15 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "hmoe-expert-bench: bad flag %s\n", argv[i]);
       return 2;
     }
+  }
+  if (tls.enabled()) {
+    auto creds = ChannelCredentialsFrom(tls);
+    if (!creds.ok()) {
+      std::fprintf(stderr, "hmoe-expert-bench: %s\n",
+                   std::string(creds.status().message()).c_str());
+      return 2;
+    }
+    po.credentials = *creds;
   }
   auto pool = ExpertPool::Connect(po);
   if (!pool.ok()) {
@@ -102,7 +114,8 @@ int Main(int argc, char** argv) {
   }
   std::vector<std::shared_ptr<ControlClient>> controls;
   for (const std::string& t : po.targets) {
-    controls.push_back(std::make_shared<ControlClient>(MakeExpertChannel(t, po.auth_token)));
+    controls.push_back(
+        std::make_shared<ControlClient>(MakeExpertChannel(t, po.auth_token, po.credentials)));
   }
   // --zero-copy (shm, one shard): requests are written in place in the slot
   // and answers read in place (ShmClient::Acquire/Commit/WaitInPlace/Release),

@@ -6,6 +6,7 @@
 //       [--listen HOST:PORT] [--port-offset N] [--port-file PATH]
 //       [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]
 //       [--auth-token-file PATH] [--max-peers N]
+//       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
 //       [--null-compute]   (benchmarks: validate, answer zeros, skip the experts)
 //
 // The experts run on the CPU kernels (expert_service/kernels) with one thread
@@ -26,6 +27,10 @@
 // reaches --listen may call the service (the default listens on loopback).
 // --max-peers N (default 64): at most N gRPC MoE streams, N shared-memory
 // segments and N UCX clients at once; one more is refused RESOURCE_EXHAUSTED.
+// --tls-cert-file / --tls-key-file: the gRPC port speaks TLS (the worker's
+// --expert-tls-ca-file verifies it); --tls-client-ca-file: clients must also
+// present a certificate signed by that CA (mutual TLS). UCX and shared
+// memory are not encrypted.
 //
 //   hmoe-expert-service --check-ucx-address   (internal: the UCX address
 //       checker child the service starts itself; see UcxServerOptions)
@@ -55,6 +60,7 @@
 #include "common/status.h"
 #include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_client.h"
+#include "common/transport/grpc_tls.h"
 #include "common/transport/shm_transport.h"
 #include "common/transport/ucx_transport.h"
 #include "expert_service/server/expert_shard.h"
@@ -80,6 +86,8 @@ struct ServiceOptions {
   std::string auth_token_file;
   std::string auth_token;  // read from auth_token_file; empty: no auth
   int64_t max_peers = 64;
+  TlsServerFiles tls;
+  std::shared_ptr<grpc::ServerCredentials> credentials;  // from `tls`
 
   absl::Status Validate() const {
     RETURN_IF_ERROR(shard.Validate());
@@ -103,7 +111,8 @@ struct ServiceOptions {
         " cores=", cores.empty() ? "all" : cores, " shm=", shm, " ucx=", ucx,
         " drain_timeout_s=", drain_timeout_s, " instance=", instance.empty() ? "-" : instance,
         " auth=", auth_token_file.empty() ? "none" : "token file " + auth_token_file,
-        " max_peers=", max_peers);
+        " max_peers=", max_peers,
+        " tls=", tls.enabled() ? (tls.client_ca_file.empty() ? "on" : "mutual") : "off");
   }
 };
 
@@ -176,7 +185,8 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
       o.instance = v;
     else if (a == "--auth-token-file")
       o.auth_token_file = v;
-    else if (a == "--max-peers") {
+    else if (TakeTlsFlag(a, v, &o.tls)) {
+    } else if (a == "--max-peers") {
       RETURN_IF_ERROR(int_of(&o.max_peers));
     } else
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
@@ -196,6 +206,7 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
   if (!o.auth_token_file.empty()) {
     ASSIGN_OR_RETURN(o.auth_token, ReadAuthTokenFile(o.auth_token_file));
   }
+  ASSIGN_OR_RETURN(o.credentials, ServerCredentialsFrom(o.tls));
   return o;
 }
 
@@ -364,13 +375,17 @@ class DataService final : public pb::ExpertData::Service {
   grpc::Status Moe(grpc::ServerContext* ctx,
                    grpc::ServerReaderWriter<pb::MoeResponse, pb::MoeRequest>* rw) override {
     if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
-    if (s_->streams.fetch_add(1) >= static_cast<uint64_t>(s_->opts.max_peers)) {
-      const uint64_t open = s_->streams.fetch_sub(1) - 1;
-      return grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("expert service: ", open, " gRPC MoE streams open, the service's cap (",
-                       s_->opts.max_peers, ", --max-peers)"));
-    }
+    // Counted only while under the cap: a refused stream never inflates it.
+    const uint64_t cap = static_cast<uint64_t>(s_->opts.max_peers);
+    uint64_t open = s_->streams.load();
+    do {
+      if (open >= cap) {
+        return grpc::Status(
+            grpc::StatusCode::RESOURCE_EXHAUSTED,
+            absl::StrCat("expert service: ", open, " gRPC MoE streams open, the service's cap (",
+                         cap, ", --max-peers)"));
+      }
+    } while (!s_->streams.compare_exchange_weak(open, open + 1));
     pb::MoeRequest req;
     pb::MoeResponse resp;
     std::vector<float> out;
@@ -477,8 +492,13 @@ int Main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(o.listen, o.credentials, &port);
   builder.SetMaxReceiveMessageSize(GrpcMaxRequestBytes(o.shard.max_tokens));
+  // Pings to idle clients: a stream from a host that died ends within ~40 s
+  // and frees its --max-peers place. Clients ping every 10 s (grpc_client.cc).
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   builder.SetMaxSendMessageSize(-1);
   builder.RegisterService(&control);
   builder.RegisterService(&data);

@@ -323,10 +323,11 @@ void Linear(ThreadPool* pool, const float* x, int64_t T, const Matrix& w, const 
     else
       LinearRows(x, T, w.bf16, K, N, bias, n0, n1, y);
   };
-  if (pool)
-    pool->ParallelFor(N, grain, body);
-  else
-    body(0, N);
+  if (!pool) return body(0, N);
+  // Ranges of whole 4-row units, so no thread's range ends mid-block.
+  constexpr int64_t kUnit = 4;
+  pool->ParallelFor((N + kUnit - 1) / kUnit, (grain + kUnit - 1) / kUnit,
+                    [&](int64_t u0, int64_t u1) { body(u0 * kUnit, std::min(N, u1 * kUnit)); });
 }
 
 void RmsNorm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* y) {

@@ -6,6 +6,9 @@
 //                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
 //                   [--defer-experts 0] [--port-file PATH]
 //                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
+//                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
+//                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
+//                    --expert-tls-key-file PEM]]
 //
 // Routed experts run in-process (reference) with --experts local, else on
 // the expert service shards given; an expert call that misses
@@ -20,6 +23,10 @@
 // --token-file; common/auth_token.h), else UNAUTHENTICATED; health stays open.
 // --expert-auth-token-file: the token the expert service shards require
 // (their --auth-token-file).
+// --tls-*: the client API speaks TLS (hmoe --tls-ca-file verifies it;
+// --tls-client-ca-file: clients need a certificate from that CA). --expert-
+// tls-*: TLS to the shards' gRPC ports (their --tls-cert-file), with a
+// client certificate when they require one.
 #include <signal.h>
 #include <systemd/sd-daemon.h>
 
@@ -34,6 +41,7 @@
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
 #include "common/tokenizer.h"
+#include "common/transport/grpc_tls.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/server/generation_service.h"
@@ -60,6 +68,8 @@ struct WorkerOptions {
   int defer_experts = 0;
   std::string auth_token_file;
   std::string expert_auth_token_file;
+  TlsServerFiles tls;
+  TlsClientFiles expert_tls;
 };
 
 [[noreturn]] void Die(const std::string& msg, int code = 2) {
@@ -116,13 +126,17 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.auth_token_file = v;
     else if (a == "--expert-auth-token-file")
       o.expert_auth_token_file = v;
-    else if (a == "-h" || a == "--help") {
+    else if (TakeTlsFlag(a, v, &o.tls) || TakeTlsFlag(a, v, &o.expert_tls, "--expert-tls")) {
+    } else if (a == "-h" || a == "--help") {
       std::printf(
           "usage: hmoe-gpu-worker --model DIR [--listen ADDR] [--experts local|HOST:PORT,...]\n"
           "       [--transport grpc|shm|ucx] [--max-batch N] [--max-queue N] [--max-context N]\n"
           "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
           "       [--defer-experts N] [--port-file PATH]\n"
-          "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n");
+          "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
+          "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
+          "       [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM --expert-tls-key-file "
+          "PEM]]\n");
       std::exit(0);
     } else {
       Die("unknown flag " + a);
@@ -157,6 +171,10 @@ int Run(int argc, char** argv) {
   };
   const std::string auth_token = read_token(o.auth_token_file);
   const std::string expert_auth_token = read_token(o.expert_auth_token_file);
+  auto server_credentials = ServerCredentialsFrom(o.tls);
+  if (!server_credentials.ok()) Die(std::string(server_credentials.status().message()));
+  auto expert_credentials = ChannelCredentialsFrom(o.expert_tls, "--expert-tls");
+  if (!expert_credentials.ok()) Die(std::string(expert_credentials.status().message()));
   if (auth_token.empty() && !IsLoopbackListenAddress(o.listen)) {
     std::fprintf(stderr,
                  "hmoe-gpu-worker: warning: listening on %s without --auth-token-file: any host "
@@ -178,6 +196,7 @@ int Run(int argc, char** argv) {
     // A hung shard costs one --expert-timeout-ms, not one per queued call.
     po.fail_fast_after_miss = absl::Seconds(1);
     po.auth_token = expert_auth_token;
+    if (o.expert_tls.enabled()) po.credentials = *expert_credentials;
     auto p = ExpertPool::Connect(po);
     if (!p.ok()) Die("expert service: " + p.status().ToString(), 1);
     pool = std::move(*p);
@@ -212,7 +231,7 @@ int Run(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(o.listen, *server_credentials, &port);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) Die("cannot listen on " + o.listen, 1);

@@ -17,6 +17,7 @@ Command line:
 """
 import argparse
 import os
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,10 +44,18 @@ class Result:
 
 
 class Client:
-    def __init__(self, target="127.0.0.1:50051", connect_timeout=10.0, token=None):
-        """token: the worker's --auth-token-file contents (read_token_file), or None."""
+    def __init__(self, target="127.0.0.1:50051", connect_timeout=10.0, token=None, tls_ca=None,
+                 tls_cert=None, tls_key=None, tls=False):
+        """token: the worker's --auth-token-file contents (read_token_file), or None.
+        TLS (the worker's --tls-cert-file) when tls or any tls_* is given: tls_ca the CA's PEM bytes
+        (None: the system's roots), tls_cert / tls_key a client certificate for mutual TLS."""
         self._md = (("authorization", "Bearer " + token),) if token else None
-        self._channel = grpc.insecure_channel(target)
+        if tls or tls_ca or tls_cert or tls_key:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_ca, private_key=tls_key,
+                                                 certificate_chain=tls_cert)
+            self._channel = grpc.secure_channel(target, creds)
+        else:
+            self._channel = grpc.insecure_channel(target)
         grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         self._stub = api_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -107,13 +116,30 @@ class Client:
 
 
 def read_token_file(path):
-    """The token in `path` without its trailing newline; refuses a file other users can read."""
-    mode = os.stat(path).st_mode
-    if mode & 0o077:
-        raise PermissionError(f"auth token file {path}: mode {mode & 0o7777:04o} lets other users at the token; "
-                              "chmod 600 it")
-    with open(path) as f:
-        return f.read().rstrip()
+    """The token in `path`, checked as the C++ side checks it (common/auth_token.h): a regular file
+    only its owner may access (symlinks followed), 16-4096 printable ASCII bytes without spaces
+    after the trailing whitespace is dropped."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"auth token file {path}: not a regular file")
+        if st.st_mode & 0o077:
+            raise PermissionError(f"auth token file {path}: mode {st.st_mode & 0o7777:04o} lets other users at "
+                                  "the token; chmod 600 it")
+        data = os.read(fd, 4096 + 3)
+    finally:
+        os.close(fd)
+    token = data.rstrip(b" \t\r\n")
+    if len(token) > 4096:
+        raise ValueError(f"auth token file {path}: token over 4096 bytes")
+    for i, c in enumerate(token):
+        if c < 0x21 or c > 0x7e:
+            raise ValueError(f"auth token file {path}: byte {i} is 0x{c:02x}; a token is printable ASCII "
+                             "without spaces")
+    if len(token) < 16:
+        raise ValueError(f"auth token file {path}: token of {len(token)} bytes; at least 16")
+    return token.decode("ascii")
 
 
 def main():
@@ -121,6 +147,10 @@ def main():
     ap.add_argument("--server", default=os.environ.get("HMOE_SERVER", "127.0.0.1:50051"))
     ap.add_argument("--token-file", default=os.environ.get("HMOE_TOKEN_FILE"),
                     help="file with the worker's --auth-token-file token (default $HMOE_TOKEN_FILE)")
+    ap.add_argument("--tls-ca-file", default=os.environ.get("HMOE_TLS_CA_FILE"),
+                    help="TLS: the CA that signed the worker's certificate (default $HMOE_TLS_CA_FILE)")
+    ap.add_argument("--tls-cert-file", help="TLS: client certificate (mutual TLS)")
+    ap.add_argument("--tls-key-file", help="TLS: the client certificate's key")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate")
     g.add_argument("prompt")
@@ -138,7 +168,13 @@ def main():
     t.add_argument("text")
     a = ap.parse_args()
     try:
-        c = Client(a.server, token=read_token_file(a.token_file) if a.token_file else None)
+        def pem(path):
+            if not path:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+        c = Client(a.server, token=read_token_file(a.token_file) if a.token_file else None,
+                   tls_ca=pem(a.tls_ca_file), tls_cert=pem(a.tls_cert_file), tls_key=pem(a.tls_key_file))
         if a.cmd == "generate":
             start = time.time()
             n = 0
@@ -159,6 +195,9 @@ def main():
     except grpc.RpcError as e:
         print(f"hmoe_client: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    except (OSError, ValueError) as e:
+        print(f"hmoe_client: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

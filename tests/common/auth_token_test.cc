@@ -50,7 +50,6 @@ TEST(AuthToken, RefusesWhatIsNotAPrivateTokenFileNamingIt) {
        "mode 0644 lets other users at the token; chmod 600"},
       {WriteFile(dir, "group", good, 0640), absl::StatusCode::kFailedPrecondition, "mode 0640"},
       {dir.path(), absl::StatusCode::kFailedPrecondition, "not a regular file"},
-      {dir.file("link"), absl::StatusCode::kFailedPrecondition, "a symlink"},
       {WriteFile(dir, "short", "0123456789abcde\n"), absl::StatusCode::kInvalidArgument,
        "token of 15 bytes; at least 16"},
       {WriteFile(dir, "empty", ""), absl::StatusCode::kInvalidArgument, "token of 0 bytes"},
@@ -69,6 +68,17 @@ TEST(AuthToken, RefusesWhatIsNotAPrivateTokenFileNamingIt) {
     EXPECT_THAT(t.status().message(), HasSubstr(c.says));
     EXPECT_THAT(t.status().message(), HasSubstr("auth token file " + c.path));
   }
+  // A symlink to a private token file is followed; to a shared one, refused.
+  auto via_link = ReadAuthTokenFile(dir.file("link"));
+  ASSERT_TRUE(via_link.ok()) << via_link.status();
+  EXPECT_EQ(*via_link, good);
+  ::symlink(dir.file("shared").c_str(), dir.file("link2").c_str());
+  EXPECT_EQ(ReadAuthTokenFile(dir.file("link2")).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // A FIFO is refused without blocking.
+  ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0600), 0);
+  EXPECT_EQ(ReadAuthTokenFile(dir.file("fifo")).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   // The longest token is taken.
   auto t = ReadAuthTokenFile(WriteFile(dir, "max", std::string(kMaxAuthTokenBytes, 'x') + "\n"));
   ASSERT_TRUE(t.ok()) << t.status();
@@ -80,12 +90,13 @@ TEST(AuthToken, EqualityAndLoopbackAddresses) {
   EXPECT_FALSE(AuthTokensEqual("abcdefghijklmnop", "abcdefghijklmnoq"));
   EXPECT_FALSE(AuthTokensEqual("abcdefghijklmnop", "abcdefghijklmno"));
   EXPECT_FALSE(AuthTokensEqual("", "a"));
-  for (const char* a :
-       {"127.0.0.1:50061", "127.1.2.3:0", "localhost:1", "[::1]:50051", "unix:/run/hmoe.sock"}) {
+  for (const char* a : {"127.0.0.1:50061", "127.1.2.3:0", "localhost:1", "[::1]:50051",
+                        "unix:/run/hmoe.sock", "unix-abstract:hmoe", "[::ffff:127.0.0.1]:5"}) {
     EXPECT_TRUE(IsLoopbackListenAddress(a)) << a;
   }
-  for (const char* a : {"0.0.0.0:50061", "[::]:50051", "10.0.0.7:1", "host.example:50061",
-                        "localhost.example:1", "128.0.0.1:2"}) {
+  for (const char* a :
+       {"0.0.0.0:50061", "[::]:50051", "10.0.0.7:1", "host.example:50061", "localhost.example:1",
+        "128.0.0.1:2", "127.foo.example:1", "[::ffff:10.0.0.1]:5"}) {
     EXPECT_FALSE(IsLoopbackListenAddress(a)) << a;
   }
 }

@@ -70,11 +70,14 @@ class Pair {
     if (!worker_.Start(args, dir_.file("worker.port"))) return false;
     ClientOptions o;
     o.target = worker_.target();
+    o.tls = client_tls_;
     auto c = Client::Connect(o);
     if (!c.ok()) return false;
     client_ = std::move(*c);
     return true;
   }
+  // TLS for the client Start connects (before Start).
+  void set_client_tls(TlsClientFiles tls) { client_tls_ = std::move(tls); }
   Client& client() { return *client_; }
   testing::ServiceProcess& worker() { return worker_; }
   testing::ServiceProcess& expert(int i = 0) { return *experts_[static_cast<size_t>(i)]; }
@@ -84,6 +87,7 @@ class Pair {
   std::vector<std::unique_ptr<testing::ServiceProcess>> experts_;
   testing::ServiceProcess worker_;
   std::unique_ptr<Client> client_;
+  TlsClientFiles client_tls_;
 };
 
 // Generate `r` until it succeeds, for up to 5 s (a shard coming back).
@@ -158,7 +162,9 @@ TEST(Serving, TokensGuardTheClientApiAndTheExpertPlane) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
   EXPECT_THAT(refused.status().message(), HasSubstr("--token-file"));
   EXPECT_EQ(pair.client().ModelInfo().status().code(), absl::StatusCode::kUnauthenticated);
-  EXPECT_TRUE(*pair.client().Healthy());  // health stays open
+  auto healthy = pair.client().Healthy();  // health stays open
+  ASSERT_TRUE(healthy.ok()) << healthy.status();
+  EXPECT_TRUE(*healthy);
 
   ClientOptions o;
   o.target = pair.worker().target();
@@ -172,8 +178,8 @@ TEST(Serving, TokensGuardTheClientApiAndTheExpertPlane) {
   // The command line: with --token-file it generates, without it the error
   // names the code.
   const std::string hmoe = std::string(HMOE_BINARY_DIR) + "/bin/hmoe";
-  const std::string base = absl::StrCat(hmoe, " generate --server ", pair.worker().target(),
-                                        " -p 'hello' --max-tokens 2 ");
+  const std::string base = absl::StrCat("env -u HMOE_TOKEN_FILE ", hmoe, " generate --server ",
+                                        pair.worker().target(), " -p 'hello' --max-tokens 2 ");
   EXPECT_EQ(std::system((base + "--token-file " + client_token + " >/dev/null 2>&1").c_str()), 0);
   const std::string err = tmp.file("err");
   EXPECT_NE(std::system((base + ">/dev/null 2>" + err).c_str()), 0);
@@ -183,11 +189,16 @@ TEST(Serving, TokensGuardTheClientApiAndTheExpertPlane) {
   // The Python client likewise (where Debian's python3-grpcio is installed).
   if (std::system("/usr/bin/python3 -c 'import grpc' >/dev/null 2>&1") == 0) {
     const std::string py = absl::StrCat(
-        "HMOE_PYTHON_STUBS=", HMOE_BINARY_DIR, "/python /usr/bin/python3 ", HMOE_SOURCE_DIR,
-        "/sdk/python/hmoe_client.py --server ", pair.worker().target(), " ");
-    const std::string gen = " generate hello --max-tokens 2 >/dev/null 2>&1";
-    EXPECT_EQ(std::system((py + "--token-file " + client_token + gen).c_str()), 0);
-    EXPECT_NE(std::system((py + gen).c_str()), 0);
+        "env -u HMOE_TOKEN_FILE HMOE_PYTHON_STUBS=", HMOE_BINARY_DIR, "/python /usr/bin/python3 ",
+        HMOE_SOURCE_DIR, "/sdk/python/hmoe_client.py --server ", pair.worker().target(), " ");
+    const std::string gen = " generate hello --max-tokens 2 >/dev/null 2>";
+    EXPECT_EQ(std::system((py + "--token-file " + client_token + gen + "/dev/null").c_str()), 0);
+    const std::string py_err = tmp.file("py_err");
+    EXPECT_NE(std::system((py + gen + py_err).c_str()), 0);
+    std::ifstream py_in(py_err);
+    const std::string py_said((std::istreambuf_iterator<char>(py_in)),
+                              std::istreambuf_iterator<char>());
+    EXPECT_THAT(py_said, HasSubstr("UNAUTHENTICATED"));
   }
 
   // A worker whose expert token is wrong stops at start with the reason.
@@ -199,6 +210,40 @@ TEST(Serving, TokensGuardTheClientApiAndTheExpertPlane) {
                             tmp.file("worker2.port")));
   EXPECT_TRUE(WIFEXITED(worker.exit_status()) && WEXITSTATUS(worker.exit_status()) == 1)
       << worker.exit_status();
+}
+
+// TLS on both gRPC planes: the service's port (the worker verifies it with
+// --expert-tls-ca-file) and the worker's client API (verified by the
+// client's CA); a plaintext client cannot connect; hmoe --tls-ca-file works.
+TEST(Serving, TlsOnBothPlanes) {
+  const std::string dir = testing::FixturesDir() + "/ds3_fortunes";
+  const std::string tls = testing::FixturesDir() + "/tls/";
+  const Reference ref = LoadReference(dir);
+  Pair pair;
+  pair.set_client_tls({tls + "ca.pem", "", ""});
+  ASSERT_TRUE(pair.Start(
+      dir, 1, "tp", "shm",
+      {"--tls-cert-file=" + tls + "server.pem", "--tls-key-file=" + tls + "server.key",
+       "--expert-tls-ca-file=" + tls + "ca.pem"},
+      {"--tls-cert-file=" + tls + "server.pem", "--tls-key-file=" + tls + "server.key"}));
+  auto r = pair.client().Generate(IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size())));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->token_ids, ref.greedy);
+  ClientOptions plain;
+  plain.target = pair.worker().target();
+  plain.connect_timeout = absl::Seconds(1);
+  EXPECT_FALSE(Client::Connect(plain).ok());
+  const std::string hmoe =
+      absl::StrCat("env -u HMOE_TLS_CA_FILE ", HMOE_BINARY_DIR, "/bin/hmoe generate --server ",
+                   pair.worker().target(), " -p 'hello' --max-tokens 2 ");
+  EXPECT_EQ(std::system((hmoe + "--tls-ca-file " + tls + "ca.pem >/dev/null 2>&1").c_str()), 0);
+  if (std::system("/usr/bin/python3 -c 'import grpc' >/dev/null 2>&1") == 0) {
+    const std::string py = absl::StrCat(
+        "env -u HMOE_TLS_CA_FILE HMOE_PYTHON_STUBS=", HMOE_BINARY_DIR, "/python /usr/bin/python3 ",
+        HMOE_SOURCE_DIR, "/sdk/python/hmoe_client.py --server ", pair.worker().target(),
+        " --tls-ca-file ", tls, "ca.pem generate hello --max-tokens 2 >/dev/null 2>&1");
+    EXPECT_EQ(std::system(py.c_str()), 0) << py;
+  }
 }
 
 // Sharded expert service (2 and 3 shards, both splits, every transport) gives

@@ -75,9 +75,12 @@ TEST(Ops, LinearBf16MatchesF32AndIgnoresBatching) {
 // K with and without a tail, several T, with a bias and without.
 TEST(Ops, LinearSimdPathsEqualScalarBitForBit) {
   if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
-  ThreadPool pool(2);
-  for (int64_t K : {1, 7, 8, 9, 16, 37, 64, 129, 2048}) {
-    // T and N around the SIMD path's blocks of 2 rows x 4 tokens.
+  ThreadPool two(2);
+  // K 4100 on one thread: several L2 row chunks (12 / 16 rows of 256 KiB)
+  // in one range, each with a K tail of 4.
+  for (int64_t K : {1, 7, 8, 9, 16, 37, 64, 129, 2048, 4100}) {
+    ThreadPool* pool = K == 4100 ? nullptr : &two;
+    // T and N around the blocks of 2 or 4 rows x 4 tokens.
     for (int64_t T : {1, 3, 4, 5, 8, 13}) {
       SCOPED_TRACE(::testing::Message() << "K " << K << " T " << T);
       const int64_t N = 67;
@@ -89,11 +92,11 @@ TEST(Ops, LinearSimdPathsEqualScalarBitForBit) {
         for (const float* b :
              {static_cast<const float*>(bias.data()), static_cast<const float*>(nullptr)}) {
           std::vector<float> scalar(T * N);
-          Linear(&pool, x.data(), T, *m, b, scalar.data(), LinearIsa::kScalar);
+          Linear(pool, x.data(), T, *m, b, scalar.data(), LinearIsa::kScalar);
           for (LinearIsa isa : {LinearIsa::kAvx2, LinearIsa::kAvx512}) {
             if (isa > BestLinearIsa()) continue;  // the test's first line covers AVX2
             std::vector<float> simd(T * N);
-            Linear(&pool, x.data(), T, *m, b, simd.data(), isa);
+            Linear(pool, x.data(), T, *m, b, simd.data(), isa);
             ASSERT_EQ(simd, scalar)
                 << (m == &mf ? "f32" : "bf16") << (isa == LinearIsa::kAvx2 ? " avx2" : " avx512");
           }

@@ -1,5 +1,6 @@
 // The expert service's token (--auth-token-file) and peer cap (--max-peers),
 // as real processes on loopback, over every transport.
+#include <signal.h>
 #include <sys/stat.h>
 
 #include <chrono>
@@ -110,6 +111,26 @@ TEST_P(AuthTest, EveryCallNeedsTheServicesToken) {
   auto stats = admitted.Stats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->requests, 2u);
+
+  // The service comes back with another token: once the pool's calls are
+  // refused for it, grpc.health.v1 still says SERVING, but the pool's health
+  // (what the worker reports) says it is not.
+  auto pool = ExpertPool::Connect(Options(proc, kToken));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  EXPECT_EQ((*pool)->CheckHealth(), std::vector<Health>{Health::kServing});
+  proc.Kill(SIGTERM);
+  WriteToken(dir, "expert-plane-token/rotated-0123456789");
+  ASSERT_TRUE(proc.Restart());
+  absl::Status refused;
+  for (int i = 0; i < 100 && !absl::IsUnauthenticated(refused); ++i) {
+    refused = RunOne(**pool, 4);  // UNAVAILABLE until the transport reconnects
+    if (!absl::IsUnauthenticated(refused))
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnauthenticated) << refused;
+  EXPECT_EQ(anon.Check(), Health::kServing);
+  EXPECT_EQ((*pool)->CheckHealth(), std::vector<Health>{Health::kNotServing});
+  EXPECT_EQ((*pool)->ShardsUp(), std::vector<bool>{false});
 }
 
 TEST_P(AuthTest, PeersOverTheCapAreRefusedAndTheOthersServe) {
