@@ -276,9 +276,12 @@ std::vector<Health> ExpertPool::CheckHealth(absl::Duration timeout) {
   for (Shard& s : shards_) {
     Health h = s.control->Check("", timeout);
     // grpc.health.v1 is open to all; with a token, also ask something that
-    // needs it, so a shard that no longer takes ours is not SERVING to us.
-    if (h == Health::kServing && authenticated_ && !s.control->Stats(timeout).ok())
-      h = Health::kNotServing;
+    // needs it, so a shard that no longer takes ours is not SERVING to us
+    // (only a refusal counts: a slow answer is not a verdict).
+    if (h == Health::kServing && authenticated_) {
+      const absl::Status st = s.control->Stats(timeout).status();
+      if (absl::IsUnauthenticated(st) || absl::IsPermissionDenied(st)) h = Health::kNotServing;
+    }
     r.push_back(h);
   }
   return r;

@@ -48,8 +48,11 @@ class Client:
                  tls_cert=None, tls_key=None, tls=False):
         """token: the worker's --auth-token-file contents (read_token_file), or None.
         TLS (the worker's --tls-cert-file) when tls or any tls_* is given: tls_ca the CA's PEM bytes
-        (None: the system's roots), tls_cert / tls_key a client certificate for mutual TLS."""
+        (None: gRPC's bundled roots), tls_cert / tls_key a client certificate for mutual TLS."""
         self._md = (("authorization", "Bearer " + token),) if token else None
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("a client certificate needs its key: tls_cert and tls_key go together "
+                             "(--tls-cert-file and --tls-key-file)")
         if tls or tls_ca or tls_cert or tls_key:
             creds = grpc.ssl_channel_credentials(root_certificates=tls_ca, private_key=tls_key,
                                                  certificate_chain=tls_cert)
@@ -124,6 +127,8 @@ def read_token_file(path):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"auth token file {path}: not a regular file")
+        if st.st_size > 4096 + 2:
+            raise ValueError(f"auth token file {path}: {st.st_size} bytes, over the 4096 a token may have")
         if st.st_mode & 0o077:
             raise PermissionError(f"auth token file {path}: mode {st.st_mode & 0o7777:04o} lets other users at "
                                   "the token; chmod 600 it")
@@ -194,6 +199,10 @@ def main():
             print(c.tokenize(a.text))
     except grpc.RpcError as e:
         print(f"hmoe_client: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except grpc.FutureTimeoutError:
+        print(f"hmoe_client: cannot connect to {a.server} (unreachable, or a TLS handshake that "
+              "failed: check --tls-ca-file)", file=sys.stderr)
         return 1
     except (OSError, ValueError) as e:
         print(f"hmoe_client: {e}", file=sys.stderr)

@@ -233,15 +233,16 @@ TEST(Serving, TlsOnBothPlanes) {
   plain.target = pair.worker().target();
   plain.connect_timeout = absl::Seconds(1);
   EXPECT_FALSE(Client::Connect(plain).ok());
-  const std::string hmoe =
-      absl::StrCat("env -u HMOE_TLS_CA_FILE ", HMOE_BINARY_DIR, "/bin/hmoe generate --server ",
-                   pair.worker().target(), " -p 'hello' --max-tokens 2 ");
+  const std::string hmoe = absl::StrCat("env -u HMOE_TLS_CA_FILE -u HMOE_TOKEN_FILE ",
+                                        HMOE_BINARY_DIR, "/bin/hmoe generate --server ",
+                                        pair.worker().target(), " -p 'hello' --max-tokens 2 ");
   EXPECT_EQ(std::system((hmoe + "--tls-ca-file " + tls + "ca.pem >/dev/null 2>&1").c_str()), 0);
   if (std::system("/usr/bin/python3 -c 'import grpc' >/dev/null 2>&1") == 0) {
     const std::string py = absl::StrCat(
-        "env -u HMOE_TLS_CA_FILE HMOE_PYTHON_STUBS=", HMOE_BINARY_DIR, "/python /usr/bin/python3 ",
-        HMOE_SOURCE_DIR, "/sdk/python/hmoe_client.py --server ", pair.worker().target(),
-        " --tls-ca-file ", tls, "ca.pem generate hello --max-tokens 2 >/dev/null 2>&1");
+        "env -u HMOE_TLS_CA_FILE -u HMOE_TOKEN_FILE HMOE_PYTHON_STUBS=", HMOE_BINARY_DIR,
+        "/python /usr/bin/python3 ", HMOE_SOURCE_DIR, "/sdk/python/hmoe_client.py --server ",
+        pair.worker().target(), " --tls-ca-file ", tls,
+        "ca.pem generate hello --max-tokens 2 >/dev/null 2>&1");
     EXPECT_EQ(std::system(py.c_str()), 0) << py;
   }
 }

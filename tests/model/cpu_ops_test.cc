@@ -76,8 +76,8 @@ TEST(Ops, LinearBf16MatchesF32AndIgnoresBatching) {
 TEST(Ops, LinearSimdPathsEqualScalarBitForBit) {
   if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
   ThreadPool two(2);
-  // K 4100 on one thread: several L2 row chunks (12 / 16 rows of 256 KiB)
-  // in one range, each with a K tail of 4.
+  // K 4100 on one thread: several L2 row chunks (~256 KiB of weights: 12-14
+  // rows f32, 28-30 bf16) in one range, each with a K tail of 4.
   for (int64_t K : {1, 7, 8, 9, 16, 37, 64, 129, 2048, 4100}) {
     ThreadPool* pool = K == 4100 ? nullptr : &two;
     // T and N around the blocks of 2 or 4 rows x 4 tokens.
