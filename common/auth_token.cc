@@ -15,10 +15,10 @@
 
 namespace hmoe {
 
-absl::StatusOr<std::string> ReadAuthTokenFile(const std::string& path) {
-  const std::string what = absl::StrCat("auth token file ", path);
+absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, const std::string& what,
+                                               int64_t max_bytes, uint32_t* mode) {
   // O_NONBLOCK: a FIFO must not block the open (it is refused below as not
-  // a regular file). Symlinks are followed: the mode checked is the file's.
+  // a regular file). Symlinks are followed: what is checked is the file.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
@@ -36,25 +36,38 @@ absl::StatusOr<std::string> ReadAuthTokenFile(const std::string& path) {
   if (!S_ISREG(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat(what, ": not a regular file"));
   }
-  if ((st.st_mode & 0077) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("%s: mode %04o lets other users at the token; chmod 600 it", what,
-                        static_cast<unsigned>(st.st_mode & 07777)));
+  if (st.st_size > max_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", st.st_size, " bytes, over the ", max_bytes, " taken"));
   }
-  if (st.st_size > static_cast<off_t>(kMaxAuthTokenBytes + 2)) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", st.st_size, " bytes, over the ",
-                                                   kMaxAuthTokenBytes, " a token may have"));
-  }
-  std::string token(kMaxAuthTokenBytes + 3, '\0');
+  if (mode != nullptr) *mode = static_cast<uint32_t>(st.st_mode & 07777);
+  std::string bytes(static_cast<size_t>(max_bytes) + 1, '\0');
   size_t n = 0;
-  while (n < token.size()) {
-    const ssize_t r = ::read(fd, token.data() + n, token.size() - n);
+  while (n < bytes.size()) {
+    const ssize_t r = ::read(fd, bytes.data() + n, bytes.size() - n);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
     if (r == 0) break;
     n += static_cast<size_t>(r);
   }
-  token.resize(n);
+  if (n > static_cast<size_t>(max_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": grew past ", max_bytes, " bytes"));
+  }
+  bytes.resize(n);
+  return bytes;
+}
+
+absl::StatusOr<std::string> ReadAuthTokenFile(const std::string& path) {
+  const std::string what = absl::StrCat("auth token file ", path);
+  uint32_t mode = 0;
+  // The token plus a line ending.
+  auto read = ReadCredentialFile(path, what, kMaxAuthTokenBytes + 2, &mode);
+  if (!read.ok()) return read.status();
+  if ((mode & 0077) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("%s: mode %04o lets other users at the token; chmod 600 it", what, mode));
+  }
+  std::string token = std::move(*read);
   while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ' ||
                             token.back() == '\t')) {
     token.pop_back();

@@ -16,6 +16,15 @@ namespace hmoe {
 inline constexpr size_t kMinAuthTokenBytes = 16;
 inline constexpr size_t kMaxAuthTokenBytes = 4096;
 
+// The bytes of a small credential file (a token, a certificate, a key): a
+// regular file, symlinks followed, of at most `max_bytes`; `what` begins
+// every error message (e.g. "auth token file /etc/hmoe/t"). NOT_FOUND /
+// PERMISSION_DENIED when it cannot be opened, FAILED_PRECONDITION when it is
+// not a regular file (a FIFO is refused without blocking), INVALID_ARGUMENT
+// when larger than `max_bytes`. `*mode` (if given) gets its permission bits.
+absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, const std::string& what,
+                                               int64_t max_bytes, uint32_t* mode = nullptr);
+
 // Reads the token in `path`: the file's bytes without trailing whitespace
 // (a final newline). Errors name the path:
 //   NOT_FOUND / PERMISSION_DENIED  the file cannot be opened;

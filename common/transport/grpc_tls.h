@@ -6,19 +6,14 @@
 // transports.
 #pragma once
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/auth_token.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 
@@ -75,43 +70,15 @@ inline bool TakeTlsFlag(const std::string& flag, const std::string& value, TlsCl
   return true;
 }
 
-// The PEM text of `path` (a regular file of at most kMaxPemBytes); `what`
-// names the flag in errors (NOT_FOUND / PERMISSION_DENIED when unreadable,
-// INVALID_ARGUMENT when not a regular file, too large, or without a PEM block).
+// The PEM text of `path` (ReadCredentialFile, at most kMaxPemBytes); `what`
+// names the flag in errors; INVALID_ARGUMENT when it holds no PEM block.
 inline constexpr int64_t kMaxPemBytes = 1 << 20;
 inline absl::StatusOr<std::string> ReadPemFile(const std::string& path, const std::string& what) {
   const std::string where = absl::StrCat(what, " ", path);
-  // O_NONBLOCK: a FIFO must not block the open (refused below).
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    const int err = errno;
-    const std::string msg = absl::StrCat(where, ": ", std::strerror(err));
-    if (err == ENOENT) return absl::NotFoundError(msg);
-    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
-    return absl::InvalidArgumentError(msg);
-  }
-  struct stat st {};
-  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-  std::string pem;
-  if (regular && st.st_size <= kMaxPemBytes) {
-    pem.resize(static_cast<size_t>(st.st_size));
-    size_t n = 0;
-    while (n < pem.size()) {
-      const ssize_t r = ::read(fd, pem.data() + n, pem.size() - n);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) break;
-      n += static_cast<size_t>(r);
-    }
-    pem.resize(n);
-  }
-  ::close(fd);
-  if (!regular) return absl::InvalidArgumentError(absl::StrCat(where, ": not a regular file"));
-  if (st.st_size > kMaxPemBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": ", st.st_size, " bytes, over the ", kMaxPemBytes, " taken"));
-  }
-  if (pem.find("-----BEGIN ") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": no PEM block in it"));
+  auto pem = ReadCredentialFile(path, where, kMaxPemBytes);
+  if (!pem.ok()) return pem.status();
+  if (pem->find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": no PEM block in it"));
   }
   return pem;
 }

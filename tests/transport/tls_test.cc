@@ -99,7 +99,7 @@ TEST(TlsFiles, BadFilesAreRefusedNamingTheFlag) {
   ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0600), 0);
   const Case cases[] = {
       {{Pem("server.pem"), dir.file("fifo"), ""},
-       absl::StatusCode::kInvalidArgument,
+       absl::StatusCode::kFailedPrecondition,
        "--tls-key-file " + dir.file("fifo") + ": not a regular file"},
       {{Pem("server.pem"), "", ""},
        absl::StatusCode::kInvalidArgument,
