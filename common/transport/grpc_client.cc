@@ -50,17 +50,15 @@ absl::Status ControlFailure(const absl::Status& st, bool capped, const std::stri
   return absl::UnavailableError(absl::StrCat(what, ": ", std::string(st.message())));
 }
 
+bool IsServiceRefusal(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnauthenticated ||
+         code == absl::StatusCode::kPermissionDenied ||
+         code == absl::StatusCode::kResourceExhausted;
+}
+
 absl::Status SetupFailure(const absl::Status& st) {
-  switch (st.code()) {
-    case absl::StatusCode::kOk:
-    case absl::StatusCode::kDeadlineExceeded:
-    case absl::StatusCode::kUnauthenticated:
-    case absl::StatusCode::kPermissionDenied:
-    case absl::StatusCode::kResourceExhausted:
-      return st;
-    default:
-      return absl::UnavailableError(st.message());
-  }
+  if (st.ok() || absl::IsDeadlineExceeded(st) || IsServiceRefusal(st.code())) return st;
+  return absl::UnavailableError(st.message());
 }
 
 namespace {
@@ -326,16 +324,14 @@ void GrpcStreamClient::ReadLoop(Stream* s) {
   // The service's refusals (a token it does not accept, its stream cap, a
   // request over its size cap) keep their code; any other end of the stream
   // is the service going away.
-  const grpc::StatusCode code = st.error_code();
-  const bool refused = code == grpc::StatusCode::UNAUTHENTICATED ||
-                       code == grpc::StatusCode::PERMISSION_DENIED ||
-                       code == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  const auto code = static_cast<absl::StatusCode>(st.error_code());
+  const bool refused = IsServiceRefusal(code);
   for (auto& [id, p] : pending_) {
     if (!p.done) {
       p.done = true;
-      p.status = absl::Status(
-          refused ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnavailable,
-          absl::StrCat("expert service: MoE stream ended: ", st.error_message()));
+      p.status =
+          absl::Status(refused ? code : absl::StatusCode::kUnavailable,
+                       absl::StrCat("expert service: MoE stream ended: ", st.error_message()));
     }
   }
   // Everything still queued was for this stream and has just failed.

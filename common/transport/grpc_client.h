@@ -46,6 +46,9 @@ absl::Duration ControlBudget(absl::Time deadline, absl::Duration own, bool* capp
 // DEADLINE_EXCEEDED; running out of the transport's own is UNAVAILABLE (the
 // service did not answer); other codes pass; the message names `what`.
 absl::Status ControlFailure(const absl::Status& st, bool capped, const std::string& what);
+// The service's refusals, codes a caller sees as they are (not folded into
+// UNAVAILABLE): UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED.
+bool IsServiceRefusal(absl::StatusCode code);
 // A data plane's set-up failure (from ControlFailure) as its caller sees it:
 // the service's refusals (UNAUTHENTICATED, PERMISSION_DENIED,
 // RESOURCE_EXHAUSTED) and DEADLINE_EXCEEDED keep their code, anything else is

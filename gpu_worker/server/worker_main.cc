@@ -196,7 +196,7 @@ int Run(int argc, char** argv) {
     // A hung shard costs one --expert-timeout-ms, not one per queued call.
     po.fail_fast_after_miss = absl::Seconds(1);
     po.auth_token = expert_auth_token;
-    if (o.expert_tls.enabled()) po.credentials = *expert_credentials;
+    po.credentials = *expert_credentials;  // insecure ones without --expert-tls-*
     auto p = ExpertPool::Connect(po);
     if (!p.ok()) Die("expert service: " + p.status().ToString(), 1);
     pool = std::move(*p);
