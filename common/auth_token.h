@@ -4,9 +4,18 @@
 // On the wire it is the `authorization: Bearer <token>` metadata of every call
 // (common/transport/grpc_auth.h). A token authenticates; it does not encrypt:
 // across untrusted networks put the planes on a private network or a tunnel.
+//
+// A token file holds one token per line. A server accepts every token in its
+// file; a client sends the first one. So a token rotates without refused
+// calls: put the new token first and the old one second, reload the servers
+// and then the clients (SIGHUP), and once every client sends the new one,
+// drop the old line and reload the servers again.
 #pragma once
 
+#include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -15,6 +24,7 @@ namespace hmoe {
 
 inline constexpr size_t kMinAuthTokenBytes = 16;
 inline constexpr size_t kMaxAuthTokenBytes = 4096;
+inline constexpr size_t kMaxAuthTokensPerFile = 8;
 
 // The bytes of a small credential file (a token, a certificate, a key): a
 // regular file, symlinks followed, of at most `max_bytes`; `what` begins
@@ -25,16 +35,51 @@ inline constexpr size_t kMaxAuthTokenBytes = 4096;
 absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, const std::string& what,
                                                int64_t max_bytes, uint32_t* mode = nullptr);
 
-// Reads the token in `path`: the file's bytes without trailing whitespace
-// (a final newline). Errors name the path:
+// Reads the tokens in `path`, one per line, in file order; blank lines and
+// whitespace at line ends are ignored. Errors name the path (and the line
+// when the file has several):
 //   NOT_FOUND / PERMISSION_DENIED  the file cannot be opened;
 //   FAILED_PRECONDITION            not a regular file, or group / other
 //                                  users have any access (chmod 600 it;
 //                                  through a symlink, the target's mode);
-//   INVALID_ARGUMENT               shorter than kMinAuthTokenBytes, longer
-//                                  than kMaxAuthTokenBytes, or a byte outside
-//                                  printable ASCII without space (0x21-0x7e).
+//   INVALID_ARGUMENT               no token, more than kMaxAuthTokensPerFile,
+//                                  a token shorter than kMinAuthTokenBytes or
+//                                  longer than kMaxAuthTokenBytes, or a byte
+//                                  outside printable ASCII without space
+//                                  (0x21-0x7e).
+absl::StatusOr<std::vector<std::string>> ReadAuthTokensFile(const std::string& path);
+
+// The token a client sends: the first of ReadAuthTokensFile(path).
 absl::StatusOr<std::string> ReadAuthTokenFile(const std::string& path);
+
+// The tokens in force: those a server accepts, the first of which a client
+// sends. Thread-safe; Reload replaces them while calls are being checked
+// (the servers do on SIGHUP). Default-constructed: none, auth off, and it
+// stays off (a reload cannot turn it on or off).
+class AuthTokens {
+ public:
+  AuthTokens() = default;
+  // `tokens` non-empty: auth on.
+  explicit AuthTokens(std::vector<std::string> tokens);
+  // Auth on with the tokens in `path` (ReadAuthTokensFile's errors).
+  static absl::StatusOr<std::shared_ptr<AuthTokens>> FromFile(const std::string& path);
+
+  bool enabled() const { return enabled_; }
+  // Whether `token` equals one of the tokens in force (each compared in time
+  // that depends on the lengths only). False when auth is off.
+  bool Accepts(absl::string_view token) const;
+  // The first token in force (what a client sends); empty when auth is off.
+  std::string first() const;
+  // Re-reads `path`: on success its tokens are in force and their count is
+  // returned; on any error (ReadAuthTokensFile's, or FAILED_PRECONDITION
+  // when auth is off) the tokens in force stay.
+  absl::StatusOr<size_t> Reload(const std::string& path);
+
+ private:
+  bool enabled_ = false;
+  mutable std::mutex mu_;
+  std::vector<std::string> tokens_;  // guarded by mu_
+};
 
 // Whether a gRPC listen address (HOST:PORT, or unix:PATH) is reachable from
 // this host only (127.x, localhost, [::1], a unix socket): servers warn when

@@ -33,7 +33,7 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
   if (opts.targets.empty()) return absl::InvalidArgumentError("targets: no shards given");
   auto pool = std::unique_ptr<ExpertPool>(new ExpertPool());
   pool->fail_fast_after_miss_ = opts.fail_fast_after_miss;
-  pool->authenticated_ = !opts.auth_token.empty();
+  pool->authenticated_ = opts.auth_tokens != nullptr && opts.auth_tokens->enabled();
   pool->max_in_flight_ =
       opts.transport == TransportKind::kShm ? static_cast<int>(opts.shm_slots) : 0;
   std::vector<Shard> shards(opts.targets.size());
@@ -41,7 +41,7 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
     Shard s;
     s.target = opts.targets[i];
     s.control = std::make_shared<ControlClient>(
-        MakeExpertChannel(s.target, opts.auth_token, opts.credentials));
+        MakeExpertChannel(s.target, opts.auth_tokens, opts.credentials));
     const absl::Time until = absl::Now() + opts.connect_timeout;
     absl::StatusOr<ShardInfo> info;
     while (true) {
@@ -83,7 +83,7 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
     switch (opts.transport) {
       case TransportKind::kGrpc:
         s.client = std::make_unique<GrpcStreamClient>(
-            MakeExpertChannel(s.target, opts.auth_token, opts.credentials), s.info.hidden);
+            MakeExpertChannel(s.target, opts.auth_tokens, opts.credentials), s.info.hidden);
         break;
       case TransportKind::kShm: {
         ShmClientOptions so;

@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/auth_token.h"
 #include "common/transport/grpc_client.h"
 #include "common/transport/moe_call.h"
 
@@ -36,9 +37,10 @@ struct ExpertPoolOptions {
   // UNAVAILABLE at once for this long (0: off): a hung shard then costs one
   // deadline, not one per call queued behind it.
   absl::Duration fail_fast_after_miss = absl::ZeroDuration();
-  // Sent with every control and gRPC data call (the service's
-  // --auth-token-file; common/auth_token.h); empty: none.
-  std::string auth_token;
+  // The first token in force is sent with every control and gRPC data call
+  // (the service's --auth-token-file; common/auth_token.h); a reload of it
+  // applies to the calls that start afterwards. Null or off: none.
+  std::shared_ptr<const AuthTokens> auth_tokens;
   // TLS to the shards' gRPC endpoints (grpc_tls.h ChannelCredentialsFrom);
   // null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;

@@ -15,7 +15,7 @@ namespace hmoe {
 namespace pb = ::hmoe::expert::v1;
 
 std::shared_ptr<grpc::Channel> MakeExpertChannel(
-    const std::string& target, const std::string& auth_token,
+    const std::string& target, std::shared_ptr<const AuthTokens> auth_tokens,
     std::shared_ptr<grpc::ChannelCredentials> credentials) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
@@ -31,7 +31,17 @@ std::shared_ptr<grpc::Channel> MakeExpertChannel(
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   if (!credentials) credentials = grpc::InsecureChannelCredentials();
-  return CreateChannelWithToken(target, credentials, args, auth_token);
+  return CreateChannelWithTokens(target, credentials, args, std::move(auth_tokens));
+}
+
+std::shared_ptr<grpc::Channel> MakeExpertChannel(
+    const std::string& target, const std::string& auth_token,
+    std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  return MakeExpertChannel(
+      target,
+      auth_token.empty() ? nullptr
+                         : std::make_shared<const AuthTokens>(std::vector<std::string>{auth_token}),
+      std::move(credentials));
 }
 
 absl::Duration ControlBudget(absl::Time deadline, absl::Duration own, bool* capped) {

@@ -22,9 +22,16 @@ class ChannelCredentials;
 
 namespace hmoe {
 
+class AuthTokens;
+
 // A channel with our settings: unlimited message size, fast reconnect; every
-// call carries `auth_token` (grpc_auth.h) unless it is empty; TLS with
-// `credentials` (grpc_tls.h), plaintext when null.
+// call carries the first of `auth_tokens` in force when it starts
+// (grpc_auth.h; none when null); TLS with `credentials` (grpc_tls.h),
+// plaintext when null.
+std::shared_ptr<grpc::Channel> MakeExpertChannel(
+    const std::string& target, std::shared_ptr<const AuthTokens> auth_tokens,
+    std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
+// The same with a fixed token (none when empty).
 std::shared_ptr<grpc::Channel> MakeExpertChannel(
     const std::string& target, const std::string& auth_token = "",
     std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);

@@ -73,13 +73,13 @@ int Main(int argc, char** argv) {
       zero_copy = true;
     } else if (TakeTlsFlag(a, v, &tls)) {
     } else if (a == "--auth-token-file") {
-      auto token = ReadAuthTokenFile(v);
-      if (!token.ok()) {
+      auto tokens = AuthTokens::FromFile(v);
+      if (!tokens.ok()) {
         std::fprintf(stderr, "hmoe-expert-bench: %s\n",
-                     std::string(token.status().message()).c_str());
+                     std::string(tokens.status().message()).c_str());
         return 2;
       }
-      po.auth_token = *token;
+      po.auth_tokens = *tokens;
     } else {
       std::fprintf(stderr, "hmoe-expert-bench: bad flag %s\n", argv[i]);
       return 2;
@@ -115,7 +115,7 @@ int Main(int argc, char** argv) {
   std::vector<std::shared_ptr<ControlClient>> controls;
   for (const std::string& t : po.targets) {
     controls.push_back(
-        std::make_shared<ControlClient>(MakeExpertChannel(t, po.auth_token, po.credentials)));
+        std::make_shared<ControlClient>(MakeExpertChannel(t, po.auth_tokens, po.credentials)));
   }
   // --zero-copy (shm, one shard): requests are written in place in the slot
   // and answers read in place (ShmClient::Acquire/Commit/WaitInPlace/Release),

@@ -18,11 +18,14 @@
 // front end listens. SIGTERM/SIGINT (handled on a sigwait thread): health goes
 // NOT_SERVING, new calls are refused, in-flight calls finish (up to the drain
 // timeout), then the process exits 0; during loading it stops the load at the
-// next expert and exits 0 without READY.
+// next expert and exits 0 without READY. SIGHUP (systemctl reload) re-reads
+// --auth-token-file.
 //
-// --auth-token-file: every control and data call must carry the token in the
-// file (common/auth_token.h; the worker's --expert-auth-token-file), else
-// UNAUTHENTICATED; health stays open. UCX and shared-memory sessions are set
+// --auth-token-file: every control and data call must carry a token in the
+// file (common/auth_token.h: one per line, so a token can rotate; the
+// worker's --expert-auth-token-file), else UNAUTHENTICATED; health stays
+// open. A reload applies to calls and set-ups that start afterwards; shm and
+// UCX sessions already set up stay. UCX and shared-memory sessions are set
 // up through the control plane, so they need it too. Without it, anyone who
 // reaches --listen may call the service (the default listens on loopback).
 // --max-peers N (default 64): at most N gRPC MoE streams, N shared-memory
@@ -84,7 +87,8 @@ struct ServiceOptions {
   std::string instance;
   int port_offset = 0;  // added to the --listen port (systemd: the NUMA node)
   std::string auth_token_file;
-  std::string auth_token;  // read from auth_token_file; empty: no auth
+  // Read from auth_token_file (off without it); SIGHUP re-reads it.
+  std::shared_ptr<AuthTokens> auth_tokens = std::make_shared<AuthTokens>();
   int64_t max_peers = 64;
   TlsServerFiles tls;
   std::shared_ptr<grpc::ServerCredentials> credentials;  // from `tls`
@@ -204,7 +208,7 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
   ASSIGN_OR_RETURN(o.shard.tuning, KernelTuningFromEnv());
   RETURN_IF_ERROR(o.Validate());
   if (!o.auth_token_file.empty()) {
-    ASSIGN_OR_RETURN(o.auth_token, ReadAuthTokenFile(o.auth_token_file));
+    ASSIGN_OR_RETURN(o.auth_tokens, AuthTokens::FromFile(o.auth_token_file));
   }
   ASSIGN_OR_RETURN(o.credentials, ServerCredentialsFrom(o.tls));
   return o;
@@ -267,7 +271,7 @@ struct State {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, absl::StrCat(name, " off"));
   }
   grpc::Status Authorize(const grpc::ServerContext* ctx) const {
-    return CheckBearer(*ctx, opts.auth_token,
+    return CheckBearer(*ctx, *opts.auth_tokens,
                        "the worker's --expert-auth-token-file sets the expert service's token");
   }
 };
@@ -455,6 +459,22 @@ int GrpcMaxRequestBytes(int64_t max_tokens) {
   return static_cast<int>(std::min<int64_t>(bytes, std::numeric_limits<int>::max()));
 }
 
+// SIGHUP: the token file is read again; a file that fails its checks
+// leaves the tokens in force (and the service serving), saying why.
+void ReloadCredentials(const ServiceOptions& o) {
+  if (o.auth_token_file.empty()) {
+    Log("SIGHUP: no --auth-token-file, nothing to reload");
+    return;
+  }
+  auto n = o.auth_tokens->Reload(o.auth_token_file);
+  if (n.ok()) {
+    Log(absl::StrCat("SIGHUP: ", o.auth_token_file, " reloaded: ", *n, " token(s) accepted"));
+  } else {
+    Log(absl::StrCat("SIGHUP: kept the tokens in force: ", n.status().message()));
+  }
+  if (o.tls.enabled()) Log("SIGHUP: TLS certificates are read at start only");
+}
+
 int Main(int argc, char** argv) {
   // The UCX address checker (UcxServerOptions::address_checker): this binary
   // re-run by the service itself, its socket at kCheckerFd.
@@ -465,6 +485,7 @@ int Main(int argc, char** argv) {
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
@@ -478,7 +499,7 @@ int Main(int argc, char** argv) {
   state.opts = *parsed;
   const ServiceOptions& o = state.opts;
   Log("options: " + o.ToString());
-  if (o.auth_token.empty() && !IsLoopbackListenAddress(o.listen)) {
+  if (!o.auth_tokens->enabled() && !IsLoopbackListenAddress(o.listen)) {
     Log("warning: listening on " + o.listen +
         " without --auth-token-file: any host that reaches it can use this service");
   }
@@ -514,7 +535,9 @@ int Main(int argc, char** argv) {
   std::atomic<bool> load_failed{false};  // the thread is being woken to exit, not to drain
   std::thread signals([&] {
     int sig = 0;
-    sigwait(&sigs, &sig);
+    while (sigwait(&sigs, &sig) != 0 || sig == SIGHUP) {
+      if (sig == SIGHUP) ReloadCredentials(o);
+    }
     if (!load_failed.load()) Log(absl::StrCat("signal ", sig, ": stopping"));
     stop.store(true);
     state.progress.cancel.store(true);  // a load still running stops at the next expert

@@ -14,17 +14,17 @@ namespace hmoe {
 
 GenerationService::GenerationService(Engine* engine, const Model* model, const Tokenizer* tokenizer,
                                      std::string model_dir, std::string experts_backend,
-                                     std::string auth_token)
+                                     std::shared_ptr<const AuthTokens> auth_tokens)
     : engine_(engine),
       model_(model),
       tokenizer_(tokenizer),
       model_dir_(std::move(model_dir)),
       experts_backend_(std::move(experts_backend)),
-      auth_token_(std::move(auth_token)) {}
+      auth_tokens_(auth_tokens ? std::move(auth_tokens) : std::make_shared<const AuthTokens>()) {}
 
 grpc::Status GenerationService::Authorize(const grpc::ServerContext* ctx) const {
   return CheckBearer(
-      *ctx, auth_token_,
+      *ctx, *auth_tokens_,
       "hmoe: --token-file or $HMOE_TOKEN_FILE; the C++ client: ClientOptions::auth_token");
 }
 

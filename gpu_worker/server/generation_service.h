@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "common/auth_token.h"
 #include "gpu_worker/engine/engine.h"
 #include "proto/api.grpc.pb.h"
 
@@ -14,11 +15,11 @@ namespace hmoe {
 class GenerationService final : public api::v1::Generation::Service {
  public:
   // All borrowed; `tokenizer` may be null (then only prompt_ids work).
-  // `auth_token` non-empty: every call must carry it (common/transport/
-  // grpc_auth.h), else UNAUTHENTICATED.
+  // `auth_tokens` non-null and on: every call must carry one of the tokens
+  // in force (common/transport/grpc_auth.h), else UNAUTHENTICATED.
   GenerationService(Engine* engine, const Model* model, const Tokenizer* tokenizer,
                     std::string model_dir, std::string experts_backend,
-                    std::string auth_token = "");
+                    std::shared_ptr<const AuthTokens> auth_tokens = nullptr);
 
   grpc::Status Generate(grpc::ServerContext* ctx, const api::v1::GenerateRequest* req,
                         grpc::ServerWriter<api::v1::GenerateResponse>* writer) override;
@@ -41,7 +42,7 @@ class GenerationService final : public api::v1::Generation::Service {
   const Tokenizer* tokenizer_;
   std::string model_dir_;
   std::string experts_backend_;
-  std::string auth_token_;
+  std::shared_ptr<const AuthTokens> auth_tokens_;  // never null
   grpc::Status Authorize(const grpc::ServerContext* ctx) const;
 };
 

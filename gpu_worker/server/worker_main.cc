@@ -18,11 +18,13 @@
 // ModelOptions::deferred_experts; 0 = the exact model). Health (grpc.health.v1) is SERVING once the
 // model is loaded and, with remote experts, while every shard answers.
 // SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
-// --drain-seconds (the rest end UNAVAILABLE), exit 0.
-// --auth-token-file: clients must send the token in that file (hmoe
-// --token-file; common/auth_token.h), else UNAUTHENTICATED; health stays open.
+// --drain-seconds (the rest end UNAVAILABLE), exit 0. SIGHUP (systemctl
+// reload): the token files are read again.
+// --auth-token-file: clients must send a token in that file (hmoe
+// --token-file; common/auth_token.h: one per line, so a token can rotate),
+// else UNAUTHENTICATED; health stays open.
 // --expert-auth-token-file: the token the expert service shards require
-// (their --auth-token-file).
+// (their --auth-token-file); the worker sends the file's first line.
 // --tls-*: the client API speaks TLS (hmoe --tls-ca-file verifies it;
 // --tls-client-ca-file: clients need a certificate from that CA). --expert-
 // tls-*: TLS to the shards' gRPC ports (their --tls-cert-file), with a
@@ -146,12 +148,27 @@ WorkerOptions ParseFlags(int argc, char** argv) {
   return o;
 }
 
+// SIGHUP: a token file is read again; one that fails its checks leaves the
+// tokens in force, saying why.
+void ReloadTokens(const char* flag, const std::string& path, AuthTokens* tokens) {
+  if (path.empty()) return;
+  auto n = tokens->Reload(path);
+  if (n.ok()) {
+    std::fprintf(stderr, "hmoe-gpu-worker: SIGHUP: %s %s reloaded: %zu token(s)\n", flag,
+                 path.c_str(), *n);
+  } else {
+    std::fprintf(stderr, "hmoe-gpu-worker: SIGHUP: %s: kept the tokens in force: %s\n", flag,
+                 std::string(n.status().message()).c_str());
+  }
+}
+
 int Run(int argc, char** argv) {
   // Signals are taken by a sigwait thread, never by a handler.
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
   const WorkerOptions o = ParseFlags(argc, argv);
@@ -163,19 +180,19 @@ int Run(int argc, char** argv) {
                o.defer_experts);
 
   // Token files are read (and their errors reported) before anything loads.
-  auto read_token = [](const std::string& path) -> std::string {
-    if (path.empty()) return "";
-    auto t = ReadAuthTokenFile(path);
+  auto read_tokens = [](const std::string& path) -> std::shared_ptr<AuthTokens> {
+    if (path.empty()) return std::make_shared<AuthTokens>();
+    auto t = AuthTokens::FromFile(path);
     if (!t.ok()) Die(std::string(t.status().message()));
     return *t;
   };
-  const std::string auth_token = read_token(o.auth_token_file);
-  const std::string expert_auth_token = read_token(o.expert_auth_token_file);
+  const std::shared_ptr<AuthTokens> auth_tokens = read_tokens(o.auth_token_file);
+  const std::shared_ptr<AuthTokens> expert_auth_tokens = read_tokens(o.expert_auth_token_file);
   auto server_credentials = ServerCredentialsFrom(o.tls);
   if (!server_credentials.ok()) Die(std::string(server_credentials.status().message()));
   auto expert_credentials = ChannelCredentialsFrom(o.expert_tls, "--expert-tls");
   if (!expert_credentials.ok()) Die(std::string(expert_credentials.status().message()));
-  if (auth_token.empty() && !IsLoopbackListenAddress(o.listen)) {
+  if (!auth_tokens->enabled() && !IsLoopbackListenAddress(o.listen)) {
     std::fprintf(stderr,
                  "hmoe-gpu-worker: warning: listening on %s without --auth-token-file: any host "
                  "that reaches it can use this worker\n",
@@ -195,7 +212,7 @@ int Run(int argc, char** argv) {
     po.transport = *kind;
     // A hung shard costs one --expert-timeout-ms, not one per queued call.
     po.fail_fast_after_miss = absl::Seconds(1);
-    po.auth_token = expert_auth_token;
+    po.auth_tokens = expert_auth_tokens;
     po.credentials = *expert_credentials;  // insecure ones without --expert-tls-*
     auto p = ExpertPool::Connect(po);
     if (!p.ok()) Die("expert service: " + p.status().ToString(), 1);
@@ -227,7 +244,7 @@ int Run(int argc, char** argv) {
   if (!engine.ok()) Die(engine.status().ToString(), 1);
 
   GenerationService service(engine->get(), model->get(), tokenizer.get(), o.model_dir, backend,
-                            auth_token);
+                            auth_tokens);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
@@ -269,7 +286,14 @@ int Run(int argc, char** argv) {
   });
 
   int sig = 0;
-  sigwait(&sigs, &sig);
+  while (sigwait(&sigs, &sig) != 0 || sig == SIGHUP) {
+    if (sig == SIGHUP) {
+      ReloadTokens("--auth-token-file", o.auth_token_file, auth_tokens.get());
+      ReloadTokens("--expert-auth-token-file", o.expert_auth_token_file, expert_auth_tokens.get());
+      if (o.tls.enabled() || o.expert_tls.enabled())
+        std::fprintf(stderr, "hmoe-gpu-worker: SIGHUP: TLS files are read at start only\n");
+    }
+  }
   std::fprintf(stderr, "hmoe-gpu-worker: signal %d, draining for up to %ds\n", sig,
                o.drain_seconds);
   sd_notify(0, "STOPPING=1");

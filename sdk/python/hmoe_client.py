@@ -119,32 +119,38 @@ class Client:
 
 
 def read_token_file(path):
-    """The token in `path`, checked as the C++ side checks it (common/auth_token.h): a regular file
-    only its owner may access (symlinks followed), 16-4096 printable ASCII bytes without spaces
-    after the trailing whitespace is dropped."""
+    """The token a client sends from `path`, checked as the C++ side checks it (common/auth_token.h):
+    a regular file only its owner may access (symlinks followed), one token per line (at most 8;
+    blank lines skipped; the first one is sent), each 16-4096 printable ASCII bytes without spaces
+    after its line's trailing whitespace is dropped."""
+    limit = 8 * (4096 + 2)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"auth token file {path}: not a regular file")
-        if st.st_size > 4096 + 2:
-            raise ValueError(f"auth token file {path}: {st.st_size} bytes, over the 4096 a token may have")
+        if st.st_size > limit:
+            raise ValueError(f"auth token file {path}: {st.st_size} bytes, over the {limit} taken")
         if st.st_mode & 0o077:
             raise PermissionError(f"auth token file {path}: mode {st.st_mode & 0o7777:04o} lets other users at "
                                   "the token; chmod 600 it")
-        data = os.read(fd, 4096 + 3)
+        data = os.read(fd, limit + 1)
     finally:
         os.close(fd)
-    token = data.rstrip(b" \t\r\n")
-    if len(token) > 4096:
-        raise ValueError(f"auth token file {path}: token over 4096 bytes")
-    for i, c in enumerate(token):
-        if c < 0x21 or c > 0x7e:
-            raise ValueError(f"auth token file {path}: byte {i} is 0x{c:02x}; a token is printable ASCII "
-                             "without spaces")
-    if len(token) < 16:
-        raise ValueError(f"auth token file {path}: token of {len(token)} bytes; at least 16")
-    return token.decode("ascii")
+    lines = [(n, l.rstrip(b" \t\r")) for n, l in enumerate(data.split(b"\n"), 1)]
+    lines = [(n, l) for n, l in lines if l] or [(1, b"")]
+    if len(lines) > 8:
+        raise ValueError(f"auth token file {path}: {len(lines)} tokens, over the 8")
+    for n, token in lines:
+        what = f"auth token file {path}" + (f": line {n}" if len(lines) > 1 else "")
+        if len(token) > 4096:
+            raise ValueError(f"{what}: token over 4096 bytes")
+        for i, c in enumerate(token):
+            if c < 0x21 or c > 0x7e:
+                raise ValueError(f"{what}: byte {i} is 0x{c:02x}; a token is printable ASCII without spaces")
+        if len(token) < 16:
+            raise ValueError(f"{what}: token of {len(token)} bytes; at least 16")
+    return lines[0][1].decode("ascii")
 
 
 def main():

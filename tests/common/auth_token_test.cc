@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -83,6 +84,80 @@ TEST(AuthToken, RefusesWhatIsNotAPrivateTokenFileNamingIt) {
   auto t = ReadAuthTokenFile(WriteFile(dir, "max", std::string(kMaxAuthTokenBytes, 'x') + "\n"));
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->size(), kMaxAuthTokenBytes);
+}
+
+TEST(AuthToken, AFileListsTokensOnePerLineAndClientsSendTheFirst) {
+  testing::TempDir dir;
+  const std::string a = "new-token-0123456789", b = "old-token-0123456789";
+  const std::string path = WriteFile(dir, "two", a + "\r\n\n  \n" + b + " \n");
+  auto all = ReadAuthTokensFile(path);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(*all, (std::vector<std::string>{a, b}));
+  auto first = ReadAuthTokenFile(path);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(*first, a);
+  std::string eight;
+  for (int i = 0; i < 8; ++i) eight += "token-number-" + std::to_string(i) + "-abcdef\n";
+  auto many = ReadAuthTokensFile(WriteFile(dir, "eight", eight));
+  ASSERT_TRUE(many.ok()) << many.status();
+  EXPECT_EQ(many->size(), kMaxAuthTokensPerFile);
+  struct Case {
+    std::string bytes, says;
+  };
+  const Case bad[] = {
+      {eight + "token-number-8-abcdef\n", ": 9 tokens, over the 8"},
+      {a + "\nshort\n", ": line 2: token of 5 bytes; at least 16"},
+      {a + "\n\n" + "bad token-0123456789", ": line 3: byte 3 is 0x20"},
+      {"\n\n\n", ": token of 0 bytes"},
+  };
+  for (const Case& c : bad) {
+    SCOPED_TRACE(c.bytes);
+    auto t = ReadAuthTokensFile(WriteFile(dir, "bad", c.bytes));
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+    EXPECT_THAT(t.status().message(), HasSubstr("auth token file " + dir.file("bad") + c.says));
+  }
+}
+
+TEST(AuthToken, TokensInForceFollowAReloadAndSurviveABadFile) {
+  testing::TempDir dir;
+  const std::string a = "token-a-0123456789", b = "token-b-0123456789";
+  const std::string path = WriteFile(dir, "t", a + "\n");
+  auto tokens = AuthTokens::FromFile(path);
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  AuthTokens& t = **tokens;
+  EXPECT_TRUE(t.enabled());
+  EXPECT_TRUE(t.Accepts(a));
+  EXPECT_FALSE(t.Accepts(b));
+  EXPECT_FALSE(t.Accepts(""));
+  EXPECT_EQ(t.first(), a);
+  // Rotation: the new token first, both accepted; then the old one dropped.
+  WriteFile(dir, "t", b + "\n" + a + "\n");
+  auto n = t.Reload(path);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 2u);
+  EXPECT_TRUE(t.Accepts(a));
+  EXPECT_TRUE(t.Accepts(b));
+  EXPECT_EQ(t.first(), b);
+  WriteFile(dir, "t", b + "\n");
+  ASSERT_TRUE(t.Reload(path).ok());
+  EXPECT_FALSE(t.Accepts(a));
+  EXPECT_TRUE(t.Accepts(b));
+  // A file that fails its checks (or is gone) leaves the tokens in force.
+  WriteFile(dir, "t", b + "\n", 0644);
+  EXPECT_EQ(t.Reload(path).status().code(), absl::StatusCode::kFailedPrecondition);
+  std::filesystem::remove(path);
+  EXPECT_EQ(t.Reload(path).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(t.Accepts(b));
+  EXPECT_EQ(t.first(), b);
+  // Auth off stays off: nothing accepted, nothing sent, no reload.
+  AuthTokens off;
+  EXPECT_FALSE(off.enabled());
+  EXPECT_FALSE(off.Accepts(a));
+  EXPECT_EQ(off.first(), "");
+  WriteFile(dir, "t2", a + "\n");
+  EXPECT_EQ(off.Reload(dir.file("t2")).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(off.Accepts(a));
 }
 
 TEST(AuthToken, EqualityAndLoopbackAddresses) {

@@ -58,11 +58,13 @@ class Pair {
           "--model-dir=" + model, "--format=bf16",
           "--shard=" + std::to_string(i) + "/" + std::to_string(shards), "--split=" + split};
       args.insert(args.end(), expert_extra.begin(), expert_extra.end());
+      if (capture_logs_) experts_.back()->set_stderr_file(log("expert" + std::to_string(i)));
       if (!experts_.back()->Start(args, dir_.file("expert" + std::to_string(i) + ".port")))
         return false;
       targets += (i ? "," : "") + experts_.back()->target();
     }
     worker_.set_binary(WorkerBinary());
+    if (capture_logs_) worker_.set_stderr_file(log("worker"));
     std::vector<std::string> args = {"--model=" + model, "--experts=" + targets,
                                      "--transport=" + transport, "--threads=2",
                                      "--expert-timeout-ms=2000"};
@@ -78,6 +80,9 @@ class Pair {
   }
   // TLS for the client Start connects (before Start).
   void set_client_tls(TlsClientFiles tls) { client_tls_ = std::move(tls); }
+  // The processes' stderr to files (before Start): log("worker"), log("expert0").
+  void set_capture_logs() { capture_logs_ = true; }
+  std::string log(const std::string& process) const { return dir_.file(process + ".log"); }
   Client& client() { return *client_; }
   testing::ServiceProcess& worker() { return worker_; }
   testing::ServiceProcess& expert(int i = 0) { return *experts_[static_cast<size_t>(i)]; }
@@ -88,6 +93,7 @@ class Pair {
   testing::ServiceProcess worker_;
   std::unique_ptr<Client> client_;
   TlsClientFiles client_tls_;
+  bool capture_logs_ = false;
 };
 
 // Generate `r` until it succeeds, for up to 5 s (a shard coming back).
@@ -210,6 +216,76 @@ TEST(Serving, TokensGuardTheClientApiAndTheExpertPlane) {
                             tmp.file("worker2.port")));
   EXPECT_TRUE(WIFEXITED(worker.exit_status()) && WEXITSTATUS(worker.exit_status()) == 1)
       << worker.exit_status();
+}
+
+// Both planes' tokens rotate on running processes (SIGHUP; one token per
+// line, the new one first): no restart, no refused call on the way.
+TEST(Serving, SighupRotatesBothPlanesTokens) {
+  const std::string dir = testing::FixturesDir() + "/ds3_fortunes";
+  const Reference ref = LoadReference(dir);
+  testing::TempDir tmp;
+  const std::string a = "client-token-0123456789abcdef", b = "client-token-rotated-0123456789";
+  const std::string e1 = "expert-token-0123456789abcdef", e2 = "expert-token-rotated-0123456789";
+  const std::string client_file = WriteToken(tmp, "client", a);
+  // One expert token file for both processes, as on one host.
+  const std::string expert_file = WriteToken(tmp, "expert", e1);
+  Pair pair;
+  pair.set_capture_logs();
+  ASSERT_TRUE(
+      pair.Start(dir, 1, "tp", "shm",
+                 {"--auth-token-file=" + client_file, "--expert-auth-token-file=" + expert_file},
+                 {"--auth-token-file=" + expert_file}));
+  const auto request = IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size()));
+  auto served = [&](const std::string& token) -> absl::Status {
+    ClientOptions o;
+    o.target = pair.worker().target();
+    o.auth_token = token;
+    auto c = Client::Connect(o);
+    if (!c.ok()) return c.status();
+    auto r = (*c)->Generate(request);
+    if (!r.ok()) return r.status();
+    EXPECT_EQ(r->token_ids, ref.greedy);
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(served(a).ok());
+
+  // The expert plane: the service takes both, the worker moves to e2, the
+  // service drops e1. The worker's health (an authenticated call to the
+  // service every second) would turn NOT_SERVING if it still sent e1.
+  WriteToken(tmp, "expert", e2 + "\n" + e1);
+  pair.expert().Signal(SIGHUP);
+  ASSERT_TRUE(testing::FileSays(pair.log("expert0"), "reloaded: 2 token(s) accepted"));
+  pair.worker().Signal(SIGHUP);
+  ASSERT_TRUE(testing::FileSays(pair.log("worker"),
+                                "--expert-auth-token-file " + expert_file + " reloaded: 2"));
+  WriteToken(tmp, "expert", e2);
+  pair.expert().Signal(SIGHUP);
+  ASSERT_TRUE(testing::FileSays(pair.log("expert0"), "reloaded: 1 token(s) accepted"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // two health rounds
+  auto healthy = pair.client().Healthy();
+  ASSERT_TRUE(healthy.ok()) << healthy.status();
+  EXPECT_TRUE(*healthy);
+  EXPECT_TRUE(served(a).ok());
+
+  // The client API: both tokens, then only the new one.
+  WriteToken(tmp, "client", b + "\n" + a);
+  pair.worker().Signal(SIGHUP);
+  ASSERT_TRUE(
+      testing::FileSays(pair.log("worker"), "--auth-token-file " + client_file + " reloaded: 2"));
+  EXPECT_TRUE(served(a).ok());
+  EXPECT_TRUE(served(b).ok());
+  WriteToken(tmp, "client", b);
+  pair.worker().Signal(SIGHUP);
+  ASSERT_TRUE(
+      testing::FileSays(pair.log("worker"), "--auth-token-file " + client_file + " reloaded: 1"));
+  EXPECT_EQ(served(a).code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(served(b).ok());
+  // A file that fails its checks: the worker keeps serving with b.
+  WriteToken(tmp, "client", "short");
+  pair.worker().Signal(SIGHUP);
+  ASSERT_TRUE(testing::FileSays(pair.log("worker"), "kept the tokens in force: auth token file " +
+                                                        client_file + ": token of 5 bytes"));
+  EXPECT_TRUE(served(b).ok());
 }
 
 // TLS on both gRPC planes: the service's port (the worker verifies it with

@@ -20,6 +20,7 @@
 namespace hmoe {
 namespace {
 
+using ::hmoe::testing::FileSays;
 using ::hmoe::testing::MakeRandomCall;
 using ::hmoe::testing::ServiceProcess;
 using ::hmoe::testing::TempDir;
@@ -52,7 +53,8 @@ class AuthTest : public ::testing::TestWithParam<TransportKind> {
     po.targets = {proc.target()};
     po.transport = GetParam();
     po.connect_timeout = absl::Seconds(30);
-    po.auth_token = std::move(token);
+    if (!token.empty())
+      po.auth_tokens = std::make_shared<AuthTokens>(std::vector<std::string>{std::move(token)});
     return po;
   }
 };
@@ -163,6 +165,58 @@ TEST_P(AuthTest, PeersOverTheCapAreRefusedAndTheOthersServe) {
     }
     EXPECT_TRUE(later.ok()) << later;
   }
+}
+
+// A token rotates on a running service: SIGHUP re-reads the file; while it
+// lists both tokens both are accepted, then only the new one; a file that
+// fails its checks leaves the tokens in force and the service serving.
+TEST_P(AuthTest, SighupRotatesTheTokenWithoutARestart) {
+  TempDir dir;
+  ServiceProcess proc;
+  const std::string log = dir.file("log");
+  proc.set_stderr_file(log);
+  const std::string path = WriteToken(dir, kToken);
+  ASSERT_TRUE(
+      proc.Start({"--model-dir=" + ModelDir(), "--auth-token-file=" + path}, dir.file("port")));
+  const std::string rotated = "expert-plane-token/rotated-0123456789";
+  auto old_pool = ExpertPool::Connect(Options(proc, kToken));
+  ASSERT_TRUE(old_pool.ok()) << old_pool.status();
+  ASSERT_TRUE(RunOne(**old_pool, 1).ok());
+  EXPECT_EQ(ExpertPool::Connect(Options(proc, rotated)).status().code(),
+            absl::StatusCode::kUnauthenticated);
+
+  WriteToken(dir, rotated + "\n" + kToken);
+  proc.Signal(SIGHUP);
+  ASSERT_TRUE(FileSays(log, "reloaded: 2 token(s) accepted"));
+  for (const std::string& t : {rotated, std::string(kToken)}) {
+    auto pool = ExpertPool::Connect(Options(proc, t));
+    ASSERT_TRUE(pool.ok()) << t << ": " << pool.status();
+    EXPECT_TRUE(RunOne(**pool, 2).ok()) << t;
+  }
+  EXPECT_TRUE(RunOne(**old_pool, 3).ok());
+
+  WriteToken(dir, rotated);
+  proc.Signal(SIGHUP);
+  ASSERT_TRUE(FileSays(log, "reloaded: 1 token(s) accepted"));
+  auto refused = ExpertPool::Connect(Options(proc, kToken));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  auto pool = ExpertPool::Connect(Options(proc, rotated));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  EXPECT_TRUE(RunOne(**pool, 4).ok());
+  // A pool still sending the dropped token: its health says so.
+  EXPECT_EQ((*old_pool)->CheckHealth(), std::vector<Health>{Health::kNotServing});
+  EXPECT_EQ((*pool)->CheckHealth(), std::vector<Health>{Health::kServing});
+
+  ::chmod(path.c_str(), 0644);
+  proc.Signal(SIGHUP);
+  ASSERT_TRUE(FileSays(log, "kept the tokens in force: auth token file " + path + ": mode 0644"));
+  ::chmod(path.c_str(), 0600);
+  EXPECT_TRUE(RunOne(**pool, 5).ok());
+  auto again = ExpertPool::Connect(Options(proc, rotated));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(RunOne(**again, 6).ok());
+  EXPECT_EQ(ExpertPool::Connect(Options(proc, kToken)).status().code(),
+            absl::StatusCode::kUnauthenticated);
 }
 
 TEST(AuthService, ABadTokenFileOrCapStopsTheServiceAtStart) {

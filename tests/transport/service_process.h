@@ -1,6 +1,7 @@
 // Runs hmoe-expert-service as a child process for end-to-end tests.
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -9,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,8 +53,16 @@ class ServiceProcess {
     for (auto& a : argv) cargv.push_back(a.data());
     cargv.push_back(nullptr);
     pid_t spawned = -1;
-    if (posix_spawnp(&spawned, cargv[0], nullptr, nullptr, cargv.data(), environ) != 0)
-      return false;
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    if (!stderr_file_.empty()) {
+      posix_spawn_file_actions_addopen(&actions, 2, stderr_file_.c_str(),
+                                       O_WRONLY | O_CREAT | O_APPEND, 0600);
+    }
+    const int spawn_error =
+        posix_spawnp(&spawned, cargv[0], &actions, nullptr, cargv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (spawn_error != 0) return false;
     pid_ = spawned;
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (std::chrono::steady_clock::now() < until) {
@@ -102,6 +112,8 @@ class ServiceProcess {
   // Another program with the same --listen / --port-file contract
   // (e.g. hmoe-gpu-worker); default: hmoe-expert-service.
   void set_binary(std::string path) { binary_ = std::move(path); }
+  // The process's stderr goes (appended) to `path` from the next Start on.
+  void set_stderr_file(std::string path) { stderr_file_ = std::move(path); }
   int pid() const { return pid_; }
   // The wait status of a service that exited while Start waited for it (-1: none).
   int exit_status() const { return exit_status_; }
@@ -116,6 +128,19 @@ class ServiceProcess {
   std::string host_ = "127.0.0.1";
   std::vector<std::string> args_, prefix_;
   std::string binary_;
+  std::string stderr_file_;
 };
+
+// Whether the file at `path` (a process's log) contains `text`, waiting up
+// to 10 s for it.
+inline bool FileSays(const std::string& path, const std::string& text) {
+  for (int i = 0; i < 500; ++i) {
+    std::ifstream f(path);
+    const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (log.find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
 
 }  // namespace hmoe::testing
