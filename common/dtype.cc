@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 namespace hmoe {
 
@@ -135,7 +137,9 @@ void QuantizeI8PerRow(const float* w, int64_t rows, int64_t cols, int8_t* q, flo
     const float* row = w + r * cols;
     float amax = 0.0f;
     for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(row[c]));
-    const float s = amax / 127.0f;
+    // A row below FLT_MIN * 127 quantizes to zeros (1/s would overflow).
+    float s = amax / 127.0f;
+    if (!(s >= std::numeric_limits<float>::min())) s = 0.0f;
     const float inv = s > 0.0f ? 1.0f / s : 0.0f;
     scale[r] = s;
     for (int64_t c = 0; c < cols; ++c)
@@ -153,7 +157,8 @@ void QuantizeI4PerGroup(const float* w, int64_t rows, int64_t cols, int64_t grou
       const float* x = w + r * cols + g * group;
       float amax = 0.0f;
       for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(x[i]));
-      const float s = amax / 7.0f;
+      float s = amax / 7.0f;  // a group below FLT_MIN * 7: zeros, as above
+      if (!(s >= std::numeric_limits<float>::min())) s = 0.0f;
       const float inv = s > 0.0f ? 1.0f / s : 0.0f;
       scale[r * groups + g] = s;
       for (int64_t i = 0; i < group; ++i) {

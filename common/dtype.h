@@ -88,6 +88,9 @@ inline void PackI4(uint8_t* p, int64_t i, int v) {
 }
 
 // ---- symmetric quantization references ----------------------------------------
+// Inputs must be finite (the packer refuses other weights). A row or group
+// whose scale would be under FLT_MIN (1/scale overflows) gets scale 0 and
+// zeros.
 // int8 per row (output channel): scale[r] = max|w[r]| / 127, q = round(w / scale).
 void QuantizeI8PerRow(const float* w, int64_t rows, int64_t cols, int8_t* q, float* scale);
 // int4 per group of `group` along each row (cols % group == 0):

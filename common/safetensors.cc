@@ -170,14 +170,20 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
     TensorEntry e;
     e.name = name;
     e.dtype = *dtype;
-    // Element count with overflow protection: anything past 2^62 bytes cannot be real.
-    unsigned __int128 numel = 1;
+    // Element and byte counts with overflow protection: a dimension, an
+    // element count or a byte count past 2^62 cannot be real (a zero
+    // dimension does not excuse a huge one).
+    constexpr unsigned __int128 kLimit = static_cast<unsigned __int128>(1) << 62;
+    unsigned __int128 numel = 1, bytes = 0;
     for (uint64_t d : shape_u) {
       numel *= d;
-      if (numel > (static_cast<unsigned __int128>(1) << 62))
+      if (d > kLimit || numel > kLimit)
         return absl::InvalidArgumentError(absl::StrCat(where, ": shape is impossibly large"));
       e.shape.push_back(static_cast<int64_t>(d));
     }
+    bytes = (numel * static_cast<unsigned>(DTypeBits(e.dtype)) + 7) / 8;
+    if (bytes > kLimit)
+      return absl::InvalidArgumentError(absl::StrCat(where, ": shape is impossibly large"));
     e.begin = offsets[0];
     e.end = offsets[1];
     if (e.begin > e.end)
@@ -187,7 +193,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
       return absl::DataLossError(absl::StrCat(where, ": data_offsets [", e.begin, ", ", e.end,
                                               ") lie outside the data region of ", data_size,
                                               " bytes"));
-    const uint64_t want = static_cast<uint64_t>(DTypeBytes(e.dtype, static_cast<int64_t>(numel)));
+    const uint64_t want = static_cast<uint64_t>(bytes);
     if (e.end - e.begin != want)
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": shape ", ShapeString(e.shape), " of ", dtype_name, " needs ", want,

@@ -14,6 +14,10 @@
 namespace hmoe {
 namespace {
 
+// Token ids above this are refused: real vocabularies stay under 1M, and the
+// id -> token table is sized by the largest id.
+constexpr int64_t kMaxTokenId = (int64_t{1} << 22) - 1;
+
 using json = nlohmann::json;
 
 // ---- UTF-8 --------------------------------------------------------------------
@@ -377,7 +381,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
     int32_t max_id = -1;
     for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
       if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
-          it.value().get<int64_t>() > (1 << 30))
+          it.value().get<int64_t>() > kMaxTokenId)
         return invalid("model.vocab", absl::StrCat("entry \"", it.key(), "\" has no valid id"));
       const int32_t id = it.value().get<int32_t>();
       impl->vocab[it.key()] = id;
@@ -415,9 +419,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
         if (!t.contains("id") || !t["id"].is_number_integer() || !t.contains("content") ||
             !t["content"].is_string())
           return invalid("added_tokens", absl::StrCat("entry ", t.dump(), " needs id and content"));
-        AddedToken a{t["id"].get<int32_t>(), t["content"].get<std::string>(),
+        const int64_t id = t["id"].get<int64_t>();
+        if (id < 0 || id > kMaxTokenId)
+          return invalid("added_tokens", absl::StrCat("entry ", t.dump(), " has an id outside [0, ",
+                                                      kMaxTokenId, "]"));
+        AddedToken a{static_cast<int32_t>(id), t["content"].get<std::string>(),
                      t.value("special", false), t.value("lstrip", false), t.value("rstrip", false)};
-        if (a.id < 0 || a.content.empty())
+        if (a.content.empty())
           return invalid("added_tokens", absl::StrCat("entry ", t.dump(), " is invalid"));
         max_id = std::max(max_id, a.id);
         impl->added.push_back(std::move(a));
@@ -436,7 +444,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
     if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) {
       const json& p = j["pre_tokenizer"];
       if (p.value("type", "") == "Sequence") {
-        for (const auto& x : p["pretokenizers"]) pre.push_back(&x);
+        for (const auto& x : p.at("pretokenizers")) pre.push_back(&x);
       } else {
         pre.push_back(&p);
       }
@@ -446,7 +454,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
       PreTokenizer pt{};
       if (type == "Split") {
         pt.kind = PreTokenizer::kSplit;
-        const json& pat = (*p)["pattern"];
+        const json& pat = p->at("pattern");
         std::string regex;
         if (pat.contains("Regex")) {
           regex = pat["Regex"].get<std::string>();
@@ -504,16 +512,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
       const std::string type = pp.value("type", "");
       if (type == "TemplateProcessing") {
         impl->has_template = true;
-        for (const auto& item : pp["single"]) {
+        const json& special = pp.at("special_tokens");
+        for (const auto& item : pp.at("single")) {
           if (item.contains("Sequence")) {
             impl->template_ids.push_back({-1});
           } else if (item.contains("SpecialToken")) {
-            const std::string name = item["SpecialToken"]["id"].get<std::string>();
-            if (!pp["special_tokens"].contains(name))
+            const std::string name = item.at("SpecialToken").at("id").get<std::string>();
+            if (!special.contains(name))
               return invalid("post_processor", absl::StrCat("template names \"", name,
                                                             "\" without special_tokens entry"));
-            impl->template_ids.push_back(
-                pp["special_tokens"][name]["ids"].get<std::vector<int32_t>>());
+            impl->template_ids.push_back(special.at(name).at("ids").get<std::vector<int32_t>>());
           }
         }
       } else if (type != "ByteLevel") {

@@ -211,6 +211,19 @@ struct RandomPanel {
   }
 };
 
+// A NaN or infinite weight (a corrupt checkpoint, an fp8 NaN code, an
+// overflowing scale) would poison every scale it shares: refused, located.
+absl::Status CheckFinite(const std::vector<float>& w, int64_t cols, std::string_view name) {
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (!std::isfinite(w[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(std::string(name), ": element [", static_cast<int64_t>(i) / cols, ", ",
+                       static_cast<int64_t>(i) % cols, "] is ", w[i], "; weights must be finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<float>> MatrixF32(const Tensor& t, const Tensor& scale_inv,
                                              int64_t block, int64_t rows, int64_t cols,
                                              std::string_view name) {
@@ -229,12 +242,15 @@ absl::StatusOr<std::vector<float>> MatrixF32(const Tensor& t, const Tensor& scal
       return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": must be contiguous"));
     std::vector<float> out(static_cast<size_t>(rows * cols));
     DequantFp8BlockToF32(t.data<uint8_t>(), rows, cols, scale_inv.data<float>(), block, out.data());
+    RETURN_IF_ERROR(CheckFinite(out, cols, name));
     return out;
   }
   if (t.dtype() != DType::kBF16 && t.dtype() != DType::kF32 && t.dtype() != DType::kF16)
     return absl::InvalidArgumentError(
         absl::StrCat(std::string(name), ": unsupported dtype ", std::string(DTypeName(t.dtype()))));
-  return t.ToF32();
+  std::vector<float> out = t.ToF32();
+  RETURN_IF_ERROR(CheckFinite(out, cols, name));
+  return out;
 }
 
 QuantMatrix Quantize(const float* w, int64_t rows, int64_t cols, WeightFormat f, int group) {

@@ -166,5 +166,31 @@ TEST(DType, Int4PackAndQuantize) {
               s8[static_cast<size_t>(i / cols)] * 0.5f + 1e-6f);
 }
 
+// Rows and groups so small that 1/scale overflows quantize to zeros with
+// scale 0 (before: inf inverse scales, 2x errors and NaN casts); a normal
+// row beside them is untouched.
+TEST(Quantize, TinyRowsAndGroupsGiveZerosNotOverflow) {
+  const int64_t cols = 64;
+  std::vector<float> w(2 * cols, 0.0f);
+  w[0] = 1e-38f;
+  w[2] = 5e-39f;
+  w[3] = -3e-39f;
+  for (int64_t c = 0; c < cols; ++c) w[static_cast<size_t>(cols + c)] = 0.01f * (c - 32);
+  std::vector<int8_t> q8(w.size());
+  std::vector<float> s8(2);
+  QuantizeI8PerRow(w.data(), 2, cols, q8.data(), s8.data());
+  EXPECT_EQ(s8[0], 0.0f);
+  for (int64_t c = 0; c < cols; ++c) EXPECT_EQ(q8[static_cast<size_t>(c)], 0) << c;
+  EXPECT_FLOAT_EQ(s8[1], 0.32f / 127.0f);
+  EXPECT_EQ(q8[static_cast<size_t>(cols)], -127);
+  std::vector<uint8_t> q4(w.size() / 2);
+  std::vector<float> s4(4);
+  QuantizeI4PerGroup(w.data(), 2, cols, 32, q4.data(), s4.data());
+  EXPECT_EQ(s4[0], 0.0f);
+  for (int64_t c = 0; c < 32; ++c) EXPECT_EQ(UnpackI4(q4.data(), c), 0) << c;
+  EXPECT_FLOAT_EQ(s4[2], 0.32f / 7.0f);
+  EXPECT_EQ(UnpackI4(q4.data(), cols), -7);
+}
+
 }  // namespace
 }  // namespace hmoe

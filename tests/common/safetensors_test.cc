@@ -179,6 +179,15 @@ TEST_F(SafetensorsTest, MalformedEntries) {
         std::string("{\"w\": {\"dtype\": 7, \"shape\": [1], \"data_offsets\": [0,4]}}"),
         std::string("{\"__metadata__\": {\"k\": 1}}"),
         std::string("{\"w\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], "
+                    "\"data_offsets\": [0,0]}}"),
+        // Elements under 2^62 whose bytes are not: the byte count must not wrap
+        // to the span the offsets give.
+        std::string("{\"w\": {\"dtype\": \"U8\", \"shape\": [2305843009213693952], "
+                    "\"data_offsets\": [0,0]}}"),
+        std::string("{\"w\": {\"dtype\": \"F64\", \"shape\": [576460752303423489], "
+                    "\"data_offsets\": [0,0]}}"),
+        // A zero dimension next to one past int64.
+        std::string("{\"w\": {\"dtype\": \"F32\", \"shape\": [0, 18446744073709551615], "
                     "\"data_offsets\": [0,0]}}")}) {
     auto s = OpenRaw(h, 0);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << h << " -> " << s;

@@ -101,6 +101,31 @@ TEST_F(TokenizerTest, Errors) {
       R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(["}, "behavior": "Isolated"}})",
       "t.json");
   EXPECT_EQ(badre.status().code(), absl::StatusCode::kInvalidArgument);
+  // Structurally incomplete files are INVALID_ARGUMENT, not a crash (missing
+  // keys read with .at(), ids bounded before the id table is sized).
+  const std::string vocab = R"("model": {"type": "BPE", "vocab": {"a": 0}})";
+  for (const std::string& body : {
+           std::string(R"("pre_tokenizer": {"type": "Sequence"})"),
+           std::string(R"("pre_tokenizer": {"type": "Split", "behavior": "Isolated"})"),
+           std::string(R"("post_processor": {"type": "TemplateProcessing"})"),
+           std::string(R"("post_processor": {"type": "TemplateProcessing",
+               "single": [{"SpecialToken": {"id": "<s>"}}]})"),
+           std::string(R"("post_processor": {"type": "TemplateProcessing",
+               "single": [{"SpecialToken": {"id": "<s>"}}], "special_tokens": {"<s>": {}}})"),
+           std::string(R"("post_processor": {"type": "TemplateProcessing",
+               "single": [{"SpecialToken": {}}], "special_tokens": {}})"),
+           std::string(R"("added_tokens": [{"id": 2147483647, "content": "<x>"}])"),
+           std::string(R"("added_tokens": [{"id": 4294967301, "content": "<x>"}])"),
+           std::string(R"("added_tokens": [{"id": -1, "content": "<x>"}])"),
+       }) {
+    auto t = Tokenizer::FromJson("{" + vocab + ", " + body + "}", "t.json");
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument)
+        << body << " -> " << t.status();
+    EXPECT_THAT(std::string(t.status().message()), HasSubstr("t.json")) << body;
+  }
+  auto big =
+      Tokenizer::FromJson(R"({"model": {"type": "BPE", "vocab": {"a": 1000000000}}})", "t.json");
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument) << big.status();
 }
 
 TEST(Utf8, MaximalSubpartReplacement) {

@@ -160,6 +160,29 @@ TEST(PackTest, Fp8SourceDequantizesWithBlockScales) {
     }
 }
 
+// A NaN or infinite weight (bf16 NaN / inf, the fp8 NaN code) is refused,
+// located, in every format: it would poison its row's or group's scale.
+TEST(PackTest, NonFiniteWeightsAreRefusedNamingTheElement) {
+  for (bool fp8 : {false, true}) {
+    auto src = RandomSource(130, 40, 1, 4, fp8);
+    auto w = src.expert(0).value();
+    if (fp8) {
+      w.up.data<uint8_t>()[3 * 130 + 7] = 0x7f;  // e4m3 NaN
+    } else {
+      w.up.data<uint16_t>()[3 * 130 + 7] = 0x7f80;  // bf16 +inf
+    }
+    for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4}) {
+      PackOptions o;
+      o.format = f;
+      o.group = f == WeightFormat::kInt4 ? 32 : 0;
+      const absl::Status st = QuantizeExpert(w, src, o).status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_NE(st.message().find("up: element [3, 7] is"), std::string_view::npos) << st;
+      EXPECT_NE(st.message().find("weights must be finite"), std::string_view::npos) << st;
+    }
+  }
+}
+
 TEST(PackTest, Fp8SourceWithoutBlockSizeIsInvalidArgument) {
   auto src = RandomSource(130, 40, 1, 2, /*fp8=*/true);
   for (int64_t block : {0, -128}) {
