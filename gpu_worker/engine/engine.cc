@@ -272,9 +272,13 @@ void Engine::EmitToken(Request& r, int32_t token) {
 // and emits it; unless that ends the request, the token goes into the next
 // step's batch.
 void Engine::SampleNext(Request& r) {
-  const int32_t token = r.sampler->Sample(r.logits, r.req.prompt, r.output);
-  EmitToken(r, token);
-  if (!r.done) r.pending = token;
+  const absl::StatusOr<int32_t> token = r.sampler->Sample(r.logits, r.req.prompt, r.output);
+  if (!token.ok()) {
+    Finish(r, FinishReason::kError, token.status());
+    return;
+  }
+  EmitToken(r, *token);
+  if (!r.done) r.pending = *token;
 }
 
 void Engine::Step() {

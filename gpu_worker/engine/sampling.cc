@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <unordered_set>
 
@@ -38,10 +39,24 @@ int32_t Argmax(absl::Span<const float> logits) {
 Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed)
     : params_(params), rng_(params.has_seed ? params.seed : fallback_seed) {}
 
-int32_t Sampler::Sample(absl::Span<const float> logits, absl::Span<const int32_t> prompt,
-                        absl::Span<const int32_t> output) {
+absl::StatusOr<int32_t> Sampler::Sample(absl::Span<const float> logits,
+                                        absl::Span<const int32_t> prompt,
+                                        absl::Span<const int32_t> output) {
   const SamplingParams& p = params_;
   const int32_t V = static_cast<int32_t>(logits.size());
+  bool any_finite = false;
+  for (int32_t t = 0; t < V; ++t) {
+    const float l = logits[static_cast<size_t>(t)];
+    if (std::isnan(l) || l == std::numeric_limits<float>::infinity()) {
+      return absl::InternalError(
+          absl::StrCat("the forward pass gave token ", t, " the logit ", l, "; nothing to sample"));
+    }
+    any_finite |= std::isfinite(l);
+  }
+  if (!any_finite) {
+    return absl::InternalError(
+        absl::StrCat("the forward pass gave none of the ", V, " tokens a finite logit"));
+  }
   work_.assign(logits.begin(), logits.end());
   auto in_range = [&](int32_t t) { return t >= 0 && t < V; };
 
@@ -52,7 +67,10 @@ int32_t Sampler::Sample(absl::Span<const float> logits, absl::Span<const int32_t
     for (int32_t t : seen) {
       if (!in_range(t)) continue;
       float& l = work_[static_cast<size_t>(t)];
-      l = l > 0 ? l / p.repetition_penalty : l * p.repetition_penalty;
+      if (!std::isfinite(l)) continue;  // -inf stays masked
+      // A tiny penalty must not turn a logit into +-inf.
+      l = std::clamp(l > 0 ? l / p.repetition_penalty : l * p.repetition_penalty,
+                     -std::numeric_limits<float>::max(), std::numeric_limits<float>::max());
     }
   }
   if (p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {

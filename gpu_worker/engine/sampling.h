@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 
 namespace hmoe {
@@ -45,9 +46,11 @@ class Sampler {
   Sampler(const SamplingParams& params, uint64_t fallback_seed);
 
   // `prompt` and `output` are the request's tokens so far (for penalties).
-  // Logits are copied; the input is not modified.
-  int32_t Sample(absl::Span<const float> logits, absl::Span<const int32_t> prompt,
-                 absl::Span<const int32_t> output);
+  // Logits are copied; the input is not modified. -inf masks a token; a NaN
+  // or +inf logit, or no finite one, is INTERNAL naming the token (a broken
+  // forward pass: no token would be a sample of anything).
+  absl::StatusOr<int32_t> Sample(absl::Span<const float> logits, absl::Span<const int32_t> prompt,
+                                 absl::Span<const int32_t> output);
 
   const SamplingParams& params() const { return params_; }
 

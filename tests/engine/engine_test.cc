@@ -2,10 +2,12 @@
 
 #include <condition_variable>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <thread>
 
 #include "common/safetensors.h"
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
@@ -295,7 +297,13 @@ class InstrumentedModel final : public Model {
       if (!poison.empty() && st.tokens.size() >= poison.size() &&
           std::equal(poison.begin(), poison.end(), st.tokens.begin()))
         return steps.size() == 1 && !poison_alone_status.ok() ? poison_alone_status : poison_status;
-    return inner_->ForwardBatch(steps);
+    RETURN_IF_ERROR(inner_->ForwardBatch(steps));
+    for (const ForwardStep& st : steps)
+      if (!nan_for.empty() && st.tokens.size() >= nan_for.size() &&
+          std::equal(nan_for.begin(), nan_for.end(), st.tokens.begin()) && st.logits != nullptr &&
+          st.logits->size() > 5)
+        (*st.logits)[5] = std::numeric_limits<float>::quiet_NaN();
+    return absl::OkStatus();
   }
   void Hold() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -317,6 +325,7 @@ class InstrumentedModel final : public Model {
   std::vector<int32_t> poison;  // set before the engine runs
   absl::Status poison_status;
   absl::Status poison_alone_status;  // when set: the poisoned step run alone
+  std::vector<int32_t> nan_for;      // a step starting so gets a NaN logit (token 5)
 
  private:
   const Model* inner_;
@@ -333,6 +342,37 @@ GenerateRequest Short(int i, int max_tokens) {
   r.max_tokens = max_tokens;
   r.ignore_eos = true;
   return r;
+}
+
+// A pass that gives one request a NaN logit ends that request with INTERNAL
+// (kError) naming the token; the request beside it gets what it gets alone.
+TEST_F(EngineTest, NonFiniteLogitsEndOnlyThatRequest) {
+  std::vector<int32_t> solo;
+  {
+    auto engine = Make();
+    Collector c;
+    ASSERT_TRUE(engine->Submit(Short(1, 4), c.Callback()).ok());
+    ASSERT_TRUE(c.Wait());
+    solo = c.ids;
+  }
+  InstrumentedModel model(model_);
+  model.nan_for = Short(0, 4).prompt;
+  auto engine = Engine::Create(&model, nullptr, {});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Collector bad, good;
+  model.Hold();
+  ASSERT_TRUE((*engine)->Submit(Short(0, 4), bad.Callback()).ok());
+  ASSERT_TRUE((*engine)->Submit(Short(1, 4), good.Callback()).ok());
+  model.Release();
+  ASSERT_TRUE(bad.Wait());
+  ASSERT_TRUE(good.Wait());
+  EXPECT_EQ(bad.final_event.finish, FinishReason::kError);
+  EXPECT_EQ(bad.final_event.status.code(), absl::StatusCode::kInternal) << bad.final_event.status;
+  EXPECT_THAT(std::string(bad.final_event.status.message()), HasSubstr("token 5"));
+  EXPECT_TRUE(bad.ids.empty());
+  EXPECT_EQ(good.final_event.finish, FinishReason::kLength);
+  EXPECT_EQ(good.ids, solo);
+  EXPECT_EQ((*engine)->stats().kv_blocks_used, 0);
 }
 
 // Every running request decodes in the same forward pass as the others and

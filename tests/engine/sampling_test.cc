@@ -1,6 +1,7 @@
 #include "gpu_worker/engine/sampling.h"
 
 #include <cmath>
+#include <limits>
 #include <map>
 
 #include "gmock/gmock.h"
@@ -14,19 +15,19 @@ using ::testing::HasSubstr;
 TEST(Sampling, GreedyAndEquivalentFilters) {
   std::vector<float> logits = {0.1f, 2.0f, 1.9f, -1.0f, 2.0f};
   Sampler greedy(SamplingParams{}, 1);
-  EXPECT_EQ(greedy.Sample(logits, {}, {}), 1);  // tie between 1 and 4: lowest id
-  logits[4] = 1.95f;                            // no tie at the top for the filters below
+  EXPECT_EQ(greedy.Sample(logits, {}, {}).value(), 1);  // tie between 1 and 4: lowest id
+  logits[4] = 1.95f;                                    // no tie at the top for the filters below
   for (int i = 0; i < 20; ++i) {
     SamplingParams p;
     p.temperature = 1.0f;
     p.top_k = 1;
-    EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}), 1);
+    EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}).value(), 1);
     p.top_k = 0;
     p.top_p = 1e-6f;
-    EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}), 1);
+    EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}).value(), 1);
     p.top_p = 1.0f;
     p.min_p = 1.0f;
-    EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}), 1);
+    EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}).value(), 1);
   }
 }
 
@@ -40,14 +41,14 @@ TEST(Sampling, SeedReproducesAndDiffers) {
   Sampler a(p, 0), b(p, 999);
   std::vector<int32_t> sa, sb;
   for (int i = 0; i < 200; ++i) {
-    sa.push_back(a.Sample(logits, {}, {}));
-    sb.push_back(b.Sample(logits, {}, {}));
+    sa.push_back(a.Sample(logits, {}, {}).value());
+    sb.push_back(b.Sample(logits, {}, {}).value());
   }
   EXPECT_EQ(sa, sb);  // the request's seed wins over the fallback
   p.seed = 43;
   Sampler c(p, 0);
   std::vector<int32_t> sc;
-  for (int i = 0; i < 200; ++i) sc.push_back(c.Sample(logits, {}, {}));
+  for (int i = 0; i < 200; ++i) sc.push_back(c.Sample(logits, {}, {}).value());
   EXPECT_NE(sa, sc);
 }
 
@@ -59,7 +60,7 @@ TEST(Sampling, Distribution) {
   Sampler s(p, 7);
   std::map<int32_t, int> n;
   const int draws = 40000;
-  for (int i = 0; i < draws; ++i) ++n[s.Sample(logits, {}, {})];
+  for (int i = 0; i < draws; ++i) ++n[s.Sample(logits, {}, {}).value()];
   double z = 0;
   for (float l : logits) z += std::exp(l / 0.7);
   for (int t = 0; t < 4; ++t) {
@@ -70,7 +71,7 @@ TEST(Sampling, Distribution) {
   p.top_p = 0.6f;
   Sampler q(p, 9);
   std::map<int32_t, int> m;
-  for (int i = 0; i < draws; ++i) ++m[q.Sample(logits, {}, {})];
+  for (int i = 0; i < draws; ++i) ++m[q.Sample(logits, {}, {}).value()];
   EXPECT_EQ(m.count(1) + m.count(2), 0u);
   const double p0 = std::exp(1 / 0.7), p3 = std::exp(0.5 / 0.7);
   EXPECT_NEAR(m[0] / static_cast<double>(draws), p0 / (p0 + p3), 0.01);
@@ -80,19 +81,56 @@ TEST(Sampling, Penalties) {
   std::vector<float> logits = {3.0f, 2.9f, -1.0f};
   SamplingParams p;
   p.repetition_penalty = 2.0f;  // 3.0 -> 1.5 for a seen token
-  EXPECT_EQ(Sampler(p, 0).Sample(logits, {0}, {}), 1);
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {0}, {}).value(), 1);
   p = SamplingParams{};
   p.presence_penalty = 0.5f;
-  EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {0}), 1);  // 3.0 - 0.5 < 2.9
-  EXPECT_EQ(Sampler(p, 0).Sample(logits, {0}, {}), 0);  // prompt tokens: no presence penalty
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {0}).value(), 1);  // 3.0 - 0.5 < 2.9
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {0}, {}).value(),
+            0);  // prompt tokens: no presence penalty
   p = SamplingParams{};
   p.frequency_penalty = 0.06f;
-  EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {0}), 0);     // 3.0 - 0.06 > 2.9
-  EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {0, 0}), 1);  // 3.0 - 0.12 < 2.9
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {0}).value(), 0);     // 3.0 - 0.06 > 2.9
+  EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {0, 0}).value(), 1);  // 3.0 - 0.12 < 2.9
   p = SamplingParams{};
   p.repetition_penalty = 2.0f;  // negative logits are multiplied
   std::vector<float> neg = {-1.0f, -1.5f};
-  EXPECT_EQ(Sampler(p, 0).Sample(neg, {0}, {}), 1);
+  EXPECT_EQ(Sampler(p, 0).Sample(neg, {0}, {}).value(), 1);
+}
+
+// A broken forward pass (NaN or +inf logits, or none finite) is an error
+// naming the token, greedy or not (before: +inf made every probability NaN
+// and the least likely kept token came out); -inf only masks a token.
+TEST(Sampling, NonFiniteLogitsAreAnErrorAndMinusInfMasks) {
+  const float inf = std::numeric_limits<float>::infinity();
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  SamplingParams random;
+  random.temperature = 1.0f;
+  for (const SamplingParams& p : {greedy, random}) {
+    for (const std::vector<float>& bad :
+         {std::vector<float>{inf, 0.0f, -1.0f}, std::vector<float>{0.0f, NAN, 5.0f},
+          std::vector<float>{NAN, 5.0f, 1.0f}, std::vector<float>{-inf, -inf}}) {
+      auto t = Sampler(p, 1).Sample(bad, {}, {});
+      EXPECT_EQ(t.status().code(), absl::StatusCode::kInternal) << t.status();
+    }
+    auto nan = Sampler(p, 1).Sample(std::vector<float>{0.0f, NAN, 5.0f}, {}, {});
+    EXPECT_THAT(std::string(nan.status().message()), HasSubstr("token 1"));
+    for (int seed = 0; seed < 50; ++seed) {
+      auto t = Sampler(p, static_cast<uint64_t>(seed)).Sample({-inf, 0.5f, -inf, 0.0f}, {}, {});
+      ASSERT_TRUE(t.ok()) << t.status();
+      EXPECT_TRUE(*t == 1 || *t == 3) << *t;
+    }
+  }
+  // A tiny repetition penalty divides a positive logit past FLT_MAX: it is
+  // clamped, not +inf, and the token stays the likeliest.
+  SamplingParams tiny;
+  tiny.repetition_penalty = 1e-30f;
+  for (float temperature : {0.0f, 1.0f}) {
+    tiny.temperature = temperature;
+    auto t = Sampler(tiny, 3).Sample({1e10f, -1e30f, 0.0f}, {0}, {});
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(*t, 0);
+  }
 }
 
 TEST(Sampling, Validation) {
