@@ -58,6 +58,16 @@ class Flags {
     auto it = values_.find(n);
     return it == values_.end() ? std::vector<std::string>{} : it->second;
   }
+  // A boolean flag: absent -> `def`; `--x` or `--x=true|1|yes|on` -> true;
+  // `--x=false|0|no|off` -> false; anything else records an error.
+  bool Bool(const std::string& n, bool def) {
+    if (!Has(n)) return def;
+    const std::string v = Str(n);
+    if (v == "true" || v == "1" || v == "yes" || v == "on") return true;
+    if (v == "false" || v == "0" || v == "no" || v == "off") return false;
+    error_ = absl::StrCat(n, " is true or false, got \"", v, "\"");
+    return def;
+  }
   // Parses a number; records an error naming the flag.
   double Num(const std::string& n, double def) {
     if (!Has(n)) return def;
@@ -145,8 +155,8 @@ void ApplySampling(Flags& f, api::v1::GenerateRequest& req, int default_max_toke
     s->set_frequency_penalty(static_cast<float>(f.Num("--frequency-penalty", 0)));
   if (f.Has("--seed")) s->set_seed(f.U64("--seed", 0));
   for (const std::string& stop : f.All("--stop")) req.add_stop(stop);
-  req.set_ignore_eos(f.Has("--ignore-eos"));
-  req.set_add_special_tokens(f.Has("--add-special-tokens"));
+  req.set_ignore_eos(f.Bool("--ignore-eos", false));
+  req.set_add_special_tokens(f.Bool("--add-special-tokens", false));
 }
 
 absl::StatusOr<std::unique_ptr<Client>> ConnectFrom(Flags& f) {
@@ -208,13 +218,13 @@ int GenerateCommand(const std::vector<std::string>& args) {
   req.set_prompt(prompt);
   ApplySampling(f, req, 64);
   const double timeout = f.Num("--timeout", 0);
+  const bool ids = f.Bool("--ids", false);
   if (!f.error().empty()) {
     std::fprintf(stderr, "hmoe generate: %s\n", f.error().c_str());
     return 2;
   }
   auto client = ConnectFrom(f);
   if (!client.ok()) return Fail("generate", client.status());
-  const bool ids = f.Has("--ids");
   std::fputs(prompt.c_str(), stdout);
   std::fflush(stdout);
   auto r = (*client)->Generate(
@@ -286,7 +296,7 @@ int ChatCommand(const std::vector<std::string>& args) {
     if (req.stop_size() == 0) req.add_stop("\nUser:");
     // Keep the most recent turns that fit the context (by tokens).
     for (;;) {
-      auto ids = (*client)->Tokenize(prompt);
+      auto ids = (*client)->Tokenize(prompt, req.add_special_tokens());
       if (!ids.ok()) return Fail("chat", ids.status());
       if (static_cast<int64_t>(ids->size()) + req.max_tokens() <= info->max_context()) break;
       const size_t cut = history.find("\nUser:", 1);
@@ -330,7 +340,8 @@ int BenchServeCommand(const std::vector<std::string>& args) {
   api::v1::GenerateRequest base;
   base.set_prompt(prompt);
   ApplySampling(f, base, 32);
-  if (!f.Has("--ignore-eos")) base.set_ignore_eos(true);  // fixed-length outputs measure steadier
+  // Fixed-length outputs measure steadier: EOS is ignored unless --ignore-eos=false.
+  base.set_ignore_eos(f.Bool("--ignore-eos", true));
   if (!f.error().empty() || clients < 1 || requests < 1) {
     std::fprintf(stderr, "hmoe bench-serve: %s\n",
                  f.error().empty() ? "--clients and --requests must be >= 1" : f.error().c_str());

@@ -89,8 +89,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model,
     return absl::InvalidArgumentError(
         absl::StrCat("prefill_chunk must be >= 1, got ", o.prefill_chunk));
   const int64_t max_seq = model->options().max_seq_len;
-  if (o.kv_blocks == 0)
-    o.kv_blocks = (o.max_batch * max_seq + o.kv_block_tokens - 1) / o.kv_block_tokens;
+  if (max_seq < 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("the model's max_seq_len must be >= 1, got ", max_seq));
+  if (o.kv_blocks == 0) {
+    // In 128 bits: max_batch x max_seq_len can pass int64 for absurd settings.
+    const __int128 blocks =
+        (static_cast<__int128>(o.max_batch) * max_seq + o.kv_block_tokens - 1) / o.kv_block_tokens;
+    if (blocks > (__int128{1} << 40))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "max_batch ", o.max_batch, " x max_seq_len ", max_seq, " tokens is more KV cache than ",
+          "any machine holds; lower the batch or the context"));
+    o.kv_blocks = static_cast<int64_t>(blocks);
+  }
   if (o.kv_blocks < 1)
     return absl::InvalidArgumentError(absl::StrCat("kv_blocks must be >= 1, got ", o.kv_blocks));
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));

@@ -33,6 +33,7 @@
 #include <systemd/sd-daemon.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -91,11 +92,14 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       if (i + 1 >= argc) Die(a + " needs a value");
       v = argv[++i];
     }
-    auto num = [&](int64_t lo) {
+    // An integer in [lo, hi] (so that narrowing it to int cannot wrap).
+    auto num = [&](int64_t lo, int64_t hi) {
       char* end = nullptr;
+      errno = 0;
       const long long x = std::strtoll(v.c_str(), &end, 10);
-      if (end == v.c_str() || *end != '\0' || x < lo)
-        Die(a + " must be an integer >= " + std::to_string(lo) + ", got " + v);
+      if (end == v.c_str() || *end != '\0' || errno == ERANGE || x < lo || x > hi)
+        Die(a + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+            "], got " + v);
       return static_cast<int64_t>(x);
     };
     if (a == "--model")
@@ -109,21 +113,21 @@ WorkerOptions ParseFlags(int argc, char** argv) {
     else if (a == "--port-file")
       o.port_file = v;
     else if (a == "--max-batch")
-      o.max_batch = static_cast<int>(num(1));
+      o.max_batch = static_cast<int>(num(1, 4096));
     else if (a == "--max-queue")
-      o.max_queue = static_cast<int>(num(1));
+      o.max_queue = static_cast<int>(num(1, 1 << 20));
     else if (a == "--max-context")
-      o.max_context = num(0);
+      o.max_context = num(0, int64_t{1} << 24);
     else if (a == "--kv-blocks")
-      o.kv_blocks = num(0);
+      o.kv_blocks = num(0, int64_t{1} << 40);
     else if (a == "--threads")
-      o.threads = static_cast<int>(num(0));
+      o.threads = static_cast<int>(num(0, 4096));
     else if (a == "--expert-timeout-ms")
-      o.expert_timeout_ms = static_cast<int>(num(1));
+      o.expert_timeout_ms = static_cast<int>(num(1, 3600 * 1000));
     else if (a == "--drain-seconds")
-      o.drain_seconds = static_cast<int>(num(0));
+      o.drain_seconds = static_cast<int>(num(0, 24 * 3600));
     else if (a == "--defer-experts")
-      o.defer_experts = static_cast<int>(num(0));
+      o.defer_experts = static_cast<int>(num(0, 256));
     else if (a == "--auth-token-file")
       o.auth_token_file = v;
     else if (a == "--expert-auth-token-file")

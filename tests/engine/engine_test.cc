@@ -344,6 +344,39 @@ GenerateRequest Short(int i, int max_tokens) {
   return r;
 }
 
+// The fixture model with another context length.
+class ContextModel final : public Model {
+ public:
+  ContextModel(const Model* inner, int64_t max_seq_len)
+      : inner_(inner), options_(inner->options()) {
+    options_.max_seq_len = max_seq_len;
+  }
+  const ModelConfig& config() const override { return inner_->config(); }
+  const ModelOptions& options() const override { return options_; }
+  std::unique_ptr<Sequence> NewSequence() const override { return inner_->NewSequence(); }
+  absl::Status ForwardBatch(absl::Span<const ForwardStep> steps) const override {
+    return inner_->ForwardBatch(steps);
+  }
+
+ private:
+  const Model* inner_;
+  ModelOptions options_;
+};
+
+// The default KV budget (max_batch x context) is computed without overflow:
+// an absurd context is INVALID_ARGUMENT saying why, not a wrapped count.
+TEST_F(EngineTest, AnAbsurdContextIsRefusedNotOverflowed) {
+  for (int64_t ctx : {std::numeric_limits<int64_t>::max() / 4, int64_t{1} << 42}) {
+    ContextModel model(model_, ctx);
+    auto e = Engine::Create(&model, nullptr, {});
+    ASSERT_FALSE(e.ok()) << ctx;
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+    EXPECT_THAT(std::string(e.status().message()), HasSubstr("more KV cache than any machine"));
+  }
+  ContextModel zero(model_, 0);
+  EXPECT_EQ(Engine::Create(&zero, nullptr, {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // A pass that gives one request a NaN logit ends that request with INTERNAL
 // (kError) naming the token; the request beside it gets what it gets alone.
 TEST_F(EngineTest, NonFiniteLogitsEndOnlyThatRequest) {
