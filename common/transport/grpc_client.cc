@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/status.h"
 #include "common/transport/grpc_auth.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/expert.grpc.pb.h"
@@ -242,6 +243,8 @@ absl::Status GrpcStreamClient::EnsureStream(std::unique_lock<std::mutex>& lock) 
 
 absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* out,
                                                   absl::Time deadline) {
+  // A protobuf message holds under 2 GiB.
+  RETURN_IF_ERROR(CheckMoeCallBytes(call, (uint64_t{1} << 31) - 4096, "grpc"));
   auto o = std::make_unique<Outgoing>();
   pb::MoeRequest& req = o->req;
   req.set_layer(call.layer);

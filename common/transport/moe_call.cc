@@ -26,6 +26,17 @@ MoeCall MoeCall::Make(int32_t layer, int32_t tokens, int32_t top_k, int64_t hidd
   return c;
 }
 
+absl::Status CheckMoeCallBytes(const MoeCall& call, uint64_t limit, const char* transport) {
+  const unsigned __int128 total =
+      static_cast<unsigned __int128>(call.hidden_bytes) + call.ids_bytes + call.weights_bytes;
+  if (total > limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert service (", transport, "): a call of ", call.hidden_bytes, " + ", call.ids_bytes,
+        " + ", call.weights_bytes, " bytes, over the ", limit, " one call may carry"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateMoeCallShape(const ShardInfo& info, const MoeCall& call) {
   bool layer_ok = false;
   for (int32_t l : info.moe_layers) layer_ok |= (l == call.layer);

@@ -97,5 +97,9 @@ absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call);
 // and the byte sizes (a server checks these before copying anything; the
 // data pointers may be null).
 absl::Status ValidateMoeCallShape(const ShardInfo& info, const MoeCall& call);
+// A client's check before it copies a call's buffers: INVALID_ARGUMENT when
+// hidden_bytes + ids_bytes + weights_bytes (summed without wrapping) exceed
+// `limit`. The sizes are otherwise sent as given for the server to judge.
+absl::Status CheckMoeCallBytes(const MoeCall& call, uint64_t limit, const char* transport);
 
 }  // namespace hmoe

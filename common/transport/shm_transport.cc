@@ -79,9 +79,17 @@ struct SlotGeometry {
 ShmSlot* SlotAt(uint8_t* base, const SlotGeometry& g, uint32_t i) {
   return reinterpret_cast<ShmSlot*>(base + g.slots_offset + uint64_t{i} * g.slot_bytes);
 }
-// Client side: the geometry of a segment it wrote itself.
-ShmSlot* SlotAt(uint8_t* base, const ShmHeader* h, uint32_t i) {
-  return reinterpret_cast<ShmSlot*>(base + h->slots_offset + uint64_t{i} * h->slot_bytes);
+// Client side: the geometry it wrote into its segment's header, kept
+// privately too (the service could rewrite the header).
+SlotGeometry SlotGeometryOf(const ShmGeometry& geo) {
+  SlotGeometry g;
+  g.num_slots = geo.slots;
+  g.slots_offset = 4096;
+  g.slot_bytes = geo.slot_bytes();
+  g.req_capacity = geo.req_capacity();
+  g.resp_offset = Align(kSlotHeaderBytes + geo.req_capacity(), 64);
+  g.resp_capacity = geo.resp_capacity();
+  return g;
 }
 
 void SetMessage(ShmSlot* s, const absl::Status& st) {
@@ -105,14 +113,15 @@ uint64_t ShmGeometry::slot_bytes() const {
 }
 uint64_t ShmGeometry::total_bytes() const { return 4096 + uint64_t{slots} * slot_bytes(); }
 void ShmGeometry::WriteHeader(ShmHeader* h) const {
+  const SlotGeometry g = SlotGeometryOf(*this);
   h->magic = kShmMagic;
   h->version = kShmVersion;
-  h->num_slots = slots;
-  h->slot_bytes = slot_bytes();
-  h->slots_offset = 4096;
-  h->req_capacity = req_capacity();
-  h->resp_offset = Align(kSlotHeaderBytes + req_capacity(), 64);
-  h->resp_capacity = resp_capacity();
+  h->num_slots = g.num_slots;
+  h->slot_bytes = g.slot_bytes;
+  h->slots_offset = g.slots_offset;
+  h->req_capacity = g.req_capacity;
+  h->resp_offset = g.resp_offset;
+  h->resp_capacity = g.resp_capacity;
   h->total_bytes = total_bytes();
   h->hidden = hidden;
 }
@@ -422,6 +431,9 @@ struct ShmClient::Segment {
   int server_pidfd = -1;
   int32_t server_pid = 0;
   uint64_t epoch = 0;
+  // The layout this client wrote; never read back from the header, which the
+  // service can write.
+  SlotGeometry geo;
   std::vector<int> owner;  // per slot: 0 free, 1 in use, 2 abandoned (reclaim once DONE)
   std::atomic<bool> dead{false};
   ShmHeader* header() const { return reinterpret_cast<ShmHeader*>(base); }
@@ -483,6 +495,7 @@ absl::StatusOr<std::shared_ptr<ShmClient::Segment>> ShmClient::Connect(absl::Tim
   seg->base = static_cast<uint8_t*>(p);
   ShmHeader* h = seg->header();
   geo_.WriteHeader(h);
+  seg->geo = SlotGeometryOf(geo_);
   seg->nonce = RandomOdd64();
   h->nonce = seg->nonce;
   h->client_pid.store(static_cast<int32_t>(::getpid()));
@@ -499,7 +512,10 @@ absl::StatusOr<std::shared_ptr<ShmClient::Segment>> ShmClient::Connect(absl::Tim
   seg->server_pidfd = PidfdOpen(seg->server_pid);
   auto epoch = control_->AttachShm(seg->path, ::getpid(), seg->nonce,
                                    ControlBudget(deadline, kControlTimeout, &capped));
-  if (!epoch.ok()) return ControlFailure(epoch.status(), capped, "shm: attach");
+  // As for describe: the service's refusals and deadlines keep their code,
+  // anything else (shm off there, another hidden size, a path it cannot
+  // open) means no segment from this service: UNAVAILABLE.
+  if (!epoch.ok()) return SetupFailure(ControlFailure(epoch.status(), capped, "shm: attach"));
   seg->epoch = *epoch;
   return seg;
 }
@@ -524,8 +540,9 @@ absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int3
   std::unique_lock<std::mutex> lock(mu_);
   int slot_index = -1;
   while (true) {
-    if (seg_ && (seg_->dead.load() || PeerExited(seg_->server_pidfd, seg_->server_pid))) {
-      seg_.reset();  // discard: the service is gone
+    if (seg_ && (seg_->dead.load() || seg_->header()->closed.load() ||
+                 PeerExited(seg_->server_pidfd, seg_->server_pid))) {
+      seg_.reset();  // discard: the service is gone or gave the segment up
     }
     if (!seg_) {
       // One thread reconnects, without mu_ (its control RPCs may take
@@ -547,18 +564,20 @@ absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int3
       if (!seg.ok()) return seg.status();
       seg_ = std::move(*seg);
     }
-    ShmHeader* h = seg_->header();
-    const uint64_t io = Align(hb, 64), wo = io + Align(ib, 64);
-    if (wo + wb > h->req_capacity) {
+    const SlotGeometry& g = seg_->geo;
+    // In 128 bits: byte sizes near 2^64 must not wrap under the capacity.
+    const unsigned __int128 need =
+        static_cast<unsigned __int128>(Align(hb, 64)) + Align(ib, 64) + wb;
+    if (hb > g.req_capacity || ib > g.req_capacity || need > g.req_capacity) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tokens: ", tokens, " (", wo + wb,
-                       " request bytes) over the shared-memory slot capacity of ", h->req_capacity,
+          absl::StrCat("tokens: ", tokens, " (", hb, " + ", ib, " + ", wb,
+                       " request bytes) over the shared-memory slot capacity of ", g.req_capacity,
                        " bytes (", geo_.max_tokens, " tokens)"));
     }
     // A free slot, reclaiming abandoned ones the server has finished.
     int abandoned = 0, at_service = 0;
-    for (uint32_t i = 0; i < h->num_slots && slot_index < 0; ++i) {
-      ShmSlot* s = SlotAt(seg_->base, h, i);
+    for (uint32_t i = 0; i < g.num_slots && slot_index < 0; ++i) {
+      ShmSlot* s = SlotAt(seg_->base, g, i);
       const uint32_t state = s->state.load(std::memory_order_acquire);
       if (seg_->owner[i] == 2 && state == kSlotDone) seg_->owner[i] = 0;
       if (seg_->owner[i] == 0) slot_index = static_cast<int>(i);
@@ -573,14 +592,14 @@ absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int3
     // which only a Release or Wait frees: say so at once.
     if (at_service == 0 && abandoned == 0) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "expert service (shm): all ", h->num_slots,
+          "expert service (shm): all ", g.num_slots,
           " slots held by this client's handles (acquired, or answered and not yet released)"));
     }
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
-          "expert service (shm): no free slot before the deadline: all ", h->num_slots,
+          "expert service (shm): no free slot before the deadline: all ", g.num_slots,
           " slots busy (", abandoned, " with abandoned calls the service has not finished, ",
-          h->num_slots - static_cast<uint32_t>(abandoned),
+          g.num_slots - static_cast<uint32_t>(abandoned),
           " with calls not yet waited or released)"));
     }
     lock.unlock();
@@ -588,11 +607,10 @@ absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int3
     lock.lock();
   }
   Segment& seg = *seg_;
-  ShmHeader* h = seg.header();
   const uint64_t io = Align(hb, 64), wo = io + Align(ib, 64);
   const uint32_t i = static_cast<uint32_t>(slot_index);
   seg.owner[i] = 1;
-  uint8_t* data = reinterpret_cast<uint8_t*>(SlotAt(seg.base, h, i)) + kSlotHeaderBytes;
+  uint8_t* data = reinterpret_cast<uint8_t*>(SlotAt(seg.base, seg.geo, i)) + kSlotHeaderBytes;
   const uint64_t seq = next_seq_++;
   Outstanding& o = outstanding_[seq];
   o.seg = seg_;
@@ -620,7 +638,7 @@ absl::Status ShmClient::Commit(uint64_t handle, int32_t layer) {
   if (it == outstanding_.end()) return absl::InvalidArgumentError("unknown handle");
   Outstanding& o = it->second;
   ShmHeader* h = o.seg->header();
-  ShmSlot* s = SlotAt(o.seg->base, h, o.slot);
+  ShmSlot* s = SlotAt(o.seg->base, o.seg->geo, o.slot);
   s->seq = o.seq;
   s->layer = layer;
   s->tokens = o.tokens;
@@ -644,7 +662,7 @@ void ShmClient::Release(uint64_t handle) {
   auto it = outstanding_.find(handle);
   if (it == outstanding_.end()) return;
   Outstanding& o = it->second;
-  ShmSlot* s = SlotAt(o.seg->base, o.seg->header(), o.slot);
+  ShmSlot* s = SlotAt(o.seg->base, o.seg->geo, o.slot);
   s->state.store(kSlotFree, std::memory_order_release);
   o.seg->owner[o.slot] = 0;
   outstanding_.erase(it);
@@ -689,8 +707,8 @@ absl::StatusOr<const float*> ShmClient::WaitInPlace(uint64_t handle, absl::Time 
     o = it->second;
   }
   Segment& seg = *o.seg;
-  ShmHeader* h = seg.header();
-  ShmSlot* s = SlotAt(seg.base, h, o.slot);
+  const SlotGeometry& g = seg.geo;
+  ShmSlot* s = SlotAt(seg.base, g, o.slot);
   const auto until = absl::ToChronoTime(deadline);
   const auto spin_until =
       std::chrono::steady_clock::now() + std::chrono::microseconds(opts_.spin_us);
@@ -711,6 +729,13 @@ absl::StatusOr<const float*> ShmClient::WaitInPlace(uint64_t handle, absl::Time 
       seg.dead.store(true);
       result = absl::UnavailableError(absl::StrCat("expert service (shm): server pid ",
                                                    seg.server_pid, " exited; segment discarded"));
+      break;
+    }
+    if (seg.header()->closed.load()) {  // its shm server stopped (the process lives on)
+      seg.dead.store(true);
+      result =
+          absl::UnavailableError(absl::StrCat("expert service (shm): server pid ", seg.server_pid,
+                                              " closed the segment; segment discarded"));
       break;
     }
     s->client_sleeping.store(1);
@@ -735,11 +760,11 @@ absl::StatusOr<const float*> ShmClient::WaitInPlace(uint64_t handle, absl::Time 
   } else if (s->code != 0) {
     result = absl::Status(static_cast<absl::StatusCode>(s->code),
                           std::string(s->msg, std::min<size_t>(s->msg_len, sizeof(s->msg))));
-  } else if (static_cast<int64_t>(s->out_bytes) != o.out_bytes || s->out_bytes > h->resp_capacity) {
+  } else if (static_cast<int64_t>(s->out_bytes) != o.out_bytes || s->out_bytes > g.resp_capacity) {
     result = absl::InternalError("expert service (shm): response size mismatch");
   } else {
     // Held (owner 1, state done) until Release.
-    return reinterpret_cast<const float*>(reinterpret_cast<uint8_t*>(s) + h->resp_offset);
+    return reinterpret_cast<const float*>(reinterpret_cast<uint8_t*>(s) + g.resp_offset);
   }
   outstanding_.erase(handle);
   s->state.store(kSlotFree, std::memory_order_release);

@@ -894,6 +894,9 @@ UcxClient::~UcxClient() {
 }
 
 absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl::Time deadline) {
+  // What one active message may carry here (the service refuses anything over
+  // its --max-tokens long before).
+  RETURN_IF_ERROR(CheckMoeCallBytes(call, uint64_t{1} << 36, "ucx"));
   if (absl::Now() >= deadline) {
     return absl::DeadlineExceededError(
         "expert service (ucx): the call's deadline passed before it was sent");

@@ -413,9 +413,20 @@ TEST_P(BadInputTest, InvalidArgumentNamingFieldAndKeepsServing) {
     EXPECT_NE(st.message().find("tokens: 17"), absl::string_view::npos) << st;
     EXPECT_TRUE(run(good.call()).ok());
   }
+  {
+    // Sizes that wrap around 2^64 when summed: refused by the client before
+    // it copies anything (before: the shm capacity check wrapped and UCX
+    // sized its payload with the wrapped sum; memcpy ran off the buffers).
+    SCOPED_TRACE("byte sizes that wrap");
+    MoeCall c = good.call();
+    c.weights_bytes = ~uint64_t{0} - c.hidden_bytes - c.ids_bytes + 1;
+    absl::Status st = run(c);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_TRUE(run(good.call()).ok());
+  }
   auto stats = control->Stats();
   ASSERT_TRUE(stats.ok());
-  EXPECT_EQ(stats->invalid, 5u);
+  EXPECT_EQ(stats->invalid, 5u);  // the wrapping call never reached the service
   EXPECT_EQ(control->Check(), Health::kServing);
 }
 

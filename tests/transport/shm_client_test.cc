@@ -1,0 +1,156 @@
+// The shared-memory client against a service it cannot trust to keep the
+// segment's header intact, and one whose shared-memory server stops while the
+// process lives on: an in-process ShmServer behind an in-process control
+// plane.
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "common/transport/grpc_client.h"
+#include "common/transport/grpc_status.h"
+#include "common/transport/shm_transport.h"
+#include "gtest/gtest.h"
+#include "proto/expert.grpc.pb.h"
+#include "tests/transport/test_util.h"
+
+namespace hmoe {
+namespace {
+
+namespace pb = ::hmoe::expert::v1;
+
+// Describe (the pid) and AttachShm in process, in front of whichever
+// ShmServer is set (none: "shared memory off", as the service says).
+class Control final : public pb::ExpertControl::Service {
+ public:
+  grpc::Status Describe(grpc::ServerContext*, const pb::DescribeRequest*,
+                        pb::ShardDescription* d) override {
+    d->set_pid(::getpid());
+    return grpc::Status::OK;
+  }
+  grpc::Status AttachShm(grpc::ServerContext*, const pb::AttachShmRequest* req,
+                         pb::AttachShmResponse* r) override {
+    ShmServer* shm = server.load();
+    if (shm == nullptr) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "shm off");
+    auto epoch = shm->Attach(req->path(), req->client_pid(), req->nonce());
+    if (!epoch.ok()) return ToGrpcStatus(epoch.status());
+    r->set_epoch(*epoch);
+    return grpc::Status::OK;
+  }
+  std::atomic<ShmServer*> server{nullptr};
+};
+
+// One call of `tokens` rows; the answer must be row t = t + 1.
+absl::Status OneCall(ShmClient& client, const ShardInfo& info, int32_t tokens,
+                     absl::Duration timeout) {
+  auto rc = testing::MakeRandomCall(info, info.moe_layers[0], tokens, 7);
+  std::vector<float> out(static_cast<size_t>(tokens * info.hidden), -1.f);
+  auto h = client.Submit(rc.call(), out.data(), absl::Now() + timeout);
+  if (!h.ok()) return h.status();
+  RETURN_IF_ERROR(client.Wait(*h, absl::Now() + timeout));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i] != static_cast<float>(i / static_cast<size_t>(info.hidden) + 1))
+      return absl::InternalError(absl::StrCat("out[", i, "] = ", out[i]));
+  }
+  return absl::OkStatus();
+}
+
+struct Rig {
+  testing::RowHandler handler;
+  std::unique_ptr<ShmServer> shm = std::make_unique<ShmServer>(&handler);
+  Control control;
+  std::unique_ptr<grpc::Server> grpc_server;
+  std::unique_ptr<ShmClient> client;
+
+  absl::Status Start() {
+    control.server.store(shm.get());
+    int port = 0;
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&control);
+    grpc_server = b.BuildAndStart();
+    if (grpc_server == nullptr || port == 0) return absl::InternalError("no control server");
+    auto c = ShmClient::Create(
+        std::make_shared<ControlClient>(MakeExpertChannel(absl::StrCat("127.0.0.1:", port))),
+        handler.info());
+    if (!c.ok()) return c.status();
+    client = std::move(*c);
+    return OneCall(*client, handler.info(), 3, absl::Seconds(10));
+  }
+  ~Rig() {
+    client.reset();
+    if (grpc_server) grpc_server->Shutdown();
+  }
+};
+
+// The header is writable by the service; the client reads its own copy of
+// the geometry it wrote (before: a rewritten num_slots overran the client's
+// slot table, a moved resp_offset made it read the answer elsewhere, a zero
+// req_capacity refused every call).
+TEST(ShmClient, AHeaderRewrittenByTheServiceDoesNotMoveTheClientsSlots) {
+  Rig rig;
+  absl::Status started = rig.Start();
+  ASSERT_TRUE(started.ok()) << started;
+  auto* h = static_cast<ShmHeader*>(rig.client->segment());
+  ASSERT_NE(h, nullptr);
+  h->num_slots = 4096;
+  h->slot_bytes = 64;
+  h->req_capacity = 0;
+  h->resp_offset -= 64;
+  h->resp_capacity = ~uint64_t{0};
+  for (int i = 0; i < 6; ++i) {  // more calls than slots: every slot reused
+    absl::Status st = OneCall(*rig.client, rig.handler.info(), 1 + i % 8, absl::Seconds(10));
+    EXPECT_TRUE(st.ok()) << i << ": " << st;
+  }
+}
+
+// Byte sizes that wrap around 2^64 are refused before anything is copied
+// (before: the capacity check wrapped too and memcpy ran off the segment).
+TEST(ShmClient, ByteSizesThatWrapAreRefused) {
+  Rig rig;
+  absl::Status started = rig.Start();
+  ASSERT_TRUE(started.ok()) << started;
+  const ShardInfo& info = rig.handler.info();
+  auto rc = testing::MakeRandomCall(info, info.moe_layers[0], 1, 3);
+  MoeCall call = rc.call();
+  call.hidden_bytes = 64;
+  call.weights_bytes = ~uint64_t{0} - 63;
+  std::vector<float> out(static_cast<size_t>(info.hidden));
+  auto h = rig.client->Submit(call, out.data(), absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
+  call = rc.call();
+  call.ids_bytes = ~uint64_t{0} - 10;
+  h = rig.client->Submit(call, out.data(), absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
+  EXPECT_TRUE(OneCall(*rig.client, info, 2, absl::Seconds(10)).ok());
+}
+
+// The service's shared-memory server stops (the process lives on; it marks
+// the segment closed): the next call fails UNAVAILABLE at once (before: it
+// was sent into the closed segment and waited out its deadline), and the
+// re-attach a service without shared memory refuses is UNAVAILABLE too
+// (before: its FAILED_PRECONDITION reached the caller as such).
+TEST(ShmClient, AClosedSegmentAndARefusedReattachAreUnavailable) {
+  Rig rig;
+  absl::Status started = rig.Start();
+  ASSERT_TRUE(started.ok()) << started;
+  rig.control.server.store(nullptr);
+  rig.shm.reset();
+  const absl::Time t0 = absl::Now();
+  absl::Status st = OneCall(*rig.client, rig.handler.info(), 2, absl::Seconds(5));
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(3)) << st;
+  // Shared memory back: served again.
+  rig.shm = std::make_unique<ShmServer>(&rig.handler);
+  rig.control.server.store(rig.shm.get());
+  st = OneCall(*rig.client, rig.handler.info(), 2, absl::Seconds(5));
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+}  // namespace
+}  // namespace hmoe
