@@ -122,6 +122,21 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, abs
   op->tokens = call.tokens;
   const int64_t H = model_.hidden;
   const int k = call.top_k;
+  auto send = [&](Shard& sh, const MoeCall& c, Sub& sub) {
+    if (absl::Now() >= deadline) {
+      sub.late = true;
+      sub.submit_status =
+          absl::DeadlineExceededError("the call's deadline passed before it was sent");
+    } else if (absl::Status ff = FailingFast(sh); !ff.ok()) {
+      sub.submit_status = ff;
+    } else {
+      auto h = sh.client->Submit(c, sub.dst, deadline);
+      if (h.ok())
+        sub.handle = *h;
+      else
+        sub.submit_status = h.status();
+    }
+  };
   for (size_t i = 0; i < shards_.size(); ++i) {
     Shard& sh = shards_[i];
     Sub sub;
@@ -134,15 +149,7 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, abs
         sub.scratch = TakeScratch(static_cast<size_t>(call.tokens * H));
         sub.dst = sub.scratch.data();
       }
-      if (absl::Status ff = FailingFast(sh); !ff.ok()) {
-        sub.submit_status = ff;
-      } else {
-        auto h = sh.client->Submit(call, sub.dst, deadline);
-        if (h.ok())
-          sub.handle = *h;
-        else
-          sub.submit_status = h.status();
-      }
+      send(sh, call, sub);
     } else {
       for (int32_t t = 0; t < call.tokens; ++t) {
         for (int j = 0; j < k; ++j) {
@@ -166,16 +173,7 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, abs
       }
       sub.scratch = TakeScratch(static_cast<size_t>(n * H));
       sub.dst = sub.scratch.data();
-      if (absl::Status ff = FailingFast(sh); !ff.ok()) {
-        sub.submit_status = ff;
-      } else {
-        auto h = sh.client->Submit(
-            MoeCall::Make(call.layer, n, k, H, x.data(), ids.data(), w.data()), sub.dst, deadline);
-        if (h.ok())
-          sub.handle = *h;
-        else
-          sub.submit_status = h.status();
-      }
+      send(sh, MoeCall::Make(call.layer, n, k, H, x.data(), ids.data(), w.data()), sub);
     }
     op->subs.push_back(std::move(sub));
   }
@@ -207,7 +205,8 @@ absl::Status ExpertPool::Wait(uint64_t handle, absl::Time deadline) {
       else if (absl::IsUnavailable(st) || absl::IsUnauthenticated(st) ||
                absl::IsPermissionDenied(st))
         sh.up = false;
-      if (absl::IsDeadlineExceeded(st) && fail_fast_after_miss_ > absl::ZeroDuration())
+      // Only a shard that was sent the call in time and missed it fails fast.
+      if (absl::IsDeadlineExceeded(st) && !sub.late && fail_fast_after_miss_ > absl::ZeroDuration())
         sh.fail_fast_until = absl::Now() + fail_fast_after_miss_;
     }
     if (!st.ok() && first.ok()) {

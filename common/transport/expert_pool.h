@@ -93,6 +93,9 @@ class ExpertPool {
     int shard = 0;
     uint64_t handle = 0;
     absl::Status submit_status;
+    // The deadline had passed before this shard was sent the call (an earlier
+    // shard's Submit, or the caller, used it up): not this shard's miss.
+    bool late = false;
     // Where the shard's answer lands: the caller's `out` itself (tp, first
     // shard) or `scratch` (a recycled buffer, summed / scattered in Wait).
     float* dst = nullptr;

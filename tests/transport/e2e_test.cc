@@ -268,6 +268,21 @@ TEST_P(FaultTest, FailFastAfterAMissSparesTheCallsBehindIt) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// A call whose deadline had passed before it was sent is not the shard's
+// miss: the shard must not fail fast afterwards (before: a caller's expired
+// deadline, or an earlier shard's slow submit, put every shard after it into
+// the fail-fast window).
+TEST_P(FaultTest, AnExpiredDeadlineIsNotTheShardsMiss) {
+  ASSERT_NO_FATAL_FAILURE(StartShard({}, 0, absl::Seconds(30)));
+  const ShardInfo info = pool_->model();
+  auto call = MakeRandomCall(info, info.moe_layers[0], 4, 3);
+  std::vector<float> out(static_cast<size_t>(4 * info.hidden));
+  absl::Status late = pool_->Run(call.call(), out.data(), absl::Now() - absl::Seconds(1));
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  absl::Status st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10));
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 // The shard dies and comes back hung (restarted, then stopped: its port
 // accepts connections, nothing answers). The client's reconnect (a new
 // stream; shm describe + attach; the UCX handshake) ends by each call's
