@@ -408,14 +408,17 @@ void Engine::Loop() {
         continue;
       }
     }
+    // A deadline that has passed wins over a cancel: the gRPC layer cancels
+    // a call when its deadline passes, and that is still the deadline.
+    const absl::Time ended_at = absl::Now();
     for (auto& r : ended) {
       if (r->shut_out)
         Finish(*r, FinishReason::kCancelled, ShutOutStatus());
-      else if (r->cancelled)
-        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
-      else
+      else if (ended_at >= r->req.deadline || !r->cancelled)
         Finish(*r, FinishReason::kDeadline,
                absl::DeadlineExceededError("deadline passed while queued"));
+      else
+        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
     }
     ended.clear();
 
@@ -432,11 +435,11 @@ void Engine::Loop() {
     for (auto& r : running_) {
       if (r->shut_out)
         Finish(*r, FinishReason::kCancelled, ShutOutStatus());
-      else if (r->cancelled)
-        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
       else if (now >= r->req.deadline)
         Finish(*r, FinishReason::kDeadline,
                absl::DeadlineExceededError("deadline passed during generation"));
+      else if (r->cancelled)
+        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
     }
     Step();
     running_.erase(

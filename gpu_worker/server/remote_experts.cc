@@ -8,13 +8,20 @@
 
 namespace hmoe {
 
-// Whatever went wrong between the worker and the expert service, other than
-// a call the worker itself got wrong (INVALID_ARGUMENT), is UNAVAILABLE to
-// the client, as api.proto says; the message keeps the transport's words.
-// The expert call's deadline is the worker's own --expert-timeout-ms: a miss
-// is not the client's DEADLINE_EXCEEDED.
+// Whatever went wrong between the worker and the expert service is
+// UNAVAILABLE to the client, as api.proto says, except a call the worker
+// itself got wrong (the pool's or the service's INVALID_ARGUMENT: NaN router
+// weights, a shard restarted with a smaller --max-tokens), which is INTERNAL:
+// no client's input is to blame, and INVALID_ARGUMENT would make the engine
+// fail each request of the pass as if its own input were bad. The message
+// keeps the transport's words. The expert call's deadline is the worker's
+// own --expert-timeout-ms: a miss is not the client's DEADLINE_EXCEEDED.
 absl::Status PoolRoutedExperts::ExpertFailure(const absl::Status& st) const {
-  if (st.ok() || absl::IsInvalidArgument(st) || absl::IsUnavailable(st)) return st;
+  if (absl::IsInvalidArgument(st)) {
+    return absl::InternalError(
+        absl::StrCat("the worker's expert call was refused: ", std::string(st.message())));
+  }
+  if (st.ok() || absl::IsUnavailable(st)) return st;
   if (absl::IsDeadlineExceeded(st)) {
     return absl::UnavailableError(absl::StrCat("expert service did not answer within ",
                                                absl::FormatDuration(timeout_), ": ",
@@ -67,7 +74,7 @@ void PoolRoutedExperts::SubmitMore(Pending& p) {
 }
 
 absl::StatusOr<uint64_t> PoolRoutedExperts::Submit(const ExpertBatch& b, float* out) {
-  RETURN_IF_ERROR(ValidateExpertBatch(config_, b));
+  if (absl::Status st = ValidateExpertBatch(config_, b); !st.ok()) return ExpertFailure(st);
   auto p = std::make_unique<Pending>();
   // bf16 copy for the wire, kept until the last piece is submitted.
   p->hidden.resize(static_cast<size_t>(b.num_tokens * b.hidden_size));

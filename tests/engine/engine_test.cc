@@ -377,6 +377,28 @@ TEST_F(EngineTest, AnAbsurdContextIsRefusedNotOverflowed) {
   EXPECT_EQ(Engine::Create(&zero, nullptr, {}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The gRPC layer cancels a call once its deadline passes, so a cancel that
+// comes after the deadline must still end the request kDeadline (before: the
+// cancel was looked at first and the reason depended on timing).
+TEST_F(EngineTest, ACancelAfterTheDeadlineEndsItAsTheDeadline) {
+  InstrumentedModel model(model_);
+  auto engine = Engine::Create(&model, nullptr, {});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Collector c;
+  GenerateRequest r = Short(0, 8);
+  r.deadline = absl::Now() + absl::Milliseconds(100);
+  model.Hold();
+  auto id = (*engine)->Submit(r, c.Callback());
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(model.WaitForPasses(1));
+  absl::SleepFor(absl::Milliseconds(150));
+  (*engine)->Cancel(*id);
+  model.Release();
+  ASSERT_TRUE(c.Wait());
+  EXPECT_EQ(c.final_event.finish, FinishReason::kDeadline);
+  EXPECT_EQ(c.final_event.status.code(), absl::StatusCode::kDeadlineExceeded);
+}
+
 // A pass that gives one request a NaN logit ends that request with INTERNAL
 // (kError) naming the token; the request beside it gets what it gets alone.
 TEST_F(EngineTest, NonFiniteLogitsEndOnlyThatRequest) {
