@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -82,9 +83,13 @@ class Reader {
     if (!Has(key)) return def;
     const json& v = j_[key];
     if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float() &&
-        v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())))
-      return static_cast<int64_t>(v.get<double>());
+    // A float that is a whole number inside int64 (casting one outside it
+    // is undefined).
+    if (v.is_number_float()) {
+      const double d = v.get<double>();
+      if (d >= -9.0e18 && d <= 9.0e18 && d == static_cast<double>(static_cast<int64_t>(d)))
+        return static_cast<int64_t>(d);
+    }
     Fail(key, absl::StrCat("must be an integer, got ", v.dump()));
     return def;
   }
@@ -334,8 +339,18 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   }
 
   // ---- consistency --------------------------------------------------------------
+  // Sizes are positive and below bounds no real model nears (far above
+  // DeepSeek-V3's), so that nothing sized from them overflows or asks for
+  // terabytes: `hmoe inspect` multiplies them, layers are allocated per
+  // num_hidden_layers.
   auto positive = [&](const char* field, int64_t v) -> absl::Status {
     if (v <= 0) return Invalid(source, field, absl::StrCat("must be positive, got ", v));
+    const int64_t max = std::string_view(field) == "max_position_embeddings" ? (int64_t{1} << 30)
+                        : std::string_view(field) == "vocab_size"            ? (int64_t{1} << 24)
+                        : std::string_view(field) == "num_hidden_layers"     ? 4096
+                                                                             : (int64_t{1} << 20);
+    if (v > max)
+      return Invalid(source, field, absl::StrCat("is ", v, ", over the ", max, " taken"));
     return absl::OkStatus();
   };
   RETURN_IF_ERROR(positive("vocab_size", c.vocab_size));
@@ -372,6 +387,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                        absl::StrCat("names layer ", l, " outside [0, ", c.num_layers, ")"));
   }
   if (m.num_experts < 0) return Invalid(source, "n_routed_experts", "must not be negative");
+  if (m.num_experts > 65536) return Invalid(source, "n_routed_experts", "is over the 65536 taken");
   if (m.num_experts > 0) {
     const char* k_field = "num_experts_per_tok";
     RETURN_IF_ERROR(positive(k_field, m.experts_per_token));

@@ -283,6 +283,9 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   uint64_t epoch = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // The destructor swaps sessions_ out under mu_ after setting stop_: a
+    // session added after that would never be joined.
+    if (stop_.load()) return absl::UnavailableError("shm: the shared-memory server is stopping");
     // Reap sessions whose thread ended.
     for (auto it = sessions_.begin(); it != sessions_.end();) {
       if (it->second->finished.load()) {
@@ -387,7 +390,9 @@ void ShmServer::Serve(Session* s) {
       if (!handled) handler_->Refused(st);
       SetMessage(slot, st);
       slot->epoch = s->epoch;
-      slot->state.store(kSlotDone, std::memory_order_release);
+      // seq_cst, not release: the store must not pass the load of
+      // client_sleeping below (the client stores that, then loads state).
+      slot->state.store(kSlotDone, std::memory_order_seq_cst);
       if (slot->client_sleeping.load()) FutexWake(&slot->state);
     }
     if (worked) continue;

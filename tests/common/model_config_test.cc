@@ -153,6 +153,14 @@ TEST_F(ConfigErrorTest, InconsistentFields) {
       {"rms_norm_eps", -1},
       {"eos_token_id", 999999},
       {"norm_topk_prob", "yes"},
+      // Magnitudes nothing real has (before: a bad_alloc / length_error
+      // terminated the process, or a float cast past int64 was undefined).
+      {"num_hidden_layers", 1000000000000},
+      {"hidden_size", 1e300},
+      {"vocab_size", 1e18},
+      {"max_position_embeddings", 4611686018427387904},
+      {"moe_intermediate_size", 1 << 30},
+      {"n_routed_experts", 1 << 20},
   };
   for (const auto& c : cases) {
     json j = base_;
