@@ -198,8 +198,22 @@ std::vector<std::string> ApplySplit(const PreTokenizer& p, const std::string& s)
   }
   if (cursor < s.size()) segs.push_back({cursor, s.size(), p.invert});
   std::vector<std::string> out;
-  bool pending_next = false;
-  std::string carry;
+  if (p.behavior == SplitBehavior::kMergedWithNext) {
+    // As Hugging Face tokenizers: from the end, a delimiter joins the piece
+    // after it unless that piece is a delimiter itself ("a--b" -> "a", "-",
+    // "-b"); a final delimiter stands alone.
+    bool next_delim = false;
+    for (auto g = segs.rbegin(); g != segs.rend(); ++g) {
+      std::string piece = s.substr(g->b, g->e - g->b);
+      if (g->delim && !next_delim && !out.empty())
+        out.back() = piece + out.back();
+      else
+        out.push_back(std::move(piece));
+      next_delim = g->delim;
+    }
+    std::reverse(out.begin(), out.end());
+    return out;
+  }
   bool last_delim = false;
   for (const Seg& g : segs) {
     std::string piece = s.substr(g.b, g.e - g.b);
@@ -216,15 +230,7 @@ std::vector<std::string> ApplySplit(const PreTokenizer& p, const std::string& s)
         else
           out.push_back(piece);
         break;
-      case SplitBehavior::kMergedWithNext:
-        if (g.delim) {
-          carry += piece;
-          pending_next = true;
-        } else {
-          out.push_back(carry + piece);
-          carry.clear();
-          pending_next = false;
-        }
+      case SplitBehavior::kMergedWithNext:  // handled above
         break;
       case SplitBehavior::kContiguous:
         if (g.delim && last_delim && !out.empty())
@@ -235,7 +241,6 @@ std::vector<std::string> ApplySplit(const PreTokenizer& p, const std::string& s)
     }
     last_delim = g.delim;
   }
-  if (pending_next) out.push_back(carry);
   return out;
 }
 

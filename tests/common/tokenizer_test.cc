@@ -128,6 +128,32 @@ TEST_F(TokenizerTest, Errors) {
   EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument) << big.status();
 }
 
+// Split with MergedWithNext, as Hugging Face tokenizers splits: a delimiter
+// joins the piece after it unless that piece is a delimiter too, so
+// "the-final--countdown" pre-tokenizes to "the", "-final", "-", "-countdown"
+// (before: "the", "-final", "--countdown"). With ignore_merges every piece
+// in the vocabulary is one token, which shows the pieces.
+TEST(Tokenizer, SplitMergedWithNextMatchesHuggingFace) {
+  auto t = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "ignore_merges": true, "unk_token": "?",
+          "vocab": {"the": 0, "-final": 1, "-": 2, "-countdown": 3, "--countdown": 4, "?": 5,
+                    "x-": 6, "x": 7}},
+          "pre_tokenizer": {"type": "Split", "pattern": {"String": "-"},
+                            "behavior": "MergedWithNext"}})",
+      "t.json");
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto ids = (*t)->Encode("the-final--countdown");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(*ids, (std::vector<int32_t>{0, 1, 2, 3}));
+  // A final delimiter stands alone; a leading one joins what follows.
+  ids = (*t)->Encode("x-");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(*ids, (std::vector<int32_t>{7, 2}));
+  ids = (*t)->Encode("-final");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(*ids, (std::vector<int32_t>{1}));
+}
+
 TEST(Utf8, MaximalSubpartReplacement) {
   const std::string r = "\xef\xbf\xbd";
   EXPECT_EQ(SanitizeUtf8("ok"), "ok");
