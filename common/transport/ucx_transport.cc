@@ -961,9 +961,22 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
     p.generation = gen;
   }
   h.request_id = id;
-  impl->worker->Post([impl, id, gen,
-                      hdr = std::string(reinterpret_cast<const char*>(&h), sizeof(h)),
+  impl->worker->Post([impl, id, hdr = std::string(reinterpret_cast<const char*>(&h), sizeof(h)),
                       payload = std::move(payload)]() mutable {
+    // The endpoint and its generation change together on this thread: a
+    // reconnect between Submit and now means the call goes out on the new
+    // endpoint, so it belongs to the new generation (its failures and its
+    // deadline miss are that endpoint's).
+    uint64_t sent_gen;
+    {
+      std::lock_guard<std::mutex> lock(impl->mu);
+      sent_gen = impl->generation;
+      auto it = impl->pending.find(id);
+      // Already ended (failed with its endpoint, or abandoned at its deadline):
+      // nothing to send.
+      if (it == impl->pending.end() || it->second.done) return;
+      it->second.generation = sent_gen;
+    }
     if (!impl->ep) {
       std::lock_guard<std::mutex> lock(impl->mu);
       impl->connected = false;  // the next Submit reconnects
@@ -976,8 +989,8 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
       return;
     }
     impl->worker->Send(impl->ep, kAmRequest, std::move(hdr), std::move(payload),
-                       [impl, gen](ucs_status_t s) {
-                         impl->FailAll(gen, absl::StrCat("send: ", ucs_status_string(s)));
+                       [impl, sent_gen](ucs_status_t s) {
+                         impl->FailAll(sent_gen, absl::StrCat("send: ", ucs_status_string(s)));
                        });
   });
   return id;
