@@ -177,9 +177,16 @@ absl::Status ParseRope(const json& root, Reader& top, const std::string& source,
     return absl::UnimplementedError(absl::StrCat(source, ": field \"", key, ".rope_type\" is \"",
                                                  type, "\"; supported: default, linear, yarn"));
   }
-  c.rope.factor = r.DoubleOr("factor", 1.0);
   c.rope.original_max_position_embeddings =
       r.IntOr("original_max_position_embeddings", c.max_position_embeddings);
+  // As transformers: a yarn config without `factor` stretches the original
+  // context to max_position_embeddings.
+  const double implied_factor =
+      c.rope.type == RopeType::kYarn && c.rope.original_max_position_embeddings > 0
+          ? static_cast<double>(c.max_position_embeddings) /
+                static_cast<double>(c.rope.original_max_position_embeddings)
+          : 1.0;
+  c.rope.factor = r.DoubleOr("factor", implied_factor);
   c.rope.beta_fast = r.DoubleOr("beta_fast", 32.0);
   c.rope.beta_slow = r.DoubleOr("beta_slow", 1.0);
   c.rope.mscale = r.DoubleOr("mscale", 0.0);

@@ -1,7 +1,10 @@
 #include "common/weight_map.h"
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 
 namespace hmoe {
 namespace {
@@ -200,7 +203,30 @@ absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt) {
                                                      : ", expected F32, BF16 or F16"));
     }
   }
-  if (missing.empty() && wrong.empty()) return absl::OkStatus();
+  // Extra tensors are allowed (MTP layers, buffers), but shared experts the
+  // config does not declare would be silently dropped: a config.json missing
+  // n_shared_experts (the parser's default is 0) is refused here.
+  std::string undeclared_shared;
+  if (c.moe.num_shared_experts == 0) {
+    for (const std::string& name : ckpt.Names()) {
+      int64_t layer = -1;
+      absl::string_view rest = name;
+      if (!absl::ConsumePrefix(&rest, "model.layers.")) continue;
+      const size_t dot = rest.find('.');
+      if (dot == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, dot), &layer))
+        continue;
+      if (layer < c.num_layers && absl::StartsWith(rest.substr(dot), ".mlp.shared_experts.")) {
+        undeclared_shared = name;
+        break;
+      }
+    }
+  }
+  if (missing.empty() && wrong.empty() && undeclared_shared.empty()) return absl::OkStatus();
+  if (missing.empty() && wrong.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ckpt.dir(), ": checkpoint has shared experts (", undeclared_shared, ") but its ",
+        c.model_type, " config declares none: set n_shared_experts in config.json"));
+  }
   constexpr size_t kMaxListed = 50;
   auto list = [&](const std::vector<std::string>& v) {
     std::vector<std::string> head(v.begin(),

@@ -100,8 +100,20 @@ void ThreadPool::Loop(Worker w, int cpu, bool pin) {
     }
     seen = g;
     if (stop_.load(std::memory_order_acquire)) return;
-    (*job_)(w);
+    RunJob(w, *job_);
     if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
+  }
+}
+
+// Runs the job on one worker; an exception is kept (the first one), never
+// let out: a worker thread would terminate, the caller would unwind while
+// the others still use the job.
+void ThreadPool::RunJob(const Worker& w, absl::FunctionRef<void(const Worker&)> fn) {
+  try {
+    fn(w);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (!error_) error_ = std::current_exception();
   }
 }
 
@@ -125,7 +137,7 @@ void ThreadPool::Run(absl::FunctionRef<void(const Worker&)> fn) {
   pending_.store(static_cast<uint32_t>(workers_.size()), std::memory_order_release);
   gen_.fetch_add(1, std::memory_order_acq_rel);
   gen_.notify_all();
-  fn(caller_);
+  RunJob(caller_, fn);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
   int spins = 0;
   for (;;) {
@@ -139,6 +151,12 @@ void ThreadPool::Run(absl::FunctionRef<void(const Worker&)> fn) {
   }
   job_ = nullptr;
   if (moved) pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved);
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    std::swap(error, error_);
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 void ThreadPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t, const Worker&)> fn) {

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -57,7 +58,9 @@ class ThreadPool {
   const std::vector<NodeCores>& nodes() const { return nodes_; }
 
   // Runs fn on every worker (worker 0 on the calling thread) and waits.
-  // Calls from several threads are serialized.
+  // Calls from several threads are serialized. If fn throws (e.g. bad_alloc
+  // while loading), Run still waits for every worker to finish the job, then
+  // rethrows the first exception; the pool stays usable.
   void Run(absl::FunctionRef<void(const Worker&)> fn);
 
   // fn(i, worker) for i in [0, n), dynamically scheduled over all workers.
@@ -78,6 +81,9 @@ class ThreadPool {
   std::atomic<uint32_t> pending_{0};
   std::atomic<bool> stop_{false};
   const absl::FunctionRef<void(const Worker&)>* job_ = nullptr;
+  std::mutex error_mu_;
+  std::exception_ptr error_;  // the job's first exception, guarded by error_mu_
+  void RunJob(const Worker& w, absl::FunctionRef<void(const Worker&)> fn);
 };
 
 }  // namespace hmoe

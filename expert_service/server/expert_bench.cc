@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <set>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -134,11 +134,19 @@ int Main(int argc, char** argv) {
     }
     shm = std::move(*c);
   }
-  std::set<const void*> filled;  // zero-copy slots whose hidden states are written
+  // Per zero-copy slot, the call whose hidden states it holds (the source
+  // pointer and the token count: a call of another T lays ids and weights
+  // over the region, so its hidden states are written again).
+  std::map<const void*, std::pair<const void*, int32_t>> filled;
   auto run_zero_copy = [&](const MoeCall& call, float* out, bool copy_out) -> absl::Status {
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
     ASSIGN_OR_RETURN(ShmClient::SlotView v, shm->Acquire(call.tokens, call.top_k, deadline));
-    if (filled.insert(v.hidden).second) std::memcpy(v.hidden, call.hidden, call.hidden_bytes);
+    const std::pair<const void*, int32_t> holds{call.hidden, call.tokens};
+    auto [it, fresh] = filled.try_emplace(v.hidden, holds);
+    if (fresh || it->second != holds) {
+      std::memcpy(v.hidden, call.hidden, call.hidden_bytes);
+      it->second = holds;
+    }
     std::memcpy(v.ids, call.ids, call.ids_bytes);
     std::memcpy(v.weights, call.weights, call.weights_bytes);
     RETURN_IF_ERROR(shm->Commit(v.handle, call.layer));

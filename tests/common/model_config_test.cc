@@ -176,6 +176,22 @@ TEST_F(ConfigErrorTest, InconsistentFields) {
   ExpectField(j, absl::StatusCode::kInvalidArgument, "num_experts_per_tok");
 }
 
+// transformers: a yarn config without `factor` takes max_position_embeddings /
+// original_max_position_embeddings (before: 1, no interpolation at all).
+TEST_F(ConfigErrorTest, YarnWithoutFactorStretchesTheOriginalContext) {
+  json j = base_;
+  j["max_position_embeddings"] = 8192;
+  j["rope_scaling"] = {{"type", "yarn"}, {"original_max_position_embeddings", 1024}};
+  auto c = ParseModelConfig(j.dump(), "x/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope.type, RopeType::kYarn);
+  EXPECT_DOUBLE_EQ(c->rope.factor, 8.0);
+  j["rope_scaling"]["factor"] = 4;  // given: taken as is
+  c = ParseModelConfig(j.dump(), "x/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_DOUBLE_EQ(c->rope.factor, 4.0);
+}
+
 TEST_F(ConfigErrorTest, RopeAndQuantization) {
   json j = base_;
   j["rope_scaling"]["type"] = "longrope";

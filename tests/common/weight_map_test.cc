@@ -126,6 +126,22 @@ TEST_F(CheckWeightsTest, CompleteCheckpointPasses) {
   EXPECT_TRUE(Check().ok()) << Check();
 }
 
+// A config.json without n_shared_experts (parsed as 0) beside a checkpoint
+// that has them: refused, not run without the shared experts.
+TEST_F(CheckWeightsTest, SharedExpertsTheConfigDoesNotDeclareAreRefused) {
+  ASSERT_GT(config_.moe.num_shared_experts, 0);
+  Write([](WeightSpec&) { return true; });
+  json j = json::parse(config_text_);
+  j.erase("n_shared_experts");
+  auto c = ParseModelConfig(j.dump(), "tiny");
+  ASSERT_TRUE(c.ok()) << c.status();
+  config_ = *c;
+  absl::Status s = Check();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr(".mlp.shared_experts."), HasSubstr("set n_shared_experts")));
+}
+
 TEST_F(CheckWeightsTest, ListsAllMissing) {
   Write([](WeightSpec& s) {
     return s.name != "model.layers.1.mlp.experts.3.up_proj.weight" && s.name != "lm_head.weight" &&

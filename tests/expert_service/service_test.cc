@@ -290,6 +290,27 @@ TEST(ExpertShard, DrainingRefusesNewCalls) {
 
 // ---- the process ---------------------------------------------------------------
 
+// hmoe-expert-bench --zero-copy writes a slot's hidden states once per call
+// shape: a slot reused by a call with another token count gets them again
+// (before: the T=9 call kept T=1's bytes, overlaid by T=1's ids and weights,
+// and --verify-model-dir failed).
+TEST(ServiceProcess, ExpertBenchZeroCopyVerifiesEveryTokenCount) {
+  ::hmoe::testing::TempDir dir;
+  ::hmoe::testing::ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir(), "--no-ucx"}, dir.file("port")));
+  const std::string cmd = absl::StrCat(::hmoe::testing::BenchBinary(), " --targets=", proc.target(),
+                                       " --transport=shm --zero-copy --tokens=1,9,1 --iters=3",
+                                       " --warmup=1 --verify-model-dir=", ModelDir(), " 2>&1");
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string output;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), p)) output += buf;
+  const int st = pclose(p);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << output;
+  EXPECT_NE(output.find("\"tokens\": 9"), std::string::npos) << output;
+}
+
 TEST(ServiceProcess, SigtermFinishesInFlightThenExitsZero) {
   ::hmoe::testing::TempDir dir;
   ::hmoe::testing::ServiceProcess proc;

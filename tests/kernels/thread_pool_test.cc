@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <stdexcept>
+#include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
@@ -24,6 +26,36 @@ TEST(ThreadPoolTest, ParallelForVisitsEachIndexOnce) {
     std::vector<std::atomic<int>> hits(1000);
     pool->ParallelFor(1000, [&](int64_t i, const Worker&) { hits[static_cast<size_t>(i)]++; });
     for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+  }
+}
+
+// A job that throws (bad_alloc while loading) on the calling worker or a
+// pool thread: Run waits for every worker to finish with the job, then
+// rethrows; the pool stays usable (before: a worker thread's exception
+// terminated the process; the caller's unwound while the others still ran
+// the job, and the next Run could return before its workers finished).
+TEST(ThreadPoolTest, AnExceptionInAJobIsRethrownAfterEveryWorkerFinished) {
+  ThreadPoolOptions o;
+  o.max_threads = 4;
+  auto pool = ThreadPool::Create(o).value();
+  for (int thrower : {0, pool->num_threads() - 1}) {
+    SCOPED_TRACE(thrower);
+    std::atomic<int> finished{0};
+    bool threw = false;
+    try {
+      pool->Run([&](const Worker& w) {
+        if (w.global == thrower) throw std::runtime_error("job failed");
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        finished.fetch_add(1);
+      });
+    } catch (const std::runtime_error& e) {
+      threw = std::string(e.what()) == "job failed";
+    }
+    EXPECT_TRUE(threw);
+    EXPECT_EQ(finished.load(), pool->num_threads() - 1);  // all others done before Run returned
+    std::vector<std::atomic<int>> hits(1000);
+    pool->ParallelFor(1000, [&](int64_t i, const Worker&) { hits[static_cast<size_t>(i)]++; });
+    for (auto& h : hits) EXPECT_EQ(h.load(), 1);
   }
 }
 
