@@ -301,12 +301,7 @@ TEST(ServiceProcess, ExpertBenchZeroCopyVerifiesEveryTokenCount) {
   const std::string cmd = absl::StrCat(::hmoe::testing::BenchBinary(), " --targets=", proc.target(),
                                        " --transport=shm --zero-copy --tokens=1,9,1 --iters=3",
                                        " --warmup=1 --verify-model-dir=", ModelDir(), " 2>&1");
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string output;
-  char buf[512];
-  while (fgets(buf, sizeof(buf), p)) output += buf;
-  const int st = pclose(p);
+  const auto [st, output] = ::hmoe::testing::RunCommand(cmd);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << output;
   EXPECT_NE(output.find("\"tokens\": 9"), std::string::npos) << output;
 }

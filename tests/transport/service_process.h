@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -141,6 +142,22 @@ inline bool FileSays(const std::string& path, const std::string& text) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return false;
+}
+
+// Runs a shell command line; its exit status (as from pclose) and its
+// stdout (the line's own redirections decide what else goes there).
+struct CommandResult {
+  int status = -1;
+  std::string output;
+};
+inline CommandResult RunCommand(const std::string& cmd) {
+  CommandResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), p)) r.output += buf;
+  r.status = pclose(p);
+  return r;
 }
 
 }  // namespace hmoe::testing

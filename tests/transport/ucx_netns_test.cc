@@ -76,12 +76,7 @@ TEST(UcxNetns, ServiceAndWorkerInDifferentNamespacesOverVeth) {
                                        ::hmoe::testing::BenchBinary(), " --targets=", proc.target(),
                                        " --transport=ucx --tokens=1,9 --iters=5 --warmup=1",
                                        " --verify-model-dir=", model, " 2>&1");
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string output;
-  char buf[512];
-  while (fgets(buf, sizeof(buf), p)) output += buf;
-  const int st = pclose(p);
+  const auto [st, output] = ::hmoe::testing::RunCommand(cmd);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << output;
   EXPECT_NE(output.find("\"transport\": \"ucx\""), std::string::npos) << output;
   EXPECT_NE(output.find("\"tokens\": 9"), std::string::npos) << output;
