@@ -72,6 +72,13 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
         return absl::FailedPreconditionError(
             absl::StrCat("expert shards ", o.target, " and ", s.target, " serve different models"));
       }
+      if (!c.conversion_id.empty() && !a.conversion_id.empty() &&
+          c.conversion_id != a.conversion_id) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "expert shards ", o.target, " and ", s.target,
+            " serve packed files of different conversions (", c.conversion_id, " vs ",
+            a.conversion_id, "): convert the model once, into one directory, for all shards"));
+      }
     }
     (void)b;
     shards[static_cast<size_t>(idx)] = std::move(s);

@@ -112,6 +112,7 @@ absl::StatusOr<ShardInfo> ControlClient::Describe(absl::Duration timeout) {
   info.i_end = d.i_end();
   info.max_tokens = d.max_tokens();
   info.weight_format = d.weight_format();
+  info.conversion_id = d.conversion_id();
   info.pid = d.pid();
   info.shm_available = d.shm_available();
   info.ucx_available = d.ucx_available();

@@ -51,6 +51,10 @@ struct ShardInfo {
   int64_t i_begin = 0, i_end = 0;
   int64_t max_tokens = 0;
   std::string weight_format;
+  // The packed files' conversion (PackedExperts::conversion_id); empty when
+  // the shard quantized a checkpoint at load. Shards of one pool with
+  // different non-empty ids hold different weights.
+  std::string conversion_id;
   int64_t pid = 0;
   bool shm_available = false;
   bool ucx_available = false;

@@ -253,6 +253,7 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   info.max_tokens = opts.max_tokens;
   info.pid = ::getpid();
   info.weight_format = ServeFormatName(format, group);
+  if (packed) info.conversion_id = packed->conversion_id();
   info.expert_begin = po.expert_begin;
   info.expert_end = po.expert_end;
   info.i_begin = po.i_begin;

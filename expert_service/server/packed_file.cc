@@ -12,6 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/dtype.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -224,6 +225,7 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
     nlohmann::json sums = nlohmann::json::object();
     for (const TensorSpec& t : plan) sums[t.name] = absl::StrCat(~uint64_t{0});
     longest["checksums"] = sums.dump();
+    longest["conversion_id"] = std::string(16, 'f');
     const uint64_t reserve = SafetensorsStreamWriter::HeaderBytes(plan, longest);
     const std::string path = out_dir + "/" + PackedFileName(opts.split, i, n) + ".tmp";
     ASSIGN_OR_RETURN(outs[static_cast<size_t>(i)].w,
@@ -304,10 +306,20 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
     for (int j = first; j < n; ++j)
       std::filesystem::remove(outs[static_cast<size_t>(j)].w->path(), ec);
   };
+  // One id for the whole conversion, from every shard's checksums and layout:
+  // the same for any thread count, different for other weights.
+  std::string all;
+  for (int i = 0; i < n; ++i) {
+    absl::StrAppend(&all, PackedFileName(opts.split, i, n), "\n",
+                    metas[static_cast<size_t>(i)]["format"], "\n",
+                    outs[static_cast<size_t>(i)].sums.dump(), "\n");
+  }
+  const std::string conversion_id = absl::StrFormat("%016x", Fnv1a64(all.data(), all.size()));
   for (int i = 0; i < n; ++i) {
     ShardOut& out = outs[static_cast<size_t>(i)];
     for (const auto& [k, v] : metas[static_cast<size_t>(i)]) out.w->SetMetadata(k, v);
     out.w->SetMetadata("checksums", out.sums.dump());
+    out.w->SetMetadata("conversion_id", conversion_id);
     if (absl::Status st = out.w->Finish(); !st.ok()) {
       remove_tmp_from(0);
       return st;
@@ -357,6 +369,7 @@ absl::StatusOr<std::unique_ptr<PackedExperts>> PackedExperts::Open(const std::st
   for (const auto& [k, want] : checks) {
     if (get(k) != want) return mismatch(k, get(k), want);
   }
+  p->conversion_id_ = get("conversion_id");
   int group = 64;
   ASSIGN_OR_RETURN(p->format_, ParseServeFormat(get("format"), &group));
   p->group_ = group;

@@ -43,6 +43,11 @@ class PackedExperts {
   int64_t i_end() const { return i_end_; }
   int64_t expert_begin() const { return e_begin_; }
   int64_t expert_end() const { return e_end_; }
+  // Identifies the conversion's weights: the same in every shard file of one
+  // `hmoe convert` run (a hash of all shards' checksums and the layout), so
+  // the worker can refuse shards packed from different checkpoints. Empty in
+  // files written before it existed.
+  const std::string& conversion_id() const { return conversion_id_; }
   // Expert `e` (global id, owned by the file) of `layer`: the shard's slice,
   // checksummed and shape-checked.
   absl::StatusOr<QuantExpert> Expert(int layer, int64_t e) const;
@@ -51,6 +56,7 @@ class PackedExperts {
   std::string path_;
   std::unique_ptr<SafetensorsFile> file_;
   std::map<std::string, std::string> sums_;
+  std::string conversion_id_;
   ServeFormat format_ = ServeFormat::kBf16;
   int group_ = 64;
   int64_t hidden_ = 0, i_begin_ = 0, i_end_ = 0, e_begin_ = 0, e_end_ = 0;

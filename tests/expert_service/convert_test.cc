@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "common/transport/expert_pool.h"
 #include "common/weight_map.h"
 #include "expert_service/server/convert_cli.h"
 #include "expert_service/server/expert_shard.h"
@@ -15,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_edit.h"
 #include "tests/testing/temp_dir.h"
+#include "tests/transport/service_process.h"
 #include "tests/transport/test_util.h"
 
 namespace hmoe {
@@ -162,6 +164,55 @@ TEST(Convert, AFailureHalfwayLeavesNoFiles) {
 // DeepSeek-V3's own format: a block-scaled fp8 checkpoint converts to the
 // same packed weights as quantizing it at load, and to exactly those of an
 // f32 checkpoint of its dequantized values (the block scales are applied).
+// One conversion's shard files share an id (a hash of every shard's
+// checksums); a worker's pool refuses shards packed from different weights,
+// which each pass their own checks (same config, own checksums) and would
+// otherwise sum into wrong answers.
+TEST(Convert, ShardsOfDifferentConversionsAreRefusedTogether) {
+  ::hmoe::testing::TempDir dir;
+  const std::string other = dir.file("other");
+  std::filesystem::create_directories(other);
+  // The same model with other weights (fp8-rounded projections).
+  ::hmoe::testing::RewriteCheckpoint(ModelDir(), other, ::hmoe::testing::Fp8ProjEdit(false, 16));
+  const std::string a = dir.file("a"), b = dir.file("b");
+  ASSERT_EQ(ConvertCommand({ModelDir(), a, "--format", "int8", "--shards", "2"}), 0);
+  ASSERT_EQ(ConvertCommand({other, b, "--format", "int8", "--shards", "2"}), 0);
+  auto config = LoadModelConfig(ModelDir());
+  ASSERT_TRUE(config.ok()) << config.status();
+  std::string ids[2][2];
+  for (int i = 0; i < 2; ++i) {
+    for (int c = 0; c < 2; ++c) {
+      auto p = PackedExperts::Open(c == 0 ? a : b, *config, SplitMode::kTp, i, 2);
+      ASSERT_TRUE(p.ok()) << p.status();
+      ids[c][i] = (*p)->conversion_id();
+      EXPECT_EQ(ids[c][i].size(), 16u);
+    }
+  }
+  EXPECT_EQ(ids[0][0], ids[0][1]);
+  EXPECT_EQ(ids[1][0], ids[1][1]);
+  EXPECT_NE(ids[0][0], ids[1][0]);
+
+  ::hmoe::testing::ServiceProcess s0, s1, s1_same;
+  ASSERT_TRUE(
+      s0.Start({"--model-dir=" + ModelDir(), "--packed-dir=" + a, "--shard=0/2", "--no-ucx"},
+               dir.file("p0")));
+  ASSERT_TRUE(s1.Start({"--model-dir=" + other, "--packed-dir=" + b, "--shard=1/2", "--no-ucx"},
+                       dir.file("p1")));
+  ExpertPoolOptions po;
+  po.targets = {s0.target(), s1.target()};
+  auto mixed = ExpertPool::Connect(po);
+  ASSERT_FALSE(mixed.ok());
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kFailedPrecondition) << mixed.status();
+  EXPECT_NE(mixed.status().message().find("different conversions"), std::string_view::npos)
+      << mixed.status();
+  ASSERT_TRUE(
+      s1_same.Start({"--model-dir=" + ModelDir(), "--packed-dir=" + a, "--shard=1/2", "--no-ucx"},
+                    dir.file("p2")));
+  po.targets = {s0.target(), s1_same.target()};
+  auto same = ExpertPool::Connect(po);
+  EXPECT_TRUE(same.ok()) << same.status();
+}
+
 TEST(Convert, Fp8CheckpointPacksLikeQuantizeAtLoad) {
   ::hmoe::testing::TempDir dir;
   const int64_t B = 16;
