@@ -150,6 +150,12 @@ std::string AuthTokens::first() const {
   return tokens_.empty() ? std::string() : tokens_.front();
 }
 
+std::string AuthTokens::ReloadForLog(const std::string& path) {
+  auto n = Reload(path);
+  if (!n.ok()) return absl::StrCat("kept the tokens in force: ", n.status().message());
+  return absl::StrCat(path, " reloaded: ", *n, " token(s)");
+}
+
 absl::StatusOr<size_t> AuthTokens::Reload(const std::string& path) {
   if (!enabled_) {
     return absl::FailedPreconditionError(

@@ -8,8 +8,10 @@
 // A token file holds one token per line. A server accepts every token in its
 // file; a client sends the first one. So a token rotates without refused
 // calls: put the new token first and the old one second, reload the servers
-// and then the clients (SIGHUP), and once every client sends the new one,
-// drop the old line and reload the servers again.
+// (SIGHUP), then the clients (the worker reloads its expert token on SIGHUP;
+// `hmoe` and the SDKs read their file when they start or connect), and once
+// every client sends the new one, drop the old line and reload the servers
+// again.
 #pragma once
 
 #include <memory>
@@ -74,6 +76,9 @@ class AuthTokens {
   // returned; on any error (ReadAuthTokensFile's, or FAILED_PRECONDITION
   // when auth is off) the tokens in force stay.
   absl::StatusOr<size_t> Reload(const std::string& path);
+  // Reload, said in one log line: "PATH reloaded: N token(s)" or "kept the
+  // tokens in force: WHY" (the servers' SIGHUP handlers).
+  std::string ReloadForLog(const std::string& path);
 
  private:
   bool enabled_ = false;

@@ -393,8 +393,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
         return Invalid(source, "mlp_only_layers",
                        absl::StrCat("names layer ", l, " outside [0, ", c.num_layers, ")"));
   }
-  if (m.num_experts < 0) return Invalid(source, "n_routed_experts", "must not be negative");
-  if (m.num_experts > 65536) return Invalid(source, "n_routed_experts", "is over the 65536 taken");
+  // The routed-expert count's field, as this family spells it.
+  const char* experts_field = c.is_mla()                     ? "n_routed_experts"
+                              : root.contains("num_experts") ? "num_experts"
+                                                             : "num_local_experts";
+  if (m.num_experts < 0) return Invalid(source, experts_field, "must not be negative");
+  if (m.num_experts > 65536) return Invalid(source, experts_field, "is over the 65536 taken");
   if (m.num_experts > 0) {
     const char* k_field = "num_experts_per_tok";
     RETURN_IF_ERROR(positive(k_field, m.experts_per_token));

@@ -137,11 +137,17 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, abs
     } else if (absl::Status ff = FailingFast(sh); !ff.ok()) {
       sub.submit_status = ff;
     } else {
+      const absl::Time before = absl::Now();
       auto h = sh.client->Submit(c, sub.dst, deadline);
-      if (h.ok())
+      if (h.ok()) {
         sub.handle = *h;
-      else
+      } else {
         sub.submit_status = h.status();
+        // The deadline ran out between the check above and the client's own
+        // (a Submit that did not block): not this shard's miss either.
+        sub.late =
+            absl::IsDeadlineExceeded(h.status()) && absl::Now() - before < absl::Milliseconds(1);
+      }
     }
   };
   for (size_t i = 0; i < shards_.size(); ++i) {

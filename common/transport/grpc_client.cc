@@ -15,34 +15,42 @@
 namespace hmoe {
 namespace pb = ::hmoe::expert::v1;
 
-std::shared_ptr<grpc::Channel> MakeExpertChannel(
-    const std::string& target, std::shared_ptr<const AuthTokens> auth_tokens,
-    std::shared_ptr<grpc::ChannelCredentials> credentials) {
+namespace {
+// Our channel settings: unlimited messages; retry a lost shard quickly (50
+// ms, backing off to 500 ms), but give each connection attempt 2 s to finish
+// its handshake: gRPC uses the "min reconnect backoff" as the minimum connect
+// timeout, and at 50 ms a service just resumed from a stall (its listen
+// backlog full of stale attempts) could not be reached for seconds on a
+// loaded machine.
+grpc::ChannelArguments ExpertChannelArgs() {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  // Retry a lost shard quickly (50 ms, backing off to 500 ms), but give each
-  // connection attempt 2 s to finish its handshake: gRPC uses the "min
-  // reconnect backoff" as the minimum connect timeout, and at 50 ms a
-  // service just resumed from a stall (its listen backlog full of stale
-  // attempts) could not be reached for seconds on a loaded machine.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
-  if (!credentials) credentials = grpc::InsecureChannelCredentials();
-  return CreateChannelWithTokens(target, credentials, args, std::move(auth_tokens));
+  return args;
+}
+std::shared_ptr<grpc::ChannelCredentials> OrInsecure(
+    std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  return credentials ? std::move(credentials) : grpc::InsecureChannelCredentials();
+}
+}  // namespace
+
+std::shared_ptr<grpc::Channel> MakeExpertChannel(
+    const std::string& target, std::shared_ptr<const AuthTokens> auth_tokens,
+    std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  return CreateChannelWithTokens(target, OrInsecure(std::move(credentials)), ExpertChannelArgs(),
+                                 std::move(auth_tokens));
 }
 
 std::shared_ptr<grpc::Channel> MakeExpertChannel(
     const std::string& target, const std::string& auth_token,
     std::shared_ptr<grpc::ChannelCredentials> credentials) {
-  return MakeExpertChannel(
-      target,
-      auth_token.empty() ? nullptr
-                         : std::make_shared<const AuthTokens>(std::vector<std::string>{auth_token}),
-      std::move(credentials));
+  return CreateChannelWithToken(target, OrInsecure(std::move(credentials)), ExpertChannelArgs(),
+                                auth_token);
 }
 
 absl::Duration ControlBudget(absl::Time deadline, absl::Duration own, bool* capped) {

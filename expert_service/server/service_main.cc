@@ -467,12 +467,7 @@ void ReloadCredentials(const ServiceOptions& o) {
     Log("SIGHUP: no --auth-token-file, nothing to reload");
     return;
   }
-  auto n = o.auth_tokens->Reload(o.auth_token_file);
-  if (n.ok()) {
-    Log(absl::StrCat("SIGHUP: ", o.auth_token_file, " reloaded: ", *n, " token(s) accepted"));
-  } else {
-    Log(absl::StrCat("SIGHUP: kept the tokens in force: ", n.status().message()));
-  }
+  Log("SIGHUP: " + o.auth_tokens->ReloadForLog(o.auth_token_file));
   if (o.tls.enabled()) Log("SIGHUP: TLS certificates are read at start only");
 }
 

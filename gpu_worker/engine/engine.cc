@@ -53,12 +53,16 @@ struct Engine::Request {
 
 namespace {
 double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
-// Request-specific failures of a batch: the step is re-run alone to find
-// whose it was. Anything else (the expert service gone, ...) is every
-// step's failure. (RESOURCE_EXHAUSTED here is the model's own capacity
-// check: PoolRoutedExperts reports transport failures as UNAVAILABLE.)
+// Failures a batch may owe to one request: the steps are re-run one by one
+// to find whose it was. INTERNAL is the worker's own failure on some input
+// (one request's NaN hidden states reaching the router, an expert call the
+// service refused as malformed): re-run too, so it stays with the request
+// it came from. Anything else (the expert service gone, ...) is every step's
+// failure. (RESOURCE_EXHAUSTED here is the model's own capacity check:
+// PoolRoutedExperts reports transport failures as UNAVAILABLE.)
 bool StepSpecific(const absl::Status& s) {
-  return absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s) || absl::IsOutOfRange(s);
+  return absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s) || absl::IsOutOfRange(s) ||
+         absl::IsInternal(s);
 }
 
 // api.proto: a worker shutting down answers UNAVAILABLE (the client may retry

@@ -10,9 +10,10 @@
 // prompts that arrive together start together) and one token of every
 // other running request (the token sampled after its last pass), and
 // (4) samples each request's next token from that pass. A batch that fails
-// for one request's reason (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
-// OUT_OF_RANGE) is re-run step by step so only that request fails; any other
-// failure (e.g. the expert service UNAVAILABLE) fails every request in it.
+// for what may be one request's reason (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+// OUT_OF_RANGE, INTERNAL) is re-run step by step so only that request fails;
+// any other failure (e.g. the expert service UNAVAILABLE) fails every request
+// in it.
 //
 // KV accounting: the cache is counted in blocks of `kv_block_tokens`; a
 // request reserves ceil((prompt + max_tokens) / kv_block_tokens) blocks when

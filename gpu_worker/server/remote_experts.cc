@@ -12,8 +12,8 @@ namespace hmoe {
 // UNAVAILABLE to the client, as api.proto says, except a call the worker
 // itself got wrong (the pool's or the service's INVALID_ARGUMENT: NaN router
 // weights, a shard restarted with a smaller --max-tokens), which is INTERNAL:
-// no client's input is to blame, and INVALID_ARGUMENT would make the engine
-// fail each request of the pass as if its own input were bad. The message
+// no client's input is to blame (the engine still re-runs the pass request by
+// request, so a NaN from one request fails that request only). The message
 // keeps the transport's words. The expert call's deadline is the worker's
 // own --expert-timeout-ms: a miss is not the client's DEADLINE_EXCEEDED.
 absl::Status PoolRoutedExperts::ExpertFailure(const absl::Status& st) const {

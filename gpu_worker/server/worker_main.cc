@@ -24,7 +24,7 @@
 // --token-file; common/auth_token.h: one per line, so a token can rotate),
 // else UNAUTHENTICATED; health stays open.
 // --expert-auth-token-file: the token the expert service shards require
-// (their --auth-token-file); the worker sends the file's first line.
+// (their --auth-token-file); the worker sends the file's first token.
 // --tls-*: the client API speaks TLS (hmoe --tls-ca-file verifies it;
 // --tls-client-ca-file: clients need a certificate from that CA). --expert-
 // tls-*: TLS to the shards' gRPC ports (their --tls-cert-file), with a
@@ -156,14 +156,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
 // tokens in force, saying why.
 void ReloadTokens(const char* flag, const std::string& path, AuthTokens* tokens) {
   if (path.empty()) return;
-  auto n = tokens->Reload(path);
-  if (n.ok()) {
-    std::fprintf(stderr, "hmoe-gpu-worker: SIGHUP: %s %s reloaded: %zu token(s)\n", flag,
-                 path.c_str(), *n);
-  } else {
-    std::fprintf(stderr, "hmoe-gpu-worker: SIGHUP: %s: kept the tokens in force: %s\n", flag,
-                 std::string(n.status().message()).c_str());
-  }
+  std::fprintf(stderr, "hmoe-gpu-worker: SIGHUP: %s %s\n", flag,
+               tokens->ReloadForLog(path).c_str());
 }
 
 int Run(int argc, char** argv) {

@@ -132,13 +132,16 @@ class ServiceProcess {
   std::string stderr_file_;
 };
 
-// Whether the file at `path` (a process's log) contains `text`, waiting up
-// to 10 s for it.
-inline bool FileSays(const std::string& path, const std::string& text) {
+// Whether the file at `path` (a process's log) contains `text` at least
+// `times` times, waiting up to 10 s for it (a line a process logs again on
+// each signal: count the ones sent so far).
+inline bool FileSays(const std::string& path, const std::string& text, int times = 1) {
   for (int i = 0; i < 500; ++i) {
     std::ifstream f(path);
     const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    if (log.find(text) != std::string::npos) return true;
+    int n = 0;
+    for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++n;
+    if (n >= times) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return false;
