@@ -17,7 +17,10 @@ bash deploy/install-deps.sh
 echo "== building (first time: a few minutes)"
 buildlog=$(mktemp)
 if ! { cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo &&
-       cmake --build build --target hmoe hmoe-gpu-worker hmoe-expert-service -j"$(nproc)"; } >"$buildlog" 2>&1; then
+       cmake --build build --target hmoe hmoe-gpu-worker hmoe-expert-service -j"$(nproc)" &&
+       # The Python client's stubs (build/python), where grpc_tools are there.
+       { ! cmake --build build --target help | grep -q hmoe_python_stubs ||
+         cmake --build build --target hmoe_python_stubs; }; } >"$buildlog" 2>&1; then
   tail -n 40 "$buildlog"; echo "quickstart: build failed (full log: $buildlog)"; exit 1
 fi
 rm -f "$buildlog"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set-up and the whole test suite, twice: a normal build (with CUDA targets
+# Set-up and the whole test suite, twice: a normal build (CUDA enabled
 # when nvcc is present; GPU tests skip without a GPU) and an ASan+UBSan build
 # of the CPU code. Run as root on Debian 12: installs what it needs first.
 set -euo pipefail

@@ -207,11 +207,9 @@ int GenerateCommand(const std::vector<std::string>& args) {
   if (prompt.empty() && !f.positional().empty()) prompt = f.positional()[0];
   if (prompt.empty()) {
     std::fprintf(stderr,
-                 "usage: hmoe generate -p TEXT [--server ADDR] [--max-tokens N] [--temperature T] "
-                 "[--top-k K]\n"
-                 "       [--top-p P] [--min-p P] [--repetition-penalty R] [--presence-penalty X]\n"
-                 "       [--frequency-penalty X] [--seed S] [--stop STR]... [--ignore-eos] [--ids] "
-                 "[--timeout SEC]\n");
+                 "usage: hmoe generate -p|--prompt TEXT [--server ADDR] [sampling flags] [--ids]\n"
+                 "       [--timeout SEC] [--token-file PATH] [--tls-ca-file PEM]\n"
+                 "(hmoe --help lists the sampling flags)\n");
     return 2;
   }
   api::v1::GenerateRequest req;

@@ -24,12 +24,15 @@ int Usage(FILE* out) {
       "      and the decode ceiling for N GB/s of DRAM bandwidth (default 100)\n"
       "  convert MODEL_DIR OUT --format int4g64|int8|bf16 [--shards n --split tp|ep]\n"
       "      packed expert files for hmoe-expert-service --packed-dir\n"
-      "  generate -p TEXT [--server ADDR] [--max-tokens N] [--temperature T] [--seed S] ...\n"
+      "  generate -p|--prompt TEXT [--server ADDR] [sampling flags] [--ids] [--timeout SEC]\n"
       "      stream a completion from hmoe-gpu-worker and print tok/s\n"
-      "  chat [--server ADDR] [sampling flags]\n"
+      "  chat [--server ADDR] [--system TEXT] [sampling flags]\n"
       "      interactive chat that keeps the conversation\n"
       "  bench-serve [--server ADDR] [--clients N] [--requests M] [--max-tokens K] [-p TEXT]\n"
       "      N concurrent clients: latency percentiles and throughput\n"
+      "sampling flags: --max-tokens N --temperature T --top-k K --top-p P --min-p P\n"
+      "  --repetition-penalty R --presence-penalty X --frequency-penalty X --seed S\n"
+      "  --stop STR (repeatable) --ignore-eos[=true|false] --add-special-tokens[=true|false]\n"
       "(--server defaults to $HMOE_SERVER or 127.0.0.1:50051; --token-file, default\n"
       " $HMOE_TOKEN_FILE, names the file with the worker's --auth-token-file token;\n"
       " --tls-ca-file, default $HMOE_TLS_CA_FILE, turns on TLS and verifies the worker with\n"
@@ -90,6 +93,8 @@ int main(int argc, char** argv) {
   if (argc < 2) return Usage(stderr);
   const std::string cmd = argv[1];
   std::vector<std::string> args(argv + 2, argv + argc);
+  for (const std::string& a : args)
+    if (a == "-h" || a == "--help") return Usage(stdout);
   if (cmd == "inspect") return Inspect(args);
   if (cmd == "convert") return hmoe::ConvertCommand(args);
   if (cmd == "generate") return hmoe::GenerateCommand(args);

@@ -1,13 +1,5 @@
-// hmoe-expert-service: serves one shard of a model's routed experts.
-//
-//   hmoe-expert-service (--model-dir DIR [--packed-dir DIR] | --synthetic SPEC)
-//       [--shard i/n] [--split tp|ep] [--format bf16|int8|int4g32|int4g64|int4g128]
-//       [--max-tokens N] [--threads N] [--numa-node N | --cores LIST]
-//       [--listen HOST:PORT] [--port-offset N] [--port-file PATH]
-//       [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]
-//       [--auth-token-file PATH] [--max-peers N]
-//       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
-//       [--null-compute]   (benchmarks: validate, answer zeros, skip the experts)
+// hmoe-expert-service: serves one shard of a model's routed experts. Usage:
+// kUsage below (--help prints it).
 //
 // The experts run on the CPU kernels (expert_service/kernels) with one thread
 // pool over the cores the process is bound to (--numa-node / --cores, bound
@@ -165,13 +157,23 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
       RETURN_IF_ERROR(int_of(&o.shard.max_tokens));
     } else if (a == "--threads") {
       RETURN_IF_ERROR(int_of(&n));
+      if (n < 0 || n > 4096)
+        return absl::InvalidArgumentError(absl::StrCat("--threads: ", n, " outside [0, 4096]"));
       o.shard.threads = static_cast<int>(n);
     } else if (a == "--listen")
       o.listen = v;
     else if (a == "--port-file")
       o.port_file = v;
-    else if (a == "--numa-node") {
+    else if (a == "--port-offset") {
       RETURN_IF_ERROR(int_of(&n));
+      if (n < 0 || n > 65535)
+        return absl::InvalidArgumentError(
+            absl::StrCat("--port-offset: ", n, " outside [0, 65535]"));
+      o.port_offset = static_cast<int>(n);
+    } else if (a == "--numa-node") {
+      RETURN_IF_ERROR(int_of(&n));
+      if (n < -1 || n > 1023)
+        return absl::InvalidArgumentError(absl::StrCat("--numa-node: ", n, " outside [-1, 1023]"));
       o.numa_node = static_cast<int>(n);
     } else if (a == "--cores")
       o.cores = v;
@@ -471,11 +473,30 @@ void ReloadCredentials(const ServiceOptions& o) {
   if (o.tls.enabled()) Log("SIGHUP: TLS certificates are read at start only");
 }
 
+constexpr char kUsage[] =
+    "usage: hmoe-expert-service (--model-dir DIR [--packed-dir DIR] | --synthetic SPEC)\n"
+    "    [--shard i/n] [--split tp|ep] [--format bf16|int8|int4g32|int4g64|int4g128]\n"
+    "    [--max-tokens N] [--threads N] [--numa-node N | --cores LIST]\n"
+    "    [--listen HOST:PORT] [--port-offset N] [--port-file PATH]\n"
+    "    [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]\n"
+    "    [--auth-token-file PATH] [--max-peers N]\n"
+    "    [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
+    "    [--null-compute]   (benchmarks: validate, answer zeros, skip the experts)\n"
+    "Serves one shard of a model's routed experts over gRPC, shared memory and UCX\n"
+    "(default --listen 127.0.0.1:50061). SIGTERM drains and exits; SIGHUP re-reads\n"
+    "--auth-token-file. README.md and docs/ARCHITECTURE.md say more.\n";
+
 int Main(int argc, char** argv) {
   // The UCX address checker (UcxServerOptions::address_checker): this binary
   // re-run by the service itself, its socket at kCheckerFd.
   if (argc == 2 && std::strcmp(argv[1], "--check-ucx-address") == 0)
     return UcxAddressCheckMain(kCheckerFd, kCheckerFd);
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+  }
   // Signals go to the sigwait thread only: block them before any thread starts.
   sigset_t sigs;
   sigemptyset(&sigs);
@@ -511,6 +532,9 @@ int Main(int argc, char** argv) {
   int port = 0;
   builder.AddListeningPort(o.listen, o.credentials, &port);
   builder.SetMaxReceiveMessageSize(GrpcMaxRequestBytes(o.shard.max_tokens));
+  // gRPC sets SO_REUSEPORT by default: a second service on a taken port
+  // would start and split the connections with the first.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Pings to idle clients: a stream from a host that died ends within ~40 s
   // and frees its --max-peers place. Clients ping every 10 s (grpc_client.cc).
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);

@@ -247,6 +247,9 @@ int Run(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(o.listen, *server_credentials, &port);
+  // gRPC sets SO_REUSEPORT by default: a second worker on a taken port would
+  // start and split the clients with the first.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) Die("cannot listen on " + o.listen, 1);

@@ -25,9 +25,14 @@ from dataclasses import dataclass, field
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.environ.get("HMOE_PYTHON_STUBS", os.path.join(_HERE, "..", "..", "build", "python")))
 
-import grpc  # noqa: E402
-from proto import api_pb2, api_pb2_grpc  # noqa: E402
-from proto.grpc.health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+try:
+    import grpc  # noqa: E402
+    from proto import api_pb2, api_pb2_grpc  # noqa: E402
+    from proto.grpc.health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+except ImportError as e:
+    sys.exit(f"hmoe_client: {e}: needs Debian's python3-grpcio and the generated stubs "
+             "(cmake --build build --target hmoe_python_stubs, or set HMOE_PYTHON_STUBS to "
+             "their directory)")
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed")

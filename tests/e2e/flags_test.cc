@@ -1,7 +1,11 @@
 // Command-line flags of the binaries: out-of-range numbers and malformed
 // booleans stop them with exit status 2 and the flag named, before anything
 // loads or connects.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -12,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
+#include "tests/transport/service_process.h"
 
 namespace hmoe {
 namespace {
@@ -76,6 +81,57 @@ TEST(Flags, HmoeBooleanFlagsTakeTheirValue) {
       Shell(dir, hmoe + " generate -p hi --ignore-eos=false --ids --server 127.0.0.1:1");
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_THAT(r.err, ::testing::Not(HasSubstr("true or false")));
+}
+
+// --help prints the usage and exits 0 (the service answered "--help: needs
+// a value"; hmoe's subcommands "unknown flag --help").
+TEST(Flags, HelpPrintsUsage) {
+  testing::TempDir dir;
+  const std::string bin = std::string(HMOE_BINARY_DIR) + "/bin/";
+  for (const std::string& cmd :
+       {bin + "hmoe-expert-service --help", bin + "hmoe-gpu-worker --help", bin + "hmoe --help",
+        bin + "hmoe generate --help", bin + "hmoe convert --help", bin + "hmoe chat -h"}) {
+    const std::string out = dir.file("out");
+    const int status = std::system((cmd + " >" + out + " 2>&1").c_str());
+    std::ifstream in(out);
+    const std::string said((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << cmd << ": " << said;
+    EXPECT_THAT(said, HasSubstr("usage:")) << cmd;
+  }
+}
+
+// A free TCP port on loopback (bound and released).
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+// The systemd unit's --port-offset (the NUMA node added to the port) is
+// parsed (it was refused as an unknown flag: the unit restart-looped), and a
+// second service on a port in use fails to start instead of sharing it
+// (gRPC's default SO_REUSEPORT).
+TEST(Flags, ServicePortOffsetAndATakenPort) {
+  testing::TempDir dir;
+  const std::string model = "--model-dir=" + testing::FixturesDir() + "/deepseek_v3_tiny";
+  int port = 0;
+  for (int i = 0; i < 20 && port < 2; ++i) port = FreePort();
+  ASSERT_GE(port, 2);
+  testing::ServiceProcess first;
+  ASSERT_TRUE(first.Start({model, "--port-offset=1", "--no-ucx"}, dir.file("p1"), port - 1));
+  EXPECT_EQ(first.target(), absl::StrCat("127.0.0.1:", port));
+  testing::ServiceProcess second;
+  EXPECT_FALSE(second.Start({model, "--no-ucx"}, dir.file("p2"), port));
+  EXPECT_TRUE(WIFEXITED(second.exit_status()) && WEXITSTATUS(second.exit_status()) == 1)
+      << second.exit_status();
 }
 
 }  // namespace
