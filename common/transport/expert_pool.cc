@@ -62,7 +62,6 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
           opts.targets.size(), " targets were given (or the index repeats)"));
     }
     const ShardInfo& a = s.info;
-    const ShardInfo& b = shards[0].target.empty() ? a : shards[0].info;
     for (const Shard& o : shards) {
       if (o.target.empty()) continue;
       const ShardInfo& c = o.info;
@@ -80,7 +79,6 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
             a.conversion_id, "): convert the model once, into one directory, for all shards"));
       }
     }
-    (void)b;
     shards[static_cast<size_t>(idx)] = std::move(s);
   }
   pool->model_ = shards[0].info;

@@ -6,8 +6,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -150,6 +154,72 @@ TEST(ShmClient, AClosedSegmentAndARefusedReattachAreUnavailable) {
   rig.control.server.store(rig.shm.get());
   st = OneCall(*rig.client, rig.handler.info(), 2, absl::Seconds(5));
   EXPECT_TRUE(st.ok()) << st;
+}
+
+// A handler that holds each call until released (a call in flight).
+class HeldHandler final : public MoeHandler {
+ public:
+  const ShardInfo& info() const override { return rows_.info(); }
+  absl::Status Handle(const MoeCall& call, float* out, uint64_t* ns) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    entered_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return released_; });
+    lock.unlock();
+    return rows_.Handle(call, out, ns);
+  }
+  void WaitEntered() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return entered_; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  testing::RowHandler rows_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false, released_ = false;
+};
+
+// The service's shm server stops while a call is in flight (it marks the
+// segment closed, then waits for its serving thread): the waiting client
+// fails UNAVAILABLE within its futex clamp, not at its deadline.
+TEST(ShmClient, ACallInFlightWhenTheSegmentClosesIsUnavailable) {
+  HeldHandler held;
+  auto shm = std::make_unique<ShmServer>(&held);
+  Control control;
+  control.server.store(shm.get());
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(&control);
+  auto grpc_server = b.BuildAndStart();
+  ASSERT_NE(grpc_server, nullptr);
+  auto client = ShmClient::Create(
+      std::make_shared<ControlClient>(MakeExpertChannel(absl::StrCat("127.0.0.1:", port))),
+      held.info());
+  ASSERT_TRUE(client.ok()) << client.status();
+  const ShardInfo& info = held.info();
+  auto rc = testing::MakeRandomCall(info, info.moe_layers[0], 2, 5);
+  std::vector<float> out(static_cast<size_t>(2 * info.hidden));
+  auto h = (*client)->Submit(rc.call(), out.data(), absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(h.ok()) << h.status();
+  held.WaitEntered();
+  control.server.store(nullptr);
+  std::thread stopper([&] { shm.reset(); });  // closes, then waits for the held call
+  const absl::Time t0 = absl::Now();
+  const absl::Status st = (*client)->Wait(*h, absl::Now() + absl::Seconds(20));
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  EXPECT_NE(st.message().find("closed the segment"), std::string_view::npos) << st;
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5)) << st;
+  held.Release();
+  stopper.join();
+  client->reset();
+  grpc_server->Shutdown();
 }
 
 }  // namespace
