@@ -2,14 +2,25 @@
 
 #include <hwloc.h>
 #include <numa.h>
+#include <numaif.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace hmoe {
 namespace {
@@ -64,6 +75,8 @@ int NodeOfCpu(int cpu) {
 
 }  // namespace
 
+bool NumaAvailable() { return NumaOk(); }
+
 int NumaNodeCount() { return NumaOk() ? std::max(1, numa_max_node() + 1) : 1; }
 
 absl::StatusOr<std::vector<NodeCores>> DiscoverTopology(const TopologyOptions& opts) {
@@ -107,13 +120,28 @@ absl::StatusOr<NumaBuffer> NumaBuffer::Allocate(size_t bytes, int node) {
   NumaBuffer b;
   if (bytes == 0) return b;
   const size_t rounded = (bytes + 4095) & ~size_t{4095};
-  if (node >= 0 && NumaOk() && node < NumaNodeCount()) {
-    void* p = numa_alloc_onnode(rounded, node);
-    if (p == nullptr)
-      return absl::ResourceExhaustedError(
-          absl::StrCat("numa_alloc_onnode(", rounded, " bytes, node ", node, ") failed"));
+  if (node >= 0 && NumaOk()) {
+    if (node >= NumaNodeCount())
+      return absl::InvalidArgumentError(
+          absl::StrCat("NUMA node ", node, " does not exist (", NumaNodeCount(), " nodes)"));
+    void* p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      return absl::ResourceExhaustedError(absl::StrCat("mmap(", rounded, " bytes for NUMA node ",
+                                                       node, "): ", std::strerror(errno)));
+    // Before any page is touched: every page comes from `node` or the
+    // allocation fails (MPOL_BIND), never silently from another node.
+    std::vector<unsigned long> mask(static_cast<size_t>(node) / (8 * sizeof(unsigned long)) + 1);
+    mask[static_cast<size_t>(node) / (8 * sizeof(unsigned long))] =
+        1ul << (static_cast<unsigned>(node) % (8 * sizeof(unsigned long)));
+    if (mbind(p, rounded, MPOL_BIND, mask.data(), mask.size() * 8 * sizeof(unsigned long) + 1, 0) !=
+        0) {
+      const int err = errno;
+      munmap(p, rounded);
+      return absl::FailedPreconditionError(
+          absl::StrCat("mbind(", rounded, " bytes to NUMA node ", node, "): ", std::strerror(err)));
+    }
     b.data_ = static_cast<uint8_t*>(p);
-    b.numa_ = true;
+    b.mapped_ = true;
   } else {
     // Large buffers on 2 MiB boundaries so transparent huge pages can back them.
     const size_t align = rounded >= (size_t{4} << 20) ? size_t{2} << 20 : size_t{4096};
@@ -141,7 +169,7 @@ NumaBuffer& NumaBuffer::operator=(NumaBuffer&& o) noexcept {
     data_ = std::exchange(o.data_, nullptr);
     size_ = std::exchange(o.size_, 0);
     node_ = std::exchange(o.node_, -1);
-    numa_ = std::exchange(o.numa_, false);
+    mapped_ = std::exchange(o.mapped_, false);
   }
   return *this;
 }
@@ -150,12 +178,111 @@ NumaBuffer::~NumaBuffer() { Release(); }
 
 void NumaBuffer::Release() {
   if (data_ == nullptr) return;
-  if (numa_)
-    numa_free(data_, size_);
+  if (mapped_)
+    munmap(data_, size_);
   else
     std::free(data_);
   data_ = nullptr;
   size_ = 0;
+}
+
+namespace {
+
+std::string ReadSmallFile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return {};
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string GiB(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (bytes < (int64_t{1} << 30)) return absl::StrFormat("%.1f MiB", b / (1024.0 * 1024));
+  return absl::StrFormat("%.1f GiB", b / (1024.0 * 1024 * 1024));
+}
+
+}  // namespace
+
+int64_t CgroupMemoryMax(absl::string_view proc_self_cgroup, const std::string& root,
+                        std::string* file) {
+  int64_t best = 0;
+  // The smallest limit in `name` files of the group at `path` under `mount`
+  // and its ancestors. A host's root group has no limit file; a container's
+  // namespace root ("/") shows the container's own at the mount's top.
+  auto walk = [&](const std::string& mount, std::string path, const char* name) {
+    while (path.size() > 1 && path.back() == '/') path.pop_back();
+    for (;;) {
+      const std::string f = mount + (path == "/" ? "" : path) + "/" + name;
+      const std::string text(absl::StripAsciiWhitespace(ReadSmallFile(f)));
+      int64_t v = 0;
+      // v1 writes "no limit" as a huge page-rounded number; v2 as "max".
+      if (absl::SimpleAtoi(text, &v) && v > 0 && v < (int64_t{1} << 62) &&
+          (best == 0 || v < best)) {
+        best = v;
+        if (file != nullptr) *file = f;
+      }
+      if (path == "/") break;
+      const size_t slash = path.rfind('/');
+      path.resize(slash == 0 ? 1 : slash);
+    }
+  };
+  for (absl::string_view line : absl::StrSplit(proc_self_cgroup, '\n')) {
+    line = absl::StripTrailingAsciiWhitespace(line);
+    // "hierarchy-id:controllers:path"; v2 is "0::path".
+    const std::vector<absl::string_view> f = absl::StrSplit(line, absl::MaxSplits(':', 2));
+    if (f.size() != 3 || f[2].empty() || f[2][0] != '/') continue;
+    if (f[0] == "0" && f[1].empty()) {
+      walk(root, std::string(f[2]), "memory.max");
+      walk(root + "/unified", std::string(f[2]), "memory.max");  // hybrid layout
+    } else {
+      for (absl::string_view c : absl::StrSplit(f[1], ','))
+        if (c == "memory") walk(root + "/memory", std::string(f[2]), "memory.limit_in_bytes");
+    }
+  }
+  return best;
+}
+
+MemoryLimits ReadMemoryLimits() {
+  MemoryLimits m;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) m.machine_bytes = int64_t{pages} * page;
+  if (NumaOk()) {
+    int64_t sum = 0;
+    for (int n = 0; n < NumaNodeCount(); ++n) {
+      const long long sz = numa_node_size64(n, nullptr);
+      m.node_bytes.push_back(sz > 0 ? sz : 0);
+      sum += m.node_bytes.back();
+    }
+    // Some virtual machines and sandboxes report nodes that do not add up to
+    // their memory: per-node sizes are only trusted when they do.
+    if (sum < m.machine_bytes / 10 * 9) m.node_bytes.clear();
+  }
+  m.cgroup_bytes =
+      CgroupMemoryMax(ReadSmallFile("/proc/self/cgroup"), "/sys/fs/cgroup", &m.cgroup_file);
+  return m;
+}
+
+absl::Status CheckMemoryFits(const std::map<int, int64_t>& need, const MemoryLimits& limits,
+                             absl::string_view what) {
+  int64_t total = 0;
+  for (const auto& [node, bytes] : need) {
+    total += bytes;
+    if (node >= 0 && static_cast<size_t>(node) < limits.node_bytes.size() &&
+        limits.node_bytes[static_cast<size_t>(node)] > 0 &&
+        bytes > limits.node_bytes[static_cast<size_t>(node)])
+      return absl::ResourceExhaustedError(
+          absl::StrCat(what, " need ", GiB(bytes), " on NUMA node ", node, ", which has ",
+                       GiB(limits.node_bytes[static_cast<size_t>(node)]), " of memory"));
+  }
+  if (limits.machine_bytes > 0 && total > limits.machine_bytes)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, " need ", GiB(total), "; the machine has ", GiB(limits.machine_bytes), " of memory"));
+  if (limits.cgroup_bytes > 0 && total > limits.cgroup_bytes)
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, " need ", GiB(total), "; the process's cgroup allows ",
+                     GiB(limits.cgroup_bytes), " (", limits.cgroup_file, ")"));
+  return absl::OkStatus();
 }
 
 }  // namespace hmoe

@@ -4,9 +4,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace hmoe {
 
@@ -28,14 +32,20 @@ absl::StatusOr<std::vector<NodeCores>> DiscoverTopology(const TopologyOptions& o
 
 // Number of real NUMA nodes (1 when libnuma is unavailable).
 int NumaNodeCount();
+// Whether libnuma works here (NumaBuffer binds memory only then).
+bool NumaAvailable();
 
-// Memory bound to one NUMA node (numa_alloc_onnode; page-aligned, zeroed by
-// the kernel on first touch), or plain aligned memory when libnuma is absent.
-// Move-only.
+// Memory bound to one NUMA node (anonymous mmap + mbind(MPOL_BIND):
+// page-aligned, zeroed by the kernel on first touch, its pages only ever on
+// that node), or plain aligned memory when libnuma is unavailable (e.g. a
+// container whose seccomp profile refuses the NUMA system calls). Move-only.
 class NumaBuffer {
  public:
   NumaBuffer() = default;
-  // node < 0: no binding.
+  // node < 0, or libnuma unavailable: no binding. INVALID_ARGUMENT for a node
+  // the machine does not have; FAILED_PRECONDITION naming the node and errno
+  // when the kernel refuses the binding (never silently unbound);
+  // RESOURCE_EXHAUSTED when the mapping fails.
   static absl::StatusOr<NumaBuffer> Allocate(size_t bytes, int node);
   ~NumaBuffer();
   NumaBuffer(NumaBuffer&& o) noexcept { *this = std::move(o); }
@@ -52,7 +62,35 @@ class NumaBuffer {
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
   int node_ = -1;
-  bool numa_ = false;
+  bool mapped_ = false;  // munmap (bound) or free
 };
+
+// What memory a process may fill: each NUMA node's size, the machine's, and
+// the cgroup memory limit that applies to the process (CgroupMemoryMax).
+struct MemoryLimits {
+  // By node id; empty without libnuma, or when the nodes' sizes do not add
+  // up to (90% of) the machine's (some VMs and sandboxes report so).
+  std::vector<int64_t> node_bytes;
+  int64_t machine_bytes = 0;
+  int64_t cgroup_bytes = 0;  // 0: no limit
+  std::string cgroup_file;   // the file that set cgroup_bytes
+};
+MemoryLimits ReadMemoryLimits();
+
+// The smallest cgroup memory limit on the process's path up to the root:
+// `proc_self_cgroup` is the text of /proc/self/cgroup, `root` the cgroup
+// mount (/sys/fs/cgroup): v2's memory.max (also under root/unified, the
+// hybrid layout) and v1's memory/.../memory.limit_in_bytes. 0 (and `file`
+// untouched) when none is set.
+int64_t CgroupMemoryMax(absl::string_view proc_self_cgroup, const std::string& root,
+                        std::string* file);
+
+// OK when `need` (bytes per NUMA node; node -1: unbound) fits: each bound
+// node's bytes within that node's size, the total within the machine and
+// the cgroup limit. Otherwise RESOURCE_EXHAUSTED naming the limit, the need
+// and `what` (e.g. "this shard's packed weights"), sizes in GiB (MiB below
+// 1 GiB).
+absl::Status CheckMemoryFits(const std::map<int, int64_t>& need, const MemoryLimits& limits,
+                             absl::string_view what);
 
 }  // namespace hmoe

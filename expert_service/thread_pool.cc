@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "absl/strings/numbers.h"
@@ -61,8 +62,21 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolO
         pool->caller_cpu_ = pool->nodes_[n].cpus[i];
         continue;
       }
-      pool->workers_.emplace_back(&ThreadPool::Loop, pool.get(), w, pool->nodes_[n].cpus[i],
-                                  opts.pin);
+      const int cpu = pool->nodes_[n].cpus[i];
+      pool->workers_.emplace_back(&ThreadPool::Loop, pool.get(), w);
+      if (opts.pin) {
+        // Pinned from here so a refusal is reported, not ignored (the CPU
+        // set changed since discovery, or a cgroup cpuset forbids the CPU).
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        const int err =
+            pthread_setaffinity_np(pool->workers_.back().native_handle(), sizeof(set), &set);
+        if (err != 0)
+          return absl::FailedPreconditionError(
+              absl::StrCat("pinning worker ", g, " to CPU ", cpu, ": ", std::strerror(err),
+                           " (the CPUs the process may use changed while the pool started?)"));
+      }
     }
   }
   return pool;
@@ -75,13 +89,7 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::Loop(Worker w, int cpu, bool pin) {
-  if (pin) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
-  }
+void ThreadPool::Loop(Worker w) {
   uint32_t seen = 0;
   for (;;) {
     uint32_t g = gen_.load(std::memory_order_acquire);

@@ -44,6 +44,7 @@ class ThreadPool {
  public:
   // INVALID_ARGUMENT for negative counts, or an env value that is not a
   // non-negative integer (named in the message); see DiscoverTopology.
+  // FAILED_PRECONDITION when (with pin) a worker cannot be pinned to its CPU.
   static absl::StatusOr<std::unique_ptr<ThreadPool>> Create(const ThreadPoolOptions& opts = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -68,7 +69,7 @@ class ThreadPool {
 
  private:
   ThreadPool() = default;
-  void Loop(Worker w, int cpu, bool pin);
+  void Loop(Worker w);
 
   std::vector<NodeCores> nodes_;
   std::vector<std::thread> workers_;

@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -131,6 +132,12 @@ class PackedMoeLayer {
   // Packed bytes of one expert (all parts): what a call streams per expert.
   int64_t expert_bytes() const;
 
+  // The layer's layout split over the pool's nodes, without memory.
+  static absl::StatusOr<PackedMoeLayer> Plan(int64_t hidden, int64_t intermediate,
+                                             int64_t num_experts, const PackOptions& opts,
+                                             const ThreadPool& pool);
+  // Packed bytes per memory node (ThreadPool::mem_node) of this layout.
+  std::map<int, int64_t> NodeBytes(const ThreadPool& pool) const;
   // Allocates an empty layer split over the pool's nodes.
   static absl::StatusOr<PackedMoeLayer> Allocate(int64_t hidden, int64_t intermediate,
                                                  int64_t num_experts, const PackOptions& opts,

@@ -310,9 +310,9 @@ int64_t PackedMoeLayer::expert_bytes() const {
   return b;
 }
 
-absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Allocate(int64_t hidden, int64_t intermediate,
-                                                        int64_t num_experts, const PackOptions& o,
-                                                        const ThreadPool& pool) {
+absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Plan(int64_t hidden, int64_t intermediate,
+                                                    int64_t num_experts, const PackOptions& o,
+                                                    const ThreadPool& pool) {
   int64_t i1, e1;
   RETURN_IF_ERROR(CheckOptions(hidden, intermediate, num_experts, o, &i1, &e1));
   PackedMoeLayer L;
@@ -336,13 +336,30 @@ absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Allocate(int64_t hidden, int64_t 
     part.gu = MakeGeom(o.format, o.group, 2 * RoundUp(in, 16), hidden);
     part.down = MakeGeom(o.format, o.group, hidden, in);
     part.expert_stride = in > 0 ? part.gu.bytes() + part.down.bytes() : 0;
-    if (in > 0) {
-      ASSIGN_OR_RETURN(part.mem, NumaBuffer::Allocate(static_cast<size_t>(part.expert_stride *
-                                                                          (e1 - o.expert_begin)),
-                                                      pool.mem_node(p)));
-    }
     L.parts_.push_back(std::move(part));
     prev = b;
+  }
+  return L;
+}
+
+std::map<int, int64_t> PackedMoeLayer::NodeBytes(const ThreadPool& pool) const {
+  std::map<int, int64_t> out;
+  for (size_t p = 0; p < parts_.size(); ++p)
+    out[pool.mem_node(static_cast<int>(p))] += parts_[p].expert_stride * num_local_experts();
+  return out;
+}
+
+absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Allocate(int64_t hidden, int64_t intermediate,
+                                                        int64_t num_experts, const PackOptions& o,
+                                                        const ThreadPool& pool) {
+  ASSIGN_OR_RETURN(PackedMoeLayer L, Plan(hidden, intermediate, num_experts, o, pool));
+  for (size_t p = 0; p < L.parts_.size(); ++p) {
+    Part& part = L.parts_[p];
+    if (part.expert_stride > 0) {
+      ASSIGN_OR_RETURN(part.mem, NumaBuffer::Allocate(static_cast<size_t>(part.expert_stride *
+                                                                          L.num_local_experts()),
+                                                      pool.mem_node(static_cast<int>(p))));
+    }
   }
   return L;
 }

@@ -164,7 +164,7 @@ std::string ShardOptions::ToString() const {
                       " shard=", shard_index, "/", num_shards, " split=", SplitModeName(split),
                       " format=", ServeFormatName(format, group), " max_tokens=", max_tokens,
                       " threads=", threads == 0 ? std::string("all") : absl::StrCat(threads),
-                      null_compute ? " null_compute=1" : "",
+                      null_compute ? " null_compute=1" : "", check_memory ? "" : " memory_check=0",
                       tuned.empty() ? "" : " tuning: ", tuned);
 }
 
@@ -263,6 +263,23 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   ASSIGN_OR_RETURN(shard->isa_, EffectiveIsa(shard->run_opts_));
   ASSIGN_OR_RETURN(shard->pool_, SharedThreadPool(opts.threads));
   ThreadPool& pool = *shard->pool_;
+  if (opts.check_memory) {
+    // Refuse a shard that cannot fit before packing for minutes and being
+    // killed for memory part-way (weights only: the workspace is small).
+    ASSIGN_OR_RETURN(PackedMoeLayer plan,
+                     PackedMoeLayer::Plan(geo.hidden, geo.intermediate, geo.experts, po, pool));
+    std::map<int, int64_t> need = plan.NodeBytes(pool);
+    for (auto& [node, bytes] : need) bytes *= static_cast<int64_t>(geo.moe_layers.size());
+    absl::Status fits = CheckMemoryFits(
+        need, opts.memory_limits ? *opts.memory_limits : ReadMemoryLimits(),
+        absl::StrCat("this shard's packed weights (", geo.moe_layers.size(), " MoE layers x ",
+                     plan.num_local_experts(), " experts, ", ServeFormatName(format, group), ")"));
+    if (!fits.ok())
+      return absl::ResourceExhaustedError(
+          absl::StrCat(fits.message(),
+                       ": use more shards (--shard i/n), a smaller --format or other nodes "
+                       "(--no-memory-check loads anyway)"));
+  }
 
   int max_layer = 0;
   for (int32_t l : geo.moe_layers) max_layer = std::max(max_layer, l);

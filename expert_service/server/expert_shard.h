@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,11 @@ struct ShardOptions {
   // HMOE_FEW_*, HMOE_MOE_* and HMOE_PROFILE at start-up and logs those it
   // changes (and, with HMOE_PROFILE=1, RunMoe's phase times when it stops).
   KernelTuning tuning;
+  // Before packing, refuse (RESOURCE_EXHAUSTED) weights that exceed their
+  // NUMA node's, the machine's or the cgroup's memory (CheckMemoryFits)
+  // against `memory_limits`, or this machine's (ReadMemoryLimits) when unset.
+  bool check_memory = true;
+  std::optional<MemoryLimits> memory_limits;
 
   absl::Status Validate() const;
   std::string ToString() const;

@@ -117,7 +117,8 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i], v;
     const auto eq = a.find('=');
-    const bool boolean = a == "--no-shm" || a == "--no-ucx" || a == "--null-compute";
+    const bool boolean =
+        a == "--no-shm" || a == "--no-ucx" || a == "--null-compute" || a == "--no-memory-check";
     if (eq != std::string::npos) {
       v = a.substr(eq + 1);
       a = a.substr(0, eq);
@@ -183,6 +184,8 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
       o.ucx = false;
     else if (a == "--null-compute")
       o.shard.null_compute = true;
+    else if (a == "--no-memory-check")
+      o.shard.check_memory = false;
     else if (a == "--drain-timeout-s") {
       if (!absl::SimpleAtod(v, &o.drain_timeout_s)) {
         return absl::InvalidArgumentError(absl::StrCat("--drain-timeout-s: \"", v, "\""));
@@ -481,6 +484,8 @@ constexpr char kUsage[] =
     "    [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]\n"
     "    [--auth-token-file PATH] [--max-peers N]\n"
     "    [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
+    "    [--no-memory-check] (load even if the packed weights exceed the node's,\n"
+    "                     the machine's or the cgroup's memory)\n"
     "    [--null-compute]   (benchmarks: validate, answer zeros, skip the experts)\n"
     "Serves one shard of a model's routed experts over gRPC, shared memory and UCX\n"
     "(default --listen 127.0.0.1:50061). SIGTERM drains and exits; SIGHUP re-reads\n"

@@ -237,6 +237,37 @@ TEST(ExpertShard, SyntheticShardsSumToWhole) {
   }
 }
 
+// A shard whose weights cannot fit is refused before packing, naming the
+// limit and the way out.
+TEST(ExpertShard, WeightsThatCannotFitAreRefusedBeforeLoading) {
+  ShardOptions o;
+  o.synthetic = "hidden=256,intermediate=128,experts=8,top_k=2,layers=3,seed=1";
+  o.format = ServeFormat::kBf16;
+  MemoryLimits m;
+  m.machine_bytes = 1 << 20;  // the weights: 3 x 8 x 3 x 256 x 128 x 2 bytes = 4.5 MiB
+  o.memory_limits = m;
+  auto s = ExpertShard::Load(o);
+  ASSERT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted) << s.status();
+  EXPECT_NE(s.status().message().find("this shard's packed weights (3 MoE layers x 8 experts, "
+                                      "bf16) need 4.5 MiB; the machine has 1.0 MiB"),
+            std::string_view::npos)
+      << s.status();
+  EXPECT_NE(s.status().message().find("--shard"), std::string_view::npos);
+  m.machine_bytes = 5 << 20;
+  o.memory_limits = m;
+  EXPECT_TRUE(ExpertShard::Load(o).ok());
+  // Half the experts each on two shards fit where the whole did not.
+  m.machine_bytes = 3 << 20;
+  o.memory_limits = m;
+  EXPECT_FALSE(ExpertShard::Load(o).ok());
+  o.check_memory = false;  // --no-memory-check
+  EXPECT_TRUE(ExpertShard::Load(o).ok());
+  o.check_memory = true;
+  o.num_shards = 2;
+  o.split = SplitMode::kEp;
+  EXPECT_TRUE(ExpertShard::Load(o).ok());
+}
+
 TEST(ExpertShard, QuantizedFormatsStayClose) {
   auto ref = Load(0, 1, SplitMode::kTp, "bf16");
   ASSERT_TRUE(ref);
@@ -523,7 +554,10 @@ TEST(ServiceProcess, SigtermCancelsALongLoad) {
   // minutes to load on any host.
   BackgroundStart start(proc,
                         {"--synthetic=hidden=1024,intermediate=512,experts=64,top_k=4,layers=400",
-                         "--format=int4g64", "--no-ucx", "--threads=2"},
+                         "--format=int4g64", "--no-ucx", "--threads=2",
+                         // 21 GiB in all, more than many hosts have: it never
+                         // gets past a few layers, but would be refused.
+                         "--no-memory-check"},
                         dir.file("port"));
   ASSERT_TRUE(start.listening());
   auto stub =

@@ -1,13 +1,18 @@
 #include "expert_service/thread_pool.h"
 
 #include <gtest/gtest.h>
+#include <numaif.h>
 #include <pthread.h>
 #include <sched.h>
 #include <time.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -15,6 +20,7 @@
 #include <vector>
 
 #include "tests/testing/scoped_env.h"
+#include "tests/testing/temp_dir.h"
 
 namespace hmoe {
 namespace {
@@ -217,6 +223,90 @@ TEST(NumaBufferTest, AllocatesAndFrees) {
     EXPECT_EQ(b->data(), nullptr);  // NOLINT(bugprone-use-after-move): moved-from is empty
     EXPECT_EQ(b->size(), 0u);
   }
+}
+
+// Bound memory: the kernel's policy for the pages is MPOL_BIND to the node
+// (pages never spill to another node); a node the machine lacks is refused.
+TEST(NumaBufferTest, BindsToTheNodeOrRefuses) {
+  if (!NumaAvailable())
+    GTEST_SKIP() << "libnuma reports NUMA unavailable here (buffers are unbound)";
+  auto b = NumaBuffer::Allocate(1 << 20, 0);
+  ASSERT_TRUE(b.ok()) << b.status();
+  b->data()[4096] = 1;
+  int mode = -1;
+  unsigned long mask[16] = {};
+  ASSERT_EQ(
+      get_mempolicy(&mode, mask, 16 * 8 * sizeof(unsigned long), b->data() + 4096, MPOL_F_ADDR), 0)
+      << std::strerror(errno);
+  EXPECT_EQ(mode, MPOL_BIND);
+  EXPECT_EQ(mask[0] & 1, 1u);
+  int node = -1;
+  ASSERT_EQ(get_mempolicy(&node, nullptr, 0, b->data() + 4096, MPOL_F_NODE | MPOL_F_ADDR), 0);
+  EXPECT_EQ(node, 0);
+
+  auto missing = NumaBuffer::Allocate(1 << 20, NumaNodeCount());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument) << missing.status();
+  EXPECT_NE(missing.status().message().find("does not exist"), std::string_view::npos);
+}
+
+TEST(MemoryLimitsTest, CgroupLimitIsTheSmallestOnThePath) {
+  testing::TempDir dir;
+  const std::string root = dir.path();
+  std::filesystem::create_directories(root + "/a/b/c");
+  auto write = [&](const std::string& rel, const std::string& text) {
+    std::ofstream(root + rel) << text;
+  };
+  write("/a/memory.max", "4096000\n");
+  write("/a/b/memory.max", "max\n");
+  write("/a/b/c/memory.max", "8192000\n");
+  std::string file;
+  EXPECT_EQ(CgroupMemoryMax("0::/a/b/c\n", root, &file), 4096000);
+  EXPECT_EQ(file, root + "/a/memory.max");
+  EXPECT_EQ(CgroupMemoryMax("0::/a/b/c/\n", root, nullptr), 4096000);
+  EXPECT_EQ(CgroupMemoryMax("12:memory:/a\n0::/a/b\n", root, nullptr), 4096000);
+  // Not in a v2 group, no limit on the path, a path outside the mount.
+  EXPECT_EQ(CgroupMemoryMax("4:memory:/a/b/c\n", root, nullptr), 0);
+  EXPECT_EQ(CgroupMemoryMax("0::/a/b\n", root + "/a/b", nullptr), 0);
+  EXPECT_EQ(CgroupMemoryMax("0::/x/y\n", root, nullptr), 0);
+  // cgroup v1: memory/<path>/memory.limit_in_bytes; "no limit" is a huge number.
+  std::filesystem::create_directories(root + "/memory/p/q");
+  write("/memory/p/memory.limit_in_bytes", "2048000\n");
+  write("/memory/p/q/memory.limit_in_bytes", "9223372036854771712\n");
+  EXPECT_EQ(CgroupMemoryMax("4:memory:/p/q\n3:cpuset:/\n0::/\n", root, &file), 2048000);
+  EXPECT_EQ(file, root + "/memory/p/memory.limit_in_bytes");
+  EXPECT_EQ(CgroupMemoryMax("4:cpu,memory:/p/q\n", root, nullptr), 2048000);
+  EXPECT_EQ(CgroupMemoryMax("4:memory:/p/q\n0::/a/b/c\n", root, nullptr), 2048000);
+  EXPECT_EQ(CgroupMemoryMax("4:cpu:/p/q\n", root, nullptr), 0);
+  // A container's namespace root shows its own limit at the mount's top.
+  write("/memory.max", "1000000\n");
+  file.clear();
+  EXPECT_EQ(CgroupMemoryMax("0::/\n", root, &file), 1000000);
+  EXPECT_EQ(file, root + "/memory.max");
+}
+
+TEST(MemoryLimitsTest, CheckMemoryFitsNamesTheLimit) {
+  MemoryLimits m;
+  m.node_bytes = {int64_t{8} << 30, int64_t{4} << 30};
+  m.machine_bytes = int64_t{12} << 30;
+  EXPECT_TRUE(CheckMemoryFits({{0, int64_t{8} << 30}, {1, int64_t{4} << 30}}, m, "w").ok());
+  absl::Status st = CheckMemoryFits({{0, int64_t{1} << 30}, {1, int64_t{5} << 30}}, m, "weights");
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(st.message(), "weights need 5.0 GiB on NUMA node 1, which has 4.0 GiB of memory");
+  // Unbound memory counts against the machine only.
+  st = CheckMemoryFits({{-1, int64_t{13} << 30}}, m, "weights");
+  EXPECT_EQ(st.message(), "weights need 13.0 GiB; the machine has 12.0 GiB of memory");
+  m.cgroup_bytes = int64_t{2} << 30;
+  m.cgroup_file = "/sys/fs/cgroup/x/memory.max";
+  st = CheckMemoryFits({{0, int64_t{3} << 30}}, m, "weights");
+  EXPECT_EQ(st.message(),
+            "weights need 3.0 GiB; the process's cgroup allows 2.0 GiB "
+            "(/sys/fs/cgroup/x/memory.max)");
+  // This machine: sizes read, and a need past them refused.
+  const MemoryLimits here = ReadMemoryLimits();
+  EXPECT_GT(here.machine_bytes, 0);
+  for (int64_t n : here.node_bytes) EXPECT_LE(n, here.machine_bytes);
+  EXPECT_EQ(CheckMemoryFits({{-1, here.machine_bytes + 1}}, here, "x").code(),
+            absl::StatusCode::kResourceExhausted);
 }
 
 // Virtual nodes: contiguous runs of the same cores, every core once, sizes
