@@ -196,13 +196,13 @@ std::string ReadSmallFile(const std::string& path) {
   return ss.str();
 }
 
-std::string GiB(int64_t bytes) {
+}  // namespace
+
+std::string HumanBytes(int64_t bytes) {
   const double b = static_cast<double>(bytes);
   if (bytes < (int64_t{1} << 30)) return absl::StrFormat("%.1f MiB", b / (1024.0 * 1024));
   return absl::StrFormat("%.1f GiB", b / (1024.0 * 1024 * 1024));
 }
-
-}  // namespace
 
 int64_t CgroupMemoryMax(absl::string_view proc_self_cgroup, const std::string& root,
                         std::string* file) {
@@ -272,16 +272,17 @@ absl::Status CheckMemoryFits(const std::map<int, int64_t>& need, const MemoryLim
         limits.node_bytes[static_cast<size_t>(node)] > 0 &&
         bytes > limits.node_bytes[static_cast<size_t>(node)])
       return absl::ResourceExhaustedError(
-          absl::StrCat(what, " need ", GiB(bytes), " on NUMA node ", node, ", which has ",
-                       GiB(limits.node_bytes[static_cast<size_t>(node)]), " of memory"));
+          absl::StrCat(what, " need ", HumanBytes(bytes), " on NUMA node ", node, ", which has ",
+                       HumanBytes(limits.node_bytes[static_cast<size_t>(node)]), " of memory"));
   }
   if (limits.machine_bytes > 0 && total > limits.machine_bytes)
-    return absl::ResourceExhaustedError(absl::StrCat(
-        what, " need ", GiB(total), "; the machine has ", GiB(limits.machine_bytes), " of memory"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, " need ", HumanBytes(total), "; the machine has ",
+                     HumanBytes(limits.machine_bytes), " of memory"));
   if (limits.cgroup_bytes > 0 && total > limits.cgroup_bytes)
     return absl::ResourceExhaustedError(
-        absl::StrCat(what, " need ", GiB(total), "; the process's cgroup allows ",
-                     GiB(limits.cgroup_bytes), " (", limits.cgroup_file, ")"));
+        absl::StrCat(what, " need ", HumanBytes(total), "; the process's cgroup allows ",
+                     HumanBytes(limits.cgroup_bytes), " (", limits.cgroup_file, ")"));
   return absl::OkStatus();
 }
 

@@ -85,6 +85,9 @@ MemoryLimits ReadMemoryLimits();
 int64_t CgroupMemoryMax(absl::string_view proc_self_cgroup, const std::string& root,
                         std::string* file);
 
+// "12.3 GiB", or "45.6 MiB" below 1 GiB.
+std::string HumanBytes(int64_t bytes);
+
 // OK when `need` (bytes per NUMA node; node -1: unbound) fits: each bound
 // node's bytes within that node's size, the total within the machine and
 // the cgroup limit. Otherwise RESOURCE_EXHAUSTED naming the limit, the need

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <system_error>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -53,6 +54,8 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolO
   pool->nodes_ = std::move(*nodes);
   pool->spin_us_ = opts.spin_us;
   pool->pin_caller_ = opts.pin && opts.pin_caller;
+  size_t planned = 0;
+  for (const NodeCores& n : pool->nodes_) planned += n.cpus.size();
   int g = 0;
   for (size_t n = 0; n < pool->nodes_.size(); ++n) {
     for (size_t i = 0; i < pool->nodes_[n].cpus.size(); ++i, ++g) {
@@ -63,7 +66,12 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolO
         continue;
       }
       const int cpu = pool->nodes_[n].cpus[i];
-      pool->workers_.emplace_back(&ThreadPool::Loop, pool.get(), w);
+      try {
+        pool->workers_.emplace_back(&ThreadPool::Loop, pool.get(), w);
+      } catch (const std::system_error& e) {  // EAGAIN: a pids / tasks limit
+        return absl::ResourceExhaustedError(
+            absl::StrCat("starting worker thread ", g, " of ", planned, ": ", e.what()));
+      }
       if (opts.pin) {
         // Pinned from here so a refusal is reported, not ignored (the CPU
         // set changed since discovery, or a cgroup cpuset forbids the CPU).

@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -238,6 +239,9 @@ struct MoeWorkspace::Impl {
   // reduce: a token's y rows and weights, [thread][max_top_k * nparts]
   std::vector<const float*> sum_rows;
   std::vector<float> sum_wts;
+  // memory nodes of the buffers (node_bytes)
+  int node0 = 0;
+  std::vector<int> part_node, thread_node;
   // phase counters
   std::vector<std::atomic<int64_t>> counters;
   SpinBarrier barrier;
@@ -249,6 +253,56 @@ MoePhaseProfile MoeWorkspace::TakeProfile() {
   MoePhaseProfile p = impl_->profile;
   impl_->profile = MoePhaseProfile();
   return p;
+}
+
+std::map<int, int64_t> MoeWorkspace::NodeBytes(const PackedMoeLayer& layer, int64_t max_tokens,
+                                               int max_top_k, const ThreadPool& pool) {
+  // The NumaBuffers Create allocates (page-rounded), by memory node.
+  std::map<int, int64_t> out;
+  auto add = [&](int node, int64_t bytes) {
+    if (bytes > 0) out[node] += (bytes + 4095) / 4096 * 4096;
+  };
+  if (layer.parts().empty() || max_tokens <= 0 || max_top_k <= 0) return out;
+  const int64_t slots = max_tokens * max_top_k;
+  const int64_t R = slots + 32 * std::min<int64_t>(layer.num_local_experts(), slots);
+  const int64_t kp_h = layer.parts()[0].gu.kp;
+  add(pool.mem_node(0), R * kp_h * 2);
+  if (layer.format() != WeightFormat::kBf16) add(pool.mem_node(0), max_tokens * kp_h);
+  int64_t scratch = kern::kGemmScratchBytes;
+  for (size_t p = 0; p < layer.parts().size(); ++p) {
+    const int64_t kp_i = layer.parts()[p].down.kp;
+    scratch = std::max({scratch, 16 * kp_i, kCbufFloats * 4});
+    const int node = pool.mem_node(static_cast<int>(p));
+    add(node, R * kp_i * 4);
+    add(node, R * kp_i);
+    add(node, R * layer.hidden() * 4);
+  }
+  for (int p = 0; p < pool.num_nodes(); ++p)
+    for (int i = 0; i < pool.node_threads(p); ++i) {
+      add(pool.mem_node(p), kCbufFloats * 4);
+      add(pool.mem_node(p), scratch);
+    }
+  return out;
+}
+
+std::map<int, int64_t> MoeWorkspace::node_bytes() const {
+  const Impl& w = *impl_;
+  std::map<int, int64_t> out;
+  auto add = [&](const NumaBuffer& b, int node) {
+    if (b.size() > 0) out[node] += static_cast<int64_t>(b.size());
+  };
+  add(w.xa, w.node0);
+  add(w.xt, w.node0);
+  for (size_t p = 0; p < w.parts.size(); ++p) {
+    add(w.parts[p].h, w.part_node[p]);
+    add(w.parts[p].hq, w.part_node[p]);
+    add(w.parts[p].y, w.part_node[p]);
+  }
+  for (size_t t = 0; t < w.cbuf.size(); ++t) {
+    add(w.cbuf[t], w.thread_node[t]);
+    add(w.scratch[t], w.thread_node[t]);
+  }
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedMoeLayer& layer,
@@ -295,6 +349,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.row_expert.resize(R);
   w.slot_row.resize(static_cast<size_t>(slots));
   w.row_items.reserve(R / 4 + 2 * E + 1);
+  w.node0 = pool.mem_node(0);
   ASSIGN_OR_RETURN(w.xa,
                    NumaBuffer::Allocate(R * static_cast<size_t>(w.kp_h) * 2, pool.mem_node(0)));
   w.xa_scale.resize(R);
@@ -315,6 +370,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
     w.scratch_bytes = std::max({w.scratch_bytes, 16 * b.kp_i, kCbufFloats * 4});
     b.groups = w.format == WeightFormat::kInt4 ? b.kp_i / w.group : 0;
     const int node = pool.mem_node(p);
+    w.part_node.push_back(node);
     ASSIGN_OR_RETURN(b.h, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i) * 4, node));
     ASSIGN_OR_RETURN(b.hq, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i), node));
     b.hgsum.resize(R * static_cast<size_t>(std::max<int64_t>(b.groups, 1)));
@@ -331,6 +387,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   int t = 0;
   for (int p = 0; p < pool.num_nodes(); ++p)
     for (int i = 0; i < pool.node_threads(p); ++i, ++t) {
+      w.thread_node.push_back(pool.mem_node(p));
       ASSIGN_OR_RETURN(w.cbuf[static_cast<size_t>(t)],
                        NumaBuffer::Allocate(kCbufFloats * 4, pool.mem_node(p)));
       ASSIGN_OR_RETURN(

@@ -136,7 +136,8 @@ class PackedMoeLayer {
   static absl::StatusOr<PackedMoeLayer> Plan(int64_t hidden, int64_t intermediate,
                                              int64_t num_experts, const PackOptions& opts,
                                              const ThreadPool& pool);
-  // Packed bytes per memory node (ThreadPool::mem_node) of this layout.
+  // Packed bytes per memory node (ThreadPool::mem_node) of this layout, each
+  // part rounded to whole pages as Allocate maps it.
   std::map<int, int64_t> NodeBytes(const ThreadPool& pool) const;
   // Allocates an empty layer split over the pool's nodes.
   static absl::StatusOr<PackedMoeLayer> Allocate(int64_t hidden, int64_t intermediate,
@@ -212,6 +213,11 @@ class MoeWorkspace {
                                                               int64_t max_tokens, int max_top_k,
                                                               ThreadPool& pool);
   ~MoeWorkspace();
+  // What Create allocates for these arguments, bytes per memory node
+  // (ThreadPool::mem_node), without allocating; node_bytes() is what it did.
+  static std::map<int, int64_t> NodeBytes(const PackedMoeLayer& layer, int64_t max_tokens,
+                                          int max_top_k, const ThreadPool& pool);
+  std::map<int, int64_t> node_bytes() const;
   // The profile of the calls since the last take (see MoePhaseProfile);
   // starts over. Not while a RunMoe call on this workspace runs.
   MoePhaseProfile TakeProfile();

@@ -345,7 +345,8 @@ absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Plan(int64_t hidden, int64_t inte
 std::map<int, int64_t> PackedMoeLayer::NodeBytes(const ThreadPool& pool) const {
   std::map<int, int64_t> out;
   for (size_t p = 0; p < parts_.size(); ++p)
-    out[pool.mem_node(static_cast<int>(p))] += parts_[p].expert_stride * num_local_experts();
+    out[pool.mem_node(static_cast<int>(p))] +=
+        (parts_[p].expert_stride * num_local_experts() + 4095) / 4096 * 4096;  // as allocated
   return out;
 }
 

@@ -265,20 +265,40 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   ThreadPool& pool = *shard->pool_;
   if (opts.check_memory) {
     // Refuse a shard that cannot fit before packing for minutes and being
-    // killed for memory part-way (weights only: the workspace is small).
+    // killed for memory part-way: the packed weights and the workspace on
+    // their nodes, and (from a checkpoint) each thread's f32 copy of the
+    // expert it quantizes.
     ASSIGN_OR_RETURN(PackedMoeLayer plan,
                      PackedMoeLayer::Plan(geo.hidden, geo.intermediate, geo.experts, po, pool));
     std::map<int, int64_t> need = plan.NodeBytes(pool);
-    for (auto& [node, bytes] : need) bytes *= static_cast<int64_t>(geo.moe_layers.size());
+    int64_t weights = 0, workspace = 0;
+    for (auto& [node, bytes] : need) {
+      bytes *= static_cast<int64_t>(geo.moe_layers.size());
+      weights += bytes;
+    }
+    for (const auto& [node, bytes] :
+         MoeWorkspace::NodeBytes(plan, opts.max_tokens, static_cast<int>(geo.top_k), pool)) {
+      need[node] += bytes;
+      workspace += bytes;
+    }
+    const int64_t staging =
+        packed ? 0 : int64_t{pool.num_threads()} * 3 * geo.hidden * geo.intermediate * 4;
+    if (staging > 0) need[-1] += staging;
     absl::Status fits = CheckMemoryFits(
         need, opts.memory_limits ? *opts.memory_limits : ReadMemoryLimits(),
-        absl::StrCat("this shard's packed weights (", geo.moe_layers.size(), " MoE layers x ",
-                     plan.num_local_experts(), " experts, ", ServeFormatName(format, group), ")"));
+        absl::StrCat("this shard's packed weights (", HumanBytes(weights), ": ",
+                     geo.moe_layers.size(), " MoE layers x ", plan.num_local_experts(),
+                     " experts, ", ServeFormatName(format, group), "), workspace (",
+                     HumanBytes(workspace), " for --max-tokens ", opts.max_tokens, ")",
+                     staging > 0 ? absl::StrCat(" and packing buffers (", HumanBytes(staging),
+                                                " for ", pool.num_threads(),
+                                                pool.num_threads() == 1 ? " thread)" : " threads)")
+                                 : ""));
     if (!fits.ok())
       return absl::ResourceExhaustedError(
           absl::StrCat(fits.message(),
-                       ": use more shards (--shard i/n), a smaller --format or other nodes "
-                       "(--no-memory-check loads anyway)"));
+                       ": use more shards (--shard i/n), a smaller --format or --max-tokens, or "
+                       "other nodes (--no-memory-check loads anyway)"));
   }
 
   int max_layer = 0;

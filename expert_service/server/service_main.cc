@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -117,14 +118,27 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i], v;
     const auto eq = a.find('=');
-    const bool boolean =
-        a == "--no-shm" || a == "--no-ucx" || a == "--null-compute" || a == "--no-memory-check";
+    const std::string name = a.substr(0, eq);
+    const bool boolean = name == "--no-shm" || name == "--no-ucx" || name == "--null-compute" ||
+                         name == "--no-memory-check";
     if (eq != std::string::npos) {
       v = a.substr(eq + 1);
-      a = a.substr(0, eq);
+      a = name;
     } else if (!boolean) {
       if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(a, ": needs a value"));
       v = argv[++i];
+    }
+    // An on/off flag alone is on; with a value, the value counts
+    // (--null-compute=false is off, not on).
+    bool on = true;
+    if (boolean && eq != std::string::npos) {
+      if (v == "true" || v == "1") {
+        on = true;
+      } else if (v == "false" || v == "0") {
+        on = false;
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(a, " is true or false, got \"", v, "\""));
+      }
     }
     auto int_of = [&](int64_t* out) -> absl::Status {
       if (!absl::SimpleAtoi(v, out)) {
@@ -179,13 +193,13 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
     } else if (a == "--cores")
       o.cores = v;
     else if (a == "--no-shm")
-      o.shm = false;
+      o.shm = !on;
     else if (a == "--no-ucx")
-      o.ucx = false;
+      o.ucx = !on;
     else if (a == "--null-compute")
-      o.shard.null_compute = true;
+      o.shard.null_compute = on;
     else if (a == "--no-memory-check")
-      o.shard.check_memory = false;
+      o.shard.check_memory = !on;
     else if (a == "--drain-timeout-s") {
       if (!absl::SimpleAtod(v, &o.drain_timeout_s)) {
         return absl::InvalidArgumentError(absl::StrCat("--drain-timeout-s: \"", v, "\""));
@@ -529,6 +543,21 @@ int Main(int argc, char** argv) {
     Log(std::string(st.message()));
     return 2;
   }
+  if (!o.port_file.empty()) {
+    // A file left by an earlier run must not announce this one before READY;
+    // a place that cannot be written fails now, not after a long load.
+    if (std::remove(o.port_file.c_str()) != 0 && errno != ENOENT) {
+      Log(absl::StrCat("cannot remove the old --port-file ", o.port_file, ": ",
+                       std::strerror(errno)));
+      return 2;
+    }
+    const std::string tmp = o.port_file + ".tmp";
+    if (!std::ofstream(tmp)) {
+      Log(absl::StrCat("cannot write --port-file ", o.port_file, ": ", std::strerror(errno)));
+      return 2;
+    }
+    std::remove(tmp.c_str());
+  }
 
   ControlService control(&state);
   DataService data(&state);
@@ -627,13 +656,28 @@ int Main(int argc, char** argv) {
                    " s; experts [", sh.info().expert_begin, ", ", sh.info().expert_end,
                    "), intermediate [", sh.info().i_begin, ", ", sh.info().i_end, "); isa ",
                    std::string(IsaName(sh.isa())), ", ", sh.pool().num_threads(), " threads on ",
-                   sh.pool().num_nodes(), " node(s)"));
+                   sh.pool().num_nodes(), " node(s)",
+                   NumaAvailable() ? ""
+                                   : "; libnuma unavailable here (a container refusing the NUMA "
+                                     "calls?): memory not bound, all cores one node"));
+  int exit_code = 0;
   if (!o.port_file.empty()) {
+    // A launcher waits for this file: failing to write it is failing to start.
     const std::string tmp = o.port_file + ".tmp";
     std::ofstream(tmp) << port << "\n";
-    std::rename(tmp.c_str(), o.port_file.c_str());
+    std::ifstream check(tmp);
+    int read_back = 0;
+    if (!(check >> read_back) || read_back != port ||
+        std::rename(tmp.c_str(), o.port_file.c_str()) != 0) {
+      Log(absl::StrCat("cannot write --port-file ", o.port_file, ": ", std::strerror(errno),
+                       "; stopping"));
+      std::remove(tmp.c_str());
+      exit_code = 1;
+      load_failed.store(true);  // no "signal" line: the thread is woken to stop
+      pthread_kill(signals.native_handle(), SIGTERM);
+    }
   }
-  sd_notifyf(0, "READY=1\nSTATUS=serving on port %d", port);
+  if (exit_code == 0) sd_notifyf(0, "READY=1\nSTATUS=serving on port %d", port);
 
   while (!stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   signals.join();
@@ -656,7 +700,7 @@ int Main(int argc, char** argv) {
   ucx.reset();
   if (o.shard.tuning.moe.profile) Log("RunMoe phases: " + (*shard)->TakeProfile().ToString());
   Log("stopped");
-  return 0;
+  return exit_code;
 }
 
 }  // namespace

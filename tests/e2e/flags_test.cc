@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -98,6 +99,51 @@ TEST(Flags, HelpPrintsUsage) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << cmd << ": " << said;
     EXPECT_THAT(said, HasSubstr("usage:")) << cmd;
   }
+}
+
+// The service's on/off flags take a value too: --null-compute=false is off
+// (it was on: every call answered zeros), a value that is neither is an error.
+TEST(Flags, ServiceBooleanFlagsTakeTheirValue) {
+  testing::TempDir dir;
+  const std::string service = std::string(HMOE_BINARY_DIR) + "/bin/hmoe-expert-service";
+  const std::string model = "--synthetic=hidden=64,intermediate=32,experts=4,top_k=2";
+  for (const char* flag : {"--null-compute=maybe", "--no-shm=yes", "--no-memory-check=2"}) {
+    const Outcome r = Shell(dir, absl::StrCat(service, " ", model, " ", flag));
+    EXPECT_EQ(r.exit_code, 2) << flag << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr("is true or false, got")) << flag;
+  }
+  struct Case {
+    std::vector<std::string> flags;
+    std::string says, not_says;
+  };
+  for (const Case& c :
+       {Case{{"--null-compute=false", "--no-shm=0", "--no-ucx=1"},
+             " shm=1 ucx=0 ",
+             "null_compute=1"},
+        Case{{"--null-compute", "--no-shm=true", "--no-ucx"}, "null_compute=1", " shm=1 "}}) {
+    testing::ServiceProcess proc;
+    const std::string err = dir.file(absl::StrCat("err", c.says.size()));
+    proc.set_stderr_file(err);
+    std::vector<std::string> args = {model};
+    args.insert(args.end(), c.flags.begin(), c.flags.end());
+    ASSERT_TRUE(proc.Start(args, dir.file("port"))) << c.says;
+    std::ifstream in(err);
+    const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_THAT(log, HasSubstr(c.says));
+    EXPECT_THAT(log, ::testing::Not(HasSubstr(c.not_says)));
+  }
+}
+
+// A --port-file the service cannot write stops it before it loads (it served
+// without ever writing the file its launcher waits for).
+TEST(Flags, ServicePortFileThatCannotBeWrittenStopsItAtStart) {
+  testing::TempDir dir;
+  const std::string service = std::string(HMOE_BINARY_DIR) + "/bin/hmoe-expert-service";
+  const Outcome r =
+      Shell(dir, absl::StrCat(service, " --synthetic=hidden=64,intermediate=32,experts=4,top_k=2 ",
+                              "--no-ucx --listen=127.0.0.1:0 --port-file=", dir.file("missing/p")));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("cannot write --port-file " + dir.file("missing/p")));
 }
 
 // A free TCP port on loopback (bound and released).

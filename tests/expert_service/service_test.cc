@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -237,35 +238,56 @@ TEST(ExpertShard, SyntheticShardsSumToWhole) {
   }
 }
 
-// A shard whose weights cannot fit is refused before packing, naming the
-// limit and the way out.
+// A shard that cannot fit is refused before packing, naming the limit, what
+// it needs (weights, workspace, packing buffers) and the way out.
 TEST(ExpertShard, WeightsThatCannotFitAreRefusedBeforeLoading) {
   ShardOptions o;
   o.synthetic = "hidden=256,intermediate=128,experts=8,top_k=2,layers=3,seed=1";
   o.format = ServeFormat::kBf16;
+  o.threads = 1;
   MemoryLimits m;
-  m.machine_bytes = 1 << 20;  // the weights: 3 x 8 x 3 x 256 x 128 x 2 bytes = 4.5 MiB
+  m.machine_bytes = 1 << 20;
   o.memory_limits = m;
   auto s = ExpertShard::Load(o);
   ASSERT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted) << s.status();
-  EXPECT_NE(s.status().message().find("this shard's packed weights (3 MoE layers x 8 experts, "
-                                      "bf16) need 4.5 MiB; the machine has 1.0 MiB"),
-            std::string_view::npos)
-      << s.status();
-  EXPECT_NE(s.status().message().find("--shard"), std::string_view::npos);
-  m.machine_bytes = 5 << 20;
+  const std::string msg(s.status().message());
+  // 3 layers x 8 experts x (256 + 128 rows of 256 / 128 bf16) = 4.5 MiB.
+  EXPECT_NE(msg.find("this shard's packed weights (4.5 MiB: 3 MoE layers x 8 experts, bf16), "
+                     "workspace ("),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("for --max-tokens 256) and packing buffers (0.4 MiB for 1 thread) need "),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("; the machine has 1.0 MiB of memory: use more shards (--shard i/n)"),
+            std::string::npos)
+      << msg;
+  // The need it names is the line: just above loads, just below does not.
+  double need_mib = 0;
+  const size_t at = msg.find(" need ");
+  ASSERT_NE(at, std::string::npos);
+  ASSERT_EQ(std::sscanf(msg.c_str() + at, " need %lf MiB", &need_mib), 1) << msg;
+  m.machine_bytes = static_cast<int64_t>((need_mib + 0.1) * 1024 * 1024);
   o.memory_limits = m;
   EXPECT_TRUE(ExpertShard::Load(o).ok());
-  // Half the experts each on two shards fit where the whole did not.
-  m.machine_bytes = 3 << 20;
+  m.machine_bytes = static_cast<int64_t>((need_mib - 0.1) * 1024 * 1024);
   o.memory_limits = m;
-  EXPECT_FALSE(ExpertShard::Load(o).ok());
+  EXPECT_EQ(ExpertShard::Load(o).status().code(), absl::StatusCode::kResourceExhausted);
   o.check_memory = false;  // --no-memory-check
   EXPECT_TRUE(ExpertShard::Load(o).ok());
   o.check_memory = true;
+  // Half the experts on each of two shards fit where the whole did not.
   o.num_shards = 2;
   o.split = SplitMode::kEp;
   EXPECT_TRUE(ExpertShard::Load(o).ok());
+  // A larger --max-tokens needs a larger workspace.
+  o.num_shards = 1;
+  m.machine_bytes = static_cast<int64_t>((need_mib + 0.1) * 1024 * 1024);
+  o.memory_limits = m;
+  o.max_tokens = 4096;
+  s = ExpertShard::Load(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(std::string(s.status().message()).find("for --max-tokens 4096"), std::string::npos);
 }
 
 TEST(ExpertShard, QuantizedFormatsStayClose) {

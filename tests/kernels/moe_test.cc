@@ -616,6 +616,35 @@ TEST(MoeNumaTest, WorkspaceMustFitLayerAndPool) {
   EXPECT_TRUE(RunMoe(L2, b.input(), out.data(), *pool2, *ws2).ok());
 }
 
+// What the memory check counts is what Create allocates, for every format,
+// odd sizes and both pool layouts; Plan's node bytes are Allocate's.
+TEST(MoeNumaTest, WorkspaceAndLayerBytesArePredicted) {
+  auto pool2 = TwoNodePool();
+  ASSERT_NE(pool2, nullptr);
+  for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
+                        FormatCase{WeightFormat::kInt4, 32}})
+    for (ThreadPool* pool : {&SharedPool(), pool2.get()}) {
+      PackOptions o;
+      o.format = fc.f;
+      o.group = fc.group;
+      const auto L = PackedMoeLayer::Allocate(96, 200, 5, o, *pool).value();
+      const auto plan = PackedMoeLayer::Plan(96, 200, 5, o, *pool).value();
+      std::map<int, int64_t> allocated;
+      for (size_t p = 0; p < L.parts().size(); ++p)
+        if (L.parts()[p].mem.size() > 0)
+          allocated[pool->mem_node(static_cast<int>(p))] +=
+              static_cast<int64_t>(L.parts()[p].mem.size());
+      std::map<int, int64_t> planned = plan.NodeBytes(*pool);
+      std::erase_if(planned, [](const auto& kv) { return kv.second == 0; });
+      EXPECT_EQ(planned, allocated) << WeightFormatName(fc.f) << " nodes " << pool->num_nodes();
+      for (int64_t T : {1, 7, 300}) {
+        auto ws = MoeWorkspace::Create(L, T, 3, *pool).value();
+        EXPECT_EQ(MoeWorkspace::NodeBytes(plan, T, 3, *pool), ws->node_bytes())
+            << WeightFormatName(fc.f) << " T " << T << " nodes " << pool->num_nodes();
+      }
+    }
+}
+
 TEST(MoeNumaTest, VirtualNodesMatchOneNode) {
   auto pool2 = TwoNodePool();
   ASSERT_NE(pool2, nullptr);
