@@ -138,17 +138,31 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
   req.max_tokens =
       static_cast<int32_t>(std::min<int64_t>(req.max_tokens, max_seq_len_ - prompt_len));
   RETURN_IF_ERROR(ValidateSamplingParams(req.sampling));
+  // Bounded: every stop token and string is checked after each new token.
+  if (req.stop_token_ids.size() > kMaxStopTokenIds)
+    return absl::InvalidArgumentError(absl::StrCat("stop_token_ids: ", req.stop_token_ids.size(),
+                                                   " ids; at most ", kMaxStopTokenIds));
   for (int32_t t : req.stop_token_ids)
     if (t < 0 || t >= V)
       return absl::InvalidArgumentError(
           absl::StrCat("stop_token_ids: ", t, " is outside the vocabulary [0, ", V, ")"));
+  if (req.stop_strings.size() > kMaxStopStrings)
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop: ", req.stop_strings.size(), " strings; at most ", kMaxStopStrings));
   size_t longest_stop = 0;
-  for (const std::string& s : req.stop_strings) {
-    if (s.empty()) return absl::InvalidArgumentError("stop_strings: an entry is empty");
+  for (size_t i = 0; i < req.stop_strings.size(); ++i) {
+    const std::string& s = req.stop_strings[i];
+    if (s.empty()) return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] is empty"));
+    if (s.size() > kMaxStopStringBytes)
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop[", i, "]: ", s.size(), " bytes; at most ", kMaxStopStringBytes));
+    size_t held = 0;
+    if (SanitizeUtf8(s, false, &held) != s)
+      return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] is not valid UTF-8"));
     longest_stop = std::max(longest_stop, s.size());
   }
   if (!req.stop_strings.empty() && tokenizer_ == nullptr)
-    return absl::InvalidArgumentError("stop_strings need a tokenizer; this engine has none");
+    return absl::InvalidArgumentError("stop: stop strings need a tokenizer; this engine has none");
 
   auto r = std::make_unique<Request>();
   r->req = std::move(req);

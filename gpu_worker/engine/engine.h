@@ -56,13 +56,21 @@ struct EngineOptions {
 enum class FinishReason { kNone, kLength, kStopToken, kStopString, kCancelled, kDeadline, kError };
 const char* FinishReasonName(FinishReason r);
 
+// Bounds on a request's stop conditions (each is checked after every token).
+inline constexpr size_t kMaxStopTokenIds = 1024;
+inline constexpr size_t kMaxStopStrings = 64;
+inline constexpr size_t kMaxStopStringBytes = 1024;
+
 struct GenerateRequest {
   std::vector<int32_t> prompt;  // token ids, non-empty
   SamplingParams sampling;
-  int32_t max_tokens = 16;              // >= 1
-  std::vector<int32_t> stop_token_ids;  // in addition to the model's eos (unless ignore_eos)
+  int32_t max_tokens = 16;  // >= 1
+  // In addition to the model's eos (unless ignore_eos); <= kMaxStopTokenIds.
+  std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
-  std::vector<std::string> stop_strings;  // needs a tokenizer
+  // UTF-8, non-empty, <= kMaxStopStrings of <= kMaxStopStringBytes; needs a
+  // tokenizer. Errors name them "stop" (the API's field).
+  std::vector<std::string> stop_strings;
   absl::Time deadline = absl::InfiniteFuture();
 };
 

@@ -34,6 +34,9 @@ except ImportError as e:
              "(cmake --build build --target hmoe_python_stubs, or set HMOE_PYTHON_STUBS to "
              "their directory)")
 
+# As the C++ client (sdk/client.cc): answers up to 64 MiB (a long Detokenize).
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed")
 
@@ -61,9 +64,9 @@ class Client:
         if tls or tls_ca or tls_cert or tls_key:
             creds = grpc.ssl_channel_credentials(root_certificates=tls_ca, private_key=tls_key,
                                                  certificate_chain=tls_cert)
-            self._channel = grpc.secure_channel(target, creds)
+            self._channel = grpc.secure_channel(target, creds, options=_CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.insecure_channel(target)
+            self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         self._stub = api_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -71,11 +74,14 @@ class Client:
     def _request(self, prompt, max_tokens, stop, stop_token_ids, ignore_eos, add_special_tokens, **sampling):
         req = api_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=ignore_eos,
                                       add_special_tokens=add_special_tokens)
-        if isinstance(prompt, str):
-            req.prompt = prompt
+        # Text fields are UTF-8 bytes on the wire (api.proto).
+        if isinstance(prompt, (str, bytes)):
+            req.prompt = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
         else:
             req.prompt_ids.ids.extend(prompt)
-        req.stop.extend(stop or [])
+        if isinstance(stop, (str, bytes)):
+            stop = [stop]
+        req.stop.extend(s.encode("utf-8") if isinstance(s, str) else s for s in stop or [])
         req.stop_token_ids.extend(stop_token_ids or [])
         for k, v in sampling.items():
             if k not in _SAMPLING:
@@ -105,6 +111,8 @@ class Client:
         return r
 
     def tokenize(self, text, add_special_tokens=False):
+        if isinstance(text, str):
+            text = text.encode("utf-8")
         return list(self._stub.Tokenize(api_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
                                         metadata=self._md).ids)
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
 #include "gmock/gmock.h"
@@ -474,6 +475,22 @@ TEST_F(TrainedModel, BadInputIsRefusedByFieldAndServingGoesOn) {
   expect(r, "max_tokens");
   r = IdsRequest({5, 99999}, 4);
   expect(r, "99999");
+  // Malformed UTF-8 reaches the server's checks (it was a message gRPC could
+  // not parse: INTERNAL with no message).
+  r = ok;
+  r.set_prompt("caf\xe9");
+  expect(r, "prompt");
+  r = ok;
+  r.add_stop("\xff");
+  expect(r, "stop[0] is not valid UTF-8");
+  r = ok;
+  for (int i = 0; i < 100000; ++i) r.add_stop("\x01");
+  expect(r, "stop: 100000 strings; at most 64");
+  {
+    auto ids = pair_.client().Tokenize("caf\xe9");
+    EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << ids.status();
+    EXPECT_THAT(std::string(ids.status().message()), HasSubstr("text"));
+  }
   r = ok;
   r.mutable_sampling()->set_temperature(std::nanf(""));
   expect(r, "temperature");
@@ -639,9 +656,37 @@ TEST_F(TrainedModel, PythonClientAgrees) {
                    " generate 'Love is' --add-special-tokens --max-tokens 30 > ", tmp.file("out"),
                    " 2>", tmp.file("err"));
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  std::ifstream in(tmp.file("out"));
-  std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(got, "Love is" + want->text + "\n");
+  auto read = [&](const std::string& name) {
+    std::ifstream in(tmp.file(name));
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(read("out"), "Love is" + want->text + "\n");
+
+  // With a stop string (bytes on the wire) and a regular package named
+  // `proto` ahead on the path (proto-plus has one): the stubs still load.
+  ASSERT_GT(want->text.size(), 12u);
+  const std::string stop = want->text.substr(8, 3);
+  ASSERT_EQ(stop.find('\''), std::string::npos);
+  r.add_stop(stop);
+  auto stopped = pair_.client().Generate(r);
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  std::filesystem::create_directories(tmp.file("shadow/proto"));
+  std::ofstream(tmp.file("shadow/proto/__init__.py")) << "\n";
+  const std::string py =
+      absl::StrCat("PYTHONPATH=", tmp.file("shadow"), " HMOE_PYTHON_STUBS=", HMOE_BINARY_DIR,
+                   "/python /usr/bin/python3 ", HMOE_SOURCE_DIR,
+                   "/sdk/python/hmoe_client.py --server ", pair_.worker().target());
+  const std::string cmd2 =
+      absl::StrCat(py, " generate 'Love is' --add-special-tokens --max-tokens 30 --stop '", stop,
+                   "' > ", tmp.file("out2"), " 2>", tmp.file("err2"));
+  ASSERT_EQ(std::system(cmd2.c_str()), 0) << cmd2 << ": " << read("err2");
+  EXPECT_EQ(read("out2"), "Love is" + stopped->text + "\n");
+  auto ids = pair_.client().Tokenize("Love is");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  const std::string cmd3 =
+      absl::StrCat(py, " tokenize 'Love is' > ", tmp.file("out3"), " 2>", tmp.file("err3"));
+  ASSERT_EQ(std::system(cmd3.c_str()), 0) << cmd3 << ": " << read("err3");
+  EXPECT_EQ(read("out3"), absl::StrCat("[", absl::StrJoin(*ids, ", "), "]\n"));
 }
 
 // SIGTERM: the in-flight request finishes, then the worker exits 0.

@@ -177,6 +177,23 @@ TEST_F(EngineTest, BadRequestsAreRefusedByField) {
   r = Greedy(4);
   r.stop_strings = {"x"};
   expect(r, "tokenizer");  // no tokenizer on this engine
+  // Stop conditions are bounded (each is checked after every token) and
+  // named as the API's fields.
+  r = Greedy(4);
+  r.stop_strings.assign(kMaxStopStrings + 1, "x");
+  expect(r, "stop: 65 strings; at most 64");
+  r = Greedy(4);
+  r.stop_strings = {"a", std::string(kMaxStopStringBytes + 1, 'x')};
+  expect(r, "stop[1]: 1025 bytes; at most 1024");
+  r = Greedy(4);
+  r.stop_strings = {"a", ""};
+  expect(r, "stop[1] is empty");
+  r = Greedy(4);
+  r.stop_strings = {"caf\xe9"};
+  expect(r, "stop[0] is not valid UTF-8");
+  r = Greedy(4);
+  r.stop_token_ids.assign(kMaxStopTokenIds + 1, 3);
+  expect(r, "stop_token_ids: 1025 ids; at most 1024");
   // Still serving.
   Collector c;
   ASSERT_TRUE(engine->Submit(Greedy(2), c.Callback()).ok());
