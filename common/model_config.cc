@@ -488,12 +488,41 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   return c;
 }
 
+absl::Status MergeGenerationConfig(const std::string& json_text, const std::string& source,
+                                   ModelConfig& c) {
+  json root;
+  try {
+    root = json::parse(json_text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": invalid JSON: ", e.what()));
+  }
+  if (!root.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": JSON is not an object"));
+  Reader r(root, source);
+  const std::vector<int64_t> eos = r.IntList("eos_token_id");
+  RETURN_IF_ERROR(r.status());
+  for (int64_t id : eos) {
+    if (id < 0 || id >= c.vocab_size)
+      return Invalid(source, "eos_token_id", absl::StrCat(id, " is outside the vocabulary"));
+    if (std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end())
+      c.eos_token_ids.push_back(id);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
   const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return ParseModelConfig(text, path);
+  ASSIGN_OR_RETURN(ModelConfig c, ParseModelConfig(text, path));
+  const std::string gen = (std::filesystem::path(model_dir) / "generation_config.json").string();
+  std::ifstream gin(gen, std::ios::binary);
+  if (gin) {
+    std::string gtext((std::istreambuf_iterator<char>(gin)), std::istreambuf_iterator<char>());
+    RETURN_IF_ERROR(MergeGenerationConfig(gtext, gen, c));
+  }
+  return c;
 }
 
 }  // namespace hmoe

@@ -1,5 +1,6 @@
 #include "common/model_config.h"
 
+#include <filesystem>
 #include <fstream>
 
 #include "gmock/gmock.h"
@@ -80,6 +81,33 @@ TEST(ModelConfig, TinyFixturesRopeParameters) {
   }
 }
 
+// generation_config.json's eos ids join config.json's; a bad one is refused
+// naming the file and field.
+TEST(ModelConfig, GenerationConfigEosIdsJoinTheConfigs) {
+  testing::TempDir dir;
+  std::filesystem::copy_file(Configs() + "/deepseek_v3_published/config.json",
+                             dir.file("config.json"));
+  auto with = [&](const std::string& text) {
+    std::ofstream(dir.file("generation_config.json")) << text;
+    return LoadModelConfig(dir.path());
+  };
+  auto c = with(R"({"eos_token_id": [1, 7, 1], "temperature": 0.6})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{1, 7}));
+  c = with(R"({"eos_token_id": 9})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{1, 9}));
+  c = with(R"({"do_sample": true})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{1}));
+  for (const char* bad :
+       {R"({"eos_token_id": "x"})", R"({"eos_token_id": [1, 129280]})", R"([1])", "{"}) {
+    c = with(bad);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(c.status().message()), HasSubstr("generation_config.json")) << bad;
+  }
+}
+
 TEST(ModelConfig, DeepseekV2Lite) {
   auto c = LoadModelConfig(Configs() + "/deepseek_v2_lite");
   ASSERT_TRUE(c.ok()) << c.status();
@@ -104,6 +132,9 @@ TEST(ModelConfig, Qwen3AndMixtral) {
   EXPECT_TRUE(q->moe.norm_topk_prob);
   EXPECT_EQ(q->num_moe_layers(), 48);
   EXPECT_DOUBLE_EQ(q->rope.theta, 1e6);
+  // config.json says 151645 (<|im_end|>); generation_config.json adds
+  // 151643 (<|endoftext|>), where transformers' generate also stops.
+  EXPECT_EQ(q->eos_token_ids, (std::vector<int64_t>{151645, 151643}));
   auto m = LoadModelConfig(Configs() + "/mixtral_8x7b");
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->arch, Architecture::kMixtral);
