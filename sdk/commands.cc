@@ -19,6 +19,7 @@
 #include "common/auth_token.h"
 #include "common/status.h"
 #include "sdk/client.h"
+#include "sdk/stats.h"
 
 namespace hmoe {
 namespace {
@@ -106,6 +107,20 @@ class Flags {
     return x;
   }
   const std::vector<std::string>& positional() const { return positional_; }
+  // Records an error for positional arguments past the first `allowed`
+  // (they were dropped silently: `--ignore-eos false` left ignore_eos on).
+  void NoMorePositional(size_t allowed) {
+    if (positional_.size() > allowed && error_.empty())
+      error_ = absl::StrCat("unexpected argument \"", positional_[allowed],
+                            "\" (boolean flags take --flag=false)");
+  }
+  // --timeout SEC per request: >= 0, 0 (the default) for none.
+  double TimeoutSeconds() {
+    const double t = Num("--timeout", 0);
+    if (!(t >= 0) && error_.empty())
+      error_ = absl::StrCat("--timeout must be >= 0 seconds, got \"", Str("--timeout"), "\"");
+    return t > 0 ? t : 0;
+  }
   // Names not in `known`, for an error.
   std::string Unknown(const std::vector<std::string>& known) const {
     for (const auto& [name, v] : values_)
@@ -204,7 +219,9 @@ int GenerateCommand(const std::vector<std::string>& args) {
     return 2;
   }
   std::string prompt = f.Str("-p", f.Str("--prompt"));
-  if (prompt.empty() && !f.positional().empty()) prompt = f.positional()[0];
+  const bool flag_prompt = !prompt.empty();
+  if (!flag_prompt && !f.positional().empty()) prompt = f.positional()[0];
+  f.NoMorePositional(flag_prompt ? 0 : 1);
   if (prompt.empty()) {
     std::fprintf(stderr,
                  "usage: hmoe generate -p|--prompt TEXT [--server ADDR] [sampling flags] [--ids]\n"
@@ -215,7 +232,7 @@ int GenerateCommand(const std::vector<std::string>& args) {
   api::v1::GenerateRequest req;
   req.set_prompt(prompt);
   ApplySampling(f, req, 64);
-  const double timeout = f.Num("--timeout", 0);
+  const double timeout = f.TimeoutSeconds();
   const bool ids = f.Bool("--ids", false);
   if (!f.error().empty()) {
     std::fprintf(stderr, "hmoe generate: %s\n", f.error().c_str());
@@ -260,6 +277,16 @@ int ChatCommand(const std::vector<std::string>& args) {
     std::fprintf(stderr, "hmoe chat: unknown flag %s\n", f.Unknown(known).c_str());
     return 2;
   }
+  // Every flag is checked before connecting.
+  api::v1::GenerateRequest base;
+  ApplySampling(f, base, 64);
+  if (base.stop_size() == 0) base.add_stop("\nUser:");
+  const double timeout = f.TimeoutSeconds();
+  f.NoMorePositional(0);
+  if (!f.error().empty()) {
+    std::fprintf(stderr, "hmoe chat: %s\n", f.error().c_str());
+    return 2;
+  }
   auto client = ConnectFrom(f);
   if (!client.ok()) return Fail("chat", client.status());
   auto info = (*client)->ModelInfo();
@@ -270,56 +297,66 @@ int ChatCommand(const std::vector<std::string>& args) {
                  "hmoe chat with %s (%lld-token context). /reset clears the history, /quit or "
                  "Ctrl-D ends.\n",
                  info->model_type().c_str(), static_cast<long long>(info->max_context()));
-  // Plain-text transcript: the tiny models have no chat template.
-  std::string history = f.Str("--system");
-  if (!history.empty()) history += "\n";
+  // Plain-text transcript: the tiny models have no chat template. The
+  // --system text stays first; the oldest turns go when the context is full.
+  std::string system = f.Str("--system");
+  if (!system.empty()) system += "\n";
+  std::vector<std::string> turns;  // "User: ...\nAssistant: ...\n"
+  // Room kept for the reply (the engine clamps max_tokens to the context).
+  const int64_t reply_room = std::min<int64_t>(base.max_tokens(), info->max_context() / 2);
   std::string line;
   for (;;) {
     if (tty) std::fputs("> ", stderr);
     if (!std::getline(std::cin, line)) break;
     if (line == "/quit" || line == "/exit") break;
     if (line == "/reset") {
-      history = f.Str("--system");
-      if (!history.empty()) history += "\n";
+      turns.clear();
       continue;
     }
     if (line.empty()) continue;
-    std::string prompt = history + "User: " + line + "\nAssistant:";
-    api::v1::GenerateRequest req;
-    ApplySampling(f, req, 64);
-    if (!f.error().empty()) {
-      std::fprintf(stderr, "hmoe chat: %s\n", f.error().c_str());
-      return 2;
-    }
-    if (req.stop_size() == 0) req.add_stop("\nUser:");
-    // Keep the most recent turns that fit the context (by tokens).
+    const std::string ask = "User: " + line + "\nAssistant:";
+    auto compose = [&] {
+      std::string p = system;
+      for (const std::string& t : turns) p += t;
+      return p + ask;
+    };
+    std::string prompt = compose();
+    // Keep the most recent turns that fit the context (by tokens). A line
+    // the server refuses (not UTF-8, say) is reported; the chat goes on.
+    absl::Status tokenized;
     for (;;) {
-      auto ids = (*client)->Tokenize(prompt, req.add_special_tokens());
-      if (!ids.ok()) return Fail("chat", ids.status());
-      if (static_cast<int64_t>(ids->size()) + req.max_tokens() <= info->max_context()) break;
-      const size_t cut = history.find("\nUser:", 1);
-      if (history.empty() || cut == std::string::npos) {
-        history.clear();
-        prompt = "User: " + line + "\nAssistant:";
+      auto ids = (*client)->Tokenize(prompt, base.add_special_tokens());
+      if (!ids.ok()) {
+        tokenized = ids.status();
         break;
       }
-      history = history.substr(cut + 1);
-      prompt = history + "User: " + line + "\nAssistant:";
+      if (static_cast<int64_t>(ids->size()) + reply_room <= info->max_context() || turns.empty())
+        break;
+      turns.erase(turns.begin());
+      prompt = compose();
     }
+    if (!tokenized.ok()) {
+      Fail("chat", tokenized);
+      continue;
+    }
+    api::v1::GenerateRequest req = base;
     req.set_prompt(prompt);
     std::string reply;
-    auto r = (*client)->Generate(req, [&](const api::v1::GenerateResponse& c) {
-      std::fputs(c.text().c_str(), stdout);
-      std::fflush(stdout);
-      reply += c.text();
-      return true;
-    });
+    auto r = (*client)->Generate(
+        req,
+        [&](const api::v1::GenerateResponse& c) {
+          std::fputs(c.text().c_str(), stdout);
+          std::fflush(stdout);
+          reply += c.text();
+          return true;
+        },
+        timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
     std::printf("\n");
     if (!r.ok()) {
       Fail("chat", r.status());
       continue;
     }
-    history = prompt + reply + "\n";
+    turns.push_back(ask + reply + "\n");
   }
   return 0;
 }
@@ -340,13 +377,25 @@ int BenchServeCommand(const std::vector<std::string>& args) {
   ApplySampling(f, base, 32);
   // Fixed-length outputs measure steadier: EOS is ignored unless --ignore-eos=false.
   base.set_ignore_eos(f.Bool("--ignore-eos", true));
+  const double timeout = f.TimeoutSeconds();
+  f.NoMorePositional(0);
   if (!f.error().empty() || clients < 1 || requests < 1) {
     std::fprintf(stderr, "hmoe bench-serve: %s\n",
                  f.error().empty() ? "--clients and --requests must be >= 1" : f.error().c_str());
     return 2;
   }
-  auto probe = ConnectFrom(f);
-  if (!probe.ok()) return Fail("bench-serve", probe.status());
+  // Every client connects before the clock starts (the run times requests,
+  // not handshakes); one that cannot is a failed run.
+  std::vector<std::unique_ptr<Client>> conns;
+  for (int c = 0; c < clients; ++c) {
+    auto client = ConnectFrom(f);
+    if (!client.ok()) {
+      std::fprintf(stderr, "hmoe bench-serve: client %d of %d: %s\n", c + 1, clients,
+                   client.status().ToString().c_str());
+      return 1;
+    }
+    conns.push_back(std::move(*client));
+  }
   std::atomic<int> next{0}, done{0}, failed{0}, exhausted{0};
   std::atomic<int64_t> tokens{0};
   std::mutex mu;
@@ -355,15 +404,12 @@ int BenchServeCommand(const std::vector<std::string>& args) {
   const absl::Time start = absl::Now();
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
-    threads.emplace_back([&] {
-      auto client = ConnectFrom(f);
-      if (!client.ok()) {
-        std::lock_guard<std::mutex> lock(mu);
-        first_error = client.status().ToString();
-        return;
-      }
+    threads.emplace_back([&, c] {
+      Client& client = *conns[static_cast<size_t>(c)];
       while (next.fetch_add(1) < requests) {
-        auto r = (*client)->Generate(base);
+        auto r = client.Generate(
+            base, nullptr,
+            timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
         if (r.ok()) {
           tokens += r->usage.completion_tokens();
           std::lock_guard<std::mutex> lock(mu);
@@ -402,11 +448,7 @@ int BenchServeCommand(const std::vector<std::string>& args) {
   const double secs = absl::ToDoubleSeconds(absl::Now() - start);
   done = requests;
   progress.join();
-  auto pct = [](std::vector<double> v, double p) {
-    if (v.empty()) return 0.0;
-    std::sort(v.begin(), v.end());
-    return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
-  };
+  auto pct = [](std::vector<double> v, double p) { return NearestRankPercentile(std::move(v), p); };
   std::printf("bench-serve: %d clients, %d requests, %d max tokens each, prompt \"%s\"\n", clients,
               requests, base.max_tokens(), prompt.c_str());
   std::printf("  completed %zu, refused (queue full) %d, failed %d in %.2f s\n", latency.size(),

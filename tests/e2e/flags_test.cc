@@ -76,6 +76,25 @@ TEST(Flags, HmoeBooleanFlagsTakeTheirValue) {
     EXPECT_EQ(r.exit_code, 2) << cmd << ": " << r.err;
     EXPECT_THAT(r.err, HasSubstr("is true or false, got")) << cmd;
   }
+  // Every subcommand checks its flags before it connects (chat did after
+  // connecting, asking the model and reading a line), refuses arguments it
+  // would have dropped, and a negative --timeout.
+  struct Case {
+    std::string cmd, says;
+  };
+  for (const Case& c : {
+           Case{" chat --ignore-eos=maybe", "is true or false, got"},
+           Case{" chat --temperature=abc", "--temperature must be a number"},
+           Case{" chat --timeout=-5", "--timeout must be >= 0 seconds"},
+           Case{" chat extra", "unexpected argument \"extra\""},
+           Case{" generate -p hi --ignore-eos false", "unexpected argument \"false\""},
+           Case{" generate -p hi --timeout -5", "--timeout must be >= 0 seconds"},
+           Case{" bench-serve 'my prompt'", "unexpected argument \"my prompt\""},
+       }) {
+    const Outcome r = Shell(dir, hmoe + c.cmd + " --server 127.0.0.1:1 </dev/null");
+    EXPECT_EQ(r.exit_code, 2) << c.cmd << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.says)) << c.cmd;
+  }
   // Well-formed values get past the flags (and fail on the closed port,
   // after the client's 10 s connect timeout).
   const Outcome r =
