@@ -229,6 +229,12 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   if (packed) {
     format = packed->format();
     group = packed->group();
+    if (opts.format_explicit &&
+        ServeFormatName(format, group) != ServeFormatName(opts.format, opts.group))
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--format ", ServeFormatName(opts.format, opts.group), ", but ", opts.packed_dir,
+          " holds ", ServeFormatName(format, group),
+          " (as hmoe convert wrote it): give that --format, or none, or convert again"));
   }
   const PackOptions po = ShardPackOptions(geo.intermediate, geo.experts, opts.split,
                                           opts.shard_index, opts.num_shards, format, group);
@@ -386,7 +392,8 @@ absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* comp
     counters_.failed.fetch_add(1);
     return st;
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  // compute_ns is this call's compute, not the wait for another's.
+  auto t0 = std::chrono::steady_clock::now();
   if (null_compute_) {
     std::fill(out, out + int64_t{call.tokens} * info_.hidden, 0.f);
   } else {
@@ -397,6 +404,7 @@ absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* comp
     in.ids = call.ids;
     in.weights = call.weights;
     std::lock_guard<std::mutex> lock(compute_mu_);
+    t0 = std::chrono::steady_clock::now();
     st = RunMoe(layers_[static_cast<size_t>(slot_of_layer_[static_cast<size_t>(call.layer)])], in,
                 out, *pool_, *workspace_, run_opts_);
   }

@@ -34,7 +34,11 @@ struct ShardOptions {
   int num_shards = 1;
   SplitMode split = SplitMode::kTp;
   ServeFormat format = ServeFormat::kBf16;
-  int group = 64;            // int4 group along K
+  int group = 64;  // int4 group along K
+  // With packed_dir the files' format is served; when the format was asked
+  // for explicitly (--format), files in another are refused (not silently
+  // served at 2-4x the memory).
+  bool format_explicit = false;
   int64_t max_tokens = 256;  // capacity of one request (sizes shm slots and the workspace)
   // Compute threads: 0 = one per core the process may run on (so bind the
   // process with --cores / --numa-node before Load); env HMOE_THREADS and

@@ -168,6 +168,7 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
         return absl::InvalidArgumentError(absl::StrCat("--split: \"", v, "\" is not tp or ep"));
     } else if (a == "--format") {
       ASSIGN_OR_RETURN(o.shard.format, ParseServeFormat(v, &o.shard.group));
+      o.shard.format_explicit = true;
     } else if (a == "--max-tokens") {
       RETURN_IF_ERROR(int_of(&o.shard.max_tokens));
     } else if (a == "--threads") {

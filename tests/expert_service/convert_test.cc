@@ -56,6 +56,17 @@ TEST(Convert, PackedShardsEqualQuantizeAtLoad) {
       ASSERT_TRUE(direct.ok()) << direct.status();
       ASSERT_TRUE(packed.ok()) << packed.status();
       EXPECT_EQ((*packed)->info().weight_format, c.format);
+      // --format given: the files must be in it.
+      ShardOptions asked = Opts(i, c.n, c.split, c.format, out);
+      asked.format_explicit = true;
+      EXPECT_TRUE(ExpertShard::Load(asked).ok());
+      asked = Opts(i, c.n, c.split, c.format == "int8" ? "int4g64" : "int8", out);
+      asked.format_explicit = true;
+      auto refused = ExpertShard::Load(asked);
+      EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+      EXPECT_NE(std::string(refused.status().message()).find(" holds " + c.format),
+                std::string::npos)
+          << refused.status();
       const ShardInfo& info = (*direct)->info();
       auto call = ::hmoe::testing::MakeRandomCall(info, info.moe_layers[1], 6, 4);
       std::vector<float> a(static_cast<size_t>(6 * info.hidden)), b(a.size());
