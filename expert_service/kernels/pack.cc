@@ -384,11 +384,44 @@ absl::StatusOr<QuantExpert> QuantizeExpert(const ExpertWeights& w, const MoeWeig
   return q;
 }
 
+namespace {
+
+// A quantized matrix that is `rows` x `cols` in the layer's format (and int4
+// group) with every vector of the length its readers index.
+absl::Status CheckQuantMatrix(const QuantMatrix& m, const char* name, int64_t rows, int64_t cols,
+                              const PackedMoeLayer& L) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PackExpert: ", name, ": ", what, "; the layer is ",
+                     std::string(WeightFormatName(L.format())),
+                     L.format() == WeightFormat::kInt4 ? absl::StrCat(" group ", L.group()) : "",
+                     " [", rows, " x ", cols, "]"));
+  };
+  if (m.rows != rows || m.cols != cols) return bad(absl::StrCat("[", m.rows, " x ", m.cols, "]"));
+  if (m.format != L.format()) return bad(std::string(WeightFormatName(m.format)));
+  if (L.format() == WeightFormat::kInt4 && m.group != L.group())
+    return bad(absl::StrCat("group ", m.group));
+  const size_t n = static_cast<size_t>(rows * cols);
+  size_t scales = 0;
+  if (L.format() == WeightFormat::kInt8) scales = static_cast<size_t>(rows);
+  if (L.format() == WeightFormat::kInt4)
+    scales = static_cast<size_t>(rows * ((cols + L.group() - 1) / L.group()));
+  const bool sizes_ok = L.format() == WeightFormat::kBf16
+                            ? m.bf16.size() == n
+                            : m.q.size() == n && m.scale.size() == scales;
+  if (!sizes_ok)
+    return bad(absl::StrCat(m.bf16.size(), " bf16 / ", m.q.size(), " quantized values and ",
+                            m.scale.size(), " scales"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status PackExpert(const QuantExpert& q, int64_t e, PackedMoeLayer& L) {
   const int64_t H = L.hidden(), is = L.i_end() - L.i_begin();
-  if (q.gate.rows != is || q.gate.cols != H || q.up.rows != is || q.up.cols != H ||
-      q.down.rows != H || q.down.cols != is || q.gate.format != L.format())
-    return absl::InvalidArgumentError("PackExpert: quantized expert does not match the layer");
+  RETURN_IF_ERROR(CheckQuantMatrix(q.gate, "gate", is, H, L));
+  RETURN_IF_ERROR(CheckQuantMatrix(q.up, "up", is, H, L));
+  RETURN_IF_ERROR(CheckQuantMatrix(q.down, "down", H, is, L));
   if (e < 0 || e >= L.num_local_experts()) return absl::OutOfRangeError("PackExpert: expert index");
   for (auto& part : L.mutable_parts()) {
     if (part.empty()) continue;

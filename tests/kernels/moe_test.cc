@@ -20,6 +20,7 @@
 //    only the fp32 sum of the two down partials differs. Bound: 1e-5.
 #include "expert_service/kernels/moe.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cctype>
@@ -46,6 +47,8 @@
 
 namespace hmoe {
 namespace {
+
+using ::testing::HasSubstr;
 
 using testing::Batch;
 using testing::RandomBatch;
@@ -143,6 +146,37 @@ TEST(PackTest, UnpackInvertsPackForEveryFormat) {
       }
     }
   }
+}
+
+// PackExpert takes only an expert quantized as the layer is: another int4
+// group would pair weights with the wrong scales, short vectors would be read
+// past their ends.
+TEST(PackTest, PackExpertRefusesAnExpertQuantizedOtherwise) {
+  auto src = RandomSource(192, 64, 2, 1);
+  PackOptions o64;
+  o64.format = WeightFormat::kInt4;
+  o64.group = 64;
+  PackOptions o128 = o64;
+  o128.group = 128;
+  auto L = PackedMoeLayer::Allocate(192, 64, 2, o128, SharedPool()).value();
+  auto q = QuantizeExpert(*src.expert(0), src, o64).value();
+  auto expect = [&](const QuantExpert& bad, const std::string& says) {
+    absl::Status st = PackExpert(bad, 0, L);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << says << ": " << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(says));
+  };
+  expect(q, "gate: group 64; the layer is int4 group 128");
+  auto good = QuantizeExpert(*src.expert(0), src, o128).value();
+  EXPECT_TRUE(PackExpert(good, 0, L).ok());
+  QuantExpert shorter = good;
+  shorter.down.scale.pop_back();
+  expect(shorter, "down: ");
+  shorter = good;
+  shorter.up.q.resize(10);
+  expect(shorter, "up: ");
+  QuantExpert int8 = QuantizeExpert(*src.expert(0), src, PackOptions{}).value();
+  expect(int8, "gate: bf16");
+  EXPECT_TRUE(PackExpert(good, 1, L).ok());
 }
 
 TEST(PackTest, Fp8SourceDequantizesWithBlockScales) {
