@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "common/dtype.h"
 #include "expert_service/kernels/gemm.h"
@@ -310,21 +311,32 @@ void QuantCore(Load load, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* 
   }
 }
 
+// max_ps drops NaN operands: NaNs are counted apart (the row's scale, and
+// so its output, is NaN as the scalar reference makes it).
 void QuantBf16(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale, int32_t* gsum,
                int group) {
   __m512 m = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16)
-    m = _mm512_max_ps(m, _mm512_abs_ps(LoadBf16(x + i, TailMask(n - i))));
-  const float s = _mm512_reduce_max_ps(m) / 127.0f, inv = Int8InvScale(s);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = LoadBf16(x + i, TailMask(n - i));
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  const float s = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m) / 127.0f;
+  const float inv = Int8InvScale(s);
   *scale = s;
   QuantCore([&](int64_t i, __mmask16 k) { return LoadBf16(x + i, k); }, n, kp, inv, q, gsum, group);
 }
 
 float AmaxF32(const float* x, int64_t n) {
   __m512 m = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16)
-    m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(TailMask(n - i), x + i)));
-  return _mm512_reduce_max_ps(m);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(TailMask(n - i), x + i);
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m);
 }
 
 void QuantF32(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum,

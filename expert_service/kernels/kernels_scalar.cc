@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "common/dtype.h"
 #include "expert_service/kernels/gemm.h"
@@ -113,10 +114,16 @@ void SiluMulBf16Scalar(const float* g, const float* u, int64_t n, uint16_t* out)
   for (int64_t i = 0; i < n; ++i) out[i] = F32ToBf16(Silu(g[i]) * u[i]);
 }
 
+// x * inv rounded and clamped to [-127, 127]; NaN (whose row's scale is
+// NaN: the row's output is NaN whatever q holds) as 0, not cast undefined.
+inline int8_t QuantOne(float x, float inv) {
+  const float v = std::nearbyint(x * inv);
+  return std::isnan(v) ? int8_t{0} : static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+}
+
 void QuantF32Scalar(const float* x, int64_t n, int64_t kp, float inv, int8_t* q, int32_t* gsum,
                     int group) {
-  for (int64_t i = 0; i < n; ++i)
-    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f));
+  for (int64_t i = 0; i < n; ++i) q[i] = QuantOne(x[i], inv);
   for (int64_t i = n; i < kp; ++i) q[i] = 0;
   if (gsum != nullptr)
     for (int64_t g = 0; g < kp / group; ++g) {
@@ -128,18 +135,29 @@ void QuantF32Scalar(const float* x, int64_t n, int64_t kp, float inv, int8_t* q,
 
 float AmaxF32Scalar(const float* x, int64_t n) {
   float m = 0.0f;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
-  return m;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    m = std::max(m, std::fabs(x[i]));
+    nan |= std::isnan(x[i]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
 void QuantBf16Scalar(const uint16_t* x, int64_t n, int64_t kp, int8_t* q, float* scale,
                      int32_t* gsum, int group) {
   float m = 0.0f;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(Bf16ToF32(x[i])));
-  const float s = m / 127.0f, inv = Int8InvScale(s);
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = Bf16ToF32(x[i]);
+    m = std::max(m, std::fabs(v));
+    nan |= std::isnan(v);
+  }
+  // A NaN activation makes the row's scale NaN, so its output is NaN as
+  // with bf16 weights (a max that skipped it gave a finite wrong answer).
+  const float s = nan ? std::numeric_limits<float>::quiet_NaN() : m / 127.0f;
+  const float inv = Int8InvScale(s);
   *scale = s;
-  for (int64_t i = 0; i < n; ++i)
-    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(Bf16ToF32(x[i]) * inv), -127.0f, 127.0f));
+  for (int64_t i = 0; i < n; ++i) q[i] = QuantOne(Bf16ToF32(x[i]), inv);
   for (int64_t i = n; i < kp; ++i) q[i] = 0;
   if (gsum != nullptr)
     for (int64_t g = 0; g < kp / group; ++g) {

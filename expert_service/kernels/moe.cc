@@ -791,9 +791,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
           const auto& lq = layer.parts()[static_cast<size_t>(q)];
           if (lq.empty()) continue;
           const auto& bq = w.parts[static_cast<size_t>(q)];
-          amax = std::max(
-              amax, kfew.amax_f32(reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4),
-                                  lq.i1 - lq.i0));
+          const float a = kfew.amax_f32(
+              reinterpret_cast<const float*>(bq.h.data() + r * bq.kp_i * 4), lq.i1 - lq.i0);
+          amax = std::isnan(a) || std::isnan(amax) ? a + amax : std::max(amax, a);  // NaN sticks
         }
         w.h_scale[static_cast<size_t>(r)] = amax / 127.0f;
       }

@@ -2,6 +2,7 @@
 // plainly, from the plain quantized weights (independent of the packed layout).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -14,14 +15,22 @@ namespace {
 float SiluF(float v) { return v / (1.0f + std::exp(-v)); }
 
 // int8 per-row quantization of moe.h.
+// A NaN in the row makes the scale NaN (the row's output NaN).
 float QuantRow(const float* x, int64_t n, std::vector<int8_t>& q) {
   float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float s = amax / 127.0f, inv = Int8InvScale(s);
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    nan |= std::isnan(x[i]);
+  }
+  const float s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+  const float inv = Int8InvScale(s);
   q.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::nearbyint(x[i] * inv);
     q[static_cast<size_t>(i)] =
-        static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f));
+        std::isnan(v) ? int8_t{0} : static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+  }
   return s;
 }
 

@@ -589,6 +589,45 @@ TEST(MoeEdgeTest, SubnormalActivationsQuantizeToZeros) {
   }
 }
 
+// A NaN activation makes its token's output NaN on every format, regime and
+// ISA, as bf16 weights always did; int8 activations used to drop it (a
+// finite, wrong row whose value depended on the ISA). Other tokens unharmed.
+TEST(MoeEdgeTest, NanActivationMakesOnlyItsTokenNonFinite) {
+  constexpr int64_t H = 96, T = 3;
+  auto src = RandomSource(H, 40, 3, 6);
+  for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
+                        FormatCase{WeightFormat::kInt4, 32}}) {
+    PackOptions o;
+    o.format = fc.f;
+    o.group = fc.group;
+    auto L = Pack(src, o, SharedPool()).value();
+    auto q = QuantizeAll(src, o);
+    auto b = RandomBatch(T, 2, H, 3, 9);
+    b.x[static_cast<size_t>(H + 5)] = 0x7fc0;  // token 1, column 5: NaN
+    auto rows = [&](const std::vector<float>& v, int64_t t) {
+      return std::vector<float>(v.begin() + t * H, v.begin() + (t + 1) * H);
+    };
+    for (int many : {1 << 30, 0}) {  // all "few", all "many"
+      RunOptions ro;
+      ro.many_threshold = many;
+      ro.many_threshold_int4 = many;
+      std::vector<float> ref(static_cast<size_t>(T * H));
+      ASSERT_TRUE(RunMoeReference(q, H, 0, b.input(), ref.data(), ro).ok());
+      for (float y : rows(ref, 1)) ASSERT_TRUE(std::isnan(y)) << FmtName(fc) << " reference";
+      for (IsaVariant v : AvailableVariants()) {
+        ro.isa = v.isa;
+        ro.emulate_amx = v.emulate_amx;
+        const std::string what = absl::StrCat(FmtName(fc), " ", std::string(IsaName(v.isa)),
+                                              v.emulate_amx ? "(model)" : "", " many>", many);
+        auto out = RunLayer(L, b, SharedPool(), ro);
+        for (float y : rows(out, 1)) ASSERT_TRUE(std::isnan(y)) << what << ": " << y;
+        for (int64_t t : {0, 2})
+          EXPECT_LE(RelErr(rows(out, t), rows(ref, t)), Bound(fc.f, ro)) << what << " token " << t;
+      }
+    }
+  }
+}
+
 TEST(MoeEdgeTest, WorkspaceTooSmallIsInvalidArgument) {
   auto src = RandomSource(64, 32, 2, 3);
   auto L = Pack(src, {}, SharedPool()).value();
