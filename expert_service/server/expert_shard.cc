@@ -392,10 +392,18 @@ absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* comp
     counters_.failed.fetch_add(1);
     return st;
   }
-  // compute_ns is this call's compute, not the wait for another's.
-  auto t0 = std::chrono::steady_clock::now();
+  // compute_ns is this call's compute, timed inside the compute lock: not
+  // the wait for another call's.
+  auto since = [](std::chrono::steady_clock::time_point t0) {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+            .count());
+  };
+  uint64_t ns = 0;
   if (null_compute_) {
+    const auto t0 = std::chrono::steady_clock::now();
     std::fill(out, out + int64_t{call.tokens} * info_.hidden, 0.f);
+    ns = since(t0);
   } else {
     MoeInput in;
     in.tokens = call.tokens;
@@ -404,13 +412,11 @@ absl::Status ExpertShard::Handle(const MoeCall& call, float* out, uint64_t* comp
     in.ids = call.ids;
     in.weights = call.weights;
     std::lock_guard<std::mutex> lock(compute_mu_);
-    t0 = std::chrono::steady_clock::now();
+    const auto t0 = std::chrono::steady_clock::now();
     st = RunMoe(layers_[static_cast<size_t>(slot_of_layer_[static_cast<size_t>(call.layer)])], in,
                 out, *pool_, *workspace_, run_opts_);
+    ns = since(t0);
   }
-  const uint64_t ns = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-          .count());
   if (compute_ns) *compute_ns = ns;
   counters_.compute_ns.fetch_add(ns);
   counters_.tokens.fetch_add(static_cast<uint64_t>(call.tokens));
