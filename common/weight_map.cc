@@ -1,10 +1,15 @@
 #include "common/weight_map.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "common/status.h"
 
 namespace hmoe {
 namespace {
@@ -38,6 +43,40 @@ void AddMlp(std::vector<WeightSpec>& out, const std::string& prefix, int64_t hid
 std::string ExpertWeightName(const ModelConfig& c, int layer, int expert, ExpertProj proj) {
   const char* block = c.arch == Architecture::kMixtral ? "block_sparse_moe" : "mlp";
   return absl::StrCat(L(layer), block, ".experts.", expert, ".", ProjName(c, proj), ".weight");
+}
+
+absl::StatusOr<std::string> RoutedExpertsFingerprint(const Checkpoint& ckpt, const ModelConfig& c) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  };
+  auto mix_tensor = [&](const std::string& name) -> absl::Status {
+    const TensorEntry* e = ckpt.Find(name);
+    if (e == nullptr) return absl::NotFoundError(absl::StrCat(ckpt.dir(), ": no tensor ", name));
+    absl::StatusOr<Tensor> t = ckpt.Get(name);
+    if (!t.ok()) return t.status();
+    const std::string desc =
+        absl::StrCat(name, "|", DTypeName(e->dtype), "|", absl::StrJoin(e->shape, ","), "|");
+    mix(desc.data(), desc.size());
+    const size_t n = static_cast<size_t>(t->nbytes()), k = std::min<size_t>(n, 4096);
+    const auto* bytes = static_cast<const uint8_t*>(t->raw());
+    mix(bytes, k);
+    mix(bytes + (n - k), k);
+    return absl::OkStatus();
+  };
+  const int64_t E = c.moe.num_experts;
+  for (size_t l = 0; l < c.layers.size(); ++l) {
+    if (!c.layers[l].moe) continue;
+    for (int64_t e : {int64_t{0}, E / 2, E - 1}) {
+      for (ExpertProj p : {ExpertProj::kGate, ExpertProj::kUp, ExpertProj::kDown}) {
+        const std::string w = ExpertWeightName(c, static_cast<int>(l), static_cast<int>(e), p);
+        RETURN_IF_ERROR(mix_tensor(w));
+        if (ckpt.Has(ScaleInvName(w))) RETURN_IF_ERROR(mix_tensor(ScaleInvName(w)));
+      }
+    }
+  }
+  return absl::StrFormat("%016x", h);
 }
 
 std::string ScaleInvName(const std::string& weight_name) { return weight_name + "_scale_inv"; }

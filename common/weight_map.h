@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "common/tensor.h"
@@ -44,6 +45,15 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& config);
 // Name of a routed expert's projection: e.g. "model.layers.3.mlp.experts.7.gate_proj.weight",
 // or Mixtral's "model.layers.3.block_sparse_moe.experts.7.w1.weight".
 std::string ExpertWeightName(const ModelConfig& config, int layer, int expert, ExpertProj proj);
+
+// A fingerprint of a checkpoint's routed experts ("%016x"): FNV-1a 64 over,
+// for every MoE layer and experts 0, E/2 and E-1, each projection's name,
+// dtype, shape and first and last 4 KiB of stored bytes (and its fp8
+// scale_inv's). Two checkpoints of one architecture (V3 and R1) differ in it;
+// cheap (a few pages per layer). NOT_FOUND naming a tensor the checkpoint
+// lacks. `hmoe convert` records it; services and the worker compare theirs.
+absl::StatusOr<std::string> RoutedExpertsFingerprint(const Checkpoint& ckpt,
+                                                     const ModelConfig& config);
 
 // For an fp8 weight [rows, cols] stored with block size b: its "<name>_scale_inv"
 // companion ("...weight" -> "...weight_scale_inv") of shape [ceil(rows/b), ceil(cols/b)].

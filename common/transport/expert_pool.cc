@@ -71,6 +71,13 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
         return absl::FailedPreconditionError(
             absl::StrCat("expert shards ", o.target, " and ", s.target, " serve different models"));
       }
+      if (!c.source_fingerprint.empty() && !a.source_fingerprint.empty() &&
+          c.source_fingerprint != a.source_fingerprint) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("expert shards ", o.target, " and ", s.target,
+                         " serve routed experts of different checkpoints (fingerprints ",
+                         c.source_fingerprint, " vs ", a.source_fingerprint, ")"));
+      }
       if (!c.conversion_id.empty() && !a.conversion_id.empty() &&
           c.conversion_id != a.conversion_id) {
         return absl::FailedPreconditionError(absl::StrCat(

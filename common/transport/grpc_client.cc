@@ -121,6 +121,7 @@ absl::StatusOr<ShardInfo> ControlClient::Describe(absl::Duration timeout) {
   info.max_tokens = d.max_tokens();
   info.weight_format = d.weight_format();
   info.conversion_id = d.conversion_id();
+  info.source_fingerprint = d.source_fingerprint();
   info.pid = d.pid();
   info.shm_available = d.shm_available();
   info.ucx_available = d.ucx_available();

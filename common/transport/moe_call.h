@@ -55,6 +55,9 @@ struct ShardInfo {
   // the shard quantized a checkpoint at load. Shards of one pool with
   // different non-empty ids hold different weights.
   std::string conversion_id;
+  // RoutedExpertsFingerprint of the checkpoint the weights come from; empty
+  // when unknown (synthetic weights, packed files without one).
+  std::string source_fingerprint;
   int64_t pid = 0;
   bool shm_available = false;
   bool ucx_available = false;

@@ -259,7 +259,25 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   info.max_tokens = opts.max_tokens;
   info.pid = ::getpid();
   info.weight_format = ServeFormatName(format, group);
-  if (packed) info.conversion_id = packed->conversion_id();
+  if (packed) {
+    info.conversion_id = packed->conversion_id();
+    info.source_fingerprint = packed->source_fingerprint();
+    // Packed from this --model-dir's checkpoint? (R1's config fits V3's
+    // packed files.) A model dir without the routed experts (config only,
+    // as on an expert-only host) cannot say.
+    if (!info.source_fingerprint.empty()) {
+      auto here = Checkpoint::Open(opts.model_dir);
+      absl::StatusOr<std::string> fp =
+          here.ok() ? RoutedExpertsFingerprint(**here, cfg) : here.status();
+      if (fp.ok() && *fp != info.source_fingerprint)
+        return absl::FailedPreconditionError(
+            absl::StrCat(opts.packed_dir, " was converted from another checkpoint (routed experts ",
+                         info.source_fingerprint, ") than --model-dir ", opts.model_dir, " (", *fp,
+                         "): convert this model, or point --model-dir at the one converted"));
+    }
+  } else if (ckpt) {
+    ASSIGN_OR_RETURN(info.source_fingerprint, RoutedExpertsFingerprint(*ckpt, cfg));
+  }
   info.expert_begin = po.expert_begin;
   info.expert_end = po.expert_end;
   info.i_begin = po.i_begin;

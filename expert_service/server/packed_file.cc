@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "common/dtype.h"
 #include "common/status.h"
+#include "common/weight_map.h"
 #include "nlohmann/json.hpp"
 
 namespace hmoe {
@@ -168,6 +169,7 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
   ASSIGN_OR_RETURN(ServeFormat f, ParseServeFormat(opts.format, &group));
   ASSIGN_OR_RETURN(ModelConfig cfg, LoadModelConfig(model_dir));
   ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(model_dir));
+  ASSIGN_OR_RETURN(const std::string source_fingerprint, RoutedExpertsFingerprint(*ckpt, cfg));
   const int64_t H = cfg.hidden_size, I = cfg.moe.intermediate_size, E = cfg.moe.num_experts;
   const int n = opts.shards;
   if (n < 1 || (opts.split == SplitMode::kEp ? n > E : n > I)) {
@@ -220,7 +222,8 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
                                      {"i_begin", absl::StrCat(po.i_begin)},
                                      {"i_end", absl::StrCat(po.i_end)},
                                      {"expert_begin", absl::StrCat(po.expert_begin)},
-                                     {"expert_end", absl::StrCat(po.expert_end)}};
+                                     {"expert_end", absl::StrCat(po.expert_end)},
+                                     {"source_fingerprint", source_fingerprint}};
     std::map<std::string, std::string> longest = metas[static_cast<size_t>(i)];
     nlohmann::json sums = nlohmann::json::object();
     for (const TensorSpec& t : plan) sums[t.name] = absl::StrCat(~uint64_t{0});
@@ -370,6 +373,7 @@ absl::StatusOr<std::unique_ptr<PackedExperts>> PackedExperts::Open(const std::st
     if (get(k) != want) return mismatch(k, get(k), want);
   }
   p->conversion_id_ = get("conversion_id");
+  p->source_fingerprint_ = get("source_fingerprint");
   int group = 64;
   ASSIGN_OR_RETURN(p->format_, ParseServeFormat(get("format"), &group));
   p->group_ = group;

@@ -48,6 +48,9 @@ class PackedExperts {
   // the worker can refuse shards packed from different checkpoints. Empty in
   // files written before it existed.
   const std::string& conversion_id() const { return conversion_id_; }
+  // RoutedExpertsFingerprint of the checkpoint converted; empty in files
+  // written before it was recorded.
+  const std::string& source_fingerprint() const { return source_fingerprint_; }
   // Expert `e` (global id, owned by the file) of `layer`: the shard's slice,
   // checksummed and shape-checked.
   absl::StatusOr<QuantExpert> Expert(int layer, int64_t e) const;
@@ -57,6 +60,7 @@ class PackedExperts {
   std::unique_ptr<SafetensorsFile> file_;
   std::map<std::string, std::string> sums_;
   std::string conversion_id_;
+  std::string source_fingerprint_;
   ServeFormat format_ = ServeFormat::kBf16;
   int group_ = 64;
   int64_t hidden_ = 0, i_begin_ = 0, i_end_ = 0, e_begin_ = 0, e_end_ = 0;

@@ -322,6 +322,7 @@ class ControlService final : public pb::ExpertControl::Service {
     d->set_max_tokens(i.max_tokens);
     d->set_weight_format(i.weight_format);
     d->set_conversion_id(i.conversion_id);
+    d->set_source_fingerprint(i.source_fingerprint);
     d->set_instance(s_->opts.instance);
     d->set_shm_available(s_->shm.load() != nullptr);
     d->set_ucx_available(s_->ucx.load() != nullptr);

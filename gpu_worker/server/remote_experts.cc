@@ -32,7 +32,8 @@ absl::Status PoolRoutedExperts::ExpertFailure(const absl::Status& st) const {
 }
 
 absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> PoolRoutedExperts::Create(
-    const ModelConfig& c, ExpertPool* pool, absl::Duration call_timeout) {
+    const ModelConfig& c, ExpertPool* pool, absl::Duration call_timeout,
+    const std::string& source_fingerprint) {
   const ShardInfo& m = pool->model();
   auto mismatch = [&](const char* what, int64_t ours, int64_t theirs) {
     return absl::FailedPreconditionError(
@@ -51,6 +52,13 @@ absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> PoolRoutedExperts::Create(
       return absl::FailedPreconditionError(
           absl::StrCat("expert service does not serve MoE layer ", l));
   }
+  if (!source_fingerprint.empty() && !m.source_fingerprint.empty() &&
+      source_fingerprint != m.source_fingerprint)
+    return absl::FailedPreconditionError(
+        absl::StrCat("expert service serves the routed experts of another checkpoint (fingerprint ",
+                     m.source_fingerprint, " there, ", source_fingerprint,
+                     " in this model's): both sides "
+                     "must load the same model (or hmoe convert of it)"));
   return std::unique_ptr<PoolRoutedExperts>(new PoolRoutedExperts(c, pool, call_timeout));
 }
 

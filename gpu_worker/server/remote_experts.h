@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "absl/time/time.h"
@@ -18,14 +19,16 @@ namespace hmoe {
 class PoolRoutedExperts final : public RoutedExperts {
  public:
   // Checks that the pool serves this model's experts (hidden size, expert
-  // count, top-k, MoE layers): FAILED_PRECONDITION naming the mismatch.
+  // count, top-k, MoE layers; with `source_fingerprint`, the worker's own
+  // RoutedExpertsFingerprint, the checkpoint the shards' weights come from
+  // when they know it): FAILED_PRECONDITION naming the mismatch.
   // Each call gets `call_timeout`; a shard that misses it is UNAVAILABLE (the
   // pool's fail_fast_after_miss then spares the calls queued behind it). A
   // batch of more tokens than the shards take (ShardInfo::max_tokens) is sent
   // as several calls under the one deadline.
-  static absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> Create(const ModelConfig& config,
-                                                                   ExpertPool* pool,
-                                                                   absl::Duration call_timeout);
+  static absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> Create(
+      const ModelConfig& config, ExpertPool* pool, absl::Duration call_timeout,
+      const std::string& source_fingerprint = "");
 
   absl::Status Forward(const ExpertBatch& batch, float* out) override;
   absl::StatusOr<uint64_t> Submit(const ExpertBatch& batch, float* out) override;

@@ -43,8 +43,10 @@
 
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
+#include "common/safetensors.h"
 #include "common/tokenizer.h"
 #include "common/transport/grpc_tls.h"
+#include "common/weight_map.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/server/generation_service.h"
@@ -215,8 +217,14 @@ int Run(int argc, char** argv) {
     auto p = ExpertPool::Connect(po);
     if (!p.ok()) Die("expert service: " + p.status().ToString(), 1);
     pool = std::move(*p);
-    auto r =
-        PoolRoutedExperts::Create(*config, pool.get(), absl::Milliseconds(o.expert_timeout_ms));
+    // The checkpoint's routed experts, to compare with the shards' (a model
+    // dir without them cannot say).
+    std::string fingerprint;
+    if (auto ckpt = Checkpoint::Open(o.model_dir); ckpt.ok()) {
+      if (auto fp = RoutedExpertsFingerprint(**ckpt, *config); fp.ok()) fingerprint = *fp;
+    }
+    auto r = PoolRoutedExperts::Create(*config, pool.get(), absl::Milliseconds(o.expert_timeout_ms),
+                                       fingerprint);
     if (!r.ok()) Die(r.status().ToString(), 1);
     remote = std::move(*r);
     backend = o.experts + " over " + o.transport;

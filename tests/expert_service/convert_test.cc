@@ -214,7 +214,7 @@ TEST(Convert, ShardsOfDifferentConversionsAreRefusedTogether) {
   auto mixed = ExpertPool::Connect(po);
   ASSERT_FALSE(mixed.ok());
   EXPECT_EQ(mixed.status().code(), absl::StatusCode::kFailedPrecondition) << mixed.status();
-  EXPECT_NE(mixed.status().message().find("different conversions"), std::string_view::npos)
+  EXPECT_NE(mixed.status().message().find("different checkpoints"), std::string_view::npos)
       << mixed.status();
   ASSERT_TRUE(
       s1_same.Start({"--model-dir=" + ModelDir(), "--packed-dir=" + a, "--shard=1/2", "--no-ucx"},
@@ -222,6 +222,50 @@ TEST(Convert, ShardsOfDifferentConversionsAreRefusedTogether) {
   po.targets = {s0.target(), s1_same.target()};
   auto same = ExpertPool::Connect(po);
   EXPECT_TRUE(same.ok()) << same.status();
+}
+
+// Packed files record the checkpoint they came from: a service whose
+// --model-dir holds another checkpoint of the same shape (DeepSeek-R1's
+// config fits V3's packed files) refuses them; a model dir with the config
+// only (an expert-only host) cannot tell and loads.
+TEST(Convert, PackedFilesAreCheckedAgainstTheModelDirsCheckpoint) {
+  ::hmoe::testing::TempDir dir;
+  const std::string other = dir.file("other"), config_only = dir.file("config_only");
+  std::filesystem::create_directories(other);
+  std::filesystem::create_directories(config_only);
+  ::hmoe::testing::RewriteCheckpoint(ModelDir(), other, ::hmoe::testing::Fp8ProjEdit(false, 16));
+  std::filesystem::copy_file(ModelDir() + "/config.json", config_only + "/config.json");
+  const std::string out = dir.file("out");
+  ASSERT_EQ(ConvertCommand({ModelDir(), out, "--format", "int8"}), 0);
+
+  auto config = LoadModelConfig(ModelDir());
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto ckpt = Checkpoint::Open(ModelDir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto fp = RoutedExpertsFingerprint(**ckpt, *config);
+  ASSERT_TRUE(fp.ok()) << fp.status();
+
+  auto same = ExpertShard::Load(Opts(0, 1, SplitMode::kTp, "int8", out));
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ((*same)->info().source_fingerprint, *fp);
+  ShardOptions o = Opts(0, 1, SplitMode::kTp, "int8", out);
+  o.model_dir = other;
+  auto wrong = ExpertShard::Load(o);
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition) << wrong.status();
+  EXPECT_NE(std::string(wrong.status().message()).find("was converted from another checkpoint"),
+            std::string::npos)
+      << wrong.status();
+  o.model_dir = config_only;
+  auto unknown = ExpertShard::Load(o);
+  ASSERT_TRUE(unknown.ok()) << unknown.status();
+  EXPECT_EQ((*unknown)->info().source_fingerprint, *fp);  // what the files say
+  // Quantized at load: the checkpoint's own.
+  ShardOptions at_load = Opts(0, 1, SplitMode::kTp, "int8");
+  at_load.model_dir = other;
+  auto direct = ExpertShard::Load(at_load);
+  ASSERT_TRUE(direct.ok()) << direct.status();
+  EXPECT_EQ((*direct)->info().source_fingerprint.size(), 16u);
+  EXPECT_NE((*direct)->info().source_fingerprint, *fp);
 }
 
 TEST(Convert, Fp8CheckpointPacksLikeQuantizeAtLoad) {

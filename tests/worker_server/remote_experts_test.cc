@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "common/model_config.h"
+#include "common/safetensors.h"
+#include "common/weight_map.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
@@ -34,7 +36,17 @@ TEST(PoolRoutedExperts, ARefusedCallIsInternalNotTheClientsInvalidArgument) {
   po.transport = TransportKind::kShm;
   auto pool = ExpertPool::Connect(po);
   ASSERT_TRUE(pool.ok()) << pool.status();
-  auto experts = PoolRoutedExperts::Create(*config, pool->get(), absl::Seconds(10));
+  // The worker's checkpoint must be the one the shards serve.
+  auto other =
+      PoolRoutedExperts::Create(*config, pool->get(), absl::Seconds(10), "0123456789abcdef");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition) << other.status();
+  EXPECT_THAT(std::string(other.status().message()), HasSubstr("another checkpoint"));
+  auto ckpt = Checkpoint::Open(ModelDir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto ours = RoutedExpertsFingerprint(**ckpt, *config);  // as hmoe-gpu-worker computes it
+  ASSERT_TRUE(ours.ok()) << ours.status();
+  EXPECT_EQ((*pool)->model().source_fingerprint, *ours);
+  auto experts = PoolRoutedExperts::Create(*config, pool->get(), absl::Seconds(10), *ours);
   ASSERT_TRUE(experts.ok()) << experts.status();
   int layer = 0;
   while (!config->layers[static_cast<size_t>(layer)].moe) ++layer;
