@@ -1,7 +1,12 @@
 #include "expert_service/server/convert_cli.h"
 
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "expert_service/server/packed_file.h"
@@ -62,7 +67,37 @@ int ConvertCommand(const std::vector<std::string>& args) {
     std::fprintf(stderr, "hmoe convert: layer %d written (%d of %d MoE layers) after %.1f s\n",
                  layer, done, total, s);
   };
+  // SIGINT / SIGTERM / SIGHUP stop the conversion at the next batch of
+  // experts, its .tmp files removed (hundreds of GB for a 671B model), not
+  // killed mid-write. Blocked here (threads started below inherit it) and
+  // taken by a waiting thread; the caller's mask is restored after.
+  sigset_t sigs, old_mask;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &sigs, &old_mask);
+  std::atomic<int> signalled{0};
+  std::atomic<bool> done{false};
+  std::thread waiter([&] {
+    const timespec tick{0, 100 * 1000 * 1000};
+    while (!done.load()) {
+      const int sig = sigtimedwait(&sigs, nullptr, &tick);
+      if (sig > 0) {
+        signalled.store(sig);
+        return;
+      }
+    }
+  });
+  o.cancelled = [&signalled] { return signalled.load() != 0; };
   absl::Status st = ConvertModel(pos[0], pos[1], o);
+  done.store(true);
+  waiter.join();
+  pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+  if (signalled.load() != 0) {
+    std::fprintf(stderr, "hmoe convert: signal %d: stopped, no files written\n", signalled.load());
+    return 128 + signalled.load();
+  }
   if (!st.ok()) {
     std::fprintf(stderr, "hmoe convert: %s\n", st.ToString().c_str());
     return 1;

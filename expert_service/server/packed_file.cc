@@ -1,8 +1,11 @@
 #include "expert_service/server/packed_file.h"
 
+#include <fcntl.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -87,6 +90,19 @@ std::string PackedFileName(SplitMode split, int shard, int num_shards) {
   return absl::StrCat("experts-", SplitModeName(split), "-", shard, "of", num_shards,
                       ".safetensors");
 }
+
+namespace {
+// fsync of a file or directory; INTERNAL naming it.
+absl::Status SyncPath(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
+  if (fd < 0) return absl::InternalError(absl::StrCat(path, ": open: ", std::strerror(errno)));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return absl::InternalError(absl::StrCat(path, ": fsync: ", std::strerror(err)));
+  return absl::OkStatus();
+}
+}  // namespace
 
 uint64_t Fnv1a64(const void* data, size_t n) {
   const auto* p = static_cast<const uint8_t*>(data);
@@ -249,6 +265,8 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
     const int layer = static_cast<int>(l);
     const MoeWeightsSource src = CheckpointSource(*ckpt, cfg, layer);
     for (int64_t e0 = 0; e0 < E; e0 += threads) {
+      if (opts.cancelled && opts.cancelled())
+        return absl::CancelledError(absl::StrCat("convert cancelled at MoE layer ", layer));
       const int64_t e1 = std::min<int64_t>(E, e0 + threads);
       auto quantize = [&](int64_t e) {
         Slot& slot = slots[static_cast<size_t>(e - e0)];
@@ -323,7 +341,9 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
     for (const auto& [k, v] : metas[static_cast<size_t>(i)]) out.w->SetMetadata(k, v);
     out.w->SetMetadata("checksums", out.sums.dump());
     out.w->SetMetadata("conversion_id", conversion_id);
-    if (absl::Status st = out.w->Finish(); !st.ok()) {
+    absl::Status st = out.w->Finish();
+    if (st.ok()) st = SyncPath(out.w->path(), O_RDONLY);
+    if (!st.ok()) {
       remove_tmp_from(0);
       return st;
     }
@@ -337,7 +357,7 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
       return absl::InternalError(absl::StrCat(path, ": ", why));
     }
   }
-  return absl::OkStatus();
+  return SyncPath(out_dir, O_RDONLY | O_DIRECTORY);  // the renames
 }
 
 absl::StatusOr<std::unique_ptr<PackedExperts>> PackedExperts::Open(const std::string& dir,

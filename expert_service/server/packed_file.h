@@ -74,13 +74,18 @@ struct ConvertOptions {
   // Called after each MoE layer is written (on the calling thread): its
   // decoder layer index, MoE layers done so far and in all.
   std::function<void(int layer, int done, int total)> progress;
+  // Asked between batches of experts; true stops the conversion (CANCELLED,
+  // no .tmp left): `hmoe convert` on SIGINT / SIGTERM.
+  std::function<bool()> cancelled;
 };
 // Reads MODEL_DIR (bf16/fp8), quantizes, writes one packed file per shard into
 // out_dir. Streams: each expert is written as soon as it is quantized, so
 // memory holds `threads` experts (each as f32 while it is quantized: ~16 bytes
 // per weight), not the model. The files are the same for any `threads`.
-// Files are written as <name>.tmp and renamed once every shard's file is
-// complete; on failure no .tmp is left.
+// Files are written as <name>.tmp, flushed to disk (fsync) and renamed once
+// every shard's file is complete, then the directory is synced: a crash or
+// power loss leaves the previous conversion's files or the new ones, never
+// empty files under the final names. On failure no .tmp is left.
 absl::Status ConvertModel(const std::string& model_dir, const std::string& out_dir,
                           const ConvertOptions& opts);
 

@@ -160,6 +160,19 @@ TEST(Convert, AFailureHalfwayLeavesNoFiles) {
   EXPECT_TRUE(std::filesystem::is_empty(out))
       << "left behind: " << std::filesystem::directory_iterator(out)->path();
 
+  // Cancelled (hmoe convert's SIGINT) after the first layer: CANCELLED, no
+  // .tmp (hundreds of GB for a 671B model) left behind.
+  const std::string out_c = dir.file("out_cancelled");
+  ConvertOptions oc = o;
+  bool first_layer_done = false;
+  oc.progress = [&](int, int, int) { first_layer_done = true; };
+  oc.cancelled = [&] { return first_layer_done; };
+  st = ConvertModel(ModelDir(), out_c, oc);
+  EXPECT_EQ(st.code(), absl::StatusCode::kCancelled) << st;
+  EXPECT_TRUE(first_layer_done);
+  EXPECT_TRUE(std::filesystem::is_empty(out_c))
+      << "left behind: " << std::filesystem::directory_iterator(out_c)->path();
+
   // A failure at the very end (here: shard 1's final name is taken by a
   // directory, so its rename fails): an error naming it, no .tmp left.
   const std::string out2 = dir.file("out2");
