@@ -100,17 +100,30 @@ int Main(int argc, char** argv) {
     return 1;
   }
   const ShardInfo& info = (*pool)->model();
-  std::unique_ptr<ExpertShard> local;
+  // The reference: the same shards computed here, in the served format and
+  // split (quantization scales depend on both), summed.
+  std::vector<std::unique_ptr<ExpertShard>> local;
   if (!verify_dir.empty()) {
     ShardOptions so;
     so.model_dir = verify_dir;
     so.max_tokens = info.max_tokens;
-    auto s = ExpertShard::Load(so);
-    if (!s.ok()) {
-      std::fprintf(stderr, "hmoe-expert-bench: %s\n", s.status().ToString().c_str());
+    so.split = info.split;
+    so.num_shards = (*pool)->num_shards();
+    auto format = ParseServeFormat(info.weight_format, &so.group);
+    if (!format.ok()) {
+      std::fprintf(stderr, "hmoe-expert-bench: %s\n", format.status().ToString().c_str());
       return 1;
     }
-    local = std::move(*s);
+    so.format = *format;
+    for (int i = 0; i < so.num_shards; ++i) {
+      so.shard_index = i;
+      auto s = ExpertShard::Load(so);
+      if (!s.ok()) {
+        std::fprintf(stderr, "hmoe-expert-bench: %s\n", s.status().ToString().c_str());
+        return 1;
+      }
+      local.push_back(std::move(*s));
+    }
   }
   std::vector<std::shared_ptr<ControlClient>> controls;
   for (const std::string& t : po.targets) {
@@ -210,10 +223,13 @@ int Main(int argc, char** argv) {
     for (double u : us) mean += u;
     mean /= static_cast<double>(us.size());
     double max_rel = -1;
-    if (local) {
-      std::vector<float> want(out.size());
-      absl::Status st = local->Handle(call, want.data(), nullptr);
-      if (!st.ok()) return 1;
+    if (!local.empty()) {
+      std::vector<float> want(out.size(), 0.0f), part(out.size());
+      for (const auto& shard : local) {
+        absl::Status st = shard->Handle(call, part.data(), nullptr);
+        if (!st.ok()) return 1;
+        for (size_t i = 0; i < want.size(); ++i) want[i] += part[i];
+      }
       max_rel = 0;
       for (size_t i = 0; i < out.size(); ++i) {
         max_rel = std::max(max_rel, std::abs(static_cast<double>(out[i]) - want[i]) /

@@ -384,6 +384,24 @@ TEST(ServiceProcess, ExpertBenchZeroCopyVerifiesEveryTokenCount) {
   EXPECT_NE(output.find("\"tokens\": 9"), std::string::npos) << output;
 }
 
+// --verify-model-dir computes the reference in the served format and split
+// (it compared an int8 or int4 service, or TP shards, with one bf16 shard,
+// and always failed).
+TEST(ServiceProcess, ExpertBenchVerifiesQuantizedAndSplitShards) {
+  ::hmoe::testing::TempDir dir;
+  ::hmoe::testing::ServiceProcess s0, s1;
+  ASSERT_TRUE(s0.Start({"--model-dir=" + ModelDir(), "--no-ucx", "--format=int8", "--shard=0/2"},
+                       dir.file("p0")));
+  ASSERT_TRUE(s1.Start({"--model-dir=" + ModelDir(), "--no-ucx", "--format=int8", "--shard=1/2"},
+                       dir.file("p1")));
+  const std::string cmd = absl::StrCat(::hmoe::testing::BenchBinary(), " --targets=", s0.target(),
+                                       ",", s1.target(), " --transport=shm --tokens=1,5 --iters=2",
+                                       " --warmup=1 --verify-model-dir=", ModelDir(), " 2>&1");
+  const auto [st, output] = ::hmoe::testing::RunCommand(cmd);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << output;
+  EXPECT_NE(output.find("\"shards\": 2"), std::string::npos) << output;
+}
+
 TEST(ServiceProcess, SigtermFinishesInFlightThenExitsZero) {
   ::hmoe::testing::TempDir dir;
   ::hmoe::testing::ServiceProcess proc;
