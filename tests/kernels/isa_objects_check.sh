@@ -8,7 +8,7 @@
 set -euo pipefail
 lib=${1:?usage: $0 libhmoe_kernels.a}
 readelf -sW "$lib" | awk '
-  /^File: / { member = $2; seen[member ~ /kernels_(avx2|avx512|amx)\.cc\.o\)$/] = 1; next }
+  /^File: / { member = substr($0, 7); seen[member ~ /kernels_(avx2|avx512|amx)\.cc\.o\)$/] = 1; next }
   member ~ /kernels_(avx2|avx512|amx)\.cc\.o\)$/ && $4 == "FUNC" &&
       ($5 == "WEAK" || $5 == "UNIQUE") { print member ": shared function " $8; bad = 1 }
   END {
