@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "expert_service/server/packed_file.h"
 
@@ -73,9 +74,12 @@ int ConvertCommand(const std::vector<std::string>& args) {
   // taken by a waiting thread; the caller's mask is restored after.
   sigset_t sigs, old_mask;
   sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  sigaddset(&sigs, SIGHUP);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    // One the caller ignores (nohup, a script's background job) stays ignored.
+    struct sigaction now {};
+    if (sigaction(sig, nullptr, &now) == 0 && now.sa_handler == SIG_IGN) continue;
+    sigaddset(&sigs, sig);
+  }
   pthread_sigmask(SIG_BLOCK, &sigs, &old_mask);
   std::atomic<int> signalled{0};
   std::atomic<bool> done{false};
@@ -94,7 +98,7 @@ int ConvertCommand(const std::vector<std::string>& args) {
   done.store(true);
   waiter.join();
   pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
-  if (signalled.load() != 0) {
+  if (signalled.load() != 0 && absl::IsCancelled(st)) {
     std::fprintf(stderr, "hmoe convert: signal %d: stopped, no files written\n", signalled.load());
     return 128 + signalled.load();
   }
