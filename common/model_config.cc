@@ -210,8 +210,8 @@ absl::Status Invalid(const std::string& source, const std::string& field, const 
 
 }  // namespace
 
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
-                                             const std::string& source) {
+// The text as a JSON object; INVALID_ARGUMENT naming `source` otherwise.
+absl::StatusOr<json> ParseJsonObject(const std::string& json_text, const std::string& source) {
   json root;
   try {
     root = json::parse(json_text);
@@ -220,6 +220,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   }
   if (!root.is_object())
     return absl::InvalidArgumentError(absl::StrCat(source, ": JSON is not an object"));
+  return root;
+}
+
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
+                                             const std::string& source) {
+  ASSIGN_OR_RETURN(const json root, ParseJsonObject(json_text, source));
   Reader r(root, source);
   ModelConfig c;
   c.model_type = r.StringOr("model_type", "");
@@ -490,14 +496,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 
 absl::Status MergeGenerationConfig(const std::string& json_text, const std::string& source,
                                    ModelConfig& c) {
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": invalid JSON: ", e.what()));
-  }
-  if (!root.is_object())
-    return absl::InvalidArgumentError(absl::StrCat(source, ": JSON is not an object"));
+  ASSIGN_OR_RETURN(const json root, ParseJsonObject(json_text, source));
   Reader r(root, source);
   const std::vector<int64_t> eos = r.IntList("eos_token_id");
   RETURN_IF_ERROR(r.status());
