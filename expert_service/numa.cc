@@ -16,6 +16,7 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -73,7 +74,60 @@ int NodeOfCpu(int cpu) {
   return n < 0 ? 0 : n;
 }
 
+// cpu_node -> its memory node, for this process (read once per topology).
+std::function<int(int)> MemoryNodeMap() {
+  const std::vector<int> mem = BindableMemoryNodes();
+  return [mem](int cpu_node) {
+    return MemoryNodeFor(cpu_node, mem, [](int a, int b) { return numa_distance(a, b); });
+  };
+}
+
 }  // namespace
+
+int MemoryNodeFor(int cpu_node, const std::vector<int>& mem_nodes,
+                  const std::function<int(int, int)>& distance) {
+  if (mem_nodes.empty() ||
+      std::find(mem_nodes.begin(), mem_nodes.end(), cpu_node) != mem_nodes.end())
+    return cpu_node;
+  int best = -1, best_d = std::numeric_limits<int>::max();
+  for (int n : mem_nodes) {
+    // numa_distance gives 0 when it cannot tell: rank that last.
+    int d = distance(cpu_node, n);
+    if (d <= 0) d = std::numeric_limits<int>::max() - 1;
+    if (d < best_d || (d == best_d && n < best)) {
+      best = n;
+      best_d = d;
+    }
+  }
+  return best;
+}
+
+std::vector<int> BindableMemoryNodes() {
+  std::vector<int> out;
+  if (!NumaOk()) return out;
+  bitmask* allowed = numa_get_mems_allowed();
+  for (int n = 0; n <= numa_max_node(); ++n) {
+    if (allowed != nullptr && numa_bitmask_isbitset(allowed, static_cast<unsigned>(n)) == 0)
+      continue;
+    long long free_bytes = 0;
+    if (numa_node_size64(n, &free_bytes) > 0) out.push_back(n);
+  }
+  if (allowed != nullptr) numa_bitmask_free(allowed);
+  return out;
+}
+
+std::string DescribeMemoryRemap(const std::vector<NodeCores>& nodes) {
+  std::string out;
+  std::vector<int> told;
+  for (const NodeCores& n : nodes) {
+    if (n.mem_node == n.cpu_node || std::find(told.begin(), told.end(), n.cpu_node) != told.end())
+      continue;
+    told.push_back(n.cpu_node);
+    absl::StrAppend(&out, "; memory of node ", n.mem_node, " for the cores of node ", n.cpu_node,
+                    " (", n.cpu_node, " has none this process may bind)");
+  }
+  return out;
+}
 
 bool NumaAvailable() { return NumaOk(); }
 
@@ -86,6 +140,7 @@ absl::StatusOr<std::vector<NodeCores>> DiscoverTopology(const TopologyOptions& o
   if (opts.max_threads > 0 && static_cast<size_t>(opts.max_threads) < cpus.size())
     cpus.resize(static_cast<size_t>(opts.max_threads));
   std::vector<NodeCores> nodes;
+  const std::function<int(int)> mem_node_of = MemoryNodeMap();
   if (opts.virtual_nodes > 0) {
     const int v = opts.virtual_nodes;
     if (static_cast<size_t>(v) > cpus.size())
@@ -98,7 +153,8 @@ absl::StatusOr<std::vector<NodeCores>> DiscoverTopology(const TopologyOptions& o
       const size_t e = n * static_cast<size_t>(i + 1) / static_cast<size_t>(v);
       nodes[static_cast<size_t>(i)].cpus.assign(cpus.begin() + static_cast<long>(b),
                                                 cpus.begin() + static_cast<long>(e));
-      nodes[static_cast<size_t>(i)].mem_node = NodeOfCpu(cpus[b]);
+      nodes[static_cast<size_t>(i)].cpu_node = NodeOfCpu(cpus[b]);
+      nodes[static_cast<size_t>(i)].mem_node = mem_node_of(NodeOfCpu(cpus[b]));
     }
     return nodes;
   }
@@ -109,7 +165,7 @@ absl::StatusOr<std::vector<NodeCores>> DiscoverTopology(const TopologyOptions& o
     size_t idx = static_cast<size_t>(it - node_ids.begin());
     if (it == node_ids.end()) {
       node_ids.push_back(n);
-      nodes.push_back(NodeCores{{}, n});
+      nodes.push_back(NodeCores{{}, mem_node_of(n), n});
     }
     nodes[idx].cpus.push_back(c);
   }
@@ -260,7 +316,33 @@ MemoryLimits ReadMemoryLimits() {
   }
   m.cgroup_bytes =
       CgroupMemoryMax(ReadSmallFile("/proc/self/cgroup"), "/sys/fs/cgroup", &m.cgroup_file);
+  m.available_bytes = ParseMemAvailable(ReadSmallFile("/proc/meminfo"));
   return m;
+}
+
+int64_t ParseMemAvailable(absl::string_view meminfo) {
+  for (absl::string_view line : absl::StrSplit(meminfo, '\n')) {
+    if (!absl::ConsumePrefix(&line, "MemAvailable:")) continue;
+    line = absl::StripAsciiWhitespace(line);
+    if (!absl::ConsumeSuffix(&line, "kB")) return 0;
+    int64_t kib = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &kib) || kib < 0 ||
+        kib > std::numeric_limits<int64_t>::max() / 1024)
+      return 0;
+    return kib * 1024;
+  }
+  return 0;
+}
+
+std::string MemoryAvailableWarning(const std::map<int, int64_t>& need, const MemoryLimits& limits,
+                                   absl::string_view what) {
+  int64_t total = 0;
+  for (const auto& [node, bytes] : need) total += bytes;
+  if (limits.available_bytes <= 0 || total <= limits.available_bytes) return "";
+  return absl::StrCat("warning: ", what, " need ", HumanBytes(total), "; only ",
+                      HumanBytes(limits.available_bytes),
+                      " of memory is available now (MemAvailable: other processes hold the "
+                      "rest): the load may be killed for memory part-way");
 }
 
 absl::Status CheckMemoryFits(const std::map<int, int64_t>& need, const MemoryLimits& limits,

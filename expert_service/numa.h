@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -20,15 +21,37 @@ struct TopologyOptions {
 };
 
 // One entry per (possibly virtual) node: the logical CPUs its workers pin to
-// (one per physical core) and the real NUMA node whose memory it uses.
+// (one per physical core), the real NUMA node they sit on, and the real node
+// whose memory it uses: cpu_node itself, or the nearest node this process
+// may bind memory to when cpu_node has no memory or is outside its
+// cpuset.mems (MemoryNodeFor).
 struct NodeCores {
   std::vector<int> cpus;
   int mem_node = 0;
+  int cpu_node = 0;
 };
 
 // Cores come from hwloc (first allowed PU of each core), falling back to the
 // process affinity mask. Virtual nodes take contiguous runs of cores.
 absl::StatusOr<std::vector<NodeCores>> DiscoverTopology(const TopologyOptions& opts);
+
+// The memory node for CPUs on `cpu_node`, given the nodes memory may be bound
+// to here (`mem_nodes`: allowed by cpuset.mems and holding memory) and the
+// SLIT distance between two nodes: cpu_node when listed, else the listed
+// node nearest to it (ties: the lowest id). cpu_node when the list is empty
+// (nothing better to offer; NumaBuffer then reports the kernel's refusal).
+int MemoryNodeFor(int cpu_node, const std::vector<int>& mem_nodes,
+                  const std::function<int(int, int)>& distance);
+
+// The nodes this process may bind memory to: in its cpuset.mems and with
+// memory (a CPU-only node, e.g. some VMs' and CXL layouts, has none). Empty
+// without libnuma.
+std::vector<int> BindableMemoryNodes();
+
+// "" when every node uses its own CPUs' memory; else, for the ready line,
+// "; memory of node M for the cores of node C (C has none this process may
+// bind)", one clause per real CPU node remapped.
+std::string DescribeMemoryRemap(const std::vector<NodeCores>& nodes);
 
 // Number of real NUMA nodes (1 when libnuma is unavailable).
 int NumaNodeCount();
@@ -74,6 +97,9 @@ struct MemoryLimits {
   int64_t machine_bytes = 0;
   int64_t cgroup_bytes = 0;  // 0: no limit
   std::string cgroup_file;   // the file that set cgroup_bytes
+  // MemAvailable of /proc/meminfo when read: what can be filled now without
+  // swapping or killing (other processes hold the rest); 0: unknown.
+  int64_t available_bytes = 0;
 };
 MemoryLimits ReadMemoryLimits();
 
@@ -85,6 +111,9 @@ MemoryLimits ReadMemoryLimits();
 int64_t CgroupMemoryMax(absl::string_view proc_self_cgroup, const std::string& root,
                         std::string* file);
 
+// MemAvailable of /proc/meminfo text, in bytes; 0 when absent or malformed.
+int64_t ParseMemAvailable(absl::string_view meminfo);
+
 // "12.3 GiB", or "45.6 MiB" below 1 GiB.
 std::string HumanBytes(int64_t bytes);
 
@@ -95,5 +124,12 @@ std::string HumanBytes(int64_t bytes);
 // 1 GiB).
 absl::Status CheckMemoryFits(const std::map<int, int64_t>& need, const MemoryLimits& limits,
                              absl::string_view what);
+
+// For a need that CheckMemoryFits accepts: "" when its total also fits in
+// what is available now (limits.available_bytes, or unknown), else a
+// warning that names both (the load may be killed for memory part-way,
+// since other processes hold the rest).
+std::string MemoryAvailableWarning(const std::map<int, int64_t>& need, const MemoryLimits& limits,
+                                   absl::string_view what);
 
 }  // namespace hmoe

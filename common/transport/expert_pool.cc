@@ -33,7 +33,6 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
   if (opts.targets.empty()) return absl::InvalidArgumentError("targets: no shards given");
   auto pool = std::unique_ptr<ExpertPool>(new ExpertPool());
   pool->fail_fast_after_miss_ = opts.fail_fast_after_miss;
-  pool->authenticated_ = opts.auth_tokens != nullptr && opts.auth_tokens->enabled();
   pool->max_in_flight_ =
       opts.transport == TransportKind::kShm ? static_cast<int>(opts.shm_slots) : 0;
   std::vector<Shard> shards(opts.targets.size());
@@ -95,7 +94,9 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
     switch (opts.transport) {
       case TransportKind::kGrpc:
         s.client = std::make_unique<GrpcStreamClient>(
-            MakeExpertChannel(s.target, opts.auth_tokens, opts.credentials), s.info.hidden);
+            MakeExpertChannel(s.target, opts.auth_tokens, opts.credentials), s.info.hidden,
+            GrpcStreamClient::kDefaultMaxQueuedBytes,
+            GrpcStreamClient::ReconnectCheck{s.control, s.info});
         break;
       case TransportKind::kShm: {
         ShmClientOptions so;
@@ -121,6 +122,10 @@ ExpertPool::~ExpertPool() = default;
 
 absl::Status ExpertPool::FailingFast(const Shard& sh) const {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!sh.changed.empty())
+    return absl::FailedPreconditionError(absl::StrCat(
+        "restarted serving something else than when the worker connected: ", sh.changed,
+        "; restart it as it was (or restart the worker against it)"));
   if (absl::Now() >= sh.fail_fast_until) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat("missed a call deadline less than ",
                                              absl::FormatDuration(fail_fast_after_miss_),
@@ -221,7 +226,7 @@ absl::Status ExpertPool::Wait(uint64_t handle, absl::Time deadline) {
       if (st.ok())
         sh.up = true;
       else if (absl::IsUnavailable(st) || absl::IsUnauthenticated(st) ||
-               absl::IsPermissionDenied(st))
+               absl::IsPermissionDenied(st) || absl::IsFailedPrecondition(st))
         sh.up = false;
       // Only a shard that was sent the call in time and missed it fails fast.
       if (absl::IsDeadlineExceeded(st) && !sub.late && fail_fast_after_miss_ > absl::ZeroDuration())
@@ -292,15 +297,32 @@ std::vector<Health> ExpertPool::CheckHealth(absl::Duration timeout) {
   std::vector<Health> r;
   for (Shard& s : shards_) {
     Health h = s.control->Check("", timeout);
-    // grpc.health.v1 is open to all; with a token, also ask something that
-    // needs it, so a shard that no longer takes ours is not SERVING to us
-    // (only a refusal counts: a slow answer is not a verdict).
-    if (h == Health::kServing && authenticated_) {
-      const absl::Status st = s.control->Stats(timeout).status();
+    if (h == Health::kServing) {
+      // grpc.health.v1 is open to all; Describe needs our token (a shard
+      // that no longer takes it is not SERVING to us) and says what the
+      // shard serves now. Only an answer or a refusal counts: a slow one
+      // leaves the last verdict.
+      absl::StatusOr<ShardInfo> now = s.control->Describe(timeout);
+      const absl::Status& st = now.status();
       if (absl::IsUnauthenticated(st) || absl::IsPermissionDenied(st)) h = Health::kNotServing;
+      if (now.ok()) {
+        std::string diff = ServedDifference(s.info, *now);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!diff.empty()) {
+          h = Health::kNotServing;
+          s.up = false;
+        }
+        s.changed = std::move(diff);
+      }
     }
     r.push_back(h);
   }
+  return r;
+}
+
+std::vector<ShardInfo> ExpertPool::shard_infos() const {
+  std::vector<ShardInfo> r;
+  for (const Shard& s : shards_) r.push_back(s.info);
   return r;
 }
 

@@ -69,16 +69,27 @@ class ExpertPool {
   absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out, absl::Time deadline);
   // OK, or the first shard's failure (annotated with the shard):
   // UNAVAILABLE when a shard is gone (or failing fast after a miss),
-  // DEADLINE_EXCEEDED when one is late.
+  // DEADLINE_EXCEEDED when one is late, FAILED_PRECONDITION when one was
+  // restarted serving something else (CheckHealth, or the transport's own
+  // check when it reconnects).
   absl::Status Wait(uint64_t handle, absl::Time deadline);
   absl::Status Run(const MoeCall& call, float* out, absl::Time deadline);
 
-  // Last known state per shard: false after an UNAVAILABLE (or a refused
-  // token), true after success.
+  // Last known state per shard: false after an UNAVAILABLE, a refused
+  // token or a shard found serving something else; true after success.
   std::vector<bool> ShardsUp() const;
-  // grpc.health.v1 of every shard, asked now; with an auth token also an
-  // authenticated call (a shard refusing our token is kNotServing).
+  // grpc.health.v1 of every shard, asked now; a SERVING shard is also asked
+  // to describe itself (a token-checked call: a shard refusing our token is
+  // kNotServing). One that now serves something else than at Connect
+  // (restarted with another model, format, part or checkpoint:
+  // ServedDifference) is kNotServing, and calls to it fail
+  // FAILED_PRECONDITION naming the difference until a later check finds it
+  // serving the original again. (Every transport also checks when it
+  // reconnects, before its first call there: the window until this check
+  // runs is not served.)
   std::vector<Health> CheckHealth(absl::Duration timeout = absl::Seconds(1));
+  // What each shard described at Connect, by shard index.
+  std::vector<ShardInfo> shard_infos() const;
 
  private:
   struct Shard {
@@ -88,6 +99,9 @@ class ExpertPool {
     std::unique_ptr<MoeClient> client;
     bool up = true;                                     // guarded by mu_
     absl::Time fail_fast_until = absl::InfinitePast();  // guarded by mu_
+    // ServedDifference from `info` seen by the last CheckHealth (a shard
+    // restarted with other weights); calls to it are refused while set.
+    std::string changed;  // guarded by mu_
   };
   struct Sub {
     int shard = 0;
@@ -109,7 +123,9 @@ class ExpertPool {
   };
 
   ExpertPool() = default;
-  // UNAVAILABLE while `sh` fails fast after a missed deadline, else OK.
+  // UNAVAILABLE while `sh` fails fast after a missed deadline;
+  // FAILED_PRECONDITION while it serves something else (Shard::changed);
+  // else OK.
   absl::Status FailingFast(const Shard& sh) const;
   // Scratch buffers are recycled so that a call neither allocates nor
   // page-faults its partial outputs (a T=128, H=7168 partial is 3.7 MB).
@@ -118,7 +134,6 @@ class ExpertPool {
 
   ShardInfo model_;
   absl::Duration fail_fast_after_miss_;
-  bool authenticated_ = false;
   int max_in_flight_ = 0;
   std::vector<Shard> shards_;  // by shard index
   mutable std::mutex mu_;

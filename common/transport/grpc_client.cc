@@ -98,12 +98,30 @@ ControlClient::ControlClient(std::shared_ptr<grpc::Channel> channel) : stubs_(ne
 }
 ControlClient::~ControlClient() = default;
 
-absl::StatusOr<ShardInfo> ControlClient::Describe(absl::Duration timeout) {
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, timeout);
-  pb::ShardDescription d;
-  grpc::Status st = stubs_->control->Describe(&ctx, pb::DescribeRequest(), &d);
-  if (!st.ok()) return FromGrpcStatus(st);
+void ToShardDescription(const ShardInfo& i, expert::v1::ShardDescription* d) {
+  d->set_model_type(i.model_type);
+  d->set_hidden(i.hidden);
+  d->set_intermediate(i.intermediate);
+  d->set_num_experts(i.num_experts);
+  d->set_top_k(i.top_k);
+  for (int32_t l : i.moe_layers) d->add_moe_layers(l);
+  d->set_shard_index(i.shard_index);
+  d->set_num_shards(i.num_shards);
+  d->set_split(i.split == SplitMode::kEp ? pb::SPLIT_EP : pb::SPLIT_TP);
+  d->set_expert_begin(i.expert_begin);
+  d->set_expert_end(i.expert_end);
+  d->set_i_begin(i.i_begin);
+  d->set_i_end(i.i_end);
+  d->set_max_tokens(i.max_tokens);
+  d->set_weight_format(i.weight_format);
+  d->set_conversion_id(i.conversion_id);
+  d->set_source_fingerprint(i.source_fingerprint);
+  d->set_pid(i.pid);
+  d->set_shm_available(i.shm_available);
+  d->set_ucx_available(i.ucx_available);
+}
+
+ShardInfo FromShardDescription(const expert::v1::ShardDescription& d) {
   ShardInfo info;
   info.model_type = d.model_type();
   info.hidden = d.hidden();
@@ -126,6 +144,15 @@ absl::StatusOr<ShardInfo> ControlClient::Describe(absl::Duration timeout) {
   info.shm_available = d.shm_available();
   info.ucx_available = d.ucx_available();
   return info;
+}
+
+absl::StatusOr<ShardInfo> ControlClient::Describe(absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, timeout);
+  pb::ShardDescription d;
+  grpc::Status st = stubs_->control->Describe(&ctx, pb::DescribeRequest(), &d);
+  if (!st.ok()) return FromGrpcStatus(st);
+  return FromShardDescription(d);
 }
 
 absl::StatusOr<ShardStats> ControlClient::Stats(absl::Duration timeout) {
@@ -194,7 +221,8 @@ struct GrpcStreamClient::Stream {
   grpc::ClientContext ctx;
   std::unique_ptr<grpc::ClientReaderWriter<pb::MoeRequest, pb::MoeResponse>> rw;
   std::thread reader, writer;
-  bool ended = false;  // mu_: the reader has seen the stream finish
+  bool ended = false;   // mu_: the reader has seen the stream finish
+  bool verify = false;  // the writer runs the reconnect check first
 };
 
 struct GrpcStreamClient::Outgoing {
@@ -204,8 +232,11 @@ struct GrpcStreamClient::Outgoing {
 };
 
 GrpcStreamClient::GrpcStreamClient(std::shared_ptr<grpc::Channel> channel, int64_t hidden,
-                                   uint64_t max_queued_bytes)
-    : channel_(std::move(channel)), hidden_(hidden), max_queued_bytes_(max_queued_bytes) {}
+                                   uint64_t max_queued_bytes, std::optional<ReconnectCheck> check)
+    : channel_(std::move(channel)),
+      hidden_(hidden),
+      max_queued_bytes_(max_queued_bytes),
+      check_(std::move(check)) {}
 
 GrpcStreamClient::~GrpcStreamClient() {
   std::unique_ptr<Stream> s;
@@ -243,6 +274,8 @@ absl::Status GrpcStreamClient::EnsureStream(std::unique_lock<std::mutex>& lock) 
     s->rw = stub->Moe(&s->ctx);
     if (!s->rw) return absl::UnavailableError("expert service: cannot open the MoE stream");
     Stream* raw = s.get();
+    raw->verify = opened_ && check_.has_value() && check_->control != nullptr;
+    opened_ = true;
     stream_ = std::move(s);
     broken_ = false;
     raw->reader = std::thread(&GrpcStreamClient::ReadLoop, this, raw);
@@ -295,8 +328,43 @@ absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* ou
   return id;
 }
 
+bool GrpcStreamClient::CheckReopenedStream(Stream* s, std::unique_lock<std::mutex>& lock) {
+  lock.unlock();
+  absl::StatusOr<ShardInfo> now = check_->control->Describe(absl::Seconds(2));
+  lock.lock();
+  absl::Status bad;
+  if (!now.ok()) {
+    const absl::StatusCode code = now.status().code();
+    bad = absl::Status(IsServiceRefusal(code) ? code : absl::StatusCode::kUnavailable,
+                       absl::StrCat("expert service (grpc): describe before reopening the MoE "
+                                    "stream: ",
+                                    now.status().message()));
+  } else if (std::string diff = ServedDifference(check_->info, *now); !diff.empty()) {
+    bad = absl::FailedPreconditionError(
+        absl::StrCat("expert service (grpc): restarted serving something else than when the worker "
+                     "connected: ",
+                     diff));
+  }
+  if (bad.ok() || stopping_) return bad.ok();
+  // Nothing was written on this stream: fail what waits for it, and let
+  // the next Submit open (and check) another.
+  broken_ = true;
+  for (auto& [id, p] : pending_) {
+    if (!p.done) {
+      p.done = true;
+      p.status = bad;
+    }
+  }
+  outbox_.clear();
+  queued_bytes_ = 0;
+  cv_.notify_all();
+  s->ctx.TryCancel();  // ends the reader's Read
+  return false;
+}
+
 void GrpcStreamClient::WriteLoop(Stream* s) {
   std::unique_lock<std::mutex> lock(mu_);
+  if (s->verify && !CheckReopenedStream(s, lock)) return;
   while (true) {
     writer_cv_.wait(lock, [&] { return stopping_ || s->ended || !outbox_.empty(); });
     if (stopping_ || s->ended) return;

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -21,8 +22,16 @@ class ChannelCredentials;
 }  // namespace grpc
 
 namespace hmoe {
+namespace expert::v1 {
+class ShardDescription;
+}  // namespace expert::v1
 
 class AuthTokens;
+
+// ShardInfo <-> the control plane's Describe answer (every field; the
+// service adds `instance`).
+void ToShardDescription(const ShardInfo& info, expert::v1::ShardDescription* d);
+ShardInfo FromShardDescription(const expert::v1::ShardDescription& d);
 
 // A channel with our settings: unlimited message size, fast reconnect; every
 // call carries the first of `auth_tokens` in force when it starts
@@ -87,11 +96,21 @@ class ControlClient {
 // `max_queued_bytes` (one call of any size is always taken into an empty
 // queue), Submit waits for room until its deadline. Requests abandoned
 // before the writer reaches them (Wait's deadline passed) are never sent.
+// With `check` set, every stream after the first is opened only once the
+// service still describes itself as `check.info` (ServedDifference): a
+// service restarted with other weights fails the stream's calls
+// FAILED_PRECONDITION naming the difference; one that cannot describe
+// itself fails them UNAVAILABLE (its refusals keep their code).
 class GrpcStreamClient : public MoeClient {
  public:
   static constexpr uint64_t kDefaultMaxQueuedBytes = uint64_t{64} << 20;
+  struct ReconnectCheck {
+    std::shared_ptr<ControlClient> control;
+    ShardInfo info;
+  };
   GrpcStreamClient(std::shared_ptr<grpc::Channel> channel, int64_t hidden,
-                   uint64_t max_queued_bytes = kDefaultMaxQueuedBytes);
+                   uint64_t max_queued_bytes = kDefaultMaxQueuedBytes,
+                   std::optional<ReconnectCheck> check = std::nullopt);
   ~GrpcStreamClient() override;
   absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out, absl::Time deadline) override;
   absl::Status Wait(uint64_t handle, absl::Time deadline) override;
@@ -108,11 +127,16 @@ class GrpcStreamClient : public MoeClient {
   };
   void ReadLoop(Stream* s);
   void WriteLoop(Stream* s);
+  // The reconnect check, on `s`'s writer before its first write (mu_ held
+  // by `lock` on entry and exit); false when it failed the stream.
+  bool CheckReopenedStream(Stream* s, std::unique_lock<std::mutex>& lock);
   absl::Status EnsureStream(std::unique_lock<std::mutex>& lock);  // mu_ held
 
   std::shared_ptr<grpc::Channel> channel_;
   int64_t hidden_;
   uint64_t max_queued_bytes_;
+  std::optional<ReconnectCheck> check_;
+  bool opened_ = false;  // mu_: a stream was opened before (the next one is checked)
   std::mutex mu_;
   std::condition_variable cv_;         // answers arrived; room in the outbox
   std::condition_variable writer_cv_;  // work for the writer

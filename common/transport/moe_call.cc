@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status.h"
 
 namespace hmoe {
@@ -24,6 +25,49 @@ MoeCall MoeCall::Make(int32_t layer, int32_t tokens, int32_t top_k, int64_t hidd
   c.ids_bytes = t * k * 4;
   c.weights_bytes = t * k * 4;
   return c;
+}
+
+std::string ServedDifference(const ShardInfo& was, const ShardInfo& now) {
+  auto num = [](const char* what, int64_t n, int64_t w) {
+    return absl::StrCat(what, " ", n, " (was ", w, ")");
+  };
+  if (now.shard_index != was.shard_index || now.num_shards != was.num_shards)
+    return absl::StrCat("shard ", now.shard_index, "/", now.num_shards, " (was ", was.shard_index,
+                        "/", was.num_shards, ")");
+  if (now.model_type != was.model_type)
+    return absl::StrCat("model type ", now.model_type, " (was ", was.model_type, ")");
+  if (now.hidden != was.hidden) return num("hidden size", now.hidden, was.hidden);
+  if (now.intermediate != was.intermediate)
+    return num("expert intermediate size", now.intermediate, was.intermediate);
+  if (now.num_experts != was.num_experts)
+    return num("routed experts", now.num_experts, was.num_experts);
+  if (now.top_k != was.top_k) return num("top-k", now.top_k, was.top_k);
+  if (now.moe_layers != was.moe_layers)
+    return absl::StrCat("MoE layers ", absl::StrJoin(now.moe_layers, ","), " (was ",
+                        absl::StrJoin(was.moe_layers, ","), ")");
+  if (now.split != was.split)
+    return absl::StrCat("split ", SplitModeName(now.split), " (was ", SplitModeName(was.split),
+                        ")");
+  if (now.expert_begin != was.expert_begin || now.expert_end != was.expert_end ||
+      now.i_begin != was.i_begin || now.i_end != was.i_end)
+    return absl::StrCat("experts [", now.expert_begin, ", ", now.expert_end, "), intermediate [",
+                        now.i_begin, ", ", now.i_end, ") (was [", was.expert_begin, ", ",
+                        was.expert_end, "), [", was.i_begin, ", ", was.i_end, "))");
+  if (now.weight_format != was.weight_format)
+    return absl::StrCat("weight format ", now.weight_format, " (was ", was.weight_format, ")");
+  if (now.max_tokens < was.max_tokens)
+    return num("max tokens per call", now.max_tokens, was.max_tokens);
+  // An empty fingerprint or conversion id is unknown (packed files from
+  // before they were recorded), as ExpertPool::Connect takes it.
+  if (!now.source_fingerprint.empty() && !was.source_fingerprint.empty() &&
+      now.source_fingerprint != was.source_fingerprint)
+    return absl::StrCat("routed experts of another checkpoint (fingerprint ",
+                        now.source_fingerprint, ", was ", was.source_fingerprint, ")");
+  if (!now.conversion_id.empty() && !was.conversion_id.empty() &&
+      now.conversion_id != was.conversion_id)
+    return absl::StrCat("packed files of another conversion (", now.conversion_id, ", was ",
+                        was.conversion_id, ")");
+  return "";
 }
 
 absl::Status CheckMoeCallBytes(const MoeCall& call, uint64_t limit, const char* transport) {

@@ -63,6 +63,14 @@ struct ShardInfo {
   bool ucx_available = false;
 };
 
+// "" when a shard now describing itself as `now` serves what it served as
+// `was` (same model, part and weights; pid, max_tokens growth and the data
+// planes may change; an empty fingerprint or conversion id on either side
+// is unknown, not a difference); else the first difference, e.g. "weight format int8
+// (was bf16)" or "routed experts of another checkpoint (fingerprint X, was
+// Y)". For a shard that restarted while a worker was connected.
+std::string ServedDifference(const ShardInfo& was, const ShardInfo& now);
+
 // Server side. Handle() validates `call` against info() (INVALID_ARGUMENT
 // naming the field: layer, tokens, top_k, hidden, expert_ids,
 // expert_weights), then writes the f32 partial sum [tokens][hidden] to `out`.

@@ -469,6 +469,7 @@ absl::StatusOr<std::unique_ptr<ShmClient>> ShmClient::Create(std::shared_ptr<Con
   c->geo_.hidden = info.hidden;
   c->geo_.max_tokens = opts.max_tokens > 0 ? opts.max_tokens : info.max_tokens;
   c->geo_.max_top_k = info.top_k;
+  c->info_ = info;
   auto seg = c->Connect(absl::InfiniteFuture());
   if (!seg.ok()) return seg.status();
   c->seg_ = std::move(*seg);
@@ -512,6 +513,13 @@ absl::StatusOr<std::shared_ptr<ShmClient::Segment>> ShmClient::Connect(absl::Tim
   auto info = control_->Describe(ControlBudget(deadline, kControlTimeout, &capped));
   if (!info.ok()) {
     return SetupFailure(ControlFailure(info.status(), capped, "shm: describe"));
+  }
+  // A service restarted with other weights (model, format, part,
+  // checkpoint) must not answer this worker's calls.
+  if (std::string diff = ServedDifference(info_, *info); !diff.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "expert service (shm): restarted serving something else than when the worker connected: ",
+        diff));
   }
   seg->server_pid = static_cast<int32_t>(info->pid);
   seg->server_pidfd = PidfdOpen(seg->server_pid);

@@ -205,6 +205,7 @@ class ShmClient : public MoeClient {
   std::shared_ptr<ControlClient> control_;
   ShmClientOptions opts_;
   ShmGeometry geo_;
+  ShardInfo info_;  // what the service served at Create; each reconnect checks it still does
   mutable std::mutex mu_;
   std::condition_variable connect_cv_;
   bool connecting_ = false;  // a thread is in Connect (mu_)

@@ -731,6 +731,7 @@ constexpr std::chrono::seconds kSuspectRetry{1};
 
 struct UcxClient::Impl {
   std::shared_ptr<ControlClient> control;
+  ShardInfo info;  // what the service served at Create; each reconnect checks it still does
   int64_t hidden = 0;
   uint64_t client_id = 0;
   std::unique_ptr<Worker> worker;
@@ -829,11 +830,25 @@ struct UcxClient::Impl {
       return absl::DeadlineExceededError(
           "ucx connect: another handshake still running at the call's deadline");
     }
+    bool reconnect;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (generation != seen && connected) return absl::OkStatus();
+      reconnect = generation > 0;
     }
     bool capped = false;
+    if (reconnect) {
+      // A reconnect: the service may have restarted with other weights
+      // (model, format, part, checkpoint); it must not answer our calls.
+      auto now = control->Describe(ControlBudget(deadline, timeout, &capped));
+      if (!now.ok()) return SetupFailure(ControlFailure(now.status(), capped, "ucx: describe"));
+      if (std::string diff = ServedDifference(info, *now); !diff.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "expert service (ucx): restarted serving something else than when the worker "
+            "connected: ",
+            diff));
+      }
+    }
     auto server_addr = control->UcxConnect(worker->address(), client_id,
                                            ControlBudget(deadline, timeout, &capped));
     if (!server_addr.ok()) {
@@ -869,6 +884,7 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<Con
   c->impl_ = std::make_unique<Impl>();
   Impl* impl = c->impl_.get();
   impl->control = std::move(control);
+  impl->info = info;
   impl->hidden = info.hidden;
   std::random_device rd;
   impl->client_id = (uint64_t{rd()} << 32) | rd();

@@ -308,16 +308,20 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
     const int64_t staging =
         packed ? 0 : int64_t{pool.num_threads()} * 3 * geo.hidden * geo.intermediate * 4;
     if (staging > 0) need[-1] += staging;
-    absl::Status fits = CheckMemoryFits(
-        need, opts.memory_limits ? *opts.memory_limits : ReadMemoryLimits(),
-        absl::StrCat("this shard's packed weights (", HumanBytes(weights), ": ",
-                     geo.moe_layers.size(), " MoE layers x ", plan.num_local_experts(),
-                     " experts, ", ServeFormatName(format, group), "), workspace (",
-                     HumanBytes(workspace), " for --max-tokens ", opts.max_tokens, ")",
-                     staging > 0 ? absl::StrCat(" and packing buffers (", HumanBytes(staging),
-                                                " for ", pool.num_threads(),
-                                                pool.num_threads() == 1 ? " thread)" : " threads)")
-                                 : ""));
+    const MemoryLimits limits = opts.memory_limits ? *opts.memory_limits : ReadMemoryLimits();
+    const std::string what = absl::StrCat(
+        "this shard's packed weights (", HumanBytes(weights), ": ", geo.moe_layers.size(),
+        " MoE layers x ", plan.num_local_experts(), " experts, ", ServeFormatName(format, group),
+        "), workspace (", HumanBytes(workspace), " for --max-tokens ", opts.max_tokens, ")",
+        staging > 0
+            ? absl::StrCat(" and packing buffers (", HumanBytes(staging), " for ",
+                           pool.num_threads(), pool.num_threads() == 1 ? " thread)" : " threads)")
+            : "");
+    absl::Status fits = CheckMemoryFits(need, limits, what);
+    if (fits.ok() && opts.log) {
+      if (std::string warning = MemoryAvailableWarning(need, limits, what); !warning.empty())
+        opts.log(warning);
+    }
     if (!fits.ok())
       return absl::ResourceExhaustedError(
           absl::StrCat(fits.message(),

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -58,6 +59,9 @@ struct ShardOptions {
   // against `memory_limits`, or this machine's (ReadMemoryLimits) when unset.
   bool check_memory = true;
   std::optional<MemoryLimits> memory_limits;
+  // Load-time warnings (e.g. MemoryAvailableWarning), one line each; unset:
+  // not reported. hmoe-expert-service passes its log.
+  std::function<void(const std::string&)> log;
 
   absl::Status Validate() const;
   std::string ToString() const;

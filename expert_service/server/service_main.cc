@@ -305,28 +305,12 @@ class ControlService final : public pb::ExpertControl::Service {
     if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
     ExpertShard* shard = s_->shard.load();
     if (!shard) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "weights still loading");
-    const ShardInfo& i = shard->info();
-    d->set_model_type(i.model_type);
-    d->set_hidden(i.hidden);
-    d->set_intermediate(i.intermediate);
-    d->set_num_experts(i.num_experts);
-    d->set_top_k(i.top_k);
-    for (int32_t l : i.moe_layers) d->add_moe_layers(l);
-    d->set_shard_index(i.shard_index);
-    d->set_num_shards(i.num_shards);
-    d->set_split(i.split == SplitMode::kEp ? pb::SPLIT_EP : pb::SPLIT_TP);
-    d->set_expert_begin(i.expert_begin);
-    d->set_expert_end(i.expert_end);
-    d->set_i_begin(i.i_begin);
-    d->set_i_end(i.i_end);
-    d->set_max_tokens(i.max_tokens);
-    d->set_weight_format(i.weight_format);
-    d->set_conversion_id(i.conversion_id);
-    d->set_source_fingerprint(i.source_fingerprint);
+    ShardInfo i = shard->info();
+    i.shm_available = s_->shm.load() != nullptr;
+    i.ucx_available = s_->ucx.load() != nullptr;
+    i.pid = ::getpid();
+    ToShardDescription(i, d);
     d->set_instance(s_->opts.instance);
-    d->set_shm_available(s_->shm.load() != nullptr);
-    d->set_ucx_available(s_->ucx.load() != nullptr);
-    d->set_pid(::getpid());
     return grpc::Status::OK;
   }
 
@@ -535,6 +519,7 @@ int Main(int argc, char** argv) {
   }
   State state;
   state.opts = *parsed;
+  state.opts.shard.log = [](const std::string& line) { Log(line); };
   const ServiceOptions& o = state.opts;
   Log("options: " + o.ToString());
   if (!o.auth_tokens->enabled() && !IsLoopbackListenAddress(o.listen)) {
@@ -612,11 +597,12 @@ int Main(int argc, char** argv) {
     signals.join();
     return 0;
   }
-  if (!shard.ok()) {
-    state.load_error = std::string(shard.status().message());
+  // The start failed before anything was served: FAILED, never SERVING.
+  auto fail_start = [&](const char* what, const std::string& why) {
+    state.load_error = why;
     state.load_state = pb::LoadStatus::FAILED;
-    Log("load failed: " + state.load_error);
-    sd_notifyf(0, "STATUS=load failed: %s", state.load_error.c_str());
+    Log(absl::StrCat(what, " failed: ", state.load_error));
+    sd_notifyf(0, "STATUS=%s failed: %s", what, state.load_error.c_str());
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     // Joined, not detached: it references this frame. SIGTERM is blocked
     // here, so sent to that thread it is what its sigwait returns.
@@ -624,7 +610,8 @@ int Main(int argc, char** argv) {
     pthread_kill(signals.native_handle(), SIGTERM);
     signals.join();
     return 1;
-  }
+  };
+  if (!shard.ok()) return fail_start("load", std::string(shard.status().message()));
   std::unique_ptr<ShmServer> shm;
   std::unique_ptr<UcxServer> ucx;
   if (o.shm) {
@@ -649,6 +636,24 @@ int Main(int argc, char** argv) {
                      " the gRPC data plane is sized for: its largest calls will be refused "
                      "(RESOURCE_EXHAUSTED); shm and UCX are not limited"));
   }
+  // A launcher waits for the port file: it is written (to .tmp, read back)
+  // before the service turns SERVING, so a place that cannot take it fails
+  // the start without the service ever having looked up, and renamed into
+  // place after, so whoever sees it finds the service SERVING.
+  const std::string port_tmp = o.port_file.empty() ? "" : o.port_file + ".tmp";
+  if (!port_tmp.empty()) {
+    errno = 0;
+    std::ofstream(port_tmp) << port << "\n";
+    const int write_errno = errno;
+    std::ifstream check(port_tmp);
+    int read_back = 0;
+    if (!(check >> read_back) || read_back != port) {
+      std::remove(port_tmp.c_str());
+      return fail_start("start",
+                        absl::StrCat("cannot write --port-file ", o.port_file, ": ",
+                                     std::strerror(write_errno != 0 ? write_errno : errno)));
+    }
+  }
   state.shard.store(shard->get());
   state.load_state = pb::LoadStatus::READY;
   health->SetServingStatus(true);
@@ -658,26 +663,19 @@ int Main(int argc, char** argv) {
                    " s; experts [", sh.info().expert_begin, ", ", sh.info().expert_end,
                    "), intermediate [", sh.info().i_begin, ", ", sh.info().i_end, "); isa ",
                    std::string(IsaName(sh.isa())), ", ", sh.pool().num_threads(), " threads on ",
-                   sh.pool().num_nodes(), " node(s)",
+                   sh.pool().num_nodes(), " node(s)", DescribeMemoryRemap(sh.pool().nodes()),
                    NumaAvailable() ? ""
                                    : "; libnuma unavailable here (a container refusing the NUMA "
                                      "calls?): memory not bound, all cores one node"));
   int exit_code = 0;
-  if (!o.port_file.empty()) {
-    // A launcher waits for this file: failing to write it is failing to start.
-    const std::string tmp = o.port_file + ".tmp";
-    std::ofstream(tmp) << port << "\n";
-    std::ifstream check(tmp);
-    int read_back = 0;
-    if (!(check >> read_back) || read_back != port ||
-        std::rename(tmp.c_str(), o.port_file.c_str()) != 0) {
-      Log(absl::StrCat("cannot write --port-file ", o.port_file, ": ", std::strerror(errno),
-                       "; stopping"));
-      std::remove(tmp.c_str());
-      exit_code = 1;
-      load_failed.store(true);  // no "signal" line: the thread is woken to stop
-      pthread_kill(signals.native_handle(), SIGTERM);
-    }
+  if (!port_tmp.empty() && std::rename(port_tmp.c_str(), o.port_file.c_str()) != 0) {
+    // Rare (the .tmp beside it was written): drain what may have started.
+    Log(absl::StrCat("cannot rename ", port_tmp, " to --port-file ", o.port_file, ": ",
+                     std::strerror(errno), "; stopping"));
+    std::remove(port_tmp.c_str());
+    exit_code = 1;
+    load_failed.store(true);  // no "signal" line: the thread is woken to stop
+    pthread_kill(signals.native_handle(), SIGTERM);
   }
   if (exit_code == 0) sd_notifyf(0, "READY=1\nSTATUS=serving on port %d", port);
 

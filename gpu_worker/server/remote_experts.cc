@@ -11,11 +11,11 @@ namespace hmoe {
 // Whatever went wrong between the worker and the expert service is
 // UNAVAILABLE to the client, as api.proto says, except a call the worker
 // itself got wrong (the pool's or the service's INVALID_ARGUMENT: NaN router
-// weights, a shard restarted with a smaller --max-tokens), which is INTERNAL:
-// no client's input is to blame (the engine still re-runs the pass request by
-// request, so a NaN from one request fails that request only). The message
-// keeps the transport's words. The expert call's deadline is the worker's
-// own --expert-timeout-ms: a miss is not the client's DEADLINE_EXCEEDED.
+// weights), which is INTERNAL: no client's input is to blame (the engine still re-runs the pass
+// request by request, so a NaN from one request fails that request only). The message keeps the
+// transport's words. A shard restarted serving something else (another format, part, checkpoint or
+// a smaller --max-tokens: the pool's FAILED_PRECONDITION) is UNAVAILABLE too. The expert call's
+// deadline is the worker's own --expert-timeout-ms: a miss is not the client's DEADLINE_EXCEEDED.
 absl::Status PoolRoutedExperts::ExpertFailure(const absl::Status& st) const {
   if (absl::IsInvalidArgument(st)) {
     return absl::InternalError(
@@ -52,13 +52,18 @@ absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> PoolRoutedExperts::Create(
       return absl::FailedPreconditionError(
           absl::StrCat("expert service does not serve MoE layer ", l));
   }
-  if (!source_fingerprint.empty() && !m.source_fingerprint.empty() &&
-      source_fingerprint != m.source_fingerprint)
-    return absl::FailedPreconditionError(
-        absl::StrCat("expert service serves the routed experts of another checkpoint (fingerprint ",
-                     m.source_fingerprint, " there, ", source_fingerprint,
-                     " in this model's): both sides "
-                     "must load the same model (or hmoe convert of it)"));
+  // Every shard that knows its source (one without a fingerprint, e.g.
+  // packed files from before fingerprints, cannot be checked).
+  for (const ShardInfo& s : pool->shard_infos()) {
+    if (source_fingerprint.empty() || s.source_fingerprint.empty() ||
+        source_fingerprint == s.source_fingerprint)
+      continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "expert shard ", s.shard_index, "/", s.num_shards,
+        " serves the routed experts of another checkpoint (fingerprint ", s.source_fingerprint,
+        " there, ", source_fingerprint,
+        " in this model's): both sides must load the same model (or hmoe convert of it)"));
+  }
   return std::unique_ptr<PoolRoutedExperts>(new PoolRoutedExperts(c, pool, call_timeout));
 }
 

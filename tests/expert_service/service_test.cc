@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -269,7 +270,20 @@ TEST(ExpertShard, WeightsThatCannotFitAreRefusedBeforeLoading) {
   ASSERT_EQ(std::sscanf(msg.c_str() + at, " need %lf MiB", &need_mib), 1) << msg;
   m.machine_bytes = static_cast<int64_t>((need_mib + 0.1) * 1024 * 1024);
   o.memory_limits = m;
+  std::vector<std::string> logged;
+  o.log = [&logged](const std::string& line) { logged.push_back(line); };
   EXPECT_TRUE(ExpertShard::Load(o).ok());
+  EXPECT_TRUE(logged.empty()) << logged[0];
+  // Fits the machine but not what is available now: loads, with a warning.
+  m.available_bytes = 1 << 20;
+  o.memory_limits = m;
+  EXPECT_TRUE(ExpertShard::Load(o).ok());
+  ASSERT_EQ(logged.size(), 1u);
+  EXPECT_NE(logged[0].find("warning: this shard's packed weights (4.5 MiB"), std::string::npos)
+      << logged[0];
+  EXPECT_NE(logged[0].find("; only 1.0 MiB of memory is available now"), std::string::npos)
+      << logged[0];
+  m.available_bytes = 0;
   m.machine_bytes = static_cast<int64_t>((need_mib - 0.1) * 1024 * 1024);
   o.memory_limits = m;
   EXPECT_EQ(ExpertShard::Load(o).status().code(), absl::StatusCode::kResourceExhausted);
@@ -606,6 +620,40 @@ TEST(ServiceProcess, SigtermWhileLoadingExitsWithoutServing) {
   EXPECT_TRUE(model.Release()) << "the service never opened config.json";
   EXPECT_FALSE(start.Join()) << "it wrote its port file (announced READY) after SIGTERM";
   EXPECT_FALSE(std::filesystem::exists(dir.file("port")));
+}
+
+// A port file that cannot be written once the load is done fails the start
+// before the service turns SERVING: exit 1, no port file, health never
+// SERVING (a launcher or a health checker never sees it up).
+TEST(ServiceProcess, UnwritablePortFileFailsTheStartWithoutServing) {
+  ::hmoe::testing::TempDir dir;
+  FifoConfigModel model(dir.file("model"));
+  const std::string port_dir = dir.file("run");
+  ASSERT_TRUE(std::filesystem::create_directory(port_dir));
+  ::hmoe::testing::ServiceProcess proc;
+  const std::string log = dir.file("service.log");
+  proc.set_stderr_file(log);
+  BackgroundStart start(proc, {"--model-dir=" + model.dir()}, port_dir + "/port");
+  ASSERT_TRUE(start.listening());
+  // Past the start-up check of the place: now it goes away.
+  std::filesystem::remove_all(port_dir);
+  ControlClient control(MakeExpertChannel(absl::StrCat("127.0.0.1:", start.port())));
+  std::atomic<bool> done{false}, saw_serving{false};
+  std::thread watch([&] {
+    while (!done.load()) {
+      if (control.Check("", absl::Milliseconds(200)) == Health::kServing) saw_serving = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  EXPECT_TRUE(model.Release()) << "the service never opened config.json";
+  EXPECT_FALSE(start.Join()) << "it announced READY without its port file";
+  done = true;
+  watch.join();
+  const int status = proc.exit_status();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << "wait status " << status;
+  EXPECT_FALSE(saw_serving.load()) << "health turned SERVING before the port file was written";
+  EXPECT_TRUE(::hmoe::testing::FileSays(log, "start failed: cannot write --port-file " + port_dir +
+                                                 "/port: No such file or directory"));
 }
 
 // SIGTERM during a long load stops it at the next expert (a 671B shard

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -309,6 +310,34 @@ TEST(MemoryLimitsTest, CheckMemoryFitsNamesTheLimit) {
             absl::StatusCode::kResourceExhausted);
 }
 
+// What is available now (MemAvailable) is checked apart from the capacity:
+// a need that fits the machine but not what other processes left is a
+// warning, not a refusal (page cache may yet be reclaimed).
+TEST(MemoryLimitsTest, AvailableMemoryWarns) {
+  EXPECT_EQ(ParseMemAvailable("MemTotal:       24578048 kB\nMemFree:          812304 kB\n"
+                              "MemAvailable:    6291456 kB\nBuffers:  1 kB\n"),
+            int64_t{6} << 30);
+  EXPECT_EQ(ParseMemAvailable("MemTotal: 1 kB\n"), 0);            // a kernel before 3.14
+  EXPECT_EQ(ParseMemAvailable("MemAvailable: lots kB\n"), 0);     // malformed
+  EXPECT_EQ(ParseMemAvailable("MemAvailable: 1024 pages\n"), 0);  // not in kB
+  MemoryLimits m;
+  m.machine_bytes = int64_t{16} << 30;
+  m.available_bytes = int64_t{6} << 30;
+  const std::map<int, int64_t> need = {{0, int64_t{5} << 30}, {-1, int64_t{2} << 30}};
+  EXPECT_TRUE(CheckMemoryFits(need, m, "weights").ok());
+  EXPECT_EQ(MemoryAvailableWarning(need, m, "weights"),
+            "warning: weights need 7.0 GiB; only 6.0 GiB of memory is available now "
+            "(MemAvailable: other processes hold the rest): the load may be killed for memory "
+            "part-way");
+  EXPECT_EQ(MemoryAvailableWarning({{0, int64_t{6} << 30}}, m, "weights"), "");
+  m.available_bytes = 0;  // unknown: nothing to say
+  EXPECT_EQ(MemoryAvailableWarning(need, m, "weights"), "");
+  // This machine: read, and no more than it has.
+  const MemoryLimits here = ReadMemoryLimits();
+  EXPECT_GT(here.available_bytes, 0);
+  EXPECT_LE(here.available_bytes, here.machine_bytes);
+}
+
 // Virtual nodes: contiguous runs of the same cores, every core once, sizes
 // differing by at most one; each virtual node's memory is a real node.
 TEST(TopologyTest, VirtualNodesSplitTheCoresContiguously) {
@@ -352,6 +381,56 @@ TEST(TopologyTest, VirtualNodesSplitTheCoresContiguously) {
   int n1 = 0;
   for (const NodeCores& n : *t1) n1 += static_cast<int>(n.cpus.size());
   EXPECT_EQ(n1, 1);
+}
+
+// A CPU node without memory this process may bind (CPU-only node, or outside
+// cpuset.mems) takes the nearest bindable node's memory; MPOL_BIND to it
+// would fail every allocation.
+TEST(TopologyTest, MemoryNodeIsTheNearestBindableOne) {
+  // Four nodes, two sockets: 0-1 close (12), 0/1 to 2/3 far (32).
+  const int slit[4][4] = {{10, 12, 32, 32}, {12, 10, 32, 32}, {32, 32, 10, 12}, {32, 32, 12, 10}};
+  auto d = [&](int a, int b) { return slit[a][b]; };
+  EXPECT_EQ(MemoryNodeFor(1, {0, 1, 2, 3}, d), 1);
+  EXPECT_EQ(MemoryNodeFor(1, {0, 2, 3}, d), 0);  // its socket's neighbour
+  EXPECT_EQ(MemoryNodeFor(1, {2, 3}, d), 2);     // tie at 32: the lower id
+  EXPECT_EQ(MemoryNodeFor(3, {0, 1, 2}, d), 2);
+  EXPECT_EQ(MemoryNodeFor(2, {}, d), 2);  // nothing to offer
+  // A distance the kernel cannot tell (0) ranks after every known one.
+  auto unknown_to_0 = [&](int a, int b) { return b == 0 ? 0 : slit[a][b]; };
+  EXPECT_EQ(MemoryNodeFor(1, {0, 3}, unknown_to_0), 3);
+  EXPECT_EQ(MemoryNodeFor(1, {0}, unknown_to_0), 0);
+
+  std::vector<NodeCores> nodes(3);
+  nodes[0] = {{0, 1}, 0, 0};
+  nodes[1] = {{2, 3}, 0, 1};  // node 1's cores on node 0's memory
+  nodes[2] = {{4, 5}, 0, 1};  // a second virtual node of real node 1
+  EXPECT_EQ(DescribeMemoryRemap(nodes),
+            "; memory of node 0 for the cores of node 1 (1 has none this process may bind)");
+  nodes[1].mem_node = nodes[2].mem_node = 1;
+  EXPECT_EQ(DescribeMemoryRemap(nodes), "");
+
+  // This machine: every topology node's memory is bindable, and binding to
+  // it works.
+  const std::vector<int> bindable = BindableMemoryNodes();
+  for (int n : bindable) {
+    EXPECT_GE(n, 0);
+    EXPECT_LT(n, NumaNodeCount());
+  }
+  for (int v : {0, 2}) {
+    TopologyOptions o;
+    o.virtual_nodes = v;
+    auto t = DiscoverTopology(o);
+    if (!t.ok()) continue;  // a single core cannot make 2 virtual nodes
+    for (const NodeCores& n : *t) {
+      if (!bindable.empty()) {
+        EXPECT_NE(std::find(bindable.begin(), bindable.end(), n.mem_node), bindable.end())
+            << "node " << n.mem_node << " (cores of node " << n.cpu_node << ") not bindable";
+      }
+      auto buf = NumaBuffer::Allocate(1 << 20, n.mem_node);
+      ASSERT_TRUE(buf.ok()) << buf.status();
+      buf->data()[0] = 1;  // first touch: the page comes from the bound node
+    }
+  }
 }
 
 }  // namespace

@@ -314,6 +314,58 @@ TEST_P(FaultTest, ReconnectToAHungShardEndsByTheDeadline) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// A shard restarted on the same port with other weights (here the same
+// model as int8, where the worker connected to bf16) must not answer the
+// worker's calls: every transport describes the service when it reconnects,
+// before its first call there, and the pool's health check finds the
+// difference too; calls fail FAILED_PRECONDITION naming it, never OK, until
+// the shard serves the original again.
+TEST_P(FaultTest, AShardRestartedWithOtherWeightsIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(StartShard());
+  const ShardInfo info = pool_->model();
+  ASSERT_EQ(info.weight_format, "bf16");
+  auto call = MakeRandomCall(info, info.moe_layers[0], 4, 5);
+  std::vector<float> out(static_cast<size_t>(4 * info.hidden));
+  ASSERT_TRUE(pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
+  const int port = proc_.port();
+  proc_.Kill(SIGKILL);
+  ASSERT_TRUE(proc_.Start({"--model-dir=" + ModelDir(), "--format=int8"}, dir_.file("port"), port));
+  absl::Status st;
+  {
+    // No health check yet: the transport's reconnect must catch it.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    do {
+      st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(2));
+    } while ((absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) &&
+             std::chrono::steady_clock::now() < until);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("weight format int8 (was bf16)"), absl::string_view::npos) << st;
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  do {
+    pool_->CheckHealth(absl::Seconds(2));
+    st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(2));
+  } while ((absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) &&
+           std::chrono::steady_clock::now() < until);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("expert shard 0"), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find("weight format int8 (was bf16)"), absl::string_view::npos) << st;
+  EXPECT_EQ(pool_->CheckHealth(absl::Seconds(2))[0], Health::kNotServing);
+  EXPECT_FALSE(pool_->ShardsUp()[0]);
+
+  // Back as it was: served again once a health check has seen it.
+  proc_.Kill(SIGKILL);
+  ASSERT_TRUE(proc_.Start({"--model-dir=" + ModelDir()}, dir_.file("port"), port));
+  Health h = Health::kUnknown;
+  for (int i = 0; i < 200 && h != Health::kServing; ++i) {
+    h = pool_->CheckHealth(absl::Seconds(2))[0];
+    if (h != Health::kServing) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(h, Health::kServing);
+  st = RunUntilServed(call.call(), out.data());
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, FaultTest, ::testing::ValuesIn(kTransports),
                          [](const auto& p) { return std::string(TransportKindName(p.param)); });
 

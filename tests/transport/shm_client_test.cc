@@ -28,13 +28,16 @@ namespace {
 
 namespace pb = ::hmoe::expert::v1;
 
-// Describe (the pid) and AttachShm in process, in front of whichever
-// ShmServer is set (none: "shared memory off", as the service says).
+// Describe (the handler's shard, this pid) and AttachShm in process, in
+// front of whichever ShmServer is set (none: "shared memory off", as the
+// service says).
 class Control final : public pb::ExpertControl::Service {
  public:
   grpc::Status Describe(grpc::ServerContext*, const pb::DescribeRequest*,
                         pb::ShardDescription* d) override {
-    d->set_pid(::getpid());
+    ShardInfo i = info != nullptr ? *info : ShardInfo();
+    i.pid = ::getpid();
+    ToShardDescription(i, d);
     return grpc::Status::OK;
   }
   grpc::Status AttachShm(grpc::ServerContext*, const pb::AttachShmRequest* req,
@@ -47,6 +50,7 @@ class Control final : public pb::ExpertControl::Service {
     return grpc::Status::OK;
   }
   std::atomic<ShmServer*> server{nullptr};
+  const ShardInfo* info = nullptr;
 };
 
 // One call of `tokens` rows; the answer must be row t = t + 1.
@@ -73,6 +77,7 @@ struct Rig {
 
   absl::Status Start() {
     control.server.store(shm.get());
+    control.info = &handler.info();
     int port = 0;
     grpc::ServerBuilder b;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -193,6 +198,7 @@ TEST(ShmClient, ACallInFlightWhenTheSegmentClosesIsUnavailable) {
   auto shm = std::make_unique<ShmServer>(&held);
   Control control;
   control.server.store(shm.get());
+  control.info = &held.info();
   int port = 0;
   grpc::ServerBuilder b;
   b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);

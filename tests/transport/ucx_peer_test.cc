@@ -3,6 +3,7 @@
 // nothing. One call ends by its deadline; the next ones must be answered (the
 // client re-handshakes after a deadline), not lost until every deadline.
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <condition_variable>
 #include <memory>
@@ -25,10 +26,18 @@ namespace {
 
 namespace pb = ::hmoe::expert::v1;
 
-// The control plane's UcxConnect, in process, in front of one UcxServer.
+// The control plane's Describe (the handler's shard, as a reconnect checks
+// it) and UcxConnect, in process, in front of one UcxServer.
 class Control final : public pb::ExpertControl::Service {
  public:
-  explicit Control(UcxServer* ucx) : ucx_(ucx) {}
+  Control(UcxServer* ucx, const ShardInfo& info) : ucx_(ucx), info_(info) {}
+  grpc::Status Describe(grpc::ServerContext*, const pb::DescribeRequest*,
+                        pb::ShardDescription* d) override {
+    ShardInfo i = info_;
+    i.pid = ::getpid();
+    ToShardDescription(i, d);
+    return grpc::Status::OK;
+  }
   grpc::Status UcxConnect(grpc::ServerContext*, const pb::UcxConnectRequest* req,
                           pb::UcxConnectResponse* r) override {
     auto addr = ucx_->Connect(req->client_worker_address(), req->client_id());
@@ -39,6 +48,7 @@ class Control final : public pb::ExpertControl::Service {
 
  private:
   UcxServer* ucx_;
+  ShardInfo info_;
 };
 
 absl::Status OneCall(UcxClient& client, const ShardInfo& info, absl::Duration timeout) {
@@ -67,7 +77,7 @@ struct Rig {
     auto u = UcxServer::Create(&handler);
     if (!u.ok()) return u.status();
     ucx = std::move(*u);
-    control_service = std::make_unique<Control>(ucx.get());
+    control_service = std::make_unique<Control>(ucx.get(), handler.info());
     int port = 0;
     grpc::ServerBuilder b;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
