@@ -305,9 +305,13 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
       need[node] += bytes;
       workspace += bytes;
     }
-    const int64_t staging =
-        packed ? 0 : int64_t{pool.num_threads()} * 3 * geo.hidden * geo.intermediate * 4;
-    if (staging > 0) need[-1] += staging;
+    // Each worker allocates its own (first touch: on its node's memory).
+    const int64_t staging_per_thread = packed ? 0 : int64_t{3} * geo.hidden * geo.intermediate * 4;
+    const int64_t staging = int64_t{pool.num_threads()} * staging_per_thread;
+    if (staging > 0) {
+      for (int n = 0; n < pool.num_nodes(); ++n)
+        need[pool.mem_node(n)] += int64_t{pool.node_threads(n)} * staging_per_thread;
+    }
     const MemoryLimits limits = opts.memory_limits ? *opts.memory_limits : ReadMemoryLimits();
     const std::string what = absl::StrCat(
         "this shard's packed weights (", HumanBytes(weights), ": ", geo.moe_layers.size(),

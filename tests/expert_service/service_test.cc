@@ -287,6 +287,22 @@ TEST(ExpertShard, WeightsThatCannotFitAreRefusedBeforeLoading) {
   m.machine_bytes = static_cast<int64_t>((need_mib - 0.1) * 1024 * 1024);
   o.memory_limits = m;
   EXPECT_EQ(ExpertShard::Load(o).status().code(), absl::StatusCode::kResourceExhausted);
+  {
+    // The same line on the node: the packing buffers count there too (each
+    // worker allocates its own on its node).
+    MemoryLimits node = m;
+    node.machine_bytes = 0;
+    node.node_bytes.assign(1, static_cast<int64_t>((need_mib - 0.1) * 1024 * 1024));
+    o.memory_limits = node;
+    auto refused = ExpertShard::Load(o);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+    EXPECT_NE(refused.status().message().find("on NUMA node 0, which has"), absl::string_view::npos)
+        << refused.status();
+    node.node_bytes.assign(1, static_cast<int64_t>((need_mib + 0.1) * 1024 * 1024));
+    o.memory_limits = node;
+    EXPECT_TRUE(ExpertShard::Load(o).ok());
+    o.memory_limits = m;
+  }
   o.check_memory = false;  // --no-memory-check
   EXPECT_TRUE(ExpertShard::Load(o).ok());
   o.check_memory = true;
