@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <fstream>
 #include <limits>
+#include <queue>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/unicode_nfc.h"
 #include "nlohmann/json.hpp"
 
 namespace hmoe {
@@ -141,15 +143,29 @@ class Regex {
   }
   ~Regex() { pcre2_code_free(code_); }
 
-  // Non-overlapping matches [begin, end) in `s`, left to right.
-  std::vector<std::pair<size_t, size_t>> FindAll(const std::string& s) const {
+  // Non-overlapping matches [begin, end) in `s`, left to right. A matching
+  // error (PCRE2's match or depth limit on a pathological input) is
+  // INVALID_ARGUMENT naming `where`: splitting there silently would change
+  // the ids.
+  absl::StatusOr<std::vector<std::pair<size_t, size_t>>> FindAll(const std::string& s,
+                                                                 const std::string& where) const {
     std::vector<std::pair<size_t, size_t>> out;
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
+    if (md == nullptr) return absl::ResourceExhaustedError(where + ": no memory for a regex match");
     size_t pos = 0;
+    absl::Status status;
     while (pos <= s.size()) {
       const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
                                  PCRE2_NO_UTF_CHECK, md, nullptr);
-      if (rc < 0) break;
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(rc, msg, sizeof(msg));
+        status =
+            absl::InvalidArgumentError(absl::StrCat(where, ": the text cannot be split at byte ",
+                                                    pos, ": ", reinterpret_cast<const char*>(msg)));
+        break;
+      }
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       size_t b = ov[0], e = ov[1];
       if (e == b) {  // empty match: step over one character
@@ -163,6 +179,7 @@ class Regex {
       pos = e;
     }
     pcre2_match_data_free(md);
+    if (!status.ok()) return status;
     return out;
   }
 
@@ -175,6 +192,7 @@ enum class SplitBehavior { kIsolated, kRemoved, kMergedWithPrevious, kMergedWith
 
 struct PreTokenizer {
   enum Kind { kSplit, kByteLevel } kind;
+  std::string where;             // "tokenizer.json: pre_tokenizer Split", for errors
   std::unique_ptr<Regex> regex;  // kSplit, and kByteLevel with use_regex
   SplitBehavior behavior = SplitBehavior::kIsolated;
   bool invert = false;
@@ -184,14 +202,15 @@ struct PreTokenizer {
 const char kGpt2Pattern[] =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
-std::vector<std::string> ApplySplit(const PreTokenizer& p, const std::string& s) {
+absl::StatusOr<std::vector<std::string>> ApplySplit(const PreTokenizer& p, const std::string& s) {
   struct Seg {
     size_t b, e;
     bool delim;
   };
   std::vector<Seg> segs;
   size_t cursor = 0;
-  for (auto [b, e] : p.regex->FindAll(s)) {
+  ASSIGN_OR_RETURN(auto matches, p.regex->FindAll(s, p.where));
+  for (auto [b, e] : matches) {
     if (b > cursor) segs.push_back({cursor, b, p.invert});
     segs.push_back({b, e, !p.invert});
     cursor = e;
@@ -244,12 +263,29 @@ std::vector<std::string> ApplySplit(const PreTokenizer& p, const std::string& s)
   return out;
 }
 
+// One step of the normalizer chain (a Sequence is flattened into steps).
+struct NormalizerStep {
+  enum Kind { kNfc, kNfd, kReplace, kPrepend } kind;
+  std::unique_ptr<Regex> pattern;  // kReplace
+  std::string content;             // kReplace: the replacement; kPrepend: the prefix
+};
+
 struct AddedToken {
   int32_t id;
   std::string content;
   bool special;
   bool lstrip, rstrip;
 };
+
+// A regex matching `literal` exactly.
+std::string QuoteRegex(const std::string& literal) {
+  std::string regex;
+  for (char c : literal) {
+    if (std::string("\\^$.|?*+()[]{}").find(c) != std::string::npos) regex += '\\';
+    regex += c;
+  }
+  return regex;
+}
 
 bool IsSpaceByte(char c) {
   return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
@@ -259,30 +295,69 @@ bool IsSpaceByte(char c) {
 
 struct Tokenizer::Impl {
   std::unordered_map<std::string, int32_t> vocab;
-  std::vector<std::string> id_to_token;                 // "" where unused
-  std::unordered_map<std::string, int32_t> merge_rank;  // "a\x01b" -> rank
+  std::vector<std::string> id_to_token;  // "" where unused
+  // (left id << 32 | right id) -> {rank, merged id}
+  std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;
   bool ignore_merges = false;
   std::optional<int32_t> unk_id;
   std::vector<AddedToken> added;  // sorted by content length, longest first
+  // First byte -> indices into `added` starting with it, longest first.
+  std::vector<std::vector<uint32_t>> added_by_first_byte = std::vector<std::vector<uint32_t>>(256);
   std::unordered_map<int32_t, size_t> added_by_id;
+  std::vector<NormalizerStep> normalizer;
   std::vector<PreTokenizer> pre;
   std::vector<std::vector<int32_t>>
       template_ids;  // post-processor: sequence of parts; {-1} marks "A"
   bool has_template = false;
 
-  absl::Status EncodeSegment(const std::string& text, std::vector<int32_t>& out) const {
+  absl::StatusOr<std::string> Normalize(std::string text) const {
+    for (const NormalizerStep& n : normalizer) {
+      switch (n.kind) {
+        case NormalizerStep::kNfc:
+          text = NormalizeNfc(text);
+          break;
+        case NormalizerStep::kNfd:
+          text = NormalizeNfd(text);
+          break;
+        case NormalizerStep::kPrepend:
+          if (!text.empty()) text.insert(0, n.content);
+          break;
+        case NormalizerStep::kReplace: {
+          ASSIGN_OR_RETURN(auto matches, n.pattern->FindAll(text, "normalizer Replace"));
+          if (matches.empty()) break;
+          std::string out;
+          size_t cursor = 0;
+          for (auto [b, e] : matches) {
+            out.append(text, cursor, b - cursor);
+            out += n.content;
+            cursor = e;
+          }
+          out.append(text, cursor, std::string::npos);
+          text = std::move(out);
+          break;
+        }
+      }
+    }
+    return text;
+  }
+
+  absl::Status EncodeSegment(const std::string& raw, std::vector<int32_t>& out) const {
+    ASSIGN_OR_RETURN(std::string text, Normalize(raw));
     std::vector<std::string> pieces = {text};
     for (const PreTokenizer& p : pre) {
       std::vector<std::string> next;
       for (std::string& piece : pieces) {
         if (p.kind == PreTokenizer::kSplit) {
-          for (auto& x : ApplySplit(p, piece)) next.push_back(std::move(x));
+          ASSIGN_OR_RETURN(auto parts, ApplySplit(p, piece));
+          for (auto& x : parts) next.push_back(std::move(x));
           continue;
         }
         if (p.add_prefix_space && (piece.empty() || piece[0] != ' '))
           piece.insert(piece.begin(), ' ');
-        std::vector<std::string> parts =
-            p.regex ? ApplySplit(p, piece) : std::vector<std::string>{piece};
+        std::vector<std::string> parts = {piece};
+        if (p.regex) {
+          ASSIGN_OR_RETURN(parts, ApplySplit(p, piece));
+        }
         for (const std::string& part : parts) {
           std::string mapped;
           for (char c : part) mapped += Bytes().to_char[static_cast<uint8_t>(c)];
@@ -298,6 +373,10 @@ struct Tokenizer::Impl {
     return absl::OkStatus();
   }
 
+  // Merges by rank, lowest first (equal ranks: leftmost first), as Hugging
+  // Face's BPE does: a heap of candidate pairs over a linked list of
+  // symbols, O(n log n) in the word's length (a word is any run of letters,
+  // so a request decides how long it is).
   absl::Status Bpe(const std::string& word, std::vector<int32_t>& out) const {
     if (ignore_merges) {
       auto it = vocab.find(word);
@@ -306,40 +385,68 @@ struct Tokenizer::Impl {
         return absl::OkStatus();
       }
     }
-    std::vector<std::string> sym = Chars(word);
-    while (sym.size() > 1) {
-      int32_t best = std::numeric_limits<int32_t>::max();
-      size_t at = 0;
-      for (size_t i = 0; i + 1 < sym.size(); ++i) {
-        auto it = merge_rank.find(sym[i] + '\x01' + sym[i + 1]);
-        if (it != merge_rank.end() && it->second < best) {
-          best = it->second;
-          at = i;
-        }
-      }
-      if (best == std::numeric_limits<int32_t>::max()) break;
-      // Merge every occurrence of the winning pair, left to right.
-      const std::string a = sym[at], b = sym[at + 1];
-      std::vector<std::string> merged;
-      for (size_t i = 0; i < sym.size();) {
-        if (i + 1 < sym.size() && sym[i] == a && sym[i + 1] == b) {
-          merged.push_back(a + b);
-          i += 2;
-        } else {
-          merged.push_back(sym[i++]);
-        }
-      }
-      sym = std::move(merged);
+    struct Sym {
+      int32_t id;  // -1: a character outside the vocabulary (never merges)
+      int prev, next;
+      size_t begin, len;  // bytes of `word`; len 0: merged into its left neighbour
+    };
+    std::vector<Sym> sym;
+    for (size_t i = 0; i < word.size();) {
+      size_t bad = 0;
+      int n = Utf8Sequence(word, i, &bad);
+      if (n <= 0) n = 1;  // not reached for validated input
+      auto it = vocab.find(word.substr(i, static_cast<size_t>(n)));
+      const int k = static_cast<int>(sym.size());
+      sym.push_back({it == vocab.end() ? -1 : it->second, k - 1, k + 1, i, static_cast<size_t>(n)});
+      i += static_cast<size_t>(n);
     }
-    for (const std::string& s : sym) {
-      auto it = vocab.find(s);
-      if (it != vocab.end()) {
-        out.push_back(it->second);
+    if (sym.empty()) return absl::OkStatus();
+    sym.back().next = -1;
+    struct Cand {
+      int32_t rank;
+      int pos;
+      int32_t merged;
+      bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+    };
+    auto pair_of = [&](int l) -> const std::pair<int32_t, int32_t>* {
+      const int r = sym[static_cast<size_t>(l)].next;
+      if (r < 0) return nullptr;
+      const int32_t a = sym[static_cast<size_t>(l)].id, b = sym[static_cast<size_t>(r)].id;
+      if (a < 0 || b < 0) return nullptr;
+      auto it = merges.find((uint64_t{static_cast<uint32_t>(a)} << 32) | static_cast<uint32_t>(b));
+      return it == merges.end() ? nullptr : &it->second;
+    };
+    std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> heap;
+    auto offer = [&](int l) {
+      if (const auto* m = pair_of(l)) heap.push({m->first, l, m->second});
+    };
+    for (int i = 0; i + 1 < static_cast<int>(sym.size()); ++i) offer(i);
+    while (!heap.empty()) {
+      const Cand c = heap.top();
+      heap.pop();
+      Sym& l = sym[static_cast<size_t>(c.pos)];
+      if (l.len == 0) continue;  // merged away since
+      const auto* m = pair_of(c.pos);
+      if (m == nullptr || m->second != c.merged) continue;  // its right side changed
+      Sym& r = sym[static_cast<size_t>(l.next)];
+      l.id = c.merged;
+      l.len += r.len;
+      r.len = 0;
+      l.next = r.next;
+      if (l.next >= 0) sym[static_cast<size_t>(l.next)].prev = c.pos;
+      if (l.prev >= 0) offer(l.prev);
+      offer(c.pos);
+    }
+    for (int i = 0; i >= 0; i = sym[static_cast<size_t>(i)].next) {
+      const Sym& x = sym[static_cast<size_t>(i)];
+      if (x.id >= 0) {
+        out.push_back(x.id);
       } else if (unk_id) {
         out.push_back(*unk_id);
       } else {
-        return absl::InternalError(absl::StrCat(
-            "tokenizer: symbol \"", s, "\" is not in the vocabulary and there is no unk_token"));
+        return absl::InternalError(absl::StrCat("tokenizer: symbol \"", word.substr(x.begin, x.len),
+                                                "\" is not in the vocabulary and there is no "
+                                                "unk_token"));
       }
     }
     return absl::OkStatus();
@@ -372,8 +479,6 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
           absl::StrCat(src, ": ", field, " type \"", type, "\" is not supported"));
     };
     if (!j.is_object()) return invalid("document", "is not an object");
-    if (j.contains("normalizer") && !j["normalizer"].is_null())
-      return unimplemented("normalizer", j["normalizer"].value("type", "?"));
 
     // model
     if (!j.contains("model") || !j["model"].is_object()) return invalid("model", "is missing");
@@ -410,7 +515,61 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
         } else {
           return invalid("model.merges", absl::StrCat("entry ", mg.dump(), " is not a pair"));
         }
-        impl->merge_rank.emplace(a + '\x01' + b, rank++);
+        // As Hugging Face refuses them: both sides and the result in the vocabulary.
+        auto ia = impl->vocab.find(a), ib = impl->vocab.find(b), iab = impl->vocab.find(a + b);
+        if (ia == impl->vocab.end() || ib == impl->vocab.end() || iab == impl->vocab.end())
+          return invalid("model.merges",
+                         absl::StrCat("entry ", rank, " (\"", a, "\" + \"", b, "\") has ",
+                                      ia == impl->vocab.end()   ? "a first token"
+                                      : ib == impl->vocab.end() ? "a second token"
+                                                                : "a result",
+                                      " outside model.vocab"));
+        const uint64_t key =
+            (uint64_t{static_cast<uint32_t>(ia->second)} << 32) | static_cast<uint32_t>(ib->second);
+        impl->merges.emplace(key, std::make_pair(rank, iab->second));  // the first rank wins
+        ++rank;
+      }
+    }
+
+    // normalizer (applied to the text between added tokens)
+    if (j.contains("normalizer") && !j["normalizer"].is_null()) {
+      std::vector<const json*> todo = {&j["normalizer"]};
+      while (!todo.empty()) {
+        const json& n = *todo.front();
+        todo.erase(todo.begin());
+        const std::string type = n.value("type", "");
+        NormalizerStep step{};
+        if (type == "Sequence") {
+          const json& list = n.at("normalizers");
+          std::vector<const json*> inner;
+          for (const auto& x : list) inner.push_back(&x);
+          todo.insert(todo.begin(), inner.begin(), inner.end());
+          continue;
+        } else if (type == "NFC") {
+          step.kind = NormalizerStep::kNfc;
+        } else if (type == "NFD") {
+          step.kind = NormalizerStep::kNfd;
+        } else if (type == "Prepend") {
+          step.kind = NormalizerStep::kPrepend;
+          step.content = n.at("prepend").get<std::string>();
+        } else if (type == "Replace") {
+          step.kind = NormalizerStep::kReplace;
+          const json& pat = n.at("pattern");
+          std::string regex;
+          if (pat.contains("Regex")) {
+            regex = pat["Regex"].get<std::string>();
+          } else if (pat.contains("String")) {
+            regex = QuoteRegex(pat["String"].get<std::string>());
+          } else {
+            return invalid("normalizer.Replace.pattern", "needs Regex or String");
+          }
+          if (regex.empty()) return invalid("normalizer.Replace.pattern", "is empty");
+          ASSIGN_OR_RETURN(step.pattern, Regex::Compile(regex, src + ": normalizer Replace"));
+          step.content = n.at("content").get<std::string>();
+        } else {
+          return unimplemented("normalizer", type.empty() ? "?" : type);
+        }
+        impl->normalizer.push_back(std::move(step));
       }
     }
     if (m.contains("unk_token") && m["unk_token"].is_string()) {
@@ -440,7 +599,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
                      [](const AddedToken& x, const AddedToken& y) {
                        return x.content.size() > y.content.size();
                      });
-    for (size_t i = 0; i < impl->added.size(); ++i) impl->added_by_id[impl->added[i].id] = i;
+    for (size_t i = 0; i < impl->added.size(); ++i) {
+      impl->added_by_id[impl->added[i].id] = i;
+      impl->added_by_first_byte[static_cast<uint8_t>(impl->added[i].content[0])].push_back(
+          static_cast<uint32_t>(i));
+    }
     impl->id_to_token.assign(static_cast<size_t>(max_id + 1), "");
     for (const auto& [tok, id] : impl->vocab) impl->id_to_token[static_cast<size_t>(id)] = tok;
 
@@ -457,6 +620,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
     for (const json* p : pre) {
       const std::string type = p->value("type", "");
       PreTokenizer pt{};
+      pt.where = absl::StrCat(src, ": pre_tokenizer ", type);
       if (type == "Split") {
         pt.kind = PreTokenizer::kSplit;
         const json& pat = p->at("pattern");
@@ -464,11 +628,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
         if (pat.contains("Regex")) {
           regex = pat["Regex"].get<std::string>();
         } else if (pat.contains("String")) {
-          // Literal: quote every character.
-          for (char c : pat["String"].get<std::string>()) {
-            if (std::string("\\^$.|?*+()[]{}").find(c) != std::string::npos) regex += '\\';
-            regex += c;
-          }
+          regex = QuoteRegex(pat["String"].get<std::string>());
         } else {
           return invalid("pre_tokenizer.Split.pattern", "needs Regex or String");
         }
@@ -550,7 +710,8 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(const std::string& text,
   size_t seg_begin = 0, i = 0;
   while (i < text.size()) {
     const AddedToken* hit = nullptr;
-    for (const AddedToken& a : t.added) {
+    for (uint32_t k : t.added_by_first_byte[static_cast<uint8_t>(text[i])]) {
+      const AddedToken& a = t.added[k];
       if (text.compare(i, a.content.size(), a.content) == 0) {
         hit = &a;
         break;

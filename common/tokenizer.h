@@ -1,12 +1,18 @@
-// Hugging Face tokenizer.json, byte-level BPE (GPT-2 / Qwen2 / DeepSeek-V3 style):
-// added tokens matched first (leftmost, longest), then the pre-tokenizer chain
-// (Split by regex with PCRE2 in UTF + Unicode-property mode, Digits, ByteLevel),
-// then BPE merges by rank; decoding maps byte-level characters back to bytes.
+// Hugging Face tokenizer.json, byte-level BPE (GPT-2 / Qwen2 / Qwen3 /
+// DeepSeek-V3 style): added tokens matched first on the raw text (leftmost,
+// longest), then, between them, the normalizer chain, the pre-tokenizer
+// chain (Split by regex with PCRE2 in UTF + Unicode-property mode, Digits,
+// ByteLevel), then BPE merges by rank (heap-ordered, O(n log n) per word);
+// decoding maps byte-level characters back to bytes.
 //
-// Supported: normalizer null; pre_tokenizer Split / Digits / ByteLevel (alone or
-// in a Sequence); model BPE (merges as "a b" strings or [a, b] pairs,
-// ignore_merges); decoder ByteLevel; post_processor TemplateProcessing (single
-// sequence) or ByteLevel. Anything else -> UNIMPLEMENTED naming it.
+// Supported: normalizer null / NFC / NFD / Prepend / Replace (alone or in a
+// Sequence, possibly empty); pre_tokenizer Split / Digits / ByteLevel (alone
+// or in a Sequence); model BPE (merges as "a b" strings or [a, b] pairs,
+// both sides and the result in the vocabulary, ignore_merges); decoder
+// ByteLevel; post_processor TemplateProcessing (single sequence) or
+// ByteLevel. Anything else -> UNIMPLEMENTED naming it. Added tokens marked
+// "normalized": true are matched on the raw text too (Hugging Face matches
+// them after normalizing; the same unless the normalizer changes them).
 #pragma once
 
 #include <cstdint>

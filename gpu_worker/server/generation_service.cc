@@ -36,7 +36,7 @@ absl::StatusOr<GenerateRequest> GenerationService::ToEngineRequest(
       if (req.prompt().empty()) return absl::InvalidArgumentError("prompt is empty");
       if (tokenizer_ == nullptr)
         return absl::InvalidArgumentError(
-            "prompt: this model has no tokenizer.json; send prompt_ids");
+            absl::StrCat("prompt: ", no_tokenizer_, "; send prompt_ids"));
       auto ids = tokenizer_->Encode(req.prompt(), req.add_special_tokens());
       if (!ids.ok()) return Annotate(ids.status(), "prompt");
       out.prompt = std::move(*ids);
@@ -155,8 +155,7 @@ grpc::Status GenerationService::Tokenize(grpc::ServerContext* ctx,
                                          const api::v1::TokenizeRequest* req,
                                          api::v1::TokenizeResponse* resp) {
   if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
-  if (tokenizer_ == nullptr)
-    return ToGrpcStatus(absl::FailedPreconditionError("this model has no tokenizer.json"));
+  if (tokenizer_ == nullptr) return ToGrpcStatus(absl::FailedPreconditionError(no_tokenizer_));
   auto ids = tokenizer_->Encode(req->text(), req->add_special_tokens());
   if (!ids.ok()) return ToGrpcStatus(Annotate(ids.status(), "text"));
   for (int32_t t : *ids) resp->add_ids(t);
@@ -167,8 +166,7 @@ grpc::Status GenerationService::Detokenize(grpc::ServerContext* ctx,
                                            const api::v1::DetokenizeRequest* req,
                                            api::v1::DetokenizeResponse* resp) {
   if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
-  if (tokenizer_ == nullptr)
-    return ToGrpcStatus(absl::FailedPreconditionError("this model has no tokenizer.json"));
+  if (tokenizer_ == nullptr) return ToGrpcStatus(absl::FailedPreconditionError(no_tokenizer_));
   std::vector<int32_t> ids(req->ids().begin(), req->ids().end());
   auto text = tokenizer_->Decode(ids, req->skip_special_tokens());
   if (!text.ok()) return ToGrpcStatus(Annotate(text.status(), "ids"));

@@ -32,6 +32,10 @@ class GenerationService final : public api::v1::Generation::Service {
   grpc::Status Stats(grpc::ServerContext* ctx, const api::v1::StatsRequest* req,
                      api::v1::StatsResponse* resp) override;
 
+  // Why there is no tokenizer, for the errors of text calls when it is null
+  // (default: "this model has no tokenizer.json").
+  void set_no_tokenizer_reason(std::string why) { no_tokenizer_ = std::move(why); }
+
   // Builds the engine request from the API message (INVALID_ARGUMENT naming
   // the field). Public for tests.
   absl::StatusOr<GenerateRequest> ToEngineRequest(const api::v1::GenerateRequest& req) const;
@@ -42,6 +46,7 @@ class GenerationService final : public api::v1::Generation::Service {
   const Tokenizer* tokenizer_;
   std::string model_dir_;
   std::string experts_backend_;
+  std::string no_tokenizer_ = "this model has no tokenizer.json";
   std::shared_ptr<const AuthTokens> auth_tokens_;  // never null
   grpc::Status Authorize(const grpc::ServerContext* ctx) const;
 };

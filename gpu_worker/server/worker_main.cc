@@ -41,6 +41,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
 #include "common/safetensors.h"
@@ -236,11 +237,23 @@ int Run(int argc, char** argv) {
   auto model = Model::Load(o.model_dir, mo, remote.get());
   if (!model.ok()) Die(model.status().ToString(), 1);
   std::unique_ptr<Tokenizer> tokenizer;
+  std::string no_tokenizer = "this model has no tokenizer.json";
   const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
   if (std::filesystem::exists(tok_path)) {
     auto t = Tokenizer::FromFile(tok_path);
-    if (!t.ok()) Die(t.status().ToString(), 1);
-    tokenizer = std::move(*t);
+    if (absl::IsUnimplemented(t.status())) {
+      // A tokenizer this build cannot run: serve token ids, say why once.
+      no_tokenizer =
+          absl::StrCat("the model's tokenizer is not supported here (", t.status().message(), ")");
+      std::fprintf(stderr,
+                   "hmoe-gpu-worker: warning: %s: text prompts, Tokenize and Detokenize are "
+                   "refused; prompt_ids work\n",
+                   no_tokenizer.c_str());
+    } else if (!t.ok()) {
+      Die(t.status().ToString(), 1);
+    } else {
+      tokenizer = std::move(*t);
+    }
   }
   EngineOptions eo;
   eo.max_batch = o.max_batch;
@@ -251,6 +264,7 @@ int Run(int argc, char** argv) {
 
   GenerationService service(engine->get(), model->get(), tokenizer.get(), o.model_dir, backend,
                             auth_tokens);
+  service.set_no_tokenizer_reason(no_tokenizer);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;

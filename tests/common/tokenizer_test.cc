@@ -93,10 +93,27 @@ TEST_F(TokenizerTest, Errors) {
   EXPECT_EQ(Tokenizer::FromFile("/nonexistent/tokenizer.json").status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(Tokenizer::FromJson("{", "t.json").status().code(), absl::StatusCode::kInvalidArgument);
-  auto nfc = Tokenizer::FromJson(
-      R"({"normalizer": {"type": "NFC"}, "model": {"type": "BPE", "vocab": {}}})", "t.json");
-  EXPECT_EQ(nfc.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(std::string(nfc.status().message()), HasSubstr("NFC"));
+  auto nfkc = Tokenizer::FromJson(
+      R"({"normalizer": {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "NFKC"}]},
+          "model": {"type": "BPE", "vocab": {}}})",
+      "t.json");
+  EXPECT_EQ(nfkc.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(nfkc.status().message()), HasSubstr("normalizer type \"NFKC\""));
+  // Merges as Hugging Face loads them: both sides and the result are tokens.
+  for (const std::string& merges :
+       {std::string(R"(["a b"])"), std::string(R"(["a c"])"), std::string(R"(["c a"])")}) {
+    auto t = Tokenizer::FromJson(
+        R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": )" + merges +
+            "}}",
+        "t.json");
+    EXPECT_EQ(t.status().code(),
+              merges == R"(["a b"])" ? absl::StatusCode::kOk : absl::StatusCode::kInvalidArgument)
+        << merges << ": " << t.status();
+  }
+  auto nores = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": ["a b"]}})", "t.json");
+  EXPECT_THAT(std::string(nores.status().message()),
+              HasSubstr(R"(model.merges entry 0 ("a" + "b") has a result outside model.vocab)"));
   auto badre = Tokenizer::FromJson(
       R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(["}, "behavior": "Isolated"}})",
       "t.json");
@@ -152,6 +169,47 @@ TEST(Tokenizer, SplitMergedWithNextMatchesHuggingFace) {
   ids = (*t)->Encode("-final");
   ASSERT_TRUE(ids.ok()) << ids.status();
   EXPECT_EQ(*ids, (std::vector<int32_t>{1}));
+}
+
+// Normalizers as Hugging Face applies them, between added tokens (NFC as
+// Qwen3 ships it, the empty Sequence of DeepSeek-V3, NFD + Replace +
+// Prepend); the texts include a 3000-letter word (one BPE piece).
+TEST_F(TokenizerTest, NormalizersMatchHuggingFace) {
+  const json base = json::parse(std::ifstream(testing::FixturesDir() + "/tokenizer.json"));
+  const json all =
+      json::parse(std::ifstream(testing::FixturesDir() + "/tokenizer_normalizer_vectors.json"));
+  ASSERT_EQ(all.size(), 3u);
+  for (const auto& variant : all) {
+    json j = base;
+    j["normalizer"] = variant["normalizer"];
+    SCOPED_TRACE(variant["normalizer"].dump());
+    auto t = Tokenizer::FromJson(j.dump(), "t.json");
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (const auto& c : variant["cases"]) {
+      const std::string text = c["text"].get<std::string>();
+      SCOPED_TRACE(text.substr(0, 60));
+      auto ids = (*t)->Encode(text);
+      ASSERT_TRUE(ids.ok()) << ids.status();
+      EXPECT_EQ(*ids, c["ids"].get<std::vector<int32_t>>());
+    }
+  }
+}
+
+// A pre-tokenizer regex that PCRE2 gives up on (its match limit) is an
+// error naming the pre-tokenizer, not a silent split that changes the ids.
+TEST(Tokenizer, RegexMatchLimitIsAnError) {
+  auto t = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2}},
+          "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(a|aa)+b"},
+                            "behavior": "Isolated"}})",
+      "t.json");
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto ok = (*t)->Encode("aabc");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  auto ids = (*t)->Encode(std::string(60, 'a') + "cb");
+  EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << ids.status();
+  EXPECT_THAT(std::string(ids.status().message()),
+              HasSubstr("t.json: pre_tokenizer Split: the text cannot be split at byte 0"));
 }
 
 TEST(Utf8, MaximalSubpartReplacement) {

@@ -19,6 +19,7 @@
 #include "common/tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "sdk/client.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
@@ -377,6 +378,42 @@ TEST(Serving, BatchesOverTheShardsMaxTokensGoAsSeveralCalls) {
     for (const auto& g : got) EXPECT_EQ(g, defer ? got[0] : ref.greedy);
     EXPECT_EQ(got[0].size(), ref.greedy.size());
   }
+}
+
+// A tokenizer.json this build cannot run (here a normalizer it lacks) does
+// not stop the worker: token ids are served, and the text calls name why
+// they are refused.
+TEST(Serving, AnUnsupportedTokenizerLeavesTokenIdsServed) {
+  testing::TempDir dir;
+  const std::string model = dir.file("model");
+  std::filesystem::copy(testing::FixturesDir() + "/ds3_fortunes", model);
+  {
+    auto j = nlohmann::json::parse(std::ifstream(model + "/tokenizer.json"));
+    j["normalizer"] = {{"type", "NFKC"}};
+    std::ofstream(model + "/tokenizer.json") << j.dump();
+  }
+  const Reference ref = LoadReference(model);
+  Pair pair;
+  pair.set_capture_logs();
+  ASSERT_TRUE(pair.Start(model));
+  auto r = pair.client().Generate(IdsRequest(ref.prompt, static_cast<int>(ref.greedy.size())));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->token_ids, ref.greedy);
+  EXPECT_TRUE(r->text.empty());
+  auto t = pair.client().Tokenize("Love is");
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition) << t.status();
+  EXPECT_THAT(std::string(t.status().message()),
+              HasSubstr("the model's tokenizer is not supported here"));
+  EXPECT_THAT(std::string(t.status().message()), HasSubstr("normalizer type \"NFKC\""));
+  api::v1::GenerateRequest req;
+  req.set_prompt("Love is");
+  req.set_max_tokens(2);
+  auto g = pair.client().Generate(req);
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument) << g.status();
+  EXPECT_THAT(std::string(g.status().message()), HasSubstr("send prompt_ids"));
+  EXPECT_TRUE(testing::FileSays(pair.log("worker"),
+                                "warning: the model's tokenizer is not "
+                                "supported here"));
 }
 
 class TrainedModel : public ::testing::Test {
