@@ -98,8 +98,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model,
         absl::StrCat("the model's max_seq_len must be >= 1, got ", max_seq));
   if (o.kv_blocks == 0) {
     // In 128 bits: max_batch x max_seq_len can pass int64 for absurd settings.
-    const __int128 blocks =
-        (static_cast<__int128>(o.max_batch) * max_seq + o.kv_block_tokens - 1) / o.kv_block_tokens;
+    // Rounded per request, as each reserves whole blocks: max_batch requests
+    // of the full context fit together.
+    const __int128 blocks = static_cast<__int128>(o.max_batch) *
+                            ((max_seq + o.kv_block_tokens - 1) / o.kv_block_tokens);
     if (blocks > (__int128{1} << 40))
       return absl::InvalidArgumentError(absl::StrCat(
           "max_batch ", o.max_batch, " x max_seq_len ", max_seq, " tokens is more KV cache than ",
@@ -381,6 +383,7 @@ void Engine::Step() {
 void Engine::Loop() {
   for (;;) {
     std::vector<std::unique_ptr<Request>> ended;  // finished while waiting: callbacks after unlock
+    std::vector<std::unique_ptr<Request>> leaving;  // running ones ending now: likewise
     std::vector<std::pair<Request*, FinishReason>> to_finish;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -407,6 +410,25 @@ void Engine::Loop() {
           ++it;
         }
       }
+      // Running requests that end now (shut out, deadline, cancel) leave
+      // before admission: their slots and blocks go to this pass's
+      // newcomers, not to the one after.
+      if (drain_over)
+        for (auto& r : running_) r->shut_out = r->shut_out || !r->cancelled;
+      for (auto it = running_.begin(); it != running_.end();) {
+        Request& r = **it;
+        if (r.shut_out || now >= r.req.deadline || r.cancelled) {
+          if (r.holds_blocks) {
+            stats_.kv_blocks_used -= r.blocks;
+            --stats_.running;
+            r.holds_blocks = false;
+          }
+          leaving.push_back(std::move(*it));
+          it = running_.erase(it);
+        } else {
+          ++it;
+        }
+      }
       while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch &&
              stats_.kv_blocks_used + waiting_.front()->blocks <= options_.kv_blocks) {
         std::unique_ptr<Request> r = std::move(waiting_.front());
@@ -417,10 +439,8 @@ void Engine::Loop() {
         r->admitted = now;
         running_.push_back(std::move(r));
       }
-      if (drain_over)
-        for (auto& r : running_) r->shut_out = r->shut_out || !r->cancelled;
       stats_.waiting = static_cast<int64_t>(waiting_.size());
-      if (running_.empty() && ended.empty()) {
+      if (running_.empty() && ended.empty() && leaving.empty()) {
         if (shutting_down_ && waiting_.empty()) break;
         cv_.wait_for(lock, std::chrono::milliseconds(20));
         continue;
@@ -439,6 +459,16 @@ void Engine::Loop() {
         Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
     }
     ended.clear();
+    for (auto& r : leaving) {
+      if (r->shut_out)
+        Finish(*r, FinishReason::kCancelled, ShutOutStatus());
+      else if (ended_at >= r->req.deadline || !r->cancelled)
+        Finish(*r, FinishReason::kDeadline,
+               absl::DeadlineExceededError("deadline passed during generation"));
+      else
+        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
+    }
+    leaving.clear();
 
     // New admissions get their state here, off the lock.
     for (auto& r : running_) {
@@ -448,16 +478,6 @@ void Engine::Loop() {
                                              options_.seed ^ (r->id * 0x9e3779b97f4a7c15ull));
       if (tokenizer_)
         r->decoder = std::make_unique<StreamDecoder>(*tokenizer_, /*skip_special_tokens=*/true);
-    }
-    const absl::Time now = absl::Now();
-    for (auto& r : running_) {
-      if (r->shut_out)
-        Finish(*r, FinishReason::kCancelled, ShutOutStatus());
-      else if (now >= r->req.deadline)
-        Finish(*r, FinishReason::kDeadline,
-               absl::DeadlineExceededError("deadline passed during generation"));
-      else if (r->cancelled)
-        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
     }
     Step();
     running_.erase(

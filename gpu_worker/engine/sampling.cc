@@ -4,7 +4,6 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 
@@ -59,78 +58,120 @@ absl::StatusOr<int32_t> Sampler::Sample(absl::Span<const float> logits,
   }
   work_.assign(logits.begin(), logits.end());
   auto in_range = [&](int32_t t) { return t >= 0 && t < V; };
+  // A fresh mark per pass over the request's tokens: O(tokens), no hashing,
+  // nothing of size V cleared.
+  auto next_mark = [&] {
+    if (mark_.size() != static_cast<size_t>(V)) {
+      mark_.assign(static_cast<size_t>(V), 0);
+      count_.assign(static_cast<size_t>(V), 0);
+      mark_gen_ = 0;
+    }
+    if (++mark_gen_ == 0) {
+      std::fill(mark_.begin(), mark_.end(), 0);
+      mark_gen_ = 1;
+    }
+  };
 
   if (p.repetition_penalty != 1.0f) {
-    std::unordered_set<int32_t> seen;
-    for (int32_t t : prompt) seen.insert(t);
-    for (int32_t t : output) seen.insert(t);
-    for (int32_t t : seen) {
-      if (!in_range(t)) continue;
+    next_mark();
+    auto penalize = [&](int32_t t) {
+      if (!in_range(t) || mark_[static_cast<size_t>(t)] == mark_gen_) return;
+      mark_[static_cast<size_t>(t)] = mark_gen_;
       float& l = work_[static_cast<size_t>(t)];
-      if (!std::isfinite(l)) continue;  // -inf stays masked
+      if (!std::isfinite(l)) return;  // -inf stays masked
       // A tiny penalty must not turn a logit into +-inf.
       l = std::clamp(l > 0 ? l / p.repetition_penalty : l * p.repetition_penalty,
                      -std::numeric_limits<float>::max(), std::numeric_limits<float>::max());
-    }
+    };
+    for (int32_t t : prompt) penalize(t);
+    for (int32_t t : output) penalize(t);
   }
   if (p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
-    std::unordered_map<int32_t, int> counts;
-    for (int32_t t : output) ++counts[t];
-    for (auto [t, n] : counts) {
+    next_mark();
+    for (int32_t t : output) {
       if (!in_range(t)) continue;
+      const size_t i = static_cast<size_t>(t);
+      if (mark_[i] != mark_gen_) {
+        mark_[i] = mark_gen_;
+        count_[i] = 0;
+      }
+      ++count_[i];
+    }
+    for (int32_t t : output) {
+      if (!in_range(t) || count_[static_cast<size_t>(t)] == 0) continue;
       work_[static_cast<size_t>(t)] -=
-          p.presence_penalty + p.frequency_penalty * static_cast<float>(n);
+          p.presence_penalty +
+          p.frequency_penalty * static_cast<float>(count_[static_cast<size_t>(t)]);
+      count_[static_cast<size_t>(t)] = 0;  // once per distinct token
     }
   }
   if (p.temperature == 0.0f) return Argmax(work_);
 
-  // Candidates sorted by logit, descending (ties: lower id first).
-  order_.resize(static_cast<size_t>(V));
-  std::iota(order_.begin(), order_.end(), 0);
-  size_t keep = static_cast<size_t>(V);
-  if (p.top_k > 0 && p.top_k < V) keep = static_cast<size_t>(p.top_k);
-  auto cmp = [&](int32_t a, int32_t b) {
-    const float x = work_[static_cast<size_t>(a)], y = work_[static_cast<size_t>(b)];
-    return x != y ? x > y : a < b;
-  };
-  std::partial_sort(order_.begin(), order_.begin() + static_cast<long>(keep), order_.end(), cmp);
-  order_.resize(keep);
-
-  // Softmax over the kept candidates at this temperature (f64 for stability).
-  const double max_l = work_[static_cast<size_t>(order_[0])];
-  std::vector<double> prob(keep);
-  double sum = 0;
-  for (size_t i = 0; i < keep; ++i) {
-    prob[i] = std::exp((static_cast<double>(work_[static_cast<size_t>(order_[i])]) - max_l) /
-                       p.temperature);
-    sum += prob[i];
+  // Candidates: the finite logits; with top_k, those >= the k-th largest
+  // (tokens tied with it stay, as transformers' TopKLogitsWarper keeps them).
+  // Only what top_p needs is sorted (descending, ties: lower id first): a
+  // 129k vocabulary is never sorted whole for one token.
+  cands_.clear();
+  for (int32_t t = 0; t < V; ++t) {
+    const float l = work_[static_cast<size_t>(t)];
+    if (std::isfinite(l)) cands_.push_back({l, t});
   }
-  for (double& x : prob) x /= sum;
+  auto cmp = [](const Candidate& a, const Candidate& b) {
+    return a.logit != b.logit ? a.logit > b.logit : a.id < b.id;
+  };
+  if (p.top_k > 0 && static_cast<size_t>(p.top_k) < cands_.size()) {
+    std::nth_element(cands_.begin(), cands_.begin() + (p.top_k - 1), cands_.end(), cmp);
+    const float kth = cands_[static_cast<size_t>(p.top_k - 1)].logit;
+    cands_.erase(std::partition(cands_.begin(), cands_.end(),
+                                [kth](const Candidate& c) { return c.logit >= kth; }),
+                 cands_.end());
+  }
+  float max_l = -std::numeric_limits<float>::infinity();
+  for (const Candidate& c : cands_) max_l = std::max(max_l, c.logit);
+  // Weights of softmax(l / T), relative to the largest (f64 for stability).
+  auto weight = [&](const Candidate& c) {
+    return std::exp((static_cast<double>(c.logit) - max_l) / p.temperature);
+  };
+  size_t keep = cands_.size();
   if (p.top_p < 1.0f) {
-    double acc = 0;
-    size_t n = 0;
-    while (n < keep) {
-      acc += prob[n++];
-      if (acc >= p.top_p) break;
+    double sum = 0;
+    for (const Candidate& c : cands_) sum += weight(c);
+    const double target = p.top_p * sum;
+    // The smallest prefix reaching top_p: sort a few hundred, more if needed.
+    size_t m = std::min<size_t>(keep, 256);
+    for (;;) {
+      std::partial_sort(cands_.begin(), cands_.begin() + static_cast<long>(m), cands_.end(), cmp);
+      double acc = 0;
+      size_t n = 0;
+      while (n < m) {
+        acc += weight(cands_[n++]);
+        if (acc >= target) break;
+      }
+      if (acc >= target || m == keep) {
+        keep = n;
+        break;
+      }
+      m = std::min(keep, m * 8);
     }
-    keep = n;
   }
   if (p.min_p > 0.0f) {
-    const double floor = p.min_p * prob[0];
-    size_t n = 1;
-    while (n < keep && prob[n] >= floor) ++n;
+    // The largest weight is 1; keep the order (a sorted prefix stays one).
+    const double floor = p.min_p;
+    size_t n = 0;
+    for (size_t i = 0; i < keep; ++i)
+      if (weight(cands_[i]) >= floor) cands_[n++] = cands_[i];
     keep = n;
   }
   double total = 0;
-  for (size_t i = 0; i < keep; ++i) total += prob[i];
+  for (size_t i = 0; i < keep; ++i) total += weight(cands_[i]);
   // Uniform in [0, total) from 53 random bits: the same on every platform.
   const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53 * total;
   double acc = 0;
   for (size_t i = 0; i < keep; ++i) {
-    acc += prob[i];
-    if (u < acc) return order_[i];
+    acc += weight(cands_[i]);
+    if (u < acc) return cands_[i].id;
   }
-  return order_[keep - 1];
+  return cands_[keep - 1].id;
 }
 
 }  // namespace hmoe

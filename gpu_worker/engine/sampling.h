@@ -5,8 +5,9 @@
 //   2. presence_penalty (once per distinct output token) and
 //      frequency_penalty (per occurrence in the output), subtracted;
 //   3. temperature == 0: greedy (argmax, lowest id on ties) — done;
-//   4. divide by temperature; keep top_k; keep the smallest set whose
-//      probability reaches top_p; drop tokens below min_p * max probability;
+//   4. divide by temperature; keep top_k (and every token tied with the
+//      k-th); keep the smallest set whose probability reaches top_p; drop
+//      tokens below min_p * max probability;
 //   5. draw from the renormalized distribution with the request's own RNG
 //      (seeded: same seed, same logits -> same tokens).
 #pragma once
@@ -57,8 +58,17 @@ class Sampler {
  private:
   SamplingParams params_;
   std::mt19937_64 rng_;
+  struct Candidate {
+    float logit;
+    int32_t id;
+  };
   std::vector<float> work_;
-  std::vector<int32_t> order_;
+  std::vector<Candidate> cands_;
+  // Per-token marks of the current pass over the request's tokens
+  // (== mark_gen_) and output counts, reused across calls.
+  std::vector<uint32_t> mark_;
+  std::vector<int32_t> count_;
+  uint32_t mark_gen_ = 0;
 };
 
 // Greedy argmax (lowest id wins ties).

@@ -308,7 +308,7 @@ class InstrumentedModel final : public Model {
       std::unique_lock<std::mutex> lock(mu_);
       passes_.push_back(static_cast<int>(steps.size()));
       cv_.notify_all();
-      cv_.wait(lock, [&] { return !hold_; });
+      cv_.wait(lock, [&] { return !hold_ && passes_.size() != hold_pass_; });
     }
     for (const ForwardStep& st : steps)
       if (!poison.empty() && st.tokens.size() >= poison.size() &&
@@ -335,6 +335,16 @@ class InstrumentedModel final : public Model {
     hold_ = false;
     cv_.notify_all();
   }
+  // Holds pass number `n` (1-based) alone until ReleasePass().
+  void HoldPass(size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_pass_ = n;
+  }
+  void ReleasePass() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_pass_ = 0;
+    cv_.notify_all();
+  }
   std::vector<int> passes() const {
     std::lock_guard<std::mutex> lock(mu_);
     return passes_;
@@ -350,6 +360,7 @@ class InstrumentedModel final : public Model {
   mutable std::condition_variable cv_;
   mutable std::vector<int> passes_;  // steps per ForwardBatch call
   bool hold_ = false;
+  size_t hold_pass_ = 0;  // 0: none
 };
 
 GenerateRequest Short(int i, int max_tokens) {
@@ -379,6 +390,63 @@ class ContextModel final : public Model {
   const Model* inner_;
   ModelOptions options_;
 };
+
+// A running request cancelled between passes gives its batch slot and KV
+// blocks to a waiting one in the very next pass (before: one pass later).
+TEST_F(EngineTest, ACancelledRequestsSlotIsTakenByTheNextPass) {
+  InstrumentedModel model(model_);
+  EngineOptions o;
+  o.max_batch = 2;
+  auto engine = Engine::Create(&model, nullptr, o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Collector a, c, b;
+  model.Hold();
+  ASSERT_TRUE((*engine)->Submit(Short(0, 20), a.Callback()).ok());
+  ASSERT_TRUE(model.WaitForPasses(1));  // A's prefill, held
+  auto c_id = (*engine)->Submit(Short(1, 20), c.Callback());
+  ASSERT_TRUE(c_id.ok());
+  ASSERT_TRUE((*engine)->Submit(Short(2, 3), b.Callback()).ok());
+  model.HoldPass(2);
+  model.Release();
+  ASSERT_TRUE(model.WaitForPasses(2));  // A's decode and C's prefill; B waits
+  (*engine)->Cancel(*c_id);
+  model.ReleasePass();
+  for (Collector* x : {&a, &b, &c}) ASSERT_TRUE(x->Wait());
+  EXPECT_EQ(c.final_event.finish, FinishReason::kCancelled);
+  const std::vector<int> passes = model.passes();
+  ASSERT_GE(passes.size(), 3u);
+  EXPECT_EQ(passes[1], 2);
+  EXPECT_EQ(passes[2], 2) << "pass 3 should hold A's decode and B's prefill";
+  EXPECT_EQ((*engine)->stats().kv_blocks_used, 0);
+}
+
+// The default KV budget reserves whole blocks per request: max_batch
+// requests of the full context fit together when the context is not a
+// multiple of the block (100 tokens: 7 blocks each, 14 for two; before: 13).
+TEST_F(EngineTest, TheDefaultKvBudgetFitsMaxBatchFullContexts) {
+  ContextModel ctx(model_, 100);
+  InstrumentedModel model(&ctx);
+  EngineOptions o;
+  o.max_batch = 2;
+  auto engine = Engine::Create(&model, nullptr, o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<Collector> cs(2);
+  model.Hold();
+  ASSERT_TRUE((*engine)->Submit(Short(0, 97), cs[0].Callback()).ok());
+  ASSERT_TRUE(model.WaitForPasses(1));
+  ASSERT_TRUE((*engine)->Submit(Short(1, 97), cs[1].Callback()).ok());
+  model.HoldPass(2);
+  model.Release();
+  ASSERT_TRUE(model.WaitForPasses(2));
+  EXPECT_EQ((*engine)->stats().running, 2);
+  EXPECT_EQ((*engine)->stats().kv_blocks_used, 14);
+  model.ReleasePass();
+  for (auto& c : cs) {
+    ASSERT_TRUE(c.Wait());
+    EXPECT_EQ(c.final_event.finish, FinishReason::kLength);
+    EXPECT_EQ(c.ids.size(), 97u);
+  }
+}
 
 // The default KV budget (max_batch x context) is computed without overflow:
 // an absurd context is INVALID_ARGUMENT saying why, not a wrapped count.

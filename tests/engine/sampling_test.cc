@@ -1,8 +1,12 @@
 #include "gpu_worker/engine/sampling.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
+#include <random>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -29,6 +33,58 @@ TEST(Sampling, GreedyAndEquivalentFilters) {
     p.min_p = 1.0f;
     EXPECT_EQ(Sampler(p, static_cast<uint64_t>(i)).Sample(logits, {}, {}).value(), 1);
   }
+}
+
+// top_k keeps every token tied with the k-th logit, as transformers'
+// TopKLogitsWarper does ({2, 1, 1}, k = 2: ids 1 and 2 each 21.2%).
+TEST(Sampling, TopKKeepsTokensTiedWithTheKth) {
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_k = 2;
+  Sampler s(p, 11);
+  std::map<int32_t, int> n;
+  const int draws = 4000;
+  for (int i = 0; i < draws; ++i) ++n[s.Sample({2.0f, 1.0f, 1.0f}, {}, {}).value()];
+  const double want = std::exp(1.0) / (std::exp(2.0) + 2 * std::exp(1.0));
+  EXPECT_NEAR(n[1] / static_cast<double>(draws), want, 0.03);
+  EXPECT_NEAR(n[2] / static_cast<double>(draws), want, 0.03);
+}
+
+// A DeepSeek-size vocabulary with a flat distribution: top_p keeps the
+// smallest prefix of the descending order that reaches it (thousands of
+// tokens, past the first partial sort), found here by sorting everything.
+TEST(Sampling, TopPOverALargeVocabularyKeepsTheSmallestPrefix) {
+  const int V = 129280;
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> logits(V);
+  for (float& l : logits) l = normal(gen);
+  SamplingParams p;
+  p.temperature = 0.8f;
+  p.top_p = 0.5f;
+  std::vector<int32_t> order(V);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+  });
+  double sum = 0;
+  for (float l : logits) sum += std::exp((l - logits[order[0]]) / 0.8);
+  std::vector<bool> kept(V, false);
+  double acc = 0;
+  size_t n = 0;
+  while (acc < 0.5 * sum) {
+    acc += std::exp((logits[order[n]] - logits[order[0]]) / 0.8);
+    kept[order[n++]] = true;
+  }
+  ASSERT_GT(n, 2048u) << "the case should need more than the first sorts";
+  Sampler s(p, 3);
+  int past_256 = 0;
+  for (int i = 0; i < 300; ++i) {
+    const int32_t t = s.Sample(logits, {}, {}).value();
+    ASSERT_TRUE(kept[t]) << "token " << t << " is outside the top_p prefix";
+    past_256 += std::find(order.begin(), order.begin() + 256, t) == order.begin() + 256;
+  }
+  EXPECT_GT(past_256, 100);
 }
 
 TEST(Sampling, SeedReproducesAndDiffers) {
