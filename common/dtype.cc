@@ -11,13 +11,16 @@ int DTypeBits(DType t) {
   switch (t) {
     case DType::kF64:
     case DType::kI64:
+    case DType::kU64:
       return 64;
     case DType::kF32:
     case DType::kI32:
+    case DType::kU32:
       return 32;
     case DType::kF16:
     case DType::kBF16:
     case DType::kI16:
+    case DType::kU16:
       return 16;
     case DType::kF8E4M3:
     case DType::kF8E5M2:
@@ -43,6 +46,7 @@ constexpr NameEntry kNames[] = {
     {DType::kBF16, "BF16"}, {DType::kF8E4M3, "F8_E4M3"}, {DType::kF8E5M2, "F8_E5M2"},
     {DType::kI64, "I64"},   {DType::kI32, "I32"},        {DType::kI16, "I16"},
     {DType::kI8, "I8"},     {DType::kU8, "U8"},          {DType::kBool, "BOOL"},
+    {DType::kU16, "U16"},   {DType::kU32, "U32"},        {DType::kU64, "U64"},
     {DType::kI4, "I4"},
 };
 }  // namespace

@@ -30,6 +30,9 @@ enum class DType : uint8_t {
   kU8,
   kBool,
   kI4,  // packed int4 (ours; not a safetensors dtype)
+  kU16,
+  kU32,
+  kU64,
 };
 
 // Bits per element (4 for kI4, 8*bytes otherwise).

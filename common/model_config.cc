@@ -249,8 +249,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   c.num_layers = r.Int("num_hidden_layers");
   c.num_heads = r.Int("num_attention_heads");
   c.num_kv_heads = r.IntOr("num_key_value_heads", c.num_heads);
-  c.max_position_embeddings = r.IntOr("max_position_embeddings", 4096);
-  c.rms_norm_eps = r.DoubleOr("rms_norm_eps", 1e-6);
+  // A field a config.json leaves out takes its transformers config class's
+  // default (DeepseekV3Config, DeepseekV2Config, Qwen3MoeConfig,
+  // MixtralConfig), as transformers would run it.
+  const bool mixtral = c.arch == Architecture::kMixtral;
+  c.max_position_embeddings =
+      r.IntOr("max_position_embeddings", mixtral                               ? 4096 * 32
+                                         : c.arch == Architecture::kQwen3Moe   ? 32768
+                                         : c.arch == Architecture::kDeepseekV2 ? 2048
+                                                                               : 4096);
+  c.rms_norm_eps = r.DoubleOr("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
+  if (mixtral) c.rope.theta = 1e6;
   c.tie_word_embeddings = r.BoolOr("tie_word_embeddings", false);
   c.attention_bias = r.BoolOr("attention_bias", false);
   c.bos_token_id = r.OptInt("bos_token_id");
@@ -277,10 +286,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       m.num_shared_experts = r.IntOr("n_shared_experts", 0);
       const std::string scoring = r.StringOr("scoring_func", v3 ? "sigmoid" : "softmax");
       const std::string method = r.StringOr("topk_method", v3 ? "noaux_tc" : "greedy");
-      m.n_group = r.IntOr("n_group", 1);
-      m.topk_group = r.IntOr("topk_group", m.n_group);
+      m.n_group = r.IntOr("n_group", v3 ? 8 : 1);
+      m.topk_group = r.IntOr("topk_group", v3 ? 4 : m.n_group);
       m.norm_topk_prob = r.BoolOr("norm_topk_prob", v3);
-      m.routed_scaling_factor = r.DoubleOr("routed_scaling_factor", 1.0);
+      m.routed_scaling_factor = r.DoubleOr("routed_scaling_factor", v3 ? 2.5 : 1.0);
       c.first_k_dense_replace = r.IntOr("first_k_dense_replace", 0);
       c.moe_layer_freq = r.IntOr("moe_layer_freq", 1);
       c.num_nextn_predict_layers = r.IntOr("num_nextn_predict_layers", 0);
@@ -329,6 +338,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       m.intermediate_size = r.Int("intermediate_size");
       m.norm_topk_prob = true;  // Mixtral renormalizes the top-k softmax
       m.scoring = ScoringFunc::kSoftmax;
+      RETURN_IF_ERROR(r.status());
+      // Every Mixtral layer is a MoE layer: it needs experts.
+      if (m.num_experts <= 0)
+        return Invalid(
+            source, "num_local_experts",
+            absl::StrCat("must be positive (every mixtral layer routes), got ", m.num_experts));
       break;
     }
   }

@@ -23,7 +23,8 @@ using json = nlohmann::json;
 namespace fs = std::filesystem;
 
 // Parses `text` as JSON, refusing duplicate keys in the top-level object and
-// in the object named `nested_key` (if any). Never throws.
+// in the objects it holds (with `nested_key`: only in the one so named).
+// Never throws.
 absl::StatusOr<json> ParseStrictJson(std::string_view text, const std::string& what,
                                      const std::string& nested_key = "") {
   std::string duplicate;
@@ -36,9 +37,10 @@ absl::StatusOr<json> ParseStrictJson(std::string_view text, const std::string& w
     if (event == json::parse_event_t::key && depth >= 1 && depth <= 2) {
       const std::string k = parsed.get<std::string>();
       if (depth == 1) current_top_key = k;
-      const bool track = depth == 1 || (!nested_key.empty() && current_top_key == nested_key);
+      const bool track = depth == 1 || nested_key.empty() || current_top_key == nested_key;
       if (track && !keys_at_depth[static_cast<size_t>(depth)].insert(k).second && duplicate.empty())
-        duplicate = k;
+        duplicate = depth == 1 ? absl::StrCat("\"", k, "\"")
+                               : absl::StrCat("\"", k, "\" in \"", current_top_key, "\"");
     }
     return true;
   };
@@ -49,7 +51,7 @@ absl::StatusOr<json> ParseStrictJson(std::string_view text, const std::string& w
     return absl::InvalidArgumentError(absl::StrCat(what, ": invalid JSON: ", e.what()));
   }
   if (!duplicate.empty())
-    return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate key \"", duplicate, "\""));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate key ", duplicate));
   if (!j.is_object())
     return absl::InvalidArgumentError(absl::StrCat(what, ": JSON is not an object"));
   return j;

@@ -1,7 +1,10 @@
 #include "common/tensor.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <new>
 
 #include "absl/strings/str_join.h"
 
@@ -36,6 +39,7 @@ Tensor Tensor::Empty(DType dtype, Shape shape) {
   const size_t bytes = static_cast<size_t>(DTypeBytes(dtype, NumElements(shape)));
   const size_t rounded = (bytes + 63) / 64 * 64 + 64;
   void* p = std::aligned_alloc(64, rounded);
+  if (p == nullptr) throw std::bad_alloc();
   std::memset(p, 0, rounded);
   std::shared_ptr<const void> owner(p, [](const void* q) { std::free(const_cast<void*>(q)); });
   return Tensor(dtype, std::move(shape), p, std::move(owner));
@@ -71,7 +75,11 @@ std::vector<float> Tensor::ToF32() const {
       case DType::kF64: {
         double f;
         std::memcpy(&f, base + off * 8, 8);
-        v = static_cast<float>(f);
+        // Past float's range is +-inf (as numpy casts), not undefined.
+        v = std::isnan(f) || std::fabs(f) <= std::numeric_limits<float>::max()
+                ? static_cast<float>(f)
+                : (f > 0 ? std::numeric_limits<float>::infinity()
+                         : -std::numeric_limits<float>::infinity());
         break;
       }
       case DType::kBF16: {
@@ -117,6 +125,24 @@ std::vector<float> Tensor::ToF32() const {
       case DType::kBool:
         v = static_cast<uint8_t>(base[off]);
         break;
+      case DType::kU16: {
+        uint16_t x;
+        std::memcpy(&x, base + off * 2, 2);
+        v = x;
+        break;
+      }
+      case DType::kU32: {
+        uint32_t x;
+        std::memcpy(&x, base + off * 4, 4);
+        v = static_cast<float>(x);
+        break;
+      }
+      case DType::kU64: {
+        uint64_t x;
+        std::memcpy(&x, base + off * 8, 8);
+        v = static_cast<float>(x);
+        break;
+      }
       case DType::kI4:
         v = UnpackI4(reinterpret_cast<const uint8_t*>(base), off);
         break;

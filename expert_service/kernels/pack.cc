@@ -235,9 +235,11 @@ absl::StatusOr<std::vector<float>> MatrixF32(const Tensor& t, const Tensor& scal
       return absl::InvalidArgumentError(
           absl::StrCat(std::string(name), ": fp8 block size must be > 0, got ", block));
     const int64_t br = (rows + block - 1) / block, bc = (cols + block - 1) / block;
-    if (scale_inv.empty() || scale_inv.dtype() != DType::kF32 || scale_inv.numel() != br * bc)
-      return absl::InvalidArgumentError(
-          absl::StrCat(std::string(name), ": fp8 weight needs an f32 scale_inv of ", br, "x", bc));
+    if (scale_inv.empty() || scale_inv.dtype() != DType::kF32 || scale_inv.rank() != 2 ||
+        scale_inv.dim(0) != br || scale_inv.dim(1) != bc)
+      return absl::InvalidArgumentError(absl::StrCat(
+          std::string(name), ": fp8 weight needs an f32 scale_inv of [", br, ", ", bc, "], got ",
+          scale_inv.empty() ? std::string("none") : ShapeString(scale_inv.shape())));
     if (!t.contiguous() || !scale_inv.contiguous())
       return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": must be contiguous"));
     std::vector<float> out(static_cast<size_t>(rows * cols));

@@ -114,8 +114,7 @@ uint64_t Fnv1a64(const void* data, size_t n) {
 absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const ModelConfig& cfg,
                                                 int layer, int64_t expert) {
   const int64_t H = cfg.hidden_size, I = cfg.moe.intermediate_size;
-  const int64_t block =
-      cfg.quantization.weight_block.empty() ? 128 : cfg.quantization.weight_block[0];
+  ASSIGN_OR_RETURN(const int64_t block, Fp8ExpertBlock(cfg, ckpt.dir()));
   auto load = [&](ExpertProj proj, int64_t rows, int64_t cols, Tensor* w,
                   Tensor* scale_inv) -> absl::Status {
     const std::string name = ExpertWeightName(cfg, layer, static_cast<int>(expert), proj);
@@ -126,6 +125,11 @@ absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const Mo
                                                      ", ", cols, "]"));
     }
     if (w->dtype() == DType::kF8E4M3) {
+      if (block == 0)
+        return absl::InvalidArgumentError(
+            absl::StrCat(ckpt.dir(), ": ", name,
+                         " is fp8, but config.json has no quantization_config (quant_method fp8, "
+                         "weight_block_size): its block scales cannot be read"));
       const std::string sname = ScaleInvName(name);
       ASSIGN_OR_RETURN(*scale_inv, ckpt.Get(sname));
       if (scale_inv->dtype() != DType::kF32 || scale_inv->rank() != 2 ||
@@ -150,12 +154,23 @@ absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const Mo
   return w;
 }
 
+absl::StatusOr<int64_t> Fp8ExpertBlock(const ModelConfig& cfg, const std::string& dir) {
+  if (cfg.quantization.method != "fp8" || cfg.quantization.weight_block.size() != 2) return 0;
+  if (cfg.quantization.weight_block[0] != cfg.quantization.weight_block[1])
+    return absl::UnimplementedError(absl::StrCat(dir, ": fp8 weight blocks must be square, got ",
+                                                 cfg.quantization.weight_block[0], "x",
+                                                 cfg.quantization.weight_block[1]));
+  return cfg.quantization.weight_block[0];
+}
+
 MoeWeightsSource CheckpointSource(const Checkpoint& ckpt, const ModelConfig& cfg, int layer) {
   MoeWeightsSource src;
   src.hidden = cfg.hidden_size;
   src.intermediate = cfg.moe.intermediate_size;
   src.num_experts = cfg.moe.num_experts;
-  src.fp8_block = cfg.quantization.weight_block.empty() ? 128 : cfg.quantization.weight_block[0];
+  // LoadExpertWeights refuses what this cannot express (non-square, none).
+  const absl::StatusOr<int64_t> block = Fp8ExpertBlock(cfg, ckpt.dir());
+  src.fp8_block = block.ok() ? *block : 0;
   src.expert = [&ckpt, &cfg, layer](int64_t e) { return LoadExpertWeights(ckpt, cfg, layer, e); };
   return src;
 }

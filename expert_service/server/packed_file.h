@@ -96,6 +96,10 @@ uint64_t Fnv1a64(const void* data, size_t n);
 // errors name the checkpoint and the tensor.
 absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const ModelConfig& cfg,
                                                 int layer, int64_t expert);
+// The fp8 block size of `cfg`'s experts: 0 without an fp8
+// quantization_config (an fp8 expert is then refused by LoadExpertWeights),
+// UNIMPLEMENTED for non-square blocks (as the worker refuses them).
+absl::StatusOr<int64_t> Fp8ExpertBlock(const ModelConfig& cfg, const std::string& dir);
 // The kernels' weight source for one MoE layer of a checkpoint (streams
 // LoadExpertWeights; `ckpt` and `cfg` must outlive it).
 MoeWeightsSource CheckpointSource(const Checkpoint& ckpt, const ModelConfig& cfg, int layer);

@@ -25,9 +25,9 @@ float RoundToBf16Reference(float x) {
 }
 
 TEST(DType, NamesRoundTrip) {
-  for (auto t :
-       {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kF8E5M2,
-        DType::kI64, DType::kI32, DType::kI16, DType::kI8, DType::kU8, DType::kBool}) {
+  for (auto t : {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3,
+                 DType::kF8E5M2, DType::kI64, DType::kI32, DType::kI16, DType::kI8, DType::kU8,
+                 DType::kBool, DType::kU16, DType::kU32, DType::kU64}) {
     auto parsed = ParseDType(DTypeName(t));
     ASSERT_TRUE(parsed.has_value()) << DTypeName(t);
     EXPECT_EQ(*parsed, t);
@@ -36,6 +36,11 @@ TEST(DType, NamesRoundTrip) {
   EXPECT_FALSE(ParseDType("I4").has_value());  // ours, not a safetensors dtype
   EXPECT_EQ(DTypeBytes(DType::kI4, 7), 4);
   EXPECT_EQ(DTypeBytes(DType::kBF16, 7), 14);
+  // The unsigned safetensors dtypes (a tokenizer's or a buffer's tensor in a
+  // checkpoint must not make the file unreadable).
+  EXPECT_EQ(ParseDType("U32"), DType::kU32);
+  EXPECT_EQ(DTypeBytes(DType::kU64, 3), 24);
+  EXPECT_EQ(DTypeBytes(DType::kU16, 3), 6);
 }
 
 TEST(DType, Bf16RoundToNearestEven) {

@@ -144,6 +144,41 @@ TEST(ModelConfig, Qwen3AndMixtral) {
   EXPECT_EQ(m->layers[0].sliding_window, 0);
 }
 
+// Fields a config.json leaves out take the transformers config class's
+// defaults (they change routing, RoPE and norms, not shapes: no weight
+// check would notice): DeepseekV3Config n_group 8, topk_group 4,
+// routed_scaling_factor 2.5; MixtralConfig rope_theta 1e6, rms_norm_eps
+// 1e-5, max_position_embeddings 131072; Qwen3MoeConfig 32768;
+// DeepseekV2Config 2048.
+TEST(ModelConfig, MissingFieldsTakeTransformersClassDefaults) {
+  json v3 = ReadJson(Configs() + "/deepseek_v3_published/config.json");
+  for (const char* f : {"n_group", "topk_group", "routed_scaling_factor"}) v3.erase(f);
+  auto a = ParseModelConfig(v3.dump(), "v3/config.json");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->moe.n_group, 8);
+  EXPECT_EQ(a->moe.topk_group, 4);
+  EXPECT_DOUBLE_EQ(a->moe.routed_scaling_factor, 2.5);
+  json mx = ReadJson(Configs() + "/mixtral_8x7b/config.json");
+  for (const char* f : {"rope_theta", "rms_norm_eps", "max_position_embeddings"}) mx.erase(f);
+  auto m = ParseModelConfig(mx.dump(), "mixtral/config.json");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_DOUBLE_EQ(m->rope.theta, 1e6);
+  EXPECT_DOUBLE_EQ(m->rms_norm_eps, 1e-5);
+  EXPECT_EQ(m->max_position_embeddings, 131072);
+  json q = ReadJson(Configs() + "/qwen3_30b_a3b/config.json");
+  for (const char* f : {"rope_theta", "rms_norm_eps", "max_position_embeddings"}) q.erase(f);
+  auto qc = ParseModelConfig(q.dump(), "qwen/config.json");
+  ASSERT_TRUE(qc.ok()) << qc.status();
+  EXPECT_DOUBLE_EQ(qc->rope.theta, 10000.0);
+  EXPECT_DOUBLE_EQ(qc->rms_norm_eps, 1e-6);
+  EXPECT_EQ(qc->max_position_embeddings, 32768);
+  // Every Mixtral layer routes: no experts is an error naming the field.
+  mx["num_local_experts"] = 0;
+  auto none = ParseModelConfig(mx.dump(), "mixtral/config.json");
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument) << none.status();
+  EXPECT_THAT(std::string(none.status().message()), HasSubstr("\"num_local_experts\""));
+}
+
 // Mutates the published DeepSeek-V3 config and expects an exact error.
 class ConfigErrorTest : public ::testing::Test {
  protected:

@@ -169,6 +169,26 @@ TEST_F(SafetensorsTest, DuplicateNames) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()),
               AllOf(HasSubstr(path_), HasSubstr("duplicate key \"dup\"")));
+  // Inside one entry too: the last "dtype" must not silently win.
+  s = OpenRaw(R"({"w":{"dtype":"F32","dtype":"BF16","shape":[1],"data_offsets":[0,4]}})", 4);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr(R"(duplicate key "dtype" in "w")"));
+}
+
+// The unsigned dtypes of the safetensors format read like the others.
+TEST_F(SafetensorsTest, UnsignedDtypesOpen) {
+  WriteRaw(path_,
+           "{" + Entry("u16", "U16", "[2]", 0, 4) + "," + Entry("u32", "U32", "[1]", 4, 8) + "," +
+               Entry("u64", "U64", "[1]", 8, 16) + "}",
+           16);
+  auto f = SafetensorsFile::Open(path_);
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto t = (*f)->Get("u32");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->dtype(), DType::kU32);
+  // WriteRaw's data bytes count up from 0: u32 is bytes 4..7.
+  EXPECT_EQ(t->ToF32(), std::vector<float>{static_cast<float>(0x07060504u)});
+  EXPECT_EQ((*f)->Get("u16")->ToF32(), (std::vector<float>{256.0f, 770.0f}));
 }
 
 TEST_F(SafetensorsTest, MalformedEntries) {

@@ -13,6 +13,7 @@
 #include "expert_service/server/convert_cli.h"
 #include "expert_service/server/expert_shard.h"
 #include "expert_service/server/packed_file.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_edit.h"
 #include "tests/testing/temp_dir.h"
@@ -324,6 +325,34 @@ TEST(Convert, Fp8CheckpointPacksLikeQuantizeAtLoad) {
       EXPECT_NE(b, d);
     }
   }
+}
+
+// fp8 experts whose blocks the config cannot describe are refused by name,
+// as the worker refuses them: non-square blocks (UNIMPLEMENTED), no
+// quantization_config at all (before: read as 128x128 blocks).
+TEST(Convert, Fp8WithoutUsableBlockSizesIsRefused) {
+  ::hmoe::testing::TempDir dir;
+  const int64_t B = 16;
+  const std::string odd = dir.file("odd"), none = dir.file("none");
+  std::filesystem::create_directories(odd);
+  std::filesystem::create_directories(none);
+  ::hmoe::testing::RewriteCheckpoint(
+      ModelDir(), odd, ::hmoe::testing::Fp8ProjEdit(true, B), [](nlohmann::json& j) {
+        j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {16, 8}}};
+      });
+  ::hmoe::testing::RewriteCheckpoint(ModelDir(), none, ::hmoe::testing::Fp8ProjEdit(true, B));
+  ShardOptions o = Opts(0, 1, SplitMode::kTp, "int8");
+  o.model_dir = odd;
+  auto s = ExpertShard::Load(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kUnimplemented) << s.status();
+  EXPECT_THAT(std::string(s.status().message()),
+              ::testing::HasSubstr("fp8 weight blocks must be square, got 16x8"));
+  o.model_dir = none;
+  s = ExpertShard::Load(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+  EXPECT_THAT(std::string(s.status().message()),
+              ::testing::HasSubstr("has no quantization_config"));
+  EXPECT_NE(ConvertCommand({none, dir.file("out"), "--format", "int8"}), 0);
 }
 
 // The fixture's first MoE layer.
