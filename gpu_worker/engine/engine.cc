@@ -111,7 +111,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model,
   if (o.kv_blocks < 1)
     return absl::InvalidArgumentError(absl::StrCat("kv_blocks must be >= 1, got ", o.kv_blocks));
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));
-  e->max_seq_len_ = max_seq;
+  // A cache smaller than one context bounds every request's context too.
+  e->max_seq_len_ = static_cast<int64_t>(
+      std::min<__int128>(max_seq, static_cast<__int128>(o.kv_blocks) * o.kv_block_tokens));
   for (int64_t id : model->config().eos_token_ids) e->eos_ids_.push_back(static_cast<int32_t>(id));
   e->stats_.kv_blocks_total = o.kv_blocks;
   e->thread_ = std::thread([p = e.get()] { p->Loop(); });
@@ -133,9 +135,10 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
         absl::StrCat("max_tokens must be >= 1, got ", req.max_tokens));
   const int64_t prompt_len = static_cast<int64_t>(req.prompt.size());
   if (prompt_len >= max_seq_len_)
-    return absl::InvalidArgumentError(absl::StrCat("prompt has ", prompt_len,
-                                                   " tokens; the context holds ", max_seq_len_,
-                                                   " (prompt plus at least one generated token)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt has ", prompt_len, " tokens; the context holds ", max_seq_len_,
+                     max_seq_len_ < model_->options().max_seq_len ? " (the KV cache's size)" : "",
+                     " (prompt plus at least one generated token)"));
   // Generation stops at the context length (finish reason "length").
   req.max_tokens =
       static_cast<int32_t>(std::min<int64_t>(req.max_tokens, max_seq_len_ - prompt_len));

@@ -48,7 +48,7 @@ struct EngineOptions {
   int max_batch = 16;            // requests decoded per step
   int max_queue = 64;            // waiting requests; a full queue -> RESOURCE_EXHAUSTED
   int64_t kv_block_tokens = 16;  // tokens per KV block
-  int64_t kv_blocks = 0;         // total blocks; 0: max_batch * max_seq_len / kv_block_tokens
+  int64_t kv_blocks = 0;         // total blocks; 0: max_batch * ceil(max_seq_len / kv_block_tokens)
   int64_t prefill_chunk = 64;    // prompt tokens per scheduler step, all requests together
   uint64_t seed = 0x9e3779b97f4a7c15ull;  // base for requests without a seed
 };
@@ -118,6 +118,9 @@ class Engine {
   void Cancel(uint64_t request_id);
   EngineStats stats() const;
   const EngineOptions& options() const { return options_; }
+  // Tokens one request may hold (prompt + generated): the model's
+  // max_seq_len, or less when the whole KV cache (kv_blocks) is smaller.
+  int64_t max_context() const { return max_seq_len_; }
 
   // Refuses new requests, lets running and queued ones finish until `drain`
   // has passed, then ends the rest UNAVAILABLE ("worker shutting down") and

@@ -187,7 +187,7 @@ grpc::Status GenerationService::ModelInfo(grpc::ServerContext* ctx,
   resp->set_num_moe_layers(c.num_moe_layers());
   resp->set_num_experts(c.moe.num_experts);
   resp->set_experts_per_token(c.moe.experts_per_token);
-  resp->set_max_context(model_->options().max_seq_len);
+  resp->set_max_context(engine_->max_context());
   const ParamCounts p = CountParameters(c);
   resp->set_total_params(p.total);
   resp->set_active_params(p.active);

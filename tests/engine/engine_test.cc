@@ -448,6 +448,32 @@ TEST_F(EngineTest, TheDefaultKvBudgetFitsMaxBatchFullContexts) {
   }
 }
 
+// A KV cache smaller than one context (--kv-blocks) is every request's
+// context: max_tokens stops there (finish "length", as at the model's
+// context) instead of refusing the request, and max_context() says so.
+TEST_F(EngineTest, AKvCacheSmallerThanTheContextBoundsEachRequest) {
+  EngineOptions o;
+  o.kv_blocks = 4;  // 64 tokens; the model holds 256
+  auto engine = Make(o);
+  EXPECT_EQ(engine->max_context(), 64);
+  GenerateRequest r;
+  for (int i = 0; i < 10; ++i) r.prompt.push_back(5 + i);
+  r.max_tokens = 100;
+  r.ignore_eos = true;
+  Collector c;
+  ASSERT_TRUE(engine->Submit(r, c.Callback()).ok());
+  ASSERT_TRUE(c.Wait());
+  EXPECT_EQ(c.final_event.finish, FinishReason::kLength);
+  EXPECT_EQ(c.ids.size(), 54u);
+  r.prompt.assign(64, 7);
+  Collector never;
+  auto refused = engine->Submit(r, never.Callback());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("the context holds 64 (the KV cache's size)"));
+  EXPECT_EQ(Make()->max_context(), 256);
+}
+
 // The default KV budget (max_batch x context) is computed without overflow:
 // an absurd context is INVALID_ARGUMENT saying why, not a wrapped count.
 TEST_F(EngineTest, AnAbsurdContextIsRefusedNotOverflowed) {
