@@ -249,9 +249,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   c.num_layers = r.Int("num_hidden_layers");
   c.num_heads = r.Int("num_attention_heads");
   c.num_kv_heads = r.IntOr("num_key_value_heads", c.num_heads);
-  // A field a config.json leaves out takes its transformers config class's
+  // The fields that shape no weight (routing, RoPE, norms, context) take,
+  // when a config.json leaves them out, their transformers config class's
   // default (DeepseekV3Config, DeepseekV2Config, Qwen3MoeConfig,
-  // MixtralConfig), as transformers would run it.
+  // MixtralConfig), as transformers would run it; nothing else could notice
+  // them missing. Shape fields a config leaves out are checked against the
+  // checkpoint's tensors (CheckWeights) instead.
   const bool mixtral = c.arch == Architecture::kMixtral;
   c.max_position_embeddings =
       r.IntOr("max_position_embeddings", mixtral                               ? 4096 * 32

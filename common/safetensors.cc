@@ -23,7 +23,8 @@ using json = nlohmann::json;
 namespace fs = std::filesystem;
 
 // Parses `text` as JSON, refusing duplicate keys in the top-level object and
-// in the objects it holds (with `nested_key`: only in the one so named).
+// in the objects it holds but __metadata__ (with `nested_key`: only in the
+// one so named).
 // Never throws.
 absl::StatusOr<json> ParseStrictJson(std::string_view text, const std::string& what,
                                      const std::string& nested_key = "") {
@@ -37,7 +38,9 @@ absl::StatusOr<json> ParseStrictJson(std::string_view text, const std::string& w
     if (event == json::parse_event_t::key && depth >= 1 && depth <= 2) {
       const std::string k = parsed.get<std::string>();
       if (depth == 1) current_top_key = k;
-      const bool track = depth == 1 || nested_key.empty() || current_top_key == nested_key;
+      // (__metadata__ is a string map the reference reader takes as it comes.)
+      const bool track = depth == 1 || (nested_key.empty() ? current_top_key != "__metadata__"
+                                                           : current_top_key == nested_key);
       if (track && !keys_at_depth[static_cast<size_t>(depth)].insert(k).second && duplicate.empty())
         duplicate = depth == 1 ? absl::StrCat("\"", k, "\"")
                                : absl::StrCat("\"", k, "\" in \"", current_top_key, "\"");

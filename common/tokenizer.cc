@@ -143,12 +143,14 @@ class Regex {
   }
   ~Regex() { pcre2_code_free(code_); }
 
-  // Non-overlapping matches [begin, end) in `s`, left to right. A matching
+  // Non-overlapping matches [begin, end) in `s`, left to right (empty ones
+  // only with `keep_empty`, as a Replace normalizer counts them). A matching
   // error (PCRE2's match or depth limit on a pathological input) is
   // INVALID_ARGUMENT naming `where`: splitting there silently would change
   // the ids.
   absl::StatusOr<std::vector<std::pair<size_t, size_t>>> FindAll(const std::string& s,
-                                                                 const std::string& where) const {
+                                                                 const std::string& where,
+                                                                 bool keep_empty = false) const {
     std::vector<std::pair<size_t, size_t>> out;
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
     if (md == nullptr) return absl::ResourceExhaustedError(where + ": no memory for a regex match");
@@ -169,6 +171,7 @@ class Regex {
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       size_t b = ov[0], e = ov[1];
       if (e == b) {  // empty match: step over one character
+        if (keep_empty) out.emplace_back(b, e);
         if (b >= s.size()) break;
         size_t bad = 0;
         int n = Utf8Sequence(s, b, &bad);
@@ -323,7 +326,8 @@ struct Tokenizer::Impl {
           if (!text.empty()) text.insert(0, n.content);
           break;
         case NormalizerStep::kReplace: {
-          ASSIGN_OR_RETURN(auto matches, n.pattern->FindAll(text, "normalizer Replace"));
+          ASSIGN_OR_RETURN(auto matches,
+                           n.pattern->FindAll(text, "normalizer Replace", /*keep_empty=*/true));
           if (matches.empty()) break;
           std::string out;
           size_t cursor = 0;
@@ -343,6 +347,7 @@ struct Tokenizer::Impl {
 
   absl::Status EncodeSegment(const std::string& raw, std::vector<int32_t>& out) const {
     ASSIGN_OR_RETURN(std::string text, Normalize(raw));
+    if (text.empty()) return absl::OkStatus();  // normalized away: no tokens
     std::vector<std::string> pieces = {text};
     for (const PreTokenizer& p : pre) {
       std::vector<std::string> next;
@@ -386,7 +391,10 @@ struct Tokenizer::Impl {
       }
     }
     struct Sym {
-      int32_t id;  // -1: a character outside the vocabulary (never merges)
+      // -1: a character outside the vocabulary: it never merges and ends as
+      // unk_token (not merged or fused as Hugging Face's unk is; byte-level
+      // vocabularies hold every byte, so this does not arise there).
+      int32_t id;
       int prev, next;
       size_t begin, len;  // bytes of `word`; len 0: merged into its left neighbour
     };
@@ -486,6 +494,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
     const std::string mtype = m.value("type", "BPE");
     if (mtype != "BPE") return unimplemented("model", mtype);
     if (m.value("byte_fallback", false)) return unimplemented("model.byte_fallback", "true");
+    for (const char* opt : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+      if (m.contains(opt) && !m[opt].is_null() &&
+          !(m[opt].is_string() && m[opt].get<std::string>().empty()))
+        return unimplemented(absl::StrCat("model.", opt),
+                             m[opt].is_string() ? m[opt].get<std::string>() : m[opt].dump());
+    }
+    if (m.contains("dropout") && !m["dropout"].is_null() && m["dropout"].is_number() &&
+        m["dropout"].get<double>() > 0)
+      return unimplemented("model.dropout", m["dropout"].dump());
     if (!m.contains("vocab") || !m["vocab"].is_object())
       return invalid("model.vocab", "is missing");
     int32_t max_id = -1;
@@ -526,7 +543,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
                                       " outside model.vocab"));
         const uint64_t key =
             (uint64_t{static_cast<uint32_t>(ia->second)} << 32) | static_cast<uint32_t>(ib->second);
-        impl->merges.emplace(key, std::make_pair(rank, iab->second));  // the first rank wins
+        // A repeated pair takes its last rank, as Hugging Face's map keeps.
+        impl->merges.insert_or_assign(key, std::make_pair(rank, iab->second));
         ++rank;
       }
     }

@@ -79,7 +79,7 @@ std::vector<uint32_t> DecodeUtf8(absl::string_view s) {
   for (size_t i = 0; i < s.size();) {
     const auto b = [&](size_t k) { return static_cast<uint32_t>(static_cast<uint8_t>(s[k])); };
     const uint32_t c = b(i);
-    size_t n = c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 0;
+    size_t n = c < 0x80 ? 1 : c >= 0xF8 ? 0 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 0;
     bool ok = n > 0 && i + n <= s.size();
     for (size_t k = 1; ok && k < n; ++k) ok = (b(i + k) & 0xC0) == 0x80;
     if (!ok) {
@@ -89,6 +89,13 @@ std::vector<uint32_t> DecodeUtf8(absl::string_view s) {
     }
     uint32_t cp = n == 1 ? c : n == 2 ? c & 0x1F : n == 3 ? c & 0x0F : c & 0x07;
     for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (b(i + k) & 0x3F);
+    // Overlong forms, surrogates and code points past U+10FFFF are invalid.
+    static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) {
+      out.push_back(0xFFFD);
+      ++i;
+      continue;
+    }
     out.push_back(cp);
     i += n;
   }

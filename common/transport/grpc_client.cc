@@ -222,12 +222,14 @@ struct GrpcStreamClient::Stream {
   std::unique_ptr<grpc::ClientReaderWriter<pb::MoeRequest, pb::MoeResponse>> rw;
   std::thread reader, writer;
   bool ended = false;   // mu_: the reader has seen the stream finish
-  bool verify = false;  // the writer runs the reconnect check first
+  bool verify = false;  // the writer checks the service before its first write
+  absl::Status failed;  // mu_: the check's verdict; the reader ends the calls with it
 };
 
 struct GrpcStreamClient::Outgoing {
   uint64_t id = 0;
   uint64_t bytes = 0;
+  absl::Time deadline;
   pb::MoeRequest req;
 };
 
@@ -274,8 +276,7 @@ absl::Status GrpcStreamClient::EnsureStream(std::unique_lock<std::mutex>& lock) 
     s->rw = stub->Moe(&s->ctx);
     if (!s->rw) return absl::UnavailableError("expert service: cannot open the MoE stream");
     Stream* raw = s.get();
-    raw->verify = opened_ && check_.has_value() && check_->control != nullptr;
-    opened_ = true;
+    raw->verify = check_.has_value() && check_->control != nullptr;
     stream_ = std::move(s);
     broken_ = false;
     raw->reader = std::thread(&GrpcStreamClient::ReadLoop, this, raw);
@@ -321,6 +322,7 @@ absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* ou
   p.out = out;
   p.elems = static_cast<int64_t>(call.tokens > 0 ? call.tokens : 0) * hidden_;
   o->id = id;
+  o->deadline = deadline;
   req.set_request_id(id);
   queued_bytes_ += o->bytes;
   outbox_.push_back(std::move(o));
@@ -328,46 +330,42 @@ absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* ou
   return id;
 }
 
-bool GrpcStreamClient::CheckReopenedStream(Stream* s, std::unique_lock<std::mutex>& lock) {
+bool GrpcStreamClient::CheckStream(Stream* s, const Outgoing& first,
+                                   std::unique_lock<std::mutex>& lock) {
+  bool capped = false;
+  const absl::Duration budget = ControlBudget(first.deadline, absl::Seconds(2), &capped);
   lock.unlock();
-  absl::StatusOr<ShardInfo> now = check_->control->Describe(absl::Seconds(2));
+  absl::StatusOr<ShardInfo> now = check_->control->Describe(budget);
   lock.lock();
   absl::Status bad;
   if (!now.ok()) {
-    const absl::StatusCode code = now.status().code();
-    bad = absl::Status(IsServiceRefusal(code) ? code : absl::StatusCode::kUnavailable,
-                       absl::StrCat("expert service (grpc): describe before reopening the MoE "
-                                    "stream: ",
-                                    now.status().message()));
+    bad = SetupFailure(
+        ControlFailure(now.status(), capped, "grpc: describe before the MoE stream's first call"));
   } else if (std::string diff = ServedDifference(check_->info, *now); !diff.empty()) {
     bad = absl::FailedPreconditionError(
         absl::StrCat("expert service (grpc): restarted serving something else than when the worker "
                      "connected: ",
                      diff));
   }
-  if (bad.ok() || stopping_) return bad.ok();
-  // Nothing was written on this stream: fail what waits for it, and let
-  // the next Submit open (and check) another.
-  broken_ = true;
-  for (auto& [id, p] : pending_) {
-    if (!p.done) {
-      p.done = true;
-      p.status = bad;
-    }
-  }
-  outbox_.clear();
-  queued_bytes_ = 0;
-  cv_.notify_all();
-  s->ctx.TryCancel();  // ends the reader's Read
+  if (bad.ok()) return true;
+  // Nothing was written on this stream. Its reader ends every call waiting
+  // on it with `bad` once the cancel reaches it (and marks it broken, so the
+  // next Submit opens, and checks, another).
+  s->failed = std::move(bad);
+  s->ctx.TryCancel();
   return false;
 }
 
 void GrpcStreamClient::WriteLoop(Stream* s) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (s->verify && !CheckReopenedStream(s, lock)) return;
   while (true) {
     writer_cv_.wait(lock, [&] { return stopping_ || s->ended || !outbox_.empty(); });
     if (stopping_ || s->ended) return;
+    if (s->verify) {
+      if (!CheckStream(s, *outbox_.front(), lock)) return;
+      s->verify = false;
+      if (stopping_ || s->ended || outbox_.empty()) continue;
+    }
     std::unique_ptr<Outgoing> o = std::move(outbox_.front());
     outbox_.pop_front();
     queued_bytes_ -= o->bytes;
@@ -420,9 +418,10 @@ void GrpcStreamClient::ReadLoop(Stream* s) {
   for (auto& [id, p] : pending_) {
     if (!p.done) {
       p.done = true;
-      p.status =
-          absl::Status(refused ? code : absl::StatusCode::kUnavailable,
-                       absl::StrCat("expert service: MoE stream ended: ", st.error_message()));
+      p.status = !s->failed.ok() ? s->failed
+                                 : absl::Status(refused ? code : absl::StatusCode::kUnavailable,
+                                                absl::StrCat("expert service: MoE stream ended: ",
+                                                             st.error_message()));
     }
   }
   // Everything still queued was for this stream and has just failed.

@@ -96,11 +96,13 @@ class ControlClient {
 // `max_queued_bytes` (one call of any size is always taken into an empty
 // queue), Submit waits for room until its deadline. Requests abandoned
 // before the writer reaches them (Wait's deadline passed) are never sent.
-// With `check` set, every stream after the first is opened only once the
-// service still describes itself as `check.info` (ServedDifference): a
-// service restarted with other weights fails the stream's calls
-// FAILED_PRECONDITION naming the difference; one that cannot describe
-// itself fails them UNAVAILABLE (its refusals keep their code).
+// With `check` set, every stream (the first too: it opens at the first
+// Submit, perhaps long after the caller's own Describe) writes its first
+// call only once the service still describes itself as `check.info`
+// (ServedDifference): a service restarted with other weights fails the
+// stream's calls FAILED_PRECONDITION naming the difference; one that cannot
+// describe itself within the first call's deadline fails them as set-up
+// failures do (UNAVAILABLE, DEADLINE_EXCEEDED, refusals keep their code).
 class GrpcStreamClient : public MoeClient {
  public:
   static constexpr uint64_t kDefaultMaxQueuedBytes = uint64_t{64} << 20;
@@ -127,16 +129,16 @@ class GrpcStreamClient : public MoeClient {
   };
   void ReadLoop(Stream* s);
   void WriteLoop(Stream* s);
-  // The reconnect check, on `s`'s writer before its first write (mu_ held
-  // by `lock` on entry and exit); false when it failed the stream.
-  bool CheckReopenedStream(Stream* s, std::unique_lock<std::mutex>& lock);
+  // The check, on `s`'s writer before its first write, within `first`'s
+  // deadline (mu_ held by `lock` on entry and exit); false when it failed
+  // the stream.
+  bool CheckStream(Stream* s, const Outgoing& first, std::unique_lock<std::mutex>& lock);
   absl::Status EnsureStream(std::unique_lock<std::mutex>& lock);  // mu_ held
 
   std::shared_ptr<grpc::Channel> channel_;
   int64_t hidden_;
   uint64_t max_queued_bytes_;
   std::optional<ReconnectCheck> check_;
-  bool opened_ = false;  // mu_: a stream was opened before (the next one is checked)
   std::mutex mu_;
   std::condition_variable cv_;         // answers arrived; room in the outbox
   std::condition_variable writer_cv_;  // work for the writer

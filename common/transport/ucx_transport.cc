@@ -12,6 +12,7 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -837,10 +838,12 @@ struct UcxClient::Impl {
       reconnect = generation > 0;
     }
     bool capped = false;
+    // One budget for the handshake's control calls together.
+    const absl::Time until = absl::Now() + ControlBudget(deadline, timeout, &capped);
     if (reconnect) {
       // A reconnect: the service may have restarted with other weights
       // (model, format, part, checkpoint); it must not answer our calls.
-      auto now = control->Describe(ControlBudget(deadline, timeout, &capped));
+      auto now = control->Describe(std::max(until - absl::Now(), absl::ZeroDuration()));
       if (!now.ok()) return SetupFailure(ControlFailure(now.status(), capped, "ucx: describe"));
       if (std::string diff = ServedDifference(info, *now); !diff.empty()) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -850,7 +853,7 @@ struct UcxClient::Impl {
       }
     }
     auto server_addr = control->UcxConnect(worker->address(), client_id,
-                                           ControlBudget(deadline, timeout, &capped));
+                                           std::max(until - absl::Now(), absl::ZeroDuration()));
     if (!server_addr.ok()) {
       return SetupFailure(ControlFailure(server_addr.status(), capped, "ucx connect"));
     }
@@ -945,10 +948,15 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
   } else if (retry) {
     // Short: a stopped service must still end this call by its own deadline.
     // A failed handshake keeps the old endpoint (and the suspicion).
-    impl->Connect(kSuspectConnectTimeout, deadline, seen).IgnoreError();
-    std::lock_guard<std::mutex> lock(impl->mu);
-    impl->handshaking = false;
-    impl->cv.notify_all();
+    const absl::Status st = impl->Connect(kSuspectConnectTimeout, deadline, seen);
+    {
+      std::lock_guard<std::mutex> lock(impl->mu);
+      impl->handshaking = false;
+      impl->cv.notify_all();
+    }
+    // A service now serving other weights: say so (its old endpoint is
+    // gone anyway); other failures keep the old endpoint.
+    if (absl::IsFailedPrecondition(st)) return st;
   }
   UcxRequestHeader h{};
   h.client_id = impl->client_id;

@@ -100,8 +100,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model,
     // In 128 bits: max_batch x max_seq_len can pass int64 for absurd settings.
     // Rounded per request, as each reserves whole blocks: max_batch requests
     // of the full context fit together.
-    const __int128 blocks = static_cast<__int128>(o.max_batch) *
-                            ((max_seq + o.kv_block_tokens - 1) / o.kv_block_tokens);
+    const __int128 blocks =
+        static_cast<__int128>(o.max_batch) *
+        ((static_cast<__int128>(max_seq) + o.kv_block_tokens - 1) / o.kv_block_tokens);
     if (blocks > (__int128{1} << 40))
       return absl::InvalidArgumentError(absl::StrCat(
           "max_batch ", o.max_batch, " x max_seq_len ", max_seq, " tokens is more KV cache than ",

@@ -119,7 +119,8 @@ absl::StatusOr<int32_t> Sampler::Sample(absl::Span<const float> logits,
   auto cmp = [](const Candidate& a, const Candidate& b) {
     return a.logit != b.logit ? a.logit > b.logit : a.id < b.id;
   };
-  if (p.top_k > 0 && static_cast<size_t>(p.top_k) < cands_.size()) {
+  const bool top_k_applied = p.top_k > 0 && static_cast<size_t>(p.top_k) < cands_.size();
+  if (top_k_applied) {
     std::nth_element(cands_.begin(), cands_.begin() + (p.top_k - 1), cands_.end(), cmp);
     const float kth = cands_[static_cast<size_t>(p.top_k - 1)].logit;
     cands_.erase(std::partition(cands_.begin(), cands_.end(),
@@ -153,6 +154,12 @@ absl::StatusOr<int32_t> Sampler::Sample(absl::Span<const float> logits,
       }
       m = std::min(keep, m * 8);
     }
+  }
+  if (p.top_p >= 1.0f && top_k_applied) {
+    // top_k's set in nth_element's order, which is the library's: sorted,
+    // a seed draws the same token everywhere (without top_k the candidates
+    // are in id order already).
+    std::sort(cands_.begin(), cands_.begin() + static_cast<long>(keep), cmp);
   }
   if (p.min_p > 0.0f) {
     // The largest weight is 1; keep the order (a sorted prefix stays one).

@@ -195,6 +195,42 @@ TEST_F(TokenizerTest, NormalizersMatchHuggingFace) {
   }
 }
 
+// Edge cases, with the ids Hugging Face tokenizers 0.23.3 gives for them.
+TEST(Tokenizer, EdgeCasesAsHuggingFaceHasThem) {
+  // A merge listed twice takes its last rank: (a, b) after (b, c), so
+  // "abc" -> a + bc.
+  auto dup = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4},
+          "merges": ["a b", "b c", "a b"]}})",
+      "t.json");
+  ASSERT_TRUE(dup.ok()) << dup.status();
+  EXPECT_EQ((*dup)->Encode("abc").value(), (std::vector<int32_t>{0, 4}));
+  // Replace counts empty matches: x* on "ab" -> "-a-b-".
+  auto re = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "-": 2}},
+          "normalizer": {"type": "Replace", "pattern": {"Regex": "x*"}, "content": "-"}})",
+      "t.json");
+  ASSERT_TRUE(re.ok()) << re.status();
+  EXPECT_EQ((*re)->Encode("ab").value(), (std::vector<int32_t>{2, 0, 2, 1, 2}));
+  // Text normalized away gives no tokens, not ByteLevel's prefix space.
+  json j = json::parse(std::ifstream(testing::FixturesDir() + "/tokenizer.json"));
+  j["normalizer"] = {{"type", "Replace"}, {"pattern", {{"String", "a"}}}, {"content", ""}};
+  j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"use_regex", true}};
+  auto gone = Tokenizer::FromJson(j.dump(), "t.json");
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_EQ((*gone)->Encode("a").value(), std::vector<int32_t>{});
+  EXPECT_EQ((*gone)->Encode("aab").value(), std::vector<int32_t>{272});
+  // BPE options this tokenizer does not implement are UNIMPLEMENTED (the
+  // worker then serves ids), not silently ignored.
+  for (const std::string& opt :
+       {std::string(R"("continuing_subword_prefix": "##")"),
+        std::string(R"("end_of_word_suffix": "</w>")"), std::string(R"("dropout": 0.1)")}) {
+    auto t = Tokenizer::FromJson(R"({"model": {"type": "BPE", "vocab": {"a": 0}, )" + opt + "}}",
+                                 "t.json");
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kUnimplemented) << opt << ": " << t.status();
+  }
+}
+
 // A pre-tokenizer regex that PCRE2 gives up on (its match limit) is an
 // error naming the pre-tokenizer, not a silent split that changes the ids.
 TEST(Tokenizer, RegexMatchLimitIsAnError) {

@@ -50,6 +50,39 @@ TEST(Sampling, TopKKeepsTokensTiedWithTheKth) {
   EXPECT_NEAR(n[2] / static_cast<double>(draws), want, 0.03);
 }
 
+// With top_k the draw walks the kept tokens in descending order (ties: lower
+// id), the request's RNG giving u in [0, total): a seed picks the same token
+// on every platform (not in whatever order the selection left them).
+TEST(Sampling, TopKDrawsInDescendingOrder) {
+  const std::vector<float> logits = {0.3f, 1.2f, -0.5f, 1.2f, 0.9f, 2.0f, -1.0f, 0.1f};
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.top_k = 4;
+  p.has_seed = true;
+  const std::vector<int32_t> order = {5, 1, 3, 4};  // the top 4, descending, ties by id
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    p.seed = seed;
+    std::mt19937_64 rng(seed);
+    double total = 0;
+    std::vector<double> w;
+    for (int32_t t : order) {
+      w.push_back(std::exp((static_cast<double>(logits[t]) - 2.0) / static_cast<double>(0.9f)));
+      total += w.back();
+    }
+    const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53 * total;
+    double acc = 0;
+    int32_t want = order.back();
+    for (size_t i = 0; i < order.size(); ++i) {
+      acc += w[i];
+      if (u < acc) {
+        want = order[i];
+        break;
+      }
+    }
+    EXPECT_EQ(Sampler(p, 0).Sample(logits, {}, {}).value(), want) << "seed " << seed;
+  }
+}
+
 // A DeepSeek-size vocabulary with a flat distribution: top_p keeps the
 // smallest prefix of the descending order that reaches it (thousands of
 // tokens, past the first partial sort), found here by sorting everything.

@@ -153,6 +153,25 @@ class FaultTest : public ::testing::TestWithParam<TransportKind> {
     return st;
   }
 
+  // Kills the shard and starts it on the same port as int8 (the pool
+  // connected to bf16), then runs `call` while the shard is only coming
+  // back (UNAVAILABLE or DEADLINE_EXCEEDED, up to 10 s) and returns the
+  // first other answer; optionally with a health check before each call.
+  absl::Status RestartAsInt8ThenRun(const MoeCall& call, float* out, bool check_health) {
+    const int port = proc_.port();
+    proc_.Kill(SIGKILL);
+    if (!proc_.Start({"--model-dir=" + ModelDir(), "--format=int8"}, dir_.file("port"), port))
+      return absl::InternalError("the shard did not restart");
+    absl::Status st;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    do {
+      if (check_health) pool_->CheckHealth(absl::Seconds(2));
+      st = pool_->Run(call, out, absl::Now() + absl::Seconds(2));
+    } while ((absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) &&
+             std::chrono::steady_clock::now() < until);
+    return st;
+  }
+
   TempDir dir_;
   ServiceProcess proc_;
   std::unique_ptr<ExpertPool> pool_;
@@ -327,26 +346,14 @@ TEST_P(FaultTest, AShardRestartedWithOtherWeightsIsRefused) {
   auto call = MakeRandomCall(info, info.moe_layers[0], 4, 5);
   std::vector<float> out(static_cast<size_t>(4 * info.hidden));
   ASSERT_TRUE(pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(10)).ok());
-  const int port = proc_.port();
-  proc_.Kill(SIGKILL);
-  ASSERT_TRUE(proc_.Start({"--model-dir=" + ModelDir(), "--format=int8"}, dir_.file("port"), port));
-  absl::Status st;
-  {
-    // No health check yet: the transport's reconnect must catch it.
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    do {
-      st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(2));
-    } while ((absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) &&
-             std::chrono::steady_clock::now() < until);
-    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
-    EXPECT_NE(st.message().find("weight format int8 (was bf16)"), absl::string_view::npos) << st;
-  }
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  do {
-    pool_->CheckHealth(absl::Seconds(2));
-    st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(2));
-  } while ((absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) &&
-           std::chrono::steady_clock::now() < until);
+  // No health check yet: the transport's reconnect must catch it.
+  absl::Status st = RestartAsInt8ThenRun(call.call(), out.data(), /*check_health=*/false);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("weight format int8 (was bf16)"), absl::string_view::npos) << st;
+  // And the pool's health check finds it too: calls refused before any
+  // transport is asked.
+  pool_->CheckHealth(absl::Seconds(2));
+  st = pool_->Run(call.call(), out.data(), absl::Now() + absl::Seconds(2));
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
   EXPECT_NE(st.message().find("expert shard 0"), absl::string_view::npos) << st;
   EXPECT_NE(st.message().find("weight format int8 (was bf16)"), absl::string_view::npos) << st;
@@ -354,6 +361,7 @@ TEST_P(FaultTest, AShardRestartedWithOtherWeightsIsRefused) {
   EXPECT_FALSE(pool_->ShardsUp()[0]);
 
   // Back as it was: served again once a health check has seen it.
+  const int port = proc_.port();
   proc_.Kill(SIGKILL);
   ASSERT_TRUE(proc_.Start({"--model-dir=" + ModelDir()}, dir_.file("port"), port));
   Health h = Health::kUnknown;
@@ -364,6 +372,19 @@ TEST_P(FaultTest, AShardRestartedWithOtherWeightsIsRefused) {
   EXPECT_EQ(h, Health::kServing);
   st = RunUntilServed(call.call(), out.data());
   EXPECT_TRUE(st.ok()) << st;
+}
+
+// The same before the worker's first call: the gRPC stream opens only at
+// the first Submit, long after the pool described the shard, and is checked
+// too.
+TEST_P(FaultTest, ARestartBeforeTheFirstCallIsRefusedToo) {
+  ASSERT_NO_FATAL_FAILURE(StartShard());
+  const ShardInfo info = pool_->model();
+  auto call = MakeRandomCall(info, info.moe_layers[0], 4, 5);
+  std::vector<float> out(static_cast<size_t>(4 * info.hidden));
+  const absl::Status st = RestartAsInt8ThenRun(call.call(), out.data(), /*check_health=*/false);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("weight format int8 (was bf16)"), absl::string_view::npos) << st;
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, FaultTest, ::testing::ValuesIn(kTransports),
