@@ -4,6 +4,8 @@
 #include <pcre2.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdio>
 #include <fstream>
 #include <limits>
 #include <queue>
@@ -303,6 +305,18 @@ struct Tokenizer::Impl {
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;
   bool ignore_merges = false;
   std::optional<int32_t> unk_id;
+  // byte_fallback: a character outside the vocabulary becomes its UTF-8
+  // bytes' <0xXX> tokens (when all exist); fuse_unk: consecutive unknown
+  // characters make one unk_token.
+  bool byte_fallback = false, fuse_unk = false;
+  int32_t byte_token[256];
+  // Decoder: ByteLevel (byte-level characters back to bytes), or the
+  // SentencePiece chain Replace* / ByteFallback / Fuse / Strip.
+  bool sentencepiece_decoder = false;
+  std::vector<std::pair<std::string, std::string>> decode_replace;  // in order
+  bool decode_byte_fallback = false;
+  std::string strip_content;
+  int strip_start = 0, strip_stop = 0;
   std::vector<AddedToken> added;  // sorted by content length, longest first
   // First byte -> indices into `added` starting with it, longest first.
   std::vector<std::vector<uint32_t>> added_by_first_byte = std::vector<std::vector<uint32_t>>(256);
@@ -404,8 +418,20 @@ struct Tokenizer::Impl {
       int n = Utf8Sequence(word, i, &bad);
       if (n <= 0) n = 1;  // not reached for validated input
       auto it = vocab.find(word.substr(i, static_cast<size_t>(n)));
-      const int k = static_cast<int>(sym.size());
-      sym.push_back({it == vocab.end() ? -1 : it->second, k - 1, k + 1, i, static_cast<size_t>(n)});
+      bool bytes_known = it == vocab.end() && byte_fallback;
+      for (int k = 0; bytes_known && k < n; ++k)
+        bytes_known = byte_token[static_cast<uint8_t>(word[i + static_cast<size_t>(k)])] >= 0;
+      if (bytes_known) {
+        for (int k = 0; k < n; ++k) {
+          const int at = static_cast<int>(sym.size());
+          sym.push_back({byte_token[static_cast<uint8_t>(word[i + static_cast<size_t>(k)])], at - 1,
+                         at + 1, i + static_cast<size_t>(k), 1});
+        }
+      } else {
+        const int at = static_cast<int>(sym.size());
+        sym.push_back(
+            {it == vocab.end() ? -1 : it->second, at - 1, at + 1, i, static_cast<size_t>(n)});
+      }
       i += static_cast<size_t>(n);
     }
     if (sym.empty()) return absl::OkStatus();
@@ -445,17 +471,20 @@ struct Tokenizer::Impl {
       if (l.prev >= 0) offer(l.prev);
       offer(c.pos);
     }
+    bool last_unknown = false;
     for (int i = 0; i >= 0; i = sym[static_cast<size_t>(i)].next) {
       const Sym& x = sym[static_cast<size_t>(i)];
-      if (x.id >= 0) {
+      const bool unknown = x.id < 0;
+      if (!unknown) {
         out.push_back(x.id);
       } else if (unk_id) {
-        out.push_back(*unk_id);
+        if (!(fuse_unk && last_unknown)) out.push_back(*unk_id);
       } else {
         return absl::InternalError(absl::StrCat("tokenizer: symbol \"", word.substr(x.begin, x.len),
                                                 "\" is not in the vocabulary and there is no "
                                                 "unk_token"));
       }
+      last_unknown = unknown;
     }
     return absl::OkStatus();
   }
@@ -493,7 +522,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
     const json& m = j["model"];
     const std::string mtype = m.value("type", "BPE");
     if (mtype != "BPE") return unimplemented("model", mtype);
-    if (m.value("byte_fallback", false)) return unimplemented("model.byte_fallback", "true");
+    impl->byte_fallback = m.value("byte_fallback", false);
+    impl->fuse_unk = m.value("fuse_unk", false);
     for (const char* opt : {"continuing_subword_prefix", "end_of_word_suffix"}) {
       if (m.contains(opt) && !m[opt].is_null() &&
           !(m[opt].is_string() && m[opt].get<std::string>().empty()))
@@ -590,6 +620,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
         impl->normalizer.push_back(std::move(step));
       }
     }
+    std::fill(std::begin(impl->byte_token), std::end(impl->byte_token), -1);
+    if (impl->byte_fallback) {
+      for (int b = 0; b < 256; ++b) {
+        char name[8];
+        std::snprintf(name, sizeof(name), "<0x%02X>", b);
+        auto it = impl->vocab.find(name);
+        if (it != impl->vocab.end()) impl->byte_token[b] = it->second;
+      }
+    }
     if (m.contains("unk_token") && m["unk_token"].is_string()) {
       auto it = impl->vocab.find(m["unk_token"].get<std::string>());
       if (it != impl->vocab.end()) impl->unk_id = it->second;
@@ -683,10 +722,44 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
       impl->pre.push_back(std::move(pt));
     }
 
-    // decoder: only ByteLevel (or none) is meaningful for byte-level BPE.
+    // decoder: ByteLevel (or none), or the SentencePiece chain.
     if (j.contains("decoder") && !j["decoder"].is_null()) {
-      const std::string d = j["decoder"].value("type", "");
-      if (d != "ByteLevel") return unimplemented("decoder", d);
+      const json& d = j["decoder"];
+      const std::string type = d.value("type", "");
+      if (type != "ByteLevel") {
+        std::vector<const json*> steps;
+        if (type == "Sequence") {
+          for (const auto& x : d.at("decoders")) steps.push_back(&x);
+        } else {
+          steps.push_back(&d);
+        }
+        impl->sentencepiece_decoder = true;
+        bool fused = false;
+        for (const json* x : steps) {
+          const std::string t = x->value("type", "");
+          if (fused && t != "Strip")
+            return unimplemented("decoder", absl::StrCat(t, " after Fuse"));
+          if (t == "Replace") {
+            const json& pat = x->at("pattern");
+            if (!pat.contains("String"))
+              return unimplemented("decoder.Replace.pattern", pat.dump());
+            impl->decode_replace.emplace_back(pat["String"].get<std::string>(),
+                                              x->at("content").get<std::string>());
+          } else if (t == "ByteFallback") {
+            impl->decode_byte_fallback = true;
+          } else if (t == "Fuse") {
+            fused = true;
+          } else if (t == "Strip") {
+            impl->strip_content = x->at("content").get<std::string>();
+            impl->strip_start = x->at("start").get<int>();
+            impl->strip_stop = x->at("stop").get<int>();
+            if (impl->strip_content.empty() || impl->strip_start < 0 || impl->strip_stop < 0)
+              return invalid("decoder.Strip", "needs a content and start, stop >= 0");
+          } else {
+            return unimplemented("decoder", t.empty() ? "?" : t);
+          }
+        }
+      }
     }
 
     // post-processor
@@ -761,6 +834,9 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(const std::string& text,
   return out;
 }
 
+const std::string& Tokenizer::strip_content() const { return impl_->strip_content; }
+int Tokenizer::strip_start() const { return impl_->strip_start; }
+
 std::optional<int32_t> Tokenizer::TokenToId(const std::string& token) const {
   for (const AddedToken& a : impl_->added)
     if (a.content == token) return a.id;
@@ -781,8 +857,30 @@ std::string Tokenizer::TokenBytes(int32_t id, bool skip_special_tokens) const {
     return a.special && skip_special_tokens ? std::string() : a.content;
   }
   if (id < 0 || id >= vocab_size_) return std::string();
+  const std::string& tok = impl_->id_to_token[static_cast<size_t>(id)];
+  if (impl_->sentencepiece_decoder) {
+    // <0xXX> is its byte; any other piece with the Replace steps applied.
+    if (impl_->decode_byte_fallback && tok.size() == 6 && tok.compare(0, 3, "<0x") == 0 &&
+        tok[5] == '>' && std::isxdigit(static_cast<unsigned char>(tok[3])) &&
+        std::isxdigit(static_cast<unsigned char>(tok[4])))
+      return std::string(1, static_cast<char>(std::stoi(tok.substr(3, 2), nullptr, 16)));
+    std::string out = tok;
+    for (const auto& [from, to] : impl_->decode_replace) {
+      if (from.empty()) continue;
+      std::string next;
+      for (size_t pos = 0;;) {
+        const size_t hit = out.find(from, pos);
+        next.append(out, pos, hit == std::string::npos ? std::string::npos : hit - pos);
+        if (hit == std::string::npos) break;
+        next += to;
+        pos = hit + from.size();
+      }
+      out = std::move(next);
+    }
+    return out;
+  }
   std::string out;
-  for (const std::string& ch : Chars(impl_->id_to_token[static_cast<size_t>(id)])) {
+  for (const std::string& ch : Chars(tok)) {
     auto b = Bytes().to_byte.find(CodePoint(ch));
     if (b != Bytes().to_byte.end())
       out.push_back(static_cast<char>(b->second));
@@ -800,6 +898,17 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int32_t> ids,
       return absl::InvalidArgumentError(
           absl::StrCat("token id ", id, " is outside the vocabulary [0, ", vocab_size_, ")"));
     bytes += TokenBytes(id, skip_special_tokens);
+  }
+  const std::string& c = impl_->strip_content;
+  if (!c.empty()) {
+    size_t b = 0, e = bytes.size();
+    for (int i = 0; i < impl_->strip_start && bytes.compare(b, c.size(), c) == 0; ++i)
+      b += c.size();
+    for (int i = 0; i < impl_->strip_stop && e >= b + c.size() &&
+                    bytes.compare(e - c.size(), c.size(), c) == 0;
+         ++i)
+      e -= c.size();
+    bytes = bytes.substr(b, e - b);
   }
   return SanitizeUtf8(bytes);
 }
@@ -835,6 +944,19 @@ absl::StatusOr<std::string> StreamDecoder::Push(int32_t id) {
     return absl::InvalidArgumentError(absl::StrCat(
         "token id ", id, " is outside the vocabulary [0, ", tokenizer_.vocab_size(), ")"));
   pending_ += tokenizer_.TokenBytes(id, skip_special_);
+  // The decoder's Strip at the start of the text (its end is not known
+  // while streaming): up to strip_start leading copies, once.
+  const std::string& c = tokenizer_.strip_content();
+  while (!c.empty() && strip_left_ > 0 && !pending_.empty()) {
+    if (pending_.compare(0, c.size(), c) == 0) {
+      pending_.erase(0, c.size());
+      --strip_left_;
+    } else if (pending_.size() < c.size() && c.compare(0, pending_.size(), pending_) == 0) {
+      break;  // a partial match: wait for more
+    } else {
+      strip_left_ = 0;
+    }
+  }
   size_t held = 0;
   std::string ready = SanitizeUtf8(pending_, /*hold_incomplete_tail=*/true, &held);
   pending_.erase(0, pending_.size() - held);

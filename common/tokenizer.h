@@ -5,11 +5,17 @@
 // ByteLevel), then BPE merges by rank (heap-ordered, O(n log n) per word);
 // decoding maps byte-level characters back to bytes.
 //
+// Also SentencePiece-style BPE as Mixtral's and Llama-2's tokenizer.json
+// lay it out: normalizer Prepend("▁") + Replace(" " -> "▁"), no
+// pre-tokenizer, byte_fallback (<0xXX> tokens), fuse_unk, decoder Replace +
+// ByteFallback + Fuse + Strip (streaming applies Strip's start only).
+//
 // Supported: normalizer null / NFC / NFD / Prepend / Replace (alone or in a
 // Sequence, possibly empty); pre_tokenizer Split / Digits / ByteLevel (alone
 // or in a Sequence); model BPE (merges as "a b" strings or [a, b] pairs,
-// both sides and the result in the vocabulary, ignore_merges); decoder
-// ByteLevel; post_processor TemplateProcessing (single sequence) or
+// both sides and the result in the vocabulary, ignore_merges, byte_fallback,
+// fuse_unk); decoder ByteLevel, or Replace (String) / ByteFallback / Fuse /
+// Strip in a Sequence; post_processor TemplateProcessing (single sequence) or
 // ByteLevel. Anything else -> UNIMPLEMENTED naming it. Added tokens marked
 // "normalized": true are matched on the raw text too (Hugging Face matches
 // them after normalizing; the same unless the normalizer changes them).
@@ -46,8 +52,12 @@ class Tokenizer {
   int32_t vocab_size() const { return vocab_size_; }  // max id + 1
   std::optional<int32_t> TokenToId(const std::string& token) const;
   bool IsSpecial(int32_t id) const;
-  // Raw bytes one token decodes to (special tokens: their text; empty if skipped).
+  // Raw bytes one token decodes to (special tokens: their text; empty if
+  // skipped), before the decoder's Strip (strip_content(), strip_start():
+  // "" / 0 when it has none), which applies to the whole text.
   std::string TokenBytes(int32_t id, bool skip_special_tokens) const;
+  const std::string& strip_content() const;
+  int strip_start() const;
 
  private:
   struct Impl;
@@ -64,13 +74,16 @@ class Tokenizer {
 class StreamDecoder {
  public:
   explicit StreamDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = false)
-      : tokenizer_(tokenizer), skip_special_(skip_special_tokens) {}
+      : tokenizer_(tokenizer),
+        skip_special_(skip_special_tokens),
+        strip_left_(tokenizer.strip_start()) {}
   absl::StatusOr<std::string> Push(int32_t id);
   std::string Finish();  // whatever is held back, made valid
 
  private:
   const Tokenizer& tokenizer_;
   bool skip_special_;
+  int strip_left_;  // leading strip_content() copies still to drop
   std::string pending_;
 };
 

@@ -231,6 +231,37 @@ TEST(Tokenizer, EdgeCasesAsHuggingFaceHasThem) {
   }
 }
 
+// SentencePiece-style BPE as Mixtral's / Llama-2's tokenizer.json lays it
+// out (Prepend + Replace normalizer, no pre-tokenizer, byte_fallback for
+// characters outside the vocabulary, decoder Replace + ByteFallback + Fuse +
+// Strip): ids and decodes from Hugging Face tokenizers 0.23.3
+// (tests/fixtures/make_sp_bpe_tokenizer.py), streaming included.
+TEST(Tokenizer, SentencePieceStyleMatchesHuggingFace) {
+  auto t = Tokenizer::FromFile(testing::FixturesDir() + "/sp_bpe/tokenizer.json");
+  ASSERT_TRUE(t.ok()) << t.status();
+  const json all = json::parse(std::ifstream(testing::FixturesDir() + "/sp_bpe/vectors.json"));
+  int byte_fallbacks = 0;
+  for (const auto& v : all) {
+    const std::string text = v["text"].get<std::string>();
+    SCOPED_TRACE(text);
+    const auto ids = v["ids"].get<std::vector<int32_t>>();
+    const auto ids_bos = v["ids_bos"].get<std::vector<int32_t>>();
+    EXPECT_EQ((*t)->Encode(text).value(), ids);
+    EXPECT_EQ((*t)->Encode(text, /*add_special_tokens=*/true).value(), ids_bos);
+    EXPECT_EQ((*t)->Decode(ids).value(), v["decoded"].get<std::string>());
+    EXPECT_EQ((*t)->Decode(ids_bos, /*skip_special_tokens=*/true).value(),
+              v["decoded_bos_skip"].get<std::string>());
+    EXPECT_EQ((*t)->Decode(ids_bos).value(), v["decoded_bos_keep"].get<std::string>());
+    StreamDecoder stream(**t, /*skip_special_tokens=*/true);
+    std::string streamed;
+    for (int32_t id : ids_bos) streamed += stream.Push(id).value();
+    streamed += stream.Finish();
+    EXPECT_EQ(streamed, v["decoded_bos_skip"].get<std::string>());
+    for (int32_t id : ids) byte_fallbacks += (*t)->TokenBytes(id, false).size() == 1 && id < 259;
+  }
+  EXPECT_GT(byte_fallbacks, 5) << "the texts should reach the <0xXX> tokens";
+}
+
 // A pre-tokenizer regex that PCRE2 gives up on (its match limit) is an
 // error naming the pre-tokenizer, not a silent split that changes the ids.
 TEST(Tokenizer, RegexMatchLimitIsAnError) {
