@@ -196,7 +196,12 @@ class Regex {
 enum class SplitBehavior { kIsolated, kRemoved, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
 struct PreTokenizer {
-  enum Kind { kSplit, kByteLevel } kind;
+  enum Kind { kSplit, kByteLevel, kMetaspace } kind;
+  // kMetaspace: spaces become `replacement`, prepended per `prepend`
+  // (always; first: only at the start of the text; never); with `regex`
+  // (split), each replacement starts a new piece.
+  enum Prepend { kAlways, kFirst, kNever } prepend = kAlways;
+  std::string replacement;
   std::string where;             // "tokenizer.json: pre_tokenizer Split", for errors
   std::unique_ptr<Regex> regex;  // kSplit, and kByteLevel with use_regex
   SplitBehavior behavior = SplitBehavior::kIsolated;
@@ -282,6 +287,12 @@ struct AddedToken {
   bool lstrip, rstrip;
 };
 
+// A Metaspace pre-tokenizer's or decoder's prepend_scheme; files from
+// before tokenizers 0.14 say add_prefix_space instead (true: always).
+std::string MetaspacePrependScheme(const json& m) {
+  return m.value("prepend_scheme", m.value("add_prefix_space", true) ? "always" : "never");
+}
+
 // A regex matching `literal` exactly.
 std::string QuoteRegex(const std::string& literal) {
   std::string regex;
@@ -359,7 +370,9 @@ struct Tokenizer::Impl {
     return text;
   }
 
-  absl::Status EncodeSegment(const std::string& raw, std::vector<int32_t>& out) const {
+  // `at_text_start`: the segment begins the text (no added token before it).
+  absl::Status EncodeSegment(const std::string& raw, std::vector<int32_t>& out,
+                             bool at_text_start) const {
     ASSIGN_OR_RETURN(std::string text, Normalize(raw));
     if (text.empty()) return absl::OkStatus();  // normalized away: no tokens
     std::vector<std::string> pieces = {text};
@@ -368,6 +381,27 @@ struct Tokenizer::Impl {
       for (std::string& piece : pieces) {
         if (p.kind == PreTokenizer::kSplit) {
           ASSIGN_OR_RETURN(auto parts, ApplySplit(p, piece));
+          for (auto& x : parts) next.push_back(std::move(x));
+          continue;
+        }
+        if (p.kind == PreTokenizer::kMetaspace) {
+          std::string m;
+          for (char c : piece) {
+            if (c == ' ')
+              m += p.replacement;
+            else
+              m.push_back(c);
+          }
+          const bool first = at_text_start && &piece == &pieces.front();
+          if ((p.prepend == PreTokenizer::kAlways ||
+               (p.prepend == PreTokenizer::kFirst && first)) &&
+              m.compare(0, p.replacement.size(), p.replacement) != 0)
+            m.insert(0, p.replacement);
+          if (!p.regex) {
+            next.push_back(std::move(m));
+            continue;
+          }
+          ASSIGN_OR_RETURN(auto parts, ApplySplit(p, m));
           for (auto& x : parts) next.push_back(std::move(x));
           continue;
         }
@@ -709,6 +743,25 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
         const bool individual = p->value("individual_digits", false);
         ASSIGN_OR_RETURN(pt.regex, Regex::Compile(individual ? "\\p{N}" : "\\p{N}+",
                                                   src + ": pre_tokenizer Digits"));
+      } else if (type == "Metaspace") {
+        pt.kind = PreTokenizer::kMetaspace;
+        pt.replacement = p->value("replacement", std::string("\xe2\x96\x81"));
+        if (pt.replacement.empty())
+          return invalid("pre_tokenizer.Metaspace.replacement", "is empty");
+        const std::string scheme = MetaspacePrependScheme(*p);
+        if (scheme == "always")
+          pt.prepend = PreTokenizer::kAlways;
+        else if (scheme == "first")
+          pt.prepend = PreTokenizer::kFirst;
+        else if (scheme == "never")
+          pt.prepend = PreTokenizer::kNever;
+        else
+          return unimplemented("pre_tokenizer.Metaspace.prepend_scheme", scheme);
+        if (p->value("split", true)) {
+          pt.behavior = SplitBehavior::kMergedWithNext;
+          ASSIGN_OR_RETURN(pt.regex, Regex::Compile(QuoteRegex(pt.replacement),
+                                                    src + ": pre_tokenizer Metaspace"));
+        }
       } else if (type == "ByteLevel") {
         pt.kind = PreTokenizer::kByteLevel;
         pt.add_prefix_space = p->value("add_prefix_space", false);
@@ -745,6 +798,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
               return unimplemented("decoder.Replace.pattern", pat.dump());
             impl->decode_replace.emplace_back(pat["String"].get<std::string>(),
                                               x->at("content").get<std::string>());
+          } else if (t == "Metaspace") {
+            // The replacement back to spaces; the first token's leading space
+            // dropped unless nothing was prepended (as a Strip of 1).
+            impl->decode_replace.emplace_back(x->value("replacement", std::string("\xe2\x96\x81")),
+                                              " ");
+            const std::string scheme = MetaspacePrependScheme(*x);
+            if (scheme != "never") {
+              impl->strip_content = " ";
+              impl->strip_start = 1;
+            }
           } else if (t == "ByteFallback") {
             impl->decode_byte_fallback = true;
           } else if (t == "Fuse") {
@@ -818,11 +881,13 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(const std::string& text,
     if (hit->rstrip)
       while (next < text.size() && IsSpaceByte(text[next])) ++next;
     if (seg_end > seg_begin)
-      RETURN_IF_ERROR(t.EncodeSegment(text.substr(seg_begin, seg_end - seg_begin), ids));
+      RETURN_IF_ERROR(
+          t.EncodeSegment(text.substr(seg_begin, seg_end - seg_begin), ids, seg_begin == 0));
     ids.push_back(hit->id);
     seg_begin = i = next;
   }
-  if (seg_begin < text.size()) RETURN_IF_ERROR(t.EncodeSegment(text.substr(seg_begin), ids));
+  if (seg_begin < text.size())
+    RETURN_IF_ERROR(t.EncodeSegment(text.substr(seg_begin), ids, seg_begin == 0));
   if (!add_special_tokens || !t.has_template) return ids;
   std::vector<int32_t> out;
   for (const auto& part : t.template_ids) {

@@ -8,17 +8,19 @@
 // Also SentencePiece-style BPE as Mixtral's and Llama-2's tokenizer.json
 // lay it out: normalizer Prepend("▁") + Replace(" " -> "▁"), no
 // pre-tokenizer, byte_fallback (<0xXX> tokens), fuse_unk, decoder Replace +
-// ByteFallback + Fuse + Strip (streaming applies Strip's start only).
+// ByteFallback + Fuse + Strip (streaming applies Strip's start only); or,
+// as newer files have it, a Metaspace pre-tokenizer and decoder.
 //
 // Supported: normalizer null / NFC / NFD / Prepend / Replace (alone or in a
 // Sequence, possibly empty); pre_tokenizer Split / Digits / ByteLevel (alone
-// or in a Sequence); model BPE (merges as "a b" strings or [a, b] pairs,
+// or in a Sequence) / Metaspace (prepend_scheme always / first / never,
+// split); model BPE (merges as "a b" strings or [a, b] pairs,
 // both sides and the result in the vocabulary, ignore_merges, byte_fallback,
 // fuse_unk); decoder ByteLevel, or Replace (String) / ByteFallback / Fuse /
-// Strip in a Sequence; post_processor TemplateProcessing (single sequence) or
-// ByteLevel. Anything else -> UNIMPLEMENTED naming it. Added tokens marked
-// "normalized": true are matched on the raw text too (Hugging Face matches
-// them after normalizing; the same unless the normalizer changes them).
+// Strip / Metaspace (alone or in a Sequence); post_processor TemplateProcessing (single sequence)
+// or ByteLevel. Anything else -> UNIMPLEMENTED naming it. Added tokens marked "normalized": true
+// are matched on the raw text too (Hugging Face matches them after normalizing; the same unless the
+// normalizer changes them).
 #pragma once
 
 #include <cstdint>

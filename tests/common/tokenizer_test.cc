@@ -262,6 +262,36 @@ TEST(Tokenizer, SentencePieceStyleMatchesHuggingFace) {
   EXPECT_GT(byte_fallbacks, 5) << "the texts should reach the <0xXX> tokens";
 }
 
+// The same model behind a Metaspace pre-tokenizer, as newer Llama / Mistral
+// files have it: prepend_scheme "first" (only at the start of the text, not
+// after an added token) without split, and "always" with split and a
+// Metaspace decoder; ids and decodes from tokenizers 0.23.3.
+TEST(Tokenizer, MetaspaceMatchesHuggingFace) {
+  const json base = json::parse(std::ifstream(testing::FixturesDir() + "/sp_bpe/tokenizer.json"));
+  const json all =
+      json::parse(std::ifstream(testing::FixturesDir() + "/sp_bpe/metaspace_vectors.json"));
+  ASSERT_EQ(all.size(), 2u);
+  for (const auto& variant : all) {
+    json j = base;
+    j["normalizer"] = nullptr;
+    j["pre_tokenizer"] = variant["pre_tokenizer"];
+    j["decoder"] = variant["decoder"];
+    SCOPED_TRACE(variant["pre_tokenizer"].dump());
+    auto t = Tokenizer::FromJson(j.dump(), "t.json");
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (const auto& c : variant["cases"]) {
+      const std::string text = c["text"].get<std::string>();
+      SCOPED_TRACE(text);
+      EXPECT_EQ((*t)->Encode(text).value(), c["ids"].get<std::vector<int32_t>>());
+      const auto ids_bos = c["ids_bos"].get<std::vector<int32_t>>();
+      EXPECT_EQ((*t)->Encode(text, /*add_special_tokens=*/true).value(), ids_bos);
+      EXPECT_EQ((*t)->Decode(ids_bos, /*skip_special_tokens=*/true).value(),
+                c["decoded_bos_skip"].get<std::string>());
+      EXPECT_EQ((*t)->Decode(ids_bos).value(), c["decoded_bos_keep"].get<std::string>());
+    }
+  }
+}
+
 // A pre-tokenizer regex that PCRE2 gives up on (its match limit) is an
 // error naming the pre-tokenizer, not a silent split that changes the ids.
 TEST(Tokenizer, RegexMatchLimitIsAnError) {
