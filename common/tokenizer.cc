@@ -11,6 +11,7 @@
 #include <queue>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/status.h"
 #include "common/unicode_nfc.h"
 #include "nlohmann/json.hpp"
@@ -385,13 +386,7 @@ struct Tokenizer::Impl {
           continue;
         }
         if (p.kind == PreTokenizer::kMetaspace) {
-          std::string m;
-          for (char c : piece) {
-            if (c == ' ')
-              m += p.replacement;
-            else
-              m.push_back(c);
-          }
+          std::string m = absl::StrReplaceAll(piece, {{" ", p.replacement}});
           const bool first = at_text_start && &piece == &pieces.front();
           if ((p.prepend == PreTokenizer::kAlways ||
                (p.prepend == PreTokenizer::kFirst && first)) &&
@@ -930,18 +925,8 @@ std::string Tokenizer::TokenBytes(int32_t id, bool skip_special_tokens) const {
         std::isxdigit(static_cast<unsigned char>(tok[4])))
       return std::string(1, static_cast<char>(std::stoi(tok.substr(3, 2), nullptr, 16)));
     std::string out = tok;
-    for (const auto& [from, to] : impl_->decode_replace) {
-      if (from.empty()) continue;
-      std::string next;
-      for (size_t pos = 0;;) {
-        const size_t hit = out.find(from, pos);
-        next.append(out, pos, hit == std::string::npos ? std::string::npos : hit - pos);
-        if (hit == std::string::npos) break;
-        next += to;
-        pos = hit + from.size();
-      }
-      out = std::move(next);
-    }
+    for (const auto& [from, to] : impl_->decode_replace)
+      out = absl::StrReplaceAll(out, {{from, to}});
     return out;
   }
   std::string out;

@@ -221,6 +221,13 @@ void Engine::Shutdown(absl::Duration drain) {
   if (thread_.joinable()) thread_.join();
 }
 
+void Engine::ReleaseBlocks(Request& r) {
+  if (!r.holds_blocks) return;
+  stats_.kv_blocks_used -= r.blocks;
+  --stats_.running;
+  r.holds_blocks = false;
+}
+
 void Engine::Finish(Request& r, FinishReason reason, absl::Status status) {
   if (r.done) return;
   r.done = true;
@@ -245,11 +252,7 @@ void Engine::Finish(Request& r, FinishReason reason, absl::Status status) {
     // Accounting is settled before the final event, so a client that sees
     // the end of its request also sees its blocks returned.
     std::lock_guard<std::mutex> lock(mu_);
-    if (r.holds_blocks) {
-      stats_.kv_blocks_used -= r.blocks;
-      --stats_.running;
-      r.holds_blocks = false;
-    }
+    ReleaseBlocks(r);
     ++stats_.completed;
   }
   if (r.cb) r.cb(ev);
@@ -422,11 +425,7 @@ void Engine::Loop() {
       for (auto it = running_.begin(); it != running_.end();) {
         Request& r = **it;
         if (r.shut_out || now >= r.req.deadline || r.cancelled) {
-          if (r.holds_blocks) {
-            stats_.kv_blocks_used -= r.blocks;
-            --stats_.running;
-            r.holds_blocks = false;
-          }
+          ReleaseBlocks(r);
           leaving.push_back(std::move(*it));
           it = running_.erase(it);
         } else {
@@ -453,26 +452,19 @@ void Engine::Loop() {
     // A deadline that has passed wins over a cancel: the gRPC layer cancels
     // a call when its deadline passes, and that is still the deadline.
     const absl::Time ended_at = absl::Now();
-    for (auto& r : ended) {
-      if (r->shut_out)
-        Finish(*r, FinishReason::kCancelled, ShutOutStatus());
-      else if (ended_at >= r->req.deadline || !r->cancelled)
-        Finish(*r, FinishReason::kDeadline,
-               absl::DeadlineExceededError("deadline passed while queued"));
-      else
-        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
-    }
-    ended.clear();
-    for (auto& r : leaving) {
-      if (r->shut_out)
-        Finish(*r, FinishReason::kCancelled, ShutOutStatus());
-      else if (ended_at >= r->req.deadline || !r->cancelled)
-        Finish(*r, FinishReason::kDeadline,
-               absl::DeadlineExceededError("deadline passed during generation"));
-      else
-        Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
-    }
-    leaving.clear();
+    auto end_all = [&](std::vector<std::unique_ptr<Request>>& rs, const char* deadline_msg) {
+      for (auto& r : rs) {
+        if (r->shut_out)
+          Finish(*r, FinishReason::kCancelled, ShutOutStatus());
+        else if (ended_at >= r->req.deadline || !r->cancelled)
+          Finish(*r, FinishReason::kDeadline, absl::DeadlineExceededError(deadline_msg));
+        else
+          Finish(*r, FinishReason::kCancelled, absl::CancelledError("request cancelled"));
+      }
+      rs.clear();
+    };
+    end_all(ended, "deadline passed while queued");
+    end_all(leaving, "deadline passed during generation");
 
     // New admissions get their state here, off the lock.
     for (auto& r : running_) {

@@ -132,6 +132,9 @@ class Engine {
   Engine(const Model* model, const Tokenizer* tokenizer, const EngineOptions& options);
   void Loop();
   void Finish(Request& r, FinishReason reason, absl::Status status);
+  // Returns an admitted request's KV blocks and batch slot to the budget
+  // (once; mu_ held).
+  void ReleaseBlocks(Request& r);
   void EmitToken(Request& r, int32_t token);
   void Step();
   void SampleNext(Request& r);

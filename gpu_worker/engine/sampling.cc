@@ -114,7 +114,7 @@ absl::StatusOr<int32_t> Sampler::Sample(absl::Span<const float> logits,
   cands_.clear();
   for (int32_t t = 0; t < V; ++t) {
     const float l = work_[static_cast<size_t>(t)];
-    if (std::isfinite(l)) cands_.push_back({l, t});
+    if (std::isfinite(l)) cands_.push_back({l, t, 0.0});
   }
   auto cmp = [](const Candidate& a, const Candidate& b) {
     return a.logit != b.logit ? a.logit > b.logit : a.id < b.id;
@@ -129,14 +129,15 @@ absl::StatusOr<int32_t> Sampler::Sample(absl::Span<const float> logits,
   }
   float max_l = -std::numeric_limits<float>::infinity();
   for (const Candidate& c : cands_) max_l = std::max(max_l, c.logit);
-  // Weights of softmax(l / T), relative to the largest (f64 for stability).
-  auto weight = [&](const Candidate& c) {
-    return std::exp((static_cast<double>(c.logit) - max_l) / p.temperature);
-  };
+  // Weights of softmax(l / T), relative to the largest (f64 for stability),
+  // once per candidate.
+  double sum = 0;
+  for (Candidate& c : cands_) {
+    c.weight = std::exp((static_cast<double>(c.logit) - max_l) / p.temperature);
+    sum += c.weight;
+  }
   size_t keep = cands_.size();
   if (p.top_p < 1.0f) {
-    double sum = 0;
-    for (const Candidate& c : cands_) sum += weight(c);
     const double target = p.top_p * sum;
     // The smallest prefix reaching top_p: sort a few hundred, more if needed.
     size_t m = std::min<size_t>(keep, 256);
@@ -145,7 +146,7 @@ absl::StatusOr<int32_t> Sampler::Sample(absl::Span<const float> logits,
       double acc = 0;
       size_t n = 0;
       while (n < m) {
-        acc += weight(cands_[n++]);
+        acc += cands_[n++].weight;
         if (acc >= target) break;
       }
       if (acc >= target || m == keep) {
@@ -166,16 +167,16 @@ absl::StatusOr<int32_t> Sampler::Sample(absl::Span<const float> logits,
     const double floor = p.min_p;
     size_t n = 0;
     for (size_t i = 0; i < keep; ++i)
-      if (weight(cands_[i]) >= floor) cands_[n++] = cands_[i];
+      if (cands_[i].weight >= floor) cands_[n++] = cands_[i];
     keep = n;
   }
   double total = 0;
-  for (size_t i = 0; i < keep; ++i) total += weight(cands_[i]);
+  for (size_t i = 0; i < keep; ++i) total += cands_[i].weight;
   // Uniform in [0, total) from 53 random bits: the same on every platform.
   const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53 * total;
   double acc = 0;
   for (size_t i = 0; i < keep; ++i) {
-    acc += weight(cands_[i]);
+    acc += cands_[i].weight;
     if (u < acc) return cands_[i].id;
   }
   return cands_[keep - 1].id;

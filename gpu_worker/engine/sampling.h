@@ -61,6 +61,7 @@ class Sampler {
   struct Candidate {
     float logit;
     int32_t id;
+    double weight;  // exp((logit - max) / T), set once the candidates are known
   };
   std::vector<float> work_;
   std::vector<Candidate> cands_;
