@@ -341,11 +341,8 @@ bool GrpcStreamClient::CheckStream(Stream* s, const Outgoing& first,
   if (!now.ok()) {
     bad = SetupFailure(
         ControlFailure(now.status(), capped, "grpc: describe before the MoE stream's first call"));
-  } else if (std::string diff = ServedDifference(check_->info, *now); !diff.empty()) {
-    bad = absl::FailedPreconditionError(
-        absl::StrCat("expert service (grpc): restarted serving something else than when the worker "
-                     "connected: ",
-                     diff));
+  } else {
+    bad = CheckServesTheSame(check_->info, *now, "grpc");
   }
   if (bad.ok()) return true;
   // Nothing was written on this stream. Its reader ends every call waiting

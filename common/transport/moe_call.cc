@@ -70,6 +70,14 @@ std::string ServedDifference(const ShardInfo& was, const ShardInfo& now) {
   return "";
 }
 
+absl::Status CheckServesTheSame(const ShardInfo& was, const ShardInfo& now, const char* transport) {
+  const std::string diff = ServedDifference(was, now);
+  if (diff.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("expert service (", transport,
+                   "): restarted serving something else than when the worker connected: ", diff));
+}
+
 absl::Status CheckMoeCallBytes(const MoeCall& call, uint64_t limit, const char* transport) {
   const unsigned __int128 total =
       static_cast<unsigned __int128>(call.hidden_bytes) + call.ids_bytes + call.weights_bytes;

@@ -70,6 +70,10 @@ struct ShardInfo {
 // (was bf16)" or "routed experts of another checkpoint (fingerprint X, was
 // Y)". For a shard that restarted while a worker was connected.
 std::string ServedDifference(const ShardInfo& was, const ShardInfo& now);
+// OK when `now` serves what `was` did; else FAILED_PRECONDITION "expert
+// service (<transport>): restarted serving something else than when the
+// worker connected: <difference>" (a transport's check at reconnect).
+absl::Status CheckServesTheSame(const ShardInfo& was, const ShardInfo& now, const char* transport);
 
 // Server side. Handle() validates `call` against info() (INVALID_ARGUMENT
 // naming the field: layer, tokens, top_k, hidden, expert_ids,

@@ -516,11 +516,7 @@ absl::StatusOr<std::shared_ptr<ShmClient::Segment>> ShmClient::Connect(absl::Tim
   }
   // A service restarted with other weights (model, format, part,
   // checkpoint) must not answer this worker's calls.
-  if (std::string diff = ServedDifference(info_, *info); !diff.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "expert service (shm): restarted serving something else than when the worker connected: ",
-        diff));
-  }
+  RETURN_IF_ERROR(CheckServesTheSame(info_, *info, "shm"));
   seg->server_pid = static_cast<int32_t>(info->pid);
   seg->server_pidfd = PidfdOpen(seg->server_pid);
   auto epoch = control_->AttachShm(seg->path, ::getpid(), seg->nonce,

@@ -845,12 +845,7 @@ struct UcxClient::Impl {
       // (model, format, part, checkpoint); it must not answer our calls.
       auto now = control->Describe(std::max(until - absl::Now(), absl::ZeroDuration()));
       if (!now.ok()) return SetupFailure(ControlFailure(now.status(), capped, "ucx: describe"));
-      if (std::string diff = ServedDifference(info, *now); !diff.empty()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "expert service (ucx): restarted serving something else than when the worker "
-            "connected: ",
-            diff));
-      }
+      RETURN_IF_ERROR(CheckServesTheSame(info, *now, "ucx"));
     }
     auto server_addr = control->UcxConnect(worker->address(), client_id,
                                            std::max(until - absl::Now(), absl::ZeroDuration()));
