@@ -26,6 +26,14 @@
 //   hmoe-amx-microprobe [threads=16] [seconds per case=0.3]
 //   hmoe-amx-microprobe --pairs [seconds per case=0.2]
 //
+//   hmoe-amx-microprobe --rows [threads=16] [seconds per case=0.2]
+//
+// --rows asks whether a tile product over fewer rows (C and A tiles
+// configured with M < 16 rows, B unchanged) takes less time: the
+// register-only loop with M rows against M = 16, adjacent rounds as above,
+// one thread and `threads`. Prints the median time per product as a
+// fraction of M = 16's (1.00: the rows cost nothing; M/16: proportional).
+//
 // --pairs finds which logical CPUs share one AMX unit (hyperthread siblings a
 // VM may not report): the register-only loop on CPU 0 alone, then on CPU 0
 // and CPU c together for every c (and the same from CPU 1); a pair of one
@@ -598,6 +606,62 @@ int Pairs(const Variant& peak, double secs) {
   return 0;
 }
 
+// Tile configurations for --rows: C and A tiles (registers 0-5) of M rows.
+constexpr hmoe::kern::TileConfig RowsConfig(int m) {
+  hmoe::kern::TileConfig c = hmoe::kern::MakeTileConfig();
+  for (int t = 0; t < 6; ++t) c.rows[t] = static_cast<uint8_t>(m);
+  return c;
+}
+alignas(64) constexpr hmoe::kern::TileConfig kRowsConfigs[] = {RowsConfig(8), RowsConfig(4),
+                                                               RowsConfig(1)};
+constexpr int kRowsM[] = {8, 4, 1};
+
+// --rows: see the header.
+int Rows(const Variant& bf16, const Variant& i8, int max_threads, double secs) {
+  for (const int nthreads : {1, max_threads}) {
+    for (size_t ci = 0; ci < std::size(kRowsM); ++ci) {
+      for (const Variant* v : {&bf16, &i8}) {
+        std::vector<std::vector<double>> ratios(static_cast<size_t>(nthreads));
+        std::vector<std::thread> th;
+        for (int t = 0; t < nthreads; ++t) {
+          th.emplace_back([&, t] {
+            const ThreadOperands to(t, t, 4, 4, 2048);
+            const Ops& o = to.ops();
+            auto timed = [&](const hmoe::kern::TileConfig& cfg) {
+              _tile_loadconfig(&cfg);
+              const auto t0 = std::chrono::steady_clock::now();
+              v->fn(o);
+              return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            };
+            timed(kRowsConfigs[ci]);  // warm
+            std::vector<double>& out = ratios[static_cast<size_t>(t)];
+            const auto start = std::chrono::steady_clock::now();
+            double before = timed(hmoe::kern::kTileConfig);
+            while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() <
+                       secs ||
+                   out.size() < 20) {
+              const double part = timed(kRowsConfigs[ci]);
+              const double after = timed(hmoe::kern::kTileConfig);
+              out.push_back(part / std::min(before, after));
+              before = after;
+            }
+            Configure();
+          });
+        }
+        for (auto& x : th) x.join();
+        std::vector<double> all;
+        for (const auto& r : ratios) all.insert(all.end(), r.begin(), r.end());
+        std::sort(all.begin(), all.end());
+        std::printf(
+            "rows  threads %2d  %-9s M=%2d: time per product %.3f of M=16's (M/16 = %.3f)\n",
+            nthreads, v->name, kRowsM[ci], all[all.size() / 2], kRowsM[ci] / 16.0);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -609,6 +673,9 @@ int main(int argc, char** argv) {
       peaki8{"peak4-i8", Peak4<true>, 4};
   if (argc > 1 && std::string(argv[1]) == "--pairs")
     return Pairs(peak, argc > 2 ? std::atof(argv[2]) : 0.2);
+  if (argc > 1 && std::string(argv[1]) == "--rows")
+    return Rows(peak, peaki8, argc > 2 ? std::atoi(argv[2]) : 16,
+                argc > 3 ? std::atof(argv[3]) : 0.2);
   const int nthreads = argc > 1 ? std::atoi(argv[1]) : 16;
   const double secs = argc > 2 ? std::atof(argv[2]) : 0.3;
   const Variant vs[] = {{"cur", Cur<false>, 4},

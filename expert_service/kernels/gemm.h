@@ -25,7 +25,7 @@ struct GemmArgs {
   const float* a_scale = nullptr;   // int8 activations: per row
   const int32_t* a_gsum = nullptr;  // int4 "few": per row, per group: sum of the int8 activations
   int64_t gsum_stride = 0;          // int32 elements between rows of a_gsum
-  float* c = nullptr;               // roundup(m, 32) rows
+  float* c = nullptr;               // roundup(m, 32) rows; rows >= m may be left unwritten
   int64_t ldc = 0;                  // floats between rows of c
   uint8_t* scratch = nullptr;       // scratch_bytes (>= kGemmScratchBytes), 64-byte aligned
   int64_t scratch_bytes = 0;

@@ -4,14 +4,15 @@
 //
 // Blocking: C = 2x2 tiles (32 rows x 2 panels), A = 2 tiles, B = 2 tiles:
 // one tile load per tile product; each k step issues its four loads, then
-// its four products. K is walked in chunks (1 KiB of each row by default);
-// partial C is stored to the caller's c buffer between chunks. Inside a
-// chunk the default order (1) runs row pairs outer, panel pairs inner: the
-// row pair's A chunk (32 KiB) is reused across the task's panels from L1,
-// and the B chunk of the task's panels across row pairs from L2; B tiles are
-// loaded with tileloaddt1 so they do not evict A. Meanwhile the next chunk's
-// B is prefetched into L2 a few lines per k step, so tile loads do not wait
-// on DRAM.
+// its four products. A last row pair with at most 16 real rows runs as one
+// row block (AmxTuning::tail16), an odd last panel as one panel. K is walked
+// in chunks (1 KiB of each row by default); partial C is stored to the
+// caller's c buffer between chunks. Inside a chunk the default order (1) runs
+// row pairs outer, panel pairs inner: the row pair's A chunk (32 KiB) is
+// reused across the task's panels from L1, and the B chunk of the task's
+// panels across row pairs from L2; B tiles are loaded with tileloaddt1 so
+// they do not evict A. Meanwhile the next chunk's B is prefetched into L2 a
+// few lines per k step, so tile loads do not wait on DRAM.
 // Order 0 (panel pairs outer) and the other knobs of AmxTuning (tuning.h) exist for
 // benchmarks; the defaults are the best of same-machine sweeps recorded in
 // bench/results/README.md (hmoe-bench-moe --tune compares them in one run).
@@ -232,7 +233,7 @@ void AmxGemm(const GemmArgs& a) {
   struct Pending {
     uint8_t* p = nullptr;
     int64_t rs = 0, r1 = 0, c1 = 0;
-    bool two = false;
+    bool two = false, rows2 = false;
   } pend;
   // Tile register I of a 32-row x 2-panel C block at p (row stride rs, second
   // row block at +r1, second panel at +c1).
@@ -241,7 +242,7 @@ void AmxGemm(const GemmArgs& a) {
   };
   auto flush = [&](auto reg) {
     constexpr int kReg = decltype(reg)::value;
-    if (pend.p != nullptr && (pend.two || kReg % 2 == 0))
+    if (pend.p != nullptr && (pend.two || kReg % 2 == 0) && (pend.rows2 || kReg < 2))
       X::template Store<kReg>(tile_at(pend.p, pend.r1, pend.c1, kReg), pend.rs);
   };
   auto flush_all = [&] {
@@ -281,6 +282,8 @@ void AmxGemm(const GemmArgs& a) {
   auto block = [&](int m0, int64_t j, const uint8_t* B0, const uint8_t* B1, bool two, int64_t kc0,
                    int64_t steps, bool stream_a, bool stream_b, auto&& after_step) {
     const bool last = kc0 + steps * kStepK >= g.kp;
+    // The second row block holds real rows (else it is padding: skipped).
+    const bool rows2 = !tune.tail16 || m0 + 16 < a.m;
     uint8_t* R00 = reinterpret_cast<uint8_t*>(a.c + m0 * a.ldc + (j - a.nb0) * 16);
     // Where C is loaded from (chunks after the first) and stored to.
     uint8_t* L00 = R00;
@@ -320,11 +323,13 @@ void AmxGemm(const GemmArgs& a) {
         product(R1{}, RA0{}, RB1{});
       }
       flush(R2{});
-      init(R2{});
-      LoadOp<X, 5>(a1, a_rs, stream_a);
-      product(R2{}, RA1{}, RB0{});
+      if (rows2) {
+        init(R2{});
+        LoadOp<X, 5>(a1, a_rs, stream_a);
+        product(R2{}, RA1{}, RB0{});
+      }
       flush(R3{});
-      if (two) {
+      if (two && rows2) {
         init(R3{});
         product(R3{}, RA1{}, RB1{});
       }
@@ -333,14 +338,14 @@ void AmxGemm(const GemmArgs& a) {
       s = 1;
     } else {
       init(R0{});
-      init(R2{});
+      if (rows2) init(R2{});
       if (two) {
         init(R1{});
-        init(R3{});
+        if (rows2) init(R3{});
       }
     }
-    // Each k step: its four tile loads, then its four products.
-    if (two) {
+    // Each k step: its tile loads (four for a full block), then its products.
+    if (two && rows2) {
       for (; s < steps; ++s) {
         LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
         LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
@@ -352,7 +357,7 @@ void AmxGemm(const GemmArgs& a) {
         product(R3{}, RA1{}, RB1{});
         after_step(s);
       }
-    } else {
+    } else if (rows2) {
       for (; s < steps; ++s) {
         LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
         LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
@@ -361,16 +366,32 @@ void AmxGemm(const GemmArgs& a) {
         product(R2{}, RA1{}, RB0{});
         after_step(s);
       }
+    } else if (two) {
+      for (; s < steps; ++s) {
+        LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
+        LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
+        LoadOp<X, 7>(B1 + s * 1024, 64, stream_b);
+        product(R0{}, RA0{}, RB0{});
+        product(R1{}, RA0{}, RB1{});
+        after_step(s);
+      }
+    } else {
+      for (; s < steps; ++s) {
+        LoadOp<X, 4>(a0 + s * a_ss, a_rs, stream_a);
+        LoadOp<X, 6>(B0 + s * 1024, 64, stream_b);
+        product(R0{}, RA0{}, RB0{});
+        after_step(s);
+      }
     }
     if (tune.edge) {
-      pend = Pending{S00, s_rs, s_r1, s_c1, two};
+      pend = Pending{S00, s_rs, s_r1, s_c1, two, rows2};
     } else {
       if (two) {
         X::template Store<1>(S00 + s_c1, s_rs);
-        X::template Store<3>(S00 + s_r1 + s_c1, s_rs);
+        if (rows2) X::template Store<3>(S00 + s_r1 + s_c1, s_rs);
       }
       X::template Store<0>(S00, s_rs);
-      X::template Store<2>(S00 + s_r1, s_rs);
+      if (rows2) X::template Store<2>(S00 + s_r1, s_rs);
       if (block_epi && last) i8_scale(m0, std::min(m0 + 32, a.m), j, two ? 2 : 1);
     }
   };

@@ -51,6 +51,12 @@ struct AmxTuning {
   // HMOE_AMX_EDGE: overlap a block's C stores with the next block's first k
   // step.
   bool edge = false;
+  // HMOE_AMX_TAIL16: a last row pair whose second 16-row block is only
+  // padding (rows >= m) runs as one row block (1x2 C tiles), so rows are
+  // padded to 16, not 32 (0: the padding block is computed too).
+  // (A tile product over fewer configured rows takes as long as over 16:
+  // hmoe-amx-microprobe --rows, bench/results run 21.)
+  bool tail16 = true;
 };
 
 // Software prefetch distances of the AVX-512 GEMV kernels ("few" tokens per

@@ -437,6 +437,9 @@ const std::vector<TuningSetting>& TuningSettings() {
       {{"HMOE_MOE_OVERLAP_REDUCE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
       // Tasks claimed one at a time (no look-ahead).
       {{"HMOE_MOE_LOOKAHEAD", "0"}},
+      // Padding row blocks computed (before tail16); with edge and order 0.
+      {{"HMOE_AMX_TAIL16", "0"}},
+      {{"HMOE_AMX_TAIL16", "0"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_ORDER", "0"}},
   };
   return settings;
 }
@@ -471,18 +474,35 @@ TEST_P(AmxEmulationTuningTest, MatchesReference) {
 }
 
 // Test names: the setting spelled out, e.g. AMX_EDGE_1__AMX_ORDER_0.
+std::string TuningSettingName(const ::testing::TestParamInfo<size_t>& info) {
+  std::string name;
+  for (const auto& [k, v] : TuningSettings()[info.param]) {
+    if (!name.empty()) name += "__";
+    absl::StrAppend(&name, absl::StripPrefix(k, "HMOE_"), "_", v);
+  }
+  for (char& c : name)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return absl::StrCat(info.param, "_", name);
+}
 INSTANTIATE_TEST_SUITE_P(Settings, AmxEmulationTuningTest,
-                         ::testing::Range<size_t>(0, TuningSettings().size()),
-                         [](const ::testing::TestParamInfo<size_t>& info) {
-                           std::string name;
-                           for (const auto& [k, v] : TuningSettings()[info.param]) {
-                             if (!name.empty()) name += "__";
-                             absl::StrAppend(&name, absl::StripPrefix(k, "HMOE_"), "_", v);
-                           }
-                           for (char& c : name)
-                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-                           return absl::StrCat(info.param, "_", name);
-                         });
+                         ::testing::Range<size_t>(0, TuningSettings().size()), TuningSettingName);
+
+// The same settings on the AMX hardware (real tile configurations, loads
+// with tileloaddt1, prefetches), where the CPU has it.
+class AmxTuningTest : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(AmxTuningTest, MatchesReference) {
+  RunOptions ro;
+  ro.tuning = TuningOf(TuningSettings()[GetParam()]);
+  if (auto why = IsaUnavailable(Isa::kAmx)) GTEST_SKIP() << *why;
+  ro.isa = Isa::kAmx;
+  CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 120, 3, ro);
+  CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
+}
+INSTANTIATE_TEST_SUITE_P(Settings, AmxTuningTest,
+                         ::testing::Range<size_t>(0, TuningSettings().size()), TuningSettingName);
 
 // Shard: experts [2, 5) of 7 and intermediate slice [32, 75); foreign ids,
 // ids of other shards and tokens with no owned expert. Every available
