@@ -13,9 +13,11 @@
 // panels across row pairs from L2; B tiles are loaded with tileloaddt1 so
 // they do not evict A. Meanwhile the next chunk's B is prefetched into L2 a
 // few lines per k step, so tile loads do not wait on DRAM.
-// Order 0 (panel pairs outer) and the other knobs of AmxTuning (tuning.h) exist for
-// benchmarks; the defaults are the best of same-machine sweeps recorded in
-// bench/results/README.md (hmoe-bench-moe --tune compares them in one run).
+// A call of at most AmxTuning::order0_rows rows (64) runs order 0 instead:
+// panel pairs outer, the pair's B chunk reused from L1 across the few row
+// pairs. Its other knobs (tuning.h) exist for benchmarks; the defaults are
+// the best of same-machine sweeps recorded in bench/results/README.md
+// (hmoe-bench-moe --tune compares them in one run).
 //
 // A is read either row-major (stride lda) or in the tile layout (GemmArgs::
 // a_tiled), where every A tile is one contiguous KiB.
@@ -206,6 +208,8 @@ void AmxGemm(const GemmArgs& a) {
       std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2), kI4 ? 2048 : int64_t{1} << 30);
   const PackedGeom& g = *a.g;
   if (a.m <= 0 || a.nb1 <= a.nb0) return;  // nothing to compute (and no 0 divisors below)
+  // Few rows: panel pairs outer (AmxTuning::order0_rows).
+  const int order = tune.order == 1 && a.m <= tune.order0_rows ? 0 : tune.order;
   X::Configure();
   const int mp = (a.m + 31) / 32 * 32;
   const int64_t ldc_b = a.ldc * 4;
@@ -223,8 +227,7 @@ void AmxGemm(const GemmArgs& a) {
   // Partial C between K chunks: strided rows of c, or (ctmp) contiguous
   // tiles in the scratch, tile (row block, panel) at ((m0/16)*np + p) KiB.
   const int64_t npan = a.nb1 - a.nb0;
-  const bool ctmp =
-      tune.ctmp && tune.order == 1 && !kI4 && int64_t{mp} * npan * 64 <= a.scratch_bytes;
+  const bool ctmp = tune.ctmp && order == 1 && !kI4 && int64_t{mp} * npan * 64 <= a.scratch_bytes;
   // Edge overlap (AmxTuning::edge): a block leaves its C tiles in the registers
   // and the next block stores them one by one, each just before it
   // initializes that register, inside its first k step; so the products of
@@ -396,7 +399,7 @@ void AmxGemm(const GemmArgs& a) {
     }
   };
 
-  if (!kI4 && tune.order == 1) {
+  if (!kI4 && order == 1) {
     // Order 1: per K chunk, row pairs outer (A chunk reused from L1), panel
     // pairs inner (B chunk of all the task's panels reused from L2). With
     // prefetch on, the next chunk's B lines go to L2 spread over the whole

@@ -39,6 +39,7 @@ const Knob kKnobs[] = {
     HMOE_KNOB("HMOE_AMX_PF_MASK", amx.pf_mask, Kind::kRange, 1, 3),
     HMOE_KNOB("HMOE_AMX_PF_A", amx.pf_a, Kind::kRange, 0, 2),
     HMOE_BOOL_KNOB("HMOE_AMX_ORDER", amx.order),
+    HMOE_KNOB("HMOE_AMX_ORDER0_ROWS", amx.order0_rows, Kind::kRange, 0, 512),
     HMOE_BOOL_KNOB("HMOE_AMX_STREAM", amx.stream),
     HMOE_BOOL_KNOB("HMOE_AMX_CTMP", amx.ctmp),
     HMOE_BOOL_KNOB("HMOE_AMX_I8_EPI", amx.i8_block_epi),

@@ -39,6 +39,12 @@ struct AmxTuning {
   // HMOE_AMX_ORDER = 0 | 1: inside a K chunk, panel pairs outer (0) or row
   // pairs outer (1).
   int order = 1;
+  // HMOE_AMX_ORDER0_ROWS = 0..512: with order 1, calls of at most this many
+  // rows run order 0 (few row pairs: each B chunk is read into L1 once and
+  // used by all of them). 64: order 0 won 12 of 12 interleaved pairs at
+  // ds-v3 T=128..2048 (16-64 rows per expert, 2-10% faster) and lost at
+  // T=8192 (256 rows), bench/results run 21. 0: order 1 throughout.
+  int order0_rows = 64;
   // HMOE_AMX_STREAM: load B (not reused from L1) with tileloaddt1 so it does
   // not evict A (bf16 and int8; int4 never streams).
   bool stream = true;
