@@ -13,11 +13,11 @@
 // panels across row pairs from L2; B tiles are loaded with tileloaddt1 so
 // they do not evict A. Meanwhile the next chunk's B is prefetched into L2 a
 // few lines per k step, so tile loads do not wait on DRAM.
-// A call of at most AmxTuning::order0_rows rows (64) runs order 0 instead:
-// panel pairs outer, the pair's B chunk reused from L1 across the few row
-// pairs. Its other knobs (tuning.h) exist for benchmarks; the defaults are
-// the best of same-machine sweeps recorded in bench/results/README.md
-// (hmoe-bench-moe --tune compares them in one run).
+// A call of at most AmxTuning::order0_rows rows (32) runs order 0 instead:
+// panel pairs outer, the pair's B chunk reused from L1 across its rows.
+// The other knobs (tuning.h) exist for benchmarks; the defaults are the best
+// of same-machine sweeps recorded in bench/results/README.md (hmoe-bench-moe
+// --tune compares them in one run).
 //
 // A is read either row-major (stride lda) or in the tile layout (GemmArgs::
 // a_tiled), where every A tile is one contiguous KiB.

@@ -40,11 +40,13 @@ struct AmxTuning {
   // pairs outer (1).
   int order = 1;
   // HMOE_AMX_ORDER0_ROWS = 0..512: with order 1, calls of at most this many
-  // rows run order 0 (few row pairs: each B chunk is read into L1 once and
-  // used by all of them). 64: order 0 won 12 of 12 interleaved pairs at
-  // ds-v3 T=128..2048 (16-64 rows per expert, 2-10% faster) and lost at
-  // T=8192 (256 rows), bench/results run 21. 0: order 1 throughout.
-  int order0_rows = 64;
+  // rows run order 0 (one row pair: each B chunk is read into L1 once and
+  // used by all its rows). 32: at ds-v3 T=512 with random routing (~16 rows
+  // per expert) order 0 won 8 of 8 interleaved pairs over two grants (4-12%
+  // faster); at T=2048-4096 (64-128 rows) it won in one grant and lost in
+  // the other, and at T=8192 it lost (bench/results run 21). 0: order 1
+  // throughout.
+  int order0_rows = 32;
   // HMOE_AMX_STREAM: load B (not reused from L1) with tileloaddt1 so it does
   // not evict A (bf16 and int8; int4 never streams).
   bool stream = true;

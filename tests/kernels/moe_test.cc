@@ -441,7 +441,7 @@ const std::vector<TuningSetting>& TuningSettings() {
       {{"HMOE_AMX_TAIL16", "0"}},
       {{"HMOE_AMX_TAIL16", "0"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_ORDER", "0"}},
       // Order 1 for every call size, and order 0 for every call of <= 512
-      // rows (the defaults switch at 64 rows).
+      // rows (the defaults switch at 32 rows).
       {{"HMOE_AMX_ORDER0_ROWS", "0"}},
       {{"HMOE_AMX_ORDER0_ROWS", "512"}, {"HMOE_AMX_EDGE", "1"}},
   };
