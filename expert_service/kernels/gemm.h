@@ -29,7 +29,7 @@ struct GemmArgs {
   int64_t ldc = 0;                  // floats between rows of c
   uint8_t* scratch = nullptr;       // scratch_bytes (>= kGemmScratchBytes), 64-byte aligned
   int64_t scratch_bytes = 0;
-  // Optional hint (AMX kernels with prefetch on): the caller's next task,
+  // Optional hint (AMX kernels with prefetch on, order 1): the caller's next task,
   // panels [next_nb0, next_nb1) of the matrix at next_w with geometry next_g
   // (same format); its first K chunk is prefetched into L2 during this
   // call's last one. Never read through, only prefetched.

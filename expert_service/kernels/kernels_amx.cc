@@ -13,8 +13,12 @@
 // panels across row pairs from L2; B tiles are loaded with tileloaddt1 so
 // they do not evict A. Meanwhile the next chunk's B is prefetched into L2 a
 // few lines per k step, so tile loads do not wait on DRAM.
-// A call of at most AmxTuning::order0_rows rows (32) runs order 0 instead:
-// panel pairs outer, the pair's B chunk reused from L1 across its rows.
+// A call of at most AmxTuning::order0_rows rows (32: one row pair) runs
+// order 0 instead: the blocks run in the same sequence, but A is the
+// operand loaded with tileloaddt1 and the prefetch brings the next panel
+// pair's B chunk, a few lines per k step, not the next K chunk's B of all
+// the task's panels; the caller's next task (GemmArgs::next_w) is not
+// prefetched there.
 // The other knobs (tuning.h) exist for benchmarks; the defaults are the best
 // of same-machine sweeps recorded in bench/results/README.md (hmoe-bench-moe
 // --tune compares them in one run).

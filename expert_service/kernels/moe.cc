@@ -167,7 +167,8 @@ class SpinBarrier {
 //   HMOE_MOE_LOOKAHEAD = 0 | 1: gate_up / down workers claim one task ahead
 //     and pass it to the kernel, which prefetches its first K chunk into L2
 //     during the current task's last chunk (the one chunk no other prefetch
-//     covers: half of an int8 down task's weights). Default 1: run 6 (slow
+//     covers: half of an int8 down task's weights; calls of <= 32 rows, which
+//     run the AMX kernel's order 0, do not use it). Default 1: run 6 (slow
 //     grants) within noise; run 9 (a grant where the GEMMs ran fastest),
 //     ds-v3 int8 T=8192, 3 interleaved reps: 224-227 ms vs 248-268 off.
 inline double Secs() {
@@ -826,8 +827,9 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
       const int64_t r0 = w.row_off[static_cast<size_t>(tk.e)] + tk.m0;
       kern::GemmArgs a = task_args(tk, lp.down, lp.down_w(tk.e));
       const int64_t c0 = int64_t{tk.nb0} * 16, c1 = std::min<int64_t>(int64_t{tk.nb1} * 16, H);
-      // Direct: C rows are y rows (a many expert's rows are padded to 32,
-      // which the kernel writes; whole panels end inside a row).
+      // Direct: C rows are y rows (a many expert's rows are padded to 32 and
+      // the kernel may leave the padding rows unwritten: y is read only
+      // through slot_row, real rows; whole panels end inside a row).
       const bool direct = tuning.direct_y && many && H % 16 == 0;
       if (direct) {
         a.c = reinterpret_cast<float*>(b.y.data()) + r0 * H + c0;

@@ -40,15 +40,16 @@ struct AmxTuning {
   // pairs outer (1).
   int order = 1;
   // HMOE_AMX_ORDER0_ROWS = 0..512: with order 1, calls of at most this many
-  // rows run order 0 (one row pair: each B chunk is read into L1 once and
-  // used by all its rows). 32: at ds-v3 T=512 with random routing (~16 rows
-  // per expert) order 0 won 8 of 8 interleaved pairs over two grants (4-12%
-  // faster); at T=2048-4096 (64-128 rows) it won in one grant and lost in
-  // the other, and at T=8192 it lost (bench/results run 21). 0: order 1
-  // throughout.
+  // rows run order 0 (kernels_amx.cc says what differs for one row pair:
+  // which operand streams, what is prefetched). 32: at ds-v3 T=128-512 with
+  // random routing (4-16 rows per expert) order 0 won 18 of 18 interleaved
+  // pairs in three grants (1-12% faster); at T=2048-4096 (64-128 rows) it
+  // won in one grant and lost in another, at T=8192 it lost
+  // (bench/results run 21). 0: order 1 throughout.
   int order0_rows = 32;
-  // HMOE_AMX_STREAM: load B (not reused from L1) with tileloaddt1 so it does
-  // not evict A (bf16 and int8; int4 never streams).
+  // HMOE_AMX_STREAM: load the operand not reused from L1 (order 1: B;
+  // order 0: A) with tileloaddt1 so it does not evict the other (bf16 and
+  // int8; int4 never streams).
   bool stream = true;
   // HMOE_AMX_CTMP: (order 1) keep partial C between K chunks in the scratch
   // as contiguous tiles instead of strided rows of c.

@@ -448,6 +448,25 @@ const std::vector<TuningSetting>& TuningSettings() {
   return settings;
 }
 
+// One tuning setting against the reference on the "many" kernels `ro`
+// selects: calls of 7-28 rows (one row pair: the small-call loop order, a
+// lone 16-row block), 45-509 rows (row pairs outer, tails of 1-16 rows), K
+// across chunks; with direct_y, shapes whose H is whole panels.
+void CheckTuningSetting(RunOptions ro) {
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 17, 0, ro);
+  CheckAgainstReference({WeightFormat::kBf16, 0}, 17, 0, ro);
+  if (!ro.tuning.moe.direct_y) {
+    CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
+    CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
+    CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
+    return;
+  }
+  CheckAgainstReference({WeightFormat::kBf16, 0}, 48, 3, ro);
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
+  CheckAgainstReference({WeightFormat::kInt4, 64}, 48, 3, ro);
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 800, 3, ro);  // two row chunks per expert
+}
+
 class AmxEmulationTuningTest : public ::testing::TestWithParam<size_t> {};
 
 TEST_P(AmxEmulationTuningTest, MatchesReference) {
@@ -460,21 +479,13 @@ TEST_P(AmxEmulationTuningTest, MatchesReference) {
     ASSERT_NE(changed.find(" " + k + "="), std::string::npos) << k << "=" << v << " is the default";
   if (auto why = IsaUnavailable(Isa::kAvx512))
     GTEST_SKIP() << "the AMX model's epilogues need AVX-512: " << *why;
-  const bool direct_y = ro.tuning.moe.direct_y;
   ro.isa = Isa::kAvx512;
   ro.emulate_amx = true;
-  if (!direct_y) {
-    CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
-    CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
-    CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
-    return;
+  CheckTuningSetting(ro);
+  if (ro.tuning.moe.direct_y) {
+    ro.emulate_amx = false;  // AVX-512 "many" kernels
+    CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
   }
-  CheckAgainstReference({WeightFormat::kBf16, 0}, 48, 3, ro);
-  CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
-  CheckAgainstReference({WeightFormat::kInt4, 64}, 48, 3, ro);
-  CheckAgainstReference({WeightFormat::kInt8, 0}, 800, 3, ro);  // two row chunks per expert
-  ro.emulate_amx = false;                                       // AVX-512 "many" kernels
-  CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
 }
 
 // Test names: the setting spelled out, e.g. AMX_EDGE_1__AMX_ORDER_0.
@@ -500,10 +511,8 @@ TEST_P(AmxTuningTest, MatchesReference) {
   ro.tuning = TuningOf(TuningSettings()[GetParam()]);
   if (auto why = IsaUnavailable(Isa::kAmx)) GTEST_SKIP() << *why;
   ro.isa = Isa::kAmx;
-  CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
-  CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
-  CheckAgainstReference({WeightFormat::kInt8, 0}, 120, 3, ro);
-  CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
+  CheckTuningSetting(ro);
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 120, 3, ro);  // down's K spans two chunks
 }
 INSTANTIATE_TEST_SUITE_P(Settings, AmxTuningTest,
                          ::testing::Range<size_t>(0, TuningSettings().size()), TuningSettingName);
