@@ -606,57 +606,41 @@ int Pairs(const Variant& peak, double secs) {
   return 0;
 }
 
-// Tile configurations for --rows: C and A tiles (registers 0-5) of M rows.
+// --rows: the register-only loop with the C and A tiles (registers 0-5)
+// configured to M rows; M = 16 is the usual configuration.
 constexpr hmoe::kern::TileConfig RowsConfig(int m) {
   hmoe::kern::TileConfig c = hmoe::kern::MakeTileConfig();
   for (int t = 0; t < 6; ++t) c.rows[t] = static_cast<uint8_t>(m);
   return c;
 }
-alignas(64) constexpr hmoe::kern::TileConfig kRowsConfigs[] = {RowsConfig(8), RowsConfig(4),
-                                                               RowsConfig(1)};
-constexpr int kRowsM[] = {8, 4, 1};
+template <int M, bool kI8>
+void Peak4Rows(const Ops& o) {
+  alignas(64) static constexpr hmoe::kern::TileConfig kCfg = RowsConfig(M);
+  _tile_loadconfig(&kCfg);
+  Peak4<kI8>(o);
+}
 
-// --rows: see the header.
-int Rows(const Variant& bf16, const Variant& i8, int max_threads, double secs) {
+// --rows: see the header. Adjacent rounds (RunAdjacent) of M rows against
+// M = 16; the printed figure is the time per product over M = 16's.
+int Rows(int max_threads, double secs) {
+  struct Case {
+    int m;
+    Variant v, ref;
+  };
+  const Case cases[] = {
+      {8, {"peak4", Peak4Rows<8, false>, 4}, {"peak4", Peak4Rows<16, false>, 4}},
+      {8, {"peak4-i8", Peak4Rows<8, true>, 4}, {"peak4-i8", Peak4Rows<16, true>, 4}},
+      {4, {"peak4", Peak4Rows<4, false>, 4}, {"peak4", Peak4Rows<16, false>, 4}},
+      {4, {"peak4-i8", Peak4Rows<4, true>, 4}, {"peak4-i8", Peak4Rows<16, true>, 4}},
+      {1, {"peak4", Peak4Rows<1, false>, 4}, {"peak4", Peak4Rows<16, false>, 4}},
+      {1, {"peak4-i8", Peak4Rows<1, true>, 4}, {"peak4-i8", Peak4Rows<16, true>, 4}},
+  };
   for (const int nthreads : {1, max_threads}) {
-    for (size_t ci = 0; ci < std::size(kRowsM); ++ci) {
-      for (const Variant* v : {&bf16, &i8}) {
-        std::vector<std::vector<double>> ratios(static_cast<size_t>(nthreads));
-        std::vector<std::thread> th;
-        for (int t = 0; t < nthreads; ++t) {
-          th.emplace_back([&, t] {
-            const ThreadOperands to(t, t, 4, 4, 2048);
-            const Ops& o = to.ops();
-            auto timed = [&](const hmoe::kern::TileConfig& cfg) {
-              _tile_loadconfig(&cfg);
-              const auto t0 = std::chrono::steady_clock::now();
-              v->fn(o);
-              return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            };
-            timed(kRowsConfigs[ci]);  // warm
-            std::vector<double>& out = ratios[static_cast<size_t>(t)];
-            const auto start = std::chrono::steady_clock::now();
-            double before = timed(hmoe::kern::kTileConfig);
-            while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() <
-                       secs ||
-                   out.size() < 20) {
-              const double part = timed(kRowsConfigs[ci]);
-              const double after = timed(hmoe::kern::kTileConfig);
-              out.push_back(part / std::min(before, after));
-              before = after;
-            }
-            Configure();
-          });
-        }
-        for (auto& x : th) x.join();
-        std::vector<double> all;
-        for (const auto& r : ratios) all.insert(all.end(), r.begin(), r.end());
-        std::sort(all.begin(), all.end());
-        std::printf(
-            "rows  threads %2d  %-9s M=%2d: time per product %.3f of M=16's (M/16 = %.3f)\n",
-            nthreads, v->name, kRowsM[ci], all[all.size() / 2], kRowsM[ci] / 16.0);
-        std::fflush(stdout);
-      }
+    for (const Case& c : cases) {
+      const Adjacent r = RunAdjacent(nthreads, c.v, c.ref, 4, 4, secs);
+      std::printf("rows  threads %2d  %-9s M=%2d: time per product %.3f of M=16's (M/16 = %.3f)\n",
+                  nthreads, c.v.name, c.m, 1.0 / r.rate, c.m / 16.0);
+      std::fflush(stdout);
     }
   }
   return 0;
@@ -674,8 +658,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "--pairs")
     return Pairs(peak, argc > 2 ? std::atof(argv[2]) : 0.2);
   if (argc > 1 && std::string(argv[1]) == "--rows")
-    return Rows(peak, peaki8, argc > 2 ? std::atoi(argv[2]) : 16,
-                argc > 3 ? std::atof(argv[3]) : 0.2);
+    return Rows(argc > 2 ? std::atoi(argv[2]) : 16, argc > 3 ? std::atof(argv[3]) : 0.2);
   const int nthreads = argc > 1 ? std::atoi(argv[1]) : 16;
   const double secs = argc > 2 ? std::atof(argv[2]) : 0.3;
   const Variant vs[] = {{"cur", Cur<false>, 4},
