@@ -40,6 +40,7 @@
 #include "common/dtype.h"
 #include "expert_service/kernels/amx_tile_config.h"
 #include "expert_service/kernels/gemm.h"
+#include "expert_service/kernels/i4_dequant_avx512.h"
 
 namespace hmoe::kern {
 namespace {
@@ -203,17 +204,25 @@ void AmxGemm(const GemmArgs& a) {
   constexpr bool kI4 = kKind == Kind::kInt4Bf16;  // int4 weights staged as bf16
   constexpr int64_t kStepK = kI8 ? 64 : 32;       // k per tile
   const AmxTuning& tune = a.tune().amx;
-  // k per chunk (a multiple of 128); int4's bf16 staging holds at most 2048 k per panel.
-  // int4 (bf16 staging, order 0) keeps 2 KiB chunks and plain loads: its
-  // in-process comparison (run 8) lost ~10% with the bf16/int8 defaults.
-  const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : (kI4 ? 2048 : 1024);
-  const bool stream = tune.stream && !kI4;
-  const int64_t kChunkK =
-      std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2), kI4 ? 2048 : int64_t{1} << 30);
   const PackedGeom& g = *a.g;
   if (a.m <= 0 || a.nb1 <= a.nb0) return;  // nothing to compute (and no 0 divisors below)
   // Few rows: panel pairs outer (AmxTuning::order0_rows).
-  const int order = tune.order == 1 && a.m <= tune.order0_rows ? 0 : tune.order;
+  int order = tune.order == 1 && a.m <= tune.order0_rows ? 0 : tune.order;
+  const int64_t npan = a.nb1 - a.nb0;
+  // int4 runs order 1 only staged (AmxTuning::i4_stage); unstaged it keeps
+  // order 0, 2 KiB chunks and plain loads: its in-process comparison (run 8)
+  // lost ~10% with the bf16/int8 defaults.
+  const bool i4_want = kI4 && tune.i4_stage && order == 1;
+  // k per chunk (a multiple of 128); int4's order-0 buffers hold at most 2048 k per panel.
+  const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : (kI4 && !i4_want ? 2048 : 1024);
+  const int64_t kChunkK =
+      std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2), kI4 ? 2048 : int64_t{1} << 30);
+  // Staged int4: two halves of the scratch, each one K chunk of the task's
+  // panels as bf16 panels (panel j - nb0 at + (j - nb0) * stage_pb).
+  const int64_t stage_pb = kChunkK / kStepK * 1024;
+  const bool i4_stage = i4_want && 2 * npan * stage_pb <= a.scratch_bytes;
+  if (kI4 && !i4_stage) order = 0;
+  const bool stream = tune.stream && (!kI4 || i4_stage);
   X::Configure();
   const int mp = (a.m + 31) / 32 * 32;
   const int64_t ldc_b = a.ldc * 4;
@@ -223,14 +232,13 @@ void AmxGemm(const GemmArgs& a) {
   const int64_t a_ss = a.a_tiled ? 1024 : 64;
   uint8_t* buf0 = a.scratch;
   uint8_t* buf1 = a.scratch + kGemmScratchBytes / 2;  // each half: <= 2048 k of one panel
-  const bool prefetch = tune.prefetch && !kI4;
+  const bool prefetch = tune.prefetch && (!kI4 || i4_stage);
   // One 32-row x 2-panel C block over the k steps [kc0, kc0 + steps*kStepK):
   // C from c (zero on the first chunk), the products, C back to c. The
   // operand not reused from L1 (A in order 0, B in order 1) may be loaded
   // with tileloaddt1; `after_step` issues prefetches.
   // Partial C between K chunks: strided rows of c, or (ctmp) contiguous
   // tiles in the scratch, tile (row block, panel) at ((m0/16)*np + p) KiB.
-  const int64_t npan = a.nb1 - a.nb0;
   const bool ctmp = tune.ctmp && order == 1 && !kI4 && int64_t{mp} * npan * 64 <= a.scratch_bytes;
   // Edge overlap (AmxTuning::edge): a block leaves its C tiles in the registers
   // and the next block stores them one by one, each just before it
@@ -403,7 +411,7 @@ void AmxGemm(const GemmArgs& a) {
     }
   };
 
-  if (!kI4 && order == 1) {
+  if (order == 1) {
     // Order 1: per K chunk, row pairs outer (A chunk reused from L1), panel
     // pairs inner (B chunk of all the task's panels reused from L2). With
     // prefetch on, the next chunk's B lines go to L2 spread over the whole
@@ -411,7 +419,16 @@ void AmxGemm(const GemmArgs& a) {
     // over the row pair, so no tile load waits on DRAM.
     const int64_t npanels = a.nb1 - a.nb0;
     const int64_t npairs = (npanels + 1) / 2;
-    for (int64_t kc0 = 0; kc0 < g.kp; kc0 += kChunkK) {
+    // Staged int4: chunk 0 dequantized here; chunk c + 1 during chunk c.
+    uint8_t* stage[2] = {a.scratch, a.scratch + npan * stage_pb};
+    const int64_t i4_gb = kI4 ? g.i4_group_bytes() : 0;
+    if constexpr (kI4) {
+      const int64_t k1 = std::min(g.kp, kChunkK);
+      for (int64_t j = a.nb0; j < a.nb1; ++j)
+        DequantI4PanelBf16Avx512(g, a.w + j * g.panel_bytes, 0, k1,
+                                 reinterpret_cast<uint16_t*>(stage[0] + (j - a.nb0) * stage_pb));
+    }
+    for (int64_t kc0 = 0, chunk = 0; kc0 < g.kp; kc0 += kChunkK, ++chunk) {
       const int64_t kc1 = std::min(g.kp, kc0 + kChunkK);
       const int64_t steps = (kc1 - kc0) / kStepK;
       const int64_t next_steps = (std::min(g.kp, kc1 + kChunkK) - kc1) / kStepK;
@@ -421,13 +438,16 @@ void AmxGemm(const GemmArgs& a) {
       const uint8_t* b_w = a.w;
       int64_t b_stride = g.panel_bytes, b_p = a.nb0, b_p1 = a.nb1;
       int64_t b_start = kc1 / kStepK * 1024, b_end = b_start + next_steps * 1024;
+      if (kI4) b_end = b_start;  // the dequant cursor prefetches its own lines
       if (kc1 >= g.kp && a.next_w != nullptr && a.next_g != nullptr) {
         b_w = a.next_w;
         b_stride = a.next_g->panel_bytes;
         b_p = a.next_nb0;
         b_p1 = a.next_nb1;
         b_start = 0;
-        b_end = std::min(a.next_g->kp, kChunkK) / kStepK * 1024;
+        const int64_t nk = std::min(a.next_g->kp, kChunkK);
+        // int4: the int4 bytes of the groups the next call dequantizes first.
+        b_end = kI4 ? nk / a.next_g->group * a.next_g->i4_group_bytes() : nk / kStepK * 1024;
       }
       int64_t b_off = b_start, b_per_step = 0;
       if (prefetch && (tune.pf_mask & 1) && b_end > b_start) {
@@ -441,7 +461,52 @@ void AmxGemm(const GemmArgs& a) {
           pf_a ? (2 * steps * 16 + npairs * steps - 1) / (npairs * steps) : 0;
       const uint8_t* a_run[2] = {nullptr, nullptr};
       int64_t a_off = 0, a_r = 2, a_len = 0;
+      // Staged int4: the dequant cursor over chunk + 1's int4 lines, panel by
+      // panel (d_p, line d_l of d_lines), into the other stage half; the
+      // prefetch cursor (p_p, p_l) runs kI4PfLines lines ahead of it.
+      constexpr int64_t kI4PfLines = 16;
+      const int64_t d_lines = (std::min(g.kp, kc1 + kChunkK) - kc1) / 8;
+      int64_t d_p = 0, d_l = 0, d_per_step = 0, d_gi = -1, p_p = 0, p_l = 0;
+      i4::GroupScales d_s{};
+      uint16_t* d_out = reinterpret_cast<uint16_t*>(stage[(chunk + 1) % 2]);
+      if (kI4 && d_lines > 0) {
+        d_per_step =
+            (npan * d_lines + (mp / 32) * npairs * steps - 1) / ((mp / 32) * npairs * steps);
+        p_p = std::min<int64_t>(kI4PfLines / d_lines, npan);
+        p_l = kI4PfLines % d_lines;
+      } else {
+        d_p = npan;  // nothing to dequantize
+      }
+      auto i4_src = [&](int64_t p, int64_t l) {
+        const int64_t k = kc1 + 8 * l;
+        return a.w + (a.nb0 + p) * g.panel_bytes + k / g.group * i4_gb + k % g.group * 8;
+      };
+      auto dequant_lines = [&](int64_t n) {
+        for (int64_t q = 0; q < n && d_p < npan; ++q) {
+          if constexpr (kI4) {
+            if (prefetch && p_p < npan) {
+              X::PrefetchL2(i4_src(p_p, p_l));
+              if (++p_l == d_lines) {
+                p_l = 0;
+                ++p_p;
+              }
+            }
+            const int64_t k = kc1 + 8 * d_l;
+            if (k / g.group != d_gi || d_l == 0) {
+              d_gi = k / g.group;
+              d_s = i4::LoadGroupScales(a.w + (a.nb0 + d_p) * g.panel_bytes + d_gi * i4_gb +
+                                        int64_t{g.group} * 8);
+            }
+            i4::DequantLine(i4_src(d_p, d_l), d_s, d_out + d_p * (stage_pb / 2) + d_l * 128);
+          }
+          if (++d_l == d_lines) {
+            d_l = 0;
+            ++d_p;
+          }
+        }
+      };
       auto after_step = [&](int64_t) {
+        dequant_lines(d_per_step);
         for (int64_t q = 0; q < b_per_step && b_p < b_p1; ++q) {
           X::PrefetchL2(b_w + b_p * b_stride + b_off);
           b_off += 64;
@@ -471,11 +536,19 @@ void AmxGemm(const GemmArgs& a) {
           a_run[1] = a_run[0] + 16 * a.lda;
         }
         for (int64_t j = a.nb0; j < a.nb1; j += 2) {
-          const uint8_t* B0 = a.w + j * g.panel_bytes + kc0 / kStepK * 1024;
-          block(m0, j, B0, B0 + g.panel_bytes, j + 1 < a.nb1, kc0, steps, false, stream,
-                after_step);
+          const uint8_t* B0;
+          int64_t bs;  // bytes from panel j's chunk to panel j + 1's
+          if (kI4) {
+            B0 = stage[chunk % 2] + (j - a.nb0) * stage_pb;
+            bs = stage_pb;
+          } else {
+            B0 = a.w + j * g.panel_bytes + kc0 / kStepK * 1024;
+            bs = g.panel_bytes;
+          }
+          block(m0, j, B0, B0 + bs, j + 1 < a.nb1, kc0, steps, false, stream, after_step);
         }
       }
+      dequant_lines(npan * d_lines);  // whatever the k steps left
     }
   } else {
     // Order 0: per K chunk, panel pairs outer (B chunk reused from L1), row

@@ -11,6 +11,7 @@
 
 #include "common/dtype.h"
 #include "expert_service/kernels/gemm.h"
+#include "expert_service/kernels/i4_dequant_avx512.h"
 
 namespace hmoe::kern {
 namespace {
@@ -363,38 +364,12 @@ void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_byt
 
 void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1,
                               uint16_t* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const __m512i wsplit =
-      _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26, 24,
-                       22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i dup_hi =
-      _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   const int64_t gb = g.i4_group_bytes();
   for (int64_t gi = k0 / g.group; gi < k1 / g.group; ++gi) {
     const uint8_t* gp = panel + gi * gb;
-    const __m512 sc = _mm512_loadu_ps(gp + int64_t{g.group} * 8);
-    const __m512 s0 = _mm512_permutexvar_ps(dup_lo, sc), s1 = _mm512_permutexvar_ps(dup_hi, sc);
-    const __m512 n0 = _mm512_mul_ps(s0, _mm512_set1_ps(-8.0f)),
-                 n1 = _mm512_mul_ps(s1, _mm512_set1_ps(-8.0f));
-    for (int64_t o = 0; o < g.group / 8; ++o) {
-      const __m512i v = _mm512_load_si512(gp + o * 64);
-      const __m512i halves[2] = {_mm512_and_si512(v, low4),
-                                 _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
-      uint16_t* dst = out + ((gi * g.group - k0) / 2 + 4 * o) * 32;
-      for (int h = 0; h < 2; ++h) {
-        const __m512i p =
-            _mm512_permutexvar_epi16(wsplit, halves[h]);  // [pair0: 32 B][pair1: 32 B]
-        // Lanes 0-1 are pair 0, lanes 2-3 pair 1 (immediates: no loop).
-        const auto store_pair = [&](__m128i b0, __m128i b1, int pr) {
-          const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b0)), s0, n0);
-          const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b1)), s1, n1);
-          _mm512_store_si512(dst + (2 * h + pr) * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
-        };
-        store_pair(_mm512_extracti32x4_epi32(p, 0), _mm512_extracti32x4_epi32(p, 1), 0);
-        store_pair(_mm512_extracti32x4_epi32(p, 2), _mm512_extracti32x4_epi32(p, 3), 1);
-      }
-    }
+    const i4::GroupScales s = i4::LoadGroupScales(gp + int64_t{g.group} * 8);
+    for (int64_t o = 0; o < g.group / 8; ++o)
+      i4::DequantLine(gp + o * 64, s, out + ((gi * g.group - k0) / 2 + 4 * o) * 32);
   }
 }
 

@@ -45,6 +45,7 @@ const Knob kKnobs[] = {
     HMOE_BOOL_KNOB("HMOE_AMX_I8_EPI", amx.i8_block_epi),
     HMOE_BOOL_KNOB("HMOE_AMX_EDGE", amx.edge),
     HMOE_BOOL_KNOB("HMOE_AMX_TAIL16", amx.tail16),
+    HMOE_BOOL_KNOB("HMOE_AMX_I4_STAGE", amx.i4_stage),
     HMOE_KNOB("HMOE_FEW_PF_I4", few.pf_i4, Kind::kRange, 0, 65536),
     HMOE_KNOB("HMOE_FEW_PF_I8", few.pf_i8, Kind::kRange, 0, 65536),
     HMOE_KNOB("HMOE_FEW_PF_BF16", few.pf_bf16, Kind::kRange, 0, 65536),

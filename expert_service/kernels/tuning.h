@@ -66,6 +66,13 @@ struct AmxTuning {
   // (A tile product over fewer configured rows takes as long as over 16:
   // hmoe-amx-microprobe --rows, bench/results run 21.)
   bool tail16 = true;
+  // HMOE_AMX_I4_STAGE: int4 "many" calls run order 1 like bf16: per K chunk
+  // (1 KiB of each A row) the task's panels are dequantized to bf16 into a
+  // staging half of the scratch, the next chunk's one int4 line at a time
+  // between the current chunk's k steps (0: order 0 with 2 KiB chunks, each
+  // panel pair dequantized just before its blocks). Needs 2 x panels x
+  // 16 KiB of scratch, else order 0.
+  bool i4_stage = true;
 };
 
 // Software prefetch distances of the AVX-512 GEMV kernels ("few" tokens per

@@ -444,6 +444,10 @@ const std::vector<TuningSetting>& TuningSettings() {
       // rows (the defaults switch at 32 rows).
       {{"HMOE_AMX_ORDER0_ROWS", "0"}},
       {{"HMOE_AMX_ORDER0_ROWS", "512"}, {"HMOE_AMX_EDGE", "1"}},
+      // int4 unstaged (order 0, 2 KiB chunks); staged with 128-k chunks
+      // (the next chunk dequantized between k steps) over 32-panel tasks.
+      {{"HMOE_AMX_I4_STAGE", "0"}},
+      {{"HMOE_AMX_KC_BYTES", "256"}, {"HMOE_MOE_TASK_PANELS", "32"}},
   };
   return settings;
 }
