@@ -77,7 +77,8 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-moe [flags]
   --min-time S      seconds of timed calls per row, > 0 (default 0.25)
   --reps N          measurements per row and --tune setting (default 1)
   --tune SETTINGS   "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=0;B:" compares
-                    kernel settings in one process, interleaved
+                    kernel settings in one process, interleaved; MANY=N and
+                    MANY_INT4=N in a setting override --many / --many-int4
   --row-limits      re-measure the AMX peak after every AMX row with T >= 128
   --no-pin-caller   let the OS place the calling thread (worker 0) during
                     our calls (default: the pool moves it to its first core)
@@ -270,6 +271,7 @@ struct Args {
   struct Tune {
     std::string name;  // empty: untagged (no --tune)
     KernelTuning tuning;
+    std::optional<int> many, many_int4;  // MANY=N / MANY_INT4=N: --many / --many-int4
   };
   std::vector<Tune> tunes;  // empty: one untagged measurement per row, tuned by the environment
   int reps = 1;
@@ -283,10 +285,20 @@ bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
     const size_t colon = item.find(':');
     if (colon == std::string::npos || colon == 0) return false;
     std::vector<std::pair<std::string, std::string>> env;
+    std::optional<int> many, many_int4;
     for (const auto& kv : List(item.substr(colon + 1), ',')) {
       const size_t eq = kv.find('=');
       if (eq == std::string::npos) return false;
       const std::string key = kv.substr(0, eq);
+      if (key == "MANY" || key == "MANY_INT4") {
+        int n = 0;
+        if (!absl::SimpleAtoi(kv.substr(eq + 1), &n) || n < 0 || n > (1 << 20)) {
+          std::fprintf(stderr, "--tune: %s wants an integer in [0, %d]\n", key.c_str(), 1 << 20);
+          return false;
+        }
+        (key == "MANY" ? many : many_int4) = n;
+        continue;
+      }
       if (std::find(known.begin(), known.end(), key) == known.end()) {
         std::fprintf(stderr, "--tune: unknown knob %s\n", key.c_str());
         return false;
@@ -302,7 +314,7 @@ bool ParseTunes(const std::string& s, std::vector<Args::Tune>& out) {
       std::fprintf(stderr, "--tune %s: %s\n", item.c_str(), tuning.status().ToString().c_str());
       return false;
     }
-    out.push_back({item.substr(0, colon), *tuning});
+    out.push_back({item.substr(0, colon), *tuning, many, many_int4});
   }
   return !out.empty();
 }
@@ -797,8 +809,8 @@ int Main(int argc, char** argv) {
                                                      v.tag.empty() ? "" : " ", v.tag);
                 RunOptions ro;
                 ro.isa = *isa;
-                ro.many_threshold = a.many;
-                ro.many_threshold_int4 = a.many_int4;
+                ro.many_threshold = tune.many.value_or(a.many);
+                ro.many_threshold_int4 = tune.many_int4.value_or(a.many_int4);
                 ro.tuning = tune.tuning;
                 std::vector<Router> routers = LayerRouters(static_cast<int64_t>(layers.size()),
                                                            P->E, P->K, a.routing, a.zipf_s);

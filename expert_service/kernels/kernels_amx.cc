@@ -19,6 +19,13 @@
 // pair's B chunk, a few lines per k step, not the next K chunk's B of all
 // the task's panels; the caller's next task (GemmArgs::next_w) is not
 // prefetched there.
+// int4 weights (AmxTuning::i4_stage) run order 1 over bf16 copies of the
+// task's panels: one K chunk of them in half of the scratch (the layout of
+// bf16 panels cut to that chunk), the next chunk dequantized into the other
+// half one int4 line (four bf16 lines) per few k steps of the current one,
+// with its int4 lines prefetched into L2 16 lines ahead. Unstaged (the knob
+// off, calls of at most order0_rows rows, or a scratch too small) int4 runs
+// order 0, each panel pair dequantized just before its blocks.
 // The other knobs (tuning.h) exist for benchmarks; the defaults are the best
 // of same-machine sweeps recorded in bench/results/README.md (hmoe-bench-moe
 // --tune compares them in one run).
