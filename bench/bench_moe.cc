@@ -632,8 +632,10 @@ int Main(int argc, char** argv) {
       "%.1f TOP/s\n",
       pool.num_threads(), pool.num_nodes(), llc / 1048576.0,
       std::string(IsaName(DetectedIsa())).c_str(), bw, amx_bf16, amx_i8);
-  std::printf("# routing %s; AMX (\"many\") kernels for experts with > %d tokens (int4: > %d)\n",
-              RoutingName(a.routing), a.many, a.many_int4);
+  std::printf(
+      "# routing %s; AMX (\"many\") kernels for experts with > %d tokens (int4: > %d) unless a "
+      "--tune setting says MANY / MANY_INT4\n",
+      RoutingName(a.routing), a.many, a.many_int4);
   if (a.kernel_probe) {
     if (DetectedIsa() < Isa::kAmx) {
       std::fprintf(stderr, "--kernel-probe needs AMX\n");
@@ -897,8 +899,8 @@ int Main(int argc, char** argv) {
                      {"layers", L},
                      {"routing", RoutingName(a.routing)},
                      {"zipf_s", a.routing == Routing::kZipf ? a.zipf_s : 0.0},
-                     {"many_threshold", a.many},
-                     {"many_threshold_int4", a.many_int4},
+                     {"many_threshold", ro.many_threshold},
+                     {"many_threshold_int4", ro.many_threshold_int4},
                      {"virtual_nodes", v.pool->num_nodes()},
                      {"cfg", tune.name},
                      {"row_peak", row_peak},

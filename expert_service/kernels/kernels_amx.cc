@@ -219,15 +219,17 @@ void AmxGemm(const GemmArgs& a) {
   // int4 runs order 1 only staged (AmxTuning::i4_stage); unstaged it keeps
   // order 0, 2 KiB chunks and plain loads: its in-process comparison (run 8)
   // lost ~10% with the bf16/int8 defaults.
-  const bool i4_want = kI4 && tune.i4_stage && order == 1;
   // k per chunk (a multiple of 128); int4's order-0 buffers hold at most 2048 k per panel.
-  const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : (kI4 && !i4_want ? 2048 : 1024);
-  const int64_t kChunkK =
-      std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2), kI4 ? 2048 : int64_t{1} << 30);
+  auto chunk_k = [&](bool staged) {
+    const int64_t kc_bytes = tune.kc_bytes > 0 ? tune.kc_bytes : (kI4 && !staged ? 2048 : 1024);
+    return std::min<int64_t>(kc_bytes / (kI8 ? 1 : 2), kI4 ? 2048 : int64_t{1} << 30);
+  };
   // Staged int4: two halves of the scratch, each one K chunk of the task's
   // panels as bf16 panels (panel j - nb0 at + (j - nb0) * stage_pb).
+  const bool i4_stage = kI4 && tune.i4_stage && order == 1 &&
+                        2 * npan * (chunk_k(true) / kStepK * 1024) <= a.scratch_bytes;
+  const int64_t kChunkK = chunk_k(i4_stage);
   const int64_t stage_pb = kChunkK / kStepK * 1024;
-  const bool i4_stage = i4_want && 2 * npan * stage_pb <= a.scratch_bytes;
   if (kI4 && !i4_stage) order = 0;
   const bool stream = tune.stream && (!kI4 || i4_stage);
   X::Configure();
@@ -491,8 +493,11 @@ void AmxGemm(const GemmArgs& a) {
       auto dequant_lines = [&](int64_t n) {
         for (int64_t q = 0; q < n && d_p < npan; ++q) {
           if constexpr (kI4) {
-            if (prefetch && p_p < npan) {
-              X::PrefetchL2(i4_src(p_p, p_l));
+            if (prefetch && (tune.pf_mask & 1) && p_p < npan) {
+              const uint8_t* src = i4_src(p_p, p_l);
+              X::PrefetchL2(src);
+              // A group's last line: its scales (the 64 bytes after it) too.
+              if ((kc1 + 8 * (p_l + 1)) % g.group == 0) X::PrefetchL2(src + 64);
               if (++p_l == d_lines) {
                 p_l = 0;
                 ++p_p;

@@ -22,16 +22,16 @@ namespace hmoe {
 // describes the blocking these knobs change).
 struct AmxTuning {
   // HMOE_AMX_KC_BYTES: bytes of each A row per K chunk, 256..4096 (a power
-  // of two) or 0 = per format (1024 for bf16 / int8: a row pair's A chunk is
-  // 32 KiB and stays in L1; 2048 for int4's bf16 staging).
+  // of two) or 0 = per format (1024 for bf16 / int8 and staged int4: a row
+  // pair's A chunk is 32 KiB and stays in L1; 2048 for unstaged int4).
   int64_t kc_bytes = 0;
   // HMOE_AMX_PREFETCH: prefetch into L2 what comes next (order 0: the next
   // panel pair's B chunk; order 1: the next K chunk's B and, for tile-layout
   // A, the next row pair's A chunk).
   bool prefetch = true;
-  // HMOE_AMX_PF_MASK = 1..3: (order 1, prefetch on) 1 the B lines, 2 the A
-  // lines, 3 both. Every software prefetch holds one of the core's L1 fill
-  // buffers, the same buffers the tile loads from L2 need.
+  // HMOE_AMX_PF_MASK = 1..3: (order 1, prefetch on) 1 the B lines (staged
+  // int4: the int4 lines and scales), 2 the A lines, 3 both. Every software prefetch holds one of
+  // the core's L1 fill buffers, the same buffers the tile loads from L2 need.
   int pf_mask = 1;
   // HMOE_AMX_PF_A = 0..2: prefetch A tiles a few steps ahead into L1: no, as
   // T0, as NTA.
@@ -48,8 +48,8 @@ struct AmxTuning {
   // (bench/results run 21). 0: order 1 throughout.
   int order0_rows = 32;
   // HMOE_AMX_STREAM: load the operand not reused from L1 (order 1: B;
-  // order 0: A) with tileloaddt1 so it does not evict the other (bf16 and
-  // int8; int4 never streams).
+  // order 0: A) with tileloaddt1 so it does not evict the other (bf16, int8
+  // and staged int4; unstaged int4 never streams).
   bool stream = true;
   // HMOE_AMX_CTMP: (order 1) keep partial C between K chunks in the scratch
   // as contiguous tiles instead of strided rows of c.

@@ -32,6 +32,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -357,6 +358,85 @@ TEST(MoeInt4ManyTest, MatchesReferenceAtTheBf16Bound) {
       }
 }
 
+// The staged int4 AMX path (AmxTuning::i4_stage) on single GEMMs: it issues
+// the same tile products in the same k order as the unstaged path (only the
+// K chunking differs, and partial C is stored exactly), so it must equal that
+// path bit for bit, and the scalar kernel within float rounding. K spans
+// chunks with a short last one (one group at G = 128); tasks start past
+// panel 0, one with an odd count; m covers a lone 16-row block, one row pair
+// and a tail (order0_rows = 0 stages them all). 128 KiB of scratch cannot
+// stage 6 or more panels: that call must fall back to the unstaged path.
+TEST(AmxInt4StageTest, MatchesUnstagedBitForBitAndScalar) {
+  std::vector<std::pair<std::string, const kern::KernelSet*>> sets;
+  if (!IsaUnavailable(Isa::kAvx512)) sets.emplace_back("AMX model", &kern::AmxEmulatedKernels());
+  if (!IsaUnavailable(Isa::kAmx)) sets.emplace_back("AMX", &kern::AmxKernels());
+  if (sets.empty()) GTEST_SKIP() << "needs AVX-512 (the AMX model's epilogues) or AMX";
+  KernelTuning staged;
+  staged.amx.order0_rows = 0;
+  KernelTuning unstaged = staged;
+  unstaged.amx.i4_stage = false;
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int group : {32, 64, 128}) {
+    PackOptions o;
+    o.format = WeightFormat::kInt4;
+    o.group = group;
+    // gate_up: K 1100 -> kp 1152: chunks of 512, 512, 128 k. down: K 600 ->
+    // kp 640: 512, 128.
+    auto L = PackRandom(1100, 600, 1, o, SharedPool(), 100 + group);
+    ASSERT_TRUE(L.ok()) << L.status();
+    const auto& part = L->parts()[0];
+    struct Mat {
+      const char* name;
+      const PackedGeom* g;
+      const uint8_t* w;
+      int64_t nb0, nb1;
+    };
+    for (const Mat& mt : {Mat{"gate_up", &part.gu, part.gate_up(0), 10, 32},
+                          Mat{"down", &part.down, part.down_w(0), 5, 26}}) {
+      const PackedGeom& g = *mt.g;
+      for (int m : {9, 17, 32, 100}) {
+        const int mp = (m + 31) / 32 * 32;
+        std::vector<uint16_t> A(static_cast<size_t>(mp * g.kp), 0);
+        for (int r = 0; r < m; ++r)
+          for (int64_t k = 0; k < g.k; ++k)
+            A[static_cast<size_t>(r * g.kp + k)] = F32ToBf16(u(rng));
+        const int64_t ldc = (mt.nb1 - mt.nb0) * 16;
+        auto run = [&](const kern::KernelSet& ks, const KernelTuning& t, int64_t scratch_bytes) {
+          auto scratch = NumaBuffer::Allocate(static_cast<size_t>(scratch_bytes), -1);
+          EXPECT_TRUE(scratch.ok()) << scratch.status();
+          std::vector<float> c(static_cast<size_t>(mp * ldc), 0.0f);
+          kern::GemmArgs a;
+          a.g = &g;
+          a.w = mt.w;
+          a.nb0 = mt.nb0;
+          a.nb1 = mt.nb1;
+          a.a = A.data();
+          a.lda = g.kp * 2;
+          a.m = m;
+          a.c = c.data();
+          a.ldc = ldc;
+          a.scratch = scratch->data();
+          a.scratch_bytes = scratch_bytes;
+          a.tuning = &t;
+          ks.i4_bf16(a);
+          c.resize(static_cast<size_t>(m * ldc));  // rows >= m may be left unwritten
+          return c;
+        };
+        const std::vector<float> ref = run(kern::ScalarKernels(), unstaged, 1 << 20);
+        for (const auto& [name, ks] : sets) {
+          const std::string where = absl::StrCat(name, " G=", group, " ", mt.name, " panels [",
+                                                 mt.nb0, ", ", mt.nb1, ") m=", m);
+          const std::vector<float> plain = run(*ks, unstaged, 1 << 20);
+          EXPECT_LE(RelErr(plain, ref), 1e-5) << where;
+          EXPECT_EQ(run(*ks, staged, 1 << 20), plain) << where << " staged";
+          EXPECT_EQ(run(*ks, staged, 128 << 10), plain) << where << " staged, 128 KiB scratch";
+        }
+      }
+    }
+  }
+}
+
 // The AMX kernels on the software tile model (kernels_amx.cc EmuTiles): the
 // AMX code path (tile layouts, K chunks, row chunks, prefetch bookkeeping)
 // checked on CPUs without AMX. T = 1100 on shape 0 gives ~550 rows per
@@ -444,8 +524,8 @@ const std::vector<TuningSetting>& TuningSettings() {
       // rows (the defaults switch at 32 rows).
       {{"HMOE_AMX_ORDER0_ROWS", "0"}},
       {{"HMOE_AMX_ORDER0_ROWS", "512"}, {"HMOE_AMX_EDGE", "1"}},
-      // int4 unstaged (order 0, 2 KiB chunks); staged with 128-k chunks
-      // (the next chunk dequantized between k steps) over 32-panel tasks.
+      // int4 unstaged (order 0, 2 KiB chunks); staged with 128-k chunks (the
+      // next chunk dequantized between k steps) and tasks of up to 32 panels.
       {{"HMOE_AMX_I4_STAGE", "0"}},
       {{"HMOE_AMX_KC_BYTES", "256"}, {"HMOE_MOE_TASK_PANELS", "32"}},
   };

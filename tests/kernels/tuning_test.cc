@@ -51,7 +51,7 @@ TEST(KernelTuningTest, EveryVariableReachesItsField) {
       {"HMOE_MOE_TASK_PANELS", "4"},   {"HMOE_MOE_DIRECT_Y", "1"},
       {"HMOE_MOE_LOOKAHEAD", "0"},     {"HMOE_MOE_PIPELINE", "0"},
       {"HMOE_MOE_GATHER_STREAM", "0"}, {"HMOE_MOE_OVERLAP_REDUCE", "1"},
-      {"HMOE_PROFILE", "1"},
+      {"HMOE_PROFILE", "1"},           {"HMOE_AMX_I4_STAGE", "0"},
   };
   ASSERT_EQ(values.size(), KernelTuningVariables().size()) << "a variable without a case here";
   for (const std::string& name : KernelTuningVariables()) {
@@ -73,6 +73,7 @@ TEST(KernelTuningTest, EveryVariableReachesItsField) {
   EXPECT_TRUE(all->amx.edge);
   EXPECT_FALSE(all->amx.tail16);
   EXPECT_EQ(all->amx.order0_rows, 0);
+  EXPECT_FALSE(all->amx.i4_stage);
   EXPECT_EQ(all->few.pf_i4, 0);
   EXPECT_EQ(all->few.pf_i8, 4096);
   EXPECT_EQ(all->few.pf_bf16, 64);
