@@ -426,8 +426,7 @@ void AmxGemm(const GemmArgs& a) {
     // prefetch on, the next chunk's B lines go to L2 spread over the whole
     // chunk, and (tile-layout A) each row pair's successor A lines spread
     // over the row pair, so no tile load waits on DRAM.
-    const int64_t npanels = a.nb1 - a.nb0;
-    const int64_t npairs = (npanels + 1) / 2;
+    const int64_t npairs = (npan + 1) / 2;
     // Staged int4: chunk 0 dequantized here; chunk c + 1 during chunk c.
     uint8_t* stage[2] = {a.scratch, a.scratch + npan * stage_pb};
     const int64_t i4_gb = kI4 ? g.i4_group_bytes() : 0;
