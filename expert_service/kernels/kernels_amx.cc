@@ -489,27 +489,26 @@ void AmxGemm(const GemmArgs& a) {
         const int64_t k = kc1 + 8 * l;
         return a.w + (a.nb0 + p) * g.panel_bytes + k / g.group * i4_gb + k % g.group * 8;
       };
+      // (Called for int4 only.)
       auto dequant_lines = [&](int64_t n) {
         for (int64_t q = 0; q < n && d_p < npan; ++q) {
-          if constexpr (kI4) {
-            if (prefetch && (tune.pf_mask & 1) && p_p < npan) {
-              const uint8_t* src = i4_src(p_p, p_l);
-              X::PrefetchL2(src);
-              // A group's last line: its scales (the 64 bytes after it) too.
-              if ((kc1 + 8 * (p_l + 1)) % g.group == 0) X::PrefetchL2(src + 64);
-              if (++p_l == d_lines) {
-                p_l = 0;
-                ++p_p;
-              }
+          if (prefetch && (tune.pf_mask & 1) && p_p < npan) {
+            const uint8_t* src = i4_src(p_p, p_l);
+            X::PrefetchL2(src);
+            // A group's last line: its scales (the 64 bytes after it) too.
+            if ((kc1 + 8 * (p_l + 1)) % g.group == 0) X::PrefetchL2(src + 64);
+            if (++p_l == d_lines) {
+              p_l = 0;
+              ++p_p;
             }
-            const int64_t k = kc1 + 8 * d_l;
-            if (k / g.group != d_gi || d_l == 0) {
-              d_gi = k / g.group;
-              d_s = i4::LoadGroupScales(a.w + (a.nb0 + d_p) * g.panel_bytes + d_gi * i4_gb +
-                                        int64_t{g.group} * 8);
-            }
-            i4::DequantLine(i4_src(d_p, d_l), d_s, d_out + d_p * (stage_pb / 2) + d_l * 128);
           }
+          const int64_t k = kc1 + 8 * d_l;
+          if (k / g.group != d_gi || d_l == 0) {
+            d_gi = k / g.group;
+            d_s = i4::LoadGroupScales(a.w + (a.nb0 + d_p) * g.panel_bytes + d_gi * i4_gb +
+                                      int64_t{g.group} * 8);
+          }
+          i4::DequantLine(i4_src(d_p, d_l), d_s, d_out + d_p * (stage_pb / 2) + d_l * 128);
           if (++d_l == d_lines) {
             d_l = 0;
             ++d_p;
@@ -517,7 +516,7 @@ void AmxGemm(const GemmArgs& a) {
         }
       };
       auto after_step = [&](int64_t) {
-        dequant_lines(d_per_step);
+        if constexpr (kI4) dequant_lines(d_per_step);
         for (int64_t q = 0; q < b_per_step && b_p < b_p1; ++q) {
           X::PrefetchL2(b_w + b_p * b_stride + b_off);
           b_off += 64;
@@ -559,7 +558,7 @@ void AmxGemm(const GemmArgs& a) {
           block(m0, j, B0, B0 + bs, j + 1 < a.nb1, kc0, steps, false, stream, after_step);
         }
       }
-      dequant_lines(npan * d_lines);  // whatever the k steps left
+      if constexpr (kI4) dequant_lines(npan * d_lines);  // whatever the k steps left
     }
   } else {
     // Order 0: per K chunk, panel pairs outer (B chunk reused from L1), row

@@ -30,8 +30,9 @@ struct AmxTuning {
   // A, the next row pair's A chunk).
   bool prefetch = true;
   // HMOE_AMX_PF_MASK = 1..3: (order 1, prefetch on) 1 the B lines (staged
-  // int4: the int4 lines and scales), 2 the A lines, 3 both. Every software prefetch holds one of
-  // the core's L1 fill buffers, the same buffers the tile loads from L2 need.
+  // int4: the int4 lines and scales), 2 the A lines, 3 both. Every software
+  // prefetch holds one of the core's L1 fill buffers, the same buffers the
+  // tile loads from L2 need.
   int pf_mask = 1;
   // HMOE_AMX_PF_A = 0..2: prefetch A tiles a few steps ahead into L1: no, as
   // T0, as NTA.
