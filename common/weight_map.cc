@@ -209,12 +209,13 @@ ParamCounts CountParameters(const ModelConfig& c) {
   return n;
 }
 
-absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt) {
+absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt, bool routed_experts) {
   std::vector<std::string> missing, wrong;
   const bool fp8 = c.quantization.method == "fp8";
   const int64_t br = fp8 ? c.quantization.weight_block[0] : 0,
                 bc = fp8 ? c.quantization.weight_block[1] : 0;
   for (const WeightSpec& w : ExpectedWeights(c)) {
+    if (!routed_experts && w.role == WeightRole::kRoutedExpert) continue;
     const TensorEntry* e = ckpt.Find(w.name);
     if (e == nullptr) {
       missing.push_back(w.name);

@@ -80,6 +80,9 @@ ParamCounts CountParameters(const ModelConfig& config);
 // checkpoint, F8_E4M3 with a correctly shaped F32 scale_inv. Returns OK, or one
 // error listing every problem (NOT_FOUND if all are missing tensors, else
 // INVALID_ARGUMENT). Extra tensors (e.g. MTP layers) are allowed.
-absl::Status CheckWeights(const ModelConfig& config, const Checkpoint& ckpt);
+// `routed_experts` false: the routed experts' tensors are not required (a
+// worker whose experts are served elsewhere).
+absl::Status CheckWeights(const ModelConfig& config, const Checkpoint& ckpt,
+                          bool routed_experts = true);
 
 }  // namespace hmoe

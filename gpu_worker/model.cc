@@ -1,8 +1,17 @@
 #include "gpu_worker/model.h"
 
+#include <cstdio>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "gpu_worker/cpu/cpu_model.h"
+#include "common/weight_map.h"
+#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/cpu/reference_experts.h"
+#include "gpu_worker/driver/model_driver.h"
+#ifdef HMOE_HAVE_CUDA
+#include "gpu_worker/cuda/cuda_backend.h"
+#endif
 
 namespace hmoe {
 
@@ -31,7 +40,62 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,
         "ModelOptions.deferred_experts must be 0 or in [1, ", config.moe.experts_per_token - 1,
         "] (experts_per_token ", config.moe.experts_per_token, " of ", config.model_type, "), got ",
         options.deferred_experts));
-  return cpu::CreateCpuModel(config, ckpt, options, experts);
+  if (options.gpu_mem_gb < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("ModelOptions.gpu_mem_gb must be >= 0, got ", options.gpu_mem_gb));
+  if (options.kv_blocks < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("ModelOptions.kv_blocks must be >= 0, got ", options.kv_blocks));
+  if (static_cast<int64_t>(config.layers.size()) != config.num_layers)
+    return absl::InvalidArgumentError("ModelConfig.layers does not match num_hidden_layers");
+  if (config.quantization.method == "fp8" &&
+      config.quantization.weight_block[0] != config.quantization.weight_block[1])
+    return absl::UnimplementedError(absl::StrCat(
+        ckpt.dir(), ": fp8 weight blocks must be square, got ", config.quantization.weight_block[0],
+        "x", config.quantization.weight_block[1]));
+  ModelOptions o = options;
+  ASSIGN_OR_RETURN(o.backend, ResolveBackend(options.backend, options.cuda_device));
+  if (o.num_threads == 0)
+    o.num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (o.max_seq_len == 0) o.max_seq_len = config.max_position_embeddings;
+  // With experts served elsewhere the checkpoint need not hold them.
+  RETURN_IF_ERROR(CheckWeights(config, ckpt, /*routed_experts=*/experts == nullptr));
+  // The CPU's parallel loops: the cpu backend's and the in-process experts'.
+  std::shared_ptr<cpu::ThreadPool> pool;
+  if (o.backend == "cpu" || (config.num_moe_layers() > 0 && experts == nullptr))
+    pool = std::make_shared<cpu::ThreadPool>(o.num_threads);
+  std::unique_ptr<RoutedExperts> owned;
+  if (config.num_moe_layers() > 0 && experts == nullptr) {
+    ASSIGN_OR_RETURN(auto ref, cpu::ReferenceExperts::Create(config, ckpt, pool));
+    owned = std::move(ref);
+    experts = owned.get();
+  }
+  std::unique_ptr<LayerBackend> backend;
+  if (o.backend == "cuda") {
+#ifdef HMOE_HAVE_CUDA
+    ASSIGN_OR_RETURN(backend, cuda::CreateCudaBackend(config, ckpt, o));
+#endif
+  } else {
+    ASSIGN_OR_RETURN(backend, cpu::CreateCpuBackend(config, ckpt, o, pool));
+  }
+  return CreateModelDriver(config, o, std::move(backend), experts, std::move(owned));
+}
+
+absl::StatusOr<std::string> ResolveBackend(const std::string& name, int cuda_device) {
+  if (name == "cpu") return name;
+  if (name != "cuda" && name != "auto")
+    return absl::InvalidArgumentError(
+        absl::StrCat("ModelOptions.backend must be cpu, cuda or auto, got \"", name, "\""));
+#ifdef HMOE_HAVE_CUDA
+  std::string why;
+  if (cuda::CudaBackendUsable(cuda_device, &why)) return std::string("cuda");
+  if (name == "auto") return std::string("cpu");
+  return absl::FailedPreconditionError(absl::StrCat("backend cuda: ", why));
+#else
+  (void)cuda_device;
+  if (name == "auto") return std::string("cpu");
+  return absl::UnimplementedError("backend cuda: this build has no CUDA (built without nvcc)");
+#endif
 }
 
 absl::Status Model::Forward(Sequence& seq, absl::Span<const int32_t> tokens, LogitsMode mode,

@@ -2,15 +2,17 @@
 // state in a Sequence (its KV cache), and run prefill / decode steps that
 // return logits.
 //
-// Today's backend is the CPU reference (gpu_worker/cpu/): the exact forward
-// pass of deepseek_v3, deepseek_v2, qwen3_moe and mixtral as transformers 5
-// computes it, in fp32 math (weights as stored: bf16 read in place, fp8
-// dequantized with its block scale_inv at load). It is the numerics ground
-// truth for every faster path.
+// One backend-neutral driver (gpu_worker/driver/) runs the layer schedule
+// over a backend (ModelOptions::backend): the CPU reference (gpu_worker/cpu/:
+// the exact forward pass of deepseek_v3, deepseek_v2, qwen3_moe and mixtral
+// as transformers 5 computes it, in fp32 math, weights as stored: bf16 read
+// in place, fp8 dequantized with its block scale_inv at load; the numerics
+// ground truth for every faster path) or CUDA (gpu_worker/cuda/: bf16
+// weights on the GPU, a paged KV cache, cuBLAS and our kernels).
 //
 // Threading: a Model is immutable after Load; Forward may be called from
-// several threads at once on different Sequences (their parallel loops share
-// one pool and queue). A Sequence must not be used by two calls at once.
+// several threads at once on different Sequences (the passes run one at a
+// time). A Sequence must not be used by two calls at once.
 //
 // Errors (absl::Status): loading names the file or tensor (NOT_FOUND for a
 // missing file/tensor, INVALID_ARGUMENT for bad shapes/dtypes/options,
@@ -35,6 +37,20 @@
 namespace hmoe {
 
 struct ModelOptions {
+  // Where the model (all but the routed experts) runs: "cpu" (the reference),
+  // "cuda" (gpu_worker/cuda/, needs a build with CUDA and a usable GPU) or
+  // "auto" (cuda when a usable GPU is present, else cpu). Resolved by Create:
+  // options() reports "cpu" or "cuda".
+  std::string backend = "cpu";
+  int cuda_device = 0;  // cuda: the device ordinal
+  // cuda: bound on weights + KV cache + workspaces in GiB (emulates a
+  // smaller card); 0: the device's free memory less 1 GiB. What does not fit
+  // fails at load with RESOURCE_EXHAUSTED naming the sizes.
+  double gpu_mem_gb = 0;
+  // cuda: blocks of kv_block_tokens() tokens in the paged KV cache; 0: as
+  // many as fit in the memory bound (at most enough for 16 sequences of
+  // max_seq_len).
+  int64_t kv_blocks = 0;
   int num_threads = 0;      // worker threads for the parallel loops; 0: hardware concurrency
   int64_t max_seq_len = 0;  // Sequence capacity in tokens; 0: config max_position_embeddings
   // Expert Deferral: per token, the `deferred_experts` lowest-weighted routed
@@ -62,7 +78,7 @@ class Sequence {
   virtual ~Sequence() = default;
   virtual int64_t length() const = 0;    // tokens in the cache (the next token's position)
   virtual int64_t capacity() const = 0;  // max tokens
-  virtual void Reset() = 0;              // forget all tokens (keeps the storage)
+  virtual void Reset() = 0;              // forget all tokens (a paged cache returns its blocks)
 };
 
 enum class LogitsMode {
@@ -76,6 +92,15 @@ struct ForwardStep {
   absl::Span<const int32_t> tokens;  // T >= 1, appended at seq->length()
   LogitsMode mode = LogitsMode::kLast;
   std::vector<float>* logits = nullptr;  // resized as by Forward
+};
+
+// Cumulative counters of a Model's forward passes (for benchmarks).
+struct ModelStats {
+  int64_t passes = 0;
+  int64_t tokens = 0;
+  int64_t kernel_launches = 0;  // cuda: kernels and library GEMM calls launched
+  int64_t gpu_busy_ns = 0;      // cuda: device time between each pass's first and last GPU work
+  int64_t expert_wait_ns = 0;   // host time blocked on RoutedExperts::Wait
 };
 
 class Model {
@@ -100,6 +125,13 @@ class Model {
   virtual const ModelConfig& config() const = 0;
   virtual const ModelOptions& options() const = 0;  // with defaults resolved
   virtual std::unique_ptr<Sequence> NewSequence() const = 0;
+  // The paged KV cache, when the backend has one (cuda): a Sequence takes
+  // blocks of kv_block_tokens() as it grows and returns them on Reset and
+  // destruction; Forward fails RESOURCE_EXHAUSTED when the pool is empty.
+  // 0: no shared pool (cpu: each Sequence grows its own storage).
+  virtual int64_t kv_blocks_total() const { return 0; }
+  virtual int64_t kv_block_tokens() const { return 16; }
+  virtual ModelStats stats() const { return {}; }
 
   // Appends `tokens` (T >= 1) to `seq` at positions length() .. length()+T-1
   // and writes logits to `logits` (resized: [T, V] for kAll, [V] for kLast).
@@ -122,5 +154,11 @@ class Model {
                                              LogitsMode mode = LogitsMode::kAll) const;
   absl::StatusOr<std::vector<float>> Decode(Sequence& seq, int32_t token) const;  // [V]
 };
+
+// The backend ModelOptions::backend names: "cpu" and "cuda" as themselves
+// when usable, "auto" as cuda when a usable GPU is present, else cpu.
+// INVALID_ARGUMENT for another name; cuda without a build with CUDA:
+// UNIMPLEMENTED; cuda without a usable device: FAILED_PRECONDITION saying why.
+absl::StatusOr<std::string> ResolveBackend(const std::string& name, int cuda_device = 0);
 
 }  // namespace hmoe

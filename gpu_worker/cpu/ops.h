@@ -14,6 +14,7 @@
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "gpu_worker/cpu/thread_pool.h"
+#include "gpu_worker/driver/rope.h"
 
 namespace hmoe::cpu {
 
@@ -64,59 +65,9 @@ void RmsNorm(const float* x, int64_t rows, int64_t n, const float* weight, float
 
 inline float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 
-// ---- rotary embeddings ------------------------------------------------------
-// Inverse frequencies (dim / 2 of them) and the attention factor transformers
-// multiplies cos and sin by, for `rope` over a rotary dimension `dim`:
-//   default: theta^(-2i/dim);  linear: that / factor;
-//   yarn: blend of extrapolation theta^(-2i/dim) and interpolation
-//   /factor with a linear ramp between the correction dims of beta_fast and
-//   beta_slow (floor/ceil truncated unless rope.truncate is false), attention factor
-//   get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both
-//   are nonzero, else get_mscale(factor) (or the configured attention_factor).
-// Values are rounded to f32 the way transformers computes them.
-struct RopeTables {
-  std::vector<float> inv_freq;
-  float attention_factor = 1.0f;
-};
-RopeTables ComputeRope(const RopeConfig& rope, int64_t dim);
-double YarnGetMscale(double scale, double mscale);
-
-// Pair layout of the rotary dimensions.
-enum class RopeLayout {
-  kHalves,       // (x[i], x[i + d/2]) rotated by inv_freq[i] (rotate_half)
-  kInterleaved,  // (x[2i], x[2i + 1]) rotated by inv_freq[i] (DeepSeek)
-};
-// cos/sin for one position: cs[2i] = cos(pos * f_i) * af, cs[2i+1] = sin(..) * af.
-void RopeCosSin(const RopeTables& t, int64_t pos, float* cs);
+// ---- rotary embeddings (tables and layouts: gpu_worker/driver/rope.h) -------
 // Rotates x[dim] in place with a RopeCosSin row.
 void ApplyRope(float* x, int64_t dim, const float* cs, RopeLayout layout);
-
-// ---- MoE router ---------------------------------------------------------------
-struct GateSpec {
-  int64_t num_experts = 0;
-  int64_t top_k = 0;
-  ScoringFunc scoring = ScoringFunc::kSoftmax;
-  TopkMethod method = TopkMethod::kGreedy;
-  int64_t n_group = 1;
-  int64_t topk_group = 1;
-  bool norm_topk_prob = false;
-  float norm_eps = 0.0f;  // added to the top-k sum before normalizing
-  float routed_scaling_factor = 1.0f;
-};
-// The router semantics of `config`'s architecture as transformers 5 runs it:
-//   deepseek_v3: sigmoid, noaux_tc (bias for selection, groups by top-2 sum),
-//                norm_topk_prob with +1e-20, x routed_scaling_factor;
-//   deepseek_v2: softmax, greedy or group_limited_greedy (groups by max),
-//                never normalized (transformers ignores norm_topk_prob),
-//                x routed_scaling_factor;
-//   qwen3_moe:   softmax, top-k, normalized iff norm_topk_prob;
-//   mixtral:     softmax, top-k, always normalized.
-GateSpec GateSpecFor(const ModelConfig& config);
-// Routes T tokens from router logits [T, E]: ids/weights [T, k]. `bias`
-// ([E] or null) is added to the scores for selection only. Ties go to the
-// lower expert / group index. Ids come out in descending selection score.
-void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias, int32_t* ids,
-           float* weights);
 
 // ---- attention ------------------------------------------------------------------
 // Whether a query at position q sees the key at position k (causal, and within

@@ -96,6 +96,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model,
   if (max_seq < 1)
     return absl::InvalidArgumentError(
         absl::StrCat("the model's max_seq_len must be >= 1, got ", max_seq));
+  if (model->kv_blocks_total() > 0) {
+    // The backend's paged cache is the budget: the engine's accounting
+    // reserves exactly the blocks the Sequences will take from it.
+    if (o.kv_block_tokens != model->kv_block_tokens())
+      return absl::InvalidArgumentError(absl::StrCat("kv_block_tokens ", o.kv_block_tokens,
+                                                     " differs from the model's KV block of ",
+                                                     model->kv_block_tokens(), " tokens"));
+    if (o.kv_blocks > model->kv_blocks_total())
+      return absl::InvalidArgumentError(absl::StrCat("kv_blocks ", o.kv_blocks,
+                                                     " exceeds the model's KV cache of ",
+                                                     model->kv_blocks_total(), " blocks"));
+    if (o.kv_blocks == 0) o.kv_blocks = model->kv_blocks_total();
+  }
   if (o.kv_blocks == 0) {
     // In 128 bits: max_batch x max_seq_len can pass int64 for absurd settings.
     // Rounded per request, as each reserves whole blocks: max_batch requests

@@ -18,7 +18,10 @@
 // KV accounting: the cache is counted in blocks of `kv_block_tokens`; a
 // request reserves ceil((prompt + max_tokens) / kv_block_tokens) blocks when
 // admitted (so it can never run out mid-way) and returns them the moment it
-// finishes, fails, is cancelled or passes its deadline.
+// finishes, fails, is cancelled or passes its deadline.  With a backend that has a
+// paged KV pool (Model::kv_blocks_total(), cuda) the engine's budget is that
+// pool: the blocks a request reserves are the ones its Sequence takes as it
+// grows and returns when it ends.
 //
 // Every submitted request ends with exactly one final event (finish set),
 // delivered on the scheduler thread: callbacks must not block.

@@ -5,6 +5,7 @@
 //                   [--max-batch 16] [--max-queue 64] [--max-context N] [--kv-blocks N]
 //                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
 //                   [--defer-experts 0] [--port-file PATH]
+//                   [--backend cpu|cuda|auto] [--cuda-device 0] [--gpu-mem-gb GB]
 //                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
 //                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
 //                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
@@ -17,6 +18,11 @@
 // lowest-weighted routed experts per token join one layer late; see
 // ModelOptions::deferred_experts; 0 = the exact model). Health (grpc.health.v1) is SERVING once the
 // model is loaded and, with remote experts, while every shard answers.
+// --backend: where attention, router, shared experts and the LM head run
+// (auto, the default: cuda when a usable GPU is present, else cpu; the choice
+// is logged at start). --gpu-mem-gb bounds the cuda backend's weights, KV
+// cache and workspaces (to emulate a smaller card); --kv-blocks sizes its
+// paged KV pool (0: what fits) and the engine's block budget with it.
 // SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
 // --drain-seconds (the rest end UNAVAILABLE), exit 0. SIGHUP (systemctl
 // reload): the token files are read again.
@@ -72,6 +78,9 @@ struct WorkerOptions {
   int expert_timeout_ms = 10000;
   int drain_seconds = 30;
   int defer_experts = 0;
+  std::string backend = "auto";
+  int cuda_device = 0;
+  double gpu_mem_gb = 0;
   std::string auth_token_file;
   std::string expert_auth_token_file;
   TlsServerFiles tls;
@@ -131,7 +140,18 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.drain_seconds = static_cast<int>(num(0, 24 * 3600));
     else if (a == "--defer-experts")
       o.defer_experts = static_cast<int>(num(0, 256));
-    else if (a == "--auth-token-file")
+    else if (a == "--backend") {
+      if (v != "cpu" && v != "cuda" && v != "auto")
+        Die("--backend must be cpu, cuda or auto, got " + v);
+      o.backend = v;
+    } else if (a == "--cuda-device")
+      o.cuda_device = static_cast<int>(num(0, 1024));
+    else if (a == "--gpu-mem-gb") {
+      char* end = nullptr;
+      o.gpu_mem_gb = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || !(o.gpu_mem_gb >= 0) || o.gpu_mem_gb > 1e6)
+        Die("--gpu-mem-gb must be a number of GiB >= 0, got " + v);
+    } else if (a == "--auth-token-file")
       o.auth_token_file = v;
     else if (a == "--expert-auth-token-file")
       o.expert_auth_token_file = v;
@@ -142,6 +162,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--transport grpc|shm|ucx] [--max-batch N] [--max-queue N] [--max-context N]\n"
           "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
           "       [--defer-experts N] [--port-file PATH]\n"
+          "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
           "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
           "       [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM --expert-tls-key-file "
@@ -234,6 +255,14 @@ int Run(int argc, char** argv) {
   mo.num_threads = o.threads;
   mo.max_seq_len = o.max_context;
   mo.deferred_experts = o.defer_experts;
+  mo.cuda_device = o.cuda_device;
+  mo.gpu_mem_gb = o.gpu_mem_gb;
+  mo.kv_blocks = o.kv_blocks;
+  auto resolved = ResolveBackend(o.backend, o.cuda_device);
+  if (!resolved.ok()) Die(resolved.status().ToString(), 1);
+  mo.backend = *resolved;
+  std::fprintf(stderr, "hmoe-gpu-worker: backend %s (--backend %s)\n", mo.backend.c_str(),
+               o.backend.c_str());
   auto model = Model::Load(o.model_dir, mo, remote.get());
   if (!model.ok()) Die(model.status().ToString(), 1);
   std::unique_ptr<Tokenizer> tokenizer;

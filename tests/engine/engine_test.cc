@@ -3,6 +3,7 @@
 #include <condition_variable>
 #include <future>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -10,6 +11,7 @@
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/backends.h"
 #include "tests/testing/temp_dir.h"
 
 namespace hmoe {
@@ -46,15 +48,25 @@ struct Collector {
   }
 };
 
-class EngineTest : public ::testing::Test {
+// Runs once per model backend (testing::TestBackends()).
+class EngineTest : public ::testing::TestWithParam<std::string> {
  protected:
+  void SetUp() override {
+    HMOE_SKIP_UNLESS_BACKEND(GetParam());
+    static auto* models = new std::map<std::string, std::unique_ptr<Model>>;
+    auto& m = (*models)[GetParam()];
+    if (!m) {
+      ModelOptions mo;
+      mo.max_seq_len = 256;
+      mo.backend = GetParam();
+      auto loaded = Model::Load(testing::FixturesDir() + "/deepseek_v3_tiny", mo);
+      ASSERT_TRUE(loaded.ok()) << loaded.status();
+      m = std::move(*loaded);
+    }
+    model_ = m.get();
+  }
   static void SetUpTestSuite() {
     const std::string dir = testing::FixturesDir() + "/deepseek_v3_tiny";
-    ModelOptions mo;
-    mo.max_seq_len = 256;
-    auto m = Model::Load(dir, mo);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = m->release();
     auto ref = SafetensorsFile::Open(dir + "/reference.safetensors");
     ASSERT_TRUE(ref.ok()) << ref.status();
     for (float v : (*ref)->Get("prompt_ids")->ToF32()) prompt_->push_back(static_cast<int32_t>(v));
@@ -63,10 +75,7 @@ class EngineTest : public ::testing::Test {
     ASSERT_TRUE(t.ok()) << t.status();
     tokenizer_ = t->release();
   }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete tokenizer_;
-  }
+  static void TearDownTestSuite() { delete tokenizer_; }
   std::unique_ptr<Engine> Make(EngineOptions o = {}, bool with_tokenizer = false) {
     auto e = Engine::Create(model_, with_tokenizer ? tokenizer_ : nullptr, o);
     EXPECT_TRUE(e.ok()) << e.status();
@@ -87,7 +96,7 @@ class EngineTest : public ::testing::Test {
 Model* EngineTest::model_ = nullptr;
 Tokenizer* EngineTest::tokenizer_ = nullptr;
 
-TEST_F(EngineTest, GreedyMatchesTransformers) {
+TEST_P(EngineTest, GreedyMatchesTransformers) {
   auto engine = Make();
   Collector c;
   GenerateRequest r = Greedy(static_cast<int>(greedy_->size()));
@@ -100,7 +109,7 @@ TEST_F(EngineTest, GreedyMatchesTransformers) {
   EXPECT_EQ(engine->stats().kv_blocks_used, 0);
 }
 
-TEST_F(EngineTest, ChunkedPrefillGivesTheSameTokens) {
+TEST_P(EngineTest, ChunkedPrefillGivesTheSameTokens) {
   EngineOptions o;
   o.prefill_chunk = 3;  // prompt split across several steps
   auto engine = Make(o);
@@ -111,7 +120,7 @@ TEST_F(EngineTest, ChunkedPrefillGivesTheSameTokens) {
 }
 
 // 16 concurrent requests with different prompts get what each gets alone.
-TEST_F(EngineTest, ConcurrentRequestsEqualSolo) {
+TEST_P(EngineTest, ConcurrentRequestsEqualSolo) {
   const int n = 16;
   std::vector<GenerateRequest> reqs(n);
   for (int i = 0; i < n; ++i) {
@@ -147,7 +156,7 @@ TEST_F(EngineTest, ConcurrentRequestsEqualSolo) {
   EXPECT_EQ(engine->stats().completed, n);
 }
 
-TEST_F(EngineTest, BadRequestsAreRefusedByField) {
+TEST_P(EngineTest, BadRequestsAreRefusedByField) {
   auto engine = Make();
   auto expect = [&](GenerateRequest r, const char* needle) {
     auto s = engine->Submit(std::move(r), nullptr).status();
@@ -200,7 +209,7 @@ TEST_F(EngineTest, BadRequestsAreRefusedByField) {
   EXPECT_TRUE(c.Wait());
 }
 
-TEST_F(EngineTest, CancelAndDeadlineFreeBlocks) {
+TEST_P(EngineTest, CancelAndDeadlineFreeBlocks) {
   EngineOptions o;
   o.max_batch = 1;  // the second request waits in the queue
   auto engine = Make(o);
@@ -229,7 +238,7 @@ TEST_F(EngineTest, CancelAndDeadlineFreeBlocks) {
   EXPECT_EQ(engine->stats().running, 0);
 }
 
-TEST_F(EngineTest, QueueLimitAndShutdown) {
+TEST_P(EngineTest, QueueLimitAndShutdown) {
   EngineOptions o;
   o.max_batch = 1;
   o.max_queue = 2;
@@ -264,7 +273,7 @@ TEST_F(EngineTest, QueueLimitAndShutdown) {
   EXPECT_EQ(Engine::Create(model_, nullptr, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(EngineTest, StopStringsTruncateText) {
+TEST_P(EngineTest, StopStringsTruncateText) {
   auto engine = Make({}, /*with_tokenizer=*/true);
   Collector full;
   ASSERT_TRUE(engine->Submit(Greedy(16), full.Callback()).ok());
@@ -393,7 +402,7 @@ class ContextModel final : public Model {
 
 // A running request cancelled between passes gives its batch slot and KV
 // blocks to a waiting one in the very next pass (before: one pass later).
-TEST_F(EngineTest, ACancelledRequestsSlotIsTakenByTheNextPass) {
+TEST_P(EngineTest, ACancelledRequestsSlotIsTakenByTheNextPass) {
   InstrumentedModel model(model_);
   EngineOptions o;
   o.max_batch = 2;
@@ -423,7 +432,7 @@ TEST_F(EngineTest, ACancelledRequestsSlotIsTakenByTheNextPass) {
 // The default KV budget reserves whole blocks per request: max_batch
 // requests of the full context fit together when the context is not a
 // multiple of the block (100 tokens: 7 blocks each, 14 for two; before: 13).
-TEST_F(EngineTest, TheDefaultKvBudgetFitsMaxBatchFullContexts) {
+TEST_P(EngineTest, TheDefaultKvBudgetFitsMaxBatchFullContexts) {
   ContextModel ctx(model_, 100);
   InstrumentedModel model(&ctx);
   EngineOptions o;
@@ -451,7 +460,7 @@ TEST_F(EngineTest, TheDefaultKvBudgetFitsMaxBatchFullContexts) {
 // A KV cache smaller than one context (--kv-blocks) is every request's
 // context: max_tokens stops there (finish "length", as at the model's
 // context) instead of refusing the request, and max_context() says so.
-TEST_F(EngineTest, AKvCacheSmallerThanTheContextBoundsEachRequest) {
+TEST_P(EngineTest, AKvCacheSmallerThanTheContextBoundsEachRequest) {
   EngineOptions o;
   o.kv_blocks = 4;  // 64 tokens; the model holds 256
   auto engine = Make(o);
@@ -476,7 +485,7 @@ TEST_F(EngineTest, AKvCacheSmallerThanTheContextBoundsEachRequest) {
 
 // The default KV budget (max_batch x context) is computed without overflow:
 // an absurd context is INVALID_ARGUMENT saying why, not a wrapped count.
-TEST_F(EngineTest, AnAbsurdContextIsRefusedNotOverflowed) {
+TEST_P(EngineTest, AnAbsurdContextIsRefusedNotOverflowed) {
   for (int64_t ctx : {std::numeric_limits<int64_t>::max() / 4, int64_t{1} << 42}) {
     ContextModel model(model_, ctx);
     auto e = Engine::Create(&model, nullptr, {});
@@ -491,7 +500,7 @@ TEST_F(EngineTest, AnAbsurdContextIsRefusedNotOverflowed) {
 // The gRPC layer cancels a call once its deadline passes, so a cancel that
 // comes after the deadline must still end the request kDeadline (before: the
 // cancel was looked at first and the reason depended on timing).
-TEST_F(EngineTest, ACancelAfterTheDeadlineEndsItAsTheDeadline) {
+TEST_P(EngineTest, ACancelAfterTheDeadlineEndsItAsTheDeadline) {
   InstrumentedModel model(model_);
   auto engine = Engine::Create(&model, nullptr, {});
   ASSERT_TRUE(engine.ok()) << engine.status();
@@ -512,7 +521,7 @@ TEST_F(EngineTest, ACancelAfterTheDeadlineEndsItAsTheDeadline) {
 
 // A pass that gives one request a NaN logit ends that request with INTERNAL
 // (kError) naming the token; the request beside it gets what it gets alone.
-TEST_F(EngineTest, NonFiniteLogitsEndOnlyThatRequest) {
+TEST_P(EngineTest, NonFiniteLogitsEndOnlyThatRequest) {
   std::vector<int32_t> solo;
   {
     auto engine = Make();
@@ -544,7 +553,7 @@ TEST_F(EngineTest, NonFiniteLogitsEndOnlyThatRequest) {
 // Every running request decodes in the same forward pass as the others and
 // the prompt chunks: 8 requests of 6 tokens take 7 passes, not 48, and get
 // what each gets alone.
-TEST_F(EngineTest, AllRunningRequestsShareOneForwardPassPerStep) {
+TEST_P(EngineTest, AllRunningRequestsShareOneForwardPassPerStep) {
   const int n = 8, max_tokens = 6;
   std::vector<std::vector<int32_t>> solo(n);
   {
@@ -587,7 +596,7 @@ TEST_F(EngineTest, AllRunningRequestsShareOneForwardPassPerStep) {
 // A pass fails for one request's reason, but re-run alone that step fails
 // for everyone's (the expert service went away meanwhile): the steps not yet
 // re-run fail with it instead of each waiting out its own failure.
-TEST_F(EngineTest, ARerunThatFailsForEveryoneEndsTheRerun) {
+TEST_P(EngineTest, ARerunThatFailsForEveryoneEndsTheRerun) {
   InstrumentedModel model(model_);
   model.poison = Short(1, 5).prompt;
   model.poison_status = absl::InvalidArgumentError("poisoned prompt");
@@ -616,7 +625,7 @@ TEST_F(EngineTest, ARerunThatFailsForEveryoneEndsTheRerun) {
 // Cancelled while its next token is sampled and sent but not yet in the
 // cache: the request ends at the next step with that token, its blocks free,
 // and the token is never run.
-TEST_F(EngineTest, CancelWithATokenPendingEndsAtTheNextStep) {
+TEST_P(EngineTest, CancelWithATokenPendingEndsAtTheNextStep) {
   InstrumentedModel model(model_);
   auto engine = Engine::Create(&model, nullptr, {});
   ASSERT_TRUE(engine.ok()) << engine.status();
@@ -639,7 +648,7 @@ TEST_F(EngineTest, CancelWithATokenPendingEndsAtTheNextStep) {
 // A pass that fails for one request's reason (INVALID_ARGUMENT) fails only
 // that request; one that fails for everyone's (UNAVAILABLE) fails every
 // request in it and no other.
-TEST_F(EngineTest, AFailedPassFailsOnlyTheRequestsItConcerns) {
+TEST_P(EngineTest, AFailedPassFailsOnlyTheRequestsItConcerns) {
   std::vector<std::vector<int32_t>> solo(3);
   {
     auto engine = Make();
@@ -685,6 +694,9 @@ TEST_F(EngineTest, AFailedPassFailsOnlyTheRequestsItConcerns) {
     EXPECT_EQ((*engine)->stats().kv_blocks_used, 0);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::ValuesIn(testing::TestBackends()),
+                         testing::BackendParamName());
 
 }  // namespace
 }  // namespace hmoe

@@ -9,6 +9,7 @@
 #include "common/model_config.h"
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/cpu/thread_pool.h"
+#include "gpu_worker/driver/routing.h"
 #include "gtest/gtest.h"
 
 namespace hmoe::cpu {

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/model/model_test_util.h"
+#include "tests/testing/backends.h"
 #include "tests/testing/checkpoint_edit.h"
 #include "tests/testing/temp_dir.h"
 
@@ -26,9 +27,16 @@ namespace fs = std::filesystem;
 
 std::string Fixture(const std::string& name) { return testing::FixturesDir() + "/" + name; }
 
+// The backend LoadOrDie builds (BackendModelErrors sets it per test).
+std::string& CurrentBackend() {
+  static std::string* b = new std::string("cpu");
+  return *b;
+}
+
 std::unique_ptr<Model> LoadOrDie(const std::string& dir, ModelOptions opt = {},
                                  RoutedExperts* experts = nullptr) {
   opt.num_threads = opt.num_threads ? opt.num_threads : 2;
+  opt.backend = CurrentBackend();
   auto m = Model::Load(dir, opt, experts);
   EXPECT_TRUE(m.ok()) << m.status();
   return m.ok() ? std::move(*m) : nullptr;
@@ -36,7 +44,19 @@ std::unique_ptr<Model> LoadOrDie(const std::string& dir, ModelOptions opt = {},
 
 const std::vector<int32_t> kPrompt{0, 5, 17, 42, 7, 99, 3};
 
-TEST(ModelErrors, BadTokenIds) {
+// The error paths every backend shares, once per backend.
+class BackendModelErrors : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    HMOE_SKIP_UNLESS_BACKEND(GetParam());
+    CurrentBackend() = GetParam();
+  }
+  void TearDown() override { CurrentBackend() = "cpu"; }
+};
+INSTANTIATE_TEST_SUITE_P(Backends, BackendModelErrors, ::testing::ValuesIn(testing::TestBackends()),
+                         testing::BackendParamName());
+
+TEST_P(BackendModelErrors, BadTokenIds) {
   auto m = LoadOrDie(Fixture("mixtral_tiny"));
   ASSERT_TRUE(m);
   const int64_t V = m->config().vocab_size;
@@ -51,7 +71,7 @@ TEST(ModelErrors, BadTokenIds) {
   EXPECT_TRUE(m->Prefill(*seq, kPrompt).ok());
 }
 
-TEST(ModelErrors, ContextFull) {
+TEST_P(BackendModelErrors, ContextFull) {
   ModelOptions opt;
   opt.max_seq_len = 8;
   auto m = LoadOrDie(Fixture("deepseek_v3_tiny"), opt);
@@ -69,7 +89,7 @@ TEST(ModelErrors, ContextFull) {
   EXPECT_TRUE(m->Decode(*seq, 1).ok());
 }
 
-TEST(ModelErrors, ForeignSequenceAndBadOptions) {
+TEST_P(BackendModelErrors, ForeignSequenceAndBadOptions) {
   auto a = LoadOrDie(Fixture("qwen3_moe_tiny"));
   auto b = LoadOrDie(Fixture("qwen3_moe_tiny"));
   ASSERT_TRUE(a && b);

@@ -1,0 +1,1022 @@
+#include "gpu_worker/cuda/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "gpu_worker/cpu/ops.h"
+#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/driver/model_driver.h"
+#include "gpu_worker/driver/weight_names.h"
+
+namespace hmoe::cuda {
+namespace {
+
+constexpr int64_t kBlockTokens = 16;
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+absl::Status CudaError(cudaError_t e, const char* what) {
+  return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
+}
+#define HMOE_CUDA_TRY(expr, what)                                \
+  do {                                                           \
+    cudaError_t hmoe_e_ = (expr);                                \
+    if (hmoe_e_ != cudaSuccess) return CudaError(hmoe_e_, what); \
+  } while (0)
+#define HMOE_CUBLAS_TRY(expr, what)                                             \
+  do {                                                                          \
+    cublasStatus_t hmoe_s_ = (expr);                                            \
+    if (hmoe_s_ != CUBLAS_STATUS_SUCCESS)                                       \
+      return absl::InternalError(                                               \
+          absl::StrCat("cuBLAS ", what, ": ", cublasGetStatusString(hmoe_s_))); \
+  } while (0)
+
+std::string Gib(double bytes) { return absl::StrFormat("%.2f GiB", bytes / kGiB); }
+
+// Device memory accounting against the --gpu-mem-gb bound.
+class Budget {
+ public:
+  explicit Budget(int64_t limit) : limit_(limit) {}
+  absl::Status Take(int64_t bytes, const std::string& what) {
+    if (used_ + bytes > limit_)
+      return absl::ResourceExhaustedError(
+          absl::StrCat(what, " needs ", Gib(static_cast<double>(bytes)), " of GPU memory; ",
+                       Gib(static_cast<double>(used_)), " is in use (", Describe(),
+                       ") and the bound is ", Gib(static_cast<double>(limit_))));
+    used_ += bytes;
+    parts_[what] += bytes;
+    return absl::OkStatus();
+  }
+  void Give(int64_t bytes, const std::string& what) {
+    used_ -= bytes;
+    parts_[what] -= bytes;
+  }
+  int64_t used() const { return used_; }
+  int64_t limit() const { return limit_; }
+  std::string Describe() const {
+    std::string s;
+    for (const auto& [k, v] : parts_)
+      if (v > 0) absl::StrAppend(&s, s.empty() ? "" : ", ", k, " ", Gib(static_cast<double>(v)));
+    return s.empty() ? "nothing" : s;
+  }
+
+ private:
+  int64_t limit_;
+  int64_t used_ = 0;
+  std::map<std::string, int64_t> parts_;
+};
+
+// An owned device allocation.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (p_) cudaFree(p_);
+  }
+  absl::Status Allocate(int64_t bytes) {
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+    if (bytes == 0) return absl::OkStatus();
+    HMOE_CUDA_TRY(cudaMalloc(&p_, static_cast<size_t>(bytes)), "cudaMalloc");
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+// Pinned host memory.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (p_) cudaFreeHost(p_);
+  }
+  absl::Status Allocate(int64_t bytes) {
+    if (p_) cudaFreeHost(p_);
+    p_ = nullptr;
+    if (bytes == 0) return absl::OkStatus();
+    HMOE_CUDA_TRY(cudaMallocHost(&p_, static_cast<size_t>(bytes)), "cudaMallocHost");
+    return absl::OkStatus();
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// A linear layer on the device: bf16 weight [rows, cols], optional f32 bias.
+struct DevLin {
+  int64_t rows = 0, cols = 0;
+  DeviceBuffer w;
+  DeviceBuffer b;
+  DeviceBuffer w_f32;  // the router keeps an f32 copy (routing decisions in f32)
+  bool has_bias() const { return b.bytes() > 0; }
+};
+
+struct DevMlp {
+  DevLin gate_up;  // [2I, H]: gate rows then up rows
+  DevLin down;     // [H, I]
+  int64_t inter = 0;
+};
+
+struct DevLayer {
+  DeviceBuffer in_norm, post_norm;
+  int64_t window = 0;
+  DevLin q, q_a, q_b, kv_a, kv_b, o, k, v;
+  DeviceBuffer q_a_norm, kv_a_norm, q_norm, k_norm;
+  bool moe = false;
+  DevMlp dense, shared;
+  bool has_shared = false;
+  DevLin router;
+  DeviceBuffer router_bias;
+};
+
+// The paged KV pool: per layer [blocks * 16, row] f32 for keys (MLA: the
+// normed latent + roped key) and, for GQA, the same for values.
+class BlockPool {
+ public:
+  explicit BlockPool(int64_t blocks) {
+    free_.reserve(static_cast<size_t>(blocks));
+    for (int64_t b = blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
+    total_ = blocks;
+  }
+  bool Take(int64_t n, std::vector<int32_t>* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (static_cast<int64_t>(free_.size()) < n) return false;
+    for (int64_t i = 0; i < n; ++i) {
+      out->push_back(free_.back());
+      free_.pop_back();
+    }
+    return true;
+  }
+  void Give(const int32_t* ids, int64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.insert(free_.end(), ids, ids + n);
+  }
+  int64_t total() const { return total_; }
+  int64_t free_blocks() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(free_.size());
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<int32_t> free_;
+  int64_t total_ = 0;
+};
+
+class CudaKvCache final : public KvCache {
+ public:
+  CudaKvCache(std::shared_ptr<BlockPool> pool, int64_t capacity)
+      : pool_(std::move(pool)), capacity_(capacity) {}
+  ~CudaKvCache() override { Shrink(0); }
+  absl::Status Reserve(int64_t n) override {
+    const int64_t need = (std::min(n, capacity_) + kBlockTokens - 1) / kBlockTokens;
+    const int64_t have = static_cast<int64_t>(blocks_.size());
+    if (need <= have) return absl::OkStatus();
+    if (!pool_->Take(need - have, &blocks_))
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the GPU KV cache has ", pool_->free_blocks(), " free blocks of ", kBlockTokens,
+          " tokens; ", need - have, " more are needed (", pool_->total(), " in all)"));
+    return absl::OkStatus();
+  }
+  void Shrink(int64_t n) override {
+    const int64_t keep = (n + kBlockTokens - 1) / kBlockTokens;
+    const int64_t have = static_cast<int64_t>(blocks_.size());
+    if (keep >= have) return;
+    pool_->Give(blocks_.data() + keep, have - keep);
+    blocks_.resize(static_cast<size_t>(keep));
+  }
+  const std::vector<int32_t>& blocks() const { return blocks_; }
+
+ private:
+  std::shared_ptr<BlockPool> pool_;
+  int64_t capacity_;
+  std::vector<int32_t> blocks_;
+};
+
+class CudaBackend final : public LayerBackend {
+ public:
+  CudaBackend(const ModelConfig& c, const ModelOptions& o)
+      : c_(c), o_(o), geo_(AttentionGeometryFor(c)), budget_(0) {}
+  ~CudaBackend() override {
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (auto& e : events_) cudaEventDestroy(e);
+    if (blas_) cublasDestroy(blas_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  absl::Status Init(const Checkpoint& ckpt);
+
+  const char* name() const override { return "cuda"; }
+  std::unique_ptr<KvCache> NewKvCache(int64_t capacity) override {
+    return std::make_unique<CudaKvCache>(pool_, capacity);
+  }
+  int64_t kv_blocks_total() const override { return pool_->total(); }
+  int64_t kv_block_tokens() const override { return kBlockTokens; }
+  void AddStats(ModelStats* s) const override {
+    s->kernel_launches += launches_;
+    s->gpu_busy_ns += busy_ns_;
+  }
+
+  absl::Status Begin(const PassTokens& tokens) override;
+  absl::Status Attention(int l) override;
+  absl::Status DenseMlp(int l) override;
+  absl::Status Route(int l, const GateSpec& gate, RoutedInput* out) override;
+  absl::Status StartSharedExperts(int l) override;
+  absl::Status AddExperts(int l, const float* routed) override;
+  absl::Status AddToResidual(const float* v) override;
+  absl::Status Logits(float* out) override;
+  absl::Status Commit() override;
+  void Abort() override;
+
+ private:
+  absl::Status LoadLin(const Checkpoint& ckpt, const std::string& prefix, DevLin* out);
+  absl::Status LoadMlp(const Checkpoint& ckpt, const MlpNames& n, DevMlp* out);
+  absl::Status LoadVec(const Checkpoint& ckpt, const std::string& name, int64_t n,
+                       DeviceBuffer* out);
+  absl::Status Upload(const void* host, int64_t bytes, DeviceBuffer* out, const std::string& what);
+  // Room for a pass of T tokens, `table_entries` block-table entries and R logit rows.
+  absl::Status EnsureWorkspace(int64_t T, int64_t table_entries, int64_t R);
+  // y[T, w.rows] = x_bf16[T, w.cols] . w^T (+ bias), fp32 accumulate.
+  absl::Status Gemm(const DevLin& w, const uint16_t* x, int64_t T, float* y);
+  absl::Status Launched(cudaError_t e, const char* what) {
+    ++launches_;
+    if (e != cudaSuccess) return Fail(CudaError(e, what));
+    return absl::OkStatus();
+  }
+  absl::Status Fail(absl::Status st) {
+    if (broken_.ok()) broken_ = st;
+    return st;
+  }
+  absl::Status Mlp(const DevMlp& m, float* out);
+  absl::Status MlaAttention(int l);
+  absl::Status GqaAttention(int l);
+  absl::Status Sync(const char* what);
+  // GPU time: a burst runs from the first launch after the host last waited
+  // to the next host wait; Commit adds the bursts' event times up.
+  void BurstBegin();
+  void BurstEnd();
+
+  ModelConfig c_;
+  ModelOptions o_;
+  AttentionGeometry geo_;
+  Budget budget_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  absl::Status broken_;  // a sticky failure: every later pass fails with it
+
+  DeviceBuffer embed_, final_norm_;
+  DevLin lm_head_;
+  const DevLin* lm_head_ptr_ = nullptr;  // tied: a view of the embedding
+  DevLin tied_head_;
+  std::vector<DevLayer> layers_;
+  std::shared_ptr<BlockPool> pool_;
+  std::vector<DeviceBuffer> kcache_, vcache_;  // [layer]
+  int64_t k_row_ = 0, v_row_ = 0;
+
+  // Workspace for passes of up to cap_tokens_ tokens.
+  int64_t cap_tokens_ = 0, cap_table_ = 0, cap_rows_ = 0;  // tokens, table entries, logit rows
+  DeviceBuffer ws_;
+  PinnedBuffer host_ws_;
+  float *x_ = nullptr, *y_ = nullptr, *h_ = nullptr, *ysh_ = nullptr, *routed_ = nullptr;
+  uint16_t* hb_ = nullptr;
+  float *qa_ = nullptr, *q_ = nullptr, *kva_ = nullptr, *qfull_ = nullptr, *olat_ = nullptr,
+        *kk_ = nullptr, *vv_ = nullptr, *attn_ = nullptr;
+  uint16_t *qab_ = nullptr, *attnb_ = nullptr, *actb_ = nullptr;
+  float *gu_ = nullptr, *logits_ = nullptr, *rw_ = nullptr, *cs_ = nullptr, *xr_ = nullptr,
+        *lo_ = nullptr;
+  int32_t *rid_ = nullptr, *meta_ = nullptr;
+  float *h_host_ = nullptr, *rw_host_ = nullptr;
+  int32_t *rid_host_ = nullptr, *meta_host_ = nullptr;
+  int64_t max_inter_ = 0, meta_ints_ = 0;
+
+  // The pass in progress.
+  const PassTokens* pass_ = nullptr;
+  int32_t *slot_ = nullptr, *tstart_ = nullptr, *pos_ = nullptr, *table_ = nullptr,
+          *lrows_ = nullptr;
+  bool shared_pending_ = false;
+
+  std::vector<cudaEvent_t> events_;  // pairs, reused
+  size_t events_used_ = 0;
+  bool in_burst_ = false;
+  int64_t launches_ = 0;
+  int64_t busy_ns_ = 0;
+};
+
+absl::Status CudaBackend::Upload(const void* host, int64_t bytes, DeviceBuffer* out,
+                                 const std::string& what) {
+  RETURN_IF_ERROR(budget_.Take(bytes, what));
+  RETURN_IF_ERROR(out->Allocate(bytes));
+  HMOE_CUDA_TRY(
+      cudaMemcpy(out->as<void>(), host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice),
+      "upload");
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LoadLin(const Checkpoint& ckpt, const std::string& prefix, DevLin* out) {
+  const int64_t block = c_.quantization.method == "fp8" ? c_.quantization.weight_block[0] : 0;
+  ASSIGN_OR_RETURN(cpu::Matrix m, cpu::LoadMatrix(ckpt, prefix + ".weight", block));
+  out->rows = m.rows;
+  out->cols = m.cols;
+  const int64_t n = m.rows * m.cols;
+  if (m.bf16 != nullptr) {
+    RETURN_IF_ERROR(Upload(m.bf16, n * 2, &out->w, "weights"));
+  } else {
+    std::vector<uint16_t> b(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) b[static_cast<size_t>(i)] = F32ToBf16(m.f32[i]);
+    RETURN_IF_ERROR(Upload(b.data(), n * 2, &out->w, "weights"));
+  }
+  ASSIGN_OR_RETURN(std::vector<float> bias,
+                   cpu::LoadOptionalVector(ckpt, prefix + ".bias", m.rows));
+  if (!bias.empty())
+    RETURN_IF_ERROR(Upload(bias.data(), static_cast<int64_t>(bias.size()) * 4, &out->b, "weights"));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LoadMlp(const Checkpoint& ckpt, const MlpNames& n, DevMlp* out) {
+  const int64_t block = c_.quantization.method == "fp8" ? c_.quantization.weight_block[0] : 0;
+  ASSIGN_OR_RETURN(cpu::Matrix g, cpu::LoadMatrix(ckpt, n.gate + ".weight", block));
+  ASSIGN_OR_RETURN(cpu::Matrix u, cpu::LoadMatrix(ckpt, n.up + ".weight", block));
+  if (g.rows != u.rows || g.cols != u.cols)
+    return absl::InvalidArgumentError(
+        absl::StrCat(ckpt.dir(), ": ", n.gate, " and ", n.up, " differ in shape"));
+  const int64_t I = g.rows, H = g.cols;
+  std::vector<uint16_t> gu(static_cast<size_t>(2 * I * H));
+  std::vector<float> row(static_cast<size_t>(H));
+  for (int64_t r = 0; r < 2 * I; ++r) {
+    const cpu::Matrix& m = r < I ? g : u;
+    const int64_t rr = r < I ? r : r - I;
+    if (m.bf16) {
+      std::memcpy(gu.data() + r * H, m.bf16 + rr * H, static_cast<size_t>(H) * 2);
+    } else {
+      m.RowToF32(rr, row.data());
+      for (int64_t i = 0; i < H; ++i) gu[static_cast<size_t>(r * H + i)] = F32ToBf16(row[i]);
+    }
+  }
+  out->inter = I;
+  out->gate_up.rows = 2 * I;
+  out->gate_up.cols = H;
+  RETURN_IF_ERROR(Upload(gu.data(), 2 * I * H * 2, &out->gate_up.w, "weights"));
+  ASSIGN_OR_RETURN(std::vector<float> gb, cpu::LoadOptionalVector(ckpt, n.gate + ".bias", I));
+  ASSIGN_OR_RETURN(std::vector<float> ub, cpu::LoadOptionalVector(ckpt, n.up + ".bias", I));
+  if (!gb.empty() || !ub.empty()) {
+    gb.resize(static_cast<size_t>(I), 0.0f);
+    ub.resize(static_cast<size_t>(I), 0.0f);
+    gb.insert(gb.end(), ub.begin(), ub.end());
+    RETURN_IF_ERROR(Upload(gb.data(), 2 * I * 4, &out->gate_up.b, "weights"));
+  }
+  RETURN_IF_ERROR(LoadLin(ckpt, n.down, &out->down));
+  max_inter_ = std::max(max_inter_, I);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LoadVec(const Checkpoint& ckpt, const std::string& name, int64_t n,
+                                  DeviceBuffer* out) {
+  ASSIGN_OR_RETURN(std::vector<float> v, cpu::LoadVector(ckpt, name, n));
+  return Upload(v.data(), n * 4, out, "weights");
+}
+
+absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
+  HMOE_CUDA_TRY(cudaSetDevice(o_.cuda_device), "cudaSetDevice");
+  size_t free_b = 0, total_b = 0;
+  HMOE_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  const int64_t free_bytes = static_cast<int64_t>(free_b);
+  int64_t limit = free_bytes - static_cast<int64_t>(kGiB);
+  if (o_.gpu_mem_gb > 0) {
+    const int64_t want = static_cast<int64_t>(o_.gpu_mem_gb * kGiB);
+    if (want > free_bytes)
+      return absl::ResourceExhaustedError(absl::StrCat("--gpu-mem-gb ", o_.gpu_mem_gb,
+                                                       " exceeds the device's free memory of ",
+                                                       Gib(static_cast<double>(free_bytes))));
+    limit = want;
+  }
+  budget_ = Budget(limit);
+  HMOE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  HMOE_CUBLAS_TRY(cublasCreate(&blas_), "cublasCreate");
+  HMOE_CUBLAS_TRY(cublasSetStream(blas_, stream_), "cublasSetStream");
+  // Weights.
+  const ModelNames names;
+  const int64_t H = c_.hidden_size;
+  {
+    const int64_t block = c_.quantization.method == "fp8" ? c_.quantization.weight_block[0] : 0;
+    ASSIGN_OR_RETURN(cpu::Matrix e, cpu::LoadMatrix(ckpt, names.embed, block));
+    const int64_t n = e.rows * e.cols;
+    if (e.bf16) {
+      RETURN_IF_ERROR(Upload(e.bf16, n * 2, &embed_, "weights"));
+    } else {
+      std::vector<uint16_t> b(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) b[static_cast<size_t>(i)] = F32ToBf16(e.f32[i]);
+      RETURN_IF_ERROR(Upload(b.data(), n * 2, &embed_, "weights"));
+    }
+  }
+  if (c_.tie_word_embeddings) {
+    tied_head_.rows = c_.vocab_size;
+    tied_head_.cols = H;
+    lm_head_ptr_ = &tied_head_;  // shares embed_'s storage (see Gemm's use of head_w_)
+  } else {
+    RETURN_IF_ERROR(LoadLin(ckpt, "lm_head", &lm_head_));
+    lm_head_ptr_ = &lm_head_;
+  }
+  RETURN_IF_ERROR(LoadVec(ckpt, names.final_norm, H, &final_norm_));
+  layers_.resize(static_cast<size_t>(c_.num_layers));
+  for (int i = 0; i < c_.num_layers; ++i) {
+    DevLayer& L = layers_[static_cast<size_t>(i)];
+    const LayerNames n = NamesForLayer(c_, i);
+    L.window = c_.layers[static_cast<size_t>(i)].sliding_window;
+    L.moe = c_.layers[static_cast<size_t>(i)].moe;
+    RETURN_IF_ERROR(LoadVec(ckpt, n.input_norm, H, &L.in_norm));
+    RETURN_IF_ERROR(LoadVec(ckpt, n.post_norm, H, &L.post_norm));
+    if (c_.is_mla()) {
+      if (c_.mla.q_lora_rank) {
+        RETURN_IF_ERROR(LoadLin(ckpt, n.q_a, &L.q_a));
+        RETURN_IF_ERROR(LoadVec(ckpt, n.q_a_norm, *c_.mla.q_lora_rank, &L.q_a_norm));
+        RETURN_IF_ERROR(LoadLin(ckpt, n.q_b, &L.q_b));
+      } else {
+        RETURN_IF_ERROR(LoadLin(ckpt, n.q, &L.q));
+      }
+      RETURN_IF_ERROR(LoadLin(ckpt, n.kv_a, &L.kv_a));
+      RETURN_IF_ERROR(LoadVec(ckpt, n.kv_a_norm, c_.mla.kv_lora_rank, &L.kv_a_norm));
+      RETURN_IF_ERROR(LoadLin(ckpt, n.kv_b, &L.kv_b));
+      if (L.kv_b.has_bias())
+        return absl::UnimplementedError(absl::StrCat(ckpt.dir(), ": ", n.kv_b, ".bias"));
+    } else {
+      RETURN_IF_ERROR(LoadLin(ckpt, n.q, &L.q));
+      RETURN_IF_ERROR(LoadLin(ckpt, n.k, &L.k));
+      RETURN_IF_ERROR(LoadLin(ckpt, n.v, &L.v));
+      if (c_.arch == Architecture::kQwen3Moe) {
+        RETURN_IF_ERROR(LoadVec(ckpt, n.q_norm, c_.head_dim, &L.q_norm));
+        RETURN_IF_ERROR(LoadVec(ckpt, n.k_norm, c_.head_dim, &L.k_norm));
+      }
+    }
+    RETURN_IF_ERROR(LoadLin(ckpt, n.o, &L.o));
+    if (!L.moe) {
+      RETURN_IF_ERROR(LoadMlp(ckpt, n.dense, &L.dense));
+      continue;
+    }
+    // Routing decisions in f32 (the reference's), so the router keeps an f32 copy.
+    const int64_t block = c_.quantization.method == "fp8" ? c_.quantization.weight_block[0] : 0;
+    {
+      ASSIGN_OR_RETURN(cpu::Matrix m, cpu::LoadMatrix(ckpt, n.router, block));
+      L.router.rows = m.rows;
+      L.router.cols = m.cols;
+      std::vector<float> all(static_cast<size_t>(m.rows * m.cols));
+      for (int64_t r = 0; r < m.rows; ++r) m.RowToF32(r, all.data() + r * m.cols);
+      RETURN_IF_ERROR(
+          Upload(all.data(), static_cast<int64_t>(all.size()) * 4, &L.router.w_f32, "weights"));
+    }
+    if (c_.moe.score_correction_bias)
+      RETURN_IF_ERROR(LoadVec(ckpt, n.router_bias, c_.moe.num_experts, &L.router_bias));
+    if (c_.moe.num_shared_experts > 0) {
+      L.has_shared = true;
+      RETURN_IF_ERROR(LoadMlp(ckpt, n.shared, &L.shared));
+    }
+  }
+  // A workspace for a first pass of up to 256 tokens, then the KV pool from what is left.
+  RETURN_IF_ERROR(EnsureWorkspace(256, 256 * 4, 16));
+  k_row_ =
+      c_.is_mla() ? c_.mla.kv_lora_rank + c_.mla.qk_rope_head_dim : c_.num_kv_heads * c_.head_dim;
+  v_row_ = c_.is_mla() ? 0 : k_row_;
+  const int64_t block_bytes = kBlockTokens * (k_row_ + v_row_) * 4 * c_.num_layers;
+  int64_t blocks = o_.kv_blocks;
+  const int64_t max_useful = 16 * ((o_.max_seq_len + kBlockTokens - 1) / kBlockTokens);
+  if (blocks == 0) {
+    // What fits, keeping a quarter of the rest (at least 1 GiB) for larger passes' workspaces.
+    const int64_t left = budget_.limit() - budget_.used();
+    const int64_t spare = std::max<int64_t>(static_cast<int64_t>(kGiB), left / 4);
+    blocks = std::min(max_useful, std::max<int64_t>(0, left - spare) / block_bytes);
+    if (blocks < 1)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "no room for a KV cache: weights and workspaces take ",
+          Gib(static_cast<double>(budget_.used())), " (", budget_.Describe(), ") of the ",
+          Gib(static_cast<double>(budget_.limit())), " bound; one block of ", kBlockTokens,
+          " tokens needs ", Gib(static_cast<double>(block_bytes))));
+  }
+  RETURN_IF_ERROR(budget_.Take(blocks * block_bytes, "KV cache"));
+  kcache_.resize(static_cast<size_t>(c_.num_layers));
+  vcache_.resize(static_cast<size_t>(c_.num_layers));
+  for (int l = 0; l < c_.num_layers; ++l) {
+    RETURN_IF_ERROR(kcache_[static_cast<size_t>(l)].Allocate(blocks * kBlockTokens * k_row_ * 4));
+    if (v_row_)
+      RETURN_IF_ERROR(vcache_[static_cast<size_t>(l)].Allocate(blocks * kBlockTokens * v_row_ * 4));
+  }
+  pool_ = std::make_shared<BlockPool>(blocks);
+  std::fprintf(stderr,
+               "hmoe cuda backend: device %d, %s in use of a %s bound (%s); KV pool %lld blocks "
+               "of %lld tokens\n",
+               o_.cuda_device, Gib(static_cast<double>(budget_.used())).c_str(),
+               Gib(static_cast<double>(budget_.limit())).c_str(), budget_.Describe().c_str(),
+               static_cast<long long>(blocks), static_cast<long long>(kBlockTokens));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::EnsureWorkspace(int64_t T, int64_t table_entries, int64_t R) {
+  if (T <= cap_tokens_ && table_entries <= cap_table_ && R <= cap_rows_) return absl::OkStatus();
+  T = std::max(T, cap_tokens_);
+  table_entries = std::max(table_entries, cap_table_);
+  R = std::max(R, cap_rows_);
+  const int64_t H = c_.hidden_size, E = c_.moe.num_experts, K = c_.moe.experts_per_token;
+  const int64_t V = c_.vocab_size, nh = c_.num_heads;
+  // Carves aligned pieces out of one allocation: first a dry run for the size.
+  int64_t off = 0;
+  char* base = nullptr;
+  auto piece = [&](int64_t bytes) -> void* {
+    off = (off + 255) / 256 * 256;
+    void* p = base ? base + off : nullptr;
+    off += bytes;
+    return p;
+  };
+  auto carve = [&] {
+    off = 0;
+    x_ = static_cast<float*>(piece(T * H * 4));
+    y_ = static_cast<float*>(piece(T * H * 4));
+    h_ = static_cast<float*>(piece(T * H * 4));
+    ysh_ = static_cast<float*>(piece(T * H * 4));
+    routed_ = static_cast<float*>(piece(T * H * 4));
+    hb_ = static_cast<uint16_t*>(piece(T * H * 2));
+    if (c_.is_mla()) {
+      const int64_t qr = c_.mla.q_lora_rank.value_or(0), r = c_.mla.kv_lora_rank,
+                    rope = c_.mla.qk_rope_head_dim, qk = c_.mla.qk_head_dim(),
+                    vd = c_.mla.v_head_dim;
+      qa_ = static_cast<float*>(piece(T * qr * 4));
+      qab_ = static_cast<uint16_t*>(piece(T * qr * 2));
+      q_ = static_cast<float*>(piece(T * nh * qk * 4));
+      kva_ = static_cast<float*>(piece(T * (r + rope) * 4));
+      qfull_ = static_cast<float*>(piece(T * nh * (r + rope) * 4));
+      olat_ = static_cast<float*>(piece(T * nh * r * 4));
+      attnb_ = static_cast<uint16_t*>(piece(T * nh * vd * 2));
+    } else {
+      const int64_t hd = c_.head_dim, kvr = c_.num_kv_heads * hd;
+      q_ = static_cast<float*>(piece(T * nh * hd * 4));
+      kk_ = static_cast<float*>(piece(T * kvr * 4));
+      vv_ = static_cast<float*>(piece(T * kvr * 4));
+      attn_ = static_cast<float*>(piece(T * nh * hd * 4));
+      attnb_ = static_cast<uint16_t*>(piece(T * nh * hd * 2));
+    }
+    gu_ = static_cast<float*>(piece(T * 2 * max_inter_ * 4));
+    actb_ = static_cast<uint16_t*>(piece(T * max_inter_ * 2));
+    logits_ = static_cast<float*>(piece(T * E * 4));
+    rw_ = static_cast<float*>(piece(T * K * 4));
+    rid_ = static_cast<int32_t*>(piece(T * K * 4));
+    cs_ = static_cast<float*>(piece(T * geo_.rope_dim * 4));
+    xr_ = static_cast<float*>(piece(R * H * 4));
+    lo_ = static_cast<float*>(piece(R * V * 4));
+    meta_ints_ = 4 * T + table_entries;  // slot, table_start, pos, logit rows, table
+    meta_ = static_cast<int32_t*>(piece(meta_ints_ * 4));
+  };
+  carve();  // a dry run (base null) for the size
+  const int64_t bytes = off;
+  const int64_t old_bytes = ws_.bytes();
+  if (budget_.used() - old_bytes + bytes > budget_.limit()) {
+    base = ws_.as<char>();
+    const int64_t T_new = T;
+    T = cap_tokens_;
+    table_entries = cap_table_;
+    R = cap_rows_;
+    carve();  // the old pointers stay valid
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a pass of ", T_new, " tokens needs a GPU workspace of ", Gib(static_cast<double>(bytes)),
+        "; ", Gib(static_cast<double>(budget_.used())), " is in use (", budget_.Describe(),
+        ") and the bound is ", Gib(static_cast<double>(budget_.limit()))));
+  }
+  budget_.Give(old_bytes, "workspace");
+  RETURN_IF_ERROR(ws_.Allocate(0));
+  RETURN_IF_ERROR(budget_.Take(bytes, "workspace"));
+  absl::Status st = ws_.Allocate(bytes);
+  if (!st.ok()) return Fail(st);
+  base = ws_.as<char>();
+  carve();
+  // Host side: h, routing ids and weights, the pass's metadata.
+  RETURN_IF_ERROR(host_ws_.Allocate(T * H * 4 + T * K * 8 + meta_ints_ * 4 + 64 * 4));
+  h_host_ = host_ws_.as<float>();
+  rw_host_ = h_host_ + T * H;
+  rid_host_ = reinterpret_cast<int32_t*>(rw_host_ + T * K);
+  meta_host_ = rid_host_ + T * K;
+  cap_tokens_ = T;
+  cap_table_ = table_entries;
+  cap_rows_ = R;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Gemm(const DevLin& w, const uint16_t* x, int64_t T, float* y) {
+  const float one = 1.0f, zero = 0.0f;
+  const void* wp = &w == &tied_head_ ? embed_.as<void>() : w.w.as<void>();
+  ++launches_;
+  cublasStatus_t s =
+      cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(T),
+                   static_cast<int>(w.cols), &one, wp, CUDA_R_16BF, static_cast<int>(w.cols), x,
+                   CUDA_R_16BF, static_cast<int>(w.cols), &zero, y, CUDA_R_32F,
+                   static_cast<int>(w.rows), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS)
+    return Fail(absl::InternalError(absl::StrCat("cuBLAS GemmEx ", w.rows, "x", w.cols, "x", T,
+                                                 ": ", cublasGetStatusString(s))));
+  if (w.has_bias())
+    RETURN_IF_ERROR(Launched(AddBias(y, T, w.rows, w.b.as<float>(), stream_), "AddBias"));
+  return absl::OkStatus();
+}
+
+void CudaBackend::BurstBegin() {
+  if (in_burst_) return;
+  if (events_used_ + 2 > events_.size()) {
+    for (int i = 0; i < 2; ++i) {
+      cudaEvent_t e = nullptr;
+      if (cudaEventCreate(&e) != cudaSuccess) return;
+      events_.push_back(e);
+    }
+  }
+  cudaEventRecord(events_[events_used_], stream_);
+  in_burst_ = true;
+}
+
+void CudaBackend::BurstEnd() {
+  if (!in_burst_) return;
+  cudaEventRecord(events_[events_used_ + 1], stream_);
+  events_used_ += 2;
+  in_burst_ = false;
+}
+
+absl::Status CudaBackend::Sync(const char* what) {
+  BurstEnd();
+  cudaError_t e = cudaStreamSynchronize(stream_);
+  if (e != cudaSuccess) return Fail(CudaError(e, what));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Begin(const PassTokens& p) {
+  RETURN_IF_ERROR(broken_);
+  const int64_t T = p.size();
+  // Each distinct cache's block table once; tokens point at their cache's.
+  std::unordered_map<const KvCache*, int32_t> start;
+  int64_t entries = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    auto [it, fresh] = start.emplace(p.kv[static_cast<size_t>(t)], 0);
+    if (fresh) {
+      it->second = static_cast<int32_t>(entries);
+      entries += static_cast<int64_t>(static_cast<const CudaKvCache*>(it->first)->blocks().size());
+    }
+  }
+  RETURN_IF_ERROR(EnsureWorkspace(T, entries, static_cast<int64_t>(p.logit_rows.size())));
+  pass_ = &p;
+  int32_t* m = meta_host_;
+  int32_t* slot = m;
+  int32_t* tstart = m + T;
+  int32_t* pos = m + 2 * T;
+  int32_t* lrows = m + 3 * T;
+  int32_t* table = m + 4 * T;
+  for (const auto& [kv, s] : start) {
+    const auto& b = static_cast<const CudaKvCache*>(kv)->blocks();
+    std::copy(b.begin(), b.end(), table + s);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const auto* kv = static_cast<const CudaKvCache*>(p.kv[static_cast<size_t>(t)]);
+    const int64_t ps = p.pos[static_cast<size_t>(t)];
+    slot[t] = static_cast<int32_t>(
+        kv->blocks()[static_cast<size_t>(ps / kBlockTokens)] * kBlockTokens + ps % kBlockTokens);
+    tstart[t] = start[kv];
+    pos[t] = static_cast<int32_t>(ps);
+  }
+  for (size_t i = 0; i < p.logit_rows.size(); ++i) lrows[i] = p.logit_rows[i];
+  slot_ = meta_;
+  tstart_ = meta_ + T;
+  pos_ = meta_ + 2 * T;
+  lrows_ = meta_ + 3 * T;
+  table_ = meta_ + 4 * T;
+  events_used_ = 0;
+  BurstBegin();
+  HMOE_CUDA_TRY(cudaMemcpyAsync(meta_, meta_host_, static_cast<size_t>((4 * T + entries) * 4),
+                                cudaMemcpyHostToDevice, stream_),
+                "metadata upload");
+  // The ids ride in the host workspace's routing area (free until Route).
+  std::copy(p.ids.begin(), p.ids.end(), rid_host_);
+  HMOE_CUDA_TRY(
+      cudaMemcpyAsync(rid_, rid_host_, static_cast<size_t>(T * 4), cudaMemcpyHostToDevice, stream_),
+      "token upload");
+  HMOE_CUDA_TRY(
+      cudaMemcpyAsync(cs_, p.rope_cs.data(), p.rope_cs.size() * 4, cudaMemcpyHostToDevice, stream_),
+      "rope upload");
+  RETURN_IF_ERROR(Launched(EmbedRows(embed_.as<uint16_t>(), c_.hidden_size, rid_, T, x_, stream_),
+                           "EmbedRows"));
+  // The host buffers above are reused by Route: wait for the copies (cheap).
+  return Sync("pass upload");
+}
+
+absl::Status CudaBackend::MlaAttention(int l) {
+  const DevLayer& L = layers_[static_cast<size_t>(l)];
+  const int64_t T = pass_->size(), nh = c_.num_heads, r = c_.mla.kv_lora_rank,
+                rope = c_.mla.qk_rope_head_dim, nope = c_.mla.qk_nope_head_dim,
+                vd = c_.mla.v_head_dim;
+  const bool inter = geo_.rope_layout == RopeLayout::kInterleaved;
+  if (c_.mla.q_lora_rank) {
+    const int64_t qr = *c_.mla.q_lora_rank;
+    RETURN_IF_ERROR(Gemm(L.q_a, hb_, T, qa_));
+    RETURN_IF_ERROR(Launched(AddRmsNorm(qa_, nullptr, T, qr, L.q_a_norm.as<float>(), kMlaNormEps,
+                                        nullptr, qab_, stream_),
+                             "AddRmsNorm"));
+    RETURN_IF_ERROR(Gemm(L.q_b, qab_, T, q_));
+  } else {
+    RETURN_IF_ERROR(Gemm(L.q, hb_, T, q_));
+  }
+  RETURN_IF_ERROR(Gemm(L.kv_a, hb_, T, kva_));
+  RETURN_IF_ERROR(
+      Launched(WriteMlaCache(kva_, T, r, rope, L.kv_a_norm.as<float>(), kMlaNormEps, cs_, inter,
+                             slot_, kcache_[static_cast<size_t>(l)].as<float>(), stream_),
+               "WriteMlaCache"));
+  RETURN_IF_ERROR(Launched(
+      MlaAbsorbQuery(q_, L.kv_b.w.as<uint16_t>(), T, nh, nope, rope, vd, r, qfull_, stream_),
+      "MlaAbsorbQuery"));
+  RETURN_IF_ERROR(
+      Launched(ApplyRope(qfull_, T, nh, nh * (r + rope), r + rope, r, rope, cs_, inter, stream_),
+               "ApplyRope"));
+  PagedAttentionArgs a;
+  a.q = qfull_;
+  a.q_tok_stride = nh * (r + rope);
+  a.q_head_stride = r + rope;
+  a.dk = r + rope;
+  a.k_cache = kcache_[static_cast<size_t>(l)].as<float>();
+  a.k_row = r + rope;
+  a.v_cache = a.k_cache;
+  a.v_row = r + rope;
+  a.dv = r;
+  a.T = T;
+  a.num_heads = nh;
+  a.num_kv_heads = 1;
+  a.block_table = table_;
+  a.table_start = tstart_;
+  a.pos = pos_;
+  a.block_tokens = kBlockTokens;
+  a.window = L.window;
+  a.scale = geo_.softmax_scale;
+  a.out = olat_;
+  a.out_tok_stride = nh * r;
+  a.out_head_stride = r;
+  RETURN_IF_ERROR(Launched(PagedAttention(a, stream_), "PagedAttention"));
+  RETURN_IF_ERROR(Launched(
+      MlaExpandOutput(olat_, L.kv_b.w.as<uint16_t>(), T, nh, nope, vd, r, nullptr, attnb_, stream_),
+      "MlaExpandOutput"));
+  return Gemm(L.o, attnb_, T, y_);
+}
+
+absl::Status CudaBackend::GqaAttention(int l) {
+  const DevLayer& L = layers_[static_cast<size_t>(l)];
+  const int64_t T = pass_->size(), nh = c_.num_heads, nkv = c_.num_kv_heads, hd = c_.head_dim;
+  const int64_t row = nkv * hd;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  RETURN_IF_ERROR(Gemm(L.q, hb_, T, q_));
+  RETURN_IF_ERROR(Gemm(L.k, hb_, T, kk_));
+  RETURN_IF_ERROR(Gemm(L.v, hb_, T, vv_));
+  if (L.q_norm.bytes() > 0) {
+    RETURN_IF_ERROR(Launched(
+        AddRmsNorm(q_, nullptr, T * nh, hd, L.q_norm.as<float>(), eps, q_, nullptr, stream_),
+        "AddRmsNorm"));
+    RETURN_IF_ERROR(Launched(
+        AddRmsNorm(kk_, nullptr, T * nkv, hd, L.k_norm.as<float>(), eps, kk_, nullptr, stream_),
+        "AddRmsNorm"));
+  }
+  RETURN_IF_ERROR(
+      Launched(ApplyRope(q_, T, nh, nh * hd, hd, 0, hd, cs_, false, stream_), "ApplyRope"));
+  RETURN_IF_ERROR(
+      Launched(ApplyRope(kk_, T, nkv, row, hd, 0, hd, cs_, false, stream_), "ApplyRope"));
+  RETURN_IF_ERROR(
+      Launched(WriteKvCache(kk_, vv_, T, row, slot_, kcache_[static_cast<size_t>(l)].as<float>(),
+                            vcache_[static_cast<size_t>(l)].as<float>(), stream_),
+               "WriteKvCache"));
+  PagedAttentionArgs a;
+  a.q = q_;
+  a.q_tok_stride = nh * hd;
+  a.q_head_stride = hd;
+  a.dk = hd;
+  a.k_cache = kcache_[static_cast<size_t>(l)].as<float>();
+  a.k_row = row;
+  a.k_head_offset = hd;
+  a.v_cache = vcache_[static_cast<size_t>(l)].as<float>();
+  a.v_row = row;
+  a.v_head_offset = hd;
+  a.dv = hd;
+  a.T = T;
+  a.num_heads = nh;
+  a.num_kv_heads = nkv;
+  a.block_table = table_;
+  a.table_start = tstart_;
+  a.pos = pos_;
+  a.block_tokens = kBlockTokens;
+  a.window = L.window;
+  a.scale = geo_.softmax_scale;
+  a.out = attn_;
+  a.out_tok_stride = nh * hd;
+  a.out_head_stride = hd;
+  RETURN_IF_ERROR(Launched(PagedAttention(a, stream_), "PagedAttention"));
+  RETURN_IF_ERROR(Launched(ToBf16(attn_, T * nh * hd, attnb_, stream_), "ToBf16"));
+  return Gemm(L.o, attnb_, T, y_);
+}
+
+absl::Status CudaBackend::Attention(int l) {
+  RETURN_IF_ERROR(broken_);
+  const DevLayer& L = layers_[static_cast<size_t>(l)];
+  const int64_t T = pass_->size(), H = c_.hidden_size;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  BurstBegin();
+  RETURN_IF_ERROR(
+      Launched(AddRmsNorm(x_, nullptr, T, H, L.in_norm.as<float>(), eps, nullptr, hb_, stream_),
+               "AddRmsNorm"));
+  RETURN_IF_ERROR(c_.is_mla() ? MlaAttention(l) : GqaAttention(l));
+  // x += attention; h = post_norm(x) (f32 for the experts, bf16 for the GEMMs).
+  return Launched(AddRmsNorm(x_, y_, T, H, L.post_norm.as<float>(), eps, h_, hb_, stream_),
+                  "AddRmsNorm");
+}
+
+absl::Status CudaBackend::Mlp(const DevMlp& m, float* out) {
+  const int64_t T = pass_->size();
+  RETURN_IF_ERROR(Gemm(m.gate_up, hb_, T, gu_));
+  RETURN_IF_ERROR(Launched(SiluMul(gu_, T, m.inter, actb_, stream_), "SiluMul"));
+  return Gemm(m.down, actb_, T, out);
+}
+
+absl::Status CudaBackend::DenseMlp(int l) {
+  RETURN_IF_ERROR(broken_);
+  RETURN_IF_ERROR(Mlp(layers_[static_cast<size_t>(l)].dense, y_));
+  return Launched(Accumulate(x_, y_, nullptr, pass_->size() * c_.hidden_size, stream_),
+                  "Accumulate");
+}
+
+absl::Status CudaBackend::Route(int l, const GateSpec& g, RoutedInput* out) {
+  RETURN_IF_ERROR(broken_);
+  const DevLayer& L = layers_[static_cast<size_t>(l)];
+  const int64_t T = pass_->size(), H = c_.hidden_size, E = g.num_experts, K = g.top_k;
+  const float one = 1.0f, zero = 0.0f;
+  ++launches_;
+  cublasStatus_t s =
+      cublasSgemm(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T),
+                  static_cast<int>(H), &one, L.router.w_f32.as<float>(), static_cast<int>(H), h_,
+                  static_cast<int>(H), &zero, logits_, static_cast<int>(E));
+  if (s != CUBLAS_STATUS_SUCCESS)
+    return Fail(
+        absl::InternalError(absl::StrCat("cuBLAS Sgemm (router): ", cublasGetStatusString(s))));
+  RouteParams p;
+  p.num_experts = static_cast<int>(E);
+  p.top_k = static_cast<int>(K);
+  p.sigmoid = g.scoring == ScoringFunc::kSigmoid;
+  p.method = g.method == TopkMethod::kGreedy               ? 0
+             : g.method == TopkMethod::kGroupLimitedGreedy ? 1
+                                                           : 2;
+  p.n_group = static_cast<int>(g.n_group);
+  p.topk_group = static_cast<int>(g.topk_group);
+  p.norm = g.norm_topk_prob;
+  p.norm_eps = g.norm_eps;
+  p.scale = g.routed_scaling_factor;
+  RETURN_IF_ERROR(Launched(
+      RouteTokens(logits_, T, p, L.router_bias.bytes() ? L.router_bias.as<float>() : nullptr, rid_,
+                  rw_, stream_),
+      "RouteTokens"));
+  HMOE_CUDA_TRY(
+      cudaMemcpyAsync(h_host_, h_, static_cast<size_t>(T * H * 4), cudaMemcpyDeviceToHost, stream_),
+      "expert input download");
+  HMOE_CUDA_TRY(cudaMemcpyAsync(rid_host_, rid_, static_cast<size_t>(T * K * 4),
+                                cudaMemcpyDeviceToHost, stream_),
+                "expert ids download");
+  HMOE_CUDA_TRY(cudaMemcpyAsync(rw_host_, rw_, static_cast<size_t>(T * K * 4),
+                                cudaMemcpyDeviceToHost, stream_),
+                "expert weights download");
+  RETURN_IF_ERROR(Sync("routing"));
+  *out = RoutedInput{h_host_, rid_host_, rw_host_};
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::StartSharedExperts(int l) {
+  RETURN_IF_ERROR(broken_);
+  const DevLayer& L = layers_[static_cast<size_t>(l)];
+  shared_pending_ = L.has_shared;
+  if (!L.has_shared) return absl::OkStatus();
+  BurstBegin();
+  RETURN_IF_ERROR(Mlp(L.shared, ysh_));
+  BurstEnd();  // the host now waits for the routed experts
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::AddExperts(int l, const float* routed) {
+  (void)l;
+  RETURN_IF_ERROR(broken_);
+  const int64_t n = pass_->size() * c_.hidden_size;
+  BurstBegin();
+  HMOE_CUDA_TRY(
+      cudaMemcpyAsync(routed_, routed, static_cast<size_t>(n * 4), cudaMemcpyHostToDevice, stream_),
+      "expert output upload");
+  // x += routed + shared, the reference's order.
+  RETURN_IF_ERROR(Launched(
+      Accumulate(routed_, shared_pending_ ? ysh_ : nullptr, nullptr, n, stream_), "Accumulate"));
+  shared_pending_ = false;
+  return Launched(Accumulate(x_, routed_, nullptr, n, stream_), "Accumulate");
+}
+
+absl::Status CudaBackend::AddToResidual(const float* v) {
+  RETURN_IF_ERROR(broken_);
+  const int64_t n = pass_->size() * c_.hidden_size;
+  BurstBegin();
+  // routed_ is free here: AddExperts has consumed it (same stream, in order).
+  HMOE_CUDA_TRY(
+      cudaMemcpyAsync(routed_, v, static_cast<size_t>(n * 4), cudaMemcpyHostToDevice, stream_),
+      "deferred output upload");
+  return Launched(Accumulate(x_, routed_, nullptr, n, stream_), "Accumulate");
+}
+
+absl::Status CudaBackend::Logits(float* out) {
+  RETURN_IF_ERROR(broken_);
+  const int64_t rows = static_cast<int64_t>(pass_->logit_rows.size()), H = c_.hidden_size;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  BurstBegin();
+  RETURN_IF_ERROR(Launched(GatherRows(x_, H, lrows_, rows, xr_, stream_), "GatherRows"));
+  RETURN_IF_ERROR(Launched(
+      AddRmsNorm(xr_, nullptr, rows, H, final_norm_.as<float>(), eps, nullptr, hb_, stream_),
+      "AddRmsNorm"));
+  RETURN_IF_ERROR(Gemm(*lm_head_ptr_, hb_, rows, lo_));
+  HMOE_CUDA_TRY(cudaMemcpyAsync(out, lo_, static_cast<size_t>(rows * c_.vocab_size * 4),
+                                cudaMemcpyDeviceToHost, stream_),
+                "logits download");
+  return Sync("logits");
+}
+
+absl::Status CudaBackend::Commit() {
+  RETURN_IF_ERROR(Sync("pass"));
+  for (size_t i = 0; i + 1 < events_used_; i += 2) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, events_[i], events_[i + 1]) == cudaSuccess)
+      busy_ns_ += static_cast<int64_t>(ms * 1e6);
+  }
+  events_used_ = 0;
+  pass_ = nullptr;
+  return broken_;
+}
+
+void CudaBackend::Abort() {
+  // Drain what was queued so buffers can be reused; a sticky error stays in broken_.
+  BurstEnd();
+  cudaError_t e = cudaStreamSynchronize(stream_);
+  if (e != cudaSuccess) Fail(CudaError(e, "pass abort")).IgnoreError();
+  events_used_ = 0;
+  shared_pending_ = false;
+  pass_ = nullptr;
+}
+
+}  // namespace
+
+bool CudaBackendUsable(int device, std::string* why) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    *why = absl::StrCat("no usable CUDA device (", cudaGetErrorString(e), ")");
+    return false;
+  }
+  if (device < 0 || device >= n) {
+    *why = absl::StrCat("CUDA device ", device, " does not exist (", n, " present)");
+    return false;
+  }
+  e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaFree(nullptr);
+  if (e != cudaSuccess) {
+    *why = absl::StrCat("CUDA device ", device, " is not usable: ", cudaGetErrorString(e));
+    return false;
+  }
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<LayerBackend>> CreateCudaBackend(const ModelConfig& config,
+                                                                const Checkpoint& ckpt,
+                                                                const ModelOptions& options) {
+  std::string why;
+  if (!CudaBackendUsable(options.cuda_device, &why)) return absl::FailedPreconditionError(why);
+  auto b = std::make_unique<CudaBackend>(config, options);
+  RETURN_IF_ERROR(b->Init(ckpt));
+  return std::unique_ptr<LayerBackend>(std::move(b));
+}
+
+}  // namespace hmoe::cuda

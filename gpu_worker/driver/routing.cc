@@ -1,0 +1,112 @@
+#include "gpu_worker/driver/routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace hmoe {
+
+GateSpec GateSpecFor(const ModelConfig& c) {
+  GateSpec g;
+  const MoeConfig& m = c.moe;
+  g.num_experts = m.num_experts;
+  g.top_k = m.experts_per_token;
+  g.routed_scaling_factor = static_cast<float>(m.routed_scaling_factor);
+  switch (c.arch) {
+    case Architecture::kDeepseekV3:
+      g.scoring = ScoringFunc::kSigmoid;
+      g.method = TopkMethod::kNoauxTc;
+      g.n_group = m.n_group;
+      g.topk_group = m.topk_group;
+      g.norm_topk_prob = m.norm_topk_prob;
+      g.norm_eps = 1e-20f;
+      break;
+    case Architecture::kDeepseekV2:
+      g.scoring = ScoringFunc::kSoftmax;
+      g.method = m.topk_method;
+      g.n_group = m.n_group;
+      g.topk_group = m.topk_group;
+      g.norm_topk_prob = false;
+      break;
+    case Architecture::kQwen3Moe:
+      g.norm_topk_prob = m.norm_topk_prob;
+      g.routed_scaling_factor = 1.0f;
+      break;
+    case Architecture::kMixtral:
+      g.norm_topk_prob = true;
+      g.routed_scaling_factor = 1.0f;
+      break;
+  }
+  if (g.method == TopkMethod::kGreedy) g.n_group = g.topk_group = 1;
+  return g;
+}
+
+void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias, int32_t* ids,
+           float* weights) {
+  const int64_t E = g.num_experts, K = g.top_k;
+  const int64_t G = std::max<int64_t>(1, g.n_group), per = E / G;
+  std::vector<float> scores(E), choice(E), gscore(G);
+  std::vector<int64_t> order(std::max(E, G));
+  std::vector<char> allowed(E);
+  // Indices sorted by descending value, ties to the lower index.
+  auto by_value = [](const std::vector<float>& v) {
+    return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits + t * E;
+    if (g.scoring == ScoringFunc::kSigmoid) {
+      for (int64_t e = 0; e < E; ++e) scores[e] = 1.0f / (1.0f + std::exp(-l[e]));
+    } else {
+      const float mx = *std::max_element(l, l + E);
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) sum += (scores[e] = std::exp(l[e] - mx));
+      for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; ++e) choice[e] = scores[e] + (bias ? bias[e] : 0.0f);
+    std::fill(allowed.begin(), allowed.end(), 1);
+    if (g.method != TopkMethod::kGreedy && G > 1) {
+      for (int64_t gi = 0; gi < G; ++gi) {
+        const float* c = choice.data() + gi * per;
+        if (g.method == TopkMethod::kNoauxTc) {  // sum of the group's top 2
+          float a = -INFINITY, b = -INFINITY;
+          for (int64_t j = 0; j < per; ++j) {
+            if (c[j] > a) {
+              b = a;
+              a = c[j];
+            } else if (c[j] > b) {
+              b = c[j];
+            }
+          }
+          gscore[gi] = a + b;
+        } else {  // group_limited_greedy: the group's max
+          gscore[gi] = *std::max_element(c, c + per);
+        }
+      }
+      std::iota(order.begin(), order.begin() + G, 0);
+      std::partial_sort(order.begin(), order.begin() + g.topk_group, order.begin() + G,
+                        by_value(gscore));
+      std::fill(allowed.begin(), allowed.end(), 0);
+      for (int64_t i = 0; i < g.topk_group; ++i)
+        std::fill(allowed.begin() + order[i] * per, allowed.begin() + (order[i] + 1) * per, 1);
+    }
+    std::vector<int64_t> cand;
+    cand.reserve(E);
+    for (int64_t e = 0; e < E; ++e)
+      if (allowed[e]) cand.push_back(e);
+    std::partial_sort(cand.begin(), cand.begin() + K, cand.end(), by_value(choice));
+    float sum = 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+      ids[t * K + j] = static_cast<int32_t>(cand[j]);
+      weights[t * K + j] = scores[cand[j]];
+      sum += scores[cand[j]];
+    }
+    for (int64_t j = 0; j < K; ++j) {
+      float& w = weights[t * K + j];
+      if (g.norm_topk_prob) w /= (sum + g.norm_eps);
+      w *= g.routed_scaling_factor;
+    }
+  }
+}
+
+}  // namespace hmoe

@@ -1,0 +1,38 @@
+// MoE routing semantics: which experts a token goes to and with what weight,
+// per architecture. Route is the reference every backend's router op
+// (cpu: this function; cuda: a kernel tested against it) implements.
+#pragma once
+
+#include <cstdint>
+
+#include "common/model_config.h"
+
+namespace hmoe {
+
+struct GateSpec {
+  int64_t num_experts = 0;
+  int64_t top_k = 0;
+  ScoringFunc scoring = ScoringFunc::kSoftmax;
+  TopkMethod method = TopkMethod::kGreedy;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  bool norm_topk_prob = false;
+  float norm_eps = 0.0f;  // added to the top-k sum before normalizing
+  float routed_scaling_factor = 1.0f;
+};
+// The router semantics of `config`'s architecture as transformers 5 runs it:
+//   deepseek_v3: sigmoid, noaux_tc (bias for selection, groups by top-2 sum),
+//                norm_topk_prob with +1e-20, x routed_scaling_factor;
+//   deepseek_v2: softmax, greedy or group_limited_greedy (groups by max),
+//                never normalized (transformers ignores norm_topk_prob),
+//                x routed_scaling_factor;
+//   qwen3_moe:   softmax, top-k, normalized iff norm_topk_prob;
+//   mixtral:     softmax, top-k, always normalized.
+GateSpec GateSpecFor(const ModelConfig& config);
+// Routes T tokens from router logits [T, E]: ids/weights [T, k]. `bias`
+// ([E] or null) is added to the scores for selection only. Ties go to the
+// lower expert / group index. Ids come out in descending selection score.
+void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias, int32_t* ids,
+           float* weights);
+
+}  // namespace hmoe

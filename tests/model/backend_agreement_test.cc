@@ -1,0 +1,313 @@
+// The CUDA backend against the CPU reference backend (the ground truth), on
+// every fixture: full-model logits, greedy generation, the held-out text of
+// ds3_fortunes, batching, deferral, and the paged KV pool's accounting.
+// Skips without a usable GPU (or in a build without CUDA).
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/tokenizer.h"
+#include "gmock/gmock.h"
+#include "gpu_worker/model.h"
+#include "gtest/gtest.h"
+#include "tests/model/model_test_util.h"
+#include "tests/testing/backends.h"
+
+namespace hmoe {
+namespace {
+
+using testing::ArgMax;
+using testing::LoadReference;
+using testing::ModelFixtureNames;
+using testing::ModelFixturesRoot;
+
+std::unique_ptr<Model> Load(const std::string& name, const std::string& backend,
+                            ModelOptions opt = {}) {
+  opt.backend = backend;
+  opt.num_threads = 2;
+  auto m = Model::Load(ModelFixturesRoot() + "/" + name, opt);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(*m) : nullptr;
+}
+
+const Model& Cached(const std::string& name, const std::string& backend) {
+  static auto* models = new std::map<std::string, std::unique_ptr<Model>>;
+  auto& m = (*models)[backend + "/" + name];
+  if (!m) m = Load(name, backend);
+  if (!m) std::abort();
+  return *m;
+}
+
+// sum (a - b)^2 / sum b^2
+double Nmse(const float* a, const float* b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return den > 0 ? num / den : num;
+}
+
+// KL(softmax(p) || softmax(q)) in nats.
+double Kl(const float* p, const float* q, int64_t n) {
+  double mp = p[0], mq = q[0];
+  for (int64_t i = 1; i < n; ++i) {
+    mp = std::max(mp, static_cast<double>(p[i]));
+    mq = std::max(mq, static_cast<double>(q[i]));
+  }
+  double sp = 0, sq = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    sp += std::exp(p[i] - mp);
+    sq += std::exp(q[i] - mq);
+  }
+  const double lp = mp + std::log(sp), lq = mq + std::log(sq);
+  double kl = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = p[i] - lp, b = q[i] - lq;
+    kl += std::exp(a) * (a - b);
+  }
+  return kl;
+}
+
+// The gap between the best and second-best logit, relative to the largest |logit|.
+double TopGap(const float* v, int64_t n) {
+  double a = -INFINITY, b = -INFINITY, mx = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    mx = std::max(mx, std::abs(static_cast<double>(v[i])));
+    if (v[i] > a) {
+      b = a;
+      a = v[i];
+    } else if (v[i] > b) {
+      b = v[i];
+    }
+  }
+  return mx > 0 ? (a - b) / mx : 0;
+}
+
+class CudaVsCpu : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { HMOE_SKIP_UNLESS_BACKEND("cuda"); }
+};
+
+TEST_P(CudaVsCpu, LogitsAndGreedyGenerationAgree) {
+  const std::string name = GetParam();
+  const Model& cpu = Cached(name, "cpu");
+  const Model& gpu = Cached(name, "cuda");
+  EXPECT_EQ(gpu.options().backend, "cuda");
+  const auto ref = LoadReference(ModelFixturesRoot() + "/" + name);
+  const int64_t V = cpu.config().vocab_size, P = static_cast<int64_t>(ref.prompt.size());
+  auto sc = cpu.NewSequence();
+  auto sg = gpu.NewSequence();
+  auto lc = cpu.Prefill(*sc, ref.prompt, LogitsMode::kAll);
+  auto lg = gpu.Prefill(*sg, ref.prompt, LogitsMode::kAll);
+  ASSERT_TRUE(lc.ok() && lg.ok()) << lc.status() << " " << lg.status();
+  double worst = 0;
+  int agree = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    worst = std::max(worst, Nmse(lg->data() + p * V, lc->data() + p * V, V));
+    agree += ArgMax(lg->data() + p * V, V) == ArgMax(lc->data() + p * V, V);
+  }
+  EXPECT_LE(worst, 1e-3) << name;
+  // Greedy generation of 64 tokens, each backend on its own tokens.
+  std::vector<float> c(lc->end() - V, lc->end()), g(lg->end() - V, lg->end());
+  int same = 0;
+  bool diverged = false;
+  double gap_at_divergence = 0;
+  for (int i = 0; i < 64; ++i) {
+    const int32_t tc = static_cast<int32_t>(ArgMax(c.data(), V));
+    const int32_t tg = static_cast<int32_t>(ArgMax(g.data(), V));
+    if (tc != tg) {
+      diverged = true;
+      gap_at_divergence = TopGap(c.data(), V);
+      break;
+    }
+    ++same;
+    auto dc = cpu.Decode(*sc, tc);
+    auto dg = gpu.Decode(*sg, tg);
+    ASSERT_TRUE(dc.ok() && dg.ok()) << dc.status() << " " << dg.status();
+    c = *dc;
+    g = *dg;
+  }
+  std::printf(
+      "[ cuda/cpu ] %-18s prefill NMSE max %.2e, top-1 %d/%lld; greedy equal for %d of 64%s\n",
+      name.c_str(), worst, agree, static_cast<long long>(P), same,
+      diverged
+          ? absl::StrCat(" (then a near-tie: cpu top-2 gap ", gap_at_divergence, " of max |logit|)")
+                .c_str()
+          : "");
+  // A divergence is allowed only at a near-tie of the reference.
+  if (diverged) {
+    EXPECT_LT(gap_at_divergence, 1e-2) << name << " diverged at step " << same;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaVsCpu, ::testing::ValuesIn(ModelFixtureNames()),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+TEST(CudaVsCpuHeldOut, Ds3FortunesTopOneAndKl) {
+  HMOE_SKIP_UNLESS_BACKEND("cuda");
+  const std::string dir = testing::FixturesDir() + "/ds3_fortunes";
+  const Model& cpu = Cached("ds3_fortunes", "cpu");
+  const Model& gpu = Cached("ds3_fortunes", "cuda");
+  auto tok = Tokenizer::FromFile(dir + "/tokenizer.json");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::string text = ReadFile(testing::FixturesDir() + "/corpus_heldout.txt");
+  const int64_t V = cpu.config().vocab_size;
+  int64_t n = 0, agree = 0;
+  double kl = 0;
+  size_t at = 0;
+  int docs = 0;
+  while (at <= text.size()) {
+    size_t end = text.find("\n%\n", at);
+    if (end == std::string::npos) end = text.size();
+    const std::string d = text.substr(at, end - at);
+    at = end + 3;
+    if (d.find_first_not_of(" \t\r\n") == std::string::npos) continue;
+    auto body = (*tok)->Encode(d);
+    ASSERT_TRUE(body.ok()) << body.status();
+    std::vector<int32_t> ids = {0};
+    ids.insert(ids.end(), body->begin(), body->end());
+    auto sc = cpu.NewSequence();
+    auto sg = gpu.NewSequence();
+    auto lc = cpu.Prefill(*sc, ids, LogitsMode::kAll);
+    auto lg = gpu.Prefill(*sg, ids, LogitsMode::kAll);
+    ASSERT_TRUE(lc.ok() && lg.ok()) << lc.status() << " " << lg.status();
+    for (size_t t = 0; t < ids.size(); ++t) {
+      const float* a = lc->data() + t * V;
+      const float* b = lg->data() + t * V;
+      agree += ArgMax(a, V) == ArgMax(b, V);
+      kl += Kl(a, b, V);
+      ++n;
+    }
+    ++docs;
+  }
+  const double top1 = static_cast<double>(agree) / static_cast<double>(n);
+  std::printf(
+      "[ cuda/cpu ] ds3_fortunes held-out: %d docs, %lld positions, top-1 agreement %.4f, "
+      "mean KL %.2e\n",
+      docs, static_cast<long long>(n), top1, kl / static_cast<double>(n));
+  EXPECT_GE(top1, 0.99);
+  EXPECT_LE(kl / static_cast<double>(n), 1e-3);
+}
+
+TEST(CudaBackend, BatchedStepsMatchSoloAndDeferralMatchesTheCpu) {
+  HMOE_SKIP_UNLESS_BACKEND("cuda");
+  const std::vector<int32_t> a{0, 5, 17, 42, 7}, b{3, 9, 1}, c{8, 8, 2, 6, 4, 1, 2};
+  for (const std::string name : {"deepseek_v3_tiny", "qwen3_moe_tiny"}) {
+    const Model& gpu = Cached(name, "cuda");
+    const int64_t V = gpu.config().vocab_size;
+    std::vector<std::vector<float>> solo;
+    for (const auto* p : {&a, &b, &c}) {
+      auto s = gpu.NewSequence();
+      auto l = gpu.Prefill(*s, *p, LogitsMode::kLast);
+      ASSERT_TRUE(l.ok()) << l.status();
+      solo.push_back(*l);
+    }
+    auto s1 = gpu.NewSequence(), s2 = gpu.NewSequence(), s3 = gpu.NewSequence();
+    std::vector<float> o1, o2, o3;
+    const ForwardStep steps[] = {{s1.get(), a, LogitsMode::kLast, &o1},
+                                 {s2.get(), b, LogitsMode::kLast, &o2},
+                                 {s3.get(), c, LogitsMode::kLast, &o3}};
+    ASSERT_TRUE(gpu.ForwardBatch(steps).ok());
+    EXPECT_LE(Nmse(o1.data(), solo[0].data(), V), 1e-4) << name;
+    EXPECT_LE(Nmse(o2.data(), solo[1].data(), V), 1e-4) << name;
+    EXPECT_LE(Nmse(o3.data(), solo[2].data(), V), 1e-4) << name;
+    // Deferral: the same semantics as the CPU backend's.
+    ModelOptions d;
+    d.deferred_experts = 1;
+    auto cd = Load(name, "cpu", d);
+    auto gd = Load(name, "cuda", d);
+    ASSERT_TRUE(cd && gd);
+    auto sc = cd->NewSequence();
+    auto sg = gd->NewSequence();
+    auto lc = cd->Prefill(*sc, c, LogitsMode::kAll);
+    auto lg = gd->Prefill(*sg, c, LogitsMode::kAll);
+    ASSERT_TRUE(lc.ok() && lg.ok());
+    EXPECT_LE(Nmse(lg->data(), lc->data(), static_cast<int64_t>(lc->size())), 1e-3) << name;
+    auto exact = Cached(name, "cpu").NewSequence();
+    auto le = Cached(name, "cpu").Prefill(*exact, c, LogitsMode::kAll);
+    ASSERT_TRUE(le.ok());
+    EXPECT_NE(*le, *lc);  // deferral changed the numbers on the reference too
+  }
+}
+
+TEST(CudaBackend, PagedKvPoolIsReallyAllocatedAndFreed) {
+  HMOE_SKIP_UNLESS_BACKEND("cuda");
+  ModelOptions o;
+  o.kv_blocks = 4;  // 64 tokens
+  auto m = Load("qwen3_moe_tiny", "cuda", o);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->kv_blocks_total(), 4);
+  EXPECT_EQ(m->kv_block_tokens(), 16);
+  std::vector<int32_t> p40(40, 3), p20(20, 5), p30(30, 7);
+  auto a = m->NewSequence();
+  auto b = m->NewSequence();
+  ASSERT_TRUE(m->Prefill(*a, p40).ok());  // 3 blocks
+  auto r = m->Prefill(*b, p20);           // 2 more: only 1 is free
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("KV cache"));
+  EXPECT_EQ(b->length(), 0);
+  ASSERT_TRUE(m->Prefill(*b, std::vector<int32_t>(16, 5)).ok());  // the last block
+  a->Reset();                                                     // returns 3
+  ASSERT_TRUE(m->Prefill(*b, p30).ok());                          // 46 tokens: 3 blocks
+  a.reset();
+  auto c = m->NewSequence();
+  EXPECT_EQ(m->Prefill(*c, p30).status().code(), absl::StatusCode::kResourceExhausted);
+  b.reset();  // destruction returns its blocks
+  EXPECT_TRUE(m->Prefill(*c, p30).ok());
+  // The same logits as a model with a roomy pool.
+  const Model& big = Cached("qwen3_moe_tiny", "cuda");
+  auto s = big.NewSequence();
+  auto want = big.Prefill(*s, p30, LogitsMode::kLast);
+  auto s2 = m->NewSequence();
+  c.reset();
+  auto got = m->Prefill(*s2, p30, LogitsMode::kLast);
+  ASSERT_TRUE(want.ok() && got.ok());
+  EXPECT_LE(Nmse(got->data(), want->data(), static_cast<int64_t>(want->size())), 1e-8);
+}
+
+TEST(CudaBackend, AMemoryBoundTooSmallFailsAtLoadNamingSizes) {
+  HMOE_SKIP_UNLESS_BACKEND("cuda");
+  ModelOptions o;
+  o.backend = "cuda";
+  o.gpu_mem_gb = 0.0001;  // ~100 KiB
+  auto m = Model::Load(ModelFixturesRoot() + "/deepseek_v3_tiny", o);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kResourceExhausted) << m.status();
+  EXPECT_THAT(std::string(m.status().message()), ::testing::HasSubstr("GiB"));
+}
+
+TEST(ModelBackend, NamesAreResolved) {
+  EXPECT_EQ(*ResolveBackend("cpu"), "cpu");
+  auto a = ResolveBackend("auto");
+  ASSERT_TRUE(a.ok());
+  EXPECT_TRUE(*a == "cpu" || *a == "cuda");
+  EXPECT_EQ(ResolveBackend("tpu").status().code(), absl::StatusCode::kInvalidArgument);
+  auto c = ResolveBackend("cuda");
+  if (!c.ok()) {
+    EXPECT_TRUE(c.status().code() == absl::StatusCode::kUnimplemented ||
+                c.status().code() == absl::StatusCode::kFailedPrecondition)
+        << c.status();
+  }
+  ModelOptions o;
+  o.backend = "tpu";
+  EXPECT_EQ(Model::Load(ModelFixturesRoot() + "/qwen3_moe_tiny", o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace hmoe
