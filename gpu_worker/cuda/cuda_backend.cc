@@ -24,6 +24,8 @@ namespace {
 
 constexpr int64_t kBlockTokens = 16;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+// PagedAttention's split-key scratch: its most (dv 512) is 8 MiB.
+constexpr int64_t kAttentionScratchBytes = 8 << 20;
 
 absl::Status CudaError(cudaError_t e, const char* what) {
   return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
@@ -281,6 +283,15 @@ class CudaBackend final : public LayerBackend {
     return st;
   }
   absl::Status Mlp(const DevMlp& m, float* out);
+  // PagedAttention with the split-key scratch when it fits.
+  absl::Status Attend(PagedAttentionArgs& a) {
+    const int64_t need = PagedAttentionScratchFloats(a);
+    if (need > 0 && need * 4 <= attn_scratch_.bytes()) {
+      a.scratch = attn_scratch_.as<float>();
+      a.scratch_floats = attn_scratch_.bytes() / 4;
+    }
+    return Launched(PagedAttention(a, stream_), "PagedAttention");
+  }
   absl::Status MlaAttention(int l);
   absl::Status GqaAttention(int l);
   absl::Status Sync(const char* what);
@@ -309,6 +320,7 @@ class CudaBackend final : public LayerBackend {
   // Workspace for passes of up to cap_tokens_ tokens.
   int64_t cap_tokens_ = 0, cap_table_ = 0, cap_rows_ = 0;  // tokens, table entries, logit rows
   DeviceBuffer ws_;
+  DeviceBuffer attn_scratch_;  // PagedAttention's split-key partials
   PinnedBuffer host_ws_;
   float *x_ = nullptr, *y_ = nullptr, *h_ = nullptr, *ysh_ = nullptr, *routed_ = nullptr;
   uint16_t* hb_ = nullptr;
@@ -503,6 +515,8 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
       RETURN_IF_ERROR(LoadMlp(ckpt, n.shared, &L.shared));
     }
   }
+  RETURN_IF_ERROR(budget_.Take(kAttentionScratchBytes, "workspace"));
+  RETURN_IF_ERROR(attn_scratch_.Allocate(kAttentionScratchBytes));
   // A workspace for a first pass of up to 256 tokens, then the KV pool from what is left.
   RETURN_IF_ERROR(EnsureWorkspace(256, 256 * 4, 16));
   k_row_ =
@@ -780,7 +794,7 @@ absl::Status CudaBackend::MlaAttention(int l) {
   a.out = olat_;
   a.out_tok_stride = nh * r;
   a.out_head_stride = r;
-  RETURN_IF_ERROR(Launched(PagedAttention(a, stream_), "PagedAttention"));
+  RETURN_IF_ERROR(Attend(a));
   RETURN_IF_ERROR(Launched(
       MlaExpandOutput(olat_, L.kv_b.w.as<uint16_t>(), T, nh, nope, vd, r, nullptr, attnb_, stream_),
       "MlaExpandOutput"));
@@ -835,7 +849,7 @@ absl::Status CudaBackend::GqaAttention(int l) {
   a.out = attn_;
   a.out_tok_stride = nh * hd;
   a.out_head_stride = hd;
-  RETURN_IF_ERROR(Launched(PagedAttention(a, stream_), "PagedAttention"));
+  RETURN_IF_ERROR(Attend(a));
   RETURN_IF_ERROR(Launched(ToBf16(attn_, T * nh * hd, attnb_, stream_), "ToBf16"));
   return Gemm(L.o, attnb_, T, y_);
 }
