@@ -946,8 +946,8 @@ absl::Status CudaBackend::AddExperts(int l, const float* routed) {
       cudaMemcpyAsync(routed_, routed, static_cast<size_t>(n * 4), cudaMemcpyHostToDevice, stream_),
       "expert output upload");
   // x += routed + shared, the reference's order.
-  RETURN_IF_ERROR(Launched(
-      Accumulate(routed_, shared_pending_ ? ysh_ : nullptr, nullptr, n, stream_), "Accumulate"));
+  if (shared_pending_)
+    RETURN_IF_ERROR(Launched(Accumulate(routed_, ysh_, nullptr, n, stream_), "Accumulate"));
   shared_pending_ = false;
   return Launched(Accumulate(x_, routed_, nullptr, n, stream_), "Accumulate");
 }

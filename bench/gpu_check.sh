@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call of the CUDA backend's checks on the GPU machine
+# (../shared/gpu-machine/README.md): the CUDA kernels against the CPU
+# reference ops, the CUDA backend against the CPU backend on every fixture,
+# the engine and serving tests with the cuda backend, then (E2E=1)
+# hmoe-bench-e2e. Output per step in OUT/NAME.txt.
+#
+#   bench/gpu_check.sh BIN_DIR OUT_DIR
+set -uo pipefail
+bin=${1:-build/bin}
+out=${2:-.}
+mkdir -p "$out"
+export HMOE_SOURCE_DIR=${HMOE_SOURCE_DIR:-$PWD}
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$secs" "$@" >"$out/$name.txt" 2>&1
+  local rc=$?
+  echo "rc=$rc" >>"$out/$name.txt"
+  echo "   rc=$rc"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran|\[ cuda/cpu \]" "$out/$name.txt" | head -40
+}
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | head -20) \
+  >"$out/machine.txt" 2>&1
+step kernels "${KERNEL_SECS:-120}" "$bin/hmoe-tests" --gtest_filter='GpuKernelTest.*'
+step backend "${BACKEND_SECS:-300}" "$bin/hmoe-tests" \
+  --gtest_filter='*CudaVsCpu*:CudaBackend.*:ModelBackend.*:Backends/*'
+[ "${SERVE:-1}" = 1 ] && step serving "${SERVE_SECS:-240}" "$bin/hmoe-tests" \
+  --gtest_filter="${SERVE_FILTER:-Serving*:*Worker*:E2e*}"
+exit 0
