@@ -10,7 +10,8 @@
 // environment).
 //
 // Per row: microseconds per call, weight GB/s over the distinct expert bytes
-// the call touched, TFLOP/s, % of the measured read bandwidth, % of the
+// the call touched, TFLOP/s, % of the measured read bandwidth (the best of
+// bench/dram_probe.h's access patterns, on the pool's threads), % of the
 // measured AMX peak (bf16 peak for bf16/int4, int8 peak for int8), and the
 // speedup over oneDNN (int4 is compared with oneDNN int8; oneDNN runs on as
 // many OpenMP threads as our pool has). Enough layers are allocated that the
@@ -39,6 +40,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "bench/dram_probe.h"
 #include "common/dtype.h"
 #include "expert_service/kernels/gemm.h"
 #include "expert_service/kernels/isa.h"
@@ -117,20 +119,6 @@ double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-int64_t LlcBytes() {
-  int64_t best = 0;
-  for (int i = 0; i < 8; ++i) {
-    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/size");
-    std::string s;
-    if (!(f >> s)) continue;
-    int64_t v = std::atoll(s.c_str());
-    if (s.back() == 'K') v <<= 10;
-    if (s.back() == 'M') v <<= 20;
-    best = std::max(best, v);
-  }
-  return best > 0 ? best : (32ll << 20);
-}
-
 std::vector<std::string> List(const std::string& s, char sep = ',') {
   std::vector<std::string> out;
   for (auto p : absl::StrSplit(s, sep, absl::SkipEmpty())) out.emplace_back(p);
@@ -138,26 +126,6 @@ std::vector<std::string> List(const std::string& s, char sep = ',') {
 }
 
 // ---- machine limits ----------------------------------------------------------------
-double MeasureReadGBs(ThreadPool& pool, int64_t bytes) {
-  auto buf = NumaBuffer::Allocate(static_cast<size_t>(bytes), pool.mem_node(0)).value();
-  const int64_t n = pool.num_threads();
-  const int64_t per = bytes / n / 4096 * 4096;  // a contiguous share per thread
-  pool.Run([&](const Worker& w) {
-    std::memset(buf.data() + w.global * per, 1, static_cast<size_t>(per));
-  });
-  std::vector<uint64_t> sink(static_cast<size_t>(n));
-  double best = 0;
-  for (int rep = 0; rep < 8; ++rep) {
-    const double t0 = Now();
-    pool.Run([&](const Worker& w) {
-      sink[static_cast<size_t>(w.global)] +=
-          kern::StreamReadAvx512(buf.data() + w.global * per, per);
-    });
-    best = std::max(best, static_cast<double>(per / 512 * 512 * n) / (Now() - t0) / 1e9);
-  }
-  return best;
-}
-
 // The register-only tile loop on every thread: best of several timed reps
 // of ~50 ms each after an untimed one (the first rep after idle ran 10-20%
 // low on the GPU machine: clock ramp, sleeping workers).
@@ -611,8 +579,20 @@ int Main(int argc, char** argv) {
   J["llc_bytes"] = llc;
   J["detected_isa"] = std::string(IsaName(DetectedIsa()));
   double bw = 0, amx_bf16 = 0, amx_i8 = 0;
-  if (DetectedIsa() >= Isa::kAvx512)
-    bw = MeasureReadGBs(pool, std::max<int64_t>(8 * llc, 2ll << 30));
+  {
+    // The best of the probe's access patterns (bench/dram_probe.h).
+    absl::StatusOr<DramProbe> probe = MeasureDramRead(pool, DefaultProbeBytes());
+    if (!probe.ok()) {
+      std::fprintf(stderr, "read probe: %s\n", probe.status().ToString().c_str());
+      return 1;
+    }
+    bw = probe->best_gbs;
+    nlohmann::json patterns = nlohmann::json::object();
+    for (const DramPattern& d : probe->patterns) patterns[d.name] = d.gbs;
+    J["read_patterns_gbs"] = patterns;
+    J["read_best_pattern"] = probe->best;
+    std::printf("# read probe: %s\n", DramProbeSummary(*probe).c_str());
+  }
   if (DetectedIsa() >= Isa::kAmx) {
     amx_bf16 = MeasureAmxTops(pool, false);
     amx_i8 = MeasureAmxTops(pool, true);

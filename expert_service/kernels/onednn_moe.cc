@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -97,6 +98,13 @@ absl::StatusOr<std::unique_ptr<OnednnMoe>> OnednnMoe::Create(WeightFormat format
                           &d.dn_scale[static_cast<size_t>(e * H)]);
     }
   } catch (const dnnl::error& e) {
+    // oneDNN's bf16 matmul needs AVX-512 (avx512_core); below that it has no
+    // implementation at all, which is a property of the CPU, not a fault.
+    if (e.status == dnnl_unimplemented)
+      return absl::UnimplementedError(
+          absl::StrCat("oneDNN has no ", std::string(WeightFormatName(format)),
+                       " matmul on this CPU (detected ISA ", std::string(IsaName(DetectedIsa())),
+                       "): ", e.what()));
     return absl::InternalError(absl::StrCat("oneDNN: ", e.what()));
   }
   return m;

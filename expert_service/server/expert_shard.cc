@@ -30,11 +30,12 @@ struct Geometry {
 absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
   Geometry g;
   g.model_type = "synthetic";
-  int64_t layers = 1;
+  int64_t layers = 1, first_dense = 0;
   for (absl::string_view kv : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
     std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
     int64_t v = 0;
-    if (!absl::SimpleAtoi(p.second, &v) || v <= 0) {
+    // first_dense may be 0; every other value is positive.
+    if (!absl::SimpleAtoi(p.second, &v) || v < 0 || (v == 0 && p.first != "first_dense")) {
       return absl::InvalidArgumentError(
           absl::StrCat("--synthetic: bad value in \"", std::string(kv), "\""));
     }
@@ -48,6 +49,8 @@ absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
       g.top_k = v;
     else if (p.first == "layers")
       layers = v;
+    else if (p.first == "first_dense")
+      first_dense = v;
     else if (p.first == "seed")
       g.seed = static_cast<uint64_t>(v);
     else
@@ -56,9 +59,15 @@ absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
   if (g.hidden == 0 || g.intermediate == 0 || g.experts == 0 || g.top_k == 0) {
     return absl::InvalidArgumentError(
         "--synthetic needs hidden=, intermediate=, experts=, top_k= (and optionally layers=, "
-        "seed=)");
+        "first_dense=, seed=)");
   }
-  for (int64_t l = 0; l < layers; ++l) g.moe_layers.push_back(static_cast<int32_t>(l));
+  if (first_dense >= layers) {
+    return absl::InvalidArgumentError(absl::StrCat("--synthetic: first_dense=", first_dense,
+                                                   " leaves no MoE layer of layers=", layers));
+  }
+  // layers= counts the decoder layers; the first `first_dense` are dense
+  // (DeepSeek's first_k_dense_replace), the rest MoE.
+  for (int64_t l = first_dense; l < layers; ++l) g.moe_layers.push_back(static_cast<int32_t>(l));
   return g;
 }
 

@@ -8,22 +8,36 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "expert_service/kernels/isa.h"
 #include "expert_service/kernels/onednn_moe.h"
 #include "tests/kernels/moe_test_util.h"
 
 namespace hmoe {
 namespace {
 
+class OnednnMoeTest : public ::testing::TestWithParam<WeightFormat> {};
+
 // Both I < H and I > H (the int8 path reuses its activation buffer for h).
-TEST(OnednnMoeTest, AgreesWithReferenceAndKernels) {
+TEST_P(OnednnMoeTest, AgreesWithReferenceAndKernels) {
+  const WeightFormat f = GetParam();
+  // Without VNNI oneDNN's int8 matmul multiplies with vpmaddubsw, whose s16
+  // pair sums saturate (oneDNN's "Nuances of int8 computations"): 10-25%
+  // error seen on an AVX2-only CPU, so no second opinion there.
+  if (f == WeightFormat::kInt8 && DetectedIsa() < Isa::kAvx512)
+    GTEST_SKIP() << "oneDNN int8 without AVX-512 VNNI saturates its s16 intermediates (ISA "
+                 << IsaName(DetectedIsa()) << ")";
   for (auto [H, I] : {std::pair<int64_t, int64_t>{197, 75}, {70, 203}}) {
     auto src = testing::RandomSource(H, I, 5, 41);
-    for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kInt8}) {
+    {
       PackOptions o;
       o.format = f;
       std::vector<QuantExpert> q;
       for (int64_t e = 0; e < 5; ++e) q.push_back(QuantizeExpert(*src.expert(e), src, o).value());
       auto dnn = OnednnMoe::FromQuant(q, 0);
+      // oneDNN's bf16 matmul exists only from AVX-512 up; anywhere else it must work.
+      if (!dnn.ok() && dnn.status().code() == absl::StatusCode::kUnimplemented &&
+          f == WeightFormat::kBf16 && DetectedIsa() < Isa::kAvx512)
+        GTEST_SKIP() << "oneDNN has no bf16 matmul below AVX-512: " << dnn.status();
       ASSERT_TRUE(dnn.ok()) << dnn.status();
       auto L = Pack(src, o, testing::SharedPool()).value();
       for (int T : {1, 3, 40}) {
@@ -45,7 +59,13 @@ TEST(OnednnMoeTest, AgreesWithReferenceAndKernels) {
   }
 }
 
-TEST(OnednnMoeTest, Int4IsUnimplemented) {
+INSTANTIATE_TEST_SUITE_P(Formats, OnednnMoeTest,
+                         ::testing::Values(WeightFormat::kBf16, WeightFormat::kInt8),
+                         [](const ::testing::TestParamInfo<WeightFormat>& p) {
+                           return std::string(WeightFormatName(p.param));
+                         });
+
+TEST(OnednnMoe, Int4IsUnimplemented) {
   auto s = OnednnMoe::Create(WeightFormat::kInt4, 64, 32, 1, 0,
                              [](int64_t, void*, float*, void*, float*) {});
   EXPECT_EQ(s.status().code(), absl::StatusCode::kUnimplemented);

@@ -1,0 +1,1191 @@
+// hmoe-bench-e2e: the real pair end to end. The model's non-expert part runs
+// in this process (Model::Create on --backend, default cuda) over a random
+// bf16 checkpoint of a real model's shape, written once into --work-dir
+// without the routed experts; the routed experts run in a child
+// hmoe-expert-service (--synthetic random experts of the same shape and MoE
+// layers, --format), reached over --transport through an ExpertPool and
+// PoolRoutedExperts, as hmoe-gpu-worker reaches it.
+//
+// Measures prefill tok/s (one Forward of a random prompt per --prompts
+// length, fresh Sequence, LogitsMode::kLast) and decode tok/s at each
+// --batches size (b sequences each prefilled with --decode-prompt tokens,
+// then --decode-steps ForwardBatch steps of one token per sequence), with
+// Model::stats() deltas (kernel launches, GPU busy time, expert wait per
+// step). The denominator is the CPU-expert decode ceiling
+//   BW / (MoE layers * top_k * 3 * H * I * bytes_per_weight(format)),
+// BW the DRAM read bandwidth measured by bench/dram_probe.h in this run
+// before the service starts (best of its access patterns; again after the
+// service has loaded, unless --no-probe-after, and the higher of the two
+// readings counts), bytes_per_weight the packed
+// bytes of one expert (scales and padding included) / (3 * H * I).
+//
+// Flags: kUsage below (--help). Exit 0 on success, 2 on a bad flag, 1 on any
+// other failure (the message names what failed; the service's log is shown
+// when it failed to start). The service is stopped (SIGTERM, then waited on)
+// on every exit path, also on SIGINT / SIGTERM of this process.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "bench/dram_probe.h"
+#include "common/dtype.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "common/transport/expert_pool.h"
+#include "common/weight_map.h"
+#include "expert_service/kernels/moe.h"
+#include "expert_service/numa.h"
+#include "expert_service/thread_pool.h"
+#include "gpu_worker/model.h"
+#include "gpu_worker/server/remote_experts.h"
+
+namespace hmoe {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
+  --preset NAME         qwen3-30b, ds-v3, ds-v2-lite or mixtral (default ds-v3)
+  --layers N            decoder layers, dense-first ones included (default 0: as
+                        many as fit the routed experts in --mem-fraction of RAM
+                        at --format, at most the model's)
+  --format F            routed experts: int4 (int4g64), int8 or bf16 (default int4)
+  --mem-fraction F      share of RAM the routed experts may take when --layers is
+                        0, in (0, 0.9] (default 0.6)
+  --transport T         shm, ucx or grpc (default shm)
+  --backend B           the model's backend: cuda or cpu (default cuda)
+  --gpu-mem-gb G        cuda: memory bound in GiB (default 0: the device's free
+                        memory less 1 GiB)
+  --kv-blocks N         cuda: paged KV cache blocks (default 0: the backend's)
+  --threads N           worker threads of the model's parallel loops (default 0:
+                        hardware concurrency)
+  --prompts LIST        prefill prompt lengths (default 512,2048,8192)
+  --batches LIST        decode batch sizes (default 1,4,16)
+  --decode-steps N      timed decode steps per batch (default 32)
+  --decode-prompt N     tokens each decode sequence is prefilled with (default 32)
+  --warmup N            untimed passes before each prefill row and untimed
+                        steps before each decode row (default 1 and 2*N)
+  --reps N              timed passes per prefill row (default 1)
+  --service-threads N   the expert service's --threads, also the DRAM probe's
+                        (default 0: every core)
+  --service-max-tokens N  the service's --max-tokens (default: the service's)
+  --service-timeout-s S seconds to wait for the service to load (default 1800)
+  --expert-timeout-ms N deadline of one MoE call (default 120000)
+  --bin-dir DIR         where hmoe-expert-service is (default: this program's dir)
+  --work-dir DIR        checkpoint and service log (default
+                        /tmp/hmoe-bench-e2e-PRESET-LLAYERS[-vVOCAB]); reused when
+                        its checkpoint matches
+  --vocab N             smoke tests only: override the vocabulary size
+  --probe-bytes N       DRAM probe buffer in MiB (default max(8 x LLC, 2 GiB))
+  --probe-reps N        timed passes per probe pattern (default 4)
+  --no-probe-after      skip the second DRAM probe after the service has loaded
+  --json FILE           also write the results as one JSON object
+  --help                this text
+)";
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// ---- presets ----------------------------------------------------------------------
+// config.json as the Hugging Face checkpoints spell it (less the fp8
+// quantization_config and the MTP layer: our checkpoint is bf16 main stack).
+std::optional<ojson> PresetConfig(const std::string& name) {
+  if (name == "qwen3-30b")
+    return ojson{{"architectures", {"Qwen3MoeForCausalLM"}},
+                 {"attention_bias", false},
+                 {"bos_token_id", 151643},
+                 {"decoder_sparse_step", 1},
+                 {"eos_token_id", 151645},
+                 {"head_dim", 128},
+                 {"hidden_act", "silu"},
+                 {"hidden_size", 2048},
+                 {"intermediate_size", 6144},
+                 {"max_position_embeddings", 40960},
+                 {"max_window_layers", 48},
+                 {"mlp_only_layers", ojson::array()},
+                 {"model_type", "qwen3_moe"},
+                 {"moe_intermediate_size", 768},
+                 {"norm_topk_prob", true},
+                 {"num_attention_heads", 32},
+                 {"num_experts", 128},
+                 {"num_experts_per_tok", 8},
+                 {"num_hidden_layers", 48},
+                 {"num_key_value_heads", 4},
+                 {"rms_norm_eps", 1e-6},
+                 {"rope_scaling", nullptr},
+                 {"rope_theta", 1000000.0},
+                 {"sliding_window", nullptr},
+                 {"tie_word_embeddings", false},
+                 {"torch_dtype", "bfloat16"},
+                 {"use_sliding_window", false},
+                 {"vocab_size", 151936}};
+  if (name == "ds-v3")
+    return ojson{{"architectures", {"DeepseekV3ForCausalLM"}},
+                 {"attention_bias", false},
+                 {"bos_token_id", 0},
+                 {"eos_token_id", 1},
+                 {"first_k_dense_replace", 3},
+                 {"hidden_act", "silu"},
+                 {"hidden_size", 7168},
+                 {"intermediate_size", 18432},
+                 {"kv_lora_rank", 512},
+                 {"max_position_embeddings", 163840},
+                 {"model_type", "deepseek_v3"},
+                 {"moe_intermediate_size", 2048},
+                 {"moe_layer_freq", 1},
+                 {"n_group", 8},
+                 {"n_routed_experts", 256},
+                 {"n_shared_experts", 1},
+                 {"norm_topk_prob", true},
+                 {"num_attention_heads", 128},
+                 {"num_experts_per_tok", 8},
+                 {"num_hidden_layers", 61},
+                 {"num_key_value_heads", 128},
+                 {"num_nextn_predict_layers", 0},
+                 {"q_lora_rank", 1536},
+                 {"qk_nope_head_dim", 128},
+                 {"qk_rope_head_dim", 64},
+                 {"rms_norm_eps", 1e-6},
+                 {"rope_interleave", true},
+                 {"rope_scaling",
+                  {{"beta_fast", 32},
+                   {"beta_slow", 1},
+                   {"factor", 40},
+                   {"mscale", 1.0},
+                   {"mscale_all_dim", 1.0},
+                   {"original_max_position_embeddings", 4096},
+                   {"type", "yarn"}}},
+                 {"rope_theta", 10000},
+                 {"routed_scaling_factor", 2.5},
+                 {"scoring_func", "sigmoid"},
+                 {"tie_word_embeddings", false},
+                 {"topk_group", 4},
+                 {"topk_method", "noaux_tc"},
+                 {"torch_dtype", "bfloat16"},
+                 {"v_head_dim", 128},
+                 {"vocab_size", 129280}};
+  if (name == "ds-v2-lite")
+    return ojson{{"architectures", {"DeepseekV2ForCausalLM"}},
+                 {"attention_bias", false},
+                 {"bos_token_id", 100000},
+                 {"eos_token_id", 100001},
+                 {"first_k_dense_replace", 1},
+                 {"hidden_act", "silu"},
+                 {"hidden_size", 2048},
+                 {"intermediate_size", 10944},
+                 {"kv_lora_rank", 512},
+                 {"max_position_embeddings", 163840},
+                 {"model_type", "deepseek_v2"},
+                 {"moe_intermediate_size", 1408},
+                 {"moe_layer_freq", 1},
+                 {"n_group", 1},
+                 {"n_routed_experts", 64},
+                 {"n_shared_experts", 2},
+                 {"norm_topk_prob", false},
+                 {"num_attention_heads", 16},
+                 {"num_experts_per_tok", 6},
+                 {"num_hidden_layers", 27},
+                 {"num_key_value_heads", 16},
+                 {"q_lora_rank", nullptr},
+                 {"qk_nope_head_dim", 128},
+                 {"qk_rope_head_dim", 64},
+                 {"rms_norm_eps", 1e-6},
+                 {"rope_scaling",
+                  {{"beta_fast", 32},
+                   {"beta_slow", 1},
+                   {"factor", 40},
+                   {"mscale", 0.707},
+                   {"mscale_all_dim", 0.707},
+                   {"original_max_position_embeddings", 4096},
+                   {"type", "yarn"}}},
+                 {"rope_theta", 10000},
+                 {"routed_scaling_factor", 1.0},
+                 {"scoring_func", "softmax"},
+                 {"tie_word_embeddings", false},
+                 {"topk_group", 1},
+                 {"topk_method", "greedy"},
+                 {"torch_dtype", "bfloat16"},
+                 {"v_head_dim", 128},
+                 {"vocab_size", 102400}};
+  if (name == "mixtral")
+    return ojson{{"architectures", {"MixtralForCausalLM"}},
+                 {"bos_token_id", 1},
+                 {"eos_token_id", 2},
+                 {"hidden_act", "silu"},
+                 {"hidden_size", 4096},
+                 {"intermediate_size", 14336},
+                 {"max_position_embeddings", 32768},
+                 {"model_type", "mixtral"},
+                 {"num_attention_heads", 32},
+                 {"num_experts_per_tok", 2},
+                 {"num_hidden_layers", 32},
+                 {"num_key_value_heads", 8},
+                 {"num_local_experts", 8},
+                 {"rms_norm_eps", 1e-5},
+                 {"rope_theta", 1000000.0},
+                 {"sliding_window", nullptr},
+                 {"tie_word_embeddings", false},
+                 {"torch_dtype", "bfloat16"},
+                 {"vocab_size", 32000}};
+  return std::nullopt;
+}
+
+// ---- flags ------------------------------------------------------------------------
+struct Args {
+  std::string preset = "ds-v3";
+  int layers = 0;
+  std::string format = "int4";
+  double mem_fraction = 0.6;
+  std::string transport = "shm";
+  std::string backend = "cuda";
+  double gpu_mem_gb = 0;
+  int64_t kv_blocks = 0;
+  int threads = 0;
+  std::vector<int64_t> prompts{512, 2048, 8192};
+  std::vector<int64_t> batches{1, 4, 16};
+  int64_t decode_steps = 32;
+  int64_t decode_prompt = 32;
+  int warmup = 1;
+  int reps = 1;
+  int service_threads = 0;
+  int64_t service_max_tokens = 0;
+  double service_timeout_s = 1800;
+  int64_t expert_timeout_ms = 120000;
+  std::string bin_dir, work_dir, json;
+  int64_t vocab = 0;
+  int64_t probe_mib = 0;
+  int probe_reps = 4;
+  bool probe_after = true;
+};
+
+// Exit code 2 with a message, or the parsed flags.
+std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
+  Args a;
+  auto bad = [&](const std::string& msg) -> std::optional<Args> {
+    std::fprintf(stderr, "hmoe-bench-e2e: %s (--help for usage)\n", msg.c_str());
+    *exit_code = 2;
+    return std::nullopt;
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string f = argv[i], v;
+    if (f == "--help" || f == "-h") {
+      std::fputs(kUsage, stdout);
+      *exit_code = 0;
+      return std::nullopt;
+    }
+    if (f == "--no-probe-after") {
+      a.probe_after = false;
+      continue;
+    }
+    if (const size_t eq = f.find('='); eq != std::string::npos) {
+      v = f.substr(eq + 1);
+      f = f.substr(0, eq);
+    } else {
+      static const char* kKnown[] = {"--preset",
+                                     "--layers",
+                                     "--format",
+                                     "--mem-fraction",
+                                     "--transport",
+                                     "--backend",
+                                     "--gpu-mem-gb",
+                                     "--kv-blocks",
+                                     "--threads",
+                                     "--prompts",
+                                     "--batches",
+                                     "--decode-steps",
+                                     "--decode-prompt",
+                                     "--warmup",
+                                     "--reps",
+                                     "--service-threads",
+                                     "--service-max-tokens",
+                                     "--service-timeout-s",
+                                     "--expert-timeout-ms",
+                                     "--bin-dir",
+                                     "--work-dir",
+                                     "--vocab",
+                                     "--probe-bytes",
+                                     "--probe-reps",
+                                     "--json"};
+      if (std::find_if(std::begin(kKnown), std::end(kKnown),
+                       [&](const char* k) { return f == k; }) == std::end(kKnown))
+        return bad(absl::StrCat("unknown flag ", f));
+      if (i + 1 >= argc) return bad(absl::StrCat(f, " needs a value"));
+      v = argv[++i];
+    }
+    int64_t n = 0;
+    double d = 0;
+    auto integer = [&](int64_t lo, int64_t hi) {
+      if (absl::SimpleAtoi(v, &n) && n >= lo && n <= hi) return true;
+      bad(absl::StrCat(f, " wants an integer in [", lo, ", ", hi, "], got \"", v, "\""));
+      return false;
+    };
+    auto list = [&](int64_t lo, int64_t hi, std::vector<int64_t>* out) {
+      out->clear();
+      for (absl::string_view p : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+        if (!absl::SimpleAtoi(p, &n) || n < lo || n > hi) {
+          bad(absl::StrCat(f, ": \"", std::string(p), "\" is not an integer in [", lo, ", ", hi,
+                           "]"));
+          return false;
+        }
+        out->push_back(n);
+      }
+      if (out->empty()) {
+        bad(absl::StrCat(f, " lists nothing"));
+        return false;
+      }
+      return true;
+    };
+    auto real = [&](double lo, double hi, bool open_lo) {
+      if (absl::SimpleAtod(v, &d) && (open_lo ? d > lo : d >= lo) && d <= hi) return true;
+      bad(absl::StrCat(f, " wants a number in ", open_lo ? "(" : "[", lo, ", ", hi, "], got \"", v,
+                       "\""));
+      return false;
+    };
+    if (f == "--preset") {
+      if (!PresetConfig(v))
+        return bad(
+            absl::StrCat("unknown preset \"", v, "\" (qwen3-30b, ds-v3, ds-v2-lite, mixtral)"));
+      a.preset = v;
+    } else if (f == "--layers") {
+      if (!integer(0, 4096)) return std::nullopt;
+      a.layers = static_cast<int>(n);
+    } else if (f == "--format") {
+      if (v != "int4" && v != "int8" && v != "bf16")
+        return bad(absl::StrCat("--format: \"", v, "\" is not int4, int8 or bf16"));
+      a.format = v;
+    } else if (f == "--mem-fraction") {
+      if (!real(0, 0.9, true)) return std::nullopt;
+      a.mem_fraction = d;
+    } else if (f == "--transport") {
+      if (!ParseTransportKind(v).ok())
+        return bad(absl::StrCat("--transport: \"", v, "\" is not shm, ucx or grpc"));
+      a.transport = v;
+    } else if (f == "--backend") {
+      if (v != "cuda" && v != "cpu")
+        return bad(absl::StrCat("--backend: \"", v, "\" is not cuda or cpu"));
+      a.backend = v;
+    } else if (f == "--gpu-mem-gb") {
+      if (!real(0, 1 << 20, false)) return std::nullopt;
+      a.gpu_mem_gb = d;
+    } else if (f == "--kv-blocks") {
+      if (!integer(0, int64_t{1} << 32)) return std::nullopt;
+      a.kv_blocks = n;
+    } else if (f == "--threads") {
+      if (!integer(0, 4096)) return std::nullopt;
+      a.threads = static_cast<int>(n);
+    } else if (f == "--prompts") {
+      if (!list(1, int64_t{1} << 20, &a.prompts)) return std::nullopt;
+    } else if (f == "--batches") {
+      if (!list(1, 4096, &a.batches)) return std::nullopt;
+    } else if (f == "--decode-steps") {
+      if (!integer(1, 1 << 20)) return std::nullopt;
+      a.decode_steps = n;
+    } else if (f == "--decode-prompt") {
+      if (!integer(1, 1 << 20)) return std::nullopt;
+      a.decode_prompt = n;
+    } else if (f == "--warmup") {
+      if (!integer(0, 100)) return std::nullopt;
+      a.warmup = static_cast<int>(n);
+    } else if (f == "--reps") {
+      if (!integer(1, 1000)) return std::nullopt;
+      a.reps = static_cast<int>(n);
+    } else if (f == "--service-threads") {
+      if (!integer(0, 4096)) return std::nullopt;
+      a.service_threads = static_cast<int>(n);
+    } else if (f == "--service-max-tokens") {
+      if (!integer(1, 1 << 20)) return std::nullopt;
+      a.service_max_tokens = n;
+    } else if (f == "--service-timeout-s") {
+      if (!real(0, 86400, true)) return std::nullopt;
+      a.service_timeout_s = d;
+    } else if (f == "--expert-timeout-ms") {
+      if (!integer(1, int64_t{3600} * 1000)) return std::nullopt;
+      a.expert_timeout_ms = n;
+    } else if (f == "--bin-dir") {
+      a.bin_dir = v;
+    } else if (f == "--work-dir") {
+      a.work_dir = v;
+    } else if (f == "--vocab") {
+      if (!integer(1, int64_t{1} << 24)) return std::nullopt;
+      a.vocab = n;
+    } else if (f == "--probe-bytes") {
+      if (!integer(1, int64_t{1} << 30)) return std::nullopt;
+      a.probe_mib = n;
+    } else if (f == "--probe-reps") {
+      if (!integer(1, 100)) return std::nullopt;
+      a.probe_reps = static_cast<int>(n);
+    } else if (f == "--json") {
+      a.json = v;
+    }
+  }
+  return a;
+}
+
+// ---- the worker's checkpoint ------------------------------------------------------
+// Every tensor ExpectedWeights names but the routed experts, bf16 (the
+// router's e_score_correction_bias f32 zeros, norms 1), in one
+// model.safetensors written as it is generated: random tensors are slices of
+// one 2 MiB block of random bf16 values (|x| in [2^-9, 2^-5), as
+// bench/make_random_checkpoint.py), each starting at its own random offset
+// and wrapping around, so router rows differ and routing spreads.
+constexpr int kCheckpointVersion = 1;
+constexpr size_t kBlockValues = size_t{1} << 20;
+
+absl::Status WriteAll(int fd, const void* p, size_t n, const std::string& path) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, b, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0)
+      return absl::DataLossError(absl::StrCat(path, ": write failed: ", std::strerror(errno)));
+    b += w;
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+struct PlannedTensor {
+  std::string name;
+  Shape shape;
+  enum Kind { kRandom, kOnes, kZerosF32 } kind;
+  uint64_t bytes;
+};
+
+std::vector<PlannedTensor> PlanCheckpoint(const ModelConfig& config) {
+  std::vector<PlannedTensor> out;
+  for (const WeightSpec& w : ExpectedWeights(config)) {
+    if (w.role == WeightRole::kRoutedExpert) continue;
+    uint64_t n = 1;
+    for (int64_t d : w.shape) n *= static_cast<uint64_t>(d);
+    const bool bias = w.name.size() >= 22 &&
+                      w.name.compare(w.name.size() - 22, 22, "e_score_correction_bias") == 0;
+    PlannedTensor t{w.name, w.shape, PlannedTensor::kRandom, 2 * n};
+    if (bias)
+      t = {w.name, w.shape, PlannedTensor::kZerosF32, 4 * n};
+    else if (w.role == WeightRole::kNorm)
+      t.kind = PlannedTensor::kOnes;
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// The header and the data size of the planned file.
+std::pair<std::string, uint64_t> CheckpointHeader(const std::vector<PlannedTensor>& plan) {
+  ojson h = ojson::object();
+  h["__metadata__"] = {{"format", "pt"}, {"generator", "hmoe-bench-e2e"}};
+  uint64_t off = 0;
+  for (const PlannedTensor& t : plan) {
+    h[t.name] = {{"dtype", t.kind == PlannedTensor::kZerosF32 ? "F32" : "BF16"},
+                 {"shape", t.shape},
+                 {"data_offsets", {off, off + t.bytes}}};
+    off += t.bytes;
+  }
+  std::string s = h.dump();
+  s.append((8 - s.size() % 8) % 8, ' ');
+  return {s, off};
+}
+
+absl::Status WriteCheckpointFile(const std::string& path, const std::vector<PlannedTensor>& plan) {
+  const auto [header, data_bytes] = CheckpointHeader(plan);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0)
+    return absl::PermissionDeniedError(
+        absl::StrCat(path, ": cannot create: ", std::strerror(errno)));
+  absl::Status st = [&]() -> absl::Status {
+    const uint64_t len = header.size();
+    uint8_t len_le[8];
+    for (int i = 0; i < 8; ++i) len_le[i] = static_cast<uint8_t>(len >> (8 * i));
+    RETURN_IF_ERROR(WriteAll(fd, len_le, 8, path));
+    RETURN_IF_ERROR(WriteAll(fd, header.data(), header.size(), path));
+    std::mt19937_64 rng(1);
+    std::vector<uint16_t> block(kBlockValues);
+    for (uint16_t& v : block) {
+      const uint64_t r = rng();
+      v = static_cast<uint16_t>(((r & 1) << 15) | ((118 + (r >> 1) % 4) << 7) | ((r >> 8) & 0x7f));
+    }
+    const std::vector<uint16_t> ones(kBlockValues, 0x3F80);
+    const std::vector<uint16_t> zeros(kBlockValues, 0);
+    const uint64_t block_bytes = kBlockValues * 2;
+    std::mt19937_64 offsets(2);
+    for (const PlannedTensor& t : plan) {
+      const uint8_t* src =
+          reinterpret_cast<const uint8_t*>(t.kind == PlannedTensor::kRandom ? block.data()
+                                           : t.kind == PlannedTensor::kOnes ? ones.data()
+                                                                            : zeros.data());
+      uint64_t at = t.kind == PlannedTensor::kRandom ? 2 * (offsets() % kBlockValues) : 0;
+      for (uint64_t left = t.bytes; left > 0;) {
+        const uint64_t n = std::min(left, block_bytes - at);
+        RETURN_IF_ERROR(WriteAll(fd, src + at, n, path));
+        left -= n;
+        at = 0;
+      }
+    }
+    return absl::OkStatus();
+  }();
+  if (::close(fd) != 0 && st.ok())
+    st = absl::DataLossError(absl::StrCat(path, ": close failed: ", std::strerror(errno)));
+  return st;
+}
+
+std::string ReadFileOr(const std::string& path, const std::string& def = "") {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return def;
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Writes DIR/config.json and DIR/model.safetensors unless DIR already holds
+// exactly these (its bench-e2e.stamp names the config, the generator version
+// and the file's size). Returns whether it wrote.
+absl::StatusOr<bool> PrepareCheckpoint(const std::string& dir, const std::string& config_text,
+                                       const ModelConfig& config, uint64_t* file_bytes) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::PermissionDeniedError(absl::StrCat(dir, ": cannot create: ", ec.message()));
+  const std::vector<PlannedTensor> plan = PlanCheckpoint(config);
+  const auto [header, data_bytes] = CheckpointHeader(plan);
+  *file_bytes = 8 + header.size() + data_bytes;
+  const std::string ckpt = dir + "/model.safetensors", cfg = dir + "/config.json",
+                    stamp_path = dir + "/bench-e2e.stamp";
+  const std::string stamp = ojson{{"version", kCheckpointVersion},
+                                  {"bytes", *file_bytes},
+                                  {"config", ojson::parse(config_text)}}
+                                .dump(1);
+  const auto size = std::filesystem::file_size(ckpt, ec);
+  if (!ec && size == *file_bytes && ReadFileOr(stamp_path) == stamp &&
+      ReadFileOr(cfg) == config_text)
+    return false;
+  std::filesystem::remove(stamp_path, ec);
+  std::filesystem::remove(ckpt, ec);
+  struct statvfs fs;
+  if (::statvfs(dir.c_str(), &fs) == 0) {
+    const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+    if (free_bytes < *file_bytes + (uint64_t{1} << 30))
+      return absl::ResourceExhaustedError(absl::StrCat(
+          dir, ": the checkpoint needs ", HumanBytes(static_cast<int64_t>(*file_bytes)), ", ",
+          HumanBytes(static_cast<int64_t>(free_bytes)),
+          " free: pass another --work-dir or fewer --layers"));
+  }
+  {
+    std::ofstream out(cfg, std::ios::binary | std::ios::trunc);
+    out << config_text;
+    if (!out) return absl::DataLossError(absl::StrCat(cfg, ": write failed"));
+  }
+  const std::string tmp = ckpt + ".tmp";
+  absl::Status st = WriteCheckpointFile(tmp, plan);
+  if (!st.ok()) {
+    std::filesystem::remove(tmp, ec);
+    return st;
+  }
+  std::filesystem::rename(tmp, ckpt, ec);
+  if (ec) return absl::DataLossError(absl::StrCat(ckpt, ": rename failed: ", ec.message()));
+  std::ofstream(stamp_path, std::ios::binary | std::ios::trunc) << stamp;
+  return true;
+}
+
+// ---- the expert service child -----------------------------------------------------
+std::atomic<pid_t> g_child{0};
+
+void StopChild(pid_t pid) {
+  if (pid <= 0) return;
+  ::kill(pid, SIGTERM);
+  for (int i = 0; i < 300; ++i) {  // 30 s for the drain
+    int status = 0;
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid || (r < 0 && errno == ECHILD)) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+}
+
+std::string LogTail(const std::string& path, int lines = 40) {
+  std::vector<std::string> all = absl::StrSplit(ReadFileOr(path, "(no log)"), '\n');
+  if (static_cast<int>(all.size()) > lines) all.erase(all.begin(), all.end() - lines);
+  return absl::StrJoin(all, "\n");
+}
+
+class ServiceProcess {
+ public:
+  ~ServiceProcess() { Stop(); }
+  // Starts `bin` with `args`, stdout and stderr to `log`, and waits for its
+  // port file. FAILED_PRECONDITION (with the log's tail) when it exits first,
+  // DEADLINE_EXCEEDED when it does not write the port in time.
+  absl::Status Start(const std::string& bin, const std::vector<std::string>& args,
+                     const std::string& log, const std::string& port_file, double timeout_s) {
+    log_ = log;
+    std::error_code ec;
+    std::filesystem::remove(port_file, ec);
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0)
+      return absl::PermissionDeniedError(
+          absl::StrCat(log, ": cannot create: ", std::strerror(errno)));
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(bin.c_str()));
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      ::close(fd);
+      return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+    }
+    if (pid == 0) {
+      // Async-signal-safe calls only until exec.
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) ::_exit(127);
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::execv(bin.c_str(), argv.data());
+      static const char kMsg[] = "hmoe-bench-e2e: exec of the expert service failed\n";
+      (void)!::write(2, kMsg, sizeof(kMsg) - 1);
+      ::_exit(127);
+    }
+    ::close(fd);
+    pid_ = pid;
+    g_child = pid;
+    const double t0 = Now();
+    for (;;) {
+      int status = 0;
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        pid_ = 0;
+        g_child = 0;
+        return absl::FailedPreconditionError(
+            absl::StrCat("the expert service exited (",
+                         WIFEXITED(status) ? absl::StrCat("status ", WEXITSTATUS(status))
+                                           : absl::StrCat("signal ", WTERMSIG(status)),
+                         ") before serving; ", log, " ends:\n", LogTail(log)));
+      }
+      const std::string text = ReadFileOr(port_file);
+      int port = 0;
+      if (!text.empty() && text.back() == '\n' &&
+          absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &port) && port > 0) {
+        port_ = port;
+        return absl::OkStatus();
+      }
+      if (Now() - t0 > timeout_s)
+        return absl::DeadlineExceededError(
+            absl::StrCat("the expert service did not serve within --service-timeout-s ", timeout_s,
+                         " s; ", log, " ends:\n", LogTail(log)));
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  void Stop() {
+    if (pid_ > 0) StopChild(pid_);
+    pid_ = 0;
+    g_child = 0;
+  }
+  int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = 0;
+  int port_ = 0;
+  std::string log_;
+};
+
+// ---- machine facts ----------------------------------------------------------------
+std::string CpuModel() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t c = line.find(':');
+      if (c != std::string::npos)
+        return std::string(absl::StripAsciiWhitespace(line.substr(c + 1)));
+    }
+  return "unknown";
+}
+
+std::string SelfDir() {
+  std::error_code ec;
+  const auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? "." : p.parent_path().string();
+}
+
+ojson ProbeJson(const DramProbe& p) {
+  ojson pat = ojson::object();
+  for (const DramPattern& d : p.patterns) pat[d.name] = d.gbs;
+  return {{"buffer_bytes", p.buffer_bytes},
+          {"threads", p.threads},
+          {"patterns_gbs", pat},
+          {"best_gbs", p.best_gbs},
+          {"best", p.best}};
+}
+
+ojson StatsJson(const ModelStats& s) {
+  return {{"passes", s.passes},
+          {"tokens", s.tokens},
+          {"kernel_launches", s.kernel_launches},
+          {"gpu_busy_ns", s.gpu_busy_ns},
+          {"expert_wait_ns", s.expert_wait_ns}};
+}
+
+ModelStats Delta(const ModelStats& a, const ModelStats& b) {
+  return {b.passes - a.passes, b.tokens - a.tokens, b.kernel_launches - a.kernel_launches,
+          b.gpu_busy_ns - a.gpu_busy_ns, b.expert_wait_ns - a.expert_wait_ns};
+}
+
+std::vector<int32_t> RandomTokens(std::mt19937_64& rng, int64_t n, int64_t vocab) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
+  return t;
+}
+
+// "12.3" or "-" for a counter the backend does not keep.
+std::string Cell(double v, bool kept, const char* fmt = "%.2f") {
+  return kept ? absl::StrFormat(fmt, v) : std::string("-");
+}
+
+// ---- the run ----------------------------------------------------------------------
+absl::Status Run(const Args& a) {
+  const double t_start = Now();
+  // Shape and layer count.
+  ojson cfg = *PresetConfig(a.preset);
+  if (a.vocab > 0) {
+    cfg["vocab_size"] = a.vocab;
+    for (const char* id : {"bos_token_id", "eos_token_id"})  // kept inside the vocabulary
+      if (cfg[id].get<int64_t>() >= a.vocab) cfg[id] = a.vocab - 1;
+  }
+  const int real_layers = cfg["num_hidden_layers"].get<int>();
+  const int first_dense =
+      cfg.contains("first_k_dense_replace") ? cfg["first_k_dense_replace"].get<int>() : 0;
+  ASSIGN_OR_RETURN(const ModelConfig full, ParseModelConfig(cfg.dump(), "preset " + a.preset));
+  const int64_t H = full.hidden_size, I = full.moe.intermediate_size, E = full.moe.num_experts;
+  const int K = static_cast<int>(full.moe.experts_per_token);
+  const WeightFormat fmt = *ParseWeightFormat(a.format);
+  const int group = fmt == WeightFormat::kInt4 ? 64 : 0;
+  const std::string service_format = fmt == WeightFormat::kInt4 ? "int4g64" : a.format;
+
+  // The backend and the expert service binary, checked before anything takes time.
+  RETURN_IF_ERROR(ResolveBackend(a.backend).status());
+  const std::string bin =
+      (std::filesystem::path(a.bin_dir.empty() ? SelfDir() : a.bin_dir) / "hmoe-expert-service")
+          .string();
+  if (::access(bin.c_str(), X_OK) != 0)
+    return absl::NotFoundError(absl::StrCat(
+        bin, ": not found or not executable (build hmoe-expert-service, or --bin-dir)"));
+  // The probe's pool is the service's: same thread count, same pinning.
+  ThreadPoolOptions tpo;
+  tpo.max_threads = a.service_threads;
+  std::unique_ptr<ThreadPool> probe_pool;
+  ASSIGN_OR_RETURN(probe_pool, ThreadPool::Create(tpo));
+  PackOptions po;
+  po.format = fmt;
+  po.group = group > 0 ? group : 128;
+  ASSIGN_OR_RETURN(const PackedMoeLayer plan, PackedMoeLayer::Plan(H, I, E, po, *probe_pool));
+  const int64_t expert_bytes = plan.expert_bytes();
+  const double bytes_per_weight = static_cast<double>(expert_bytes) / (3.0 * H * I);
+  const MemoryLimits mem = ReadMemoryLimits();
+  const int64_t ram =
+      mem.cgroup_bytes > 0 ? std::min(mem.machine_bytes, mem.cgroup_bytes) : mem.machine_bytes;
+  int layers = a.layers;
+  if (layers == 0) {
+    const int64_t fit =
+        static_cast<int64_t>(a.mem_fraction * static_cast<double>(ram)) / (E * expert_bytes);
+    if (fit < 1)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "one MoE layer of ", a.preset, " at ", service_format, " takes ",
+          HumanBytes(E * expert_bytes), ", over ", a.mem_fraction, " of the ", HumanBytes(ram),
+          " of RAM: use a smaller --format or --mem-fraction / --layers"));
+    layers = static_cast<int>(std::min<int64_t>(real_layers, first_dense + fit));
+  }
+  if (layers > real_layers)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--layers ", layers, ": ", a.preset, " has ", real_layers));
+  if (layers <= first_dense)
+    return absl::InvalidArgumentError(absl::StrCat("--layers ", layers, ": ", a.preset, "'s first ",
+                                                   first_dense,
+                                                   " layers are dense; no MoE layer would remain"));
+  cfg["num_hidden_layers"] = layers;
+  const std::string config_text = cfg.dump(1) + "\n";
+  ASSIGN_OR_RETURN(const ModelConfig config, ParseModelConfig(config_text, "preset " + a.preset));
+  std::vector<int> moe_layers;
+  for (size_t l = 0; l < config.layers.size(); ++l)
+    if (config.layers[l].moe) moe_layers.push_back(static_cast<int>(l));
+  for (size_t i = 0; i < moe_layers.size(); ++i)
+    if (moe_layers[i] != first_dense + static_cast<int>(i))
+      return absl::UnimplementedError(
+          absl::StrCat(a.preset, ": MoE layers are not layers ", first_dense, "..", layers - 1));
+  const int64_t L_moe = static_cast<int64_t>(moe_layers.size());
+  const double routed_bytes_per_token = static_cast<double>(L_moe) * K * expert_bytes;
+
+  const int64_t max_prompt = *std::max_element(a.prompts.begin(), a.prompts.end());
+  const int warm_steps = 2 * a.warmup;
+  const int64_t decode_len = a.decode_prompt + warm_steps + a.decode_steps;
+  const int64_t max_seq = std::max(max_prompt, decode_len);
+  const int64_t vocab = config.vocab_size;
+
+  std::printf(
+      "# hmoe-bench-e2e %s (%s): %d of %d layers (%lld MoE, first %d dense), H %lld, "
+      "%lld experts top-%d, I %lld, vocab %lld\n",
+      a.preset.c_str(), config.model_type.c_str(), layers, real_layers,
+      static_cast<long long>(L_moe), first_dense, static_cast<long long>(H),
+      static_cast<long long>(E), K, static_cast<long long>(I), static_cast<long long>(vocab));
+  std::printf(
+      "# experts %s: %.4f bytes/weight (%s per expert, %s per layer, %s in all); "
+      "transport %s, backend %s\n",
+      service_format.c_str(), bytes_per_weight, HumanBytes(expert_bytes).c_str(),
+      HumanBytes(E * expert_bytes).c_str(), HumanBytes(L_moe * E * expert_bytes).c_str(),
+      a.transport.c_str(), a.backend.c_str());
+  std::fflush(stdout);
+
+  // The worker's checkpoint.
+  const std::string work_dir = !a.work_dir.empty()
+                                   ? a.work_dir
+                                   : absl::StrCat("/tmp/hmoe-bench-e2e-", a.preset, "-L", layers,
+                                                  a.vocab > 0 ? absl::StrCat("-v", a.vocab) : "");
+  double t0 = Now();
+  uint64_t ckpt_bytes = 0;
+  ASSIGN_OR_RETURN(const bool wrote, PrepareCheckpoint(work_dir, config_text, config, &ckpt_bytes));
+  const double ckpt_s = Now() - t0;
+  std::printf("# checkpoint %s/model.safetensors: %s, %s in %.1f s\n", work_dir.c_str(),
+              HumanBytes(static_cast<int64_t>(ckpt_bytes)).c_str(), wrote ? "written" : "reused",
+              ckpt_s);
+  std::fflush(stdout);
+
+  // DRAM bandwidth before the service exists.
+  const int64_t probe_bytes = a.probe_mib > 0 ? (a.probe_mib << 20) : DefaultProbeBytes();
+  ASSIGN_OR_RETURN(const DramProbe bw_before,
+                   MeasureDramRead(*probe_pool, probe_bytes, a.probe_reps));
+  const int service_threads = probe_pool->num_threads();
+  const int numa_nodes = probe_pool->num_nodes();
+  probe_pool.reset();
+  std::printf("# DRAM read, %d threads, %s buffer: %s\n", bw_before.threads,
+              HumanBytes(bw_before.buffer_bytes).c_str(), DramProbeSummary(bw_before).c_str());
+  // The denominator: the best the probe read (raised below if the second
+  // probe reads more), so that a low first reading cannot flatter us.
+  double bw = bw_before.best_gbs;
+  std::string bw_source = "before_service";
+  std::printf(
+      "# routed bytes per token %s -> CPU-expert decode ceiling %.1f tok/s at this reading\n",
+      HumanBytes(static_cast<int64_t>(routed_bytes_per_token)).c_str(),
+      bw * 1e9 / routed_bytes_per_token);
+  std::fflush(stdout);
+
+  // The expert service.
+  std::string spec = absl::StrCat("hidden=", H, ",intermediate=", I, ",experts=", E, ",top_k=", K,
+                                  ",layers=", layers);
+  if (first_dense > 0) absl::StrAppend(&spec, ",first_dense=", first_dense);
+  std::vector<std::string> sargs = {"--synthetic", spec,
+                                    "--format",    service_format,
+                                    "--listen",    "127.0.0.1:0",
+                                    "--port-file", work_dir + "/service.port",
+                                    "--threads",   std::to_string(a.service_threads)};
+  if (a.service_max_tokens > 0) {
+    sargs.push_back("--max-tokens");
+    sargs.push_back(std::to_string(a.service_max_tokens));
+  }
+  if (a.transport != "ucx") sargs.push_back("--no-ucx");
+  std::printf("# starting %s %s\n", bin.c_str(), absl::StrJoin(sargs, " ").c_str());
+  std::fflush(stdout);
+  ServiceProcess service;
+  t0 = Now();
+  RETURN_IF_ERROR(service.Start(bin, sargs, work_dir + "/service.log", work_dir + "/service.port",
+                                a.service_timeout_s));
+  const double service_s = Now() - t0;
+  std::printf("# expert service pid %d serving on port %d after %.1f s (log %s/service.log)\n",
+              static_cast<int>(service.pid()), service.port(), service_s, work_dir.c_str());
+  std::fflush(stdout);
+
+  ExpertPoolOptions epo;
+  epo.targets = {absl::StrCat("127.0.0.1:", service.port())};
+  ASSIGN_OR_RETURN(epo.transport, ParseTransportKind(a.transport));
+  epo.connect_timeout = absl::Seconds(30);
+  std::unique_ptr<ExpertPool> pool;
+  ASSIGN_OR_RETURN(pool, ExpertPool::Connect(epo));
+  std::unique_ptr<PoolRoutedExperts> experts;
+  ASSIGN_OR_RETURN(experts, PoolRoutedExperts::Create(config, pool.get(),
+                                                      absl::Milliseconds(a.expert_timeout_ms), ""));
+
+  std::optional<DramProbe> bw_after;
+  if (a.probe_after) {
+    std::unique_ptr<ThreadPool> p;
+    ASSIGN_OR_RETURN(p, ThreadPool::Create(tpo));
+    ASSIGN_OR_RETURN(bw_after, MeasureDramRead(*p, probe_bytes, a.probe_reps));
+    std::printf("# DRAM read again with the service loaded: best %.1f GB/s (%s)%s\n",
+                bw_after->best_gbs, bw_after->best.c_str(),
+                bw_after->best_gbs > bw ? ": the ceiling uses it" : "");
+    if (bw_after->best_gbs > bw) {
+      bw = bw_after->best_gbs;
+      bw_source = "after_service";
+    }
+  }
+  const double ceiling = bw * 1e9 / routed_bytes_per_token;
+
+  // The model.
+  ModelOptions mo;
+  mo.backend = a.backend;
+  mo.gpu_mem_gb = a.gpu_mem_gb;
+  mo.kv_blocks = a.kv_blocks;
+  mo.num_threads = a.threads;
+  mo.max_seq_len = max_seq;
+  t0 = Now();
+  std::unique_ptr<Checkpoint> ckpt;
+  ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(work_dir));
+  std::unique_ptr<Model> model;
+  ASSIGN_OR_RETURN(model, Model::Create(config, *ckpt, mo, experts.get()));
+  ckpt.reset();
+  const double load_s = Now() - t0;
+  std::printf("# model loaded (backend %s) in %.1f s; max_seq_len %lld, KV blocks %lld\n",
+              model->options().backend.c_str(), load_s, static_cast<long long>(max_seq),
+              static_cast<long long>(model->kv_blocks_total()));
+  std::fflush(stdout);
+  const std::string backend = model->options().backend;
+  const bool gpu = backend == "cuda";
+
+  std::mt19937_64 rng(42);
+  std::vector<float> logits;
+
+  // Prefill.
+  ojson prefill = ojson::array();
+  std::printf("\n%-8s %10s %10s %12s %10s %14s\n", "prompt", "ms", "tok/s", "launches", "gpu_ms",
+              "expert_wait_ms");
+  for (int64_t P : a.prompts) {
+    const std::vector<int32_t> tokens = RandomTokens(rng, P, vocab);
+    for (int w = 0; w < a.warmup; ++w) {
+      auto seq = model->NewSequence();
+      RETURN_IF_ERROR(Annotate(model->Forward(*seq, tokens, LogitsMode::kLast, &logits),
+                               absl::StrCat("prefill warm-up, prompt ", P)));
+    }
+    double total = 0;
+    const ModelStats s0 = model->stats();
+    for (int r = 0; r < a.reps; ++r) {
+      auto seq = model->NewSequence();
+      const double t = Now();
+      RETURN_IF_ERROR(Annotate(model->Forward(*seq, tokens, LogitsMode::kLast, &logits),
+                               absl::StrCat("prefill, prompt ", P)));
+      total += Now() - t;
+    }
+    const ModelStats d = Delta(s0, model->stats());
+    const double ms = total / a.reps * 1e3;
+    const double launches = static_cast<double>(d.kernel_launches) / a.reps;
+    const double gpu_ms = static_cast<double>(d.gpu_busy_ns) / a.reps / 1e6;
+    const double wait_ms = static_cast<double>(d.expert_wait_ns) / a.reps / 1e6;
+    std::printf("%-8lld %10.1f %10.1f %12s %10s %14s\n", static_cast<long long>(P), ms,
+                static_cast<double>(P) / total * a.reps,
+                Cell(launches, d.kernel_launches > 0, "%.0f").c_str(),
+                Cell(gpu_ms, d.gpu_busy_ns > 0).c_str(),
+                Cell(wait_ms, d.expert_wait_ns > 0).c_str());
+    std::fflush(stdout);
+    prefill.push_back({{"prompt", P},
+                       {"reps", a.reps},
+                       {"ms", ms},
+                       {"tok_s", static_cast<double>(P) / total * a.reps},
+                       {"launches", launches},
+                       {"gpu_ms", gpu_ms},
+                       {"expert_wait_ms", wait_ms},
+                       {"stats_delta", StatsJson(d)}});
+  }
+
+  // Decode.
+  ojson decode = ojson::array();
+  std::printf("\n%-6s %9s %10s %10s %11s %9s %14s %12s %18s\n", "batch", "step_ms", "tok/s",
+              "tok/s/seq", "ceiling", "%ceiling", "launches/step", "gpu_ms/step",
+              "expert_wait_ms/step");
+  double fraction_b1 = -1;
+  for (int64_t b : a.batches) {
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    std::vector<std::vector<int32_t>> prompts;
+    std::vector<std::vector<float>> outs(static_cast<size_t>(b));
+    for (int64_t i = 0; i < b; ++i) {
+      seqs.push_back(model->NewSequence());
+      prompts.push_back(RandomTokens(rng, a.decode_prompt, vocab));
+    }
+    std::vector<ForwardStep> steps(static_cast<size_t>(b));
+    for (int64_t i = 0; i < b; ++i)
+      steps[static_cast<size_t>(i)] = {seqs[static_cast<size_t>(i)].get(),
+                                       prompts[static_cast<size_t>(i)], LogitsMode::kLast,
+                                       &outs[static_cast<size_t>(i)]};
+    RETURN_IF_ERROR(
+        Annotate(model->ForwardBatch(steps), absl::StrCat("decode batch ", b, ": prefill")));
+    std::vector<int32_t> next(static_cast<size_t>(b));
+    auto step = [&]() -> absl::Status {
+      for (int64_t i = 0; i < b; ++i) {
+        next[static_cast<size_t>(i)] = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
+        steps[static_cast<size_t>(i)].tokens =
+            absl::Span<const int32_t>(&next[static_cast<size_t>(i)], 1);
+      }
+      return model->ForwardBatch(steps);
+    };
+    for (int w = 0; w < warm_steps; ++w)
+      RETURN_IF_ERROR(Annotate(step(), absl::StrCat("decode batch ", b, ": warm-up step")));
+    const ModelStats s0 = model->stats();
+    const double t = Now();
+    for (int64_t s = 0; s < a.decode_steps; ++s)
+      RETURN_IF_ERROR(Annotate(step(), absl::StrCat("decode batch ", b, ": step ", s)));
+    const double dt = Now() - t;
+    const ModelStats d = Delta(s0, model->stats());
+    const double n = static_cast<double>(a.decode_steps);
+    const double tok_s = static_cast<double>(b) * n / dt, per_seq = n / dt;
+    // Distinct experts a step of b tokens reads per layer under uniform
+    // routing (each token's k of E): E (1 - (1 - k/E)^b); b = 1: k, the ceiling above.
+    const double distinct = static_cast<double>(E) *
+                            (1.0 - std::pow(1.0 - static_cast<double>(K) / static_cast<double>(E),
+                                            static_cast<double>(b)));
+    const double ceil_b =
+        static_cast<double>(b) * bw * 1e9 /
+        (static_cast<double>(L_moe) * distinct * static_cast<double>(expert_bytes));
+    const double frac = tok_s / ceil_b;
+    if (b == 1) fraction_b1 = frac;
+    const double launches = static_cast<double>(d.kernel_launches) / n;
+    const double gpu_ms = static_cast<double>(d.gpu_busy_ns) / n / 1e6;
+    const double wait_ms = static_cast<double>(d.expert_wait_ns) / n / 1e6;
+    std::printf("%-6lld %9.2f %10.1f %10.2f %11.1f %8.1f%% %14s %12s %18s\n",
+                static_cast<long long>(b), dt / n * 1e3, tok_s, per_seq, ceil_b, 100 * frac,
+                Cell(launches, d.kernel_launches > 0, "%.0f").c_str(),
+                Cell(gpu_ms, d.gpu_busy_ns > 0, "%.3f").c_str(),
+                Cell(wait_ms, d.expert_wait_ns > 0, "%.3f").c_str());
+    std::fflush(stdout);
+    decode.push_back({{"batch", b},
+                      {"steps", a.decode_steps},
+                      {"prompt", a.decode_prompt},
+                      {"step_ms", dt / n * 1e3},
+                      {"tok_s", tok_s},
+                      {"tok_s_per_seq", per_seq},
+                      {"ceiling_tok_s", ceil_b},
+                      {"fraction_of_ceiling", frac},
+                      {"launches_per_step", launches},
+                      {"gpu_ms_per_step", gpu_ms},
+                      {"expert_wait_ms_per_step", wait_ms},
+                      {"stats_delta", StatsJson(d)}});
+  }
+  if (fraction_b1 >= 0)
+    std::printf("\n# batch 1: %.1f%% of the CPU-expert decode ceiling (%.1f tok/s at %.1f GB/s)\n",
+                100 * fraction_b1, ceiling, bw);
+  std::printf(
+      "# ceiling for batch > 1: the same bandwidth over the distinct experts a step "
+      "reads under uniform routing (an estimate)%s\n",
+      gpu ? "" : "; launches / gpu_ms: '-' where the backend keeps no such counter");
+
+  // Stop the service before writing, so its shutdown is part of the run.
+  model.reset();
+  experts.reset();
+  pool.reset();
+  service.Stop();
+
+  if (!a.json.empty()) {
+    ojson J;
+    J["bench"] = "hmoe-bench-e2e";
+    J["machine"] = {{"cpu", CpuModel()},
+                    {"cores", std::thread::hardware_concurrency()},
+                    {"service_threads", service_threads},
+                    {"numa_nodes", numa_nodes},
+                    {"llc_bytes", LlcBytes()},
+                    {"memory_bytes", ram},
+                    {"avx2", static_cast<bool>(__builtin_cpu_supports("avx2"))},
+                    {"avx512f", static_cast<bool>(__builtin_cpu_supports("avx512f"))}};
+    J["preset"] = a.preset;
+    J["model_type"] = config.model_type;
+    J["shape"] = {{"hidden", H},
+                  {"layers", layers},
+                  {"real_layers", real_layers},
+                  {"first_dense", first_dense},
+                  {"moe_layers", L_moe},
+                  {"experts", E},
+                  {"top_k", K},
+                  {"moe_intermediate", I},
+                  {"shared_experts", config.moe.num_shared_experts},
+                  {"vocab", vocab}};
+    J["format"] = service_format;
+    J["bytes_per_weight"] = bytes_per_weight;
+    J["expert_bytes"] = expert_bytes;
+    J["routed_bytes_per_token"] = routed_bytes_per_token;
+    J["transport"] = a.transport;
+    J["backend"] = backend;
+    J["layers"] = layers;
+    J["dram_read"] = {{"before_service", ProbeJson(bw_before)},
+                      {"after_service", bw_after ? ProbeJson(*bw_after) : ojson(nullptr)}};
+    J["bw_gbs"] = bw;
+    J["bw_source"] = bw_source;
+    J["ceiling_tok_s"] = ceiling;
+    J["fraction_of_ceiling_b1"] = fraction_b1 >= 0 ? ojson(fraction_b1) : ojson(nullptr);
+    J["prefill"] = prefill;
+    J["decode"] = decode;
+    J["options"] = {{"gpu_mem_gb", a.gpu_mem_gb},
+                    {"kv_blocks", a.kv_blocks},
+                    {"threads", a.threads},
+                    {"warmup", a.warmup},
+                    {"reps", a.reps},
+                    {"max_seq_len", max_seq},
+                    {"service_max_tokens", a.service_max_tokens},
+                    {"work_dir", work_dir}};
+    J["seconds"] = {{"checkpoint", ckpt_s},
+                    {"checkpoint_written", wrote},
+                    {"service_start", service_s},
+                    {"model_load", load_s},
+                    {"total", Now() - t_start}};
+    std::ofstream out(a.json);
+    out << J.dump(1) << "\n";
+    if (!out) return absl::DataLossError(absl::StrCat(a.json, ": write failed"));
+  }
+  return absl::OkStatus();
+}
+
+int Main(int argc, char** argv) {
+  int code = 0;
+  const std::optional<Args> args = ParseArgs(argc, argv, &code);
+  if (!args) return code;
+  // SIGINT / SIGTERM go to a sigwait thread that stops the service and exits.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  std::thread([sigs] {
+    int sig = 0;
+    while (sigwait(&sigs, &sig) != 0) {
+    }
+    std::fprintf(stderr, "hmoe-bench-e2e: signal %d: stopping the expert service\n", sig);
+    StopChild(g_child.load());
+    std::_Exit(128 + sig);
+  }).detach();
+  const absl::Status st = Run(*args);
+  if (!st.ok()) {
+    std::fprintf(stderr, "hmoe-bench-e2e: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace hmoe
+
+int main(int argc, char** argv) { return hmoe::Main(argc, argv); }
