@@ -88,6 +88,8 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
   --gpu-mem-gb G        cuda: memory bound in GiB (default 0: the device's free
                         memory less 1 GiB)
   --kv-blocks N         cuda: paged KV cache blocks (default 0: the backend's)
+  --defer-experts N     Expert Deferral: the N lowest-weighted routed experts of a
+                        layer join one layer late (default 0: the exact model)
   --threads N           worker threads of the model's parallel loops (default 0:
                         hardware concurrency)
   --prompts LIST        prefill prompt lengths (default 512,2048,8192)
@@ -272,6 +274,7 @@ struct Args {
   std::string backend = "cuda";
   double gpu_mem_gb = 0;
   int64_t kv_blocks = 0;
+  int defer_experts = 0;
   int threads = 0;
   std::vector<int64_t> prompts{512, 2048, 8192};
   std::vector<int64_t> batches{1, 4, 16};
@@ -321,6 +324,7 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
                                      "--backend",
                                      "--gpu-mem-gb",
                                      "--kv-blocks",
+                                     "--defer-experts",
                                      "--threads",
                                      "--prompts",
                                      "--batches",
@@ -402,6 +406,9 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
     } else if (f == "--kv-blocks") {
       if (!integer(0, int64_t{1} << 32)) return std::nullopt;
       a.kv_blocks = n;
+    } else if (f == "--defer-experts") {
+      if (!integer(0, 255)) return std::nullopt;
+      a.defer_experts = static_cast<int>(n);
     } else if (f == "--threads") {
       if (!integer(0, 4096)) return std::nullopt;
       a.threads = static_cast<int>(n);
@@ -955,6 +962,7 @@ absl::Status Run(const Args& a) {
   mo.backend = a.backend;
   mo.gpu_mem_gb = a.gpu_mem_gb;
   mo.kv_blocks = a.kv_blocks;
+  mo.deferred_experts = a.defer_experts;
   mo.num_threads = a.threads;
   mo.max_seq_len = max_seq;
   t0 = Now();
@@ -964,9 +972,11 @@ absl::Status Run(const Args& a) {
   ASSIGN_OR_RETURN(model, Model::Create(config, *ckpt, mo, experts.get()));
   ckpt.reset();
   const double load_s = Now() - t0;
-  std::printf("# model loaded (backend %s) in %.1f s; max_seq_len %lld, KV blocks %lld\n",
-              model->options().backend.c_str(), load_s, static_cast<long long>(max_seq),
-              static_cast<long long>(model->kv_blocks_total()));
+  std::printf(
+      "# model loaded (backend %s) in %.1f s; max_seq_len %lld, KV blocks %lld, deferred "
+      "experts %d\n",
+      model->options().backend.c_str(), load_s, static_cast<long long>(max_seq),
+      static_cast<long long>(model->kv_blocks_total()), a.defer_experts);
   std::fflush(stdout);
   const std::string backend = model->options().backend;
   const bool gpu = backend == "cuda";
@@ -1141,6 +1151,7 @@ absl::Status Run(const Args& a) {
     J["decode"] = decode;
     J["options"] = {{"gpu_mem_gb", a.gpu_mem_gb},
                     {"kv_blocks", a.kv_blocks},
+                    {"defer_experts", a.defer_experts},
                     {"threads", a.threads},
                     {"warmup", a.warmup},
                     {"reps", a.reps},

@@ -2,8 +2,11 @@
 # One device call of the CUDA backend's checks on the GPU machine
 # (../shared/gpu-machine/README.md): the CUDA kernels against the CPU
 # reference ops, the CUDA backend against the CPU backend on every fixture,
-# the engine and serving tests with the cuda backend, then (E2E=1)
-# hmoe-bench-e2e. Output per step in OUT/NAME.txt.
+# the engine and serving tests with the cuda backend, then the hmoe-bench-e2e
+# runs named in E2E_RUNS (space-separated PRESET:FORMAT[:LAYERS], e.g.
+# "qwen3-30b:int4 ds-v3:int4:5"; E2E_SECS bounds each). Output per step in
+# OUT/NAME.txt (and OUT/e2e-PRESET-FORMAT.json). KERNELS=0 / BACKEND=0 /
+# SERVE=0 leave a step out.
 #
 #   bench/gpu_check.sh BIN_DIR OUT_DIR
 set -uo pipefail
@@ -23,9 +26,16 @@ step() {  # step NAME SECONDS CMD...
 }
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | head -20) \
   >"$out/machine.txt" 2>&1
-step kernels "${KERNEL_SECS:-120}" "$bin/hmoe-tests" --gtest_filter='GpuKernelTest.*'
-step backend "${BACKEND_SECS:-300}" "$bin/hmoe-tests" \
+[ "${KERNELS:-1}" = 1 ] && step kernels "${KERNEL_SECS:-120}" "$bin/hmoe-tests" --gtest_filter='GpuKernelTest.*'
+[ "${BACKEND:-1}" = 1 ] && step backend "${BACKEND_SECS:-300}" "$bin/hmoe-tests" \
   --gtest_filter='*CudaVsCpu*:CudaBackend.*:ModelBackend.*:Backends/*'
 [ "${SERVE:-1}" = 1 ] && step serving "${SERVE_SECS:-240}" "$bin/hmoe-tests" \
   --gtest_filter="${SERVE_FILTER:-Serving*:*Worker*:E2e*}"
+for run in ${E2E_RUNS:-}; do
+  IFS=: read -r preset format layers <<<"$run"
+  name="e2e-$preset-$format"
+  step "$name" "${E2E_SECS:-300}" "$bin/hmoe-bench-e2e" --preset "$preset" --format "$format" \
+    ${layers:+--layers "$layers"} ${E2E_FLAGS:-} --json "$out/$name.json"
+  grep -v '^$' "$out/$name.txt" | tail -24
+done
 exit 0
