@@ -418,8 +418,9 @@ TEST(ModelErrors, ForwardBatchIsOneExpertCallPerLayerAndAllOrNothing) {
 }
 
 // An fp8 checkpoint (block-scaled e4m3 + F32 scale_inv, 16x16 blocks) gives
-// exactly the logits of the same weights stored dequantized as F32.
-TEST(ModelFp8, BlockScaledWeightsDequantizeExactly) {
+// exactly the logits of the same weights stored dequantized as F32, on every
+// backend (cuda: both dequantized at load, then rounded to bf16 alike).
+TEST_P(BackendModelErrors, Fp8BlockScaledWeightsDequantizeExactly) {
   testing::TempDir fp8_dir, f32_dir;
   const int64_t B = 16;
   const std::string src = Fixture("deepseek_v3_tiny");
@@ -439,7 +440,9 @@ TEST(ModelFp8, BlockScaledWeightsDequantizeExactly) {
   testing::TempDir bare;
   fs::copy_file(fp8_dir.path() + "/model.safetensors", bare.path() + "/model.safetensors");
   fs::copy_file(src + "/config.json", bare.path() + "/config.json");
-  auto c = Model::Load(bare.path());
+  ModelOptions bare_opt;
+  bare_opt.backend = GetParam();
+  auto c = Model::Load(bare.path(), bare_opt);
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("_proj.weight"));
 }
