@@ -29,7 +29,10 @@ using ServeFormat = WeightFormat;
 struct ShardOptions {
   std::string model_dir;   // Hugging Face checkpoint (bf16/f32/fp8 safetensors)
   std::string packed_dir;  // or: `hmoe convert` output (then model_dir gives config.json)
-  // or: random weights "hidden=H,intermediate=I,experts=E,top_k=K,layers=L[,seed=S]"
+  // or: random weights "hidden=H,intermediate=I,experts=E,top_k=K,layers=L
+  // [,first_dense=D][,seed=S]": L decoder layers of which the first D (default
+  // 0, D < L) are dense, so the MoE layers are D..L-1 as in DeepSeek's
+  // first_k_dense_replace
   std::string synthetic;
   int shard_index = 0;
   int num_shards = 1;

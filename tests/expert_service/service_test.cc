@@ -239,6 +239,29 @@ TEST(ExpertShard, SyntheticShardsSumToWhole) {
   }
 }
 
+// first_dense=D makes layers D..L-1 the MoE layers; D must leave one, and
+// only first_dense may be 0.
+TEST(ExpertShard, SyntheticFirstDenseSetsTheMoeLayers) {
+  ShardOptions o;
+  o.synthetic = "hidden=64,intermediate=32,experts=4,top_k=2,layers=5,first_dense=3,seed=2";
+  o.threads = 1;
+  auto s = ExpertShard::Load(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ((*s)->info().moe_layers, (std::vector<int32_t>{3, 4}));
+  auto call = MakeRandomCall((*s)->info(), 4, 3, 9);
+  std::vector<float> out(static_cast<size_t>(3 * 64));
+  EXPECT_TRUE((*s)->Handle(call.call(), out.data(), nullptr).ok());
+  for (const char* bad : {"hidden=64,intermediate=32,experts=4,top_k=2,layers=3,first_dense=3",
+                          "hidden=64,intermediate=32,experts=4,top_k=2,layers=3,first_dense=-1",
+                          "hidden=64,intermediate=32,experts=4,top_k=0,layers=3"}) {
+    o.synthetic = bad;
+    auto r = ExpertShard::Load(o);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad << ": " << r.status();
+    EXPECT_NE(std::string(r.status().message()).find("--synthetic"), std::string::npos)
+        << r.status();
+  }
+}
+
 // A shard that cannot fit is refused before packing, naming the limit, what
 // it needs (weights, workspace, packing buffers) and the way out.
 TEST(ExpertShard, WeightsThatCannotFitAreRefusedBeforeLoading) {
