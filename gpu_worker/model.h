@@ -132,6 +132,11 @@ class Model {
   virtual int64_t kv_blocks_total() const { return 0; }
   virtual int64_t kv_block_tokens() const { return 16; }
   virtual ModelStats stats() const { return {}; }
+  // OK while the model can run passes; otherwise the failure that stopped it
+  // for good (cuda: a CUDA or cuBLAS error leaves the device context unusable,
+  // so every later pass fails with it). Callable from any thread, also during
+  // a pass, without waiting for it.
+  virtual absl::Status health() const { return absl::OkStatus(); }
 
   // Appends `tokens` (T >= 1) to `seq` at positions length() .. length()+T-1
   // and writes logits to `logits` (resized: [T, V] for kAll, [V] for kLast).

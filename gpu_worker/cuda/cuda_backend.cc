@@ -251,6 +251,10 @@ class CudaBackend final : public LayerBackend {
     s->kernel_launches += launches_;
     s->gpu_busy_ns += busy_ns_;
   }
+  absl::Status health() const override {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    return health_;
+  }
 
   absl::Status Begin(const PassTokens& tokens) override;
   absl::Status Attention(int l) override;
@@ -279,7 +283,11 @@ class CudaBackend final : public LayerBackend {
     return absl::OkStatus();
   }
   absl::Status Fail(absl::Status st) {
-    if (broken_.ok()) broken_ = st;
+    if (broken_.ok()) {
+      broken_ = st;
+      std::lock_guard<std::mutex> lock(health_mu_);
+      health_ = st;
+    }
     return st;
   }
   absl::Status Mlp(const DevMlp& m, float* out);
@@ -307,6 +315,8 @@ class CudaBackend final : public LayerBackend {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   absl::Status broken_;  // a sticky failure: every later pass fails with it
+  mutable std::mutex health_mu_;
+  absl::Status health_;  // broken_'s copy for health(), guarded by health_mu_
 
   DeviceBuffer embed_, final_norm_;
   DevLin lm_head_;

@@ -70,6 +70,8 @@ class LayerBackend {
   virtual int64_t kv_block_tokens() const { return 16; }
   // Launch counts and GPU time (ModelStats' backend fields).
   virtual void AddStats(ModelStats* stats) const { (void)stats; }
+  // Model::health(): any thread, never blocked by a running pass.
+  virtual absl::Status health() const { return absl::OkStatus(); }
 
   // The pass protocol above. `tokens` stays valid until Commit / Abort; each
   // token's cache has been Reserved for its position.

@@ -128,6 +128,7 @@ class ModelDriver final : public Model {
     backend_->AddStats(&s);
     return s;
   }
+  absl::Status health() const override { return backend_->health(); }
   absl::Status ForwardBatch(absl::Span<const ForwardStep> steps) const override;
 
  private:

@@ -319,16 +319,29 @@ int Run(int argc, char** argv) {
   }
   sd_notify(0, "READY=1");
 
-  // Health follows the expert shards. `health_mu` orders the monitor's
-  // update against the shutdown's NOT_SERVING, which must be the last word.
+  // Health follows the expert shards and the model: a backend that failed
+  // for good (Model::health, e.g. a CUDA error) is NOT_SERVING from then on,
+  // said once on stderr, so a load balancer or systemd's watchdog can act.
+  // `health_mu` orders the monitor's update against the shutdown's
+  // NOT_SERVING, which must be the last word.
   std::atomic<bool> stopping{false};
   std::mutex health_mu;
   std::thread monitor([&] {
+    bool model_failed = false;
     while (!stopping.load()) {
+      bool all_up = true;
       if (pool) {
-        bool all_up = true;
         for (const Health& h : pool->CheckHealth(absl::Milliseconds(500)))
           all_up &= h == Health::kServing;
+      }
+      if (const absl::Status mh = (*model)->health(); !mh.ok()) {
+        all_up = false;
+        if (!model_failed)
+          std::fprintf(stderr, "hmoe-gpu-worker: the %s backend failed for good, NOT_SERVING: %s\n",
+                       (*model)->options().backend.c_str(), mh.ToString().c_str());
+        model_failed = true;
+      }
+      if (pool || model_failed) {
         std::lock_guard<std::mutex> lock(health_mu);
         if (!stopping.load()) health->SetServingStatus(all_up);
       }
