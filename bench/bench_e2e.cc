@@ -41,6 +41,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -463,29 +464,17 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
 // ---- the worker's checkpoint ------------------------------------------------------
 // Every tensor ExpectedWeights names but the routed experts, bf16 (the
 // router's e_score_correction_bias f32 zeros, norms 1), in one
-// model.safetensors written as it is generated: random tensors are slices of
-// one 2 MiB block of random bf16 values (|x| in [2^-9, 2^-5), as
+// model.safetensors written tensor by tensor as it is generated
+// (SafetensorsStreamWriter; one tensor in memory at a time): random tensors
+// are slices of one 2 MiB block of random bf16 values (|x| in [2^-9, 2^-5), as
 // bench/make_random_checkpoint.py), each starting at its own random offset
-// and wrapping around, so router rows differ and routing spreads.
-constexpr int kCheckpointVersion = 1;
+// and wrapping around, so router rows differ and routing spreads. Version 2:
+// the stream writer's layout.
+constexpr int kCheckpointVersion = 2;
 constexpr size_t kBlockValues = size_t{1} << 20;
 
-absl::Status WriteAll(int fd, const void* p, size_t n, const std::string& path) {
-  const auto* b = static_cast<const uint8_t*>(p);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, b, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0)
-      return absl::DataLossError(absl::StrCat(path, ": write failed: ", std::strerror(errno)));
-    b += w;
-    n -= static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
-}
-
 struct PlannedTensor {
-  std::string name;
-  Shape shape;
+  TensorSpec spec;
   enum Kind { kRandom, kOnes, kZerosF32 } kind;
   uint64_t bytes;
 };
@@ -498,9 +487,9 @@ std::vector<PlannedTensor> PlanCheckpoint(const ModelConfig& config) {
     for (int64_t d : w.shape) n *= static_cast<uint64_t>(d);
     const bool bias = w.name.size() >= 22 &&
                       w.name.compare(w.name.size() - 22, 22, "e_score_correction_bias") == 0;
-    PlannedTensor t{w.name, w.shape, PlannedTensor::kRandom, 2 * n};
+    PlannedTensor t{{w.name, DType::kBF16, w.shape}, PlannedTensor::kRandom, 2 * n};
     if (bias)
-      t = {w.name, w.shape, PlannedTensor::kZerosF32, 4 * n};
+      t = {{w.name, DType::kF32, w.shape}, PlannedTensor::kZerosF32, 4 * n};
     else if (w.role == WeightRole::kNorm)
       t.kind = PlannedTensor::kOnes;
     out.push_back(std::move(t));
@@ -508,62 +497,63 @@ std::vector<PlannedTensor> PlanCheckpoint(const ModelConfig& config) {
   return out;
 }
 
-// The header and the data size of the planned file.
-std::pair<std::string, uint64_t> CheckpointHeader(const std::vector<PlannedTensor>& plan) {
-  ojson h = ojson::object();
-  h["__metadata__"] = {{"format", "pt"}, {"generator", "hmoe-bench-e2e"}};
-  uint64_t off = 0;
-  for (const PlannedTensor& t : plan) {
-    h[t.name] = {{"dtype", t.kind == PlannedTensor::kZerosF32 ? "F32" : "BF16"},
-                 {"shape", t.shape},
-                 {"data_offsets", {off, off + t.bytes}}};
-    off += t.bytes;
-  }
-  std::string s = h.dump();
-  s.append((8 - s.size() % 8) % 8, ' ');
-  return {s, off};
+const std::map<std::string, std::string>& CheckpointMetadata() {
+  static const auto* m =
+      new std::map<std::string, std::string>{{"format", "pt"}, {"generator", "hmoe-bench-e2e"}};
+  return *m;
+}
+
+std::vector<TensorSpec> Specs(const std::vector<PlannedTensor>& plan) {
+  std::vector<TensorSpec> specs;
+  for (const PlannedTensor& t : plan) specs.push_back(t.spec);
+  return specs;
+}
+
+// The size of the file WriteCheckpointFile writes: length, header (padded to
+// 8 bytes, as the stream writer reserves it) and data.
+uint64_t CheckpointFileBytes(const std::vector<PlannedTensor>& plan) {
+  uint64_t bytes =
+      8 + (SafetensorsStreamWriter::HeaderBytes(Specs(plan), CheckpointMetadata()) + 7) / 8 * 8;
+  for (const PlannedTensor& t : plan) bytes += t.bytes;
+  return bytes;
 }
 
 absl::Status WriteCheckpointFile(const std::string& path, const std::vector<PlannedTensor>& plan) {
-  const auto [header, data_bytes] = CheckpointHeader(plan);
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0)
-    return absl::PermissionDeniedError(
-        absl::StrCat(path, ": cannot create: ", std::strerror(errno)));
-  absl::Status st = [&]() -> absl::Status {
-    const uint64_t len = header.size();
-    uint8_t len_le[8];
-    for (int i = 0; i < 8; ++i) len_le[i] = static_cast<uint8_t>(len >> (8 * i));
-    RETURN_IF_ERROR(WriteAll(fd, len_le, 8, path));
-    RETURN_IF_ERROR(WriteAll(fd, header.data(), header.size(), path));
-    std::mt19937_64 rng(1);
-    std::vector<uint16_t> block(kBlockValues);
-    for (uint16_t& v : block) {
-      const uint64_t r = rng();
-      v = static_cast<uint16_t>(((r & 1) << 15) | ((118 + (r >> 1) % 4) << 7) | ((r >> 8) & 0x7f));
-    }
-    const std::vector<uint16_t> ones(kBlockValues, 0x3F80);
-    const std::vector<uint16_t> zeros(kBlockValues, 0);
-    const uint64_t block_bytes = kBlockValues * 2;
-    std::mt19937_64 offsets(2);
-    for (const PlannedTensor& t : plan) {
-      const uint8_t* src =
-          reinterpret_cast<const uint8_t*>(t.kind == PlannedTensor::kRandom ? block.data()
-                                           : t.kind == PlannedTensor::kOnes ? ones.data()
-                                                                            : zeros.data());
-      uint64_t at = t.kind == PlannedTensor::kRandom ? 2 * (offsets() % kBlockValues) : 0;
-      for (uint64_t left = t.bytes; left > 0;) {
-        const uint64_t n = std::min(left, block_bytes - at);
-        RETURN_IF_ERROR(WriteAll(fd, src + at, n, path));
-        left -= n;
-        at = 0;
+  const std::vector<TensorSpec> specs = Specs(plan);
+  std::unique_ptr<SafetensorsStreamWriter> w;
+  ASSIGN_OR_RETURN(
+      w, SafetensorsStreamWriter::Create(
+             path, specs, SafetensorsStreamWriter::HeaderBytes(specs, CheckpointMetadata())));
+  for (const auto& [k, v] : CheckpointMetadata()) w->SetMetadata(k, v);
+  std::mt19937_64 rng(1);
+  std::vector<uint16_t> block(kBlockValues);
+  for (uint16_t& v : block) {
+    const uint64_t r = rng();
+    v = static_cast<uint16_t>(((r & 1) << 15) | ((118 + (r >> 1) % 4) << 7) | ((r >> 8) & 0x7f));
+  }
+  std::mt19937_64 offsets(2);
+  std::vector<uint8_t> buf;  // one tensor at a time (the largest: the embedding)
+  for (const PlannedTensor& t : plan) {
+    buf.resize(t.bytes);
+    if (t.kind == PlannedTensor::kRandom) {
+      // A slice of the block from a random offset, wrapping around.
+      const auto* src = reinterpret_cast<const uint8_t*>(block.data());
+      const uint64_t block_bytes = kBlockValues * 2;
+      uint64_t at = 2 * (offsets() % kBlockValues);
+      for (uint64_t done = 0; done < t.bytes; at = 0) {
+        const uint64_t n = std::min(t.bytes - done, block_bytes - at);
+        std::memcpy(buf.data() + done, src + at, n);
+        done += n;
       }
+    } else if (t.kind == PlannedTensor::kOnes) {
+      auto* v = reinterpret_cast<uint16_t*>(buf.data());
+      std::fill(v, v + t.bytes / 2, uint16_t{0x3F80});
+    } else {
+      std::fill(buf.begin(), buf.end(), uint8_t{0});
     }
-    return absl::OkStatus();
-  }();
-  if (::close(fd) != 0 && st.ok())
-    st = absl::DataLossError(absl::StrCat(path, ": close failed: ", std::strerror(errno)));
-  return st;
+    RETURN_IF_ERROR(w->Append(t.spec, buf.data(), buf.size()));
+  }
+  return w->Finish();
 }
 
 std::string ReadFileOr(const std::string& path, const std::string& def = "") {
@@ -583,8 +573,7 @@ absl::StatusOr<bool> PrepareCheckpoint(const std::string& dir, const std::string
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::PermissionDeniedError(absl::StrCat(dir, ": cannot create: ", ec.message()));
   const std::vector<PlannedTensor> plan = PlanCheckpoint(config);
-  const auto [header, data_bytes] = CheckpointHeader(plan);
-  *file_bytes = 8 + header.size() + data_bytes;
+  *file_bytes = CheckpointFileBytes(plan);
   const std::string ckpt = dir + "/model.safetensors", cfg = dir + "/config.json",
                     stamp_path = dir + "/bench-e2e.stamp";
   const std::string stamp = ojson{{"version", kCheckpointVersion},
