@@ -251,9 +251,10 @@ class CudaBackend final : public LayerBackend {
     s->kernel_launches += launches_;
     s->gpu_busy_ns += busy_ns_;
   }
+  // The sticky failure (OK while there is none); any thread.
   absl::Status health() const override {
-    std::lock_guard<std::mutex> lock(health_mu_);
-    return health_;
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    return broken_;
   }
 
   absl::Status Begin(const PassTokens& tokens) override;
@@ -283,11 +284,8 @@ class CudaBackend final : public LayerBackend {
     return absl::OkStatus();
   }
   absl::Status Fail(absl::Status st) {
-    if (broken_.ok()) {
-      broken_ = st;
-      std::lock_guard<std::mutex> lock(health_mu_);
-      health_ = st;
-    }
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (broken_.ok()) broken_ = st;
     return st;
   }
   absl::Status Mlp(const DevMlp& m, float* out);
@@ -314,9 +312,10 @@ class CudaBackend final : public LayerBackend {
   Budget budget_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
-  absl::Status broken_;  // a sticky failure: every later pass fails with it
-  mutable std::mutex health_mu_;
-  absl::Status health_;  // broken_'s copy for health(), guarded by health_mu_
+  // A sticky failure: every later pass fails with it. Read through health()
+  // (the pass thread and the worker's health monitor), guarded by broken_mu_.
+  mutable std::mutex broken_mu_;
+  absl::Status broken_;
 
   DeviceBuffer embed_, final_norm_;
   DevLin lm_head_;
@@ -698,7 +697,7 @@ absl::Status CudaBackend::Sync(const char* what) {
 }
 
 absl::Status CudaBackend::Begin(const PassTokens& p) {
-  RETURN_IF_ERROR(broken_);
+  RETURN_IF_ERROR(health());
   const int64_t T = p.size();
   // Each distinct cache's block table once; tokens point at their cache's.
   std::unordered_map<const KvCache*, int32_t> start;
@@ -865,7 +864,7 @@ absl::Status CudaBackend::GqaAttention(int l) {
 }
 
 absl::Status CudaBackend::Attention(int l) {
-  RETURN_IF_ERROR(broken_);
+  RETURN_IF_ERROR(health());
   const DevLayer& L = layers_[static_cast<size_t>(l)];
   const int64_t T = pass_->size(), H = c_.hidden_size;
   const float eps = static_cast<float>(c_.rms_norm_eps);
@@ -887,14 +886,14 @@ absl::Status CudaBackend::Mlp(const DevMlp& m, float* out) {
 }
 
 absl::Status CudaBackend::DenseMlp(int l) {
-  RETURN_IF_ERROR(broken_);
+  RETURN_IF_ERROR(health());
   RETURN_IF_ERROR(Mlp(layers_[static_cast<size_t>(l)].dense, y_));
   return Launched(Accumulate(x_, y_, nullptr, pass_->size() * c_.hidden_size, stream_),
                   "Accumulate");
 }
 
 absl::Status CudaBackend::Route(int l, const GateSpec& g, RoutedInput* out) {
-  RETURN_IF_ERROR(broken_);
+  RETURN_IF_ERROR(health());
   const DevLayer& L = layers_[static_cast<size_t>(l)];
   const int64_t T = pass_->size(), H = c_.hidden_size, E = g.num_experts, K = g.top_k;
   const float one = 1.0f, zero = 0.0f;
@@ -937,7 +936,7 @@ absl::Status CudaBackend::Route(int l, const GateSpec& g, RoutedInput* out) {
 }
 
 absl::Status CudaBackend::StartSharedExperts(int l) {
-  RETURN_IF_ERROR(broken_);
+  RETURN_IF_ERROR(health());
   const DevLayer& L = layers_[static_cast<size_t>(l)];
   shared_pending_ = L.has_shared;
   if (!L.has_shared) return absl::OkStatus();
@@ -949,7 +948,7 @@ absl::Status CudaBackend::StartSharedExperts(int l) {
 
 absl::Status CudaBackend::AddExperts(int l, const float* routed) {
   (void)l;
-  RETURN_IF_ERROR(broken_);
+  RETURN_IF_ERROR(health());
   const int64_t n = pass_->size() * c_.hidden_size;
   BurstBegin();
   HMOE_CUDA_TRY(
@@ -963,7 +962,7 @@ absl::Status CudaBackend::AddExperts(int l, const float* routed) {
 }
 
 absl::Status CudaBackend::AddToResidual(const float* v) {
-  RETURN_IF_ERROR(broken_);
+  RETURN_IF_ERROR(health());
   const int64_t n = pass_->size() * c_.hidden_size;
   BurstBegin();
   // routed_ is free here: AddExperts has consumed it (same stream, in order).
@@ -974,7 +973,7 @@ absl::Status CudaBackend::AddToResidual(const float* v) {
 }
 
 absl::Status CudaBackend::Logits(float* out) {
-  RETURN_IF_ERROR(broken_);
+  RETURN_IF_ERROR(health());
   const int64_t rows = static_cast<int64_t>(pass_->logit_rows.size()), H = c_.hidden_size;
   const float eps = static_cast<float>(c_.rms_norm_eps);
   BurstBegin();
@@ -998,7 +997,7 @@ absl::Status CudaBackend::Commit() {
   }
   events_used_ = 0;
   pass_ = nullptr;
-  return broken_;
+  return health();
 }
 
 void CudaBackend::Abort() {
