@@ -51,6 +51,15 @@ struct ModelOptions {
   // many as fit in the memory bound (at most enough for 16 sequences of
   // max_seq_len).
   int64_t kv_blocks = 0;
+  // cuda: passes of up to 32 tokens (decode steps, small chunks) run with
+  // their routed experts called from the device through fixed slots, padded
+  // to a bucket of 1, 2, 4, 8, 16 or 32 tokens; with cuda_graphs each
+  // bucket's pass is captured once as a CUDA Graph and replayed (false: the
+  // same work launched kernel by kernel, for comparison).
+  bool cuda_graphs = true;
+  // cuda, fault tests only: > 0 injects a sticky device error (a trapping
+  // kernel) at the start of pass number debug_cuda_fault_after + 1.
+  int64_t debug_cuda_fault_after = 0;
   int num_threads = 0;      // worker threads for the parallel loops; 0: hardware concurrency
   int64_t max_seq_len = 0;  // Sequence capacity in tokens; 0: config max_position_embeddings
   // Expert Deferral: per token, the `deferred_experts` lowest-weighted routed
@@ -100,7 +109,10 @@ struct ModelStats {
   int64_t tokens = 0;
   int64_t kernel_launches = 0;  // cuda: kernels and library GEMM calls launched
   int64_t gpu_busy_ns = 0;      // cuda: device time between each pass's first and last GPU work
-  int64_t expert_wait_ns = 0;   // host time blocked on RoutedExperts::Wait
+  int64_t expert_wait_ns = 0;   // host time blocked on RoutedExperts::Wait (or a slot's)
+  int64_t graph_launches = 0;   // cuda: CUDA Graph launches (one per replayed pass)
+  int64_t graph_captures = 0;   // cuda: graphs captured (once per bucket, again after a
+                                // workspace or slot move)
 };
 
 class Model {

@@ -1,6 +1,10 @@
 #include "gpu_worker/routed_experts.h"
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/status.h"
 
 namespace hmoe {
 
@@ -20,6 +24,57 @@ absl::Status RoutedExperts::Wait(uint64_t ticket) {
   absl::Status s = std::move(it->second);
   finished_.erase(it);
   return s;
+}
+
+namespace {
+
+// Slots whose calls are RoutedExperts::Submit / Wait in this process.
+class InProcessSlots final : public HostMemorySlots {
+ public:
+  InProcessSlots(RoutedExperts* experts, int64_t hidden, const ExpertSlotsOptions& opts)
+      : HostMemorySlots(hidden, opts),
+        experts_(experts),
+        tickets_(static_cast<size_t>(opts.num_slots)),
+        wide_(static_cast<size_t>(opts.num_slots)) {}
+  const char* kind() const override { return "in-process"; }
+
+ private:
+  absl::Status DoSubmit(int slot, int32_t layer, int32_t tokens, int32_t top_k,
+                        absl::Time) override {
+    const SlotView v = view(slot);
+    std::vector<float>& f = wide_[static_cast<size_t>(slot)];
+    const int64_t n = static_cast<int64_t>(tokens) * hidden();
+    f.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) f[static_cast<size_t>(i)] = Bf16ToF32(v.hidden[i]);
+    const ExpertBatch b{.layer = layer,
+                        .num_tokens = tokens,
+                        .hidden_size = hidden(),
+                        .hidden = f.data(),
+                        .top_k = top_k,
+                        .expert_ids = v.ids,
+                        .weights = v.weights};
+    ASSIGN_OR_RETURN(tickets_[static_cast<size_t>(slot)],
+                     experts_->Submit(b, const_cast<float*>(v.out)));
+    return absl::OkStatus();
+  }
+  absl::Status DoWait(int slot, absl::Time) override {
+    return experts_->Wait(tickets_[static_cast<size_t>(slot)]);
+  }
+  RoutedExperts* experts_;
+  std::vector<uint64_t> tickets_;
+  std::vector<std::vector<float>> wide_;  // per slot: hidden as f32, alive until Wait
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ExpertSlots>> RoutedExperts::MakeSlots(
+    const ExpertSlotsOptions& opts) {
+  if (opts.hidden <= 0) return absl::InvalidArgumentError("expert slots: hidden size <= 0");
+  if (opts.num_slots <= 0 || opts.max_tokens <= 0 || opts.top_k <= 0)
+    return absl::InvalidArgumentError("expert slots: num_slots, max_tokens and top_k must be > 0");
+  auto s = std::make_unique<InProcessSlots>(this, opts.hidden, opts);
+  RETURN_IF_ERROR(s->Init());
+  return std::unique_ptr<ExpertSlots>(std::move(s));
 }
 
 absl::Status ValidateExpertBatch(const ModelConfig& config, const ExpertBatch& b) {

@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "common/transport/expert_slots.h"
 
 namespace hmoe {
 
@@ -59,6 +60,13 @@ class RoutedExperts {
   // runs Forward inside Submit (for implementations with no real overlap).
   virtual absl::StatusOr<uint64_t> Submit(const ExpertBatch& batch, float* out);
   virtual absl::Status Wait(uint64_t ticket);
+
+  // Fixed expert-call slots (common/transport/expert_slots.h) reaching these
+  // experts, for passes a backend runs from the GPU (one CUDA Graph per
+  // step). The default: in-process slots in host memory whose calls are
+  // this object's Submit / Wait (the bf16 hidden rows widened to f32).
+  // The experts must outlive the slots.
+  virtual absl::StatusOr<std::unique_ptr<ExpertSlots>> MakeSlots(const ExpertSlotsOptions& opts);
 
  private:
   std::mutex mu_;

@@ -33,6 +33,7 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
   if (opts.targets.empty()) return absl::InvalidArgumentError("targets: no shards given");
   auto pool = std::unique_ptr<ExpertPool>(new ExpertPool());
   pool->fail_fast_after_miss_ = opts.fail_fast_after_miss;
+  pool->transport_ = opts.transport;
   pool->max_in_flight_ =
       opts.transport == TransportKind::kShm ? static_cast<int>(opts.shm_slots) : 0;
   std::vector<Shard> shards(opts.targets.size());

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/auth_token.h"
+#include "common/transport/expert_slots.h"
 #include "common/transport/grpc_client.h"
 #include "common/transport/moe_call.h"
 
@@ -46,6 +47,22 @@ struct ExpertPoolOptions {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
+class ExpertPool;
+class ShmClient;
+
+// Slots over an ExpertPool (any transport, any number of shards): the
+// regions are this object's own page-aligned host memory and each call goes
+// through ExpertPool::Submit / Wait (the staging copy; shm then copies once
+// more into its own segment).
+absl::StatusOr<std::unique_ptr<ExpertSlots>> MakeStagedExpertSlots(ExpertPool* pool,
+                                                                   const ExpertSlotsOptions& opts);
+// Zero-copy slots: slot i is slot i of `client`'s own segment (which must
+// have been made with opts.num_slots slots of opts.max_tokens tokens and be
+// used for nothing else).
+absl::StatusOr<std::unique_ptr<ExpertSlots>> MakeShmExpertSlots(std::unique_ptr<ShmClient> client,
+                                                                int64_t hidden,
+                                                                const ExpertSlotsOptions& opts);
+
 class ExpertPool {
  public:
   // Connects to every shard, checks that they are the n shards of one model
@@ -74,6 +91,13 @@ class ExpertPool {
   // check when it reconnects).
   absl::Status Wait(uint64_t handle, absl::Time deadline);
   absl::Status Run(const MoeCall& call, float* out, absl::Time deadline);
+
+  // Fixed expert-call slots (expert_slots.h) over this pool: zero copy in
+  // the shard's own shared memory when the pool is one shm shard (a segment
+  // of its own, beside the one Submit uses), else staged through
+  // Submit / Wait. FAILED_PRECONDITION when the shards take fewer tokens
+  // per call than opts.max_tokens, or a smaller top-k than opts.top_k.
+  absl::StatusOr<std::unique_ptr<ExpertSlots>> MakeSlots(const ExpertSlotsOptions& opts);
 
   // Last known state per shard: false after an UNAVAILABLE, a refused
   // token or a shard found serving something else; true after success.
@@ -133,6 +157,7 @@ class ExpertPool {
   void ReturnScratch(std::vector<float> buf);
 
   ShardInfo model_;
+  TransportKind transport_ = TransportKind::kGrpc;
   absl::Duration fail_fast_after_miss_;
   int max_in_flight_ = 0;
   std::vector<Shard> shards_;  // by shard index

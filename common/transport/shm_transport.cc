@@ -441,9 +441,15 @@ struct ShmClient::Segment {
   SlotGeometry geo;
   std::vector<int> owner;  // per slot: 0 free, 1 in use, 2 abandoned (reclaim once DONE)
   std::atomic<bool> dead{false};
+  std::function<void(void*, uint64_t)> before_unmap;
   ShmHeader* header() const { return reinterpret_cast<ShmHeader*>(base); }
+  // The service went away or gave the segment up.
+  bool Gone() const {
+    return dead.load() || header()->closed.load() || PeerExited(server_pidfd, server_pid);
+  }
   ~Segment() {
     if (base) {
+      if (before_unmap) before_unmap(base, size);
       header()->closed.store(1);
       header()->doorbell.fetch_add(1);
       FutexWake(&header()->doorbell);
@@ -526,7 +532,112 @@ absl::StatusOr<std::shared_ptr<ShmClient::Segment>> ShmClient::Connect(absl::Tim
   // open) means no segment from this service: UNAVAILABLE.
   if (!epoch.ok()) return SetupFailure(ControlFailure(epoch.status(), capped, "shm: attach"));
   seg->epoch = *epoch;
+  // Only a segment handed out is announced before its unmap (one that failed
+  // to attach was never seen, e.g. never cudaHostRegister-ed).
+  seg->before_unmap = opts_.before_unmap;
   return seg;
+}
+
+absl::Status ShmClient::ConnectedLocked(std::unique_lock<std::mutex>& lock, absl::Time deadline) {
+  while (true) {
+    if (seg_ && seg_->Gone()) seg_.reset();  // discard: the service is gone or gave it up
+    if (seg_) return absl::OkStatus();
+    // One thread reconnects, without mu_ (its control RPCs may take
+    // seconds; Wait and Release need mu_ meanwhile); others wait for it.
+    if (connecting_) {
+      if (connect_cv_.wait_until(lock, absl::ToChronoTime(deadline)) == std::cv_status::timeout &&
+          connecting_) {
+        return absl::DeadlineExceededError(
+            "expert service (shm): a reconnect still running at the call's deadline");
+      }
+      continue;
+    }
+    connecting_ = true;
+    lock.unlock();
+    auto seg = Connect(deadline);
+    lock.lock();
+    connecting_ = false;
+    connect_cv_.notify_all();
+    if (!seg.ok()) return seg.status();
+    seg_ = std::move(*seg);
+  }
+}
+
+absl::StatusOr<uint64_t> ShmClient::EnsureSegment(absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (fixed_seg_ && !fixed_seg_->Gone()) return fixed_gen_;
+  fixed_seg_.reset();  // the last holder: before_unmap, then unmapped
+  RETURN_IF_ERROR(ConnectedLocked(lock, deadline));
+  fixed_seg_ = seg_;
+  return ++fixed_gen_;
+}
+
+ShmClient::SlotView ShmClient::FixedView(uint32_t i, const float** out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  SlotView v;
+  *out = nullptr;
+  if (!fixed_seg_ || i >= fixed_seg_->geo.num_slots) return v;
+  const SlotGeometry& g = fixed_seg_->geo;
+  uint8_t* slot = reinterpret_cast<uint8_t*>(SlotAt(fixed_seg_->base, g, i));
+  uint8_t* data = slot + kSlotHeaderBytes;
+  const uint64_t t = static_cast<uint64_t>(geo_.max_tokens);
+  const uint64_t io = Align(t * static_cast<uint64_t>(geo_.hidden) * 2, 64);
+  const uint64_t wo = io + Align(t * static_cast<uint64_t>(geo_.max_top_k) * 4, 64);
+  v.hidden = reinterpret_cast<uint16_t*>(data);
+  v.ids = reinterpret_cast<int32_t*>(data + io);
+  v.weights = reinterpret_cast<float*>(data + wo);
+  *out = reinterpret_cast<const float*>(slot + g.resp_offset);
+  return v;
+}
+
+absl::StatusOr<uint64_t> ShmClient::SubmitFixed(uint32_t i, int32_t layer, int32_t tokens,
+                                                int32_t top_k) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!fixed_seg_)
+    return absl::FailedPreconditionError("expert service (shm): no segment (EnsureSegment first)");
+  Segment& seg = *fixed_seg_;
+  const SlotGeometry& g = seg.geo;
+  if (i >= g.num_slots)
+    return absl::FailedPreconditionError(
+        absl::StrCat("expert service (shm): slot ", i, " of ", g.num_slots));
+  if (seg.Gone()) {
+    seg.dead.store(true);
+    return absl::UnavailableError(absl::StrCat("expert service (shm): server pid ", seg.server_pid,
+                                               " is gone; the segment is replaced before the next "
+                                               "pass"));
+  }
+  if (tokens < 0 || tokens > geo_.max_tokens || top_k < 0 || top_k > geo_.max_top_k)
+    return absl::InvalidArgumentError(absl::StrCat("tokens: ", tokens, " x top_k ", top_k,
+                                                   " over the fixed slot's ", geo_.max_tokens,
+                                                   " x ", geo_.max_top_k));
+  ShmSlot* s = SlotAt(seg.base, g, i);
+  if (seg.owner[i] == 2 && s->state.load(std::memory_order_acquire) == kSlotDone) seg.owner[i] = 0;
+  if (seg.owner[i] == 2)
+    return absl::DeadlineExceededError(
+        absl::StrCat("expert service (shm): slot ", i,
+                     " still holds an abandoned call the service has not "
+                     "finished"));
+  if (seg.owner[i] == 1)
+    return absl::FailedPreconditionError(
+        absl::StrCat("expert service (shm): slot ", i, " is already claimed"));
+  seg.owner[i] = 1;
+  const uint64_t t = static_cast<uint64_t>(tokens), k = static_cast<uint64_t>(top_k);
+  const uint64_t cap_t = static_cast<uint64_t>(geo_.max_tokens);
+  const uint64_t seq = next_seq_++;
+  Outstanding& o = outstanding_[seq];
+  o.seg = fixed_seg_;
+  o.slot = i;
+  o.seq = seq;
+  o.tokens = tokens;
+  o.top_k = top_k;
+  o.out_bytes = static_cast<int64_t>(t) * geo_.hidden * 4;
+  o.hidden_bytes = t * static_cast<uint64_t>(geo_.hidden) * 2;
+  o.ids_off = Align(cap_t * static_cast<uint64_t>(geo_.hidden) * 2, 64);
+  o.ids_bytes = t * k * 4;
+  o.weights_off = o.ids_off + Align(cap_t * static_cast<uint64_t>(geo_.max_top_k) * 4, 64);
+  o.weights_bytes = t * k * 4;
+  RingLocked(o, layer);
+  return seq;
 }
 
 absl::StatusOr<ShmClient::SlotView> ShmClient::Acquire(int32_t tokens, int32_t top_k,
@@ -549,30 +660,7 @@ absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int3
   std::unique_lock<std::mutex> lock(mu_);
   int slot_index = -1;
   while (true) {
-    if (seg_ && (seg_->dead.load() || seg_->header()->closed.load() ||
-                 PeerExited(seg_->server_pidfd, seg_->server_pid))) {
-      seg_.reset();  // discard: the service is gone or gave the segment up
-    }
-    if (!seg_) {
-      // One thread reconnects, without mu_ (its control RPCs may take
-      // seconds; Wait and Release need mu_ meanwhile); others wait for it.
-      if (connecting_) {
-        if (connect_cv_.wait_until(lock, absl::ToChronoTime(deadline)) == std::cv_status::timeout &&
-            connecting_) {
-          return absl::DeadlineExceededError(
-              "expert service (shm): a reconnect still running at the call's deadline");
-        }
-        continue;
-      }
-      connecting_ = true;
-      lock.unlock();
-      auto seg = Connect(deadline);
-      lock.lock();
-      connecting_ = false;
-      connect_cv_.notify_all();
-      if (!seg.ok()) return seg.status();
-      seg_ = std::move(*seg);
-    }
+    RETURN_IF_ERROR(ConnectedLocked(lock, deadline));
     const SlotGeometry& g = seg_->geo;
     // In 128 bits: byte sizes near 2^64 must not wrap under the capacity.
     const unsigned __int128 need =
@@ -645,7 +733,11 @@ absl::Status ShmClient::Commit(uint64_t handle, int32_t layer) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = outstanding_.find(handle);
   if (it == outstanding_.end()) return absl::InvalidArgumentError("unknown handle");
-  Outstanding& o = it->second;
+  RingLocked(it->second, layer);
+  return absl::OkStatus();
+}
+
+void ShmClient::RingLocked(const Outstanding& o, int32_t layer) {
   ShmHeader* h = o.seg->header();
   ShmSlot* s = SlotAt(o.seg->base, o.seg->geo, o.slot);
   s->seq = o.seq;
@@ -663,7 +755,6 @@ absl::Status ShmClient::Commit(uint64_t handle, int32_t layer) {
   h->doorbell.fetch_add(1, std::memory_order_acq_rel);
   if (h->server_sleeping.load()) FutexWake(&h->doorbell);
   h->client_heartbeat_ns.store(NowNs());
-  return absl::OkStatus();
 }
 
 void ShmClient::Release(uint64_t handle) {

@@ -40,6 +40,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -143,6 +144,9 @@ struct ShmClientOptions {
   uint32_t slots = 4;
   int64_t max_tokens = 0;  // 0: the shard's max_tokens
   int spin_us = 30;        // spin before futex sleep
+  // Called with a segment's mapping just before it is unmapped (e.g. to
+  // cudaHostUnregister it); may be empty.
+  std::function<void(void* base, uint64_t bytes)> before_unmap;
 };
 
 // Worker side.
@@ -179,6 +183,24 @@ class ShmClient : public MoeClient {
   absl::StatusOr<const float*> WaitInPlace(uint64_t handle, absl::Time deadline);
   void Release(uint64_t handle);
 
+  // Fixed-slot use (ExpertSlots over shm). Slot i always lays its request
+  // out for the segment's full geometry (hidden at 0, ids and weights at
+  // fixed offsets), so its addresses stay put while the segment does; the
+  // segment is kept mapped until the next EnsureSegment, even after the
+  // service died. EnsureSegment is the only fixed-slot call that connects:
+  // it replaces a segment whose service went away (until `deadline`) and
+  // returns the segment's generation (a new one per segment).
+  absl::StatusOr<uint64_t> EnsureSegment(absl::Time deadline);
+  // Slot i's regions in the segment of the last EnsureSegment (null before).
+  SlotView FixedView(uint32_t i, const float** out) const;
+  // Claims slot i for `tokens` x `top_k` and rings the doorbell; never
+  // waits: UNAVAILABLE when the segment's service went away,
+  // DEADLINE_EXCEEDED while the slot still holds an abandoned call the
+  // service has not finished, FAILED_PRECONDITION for a slot already
+  // claimed or out of range, INVALID_ARGUMENT over the slot's capacity.
+  // Then WaitInPlace and Release as for Acquire.
+  absl::StatusOr<uint64_t> SubmitFixed(uint32_t i, int32_t layer, int32_t tokens, int32_t top_k);
+
   // The mapped segment (for cudaHostRegister); null while disconnected.
   void* segment() const;
   uint64_t segment_bytes() const { return geo_.total_bytes(); }
@@ -201,6 +223,11 @@ class ShmClient : public MoeClient {
     int32_t tokens = 0, top_k = 0;
     uint64_t hidden_bytes = 0, ids_off = 0, ids_bytes = 0, weights_off = 0, weights_bytes = 0;
   };
+  // With mu_ held (through `lock`): a live segment in seg_, reconnecting
+  // (mu_ released meanwhile) when the last one's service went away.
+  absl::Status ConnectedLocked(std::unique_lock<std::mutex>& lock, absl::Time deadline);
+  // With mu_ held: writes o's call into its slot and rings the doorbell.
+  void RingLocked(const Outstanding& o, int32_t layer);
 
   std::shared_ptr<ControlClient> control_;
   ShmClientOptions opts_;
@@ -210,6 +237,8 @@ class ShmClient : public MoeClient {
   std::condition_variable connect_cv_;
   bool connecting_ = false;  // a thread is in Connect (mu_)
   std::shared_ptr<Segment> seg_;
+  std::shared_ptr<Segment> fixed_seg_;  // fixed-slot use: kept until EnsureSegment replaces it
+  uint64_t fixed_gen_ = 0;
   uint64_t next_seq_ = 1;
   std::map<uint64_t, Outstanding> outstanding_;
 };

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -26,6 +27,36 @@ constexpr int64_t kBlockTokens = 16;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // PagedAttention's split-key scratch: its most (dv 512) is 8 MiB.
 constexpr int64_t kAttentionScratchBytes = 8 << 20;
+// cuBLAS's own workspace (set explicitly so that graph capture never needs
+// it to allocate).
+constexpr int64_t kBlasWorkspaceBytes = 32 << 20;
+// Passes of up to kSlotTokens tokens call the experts from the device
+// through fixed slots, padded to one of these buckets (one graph each).
+constexpr int64_t kSlotTokens = 32;
+int64_t BucketFor(int64_t T) {
+  int64_t b = 1;
+  while (b < T) b *= 2;
+  return b;
+}
+
+// A host node's arguments: submit slot a (and b when >= 0) or wait for slot a.
+// They live as long as the graph (or the eager pass) that calls them.
+struct HostCall {
+  ExpertSlots* slots = nullptr;
+  int a = -1, b = -1;
+  int32_t layer = 0, ka = 0, kb = 0;
+  const int32_t* tokens = nullptr;  // pinned: the pass's real token count
+};
+void CUDART_CB SubmitHost(void* p) {
+  const auto* c = static_cast<const HostCall*>(p);
+  const int32_t T = *c->tokens;
+  c->slots->Submit(c->a, c->layer, T, c->ka);
+  if (c->b >= 0) c->slots->Submit(c->b, c->layer, T, c->kb);
+}
+void CUDART_CB WaitHost(void* p) {
+  const auto* c = static_cast<const HostCall*>(p);
+  c->slots->Wait(c->a);
+}
 
 absl::Status CudaError(cudaError_t e, const char* what) {
   return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
@@ -222,6 +253,11 @@ class CudaKvCache final : public KvCache {
     blocks_.resize(static_cast<size_t>(keep));
   }
   const std::vector<int32_t>& blocks() const { return blocks_; }
+  // The pool row that holds position `pos` (reserved).
+  int32_t Row(int64_t pos) const {
+    return static_cast<int32_t>(blocks_[static_cast<size_t>(pos / kBlockTokens)] * kBlockTokens +
+                                pos % kBlockTokens);
+  }
 
  private:
   std::shared_ptr<BlockPool> pool_;
@@ -235,6 +271,10 @@ class CudaBackend final : public LayerBackend {
       : c_(c), o_(o), geo_(AttentionGeometryFor(c)), budget_(0) {}
   ~CudaBackend() override {
     if (stream_) cudaStreamSynchronize(stream_);
+    DropGraphs();
+    slots_.reset();  // its before_release unregisters its memory
+    for (auto& e : pass_ev_)
+      if (e) cudaEventDestroy(e);
     for (auto& e : events_) cudaEventDestroy(e);
     if (blas_) cublasDestroy(blas_);
     if (stream_) cudaStreamDestroy(stream_);
@@ -250,6 +290,9 @@ class CudaBackend final : public LayerBackend {
   void AddStats(ModelStats* s) const override {
     s->kernel_launches += launches_;
     s->gpu_busy_ns += busy_ns_;
+    s->graph_launches += graph_launches_;
+    s->graph_captures += graph_captures_;
+    s->expert_wait_ns += slot_wait_ns_;
   }
   // The sticky failure (OK while there is none); any thread.
   absl::Status health() const override {
@@ -268,7 +311,36 @@ class CudaBackend final : public LayerBackend {
   absl::Status Commit() override;
   void Abort() override;
 
+  bool AttachExperts(RoutedExperts* experts) override;
+  bool pass_uses_slots() const override { return slot_pass_; }
+  bool replayed() const override { return replayed_; }
+  bool capture_fell_back() override { return fell_back_; }
+  absl::Status RouteToSlots(int l, const GateSpec& gate, int deferred) override;
+  absl::Status JoinSlot(int l, int part) override;
+
  private:
+  // Begin for a pass of at most kSlotTokens tokens with slots attached.
+  absl::Status BeginSlotPass(const PassTokens& p);
+  // Registers the slots' memory for the GPU's copies (after Prepare moved them).
+  absl::Status RegisterSlots(uint64_t gen);
+  void DropGraphs();
+  // A failed capture: graphs off from now on, said once.
+  absl::Status CaptureFailed(cudaError_t e);
+  absl::Status Copy(void* dst, const void* src, int64_t bytes, cudaMemcpyKind kind,
+                    const char* what) {
+    cudaError_t e = cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), kind, stream_);
+    if (e != cudaSuccess) return Failed(CudaError(e, what));
+    return absl::OkStatus();
+  }
+  // A failed launch: sticky, unless it happened while capturing (then the
+  // capture falls back to running the pass without a graph).
+  absl::Status Failed(absl::Status st) {
+    if (capturing_) {
+      fell_back_ = true;
+      return st;
+    }
+    return Fail(std::move(st));
+  }
   absl::Status LoadLin(const Checkpoint& ckpt, const std::string& prefix, DevLin* out);
   absl::Status LoadMlp(const Checkpoint& ckpt, const MlpNames& n, DevMlp* out);
   absl::Status LoadVec(const Checkpoint& ckpt, const std::string& name, int64_t n,
@@ -280,7 +352,7 @@ class CudaBackend final : public LayerBackend {
   absl::Status Gemm(const DevLin& w, const uint16_t* x, int64_t T, float* y);
   absl::Status Launched(cudaError_t e, const char* what) {
     ++launches_;
-    if (e != cudaSuccess) return Fail(CudaError(e, what));
+    if (e != cudaSuccess) return Failed(CudaError(e, what));
     return absl::OkStatus();
   }
   absl::Status Fail(absl::Status st) {
@@ -299,6 +371,8 @@ class CudaBackend final : public LayerBackend {
     return Launched(PagedAttention(a, stream_), "PagedAttention");
   }
   absl::Status MlaAttention(int l);
+  // The router of layer l on h_ -> rid_, rw_ [rows_, top_k].
+  absl::Status RunRouter(int l, const GateSpec& g);
   absl::Status GqaAttention(int l);
   absl::Status Sync(const char* what);
   // GPU time: a burst runs from the first launch after the host last waited
@@ -348,6 +422,34 @@ class CudaBackend final : public LayerBackend {
   int32_t *slot_ = nullptr, *tstart_ = nullptr, *pos_ = nullptr, *table_ = nullptr,
           *lrows_ = nullptr;
   bool shared_pending_ = false;
+  int64_t rows_ = 0;  // rows every op of the pass computes: T, or the slot pass's bucket
+
+  // Device-side expert calls (passes of up to kSlotTokens tokens).
+  RoutedExperts* experts_ = nullptr;
+  std::unique_ptr<ExpertSlots> slots_;
+  uint64_t slots_gen_ = 0;  // the generation whose memory is registered
+  std::vector<SlotView> views_;
+  int32_t *rid2_ = nullptr, *rid3_ = nullptr;  // Deferral's split: now / later ids
+  float *rw2_ = nullptr, *rw3_ = nullptr;
+  float* cs_host_ = nullptr;        // pinned rope rows of a slot pass
+  int32_t* tokens_host_ = nullptr;  // pinned: the slot pass's real T (read by host nodes)
+  int64_t table_cap_ = 0;           // block-table entries a slot pass of kSlotTokens uploads
+  int64_t table_per_seq_ = 0;       // most blocks one Sequence holds
+  bool slot_pass_ = false;
+  std::deque<HostCall> eager_calls_;  // an eager slot pass's host-node arguments
+  std::deque<HostCall>* calls_ = nullptr;
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    std::deque<HostCall> calls;
+  };
+  std::map<int64_t, Graph> graphs_;  // by bucket, for the current workspace and slots
+  bool graphs_on_ = true;
+  bool capturing_ = false, replayed_ = false, fell_back_ = false;
+  Graph* capture_ = nullptr;
+  cudaEvent_t pass_ev_[2] = {nullptr, nullptr};
+  int64_t graph_launches_ = 0, graph_captures_ = 0, slot_wait_ns_ = 0;
+  DeviceBuffer blas_ws_;
+  int64_t passes_begun_ = 0;  // for ModelOptions::debug_cuda_fault_after
 
   std::vector<cudaEvent_t> events_;  // pairs, reused
   size_t events_used_ = 0;
@@ -447,6 +549,12 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   HMOE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   HMOE_CUBLAS_TRY(cublasCreate(&blas_), "cublasCreate");
   HMOE_CUBLAS_TRY(cublasSetStream(blas_, stream_), "cublasSetStream");
+  RETURN_IF_ERROR(budget_.Take(kBlasWorkspaceBytes, "workspace"));
+  RETURN_IF_ERROR(blas_ws_.Allocate(kBlasWorkspaceBytes));
+  HMOE_CUBLAS_TRY(cublasSetWorkspace(blas_, blas_ws_.as<void>(), kBlasWorkspaceBytes),
+                  "cublasSetWorkspace");
+  for (auto& e : pass_ev_) HMOE_CUDA_TRY(cudaEventCreate(&e), "cudaEventCreate");
+  graphs_on_ = o_.cuda_graphs;
   // Weights.
   const ModelNames names;
   const int64_t H = c_.hidden_size;
@@ -612,10 +720,14 @@ absl::Status CudaBackend::EnsureWorkspace(int64_t T, int64_t table_entries, int6
     logits_ = static_cast<float*>(piece(T * E * 4));
     rw_ = static_cast<float*>(piece(T * K * 4));
     rid_ = static_cast<int32_t*>(piece(T * K * 4));
+    rw2_ = static_cast<float*>(piece(T * K * 4));
+    rid2_ = static_cast<int32_t*>(piece(T * K * 4));
+    rw3_ = static_cast<float*>(piece(T * K * 4));
+    rid3_ = static_cast<int32_t*>(piece(T * K * 4));
     cs_ = static_cast<float*>(piece(T * geo_.rope_dim * 4));
     xr_ = static_cast<float*>(piece(R * H * 4));
     lo_ = static_cast<float*>(piece(R * V * 4));
-    meta_ints_ = 4 * T + table_entries;  // slot, table_start, pos, logit rows, table
+    meta_ints_ = 5 * T + table_entries;  // slot, table_start, pos, logit rows, ids, table
     meta_ = static_cast<int32_t*>(piece(meta_ints_ * 4));
   };
   carve();  // a dry run (base null) for the size
@@ -633,6 +745,8 @@ absl::Status CudaBackend::EnsureWorkspace(int64_t T, int64_t table_entries, int6
         "; ", Gib(static_cast<double>(budget_.used())), " is in use (", budget_.Describe(),
         ") and the bound is ", Gib(static_cast<double>(budget_.limit()))));
   }
+  // Graphs hold the old pointers.
+  DropGraphs();
   budget_.Give(old_bytes, "workspace");
   RETURN_IF_ERROR(ws_.Allocate(0));
   RETURN_IF_ERROR(budget_.Take(bytes, "workspace"));
@@ -641,11 +755,14 @@ absl::Status CudaBackend::EnsureWorkspace(int64_t T, int64_t table_entries, int6
   base = ws_.as<char>();
   carve();
   // Host side: h, routing ids and weights, the pass's metadata.
-  RETURN_IF_ERROR(host_ws_.Allocate(T * H * 4 + T * K * 8 + meta_ints_ * 4 + 64 * 4));
+  RETURN_IF_ERROR(
+      host_ws_.Allocate(T * H * 4 + T * K * 8 + meta_ints_ * 4 + T * geo_.rope_dim * 4 + 64 * 4));
   h_host_ = host_ws_.as<float>();
   rw_host_ = h_host_ + T * H;
   rid_host_ = reinterpret_cast<int32_t*>(rw_host_ + T * K);
   meta_host_ = rid_host_ + T * K;
+  cs_host_ = reinterpret_cast<float*>(meta_host_ + meta_ints_);
+  tokens_host_ = reinterpret_cast<int32_t*>(cs_host_ + T * geo_.rope_dim);
   cap_tokens_ = T;
   cap_table_ = table_entries;
   cap_rows_ = R;
@@ -662,15 +779,15 @@ absl::Status CudaBackend::Gemm(const DevLin& w, const uint16_t* x, int64_t T, fl
                    CUDA_R_16BF, static_cast<int>(w.cols), &zero, y, CUDA_R_32F,
                    static_cast<int>(w.rows), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (s != CUBLAS_STATUS_SUCCESS)
-    return Fail(absl::InternalError(absl::StrCat("cuBLAS GemmEx ", w.rows, "x", w.cols, "x", T,
-                                                 ": ", cublasGetStatusString(s))));
+    return Failed(absl::InternalError(absl::StrCat("cuBLAS GemmEx ", w.rows, "x", w.cols, "x", T,
+                                                   ": ", cublasGetStatusString(s))));
   if (w.has_bias())
     RETURN_IF_ERROR(Launched(AddBias(y, T, w.rows, w.b.as<float>(), stream_), "AddBias"));
   return absl::OkStatus();
 }
 
 void CudaBackend::BurstBegin() {
-  if (in_burst_) return;
+  if (in_burst_ || slot_pass_) return;  // a slot pass is timed as a whole
   if (events_used_ + 2 > events_.size()) {
     for (int i = 0; i < 2; ++i) {
       cudaEvent_t e = nullptr;
@@ -683,7 +800,7 @@ void CudaBackend::BurstBegin() {
 }
 
 void CudaBackend::BurstEnd() {
-  if (!in_burst_) return;
+  if (!in_burst_ || slot_pass_) return;
   cudaEventRecord(events_[events_used_ + 1], stream_);
   events_used_ += 2;
   in_burst_ = false;
@@ -698,7 +815,15 @@ absl::Status CudaBackend::Sync(const char* what) {
 
 absl::Status CudaBackend::Begin(const PassTokens& p) {
   RETURN_IF_ERROR(health());
+  replayed_ = fell_back_ = slot_pass_ = false;
+  if (o_.debug_cuda_fault_after > 0 && ++passes_begun_ == o_.debug_cuda_fault_after + 1) {
+    std::fprintf(stderr, "hmoe cuda backend: injecting a sticky device error (pass %lld)\n",
+                 static_cast<long long>(passes_begun_));
+    InjectStickyError(stream_);
+  }
   const int64_t T = p.size();
+  if (slots_ && T <= kSlotTokens) return BeginSlotPass(p);
+  rows_ = T;
   // Each distinct cache's block table once; tokens point at their cache's.
   std::unordered_map<const KvCache*, int32_t> start;
   int64_t entries = 0;
@@ -724,8 +849,7 @@ absl::Status CudaBackend::Begin(const PassTokens& p) {
   for (int64_t t = 0; t < T; ++t) {
     const auto* kv = static_cast<const CudaKvCache*>(p.kv[static_cast<size_t>(t)]);
     const int64_t ps = p.pos[static_cast<size_t>(t)];
-    slot[t] = static_cast<int32_t>(
-        kv->blocks()[static_cast<size_t>(ps / kBlockTokens)] * kBlockTokens + ps % kBlockTokens);
+    slot[t] = kv->Row(ps);
     tstart[t] = start[kv];
     pos[t] = static_cast<int32_t>(ps);
   }
@@ -756,7 +880,7 @@ absl::Status CudaBackend::Begin(const PassTokens& p) {
 
 absl::Status CudaBackend::MlaAttention(int l) {
   const DevLayer& L = layers_[static_cast<size_t>(l)];
-  const int64_t T = pass_->size(), nh = c_.num_heads, r = c_.mla.kv_lora_rank,
+  const int64_t T = rows_, nh = c_.num_heads, r = c_.mla.kv_lora_rank,
                 rope = c_.mla.qk_rope_head_dim, nope = c_.mla.qk_nope_head_dim,
                 vd = c_.mla.v_head_dim;
   const bool inter = geo_.rope_layout == RopeLayout::kInterleaved;
@@ -812,7 +936,7 @@ absl::Status CudaBackend::MlaAttention(int l) {
 
 absl::Status CudaBackend::GqaAttention(int l) {
   const DevLayer& L = layers_[static_cast<size_t>(l)];
-  const int64_t T = pass_->size(), nh = c_.num_heads, nkv = c_.num_kv_heads, hd = c_.head_dim;
+  const int64_t T = rows_, nh = c_.num_heads, nkv = c_.num_kv_heads, hd = c_.head_dim;
   const int64_t row = nkv * hd;
   const float eps = static_cast<float>(c_.rms_norm_eps);
   RETURN_IF_ERROR(Gemm(L.q, hb_, T, q_));
@@ -866,7 +990,7 @@ absl::Status CudaBackend::GqaAttention(int l) {
 absl::Status CudaBackend::Attention(int l) {
   RETURN_IF_ERROR(health());
   const DevLayer& L = layers_[static_cast<size_t>(l)];
-  const int64_t T = pass_->size(), H = c_.hidden_size;
+  const int64_t T = rows_, H = c_.hidden_size;
   const float eps = static_cast<float>(c_.rms_norm_eps);
   BurstBegin();
   RETURN_IF_ERROR(
@@ -879,7 +1003,7 @@ absl::Status CudaBackend::Attention(int l) {
 }
 
 absl::Status CudaBackend::Mlp(const DevMlp& m, float* out) {
-  const int64_t T = pass_->size();
+  const int64_t T = rows_;
   RETURN_IF_ERROR(Gemm(m.gate_up, hb_, T, gu_));
   RETURN_IF_ERROR(Launched(SiluMul(gu_, T, m.inter, actb_, stream_), "SiluMul"));
   return Gemm(m.down, actb_, T, out);
@@ -888,14 +1012,12 @@ absl::Status CudaBackend::Mlp(const DevMlp& m, float* out) {
 absl::Status CudaBackend::DenseMlp(int l) {
   RETURN_IF_ERROR(health());
   RETURN_IF_ERROR(Mlp(layers_[static_cast<size_t>(l)].dense, y_));
-  return Launched(Accumulate(x_, y_, nullptr, pass_->size() * c_.hidden_size, stream_),
-                  "Accumulate");
+  return Launched(Accumulate(x_, y_, nullptr, rows_ * c_.hidden_size, stream_), "Accumulate");
 }
 
-absl::Status CudaBackend::Route(int l, const GateSpec& g, RoutedInput* out) {
-  RETURN_IF_ERROR(health());
+absl::Status CudaBackend::RunRouter(int l, const GateSpec& g) {
   const DevLayer& L = layers_[static_cast<size_t>(l)];
-  const int64_t T = pass_->size(), H = c_.hidden_size, E = g.num_experts, K = g.top_k;
+  const int64_t T = rows_, H = c_.hidden_size, E = g.num_experts, K = g.top_k;
   const float one = 1.0f, zero = 0.0f;
   ++launches_;
   cublasStatus_t s =
@@ -903,7 +1025,7 @@ absl::Status CudaBackend::Route(int l, const GateSpec& g, RoutedInput* out) {
                   static_cast<int>(H), &one, L.router.w_f32.as<float>(), static_cast<int>(H), h_,
                   static_cast<int>(H), &zero, logits_, static_cast<int>(E));
   if (s != CUBLAS_STATUS_SUCCESS)
-    return Fail(
+    return Failed(
         absl::InternalError(absl::StrCat("cuBLAS Sgemm (router): ", cublasGetStatusString(s))));
   RouteParams p;
   p.num_experts = static_cast<int>(E);
@@ -921,6 +1043,13 @@ absl::Status CudaBackend::Route(int l, const GateSpec& g, RoutedInput* out) {
       RouteTokens(logits_, T, p, L.router_bias.bytes() ? L.router_bias.as<float>() : nullptr, rid_,
                   rw_, stream_),
       "RouteTokens"));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Route(int l, const GateSpec& g, RoutedInput* out) {
+  RETURN_IF_ERROR(health());
+  RETURN_IF_ERROR(RunRouter(l, g));
+  const int64_t T = rows_, H = c_.hidden_size, K = g.top_k;
   HMOE_CUDA_TRY(
       cudaMemcpyAsync(h_host_, h_, static_cast<size_t>(T * H * 4), cudaMemcpyDeviceToHost, stream_),
       "expert input download");
@@ -949,7 +1078,7 @@ absl::Status CudaBackend::StartSharedExperts(int l) {
 absl::Status CudaBackend::AddExperts(int l, const float* routed) {
   (void)l;
   RETURN_IF_ERROR(health());
-  const int64_t n = pass_->size() * c_.hidden_size;
+  const int64_t n = rows_ * c_.hidden_size;
   BurstBegin();
   HMOE_CUDA_TRY(
       cudaMemcpyAsync(routed_, routed, static_cast<size_t>(n * 4), cudaMemcpyHostToDevice, stream_),
@@ -963,7 +1092,7 @@ absl::Status CudaBackend::AddExperts(int l, const float* routed) {
 
 absl::Status CudaBackend::AddToResidual(const float* v) {
   RETURN_IF_ERROR(health());
-  const int64_t n = pass_->size() * c_.hidden_size;
+  const int64_t n = rows_ * c_.hidden_size;
   BurstBegin();
   // routed_ is free here: AddExperts has consumed it (same stream, in order).
   HMOE_CUDA_TRY(
@@ -974,22 +1103,68 @@ absl::Status CudaBackend::AddToResidual(const float* v) {
 
 absl::Status CudaBackend::Logits(float* out) {
   RETURN_IF_ERROR(health());
-  const int64_t rows = static_cast<int64_t>(pass_->logit_rows.size()), H = c_.hidden_size;
+  const int64_t R = static_cast<int64_t>(pass_->logit_rows.size()), H = c_.hidden_size;
   const float eps = static_cast<float>(c_.rms_norm_eps);
-  BurstBegin();
-  RETURN_IF_ERROR(Launched(GatherRows(x_, H, lrows_, rows, xr_, stream_), "GatherRows"));
-  RETURN_IF_ERROR(Launched(
-      AddRmsNorm(xr_, nullptr, rows, H, final_norm_.as<float>(), eps, nullptr, hb_, stream_),
-      "AddRmsNorm"));
-  RETURN_IF_ERROR(Gemm(*lm_head_ptr_, hb_, rows, lo_));
-  HMOE_CUDA_TRY(cudaMemcpyAsync(out, lo_, static_cast<size_t>(rows * c_.vocab_size * 4),
-                                cudaMemcpyDeviceToHost, stream_),
-                "logits download");
-  return Sync("logits");
+  if (!replayed_) {
+    // A slot pass computes every padded row (a graph's shapes are fixed);
+    // only the R real ones leave the GPU.
+    const int64_t rows = slot_pass_ ? rows_ : R;
+    BurstBegin();
+    RETURN_IF_ERROR(Launched(GatherRows(x_, H, lrows_, rows, xr_, stream_), "GatherRows"));
+    RETURN_IF_ERROR(Launched(
+        AddRmsNorm(xr_, nullptr, rows, H, final_norm_.as<float>(), eps, nullptr, hb_, stream_),
+        "AddRmsNorm"));
+    RETURN_IF_ERROR(Gemm(*lm_head_ptr_, hb_, rows, lo_));
+  }
+  if (capturing_) {
+    capturing_ = false;
+    cudaGraph_t g = nullptr;
+    cudaError_t e = cudaStreamEndCapture(stream_, &g);
+    cudaGraphExec_t exec = nullptr;
+    if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, g, 0);
+    if (g != nullptr) cudaGraphDestroy(g);
+    if (e != cudaSuccess) return CaptureFailed(e);
+    capture_->exec = exec;
+    capture_ = nullptr;
+    ++graph_captures_;
+    e = cudaGraphLaunch(exec, stream_);
+    if (e != cudaSuccess) return Fail(CudaError(e, "cudaGraphLaunch"));
+    ++graph_launches_;
+  }
+  if (slot_pass_) {
+    cudaError_t e = cudaEventRecord(pass_ev_[1], stream_);
+    if (e != cudaSuccess) return Fail(CudaError(e, "cudaEventRecord"));
+  }
+  RETURN_IF_ERROR(Copy(out, lo_, R * c_.vocab_size * 4, cudaMemcpyDeviceToHost, "logits download"));
+  RETURN_IF_ERROR(Sync("logits"));
+  // An expert call that failed inside the pass fails the pass (not sticky).
+  if (slot_pass_) RETURN_IF_ERROR(slots_->TakeStatus());
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CaptureFailed(cudaError_t e) {
+  cudaGetLastError();  // a capture error is not sticky; do not leave it for a launcher
+  graphs_on_ = false;
+  fell_back_ = true;
+  DropGraphs();
+  const std::string why = absl::StrCat("CUDA Graph capture failed: ", cudaGetErrorString(e));
+  std::fprintf(stderr, "hmoe cuda backend: %s; passes run without graphs from now on\n",
+               why.c_str());
+  return absl::InternalError(why);
 }
 
 absl::Status CudaBackend::Commit() {
   RETURN_IF_ERROR(Sync("pass"));
+  if (slot_pass_) {
+    const int64_t wait = slots_->TakeWaitNs();
+    slot_wait_ns_ += wait;
+    float ms = 0;
+    // GPU busy: the pass's span less the host nodes' waits for the experts.
+    if (cudaEventElapsedTime(&ms, pass_ev_[0], pass_ev_[1]) == cudaSuccess)
+      busy_ns_ += std::max<int64_t>(0, static_cast<int64_t>(ms * 1e6) - wait);
+    eager_calls_.clear();
+    slot_pass_ = replayed_ = false;
+  }
   for (size_t i = 0; i + 1 < events_used_; i += 2) {
     float ms = 0;
     if (cudaEventElapsedTime(&ms, events_[i], events_[i + 1]) == cudaSuccess)
@@ -1001,13 +1176,242 @@ absl::Status CudaBackend::Commit() {
 }
 
 void CudaBackend::Abort() {
+  if (capturing_) {
+    // Nothing ran: drop the half-captured graph.
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(stream_, &g);
+    if (g != nullptr) cudaGraphDestroy(g);
+    cudaGetLastError();
+    capturing_ = false;
+  }
+  if (capture_ != nullptr) {
+    for (auto it = graphs_.begin(); it != graphs_.end(); ++it)
+      if (&it->second == capture_) {
+        graphs_.erase(it);
+        break;
+      }
+    capture_ = nullptr;
+  }
   // Drain what was queued so buffers can be reused; a sticky error stays in broken_.
   BurstEnd();
   cudaError_t e = cudaStreamSynchronize(stream_);
   if (e != cudaSuccess) Fail(CudaError(e, "pass abort")).IgnoreError();
+  if (slots_) {
+    // Calls the pass submitted and never waited on (it stopped half way).
+    slots_->Drain();
+    slots_->TakeStatus().IgnoreError();
+    slot_wait_ns_ += slots_->TakeWaitNs();
+  }
+  eager_calls_.clear();
   events_used_ = 0;
   shared_pending_ = false;
+  slot_pass_ = replayed_ = false;
   pass_ = nullptr;
+}
+
+void CudaBackend::DropGraphs() {
+  for (auto& [bucket, g] : graphs_)
+    if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+  graphs_.clear();
+  capture_ = nullptr;
+}
+
+bool CudaBackend::AttachExperts(RoutedExperts* experts) {
+  experts_ = experts;
+  ExpertSlotsOptions so;
+  so.hidden = c_.hidden_size;
+  so.num_slots = 2 * c_.num_layers;  // per layer: the call, and its deferred part
+  so.max_tokens = static_cast<int32_t>(kSlotTokens);
+  so.top_k = static_cast<int32_t>(c_.moe.experts_per_token);
+  // Called outside passes (Prepare, destruction): unpins what is released.
+  so.before_release = [](void* base, uint64_t) {
+    cudaHostUnregister(base);
+    cudaGetLastError();  // not registered (e.g. registration had failed): nothing to undo
+  };
+  auto fallback = [&](const absl::Status& st) {
+    std::fprintf(stderr,
+                 "hmoe cuda backend: routed experts through host copies, without slots or "
+                 "graphs: %s\n",
+                 st.ToString().c_str());
+    slots_.reset();
+    return false;
+  };
+  auto made = experts->MakeSlots(so);
+  if (!made.ok()) return fallback(made.status());
+  slots_ = std::move(*made);
+  auto gen = slots_->Prepare(absl::Now() + absl::Seconds(10));
+  if (!gen.ok()) return fallback(gen.status());
+  absl::Status st = RegisterSlots(*gen);
+  if (!st.ok()) return fallback(st);
+  const int64_t max_len = o_.max_seq_len > 0 ? o_.max_seq_len : c_.max_position_embeddings;
+  table_per_seq_ = (max_len + kBlockTokens - 1) / kBlockTokens;
+  table_cap_ = std::min(kSlotTokens * table_per_seq_, pool_->total());
+  st = EnsureWorkspace(kSlotTokens, table_cap_, kSlotTokens);
+  if (!st.ok()) return fallback(st);
+  std::fprintf(stderr,
+               "hmoe cuda backend: routed experts through %d %s slots; passes of up to %lld "
+               "tokens %s\n",
+               slots_->num_slots(), slots_->kind(), static_cast<long long>(kSlotTokens),
+               graphs_on_ ? "replay one CUDA Graph per bucket (1, 2, 4, 8, 16, 32 tokens)"
+                          : "run kernel by kernel (--cuda-graphs off)");
+  return true;
+}
+
+absl::Status CudaBackend::RegisterSlots(uint64_t gen) {
+  for (const HostRegion& r : slots_->regions()) {
+    cudaError_t e = cudaHostRegister(r.base, static_cast<size_t>(r.bytes), cudaHostRegisterDefault);
+    if (e != cudaSuccess && e != cudaErrorHostMemoryAlreadyRegistered) {
+      cudaGetLastError();
+      return absl::InternalError(absl::StrCat("cudaHostRegister of the ", slots_->kind(),
+                                              " expert slots (", r.bytes,
+                                              " bytes): ", cudaGetErrorString(e)));
+    }
+    cudaGetLastError();
+  }
+  views_.resize(static_cast<size_t>(slots_->num_slots()));
+  for (int i = 0; i < slots_->num_slots(); ++i) views_[static_cast<size_t>(i)] = slots_->view(i);
+  DropGraphs();  // their copies point at the old slots
+  slots_gen_ = gen;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::BeginSlotPass(const PassTokens& p) {
+  const int64_t T = p.size(), B = BucketFor(T), rd = geo_.rope_dim;
+  // Reconnects to a restarted service (new slots, graphs recaptured).
+  ASSIGN_OR_RETURN(uint64_t gen, slots_->Prepare(absl::Now() + absl::Seconds(10)));
+  if (gen != slots_gen_) RETURN_IF_ERROR(RegisterSlots(gen));
+  const int64_t cap = std::min(B * table_per_seq_, table_cap_);
+  RETURN_IF_ERROR(EnsureWorkspace(kSlotTokens, table_cap_, kSlotTokens));
+  // The padded layout: slot, table start, pos, logit rows, ids [B each], table.
+  int32_t* m = meta_host_;
+  int32_t *slot = m, *tstart = m + B, *pos = m + 2 * B, *lrows = m + 3 * B, *ids = m + 4 * B,
+          *table = m + 5 * B;
+  std::unordered_map<const KvCache*, int32_t> start;
+  int64_t entries = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    auto [it, fresh] = start.emplace(p.kv[static_cast<size_t>(t)], 0);
+    if (!fresh) continue;
+    const auto& b = static_cast<const CudaKvCache*>(it->first)->blocks();
+    if (entries + static_cast<int64_t>(b.size()) > cap)
+      return absl::InternalError(absl::StrCat("slot pass: block table over ", cap, " entries"));
+    it->second = static_cast<int32_t>(entries);
+    std::copy(b.begin(), b.end(), table + entries);
+    entries += static_cast<int64_t>(b.size());
+  }
+  for (int64_t t = 0; t < B; ++t) {
+    if (t < T) {
+      const auto* kv = static_cast<const CudaKvCache*>(p.kv[static_cast<size_t>(t)]);
+      const int64_t ps = p.pos[static_cast<size_t>(t)];
+      slot[t] = kv->Row(ps);
+      tstart[t] = start[kv];
+      pos[t] = static_cast<int32_t>(ps);
+      ids[t] = p.ids[static_cast<size_t>(t)];
+    } else {  // padding: position 0 of the first table, no cache write, token 0
+      slot[t] = -1;
+      tstart[t] = 0;
+      pos[t] = 0;
+      ids[t] = 0;
+    }
+    lrows[t] =
+        t < static_cast<int64_t>(p.logit_rows.size()) ? p.logit_rows[static_cast<size_t>(t)] : 0;
+  }
+  std::memcpy(cs_host_, p.rope_cs.data(), static_cast<size_t>(T * rd) * 4);
+  std::fill(cs_host_ + T * rd, cs_host_ + B * rd, 0.0f);
+  *tokens_host_ = static_cast<int32_t>(T);
+  pass_ = &p;
+  rows_ = B;
+  slot_pass_ = true;
+  slot_ = meta_;
+  tstart_ = meta_ + B;
+  pos_ = meta_ + 2 * B;
+  lrows_ = meta_ + 3 * B;
+  int32_t* ids_dev = meta_ + 4 * B;
+  table_ = meta_ + 5 * B;
+  events_used_ = 0;
+  cudaError_t e = cudaEventRecord(pass_ev_[0], stream_);
+  if (e != cudaSuccess) return Fail(CudaError(e, "cudaEventRecord"));
+  calls_ = &eager_calls_;
+  if (graphs_on_) {
+    auto it = graphs_.find(B);
+    if (it != graphs_.end() && it->second.exec != nullptr) {
+      e = cudaGraphLaunch(it->second.exec, stream_);
+      if (e != cudaSuccess) return Fail(CudaError(e, "cudaGraphLaunch"));
+      ++graph_launches_;
+      replayed_ = true;
+      return absl::OkStatus();
+    }
+    Graph& g = graphs_[B];
+    g.calls.clear();
+    e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
+    if (e == cudaSuccess) {
+      capture_ = &g;
+      calls_ = &g.calls;
+      capturing_ = true;
+    } else {
+      // Nothing captured yet: say why once, then run this pass eagerly.
+      CaptureFailed(e).IgnoreError();
+      fell_back_ = false;
+    }
+  }
+  RETURN_IF_ERROR(
+      Copy(meta_, meta_host_, (5 * B + cap) * 4, cudaMemcpyHostToDevice, "metadata upload"));
+  RETURN_IF_ERROR(Copy(cs_, cs_host_, B * rd * 4, cudaMemcpyHostToDevice, "rope upload"));
+  return Launched(EmbedRows(embed_.as<uint16_t>(), c_.hidden_size, ids_dev, B, x_, stream_),
+                  "EmbedRows");
+}
+
+absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
+  RETURN_IF_ERROR(health());
+  RETURN_IF_ERROR(RunRouter(l, g));
+  const int64_t T = rows_, H = c_.hidden_size, K = g.top_k, k0 = K - n;
+  const int32_t* ids0 = rid_;
+  const float* w0 = rw_;
+  if (n > 0) {
+    RETURN_IF_ERROR(Launched(SplitDeferred(rid_, rw_, T, K, n, rid2_, rw2_, rid3_, rw3_, stream_),
+                             "SplitDeferred"));
+    ids0 = rid2_;
+    w0 = rw2_;
+  }
+  // Straight into the slots: bf16 rows (the post-attention norm's), ids, weights.
+  auto to_slot = [&](int slot, const int32_t* ids, const float* w, int64_t k) -> absl::Status {
+    const SlotView& v = views_[static_cast<size_t>(slot)];
+    RETURN_IF_ERROR(Copy(v.hidden, hb_, T * H * 2, cudaMemcpyDeviceToHost, "expert input copy"));
+    RETURN_IF_ERROR(Copy(v.ids, ids, T * k * 4, cudaMemcpyDeviceToHost, "expert ids copy"));
+    return Copy(v.weights, w, T * k * 4, cudaMemcpyDeviceToHost, "expert weights copy");
+  };
+  RETURN_IF_ERROR(to_slot(2 * l, ids0, w0, k0));
+  if (n > 0) RETURN_IF_ERROR(to_slot(2 * l + 1, rid3_, rw3_, n));
+  HostCall& c = calls_->emplace_back();
+  c.slots = slots_.get();
+  c.a = 2 * l;
+  c.b = n > 0 ? 2 * l + 1 : -1;
+  c.layer = l;
+  c.ka = static_cast<int32_t>(k0);
+  c.kb = n;
+  c.tokens = tokens_host_;
+  cudaError_t e = cudaLaunchHostFunc(stream_, SubmitHost, &c);
+  if (e != cudaSuccess) return Failed(CudaError(e, "expert submit node"));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::JoinSlot(int l, int part) {
+  RETURN_IF_ERROR(health());
+  const int slot = 2 * l + part;
+  const int64_t n = rows_ * c_.hidden_size;
+  HostCall& c = calls_->emplace_back();
+  c.slots = slots_.get();
+  c.a = slot;
+  c.layer = l;
+  c.tokens = tokens_host_;
+  cudaError_t e = cudaLaunchHostFunc(stream_, WaitHost, &c);
+  if (e != cudaSuccess) return Failed(CudaError(e, "expert wait node"));
+  RETURN_IF_ERROR(Copy(routed_, views_[static_cast<size_t>(slot)].out, n * 4,
+                       cudaMemcpyHostToDevice, "expert output copy"));
+  // x += routed + shared, the reference's order.
+  if (part == 0 && shared_pending_)
+    RETURN_IF_ERROR(Launched(Accumulate(routed_, ysh_, nullptr, n, stream_), "Accumulate"));
+  if (part == 0) shared_pending_ = false;
+  return Launched(Accumulate(x_, routed_, nullptr, n, stream_), "Accumulate");
 }
 
 }  // namespace

@@ -762,6 +762,32 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   }
 }
 
+// One thread per token: the rank of slot j among the token's K weights
+// (ascending, ties: the later slot first) decides where it goes.
+__global__ void SplitDeferredKernel(const int32_t* ids, const float* w, int64_t T, int K, int n,
+                                    int32_t* ids_now, float* w_now, int32_t* ids_later,
+                                    float* w_later) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const int32_t* id = ids + t * K;
+  const float* wt = w + t * K;
+  int kept = 0;
+  for (int j = 0; j < K; ++j) {
+    int rank = 0;
+    for (int i = 0; i < K; ++i) rank += (wt[i] < wt[j] || (wt[i] == wt[j] && i > j)) ? 1 : 0;
+    if (rank < n) {
+      ids_later[t * n + rank] = id[j];
+      w_later[t * n + rank] = wt[j];
+    } else {
+      ids_now[t * (K - n) + kept] = id[j];
+      w_now[t * (K - n) + kept] = wt[j];
+      ++kept;
+    }
+  }
+}
+
+__global__ void TrapKernel() { __trap(); }
+
 }  // namespace
 
 bool CudaDeviceUsable(std::string* why) {
@@ -945,6 +971,21 @@ cudaError_t GatherRows(const float* x, int64_t cols, const int32_t* rows, int64_
                        cudaStream_t s) {
   if (n <= 0 || cols <= 0) return cudaSuccess;
   GatherRowsKernel<<<BlocksFor(n), kThreads, 0, s>>>(x, cols, rows, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t K, int64_t n,
+                          int32_t* ids_now, float* w_now, int32_t* ids_later, float* w_later,
+                          cudaStream_t s) {
+  if (T <= 0) return cudaSuccess;
+  if (K <= 0 || K > 64 || n < 0 || n >= K) return cudaErrorInvalidValue;
+  SplitDeferredKernel<<<GridFor(T), kThreads, 0, s>>>(
+      ids, w, T, static_cast<int>(K), static_cast<int>(n), ids_now, w_now, ids_later, w_later);
+  return cudaGetLastError();
+}
+
+cudaError_t InjectStickyError(cudaStream_t s) {
+  TrapKernel<<<1, 1, 0, s>>>();
   return cudaGetLastError();
 }
 

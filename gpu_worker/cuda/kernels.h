@@ -151,4 +151,16 @@ cudaError_t Accumulate(float* x, const float* a, const float* b, int64_t n, cuda
 cudaError_t GatherRows(const float* x, int64_t cols, const int32_t* rows, int64_t n, float* out,
                        cudaStream_t s);
 
+// Expert Deferral's split, as hmoe::SplitDeferred (driver/routing.h):
+// ids/w [T, K] -> the n lowest-weighted per token (ties: the later slot
+// first) into ids_later/w_later [T, n], the rest in order into ids_now/w_now
+// [T, K - n]. 0 <= n < K <= 64.
+cudaError_t SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t K, int64_t n,
+                          int32_t* ids_now, float* w_now, int32_t* ids_later, float* w_later,
+                          cudaStream_t s);
+
+// Launches a kernel that traps: the context's sticky error (a fault test's
+// stand-in for a real device failure).
+cudaError_t InjectStickyError(cudaStream_t s);
+
 }  // namespace hmoe::cuda

@@ -17,6 +17,20 @@
 //   Logits(out)                         lm_head(final_norm(x)) for the kept rows
 // then Commit (success) or Abort (any error after Begin). A backend runs one
 // pass at a time; the driver serializes them.
+//
+// Device-side expert calls. A backend that took the routed experts
+// (AttachExperts returned true) may run a pass's expert calls itself through
+// fixed slots (common/transport/expert_slots.h): when pass_uses_slots()
+// after Begin, a MoE layer is
+//     RouteToSlots(l, gate, n)   router, Deferral's split, both parts submitted
+//     StartSharedExperts(l)
+//     JoinSlot(l, 0)             wait; x += the routed sum (+ y)
+// and, with n > 0, JoinSlot(l, 1) (the deferred part) where the driver
+// joins deferred calls. When replayed() after Begin, the backend has
+// already run the whole pass (a CUDA Graph): the driver goes straight to
+// Logits and Commit. When Logits fails and capture_fell_back(), the pass
+// was only captured, not run, and the capture failed: Abort and run the
+// pass again (the backend now runs it without a graph).
 #pragma once
 
 #include <cstdint>
@@ -26,6 +40,7 @@
 #include "absl/status/status.h"
 #include "gpu_worker/driver/routing.h"
 #include "gpu_worker/model.h"
+#include "gpu_worker/routed_experts.h"
 
 namespace hmoe {
 
@@ -83,6 +98,23 @@ class LayerBackend {
   // `routed`: [T, H] host f32, the routed experts' sum for the pass's tokens.
   virtual absl::Status AddExperts(int layer, const float* routed) = 0;
   virtual absl::Status AddToResidual(const float* v) = 0;  // [T, H] host f32
+
+  // Device-side expert calls (see above). `experts` outlives the backend.
+  virtual bool AttachExperts(RoutedExperts* experts) {
+    (void)experts;
+    return false;
+  }
+  virtual bool pass_uses_slots() const { return false; }
+  virtual bool replayed() const { return false; }
+  virtual bool capture_fell_back() { return false; }
+  virtual absl::Status RouteToSlots(int layer, const GateSpec& gate, int deferred) {
+    (void)layer, (void)gate, (void)deferred;
+    return absl::UnimplementedError("RouteToSlots: this backend has no expert slots");
+  }
+  virtual absl::Status JoinSlot(int layer, int part) {
+    (void)layer, (void)part;
+    return absl::UnimplementedError("JoinSlot: this backend has no expert slots");
+  }
   // out: [logit_rows.size(), vocab] host f32.
   virtual absl::Status Logits(float* out) = 0;
   // Ends the pass (the driver then advances the Sequences or not).

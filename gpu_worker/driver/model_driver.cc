@@ -133,7 +133,11 @@ class ModelDriver final : public Model {
 
  private:
   absl::Status RunPass(const PassTokens& pass, float* logits) const;
+  absl::Status RunPassOnce(const PassTokens& pass, float* logits) const;
   absl::Status FeedForward(int l, std::unique_ptr<DeferredCall>* deferred) const;
+  // FeedForward when the backend calls the experts through its slots;
+  // *deferred: l when part 1 of layer l is to be joined later, else -1.
+  absl::Status FeedForwardInSlots(int l, int* deferred) const;
 
   ModelConfig c_;
   ModelOptions options_;
@@ -177,29 +181,8 @@ absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* defe
     k_now = K - n;
     ids_now.resize(static_cast<size_t>(T * k_now));
     weights_now.resize(static_cast<size_t>(T * k_now));
-    std::vector<int64_t> order(static_cast<size_t>(K));
-    std::vector<char> deferred_slot(static_cast<size_t>(K));
-    for (int64_t t = 0; t < T; ++t) {
-      const float* w = in.weights + t * K;
-      const int32_t* id = in.ids + t * K;
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(),
-                [&](int64_t a, int64_t b) { return w[a] < w[b] || (w[a] == w[b] && a > b); });
-      std::fill(deferred_slot.begin(), deferred_slot.end(), 0);
-      for (int j = 0; j < n; ++j) {
-        const int64_t slot = order[static_cast<size_t>(j)];
-        deferred_slot[static_cast<size_t>(slot)] = 1;
-        later->ids[static_cast<size_t>(t * n + j)] = id[slot];
-        later->weights[static_cast<size_t>(t * n + j)] = w[slot];
-      }
-      int64_t kept = 0;
-      for (int64_t j = 0; j < K; ++j) {
-        if (deferred_slot[static_cast<size_t>(j)]) continue;
-        ids_now[static_cast<size_t>(t * k_now + kept)] = id[j];
-        weights_now[static_cast<size_t>(t * k_now + kept)] = w[j];
-        ++kept;
-      }
-    }
+    SplitDeferred(in.ids, in.weights, T, K, n, ids_now.data(), weights_now.data(),
+                  later->ids.data(), later->weights.data());
     ids = ids_now.data();
     weights = weights_now.data();
   }
@@ -236,25 +219,53 @@ absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* defe
   return absl::OkStatus();
 }
 
+absl::Status ModelDriver::FeedForwardInSlots(int l, int* deferred) const {
+  *deferred = -1;
+  if (!c_.layers[static_cast<size_t>(l)].moe) return backend_->DenseMlp(l);
+  // The last layer never defers: nothing would be left to overlap with.
+  const int n = l + 1 < c_.num_layers ? options_.deferred_experts : 0;
+  RETURN_IF_ERROR(backend_->RouteToSlots(l, gate_, n));
+  RETURN_IF_ERROR(backend_->StartSharedExperts(l));
+  RETURN_IF_ERROR(backend_->JoinSlot(l, 0));
+  if (n > 0) *deferred = l;
+  return absl::OkStatus();
+}
+
 absl::Status ModelDriver::RunPass(const PassTokens& pass, float* logits) const {
+  absl::Status st = RunPassOnce(pass, logits);
+  if (!st.ok() && backend_->capture_fell_back()) {
+    // Only captured, and the capture failed: run it for real.
+    backend_->Abort();
+    st = RunPassOnce(pass, logits);
+  }
+  return st;
+}
+
+absl::Status ModelDriver::RunPassOnce(const PassTokens& pass, float* logits) const {
   pass_tokens_ = pass.size();
   RETURN_IF_ERROR(backend_->Begin(pass));
-  // Expert Deferral: the previous layer's deferred experts, joined at the
-  // end of this one.
-  std::unique_ptr<DeferredCall> deferred, previous;
-  for (int l = 0; l < c_.num_layers; ++l) {
-    RETURN_IF_ERROR(backend_->Attention(l));
-    RETURN_IF_ERROR(FeedForward(l, &deferred));
-    if (previous) {
-      const auto t0 = std::chrono::steady_clock::now();
-      absl::Status st = previous->Wait();
-      stats_.expert_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now() - t0)
-                                   .count();
-      RETURN_IF_ERROR(st);
-      RETURN_IF_ERROR(backend_->AddToResidual(previous->out.data()));
+  if (!backend_->replayed()) {
+    const bool slots = backend_->pass_uses_slots();
+    // Expert Deferral: the previous layer's deferred experts, joined at the
+    // end of this one.
+    std::unique_ptr<DeferredCall> deferred, previous;
+    int deferred_layer = -1, previous_layer = -1;
+    for (int l = 0; l < c_.num_layers; ++l) {
+      RETURN_IF_ERROR(backend_->Attention(l));
+      RETURN_IF_ERROR(slots ? FeedForwardInSlots(l, &deferred_layer) : FeedForward(l, &deferred));
+      if (previous) {
+        const auto t0 = std::chrono::steady_clock::now();
+        absl::Status st = previous->Wait();
+        stats_.expert_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::steady_clock::now() - t0)
+                                     .count();
+        RETURN_IF_ERROR(st);
+        RETURN_IF_ERROR(backend_->AddToResidual(previous->out.data()));
+      }
+      if (previous_layer >= 0) RETURN_IF_ERROR(backend_->JoinSlot(previous_layer, 1));
+      previous = std::move(deferred);
+      previous_layer = deferred_layer;
     }
-    previous = std::move(deferred);
   }
   RETURN_IF_ERROR(backend_->Logits(logits));
   return backend_->Commit();
@@ -354,6 +365,8 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModelDriver(
     RoutedExperts* experts, std::unique_ptr<RoutedExperts> owned_experts) {
   if (config.num_moe_layers() > 0 && experts == nullptr)
     return absl::InvalidArgumentError("CreateModelDriver: a MoE model needs RoutedExperts");
+  // The backend may reach the experts from the device itself (slots).
+  if (experts != nullptr) backend->AttachExperts(experts);
   return std::unique_ptr<Model>(
       new ModelDriver(config, options, std::move(backend), experts, std::move(owned_experts)));
 }

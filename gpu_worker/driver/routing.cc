@@ -109,4 +109,31 @@ void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias,
   }
 }
 
+void SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t K, int64_t n,
+                   int32_t* ids_now, float* w_now, int32_t* ids_later, float* w_later) {
+  std::vector<int64_t> order(static_cast<size_t>(K));
+  std::vector<char> deferred(static_cast<size_t>(K));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* wt = w + t * K;
+    const int32_t* id = ids + t * K;
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(),
+              [&](int64_t a, int64_t b) { return wt[a] < wt[b] || (wt[a] == wt[b] && a > b); });
+    std::fill(deferred.begin(), deferred.end(), 0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = order[static_cast<size_t>(j)];
+      deferred[static_cast<size_t>(slot)] = 1;
+      ids_later[t * n + j] = id[slot];
+      w_later[t * n + j] = wt[slot];
+    }
+    int64_t kept = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      if (deferred[static_cast<size_t>(j)]) continue;
+      ids_now[t * (K - n) + kept] = id[j];
+      w_now[t * (K - n) + kept] = wt[j];
+      ++kept;
+    }
+  }
+}
+
 }  // namespace hmoe

@@ -34,5 +34,11 @@ GateSpec GateSpecFor(const ModelConfig& config);
 // lower expert / group index. Ids come out in descending selection score.
 void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias, int32_t* ids,
            float* weights);
+// Expert Deferral's split of routed work ids/w [T, K]: per token, the n
+// lowest weights (ties: the later slot first) go to ids_later/w_later
+// [T, n] in that order; the other K - n keep their order in ids_now/w_now
+// [T, K - n]. 0 <= n < K. (The cuda backend's kernel is tested against it.)
+void SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t K, int64_t n,
+                   int32_t* ids_now, float* w_now, int32_t* ids_later, float* w_later);
 
 }  // namespace hmoe

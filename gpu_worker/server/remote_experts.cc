@@ -132,4 +132,12 @@ absl::Status PoolRoutedExperts::Forward(const ExpertBatch& b, float* out) {
   return Wait(t);
 }
 
+absl::StatusOr<std::unique_ptr<ExpertSlots>> PoolRoutedExperts::MakeSlots(
+    const ExpertSlotsOptions& opts) {
+  ExpertSlotsOptions o = opts;
+  o.call_timeout = timeout_;
+  o.map_failure = [this](const absl::Status& st) { return ExpertFailure(st); };
+  return pool_->MakeSlots(o);
+}
+
 }  // namespace hmoe

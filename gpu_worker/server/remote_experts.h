@@ -33,6 +33,9 @@ class PoolRoutedExperts final : public RoutedExperts {
   absl::Status Forward(const ExpertBatch& batch, float* out) override;
   absl::StatusOr<uint64_t> Submit(const ExpertBatch& batch, float* out) override;
   absl::Status Wait(uint64_t ticket) override;
+  // The pool's slots (ExpertPool::MakeSlots: zero copy over one shm shard),
+  // each call under this object's call timeout, failures mapped as Wait's.
+  absl::StatusOr<std::unique_ptr<ExpertSlots>> MakeSlots(const ExpertSlotsOptions& opts) override;
 
  private:
   PoolRoutedExperts(const ModelConfig& config, ExpertPool* pool, absl::Duration timeout)

@@ -6,6 +6,7 @@
 //                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
 //                   [--defer-experts 0] [--port-file PATH]
 //                   [--backend cpu|cuda|auto] [--cuda-device 0] [--gpu-mem-gb GB]
+//                   [--cuda-graphs on|off]
 //                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
 //                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
 //                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
@@ -23,8 +24,15 @@
 // is logged at start). --gpu-mem-gb bounds the cuda backend's weights, KV
 // cache and workspaces (to emulate a smaller card); --kv-blocks sizes its
 // paged KV pool (0: what fits) and the engine's block budget with it.
+// --cuda-graphs (on by default): the cuda backend replays one CUDA Graph per
+// decode step (ModelOptions::cuda_graphs); off runs the same work kernel by
+// kernel.
 // SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
-// --drain-seconds (the rest end UNAVAILABLE), exit 0. SIGHUP (systemctl
+// --drain-seconds (the rest end UNAVAILABLE), exit 0. A backend that failed
+// for good (a sticky CUDA error) turns health NOT_SERVING, fails what is in
+// flight, and the worker drains and exits 3 so systemd restarts it.
+// --debug-cuda-fault-after N (tests): the cuda backend injects a sticky
+// device error at the start of pass N + 1. SIGHUP (systemctl
 // reload): the token files are read again.
 // --auth-token-file: clients must send a token in that file (hmoe
 // --token-file; common/auth_token.h: one per line, so a token can rotate),
@@ -37,6 +45,7 @@
 // client certificate when they require one.
 #include <signal.h>
 #include <systemd/sd-daemon.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -81,6 +90,8 @@ struct WorkerOptions {
   std::string backend = "auto";
   int cuda_device = 0;
   double gpu_mem_gb = 0;
+  bool cuda_graphs = true;
+  int64_t debug_cuda_fault_after = 0;
   std::string auth_token_file;
   std::string expert_auth_token_file;
   TlsServerFiles tls;
@@ -151,6 +162,11 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.gpu_mem_gb = std::strtod(v.c_str(), &end);
       if (end == v.c_str() || *end != '\0' || !(o.gpu_mem_gb >= 0) || o.gpu_mem_gb > 1e6)
         Die("--gpu-mem-gb must be a number of GiB >= 0, got " + v);
+    } else if (a == "--debug-cuda-fault-after") {
+      o.debug_cuda_fault_after = num(1, int64_t{1} << 40);
+    } else if (a == "--cuda-graphs") {
+      if (v != "on" && v != "off") Die("--cuda-graphs must be on or off, got " + v);
+      o.cuda_graphs = v == "on";
     } else if (a == "--auth-token-file")
       o.auth_token_file = v;
     else if (a == "--expert-auth-token-file")
@@ -163,6 +179,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
           "       [--defer-experts N] [--port-file PATH]\n"
           "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
+          "       [--cuda-graphs on|off]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
           "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
           "       [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM --expert-tls-key-file "
@@ -257,6 +274,8 @@ int Run(int argc, char** argv) {
   mo.deferred_experts = o.defer_experts;
   mo.cuda_device = o.cuda_device;
   mo.gpu_mem_gb = o.gpu_mem_gb;
+  mo.cuda_graphs = o.cuda_graphs;
+  mo.debug_cuda_fault_after = o.debug_cuda_fault_after;
   mo.kv_blocks = o.kv_blocks;
   auto resolved = ResolveBackend(o.backend, o.cuda_device);
   if (!resolved.ok()) Die(resolved.status().ToString(), 1);
@@ -325,6 +344,7 @@ int Run(int argc, char** argv) {
   // `health_mu` orders the monitor's update against the shutdown's
   // NOT_SERVING, which must be the last word.
   std::atomic<bool> stopping{false};
+  std::atomic<bool> model_failed_exit{false};
   std::mutex health_mu;
   std::thread monitor([&] {
     bool model_failed = false;
@@ -336,9 +356,16 @@ int Run(int argc, char** argv) {
       }
       if (const absl::Status mh = (*model)->health(); !mh.ok()) {
         all_up = false;
-        if (!model_failed)
-          std::fprintf(stderr, "hmoe-gpu-worker: the %s backend failed for good, NOT_SERVING: %s\n",
+        if (!model_failed) {
+          std::fprintf(stderr,
+                       "hmoe-gpu-worker: the %s backend failed for good, NOT_SERVING: %s; "
+                       "exiting non-zero for a restart\n",
                        (*model)->options().backend.c_str(), mh.ToString().c_str());
+          // The requests in flight fail with it; stop as on SIGTERM, then exit 3
+          // (systemd's Restart=on-failure brings up a fresh process and GPU context).
+          model_failed_exit = true;
+          ::kill(::getpid(), SIGTERM);
+        }
         model_failed = true;
       }
       if (pool || model_failed) {
@@ -371,7 +398,7 @@ int Run(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   monitor.join();
   std::fprintf(stderr, "hmoe-gpu-worker: stopped\n");
-  return 0;
+  return model_failed_exit.load() ? 3 : 0;
 }
 
 }  // namespace

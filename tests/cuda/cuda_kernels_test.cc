@@ -14,6 +14,7 @@
 
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/driver/routing.h"
 
 namespace hmoe::cuda {
 namespace {
@@ -873,6 +874,46 @@ TEST(GpuKernelTest, RouteTokensTiesGoToLowerIndex) {
       CheckRoute(p, flat, {}, "tie groups method " + std::to_string(method));
     }
   }
+}
+
+// Expert Deferral's split against the driver's (hmoe::SplitDeferred), with
+// ties (repeated weights) that the later slot must win, on odd shapes.
+TEST(GpuKernelTest, SplitDeferred) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(31);
+  for (int64_t T : {1, 3, 32, 77}) {
+    for (int64_t K : {2, 6, 8}) {
+      for (int64_t n = 0; n < K; ++n) {
+        SCOPED_TRACE(::testing::Message() << "T " << T << " K " << K << " n " << n);
+        std::vector<int32_t> ids(T * K);
+        std::vector<float> w(T * K);
+        std::uniform_int_distribution<int> id(0, 255), tie(0, 3);
+        for (int64_t i = 0; i < T * K; ++i) {
+          ids[i] = id(rng);
+          // Few distinct weights: many ties.
+          w[i] = 0.125f * static_cast<float>(tie(rng));
+        }
+        std::vector<int32_t> want_now(T * (K - n)), want_later(T * n);
+        std::vector<float> want_wn(T * (K - n)), want_wl(T * n);
+        hmoe::SplitDeferred(ids.data(), w.data(), T, K, n, want_now.data(), want_wn.data(),
+                            want_later.data(), want_wl.data());
+        DeviceBuffer<int32_t> di(ids), dn(T * (K - n)), dl(std::max<int64_t>(1, T * n));
+        DeviceBuffer<float> dw(w), dwn(T * (K - n)), dwl(std::max<int64_t>(1, T * n));
+        Check(SplitDeferred(di.get(), dw.get(), T, K, n, dn.get(), dwn.get(), dl.get(), dwl.get(),
+                            nullptr));
+        EXPECT_EQ(dn.Download(), want_now);
+        EXPECT_EQ(dwn.Download(), want_wn);
+        if (n > 0) {
+          EXPECT_EQ(dl.Download(), want_later);
+          EXPECT_EQ(dwl.Download(), want_wl);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(SplitDeferred(nullptr, nullptr, 4, 4, 4, nullptr, nullptr, nullptr, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(SplitDeferred(nullptr, nullptr, 0, 4, 1, nullptr, nullptr, nullptr, nullptr, nullptr),
+            cudaSuccess);
 }
 
 }  // namespace

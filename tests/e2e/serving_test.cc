@@ -124,6 +124,34 @@ std::vector<std::string> Fixtures() {
   return out;
 }
 
+// A sticky CUDA error (injected at the 4th pass, --debug-cuda-fault-after):
+// the request in flight fails, health turns NOT_SERVING and the worker
+// drains and exits 3, so that systemd (Restart=on-failure) starts a fresh
+// one. Skips where the worker cannot run the cuda backend.
+TEST(Serving, StickyCudaErrorFailsRequestsAndExitsNonZero) {
+  Pair pair;
+  pair.set_capture_logs();
+  const std::string dir = testing::FixturesDir() + "/ds3_fortunes";
+  if (!pair.Start(dir, 1, "tp", "shm", {"--backend=cuda", "--debug-cuda-fault-after=3"})) {
+    std::ifstream f(pair.log("worker"));
+    const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (log.find("CUDA") != std::string::npos || log.find("cuda") != std::string::npos)
+      GTEST_SKIP() << "the worker cannot run --backend=cuda here: " << log;
+    FAIL() << log;
+  }
+  api::v1::GenerateRequest r;
+  r.set_prompt("Love is");
+  r.set_max_tokens(20);
+  r.set_ignore_eos(true);
+  auto g = pair.client().Generate(r);
+  EXPECT_FALSE(g.ok());
+  const int status = pair.worker().WaitExit(30000);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << status;
+  std::ifstream f(pair.log("worker"));
+  const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_NE(log.find("failed for good, NOT_SERVING"), std::string::npos) << log;
+}
+
 // Whole stack (worker + expert service over shared memory, bf16 expert
 // weights) against transformers' greedy tokens, for every fixture.
 TEST(Serving, GreedyThroughTheWholeStackEqualsTransformers) {

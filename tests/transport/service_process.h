@@ -110,6 +110,21 @@ class ServiceProcess {
     waitpid(pid, &status, 0);
     return status;
   }
+  // Waits up to `timeout_ms` for the process to exit by itself; its wait
+  // status, or -1 if it still runs.
+  int WaitExit(int timeout_ms) {
+    const pid_t pid = pid_.load();
+    if (pid <= 0) return -1;
+    for (int i = 0; i < timeout_ms / 10 + 1; ++i) {
+      int status = 0;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        pid_.store(-1);
+        return status;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
   // Another program with the same --listen / --port-file contract
   // (e.g. hmoe-gpu-worker); default: hmoe-expert-service.
   void set_binary(std::string path) { binary_ = std::move(path); }

@@ -1,0 +1,126 @@
+#include "common/transport/expert_slots.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace hmoe {
+namespace {
+
+uint64_t Align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+HostMemorySlots::HostMemorySlots(int64_t hidden, const ExpertSlotsOptions& opts)
+    : ExpertSlotsBase(hidden, opts) {
+  const uint64_t t = static_cast<uint64_t>(opts.max_tokens), h = static_cast<uint64_t>(hidden),
+                 k = static_cast<uint64_t>(opts.top_k);
+  ids_off_ = Align(t * h * 2, 64);
+  weights_off_ = ids_off_ + Align(t * k * 4, 64);
+  out_off_ = weights_off_ + Align(t * k * 4, 64);
+  slot_bytes_ = Align(out_off_ + t * h * 4, 4096);
+  bytes_ = slot_bytes_ * static_cast<uint64_t>(opts.num_slots);
+}
+
+HostMemorySlots::~HostMemorySlots() {
+  if (base_ && opts_.before_release) opts_.before_release(base_, bytes_);
+  std::free(base_);
+}
+
+absl::Status HostMemorySlots::Init() {
+  if (opts_.num_slots <= 0 || opts_.max_tokens <= 0 || opts_.top_k <= 0)
+    return absl::InvalidArgumentError("expert slots: num_slots, max_tokens and top_k must be > 0");
+  base_ = static_cast<uint8_t*>(std::aligned_alloc(4096, bytes_));
+  if (base_ == nullptr)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("expert slots: ", bytes_, " bytes of host memory"));
+  // Rows a caller reads beyond a call's tokens are zeros, never garbage.
+  std::memset(base_, 0, bytes_);
+  return absl::OkStatus();
+}
+
+SlotView HostMemorySlots::view(int slot) const {
+  uint8_t* p = base_ + slot_bytes_ * static_cast<uint64_t>(slot);
+  return SlotView{reinterpret_cast<uint16_t*>(p), reinterpret_cast<int32_t*>(p + ids_off_),
+                  reinterpret_cast<float*>(p + weights_off_),
+                  reinterpret_cast<const float*>(p + out_off_)};
+}
+
+ExpertSlotsBase::ExpertSlotsBase(int64_t hidden, const ExpertSlotsOptions& opts)
+    : opts_(opts), hidden_(hidden), calls_(static_cast<size_t>(opts.num_slots)) {}
+
+void ExpertSlotsBase::Record(const absl::Status& st, int slot, int32_t layer) {
+  if (st.ok()) return;
+  absl::Status mapped = opts_.map_failure ? opts_.map_failure(st) : st;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (first_.ok())
+    first_ = Annotate(mapped, absl::StrCat("layer ", layer, " routed experts (slot ", slot, ")"));
+}
+
+void ExpertSlotsBase::Submit(int slot, int32_t layer, int32_t tokens, int32_t top_k) {
+  if (slot < 0 || slot >= num_slots()) {
+    Record(absl::FailedPreconditionError(absl::StrCat("no slot ", slot, " of ", num_slots())), slot,
+           layer);
+    return;
+  }
+  Call& c = calls_[static_cast<size_t>(slot)];
+  if (c.pending) {
+    Record(absl::FailedPreconditionError("submitted again before it was waited on"), slot, layer);
+    return;
+  }
+  c.pending = true;
+  c.sent = false;
+  c.layer = layer;
+  c.deadline = absl::Now() + opts_.call_timeout;
+  if (tokens == 0) return;  // nothing to compute; Wait returns at once
+  if (tokens < 0 || tokens > opts_.max_tokens || top_k <= 0 || top_k > opts_.top_k) {
+    Record(absl::FailedPreconditionError(absl::StrCat(tokens, " tokens x top-k ", top_k,
+                                                      " over the slots' ", opts_.max_tokens, " x ",
+                                                      opts_.top_k)),
+           slot, layer);
+    return;
+  }
+  absl::Status st = DoSubmit(slot, layer, tokens, top_k, c.deadline);
+  c.sent = st.ok();
+  Record(st, slot, layer);
+}
+
+void ExpertSlotsBase::Wait(int slot) {
+  if (slot < 0 || slot >= num_slots()) {
+    Record(absl::FailedPreconditionError(absl::StrCat("no slot ", slot, " of ", num_slots())), slot,
+           0);
+    return;
+  }
+  Call& c = calls_[static_cast<size_t>(slot)];
+  if (!c.pending) {
+    Record(absl::FailedPreconditionError("waited on without a submit"), slot, c.layer);
+    return;
+  }
+  c.pending = false;
+  if (!c.sent) return;  // its failure (or empty call) is already recorded
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st = DoWait(slot, c.deadline);
+  wait_ns_.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count());
+  Record(st, slot, c.layer);
+}
+
+absl::Status ExpertSlotsBase::TakeStatus() {
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::Status st = std::move(first_);
+  first_ = absl::OkStatus();
+  return st;
+}
+
+void ExpertSlotsBase::Drain() {
+  for (int i = 0; i < num_slots(); ++i)
+    if (calls_[static_cast<size_t>(i)].pending) Wait(i);
+}
+
+int64_t ExpertSlotsBase::TakeWaitNs() { return wait_ns_.exchange(0); }
+
+}  // namespace hmoe

@@ -1,0 +1,157 @@
+// ExpertSlots: fixed expert-call slots in host memory owned by the transport,
+// the form of an expert call that a CUDA Graph can hold.
+//
+// A slot is a request region (bf16 hidden [max_tokens][H], int32 ids and f32
+// routing weights [max_tokens][k]) and a response region (f32 partial sums
+// [max_tokens][H]) at addresses that stay put while generation() does. The
+// GPU copies a layer's request straight into a slot and its answer straight
+// out; the host only rings the doorbell (Submit) and waits (Wait). Both are
+// safe to call from a CUDA host node: they make no CUDA calls, Submit never
+// waits for the service, Wait returns by the call's deadline, and a failure
+// is not returned but kept for TakeStatus (a graph cannot stop half way; the
+// pass that saw a failure is dropped afterwards).
+//
+// The slot index is the only ticket: the caller decides which slot a call
+// uses (e.g. one per MoE layer, one more per deferred half) and every
+// Submit(s) is followed by exactly one Wait(s) before slot s is written
+// again. Nothing here knows the model's schedule.
+//
+// Errors kept for TakeStatus: UNAVAILABLE (service gone; Prepare reconnects),
+// DEADLINE_EXCEEDED (no answer in time; the slot stays blocked until the
+// service finishes the abandoned call or goes away), the service's own
+// refusals (INVALID_ARGUMENT naming the field), FAILED_PRECONDITION (bad slot
+// use: a slot submitted twice, an unknown slot, too many tokens).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace hmoe {
+
+struct ExpertSlotsOptions {
+  int64_t hidden = 0;  // H, the model's hidden size
+  int num_slots = 0;
+  int32_t max_tokens = 32;  // per call
+  int32_t top_k = 8;        // most ids per token of one call
+  absl::Duration call_timeout = absl::Seconds(30);
+  // Applied to each failure before TakeStatus reports it (e.g. the worker's
+  // mapping of transport codes to what its clients see); may be empty.
+  std::function<absl::Status(const absl::Status&)> map_failure;
+  // Called with a region just before its memory is released (e.g. to
+  // cudaHostUnregister it): at destruction, and when Prepare moves the
+  // slots. Never called from Submit or Wait. May be empty.
+  std::function<void(void* base, uint64_t bytes)> before_release;
+};
+
+// A slot's regions (for the current generation).
+struct SlotView {
+  uint16_t* hidden = nullptr;  // bf16 [max_tokens][H]
+  int32_t* ids = nullptr;      // [tokens][top_k] as the call's top_k lays them out
+  float* weights = nullptr;    // [tokens][top_k]
+  const float* out = nullptr;  // f32 [max_tokens][H], valid after a successful Wait
+};
+
+// Host memory holding the slots, for cudaHostRegister.
+struct HostRegion {
+  void* base = nullptr;
+  uint64_t bytes = 0;
+};
+
+class ExpertSlots {
+ public:
+  virtual ~ExpertSlots() = default;
+  virtual int num_slots() const = 0;
+  virtual int32_t max_tokens() const = 0;
+  virtual int32_t top_k() const = 0;
+  virtual int64_t hidden() const = 0;
+  // What the calls go over: "shm (zero copy)", "grpc (staged)", "in-process".
+  virtual const char* kind() const = 0;
+
+  // Outside any graph, before a pass: reconnects to the service when it went
+  // away (until `deadline`), and returns the generation, which changes when
+  // the slots moved (views, regions: re-read them, recapture graphs).
+  virtual absl::StatusOr<uint64_t> Prepare(absl::Time deadline) = 0;
+  virtual SlotView view(int slot) const = 0;
+  virtual std::vector<HostRegion> regions() const = 0;
+
+  // Enqueues the call in `slot`: `tokens` rows of its regions, `top_k` ids
+  // each, for MoE layer `layer`. Never waits for the service.
+  virtual void Submit(int slot, int32_t layer, int32_t tokens, int32_t top_k) = 0;
+  // Waits until the slot's answer is in view(slot).out, or the call's
+  // deadline; on failure the response region is unspecified.
+  virtual void Wait(int slot) = 0;
+  // The first failure since the last TakeStatus (OK if none), and clears it.
+  virtual absl::Status TakeStatus() = 0;
+  // Outside any graph: Waits on every slot submitted and not yet waited on
+  // (a pass abandoned half way), so that each can be submitted again.
+  virtual void Drain() = 0;
+  // Nanoseconds spent inside Wait since the last call (clears).
+  virtual int64_t TakeWaitNs() = 0;
+};
+
+// The common bookkeeping of an implementation: per-slot submitted state,
+// the first failure, the time spent waiting. Submit/Wait of one slot come
+// from one thread at a time; TakeStatus from any.
+class ExpertSlotsBase : public ExpertSlots {
+ public:
+  ExpertSlotsBase(int64_t hidden, const ExpertSlotsOptions& opts);
+  int num_slots() const override { return opts_.num_slots; }
+  int32_t max_tokens() const override { return opts_.max_tokens; }
+  int32_t top_k() const override { return opts_.top_k; }
+  int64_t hidden() const override { return hidden_; }
+  void Submit(int slot, int32_t layer, int32_t tokens, int32_t top_k) final;
+  void Wait(int slot) final;
+  absl::Status TakeStatus() final;
+  void Drain() final;
+  int64_t TakeWaitNs() final;
+
+ protected:
+  // The call in slot `slot` (checked: in range, not pending, within the
+  // capacity, tokens > 0); `deadline` is the call's.
+  virtual absl::Status DoSubmit(int slot, int32_t layer, int32_t tokens, int32_t top_k,
+                                absl::Time deadline) = 0;
+  virtual absl::Status DoWait(int slot, absl::Time deadline) = 0;
+  const ExpertSlotsOptions opts_;
+
+ private:
+  struct Call {
+    bool pending = false;  // submitted, not yet waited
+    bool sent = false;     // DoSubmit succeeded
+    int32_t layer = 0;
+    absl::Time deadline;
+  };
+  void Record(const absl::Status& st, int slot, int32_t layer);
+  const int64_t hidden_;
+  std::vector<Call> calls_;  // by slot
+  std::mutex mu_;
+  absl::Status first_;  // guarded by mu_
+  std::atomic<int64_t> wait_ns_{0};
+};
+
+// Slots in this object's own page-aligned host memory (one region), for
+// implementations whose transport copies the request (DoSubmit / DoWait
+// left to them). Slot layout: hidden | ids | weights | out, each 64-aligned.
+class HostMemorySlots : public ExpertSlotsBase {
+ public:
+  HostMemorySlots(int64_t hidden, const ExpertSlotsOptions& opts);
+  ~HostMemorySlots() override;
+  // Allocates the memory (RESOURCE_EXHAUSTED naming the size).
+  absl::Status Init();
+  absl::StatusOr<uint64_t> Prepare(absl::Time) override { return 1; }
+  SlotView view(int slot) const override;
+  std::vector<HostRegion> regions() const override { return {HostRegion{base_, bytes_}}; }
+
+ private:
+  uint64_t ids_off_ = 0, weights_off_ = 0, out_off_ = 0, slot_bytes_ = 0, bytes_ = 0;
+  uint8_t* base_ = nullptr;
+};
+
+}  // namespace hmoe
