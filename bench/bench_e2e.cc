@@ -91,6 +91,11 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
   --kv-blocks N         cuda: paged KV cache blocks (default 0: the backend's)
   --defer-experts N     Expert Deferral: the N lowest-weighted routed experts of a
                         layer join one layer late (default 0: the exact model)
+  --cuda-graphs on|off  cuda: one CUDA Graph per decode step (default on)
+  --defer-sweep LIST    after the runs above, batch-1 decode again for each
+                        deferral count in LIST (e.g. 0,1,2,3,4; the model is
+                        reloaded per count): tok/s, GPU and CPU busy per step
+                        and the bound perfect overlap allows (default: none)
   --threads N           worker threads of the model's parallel loops (default 0:
                         hardware concurrency)
   --prompts LIST        prefill prompt lengths (default 512,2048,8192)
@@ -276,6 +281,8 @@ struct Args {
   double gpu_mem_gb = 0;
   int64_t kv_blocks = 0;
   int defer_experts = 0;
+  bool cuda_graphs = true;
+  std::vector<int64_t> defer_sweep;  // batch-1 decode per deferral count (empty: none)
   int threads = 0;
   std::vector<int64_t> prompts{512, 2048, 8192};
   std::vector<int64_t> batches{1, 4, 16};
@@ -326,6 +333,8 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
                                      "--gpu-mem-gb",
                                      "--kv-blocks",
                                      "--defer-experts",
+                                     "--cuda-graphs",
+                                     "--defer-sweep",
                                      "--threads",
                                      "--prompts",
                                      "--batches",
@@ -410,6 +419,12 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
     } else if (f == "--defer-experts") {
       if (!integer(0, 255)) return std::nullopt;
       a.defer_experts = static_cast<int>(n);
+    } else if (f == "--cuda-graphs") {
+      if (v != "on" && v != "off")
+        return bad(absl::StrCat("--cuda-graphs: \"", v, "\" is not on or off"));
+      a.cuda_graphs = v == "on";
+    } else if (f == "--defer-sweep") {
+      if (!list(0, 255, &a.defer_sweep)) return std::nullopt;
     } else if (f == "--threads") {
       if (!integer(0, 4096)) return std::nullopt;
       a.threads = static_cast<int>(n);
@@ -751,12 +766,19 @@ ojson StatsJson(const ModelStats& s) {
           {"tokens", s.tokens},
           {"kernel_launches", s.kernel_launches},
           {"gpu_busy_ns", s.gpu_busy_ns},
-          {"expert_wait_ns", s.expert_wait_ns}};
+          {"expert_wait_ns", s.expert_wait_ns},
+          {"graph_launches", s.graph_launches},
+          {"graph_captures", s.graph_captures}};
 }
 
 ModelStats Delta(const ModelStats& a, const ModelStats& b) {
-  return {b.passes - a.passes, b.tokens - a.tokens, b.kernel_launches - a.kernel_launches,
-          b.gpu_busy_ns - a.gpu_busy_ns, b.expert_wait_ns - a.expert_wait_ns};
+  return {b.passes - a.passes,
+          b.tokens - a.tokens,
+          b.kernel_launches - a.kernel_launches,
+          b.gpu_busy_ns - a.gpu_busy_ns,
+          b.expert_wait_ns - a.expert_wait_ns,
+          b.graph_launches - a.graph_launches,
+          b.graph_captures - a.graph_captures};
 }
 
 std::vector<int32_t> RandomTokens(std::mt19937_64& rng, int64_t n, int64_t vocab) {
@@ -952,6 +974,7 @@ absl::Status Run(const Args& a) {
   mo.gpu_mem_gb = a.gpu_mem_gb;
   mo.kv_blocks = a.kv_blocks;
   mo.deferred_experts = a.defer_experts;
+  mo.cuda_graphs = a.cuda_graphs;
   mo.num_threads = a.threads;
   mo.max_seq_len = max_seq;
   t0 = Now();
@@ -1016,16 +1039,23 @@ absl::Status Run(const Args& a) {
 
   // Decode.
   ojson decode = ojson::array();
-  std::printf("\n%-6s %9s %10s %10s %11s %9s %14s %12s %18s\n", "batch", "step_ms", "tok/s",
-              "tok/s/seq", "ceiling", "%ceiling", "launches/step", "gpu_ms/step",
+  std::printf("\n%-6s %9s %10s %10s %11s %9s %14s %13s %12s %18s\n", "batch", "step_ms", "tok/s",
+              "tok/s/seq", "ceiling", "%ceiling", "launches/step", "graphs/step", "gpu_ms/step",
               "expert_wait_ms/step");
   double fraction_b1 = -1;
-  for (int64_t b : a.batches) {
+  // Decode steps of batch b on `m` (its own sequences, prefilled first).
+  struct DecodeRun {
+    double dt = 0;       // seconds for a.decode_steps steps
+    ModelStats d;        // stats over them
+    double cpu_ns = -1;  // the expert service's compute time over them (with `control`)
+  };
+  auto run_decode = [&](const Model& m, int64_t b,
+                        ControlClient* control = nullptr) -> absl::StatusOr<DecodeRun> {
     std::vector<std::unique_ptr<Sequence>> seqs;
     std::vector<std::vector<int32_t>> prompts;
     std::vector<std::vector<float>> outs(static_cast<size_t>(b));
     for (int64_t i = 0; i < b; ++i) {
-      seqs.push_back(model->NewSequence());
+      seqs.push_back(m.NewSequence());
       prompts.push_back(RandomTokens(rng, a.decode_prompt, vocab));
     }
     std::vector<ForwardStep> steps(static_cast<size_t>(b));
@@ -1033,8 +1063,7 @@ absl::Status Run(const Args& a) {
       steps[static_cast<size_t>(i)] = {seqs[static_cast<size_t>(i)].get(),
                                        prompts[static_cast<size_t>(i)], LogitsMode::kLast,
                                        &outs[static_cast<size_t>(i)]};
-    RETURN_IF_ERROR(
-        Annotate(model->ForwardBatch(steps), absl::StrCat("decode batch ", b, ": prefill")));
+    RETURN_IF_ERROR(Annotate(m.ForwardBatch(steps), absl::StrCat("decode batch ", b, ": prefill")));
     std::vector<int32_t> next(static_cast<size_t>(b));
     auto step = [&]() -> absl::Status {
       for (int64_t i = 0; i < b; ++i) {
@@ -1042,16 +1071,31 @@ absl::Status Run(const Args& a) {
         steps[static_cast<size_t>(i)].tokens =
             absl::Span<const int32_t>(&next[static_cast<size_t>(i)], 1);
       }
-      return model->ForwardBatch(steps);
+      return m.ForwardBatch(steps);
     };
     for (int w = 0; w < warm_steps; ++w)
       RETURN_IF_ERROR(Annotate(step(), absl::StrCat("decode batch ", b, ": warm-up step")));
-    const ModelStats s0 = model->stats();
+    ShardStats c0;
+    if (control) {
+      ASSIGN_OR_RETURN(c0, control->Stats());
+    }
+    const ModelStats s0 = m.stats();
     const double t = Now();
     for (int64_t s = 0; s < a.decode_steps; ++s)
       RETURN_IF_ERROR(Annotate(step(), absl::StrCat("decode batch ", b, ": step ", s)));
-    const double dt = Now() - t;
-    const ModelStats d = Delta(s0, model->stats());
+    DecodeRun r;
+    r.dt = Now() - t;
+    r.d = Delta(s0, m.stats());
+    if (control) {
+      ASSIGN_OR_RETURN(const ShardStats c1, control->Stats());
+      r.cpu_ns = static_cast<double>(c1.compute_ns - c0.compute_ns);
+    }
+    return r;
+  };
+  for (int64_t b : a.batches) {
+    ASSIGN_OR_RETURN(const DecodeRun run, run_decode(*model, b));
+    const double dt = run.dt;
+    const ModelStats& d = run.d;
     const double n = static_cast<double>(a.decode_steps);
     const double tok_s = static_cast<double>(b) * n / dt, per_seq = n / dt;
     // Distinct experts a step of b tokens reads per layer under uniform
@@ -1065,12 +1109,13 @@ absl::Status Run(const Args& a) {
     const double frac = tok_s / ceil_b;
     if (b == 1) fraction_b1 = frac;
     const double launches = static_cast<double>(d.kernel_launches) / n;
+    const double graphs = static_cast<double>(d.graph_launches) / n;
     const double gpu_ms = static_cast<double>(d.gpu_busy_ns) / n / 1e6;
     const double wait_ms = static_cast<double>(d.expert_wait_ns) / n / 1e6;
-    std::printf("%-6lld %9.2f %10.1f %10.2f %11.1f %8.1f%% %14s %12s %18s\n",
+    std::printf("%-6lld %9.2f %10.1f %10.2f %11.1f %8.1f%% %14s %13s %12s %18s\n",
                 static_cast<long long>(b), dt / n * 1e3, tok_s, per_seq, ceil_b, 100 * frac,
                 Cell(launches, d.kernel_launches > 0, "%.0f").c_str(),
-                Cell(gpu_ms, d.gpu_busy_ns > 0, "%.3f").c_str(),
+                Cell(graphs, gpu, "%.2f").c_str(), Cell(gpu_ms, d.gpu_busy_ns > 0, "%.3f").c_str(),
                 Cell(wait_ms, d.expert_wait_ns > 0, "%.3f").c_str());
     std::fflush(stdout);
     decode.push_back({{"batch", b},
@@ -1082,6 +1127,7 @@ absl::Status Run(const Args& a) {
                       {"ceiling_tok_s", ceil_b},
                       {"fraction_of_ceiling", frac},
                       {"launches_per_step", launches},
+                      {"graph_launches_per_step", graphs},
                       {"gpu_ms_per_step", gpu_ms},
                       {"expert_wait_ms_per_step", wait_ms},
                       {"stats_delta", StatsJson(d)}});
@@ -1093,6 +1139,61 @@ absl::Status Run(const Args& a) {
       "# ceiling for batch > 1: the same bandwidth over the distinct experts a step "
       "reads under uniform routing (an estimate)%s\n",
       gpu ? "" : "; launches / gpu_ms: '-' where the backend keeps no such counter");
+
+  // Expert Deferral: batch-1 decode per deferral count (the model reloaded
+  // each time; the service stays), against the bound perfect overlap allows:
+  // 1 / max(GPU busy, CPU busy) per step.
+  ojson sweep = ojson::array();
+  double sweep_frac_2 = -1;
+  if (!a.defer_sweep.empty()) {
+    ControlClient control(MakeExpertChannel(epo.targets[0]));
+    std::printf("\n%-6s %9s %10s %12s %12s %9s %9s %12s %8s %13s\n", "defer", "step_ms", "tok/s",
+                "gpu_ms/step", "cpu_ms/step", "gpu_busy", "cpu_busy", "bound_tok/s", "%bound",
+                "speedup_bound");
+    double step0_ms = -1;
+    for (int64_t nd : a.defer_sweep) {
+      if (nd >= K) {
+        std::printf("%-6lld (skipped: top-k is %lld)\n", static_cast<long long>(nd),
+                    static_cast<long long>(K));
+        continue;
+      }
+      model.reset();
+      ModelOptions so = mo;
+      so.deferred_experts = static_cast<int>(nd);
+      ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(work_dir));
+      ASSIGN_OR_RETURN(model, Model::Create(config, *ckpt, so, experts.get()));
+      ckpt.reset();
+      ASSIGN_OR_RETURN(const DecodeRun run, run_decode(*model, 1, &control));
+      const double n = static_cast<double>(a.decode_steps);
+      const double step_ms = run.dt / n * 1e3, tok_s = n / run.dt;
+      const double gpu_ms = static_cast<double>(run.d.gpu_busy_ns) / n / 1e6;
+      const double cpu_ms = run.cpu_ns / n / 1e6;
+      if (nd == 0) step0_ms = step_ms;
+      const double bound_ms = std::max(gpu_ms, cpu_ms);
+      const double bound_tok_s = bound_ms > 0 ? 1e3 / bound_ms : 0;
+      const double frac = bound_tok_s > 0 ? tok_s / bound_tok_s : 0;
+      const double speedup = step0_ms > 0 && bound_ms > 0 ? step0_ms / bound_ms : 0;
+      if (nd == 2) sweep_frac_2 = frac;
+      std::printf("%-6lld %9.2f %10.1f %12.3f %12.3f %8.1f%% %8.1f%% %12.1f %7.1f%% %13s\n",
+                  static_cast<long long>(nd), step_ms, tok_s, gpu_ms, cpu_ms,
+                  100 * gpu_ms / step_ms, 100 * cpu_ms / step_ms, bound_tok_s, 100 * frac,
+                  Cell(speedup, step0_ms > 0, "%.2fx").c_str());
+      std::fflush(stdout);
+      sweep.push_back({{"deferred", nd},
+                       {"step_ms", step_ms},
+                       {"tok_s", tok_s},
+                       {"gpu_ms_per_step", gpu_ms},
+                       {"cpu_ms_per_step", cpu_ms},
+                       {"gpu_busy", gpu_ms / step_ms},
+                       {"cpu_busy", cpu_ms / step_ms},
+                       {"bound_tok_s", bound_tok_s},
+                       {"fraction_of_bound", frac},
+                       {"speedup_bound_vs_no_deferral", speedup},
+                       {"stats_delta", StatsJson(run.d)}});
+    }
+    if (sweep_frac_2 >= 0)
+      std::printf("# deferral 2: %.1f%% of the perfect-overlap bound\n", 100 * sweep_frac_2);
+  }
 
   // Stop the service before writing, so its shutdown is part of the run.
   model.reset();
@@ -1138,9 +1239,11 @@ absl::Status Run(const Args& a) {
     J["fraction_of_ceiling_b1"] = fraction_b1 >= 0 ? ojson(fraction_b1) : ojson(nullptr);
     J["prefill"] = prefill;
     J["decode"] = decode;
+    J["defer_sweep"] = sweep;
     J["options"] = {{"gpu_mem_gb", a.gpu_mem_gb},
                     {"kv_blocks", a.kv_blocks},
                     {"defer_experts", a.defer_experts},
+                    {"cuda_graphs", a.cuda_graphs},
                     {"threads", a.threads},
                     {"warmup", a.warmup},
                     {"reps", a.reps},

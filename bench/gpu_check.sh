@@ -22,13 +22,13 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "rc=$rc" >>"$out/$name.txt"
   echo "   rc=$rc"
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran|\[ cuda/cpu \]" "$out/$name.txt" | head -40
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran|\[ cuda/cpu \]|\[ graphs   \]" "$out/$name.txt" | head -40
 }
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | head -20) \
   >"$out/machine.txt" 2>&1
 [ "${KERNELS:-1}" = 1 ] && step kernels "${KERNEL_SECS:-120}" "$bin/hmoe-tests" --gtest_filter='GpuKernelTest.*'
 [ "${BACKEND:-1}" = 1 ] && step backend "${BACKEND_SECS:-300}" "$bin/hmoe-tests" \
-  --gtest_filter='*CudaVsCpu*:CudaBackend.*:ModelBackend.*:Backends/*'
+  --gtest_filter="${BACKEND_FILTER:-*CudaVsCpu*:CudaBackend.*:ModelBackend.*:Backends/*:*CudaGraphs*:InProcessSlots*:DriverHealth*}"
 [ "${SERVE:-1}" = 1 ] && step serving "${SERVE_SECS:-240}" "$bin/hmoe-tests" \
   --gtest_filter="${SERVE_FILTER:-Serving*:*Worker*:E2e*}"
 for run in ${E2E_RUNS:-}; do

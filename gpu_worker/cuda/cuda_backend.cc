@@ -275,6 +275,7 @@ class CudaBackend final : public LayerBackend {
     slots_.reset();  // its before_release unregisters its memory
     for (auto& e : pass_ev_)
       if (e) cudaEventDestroy(e);
+    if (done_ev_) cudaEventDestroy(done_ev_);
     for (auto& e : events_) cudaEventDestroy(e);
     if (blas_) cublasDestroy(blas_);
     if (stream_) cudaStreamDestroy(stream_);
@@ -447,6 +448,7 @@ class CudaBackend final : public LayerBackend {
   bool capturing_ = false, replayed_ = false, fell_back_ = false;
   Graph* capture_ = nullptr;
   cudaEvent_t pass_ev_[2] = {nullptr, nullptr};
+  cudaEvent_t done_ev_ = nullptr;  // blocking sync at the end of a pass
   int64_t graph_launches_ = 0, graph_captures_ = 0, slot_wait_ns_ = 0;
   DeviceBuffer blas_ws_;
   int64_t passes_begun_ = 0;  // for ModelOptions::debug_cuda_fault_after
@@ -554,6 +556,8 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   HMOE_CUBLAS_TRY(cublasSetWorkspace(blas_, blas_ws_.as<void>(), kBlasWorkspaceBytes),
                   "cublasSetWorkspace");
   for (auto& e : pass_ev_) HMOE_CUDA_TRY(cudaEventCreate(&e), "cudaEventCreate");
+  HMOE_CUDA_TRY(cudaEventCreateWithFlags(&done_ev_, cudaEventBlockingSync | cudaEventDisableTiming),
+                "cudaEventCreate");
   graphs_on_ = o_.cuda_graphs;
   // Weights.
   const ModelNames names;
@@ -808,7 +812,12 @@ void CudaBackend::BurstEnd() {
 
 absl::Status CudaBackend::Sync(const char* what) {
   BurstEnd();
-  cudaError_t e = cudaStreamSynchronize(stream_);
+  // A blocking-sync event, not a spinning stream sync: the host would
+  // otherwise hold a core for the whole step, which the expert service's
+  // pinned threads need (measured: ~3 ms per expert call lost to the
+  // scheduler's time slices when the two shared a core).
+  cudaError_t e = cudaEventRecord(done_ev_, stream_);
+  if (e == cudaSuccess) e = cudaEventSynchronize(done_ev_);
   if (e != cudaSuccess) return Fail(CudaError(e, what));
   return absl::OkStatus();
 }
@@ -1050,9 +1059,13 @@ absl::Status CudaBackend::Route(int l, const GateSpec& g, RoutedInput* out) {
   RETURN_IF_ERROR(health());
   RETURN_IF_ERROR(RunRouter(l, g));
   const int64_t T = rows_, H = c_.hidden_size, K = g.top_k;
-  HMOE_CUDA_TRY(
-      cudaMemcpyAsync(h_host_, h_, static_cast<size_t>(T * H * 4), cudaMemcpyDeviceToHost, stream_),
-      "expert input download");
+  // The experts get bf16(h), as through the slots (and over the wire), so a
+  // token's result does not depend on which path its pass took. routed_ is
+  // free until AddExperts.
+  RETURN_IF_ERROR(Launched(Bf16ToF32(hb_, T * H, routed_, stream_), "Bf16ToF32"));
+  HMOE_CUDA_TRY(cudaMemcpyAsync(h_host_, routed_, static_cast<size_t>(T * H * 4),
+                                cudaMemcpyDeviceToHost, stream_),
+                "expert input download");
   HMOE_CUDA_TRY(cudaMemcpyAsync(rid_host_, rid_, static_cast<size_t>(T * K * 4),
                                 cudaMemcpyDeviceToHost, stream_),
                 "expert ids download");
