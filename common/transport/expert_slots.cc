@@ -76,6 +76,12 @@ void ExpertSlotsBase::Submit(int slot, int32_t layer, int32_t tokens, int32_t to
   c.layer = layer;
   c.deadline = absl::Now() + opts_.call_timeout;
   if (tokens == 0) return;  // nothing to compute; Wait returns at once
+  {
+    // A failure since the last TakeStatus dooms the pass: the rest of its
+    // calls are not sent (a hung service costs one deadline, not one per layer).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!first_.ok()) return;
+  }
   if (tokens < 0 || tokens > opts_.max_tokens || top_k <= 0 || top_k > opts_.top_k) {
     Record(absl::FailedPreconditionError(absl::StrCat(tokens, " tokens x top-k ", top_k,
                                                       " over the slots' ", opts_.max_tokens, " x ",

@@ -83,7 +83,9 @@ class ExpertSlots {
   virtual std::vector<HostRegion> regions() const = 0;
 
   // Enqueues the call in `slot`: `tokens` rows of its regions, `top_k` ids
-  // each, for MoE layer `layer`. Never waits for the service.
+  // each, for MoE layer `layer`. Never waits for the service. After a
+  // failure not yet taken (TakeStatus) nothing is sent: the pass is lost
+  // anyway, and a hung service then costs one deadline per pass.
   virtual void Submit(int slot, int32_t layer, int32_t tokens, int32_t top_k) = 0;
   // Waits until the slot's answer is in view(slot).out, or the call's
   // deadline; on failure the response region is unspecified.

@@ -56,6 +56,9 @@ TEST(Flags, WorkerRefusesNumbersOutsideTheirRange) {
            Case{"--max-context=1000000000000000000", "--max-context must be an integer in [0, "},
            Case{"--threads=99999999999999999999", "--threads must be an integer in [0, 4096]"},
            Case{"--max-queue=0", "--max-queue must be an integer in [1, "},
+           Case{"--cuda-graphs=maybe", "--cuda-graphs must be on or off, got maybe"},
+           Case{"--debug-cuda-fault-after=0",
+                "--debug-cuda-fault-after must be an integer in [1, "},
        }) {
     const Outcome r = Shell(dir, absl::StrCat(worker, " --model ", model, " ", c.flag));
     EXPECT_EQ(r.exit_code, 2) << c.flag << ": " << r.err;

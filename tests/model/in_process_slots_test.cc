@@ -274,5 +274,31 @@ TEST_F(InProcessSlots, FailuresAreMappedAndBadOptionsRefused) {
   }
 }
 
+// After a failure not yet taken, a pass's later calls are not sent (their
+// out regions stay as they were); TakeStatus ends the pass and calls go
+// out again.
+TEST_F(InProcessSlots, AFailedPassSendsNoMoreCallsUntilTakeStatus) {
+  auto made = ref_->MakeSlots(Options(3));
+  ASSERT_TRUE(made.ok()) << made.status();
+  ExpertSlots& s = **made;
+  const int32_t layer = moe_layers_[0], K = s.top_k();
+  const Call good = MakeCall(config_, layer, 2, K, 7);
+  Call bad = good;
+  bad.ids[0] = static_cast<int32_t>(config_.moe.num_experts);  // out of range
+  Fill(s, 0, bad);
+  Fill(s, 1, good);
+  std::memset(const_cast<float*>(s.view(1).out), 0, 2 * s.hidden() * sizeof(float));
+  s.Submit(0, layer, 2, K);
+  s.Wait(0);                 // the failure is known here
+  s.Submit(1, layer, 2, K);  // a later layer of the same pass: not sent
+  s.Wait(1);
+  EXPECT_EQ(Out(s, 1, 2), std::vector<float>(static_cast<size_t>(2 * s.hidden()), 0.f));
+  EXPECT_EQ(s.TakeStatus().code(), absl::StatusCode::kInvalidArgument);
+  s.Submit(1, layer, 2, K);
+  s.Wait(1);
+  EXPECT_TRUE(s.TakeStatus().ok());
+  EXPECT_EQ(Out(s, 1, 2), Want(good));
+}
+
 }  // namespace
 }  // namespace hmoe
