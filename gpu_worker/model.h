@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/model_config.h"
+#include "common/routing_stats.h"
 #include "common/safetensors.h"
 #include "gpu_worker/routed_experts.h"
 
@@ -144,6 +145,10 @@ class Model {
   virtual int64_t kv_blocks_total() const { return 0; }
   virtual int64_t kv_block_tokens() const { return 16; }
   virtual ModelStats stats() const { return {}; }
+  // Tokens routed to each routed expert of each MoE layer since load
+  // (common/routing_stats.h; passes that failed half way count what they
+  // routed). Empty for a model without MoE layers.
+  virtual RoutingTable routing_stats() const { return {}; }
   // OK while the model can run passes; otherwise the failure that stopped it
   // for good (cuda: a CUDA or cuBLAS error leaves the device context unusable,
   // so every later pass fails with it). Callable from any thread, also during

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/auth_token.h"
+#include "common/routing_stats.h"
 #include "common/status.h"
 #include "sdk/client.h"
 #include "sdk/stats.h"
@@ -461,6 +462,81 @@ int BenchServeCommand(const std::vector<std::string>& args) {
               pct(ttft, 0.99));
   if (!first_error.empty()) std::printf("  first error: %s\n", first_error.c_str());
   return failed.load() == 0 ? 0 : 1;
+}
+
+int StatsCommand(const std::vector<std::string>& args) {
+  Flags f(args, {"--json"});
+  const std::vector<std::string> known = {"--server",        "--token-file",   "--tls-ca-file",
+                                          "--tls-cert-file", "--tls-key-file", "--save",
+                                          "--json"};
+  if (!f.Unknown(known).empty()) {
+    std::fprintf(stderr, "hmoe stats: unknown flag %s\n", f.Unknown(known).c_str());
+    return 2;
+  }
+  const bool json = f.Bool("--json", false);
+  const std::string save = f.Str("--save");
+  f.NoMorePositional(0);
+  if (!f.error().empty()) {
+    std::fprintf(stderr, "hmoe stats: %s\n", f.error().c_str());
+    return 2;
+  }
+  auto client = ConnectFrom(f);
+  if (!client.ok()) {
+    std::fprintf(stderr, "hmoe stats: %s\n", client.status().ToString().c_str());
+    return 1;
+  }
+  auto s = (*client)->Stats();
+  if (!s.ok()) {
+    std::fprintf(stderr, "hmoe stats: %s\n", s.status().ToString().c_str());
+    return 1;
+  }
+  RoutingTable t;
+  t.model_type = s->model_type();
+  t.num_experts = s->num_experts();
+  t.experts_per_token = s->experts_per_token();
+  for (const api::v1::LayerRouting& l : s->routing())
+    t.layers.push_back({l.layer(), std::vector<uint64_t>(l.tokens().begin(), l.tokens().end())});
+  const std::string table = RoutingTableJson(t);
+  if (!save.empty()) {
+    const std::string tmp = save + ".tmp";
+    FILE* out = std::fopen(tmp.c_str(), "w");
+    if (out == nullptr || std::fputs(table.c_str(), out) < 0 || std::fclose(out) != 0 ||
+        std::rename(tmp.c_str(), save.c_str()) != 0) {
+      std::fprintf(stderr, "hmoe stats: cannot write --save %s\n", save.c_str());
+      return 1;
+    }
+  }
+  if (json) {
+    std::fputs(table.c_str(), stdout);
+    return 0;
+  }
+  std::printf("requests: %lld running, %lld waiting, %lld completed, %lld rejected; %lld tokens\n",
+              static_cast<long long>(s->running()), static_cast<long long>(s->waiting()),
+              static_cast<long long>(s->completed()), static_cast<long long>(s->rejected()),
+              static_cast<long long>(s->tokens_generated()));
+  std::printf("KV cache: %lld of %lld blocks of %lld tokens in use\n",
+              static_cast<long long>(s->kv_blocks_used()),
+              static_cast<long long>(s->kv_blocks_total()),
+              static_cast<long long>(s->kv_block_tokens()));
+  std::printf("routing (%s, %lld experts, top-%lld): %llu tokens routed per MoE layer\n",
+              t.model_type.c_str(), static_cast<long long>(t.num_experts),
+              static_cast<long long>(t.experts_per_token),
+              static_cast<unsigned long long>(t.routed_tokens()));
+  // Per layer: how concentrated the routing is (the share of the busiest
+  // eighth of the experts), what hot-expert placement can exploit.
+  for (const RoutingTable::Layer& l : t.layers) {
+    std::vector<uint64_t> c = l.tokens;
+    std::sort(c.rbegin(), c.rend());
+    uint64_t all = 0, top = 0;
+    for (size_t i = 0; i < c.size(); ++i) {
+      all += c[i];
+      if (i < std::max<size_t>(1, c.size() / 8)) top += c[i];
+    }
+    std::printf("  layer %3d: busiest 1/8 of the experts take %5.1f%%\n", l.layer,
+                all ? 100.0 * static_cast<double>(top) / static_cast<double>(all) : 0.0);
+  }
+  if (!save.empty()) std::printf("saved to %s\n", save.c_str());
+  return 0;
 }
 
 }  // namespace hmoe

@@ -13,5 +13,8 @@ namespace hmoe {
 int GenerateCommand(const std::vector<std::string>& args);
 int ChatCommand(const std::vector<std::string>& args);
 int BenchServeCommand(const std::vector<std::string>& args);
+// hmoe stats [--save FILE] [--json]: the worker's engine and routing
+// statistics; --save writes the routing table (common/routing_stats.h).
+int StatsCommand(const std::vector<std::string>& args);
 
 }  // namespace hmoe

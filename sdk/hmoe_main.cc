@@ -2,7 +2,7 @@
 //
 //   hmoe inspect MODEL_DIR [--dram-gbps N] [--json] [--no-check]
 //   hmoe convert MODEL_DIR OUT --format ...
-//   hmoe generate -p TEXT | chat | bench-serve   (against a running hmoe-gpu-worker)
+//   hmoe generate -p TEXT | chat | bench-serve | stats   (against a running hmoe-gpu-worker)
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -30,6 +30,9 @@ int Usage(FILE* out) {
       "      interactive chat that keeps the conversation\n"
       "  bench-serve [--server ADDR] [--clients N] [--requests M] [--max-tokens K] [-p TEXT]\n"
       "      N concurrent clients: latency percentiles and throughput\n"
+      "  stats [--server ADDR] [--save FILE] [--json]\n"
+      "      the worker's requests, KV use and tokens routed per layer and expert;\n"
+      "      --save writes the routing table as JSON (for hot-expert placement)\n"
       "sampling flags: --max-tokens N --temperature T --top-k K --top-p P --min-p P\n"
       "  --repetition-penalty R --presence-penalty X --frequency-penalty X --seed S\n"
       "  --stop STR (repeatable) --ignore-eos[=true|false] --add-special-tokens[=true|false]\n"
@@ -100,6 +103,7 @@ int main(int argc, char** argv) {
   if (cmd == "generate") return hmoe::GenerateCommand(args);
   if (cmd == "chat") return hmoe::ChatCommand(args);
   if (cmd == "bench-serve") return hmoe::BenchServeCommand(args);
+  if (cmd == "stats") return hmoe::StatsCommand(args);
   if (cmd == "-h" || cmd == "--help" || cmd == "help") return Usage(stdout);
   std::fprintf(stderr, "hmoe: unknown command \"%s\"\n", cmd.c_str());
   return Usage(stderr);

@@ -46,12 +46,18 @@ struct HostCall {
   int a = -1, b = -1;
   int32_t layer = 0, ka = 0, kb = 0;
   const int32_t* tokens = nullptr;  // pinned: the pass's real token count
+  RoutingCounters* counts = nullptr;
+  const int32_t *ids_a = nullptr, *ids_b = nullptr;  // the slots' ids, counted at submit
 };
 void CUDART_CB SubmitHost(void* p) {
   const auto* c = static_cast<const HostCall*>(p);
   const int32_t T = *c->tokens;
+  if (c->counts) c->counts->Add(c->layer, c->ids_a, int64_t{T} * c->ka);
   c->slots->Submit(c->a, c->layer, T, c->ka);
-  if (c->b >= 0) c->slots->Submit(c->b, c->layer, T, c->kb);
+  if (c->b >= 0) {
+    if (c->counts) c->counts->Add(c->layer, c->ids_b, int64_t{T} * c->kb);
+    c->slots->Submit(c->b, c->layer, T, c->kb);
+  }
 }
 void CUDART_CB WaitHost(void* p) {
   const auto* c = static_cast<const HostCall*>(p);
@@ -312,7 +318,7 @@ class CudaBackend final : public LayerBackend {
   absl::Status Commit() override;
   void Abort() override;
 
-  bool AttachExperts(RoutedExperts* experts) override;
+  bool AttachExperts(RoutedExperts* experts, RoutingCounters* counts) override;
   bool pass_uses_slots() const override { return slot_pass_; }
   bool replayed() const override { return replayed_; }
   bool capture_fell_back() override { return fell_back_; }
@@ -427,6 +433,7 @@ class CudaBackend final : public LayerBackend {
 
   // Device-side expert calls (passes of up to kSlotTokens tokens).
   RoutedExperts* experts_ = nullptr;
+  RoutingCounters* counts_ = nullptr;
   std::unique_ptr<ExpertSlots> slots_;
   uint64_t slots_gen_ = 0;  // the generation whose memory is registered
   std::vector<SlotView> views_;
@@ -1229,8 +1236,9 @@ void CudaBackend::DropGraphs() {
   capture_ = nullptr;
 }
 
-bool CudaBackend::AttachExperts(RoutedExperts* experts) {
+bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts) {
   experts_ = experts;
+  counts_ = counts;
   ExpertSlotsOptions so;
   so.hidden = c_.hidden_size;
   so.num_slots = 2 * c_.num_layers;  // per layer: the call, and its deferred part
@@ -1402,6 +1410,9 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
   c.ka = static_cast<int32_t>(k0);
   c.kb = n;
   c.tokens = tokens_host_;
+  c.counts = counts_;
+  c.ids_a = views_[static_cast<size_t>(2 * l)].ids;
+  c.ids_b = n > 0 ? views_[static_cast<size_t>(2 * l + 1)].ids : nullptr;
   cudaError_t e = cudaLaunchHostFunc(stream_, SubmitHost, &c);
   if (e != cudaSuccess) return Failed(CudaError(e, "expert submit node"));
   return absl::OkStatus();

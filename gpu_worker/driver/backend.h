@@ -100,8 +100,10 @@ class LayerBackend {
   virtual absl::Status AddToResidual(const float* v) = 0;  // [T, H] host f32
 
   // Device-side expert calls (see above). `experts` outlives the backend.
-  virtual bool AttachExperts(RoutedExperts* experts) {
-    (void)experts;
+  // `counts` (outliving the backend) is where a backend that calls the
+  // experts itself counts what it routes.
+  virtual bool AttachExperts(RoutedExperts* experts, RoutingCounters* counts) {
+    (void)experts, (void)counts;
     return false;
   }
   virtual bool pass_uses_slots() const { return false; }

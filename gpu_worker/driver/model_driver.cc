@@ -39,6 +39,13 @@ namespace {
 
 class ModelDriver;
 
+std::vector<int32_t> MoeLayers(const ModelConfig& c) {
+  std::vector<int32_t> out;
+  for (int l = 0; l < c.num_layers; ++l)
+    if (c.layers[static_cast<size_t>(l)].moe) out.push_back(l);
+  return out;
+}
+
 class DriverSequence final : public Sequence {
  public:
   DriverSequence(const ModelDriver* owner, int64_t capacity, std::unique_ptr<KvCache> kv)
@@ -111,7 +118,8 @@ class ModelDriver final : public Model {
         experts_(experts),
         geo_(AttentionGeometryFor(config)),
         rope_(ComputeRope(config.rope, geo_.rope_dim)),
-        gate_(GateSpecFor(config)) {}
+        gate_(GateSpecFor(config)),
+        routing_(MoeLayers(config), config.moe.num_experts) {}
 
   const ModelConfig& config() const override { return c_; }
   const ModelOptions& options() const override { return options_; }
@@ -129,6 +137,10 @@ class ModelDriver final : public Model {
     return s;
   }
   absl::Status health() const override { return backend_->health(); }
+  RoutingTable routing_stats() const override {
+    return routing_.Snapshot(c_.model_type, c_.moe.experts_per_token);
+  }
+  void AttachBackendExperts() { backend_->AttachExperts(experts_, &routing_); }
   absl::Status ForwardBatch(absl::Span<const ForwardStep> steps) const override;
 
  private:
@@ -148,6 +160,7 @@ class ModelDriver final : public Model {
   AttentionGeometry geo_;
   RopeTables rope_;
   GateSpec gate_;
+  mutable RoutingCounters routing_;  // thread-safe adds
   // One pass at a time: the backend holds one pass's activations.
   mutable std::mutex mu_;
   mutable ModelStats stats_;  // guarded by mu_
@@ -163,6 +176,7 @@ absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* defe
   const int64_t K = c_.moe.experts_per_token, H = c_.hidden_size;
   // T from the call's tokens: every backend routes all of the pass's tokens.
   const int64_t T = pass_tokens_;
+  routing_.Add(l, in.ids, T * K);
   // The last layer never defers: nothing would be left to overlap with.
   const int n = l + 1 < c_.num_layers ? options_.deferred_experts : 0;
   int64_t k_now = K;
@@ -365,10 +379,11 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModelDriver(
     RoutedExperts* experts, std::unique_ptr<RoutedExperts> owned_experts) {
   if (config.num_moe_layers() > 0 && experts == nullptr)
     return absl::InvalidArgumentError("CreateModelDriver: a MoE model needs RoutedExperts");
+  auto* d = new ModelDriver(config, options, std::move(backend), experts, std::move(owned_experts));
+  std::unique_ptr<Model> m(d);
   // The backend may reach the experts from the device itself (slots).
-  if (experts != nullptr) backend->AttachExperts(experts);
-  return std::unique_ptr<Model>(
-      new ModelDriver(config, options, std::move(backend), experts, std::move(owned_experts)));
+  if (experts != nullptr) d->AttachBackendExperts();
+  return m;
 }
 
 }  // namespace hmoe

@@ -210,6 +210,15 @@ grpc::Status GenerationService::Stats(grpc::ServerContext* ctx, const api::v1::S
   resp->set_completed(s.completed);
   resp->set_rejected(s.rejected);
   resp->set_tokens_generated(s.tokens_generated);
+  const RoutingTable r = model_->routing_stats();
+  resp->set_model_type(model_->config().model_type);
+  resp->set_num_experts(r.num_experts);
+  resp->set_experts_per_token(r.experts_per_token);
+  for (const RoutingTable::Layer& l : r.layers) {
+    api::v1::LayerRouting* out = resp->add_routing();
+    out->set_layer(l.layer);
+    for (uint64_t c : l.tokens) out->add_tokens(c);
+  }
   return grpc::Status::OK;
 }
 

@@ -6,7 +6,7 @@
 //                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
 //                   [--defer-experts 0] [--port-file PATH]
 //                   [--backend cpu|cuda|auto] [--cuda-device 0] [--gpu-mem-gb GB]
-//                   [--cuda-graphs on|off]
+//                   [--cuda-graphs on|off] [--routing-stats-out FILE]
 //                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
 //                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
 //                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
@@ -31,6 +31,9 @@
 // --drain-seconds (the rest end UNAVAILABLE), exit 0. A backend that failed
 // for good (a sticky CUDA error) turns health NOT_SERVING, fails what is in
 // flight, and the worker drains and exits 3 so systemd restarts it.
+// --routing-stats-out FILE: at shutdown, the tokens routed to each expert of
+// each MoE layer (common/routing_stats.h JSON; `hmoe stats --save` gets the
+// same while it runs).
 // --debug-cuda-fault-after N (tests): the cuda backend injects a sticky
 // device error at the start of pass N + 1. SIGHUP (systemctl
 // reload): the token files are read again.
@@ -92,6 +95,7 @@ struct WorkerOptions {
   double gpu_mem_gb = 0;
   bool cuda_graphs = true;
   int64_t debug_cuda_fault_after = 0;
+  std::string routing_stats_out;
   std::string auth_token_file;
   std::string expert_auth_token_file;
   TlsServerFiles tls;
@@ -164,6 +168,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
         Die("--gpu-mem-gb must be a number of GiB >= 0, got " + v);
     } else if (a == "--debug-cuda-fault-after") {
       o.debug_cuda_fault_after = num(1, int64_t{1} << 40);
+    } else if (a == "--routing-stats-out") {
+      o.routing_stats_out = v;
     } else if (a == "--cuda-graphs") {
       if (v != "on" && v != "off") Die("--cuda-graphs must be on or off, got " + v);
       o.cuda_graphs = v == "on";
@@ -179,7 +185,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
           "       [--defer-experts N] [--port-file PATH]\n"
           "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
-          "       [--cuda-graphs on|off]\n"
+          "       [--cuda-graphs on|off] [--routing-stats-out FILE]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
           "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
           "       [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM --expert-tls-key-file "
@@ -397,6 +403,19 @@ int Run(int argc, char** argv) {
   (*engine)->Shutdown(absl::Seconds(o.drain_seconds));  // new requests refused, in-flight finish
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   monitor.join();
+  if (!o.routing_stats_out.empty()) {
+    const std::string tmp = o.routing_stats_out + ".tmp";
+    const std::string table = RoutingTableJson((*model)->routing_stats());
+    FILE* f = std::fopen(tmp.c_str(), "w");
+    if (f == nullptr || std::fputs(table.c_str(), f) < 0 || std::fclose(f) != 0 ||
+        std::rename(tmp.c_str(), o.routing_stats_out.c_str()) != 0) {
+      std::fprintf(stderr, "hmoe-gpu-worker: cannot write --routing-stats-out %s\n",
+                   o.routing_stats_out.c_str());
+    } else {
+      std::fprintf(stderr, "hmoe-gpu-worker: routing statistics written to %s\n",
+                   o.routing_stats_out.c_str());
+    }
+  }
   std::fprintf(stderr, "hmoe-gpu-worker: stopped\n");
   return model_failed_exit.load() ? 3 : 0;
 }

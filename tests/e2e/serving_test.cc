@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/routing_stats.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
 #include "gmock/gmock.h"
@@ -150,6 +151,46 @@ TEST(Serving, StickyCudaErrorFailsRequestsAndExitsNonZero) {
   std::ifstream f(pair.log("worker"));
   const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_NE(log.find("failed for good, NOT_SERVING"), std::string::npos) << log;
+}
+
+// Routing statistics leave the worker two ways: `hmoe stats --save` while it
+// runs (the Stats RPC) and --routing-stats-out at shutdown; both are the
+// routing table of every token the worker routed.
+TEST(Serving, RoutingStatsAreServedAndWrittenAtShutdown) {
+  testing::TempDir dir;
+  const std::string model = testing::FixturesDir() + "/ds3_fortunes";
+  const std::string at_exit = dir.file("routing-at-exit.json");
+  Pair pair;
+  ASSERT_TRUE(pair.Start(model, 1, "tp", "shm", {"--routing-stats-out=" + at_exit}));
+  const Reference ref = LoadReference(model);
+  auto r = pair.client().Generate(IdsRequest(ref.prompt, 8));
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::string saved = dir.file("routing.json");
+  const std::string hmoe = std::string(HMOE_BINARY_DIR) + "/bin/hmoe";
+  ASSERT_EQ(std::system((hmoe + " stats --server " + pair.worker().target() + " --save " + saved +
+                         " >" + dir.file("stats.txt") + " 2>&1")
+                            .c_str()),
+            0);
+  auto read = [](const std::string& path) {
+    std::ifstream f(path);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_NE(read(dir.file("stats.txt")).find("tokens routed per MoE layer"), std::string::npos);
+  auto t = ParseRoutingTable(read(saved));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->model_type, "deepseek_v3");
+  EXPECT_FALSE(t->layers.empty());
+  // The prompt and every generated token but the last were routed (maybe
+  // more: the engine may run a pass again after a failure).
+  const uint64_t want = ref.prompt.size() + 8 - 1;
+  EXPECT_EQ(t->routed_tokens(), want);
+  const int status = pair.worker().Kill(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  auto e = ParseRoutingTable(read(at_exit));
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->routed_tokens(), want);
+  ASSERT_EQ(e->layers.size(), t->layers.size());
+  for (size_t i = 0; i < e->layers.size(); ++i) EXPECT_EQ(e->layers[i].tokens, t->layers[i].tokens);
 }
 
 // Whole stack (worker + expert service over shared memory, bf16 expert
