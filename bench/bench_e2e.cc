@@ -92,6 +92,9 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
   --defer-experts N     Expert Deferral: the N lowest-weighted routed experts of a
                         layer join one layer late (default 0: the exact model)
   --cuda-graphs on|off  cuda: one CUDA Graph per decode step (default on)
+  --cuda-expert-slots on|off
+                        cuda: off sends every pass's experts the host-copy way,
+                        no slots or graphs (default on)
   --defer-sweep LIST    after the runs above, batch-1 decode again for each
                         deferral count in LIST (e.g. 0,1,2,3,4; the model is
                         reloaded per count): tok/s, GPU and CPU busy per step
@@ -282,6 +285,7 @@ struct Args {
   int64_t kv_blocks = 0;
   int defer_experts = 0;
   bool cuda_graphs = true;
+  bool cuda_expert_slots = true;
   std::vector<int64_t> defer_sweep;  // batch-1 decode per deferral count (empty: none)
   int threads = 0;
   std::vector<int64_t> prompts{512, 2048, 8192};
@@ -334,6 +338,7 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
                                      "--kv-blocks",
                                      "--defer-experts",
                                      "--cuda-graphs",
+                                     "--cuda-expert-slots",
                                      "--defer-sweep",
                                      "--threads",
                                      "--prompts",
@@ -423,6 +428,10 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
       if (v != "on" && v != "off")
         return bad(absl::StrCat("--cuda-graphs: \"", v, "\" is not on or off"));
       a.cuda_graphs = v == "on";
+    } else if (f == "--cuda-expert-slots") {
+      if (v != "on" && v != "off")
+        return bad(absl::StrCat("--cuda-expert-slots: \"", v, "\" is not on or off"));
+      a.cuda_expert_slots = v == "on";
     } else if (f == "--defer-sweep") {
       if (!list(0, 255, &a.defer_sweep)) return std::nullopt;
     } else if (f == "--threads") {
@@ -975,6 +984,7 @@ absl::Status Run(const Args& a) {
   mo.kv_blocks = a.kv_blocks;
   mo.deferred_experts = a.defer_experts;
   mo.cuda_graphs = a.cuda_graphs;
+  mo.cuda_expert_slots = a.cuda_expert_slots;
   mo.num_threads = a.threads;
   mo.max_seq_len = max_seq;
   t0 = Now();
@@ -1244,6 +1254,7 @@ absl::Status Run(const Args& a) {
                     {"kv_blocks", a.kv_blocks},
                     {"defer_experts", a.defer_experts},
                     {"cuda_graphs", a.cuda_graphs},
+                    {"cuda_expert_slots", a.cuda_expert_slots},
                     {"threads", a.threads},
                     {"warmup", a.warmup},
                     {"reps", a.reps},

@@ -58,6 +58,11 @@ struct ModelOptions {
   // bucket's pass is captured once as a CUDA Graph and replayed (false: the
   // same work launched kernel by kernel, for comparison).
   bool cuda_graphs = true;
+  // cuda: false sends every pass's routed experts the host-copy way (no
+  // slots, no graphs), the path before issue 30; measured faster at batch 1
+  // while the graphs' per-layer host-node hand-off costs ~0.4 ms
+  // (bench/results/README.md, run 6).
+  bool cuda_expert_slots = true;
   // cuda, fault tests only: > 0 injects a sticky device error (a trapping
   // kernel) at the start of pass number debug_cuda_fault_after + 1.
   int64_t debug_cuda_fault_after = 0;

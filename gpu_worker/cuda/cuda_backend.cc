@@ -1244,6 +1244,12 @@ void CudaBackend::DropGraphs() {
 bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts) {
   experts_ = experts;
   counts_ = counts;
+  if (!o_.cuda_expert_slots) {
+    std::fprintf(stderr,
+                 "hmoe cuda backend: routed experts through host copies (--cuda-expert-slots "
+                 "off)\n");
+    return false;
+  }
   ExpertSlotsOptions so;
   so.hidden = c_.hidden_size;
   so.num_slots = 2 * c_.num_layers;  // per layer: the call, and its deferred part

@@ -6,7 +6,8 @@
 //                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
 //                   [--defer-experts 0] [--port-file PATH]
 //                   [--backend cpu|cuda|auto] [--cuda-device 0] [--gpu-mem-gb GB]
-//                   [--cuda-graphs on|off] [--routing-stats-out FILE]
+//                   [--cuda-graphs on|off] [--cuda-expert-slots on|off]
+//                   [--routing-stats-out FILE]
 //                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
 //                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
 //                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
@@ -26,7 +27,8 @@
 // paged KV pool (0: what fits) and the engine's block budget with it.
 // --cuda-graphs (on by default): the cuda backend replays one CUDA Graph per
 // decode step (ModelOptions::cuda_graphs); off runs the same work kernel by
-// kernel.
+// kernel. --cuda-expert-slots off: no slots and no graphs, every pass's
+// routed experts go the host-copy way (ModelOptions::cuda_expert_slots).
 // SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
 // --drain-seconds (the rest end UNAVAILABLE), exit 0. A backend that failed
 // for good (a sticky CUDA error) turns health NOT_SERVING, fails what is in
@@ -94,6 +96,7 @@ struct WorkerOptions {
   int cuda_device = 0;
   double gpu_mem_gb = 0;
   bool cuda_graphs = true;
+  bool cuda_expert_slots = true;
   int64_t debug_cuda_fault_after = 0;
   std::string routing_stats_out;
   std::string auth_token_file;
@@ -170,6 +173,9 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.debug_cuda_fault_after = num(1, int64_t{1} << 40);
     } else if (a == "--routing-stats-out") {
       o.routing_stats_out = v;
+    } else if (a == "--cuda-expert-slots") {
+      if (v != "on" && v != "off") Die("--cuda-expert-slots must be on or off, got " + v);
+      o.cuda_expert_slots = v == "on";
     } else if (a == "--cuda-graphs") {
       if (v != "on" && v != "off") Die("--cuda-graphs must be on or off, got " + v);
       o.cuda_graphs = v == "on";
@@ -185,7 +191,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
           "       [--defer-experts N] [--port-file PATH]\n"
           "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
-          "       [--cuda-graphs on|off] [--routing-stats-out FILE]\n"
+          "       [--cuda-graphs on|off] [--cuda-expert-slots on|off]\n"
+          "       [--routing-stats-out FILE]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
           "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
           "       [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM --expert-tls-key-file "
@@ -281,6 +288,7 @@ int Run(int argc, char** argv) {
   mo.cuda_device = o.cuda_device;
   mo.gpu_mem_gb = o.gpu_mem_gb;
   mo.cuda_graphs = o.cuda_graphs;
+  mo.cuda_expert_slots = o.cuda_expert_slots;
   mo.debug_cuda_fault_after = o.debug_cuda_fault_after;
   mo.kv_blocks = o.kv_blocks;
   auto resolved = ResolveBackend(o.backend, o.cuda_device);

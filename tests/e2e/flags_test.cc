@@ -57,6 +57,7 @@ TEST(Flags, WorkerRefusesNumbersOutsideTheirRange) {
            Case{"--threads=99999999999999999999", "--threads must be an integer in [0, 4096]"},
            Case{"--max-queue=0", "--max-queue must be an integer in [1, "},
            Case{"--cuda-graphs=maybe", "--cuda-graphs must be on or off, got maybe"},
+           Case{"--cuda-expert-slots=1", "--cuda-expert-slots must be on or off, got 1"},
            Case{"--debug-cuda-fault-after=0",
                 "--debug-cuda-fault-after must be an integer in [1, "},
        }) {

@@ -23,30 +23,37 @@ class RoutingStatsTest : public ::testing::TestWithParam<std::string> {
 TEST_P(RoutingStatsTest, EveryRoutedTokenIsCountedOnce) {
   for (const std::string name : {"qwen3_moe_tiny", "deepseek_v3_tiny"}) {
     for (int deferred : {0, 1}) {
-      SCOPED_TRACE(name + ", deferred " + std::to_string(deferred));
-      ModelOptions o;
-      o.backend = GetParam();
-      o.num_threads = 2;
-      o.deferred_experts = deferred;
-      auto m = Model::Load(testing::ModelFixturesRoot() + "/" + name, o);
-      ASSERT_TRUE(m.ok()) << m.status();
-      const ModelConfig& c = (*m)->config();
-      auto s = (*m)->NewSequence();
-      const std::vector<int32_t> prompt(40, 7);  // over 32 tokens: cuda's host-copy path
-      ASSERT_TRUE((*m)->Prefill(*s, prompt, LogitsMode::kLast).ok());
-      for (int i = 0; i < 5; ++i) ASSERT_TRUE((*m)->Decode(*s, 3 + i).ok());
-      const RoutingTable t = (*m)->routing_stats();
-      EXPECT_EQ(t.model_type, c.model_type);
-      EXPECT_EQ(t.num_experts, c.moe.num_experts);
-      EXPECT_EQ(t.experts_per_token, c.moe.experts_per_token);
-      EXPECT_EQ(static_cast<int64_t>(t.layers.size()), c.num_moe_layers());
-      for (const RoutingTable::Layer& l : t.layers) {
-        EXPECT_TRUE(c.layers[static_cast<size_t>(l.layer)].moe) << l.layer;
-        uint64_t sum = 0;
-        for (uint64_t n : l.tokens) sum += n;
-        EXPECT_EQ(sum, 45u * static_cast<uint64_t>(c.moe.experts_per_token)) << l.layer;
+      for (bool slots : {true, false}) {  // cuda: slots + graphs, or host copies only
+        SCOPED_TRACE(name + ", deferred " + std::to_string(deferred) + ", slots " +
+                     std::to_string(slots));
+        ModelOptions o;
+        o.backend = GetParam();
+        o.num_threads = 2;
+        o.deferred_experts = deferred;
+        o.cuda_expert_slots = slots;
+        auto m = Model::Load(testing::ModelFixturesRoot() + "/" + name, o);
+        ASSERT_TRUE(m.ok()) << m.status();
+        const ModelConfig& c = (*m)->config();
+        auto s = (*m)->NewSequence();
+        const std::vector<int32_t> prompt(40, 7);  // over 32 tokens: cuda's host-copy path
+        ASSERT_TRUE((*m)->Prefill(*s, prompt, LogitsMode::kLast).ok());
+        for (int i = 0; i < 5; ++i) ASSERT_TRUE((*m)->Decode(*s, 3 + i).ok());
+        const RoutingTable t = (*m)->routing_stats();
+        EXPECT_EQ(t.model_type, c.model_type);
+        EXPECT_EQ(t.num_experts, c.moe.num_experts);
+        EXPECT_EQ(t.experts_per_token, c.moe.experts_per_token);
+        EXPECT_EQ(static_cast<int64_t>(t.layers.size()), c.num_moe_layers());
+        for (const RoutingTable::Layer& l : t.layers) {
+          EXPECT_TRUE(c.layers[static_cast<size_t>(l.layer)].moe) << l.layer;
+          uint64_t sum = 0;
+          for (uint64_t n : l.tokens) sum += n;
+          EXPECT_EQ(sum, 45u * static_cast<uint64_t>(c.moe.experts_per_token)) << l.layer;
+        }
+        EXPECT_EQ(t.routed_tokens(), 45u);
+        if (GetParam() == "cuda") {
+          EXPECT_EQ((*m)->stats().graph_launches > 0, slots);
+        }
       }
-      EXPECT_EQ(t.routed_tokens(), 45u);
     }
   }
 }
