@@ -95,6 +95,17 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
   --cuda-expert-slots on|off
                         cuda: off sends every pass's experts the host-copy way,
                         no slots or graphs (default on)
+  --cuda-expert-wait device|host
+                        cuda, slot passes: who waits for each expert answer
+                        (default device: a kernel polls the shm slot's state)
+  --service-cores LIST  CPUs of the expert service and the DRAM probes (e.g.
+                        0-13; default: all this process may use)
+  --worker-cores LIST   CPUs of this process (the worker: its CUDA and host-node
+                        threads) once the service runs (default: all)
+  --path-sweep LIST     after the runs above, batch-1 decode again per worker
+                        path, the model reloaded for each: device (slots, graphs,
+                        device waits), host (slots, graphs, host wait nodes),
+                        eager (slots, no graphs, device waits), copy (no slots)
   --defer-sweep LIST    after the runs above, batch-1 decode again for each
                         deferral count in LIST (e.g. 0,1,2,3,4; the model is
                         reloaded per count): tok/s, GPU and CPU busy per step
@@ -286,7 +297,10 @@ struct Args {
   int defer_experts = 0;
   bool cuda_graphs = true;
   bool cuda_expert_slots = true;
-  std::vector<int64_t> defer_sweep;  // batch-1 decode per deferral count (empty: none)
+  bool cuda_device_waits = true;
+  std::string service_cores, worker_cores;  // CPU lists; empty: all
+  std::vector<int64_t> defer_sweep;         // batch-1 decode per deferral count (empty: none)
+  std::vector<std::string> path_sweep;      // batch-1 decode per worker path (empty: none)
   int threads = 0;
   std::vector<int64_t> prompts{512, 2048, 8192};
   std::vector<int64_t> batches{1, 4, 16};
@@ -339,7 +353,11 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
                                      "--defer-experts",
                                      "--cuda-graphs",
                                      "--cuda-expert-slots",
+                                     "--cuda-expert-wait",
+                                     "--service-cores",
+                                     "--worker-cores",
                                      "--defer-sweep",
+                                     "--path-sweep",
                                      "--threads",
                                      "--prompts",
                                      "--batches",
@@ -432,6 +450,21 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
       if (v != "on" && v != "off")
         return bad(absl::StrCat("--cuda-expert-slots: \"", v, "\" is not on or off"));
       a.cuda_expert_slots = v == "on";
+    } else if (f == "--cuda-expert-wait") {
+      if (v != "device" && v != "host")
+        return bad(absl::StrCat("--cuda-expert-wait: \"", v, "\" is not device or host"));
+      a.cuda_device_waits = v == "device";
+    } else if (f == "--service-cores" || f == "--worker-cores") {
+      cpu_set_t set;
+      if (absl::Status st = ParseCpuList(v, &set); !st.ok())
+        return bad(absl::StrCat(f, ": ", st.message()));
+      (f == "--service-cores" ? a.service_cores : a.worker_cores) = v;
+    } else if (f == "--path-sweep") {
+      for (absl::string_view p : absl::StrSplit(v, ',')) {
+        if (p != "device" && p != "host" && p != "eager" && p != "copy")
+          return bad(absl::StrCat("--path-sweep: \"", p, "\" is not device, host, eager or copy"));
+        a.path_sweep.emplace_back(p);
+      }
     } else if (f == "--defer-sweep") {
       if (!list(0, 255, &a.defer_sweep)) return std::nullopt;
     } else if (f == "--threads") {
@@ -754,6 +787,20 @@ std::string CpuModel() {
   return "unknown";
 }
 
+// The calling thread's CPUs (threads it starts later inherit them).
+absl::Status PinThread(const cpu_set_t& set, const std::string& what) {
+  if (sched_setaffinity(0, sizeof(set), &set) != 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
+// `list` as a CPU set; `all` when empty.
+cpu_set_t CpusOr(const std::string& list, const cpu_set_t& all) {
+  cpu_set_t set = all;
+  if (!list.empty()) ParseCpuList(list, &set).IgnoreError();  // checked by ParseArgs
+  return set;
+}
+
 std::string SelfDir() {
   std::error_code ec;
   const auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
@@ -829,6 +876,18 @@ absl::Status Run(const Args& a) {
   if (::access(bin.c_str(), X_OK) != 0)
     return absl::NotFoundError(absl::StrCat(
         bin, ": not found or not executable (build hmoe-expert-service, or --bin-dir)"));
+  // The service (and the DRAM probes, which stand for it) on --service-cores,
+  // this process on --worker-cores once the service runs.
+  cpu_set_t all_cpus;
+  if (sched_getaffinity(0, sizeof(all_cpus), &all_cpus) != 0)
+    return absl::InternalError(absl::StrCat("sched_getaffinity: ", std::strerror(errno)));
+  const cpu_set_t service_cpus = CpusOr(a.service_cores, all_cpus);
+  const cpu_set_t worker_cpus = CpusOr(a.worker_cores, all_cpus);
+  RETURN_IF_ERROR(PinThread(service_cpus, "--service-cores"));
+  if (!a.service_cores.empty() || !a.worker_cores.empty())
+    std::printf("# CPUs: expert service and DRAM probes %s, worker %s\n",
+                a.service_cores.empty() ? "all" : a.service_cores.c_str(),
+                a.worker_cores.empty() ? "all" : a.worker_cores.c_str());
   // The probe's pool is the service's: same thread count, same pinning.
   ThreadPoolOptions tpo;
   tpo.max_threads = a.service_threads;
@@ -951,6 +1010,7 @@ absl::Status Run(const Args& a) {
   std::printf("# expert service pid %d serving on port %d after %.1f s (log %s/service.log)\n",
               static_cast<int>(service.pid()), service.port(), service_s, work_dir.c_str());
   std::fflush(stdout);
+  RETURN_IF_ERROR(PinThread(worker_cpus, "--worker-cores"));
 
   ExpertPoolOptions epo;
   epo.targets = {absl::StrCat("127.0.0.1:", service.port())};
@@ -964,9 +1024,12 @@ absl::Status Run(const Args& a) {
 
   std::optional<DramProbe> bw_after;
   if (a.probe_after) {
+    RETURN_IF_ERROR(PinThread(service_cpus, "--service-cores"));
     std::unique_ptr<ThreadPool> p;
     ASSIGN_OR_RETURN(p, ThreadPool::Create(tpo));
     ASSIGN_OR_RETURN(bw_after, MeasureDramRead(*p, probe_bytes, a.probe_reps));
+    p.reset();
+    RETURN_IF_ERROR(PinThread(worker_cpus, "--worker-cores"));
     std::printf("# DRAM read again with the service loaded: best %.1f GB/s (%s)%s\n",
                 bw_after->best_gbs, bw_after->best.c_str(),
                 bw_after->best_gbs > bw ? ": the ceiling uses it" : "");
@@ -985,6 +1048,7 @@ absl::Status Run(const Args& a) {
   mo.deferred_experts = a.defer_experts;
   mo.cuda_graphs = a.cuda_graphs;
   mo.cuda_expert_slots = a.cuda_expert_slots;
+  mo.cuda_device_waits = a.cuda_device_waits;
   mo.num_threads = a.threads;
   mo.max_seq_len = max_seq;
   t0 = Now();
@@ -1153,6 +1217,25 @@ absl::Status Run(const Args& a) {
   // Expert Deferral: batch-1 decode per deferral count (the model reloaded
   // each time; the service stays), against the bound perfect overlap allows:
   // 1 / max(GPU busy, CPU busy) per step.
+  // Batch-1 decode with the model reloaded under `so` (a sweep's row).
+  struct SweepRow {
+    DecodeRun run;
+    double step_ms = 0, tok_s = 0, gpu_ms = 0, cpu_ms = 0;  // per step
+  };
+  auto sweep_row = [&](const ModelOptions& so, ControlClient* control) -> absl::StatusOr<SweepRow> {
+    model.reset();
+    ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(work_dir));
+    ASSIGN_OR_RETURN(model, Model::Create(config, *ckpt, so, experts.get()));
+    ckpt.reset();
+    SweepRow r;
+    ASSIGN_OR_RETURN(r.run, run_decode(*model, 1, control));
+    const double n = static_cast<double>(a.decode_steps);
+    r.step_ms = r.run.dt / n * 1e3;
+    r.tok_s = n / r.run.dt;
+    r.gpu_ms = static_cast<double>(r.run.d.gpu_busy_ns) / n / 1e6;
+    r.cpu_ms = r.run.cpu_ns / n / 1e6;
+    return r;
+  };
   ojson sweep = ojson::array();
   double sweep_frac_2 = -1;
   if (!a.defer_sweep.empty()) {
@@ -1167,17 +1250,11 @@ absl::Status Run(const Args& a) {
                     static_cast<long long>(K));
         continue;
       }
-      model.reset();
       ModelOptions so = mo;
       so.deferred_experts = static_cast<int>(nd);
-      ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(work_dir));
-      ASSIGN_OR_RETURN(model, Model::Create(config, *ckpt, so, experts.get()));
-      ckpt.reset();
-      ASSIGN_OR_RETURN(const DecodeRun run, run_decode(*model, 1, &control));
-      const double n = static_cast<double>(a.decode_steps);
-      const double step_ms = run.dt / n * 1e3, tok_s = n / run.dt;
-      const double gpu_ms = static_cast<double>(run.d.gpu_busy_ns) / n / 1e6;
-      const double cpu_ms = run.cpu_ns / n / 1e6;
+      ASSIGN_OR_RETURN(const SweepRow r, sweep_row(so, &control));
+      const DecodeRun& run = r.run;
+      const double step_ms = r.step_ms, tok_s = r.tok_s, gpu_ms = r.gpu_ms, cpu_ms = r.cpu_ms;
       if (nd == 0) step0_ms = step_ms;
       const double bound_ms = std::max(gpu_ms, cpu_ms);
       const double bound_tok_s = bound_ms > 0 ? 1e3 / bound_ms : 0;
@@ -1203,6 +1280,37 @@ absl::Status Run(const Args& a) {
     }
     if (sweep_frac_2 >= 0)
       std::printf("# deferral 2: %.1f%% of the perfect-overlap bound\n", 100 * sweep_frac_2);
+  }
+
+  ojson paths = ojson::array();
+  if (!a.path_sweep.empty()) {
+    ControlClient control(MakeExpertChannel(epo.targets[0]));
+    std::printf("\n%-7s %9s %10s %9s %12s %12s %15s %12s\n", "path", "step_ms", "tok/s", "%ceiling",
+                "gpu_ms/step", "cpu_ms/step", "wait_ms/step", "graphs/step");
+    for (const std::string& path : a.path_sweep) {
+      ModelOptions so = mo;
+      so.cuda_expert_slots = path != "copy";
+      so.cuda_graphs = path == "device" || path == "host";
+      so.cuda_device_waits = path != "host";
+      ASSIGN_OR_RETURN(const SweepRow r, sweep_row(so, &control));
+      const DecodeRun& run = r.run;
+      const double n = static_cast<double>(a.decode_steps);
+      const double step_ms = r.step_ms, tok_s = r.tok_s, gpu_ms = r.gpu_ms, cpu_ms = r.cpu_ms;
+      const double wait_ms = static_cast<double>(run.d.expert_wait_ns) / n / 1e6;
+      const double graphs = static_cast<double>(run.d.graph_launches) / n;
+      std::printf("%-7s %9.2f %10.1f %8.1f%% %12.3f %12.3f %15.3f %12.2f\n", path.c_str(), step_ms,
+                  tok_s, 100 * tok_s / ceiling, gpu_ms, cpu_ms, wait_ms, graphs);
+      std::fflush(stdout);
+      paths.push_back({{"path", path},
+                       {"step_ms", step_ms},
+                       {"tok_s", tok_s},
+                       {"fraction_of_ceiling", tok_s / ceiling},
+                       {"gpu_ms_per_step", gpu_ms},
+                       {"cpu_ms_per_step", cpu_ms},
+                       {"expert_wait_ms_per_step", wait_ms},
+                       {"graph_launches_per_step", graphs},
+                       {"stats_delta", StatsJson(run.d)}});
+    }
   }
 
   // Stop the service before writing, so its shutdown is part of the run.
@@ -1250,11 +1358,15 @@ absl::Status Run(const Args& a) {
     J["prefill"] = prefill;
     J["decode"] = decode;
     J["defer_sweep"] = sweep;
+    J["path_sweep"] = paths;
     J["options"] = {{"gpu_mem_gb", a.gpu_mem_gb},
                     {"kv_blocks", a.kv_blocks},
                     {"defer_experts", a.defer_experts},
                     {"cuda_graphs", a.cuda_graphs},
                     {"cuda_expert_slots", a.cuda_expert_slots},
+                    {"cuda_device_waits", a.cuda_device_waits},
+                    {"service_cores", a.service_cores},
+                    {"worker_cores", a.worker_cores},
                     {"threads", a.threads},
                     {"warmup", a.warmup},
                     {"reps", a.reps},

@@ -84,6 +84,20 @@ std::function<int(int)> MemoryNodeMap() {
 
 }  // namespace
 
+absl::Status ParseCpuList(absl::string_view list, cpu_set_t* out) {
+  CPU_ZERO(out);
+  for (absl::string_view part : absl::StrSplit(list, ',')) {
+    std::vector<std::string> r = absl::StrSplit(part, '-');
+    int lo = 0, hi = 0;
+    if (r.empty() || r.size() > 2 || !absl::SimpleAtoi(r[0], &lo) ||
+        !absl::SimpleAtoi(r.back(), &hi) || lo < 0 || hi < lo || hi >= CPU_SETSIZE)
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad CPU range \"", part, "\" in \"", list, "\" (e.g. 0-13,15)"));
+    for (int c = lo; c <= hi; ++c) CPU_SET(c, out);
+  }
+  return absl::OkStatus();
+}
+
 int MemoryNodeFor(int cpu_node, const std::vector<int>& mem_nodes,
                   const std::function<int(int, int)>& distance) {
   if (mem_nodes.empty() ||

@@ -2,6 +2,8 @@
 // nodes) and node-local memory.
 #pragma once
 
+#include <sched.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -52,6 +54,10 @@ std::vector<int> BindableMemoryNodes();
 // "; memory of node M for the cores of node C (C has none this process may
 // bind)", one clause per real CPU node remapped.
 std::string DescribeMemoryRemap(const std::vector<NodeCores>& nodes);
+
+// A CPU list such as "0-13,15" (single CPUs and ranges, comma-separated) as
+// a set; INVALID_ARGUMENT naming the bad part.
+absl::Status ParseCpuList(absl::string_view list, cpu_set_t* out);
 
 // Number of real NUMA nodes (1 when libnuma is unavailable).
 int NumaNodeCount();

@@ -58,6 +58,7 @@ void ExpertSlotsBase::Record(const absl::Status& st, int slot, int32_t layer) {
   std::lock_guard<std::mutex> lock(mu_);
   if (first_.ok())
     first_ = Annotate(mapped, absl::StrCat("layer ", layer, " routed experts (slot ", slot, ")"));
+  failed_.store(true, std::memory_order_release);
 }
 
 void ExpertSlotsBase::Submit(int slot, int32_t layer, int32_t tokens, int32_t top_k) {
@@ -119,6 +120,7 @@ absl::Status ExpertSlotsBase::TakeStatus() {
   std::lock_guard<std::mutex> lock(mu_);
   absl::Status st = std::move(first_);
   first_ = absl::OkStatus();
+  failed_.store(false, std::memory_order_release);
   return st;
 }
 

@@ -97,6 +97,30 @@ class ExpertSlots {
   virtual void Drain() = 0;
   // Nanoseconds spent inside Wait since the last call (clears).
   virtual int64_t TakeWaitNs() = 0;
+  // A failure is kept for TakeStatus (any thread; e.g. a submit host node
+  // telling the device to stop waiting).
+  virtual bool has_failure() const = 0;
+  // How long a call may take (ExpertSlotsOptions::call_timeout).
+  virtual absl::Duration call_timeout() const = 0;
+
+  // A wait the device can do without a host node: `word`, inside regions(),
+  // holds a value in [busy_lo, busy_hi] while the call last submitted in the
+  // slot is at the service and leaves that range once it is answered or
+  // failed (or was never sent). Wait(slot) is still called afterwards, before
+  // the slot's next Submit: it then returns at once and reports the failure.
+  // word == nullptr: this transport has none (staged copies).
+  struct DeviceWait {
+    const uint32_t* word = nullptr;
+    uint32_t busy_lo = 0, busy_hi = 0;
+  };
+  virtual DeviceWait device_wait(int slot) const {
+    (void)slot;
+    return {};
+  }
+  // False once the transport knows the service of the current generation
+  // went away (cheap, any thread): a watchdog's check while the device waits
+  // on device_wait() words.
+  virtual bool service_alive() const { return true; }
 };
 
 // The common bookkeeping of an implementation: per-slot submitted state,
@@ -114,6 +138,8 @@ class ExpertSlotsBase : public ExpertSlots {
   absl::Status TakeStatus() final;
   void Drain() final;
   int64_t TakeWaitNs() final;
+  bool has_failure() const final { return failed_.load(std::memory_order_acquire); }
+  absl::Duration call_timeout() const final { return opts_.call_timeout; }
 
  protected:
   // The call in slot `slot` (checked: in range, not pending, within the
@@ -134,7 +160,8 @@ class ExpertSlotsBase : public ExpertSlots {
   const int64_t hidden_;
   std::vector<Call> calls_;  // by slot
   std::mutex mu_;
-  absl::Status first_;  // guarded by mu_
+  absl::Status first_;               // guarded by mu_
+  std::atomic<bool> failed_{false};  // !first_.ok(), readable without mu_
   std::atomic<int64_t> wait_ns_{0};
 };
 

@@ -41,6 +41,7 @@ class ShmSlots final : public ExpertSlotsBase {
       : ExpertSlotsBase(hidden, opts), client_(std::move(client)) {
     handles_.assign(static_cast<size_t>(opts.num_slots), 0);
     views_.resize(static_cast<size_t>(opts.num_slots));
+    states_.assign(static_cast<size_t>(opts.num_slots), nullptr);
   }
   const char* kind() const override { return "shm (zero copy)"; }
   absl::StatusOr<uint64_t> Prepare(absl::Time deadline) override {
@@ -49,6 +50,7 @@ class ShmSlots final : public ExpertSlotsBase {
       // The old segment was given up (before_release called): no view may
       // point into it.
       std::fill(views_.begin(), views_.end(), SlotView{});
+      std::fill(states_.begin(), states_.end(), nullptr);
       region_ = HostRegion{};
       gen_ = 0;
       return got.status();
@@ -60,6 +62,7 @@ class ShmSlots final : public ExpertSlotsBase {
         SlotView& v = views_[static_cast<size_t>(i)];
         const ShmClient::SlotView f = client_->FixedView(static_cast<uint32_t>(i), &out);
         v = SlotView{f.hidden, f.ids, f.weights, out};
+        states_[static_cast<size_t>(i)] = f.state;
       }
       region_ = HostRegion{client_->segment(), client_->segment_bytes()};
       gen_ = gen;
@@ -68,6 +71,14 @@ class ShmSlots final : public ExpertSlotsBase {
   }
   SlotView view(int slot) const override { return views_[static_cast<size_t>(slot)]; }
   std::vector<HostRegion> regions() const override { return {region_}; }
+  DeviceWait device_wait(int slot) const override {
+    if (slot < 0 || slot >= num_slots()) return {};
+    const std::atomic<uint32_t>* w = states_[static_cast<size_t>(slot)];
+    static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t) &&
+                  std::atomic<uint32_t>::is_always_lock_free);
+    return DeviceWait{reinterpret_cast<const uint32_t*>(w), kSlotRequest, kSlotBusy};
+  }
+  bool service_alive() const override { return client_->FixedServiceAlive(); }
 
  private:
   absl::Status DoSubmit(int slot, int32_t layer, int32_t tokens, int32_t top_k,
@@ -89,6 +100,7 @@ class ShmSlots final : public ExpertSlotsBase {
   std::unique_ptr<ShmClient> client_;
   std::vector<uint64_t> handles_;
   std::vector<SlotView> views_;
+  std::vector<const std::atomic<uint32_t>*> states_;  // the slots' state words
   HostRegion region_;
   uint64_t gen_ = 0;
 };

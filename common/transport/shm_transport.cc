@@ -586,8 +586,14 @@ ShmClient::SlotView ShmClient::FixedView(uint32_t i, const float** out) const {
   v.hidden = reinterpret_cast<uint16_t*>(data);
   v.ids = reinterpret_cast<int32_t*>(data + io);
   v.weights = reinterpret_cast<float*>(data + wo);
+  v.state = &reinterpret_cast<ShmSlot*>(slot)->state;
   *out = reinterpret_cast<const float*>(slot + g.resp_offset);
   return v;
+}
+
+bool ShmClient::FixedServiceAlive() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fixed_seg_ && !fixed_seg_->Gone();
 }
 
 absl::StatusOr<uint64_t> ShmClient::SubmitFixed(uint32_t i, int32_t layer, int32_t tokens,

@@ -177,6 +177,9 @@ class ShmClient : public MoeClient {
     uint16_t* hidden = nullptr;  // bf16 [tokens][hidden]
     int32_t* ids = nullptr;      // [tokens][top_k]
     float* weights = nullptr;    // [tokens][top_k]
+    // FixedView only: the slot's state word (ShmSlotState), REQUEST or BUSY
+    // while a call is at the service (for a device that waits by polling).
+    const std::atomic<uint32_t>* state = nullptr;
   };
   absl::StatusOr<SlotView> Acquire(int32_t tokens, int32_t top_k, absl::Time deadline);
   absl::Status Commit(uint64_t handle, int32_t layer);
@@ -200,6 +203,10 @@ class ShmClient : public MoeClient {
   // claimed or out of range, INVALID_ARGUMENT over the slot's capacity.
   // Then WaitInPlace and Release as for Acquire.
   absl::StatusOr<uint64_t> SubmitFixed(uint32_t i, int32_t layer, int32_t tokens, int32_t top_k);
+
+  // False once the service of the fixed-slot segment went away (or none is
+  // attached): its pid exited or it closed the segment. Any thread.
+  bool FixedServiceAlive() const;
 
   // The mapped segment (for cudaHostRegister); null while disconnected.
   void* segment() const;

@@ -59,6 +59,7 @@
 #include "common/transport/grpc_tls.h"
 #include "common/transport/shm_transport.h"
 #include "common/transport/ucx_transport.h"
+#include "expert_service/numa.h"
 #include "expert_service/server/expert_shard.h"
 #include "expert_service/server/grpc_services.h"
 #include "grpcpp/grpcpp.h"
@@ -254,17 +255,8 @@ absl::Status BindResources(const ServiceOptions& o) {
   }
   if (!o.cores.empty()) {
     cpu_set_t set;
-    CPU_ZERO(&set);
-    for (absl::string_view part : absl::StrSplit(o.cores, ',')) {
-      std::vector<std::string> r = absl::StrSplit(part, '-');
-      int lo = 0, hi = 0;
-      if (r.empty() || r.size() > 2 || !absl::SimpleAtoi(r[0], &lo) ||
-          !absl::SimpleAtoi(r.back(), &hi) || lo < 0 || hi < lo || hi >= CPU_SETSIZE) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--cores: bad range \"", std::string(part), "\""));
-      }
-      for (int c = lo; c <= hi; ++c) CPU_SET(c, &set);
-    }
+    if (absl::Status st = ParseCpuList(o.cores, &set); !st.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--cores: ", st.message()));
     if (sched_setaffinity(0, sizeof(set), &set) != 0) {
       return absl::InvalidArgumentError(absl::StrCat("--cores: ", std::strerror(errno)));
     }

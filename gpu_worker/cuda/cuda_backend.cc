@@ -4,10 +4,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -48,6 +52,7 @@ struct HostCall {
   const int32_t* tokens = nullptr;  // pinned: the pass's real token count
   RoutingCounters* counts = nullptr;
   const int32_t *ids_a = nullptr, *ids_b = nullptr;  // the slots' ids, counted at submit
+  uint32_t* abort = nullptr;  // device waits: set when a call failed (later waits end at once)
 };
 void CUDART_CB SubmitHost(void* p) {
   const auto* c = static_cast<const HostCall*>(p);
@@ -58,6 +63,8 @@ void CUDART_CB SubmitHost(void* p) {
     if (c->counts) c->counts->Add(c->layer, c->ids_b, int64_t{T} * c->kb);
     c->slots->Submit(c->b, c->layer, T, c->kb);
   }
+  if (c->abort != nullptr && c->slots->has_failure())
+    __atomic_store_n(c->abort, 1u, __ATOMIC_RELEASE);
 }
 void CUDART_CB WaitHost(void* p) {
   const auto* c = static_cast<const HostCall*>(p);
@@ -277,6 +284,14 @@ class CudaBackend final : public LayerBackend {
       : c_(c), o_(o), geo_(AttentionGeometryFor(c)), budget_(0) {}
   ~CudaBackend() override {
     if (stream_) cudaStreamSynchronize(stream_);
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(wd_mu_);
+        wd_stop_ = true;
+      }
+      wd_cv_.notify_all();
+      watchdog_.join();
+    }
     DropGraphs();
     slots_.reset();  // its before_release unregisters its memory
     for (auto& e : pass_ev_)
@@ -331,6 +346,12 @@ class CudaBackend final : public LayerBackend {
   // Registers the slots' memory for the GPU's copies (after Prepare moved them).
   absl::Status RegisterSlots(uint64_t gen);
   void DropGraphs();
+  // After a slot pass's last GPU work: the host side of the device's waits
+  // (each slot's Wait, which then returns at once and records failures).
+  void FinishDeviceWaits();
+  // Sets the device waits' abort word while a pass runs and the service is
+  // gone (the device cannot see a dead process).
+  void Watchdog();
   // A failed capture: graphs off from now on, said once.
   absl::Status CaptureFailed(cudaError_t e);
   absl::Status Copy(void* dst, const void* src, int64_t bytes, cudaMemcpyKind kind,
@@ -437,6 +458,22 @@ class CudaBackend final : public LayerBackend {
   std::unique_ptr<ExpertSlots> slots_;
   uint64_t slots_gen_ = 0;  // the generation whose memory is registered
   std::vector<SlotView> views_;
+  // Device-side waits (ModelOptions::cuda_device_waits and a transport with
+  // ExpertSlots::device_wait words): per slot, the word as the device sees it.
+  // Empty: the waits are host nodes.
+  struct DevWait {
+    const uint32_t* word = nullptr;
+    uint32_t lo = 0, hi = 0;
+  };
+  std::vector<DevWait> dev_waits_;
+  PinnedBuffer wait_ctl_;  // mapped: the abort word, then the waited nanoseconds
+  uint32_t *abort_host_ = nullptr, *abort_dev_ = nullptr;
+  unsigned long long *waited_host_ = nullptr, *waited_dev_ = nullptr;
+  std::atomic<bool> in_pass_{false};  // a slot pass with device waits is queued
+  std::thread watchdog_;
+  std::mutex wd_mu_;
+  std::condition_variable wd_cv_;
+  bool wd_stop_ = false;                       // guarded by wd_mu_
   int32_t *rid2_ = nullptr, *rid3_ = nullptr;  // Deferral's split: now / later ids
   float *rw2_ = nullptr, *rw3_ = nullptr;
   float* cs_host_ = nullptr;        // pinned rope rows of a slot pass
@@ -1163,7 +1200,10 @@ absl::Status CudaBackend::Logits(float* out) {
   RETURN_IF_ERROR(Copy(out, lo_, R * c_.vocab_size * 4, cudaMemcpyDeviceToHost, "logits download"));
   RETURN_IF_ERROR(Sync("logits"));
   // An expert call that failed inside the pass fails the pass (not sticky).
-  if (slot_pass_) RETURN_IF_ERROR(slots_->TakeStatus());
+  if (slot_pass_) {
+    FinishDeviceWaits();
+    RETURN_IF_ERROR(slots_->TakeStatus());
+  }
   return absl::OkStatus();
 }
 
@@ -1178,10 +1218,21 @@ absl::Status CudaBackend::CaptureFailed(cudaError_t e) {
   return absl::InternalError(why);
 }
 
+void CudaBackend::FinishDeviceWaits() {
+  if (dev_waits_.empty() || !in_pass_.load()) return;
+  in_pass_.store(false);
+  slots_->Drain();
+}
+
 absl::Status CudaBackend::Commit() {
   RETURN_IF_ERROR(Sync("pass"));
   if (slot_pass_) {
-    const int64_t wait = slots_->TakeWaitNs();
+    FinishDeviceWaits();
+    int64_t wait = slots_->TakeWaitNs();
+    if (waited_host_ != nullptr) {
+      wait += static_cast<int64_t>(__atomic_load_n(waited_host_, __ATOMIC_ACQUIRE));
+      __atomic_store_n(waited_host_, 0ull, __ATOMIC_RELEASE);
+    }
     slot_wait_ns_ += wait;
     float ms = 0;
     // GPU busy: the pass's span less the host nodes' waits for the experts.
@@ -1221,6 +1272,8 @@ void CudaBackend::Abort() {
   BurstEnd();
   cudaError_t e = cudaStreamSynchronize(stream_);
   if (e != cudaSuccess) Fail(CudaError(e, "pass abort")).IgnoreError();
+  in_pass_.store(false);
+  if (waited_host_ != nullptr) __atomic_store_n(waited_host_, 0ull, __ATOMIC_RELEASE);
   if (slots_) {
     // Calls the pass submitted and never waited on (it stopped half way).
     slots_->Drain();
@@ -1271,6 +1324,24 @@ bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts)
   auto made = experts->MakeSlots(so);
   if (!made.ok()) return fallback(made.status());
   slots_ = std::move(*made);
+  if (o_.cuda_device_waits && abort_dev_ == nullptr) {
+    absl::Status st = wait_ctl_.Allocate(64);
+    void* d = nullptr;
+    if (st.ok() && cudaHostGetDevicePointer(&d, wait_ctl_.as<void>(), 0) != cudaSuccess) {
+      cudaGetLastError();
+      st = absl::InternalError("cudaHostGetDevicePointer of the wait words");
+    }
+    if (st.ok()) {
+      std::memset(wait_ctl_.as<void>(), 0, 64);
+      abort_host_ = wait_ctl_.as<uint32_t>();
+      abort_dev_ = static_cast<uint32_t*>(d);
+      waited_host_ = reinterpret_cast<unsigned long long*>(wait_ctl_.as<uint8_t>() + 8);
+      waited_dev_ = reinterpret_cast<unsigned long long*>(static_cast<uint8_t*>(d) + 8);
+    } else {
+      std::fprintf(stderr, "hmoe cuda backend: expert waits in host nodes: %s\n",
+                   st.ToString().c_str());
+    }
+  }
   auto gen = slots_->Prepare(absl::Now() + absl::Seconds(10));
   if (!gen.ok()) return fallback(gen.status());
   absl::Status st = RegisterSlots(*gen);
@@ -1281,17 +1352,31 @@ bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts)
   st = EnsureWorkspace(kSlotTokens, table_cap_, kSlotTokens);
   if (!st.ok()) return fallback(st);
   std::fprintf(stderr,
-               "hmoe cuda backend: routed experts through %d %s slots; passes of up to %lld "
-               "tokens %s\n",
-               slots_->num_slots(), slots_->kind(), static_cast<long long>(kSlotTokens),
+               "hmoe cuda backend: routed experts through %d %s slots, waited for %s; passes of "
+               "up to %lld tokens %s\n",
+               slots_->num_slots(), slots_->kind(),
+               dev_waits_.empty() ? "in host nodes" : "on the device",
+               static_cast<long long>(kSlotTokens),
                graphs_on_ ? "replay one CUDA Graph per bucket (1, 2, 4, 8, 16, 32 tokens)"
                           : "run kernel by kernel (--cuda-graphs off)");
+  if (abort_dev_ != nullptr && !watchdog_.joinable())
+    watchdog_ = std::thread([this] { Watchdog(); });
   return true;
+}
+
+void CudaBackend::Watchdog() {
+  std::unique_lock<std::mutex> lock(wd_mu_);
+  while (!wd_stop_) {
+    wd_cv_.wait_for(lock, std::chrono::milliseconds(10));
+    if (!wd_stop_ && in_pass_.load() && !slots_->service_alive())
+      __atomic_store_n(abort_host_, 1u, __ATOMIC_RELEASE);
+  }
 }
 
 absl::Status CudaBackend::RegisterSlots(uint64_t gen) {
   for (const HostRegion& r : slots_->regions()) {
-    cudaError_t e = cudaHostRegister(r.base, static_cast<size_t>(r.bytes), cudaHostRegisterDefault);
+    cudaError_t e = cudaHostRegister(r.base, static_cast<size_t>(r.bytes),
+                                     cudaHostRegisterMapped | cudaHostRegisterPortable);
     if (e != cudaSuccess && e != cudaErrorHostMemoryAlreadyRegistered) {
       cudaGetLastError();
       return absl::InternalError(absl::StrCat("cudaHostRegister of the ", slots_->kind(),
@@ -1302,6 +1387,20 @@ absl::Status CudaBackend::RegisterSlots(uint64_t gen) {
   }
   views_.resize(static_cast<size_t>(slots_->num_slots()));
   for (int i = 0; i < slots_->num_slots(); ++i) views_[static_cast<size_t>(i)] = slots_->view(i);
+  dev_waits_.clear();
+  if (o_.cuda_device_waits && abort_dev_ != nullptr) {
+    std::vector<DevWait> w(static_cast<size_t>(slots_->num_slots()));
+    bool all = true;
+    for (int i = 0; i < slots_->num_slots() && all; ++i) {
+      const ExpertSlots::DeviceWait dw = slots_->device_wait(i);
+      void* d = nullptr;
+      all = dw.word != nullptr &&
+            cudaHostGetDevicePointer(&d, const_cast<uint32_t*>(dw.word), 0) == cudaSuccess;
+      w[static_cast<size_t>(i)] = DevWait{static_cast<const uint32_t*>(d), dw.busy_lo, dw.busy_hi};
+    }
+    cudaGetLastError();
+    if (all) dev_waits_ = std::move(w);
+  }
   DropGraphs();  // their copies point at the old slots
   slots_gen_ = gen;
   return absl::OkStatus();
@@ -1360,6 +1459,10 @@ absl::Status CudaBackend::BeginSlotPass(const PassTokens& p) {
   int32_t* ids_dev = meta_ + 4 * B;
   table_ = meta_ + 5 * B;
   events_used_ = 0;
+  if (!dev_waits_.empty()) {
+    __atomic_store_n(abort_host_, 0u, __ATOMIC_RELEASE);
+    in_pass_.store(true);
+  }
   cudaError_t e = cudaEventRecord(pass_ev_[0], stream_);
   if (e != cudaSuccess) return Fail(CudaError(e, "cudaEventRecord"));
   calls_ = &eager_calls_;
@@ -1424,6 +1527,7 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
   c.counts = counts_;
   c.ids_a = views_[static_cast<size_t>(2 * l)].ids;
   c.ids_b = n > 0 ? views_[static_cast<size_t>(2 * l + 1)].ids : nullptr;
+  c.abort = dev_waits_.empty() ? nullptr : abort_host_;
   cudaError_t e = cudaLaunchHostFunc(stream_, SubmitHost, &c);
   if (e != cudaSuccess) return Failed(CudaError(e, "expert submit node"));
   return absl::OkStatus();
@@ -1433,13 +1537,23 @@ absl::Status CudaBackend::JoinSlot(int l, int part) {
   RETURN_IF_ERROR(health());
   const int slot = 2 * l + part;
   const int64_t n = rows_ * c_.hidden_size;
-  HostCall& c = calls_->emplace_back();
-  c.slots = slots_.get();
-  c.a = slot;
-  c.layer = l;
-  c.tokens = tokens_host_;
-  cudaError_t e = cudaLaunchHostFunc(stream_, WaitHost, &c);
-  if (e != cudaSuccess) return Failed(CudaError(e, "expert wait node"));
+  if (!dev_waits_.empty()) {
+    // Polls the slot's state word; the host's Wait follows after the pass.
+    const DevWait& w = dev_waits_[static_cast<size_t>(slot)];
+    const uint64_t timeout_ns = static_cast<uint64_t>(
+        std::max<int64_t>(1, absl::ToInt64Nanoseconds(slots_->call_timeout())));
+    RETURN_IF_ERROR(
+        Launched(WaitHostWord(w.word, w.lo, w.hi, abort_dev_, timeout_ns, waited_dev_, stream_),
+                 "WaitHostWord"));
+  } else {
+    HostCall& c = calls_->emplace_back();
+    c.slots = slots_.get();
+    c.a = slot;
+    c.layer = l;
+    c.tokens = tokens_host_;
+    cudaError_t e = cudaLaunchHostFunc(stream_, WaitHost, &c);
+    if (e != cudaSuccess) return Failed(CudaError(e, "expert wait node"));
+  }
   RETURN_IF_ERROR(Copy(routed_, views_[static_cast<size_t>(slot)].out, n * 4,
                        cudaMemcpyHostToDevice, "expert output copy"));
   // x += routed + shared, the reference's order.

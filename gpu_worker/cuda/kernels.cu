@@ -788,6 +788,36 @@ __global__ void SplitDeferredKernel(const int32_t* ids, const float* w, int64_t 
 
 __global__ void TrapKernel() { __trap(); }
 
+__device__ uint64_t GlobalNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ uint32_t LoadAcquireSys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__global__ void WaitHostWordKernel(const uint32_t* word, uint32_t lo, uint32_t hi, uint32_t* abort,
+                                   uint64_t timeout_ns, unsigned long long* wait_ns) {
+  const uint64_t t0 = GlobalNs();
+  for (;;) {
+    const uint32_t v = LoadAcquireSys(word);
+    if (v < lo || v > hi) break;
+    if (LoadAcquireSys(abort) != 0) break;
+    if (GlobalNs() - t0 >= timeout_ns) {
+      *reinterpret_cast<volatile uint32_t*>(abort) = 1;
+      break;
+    }
+    __nanosleep(100);
+  }
+  __threadfence_system();
+  if (wait_ns != nullptr)
+    *reinterpret_cast<volatile unsigned long long*>(wait_ns) += GlobalNs() - t0;
+}
+
 }  // namespace
 
 bool CudaDeviceUsable(std::string* why) {
@@ -981,6 +1011,13 @@ cudaError_t SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t
   if (K <= 0 || K > 64 || n < 0 || n >= K) return cudaErrorInvalidValue;
   SplitDeferredKernel<<<GridFor(T), kThreads, 0, s>>>(
       ids, w, T, static_cast<int>(K), static_cast<int>(n), ids_now, w_now, ids_later, w_later);
+  return cudaGetLastError();
+}
+
+cudaError_t WaitHostWord(const uint32_t* word, uint32_t busy_lo, uint32_t busy_hi, uint32_t* abort,
+                         uint64_t timeout_ns, unsigned long long* wait_ns, cudaStream_t s) {
+  if (word == nullptr || abort == nullptr || busy_lo > busy_hi) return cudaErrorInvalidValue;
+  WaitHostWordKernel<<<1, 1, 0, s>>>(word, busy_lo, busy_hi, abort, timeout_ns, wait_ns);
   return cudaGetLastError();
 }
 

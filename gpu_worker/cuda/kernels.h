@@ -159,6 +159,15 @@ cudaError_t SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t
                           int32_t* ids_now, float* w_now, int32_t* ids_later, float* w_later,
                           cudaStream_t s);
 
+// A wait for the host without a host node (one thread): spins until *word
+// leaves [busy_lo, busy_hi] or *abort != 0, or timeout_ns have passed (then
+// sets *abort = 1, so the pass's later waits end at once); then a system
+// fence, so the host data the word guards is read after it. *wait_ns (if not
+// null) += the nanoseconds waited. word, abort and wait_ns are device
+// pointers to mapped host memory (or device memory). busy_lo <= busy_hi.
+cudaError_t WaitHostWord(const uint32_t* word, uint32_t busy_lo, uint32_t busy_hi, uint32_t* abort,
+                         uint64_t timeout_ns, unsigned long long* wait_ns, cudaStream_t s);
+
 // Launches a kernel that traps: the context's sticky error (a fault test's
 // stand-in for a real device failure).
 cudaError_t InjectStickyError(cudaStream_t s);

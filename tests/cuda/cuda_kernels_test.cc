@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu_worker/cpu/ops.h"
@@ -914,6 +917,73 @@ TEST(GpuKernelTest, SplitDeferred) {
             cudaErrorInvalidValue);
   EXPECT_EQ(SplitDeferred(nullptr, nullptr, 0, 4, 1, nullptr, nullptr, nullptr, nullptr, nullptr),
             cudaSuccess);
+}
+
+// The device-side wait on a word in mapped host memory: ends when a host
+// thread moves the word out of the busy range (not before), when the abort
+// word is set, or at the timeout (which then sets abort); the data the host
+// wrote before the word is what the stream reads after the wait.
+TEST(GpuKernelTest, WaitHostWord) {
+  SKIP_WITHOUT_GPU();
+  struct Shared {
+    uint32_t word, abort, pad[2];
+    unsigned long long waited;
+    float data[64];
+  };
+  Shared* h = nullptr;
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&h), sizeof(Shared), cudaHostAllocMapped),
+            cudaSuccess);
+  Shared* d = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), h, 0), cudaSuccess);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  DeviceBuffer<float> got(64);
+  auto reset = [&](uint32_t word) {
+    std::memset(static_cast<void*>(h), 0, sizeof(Shared));
+    reinterpret_cast<std::atomic<uint32_t>*>(&h->word)->store(word);
+  };
+  // 1. Released by the host after 20 ms: the wait takes about that long,
+  // and the copy after it sees what the host wrote before the release.
+  for (uint32_t done_value : {0u, 3u}) {
+    reset(2);
+    ASSERT_EQ(WaitHostWord(&d->word, 1, 2, &d->abort, 10'000'000'000ull, &d->waited, s),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(got.get(), h->data, sizeof(h->data), cudaMemcpyHostToDevice, s),
+              cudaSuccess);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "the wait ended while the word was busy";
+    for (int i = 0; i < 64; ++i) h->data[i] = static_cast<float>(i) + 0.5f;
+    reinterpret_cast<std::atomic<uint32_t>*>(&h->word)->store(done_value);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    std::vector<float> v = got.Download();
+    for (int i = 0; i < 64; ++i) ASSERT_EQ(v[i], static_cast<float>(i) + 0.5f) << i;
+    EXPECT_GE(h->waited, 15'000'000ull);
+    EXPECT_LT(h->waited, 5'000'000'000ull);
+    EXPECT_EQ(h->abort, 0u);
+  }
+  // 2. A word outside the busy range: no wait at all.
+  reset(0);
+  Check(WaitHostWord(&d->word, 1, 2, &d->abort, 10'000'000'000ull, &d->waited, s));
+  EXPECT_LT(h->waited, 100'000'000ull);
+  // 3. Abort set by the host ends the wait; the word stays busy.
+  reset(1);
+  ASSERT_EQ(WaitHostWord(&d->word, 1, 2, &d->abort, 10'000'000'000ull, nullptr, s), cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady);
+  reinterpret_cast<std::atomic<uint32_t>*>(&h->abort)->store(1);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  // 4. The timeout ends it and sets abort; a second wait then ends at once.
+  reset(2);
+  ASSERT_EQ(WaitHostWord(&d->word, 1, 2, &d->abort, 30'000'000ull, &d->waited, s), cudaSuccess);
+  ASSERT_EQ(WaitHostWord(&d->word, 1, 2, &d->abort, 10'000'000'000ull, &d->waited, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(h->abort, 1u);
+  EXPECT_GE(h->waited, 25'000'000ull);
+  EXPECT_LT(h->waited, 2'000'000'000ull);
+  EXPECT_EQ(WaitHostWord(nullptr, 1, 2, &d->abort, 1, nullptr, s), cudaErrorInvalidValue);
+  EXPECT_EQ(WaitHostWord(&d->word, 3, 2, &d->abort, 1, nullptr, s), cudaErrorInvalidValue);
+  cudaStreamDestroy(s);
+  cudaFreeHost(h);
 }
 
 }  // namespace

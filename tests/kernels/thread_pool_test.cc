@@ -20,11 +20,28 @@
 #include <thread>
 #include <vector>
 
+#include "expert_service/numa.h"
 #include "tests/testing/scoped_env.h"
 #include "tests/testing/temp_dir.h"
 
 namespace hmoe {
 namespace {
+
+// CPU lists as --cores and hmoe-bench-e2e's --service-cores take them.
+TEST(ParseCpuListTest, RangesAndSinglesAndClearErrors) {
+  cpu_set_t set;
+  ASSERT_TRUE(ParseCpuList("0-2,5,7-7", &set).ok());
+  EXPECT_EQ(CPU_COUNT(&set), 5);
+  for (int c : {0, 1, 2, 5, 7}) EXPECT_TRUE(CPU_ISSET(c, &set)) << c;
+  EXPECT_FALSE(CPU_ISSET(3, &set));
+  ASSERT_TRUE(ParseCpuList("14", &set).ok());
+  EXPECT_EQ(CPU_COUNT(&set), 1);
+  for (const char* bad : {"", "3-1", "a", "1-2-3", "-1", "0,,2", "99999"}) {
+    absl::Status st = ParseCpuList(bad, &set);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find("bad CPU range"), std::string_view::npos) << st;
+  }
+}
 
 TEST(ThreadPoolTest, ParallelForVisitsEachIndexOnce) {
   auto pool = ThreadPool::Create({}).value();

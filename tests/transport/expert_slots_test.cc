@@ -10,6 +10,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -274,6 +275,78 @@ TEST_P(ExpertSlotsTest, SlotsInFlightMatchThePoolRoundAfterRound) {
   }
   EXPECT_GT(s->TakeWaitNs(), 0);
   EXPECT_EQ(s->TakeWaitNs(), 0);  // cleared
+}
+
+// The device-side wait's contract (ExpertSlots::device_wait): over shm the
+// word lies in the region, is in the busy range exactly while a call is at
+// the service (held there by SIGSTOP), leaves it when the answer is in, and
+// Wait then returns at once with that answer; a call never sent leaves the
+// word outside the range. service_alive follows the service's death. Other
+// transports have no word (their waits stay host nodes).
+TEST_P(ExpertSlotsTest, DeviceWaitWordIsBusyExactlyWhileTheCallIsAtTheService) {
+  auto s = Make(Options(2, absl::Seconds(10)));
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(s->Prepare(absl::Now() + absl::Seconds(5)).ok());
+  EXPECT_TRUE(s->service_alive());
+  EXPECT_FALSE(s->has_failure());
+  EXPECT_EQ(s->call_timeout(), absl::Seconds(10));
+  if (!shm()) {
+    for (int i = 0; i < 2; ++i) EXPECT_EQ(s->device_wait(i).word, nullptr) << i;
+    return;
+  }
+  EXPECT_EQ(s->device_wait(2).word, nullptr) << "out of range";
+  auto word = [&](int i) {
+    return reinterpret_cast<const std::atomic<uint32_t>*>(s->device_wait(i).word)->load();
+  };
+  auto busy = [&](int i) {
+    const ExpertSlots::DeviceWait w = s->device_wait(i);
+    const uint32_t v = word(i);
+    return v >= w.busy_lo && v <= w.busy_hi;
+  };
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_NE(s->device_wait(i).word, nullptr);
+    EXPECT_TRUE(Inside(s->regions(), s->device_wait(i).word, 4)) << i;
+    EXPECT_LE(s->device_wait(i).busy_lo, s->device_wait(i).busy_hi);
+    EXPECT_FALSE(busy(i)) << "idle slot " << i;
+  }
+  EXPECT_NE(s->device_wait(0).word, s->device_wait(1).word);
+  const int32_t layer = info_.moe_layers[0], k = static_cast<int32_t>(info_.top_k);
+  const RandomCall rc = MakeCall(info_, layer, 5, k, 21);
+  const std::vector<std::vector<float>> want = Want({rc});
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    proc_.Signal(SIGSTOP);
+    Fill(*s, 0, rc);
+    s->Submit(0, rc.layer, rc.tokens, rc.top_k);
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    EXPECT_TRUE(busy(0)) << "word " << word(0) << " while the service is stopped";
+    EXPECT_FALSE(busy(1));
+    proc_.Signal(SIGCONT);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (busy(0) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    ASSERT_FALSE(busy(0)) << "still busy 5 s after SIGCONT";
+    const auto t0 = std::chrono::steady_clock::now();
+    s->Wait(0);
+    EXPECT_LT(Secs(std::chrono::steady_clock::now() - t0), 0.05) << "Wait after the word moved";
+    ASSERT_TRUE(s->TakeStatus().ok());
+    EXPECT_LE(MaxRelDiff(Out(*s, 0, rc.tokens), want[0]), 1e-5);
+    EXPECT_FALSE(busy(0)) << "released";
+  }
+  // A failure (a slot out of range) shows in has_failure until taken; a
+  // call after it is not sent, so its word never turns busy.
+  s->Submit(5, layer, 1, k);
+  EXPECT_TRUE(s->has_failure());
+  s->Submit(1, rc.layer, rc.tokens, rc.top_k);
+  EXPECT_FALSE(busy(1)) << "a call after a failure was sent";
+  s->Wait(1);
+  EXPECT_FALSE(s->TakeStatus().ok());
+  EXPECT_FALSE(s->has_failure());
+  // The service's death.
+  proc_.Kill(SIGKILL);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (s->service_alive() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_FALSE(s->service_alive());
 }
 
 TEST_P(ExpertSlotsTest, EmptyCallsAndMisuseAreReportedAndTakeStatusClears) {

@@ -2,7 +2,10 @@
 // (the tiny DeepSeek-V3 fixture), as the worker uses them.
 #include "gpu_worker/server/remote_experts.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -10,7 +13,9 @@
 #include "common/safetensors.h"
 #include "common/weight_map.h"
 #include "gmock/gmock.h"
+#include "gpu_worker/model.h"
 #include "gtest/gtest.h"
+#include "tests/testing/backends.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
 
@@ -21,6 +26,17 @@ using ::testing::HasSubstr;
 
 std::string ModelDir() { return ::hmoe::testing::FixturesDir() + "/deepseek_v3_tiny"; }
 
+// The tiny fixture's service in `proc`, and a pool over shm to it (null on failure).
+std::unique_ptr<ExpertPool> StartShm(testing::ServiceProcess& proc, testing::TempDir& dir) {
+  EXPECT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
+  ExpertPoolOptions po;
+  po.targets = {proc.target()};
+  po.transport = TransportKind::kShm;
+  auto pool = ExpertPool::Connect(po);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return pool.ok() ? std::move(*pool) : nullptr;
+}
+
 // A call the service refuses as malformed (here: a NaN routing weight, which
 // the router of a broken pass produces) is INTERNAL naming the field, not
 // INVALID_ARGUMENT: the engine reads INVALID_ARGUMENT as one request's bad
@@ -28,25 +44,22 @@ std::string ModelDir() { return ::hmoe::testing::FixturesDir() + "/deepseek_v3_t
 TEST(PoolRoutedExperts, ARefusedCallIsInternalNotTheClientsInvalidArgument) {
   testing::TempDir dir;
   testing::ServiceProcess proc;
-  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
   auto config = LoadModelConfig(ModelDir());
   ASSERT_TRUE(config.ok()) << config.status();
-  ExpertPoolOptions po;
-  po.targets = {proc.target()};
-  po.transport = TransportKind::kShm;
-  auto pool = ExpertPool::Connect(po);
-  ASSERT_TRUE(pool.ok()) << pool.status();
+  std::unique_ptr<ExpertPool> pool;
+  ASSERT_NO_FATAL_FAILURE(pool = StartShm(proc, dir));
+  ASSERT_NE(pool, nullptr);
   // The worker's checkpoint must be the one the shards serve.
   auto other =
-      PoolRoutedExperts::Create(*config, pool->get(), absl::Seconds(10), "0123456789abcdef");
+      PoolRoutedExperts::Create(*config, pool.get(), absl::Seconds(10), "0123456789abcdef");
   EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition) << other.status();
   EXPECT_THAT(std::string(other.status().message()), HasSubstr("another checkpoint"));
   auto ckpt = Checkpoint::Open(ModelDir());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   auto ours = RoutedExpertsFingerprint(**ckpt, *config);  // as hmoe-gpu-worker computes it
   ASSERT_TRUE(ours.ok()) << ours.status();
-  EXPECT_EQ((*pool)->model().source_fingerprint, *ours);
-  auto experts = PoolRoutedExperts::Create(*config, pool->get(), absl::Seconds(10), *ours);
+  EXPECT_EQ(pool->model().source_fingerprint, *ours);
+  auto experts = PoolRoutedExperts::Create(*config, pool.get(), absl::Seconds(10), *ours);
   ASSERT_TRUE(experts.ok()) << experts.status();
   int layer = 0;
   while (!config->layers[static_cast<size_t>(layer)].moe) ++layer;
@@ -68,6 +81,78 @@ TEST(PoolRoutedExperts, ARefusedCallIsInternalNotTheClientsInvalidArgument) {
   // The worker's own malformed batch likewise.
   ids[0] = -1;
   EXPECT_EQ((*experts)->Forward(b, out.data()).code(), absl::StatusCode::kInternal);
+}
+
+// The cuda backend over a real service's shm slots: the device waiting for
+// each answer itself (a kernel polling the slot's state word) gives the
+// same logits, bit for bit, as host wait nodes, as eager slot passes and as
+// the host-copy path, with and without Expert Deferral; one graph launch per
+// decode step.
+TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
+  HMOE_SKIP_UNLESS_BACKEND("cuda");
+  testing::TempDir dir;
+  testing::ServiceProcess proc;
+  auto config = LoadModelConfig(ModelDir());
+  ASSERT_TRUE(config.ok()) << config.status();
+  std::unique_ptr<ExpertPool> pool;
+  ASSERT_NO_FATAL_FAILURE(pool = StartShm(proc, dir));
+  ASSERT_NE(pool, nullptr);
+  auto experts = PoolRoutedExperts::Create(*config, pool.get(), absl::Seconds(10), "");
+  ASSERT_TRUE(experts.ok()) << experts.status();
+  struct Path {
+    const char* name;
+    bool slots, graphs, device_waits;
+  };
+  const Path paths[] = {{"device", true, true, true},
+                        {"host", true, true, false},
+                        {"eager", true, false, true},
+                        {"copy", false, false, false}};
+  for (int deferred : {0, 1}) {
+    std::vector<std::vector<float>> first;  // the first path's logits, pass by pass
+    for (const Path& p : paths) {
+      SCOPED_TRACE(::testing::Message() << p.name << ", deferred " << deferred);
+      ModelOptions o;
+      o.backend = "cuda";
+      o.num_threads = 2;
+      o.deferred_experts = deferred;
+      o.cuda_expert_slots = p.slots;
+      o.cuda_graphs = p.graphs;
+      o.cuda_device_waits = p.device_waits;
+      auto ckpt = Checkpoint::Open(ModelDir());
+      ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+      auto m = Model::Create(*config, **ckpt, o, experts->get());
+      ASSERT_TRUE(m.ok()) << m.status();
+      auto seq = (*m)->NewSequence();
+      std::vector<std::vector<float>> got;
+      auto lg = (*m)->Prefill(*seq, std::vector<int32_t>{1, 5, 17, 42, 7}, LogitsMode::kLast);
+      ASSERT_TRUE(lg.ok()) << lg.status();
+      got.push_back(*lg);
+      const ModelStats before = (*m)->stats();
+      int32_t next = 3;
+      for (int step = 0; step < 6; ++step) {
+        auto l = (*m)->Decode(*seq, next);
+        ASSERT_TRUE(l.ok()) << l.status();
+        next = static_cast<int32_t>(std::max_element(l->begin(), l->end()) - l->begin());
+        got.push_back(*l);
+      }
+      const ModelStats after = (*m)->stats();
+      if (p.graphs) {
+        EXPECT_EQ(after.graph_launches - before.graph_launches, 6);
+      } else {
+        EXPECT_EQ(after.graph_launches, 0);
+      }
+      if (first.empty()) {
+        first = got;
+        continue;
+      }
+      ASSERT_EQ(got.size(), first.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i].size(), first[i].size());
+        EXPECT_EQ(std::memcmp(got[i].data(), first[i].data(), got[i].size() * sizeof(float)), 0)
+            << "pass " << i << " differs from the device-wait path";
+      }
+    }
+  }
 }
 
 }  // namespace
