@@ -95,17 +95,18 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
   --cuda-expert-slots on|off
                         cuda: off sends every pass's experts the host-copy way,
                         no slots or graphs (default on)
-  --cuda-expert-wait device|host
-                        cuda, slot passes: who waits for each expert answer
-                        (default device: a kernel polls the shm slot's state)
+  --cuda-expert-calls device|host
+                        cuda, slot passes: who sends each expert call and waits
+                        for it (default device: kernels store and poll the shm
+                        slot's state; host: host nodes)
   --service-cores LIST  CPUs of the expert service and the DRAM probes (e.g.
                         0-13; default: all this process may use)
   --worker-cores LIST   CPUs of this process (the worker: its CUDA and host-node
                         threads) once the service runs (default: all)
   --path-sweep LIST     after the runs above, batch-1 decode again per worker
                         path, the model reloaded for each: device (slots, graphs,
-                        device waits), host (slots, graphs, host wait nodes),
-                        eager (slots, no graphs, device waits), copy (no slots)
+                        device calls), host (slots, graphs, host nodes),
+                        eager (slots, no graphs, device calls), copy (no slots)
   --defer-sweep LIST    after the runs above, batch-1 decode again for each
                         deferral count in LIST (e.g. 0,1,2,3,4; the model is
                         reloaded per count): tok/s, GPU and CPU busy per step
@@ -297,7 +298,7 @@ struct Args {
   int defer_experts = 0;
   bool cuda_graphs = true;
   bool cuda_expert_slots = true;
-  bool cuda_device_waits = true;
+  bool cuda_device_calls = true;
   std::string service_cores, worker_cores;  // CPU lists; empty: all
   std::vector<int64_t> defer_sweep;         // batch-1 decode per deferral count (empty: none)
   std::vector<std::string> path_sweep;      // batch-1 decode per worker path (empty: none)
@@ -353,7 +354,7 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
                                      "--defer-experts",
                                      "--cuda-graphs",
                                      "--cuda-expert-slots",
-                                     "--cuda-expert-wait",
+                                     "--cuda-expert-calls",
                                      "--service-cores",
                                      "--worker-cores",
                                      "--defer-sweep",
@@ -450,10 +451,10 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
       if (v != "on" && v != "off")
         return bad(absl::StrCat("--cuda-expert-slots: \"", v, "\" is not on or off"));
       a.cuda_expert_slots = v == "on";
-    } else if (f == "--cuda-expert-wait") {
+    } else if (f == "--cuda-expert-calls") {
       if (v != "device" && v != "host")
-        return bad(absl::StrCat("--cuda-expert-wait: \"", v, "\" is not device or host"));
-      a.cuda_device_waits = v == "device";
+        return bad(absl::StrCat("--cuda-expert-calls: \"", v, "\" is not device or host"));
+      a.cuda_device_calls = v == "device";
     } else if (f == "--service-cores" || f == "--worker-cores") {
       cpu_set_t set;
       if (absl::Status st = ParseCpuList(v, &set); !st.ok())
@@ -1048,7 +1049,7 @@ absl::Status Run(const Args& a) {
   mo.deferred_experts = a.defer_experts;
   mo.cuda_graphs = a.cuda_graphs;
   mo.cuda_expert_slots = a.cuda_expert_slots;
-  mo.cuda_device_waits = a.cuda_device_waits;
+  mo.cuda_device_calls = a.cuda_device_calls;
   mo.num_threads = a.threads;
   mo.max_seq_len = max_seq;
   t0 = Now();
@@ -1291,7 +1292,7 @@ absl::Status Run(const Args& a) {
       ModelOptions so = mo;
       so.cuda_expert_slots = path != "copy";
       so.cuda_graphs = path == "device" || path == "host";
-      so.cuda_device_waits = path != "host";
+      so.cuda_device_calls = path != "host";
       ASSIGN_OR_RETURN(const SweepRow r, sweep_row(so, &control));
       const DecodeRun& run = r.run;
       const double n = static_cast<double>(a.decode_steps);
@@ -1364,7 +1365,7 @@ absl::Status Run(const Args& a) {
                     {"defer_experts", a.defer_experts},
                     {"cuda_graphs", a.cuda_graphs},
                     {"cuda_expert_slots", a.cuda_expert_slots},
-                    {"cuda_device_waits", a.cuda_device_waits},
+                    {"cuda_device_calls", a.cuda_device_calls},
                     {"service_cores", a.service_cores},
                     {"worker_cores", a.worker_cores},
                     {"threads", a.threads},

@@ -63,12 +63,13 @@ struct ModelOptions {
   // while the graphs' per-layer host-node hand-off costs ~0.4 ms
   // (bench/results/README.md, run 6).
   bool cuda_expert_slots = true;
-  // cuda, slots over shm: the device waits for each expert answer itself (a
-  // one-thread kernel polling the slot's state word in the registered
-  // segment) instead of a host node, so each MoE layer costs one host node
-  // (the submit), not two. false, or a transport without such a word
-  // (staged slots): host wait nodes.
-  bool cuda_device_waits = true;
+  // cuda, slots over shm: the device sends each expert call itself (a
+  // one-thread kernel storing REQUEST into the slot's state word in the
+  // registered segment, which the service then polls) and waits for the
+  // answer itself (a kernel polling that word), so a slot pass has no host
+  // nodes. false, or a transport without such a word (staged slots): host
+  // nodes submit and wait.
+  bool cuda_device_calls = true;
   // cuda, fault tests only: > 0 injects a sticky device error (a trapping
   // kernel) at the start of pass number debug_cuda_fault_after + 1.
   int64_t debug_cuda_fault_after = 0;

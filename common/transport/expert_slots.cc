@@ -62,37 +62,47 @@ void ExpertSlotsBase::Record(const absl::Status& st, int slot, int32_t layer) {
 }
 
 void ExpertSlotsBase::Submit(int slot, int32_t layer, int32_t tokens, int32_t top_k) {
+  Claim(slot, layer, tokens, top_k, /*arm=*/false);
+}
+
+bool ExpertSlotsBase::Arm(int slot, int32_t layer, int32_t tokens, int32_t top_k) {
+  return Claim(slot, layer, tokens, top_k, /*arm=*/true);
+}
+
+bool ExpertSlotsBase::Claim(int slot, int32_t layer, int32_t tokens, int32_t top_k, bool arm) {
   if (slot < 0 || slot >= num_slots()) {
     Record(absl::FailedPreconditionError(absl::StrCat("no slot ", slot, " of ", num_slots())), slot,
            layer);
-    return;
+    return false;
   }
   Call& c = calls_[static_cast<size_t>(slot)];
   if (c.pending) {
     Record(absl::FailedPreconditionError("submitted again before it was waited on"), slot, layer);
-    return;
+    return false;
   }
   c.pending = true;
   c.sent = false;
   c.layer = layer;
   c.deadline = absl::Now() + opts_.call_timeout;
-  if (tokens == 0) return;  // nothing to compute; Wait returns at once
+  if (tokens == 0) return false;  // nothing to compute; Wait returns at once
   {
     // A failure since the last TakeStatus dooms the pass: the rest of its
     // calls are not sent (a hung service costs one deadline, not one per layer).
     std::lock_guard<std::mutex> lock(mu_);
-    if (!first_.ok()) return;
+    if (!first_.ok()) return false;
   }
   if (tokens < 0 || tokens > opts_.max_tokens || top_k <= 0 || top_k > opts_.top_k) {
     Record(absl::FailedPreconditionError(absl::StrCat(tokens, " tokens x top-k ", top_k,
                                                       " over the slots' ", opts_.max_tokens, " x ",
                                                       opts_.top_k)),
            slot, layer);
-    return;
+    return false;
   }
-  absl::Status st = DoSubmit(slot, layer, tokens, top_k, c.deadline);
+  absl::Status st = arm ? DoArm(slot, layer, tokens, top_k, c.deadline)
+                        : DoSubmit(slot, layer, tokens, top_k, c.deadline);
   c.sent = st.ok();
   Record(st, slot, layer);
+  return c.sent;
 }
 
 void ExpertSlotsBase::Wait(int slot) {

@@ -109,14 +109,25 @@ class ExpertSlots {
   // failed (or was never sent). Wait(slot) is still called afterwards, before
   // the slot's next Submit: it then returns at once and reports the failure.
   // word == nullptr: this transport has none (staged copies).
+  // request != 0: the device may also send the call itself, without a host
+  // node: after Arm(slot), it stores `request` into `word` (once the
+  // request region holds the call), between SetDeviceSends(true) and (false).
   struct DeviceWait {
-    const uint32_t* word = nullptr;
+    uint32_t* word = nullptr;
     uint32_t busy_lo = 0, busy_hi = 0;
+    uint32_t request = 0;
   };
   virtual DeviceWait device_wait(int slot) const {
     (void)slot;
     return {};
   }
+  // Submit's twin for a call the device sends (DeviceWait::request): the
+  // same checks and bookkeeping, the call written, all but the send. True
+  // when the device is to send it; false when it must not (an empty call, or
+  // a failure kept for TakeStatus). Wait(slot) follows as after Submit.
+  virtual bool Arm(int slot, int32_t layer, int32_t tokens, int32_t top_k) = 0;
+  // On before a pass whose calls the device sends, off after it.
+  virtual void SetDeviceSends(bool on) { (void)on; }
   // False once the transport knows the service of the current generation
   // went away (cheap, any thread): a watchdog's check while the device waits
   // on device_wait() words.
@@ -134,6 +145,7 @@ class ExpertSlotsBase : public ExpertSlots {
   int32_t top_k() const override { return opts_.top_k; }
   int64_t hidden() const override { return hidden_; }
   void Submit(int slot, int32_t layer, int32_t tokens, int32_t top_k) final;
+  bool Arm(int slot, int32_t layer, int32_t tokens, int32_t top_k) final;
   void Wait(int slot) final;
   absl::Status TakeStatus() final;
   void Drain() final;
@@ -147,6 +159,12 @@ class ExpertSlotsBase : public ExpertSlots {
   virtual absl::Status DoSubmit(int slot, int32_t layer, int32_t tokens, int32_t top_k,
                                 absl::Time deadline) = 0;
   virtual absl::Status DoWait(int slot, absl::Time deadline) = 0;
+  // Arm's: the call written, not sent (only where device_wait().request != 0).
+  virtual absl::Status DoArm(int slot, int32_t layer, int32_t tokens, int32_t top_k,
+                             absl::Time deadline) {
+    (void)slot, (void)layer, (void)tokens, (void)top_k, (void)deadline;
+    return absl::UnimplementedError("this transport's slots are sent by the host only");
+  }
   const ExpertSlotsOptions opts_;
 
  private:
@@ -157,6 +175,8 @@ class ExpertSlotsBase : public ExpertSlots {
     absl::Time deadline;
   };
   void Record(const absl::Status& st, int slot, int32_t layer);
+  // Submit and Arm: checks, bookkeeping, then DoSubmit or DoArm; whether sent.
+  bool Claim(int slot, int32_t layer, int32_t tokens, int32_t top_k, bool arm);
   const int64_t hidden_;
   std::vector<Call> calls_;  // by slot
   std::mutex mu_;

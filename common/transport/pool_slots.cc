@@ -2,6 +2,7 @@
 // copy (one shm shard).
 #include <algorithm>
 #include <cstdlib>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -42,6 +43,7 @@ class ShmSlots final : public ExpertSlotsBase {
     handles_.assign(static_cast<size_t>(opts.num_slots), 0);
     views_.resize(static_cast<size_t>(opts.num_slots));
     states_.assign(static_cast<size_t>(opts.num_slots), nullptr);
+    armed_.assign(static_cast<size_t>(opts.num_slots), 0);
   }
   const char* kind() const override { return "shm (zero copy)"; }
   absl::StatusOr<uint64_t> Prepare(absl::Time deadline) override {
@@ -73,12 +75,13 @@ class ShmSlots final : public ExpertSlotsBase {
   std::vector<HostRegion> regions() const override { return {region_}; }
   DeviceWait device_wait(int slot) const override {
     if (slot < 0 || slot >= num_slots()) return {};
-    const std::atomic<uint32_t>* w = states_[static_cast<size_t>(slot)];
+    std::atomic<uint32_t>* w = states_[static_cast<size_t>(slot)];
     static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t) &&
                   std::atomic<uint32_t>::is_always_lock_free);
-    return DeviceWait{reinterpret_cast<const uint32_t*>(w), kSlotRequest, kSlotBusy};
+    return DeviceWait{reinterpret_cast<uint32_t*>(w), kSlotRequest, kSlotBusy, kSlotRequest};
   }
   bool service_alive() const override { return client_->FixedServiceAlive(); }
+  void SetDeviceSends(bool on) override { client_->SetDevicePolling(on); }
 
  private:
   absl::Status DoSubmit(int slot, int32_t layer, int32_t tokens, int32_t top_k,
@@ -87,8 +90,23 @@ class ShmSlots final : public ExpertSlotsBase {
                      client_->SubmitFixed(static_cast<uint32_t>(slot), layer, tokens, top_k));
     return absl::OkStatus();
   }
+  absl::Status DoArm(int slot, int32_t layer, int32_t tokens, int32_t top_k,
+                     absl::Time) override {
+    ASSIGN_OR_RETURN(handles_[static_cast<size_t>(slot)],
+                     client_->ArmFixed(static_cast<uint32_t>(slot), layer, tokens, top_k));
+    armed_[static_cast<size_t>(slot)] = 1;
+    return absl::OkStatus();
+  }
   absl::Status DoWait(int slot, absl::Time deadline) override {
     const uint64_t h = handles_[static_cast<size_t>(slot)];
+    // An armed call the device never sent (its pass stopped first): released,
+    // not waited for. Wait on an armed call comes after the device's work.
+    const std::atomic<uint32_t>* state = states_[static_cast<size_t>(slot)];
+    if (std::exchange(armed_[static_cast<size_t>(slot)], uint8_t{0}) != 0 && state != nullptr &&
+        state->load(std::memory_order_acquire) == kSlotFree) {
+      client_->Release(h);
+      return absl::AbortedError("expert call armed but never sent by the device");
+    }
     ASSIGN_OR_RETURN(const float* answer, client_->WaitInPlace(h, deadline));
     // The answer stays in the slot's response region: nothing reuses the
     // slot before this caller's next Submit on it.
@@ -100,7 +118,8 @@ class ShmSlots final : public ExpertSlotsBase {
   std::unique_ptr<ShmClient> client_;
   std::vector<uint64_t> handles_;
   std::vector<SlotView> views_;
-  std::vector<const std::atomic<uint32_t>*> states_;  // the slots' state words
+  std::vector<std::atomic<uint32_t>*> states_;  // the slots' state words
+  std::vector<uint8_t> armed_;                  // by slot: armed (DoArm), not yet waited
   HostRegion region_;
   uint64_t gen_ = 0;
 };

@@ -396,14 +396,27 @@ void ShmServer::Serve(Session* s) {
       if (slot->client_sleeping.load()) FutexWake(&slot->state);
     }
     if (worked) continue;
-    // Idle: spin briefly on the doorbell, then sleep on it.
-    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-    while (h->doorbell.load(std::memory_order_acquire) == bell &&
+    // Idle: spin briefly on the doorbell, then sleep on it. While the client
+    // polls (a device sends calls by their state alone), also scan the
+    // slots, spin up to 100 ms and then sleep 1 ms at a time.
+    const bool polling = h->client_polling.load(std::memory_order_acquire) != 0;
+    auto requested = [&] {
+      for (uint32_t i = 0; i < n; ++i)
+        if (SlotAt(s->base, g, i)->state.load(std::memory_order_acquire) == kSlotRequest)
+          return true;
+      return false;
+    };
+    const auto spin_until =
+        std::chrono::steady_clock::now() +
+        (polling ? std::chrono::microseconds(100'000) : std::chrono::microseconds(50));
+    bool woke = false;
+    while (!(woke = h->doorbell.load(std::memory_order_acquire) != bell ||
+                    (polling && requested())) &&
            std::chrono::steady_clock::now() < spin_until) {
     }
-    if (h->doorbell.load(std::memory_order_acquire) != bell) continue;
+    if (woke) continue;
     h->server_sleeping.store(1);
-    FutexWait(&h->doorbell, bell, 50'000'000);
+    FutexWait(&h->doorbell, bell, polling ? 1'000'000 : 50'000'000);
     h->server_sleeping.store(0);
     h->server_heartbeat_ns.store(NowNs());
     if (PeerExited(s->client_pidfd, s->client_pid) || h->closed.load()) {
@@ -598,6 +611,28 @@ bool ShmClient::FixedServiceAlive() const {
 
 absl::StatusOr<uint64_t> ShmClient::SubmitFixed(uint32_t i, int32_t layer, int32_t tokens,
                                                 int32_t top_k) {
+  return ClaimFixed(i, layer, tokens, top_k, /*ring=*/true);
+}
+
+absl::StatusOr<uint64_t> ShmClient::ArmFixed(uint32_t i, int32_t layer, int32_t tokens,
+                                             int32_t top_k) {
+  return ClaimFixed(i, layer, tokens, top_k, /*ring=*/false);
+}
+
+void ShmClient::SetDevicePolling(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!fixed_seg_) return;
+  ShmHeader* h = fixed_seg_->header();
+  h->client_polling.store(on ? 1 : 0, std::memory_order_seq_cst);
+  if (!on) return;
+  // Rung, as a Submit does, so that a server about to sleep on the doorbell
+  // (having read client_polling before this store) does not sleep.
+  h->doorbell.fetch_add(1, std::memory_order_acq_rel);
+  if (h->server_sleeping.load()) FutexWake(&h->doorbell);
+}
+
+absl::StatusOr<uint64_t> ShmClient::ClaimFixed(uint32_t i, int32_t layer, int32_t tokens,
+                                               int32_t top_k, bool ring) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!fixed_seg_)
     return absl::FailedPreconditionError("expert service (shm): no segment (EnsureSegment first)");
@@ -642,7 +677,11 @@ absl::StatusOr<uint64_t> ShmClient::SubmitFixed(uint32_t i, int32_t layer, int32
   o.ids_bytes = t * k * 4;
   o.weights_off = o.ids_off + Align(cap_t * static_cast<uint64_t>(geo_.max_top_k) * 4, 64);
   o.weights_bytes = t * k * 4;
-  RingLocked(o, layer);
+  if (ring) {
+    RingLocked(o, layer);
+  } else {
+    WriteCallLocked(o, layer);
+  }
   return seq;
 }
 
@@ -743,8 +782,7 @@ absl::Status ShmClient::Commit(uint64_t handle, int32_t layer) {
   return absl::OkStatus();
 }
 
-void ShmClient::RingLocked(const Outstanding& o, int32_t layer) {
-  ShmHeader* h = o.seg->header();
+void ShmClient::WriteCallLocked(const Outstanding& o, int32_t layer) {
   ShmSlot* s = SlotAt(o.seg->base, o.seg->geo, o.slot);
   s->seq = o.seq;
   s->layer = layer;
@@ -757,6 +795,12 @@ void ShmClient::RingLocked(const Outstanding& o, int32_t layer) {
   s->weights_off = o.weights_off;
   s->weights_bytes = o.weights_bytes;
   s->client_sleeping.store(0);
+}
+
+void ShmClient::RingLocked(const Outstanding& o, int32_t layer) {
+  ShmHeader* h = o.seg->header();
+  ShmSlot* s = SlotAt(o.seg->base, o.seg->geo, o.slot);
+  WriteCallLocked(o, layer);
   s->state.store(kSlotRequest, std::memory_order_release);
   h->doorbell.fetch_add(1, std::memory_order_acq_rel);
   if (h->server_sleeping.load()) FutexWake(&h->doorbell);

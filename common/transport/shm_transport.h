@@ -24,7 +24,10 @@
 // Protocol per slot: FREE -> (client) REQUEST -> (server) BUSY -> DONE ->
 // (client, after reading) FREE. Doorbells: the client bumps header.doorbell
 // and futex-wakes the server; the server sets slot.state and futex-wakes the
-// client; both spin briefly before sleeping. The server treats every field the
+// client; both spin briefly before sleeping. A device (the GPU) may take the
+// client's part without a doorbell: the host arms a slot (ArmFixed: every
+// field but the state), the device stores REQUEST into its state and polls
+// for DONE; meanwhile header.client_polling keeps the server scanning. The server treats every field the
 // client wrote as untrusted: offsets and lengths are bounds-checked against
 // the slot before use.
 //
@@ -56,7 +59,7 @@ namespace hmoe {
 class ControlClient;
 
 inline constexpr uint64_t kShmMagic = 0x31304D48534D4F48ull;  // "HOMSHM01"
-inline constexpr uint32_t kShmVersion = 2;
+inline constexpr uint32_t kShmVersion = 3;
 
 enum ShmSlotState : uint32_t { kSlotFree = 0, kSlotRequest = 1, kSlotBusy = 2, kSlotDone = 3 };
 
@@ -80,6 +83,10 @@ struct alignas(64) ShmHeader {
   std::atomic<uint64_t> server_heartbeat_ns;
   std::atomic<uint64_t> client_heartbeat_ns;
   std::atomic<uint32_t> closed;  // either side gave the segment up
+  // Set by the client while a device may send calls by storing REQUEST into
+  // a slot's state without ringing the doorbell: the server then also scans
+  // the slots while idle and sleeps only briefly (ShmClient::SetDevicePolling).
+  std::atomic<uint32_t> client_polling;
 };
 
 struct alignas(64) ShmSlot {
@@ -179,7 +186,7 @@ class ShmClient : public MoeClient {
     float* weights = nullptr;    // [tokens][top_k]
     // FixedView only: the slot's state word (ShmSlotState), REQUEST or BUSY
     // while a call is at the service (for a device that waits by polling).
-    const std::atomic<uint32_t>* state = nullptr;
+    std::atomic<uint32_t>* state = nullptr;
   };
   absl::StatusOr<SlotView> Acquire(int32_t tokens, int32_t top_k, absl::Time deadline);
   absl::Status Commit(uint64_t handle, int32_t layer);
@@ -203,6 +210,14 @@ class ShmClient : public MoeClient {
   // claimed or out of range, INVALID_ARGUMENT over the slot's capacity.
   // Then WaitInPlace and Release as for Acquire.
   absl::StatusOr<uint64_t> SubmitFixed(uint32_t i, int32_t layer, int32_t tokens, int32_t top_k);
+  // SubmitFixed without the send: slot i is claimed and its call written,
+  // all but its state, which whoever sends it (a device) sets to REQUEST
+  // (while SetDevicePolling(true)). Same errors; then WaitInPlace and Release.
+  absl::StatusOr<uint64_t> ArmFixed(uint32_t i, int32_t layer, int32_t tokens, int32_t top_k);
+  // While on, the fixed-slot segment's server also scans for slots set to
+  // REQUEST without a doorbell and sleeps at most ~1 ms (it is woken here
+  // when turned on). A no-op without a segment.
+  void SetDevicePolling(bool on);
 
   // False once the service of the fixed-slot segment went away (or none is
   // attached): its pid exited or it closed the segment. Any thread.
@@ -233,8 +248,13 @@ class ShmClient : public MoeClient {
   // With mu_ held (through `lock`): a live segment in seg_, reconnecting
   // (mu_ released meanwhile) when the last one's service went away.
   absl::Status ConnectedLocked(std::unique_lock<std::mutex>& lock, absl::Time deadline);
+  // With mu_ held: writes o's call into its slot (all but the state).
+  void WriteCallLocked(const Outstanding& o, int32_t layer);
   // With mu_ held: writes o's call into its slot and rings the doorbell.
   void RingLocked(const Outstanding& o, int32_t layer);
+  // SubmitFixed / ArmFixed: claims slot i and writes its call; rings if `ring`.
+  absl::StatusOr<uint64_t> ClaimFixed(uint32_t i, int32_t layer, int32_t tokens, int32_t top_k,
+                                      bool ring);
 
   std::shared_ptr<ControlClient> control_;
   ShmClientOptions opts_;

@@ -54,6 +54,13 @@ struct HostCall {
   const int32_t *ids_a = nullptr, *ids_b = nullptr;  // the slots' ids, counted at submit
   uint32_t* abort = nullptr;  // device waits: set when a call failed (later waits end at once)
 };
+// One routed-expert call of a slot pass the device sends (armed and counted
+// by the host).
+struct SlotCall {
+  int slot = 0;
+  int32_t layer = 0, k = 0;
+};
+
 void CUDART_CB SubmitHost(void* p) {
   const auto* c = static_cast<const HostCall*>(p);
   const int32_t T = *c->tokens;
@@ -349,6 +356,8 @@ class CudaBackend final : public LayerBackend {
   // After a slot pass's last GPU work: the host side of the device's waits
   // (each slot's Wait, which then returns at once and records failures).
   void FinishDeviceWaits();
+  // Arms `calls` for the device to send (dev_sends_), with the pass's real T.
+  void ArmCalls(const std::vector<SlotCall>& calls);
   // Sets the device waits' abort word while a pass runs and the service is
   // gone (the device cannot see a dead process).
   void Watchdog();
@@ -458,16 +467,23 @@ class CudaBackend final : public LayerBackend {
   std::unique_ptr<ExpertSlots> slots_;
   uint64_t slots_gen_ = 0;  // the generation whose memory is registered
   std::vector<SlotView> views_;
-  // Device-side waits (ModelOptions::cuda_device_waits and a transport with
+  // Device-side waits (ModelOptions::cuda_device_calls and a transport with
   // ExpertSlots::device_wait words): per slot, the word as the device sees it.
   // Empty: the waits are host nodes.
   struct DevWait {
-    const uint32_t* word = nullptr;
-    uint32_t lo = 0, hi = 0;
+    uint32_t* word = nullptr;
+    uint32_t lo = 0, hi = 0, request = 0;
   };
   std::vector<DevWait> dev_waits_;
-  PinnedBuffer wait_ctl_;  // mapped: the abort word, then the waited nanoseconds
+  // With dev_waits_, and every slot's DeviceWait::request set: the device
+  // also sends the calls (RingHostWord), the host only arms them.
+  bool dev_sends_ = false;
+  std::vector<SlotCall> eager_slot_calls_;
+  std::vector<SlotCall>* pass_calls_ = nullptr;  // the pass's calls (a graph's or eager_)
+  // mapped: the abort word, the waited nanoseconds, then per slot its armed word
+  PinnedBuffer wait_ctl_;
   uint32_t *abort_host_ = nullptr, *abort_dev_ = nullptr;
+  uint32_t *armed_host_ = nullptr, *armed_dev_ = nullptr;
   unsigned long long *waited_host_ = nullptr, *waited_dev_ = nullptr;
   std::atomic<bool> in_pass_{false};  // a slot pass with device waits is queued
   std::thread watchdog_;
@@ -486,6 +502,7 @@ class CudaBackend final : public LayerBackend {
   struct Graph {
     cudaGraphExec_t exec = nullptr;
     std::deque<HostCall> calls;
+    std::vector<SlotCall> slot_calls;  // the calls its kernels send (dev_sends_)
   };
   std::map<int64_t, Graph> graphs_;  // by bucket, for the current workspace and slots
   bool graphs_on_ = true;
@@ -1187,6 +1204,7 @@ absl::Status CudaBackend::Logits(float* out) {
     if (g != nullptr) cudaGraphDestroy(g);
     if (e != cudaSuccess) return CaptureFailed(e);
     capture_->exec = exec;
+    if (dev_sends_) ArmCalls(capture_->slot_calls);
     capture_ = nullptr;
     ++graph_captures_;
     e = cudaGraphLaunch(exec, stream_);
@@ -1222,6 +1240,21 @@ void CudaBackend::FinishDeviceWaits() {
   if (dev_waits_.empty() || !in_pass_.load()) return;
   in_pass_.store(false);
   slots_->Drain();
+  if (dev_sends_) {
+    slots_->SetDeviceSends(false);
+    // What the submit host node counts otherwise: the ids the calls sent.
+    if (counts_ != nullptr && pass_calls_ != nullptr) {
+      const int64_t T = *tokens_host_;
+      for (const SlotCall& c : *pass_calls_)
+        counts_->Add(c.layer, views_[static_cast<size_t>(c.slot)].ids, T * c.k);
+    }
+  }
+}
+
+void CudaBackend::ArmCalls(const std::vector<SlotCall>& calls) {
+  const int32_t T = *tokens_host_;
+  for (const SlotCall& c : calls)
+    armed_host_[c.slot] = slots_->Arm(c.slot, c.layer, T, c.k) ? 1u : 0u;
 }
 
 absl::Status CudaBackend::Commit() {
@@ -1275,7 +1308,9 @@ void CudaBackend::Abort() {
   in_pass_.store(false);
   if (waited_host_ != nullptr) __atomic_store_n(waited_host_, 0ull, __ATOMIC_RELEASE);
   if (slots_) {
-    // Calls the pass submitted and never waited on (it stopped half way).
+    if (dev_sends_) slots_->SetDeviceSends(false);
+    // Calls the pass submitted and never waited on (it stopped half way);
+    // armed ones the device never sent are released at once.
     slots_->Drain();
     slots_->TakeStatus().IgnoreError();
     slot_wait_ns_ += slots_->TakeWaitNs();
@@ -1324,21 +1359,24 @@ bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts)
   auto made = experts->MakeSlots(so);
   if (!made.ok()) return fallback(made.status());
   slots_ = std::move(*made);
-  if (o_.cuda_device_waits && abort_dev_ == nullptr) {
-    absl::Status st = wait_ctl_.Allocate(64);
+  if (o_.cuda_device_calls && abort_dev_ == nullptr) {
+    const int64_t ctl_bytes = 64 + 4 * static_cast<int64_t>(so.num_slots);
+    absl::Status st = wait_ctl_.Allocate(ctl_bytes);
     void* d = nullptr;
     if (st.ok() && cudaHostGetDevicePointer(&d, wait_ctl_.as<void>(), 0) != cudaSuccess) {
       cudaGetLastError();
       st = absl::InternalError("cudaHostGetDevicePointer of the wait words");
     }
     if (st.ok()) {
-      std::memset(wait_ctl_.as<void>(), 0, 64);
+      std::memset(wait_ctl_.as<void>(), 0, static_cast<size_t>(ctl_bytes));
       abort_host_ = wait_ctl_.as<uint32_t>();
       abort_dev_ = static_cast<uint32_t*>(d);
+      armed_host_ = reinterpret_cast<uint32_t*>(wait_ctl_.as<uint8_t>() + 64);
+      armed_dev_ = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(d) + 64);
       waited_host_ = reinterpret_cast<unsigned long long*>(wait_ctl_.as<uint8_t>() + 8);
       waited_dev_ = reinterpret_cast<unsigned long long*>(static_cast<uint8_t*>(d) + 8);
     } else {
-      std::fprintf(stderr, "hmoe cuda backend: expert waits in host nodes: %s\n",
+      std::fprintf(stderr, "hmoe cuda backend: expert calls through host nodes: %s\n",
                    st.ToString().c_str());
     }
   }
@@ -1352,10 +1390,12 @@ bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts)
   st = EnsureWorkspace(kSlotTokens, table_cap_, kSlotTokens);
   if (!st.ok()) return fallback(st);
   std::fprintf(stderr,
-               "hmoe cuda backend: routed experts through %d %s slots, waited for %s; passes of "
-               "up to %lld tokens %s\n",
+               "hmoe cuda backend: routed experts through %d %s slots, %s; passes of up to %lld "
+               "tokens %s\n",
                slots_->num_slots(), slots_->kind(),
-               dev_waits_.empty() ? "in host nodes" : "on the device",
+               dev_sends_            ? "sent and waited for by the device"
+               : dev_waits_.empty() ? "sent and waited for by host nodes"
+                                    : "sent by host nodes, waited for by the device",
                static_cast<long long>(kSlotTokens),
                graphs_on_ ? "replay one CUDA Graph per bucket (1, 2, 4, 8, 16, 32 tokens)"
                           : "run kernel by kernel (--cuda-graphs off)");
@@ -1388,19 +1428,22 @@ absl::Status CudaBackend::RegisterSlots(uint64_t gen) {
   views_.resize(static_cast<size_t>(slots_->num_slots()));
   for (int i = 0; i < slots_->num_slots(); ++i) views_[static_cast<size_t>(i)] = slots_->view(i);
   dev_waits_.clear();
-  if (o_.cuda_device_waits && abort_dev_ != nullptr) {
+  if (o_.cuda_device_calls && abort_dev_ != nullptr) {
     std::vector<DevWait> w(static_cast<size_t>(slots_->num_slots()));
     bool all = true;
     for (int i = 0; i < slots_->num_slots() && all; ++i) {
       const ExpertSlots::DeviceWait dw = slots_->device_wait(i);
       void* d = nullptr;
-      all = dw.word != nullptr &&
-            cudaHostGetDevicePointer(&d, const_cast<uint32_t*>(dw.word), 0) == cudaSuccess;
-      w[static_cast<size_t>(i)] = DevWait{static_cast<const uint32_t*>(d), dw.busy_lo, dw.busy_hi};
+      all = dw.word != nullptr && cudaHostGetDevicePointer(&d, dw.word, 0) == cudaSuccess;
+      w[static_cast<size_t>(i)] =
+          DevWait{static_cast<uint32_t*>(d), dw.busy_lo, dw.busy_hi, dw.request};
     }
     cudaGetLastError();
     if (all) dev_waits_ = std::move(w);
   }
+  dev_sends_ = !dev_waits_.empty() &&
+               std::all_of(dev_waits_.begin(), dev_waits_.end(),
+                           [](const DevWait& w) { return w.request != 0; });
   DropGraphs();  // their copies point at the old slots
   slots_gen_ = gen;
   return absl::OkStatus();
@@ -1462,13 +1505,18 @@ absl::Status CudaBackend::BeginSlotPass(const PassTokens& p) {
   if (!dev_waits_.empty()) {
     __atomic_store_n(abort_host_, 0u, __ATOMIC_RELEASE);
     in_pass_.store(true);
+    if (dev_sends_) slots_->SetDeviceSends(true);
   }
+  eager_slot_calls_.clear();
+  pass_calls_ = &eager_slot_calls_;
   cudaError_t e = cudaEventRecord(pass_ev_[0], stream_);
   if (e != cudaSuccess) return Fail(CudaError(e, "cudaEventRecord"));
   calls_ = &eager_calls_;
   if (graphs_on_) {
     auto it = graphs_.find(B);
     if (it != graphs_.end() && it->second.exec != nullptr) {
+      pass_calls_ = &it->second.slot_calls;
+      if (dev_sends_) ArmCalls(it->second.slot_calls);
       e = cudaGraphLaunch(it->second.exec, stream_);
       if (e != cudaSuccess) return Fail(CudaError(e, "cudaGraphLaunch"));
       ++graph_launches_;
@@ -1477,6 +1525,8 @@ absl::Status CudaBackend::BeginSlotPass(const PassTokens& p) {
     }
     Graph& g = graphs_[B];
     g.calls.clear();
+    g.slot_calls.clear();
+    pass_calls_ = &g.slot_calls;
     e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
     if (e == cudaSuccess) {
       capture_ = &g;
@@ -1516,6 +1566,20 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
   };
   RETURN_IF_ERROR(to_slot(2 * l, ids0, w0, k0));
   if (n > 0) RETURN_IF_ERROR(to_slot(2 * l + 1, rid3_, rw3_, n));
+  if (dev_sends_) {
+    // The host arms the calls (now, or at the graph's launch); the device
+    // sends each once its request is in the slot.
+    const SlotCall sc[2] = {{2 * l, l, static_cast<int32_t>(k0)}, {2 * l + 1, l, n}};
+    for (int i = 0; i < (n > 0 ? 2 : 1); ++i) {
+      pass_calls_->push_back(sc[i]);
+      if (!capturing_) ArmCalls({sc[i]});
+      const DevWait& w = dev_waits_[static_cast<size_t>(sc[i].slot)];
+      RETURN_IF_ERROR(
+          Launched(RingHostWord(w.word, w.request, armed_dev_ + sc[i].slot, stream_),
+                   "RingHostWord"));
+    }
+    return absl::OkStatus();
+  }
   HostCall& c = calls_->emplace_back();
   c.slots = slots_.get();
   c.a = 2 * l;

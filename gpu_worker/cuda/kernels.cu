@@ -800,6 +800,12 @@ __device__ uint32_t LoadAcquireSys(const uint32_t* p) {
   return v;
 }
 
+__global__ void RingHostWordKernel(uint32_t* word, uint32_t value, const uint32_t* armed) {
+  if (LoadAcquireSys(armed) == 0) return;
+  __threadfence_system();
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(word), "r"(value) : "memory");
+}
+
 __global__ void WaitHostWordKernel(const uint32_t* word, uint32_t lo, uint32_t hi, uint32_t* abort,
                                    uint64_t timeout_ns, unsigned long long* wait_ns) {
   const uint64_t t0 = GlobalNs();
@@ -1018,6 +1024,12 @@ cudaError_t WaitHostWord(const uint32_t* word, uint32_t busy_lo, uint32_t busy_h
                          uint64_t timeout_ns, unsigned long long* wait_ns, cudaStream_t s) {
   if (word == nullptr || abort == nullptr || busy_lo > busy_hi) return cudaErrorInvalidValue;
   WaitHostWordKernel<<<1, 1, 0, s>>>(word, busy_lo, busy_hi, abort, timeout_ns, wait_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t RingHostWord(uint32_t* word, uint32_t value, const uint32_t* armed, cudaStream_t s) {
+  if (word == nullptr || armed == nullptr) return cudaErrorInvalidValue;
+  RingHostWordKernel<<<1, 1, 0, s>>>(word, value, armed);
   return cudaGetLastError();
 }
 

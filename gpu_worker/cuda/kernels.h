@@ -168,6 +168,12 @@ cudaError_t SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t
 cudaError_t WaitHostWord(const uint32_t* word, uint32_t busy_lo, uint32_t busy_hi, uint32_t* abort,
                          uint64_t timeout_ns, unsigned long long* wait_ns, cudaStream_t s);
 
+// A send to the host without a host node (one thread): if *armed != 0, a
+// system fence (what the stream wrote to host memory before is seen first),
+// then *word = value with release semantics at system scope. word and armed
+// are device pointers to mapped host memory.
+cudaError_t RingHostWord(uint32_t* word, uint32_t value, const uint32_t* armed, cudaStream_t s);
+
 // Launches a kernel that traps: the context's sticky error (a fault test's
 // stand-in for a real device failure).
 cudaError_t InjectStickyError(cudaStream_t s);

@@ -29,8 +29,9 @@
 // decode step (ModelOptions::cuda_graphs); off runs the same work kernel by
 // kernel. --cuda-expert-slots off: no slots and no graphs, every pass's
 // routed experts go the host-copy way (ModelOptions::cuda_expert_slots).
-// --cuda-expert-wait device|host: who waits for each expert answer inside a
-// slot pass (ModelOptions::cuda_device_waits; device by default).
+// --cuda-expert-calls device|host: who sends each expert call and waits for
+// its answer inside a slot pass (ModelOptions::cuda_device_calls; device by
+// default, over shm).
 // SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
 // --drain-seconds (the rest end UNAVAILABLE), exit 0. A backend that failed
 // for good (a sticky CUDA error) turns health NOT_SERVING, fails what is in
@@ -99,7 +100,7 @@ struct WorkerOptions {
   double gpu_mem_gb = 0;
   bool cuda_graphs = true;
   bool cuda_expert_slots = true;
-  bool cuda_device_waits = true;
+  bool cuda_device_calls = true;
   int64_t debug_cuda_fault_after = 0;
   std::string routing_stats_out;
   std::string auth_token_file;
@@ -179,9 +180,9 @@ WorkerOptions ParseFlags(int argc, char** argv) {
     } else if (a == "--cuda-expert-slots") {
       if (v != "on" && v != "off") Die("--cuda-expert-slots must be on or off, got " + v);
       o.cuda_expert_slots = v == "on";
-    } else if (a == "--cuda-expert-wait") {
-      if (v != "device" && v != "host") Die("--cuda-expert-wait must be device or host, got " + v);
-      o.cuda_device_waits = v == "device";
+    } else if (a == "--cuda-expert-calls") {
+      if (v != "device" && v != "host") Die("--cuda-expert-calls must be device or host, got " + v);
+      o.cuda_device_calls = v == "device";
     } else if (a == "--cuda-graphs") {
       if (v != "on" && v != "off") Die("--cuda-graphs must be on or off, got " + v);
       o.cuda_graphs = v == "on";
@@ -198,7 +199,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--defer-experts N] [--port-file PATH]\n"
           "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
           "       [--cuda-graphs on|off] [--cuda-expert-slots on|off]\n"
-          "       [--cuda-expert-wait device|host]\n"
+          "       [--cuda-expert-calls device|host]\n"
           "       [--routing-stats-out FILE]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
           "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
@@ -296,7 +297,7 @@ int Run(int argc, char** argv) {
   mo.gpu_mem_gb = o.gpu_mem_gb;
   mo.cuda_graphs = o.cuda_graphs;
   mo.cuda_expert_slots = o.cuda_expert_slots;
-  mo.cuda_device_waits = o.cuda_device_waits;
+  mo.cuda_device_calls = o.cuda_device_calls;
   mo.debug_cuda_fault_after = o.debug_cuda_fault_after;
   mo.kv_blocks = o.kv_blocks;
   auto resolved = ResolveBackend(o.backend, o.cuda_device);

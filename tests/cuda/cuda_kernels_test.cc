@@ -980,6 +980,18 @@ TEST(GpuKernelTest, WaitHostWord) {
   EXPECT_EQ(h->abort, 1u);
   EXPECT_GE(h->waited, 25'000'000ull);
   EXPECT_LT(h->waited, 2'000'000'000ull);
+  // RingHostWord: stores the value only when armed, after what the stream
+  // wrote to host memory before it.
+  for (uint32_t armed : {0u, 1u}) {
+    reset(0);
+    h->pad[0] = armed;
+    ASSERT_EQ(cudaMemcpyAsync(h->data, got.get(), sizeof(h->data), cudaMemcpyDeviceToHost, s),
+              cudaSuccess);
+    Check(RingHostWord(&d->word, 7, &d->pad[0], s));
+    EXPECT_EQ(reinterpret_cast<std::atomic<uint32_t>*>(&h->word)->load(), armed ? 7u : 0u);
+    EXPECT_EQ(h->data[63], 63.5f);
+  }
+  EXPECT_EQ(RingHostWord(nullptr, 1, &d->pad[0], s), cudaErrorInvalidValue);
   EXPECT_EQ(WaitHostWord(nullptr, 1, 2, &d->abort, 1, nullptr, s), cudaErrorInvalidValue);
   EXPECT_EQ(WaitHostWord(&d->word, 3, 2, &d->abort, 1, nullptr, s), cudaErrorInvalidValue);
   cudaStreamDestroy(s);

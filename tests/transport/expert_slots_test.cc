@@ -277,13 +277,14 @@ TEST_P(ExpertSlotsTest, SlotsInFlightMatchThePoolRoundAfterRound) {
   EXPECT_EQ(s->TakeWaitNs(), 0);  // cleared
 }
 
-// The device-side wait's contract (ExpertSlots::device_wait): over shm the
-// word lies in the region, is in the busy range exactly while a call is at
-// the service (held there by SIGSTOP), leaves it when the answer is in, and
-// Wait then returns at once with that answer; a call never sent leaves the
-// word outside the range. service_alive follows the service's death. Other
-// transports have no word (their waits stay host nodes).
-TEST_P(ExpertSlotsTest, DeviceWaitWordIsBusyExactlyWhileTheCallIsAtTheService) {
+// The device-side calls' contract (ExpertSlots::device_wait, Arm): over shm
+// the word lies in the region, is in the busy range exactly while a call is
+// at the service (held there by SIGSTOP), leaves it when the answer is in,
+// and Wait then returns at once with that answer; a call never sent leaves
+// the word outside the range; an armed call is sent by storing `request`
+// into the word. service_alive follows the service's death. Other
+// transports have no word (their calls stay host nodes).
+TEST_P(ExpertSlotsTest, DeviceWordIsBusyExactlyWhileTheCallIsAtTheServiceAndSendsArmedCalls) {
   auto s = Make(Options(2, absl::Seconds(10)));
   ASSERT_NE(s, nullptr);
   ASSERT_TRUE(s->Prepare(absl::Now() + absl::Seconds(5)).ok());
@@ -292,6 +293,8 @@ TEST_P(ExpertSlotsTest, DeviceWaitWordIsBusyExactlyWhileTheCallIsAtTheService) {
   EXPECT_EQ(s->call_timeout(), absl::Seconds(10));
   if (!shm()) {
     for (int i = 0; i < 2; ++i) EXPECT_EQ(s->device_wait(i).word, nullptr) << i;
+    EXPECT_FALSE(s->Arm(0, info_.moe_layers[0], 1, 1)) << "staged slots are sent by the host";
+    EXPECT_EQ(s->TakeStatus().code(), absl::StatusCode::kUnimplemented);
     return;
   }
   EXPECT_EQ(s->device_wait(2).word, nullptr) << "out of range";
@@ -332,6 +335,43 @@ TEST_P(ExpertSlotsTest, DeviceWaitWordIsBusyExactlyWhileTheCallIsAtTheService) {
     EXPECT_LE(MaxRelDiff(Out(*s, 0, rc.tokens), want[0]), 1e-5);
     EXPECT_FALSE(busy(0)) << "released";
   }
+  // The device's send, played by this thread: Arm writes the call without
+  // sending it; storing `request` into the word sends it, also after the
+  // server has idled for a while (polling on: it naps 1 ms at a time).
+  const ExpertSlots::DeviceWait dw = s->device_wait(0);
+  ASSERT_NE(dw.request, 0u);
+  auto* state = reinterpret_cast<std::atomic<uint32_t>*>(dw.word);
+  for (int idle_ms : {0, 300}) {
+    SCOPED_TRACE(absl::StrCat("device send after ", idle_ms, " ms idle"));
+    s->SetDeviceSends(true);
+    std::this_thread::sleep_for(std::chrono::milliseconds(idle_ms));
+    Fill(*s, 0, rc);
+    ASSERT_TRUE(s->Arm(0, rc.layer, rc.tokens, rc.top_k));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_FALSE(busy(0)) << "armed is not sent";
+    const auto t0 = std::chrono::steady_clock::now();
+    state->store(dw.request, std::memory_order_release);
+    const auto until = t0 + std::chrono::seconds(5);
+    while (busy(0) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    ASSERT_FALSE(busy(0)) << "not answered 5 s after the device's send";
+    EXPECT_LT(Secs(std::chrono::steady_clock::now() - t0), 0.5);
+    s->Wait(0);
+    ASSERT_TRUE(s->TakeStatus().ok());
+    EXPECT_LE(MaxRelDiff(Out(*s, 0, rc.tokens), want[0]), 1e-5);
+    s->SetDeviceSends(false);
+  }
+  // Armed and never sent (the pass stopped first): Wait releases it at once.
+  ASSERT_TRUE(s->Arm(0, rc.layer, rc.tokens, rc.top_k));
+  const auto t1 = std::chrono::steady_clock::now();
+  s->Wait(0);
+  EXPECT_LT(Secs(std::chrono::steady_clock::now() - t1), 0.05);
+  EXPECT_EQ(s->TakeStatus().code(), absl::StatusCode::kAborted);
+  Fill(*s, 0, rc);
+  s->Submit(0, rc.layer, rc.tokens, rc.top_k);  // the slot is free again
+  s->Wait(0);
+  ASSERT_TRUE(s->TakeStatus().ok());
+  EXPECT_LE(MaxRelDiff(Out(*s, 0, rc.tokens), want[0]), 1e-5);
+
   // A failure (a slot out of range) shows in has_failure until taken; a
   // call after it is not sent, so its word never turns busy.
   s->Submit(5, layer, 1, k);

@@ -101,7 +101,7 @@ TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
   ASSERT_TRUE(experts.ok()) << experts.status();
   struct Path {
     const char* name;
-    bool slots, graphs, device_waits;
+    bool slots, graphs, device_calls;
   };
   const Path paths[] = {{"device", true, true, true},
                         {"host", true, true, false},
@@ -117,7 +117,7 @@ TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
       o.deferred_experts = deferred;
       o.cuda_expert_slots = p.slots;
       o.cuda_graphs = p.graphs;
-      o.cuda_device_waits = p.device_waits;
+      o.cuda_device_calls = p.device_calls;
       auto ckpt = Checkpoint::Open(ModelDir());
       ASSERT_TRUE(ckpt.ok()) << ckpt.status();
       auto m = Model::Create(*config, **ckpt, o, experts->get());
