@@ -473,10 +473,16 @@ class CudaBackend final : public LayerBackend {
   struct DevWait {
     uint32_t* word = nullptr;
     uint32_t lo = 0, hi = 0, request = 0;
+    // The slot's regions as the device sees them (dev_sends_ only).
+    uint16_t* hidden = nullptr;
+    int32_t* ids = nullptr;
+    float* weights = nullptr;
+    const float* out = nullptr;
   };
+  DeviceBuffer send_counter_;  // SendExpertCall's block counter
   std::vector<DevWait> dev_waits_;
   // With dev_waits_, and every slot's DeviceWait::request set: the device
-  // also sends the calls (RingHostWord), the host only arms them.
+  // also sends the calls (SendExpertCall), the host only arms them.
   bool dev_sends_ = false;
   std::vector<SlotCall> eager_slot_calls_;
   std::vector<SlotCall>* pass_calls_ = nullptr;  // the pass's calls (a graph's or eager_)
@@ -1367,6 +1373,11 @@ bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts)
       cudaGetLastError();
       st = absl::InternalError("cudaHostGetDevicePointer of the wait words");
     }
+    if (st.ok()) st = send_counter_.Allocate(4);
+    if (st.ok() && cudaMemset(send_counter_.as<void>(), 0, 4) != cudaSuccess) {
+      cudaGetLastError();
+      st = absl::InternalError("cudaMemset of the send counter");
+    }
     if (st.ok()) {
       std::memset(wait_ctl_.as<void>(), 0, static_cast<size_t>(ctl_bytes));
       abort_host_ = wait_ctl_.as<uint32_t>();
@@ -1393,7 +1404,7 @@ bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts)
                "hmoe cuda backend: routed experts through %d %s slots, %s; passes of up to %lld "
                "tokens %s\n",
                slots_->num_slots(), slots_->kind(),
-               dev_sends_            ? "sent and waited for by the device"
+               dev_sends_           ? "sent and waited for by the device"
                : dev_waits_.empty() ? "sent and waited for by host nodes"
                                     : "sent by host nodes, waited for by the device",
                static_cast<long long>(kSlotTokens),
@@ -1441,9 +1452,24 @@ absl::Status CudaBackend::RegisterSlots(uint64_t gen) {
     cudaGetLastError();
     if (all) dev_waits_ = std::move(w);
   }
-  dev_sends_ = !dev_waits_.empty() &&
+  dev_sends_ = !dev_waits_.empty() && send_counter_.bytes() > 0 &&
                std::all_of(dev_waits_.begin(), dev_waits_.end(),
                            [](const DevWait& w) { return w.request != 0; });
+  // The device writes the requests and reads the answers in place.
+  for (int i = 0; i < slots_->num_slots() && dev_sends_; ++i) {
+    const SlotView& v = views_[static_cast<size_t>(i)];
+    DevWait& w = dev_waits_[static_cast<size_t>(i)];
+    void *h = nullptr, *d = nullptr, *wt = nullptr, *o = nullptr;
+    dev_sends_ = cudaHostGetDevicePointer(&h, v.hidden, 0) == cudaSuccess &&
+                 cudaHostGetDevicePointer(&d, v.ids, 0) == cudaSuccess &&
+                 cudaHostGetDevicePointer(&wt, v.weights, 0) == cudaSuccess &&
+                 cudaHostGetDevicePointer(&o, const_cast<float*>(v.out), 0) == cudaSuccess;
+    w.hidden = static_cast<uint16_t*>(h);
+    w.ids = static_cast<int32_t*>(d);
+    w.weights = static_cast<float*>(wt);
+    w.out = static_cast<const float*>(o);
+  }
+  cudaGetLastError();
   DropGraphs();  // their copies point at the old slots
   slots_gen_ = gen;
   return absl::OkStatus();
@@ -1564,22 +1590,25 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
     RETURN_IF_ERROR(Copy(v.ids, ids, T * k * 4, cudaMemcpyDeviceToHost, "expert ids copy"));
     return Copy(v.weights, w, T * k * 4, cudaMemcpyDeviceToHost, "expert weights copy");
   };
-  RETURN_IF_ERROR(to_slot(2 * l, ids0, w0, k0));
-  if (n > 0) RETURN_IF_ERROR(to_slot(2 * l + 1, rid3_, rw3_, n));
   if (dev_sends_) {
-    // The host arms the calls (now, or at the graph's launch); the device
-    // sends each once its request is in the slot.
+    // The host arms the calls (now, or at the graph's launch); one kernel
+    // per call writes its request into the slot and sends it.
     const SlotCall sc[2] = {{2 * l, l, static_cast<int32_t>(k0)}, {2 * l + 1, l, n}};
+    const int32_t* ids[2] = {ids0, rid3_};
+    const float* ws[2] = {w0, rw3_};
     for (int i = 0; i < (n > 0 ? 2 : 1); ++i) {
       pass_calls_->push_back(sc[i]);
       if (!capturing_) ArmCalls({sc[i]});
       const DevWait& w = dev_waits_[static_cast<size_t>(sc[i].slot)];
-      RETURN_IF_ERROR(
-          Launched(RingHostWord(w.word, w.request, armed_dev_ + sc[i].slot, stream_),
-                   "RingHostWord"));
+      RETURN_IF_ERROR(Launched(SendExpertCall(hb_, T, H, ids[i], ws[i], sc[i].k, w.hidden, w.ids,
+                                              w.weights, w.word, w.request, armed_dev_ + sc[i].slot,
+                                              send_counter_.as<unsigned int>(), stream_),
+                               "SendExpertCall"));
     }
     return absl::OkStatus();
   }
+  RETURN_IF_ERROR(to_slot(2 * l, ids0, w0, k0));
+  if (n > 0) RETURN_IF_ERROR(to_slot(2 * l + 1, rid3_, rw3_, n));
   HostCall& c = calls_->emplace_back();
   c.slots = slots_.get();
   c.a = 2 * l;
@@ -1617,6 +1646,18 @@ absl::Status CudaBackend::JoinSlot(int l, int part) {
     c.tokens = tokens_host_;
     cudaError_t e = cudaLaunchHostFunc(stream_, WaitHost, &c);
     if (e != cudaSuccess) return Failed(CudaError(e, "expert wait node"));
+  }
+  if (dev_sends_) {
+    // The sums read in place from the slot: x += routed + shared, the
+    // reference's order (routed + shared == shared + routed, bit for bit).
+    const float* out = dev_waits_[static_cast<size_t>(slot)].out;
+    if (part == 0 && shared_pending_) {
+      shared_pending_ = false;
+      RETURN_IF_ERROR(Launched(Accumulate(ysh_, out, nullptr, n, stream_), "Accumulate"));
+      return Launched(Accumulate(x_, ysh_, nullptr, n, stream_), "Accumulate");
+    }
+    if (part == 0) shared_pending_ = false;
+    return Launched(Accumulate(x_, out, nullptr, n, stream_), "Accumulate");
   }
   RETURN_IF_ERROR(Copy(routed_, views_[static_cast<size_t>(slot)].out, n * 4,
                        cudaMemcpyHostToDevice, "expert output copy"));

@@ -800,10 +800,35 @@ __device__ uint32_t LoadAcquireSys(const uint32_t* p) {
   return v;
 }
 
-__global__ void RingHostWordKernel(uint32_t* word, uint32_t value, const uint32_t* armed) {
-  if (LoadAcquireSys(armed) == 0) return;
+// Grid-stride copies (16-byte vectors for the hidden rows when aligned),
+// each thread's writes fenced, then the last block to finish sends.
+__global__ void SendExpertCallKernel(const uint16_t* hidden, int64_t hidden_elems, bool vec16,
+                                     const int32_t* ids, const float* weights, int64_t tk,
+                                     uint16_t* dst_hidden, int32_t* dst_ids, float* dst_weights,
+                                     uint32_t* state, uint32_t request, const uint32_t* armed,
+                                     unsigned int* counter) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (vec16) {
+    const int64_t n = hidden_elems / 8;
+    const uint4* src = reinterpret_cast<const uint4*>(hidden);
+    uint4* dst = reinterpret_cast<uint4*>(dst_hidden);
+    for (int64_t i = tid; i < n; i += stride) dst[i] = src[i];
+  } else {
+    for (int64_t i = tid; i < hidden_elems; i += stride) dst_hidden[i] = hidden[i];
+  }
+  for (int64_t i = tid; i < tk; i += stride) {
+    dst_ids[i] = ids[i];
+    dst_weights[i] = weights[i];
+  }
   __threadfence_system();
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(word), "r"(value) : "memory");
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (atomicAdd(counter, 1u) != gridDim.x - 1) return;
+  __threadfence_system();
+  if (LoadAcquireSys(armed) != 0)
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(state), "r"(request) : "memory");
+  *reinterpret_cast<volatile unsigned int*>(counter) = 0;
 }
 
 __global__ void WaitHostWordKernel(const uint32_t* word, uint32_t lo, uint32_t hi, uint32_t* abort,
@@ -1027,9 +1052,22 @@ cudaError_t WaitHostWord(const uint32_t* word, uint32_t busy_lo, uint32_t busy_h
   return cudaGetLastError();
 }
 
-cudaError_t RingHostWord(uint32_t* word, uint32_t value, const uint32_t* armed, cudaStream_t s) {
-  if (word == nullptr || armed == nullptr) return cudaErrorInvalidValue;
-  RingHostWordKernel<<<1, 1, 0, s>>>(word, value, armed);
+cudaError_t SendExpertCall(const uint16_t* hidden, int64_t T, int64_t H, const int32_t* ids,
+                           const float* weights, int64_t k, uint16_t* dst_hidden, int32_t* dst_ids,
+                           float* dst_weights, uint32_t* state, uint32_t request,
+                           const uint32_t* armed, unsigned int* counter, cudaStream_t s) {
+  if (T < 0 || H <= 0 || k <= 0 || state == nullptr || armed == nullptr || counter == nullptr)
+    return cudaErrorInvalidValue;
+  const int64_t elems = T * H, tk = T * k;
+  const bool vec16 = elems % 8 == 0 && reinterpret_cast<uintptr_t>(hidden) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(dst_hidden) % 16 == 0;
+  // About 16 KiB of request per block, at most 64 blocks.
+  const int64_t bytes = elems * 2 + tk * 8;
+  const unsigned blocks =
+      static_cast<unsigned>(std::clamp<int64_t>((bytes + 16383) / 16384, 1, 64));
+  SendExpertCallKernel<<<blocks, kThreads, 0, s>>>(hidden, elems, vec16, ids, weights, tk,
+                                                   dst_hidden, dst_ids, dst_weights, state, request,
+                                                   armed, counter);
   return cudaGetLastError();
 }
 

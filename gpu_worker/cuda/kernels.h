@@ -168,11 +168,16 @@ cudaError_t SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t
 cudaError_t WaitHostWord(const uint32_t* word, uint32_t busy_lo, uint32_t busy_hi, uint32_t* abort,
                          uint64_t timeout_ns, unsigned long long* wait_ns, cudaStream_t s);
 
-// A send to the host without a host node (one thread): if *armed != 0, a
-// system fence (what the stream wrote to host memory before is seen first),
-// then *word = value with release semantics at system scope. word and armed
-// are device pointers to mapped host memory.
-cudaError_t RingHostWord(uint32_t* word, uint32_t value, const uint32_t* armed, cudaStream_t s);
+// An expert call sent to the host in one kernel: copies hidden (bf16 [T, H])
+// and ids / weights ([T, k]) into a slot's request regions (device pointers
+// to mapped host memory), then, once every block's writes are fenced at
+// system scope, the last block stores `request` into *state (release,
+// system scope) if *armed != 0. *counter is a device word, 0 between
+// calls (the last block resets it); calls on one stream may share it.
+cudaError_t SendExpertCall(const uint16_t* hidden, int64_t T, int64_t H, const int32_t* ids,
+                           const float* weights, int64_t k, uint16_t* dst_hidden, int32_t* dst_ids,
+                           float* dst_weights, uint32_t* state, uint32_t request,
+                           const uint32_t* armed, unsigned int* counter, cudaStream_t s);
 
 // Launches a kernel that traps: the context's sticky error (a fault test's
 // stand-in for a real device failure).

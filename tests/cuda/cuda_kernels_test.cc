@@ -980,22 +980,67 @@ TEST(GpuKernelTest, WaitHostWord) {
   EXPECT_EQ(h->abort, 1u);
   EXPECT_GE(h->waited, 25'000'000ull);
   EXPECT_LT(h->waited, 2'000'000'000ull);
-  // RingHostWord: stores the value only when armed, after what the stream
-  // wrote to host memory before it.
-  for (uint32_t armed : {0u, 1u}) {
-    reset(0);
-    h->pad[0] = armed;
-    ASSERT_EQ(cudaMemcpyAsync(h->data, got.get(), sizeof(h->data), cudaMemcpyDeviceToHost, s),
-              cudaSuccess);
-    Check(RingHostWord(&d->word, 7, &d->pad[0], s));
-    EXPECT_EQ(reinterpret_cast<std::atomic<uint32_t>*>(&h->word)->load(), armed ? 7u : 0u);
-    EXPECT_EQ(h->data[63], 63.5f);
-  }
-  EXPECT_EQ(RingHostWord(nullptr, 1, &d->pad[0], s), cudaErrorInvalidValue);
   EXPECT_EQ(WaitHostWord(nullptr, 1, 2, &d->abort, 1, nullptr, s), cudaErrorInvalidValue);
   EXPECT_EQ(WaitHostWord(&d->word, 3, 2, &d->abort, 1, nullptr, s), cudaErrorInvalidValue);
   cudaStreamDestroy(s);
   cudaFreeHost(h);
+}
+
+// SendExpertCall: the request lands in mapped host memory exactly (odd and
+// large shapes: one block and many, vector and scalar copies), the state
+// word is set only when armed, and the block counter is back at 0.
+TEST(GpuKernelTest, SendExpertCall) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(5);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  DeviceBuffer<unsigned int> counter(std::vector<unsigned int>{0});
+  for (int64_t T : {1, 3, 33}) {
+    for (int64_t H : {7, 8, 2048, 7168}) {
+      for (int64_t k : {1, 8}) {
+        SCOPED_TRACE(::testing::Message() << "T " << T << " H " << H << " k " << k);
+        std::vector<uint16_t> hid(static_cast<size_t>(T * H));
+        for (auto& v : hid) v = static_cast<uint16_t>(rng());
+        std::vector<int32_t> ids(static_cast<size_t>(T * k));
+        for (auto& v : ids) v = static_cast<int32_t>(rng() % 1000);
+        const std::vector<float> w = Random(static_cast<size_t>(T * k), rng);
+        DeviceBuffer<uint16_t> dh(hid);
+        DeviceBuffer<int32_t> di(ids);
+        DeviceBuffer<float> dw(w);
+        // Host side: hidden | ids | weights | state, armed.
+        const size_t hb = hid.size() * 2 + 64, ib = ids.size() * 4 + 64;
+        uint8_t* host = nullptr;
+        const size_t total = hb + 2 * ib + 64;
+        ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host), total, cudaHostAllocMapped),
+                  cudaSuccess);
+        uint8_t* dev = nullptr;
+        ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0), cudaSuccess);
+        for (uint32_t armed : {0u, 1u}) {
+          std::memset(host, 0xff, total);
+          auto* state = reinterpret_cast<uint32_t*>(host + hb + 2 * ib);
+          state[0] = 0;
+          state[1] = armed;
+          Check(SendExpertCall(
+              dh.get(), T, H, di.get(), dw.get(), k, reinterpret_cast<uint16_t*>(dev),
+              reinterpret_cast<int32_t*>(dev + hb), reinterpret_cast<float*>(dev + hb + ib),
+              reinterpret_cast<uint32_t*>(dev + hb + 2 * ib), 5,
+              reinterpret_cast<uint32_t*>(dev + hb + 2 * ib) + 1, counter.get(), s));
+          ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+          EXPECT_EQ(std::memcmp(host, hid.data(), hid.size() * 2), 0);
+          EXPECT_EQ(std::memcmp(host + hb, ids.data(), ids.size() * 4), 0);
+          EXPECT_EQ(std::memcmp(host + hb + ib, w.data(), w.size() * 4), 0);
+          EXPECT_EQ(host[hid.size() * 2], 0xff) << "wrote past the hidden rows";
+          EXPECT_EQ(state[0], armed ? 5u : 0u);
+          EXPECT_EQ(counter.Download()[0], 0u);
+        }
+        cudaFreeHost(host);
+      }
+    }
+  }
+  EXPECT_EQ(SendExpertCall(nullptr, 1, 8, nullptr, nullptr, 1, nullptr, nullptr, nullptr, nullptr,
+                           1, nullptr, counter.get(), s),
+            cudaErrorInvalidValue);
+  cudaStreamDestroy(s);
 }
 
 }  // namespace
