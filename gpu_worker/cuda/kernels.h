@@ -174,6 +174,8 @@ cudaError_t WaitHostWord(const uint32_t* word, uint32_t busy_lo, uint32_t busy_h
 // system scope, the last block stores `request` into *state (release,
 // system scope) if *armed != 0. *counter is a device word, 0 between
 // calls (the last block resets it); calls on one stream may share it.
+// dst_ids, dst_weights and state are 4-byte aligned (hidden rows are copied
+// 16 bytes at a time when both sides are 16-byte aligned).
 cudaError_t SendExpertCall(const uint16_t* hidden, int64_t T, int64_t H, const int32_t* ids,
                            const float* weights, int64_t k, uint16_t* dst_hidden, int32_t* dst_ids,
                            float* dst_weights, uint32_t* state, uint32_t request,

@@ -1007,8 +1007,10 @@ TEST(GpuKernelTest, SendExpertCall) {
         DeviceBuffer<uint16_t> dh(hid);
         DeviceBuffer<int32_t> di(ids);
         DeviceBuffer<float> dw(w);
-        // Host side: hidden | ids | weights | state, armed.
-        const size_t hb = hid.size() * 2 + 64, ib = ids.size() * 4 + 64;
+        // Host side: hidden | ids | weights | state, armed; 64-aligned as in
+        // a slot, with a spare byte after the hidden rows.
+        auto align64 = [](size_t n) { return (n + 63) / 64 * 64; };
+        const size_t hb = align64(hid.size() * 2 + 1), ib = align64(ids.size() * 4);
         uint8_t* host = nullptr;
         const size_t total = hb + 2 * ib + 64;
         ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host), total, cudaHostAllocMapped),
