@@ -93,9 +93,9 @@ absl::Status ValidateExpertBatch(const ModelConfig& config, const ExpertBatch& b
     return bad("null input pointer");
   for (int64_t i = 0; i < b.num_tokens * b.top_k; ++i) {
     const int32_t id = b.expert_ids[i];
-    if (id < 0 || id >= config.moe.num_experts)
+    if ((id < 0 && id != kNoExpert) || id >= config.moe.num_experts)
       return bad(absl::StrCat("expert id ", id, " (token ", i / b.top_k, ") outside [0, ",
-                              config.moe.num_experts, ")"));
+                              config.moe.num_experts, ") and not ", kNoExpert, " (no expert)"));
   }
   return absl::OkStatus();
 }

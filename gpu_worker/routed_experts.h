@@ -6,6 +6,8 @@
 // Contract of one call, for MoE layer `layer` and T tokens:
 //
 //   out[t] = sum_j weights[t, j] * E_{layer, ids[t, j]}(hidden[t]),
+//
+// over the j whose id is not kNoExpert (an empty slot: weight ignored),
 //   E(x)   = down(silu(gate(x)) * up(x)),
 //
 // with `out` ([T, hidden_size], f32) OVERWRITTEN, not accumulated into. The
@@ -31,6 +33,7 @@
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "common/transport/expert_slots.h"
+#include "common/transport/moe_call.h"
 
 namespace hmoe {
 
@@ -42,7 +45,7 @@ struct ExpertBatch {
   int64_t hidden_size = 0;              // H, must equal the model's
   const float* hidden = nullptr;        // [T, H] post-attention-norm hidden states
   int top_k = 0;                        // k >= 1
-  const int32_t* expert_ids = nullptr;  // [T, k], each in [0, num_experts)
+  const int32_t* expert_ids = nullptr;  // [T, k], each in [0, num_experts) or kNoExpert
   const float* weights = nullptr;       // [T, k] routing weights
 };
 

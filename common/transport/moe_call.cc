@@ -133,9 +133,10 @@ absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call) {
   if (call.weights == nullptr) return absl::InvalidArgumentError("expert_weights: no data");
   const uint64_t n = static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(call.top_k);
   for (uint64_t i = 0; i < n; ++i) {
-    if (call.ids[i] < 0 || call.ids[i] >= info.num_experts) {
+    if ((call.ids[i] < 0 && call.ids[i] != kNoExpert) || call.ids[i] >= info.num_experts) {
       return absl::InvalidArgumentError(absl::StrCat("expert_ids[", i, "]: ", call.ids[i],
-                                                     " out of range [0, ", info.num_experts, ")"));
+                                                     " out of range [0, ", info.num_experts,
+                                                     ") and not ", kNoExpert, " (no expert)"));
     }
     if (!std::isfinite(call.weights[i])) {
       return absl::InvalidArgumentError(

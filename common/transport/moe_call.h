@@ -15,6 +15,11 @@
 
 namespace hmoe {
 
+// An empty routing slot: no expert; its weight is ignored. Lets a call keep
+// a fixed top_k while some of a token's experts are computed elsewhere (hot
+// experts on the GPU).
+inline constexpr int32_t kNoExpert = -1;
+
 enum class SplitMode { kTp, kEp };
 const char* SplitModeName(SplitMode m);  // "tp" | "ep"
 
@@ -26,7 +31,7 @@ struct MoeCall {
   int32_t top_k = 0;
   const uint16_t* hidden = nullptr;  // bf16 [tokens][hidden]
   uint64_t hidden_bytes = 0;
-  const int32_t* ids = nullptr;  // global expert ids [tokens][top_k]
+  const int32_t* ids = nullptr;  // global expert ids [tokens][top_k], or kNoExpert
   uint64_t ids_bytes = 0;
   const float* weights = nullptr;  // [tokens][top_k]
   uint64_t weights_bytes = 0;

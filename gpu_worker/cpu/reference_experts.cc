@@ -51,7 +51,8 @@ absl::Status ReferenceExperts::Forward(const ExpertBatch& b, float* out) {
   // Group (token, slot) pairs by expert; visit experts in ascending id so each
   // token's sum has a fixed order whatever else is in the batch.
   std::vector<std::vector<int64_t>> slots(static_cast<size_t>(config_.moe.num_experts));
-  for (int64_t i = 0; i < T * K; ++i) slots[static_cast<size_t>(b.expert_ids[i])].push_back(i);
+  for (int64_t i = 0; i < T * K; ++i)
+    if (b.expert_ids[i] != kNoExpert) slots[static_cast<size_t>(b.expert_ids[i])].push_back(i);
   const auto& experts = layers_[static_cast<size_t>(b.layer)];
   std::vector<float> x, g, u, d;
   for (size_t e = 0; e < slots.size(); ++e) {

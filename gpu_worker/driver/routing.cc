@@ -5,6 +5,8 @@
 #include <numeric>
 #include <vector>
 
+#include "common/transport/moe_call.h"
+
 namespace hmoe {
 
 GateSpec GateSpecFor(const ModelConfig& c) {
@@ -134,6 +136,19 @@ void SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t K, int
       ++kept;
     }
   }
+}
+
+int64_t SplitHot(const int32_t* ids, int64_t n, const uint8_t* hot, int64_t num_experts,
+                 int32_t* cold_ids, int32_t* hot_ids) {
+  int64_t hot_slots = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t e = ids[i];
+    const bool h = e >= 0 && e < num_experts && hot[e] != 0;
+    hot_ids[i] = h ? e : kNoExpert;
+    cold_ids[i] = h ? kNoExpert : e;
+    hot_slots += h ? 1 : 0;
+  }
+  return hot_slots;
 }
 
 }  // namespace hmoe

@@ -40,5 +40,11 @@ void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias,
 // [T, K - n]. 0 <= n < K. (The cuda backend's kernel is tested against it.)
 void SplitDeferred(const int32_t* ids, const float* w, int64_t T, int64_t K, int64_t n,
                    int32_t* ids_now, float* w_now, int32_t* ids_later, float* w_later);
+// Hot experts' split of one layer's routed ids [n] (T * K slots, shape kept):
+// slot i goes to hot_ids (cold_ids[i] = kNoExpert) when hot[ids[i]] != 0,
+// else to cold_ids (hot_ids[i] = kNoExpert); a kNoExpert slot stays empty in
+// both. hot: [num_experts] flags. Returns the number of hot slots.
+int64_t SplitHot(const int32_t* ids, int64_t n, const uint8_t* hot, int64_t num_experts,
+                 int32_t* cold_ids, int32_t* hot_ids);
 
 }  // namespace hmoe

@@ -1,7 +1,9 @@
-// ShardInfo comparison for a shard that restarted under a connected worker.
+// ShardInfo comparison for a shard that restarted under a connected worker;
+// ValidateMoeCall's expert ids (kNoExpert, an empty slot, is accepted).
 #include "common/transport/moe_call.h"
 
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -88,6 +90,21 @@ TEST(ServedDifference, NamesTheFirstDifference) {
     c.change(now);
     EXPECT_EQ(ServedDifference(was, now), c.want);
   }
+}
+
+TEST(ValidateMoeCall, EmptySlotsAreValidOtherNegativeIdsAreNot) {
+  const ShardInfo info = Served();
+  const std::vector<uint16_t> hidden(2 * 7168, 0);
+  std::vector<int32_t> ids = {kNoExpert, 5, 255, kNoExpert};
+  const std::vector<float> w = {0.5f, 0.5f, 0.25f, 0.75f};
+  MoeCall call = MoeCall::Make(3, 2, 2, 7168, hidden.data(), ids.data(), w.data());
+  EXPECT_TRUE(ValidateMoeCall(info, call).ok());
+  ids[1] = -2;
+  absl::Status st = ValidateMoeCall(info, call);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("expert_ids[1]: -2"), absl::string_view::npos) << st;
+  ids[1] = 256;
+  EXPECT_EQ(ValidateMoeCall(info, call).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
