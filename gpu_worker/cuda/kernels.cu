@@ -786,6 +786,188 @@ __global__ void SplitDeferredKernel(const int32_t* ids, const float* w, int64_t 
   }
 }
 
+// ---- hot experts ----------------------------------------------------------
+
+// The expert service's int8 activation quantization (packed.h Int8InvScale).
+__device__ float Int8InvScaleDev(float s) { return s >= 1.17549435e-38f ? 1.0f / s : 0.0f; }
+
+// Block-wide max of |v| and any-NaN over blockDim.x threads (<= 1024).
+__device__ float BlockAmax(float v, bool nan, bool* any_nan) {
+  __shared__ float m[32];
+  __shared__ int n[32];
+  float a = fabsf(v);
+  int isn = nan ? 1 : 0;
+  for (int o = 16; o > 0; o >>= 1) {
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    isn |= __shfl_xor_sync(0xffffffffu, isn, o);
+  }
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  if (l == 0) {
+    m[w] = a;
+    n[w] = isn;
+  }
+  __syncthreads();
+  if (w == 0) {
+    const int nw = (blockDim.x + 31) / 32;
+    a = l < nw ? m[l] : 0.0f;
+    isn = l < nw ? n[l] : 0;
+    for (int o = 16; o > 0; o >>= 1) {
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+      isn |= __shfl_xor_sync(0xffffffffu, isn, o);
+    }
+    if (l == 0) {
+      m[0] = a;
+      n[0] = isn;
+    }
+  }
+  __syncthreads();
+  *any_nan = n[0] != 0;
+  return m[0];
+}
+
+// Row r of src (bf16 when src16, else f32) [rows][n] -> q [rows][n] int8 and
+// scale [rows]: s = amax / 127 (NaN if the row has one), q = rint(x * inv)
+// clamped to [-127, 127], NaN -> 0. Rows with active[r] == 0 are skipped.
+__global__ void QuantRowsKernel(const uint16_t* src16, const float* src32, int64_t n,
+                                const int32_t* active, int64_t K, int8_t* q, float* scale) {
+  const int64_t r = blockIdx.x;
+  if (active != nullptr && active[r] < 0) return;
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = src16 ? Bf16ToF(src16[r * n + i]) : src32[r * n + i];
+    amax = fmaxf(amax, fabsf(v));
+    nan |= isnan(v);
+  }
+  bool any_nan = false;
+  amax = BlockAmax(amax, nan, &any_nan);
+  const float sc = any_nan ? __int_as_float(0x7fc00000) : amax / 127.0f;
+  const float inv = Int8InvScaleDev(sc);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = src16 ? Bf16ToF(src16[r * n + i]) : src32[r * n + i];
+    const float t = rintf(v * inv);
+    q[r * n + i] = isnan(t) ? int8_t{0} : static_cast<int8_t>(fminf(fmaxf(t, -127.0f), 127.0f));
+  }
+  if (threadIdx.x == 0) scale[r] = sc;
+  (void)K;
+}
+
+// Lane-partial dot of matrix row r with an activation row; the warp sums it.
+// int8 / int4: integer products per group (int4) or over the row (int8),
+// combined in double with the weight scales; times a_s at the end. bf16:
+// double sum of f32 products.
+__device__ double RowDot(const DevQuantMatrix& W, int64_t r, const float* a_f, const int8_t* a_q,
+                         float a_s) {
+  const int lane = threadIdx.x % 32;
+  double acc = 0.0;
+  if (W.format == 0) {
+    const uint16_t* w = static_cast<const uint16_t*>(W.w) + r * W.cols;
+    for (int64_t c = lane; c < W.cols; c += 32)
+      acc += static_cast<double>(a_f[c]) * static_cast<double>(Bf16ToF(w[c]));
+  } else if (W.format == 1) {
+    const int8_t* w = static_cast<const int8_t*>(W.w) + r * W.cols;
+    int isum = 0;
+    for (int64_t c = lane; c < W.cols; c += 32) isum += int{a_q[c]} * int{w[c]};
+    for (int o = 16; o > 0; o >>= 1) isum += __shfl_xor_sync(0xffffffffu, isum, o);
+    return lane == 0 ? static_cast<double>(isum) * W.scale[r] * a_s : 0.0;
+  } else {
+    const uint8_t* w = static_cast<const uint8_t*>(W.w) + r * ((W.cols + 1) / 2);
+    const int64_t ng = (W.cols + W.group - 1) / W.group;
+    // Lane l owns groups l, l + 32, ...: each group's integer sum is exact.
+    for (int64_t g = lane; g < ng; g += 32) {
+      int isum = 0;
+      const int64_t c1 = min(W.cols, (g + 1) * W.group);
+      for (int64_t c = g * W.group; c < c1; ++c) {
+        const int b = w[c / 2];
+        const int v = (c % 2 == 0) ? (b & 0xF) : (b >> 4);
+        isum += int{a_q[c]} * (v >= 8 ? v - 16 : v);
+      }
+      acc += static_cast<double>(isum) * W.scale[r * ng + g];
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return lane == 0 ? acc * a_s : 0.0;
+  }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return lane == 0 ? acc : 0.0;
+}
+
+__device__ const DevExpert* HotExpertOf(const HotExpertsArgs& a, int64_t slot) {
+  const int32_t e = a.ids[slot];
+  if (e < 0 || e >= a.E) return nullptr;
+  const DevExpert* ex = a.experts + e;
+  return ex->gate.w != nullptr ? ex : nullptr;
+}
+
+// Marks each slot hot (its expert id) or not (-1), and each token with any hot slot.
+__global__ void HotSlotsKernel(HotExpertsArgs a, int32_t* slot_expert, int32_t* token_active) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= a.T) return;
+  int any = -1;
+  for (int64_t j = 0; j < a.K; ++j) {
+    const int64_t s = t * a.K + j;
+    const bool hot = HotExpertOf(a, s) != nullptr;
+    slot_expert[s] = hot ? a.ids[s] : -1;
+    any = hot ? 1 : any;
+  }
+  token_active[t] = any;
+}
+
+// Block (slot, row chunk): gate and up rows -> h = silu(g) * u [slot][I]
+// (bf16-rounded for bf16 weights).
+__global__ void HotGateUpKernel(HotExpertsArgs a, const int32_t* slot_expert, const int8_t* xq,
+                                const float* xs, float* h) {
+  const int64_t slot = blockIdx.x;
+  if (slot_expert[slot] < 0) return;
+  const DevExpert& ex = a.experts[slot_expert[slot]];
+  const int64_t t = slot / a.K;
+  // f32 activations (bf16 weights): widened per thread from x.
+  extern __shared__ float xf[];
+  const bool f32_act = ex.gate.format == 0;
+  if (f32_act)
+    for (int64_t c = threadIdx.x; c < a.H; c += blockDim.x) xf[c] = Bf16ToF(a.x[t * a.H + c]);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t rows_per_block = (a.I + gridDim.y - 1) / gridDim.y;
+  const int64_t r0 = blockIdx.y * rows_per_block, r1 = min(a.I, r0 + rows_per_block);
+  for (int64_t r = r0 + warp; r < r1; r += warps) {
+    const double g = RowDot(ex.gate, r, xf, xq + t * a.H, xs[t]);
+    const double u = RowDot(ex.up, r, xf, xq + t * a.H, xs[t]);
+    if (threadIdx.x % 32 == 0) {
+      const float gf = static_cast<float>(g);
+      float v = gf / (1.0f + expf(-gf)) * static_cast<float>(u);
+      if (f32_act) v = Bf16ToF(FToBf16(v));
+      h[slot * a.I + r] = v;
+    }
+  }
+}
+
+// Block (slot, row chunk): down rows -> ys[slot][H] = weight * y.
+__global__ void HotDownKernel(HotExpertsArgs a, const int32_t* slot_expert, const float* h,
+                              const int8_t* hq, const float* hs, float* ys) {
+  const int64_t slot = blockIdx.x;
+  if (slot_expert[slot] < 0) return;
+  const DevExpert& ex = a.experts[slot_expert[slot]];
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t rows_per_block = (a.H + gridDim.y - 1) / gridDim.y;
+  const int64_t r0 = blockIdx.y * rows_per_block, r1 = min(a.H, r0 + rows_per_block);
+  const float wt = a.weights[slot];
+  for (int64_t r = r0 + warp; r < r1; r += warps) {
+    const double y = RowDot(ex.down, r, h + slot * a.I, hq + slot * a.I, hs[slot]);
+    if (threadIdx.x % 32 == 0) ys[slot * a.H + r] = wt * static_cast<float>(y);
+  }
+}
+
+// out[t][c] = sum over hot slots j ascending of ys[t*K + j][c].
+__global__ void HotSumKernel(HotExpertsArgs a, const int32_t* slot_expert, const float* ys) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= a.T * a.H) return;
+  const int64_t t = i / a.H, c = i % a.H;
+  float o = 0.0f;
+  for (int64_t j = 0; j < a.K; ++j)
+    if (slot_expert[t * a.K + j] >= 0) o += ys[(t * a.K + j) * a.H + c];
+  a.out[i] = o;
+}
+
 __global__ void TrapKernel() { __trap(); }
 
 __device__ uint64_t GlobalNs() {
@@ -1068,6 +1250,67 @@ cudaError_t SendExpertCall(const uint16_t* hidden, int64_t T, int64_t H, const i
   SendExpertCallKernel<<<blocks, kThreads, 0, s>>>(hidden, elems, vec16, ids, weights, tk,
                                                    dst_hidden, dst_ids, dst_weights, state, request,
                                                    armed, counter);
+  return cudaGetLastError();
+}
+
+namespace {
+struct HotScratch {
+  int32_t* slot_expert;
+  int32_t* token_active;
+  float* xs;
+  float* hs;
+  int8_t* xq;
+  int8_t* hq;
+  float* h;
+  float* ys;
+  int64_t bytes;
+};
+HotScratch CarveHot(void* base, int64_t T, int64_t H, int64_t I, int64_t K) {
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t at = off;
+    off += (bytes + 255) / 256 * 256;
+    return static_cast<char*>(base) + at;
+  };
+  HotScratch s{};
+  s.slot_expert = reinterpret_cast<int32_t*>(take(T * K * 4));
+  s.token_active = reinterpret_cast<int32_t*>(take(T * 4));
+  s.xs = reinterpret_cast<float*>(take(T * 4));
+  s.hs = reinterpret_cast<float*>(take(T * K * 4));
+  s.xq = reinterpret_cast<int8_t*>(take(T * H));
+  s.hq = reinterpret_cast<int8_t*>(take(T * K * I));
+  s.h = reinterpret_cast<float*>(take(T * K * I * 4));
+  s.ys = reinterpret_cast<float*>(take(T * K * H * 4));
+  s.bytes = off;
+  return s;
+}
+}  // namespace
+
+int64_t HotExpertsScratchBytes(int64_t T, int64_t H, int64_t I, int64_t K) {
+  return CarveHot(nullptr, T, H, I, K).bytes;
+}
+
+cudaError_t HotExperts(const HotExpertsArgs& a, cudaStream_t s) {
+  if (a.T == 0) return cudaSuccess;
+  if (a.T < 0 || a.H <= 0 || a.I <= 0 || a.K <= 0 || a.E < 0 || a.x == nullptr ||
+      a.ids == nullptr || a.weights == nullptr || a.out == nullptr || a.scratch == nullptr ||
+      (a.E > 0 && a.experts == nullptr) ||
+      a.scratch_bytes < HotExpertsScratchBytes(a.T, a.H, a.I, a.K) || a.H > 12288)
+    return cudaErrorInvalidValue;
+  const HotScratch w = CarveHot(a.scratch, a.T, a.H, a.I, a.K);
+  HotSlotsKernel<<<GridFor(a.T), kThreads, 0, s>>>(a, w.slot_expert, w.token_active);
+  QuantRowsKernel<<<static_cast<unsigned>(a.T), kThreads, 0, s>>>(a.x, nullptr, a.H, w.token_active,
+                                                                  1, w.xq, w.xs);
+  // Enough row chunks to fill the GPU at batch 1 (each block: 8 warps).
+  const unsigned gu_chunks = static_cast<unsigned>(std::clamp<int64_t>(a.I / 64, 1, 64));
+  HotGateUpKernel<<<dim3(static_cast<unsigned>(a.T * a.K), gu_chunks), kThreads,
+                    static_cast<size_t>(a.H) * 4, s>>>(a, w.slot_expert, w.xq, w.xs, w.h);
+  QuantRowsKernel<<<static_cast<unsigned>(a.T * a.K), kThreads, 0, s>>>(
+      nullptr, w.h, a.I, w.slot_expert, 1, w.hq, w.hs);
+  const unsigned dn_chunks = static_cast<unsigned>(std::clamp<int64_t>(a.H / 64, 1, 128));
+  HotDownKernel<<<dim3(static_cast<unsigned>(a.T * a.K), dn_chunks), kThreads, 0, s>>>(
+      a, w.slot_expert, w.h, w.hq, w.hs, w.ys);
+  HotSumKernel<<<GridFor(a.T * a.H), kThreads, 0, s>>>(a, w.slot_expert, w.ys);
   return cudaGetLastError();
 }
 

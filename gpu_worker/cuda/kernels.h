@@ -181,6 +181,48 @@ cudaError_t SendExpertCall(const uint16_t* hidden, int64_t T, int64_t H, const i
                            float* dst_weights, uint32_t* state, uint32_t request,
                            const uint32_t* armed, unsigned int* counter, cudaStream_t s);
 
+// ---- hot experts: routed experts computed on the GPU ------------------------
+
+// One matrix of a routed expert in the expert service's quantized form
+// (expert_service/kernels/moe.h QuantMatrix), on the device: format 0 bf16
+// ([rows][cols] bf16); 1 int8 (q [rows][cols], scale [rows]); 2 int4 (q
+// packed two per byte, the even column in the low nibble, [rows][ceil(cols /
+// 2)] bytes, values in [-8, 7]; scale [rows][ceil(cols / group)]).
+struct DevQuantMatrix {
+  int format = 0;
+  int group = 0;
+  int64_t rows = 0, cols = 0;
+  const void* w = nullptr;
+  const float* scale = nullptr;
+};
+struct DevExpert {
+  DevQuantMatrix gate, up;  // [I][H]
+  DevQuantMatrix down;      // [H][I]
+};
+struct HotExpertsArgs {
+  const uint16_t* x = nullptr;  // bf16 [T][H]
+  int64_t T = 0, H = 0, I = 0;
+  const int32_t* ids = nullptr;    // [T][K]
+  const float* weights = nullptr;  // [T][K]
+  int64_t K = 0;
+  // Device array [E]: slot ids[t, j] = e is computed when 0 <= e < E and
+  // experts[e].gate.w != nullptr (a hot expert); other slots add nothing.
+  const DevExpert* experts = nullptr;
+  int64_t E = 0;
+  float* out = nullptr;  // [T][H], overwritten
+  void* scratch = nullptr;
+  int64_t scratch_bytes = 0;  // >= HotExpertsScratchBytes(T, H, I, K)
+};
+int64_t HotExpertsScratchBytes(int64_t T, int64_t H, int64_t I, int64_t K);
+// out[t] = sum over hot slots j (ascending) of weights[t, j] * E(x[t]) with
+// the numerics of the expert service's reference in its "few tokens" regime
+// (RunMoeReference): int8 and int4 weights meet int8 activations quantized
+// per row (x per token over H, then silu(gate) * up per slot over I), the
+// integer dot products exact, combined in double with the scales; bf16
+// weights meet f32 activations and a bf16-rounded intermediate. Results
+// match the reference up to summation order and expf's last bits.
+cudaError_t HotExperts(const HotExpertsArgs& a, cudaStream_t s);
+
 // Launches a kernel that traps: the context's sticky error (a fault test's
 // stand-in for a real device failure).
 cudaError_t InjectStickyError(cudaStream_t s);

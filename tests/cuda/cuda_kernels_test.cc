@@ -15,9 +15,12 @@
 #include <thread>
 #include <vector>
 
+#include "common/transport/moe_call.h"
+#include "expert_service/kernels/moe.h"
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/cuda/kernels.h"
 #include "gpu_worker/driver/routing.h"
+#include "tests/kernels/moe_test_util.h"
 
 namespace hmoe::cuda {
 namespace {
@@ -242,7 +245,7 @@ TEST(GpuKernelTest, AddRmsNorm) {
       {1, 1}, {1, 7}, {3, 33}, {17, 129}, {64, 1000}, {300, 7}, {1, 7168}, {5, 5000}, {300, 256}};
   for (auto [rows, n] : shapes) {
     for (int mode = 0; mode < 4; ++mode) {  // 0 plain, 1 add, 2 in place + add, 3 bf16 only
-      SCOPED_TRACE(testing::Message() << "rows " << rows << " n " << n << " mode " << mode);
+      SCOPED_TRACE(::testing::Message() << "rows " << rows << " n " << n << " mode " << mode);
       const std::vector<float> x0 = Random(rows * n, rng, -3.0f, 3.0f);
       const std::vector<float> add = Random(rows * n, rng);
       const std::vector<float> w = Random(n, rng, 0.5f, 1.5f);
@@ -283,8 +286,8 @@ TEST(GpuKernelTest, ApplyRope) {
                                    {5, 1, 6, 1, 1}};
   for (const Case& c : cases) {
     for (bool inter : {false, true}) {
-      SCOPED_TRACE(testing::Message() << "T " << c.T << " heads " << c.heads << " dim " << c.dim
-                                      << " interleaved " << inter);
+      SCOPED_TRACE(::testing::Message() << "T " << c.T << " heads " << c.heads << " dim " << c.dim
+                                        << " interleaved " << inter);
       const int64_t head_stride = c.offset + c.dim + c.pad;
       const int64_t tok_stride = c.heads * head_stride + c.pad;
       std::vector<float> x = Random(c.T * tok_stride, rng, -2.0f, 2.0f);
@@ -318,7 +321,7 @@ TEST(GpuKernelTest, WriteMlaCache) {
   for (const Case& c : std::vector<Case>{
            {1, 512, 64}, {3, 33, 8}, {17, 7, 6}, {64, 512, 64}, {300, 129, 2}, {5, 1000, 0}}) {
     for (bool inter : {false, true}) {
-      SCOPED_TRACE(testing::Message() << "T " << c.T << " r " << c.r << " rope " << c.rope);
+      SCOPED_TRACE(::testing::Message() << "T " << c.T << " r " << c.r << " rope " << c.rope);
       const int64_t row = c.r + c.rope, slots = c.T * 2 + 3;
       const std::vector<float> kva = Random(c.T * row, rng, -3.0f, 3.0f);
       const std::vector<float> nw = Random(c.r, rng, 0.5f, 1.5f);
@@ -398,7 +401,7 @@ TEST(GpuKernelTest, AddBiasAccumulateGather) {
   std::mt19937 rng(8);
   for (int64_t T : {1, 3, 17, 300}) {
     for (int64_t N : {1, 7, 33, 129, 1000}) {
-      SCOPED_TRACE(testing::Message() << "T " << T << " N " << N);
+      SCOPED_TRACE(::testing::Message() << "T " << T << " N " << N);
       std::vector<float> y = Random(T * N, rng);
       const std::vector<float> b = Random(N, rng);
       DeviceBuffer<float> dy(y), db(b);
@@ -657,8 +660,8 @@ TEST(GpuKernelTest, MlaAbsorbQuery) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(13);
   for (const MlaShape& s : MlaShapes()) {
-    SCOPED_TRACE(testing::Message() << "T " << s.T << " nh " << s.nh << " nope " << s.nope
-                                    << " rope " << s.rope << " vd " << s.vd << " r " << s.r);
+    SCOPED_TRACE(::testing::Message() << "T " << s.T << " nh " << s.nh << " nope " << s.nope
+                                      << " rope " << s.rope << " vd " << s.vd << " r " << s.r);
     const int64_t qk = s.nope + s.rope, orow = s.r + s.rope;
     const std::vector<float> q = Random(s.T * s.nh * qk, rng);
     const std::vector<uint16_t> w = RandomBf16(s.nh * (s.nope + s.vd) * s.r, rng);
@@ -705,8 +708,8 @@ TEST(GpuKernelTest, MlaExpandOutput) {
     DeviceBuffer<float> dl(olat);
     DeviceBuffer<uint16_t> dw(w);
     for (int mode = 0; mode < 3; ++mode) {  // f32, f32 + bf16, bf16 only
-      SCOPED_TRACE(testing::Message() << "T " << s.T << " nh " << s.nh << " vd " << s.vd << " r "
-                                      << s.r << " mode " << mode);
+      SCOPED_TRACE(::testing::Message() << "T " << s.T << " nh " << s.nh << " vd " << s.vd << " r "
+                                        << s.r << " mode " << mode);
       DeviceBuffer<float> dout(s.T * s.nh * s.vd);
       DeviceBuffer<uint16_t> dout16(s.T * s.nh * s.vd);
       Check(MlaExpandOutput(dl.get(), dw.get(), s.T, s.nh, s.nope, s.vd, s.r,
@@ -1043,6 +1046,123 @@ TEST(GpuKernelTest, SendExpertCall) {
                            1, nullptr, counter.get(), s),
             cudaErrorInvalidValue);
   cudaStreamDestroy(s);
+}
+
+// Hot experts on the GPU against the expert service's scalar reference
+// (RunMoeReference, "few tokens" regime) over the same quantized weights
+// (QuantizeExpert), every format, odd shapes (partial int4 groups), some
+// experts not hot, empty and foreign slots.
+TEST(GpuKernelTest, HotExpertsMatchTheServiceReference) {
+  SKIP_WITHOUT_GPU();
+  struct Fmt {
+    WeightFormat f;
+    int group, dev;
+  };
+  const Fmt fmts[] = {{WeightFormat::kBf16, 128, 0},
+                      {WeightFormat::kInt8, 128, 1},
+                      {WeightFormat::kInt4, 32, 2},
+                      {WeightFormat::kInt4, 64, 2},
+                      {WeightFormat::kInt4, 128, 2}};
+  const std::pair<int64_t, int64_t> shapes[] = {{96, 40}, {200, 64}, {2048, 96}};
+  constexpr int64_t E = 6;
+  const bool hot_e[E] = {true, false, true, true, false, true};
+  std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> keep;
+  auto upload = [&](const QuantMatrix& m, int dev) {
+    DevQuantMatrix d;
+    d.format = dev;
+    d.group = m.group;
+    d.rows = m.rows;
+    d.cols = m.cols;
+    std::vector<uint8_t> bytes;
+    if (dev == 0) {
+      bytes.resize(m.bf16.size() * 2);
+      std::memcpy(bytes.data(), m.bf16.data(), bytes.size());
+    } else if (dev == 1) {
+      bytes.resize(m.q.size());
+      std::memcpy(bytes.data(), m.q.data(), bytes.size());
+    } else {
+      const int64_t half = (m.cols + 1) / 2;
+      bytes.assign(static_cast<size_t>(m.rows * half), 0);
+      for (int64_t r = 0; r < m.rows; ++r)
+        for (int64_t c = 0; c < m.cols; ++c) {
+          const uint8_t v = static_cast<uint8_t>(m.q[static_cast<size_t>(r * m.cols + c)]) & 0xF;
+          bytes[static_cast<size_t>(r * half + c / 2)] |= static_cast<uint8_t>(v << (4 * (c % 2)));
+        }
+    }
+    keep.push_back(std::make_unique<DeviceBuffer<uint8_t>>(bytes));
+    d.w = keep.back()->get();
+    if (dev != 0) {
+      std::vector<uint8_t> sb(m.scale.size() * 4);
+      std::memcpy(sb.data(), m.scale.data(), sb.size());
+      keep.push_back(std::make_unique<DeviceBuffer<uint8_t>>(sb));
+      d.scale = reinterpret_cast<const float*>(keep.back()->get());
+    }
+    return d;
+  };
+  for (const Fmt& fm : fmts) {
+    for (const auto& [H, I] : shapes) {
+      SCOPED_TRACE(::testing::Message()
+                   << WeightFormatName(fm.f) << " g" << fm.group << " H " << H << " I " << I);
+      const MoeWeightsSource src = testing::RandomSource(H, I, E, 17 + static_cast<uint64_t>(H));
+      PackOptions po;
+      po.format = fm.f;
+      po.group = fm.group;
+      std::vector<QuantExpert> q;
+      std::vector<DevExpert> dev(E);
+      for (int64_t e = 0; e < E; ++e) {
+        auto w = src.expert(e);
+        ASSERT_TRUE(w.ok()) << w.status();
+        auto qe = QuantizeExpert(*w, src, po);
+        ASSERT_TRUE(qe.ok()) << qe.status();
+        q.push_back(std::move(*qe));
+        if (hot_e[e])
+          dev[static_cast<size_t>(e)] =
+              DevExpert{upload(q.back().gate, fm.dev), upload(q.back().up, fm.dev),
+                        upload(q.back().down, fm.dev)};
+      }
+      std::vector<uint8_t> dev_bytes(sizeof(DevExpert) * E);
+      std::memcpy(dev_bytes.data(), dev.data(), dev_bytes.size());
+      DeviceBuffer<uint8_t> dexperts(dev_bytes);
+      for (int64_t T : {1, 3, 9}) {
+        for (int K : {2, 4}) {
+          SCOPED_TRACE(::testing::Message() << "T " << T << " K " << K);
+          testing::Batch b = testing::RandomBatch(T, K, H, E, 100 + static_cast<uint64_t>(T * K),
+                                                  true, -1, /*foreign=*/true);
+          std::vector<int32_t> ref_ids = b.ids;  // only the hot experts' slots
+          for (int32_t& id : ref_ids)
+            if (id >= 0 && id < E && !hot_e[id]) id = hmoe::kNoExpert;
+          RunOptions ro;
+          ro.many_threshold = ro.many_threshold_int4 = 1 << 20;  // the "few tokens" regime
+          std::vector<float> want(static_cast<size_t>(T * H));
+          const MoeInput in{T, K, b.x.data(), ref_ids.data(), b.w.data()};
+          ASSERT_TRUE(RunMoeReference(q, H, 0, in, want.data(), ro).ok());
+          DeviceBuffer<uint16_t> dx(b.x);
+          DeviceBuffer<int32_t> di(b.ids);
+          DeviceBuffer<float> dw(b.w), dout(static_cast<size_t>(T * H));
+          const int64_t sb = HotExpertsScratchBytes(T, H, I, K);
+          DeviceBuffer<uint8_t> scratch(static_cast<size_t>(sb));
+          HotExpertsArgs a;
+          a.x = dx.get();
+          a.T = T;
+          a.H = H;
+          a.I = I;
+          a.ids = di.get();
+          a.weights = dw.get();
+          a.K = K;
+          a.experts = reinterpret_cast<const DevExpert*>(dexperts.get());
+          a.E = E;
+          a.out = dout.get();
+          a.scratch = scratch.get();
+          a.scratch_bytes = sb;
+          Check(HotExperts(a, nullptr));
+          const std::vector<float> got = dout.Download();
+          EXPECT_LE(testing::RelErr(got, want), 1e-3);
+          a.scratch_bytes = sb - 1;
+          EXPECT_EQ(HotExperts(a, nullptr), cudaErrorInvalidValue);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
