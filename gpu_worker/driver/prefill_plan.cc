@@ -1,0 +1,110 @@
+#include "gpu_worker/driver/prefill_plan.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace hmoe {
+
+double PrefillRates::CpuUs(int64_t n) const {
+  if (n <= 0 || cpu_tokens.empty()) return 0;
+  if (n <= cpu_tokens.front()) return cpu_us.front();
+  for (size_t i = 1; i < cpu_tokens.size(); ++i) {
+    if (n <= cpu_tokens[i]) {
+      const double f = static_cast<double>(n - cpu_tokens[i - 1]) /
+                       static_cast<double>(cpu_tokens[i] - cpu_tokens[i - 1]);
+      return cpu_us[i - 1] + f * (cpu_us[i] - cpu_us[i - 1]);
+    }
+  }
+  return cpu_us.back() * static_cast<double>(n) / static_cast<double>(cpu_tokens.back());
+}
+
+const char* PrefillChoiceName(PrefillChoice c) {
+  switch (c) {
+    case PrefillChoice::kCpu:
+      return "cpu";
+    case PrefillChoice::kStream:
+      return "stream";
+    case PrefillChoice::kSplit:
+      return "split";
+  }
+  return "?";
+}
+
+std::string PrefillPlan::Describe() const {
+  return absl::StrFormat("%s: %d experts on the GPU, cpu %.1f us, gpu %.1f us, layer %.1f us",
+                         PrefillChoiceName(choice), gpu_experts.size(), cpu_us, gpu_us, us);
+}
+
+absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
+                                             int64_t expert_bytes, double flops_per_token,
+                                             const PrefillRates& r) {
+  if (!(r.pcie_gbps > 0) || !(r.gpu_tflops > 0))
+    return absl::InvalidArgumentError(absl::StrCat("prefill rates: pcie_gbps ", r.pcie_gbps,
+                                                   " and gpu_tflops ", r.gpu_tflops,
+                                                   " must be > 0"));
+  if (r.cpu_tokens.empty() || r.cpu_tokens.size() != r.cpu_us.size())
+    return absl::InvalidArgumentError(
+        "prefill rates: the CPU's (tokens, us) points are missing or unpaired");
+  for (size_t i = 0; i < r.cpu_tokens.size(); ++i) {
+    if (r.cpu_tokens[i] <= 0 || !(r.cpu_us[i] > 0) ||
+        (i > 0 && r.cpu_tokens[i] <= r.cpu_tokens[i - 1]))
+      return absl::InvalidArgumentError(absl::StrCat("prefill rates: CPU point ", i, " (",
+                                                     r.cpu_tokens[i], " tokens, ", r.cpu_us[i],
+                                                     " us) is not positive or not ascending"));
+  }
+  if (expert_bytes <= 0 || !(flops_per_token > 0))
+    return absl::InvalidArgumentError(absl::StrCat("prefill plan: expert_bytes ", expert_bytes,
+                                                   " and flops_per_token ", flops_per_token,
+                                                   " must be > 0"));
+  const double upload_us = static_cast<double>(expert_bytes) / (r.pcie_gbps * 1e3);
+  auto gpu_compute_us = [&](int64_t n) {
+    return static_cast<double>(n) * flops_per_token / (r.gpu_tflops * 1e6);
+  };
+  // Experts with tokens, most tokens first (ties: lower id).
+  std::vector<int32_t> order;
+  for (size_t e = 0; e < tokens.size(); ++e)
+    if (tokens[e] > 0) order.push_back(static_cast<int32_t>(e));
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return tokens[a] > tokens[b]; });
+  // Side times with the first k of `order` on the GPU.
+  double cpu_all = 0;
+  for (int32_t e : order) cpu_all += r.CpuUs(tokens[e]);
+  struct Sides {
+    double cpu = 0, up = 0, comp = 0;
+    double gpu() const { return std::max(up, comp); }
+    double layer() const { return std::max(cpu, gpu()); }
+  };
+  std::vector<Sides> with(order.size() + 1);
+  with[0].cpu = cpu_all;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const int64_t n = tokens[order[k]];
+    with[k + 1] = with[k];
+    with[k + 1].cpu -= r.CpuUs(n);
+    with[k + 1].up += upload_us;
+    with[k + 1].comp += gpu_compute_us(n);
+  }
+  with.back().cpu = 0;  // (exact zero, not a sum's residue)
+  // The split: the best k in 1..n-1 (the layer time falls, then rises).
+  size_t best = 0;
+  for (size_t k = 1; k + 1 <= order.size(); ++k)
+    if (with[k].layer() < with[best].layer()) best = k;
+  PrefillPlan p;
+  auto take = [&](PrefillChoice c, size_t k) {
+    p.choice = c;
+    p.gpu_experts.assign(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k));
+    std::sort(p.gpu_experts.begin(), p.gpu_experts.end());
+    p.cpu_us = with[k].cpu;
+    p.gpu_us = with[k].gpu();
+    p.us = with[k].layer();
+  };
+  const size_t all = order.size();
+  take(PrefillChoice::kCpu, 0);
+  if (all > 0 && with[all].layer() < p.us) take(PrefillChoice::kStream, all);
+  if (best > 0 && best < all && with[best].layer() < p.us) take(PrefillChoice::kSplit, best);
+  return p;
+}
+
+}  // namespace hmoe

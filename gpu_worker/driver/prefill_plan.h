@@ -1,0 +1,57 @@
+// Hybrid prefill's cost model (issue 31 item 3): for one MoE layer of a pass
+// with many tokens per expert, where its routed experts run —
+//   (a) kCpu:    all on the expert service (its AMX kernels),
+//   (b) kStream: all streamed to the GPU over PCIe and computed there
+//                (double-buffered: the layer costs the larger of its upload
+//                and its compute),
+//   (c) kSplit:  the experts with the most tokens streamed to the GPU, the
+//                rest on the CPU, chosen so that both sides finish together —
+// from measured rates (what the worker measures at start or reads from a
+// calibration file). Pure arithmetic; nothing here moves data.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace hmoe {
+
+struct PrefillRates {
+  double pcie_gbps = 0;   // host -> device, pinned staging, GB/s (> 0)
+  double gpu_tflops = 0;  // the GPU's grouped expert GEMM, TFLOP/s (> 0)
+  // The expert service's time for one expert with n tokens, measured at the
+  // points (tokens[i], us[i]) (ascending tokens, at least one point, us > 0);
+  // linear between points, proportional to n beyond the last, and the first
+  // point's time below it (a matrix-vector product costs its bytes).
+  std::vector<int64_t> cpu_tokens;
+  std::vector<double> cpu_us;
+  double CpuUs(int64_t n) const;
+};
+
+enum class PrefillChoice { kCpu, kStream, kSplit };
+const char* PrefillChoiceName(PrefillChoice c);  // "cpu" | "stream" | "split"
+
+struct PrefillPlan {
+  PrefillChoice choice = PrefillChoice::kCpu;
+  std::vector<int32_t> gpu_experts;  // streamed and computed on the GPU, ascending
+  double cpu_us = 0;                 // the CPU side's predicted time
+  double gpu_us = 0;                 // the GPU side's: max(upload, compute)
+  double us = 0;                     // the layer's: max(cpu_us, gpu_us)
+  std::string Describe() const;      // one line for the debug log and hmoe-bench-e2e
+};
+
+// tokens[e]: how many of the pass's tokens chose expert e in this layer;
+// expert_bytes: one expert's weights as streamed; flops_per_token: 2 * 3 *
+// hidden * intermediate (gate, up, down). Experts with no tokens cost
+// nothing anywhere. The split moves experts to the GPU in descending token
+// count (ties: lower id) while that lowers the layer's time, and picks the
+// best of (a), (b) and that split (ties: (a), then (b): the simpler).
+// INVALID_ARGUMENT for rates that are not positive / not ascending, or
+// bytes / flops <= 0.
+absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
+                                             int64_t expert_bytes, double flops_per_token,
+                                             const PrefillRates& rates);
+
+}  // namespace hmoe

@@ -1,0 +1,127 @@
+// Hybrid prefill's cost model (gpu_worker/driver/prefill_plan.h) on
+// synthetic measurements: it picks the CPU, streaming or the split where
+// each is fastest, the split lands near the two-sided bound, the GPU gets
+// the experts with the most tokens, and bad rates are refused.
+#include "gpu_worker/driver/prefill_plan.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace hmoe {
+namespace {
+
+constexpr int64_t kExpertBytes = 24 << 20;        // ~ds-v3 int4
+constexpr double kFlops = 2.0 * 3 * 7168 * 2048;  // per token
+PrefillRates Rates(double pcie_gbps, double cpu_us_at_256) {
+  PrefillRates r;
+  r.pcie_gbps = pcie_gbps;
+  r.gpu_tflops = 400;
+  r.cpu_tokens = {1, 16, 256};
+  r.cpu_us = {200, 400, cpu_us_at_256};
+  return r;
+}
+
+TEST(PrefillPlan, CpuTimeInterpolatesAndExtrapolates) {
+  const PrefillRates r = Rates(50, 2000);
+  EXPECT_EQ(r.CpuUs(0), 0);
+  EXPECT_DOUBLE_EQ(r.CpuUs(1), 200);
+  EXPECT_DOUBLE_EQ(r.CpuUs(8), 200 + 7.0 / 15.0 * 200);
+  EXPECT_DOUBLE_EQ(r.CpuUs(16), 400);
+  EXPECT_DOUBLE_EQ(r.CpuUs(136), 400 + 0.5 * 1600);
+  EXPECT_DOUBLE_EQ(r.CpuUs(512), 4000);
+}
+
+// A token per expert over a slow link: one expert's upload (~8 ms at 3
+// GB/s) costs more than the CPU's whole layer, so nothing moves. (Over
+// 55.6 GB/s the same layer splits: streaming an expert, ~0.45 ms, beats
+// the CPU's 0.2 ms per expert once the CPU's queue is longer than the
+// GPU's; the next test's first half.)
+TEST(PrefillPlan, FewTokensOverASlowLinkStayOnTheCpu) {
+  std::vector<int64_t> tokens(256, 0);
+  for (int e = 0; e < 32; ++e) tokens[static_cast<size_t>(e * 4)] = 1;
+  auto p = PlanPrefillLayer(tokens, kExpertBytes, kFlops, Rates(3, 2000));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->choice, PrefillChoice::kCpu) << p->Describe();
+  EXPECT_TRUE(p->gpu_experts.empty());
+  EXPECT_DOUBLE_EQ(p->cpu_us, 32 * 200.0);
+  EXPECT_EQ(p->gpu_us, 0);
+  auto fast = PlanPrefillLayer(tokens, kExpertBytes, kFlops, Rates(55.6, 2000));
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  EXPECT_EQ(fast->choice, PrefillChoice::kSplit) << fast->Describe();
+  EXPECT_LT(fast->us, p->us);
+}
+
+TEST(PrefillPlan, ManyTokensAndASlowCpuStreamEverything) {
+  const std::vector<int64_t> tokens(8, 256);
+  auto p = PlanPrefillLayer(tokens, kExpertBytes, kFlops, Rates(55.6, 20000));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->choice, PrefillChoice::kStream) << p->Describe();
+  EXPECT_EQ(p->gpu_experts.size(), 8u);
+  EXPECT_EQ(p->cpu_us, 0);
+  const double upload = kExpertBytes / 55.6e3;
+  EXPECT_NEAR(p->gpu_us, 8 * upload, 1e-6);  // upload-bound, not compute-bound
+  EXPECT_DOUBLE_EQ(p->us, p->gpu_us);
+}
+
+TEST(PrefillPlan, BalancedSidesSplitNearTheTwoSidedBound) {
+  const std::vector<int64_t> tokens(8, 256);
+  const PrefillRates r = Rates(55.6, 2000);
+  auto p = PlanPrefillLayer(tokens, kExpertBytes, kFlops, r);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->choice, PrefillChoice::kSplit) << p->Describe();
+  ASSERT_GT(p->gpu_experts.size(), 0u);
+  ASSERT_LT(p->gpu_experts.size(), 8u);
+  const double upload = kExpertBytes / 55.6e3, cpu = 2000;
+  // Faster than either side alone, and within one expert of the bound
+  // 1 / (1 / t_stream + 1 / t_cpu) that a continuous split would reach.
+  const double t_stream = 8 * upload, t_cpu = 8 * cpu;
+  EXPECT_LT(p->us, std::min(t_stream, t_cpu));
+  const double bound = 1 / (1 / t_stream + 1 / t_cpu);
+  EXPECT_GE(p->us, bound - 1e-6);
+  EXPECT_LE(p->us, bound + std::max(upload, cpu));
+  EXPECT_DOUBLE_EQ(p->us, std::max(p->cpu_us, p->gpu_us));
+}
+
+TEST(PrefillPlan, TheGpuTakesTheExpertsWithTheMostTokens) {
+  std::vector<int64_t> tokens = {3, 900, 1, 0, 700, 5, 700, 2};
+  auto p = PlanPrefillLayer(tokens, kExpertBytes, kFlops, Rates(55.6, 2000));
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->choice, PrefillChoice::kSplit) << p->Describe();
+  // The top ones by count, ties to the lower id: 1, then 4 and 6.
+  std::vector<int32_t> want = {1, 4, 6};
+  want.resize(std::min(want.size(), p->gpu_experts.size()));
+  std::vector<int32_t> got = p->gpu_experts;
+  got.resize(want.size());
+  EXPECT_EQ(got, want);
+  for (int32_t e : p->gpu_experts) EXPECT_NE(tokens[static_cast<size_t>(e)], 0) << e;
+  EXPECT_FALSE(p->Describe().empty());
+}
+
+TEST(PrefillPlan, NoTokensCostNothing) {
+  auto p = PlanPrefillLayer(std::vector<int64_t>(16, 0), kExpertBytes, kFlops, Rates(55.6, 2000));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->choice, PrefillChoice::kCpu);
+  EXPECT_EQ(p->us, 0);
+}
+
+TEST(PrefillPlan, RefusesBadRates) {
+  const std::vector<int64_t> tokens(8, 16);
+  PrefillRates r = Rates(0, 2000);
+  EXPECT_EQ(PlanPrefillLayer(tokens, kExpertBytes, kFlops, r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  r = Rates(50, 2000);
+  r.cpu_tokens = {16, 1, 256};
+  EXPECT_EQ(PlanPrefillLayer(tokens, kExpertBytes, kFlops, r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  r = Rates(50, 2000);
+  r.cpu_us.pop_back();
+  EXPECT_EQ(PlanPrefillLayer(tokens, kExpertBytes, kFlops, r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanPrefillLayer(tokens, 0, kFlops, Rates(50, 2000)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace hmoe
