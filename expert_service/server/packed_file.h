@@ -24,6 +24,7 @@
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "common/weight_map.h"
+#include "expert_service/kernels/checkpoint_source.h"
 #include "expert_service/server/expert_shard.h"
 
 namespace hmoe {
@@ -91,18 +92,6 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
 
 uint64_t Fnv1a64(const void* data, size_t n);
 
-// A routed expert's weights as views into the checkpoint's mapping (no copy):
-// bf16/f16/f32, or fp8 with its block scale_inv; shapes and dtypes checked,
-// errors name the checkpoint and the tensor.
-absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const ModelConfig& cfg,
-                                                int layer, int64_t expert);
-// The fp8 block size of `cfg`'s experts: 0 without an fp8
-// quantization_config (an fp8 expert is then refused by LoadExpertWeights),
-// UNIMPLEMENTED for non-square blocks (as the worker refuses them).
-absl::StatusOr<int64_t> Fp8ExpertBlock(const ModelConfig& cfg, const std::string& dir);
-// The kernels' weight source for one MoE layer of a checkpoint (streams
-// LoadExpertWeights; `ckpt` and `cfg` must outlive it).
-MoeWeightsSource CheckpointSource(const Checkpoint& ckpt, const ModelConfig& cfg, int layer);
 // The kernels' options for shard `shard`/`num_shards` of a model.
 PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMode split, int shard,
                              int num_shards, ServeFormat format, int group);

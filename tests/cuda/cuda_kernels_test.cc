@@ -20,6 +20,7 @@
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/cuda/kernels.h"
 #include "gpu_worker/driver/routing.h"
+#include "gpu_worker/hot_weights.h"
 #include "tests/kernels/moe_test_util.h"
 
 namespace hmoe::cuda {
@@ -1067,33 +1068,20 @@ TEST(GpuKernelTest, HotExpertsMatchTheServiceReference) {
   constexpr int64_t E = 6;
   const bool hot_e[E] = {true, false, true, true, false, true};
   std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> keep;
+  // The backend's layout (gpu_worker/hot_weights.h), uploaded.
   auto upload = [&](const QuantMatrix& m, int dev) {
+    const HostQuantMatrix h = ToKernelLayout(m);
+    EXPECT_EQ(h.format, dev);
     DevQuantMatrix d;
-    d.format = dev;
-    d.group = m.group;
-    d.rows = m.rows;
-    d.cols = m.cols;
-    std::vector<uint8_t> bytes;
-    if (dev == 0) {
-      bytes.resize(m.bf16.size() * 2);
-      std::memcpy(bytes.data(), m.bf16.data(), bytes.size());
-    } else if (dev == 1) {
-      bytes.resize(m.q.size());
-      std::memcpy(bytes.data(), m.q.data(), bytes.size());
-    } else {
-      const int64_t half = (m.cols + 1) / 2;
-      bytes.assign(static_cast<size_t>(m.rows * half), 0);
-      for (int64_t r = 0; r < m.rows; ++r)
-        for (int64_t c = 0; c < m.cols; ++c) {
-          const uint8_t v = static_cast<uint8_t>(m.q[static_cast<size_t>(r * m.cols + c)]) & 0xF;
-          bytes[static_cast<size_t>(r * half + c / 2)] |= static_cast<uint8_t>(v << (4 * (c % 2)));
-        }
-    }
-    keep.push_back(std::make_unique<DeviceBuffer<uint8_t>>(bytes));
+    d.format = h.format;
+    d.group = h.group;
+    d.rows = h.rows;
+    d.cols = h.cols;
+    keep.push_back(std::make_unique<DeviceBuffer<uint8_t>>(h.w));
     d.w = keep.back()->get();
-    if (dev != 0) {
-      std::vector<uint8_t> sb(m.scale.size() * 4);
-      std::memcpy(sb.data(), m.scale.data(), sb.size());
+    if (!h.scale.empty()) {
+      std::vector<uint8_t> sb(h.scale.size() * 4);
+      std::memcpy(sb.data(), h.scale.data(), sb.size());
       keep.push_back(std::make_unique<DeviceBuffer<uint8_t>>(sb));
       d.scale = reinterpret_cast<const float*>(keep.back()->get());
     }

@@ -1,0 +1,45 @@
+// The hot experts' weights for the GPU (issue 31): loaded from the
+// checkpoint and quantized exactly as the expert service quantizes them
+// (QuantizeExpert), then laid out as the CUDA kernel reads them
+// (gpu_worker/cuda/kernels.h DevQuantMatrix). CUDA-free, so CI checks it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/expert_placement.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
+#include "expert_service/kernels/moe.h"
+
+namespace hmoe {
+
+// One matrix in the kernel's layout: format 0 bf16 (w: [rows][cols] bf16),
+// 1 int8 (w: q [rows][cols]; scale [rows]), 2 int4 (w: two values per byte,
+// the even column in the low nibble, [rows][ceil(cols / 2)]; scale
+// [rows][ceil(cols / group)]).
+struct HostQuantMatrix {
+  int format = 0;
+  int group = 0;
+  int64_t rows = 0, cols = 0;
+  std::vector<uint8_t> w;
+  std::vector<float> scale;
+};
+HostQuantMatrix ToKernelLayout(const QuantMatrix& m);
+
+struct HotExpertWeights {
+  int32_t layer = 0, expert = 0;
+  HostQuantMatrix gate, up, down;
+  int64_t bytes() const;  // what the GPU holds for it
+};
+
+// Every expert of `placement`, in its order (ascending layer, then expert),
+// quantized to `format` (int4: `group`) from `ckpt`. FAILED_PRECONDITION for
+// a placement of another model; the checkpoint's errors name the tensor.
+absl::StatusOr<std::vector<HotExpertWeights>> LoadHotExperts(const Checkpoint& ckpt,
+                                                             const ModelConfig& config,
+                                                             const Placement& placement,
+                                                             WeightFormat format, int group);
+
+}  // namespace hmoe
