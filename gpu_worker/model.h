@@ -30,6 +30,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/expert_placement.h"
 #include "common/model_config.h"
 #include "common/routing_stats.h"
 #include "common/safetensors.h"
@@ -70,6 +71,15 @@ struct ModelOptions {
   // nodes. false, or a transport without such a word (staged slots): host
   // nodes submit and wait.
   bool cuda_device_calls = true;
+  // cuda: hot experts (issue 31): this placement's routed experts, quantized
+  // from the checkpoint as the expert service does (`hot_format`: bf16, int8
+  // or int4 with `hot_group`; use the service's --format), are computed on
+  // the GPU in passes of up to 32 tokens, and those calls' slots reach the
+  // service empty (kNoExpert). Larger passes send every expert to the
+  // service; a deferred part always goes there. Null: none.
+  std::shared_ptr<const Placement> hot_experts;
+  std::string hot_format = "bf16";
+  int hot_group = 64;
   // cuda, fault tests only: > 0 injects a sticky device error (a trapping
   // kernel) at the start of pass number debug_cuda_fault_after + 1.
   int64_t debug_cuda_fault_after = 0;

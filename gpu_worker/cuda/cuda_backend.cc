@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "gpu_worker/cuda/kernels.h"
 #include "gpu_worker/driver/model_driver.h"
 #include "gpu_worker/driver/weight_names.h"
+#include "gpu_worker/hot_weights.h"
 
 namespace hmoe::cuda {
 namespace {
@@ -53,18 +55,21 @@ struct HostCall {
   RoutingCounters* counts = nullptr;
   const int32_t *ids_a = nullptr, *ids_b = nullptr;  // the slots' ids, counted at submit
   uint32_t* abort = nullptr;  // device waits: set when a call failed (later waits end at once)
+  const int32_t* hot_ids = nullptr;  // pinned: slot a's hot slots (hot experts), counted too
 };
 // One routed-expert call of a slot pass the device sends (armed and counted
 // by the host).
 struct SlotCall {
   int slot = 0;
   int32_t layer = 0, k = 0;
+  const int32_t* hot_ids = nullptr;  // pinned: the call's hot slots (counted too), or null
 };
 
 void CUDART_CB SubmitHost(void* p) {
   const auto* c = static_cast<const HostCall*>(p);
   const int32_t T = *c->tokens;
   if (c->counts) c->counts->Add(c->layer, c->ids_a, int64_t{T} * c->ka);
+  if (c->counts && c->hot_ids) c->counts->Add(c->layer, c->hot_ids, int64_t{T} * c->ka);
   c->slots->Submit(c->a, c->layer, T, c->ka);
   if (c->b >= 0) {
     if (c->counts) c->counts->Add(c->layer, c->ids_b, int64_t{T} * c->kb);
@@ -480,6 +485,17 @@ class CudaBackend final : public LayerBackend {
     const float* out = nullptr;
   };
   DeviceBuffer send_counter_;  // SendExpertCall's block counter
+  // Hot experts (ModelOptions::hot_experts): per decoder layer with any, the
+  // device table [E] of DevExpert (null weights: not hot) and the mask [E].
+  struct HotLayer {
+    DeviceBuffer table, mask;
+  };
+  std::map<int, HotLayer> hot_;
+  std::vector<DeviceBuffer> hot_weights_;
+  DeviceBuffer hot_ids_, cold_ids_, hot_out_, hot_scratch_;  // slot passes' (<= kSlotTokens)
+  int32_t* hot_ids_host_ = nullptr;  // pinned [layer][kSlotTokens * K]: counted after the pass
+  PinnedBuffer hot_ids_pinned_;
+  absl::Status LoadHotExperts(const Checkpoint& ckpt);
   std::vector<DevWait> dev_waits_;
   // With dev_waits_, and every slot's DeviceWait::request set: the device
   // also sends the calls (SendExpertCall), the host only arms them.
@@ -534,6 +550,66 @@ absl::Status CudaBackend::Upload(const void* host, int64_t bytes, DeviceBuffer* 
   HMOE_CUDA_TRY(
       cudaMemcpy(out->as<void>(), host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice),
       "upload");
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LoadHotExperts(const Checkpoint& ckpt) {
+  const std::optional<WeightFormat> fmt = ParseWeightFormat(o_.hot_format);
+  if (!fmt)
+    return absl::InvalidArgumentError(
+        absl::StrCat("hot experts: format \"", o_.hot_format, "\" is not bf16, int8 or int4"));
+  ASSIGN_OR_RETURN(std::vector<HotExpertWeights> hot,
+                   hmoe::LoadHotExperts(ckpt, c_, *o_.hot_experts, *fmt, o_.hot_group));
+  const int64_t E = c_.moe.num_experts, K = c_.moe.experts_per_token, H = c_.hidden_size;
+  std::map<int, std::vector<DevExpert>> tables;
+  int64_t bytes = 0;
+  auto put = [&](const HostQuantMatrix& m, DevQuantMatrix* d) -> absl::Status {
+    d->format = m.format;
+    d->group = m.group;
+    d->rows = m.rows;
+    d->cols = m.cols;
+    DeviceBuffer& w = hot_weights_.emplace_back();
+    RETURN_IF_ERROR(Upload(m.w.data(), static_cast<int64_t>(m.w.size()), &w, "hot experts"));
+    d->w = w.as<void>();
+    if (!m.scale.empty()) {
+      DeviceBuffer& sc = hot_weights_.emplace_back();
+      RETURN_IF_ERROR(
+          Upload(m.scale.data(), static_cast<int64_t>(m.scale.size()) * 4, &sc, "hot experts"));
+      d->scale = sc.as<float>();
+    }
+    return absl::OkStatus();
+  };
+  hot_weights_.reserve(hot.size() * 6);  // DeviceBuffers move, but keep them put anyway
+  for (const HotExpertWeights& h : hot) {
+    auto& t = tables[h.layer];
+    if (t.empty()) t.resize(static_cast<size_t>(E));
+    DevExpert& d = t[static_cast<size_t>(h.expert)];
+    RETURN_IF_ERROR(put(h.gate, &d.gate));
+    RETURN_IF_ERROR(put(h.up, &d.up));
+    RETURN_IF_ERROR(put(h.down, &d.down));
+    bytes += h.bytes();
+  }
+  for (auto& [layer, t] : tables) {
+    HotLayer& hl = hot_[layer];
+    std::vector<uint8_t> mask(static_cast<size_t>(E), 0);
+    for (int64_t e = 0; e < E; ++e)
+      mask[static_cast<size_t>(e)] = t[static_cast<size_t>(e)].gate.w != nullptr;
+    RETURN_IF_ERROR(Upload(t.data(), static_cast<int64_t>(t.size() * sizeof(DevExpert)), &hl.table,
+                           "hot experts"));
+    RETURN_IF_ERROR(Upload(mask.data(), E, &hl.mask, "hot experts"));
+  }
+  const int64_t n = kSlotTokens * K;
+  const int64_t scratch = HotExpertsScratchBytes(kSlotTokens, H, c_.moe.intermediate_size, K);
+  RETURN_IF_ERROR(budget_.Take(n * 8 + kSlotTokens * H * 4 + scratch, "hot experts"));
+  RETURN_IF_ERROR(hot_ids_.Allocate(n * 4));
+  RETURN_IF_ERROR(cold_ids_.Allocate(n * 4));
+  RETURN_IF_ERROR(hot_out_.Allocate(kSlotTokens * H * 4));
+  RETURN_IF_ERROR(hot_scratch_.Allocate(scratch));
+  RETURN_IF_ERROR(hot_ids_pinned_.Allocate(static_cast<int64_t>(c_.num_layers) * n * 4));
+  hot_ids_host_ = hot_ids_pinned_.as<int32_t>();
+  std::fprintf(stderr, "hmoe cuda backend: %s on the GPU as %s (%s)\n",
+               o_.hot_experts->Describe().c_str(), o_.hot_format.c_str(),
+               Gib(static_cast<double>(bytes)).c_str());
   return absl::OkStatus();
 }
 
@@ -708,6 +784,7 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
       RETURN_IF_ERROR(LoadMlp(ckpt, n.shared, &L.shared));
     }
   }
+  if (o_.hot_experts) RETURN_IF_ERROR(LoadHotExperts(ckpt));
   RETURN_IF_ERROR(budget_.Take(kAttentionScratchBytes, "workspace"));
   RETURN_IF_ERROR(attn_scratch_.Allocate(kAttentionScratchBytes));
   // A workspace for a first pass of up to 256 tokens, then the KV pool from what is left.
@@ -1251,8 +1328,10 @@ void CudaBackend::FinishDeviceWaits() {
     // What the submit host node counts otherwise: the ids the calls sent.
     if (counts_ != nullptr && pass_calls_ != nullptr) {
       const int64_t T = *tokens_host_;
-      for (const SlotCall& c : *pass_calls_)
+      for (const SlotCall& c : *pass_calls_) {
         counts_->Add(c.layer, views_[static_cast<size_t>(c.slot)].ids, T * c.k);
+        if (c.hot_ids != nullptr) counts_->Add(c.layer, c.hot_ids, T * c.k);
+      }
     }
   }
 }
@@ -1590,10 +1669,39 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
     RETURN_IF_ERROR(Copy(v.ids, ids, T * k * 4, cudaMemcpyDeviceToHost, "expert ids copy"));
     return Copy(v.weights, w, T * k * 4, cudaMemcpyDeviceToHost, "expert weights copy");
   };
+  // Hot experts: this layer's hot slots computed here into hot_out_, the
+  // others sent (the deferred part always is).
+  const int32_t* hot_host = nullptr;
+  if (auto h = hot_.find(l); h != hot_.end()) {
+    const int64_t slots = T * k0;
+    int32_t* hot_ids = hot_ids_.as<int32_t>();
+    RETURN_IF_ERROR(
+        Launched(SplitHotIds(ids0, slots, h->second.mask.as<uint8_t>(), c_.moe.num_experts,
+                             cold_ids_.as<int32_t>(), hot_ids, stream_),
+                 "SplitHotIds"));
+    HotExpertsArgs ha;
+    ha.x = hb_;
+    ha.T = T;
+    ha.H = H;
+    ha.I = c_.moe.intermediate_size;
+    ha.ids = hot_ids;
+    ha.weights = w0;
+    ha.K = k0;
+    ha.experts = h->second.table.as<DevExpert>();
+    ha.E = c_.moe.num_experts;
+    ha.out = hot_out_.as<float>();
+    ha.scratch = hot_scratch_.as<void>();
+    ha.scratch_bytes = hot_scratch_.bytes();
+    RETURN_IF_ERROR(Launched(HotExperts(ha, stream_), "HotExperts"));
+    int32_t* pinned = hot_ids_host_ + static_cast<int64_t>(l) * kSlotTokens * K;
+    RETURN_IF_ERROR(Copy(pinned, hot_ids, slots * 4, cudaMemcpyDeviceToHost, "hot ids copy"));
+    hot_host = pinned;
+    ids0 = cold_ids_.as<int32_t>();
+  }
   if (dev_sends_) {
     // The host arms the calls (now, or at the graph's launch); one kernel
     // per call writes its request into the slot and sends it.
-    const SlotCall sc[2] = {{2 * l, l, static_cast<int32_t>(k0)}, {2 * l + 1, l, n}};
+    const SlotCall sc[2] = {{2 * l, l, static_cast<int32_t>(k0), hot_host}, {2 * l + 1, l, n}};
     const int32_t* ids[2] = {ids0, rid3_};
     const float* ws[2] = {w0, rw3_};
     for (int i = 0; i < (n > 0 ? 2 : 1); ++i) {
@@ -1621,6 +1729,7 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
   c.ids_a = views_[static_cast<size_t>(2 * l)].ids;
   c.ids_b = n > 0 ? views_[static_cast<size_t>(2 * l + 1)].ids : nullptr;
   c.abort = dev_waits_.empty() ? nullptr : abort_host_;
+  c.hot_ids = hot_host;
   cudaError_t e = cudaLaunchHostFunc(stream_, SubmitHost, &c);
   if (e != cudaSuccess) return Failed(CudaError(e, "expert submit node"));
   return absl::OkStatus();
@@ -1647,6 +1756,18 @@ absl::Status CudaBackend::JoinSlot(int l, int part) {
     cudaError_t e = cudaLaunchHostFunc(stream_, WaitHost, &c);
     if (e != cudaSuccess) return Failed(CudaError(e, "expert wait node"));
   }
+  const bool hot = part == 0 && hot_.count(l) > 0;
+  if (dev_sends_ && hot) {
+    // routed = cold + hot (in hot_out_), then x += routed + shared.
+    float* routed = hot_out_.as<float>();
+    RETURN_IF_ERROR(
+        Launched(Accumulate(routed, dev_waits_[static_cast<size_t>(slot)].out, nullptr, n, stream_),
+                 "Accumulate"));
+    if (shared_pending_)
+      RETURN_IF_ERROR(Launched(Accumulate(routed, ysh_, nullptr, n, stream_), "Accumulate"));
+    shared_pending_ = false;
+    return Launched(Accumulate(x_, routed, nullptr, n, stream_), "Accumulate");
+  }
   if (dev_sends_) {
     // The sums read in place from the slot: x += routed + shared, the
     // reference's order (routed + shared == shared + routed, bit for bit).
@@ -1661,6 +1782,9 @@ absl::Status CudaBackend::JoinSlot(int l, int part) {
   }
   RETURN_IF_ERROR(Copy(routed_, views_[static_cast<size_t>(slot)].out, n * 4,
                        cudaMemcpyHostToDevice, "expert output copy"));
+  if (hot)  // routed = cold + hot
+    RETURN_IF_ERROR(
+        Launched(Accumulate(routed_, hot_out_.as<float>(), nullptr, n, stream_), "Accumulate"));
   // x += routed + shared, the reference's order.
   if (part == 0 && shared_pending_)
     RETURN_IF_ERROR(Launched(Accumulate(routed_, ysh_, nullptr, n, stream_), "Accumulate"));

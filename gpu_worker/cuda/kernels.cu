@@ -898,6 +898,16 @@ __device__ const DevExpert* HotExpertOf(const HotExpertsArgs& a, int64_t slot) {
   return ex->gate.w != nullptr ? ex : nullptr;
 }
 
+__global__ void SplitHotIdsKernel(const int32_t* ids, int64_t n, const uint8_t* mask, int64_t E,
+                                  int32_t* cold, int32_t* hot) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int32_t e = ids[i];
+  const bool h = e >= 0 && e < E && mask[e] != 0;
+  hot[i] = h ? e : -1;
+  cold[i] = h ? -1 : e;
+}
+
 // Marks each slot hot (its expert id) or not (-1), and each token with any hot slot.
 __global__ void HotSlotsKernel(HotExpertsArgs a, int32_t* slot_expert, int32_t* token_active) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -1285,6 +1295,15 @@ HotScratch CarveHot(void* base, int64_t T, int64_t H, int64_t I, int64_t K) {
   return s;
 }
 }  // namespace
+
+cudaError_t SplitHotIds(const int32_t* ids, int64_t n, const uint8_t* mask, int64_t E,
+                        int32_t* cold, int32_t* hot, cudaStream_t s) {
+  if (n <= 0) return cudaSuccess;
+  if (ids == nullptr || mask == nullptr || cold == nullptr || hot == nullptr || E <= 0)
+    return cudaErrorInvalidValue;
+  SplitHotIdsKernel<<<GridFor(n), kThreads, 0, s>>>(ids, n, mask, E, cold, hot);
+  return cudaGetLastError();
+}
 
 int64_t HotExpertsScratchBytes(int64_t T, int64_t H, int64_t I, int64_t K) {
   return CarveHot(nullptr, T, H, I, K).bytes;

@@ -183,6 +183,12 @@ cudaError_t SendExpertCall(const uint16_t* hidden, int64_t T, int64_t H, const i
 
 // ---- hot experts: routed experts computed on the GPU ------------------------
 
+// hmoe::SplitHot (driver/routing.h) on the device: slot i < n goes to hot
+// (cold[i] = -1) when 0 <= ids[i] < E and mask[ids[i]] != 0, else to cold
+// (hot[i] = -1).
+cudaError_t SplitHotIds(const int32_t* ids, int64_t n, const uint8_t* mask, int64_t E,
+                        int32_t* cold, int32_t* hot, cudaStream_t s);
+
 // One matrix of a routed expert in the expert service's quantized form
 // (expert_service/kernels/moe.h QuantMatrix), on the device: format 0 bf16
 // ([rows][cols] bf16); 1 int8 (q [rows][cols], scale [rows]); 2 int4 (q

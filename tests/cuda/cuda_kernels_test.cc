@@ -1049,6 +1049,28 @@ TEST(GpuKernelTest, SendExpertCall) {
   cudaStreamDestroy(s);
 }
 
+// The device split against hmoe::SplitHot, empty and foreign ids included.
+TEST(GpuKernelTest, SplitHotIds) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(9);
+  for (int64_t n : {1, 7, 256, 1000}) {
+    for (int64_t E : {8, 256}) {
+      std::vector<int32_t> ids(static_cast<size_t>(n));
+      for (auto& v : ids) v = static_cast<int32_t>(rng() % (E + 3)) - 1;  // -1 .. E + 1
+      std::vector<uint8_t> mask(static_cast<size_t>(E));
+      for (auto& m : mask) m = rng() % 3 == 0;
+      std::vector<int32_t> wc(ids.size()), wh(ids.size());
+      hmoe::SplitHot(ids.data(), n, mask.data(), E, wc.data(), wh.data());
+      DeviceBuffer<int32_t> di(ids), dc(ids.size()), dh(ids.size());
+      DeviceBuffer<uint8_t> dm(mask);
+      Check(SplitHotIds(di.get(), n, dm.get(), E, dc.get(), dh.get(), nullptr));
+      EXPECT_EQ(dc.Download(), wc) << n << " " << E;
+      EXPECT_EQ(dh.Download(), wh) << n << " " << E;
+    }
+  }
+  EXPECT_EQ(SplitHotIds(nullptr, 4, nullptr, 8, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+}
+
 // Hot experts on the GPU against the expert service's scalar reference
 // (RunMoeReference, "few tokens" regime) over the same quantized weights
 // (QuantizeExpert), every format, odd shapes (partial int4 groups), some

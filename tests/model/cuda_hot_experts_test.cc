@@ -1,0 +1,116 @@
+// Hot experts on the cuda backend (ModelOptions::hot_experts): every other
+// routed expert of every MoE layer on the GPU, the rest through the
+// in-process experts' slots; the logits of passes that run the slots (a
+// short prefill, decode steps) against the same model without hot experts,
+// on every fixture, with and without Expert Deferral; every routed slot
+// still counted once; one graph launch per decode step. Skips without a GPU.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/expert_placement.h"
+#include "gpu_worker/model.h"
+#include "gtest/gtest.h"
+#include "tests/model/model_test_util.h"
+#include "tests/testing/backends.h"
+
+namespace hmoe {
+namespace {
+
+using testing::ModelFixtureNames;
+using testing::ModelFixturesRoot;
+
+struct Out {
+  std::vector<std::vector<float>> logits;
+  uint64_t routed = 0;
+  int64_t graph_launches = 0;
+};
+
+Out Generate(const std::string& dir, std::shared_ptr<const Placement> hot, const std::string& fmt,
+             int deferred) {
+  ModelOptions o;
+  o.backend = "cuda";
+  o.num_threads = 2;
+  o.deferred_experts = deferred;
+  o.hot_experts = std::move(hot);
+  o.hot_format = fmt;
+  o.hot_group = 32;
+  auto m = Model::Load(dir, o);
+  EXPECT_TRUE(m.ok()) << m.status();
+  Out r;
+  if (!m.ok()) return r;
+  auto s = (*m)->NewSequence();
+  auto l = (*m)->Prefill(*s, std::vector<int32_t>{1, 5, 17, 42, 7}, LogitsMode::kLast);
+  EXPECT_TRUE(l.ok()) << l.status();
+  if (!l.ok()) return r;
+  r.logits.push_back(*l);
+  for (int step = 0; step < 6; ++step) {
+    auto d = (*m)->Decode(*s, 3 + 5 * step);
+    EXPECT_TRUE(d.ok()) << d.status();
+    if (!d.ok()) return r;
+    r.logits.push_back(*d);
+  }
+  const RoutingTable t = (*m)->routing_stats();
+  for (const auto& layer : t.layers)
+    for (uint64_t c : layer.tokens) r.routed += c;
+  r.graph_launches = (*m)->stats().graph_launches;
+  return r;
+}
+
+double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
+  }
+  return scale > 0 ? m / scale : m;
+}
+
+class CudaHotExperts : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { HMOE_SKIP_UNLESS_BACKEND("cuda"); }
+};
+
+TEST_P(CudaHotExperts, EqualTheColdPathWithinTolerance) {
+  const std::string dir = ModelFixturesRoot() + "/" + GetParam();
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto p = std::make_shared<Placement>();
+  p->model_type = config->model_type;
+  p->num_experts = config->moe.num_experts;
+  for (int l = 0; l < config->num_layers; ++l) {
+    if (!config->layers[static_cast<size_t>(l)].moe) continue;
+    for (int32_t e = 0; e < config->moe.num_experts; e += 2) p->hot[l].push_back(e);
+  }
+  for (int deferred : {0, 1}) {
+    const Out cold = Generate(dir, nullptr, "bf16", deferred);
+    ASSERT_EQ(cold.logits.size(), 7u);
+    // bf16: the hot side rounds its intermediate to bf16 (the service's
+    // bf16 numerics), the in-process experts do not; int4: quantized
+    // weights against the checkpoint's.
+    for (const auto& [fmt, tol] :
+         {std::pair<std::string, double>{"bf16", 2e-2}, {"int4", 2.5e-1}}) {
+      SCOPED_TRACE(::testing::Message() << GetParam() << ", deferred " << deferred << ", " << fmt);
+      const Out hot = Generate(dir, p, fmt, deferred);
+      ASSERT_EQ(hot.logits.size(), cold.logits.size());
+      double worst = 0;
+      for (size_t i = 0; i < hot.logits.size(); ++i)
+        worst = std::max(worst, MaxRelDiff(hot.logits[i], cold.logits[i]));
+      EXPECT_LE(worst, tol);
+      std::printf("[ hot      ] %s deferred %d %s: max rel diff %.3g\n", GetParam().c_str(),
+                  deferred, fmt.c_str(), worst);
+      EXPECT_EQ(hot.routed, cold.routed) << "hot slots are counted too";
+      EXPECT_EQ(hot.graph_launches, cold.graph_launches);
+      EXPECT_EQ(hot.graph_launches, 6);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaHotExperts, ::testing::ValuesIn(ModelFixtureNames()),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace hmoe
