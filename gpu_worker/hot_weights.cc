@@ -47,6 +47,23 @@ int64_t HotExpertWeights::bytes() const {
   return b;
 }
 
+int64_t HotExpertBytes(const ModelConfig& config, WeightFormat format, int group) {
+  const int64_t H = config.hidden_size, I = config.moe.intermediate_size;
+  // gate and up [I][H], down [H][I].
+  auto matrix = [&](int64_t rows, int64_t cols) -> int64_t {
+    switch (format) {
+      case WeightFormat::kBf16:
+        return rows * cols * 2;
+      case WeightFormat::kInt8:
+        return rows * cols + rows * 4;
+      case WeightFormat::kInt4:
+        return rows * ((cols + 1) / 2) + rows * ((cols + group - 1) / group) * 4;
+    }
+    return 0;
+  };
+  return 2 * matrix(I, H) + matrix(H, I);
+}
+
 absl::StatusOr<std::vector<HotExpertWeights>> LoadHotExperts(const Checkpoint& ckpt,
                                                              const ModelConfig& config,
                                                              const Placement& placement,

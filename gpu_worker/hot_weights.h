@@ -34,6 +34,10 @@ struct HotExpertWeights {
   int64_t bytes() const;  // what the GPU holds for it
 };
 
+// What one routed expert of `config` takes on the GPU in `format` (int4:
+// `group`): HotExpertWeights::bytes() without loading it (for placement).
+int64_t HotExpertBytes(const ModelConfig& config, WeightFormat format, int group);
+
 // Every expert of `placement`, in its order (ascending layer, then expert),
 // quantized to `format` (int4: `group`) from `ckpt`. FAILED_PRECONDITION for
 // a placement of another model; the checkpoint's errors name the tensor.

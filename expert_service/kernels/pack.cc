@@ -5,6 +5,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/status.h"
@@ -29,6 +30,37 @@ std::optional<WeightFormat> ParseWeightFormat(std::string_view s) {
   if (s == "int8") return WeightFormat::kInt8;
   if (s == "int4") return WeightFormat::kInt4;
   return std::nullopt;
+}
+
+absl::StatusOr<WeightFormat> ParseServeFormat(const std::string& s, int* group) {
+  if (s == "bf16") return WeightFormat::kBf16;
+  if (s == "int8") return WeightFormat::kInt8;
+  if (s.rfind("int4", 0) == 0) {
+    int g = 64;
+    if (s.size() > 4) {
+      if (s.substr(4, 1) != "g" || !absl::SimpleAtoi(s.substr(5), &g) ||
+          (g != 32 && g != 64 && g != 128)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("format: \"", s, "\"; int4 groups are int4g32, int4g64, int4g128"));
+      }
+    }
+    if (group) *group = g;
+    return WeightFormat::kInt4;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("format: \"", s, "\" is not one of bf16, int8, int4g32, int4g64, int4g128"));
+}
+
+std::string ServeFormatName(WeightFormat f, int group) {
+  switch (f) {
+    case WeightFormat::kBf16:
+      return "bf16";
+    case WeightFormat::kInt8:
+      return "int8";
+    case WeightFormat::kInt4:
+      return absl::StrCat("int4g", group);
+  }
+  return "?";
 }
 
 int64_t KAlign(WeightFormat f, int group) {

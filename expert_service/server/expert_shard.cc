@@ -111,37 +111,6 @@ MoeWeightsSource SyntheticSource(const Geometry& g, int layer) {
 
 }  // namespace
 
-absl::StatusOr<ServeFormat> ParseServeFormat(const std::string& s, int* group) {
-  if (s == "bf16") return ServeFormat::kBf16;
-  if (s == "int8") return ServeFormat::kInt8;
-  if (s.rfind("int4", 0) == 0) {
-    int g = 64;
-    if (s.size() > 4) {
-      if (s.substr(4, 1) != "g" || !absl::SimpleAtoi(s.substr(5), &g) ||
-          (g != 32 && g != 64 && g != 128)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("format: \"", s, "\"; int4 groups are int4g32, int4g64, int4g128"));
-      }
-    }
-    if (group) *group = g;
-    return ServeFormat::kInt4;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("format: \"", s, "\" is not one of bf16, int8, int4g32, int4g64, int4g128"));
-}
-
-std::string ServeFormatName(ServeFormat f, int group) {
-  switch (f) {
-    case ServeFormat::kBf16:
-      return "bf16";
-    case ServeFormat::kInt8:
-      return "int8";
-    case ServeFormat::kInt4:
-      return absl::StrCat("int4g", group);
-  }
-  return "?";
-}
-
 absl::Status ShardOptions::Validate() const {
   int sources = !model_dir.empty() + !synthetic.empty();
   if (sources != 1) {

@@ -70,10 +70,6 @@ struct ShardOptions {
   std::string ToString() const;
 };
 
-absl::StatusOr<ServeFormat> ParseServeFormat(const std::string& s,
-                                             int* group);  // bf16|int8|int4g64..
-std::string ServeFormatName(ServeFormat f, int group);
-
 // The process-wide compute pool for `threads` (0: one per allowed core),
 // created on first use and kept until exit.
 absl::StatusOr<ThreadPool*> SharedThreadPool(int threads);

@@ -7,7 +7,7 @@
 //                   [--defer-experts 0] [--port-file PATH]
 //                   [--backend cpu|cuda|auto] [--cuda-device 0] [--gpu-mem-gb GB]
 //                   [--cuda-graphs on|off] [--cuda-expert-slots on|off]
-//                   [--routing-stats-out FILE]
+//                   [--routing-stats-out FILE] [--hot-experts STATS --hot-experts-gb GB]
 //                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
 //                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
 //                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
@@ -29,6 +29,12 @@
 // decode step (ModelOptions::cuda_graphs); off runs the same work kernel by
 // kernel. --cuda-expert-slots off: no slots and no graphs, every pass's
 // routed experts go the host-copy way (ModelOptions::cuda_expert_slots).
+// --hot-experts STATS --hot-experts-gb GB (cuda): the routed experts that
+// save the most CPU bytes per token under the routing statistics STATS
+// (`hmoe stats --save`, --routing-stats-out) fill GB of GPU memory and run
+// on the GPU in decode steps, quantized as the expert service serves them
+// (its --format); the placement is logged at start. Foreign or malformed
+// stats stop the worker at start (exit 1) naming the file and field.
 // --cuda-expert-calls device|host: who sends each expert call and waits for
 // its answer inside a slot pass (ModelOptions::cuda_device_calls; device by
 // default, over shm).
@@ -67,11 +73,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
+#include "common/expert_placement.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
 #include "common/transport/grpc_tls.h"
 #include "common/weight_map.h"
 #include "gpu_worker/engine/engine.h"
+#include "gpu_worker/hot_weights.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/server/generation_service.h"
 #include "gpu_worker/server/remote_experts.h"
@@ -103,6 +111,8 @@ struct WorkerOptions {
   bool cuda_device_calls = true;
   int64_t debug_cuda_fault_after = 0;
   std::string routing_stats_out;
+  std::string hot_experts;  // routing-stats file
+  double hot_experts_gb = 0;
   std::string auth_token_file;
   std::string expert_auth_token_file;
   TlsServerFiles tls;
@@ -177,6 +187,13 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.debug_cuda_fault_after = num(1, int64_t{1} << 40);
     } else if (a == "--routing-stats-out") {
       o.routing_stats_out = v;
+    } else if (a == "--hot-experts") {
+      o.hot_experts = v;
+    } else if (a == "--hot-experts-gb") {
+      char* end = nullptr;
+      o.hot_experts_gb = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || !(o.hot_experts_gb > 0) || o.hot_experts_gb > 1e6)
+        Die("--hot-experts-gb must be a number of GiB > 0, got " + v);
     } else if (a == "--cuda-expert-slots") {
       if (v != "on" && v != "off") Die("--cuda-expert-slots must be on or off, got " + v);
       o.cuda_expert_slots = v == "on";
@@ -200,6 +217,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
           "       [--cuda-graphs on|off] [--cuda-expert-slots on|off]\n"
           "       [--cuda-expert-calls device|host]\n"
+          "       [--hot-experts STATS --hot-experts-gb GB]\n"
           "       [--routing-stats-out FILE]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
           "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
@@ -305,6 +323,28 @@ int Run(int argc, char** argv) {
   mo.backend = *resolved;
   std::fprintf(stderr, "hmoe-gpu-worker: backend %s (--backend %s)\n", mo.backend.c_str(),
                o.backend.c_str());
+  if (!o.hot_experts.empty() || o.hot_experts_gb > 0) {
+    if (o.hot_experts.empty() || !(o.hot_experts_gb > 0))
+      Die("--hot-experts and --hot-experts-gb go together");
+    // The shards' format (the same quantized weights on both sides), or the
+    // in-process experts' bf16.
+    int group = 64;
+    auto fmt = ParseServeFormat(pool ? pool->model().weight_format : "bf16", &group);
+    if (!fmt.ok()) Die("expert service: " + fmt.status().ToString(), 1);
+    PlacementOptions plo;
+    plo.budget_bytes = static_cast<int64_t>(o.hot_experts_gb * (1ull << 30));
+    plo.expert_bytes = HotExpertBytes(*config, *fmt, group);
+    auto placed = PlanPlacementFromFile(o.hot_experts, *config, plo);
+    if (!placed.ok()) Die("--hot-experts: " + placed.status().ToString(), 1);
+    if (mo.backend != "cuda")
+      Die("--hot-experts needs the cuda backend (backend " + mo.backend + ")");
+    std::fprintf(stderr, "hmoe-gpu-worker: hot experts from %s: %s (%s, %.2f GiB budget)\n",
+                 o.hot_experts.c_str(), placed->Describe().c_str(),
+                 ServeFormatName(*fmt, group).c_str(), o.hot_experts_gb);
+    mo.hot_experts = std::make_shared<Placement>(std::move(*placed));
+    mo.hot_format = std::string(WeightFormatName(*fmt));
+    mo.hot_group = group;
+  }
   auto model = Model::Load(o.model_dir, mo, remote.get());
   if (!model.ok()) Die(model.status().ToString(), 1);
   std::unique_ptr<Tokenizer> tokenizer;

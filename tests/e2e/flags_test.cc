@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/model_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
@@ -60,11 +61,50 @@ TEST(Flags, WorkerRefusesNumbersOutsideTheirRange) {
            Case{"--cuda-expert-slots=1", "--cuda-expert-slots must be on or off, got 1"},
            Case{"--debug-cuda-fault-after=0",
                 "--debug-cuda-fault-after must be an integer in [1, "},
+           Case{"--cuda-expert-calls=gpu", "--cuda-expert-calls must be device or host, got gpu"},
+           Case{"--hot-experts-gb=0", "--hot-experts-gb must be a number of GiB > 0, got 0"},
+           Case{"--hot-experts-gb=x", "--hot-experts-gb must be a number of GiB > 0, got x"},
+           Case{"--hot-experts=stats.json", "--hot-experts and --hot-experts-gb go together"},
        }) {
     const Outcome r = Shell(dir, absl::StrCat(worker, " --model ", model, " ", c.flag));
     EXPECT_EQ(r.exit_code, 2) << c.flag << ": " << r.err;
     EXPECT_THAT(r.err, HasSubstr(c.says)) << c.flag;
   }
+}
+
+// --hot-experts reads its routing statistics at start: a missing or foreign
+// file stops the worker (exit 1) naming the file and what differs; good
+// stats on the CPU backend are refused (exit 2: hot experts need a GPU).
+TEST(Flags, WorkerHotExpertsStatsAreCheckedAtStart) {
+  testing::TempDir dir;
+  const std::string worker = std::string(HMOE_BINARY_DIR) + "/bin/hmoe-gpu-worker";
+  const std::string model = testing::FixturesDir() + "/ds3_fortunes";
+  const std::string missing = dir.file("none.json"), foreign = dir.file("foreign.json"),
+                    good = dir.file("good.json");
+  {
+    std::ofstream f(foreign);
+    f << R"({"format": "hmoe-routing-stats-1", "model_type": "qwen3_moe", "num_experts": 8,)"
+      << R"( "experts_per_token": 2, "tokens": 0, "layers": []})";
+  }
+  auto cfg = LoadModelConfig(model);
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  {
+    std::ofstream f(good);
+    f << R"({"format": "hmoe-routing-stats-1", "model_type": ")" << cfg->model_type
+      << R"(", "num_experts": )" << cfg->moe.num_experts << R"(, "experts_per_token": )"
+      << cfg->moe.experts_per_token << R"(, "tokens": 0, "layers": []})";
+  }
+  const std::string base = absl::StrCat(worker, " --model ", model, " --backend cpu");
+  Outcome r = Shell(dir, base + " --hot-experts " + missing + " --hot-experts-gb 1");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr(missing));
+  r = Shell(dir, base + " --hot-experts " + foreign + " --hot-experts-gb 1");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr(foreign));
+  EXPECT_THAT(r.err, HasSubstr("do not describe this model"));
+  r = Shell(dir, base + " --hot-experts " + good + " --hot-experts-gb 1");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--hot-experts needs the cuda backend (backend cpu)"));
 }
 
 // A boolean flag's value counts: --ignore-eos=false is false (it was true,

@@ -81,6 +81,7 @@ TEST(HotWeights, LoadedExpertsAreTheCheckpointsWithinTheirFormatsError) {
       EXPECT_EQ(h.down.rows, H);
       EXPECT_EQ(h.down.cols, I);
       EXPECT_GT(h.bytes(), 0);
+      EXPECT_EQ(h.bytes(), HotExpertBytes(*config, f, 32));
       // gate against the checkpoint's tensor, value by value.
       auto t = (*ckpt)->Get(ExpertWeightName(*config, layer, h.expert, ExpertProj::kGate));
       ASSERT_TRUE(t.ok()) << t.status();
