@@ -52,15 +52,7 @@ absl::StatusOr<WeightFormat> ParseServeFormat(const std::string& s, int* group) 
 }
 
 std::string ServeFormatName(WeightFormat f, int group) {
-  switch (f) {
-    case WeightFormat::kBf16:
-      return "bf16";
-    case WeightFormat::kInt8:
-      return "int8";
-    case WeightFormat::kInt4:
-      return absl::StrCat("int4g", group);
-  }
-  return "?";
+  return f == WeightFormat::kInt4 ? absl::StrCat("int4g", group) : std::string(WeightFormatName(f));
 }
 
 int64_t KAlign(WeightFormat f, int group) {
