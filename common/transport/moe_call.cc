@@ -1,5 +1,6 @@
 #include "common/transport/moe_call.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -142,6 +143,26 @@ absl::Status ValidateMoeCall(const ShardInfo& info, const MoeCall& call) {
       return absl::InvalidArgumentError(
           absl::StrCat("expert_weights[", i, "]: ", call.weights[i], " is not finite"));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckServesModel(const ShardInfo& m, const ModelConfig& c, const std::string& who) {
+  auto mismatch = [&](const char* what, int64_t ours, int64_t theirs) {
+    return absl::FailedPreconditionError(absl::StrCat(who, " serves a different model: ", what, " ",
+                                                      theirs, " there, ", ours, " in ",
+                                                      c.model_type, " config"));
+  };
+  if (m.hidden != c.hidden_size) return mismatch("hidden size", c.hidden_size, m.hidden);
+  if (m.num_experts != c.moe.num_experts)
+    return mismatch("routed experts", c.moe.num_experts, m.num_experts);
+  if (m.intermediate != c.moe.intermediate_size)
+    return mismatch("expert intermediate size", c.moe.intermediate_size, m.intermediate);
+  if (m.top_k < c.moe.experts_per_token) return mismatch("top-k", c.moe.experts_per_token, m.top_k);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (!c.layers[static_cast<size_t>(l)].moe) continue;
+    if (std::find(m.moe_layers.begin(), m.moe_layers.end(), l) == m.moe_layers.end())
+      return absl::FailedPreconditionError(absl::StrCat(who, " does not serve MoE layer ", l));
   }
   return absl::OkStatus();
 }

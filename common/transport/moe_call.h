@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/model_config.h"
 
 namespace hmoe {
 
@@ -75,6 +76,13 @@ struct ShardInfo {
 // (was bf16)" or "routed experts of another checkpoint (fingerprint X, was
 // Y)". For a shard that restarted while a worker was connected.
 std::string ServedDifference(const ShardInfo& was, const ShardInfo& now);
+
+// Whether what `served` serves covers `config`'s routed experts (hidden and
+// intermediate sizes, the expert count, a top-k of at least the model's,
+// every MoE layer); FAILED_PRECONDITION "<who> serves a different model:
+// ..." / "<who> does not serve MoE layer L" otherwise.
+absl::Status CheckServesModel(const ShardInfo& served, const ModelConfig& config,
+                              const std::string& who);
 // OK when `now` serves what `was` did; else FAILED_PRECONDITION "expert
 // service (<transport>): restarted serving something else than when the
 // worker connected: <difference>" (a transport's check at reconnect).

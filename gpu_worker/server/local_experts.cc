@@ -12,27 +12,11 @@ namespace hmoe {
 absl::StatusOr<std::unique_ptr<HandlerRoutedExperts>> HandlerRoutedExperts::Create(
     const ModelConfig& c, MoeHandler* handler) {
   const ShardInfo& m = handler->info();
-  auto mismatch = [&](const char* what, int64_t ours, int64_t theirs) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("expert handler serves a different model: ", what, " ", theirs, " there, ",
-                     ours, " in ", c.model_type, " config"));
-  };
   if (m.num_shards != 1)
     return absl::FailedPreconditionError(
         absl::StrCat("expert handler is shard ", m.shard_index, " of ", m.num_shards,
                      ": an in-process handler must serve every routed expert whole"));
-  if (m.hidden != c.hidden_size) return mismatch("hidden size", c.hidden_size, m.hidden);
-  if (m.num_experts != c.moe.num_experts)
-    return mismatch("routed experts", c.moe.num_experts, m.num_experts);
-  if (m.intermediate != c.moe.intermediate_size)
-    return mismatch("expert intermediate size", c.moe.intermediate_size, m.intermediate);
-  if (m.top_k < c.moe.experts_per_token) return mismatch("top-k", c.moe.experts_per_token, m.top_k);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    if (!c.layers[static_cast<size_t>(l)].moe) continue;
-    if (std::find(m.moe_layers.begin(), m.moe_layers.end(), l) == m.moe_layers.end())
-      return absl::FailedPreconditionError(
-          absl::StrCat("expert handler does not serve MoE layer ", l));
-  }
+  RETURN_IF_ERROR(CheckServesModel(m, c, "expert handler"));
   return std::unique_ptr<HandlerRoutedExperts>(new HandlerRoutedExperts(c, handler));
 }
 

@@ -35,23 +35,7 @@ absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> PoolRoutedExperts::Create(
     const ModelConfig& c, ExpertPool* pool, absl::Duration call_timeout,
     const std::string& source_fingerprint) {
   const ShardInfo& m = pool->model();
-  auto mismatch = [&](const char* what, int64_t ours, int64_t theirs) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("expert service serves a different model: ", what, " ", theirs, " there, ",
-                     ours, " in ", c.model_type, " config"));
-  };
-  if (m.hidden != c.hidden_size) return mismatch("hidden size", c.hidden_size, m.hidden);
-  if (m.num_experts != c.moe.num_experts)
-    return mismatch("routed experts", c.moe.num_experts, m.num_experts);
-  if (m.intermediate != c.moe.intermediate_size)
-    return mismatch("expert intermediate size", c.moe.intermediate_size, m.intermediate);
-  if (m.top_k < c.moe.experts_per_token) return mismatch("top-k", c.moe.experts_per_token, m.top_k);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    if (!c.layers[static_cast<size_t>(l)].moe) continue;
-    if (std::find(m.moe_layers.begin(), m.moe_layers.end(), l) == m.moe_layers.end())
-      return absl::FailedPreconditionError(
-          absl::StrCat("expert service does not serve MoE layer ", l));
-  }
+  RETURN_IF_ERROR(CheckServesModel(m, c, "expert service"));
   // Every shard that knows its source (one without a fingerprint, e.g.
   // packed files from before fingerprints, cannot be checked).
   for (const ShardInfo& s : pool->shard_infos()) {

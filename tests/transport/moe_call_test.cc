@@ -1,11 +1,13 @@
 // ShardInfo comparison for a shard that restarted under a connected worker;
-// ValidateMoeCall's expert ids (kNoExpert, an empty slot, is accepted).
+// ValidateMoeCall's expert ids (kNoExpert, an empty slot, is accepted);
+// CheckServesModel, what both the pool and the in-process handler check.
 #include "common/transport/moe_call.h"
 
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 
 namespace hmoe {
 namespace {
@@ -105,6 +107,41 @@ TEST(ValidateMoeCall, EmptySlotsAreValidOtherNegativeIdsAreNot) {
   EXPECT_NE(st.message().find("expert_ids[1]: -2"), absl::string_view::npos) << st;
   ids[1] = 256;
   EXPECT_EQ(ValidateMoeCall(info, call).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CheckServesModel, NamesWhatDiffers) {
+  auto c = LoadModelConfig(testing::FixturesDir() + "/deepseek_v3_tiny");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ShardInfo m;
+  m.hidden = c->hidden_size;
+  m.num_experts = c->moe.num_experts;
+  m.intermediate = c->moe.intermediate_size;
+  m.top_k = c->moe.experts_per_token;
+  for (int l = 0; l < c->num_layers; ++l)
+    if (c->layers[static_cast<size_t>(l)].moe) m.moe_layers.push_back(l);
+  EXPECT_TRUE(CheckServesModel(m, *c, "expert service").ok());
+  ShardInfo more = m;
+  more.top_k += 2;  // a larger top-k is served too
+  EXPECT_TRUE(CheckServesModel(more, *c, "expert service").ok());
+  struct Case {
+    void (*edit)(ShardInfo&);
+    const char* says;
+  };
+  for (const Case& k : {
+           Case{[](ShardInfo& s) { s.hidden += 1; },
+                "expert service serves a different model: hidden size"},
+           Case{[](ShardInfo& s) { s.num_experts += 1; }, "routed experts"},
+           Case{[](ShardInfo& s) { s.intermediate += 8; }, "expert intermediate size"},
+           Case{[](ShardInfo& s) { s.top_k -= 1; }, "top-k"},
+           Case{[](ShardInfo& s) { s.moe_layers.pop_back(); },
+                "expert service does not serve MoE layer"},
+       }) {
+    ShardInfo bad = m;
+    k.edit(bad);
+    const absl::Status st = CheckServesModel(bad, *c, "expert service");
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << k.says;
+    EXPECT_NE(st.message().find(k.says), absl::string_view::npos) << st;
+  }
 }
 
 }  // namespace
