@@ -410,9 +410,9 @@ void ShmServer::Serve(Session* s) {
         std::chrono::steady_clock::now() +
         (polling ? std::chrono::microseconds(100'000) : std::chrono::microseconds(50));
     bool woke = false;
-    while (!(woke = h->doorbell.load(std::memory_order_acquire) != bell ||
-                    (polling && requested())) &&
-           std::chrono::steady_clock::now() < spin_until) {
+    while (
+        !(woke = h->doorbell.load(std::memory_order_acquire) != bell || (polling && requested())) &&
+        std::chrono::steady_clock::now() < spin_until) {
     }
     if (woke) continue;
     h->server_sleeping.store(1);
@@ -652,7 +652,12 @@ absl::StatusOr<uint64_t> ShmClient::ClaimFixed(uint32_t i, int32_t layer, int32_
                                                    " over the fixed slot's ", geo_.max_tokens,
                                                    " x ", geo_.max_top_k));
   ShmSlot* s = SlotAt(seg.base, g, i);
-  if (seg.owner[i] == 2 && s->state.load(std::memory_order_acquire) == kSlotDone) seg.owner[i] = 0;
+  if (seg.owner[i] == 2 && s->state.load(std::memory_order_acquire) == kSlotDone) {
+    // Reclaimed: FREE again, so that an armed call the device never sends
+    // is told from one the service answered.
+    s->state.store(kSlotFree, std::memory_order_release);
+    seg.owner[i] = 0;
+  }
   if (seg.owner[i] == 2)
     return absl::DeadlineExceededError(
         absl::StrCat("expert service (shm): slot ", i,
@@ -721,7 +726,10 @@ absl::StatusOr<ShmClient::SlotView> ShmClient::AcquireBytes(int32_t tokens, int3
     for (uint32_t i = 0; i < g.num_slots && slot_index < 0; ++i) {
       ShmSlot* s = SlotAt(seg_->base, g, i);
       const uint32_t state = s->state.load(std::memory_order_acquire);
-      if (seg_->owner[i] == 2 && state == kSlotDone) seg_->owner[i] = 0;
+      if (seg_->owner[i] == 2 && state == kSlotDone) {
+        s->state.store(kSlotFree, std::memory_order_release);
+        seg_->owner[i] = 0;
+      }
       if (seg_->owner[i] == 0) slot_index = static_cast<int>(i);
       if (seg_->owner[i] == 2) ++abandoned;
       if (state == kSlotRequest || state == kSlotBusy) ++at_service;

@@ -360,7 +360,8 @@ class CudaBackend final : public LayerBackend {
   void DropGraphs();
   // After a slot pass's last GPU work: the host side of the device's waits
   // (each slot's Wait, which then returns at once and records failures).
-  void FinishDeviceWaits();
+  // UNAVAILABLE when the device stopped waiting for an answer (abort word).
+  absl::Status FinishDeviceWaits();
   // Arms `calls` for the device to send (dev_sends_), with the pass's real T.
   void ArmCalls(const std::vector<SlotCall>& calls);
   // Sets the device waits' abort word while a pass runs and the service is
@@ -1302,8 +1303,9 @@ absl::Status CudaBackend::Logits(float* out) {
   RETURN_IF_ERROR(Sync("logits"));
   // An expert call that failed inside the pass fails the pass (not sticky).
   if (slot_pass_) {
-    FinishDeviceWaits();
+    const absl::Status aborted = FinishDeviceWaits();
     RETURN_IF_ERROR(slots_->TakeStatus());
+    RETURN_IF_ERROR(aborted);
   }
   return absl::OkStatus();
 }
@@ -1319,33 +1321,45 @@ absl::Status CudaBackend::CaptureFailed(cudaError_t e) {
   return absl::InternalError(why);
 }
 
-void CudaBackend::FinishDeviceWaits() {
-  if (dev_waits_.empty() || !in_pass_.load()) return;
+absl::Status CudaBackend::FinishDeviceWaits() {
+  if (dev_waits_.empty() || !in_pass_.load()) return absl::OkStatus();
   in_pass_.store(false);
   slots_->Drain();
   if (dev_sends_) {
     slots_->SetDeviceSends(false);
-    // What the submit host node counts otherwise: the ids the calls sent.
+    // What the submit host node counts otherwise: the ids the armed calls sent.
     if (counts_ != nullptr && pass_calls_ != nullptr) {
       const int64_t T = *tokens_host_;
       for (const SlotCall& c : *pass_calls_) {
+        if (armed_host_[c.slot] == 0) continue;
         counts_->Add(c.layer, views_[static_cast<size_t>(c.slot)].ids, T * c.k);
         if (c.hot_ids != nullptr) counts_->Add(c.layer, c.hot_ids, T * c.k);
       }
     }
   }
+  // A wait the device gave up (its timeout, the watchdog, a failed arm or
+  // submit) may have let the adds read a stale answer, even when every call
+  // was answered by the time of the host's Wait: the pass is dropped.
+  if (__atomic_load_n(abort_host_, __ATOMIC_ACQUIRE) != 0)
+    return absl::UnavailableError(
+        "routed experts: the device stopped waiting for an expert answer (the call's deadline "
+        "passed or the expert service went away); the pass is dropped");
+  return absl::OkStatus();
 }
 
 void CudaBackend::ArmCalls(const std::vector<SlotCall>& calls) {
   const int32_t T = *tokens_host_;
   for (const SlotCall& c : calls)
     armed_host_[c.slot] = slots_->Arm(c.slot, c.layer, T, c.k) ? 1u : 0u;
+  // A call not armed for a failure (e.g. its slot still holds an abandoned
+  // call): the pass's waits end at once rather than spin on that slot.
+  if (slots_->has_failure()) __atomic_store_n(abort_host_, 1u, __ATOMIC_RELEASE);
 }
 
 absl::Status CudaBackend::Commit() {
   RETURN_IF_ERROR(Sync("pass"));
   if (slot_pass_) {
-    FinishDeviceWaits();
+    FinishDeviceWaits().IgnoreError();  // reported by Logits; a pass without logits keeps none
     int64_t wait = slots_->TakeWaitNs();
     if (waited_host_ != nullptr) {
       wait += static_cast<int64_t>(__atomic_load_n(waited_host_, __ATOMIC_ACQUIRE));
@@ -1391,6 +1405,7 @@ void CudaBackend::Abort() {
   cudaError_t e = cudaStreamSynchronize(stream_);
   if (e != cudaSuccess) Fail(CudaError(e, "pass abort")).IgnoreError();
   in_pass_.store(false);
+  pass_calls_ = nullptr;
   if (waited_host_ != nullptr) __atomic_store_n(waited_host_, 0ull, __ATOMIC_RELEASE);
   if (slots_) {
     if (dev_sends_) slots_->SetDeviceSends(false);
@@ -1408,6 +1423,7 @@ void CudaBackend::Abort() {
 }
 
 void CudaBackend::DropGraphs() {
+  pass_calls_ = nullptr;  // it may point into a graph's list
   for (auto& [bucket, g] : graphs_)
     if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
   graphs_.clear();
@@ -1498,6 +1514,8 @@ void CudaBackend::Watchdog() {
   std::unique_lock<std::mutex> lock(wd_mu_);
   while (!wd_stop_) {
     wd_cv_.wait_for(lock, std::chrono::milliseconds(10));
+    // Under wd_mu_, as BeginSlotPass's reset: a late store cannot land in
+    // the next pass.
     if (!wd_stop_ && in_pass_.load() && !slots_->service_alive())
       __atomic_store_n(abort_host_, 1u, __ATOMIC_RELEASE);
   }
@@ -1608,8 +1626,11 @@ absl::Status CudaBackend::BeginSlotPass(const PassTokens& p) {
   table_ = meta_ + 5 * B;
   events_used_ = 0;
   if (!dev_waits_.empty()) {
-    __atomic_store_n(abort_host_, 0u, __ATOMIC_RELEASE);
-    in_pass_.store(true);
+    {
+      std::lock_guard<std::mutex> lock(wd_mu_);
+      __atomic_store_n(abort_host_, 0u, __ATOMIC_RELEASE);
+      in_pass_.store(true);
+    }
     if (dev_sends_) slots_->SetDeviceSends(true);
   }
   eager_slot_calls_.clear();
@@ -1638,9 +1659,11 @@ absl::Status CudaBackend::BeginSlotPass(const PassTokens& p) {
       calls_ = &g.calls;
       capturing_ = true;
     } else {
-      // Nothing captured yet: say why once, then run this pass eagerly.
+      // Nothing captured yet: say why once, then run this pass eagerly
+      // (CaptureFailed dropped the graphs, g with them).
       CaptureFailed(e).IgnoreError();
       fell_back_ = false;
+      pass_calls_ = &eager_slot_calls_;
     }
   }
   RETURN_IF_ERROR(
@@ -1669,22 +1692,30 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
     RETURN_IF_ERROR(Copy(v.ids, ids, T * k * 4, cudaMemcpyDeviceToHost, "expert ids copy"));
     return Copy(v.weights, w, T * k * 4, cudaMemcpyDeviceToHost, "expert weights copy");
   };
-  // Hot experts: this layer's hot slots computed here into hot_out_, the
-  // others sent (the deferred part always is).
+  // Hot experts: this layer's hot slots split off (their ids copied out for
+  // the routing counts), the others sent (the deferred part always is),
+  // then the hot ones computed into hot_out_ while the service works.
   const int32_t* hot_host = nullptr;
-  if (auto h = hot_.find(l); h != hot_.end()) {
+  const auto h = hot_.find(l);
+  if (h != hot_.end()) {
     const int64_t slots = T * k0;
     int32_t* hot_ids = hot_ids_.as<int32_t>();
     RETURN_IF_ERROR(
         Launched(SplitHotIds(ids0, slots, h->second.mask.as<uint8_t>(), c_.moe.num_experts,
                              cold_ids_.as<int32_t>(), hot_ids, stream_),
                  "SplitHotIds"));
+    int32_t* pinned = hot_ids_host_ + static_cast<int64_t>(l) * kSlotTokens * K;
+    RETURN_IF_ERROR(Copy(pinned, hot_ids, slots * 4, cudaMemcpyDeviceToHost, "hot ids copy"));
+    hot_host = pinned;
+  }
+  auto compute_hot = [&]() -> absl::Status {
+    if (h == hot_.end()) return absl::OkStatus();
     HotExpertsArgs ha;
     ha.x = hb_;
     ha.T = T;
     ha.H = H;
     ha.I = c_.moe.intermediate_size;
-    ha.ids = hot_ids;
+    ha.ids = hot_ids_.as<int32_t>();
     ha.weights = w0;
     ha.K = k0;
     ha.experts = h->second.table.as<DevExpert>();
@@ -1692,12 +1723,9 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
     ha.out = hot_out_.as<float>();
     ha.scratch = hot_scratch_.as<void>();
     ha.scratch_bytes = hot_scratch_.bytes();
-    RETURN_IF_ERROR(Launched(HotExperts(ha, stream_), "HotExperts"));
-    int32_t* pinned = hot_ids_host_ + static_cast<int64_t>(l) * kSlotTokens * K;
-    RETURN_IF_ERROR(Copy(pinned, hot_ids, slots * 4, cudaMemcpyDeviceToHost, "hot ids copy"));
-    hot_host = pinned;
-    ids0 = cold_ids_.as<int32_t>();
-  }
+    return Launched(HotExperts(ha, stream_), "HotExperts");
+  };
+  if (h != hot_.end()) ids0 = cold_ids_.as<int32_t>();
   if (dev_sends_) {
     // The host arms the calls (now, or at the graph's launch); one kernel
     // per call writes its request into the slot and sends it.
@@ -1708,12 +1736,13 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
       pass_calls_->push_back(sc[i]);
       if (!capturing_) ArmCalls({sc[i]});
       const DevWait& w = dev_waits_[static_cast<size_t>(sc[i].slot)];
-      RETURN_IF_ERROR(Launched(SendExpertCall(hb_, T, H, ids[i], ws[i], sc[i].k, w.hidden, w.ids,
-                                              w.weights, w.word, w.request, armed_dev_ + sc[i].slot,
-                                              send_counter_.as<unsigned int>(), stream_),
-                               "SendExpertCall"));
+      RETURN_IF_ERROR(
+          Launched(SendExpertCall(hb_, T, H, ids[i], ws[i], sc[i].k, w.hidden, w.ids, w.weights,
+                                  w.word, w.request, armed_dev_ + sc[i].slot, abort_dev_,
+                                  send_counter_.as<unsigned int>(), stream_),
+                   "SendExpertCall"));
     }
-    return absl::OkStatus();
+    return compute_hot();
   }
   RETURN_IF_ERROR(to_slot(2 * l, ids0, w0, k0));
   if (n > 0) RETURN_IF_ERROR(to_slot(2 * l + 1, rid3_, rw3_, n));
@@ -1732,7 +1761,7 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
   c.hot_ids = hot_host;
   cudaError_t e = cudaLaunchHostFunc(stream_, SubmitHost, &c);
   if (e != cudaSuccess) return Failed(CudaError(e, "expert submit node"));
-  return absl::OkStatus();
+  return compute_hot();
 }
 
 absl::Status CudaBackend::JoinSlot(int l, int part) {

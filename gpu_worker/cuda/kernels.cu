@@ -998,7 +998,7 @@ __global__ void SendExpertCallKernel(const uint16_t* hidden, int64_t hidden_elem
                                      const int32_t* ids, const float* weights, int64_t tk,
                                      uint16_t* dst_hidden, int32_t* dst_ids, float* dst_weights,
                                      uint32_t* state, uint32_t request, const uint32_t* armed,
-                                     unsigned int* counter) {
+                                     const uint32_t* abort, unsigned int* counter) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   if (vec16) {
@@ -1018,7 +1018,7 @@ __global__ void SendExpertCallKernel(const uint16_t* hidden, int64_t hidden_elem
   if (threadIdx.x != 0) return;
   if (atomicAdd(counter, 1u) != gridDim.x - 1) return;
   __threadfence_system();
-  if (LoadAcquireSys(armed) != 0)
+  if (LoadAcquireSys(armed) != 0 && (abort == nullptr || LoadAcquireSys(abort) == 0))
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(state), "r"(request) : "memory");
   *reinterpret_cast<volatile unsigned int*>(counter) = 0;
 }
@@ -1247,7 +1247,8 @@ cudaError_t WaitHostWord(const uint32_t* word, uint32_t busy_lo, uint32_t busy_h
 cudaError_t SendExpertCall(const uint16_t* hidden, int64_t T, int64_t H, const int32_t* ids,
                            const float* weights, int64_t k, uint16_t* dst_hidden, int32_t* dst_ids,
                            float* dst_weights, uint32_t* state, uint32_t request,
-                           const uint32_t* armed, unsigned int* counter, cudaStream_t s) {
+                           const uint32_t* armed, const uint32_t* abort, unsigned int* counter,
+                           cudaStream_t s) {
   if (T < 0 || H <= 0 || k <= 0 || state == nullptr || armed == nullptr || counter == nullptr)
     return cudaErrorInvalidValue;
   const int64_t elems = T * H, tk = T * k;
@@ -1259,7 +1260,7 @@ cudaError_t SendExpertCall(const uint16_t* hidden, int64_t T, int64_t H, const i
       static_cast<unsigned>(std::clamp<int64_t>((bytes + 16383) / 16384, 1, 64));
   SendExpertCallKernel<<<blocks, kThreads, 0, s>>>(hidden, elems, vec16, ids, weights, tk,
                                                    dst_hidden, dst_ids, dst_weights, state, request,
-                                                   armed, counter);
+                                                   armed, abort, counter);
   return cudaGetLastError();
 }
 

@@ -172,14 +172,15 @@ cudaError_t WaitHostWord(const uint32_t* word, uint32_t busy_lo, uint32_t busy_h
 // and ids / weights ([T, k]) into a slot's request regions (device pointers
 // to mapped host memory), then, once every block's writes are fenced at
 // system scope, the last block stores `request` into *state (release,
-// system scope) if *armed != 0. *counter is a device word, 0 between
-// calls (the last block resets it); calls on one stream may share it.
-// dst_ids, dst_weights and state are 4-byte aligned (hidden rows are copied
-// 16 bytes at a time when both sides are 16-byte aligned).
+// system scope) if *armed != 0 and *abort == 0 (abort may be null: never). *counter is a device
+// word, 0 between calls (the last block resets it); calls on one stream may share it. dst_ids,
+// dst_weights and state are 4-byte aligned (hidden rows are copied 16 bytes at a time when both
+// sides are 16-byte aligned).
 cudaError_t SendExpertCall(const uint16_t* hidden, int64_t T, int64_t H, const int32_t* ids,
                            const float* weights, int64_t k, uint16_t* dst_hidden, int32_t* dst_ids,
                            float* dst_weights, uint32_t* state, uint32_t request,
-                           const uint32_t* armed, unsigned int* counter, cudaStream_t s);
+                           const uint32_t* armed, const uint32_t* abort, unsigned int* counter,
+                           cudaStream_t s);
 
 // ---- hot experts: routed experts computed on the GPU ------------------------
 

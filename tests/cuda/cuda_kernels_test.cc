@@ -1030,7 +1030,7 @@ TEST(GpuKernelTest, SendExpertCall) {
               dh.get(), T, H, di.get(), dw.get(), k, reinterpret_cast<uint16_t*>(dev),
               reinterpret_cast<int32_t*>(dev + hb), reinterpret_cast<float*>(dev + hb + ib),
               reinterpret_cast<uint32_t*>(dev + hb + 2 * ib), 5,
-              reinterpret_cast<uint32_t*>(dev + hb + 2 * ib) + 1, counter.get(), s));
+              reinterpret_cast<uint32_t*>(dev + hb + 2 * ib) + 1, nullptr, counter.get(), s));
           ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
           EXPECT_EQ(std::memcmp(host, hid.data(), hid.size() * 2), 0);
           EXPECT_EQ(std::memcmp(host + hb, ids.data(), ids.size() * 4), 0);
@@ -1043,8 +1043,34 @@ TEST(GpuKernelTest, SendExpertCall) {
       }
     }
   }
+  // An aborted pass sends nothing more, armed or not.
+  {
+    uint32_t* host = nullptr;
+    ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host), 4096, cudaHostAllocMapped),
+              cudaSuccess);
+    uint32_t* dev = nullptr;
+    ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0), cudaSuccess);
+    std::memset(host, 0, 4096);
+    host[1] = 1;  // armed
+    host[2] = 1;  // aborted
+    DeviceBuffer<uint16_t> dh(std::vector<uint16_t>(8, 1));
+    DeviceBuffer<int32_t> di(std::vector<int32_t>{3});
+    DeviceBuffer<float> dw(std::vector<float>{0.5f});
+    Check(SendExpertCall(dh.get(), 1, 8, di.get(), dw.get(), 1,
+                         reinterpret_cast<uint16_t*>(dev + 64),
+                         reinterpret_cast<int32_t*>(dev + 128), reinterpret_cast<float*>(dev + 192),
+                         dev, 5, dev + 1, dev + 2, counter.get(), s));
+    EXPECT_EQ(host[0], 0u) << "sent although aborted";
+    host[2] = 0;
+    Check(SendExpertCall(dh.get(), 1, 8, di.get(), dw.get(), 1,
+                         reinterpret_cast<uint16_t*>(dev + 64),
+                         reinterpret_cast<int32_t*>(dev + 128), reinterpret_cast<float*>(dev + 192),
+                         dev, 5, dev + 1, dev + 2, counter.get(), s));
+    EXPECT_EQ(host[0], 5u);
+    cudaFreeHost(host);
+  }
   EXPECT_EQ(SendExpertCall(nullptr, 1, 8, nullptr, nullptr, 1, nullptr, nullptr, nullptr, nullptr,
-                           1, nullptr, counter.get(), s),
+                           1, nullptr, nullptr, counter.get(), s),
             cudaErrorInvalidValue);
   cudaStreamDestroy(s);
 }
