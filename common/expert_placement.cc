@@ -125,6 +125,26 @@ absl::StatusOr<Placement> PlanPlacement(const RoutingTable& stats, const ModelCo
   return p;
 }
 
+absl::Status CheckPlacementFits(const Placement& p, const ModelConfig& config) {
+  auto foreign = [&](const std::string& what) {
+    return absl::FailedPreconditionError(absl::StrCat("hot-expert placement for ", p.model_type,
+                                                      " (", p.num_experts,
+                                                      " experts) does not fit this model: ", what));
+  };
+  if (p.model_type != config.model_type)
+    return foreign(absl::StrCat("model_type is ", config.model_type));
+  if (p.num_experts != config.moe.num_experts)
+    return foreign(absl::StrCat("num_experts is ", config.moe.num_experts));
+  for (const auto& [layer, ids] : p.hot) {
+    if (layer < 0 || layer >= config.num_layers || !config.layers[static_cast<size_t>(layer)].moe)
+      return foreign(absl::StrCat("layer ", layer, " is not an MoE layer"));
+    for (int32_t e : ids)
+      if (e < 0 || e >= config.moe.num_experts)
+        return foreign(absl::StrCat("expert ", e, " of layer ", layer, " is out of range"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Placement> PlanPlacementFromFile(const std::string& path, const ModelConfig& config,
                                                 const PlacementOptions& opts) {
   std::FILE* f = std::fopen(path.c_str(), "rb");

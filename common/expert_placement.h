@@ -55,6 +55,12 @@ struct Placement {
 absl::StatusOr<Placement> PlanPlacement(const RoutingTable& stats, const ModelConfig& config,
                                         const PlacementOptions& opts);
 
+// Whether `p` can be used with `config`: the same model_type and expert
+// count, every hot layer an MoE layer, every expert id in range;
+// FAILED_PRECONDITION naming what differs otherwise. (PlanPlacement's results
+// pass; a placement built by hand or for another model may not.)
+absl::Status CheckPlacementFits(const Placement& p, const ModelConfig& config);
+
 // Reads a routing-stats file (RoutingTableJson's form) and plans as above.
 // Errors name `path`: NOT_FOUND for a missing file (another read error keeps
 // its own code), INVALID_ARGUMENT for a malformed one, FAILED_PRECONDITION for

@@ -14,27 +14,13 @@ absl::StatusOr<std::unique_ptr<HotColdExperts>> HotColdExperts::Create(const Mod
                                                                        RoutedExperts* cold) {
   if (hot == nullptr || cold == nullptr)
     return absl::InvalidArgumentError("hot/cold experts: both sides are needed");
-  auto foreign = [&](const std::string& what) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("hot-expert placement for ", placement.model_type, " (", placement.num_experts,
-                     " experts) does not fit this model: ", what));
-  };
-  if (placement.model_type != config.model_type)
-    return foreign(absl::StrCat("model_type is ", config.model_type));
-  if (placement.num_experts != config.moe.num_experts)
-    return foreign(absl::StrCat("num_experts is ", config.moe.num_experts));
+  RETURN_IF_ERROR(CheckPlacementFits(placement, config));
   std::unique_ptr<HotColdExperts> h(new HotColdExperts(config, hot, cold));
   h->is_hot_.assign(static_cast<size_t>(config.num_layers), {});
   for (const auto& [layer, ids] : placement.hot) {
-    if (layer < 0 || layer >= config.num_layers || !config.layers[static_cast<size_t>(layer)].moe)
-      return foreign(absl::StrCat("layer ", layer, " is not an MoE layer"));
     auto& mask = h->is_hot_[static_cast<size_t>(layer)];
     mask.assign(static_cast<size_t>(config.moe.num_experts), 0);
-    for (int32_t e : ids) {
-      if (e < 0 || e >= config.moe.num_experts)
-        return foreign(absl::StrCat("expert ", e, " of layer ", layer, " is out of range"));
-      mask[static_cast<size_t>(e)] = 1;
-    }
+    for (int32_t e : ids) mask[static_cast<size_t>(e)] = 1;
   }
   return h;
 }

@@ -2,7 +2,6 @@
 
 #include <cstring>
 
-#include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "expert_service/kernels/checkpoint_source.h"
 
@@ -68,23 +67,14 @@ absl::StatusOr<std::vector<HotExpertWeights>> LoadHotExperts(const Checkpoint& c
                                                              const ModelConfig& config,
                                                              const Placement& placement,
                                                              WeightFormat format, int group) {
-  if (placement.model_type != config.model_type || placement.num_experts != config.moe.num_experts)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "hot-expert placement for ", placement.model_type, " (", placement.num_experts,
-        " experts) does not fit ", config.model_type, " (", config.moe.num_experts, ")"));
+  RETURN_IF_ERROR(CheckPlacementFits(placement, config));
   PackOptions po;
   po.format = format;
   po.group = group;
   std::vector<HotExpertWeights> out;
   for (const auto& [layer, ids] : placement.hot) {
-    if (layer < 0 || layer >= config.num_layers || !config.layers[static_cast<size_t>(layer)].moe)
-      return absl::FailedPreconditionError(
-          absl::StrCat("hot-expert placement: layer ", layer, " is not an MoE layer"));
     const MoeWeightsSource src = CheckpointSource(ckpt, config, layer);
     for (int32_t e : ids) {
-      if (e < 0 || e >= config.moe.num_experts)
-        return absl::FailedPreconditionError(absl::StrCat("hot-expert placement: expert ", e,
-                                                          " of layer ", layer, " is out of range"));
       ASSIGN_OR_RETURN(ExpertWeights w, src.expert(e));
       ASSIGN_OR_RETURN(QuantExpert q, QuantizeExpert(w, src, po));
       HotExpertWeights h;

@@ -90,8 +90,7 @@ class ShmSlots final : public ExpertSlotsBase {
                      client_->SubmitFixed(static_cast<uint32_t>(slot), layer, tokens, top_k));
     return absl::OkStatus();
   }
-  absl::Status DoArm(int slot, int32_t layer, int32_t tokens, int32_t top_k,
-                     absl::Time) override {
+  absl::Status DoArm(int slot, int32_t layer, int32_t tokens, int32_t top_k, absl::Time) override {
     ASSIGN_OR_RETURN(handles_[static_cast<size_t>(slot)],
                      client_->ArmFixed(static_cast<uint32_t>(slot), layer, tokens, top_k));
     armed_[static_cast<size_t>(slot)] = 1;

@@ -27,9 +27,9 @@
 // client; both spin briefly before sleeping. A device (the GPU) may take the
 // client's part without a doorbell: the host arms a slot (ArmFixed: every
 // field but the state), the device stores REQUEST into its state and polls
-// for DONE; meanwhile header.client_polling keeps the server scanning. The server treats every field the
-// client wrote as untrusted: offsets and lengths are bounds-checked against
-// the slot before use.
+// for DONE; meanwhile header.client_polling keeps the server scanning. The server treats every
+// field the client wrote as untrusted: offsets and lengths are bounds-checked against the slot
+// before use.
 //
 // Peer death: each side holds a pidfd of the other (pid from the control
 // plane) and polls it whenever a futex wait times out; heartbeats (steady-clock
