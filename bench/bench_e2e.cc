@@ -60,14 +60,18 @@
 #include "absl/time/time.h"
 #include "bench/dram_probe.h"
 #include "common/dtype.h"
+#include "common/expert_placement.h"
 #include "common/model_config.h"
+#include "common/routing_stats.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "common/transport/expert_pool.h"
 #include "common/weight_map.h"
 #include "expert_service/kernels/moe.h"
+#include "expert_service/kernels/synthetic_source.h"
 #include "expert_service/numa.h"
 #include "expert_service/thread_pool.h"
+#include "gpu_worker/hot_weights.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/server/remote_experts.h"
 
@@ -111,6 +115,25 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
                         deferral count in LIST (e.g. 0,1,2,3,4; the model is
                         reloaded per count): tok/s, GPU and CPU busy per step
                         and the bound perfect overlap allows (default: none)
+  --hot-sweep LIST      cuda: after the runs above, batch-1 decode again per GPU
+                        budget in GiB for hot experts (e.g. 0,8,24; 0: none), the
+                        placement planned (PlanPlacement) from the routing counts
+                        of a calibration run (batch-16 decode, --calibrate-steps
+                        steps, default 32), the hot experts'
+                        weights the service's synthetic ones: tok/s, the share of
+                        routed traffic served on the GPU and the ceiling with hot
+                        experts (DRAM bandwidth / CPU-side bytes per token)
+  --prefill-sweep LIST  cuda: after the runs above, prefill of the longest --prompts
+                        prompt again per policy of the routed experts (cpu, stream,
+                        auto; ModelOptions::prefill_experts), the model reloaded for
+                        each with the service's synthetic experts as its streamed
+                        copies: tok/s, the layers' choices, and the bound of a
+                        perfect split, cpu_ms * stream_ms / (cpu_ms + stream_ms)
+  --prefill-sweep-prompt N  its prompt length (default: the longest --prompts)
+  --router-zipf S       routers with e_score_correction_bias (ds-v3): a per-layer
+                        bias of S * 0.18 * ln(1 / rank) over a random ranking of
+                        the experts, so popularity is skewed like Zipf(S) (the
+                        routing counts show how much); 0 (default): unbiased
   --threads N           worker threads of the model's parallel loops (default 0:
                         hardware concurrency)
   --prompts LIST        prefill prompt lengths (default 512,2048,8192)
@@ -302,6 +325,11 @@ struct Args {
   std::string service_cores, worker_cores;  // CPU lists; empty: all
   std::vector<int64_t> defer_sweep;         // batch-1 decode per deferral count (empty: none)
   std::vector<std::string> path_sweep;      // batch-1 decode per worker path (empty: none)
+  std::vector<double> hot_sweep;            // batch-1 decode per hot-expert budget, GiB
+  std::vector<std::string> prefill_sweep;   // prefill per routed-expert policy (empty: none)
+  int64_t prefill_sweep_prompt = 0;         // its prompt (0: the longest --prompts)
+  int64_t calibrate_steps = 32;             // the hot sweep's calibration: batch-16 steps
+  double router_zipf = 0;                   // Zipf exponent of the router's bias (0: none)
   int threads = 0;
   std::vector<int64_t> prompts{512, 2048, 8192};
   std::vector<int64_t> batches{1, 4, 16};
@@ -359,6 +387,11 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
                                      "--worker-cores",
                                      "--defer-sweep",
                                      "--path-sweep",
+                                     "--hot-sweep",
+                                     "--prefill-sweep",
+                                     "--prefill-sweep-prompt",
+                                     "--calibrate-steps",
+                                     "--router-zipf",
                                      "--threads",
                                      "--prompts",
                                      "--batches",
@@ -466,6 +499,31 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
           return bad(absl::StrCat("--path-sweep: \"", p, "\" is not device, host, eager or copy"));
         a.path_sweep.emplace_back(p);
       }
+    } else if (f == "--hot-sweep") {
+      a.hot_sweep.clear();
+      for (absl::string_view p : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+        if (!absl::SimpleAtod(p, &d) || !(d >= 0 && d <= 1e5))
+          return bad(absl::StrCat("--hot-sweep: \"", std::string(p),
+                                  "\" is not a number of GiB in [0, 100000]"));
+        a.hot_sweep.push_back(d);
+      }
+      if (a.hot_sweep.empty()) return bad("--hot-sweep lists nothing");
+    } else if (f == "--prefill-sweep") {
+      a.prefill_sweep.clear();
+      for (absl::string_view p : absl::StrSplit(v, ',')) {
+        if (p != "cpu" && p != "stream" && p != "auto")
+          return bad(absl::StrCat("--prefill-sweep: \"", p, "\" is not cpu, stream or auto"));
+        a.prefill_sweep.emplace_back(p);
+      }
+    } else if (f == "--prefill-sweep-prompt") {
+      if (!integer(1, int64_t{1} << 20)) return std::nullopt;
+      a.prefill_sweep_prompt = n;
+    } else if (f == "--calibrate-steps") {
+      if (!integer(1, 1 << 20)) return std::nullopt;
+      a.calibrate_steps = n;
+    } else if (f == "--router-zipf") {
+      if (!real(0, 4, false)) return std::nullopt;
+      a.router_zipf = d;
     } else if (f == "--defer-sweep") {
       if (!list(0, 255, &a.defer_sweep)) return std::nullopt;
     } else if (f == "--threads") {
@@ -527,17 +585,28 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
 // are slices of one 2 MiB block of random bf16 values (|x| in [2^-9, 2^-5), as
 // bench/make_random_checkpoint.py), each starting at its own random offset
 // and wrapping around, so router rows differ and routing spreads. Version 2:
-// the stream writer's layout.
+// the stream writer's layout. With --router-zipf S the bias of decoder layer
+// l is S * kZipfBiasScale * ln(1 / rank) for a random ranking of its experts
+// (seeded by l), so popularity follows the ranking: the router picks the
+// top-k of score + bias, which is Gumbel-top-k of Zipf(S) weights (k
+// distinct experts drawn with weights rank^-S) where the scores vary like
+// Gumbel noise of scale kZipfBiasScale. 0.18 matched this checkpoint's
+// score spread on paper and gave half of the draws' head share on the
+// H200; 0.35 is used. The benchmark prints the counts' skew beside the
+// draws'.
 constexpr int kCheckpointVersion = 2;
 constexpr size_t kBlockValues = size_t{1} << 20;
+constexpr double kZipfBiasScale = 0.35;
 
 struct PlannedTensor {
   TensorSpec spec;
-  enum Kind { kRandom, kOnes, kZerosF32 } kind;
+  enum Kind { kRandom, kOnes, kZerosF32, kZipfBiasF32 } kind;
   uint64_t bytes;
+  int layer = -1;  // kZipfBiasF32: its decoder layer (the ranking's seed)
+  double zipf_s = 0;
 };
 
-std::vector<PlannedTensor> PlanCheckpoint(const ModelConfig& config) {
+std::vector<PlannedTensor> PlanCheckpoint(const ModelConfig& config, double zipf_s) {
   std::vector<PlannedTensor> out;
   for (const WeightSpec& w : ExpectedWeights(config)) {
     if (w.role == WeightRole::kRoutedExpert) continue;
@@ -546,7 +615,9 @@ std::vector<PlannedTensor> PlanCheckpoint(const ModelConfig& config) {
     const bool bias = w.name.size() >= 22 &&
                       w.name.compare(w.name.size() - 22, 22, "e_score_correction_bias") == 0;
     PlannedTensor t{{w.name, DType::kBF16, w.shape}, PlannedTensor::kRandom, 2 * n};
-    if (bias)
+    if (bias && zipf_s > 0)
+      t = {{w.name, DType::kF32, w.shape}, PlannedTensor::kZipfBiasF32, 4 * n, w.layer, zipf_s};
+    else if (bias)
       t = {{w.name, DType::kF32, w.shape}, PlannedTensor::kZerosF32, 4 * n};
     else if (w.role == WeightRole::kNorm)
       t.kind = PlannedTensor::kOnes;
@@ -606,6 +677,16 @@ absl::Status WriteCheckpointFile(const std::string& path, const std::vector<Plan
     } else if (t.kind == PlannedTensor::kOnes) {
       auto* v = reinterpret_cast<uint16_t*>(buf.data());
       std::fill(v, v + t.bytes / 2, uint16_t{0x3F80});
+    } else if (t.kind == PlannedTensor::kZipfBiasF32) {
+      const size_t n = t.bytes / 4;
+      std::vector<size_t> rank(n);
+      for (size_t i = 0; i < n; ++i) rank[i] = i;
+      std::mt19937_64 perm(1000 + static_cast<uint64_t>(t.layer));
+      std::shuffle(rank.begin(), rank.end(), perm);
+      auto* v = reinterpret_cast<float*>(buf.data());
+      for (size_t e = 0; e < n; ++e)
+        v[e] = static_cast<float>(-t.zipf_s * kZipfBiasScale *
+                                  std::log(static_cast<double>(rank[e] + 1)));
     } else {
       std::fill(buf.begin(), buf.end(), uint8_t{0});
     }
@@ -626,18 +707,20 @@ std::string ReadFileOr(const std::string& path, const std::string& def = "") {
 // exactly these (its bench-e2e.stamp names the config, the generator version
 // and the file's size). Returns whether it wrote.
 absl::StatusOr<bool> PrepareCheckpoint(const std::string& dir, const std::string& config_text,
-                                       const ModelConfig& config, uint64_t* file_bytes) {
+                                       const ModelConfig& config, double zipf_s,
+                                       uint64_t* file_bytes) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::PermissionDeniedError(absl::StrCat(dir, ": cannot create: ", ec.message()));
-  const std::vector<PlannedTensor> plan = PlanCheckpoint(config);
+  const std::vector<PlannedTensor> plan = PlanCheckpoint(config, zipf_s);
   *file_bytes = CheckpointFileBytes(plan);
   const std::string ckpt = dir + "/model.safetensors", cfg = dir + "/config.json",
                     stamp_path = dir + "/bench-e2e.stamp";
-  const std::string stamp = ojson{{"version", kCheckpointVersion},
-                                  {"bytes", *file_bytes},
-                                  {"config", ojson::parse(config_text)}}
-                                .dump(1);
+  ojson stamp_json = {{"version", kCheckpointVersion},
+                      {"bytes", *file_bytes},
+                      {"config", ojson::parse(config_text)}};
+  if (zipf_s > 0) stamp_json["router_zipf"] = {{"s", zipf_s}, {"scale", kZipfBiasScale}};
+  const std::string stamp = stamp_json.dump(1);
   const auto size = std::filesystem::file_size(ckpt, ec);
   if (!ec && size == *file_bytes && ReadFileOr(stamp_path) == stamp &&
       ReadFileOr(cfg) == config_text)
@@ -825,17 +908,27 @@ ojson StatsJson(const ModelStats& s) {
           {"gpu_busy_ns", s.gpu_busy_ns},
           {"expert_wait_ns", s.expert_wait_ns},
           {"graph_launches", s.graph_launches},
-          {"graph_captures", s.graph_captures}};
+          {"graph_captures", s.graph_captures},
+          {"prefill_cpu_layers", s.prefill_cpu_layers},
+          {"prefill_stream_layers", s.prefill_stream_layers},
+          {"prefill_split_layers", s.prefill_split_layers},
+          {"streamed_slots", s.streamed_slots}};
 }
 
 ModelStats Delta(const ModelStats& a, const ModelStats& b) {
-  return {b.passes - a.passes,
-          b.tokens - a.tokens,
-          b.kernel_launches - a.kernel_launches,
-          b.gpu_busy_ns - a.gpu_busy_ns,
-          b.expert_wait_ns - a.expert_wait_ns,
-          b.graph_launches - a.graph_launches,
-          b.graph_captures - a.graph_captures};
+  ModelStats d;
+  d.passes = b.passes - a.passes;
+  d.tokens = b.tokens - a.tokens;
+  d.kernel_launches = b.kernel_launches - a.kernel_launches;
+  d.gpu_busy_ns = b.gpu_busy_ns - a.gpu_busy_ns;
+  d.expert_wait_ns = b.expert_wait_ns - a.expert_wait_ns;
+  d.graph_launches = b.graph_launches - a.graph_launches;
+  d.graph_captures = b.graph_captures - a.graph_captures;
+  d.prefill_cpu_layers = b.prefill_cpu_layers - a.prefill_cpu_layers;
+  d.prefill_stream_layers = b.prefill_stream_layers - a.prefill_stream_layers;
+  d.prefill_split_layers = b.prefill_split_layers - a.prefill_split_layers;
+  d.streamed_slots = b.streamed_slots - a.streamed_slots;
+  return d;
 }
 
 std::vector<int32_t> RandomTokens(std::mt19937_64& rng, int64_t n, int64_t vocab) {
@@ -845,6 +938,63 @@ std::vector<int32_t> RandomTokens(std::mt19937_64& rng, int64_t n, int64_t vocab
 }
 
 // "12.3" or "-" for a counter the backend does not keep.
+// How skewed routing counts are: per MoE layer, the share of its selections
+// its busiest 1% / 10% / 25% of experts (at least one) took, averaged over
+// layers; with zipf_s > 0 also the same shares of k distinct experts drawn
+// per token with Zipf(zipf_s) weights (Gumbel-top-k, 4096 tokens, seeded).
+ojson RoutingSkewJson(const RoutingTable& t, double zipf_s) {
+  const double fractions[3] = {0.01, 0.10, 0.25};
+  ojson top = ojson::array(), zipf = ojson::array();
+  for (double f : fractions) {
+    double sum = 0;
+    int n = 0;
+    for (const RoutingTable::Layer& L : t.layers) {
+      std::vector<uint64_t> c = L.tokens;
+      std::sort(c.rbegin(), c.rend());
+      const size_t k = std::max<size_t>(1, static_cast<size_t>(f * static_cast<double>(c.size())));
+      double all = 0, head = 0;
+      for (size_t i = 0; i < c.size(); ++i) {
+        all += static_cast<double>(c[i]);
+        if (i < k) head += static_cast<double>(c[i]);
+      }
+      if (all > 0) {
+        sum += head / all;
+        ++n;
+      }
+    }
+    top.push_back(n > 0 ? sum / n : 0.0);
+    if (zipf_s > 0) {
+      const size_t E = static_cast<size_t>(t.num_experts);
+      const size_t K =
+          static_cast<size_t>(std::clamp<int64_t>(t.experts_per_token, 1, t.num_experts));
+      std::vector<double> counts(E, 0.0), keys(E);
+      std::vector<size_t> order(E);
+      std::mt19937_64 rng(7);
+      std::uniform_real_distribution<double> u(1e-12, 1.0);
+      for (int tok = 0; tok < 4096; ++tok) {
+        for (size_t r = 0; r < E; ++r) {
+          keys[r] = -zipf_s * std::log(static_cast<double>(r + 1)) - std::log(-std::log(u(rng)));
+          order[r] = r;
+        }
+        std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(K),
+                          order.end(), [&](size_t x, size_t y) { return keys[x] > keys[y]; });
+        for (size_t j = 0; j < K; ++j) counts[order[j]] += 1;
+      }
+      std::sort(counts.rbegin(), counts.rend());
+      const size_t k = std::max<size_t>(1, static_cast<size_t>(f * static_cast<double>(E)));
+      double all = 0, head = 0;
+      for (size_t r = 0; r < E; ++r) {
+        all += counts[r];
+        if (r < k) head += counts[r];
+      }
+      zipf.push_back(all > 0 ? head / all : 0.0);
+    }
+  }
+  ojson j = {{"fractions", {0.01, 0.10, 0.25}}, {"top_share", top}};
+  if (zipf_s > 0) j["zipf_share"] = zipf;
+  return j;
+}
+
 std::string Cell(double v, bool kept, const char* fmt = "%.2f") {
   return kept ? absl::StrFormat(fmt, v) : std::string("-");
 }
@@ -871,6 +1021,14 @@ absl::Status Run(const Args& a) {
 
   // The backend and the expert service binary, checked before anything takes time.
   RETURN_IF_ERROR(ResolveBackend(a.backend).status());
+  if (a.router_zipf > 0 && !full.moe.score_correction_bias)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--router-zipf: ", a.preset,
+                     "'s router has no e_score_correction_bias to skew (ds-v3 has)"));
+  if (!a.hot_sweep.empty() && a.backend != "cuda")
+    return absl::InvalidArgumentError("--hot-sweep: hot experts need the cuda backend");
+  if (!a.prefill_sweep.empty() && a.backend != "cuda")
+    return absl::InvalidArgumentError("--prefill-sweep: streamed experts need the cuda backend");
   const std::string bin =
       (std::filesystem::path(a.bin_dir.empty() ? SelfDir() : a.bin_dir) / "hmoe-expert-service")
           .string();
@@ -937,7 +1095,9 @@ absl::Status Run(const Args& a) {
   const int64_t max_prompt = *std::max_element(a.prompts.begin(), a.prompts.end());
   const int warm_steps = 2 * a.warmup;
   const int64_t decode_len = a.decode_prompt + warm_steps + a.decode_steps;
-  const int64_t max_seq = std::max(max_prompt, decode_len);
+  const int64_t max_seq = std::max(
+      {max_prompt, decode_len, a.prefill_sweep_prompt,
+       a.hot_sweep.empty() ? int64_t{0} : a.decode_prompt + warm_steps + a.calibrate_steps});
   const int64_t vocab = config.vocab_size;
 
   std::printf(
@@ -955,13 +1115,16 @@ absl::Status Run(const Args& a) {
   std::fflush(stdout);
 
   // The worker's checkpoint.
-  const std::string work_dir = !a.work_dir.empty()
-                                   ? a.work_dir
-                                   : absl::StrCat("/tmp/hmoe-bench-e2e-", a.preset, "-L", layers,
-                                                  a.vocab > 0 ? absl::StrCat("-v", a.vocab) : "");
+  const std::string work_dir =
+      !a.work_dir.empty()
+          ? a.work_dir
+          : absl::StrCat("/tmp/hmoe-bench-e2e-", a.preset, "-L", layers,
+                         a.vocab > 0 ? absl::StrCat("-v", a.vocab) : "",
+                         a.router_zipf > 0 ? absl::StrCat("-zipf", a.router_zipf) : "");
   double t0 = Now();
   uint64_t ckpt_bytes = 0;
-  ASSIGN_OR_RETURN(const bool wrote, PrepareCheckpoint(work_dir, config_text, config, &ckpt_bytes));
+  ASSIGN_OR_RETURN(const bool wrote,
+                   PrepareCheckpoint(work_dir, config_text, config, a.router_zipf, &ckpt_bytes));
   const double ckpt_s = Now() - t0;
   std::printf("# checkpoint %s/model.safetensors: %s, %s in %.1f s\n", work_dir.c_str(),
               HumanBytes(static_cast<int64_t>(ckpt_bytes)).c_str(), wrote ? "written" : "reused",
@@ -1124,8 +1287,9 @@ absl::Status Run(const Args& a) {
     ModelStats d;        // stats over them
     double cpu_ns = -1;  // the expert service's compute time over them (with `control`)
   };
-  auto run_decode = [&](const Model& m, int64_t b,
-                        ControlClient* control = nullptr) -> absl::StatusOr<DecodeRun> {
+  auto run_decode = [&](const Model& m, int64_t b, ControlClient* control = nullptr,
+                        int64_t timed_steps = 0) -> absl::StatusOr<DecodeRun> {
+    if (timed_steps <= 0) timed_steps = a.decode_steps;
     std::vector<std::unique_ptr<Sequence>> seqs;
     std::vector<std::vector<int32_t>> prompts;
     std::vector<std::vector<float>> outs(static_cast<size_t>(b));
@@ -1156,7 +1320,7 @@ absl::Status Run(const Args& a) {
     }
     const ModelStats s0 = m.stats();
     const double t = Now();
-    for (int64_t s = 0; s < a.decode_steps; ++s)
+    for (int64_t s = 0; s < timed_steps; ++s)
       RETURN_IF_ERROR(Annotate(step(), absl::StrCat("decode batch ", b, ": step ", s)));
     DecodeRun r;
     r.dt = Now() - t;
@@ -1214,6 +1378,36 @@ absl::Status Run(const Args& a) {
       "# ceiling for batch > 1: the same bandwidth over the distinct experts a step "
       "reads under uniform routing (an estimate)%s\n",
       gpu ? "" : "; launches / gpu_ms: '-' where the backend keeps no such counter");
+
+  // The hot sweep's calibration: the routing counts of decode steps (batch
+  // 16, --calibrate-steps; short contexts like the rows it plans for: this
+  // checkpoint's router input after a long prefill differs), and how skewed
+  // the router is.
+  RoutingTable calib = model->routing_stats();
+  if (!a.hot_sweep.empty()) {
+    const RoutingTable before = model->routing_stats();
+    RETURN_IF_ERROR(
+        Annotate(run_decode(*model, 16, nullptr, a.calibrate_steps).status(), "calibration"));
+    calib = model->routing_stats();
+    for (size_t i = 0; i < calib.layers.size() && i < before.layers.size(); ++i)
+      for (size_t e = 0; e < calib.layers[i].tokens.size(); ++e)
+        calib.layers[i].tokens[e] -= before.layers[i].tokens[e];
+  }
+  const ojson skew = RoutingSkewJson(calib, a.router_zipf);
+  if (!calib.layers.empty())
+    std::printf(
+        "# routing counts (%llu tokens per MoE layer): the top 1%%/10%%/25%% of a layer's "
+        "experts take %.1f/%.1f/%.1f%% of its traffic (uniform: 1/10/25%%%s)\n",
+        static_cast<unsigned long long>(calib.routed_tokens()),
+        100 * skew["top_share"][0].get<double>(), 100 * skew["top_share"][1].get<double>(),
+        100 * skew["top_share"][2].get<double>(),
+        a.router_zipf > 0
+            ? absl::StrFormat("; top-k draws with Zipf(%g) weights: %.1f/%.1f/%.1f%%",
+                              a.router_zipf, 100 * skew["zipf_share"][0].get<double>(),
+                              100 * skew["zipf_share"][1].get<double>(),
+                              100 * skew["zipf_share"][2].get<double>())
+                  .c_str()
+            : "");
 
   // Expert Deferral: batch-1 decode per deferral count (the model reloaded
   // each time; the service stays), against the bound perfect overlap allows:
@@ -1314,6 +1508,168 @@ absl::Status Run(const Args& a) {
     }
   }
 
+  // Hot experts: batch-1 decode per GPU budget, the placement planned from
+  // the counts above; the ceiling with hot experts is the DRAM bandwidth
+  // over the CPU-side bytes per token the run measured (the share of routed
+  // selections the GPU served).
+  ojson hot_rows = ojson::array();
+  if (!a.hot_sweep.empty()) {
+    ControlClient control(MakeExpertChannel(epo.targets[0]));
+    const int hot_group = group > 0 ? group : 64;
+    const int64_t hot_expert_bytes = HotExpertBytes(config, fmt, hot_group);
+    const SyntheticExperts synth{H, I, E, 1};  // the service's --synthetic (seed 1)
+    std::printf("\n%-8s %8s %9s %8s %9s %10s %8s %12s %12s %12s %12s\n", "hot_gib", "experts",
+                "planned", "on_gpu", "step_ms", "tok/s", "speedup", "ceiling_hot", "%ceiling_hot",
+                "gpu_ms/step", "cpu_ms/step");
+    double tok_s0 = -1;
+    for (double gib : a.hot_sweep) {
+      ModelOptions so = mo;
+      Placement placed;
+      if (gib > 0) {
+        PlacementOptions plo;
+        plo.budget_bytes = static_cast<int64_t>(gib * static_cast<double>(int64_t{1} << 30));
+        plo.expert_bytes = hot_expert_bytes;
+        ASSIGN_OR_RETURN(placed, PlanPlacement(calib, config, plo));
+        so.hot_experts = std::make_shared<const Placement>(placed);
+        so.hot_format = a.format;
+        so.hot_group = hot_group;
+        so.expert_source = [synth](int layer) { return SyntheticExpertSource(synth, layer); };
+      }
+      const double tl = Now();
+      ASSIGN_OR_RETURN(const SweepRow r, sweep_row(so, &control));
+      const double row_s = Now() - tl;
+      // What the GPU served in this model's passes (prefill of the decode
+      // prompt, warm-up and timed steps: all slot passes).
+      const RoutingTable used = model->routing_stats();
+      double all = 0, on_gpu = 0;
+      for (const RoutingTable::Layer& L : used.layers)
+        for (size_t e = 0; e < L.tokens.size(); ++e) {
+          all += static_cast<double>(L.tokens[e]);
+          if (placed.is_hot(L.layer, static_cast<int32_t>(e)))
+            on_gpu += static_cast<double>(L.tokens[e]);
+        }
+      const double share = all > 0 ? on_gpu / all : 0;
+      const double cpu_bytes = (1 - share) * routed_bytes_per_token;
+      const double ceiling_hot = cpu_bytes > 0 ? bw * 1e9 / cpu_bytes : 0;
+      if (tok_s0 < 0) tok_s0 = r.tok_s;
+      std::printf("%-8g %8lld %8.1f%% %7.1f%% %9.2f %10.1f %8s %12s %12s %12.3f %12.3f\n", gib,
+                  static_cast<long long>(placed.num_hot), 100 * placed.hot_fraction, 100 * share,
+                  r.step_ms, r.tok_s, absl::StrFormat("%.2fx", r.tok_s / tok_s0).c_str(),
+                  Cell(ceiling_hot, ceiling_hot > 0, "%.1f").c_str(),
+                  Cell(100 * r.tok_s / ceiling_hot, ceiling_hot > 0, "%.1f%%").c_str(), r.gpu_ms,
+                  r.cpu_ms);
+      std::fflush(stdout);
+      hot_rows.push_back({{"budget_gib", gib},
+                          {"hot_experts", placed.num_hot},
+                          {"hot_bytes", placed.bytes},
+                          {"planned_hot_fraction", placed.hot_fraction},
+                          {"measured_hot_fraction", share},
+                          {"cpu_bytes_per_token", cpu_bytes},
+                          {"step_ms", r.step_ms},
+                          {"tok_s", r.tok_s},
+                          {"speedup_vs_first_row", r.tok_s / tok_s0},
+                          {"ceiling_hot_tok_s", ceiling_hot},
+                          {"fraction_of_ceiling_hot",
+                           ceiling_hot > 0 ? ojson(r.tok_s / ceiling_hot) : ojson(nullptr)},
+                          {"gpu_ms_per_step", r.gpu_ms},
+                          {"cpu_ms_per_step", r.cpu_ms},
+                          {"row_seconds", row_s},
+                          {"stats_delta", StatsJson(r.run.d)}});
+    }
+    std::printf(
+        "# hot experts: planned from the calibration's routing counts (%s per expert on the "
+        "GPU); "
+        "on_gpu: the share of routed selections the GPU served in the row's own passes\n",
+        HumanBytes(hot_expert_bytes).c_str());
+  }
+
+  // Hybrid prefill: the longest prompt per policy; the bound of a perfect
+  // split from the same run's cpu and stream rows.
+  ojson prefill_rows = ojson::array();
+  if (!a.prefill_sweep.empty()) {
+    const int64_t P = a.prefill_sweep_prompt > 0 ? a.prefill_sweep_prompt : max_prompt;
+    const SyntheticExperts synth{H, I, E, 1};  // the service's --synthetic (seed 1)
+    std::printf("\n%-7s %8s %10s %10s %9s %22s %10s %9s\n", "policy", "prompt", "ms", "tok/s",
+                "speedup", "layers cpu/stream/split", "streamed", "%bound");
+    std::map<std::string, double> ms_of;
+    struct Row {
+      std::string policy;
+      double ms = 0, load_s = 0;
+      ModelStats d;
+    };
+    std::vector<Row> rows;
+    for (const std::string& policy : a.prefill_sweep) {
+      ModelOptions so = mo;
+      so.prefill_experts = policy;
+      so.expert_source = [synth](int layer) { return SyntheticExpertSource(synth, layer); };
+      so.hot_format = a.format;
+      so.hot_group = group > 0 ? group : 64;
+      model.reset();
+      const double tl = Now();
+      ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(work_dir));
+      ASSIGN_OR_RETURN(model, Model::Create(config, *ckpt, so, experts.get()));
+      ckpt.reset();
+      Row r;
+      r.policy = policy;
+      r.load_s = Now() - tl;
+      const std::vector<int32_t> tokens = RandomTokens(rng, P, vocab);
+      for (int w = 0; w < std::max(1, a.warmup); ++w) {  // auto measures the service here
+        auto seq = model->NewSequence();
+        RETURN_IF_ERROR(Annotate(model->Forward(*seq, tokens, LogitsMode::kLast, &logits),
+                                 absl::StrCat("prefill sweep (", policy, ") warm-up")));
+      }
+      const ModelStats s0 = model->stats();
+      double total = 0;
+      for (int rep = 0; rep < a.reps; ++rep) {
+        auto seq = model->NewSequence();
+        const double t = Now();
+        RETURN_IF_ERROR(Annotate(model->Forward(*seq, tokens, LogitsMode::kLast, &logits),
+                                 absl::StrCat("prefill sweep (", policy, ")")));
+        total += Now() - t;
+      }
+      r.ms = total / a.reps * 1e3;
+      r.d = Delta(s0, model->stats());
+      ms_of[policy] = r.ms;
+      rows.push_back(std::move(r));
+    }
+    const bool have_bound = ms_of.count("cpu") && ms_of.count("stream");
+    const double bound_ms =
+        have_bound ? ms_of["cpu"] * ms_of["stream"] / (ms_of["cpu"] + ms_of["stream"]) : 0;
+    for (const Row& r : rows) {
+      const double reps = static_cast<double>(a.reps);
+      const double slots = static_cast<double>(P) * K * static_cast<double>(L_moe);
+      std::printf(
+          "%-7s %8lld %10.1f %10.1f %9s %22s %9.1f%% %9s\n", r.policy.c_str(),
+          static_cast<long long>(P), r.ms, static_cast<double>(P) / r.ms * 1e3,
+          Cell(ms_of.count("cpu") ? ms_of["cpu"] / r.ms : 0, ms_of.count("cpu") > 0, "%.2fx")
+              .c_str(),
+          absl::StrFormat("%.0f/%.0f/%.0f", r.d.prefill_cpu_layers / reps,
+                          r.d.prefill_stream_layers / reps, r.d.prefill_split_layers / reps)
+              .c_str(),
+          100 * static_cast<double>(r.d.streamed_slots) / reps / slots,
+          Cell(100 * bound_ms / r.ms, have_bound, "%.1f%%").c_str());
+      prefill_rows.push_back(
+          {{"policy", r.policy},
+           {"prompt", P},
+           {"ms", r.ms},
+           {"tok_s", static_cast<double>(P) / r.ms * 1e3},
+           {"load_s", r.load_s},
+           {"layers_cpu", r.d.prefill_cpu_layers / reps},
+           {"layers_stream", r.d.prefill_stream_layers / reps},
+           {"layers_split", r.d.prefill_split_layers / reps},
+           {"streamed_slot_share", static_cast<double>(r.d.streamed_slots) / reps / slots},
+           {"bound_ms", have_bound ? ojson(bound_ms) : ojson(nullptr)},
+           {"fraction_of_bound", have_bound ? ojson(bound_ms / r.ms) : ojson(nullptr)},
+           {"stats_delta", StatsJson(r.d)}});
+    }
+    if (have_bound)
+      std::printf(
+          "# bound of a perfect split of the routed experts between the service and the "
+          "stream: %.1f ms = %.1f tok/s (from this run's cpu and stream rows; each includes "
+          "the GPU's own layers, so the bound is strict)\n",
+          bound_ms, static_cast<double>(P) / bound_ms * 1e3);
+  }
+
   // Stop the service before writing, so its shutdown is part of the run.
   model.reset();
   experts.reset();
@@ -1360,6 +1716,9 @@ absl::Status Run(const Args& a) {
     J["decode"] = decode;
     J["defer_sweep"] = sweep;
     J["path_sweep"] = paths;
+    J["routing_skew"] = skew;
+    J["hot_sweep"] = hot_rows;
+    J["prefill_sweep"] = prefill_rows;
     J["options"] = {{"gpu_mem_gb", a.gpu_mem_gb},
                     {"kv_blocks", a.kv_blocks},
                     {"defer_experts", a.defer_experts},

@@ -1,7 +1,11 @@
 #include "gpu_worker/hot_weights.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "expert_service/kernels/checkpoint_source.h"
 
@@ -67,25 +71,64 @@ absl::StatusOr<std::vector<HotExpertWeights>> LoadHotExperts(const Checkpoint& c
                                                              const ModelConfig& config,
                                                              const Placement& placement,
                                                              WeightFormat format, int group) {
+  return LoadHotExperts([&](int layer) { return CheckpointSource(ckpt, config, layer); }, config,
+                        placement, format, group);
+}
+
+absl::StatusOr<std::vector<HotExpertWeights>> LoadHotExperts(const ExpertSourceFn& source,
+                                                             const ModelConfig& config,
+                                                             const Placement& placement,
+                                                             WeightFormat format, int group) {
   RETURN_IF_ERROR(CheckPlacementFits(placement, config));
   PackOptions po;
   po.format = format;
   po.group = group;
-  std::vector<HotExpertWeights> out;
+  // The sources checked first (cheap), then the experts quantized in
+  // parallel: each is independent, and one costs up to seconds (synthetic
+  // weights, fp8 dequantization).
+  struct Job {
+    const MoeWeightsSource* src;
+    int32_t layer, expert;
+  };
+  std::vector<MoeWeightsSource> sources;
+  sources.reserve(placement.hot.size());
+  std::vector<Job> jobs;
   for (const auto& [layer, ids] : placement.hot) {
-    const MoeWeightsSource src = CheckpointSource(ckpt, config, layer);
-    for (int32_t e : ids) {
-      ASSIGN_OR_RETURN(ExpertWeights w, src.expert(e));
-      ASSIGN_OR_RETURN(QuantExpert q, QuantizeExpert(w, src, po));
-      HotExpertWeights h;
-      h.layer = layer;
-      h.expert = e;
-      h.gate = ToKernelLayout(q.gate);
-      h.up = ToKernelLayout(q.up);
-      h.down = ToKernelLayout(q.down);
-      out.push_back(std::move(h));
-    }
+    MoeWeightsSource& src = sources.emplace_back(source(layer));
+    if (src.hidden != config.hidden_size || src.intermediate != config.moe.intermediate_size ||
+        src.num_experts != config.moe.num_experts)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "hot experts: layer ", layer, "'s expert source holds ", src.num_experts, " experts of ",
+          src.hidden, " x ", src.intermediate, "; the model has ", config.moe.num_experts, " of ",
+          config.hidden_size, " x ", config.moe.intermediate_size));
+    for (int32_t e : ids) jobs.push_back({&src, layer, e});
   }
+  std::vector<HotExpertWeights> out(jobs.size());
+  std::vector<absl::Status> errors(jobs.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t j; (j = next.fetch_add(1)) < jobs.size();) {
+      absl::StatusOr<ExpertWeights> w = jobs[j].src->expert(jobs[j].expert);
+      absl::StatusOr<QuantExpert> q =
+          w.ok() ? QuantizeExpert(*w, *jobs[j].src, po) : absl::StatusOr<QuantExpert>(w.status());
+      if (!q.ok()) {
+        errors[j] = q.status();
+        continue;
+      }
+      HotExpertWeights& h = out[j];
+      h.layer = jobs[j].layer;
+      h.expert = jobs[j].expert;
+      h.gate = ToKernelLayout(q->gate);
+      h.up = ToKernelLayout(q->up);
+      h.down = ToKernelLayout(q->down);
+    }
+  };
+  const size_t n = std::min<size_t>(jobs.size(), std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < n; ++i) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& st : errors) RETURN_IF_ERROR(st);  // the first in placement order
   return out;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -38,9 +39,19 @@ struct HotExpertWeights {
 // `group`): HotExpertWeights::bytes() without loading it (for placement).
 int64_t HotExpertBytes(const ModelConfig& config, WeightFormat format, int group);
 
+// Where a layer's routed-expert weights come from (CheckpointSource,
+// SyntheticExpertSource).
+using ExpertSourceFn = std::function<MoeWeightsSource(int layer)>;
+
 // Every expert of `placement`, in its order (ascending layer, then expert),
-// quantized to `format` (int4: `group`) from `ckpt`. FAILED_PRECONDITION for
-// a placement of another model; the checkpoint's errors name the tensor.
+// quantized to `format` (int4: `group`) from `source`. FAILED_PRECONDITION
+// for a placement of another model or a source of other shapes; the
+// source's errors (a checkpoint's name the tensor) are passed on.
+absl::StatusOr<std::vector<HotExpertWeights>> LoadHotExperts(const ExpertSourceFn& source,
+                                                             const ModelConfig& config,
+                                                             const Placement& placement,
+                                                             WeightFormat format, int group);
+// The same from `ckpt` (CheckpointSource).
 absl::StatusOr<std::vector<HotExpertWeights>> LoadHotExperts(const Checkpoint& ckpt,
                                                              const ModelConfig& config,
                                                              const Placement& placement,

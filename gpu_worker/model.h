@@ -34,6 +34,7 @@
 #include "common/model_config.h"
 #include "common/routing_stats.h"
 #include "common/safetensors.h"
+#include "gpu_worker/hot_weights.h"
 #include "gpu_worker/routed_experts.h"
 
 namespace hmoe {
@@ -80,6 +81,25 @@ struct ModelOptions {
   std::shared_ptr<const Placement> hot_experts;
   std::string hot_format = "bf16";
   int hot_group = 64;
+  // Where the GPU's copies of routed experts (hot, streamed) come from;
+  // empty: the checkpoint. The benchmark passes the service's synthetic
+  // experts (SyntheticExpertSource) so both sides hold the same model.
+  ExpertSourceFn expert_source;
+  // cuda, hybrid prefill (issue 31): where the routed experts of a pass of
+  // more than 32 tokens (and at most prefill_stream_tokens) run, per MoE
+  // layer: "cpu" (the expert service, as a decode step's cold experts),
+  // "stream" (every expert with tokens uploaded over PCIe and computed on
+  // the GPU by cuBLAS over bf16 copies of the service's quantized weights),
+  // "auto" (PlanPrefillLayer: cpu, stream or the busiest experts streamed
+  // and the rest on the service so both finish together, from the PCIe and
+  // GEMM rates measured at load and the service's rates measured at the
+  // first such pass). "stream" and "auto" keep a pinned host copy of every
+  // routed expert in `hot_format` (the service's; as much host memory as
+  // the service's weights) and one layer's experts on the GPU. Not with
+  // deferred_experts (those passes stay "cpu").
+  std::string prefill_experts = "cpu";
+  int64_t prefill_stream_tokens = 8192;
+  bool log_prefill_plans = false;  // one stderr line per streamed pass: each layer's choice
   // cuda, fault tests only: > 0 injects a sticky device error (a trapping
   // kernel) at the start of pass number debug_cuda_fault_after + 1.
   int64_t debug_cuda_fault_after = 0;
@@ -136,6 +156,10 @@ struct ModelStats {
   int64_t graph_launches = 0;   // cuda: CUDA Graph launches (one per replayed pass)
   int64_t graph_captures = 0;   // cuda: graphs captured (once per bucket, again after a
                                 // workspace or slot move)
+  // cuda, hybrid prefill: MoE layers of large passes by where their routed
+  // experts ran, and the routed slots computed by streamed experts.
+  int64_t prefill_cpu_layers = 0, prefill_stream_layers = 0, prefill_split_layers = 0;
+  int64_t streamed_slots = 0;
 };
 
 class Model {

@@ -20,9 +20,13 @@
 #include "absl/strings/str_format.h"
 #include "common/dtype.h"
 #include "common/status.h"
+#include "expert_service/kernels/checkpoint_source.h"
 #include "gpu_worker/cpu/ops.h"
+#include "gpu_worker/cuda/device_memory.h"
 #include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/cuda/streamed_experts.h"
 #include "gpu_worker/driver/model_driver.h"
+#include "gpu_worker/driver/prefill_plan.h"
 #include "gpu_worker/driver/weight_names.h"
 #include "gpu_worker/hot_weights.h"
 
@@ -82,117 +86,6 @@ void CUDART_CB WaitHost(void* p) {
   const auto* c = static_cast<const HostCall*>(p);
   c->slots->Wait(c->a);
 }
-
-absl::Status CudaError(cudaError_t e, const char* what) {
-  return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
-}
-#define HMOE_CUDA_TRY(expr, what)                                \
-  do {                                                           \
-    cudaError_t hmoe_e_ = (expr);                                \
-    if (hmoe_e_ != cudaSuccess) return CudaError(hmoe_e_, what); \
-  } while (0)
-#define HMOE_CUBLAS_TRY(expr, what)                                             \
-  do {                                                                          \
-    cublasStatus_t hmoe_s_ = (expr);                                            \
-    if (hmoe_s_ != CUBLAS_STATUS_SUCCESS)                                       \
-      return absl::InternalError(                                               \
-          absl::StrCat("cuBLAS ", what, ": ", cublasGetStatusString(hmoe_s_))); \
-  } while (0)
-
-std::string Gib(double bytes) { return absl::StrFormat("%.2f GiB", bytes / kGiB); }
-
-// Device memory accounting against the --gpu-mem-gb bound.
-class Budget {
- public:
-  explicit Budget(int64_t limit) : limit_(limit) {}
-  absl::Status Take(int64_t bytes, const std::string& what) {
-    if (used_ + bytes > limit_)
-      return absl::ResourceExhaustedError(
-          absl::StrCat(what, " needs ", Gib(static_cast<double>(bytes)), " of GPU memory; ",
-                       Gib(static_cast<double>(used_)), " is in use (", Describe(),
-                       ") and the bound is ", Gib(static_cast<double>(limit_))));
-    used_ += bytes;
-    parts_[what] += bytes;
-    return absl::OkStatus();
-  }
-  void Give(int64_t bytes, const std::string& what) {
-    used_ -= bytes;
-    parts_[what] -= bytes;
-  }
-  int64_t used() const { return used_; }
-  int64_t limit() const { return limit_; }
-  std::string Describe() const {
-    std::string s;
-    for (const auto& [k, v] : parts_)
-      if (v > 0) absl::StrAppend(&s, s.empty() ? "" : ", ", k, " ", Gib(static_cast<double>(v)));
-    return s.empty() ? "nothing" : s;
-  }
-
- private:
-  int64_t limit_;
-  int64_t used_ = 0;
-  std::map<std::string, int64_t> parts_;
-};
-
-// An owned device allocation.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  ~DeviceBuffer() {
-    if (p_) cudaFree(p_);
-  }
-  absl::Status Allocate(int64_t bytes) {
-    if (p_) cudaFree(p_);
-    p_ = nullptr;
-    bytes_ = 0;
-    if (bytes == 0) return absl::OkStatus();
-    HMOE_CUDA_TRY(cudaMalloc(&p_, static_cast<size_t>(bytes)), "cudaMalloc");
-    bytes_ = bytes;
-    return absl::OkStatus();
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-  int64_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  int64_t bytes_ = 0;
-};
-
-// Pinned host memory.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() {
-    if (p_) cudaFreeHost(p_);
-  }
-  absl::Status Allocate(int64_t bytes) {
-    if (p_) cudaFreeHost(p_);
-    p_ = nullptr;
-    if (bytes == 0) return absl::OkStatus();
-    HMOE_CUDA_TRY(cudaMallocHost(&p_, static_cast<size_t>(bytes)), "cudaMallocHost");
-    return absl::OkStatus();
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  void* p_ = nullptr;
-};
 
 // A linear layer on the device: bf16 weight [rows, cols], optional f32 bias.
 struct DevLin {
@@ -296,6 +189,7 @@ class CudaBackend final : public LayerBackend {
       : c_(c), o_(o), geo_(AttentionGeometryFor(c)), budget_(0) {}
   ~CudaBackend() override {
     if (stream_) cudaStreamSynchronize(stream_);
+    streamed_.reset();  // uses stream_ (and the budget) as it goes
     if (watchdog_.joinable()) {
       {
         std::lock_guard<std::mutex> lock(wd_mu_);
@@ -327,6 +221,10 @@ class CudaBackend final : public LayerBackend {
     s->graph_launches += graph_launches_;
     s->graph_captures += graph_captures_;
     s->expert_wait_ns += slot_wait_ns_;
+    s->prefill_cpu_layers += prefill_layers_[0];
+    s->prefill_stream_layers += prefill_layers_[1];
+    s->prefill_split_layers += prefill_layers_[2];
+    s->streamed_slots += streamed_slots_;
   }
   // The sticky failure (OK while there is none); any thread.
   absl::Status health() const override {
@@ -340,6 +238,8 @@ class CudaBackend final : public LayerBackend {
   absl::Status Route(int l, const GateSpec& gate, RoutedInput* out) override;
   absl::Status StartSharedExperts(int l) override;
   absl::Status AddExperts(int l, const float* routed) override;
+  absl::StatusOr<int64_t> TakeRoutedSlots(int l, const RoutedInput& in, int64_t T, int k,
+                                          int32_t* ids_out) override;
   absl::Status AddToResidual(const float* v) override;
   absl::Status Logits(float* out) override;
   absl::Status Commit() override;
@@ -497,6 +397,15 @@ class CudaBackend final : public LayerBackend {
   int32_t* hot_ids_host_ = nullptr;  // pinned [layer][kSlotTokens * K]: counted after the pass
   PinnedBuffer hot_ids_pinned_;
   absl::Status LoadHotExperts(const Checkpoint& ckpt);
+  // Hybrid prefill (ModelOptions::prefill_experts "stream" / "auto").
+  absl::Status LoadStreamedExperts(const Checkpoint& ckpt);
+  std::unique_ptr<StreamedExperts> streamed_;
+  PrefillRates prefill_rates_;
+  bool cpu_rates_measured_ = false;
+  bool streamed_pending_ = false;   // AddExperts adds streamed_->out()
+  int64_t prefill_layers_[3] = {};  // cpu, stream, split
+  int64_t streamed_slots_ = 0;
+  std::string pass_plan_log_;  // log_prefill_plans: this pass's choices
   std::vector<DevWait> dev_waits_;
   // With dev_waits_, and every slot's DeviceWait::request set: the device
   // also sends the calls (SendExpertCall), the host only arms them.
@@ -559,8 +468,11 @@ absl::Status CudaBackend::LoadHotExperts(const Checkpoint& ckpt) {
   if (!fmt)
     return absl::InvalidArgumentError(
         absl::StrCat("hot experts: format \"", o_.hot_format, "\" is not bf16, int8 or int4"));
-  ASSIGN_OR_RETURN(std::vector<HotExpertWeights> hot,
-                   hmoe::LoadHotExperts(ckpt, c_, *o_.hot_experts, *fmt, o_.hot_group));
+  ASSIGN_OR_RETURN(
+      std::vector<HotExpertWeights> hot,
+      o_.expert_source
+          ? hmoe::LoadHotExperts(o_.expert_source, c_, *o_.hot_experts, *fmt, o_.hot_group)
+          : hmoe::LoadHotExperts(ckpt, c_, *o_.hot_experts, *fmt, o_.hot_group));
   const int64_t E = c_.moe.num_experts, K = c_.moe.experts_per_token, H = c_.hidden_size;
   std::map<int, std::vector<DevExpert>> tables;
   int64_t bytes = 0;
@@ -611,6 +523,49 @@ absl::Status CudaBackend::LoadHotExperts(const Checkpoint& ckpt) {
   std::fprintf(stderr, "hmoe cuda backend: %s on the GPU as %s (%s)\n",
                o_.hot_experts->Describe().c_str(), o_.hot_format.c_str(),
                Gib(static_cast<double>(bytes)).c_str());
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LoadStreamedExperts(const Checkpoint& ckpt) {
+  const std::string& p = o_.prefill_experts;
+  if (p != "cpu" && p != "stream" && p != "auto")
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_experts \"", p, "\" is not cpu, stream or auto"));
+  if (p == "cpu") return absl::OkStatus();
+  if (o_.deferred_experts > 0) {
+    std::fprintf(stderr,
+                 "hmoe cuda backend: hybrid prefill (%s) is off with Expert Deferral: large "
+                 "passes' routed experts run on the expert service\n",
+                 p.c_str());
+    return absl::OkStatus();
+  }
+  const std::optional<WeightFormat> fmt = ParseWeightFormat(o_.hot_format);
+  if (!fmt)
+    return absl::InvalidArgumentError(
+        absl::StrCat("streamed experts: format \"", o_.hot_format, "\" is not bf16, int8 or int4"));
+  if (o_.prefill_stream_tokens <= kSlotTokens)
+    return absl::InvalidArgumentError(absl::StrCat("prefill_stream_tokens ",
+                                                   o_.prefill_stream_tokens, " must be > ",
+                                                   kSlotTokens, " (smaller passes use the slots)"));
+  const int64_t max_tokens = o_.max_seq_len > kSlotTokens
+                                 ? std::min(o_.prefill_stream_tokens, o_.max_seq_len)
+                                 : o_.prefill_stream_tokens;
+  const auto t0 = std::chrono::steady_clock::now();
+  const ExpertSourceFn source =
+      o_.expert_source ? o_.expert_source
+                       : ExpertSourceFn([&](int l) { return CheckpointSource(ckpt, c_, l); });
+  ASSIGN_OR_RETURN(streamed_, StreamedExperts::Create(c_, source, *fmt, o_.hot_group, max_tokens,
+                                                      stream_, blas_, &budget_));
+  std::fprintf(stderr,
+               "hmoe cuda backend: hybrid prefill (%s) for passes of 33..%lld tokens: %s of "
+               "routed experts (%s) pinned on the host, one layer's on the GPU; PCIe %.1f GB/s, "
+               "expert GEMMs %.0f TFLOP/s; loaded in %.1f s\n",
+               p.c_str(), static_cast<long long>(max_tokens),
+               Gib(static_cast<double>(streamed_->host_bytes())).c_str(), o_.hot_format.c_str(),
+               streamed_->pcie_gbps(), streamed_->gemm_tflops(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  prefill_rates_.pcie_gbps = streamed_->pcie_gbps();
+  prefill_rates_.gpu_tflops = streamed_->gemm_tflops();
   return absl::OkStatus();
 }
 
@@ -786,6 +741,7 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
     }
   }
   if (o_.hot_experts) RETURN_IF_ERROR(LoadHotExperts(ckpt));
+  RETURN_IF_ERROR(LoadStreamedExperts(ckpt));
   RETURN_IF_ERROR(budget_.Take(kAttentionScratchBytes, "workspace"));
   RETURN_IF_ERROR(attn_scratch_.Allocate(kAttentionScratchBytes));
   // A workspace for a first pass of up to 256 tokens, then the KV pool from what is left.
@@ -1238,6 +1194,56 @@ absl::Status CudaBackend::StartSharedExperts(int l) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> CudaBackend::TakeRoutedSlots(int l, const RoutedInput& in, int64_t T, int k,
+                                                     int32_t* ids_out) {
+  streamed_pending_ = false;
+  const int64_t E = c_.moe.num_experts, K = c_.moe.experts_per_token;
+  if (!streamed_ || slot_pass_ || T <= kSlotTokens || T > streamed_->max_tokens() || k != K)
+    return int64_t{0};
+  RETURN_IF_ERROR(health());
+  std::vector<int64_t> counts(static_cast<size_t>(E), 0);
+  for (int64_t s = 0; s < T * K; ++s)
+    if (in.ids[s] >= 0 && in.ids[s] < E) ++counts[static_cast<size_t>(in.ids[s])];
+  PrefillPlan plan;
+  if (o_.prefill_experts == "stream") {
+    plan.choice = PrefillChoice::kStream;
+    for (int32_t e = 0; e < E; ++e)
+      if (counts[static_cast<size_t>(e)] > 0) plan.gpu_experts.push_back(e);
+  } else {
+    if (!cpu_rates_measured_) {
+      if (experts_ == nullptr)
+        return absl::FailedPreconditionError("hybrid prefill: no routed experts to measure");
+      const auto t0 = std::chrono::steady_clock::now();
+      RETURN_IF_ERROR(Annotate(MeasureExpertRates(*experts_, c_, l, {16, 64, 256}, &prefill_rates_),
+                               "hybrid prefill: measuring the expert service"));
+      cpu_rates_measured_ = true;
+      std::string pts;
+      for (size_t i = 0; i < prefill_rates_.cpu_tokens.size(); ++i)
+        absl::StrAppend(&pts, i ? ", " : "", prefill_rates_.cpu_tokens[i], " tokens ",
+                        absl::StrFormat("%.0f", prefill_rates_.cpu_us[i]), " us");
+      std::fprintf(stderr,
+                   "hmoe cuda backend: hybrid prefill: the expert service takes per expert: %s "
+                   "(measured in %.1f s)\n",
+                   pts.c_str(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    ASSIGN_OR_RETURN(plan, PlanPrefillLayer(counts, streamed_->expert_bytes(),
+                                            6.0 * static_cast<double>(c_.hidden_size) *
+                                                static_cast<double>(c_.moe.intermediate_size),
+                                            prefill_rates_));
+  }
+  ++prefill_layers_[static_cast<int>(plan.choice)];
+  if (o_.log_prefill_plans) absl::StrAppend(&pass_plan_log_, "\n  layer ", l, " ", plan.Describe());
+  if (plan.gpu_experts.empty()) return int64_t{0};
+  BurstBegin();
+  absl::StatusOr<int64_t> n = streamed_->Run(l, hb_, T, K, in.ids, rw_, plan.gpu_experts, ids_out);
+  BurstEnd();
+  if (!n.ok()) return Failed(n.status());
+  streamed_pending_ = *n > 0;
+  streamed_slots_ += *n;
+  return *n;
+}
+
 absl::Status CudaBackend::AddExperts(int l, const float* routed) {
   (void)l;
   RETURN_IF_ERROR(health());
@@ -1246,6 +1252,10 @@ absl::Status CudaBackend::AddExperts(int l, const float* routed) {
   HMOE_CUDA_TRY(
       cudaMemcpyAsync(routed_, routed, static_cast<size_t>(n * 4), cudaMemcpyHostToDevice, stream_),
       "expert output upload");
+  if (streamed_pending_)  // routed = the service's part + the streamed part
+    RETURN_IF_ERROR(
+        Launched(Accumulate(routed_, streamed_->out(), nullptr, n, stream_), "Accumulate"));
+  streamed_pending_ = false;
   // x += routed + shared, the reference's order.
   if (shared_pending_)
     RETURN_IF_ERROR(Launched(Accumulate(routed_, ysh_, nullptr, n, stream_), "Accumulate"));
@@ -1358,6 +1368,11 @@ void CudaBackend::ArmCalls(const std::vector<SlotCall>& calls) {
 
 absl::Status CudaBackend::Commit() {
   RETURN_IF_ERROR(Sync("pass"));
+  if (!pass_plan_log_.empty()) {
+    std::fprintf(stderr, "hmoe cuda backend: prefill pass of %lld tokens:%s\n",
+                 static_cast<long long>(rows_), pass_plan_log_.c_str());
+    pass_plan_log_.clear();
+  }
   if (slot_pass_) {
     FinishDeviceWaits().IgnoreError();  // reported by Logits; a pass without logits keeps none
     int64_t wait = slots_->TakeWaitNs();

@@ -852,37 +852,98 @@ __global__ void QuantRowsKernel(const uint16_t* src16, const float* src32, int64
   (void)K;
 }
 
+// Eight int4 weights (one 32-bit word: byte j holds columns 2j, low
+// nibble, and 2j + 1) against eight int8 activations (aa: columns 0-3, ab:
+// 4-7), added to c: exact integer products.
+__device__ __forceinline__ int Dot8Int4(uint32_t w, uint32_t aa, uint32_t ab, int c) {
+  // Nibbles to signed bytes: (v ^ 8) - 8 per byte.
+  const uint32_t lo = __vsub4((w & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u);
+  const uint32_t hi = __vsub4(((w >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u);
+  const uint32_t even = __byte_perm(aa, ab, 0x6420), odd = __byte_perm(aa, ab, 0x7531);
+  c = __dp4a(static_cast<int>(lo), static_cast<int>(even), c);
+  return __dp4a(static_cast<int>(hi), static_cast<int>(odd), c);
+}
+
+__device__ __forceinline__ bool Aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
 // Lane-partial dot of matrix row r with an activation row; the warp sums it.
-// int8 / int4: integer products per group (int4) or over the row (int8),
-// combined in double with the weight scales; times a_s at the end. bf16:
-// double sum of f32 products.
+// int8 / int4: exact integer products (int4: per 32-column piece of a
+// group), combined in double with the weight scales (an int times a float
+// is exact in double); times a_s at the end. bf16: double sum of f32
+// products. Rows whose bytes and activations are 16-byte aligned (int4:
+// cols and group multiples of 32; int8: cols of 16; bf16: cols of 8) are
+// read 16 bytes per lane, coalesced; others element by element.
 __device__ double RowDot(const DevQuantMatrix& W, int64_t r, const float* a_f, const int8_t* a_q,
                          float a_s) {
   const int lane = threadIdx.x % 32;
   double acc = 0.0;
   if (W.format == 0) {
     const uint16_t* w = static_cast<const uint16_t*>(W.w) + r * W.cols;
-    for (int64_t c = lane; c < W.cols; c += 32)
-      acc += static_cast<double>(a_f[c]) * static_cast<double>(Bf16ToF(w[c]));
+    if (W.cols % 8 == 0 && Aligned16(w)) {
+      const uint4* w4 = reinterpret_cast<const uint4*>(w);
+      for (int64_t k = lane; k < W.cols / 8; k += 32) {
+        const uint4 v = w4[k];
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+        const float* a = a_f + 8 * k;
+        for (int j = 0; j < 4; ++j) {
+          acc += static_cast<double>(a[2 * j]) * static_cast<double>(__uint_as_float(u[j] << 16));
+          acc += static_cast<double>(a[2 * j + 1]) *
+                 static_cast<double>(__uint_as_float(u[j] & 0xFFFF0000u));
+        }
+      }
+    } else {
+      for (int64_t c = lane; c < W.cols; c += 32)
+        acc += static_cast<double>(a_f[c]) * static_cast<double>(Bf16ToF(w[c]));
+    }
   } else if (W.format == 1) {
     const int8_t* w = static_cast<const int8_t*>(W.w) + r * W.cols;
     int isum = 0;
-    for (int64_t c = lane; c < W.cols; c += 32) isum += int{a_q[c]} * int{w[c]};
+    if (W.cols % 16 == 0 && Aligned16(w) && Aligned16(a_q)) {
+      const uint4* w4 = reinterpret_cast<const uint4*>(w);
+      const uint4* a4 = reinterpret_cast<const uint4*>(a_q);
+      for (int64_t k = lane; k < W.cols / 16; k += 32) {
+        const uint4 v = w4[k], a = a4[k];
+        isum = __dp4a(static_cast<int>(v.x), static_cast<int>(a.x), isum);
+        isum = __dp4a(static_cast<int>(v.y), static_cast<int>(a.y), isum);
+        isum = __dp4a(static_cast<int>(v.z), static_cast<int>(a.z), isum);
+        isum = __dp4a(static_cast<int>(v.w), static_cast<int>(a.w), isum);
+      }
+    } else {
+      for (int64_t c = lane; c < W.cols; c += 32) isum += int{a_q[c]} * int{w[c]};
+    }
     for (int o = 16; o > 0; o >>= 1) isum += __shfl_xor_sync(0xffffffffu, isum, o);
     return lane == 0 ? static_cast<double>(isum) * W.scale[r] * a_s : 0.0;
   } else {
     const uint8_t* w = static_cast<const uint8_t*>(W.w) + r * ((W.cols + 1) / 2);
     const int64_t ng = (W.cols + W.group - 1) / W.group;
-    // Lane l owns groups l, l + 32, ...: each group's integer sum is exact.
-    for (int64_t g = lane; g < ng; g += 32) {
-      int isum = 0;
-      const int64_t c1 = min(W.cols, (g + 1) * W.group);
-      for (int64_t c = g * W.group; c < c1; ++c) {
-        const int b = w[c / 2];
-        const int v = (c % 2 == 0) ? (b & 0xF) : (b >> 4);
-        isum += int{a_q[c]} * (v >= 8 ? v - 16 : v);
+    const float* sc = W.scale + r * ng;
+    if (W.cols % 32 == 0 && W.group % 32 == 0 && Aligned16(w) && Aligned16(a_q)) {
+      // Lane k takes 32 columns (16 weight bytes, 32 activations) of group
+      // 32k / group at a time.
+      const uint4* w4 = reinterpret_cast<const uint4*>(w);
+      const uint4* a4 = reinterpret_cast<const uint4*>(a_q);
+      for (int64_t k = lane; k < W.cols / 32; k += 32) {
+        const uint4 v = w4[k], a0 = a4[2 * k], a1 = a4[2 * k + 1];
+        int isum = Dot8Int4(v.x, a0.x, a0.y, 0);
+        isum = Dot8Int4(v.y, a0.z, a0.w, isum);
+        isum = Dot8Int4(v.z, a1.x, a1.y, isum);
+        isum = Dot8Int4(v.w, a1.z, a1.w, isum);
+        acc += static_cast<double>(isum) * static_cast<double>(sc[(32 * k) / W.group]);
       }
-      acc += static_cast<double>(isum) * W.scale[r * ng + g];
+    } else {
+      // Lane l owns groups l, l + 32, ...: each group's integer sum is exact.
+      for (int64_t g = lane; g < ng; g += 32) {
+        int isum = 0;
+        const int64_t c1 = min(W.cols, (g + 1) * W.group);
+        for (int64_t c = g * W.group; c < c1; ++c) {
+          const int b = w[c / 2];
+          const int v = (c % 2 == 0) ? (b & 0xF) : (b >> 4);
+          isum += int{a_q[c]} * (v >= 8 ? v - 16 : v);
+        }
+        acc += static_cast<double>(isum) * sc[g];
+      }
     }
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     return lane == 0 ? acc * a_s : 0.0;
@@ -976,6 +1037,67 @@ __global__ void HotSumKernel(HotExpertsArgs a, const int32_t* slot_expert, const
   for (int64_t j = 0; j < a.K; ++j)
     if (slot_expert[t * a.K + j] >= 0) o += ys[(t * a.K + j) * a.H + c];
   a.out[i] = o;
+}
+
+// ---- streamed experts (hybrid prefill) --------------------------------------------
+
+// out[r][c] = bf16(W[r][c]) dequantized: bf16 as is, int8 q * scale[r],
+// int4 q * scale[r][c / group] (rounded to bf16 once).
+__global__ void DequantToBf16Kernel(DevQuantMatrix W, uint16_t* out) {
+  const int64_t n = W.rows * W.cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / W.cols, c = i % W.cols;
+    if (W.format == 0) {
+      out[i] = static_cast<const uint16_t*>(W.w)[i];
+    } else if (W.format == 1) {
+      out[i] = FToBf16(static_cast<float>(static_cast<const int8_t*>(W.w)[i]) * W.scale[r]);
+    } else {
+      const int b = static_cast<const uint8_t*>(W.w)[r * ((W.cols + 1) / 2) + c / 2];
+      const int v = (c % 2 == 0) ? (b & 0xF) : (b >> 4);
+      const int64_t ng = (W.cols + W.group - 1) / W.group;
+      out[i] = FToBf16(static_cast<float>(v >= 8 ? v - 16 : v) * W.scale[r * ng + c / W.group]);
+    }
+  }
+}
+
+__global__ void GatherBf16RowsKernel(const uint16_t* x, int64_t cols, const int32_t* rows,
+                                     int64_t n, uint16_t* out) {
+  const bool vec = cols % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const uint16_t* src = x + static_cast<int64_t>(rows[i]) * cols;
+    uint16_t* dst = out + i * cols;
+    if (vec) {
+      for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x)
+        reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(src)[c];
+    } else {
+      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+    }
+  }
+}
+
+__global__ void ScatterWeightedRowsKernel(const float* z, int64_t cols, const int32_t* slots,
+                                          int64_t n, const float* w, float* ys) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const int64_t s = slots[i];
+    const float ws = w[s];
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+      ys[s * cols + c] = ws * z[i * cols + c];
+  }
+}
+
+__global__ void SumMarkedSlotsKernel(const float* ys, const uint8_t* marked, int64_t T, int64_t K,
+                                     int64_t H, float* out) {
+  const int64_t n = T * H;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / H, c = i % H;
+    float o = 0.0f;
+    for (int64_t j = 0; j < K; ++j)
+      if (marked[t * K + j]) o += ys[(t * K + j) * H + c];
+    out[i] = o;
+  }
 }
 
 __global__ void TrapKernel() { __trap(); }
@@ -1321,16 +1443,55 @@ cudaError_t HotExperts(const HotExpertsArgs& a, cudaStream_t s) {
   HotSlotsKernel<<<GridFor(a.T), kThreads, 0, s>>>(a, w.slot_expert, w.token_active);
   QuantRowsKernel<<<static_cast<unsigned>(a.T), kThreads, 0, s>>>(a.x, nullptr, a.H, w.token_active,
                                                                   1, w.xq, w.xs);
-  // Enough row chunks to fill the GPU at batch 1 (each block: 8 warps).
-  const unsigned gu_chunks = static_cast<unsigned>(std::clamp<int64_t>(a.I / 64, 1, 64));
+  // Row chunks of 16 (8 warps, 2 rows each): enough loads in flight for HBM
+  // at batch 1, with a few hot slots per layer.
+  const unsigned gu_chunks = static_cast<unsigned>(std::clamp<int64_t>(a.I / 16, 1, 4096));
   HotGateUpKernel<<<dim3(static_cast<unsigned>(a.T * a.K), gu_chunks), kThreads,
                     static_cast<size_t>(a.H) * 4, s>>>(a, w.slot_expert, w.xq, w.xs, w.h);
   QuantRowsKernel<<<static_cast<unsigned>(a.T * a.K), kThreads, 0, s>>>(
       nullptr, w.h, a.I, w.slot_expert, 1, w.hq, w.hs);
-  const unsigned dn_chunks = static_cast<unsigned>(std::clamp<int64_t>(a.H / 64, 1, 128));
+  const unsigned dn_chunks = static_cast<unsigned>(std::clamp<int64_t>(a.H / 16, 1, 4096));
   HotDownKernel<<<dim3(static_cast<unsigned>(a.T * a.K), dn_chunks), kThreads, 0, s>>>(
       a, w.slot_expert, w.h, w.hq, w.hs, w.ys);
   HotSumKernel<<<GridFor(a.T * a.H), kThreads, 0, s>>>(a, w.slot_expert, w.ys);
+  return cudaGetLastError();
+}
+
+cudaError_t DequantToBf16(const DevQuantMatrix& w, uint16_t* out, cudaStream_t s) {
+  if (w.rows == 0 || w.cols == 0) return cudaSuccess;
+  if (w.w == nullptr || out == nullptr || w.rows < 0 || w.cols < 0 || w.format < 0 ||
+      w.format > 2 || (w.format > 0 && w.scale == nullptr) || (w.format == 2 && w.group <= 0))
+    return cudaErrorInvalidValue;
+  DequantToBf16Kernel<<<GridFor(w.rows * w.cols), kThreads, 0, s>>>(w, out);
+  return cudaGetLastError();
+}
+
+cudaError_t GatherBf16Rows(const uint16_t* x, int64_t cols, const int32_t* rows, int64_t n,
+                           uint16_t* out, cudaStream_t s) {
+  if (n == 0 || cols == 0) return cudaSuccess;
+  if (x == nullptr || rows == nullptr || out == nullptr || n < 0 || cols < 0)
+    return cudaErrorInvalidValue;
+  GatherBf16RowsKernel<<<static_cast<unsigned>(std::min<int64_t>(n, 65535)), kThreads, 0, s>>>(
+      x, cols, rows, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t ScatterWeightedRows(const float* z, int64_t cols, const int32_t* slots, int64_t n,
+                                const float* w, float* ys, cudaStream_t s) {
+  if (n == 0 || cols == 0) return cudaSuccess;
+  if (z == nullptr || slots == nullptr || w == nullptr || ys == nullptr || n < 0 || cols < 0)
+    return cudaErrorInvalidValue;
+  ScatterWeightedRowsKernel<<<static_cast<unsigned>(std::min<int64_t>(n, 65535)), kThreads, 0, s>>>(
+      z, cols, slots, n, w, ys);
+  return cudaGetLastError();
+}
+
+cudaError_t SumMarkedSlots(const float* ys, const uint8_t* marked, int64_t T, int64_t K, int64_t H,
+                           float* out, cudaStream_t s) {
+  if (T == 0 || H == 0) return cudaSuccess;
+  if (ys == nullptr || marked == nullptr || out == nullptr || T < 0 || K <= 0 || H < 0)
+    return cudaErrorInvalidValue;
+  SumMarkedSlotsKernel<<<GridFor(T * H), kThreads, 0, s>>>(ys, marked, T, K, H, out);
   return cudaGetLastError();
 }
 

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "gpu_worker/driver/routing.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/routed_experts.h"
@@ -95,7 +96,18 @@ class LayerBackend {
   virtual absl::Status DenseMlp(int layer) = 0;
   virtual absl::Status Route(int layer, const GateSpec& gate, RoutedInput* out) = 0;
   virtual absl::Status StartSharedExperts(int layer) = 0;
-  // `routed`: [T, H] host f32, the routed experts' sum for the pass's tokens.
+  // Large passes (not through slots; hybrid prefill): the backend may
+  // compute some of layer `layer`'s routed slots itself. It writes ids_out =
+  // in.ids ([T, k]) with the slots it took set to kNoExpert (what the
+  // caller sends to the routed experts) and adds their sum in AddExperts.
+  // Returns the slots taken; 0: none, ids_out unspecified.
+  virtual absl::StatusOr<int64_t> TakeRoutedSlots(int layer, const RoutedInput& in, int64_t T,
+                                                  int k, int32_t* ids_out) {
+    (void)layer, (void)in, (void)T, (void)k, (void)ids_out;
+    return int64_t{0};
+  }
+  // `routed`: [T, H] host f32, the routed experts' sum for the pass's tokens
+  // (less what TakeRoutedSlots took, which the backend adds itself).
   virtual absl::Status AddExperts(int layer, const float* routed) = 0;
   virtual absl::Status AddToResidual(const float* v) = 0;  // [T, H] host f32
 

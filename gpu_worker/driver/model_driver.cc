@@ -200,6 +200,17 @@ absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* defe
     ids = ids_now.data();
     weights = weights_now.data();
   }
+  // Hybrid prefill: the backend may compute some slots itself (not with
+  // deferral: its calls may still be in flight).
+  std::vector<int32_t> ids_rest;
+  if (n == 0) {
+    ids_rest.resize(static_cast<size_t>(T * K));
+    absl::StatusOr<int64_t> taken =
+        backend_->TakeRoutedSlots(l, in, T, static_cast<int>(K), ids_rest.data());
+    if (!taken.ok())
+      return Annotate(taken.status(), absl::StrCat("layer ", l, " streamed experts"));
+    if (*taken > 0) ids = ids_rest.data();
+  }
   const ExpertBatch b{.layer = l,
                       .num_tokens = T,
                       .hidden_size = H,

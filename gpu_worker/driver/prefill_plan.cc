@@ -1,10 +1,13 @@
 #include "gpu_worker/driver/prefill_plan.h"
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
+#include "gpu_worker/routed_experts.h"
 
 namespace hmoe {
 
@@ -105,6 +108,52 @@ absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
   if (all > 0 && with[all].layer() < p.us) take(PrefillChoice::kStream, all);
   if (best > 0 && best < all && with[best].layer() < p.us) take(PrefillChoice::kSplit, best);
   return p;
+}
+
+absl::Status MeasureExpertRates(RoutedExperts& experts, const ModelConfig& config, int layer,
+                                const std::vector<int64_t>& tokens_per_expert,
+                                PrefillRates* rates) {
+  if (layer < 0 || layer >= config.num_layers || !config.layers[static_cast<size_t>(layer)].moe)
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert rates: layer ", layer, " is not an MoE layer"));
+  if (tokens_per_expert.empty())
+    return absl::InvalidArgumentError("expert rates: no tokens-per-expert point");
+  for (size_t i = 0; i < tokens_per_expert.size(); ++i)
+    if (tokens_per_expert[i] <= 0 || (i > 0 && tokens_per_expert[i] <= tokens_per_expert[i - 1]))
+      return absl::InvalidArgumentError(absl::StrCat("expert rates: point ", i, " (",
+                                                     tokens_per_expert[i],
+                                                     " tokens) is not positive or not ascending"));
+  const int64_t E = config.moe.num_experts, K = config.moe.experts_per_token,
+                H = config.hidden_size;
+  auto call = [&](int64_t n) -> absl::StatusOr<double> {
+    const int64_t T = (n * E + K - 1) / K;
+    std::vector<float> hidden(static_cast<size_t>(T * H)), out(static_cast<size_t>(T * H));
+    for (size_t i = 0; i < hidden.size(); ++i)
+      hidden[i] = static_cast<float>(static_cast<int>(i % 17) - 8) / 64.0f;
+    std::vector<int32_t> ids(static_cast<size_t>(T * K));
+    std::vector<float> w(static_cast<size_t>(T * K), 1.0f / static_cast<float>(K));
+    for (int64_t s = 0; s < T * K; ++s) ids[static_cast<size_t>(s)] = static_cast<int32_t>(s % E);
+    ExpertBatch b;
+    b.layer = layer;
+    b.num_tokens = T;
+    b.hidden_size = H;
+    b.hidden = hidden.data();
+    b.top_k = static_cast<int>(K);
+    b.expert_ids = ids.data();
+    b.weights = w.data();
+    const auto t0 = std::chrono::steady_clock::now();
+    RETURN_IF_ERROR(experts.Forward(b, out.data()));
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  RETURN_IF_ERROR(call(tokens_per_expert.front()).status());  // warm-up
+  rates->cpu_tokens.clear();
+  rates->cpu_us.clear();
+  for (int64_t n : tokens_per_expert) {
+    ASSIGN_OR_RETURN(const double s, call(n));
+    rates->cpu_tokens.push_back(n);
+    rates->cpu_us.push_back(s * 1e6 / static_cast<double>(E));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace hmoe

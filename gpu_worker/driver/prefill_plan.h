@@ -15,8 +15,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/model_config.h"
 
 namespace hmoe {
+
+class RoutedExperts;
 
 struct PrefillRates {
   double pcie_gbps = 0;   // host -> device, pinned staging, GB/s (> 0)
@@ -53,5 +56,15 @@ struct PrefillPlan {
 absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
                                              int64_t expert_bytes, double flops_per_token,
                                              const PrefillRates& rates);
+
+// Times `experts` (the expert service, or any RoutedExperts) on MoE layer
+// `layer` of `config`: for each n of `tokens_per_expert` (ascending, > 0), one
+// call in which every expert gets n tokens (n * E / k tokens, each routed to k
+// consecutive experts), after one untimed call; fills rates->cpu_tokens /
+// cpu_us with (n, time / E). The hidden states are a fixed pattern (the
+// kernels' time does not depend on the values). Errors of the calls are
+// passed on; INVALID_ARGUMENT for a non-MoE layer or a bad list.
+absl::Status MeasureExpertRates(RoutedExperts& experts, const ModelConfig& config, int layer,
+                                const std::vector<int64_t>& tokens_per_expert, PrefillRates* rates);
 
 }  // namespace hmoe

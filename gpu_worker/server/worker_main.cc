@@ -7,7 +7,9 @@
 //                   [--defer-experts 0] [--port-file PATH]
 //                   [--backend cpu|cuda|auto] [--cuda-device 0] [--gpu-mem-gb GB]
 //                   [--cuda-graphs on|off] [--cuda-expert-slots on|off]
-//                   [--routing-stats-out FILE] [--hot-experts STATS --hot-experts-gb GB]
+//                   [--routing-stats-out FILE]
+//                   [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]
+//                   [--prefill-experts cpu|stream|auto] [--log-prefill-plans on|off]
 //                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
 //                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
 //                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
@@ -35,6 +37,17 @@
 // on the GPU in decode steps, quantized as the expert service serves them
 // (its --format); the placement is logged at start. Foreign or malformed
 // stats stop the worker at start (exit 1) naming the file and field.
+// --calibrate PROMPTS --hot-experts-gb GB (cuda): the statistics come from a
+// calibration run at start instead: the model loads without hot experts,
+// prefills each line of PROMPTS (text, one prompt per line; the model's
+// tokenizer.json), plans from its routing counts and loads again with the
+// hot experts (gpu_worker/calibrate.h; logged: prompts, tokens, seconds).
+// --prefill-experts cpu|stream|auto (cuda; cpu by default): where a prefill
+// pass's routed experts run per MoE layer (ModelOptions::prefill_experts:
+// the service, streamed to the GPU over PCIe, or the cost model's choice;
+// stream and auto keep a pinned host copy of every routed expert in the
+// shards' format). --log-prefill-plans on: one stderr line per such pass
+// with each layer's choice.
 // --cuda-expert-calls device|host: who sends each expert call and waits for
 // its answer inside a slot pass (ModelOptions::cuda_device_calls; device by
 // default, over shm).
@@ -78,6 +91,7 @@
 #include "common/tokenizer.h"
 #include "common/transport/grpc_tls.h"
 #include "common/weight_map.h"
+#include "gpu_worker/calibrate.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/hot_weights.h"
 #include "gpu_worker/model.h"
@@ -109,9 +123,12 @@ struct WorkerOptions {
   bool cuda_graphs = true;
   bool cuda_expert_slots = true;
   bool cuda_device_calls = true;
+  std::string prefill_experts = "cpu";
+  bool log_prefill_plans = false;
   int64_t debug_cuda_fault_after = 0;
   std::string routing_stats_out;
   std::string hot_experts;  // routing-stats file
+  std::string calibrate;    // prompts file
   double hot_experts_gb = 0;
   std::string auth_token_file;
   std::string expert_auth_token_file;
@@ -189,6 +206,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.routing_stats_out = v;
     } else if (a == "--hot-experts") {
       o.hot_experts = v;
+    } else if (a == "--calibrate") {
+      o.calibrate = v;
     } else if (a == "--hot-experts-gb") {
       char* end = nullptr;
       o.hot_experts_gb = std::strtod(v.c_str(), &end);
@@ -200,6 +219,13 @@ WorkerOptions ParseFlags(int argc, char** argv) {
     } else if (a == "--cuda-expert-calls") {
       if (v != "device" && v != "host") Die("--cuda-expert-calls must be device or host, got " + v);
       o.cuda_device_calls = v == "device";
+    } else if (a == "--prefill-experts") {
+      if (v != "cpu" && v != "stream" && v != "auto")
+        Die("--prefill-experts must be cpu, stream or auto, got " + v);
+      o.prefill_experts = v;
+    } else if (a == "--log-prefill-plans") {
+      if (v != "on" && v != "off") Die("--log-prefill-plans must be on or off, got " + v);
+      o.log_prefill_plans = v == "on";
     } else if (a == "--cuda-graphs") {
       if (v != "on" && v != "off") Die("--cuda-graphs must be on or off, got " + v);
       o.cuda_graphs = v == "on";
@@ -216,8 +242,9 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--defer-experts N] [--port-file PATH]\n"
           "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
           "       [--cuda-graphs on|off] [--cuda-expert-slots on|off]\n"
-          "       [--cuda-expert-calls device|host]\n"
-          "       [--hot-experts STATS --hot-experts-gb GB]\n"
+          "       [--cuda-expert-calls device|host] [--prefill-experts cpu|stream|auto]\n"
+          "       [--log-prefill-plans on|off]\n"
+          "       [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]\n"
           "       [--routing-stats-out FILE]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
           "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
@@ -316,6 +343,8 @@ int Run(int argc, char** argv) {
   mo.cuda_graphs = o.cuda_graphs;
   mo.cuda_expert_slots = o.cuda_expert_slots;
   mo.cuda_device_calls = o.cuda_device_calls;
+  mo.prefill_experts = o.prefill_experts;
+  mo.log_prefill_plans = o.log_prefill_plans;
   mo.debug_cuda_fault_after = o.debug_cuda_fault_after;
   mo.kv_blocks = o.kv_blocks;
   auto resolved = ResolveBackend(o.backend, o.cuda_device);
@@ -323,30 +352,7 @@ int Run(int argc, char** argv) {
   mo.backend = *resolved;
   std::fprintf(stderr, "hmoe-gpu-worker: backend %s (--backend %s)\n", mo.backend.c_str(),
                o.backend.c_str());
-  if (!o.hot_experts.empty() || o.hot_experts_gb > 0) {
-    if (o.hot_experts.empty() || !(o.hot_experts_gb > 0))
-      Die("--hot-experts and --hot-experts-gb go together");
-    // The shards' format (the same quantized weights on both sides), or the
-    // in-process experts' bf16.
-    int group = 64;
-    auto fmt = ParseServeFormat(pool ? pool->model().weight_format : "bf16", &group);
-    if (!fmt.ok()) Die("expert service: " + fmt.status().ToString(), 1);
-    PlacementOptions plo;
-    plo.budget_bytes = static_cast<int64_t>(o.hot_experts_gb * (1ull << 30));
-    plo.expert_bytes = HotExpertBytes(*config, *fmt, group);
-    auto placed = PlanPlacementFromFile(o.hot_experts, *config, plo);
-    if (!placed.ok()) Die("--hot-experts: " + placed.status().ToString(), 1);
-    if (mo.backend != "cuda")
-      Die("--hot-experts needs the cuda backend (backend " + mo.backend + ")");
-    std::fprintf(stderr, "hmoe-gpu-worker: hot experts from %s: %s (%s, %.2f GiB budget)\n",
-                 o.hot_experts.c_str(), placed->Describe().c_str(),
-                 ServeFormatName(*fmt, group).c_str(), o.hot_experts_gb);
-    mo.hot_experts = std::make_shared<Placement>(std::move(*placed));
-    mo.hot_format = std::string(WeightFormatName(*fmt));
-    mo.hot_group = group;
-  }
-  auto model = Model::Load(o.model_dir, mo, remote.get());
-  if (!model.ok()) Die(model.status().ToString(), 1);
+  // The tokenizer first: a calibration run needs it.
   std::unique_ptr<Tokenizer> tokenizer;
   std::string no_tokenizer = "this model has no tokenizer.json";
   const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
@@ -366,6 +372,73 @@ int Run(int argc, char** argv) {
       tokenizer = std::move(*t);
     }
   }
+  const bool hot = !o.hot_experts.empty() || !o.calibrate.empty() || o.hot_experts_gb > 0;
+  if (o.prefill_experts != "cpu" && mo.backend != "cuda")
+    Die("--prefill-experts " + o.prefill_experts + " needs the cuda backend (backend " +
+        mo.backend + ")");
+  if (hot) {
+    if (!o.hot_experts.empty() && !o.calibrate.empty())
+      Die("--hot-experts and --calibrate are exclusive (a stats file, or a calibration run)");
+    if (!(o.hot_experts_gb > 0))
+      Die(absl::StrCat(o.calibrate.empty() ? "--hot-experts" : "--calibrate",
+                       " and --hot-experts-gb go together"));
+    if (o.hot_experts.empty() && o.calibrate.empty())
+      Die("--hot-experts-gb needs --hot-experts STATS or --calibrate PROMPTS");
+  }
+  auto need_cuda = [&](const char* flag) {
+    if (mo.backend != "cuda")
+      Die(absl::StrCat(flag, " needs the cuda backend (backend ", mo.backend, ")"));
+  };
+  PlacementOptions plo;
+  int group = 64;
+  WeightFormat hot_fmt = WeightFormat::kBf16;
+  if (hot || o.prefill_experts != "cpu") {
+    // The shards' format (the same quantized weights on both sides), or the
+    // in-process experts' bf16.
+    auto fmt = ParseServeFormat(pool ? pool->model().weight_format : "bf16", &group);
+    if (!fmt.ok()) Die("expert service: " + fmt.status().ToString(), 1);
+    hot_fmt = *fmt;
+    plo.budget_bytes = static_cast<int64_t>(o.hot_experts_gb * (1ull << 30));
+    plo.expert_bytes = HotExpertBytes(*config, hot_fmt, group);
+  }
+  absl::StatusOr<Placement> placed = Placement{};
+  std::string placed_from = o.hot_experts;
+  if (!o.hot_experts.empty()) {
+    placed = PlanPlacementFromFile(o.hot_experts, *config, plo);
+    if (!placed.ok()) Die("--hot-experts: " + placed.status().ToString(), 1);
+    need_cuda("--hot-experts");
+  } else if (!o.calibrate.empty()) {
+    need_cuda("--calibrate");
+    if (!tokenizer) Die("--calibrate: " + no_tokenizer + " (the prompts are text)", 1);
+    auto calib_model = Model::Load(o.model_dir, mo, remote.get());
+    if (!calib_model.ok()) Die(calib_model.status().ToString(), 1);
+    auto calib = CalibrateRouting(**calib_model, *tokenizer, o.calibrate);
+    if (!calib.ok()) Die("--calibrate: " + calib.status().ToString(), 1);
+    calib_model->reset();
+    std::fprintf(stderr,
+                 "hmoe-gpu-worker: calibrated on %lld prompts (%lld tokens, %lld cut to the "
+                 "context) from %s in %.1f s\n",
+                 static_cast<long long>(calib->prompts), static_cast<long long>(calib->tokens),
+                 static_cast<long long>(calib->truncated), o.calibrate.c_str(), calib->seconds);
+    placed = PlanPlacement(calib->routing, *config, plo);
+    if (!placed.ok()) Die("--calibrate: " + placed.status().ToString(), 1);
+    placed_from = "the calibration run";
+  }
+  if (hot || o.prefill_experts != "cpu") {
+    // The GPU's copies of experts (hot, streamed) in the shards' format.
+    mo.hot_format = std::string(WeightFormatName(hot_fmt));
+    mo.hot_group = group;
+  }
+  if (hot) {
+    std::fprintf(stderr, "hmoe-gpu-worker: hot experts from %s: %s (%s, %.2f GiB budget)\n",
+                 placed_from.c_str(), placed->Describe().c_str(),
+                 ServeFormatName(hot_fmt, group).c_str(), o.hot_experts_gb);
+    mo.hot_experts = std::make_shared<Placement>(std::move(*placed));
+    mo.hot_format = std::string(WeightFormatName(hot_fmt));
+    mo.hot_group = group;
+  }
+  auto model = Model::Load(o.model_dir, mo, remote.get());
+  if (!model.ok()) Die(model.status().ToString(), 1);
   EngineOptions eo;
   eo.max_batch = o.max_batch;
   eo.max_queue = o.max_queue;

@@ -65,6 +65,12 @@ TEST(Flags, WorkerRefusesNumbersOutsideTheirRange) {
            Case{"--hot-experts-gb=0", "--hot-experts-gb must be a number of GiB > 0, got 0"},
            Case{"--hot-experts-gb=x", "--hot-experts-gb must be a number of GiB > 0, got x"},
            Case{"--hot-experts=stats.json", "--hot-experts and --hot-experts-gb go together"},
+           Case{"--calibrate=prompts.txt", "--calibrate and --hot-experts-gb go together"},
+           Case{"--hot-experts-gb=1", "--hot-experts-gb needs --hot-experts STATS or --calibrate"},
+           Case{"--hot-experts=s.json --calibrate=p.txt --hot-experts-gb=1",
+                "--hot-experts and --calibrate are exclusive"},
+           Case{"--backend=cpu --calibrate=p.txt --hot-experts-gb=1",
+                "--calibrate needs the cuda backend (backend cpu)"},
        }) {
     const Outcome r = Shell(dir, absl::StrCat(worker, " --model ", model, " ", c.flag));
     EXPECT_EQ(r.exit_code, 2) << c.flag << ": " << r.err;

@@ -60,16 +60,6 @@ Out Generate(const std::string& dir, std::shared_ptr<const Placement> hot, const
   return r;
 }
 
-double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  double m = 0, scale = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
-  }
-  return scale > 0 ? m / scale : m;
-}
-
 class CudaHotExperts : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override { HMOE_SKIP_UNLESS_BACKEND("cuda"); }
@@ -99,7 +89,7 @@ TEST_P(CudaHotExperts, EqualTheColdPathWithinTolerance) {
       ASSERT_EQ(hot.logits.size(), cold.logits.size());
       double worst = 0;
       for (size_t i = 0; i < hot.logits.size(); ++i)
-        worst = std::max(worst, MaxRelDiff(hot.logits[i], cold.logits[i]));
+        worst = std::max(worst, testing::MaxScaledDiff(hot.logits[i], cold.logits[i]));
       EXPECT_LE(worst, tol);
       std::printf("[ hot      ] %s deferred %d %s: max rel diff %.3g\n", GetParam().c_str(),
                   deferred, fmt.c_str(), worst);

@@ -69,15 +69,6 @@ Generated Generate(const ModelConfig& config, const Checkpoint& ckpt, RoutedExpe
   return r;
 }
 
-double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  double m = 0, scale = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
-  }
-  return scale > 0 ? m / scale : m;
-}
-
 class HotColdTest : public ::testing::TestWithParam<std::string> {};
 
 // Placement from the unsplit run's own stats, half of the experts it used
@@ -111,7 +102,7 @@ TEST_P(HotColdTest, SplitModelEqualsUnsplitWithinSummationTolerance) {
     const Generated hc = Generate(*config, **ckpt, split->get(), deferred);
     ASSERT_EQ(hc.logits.size(), plain.logits.size());
     for (size_t i = 0; i < hc.logits.size(); ++i)
-      EXPECT_LE(MaxRelDiff(hc.logits[i], plain.logits[i]), 1e-4) << "pass " << i;
+      EXPECT_LE(testing::MaxScaledDiff(hc.logits[i], plain.logits[i]), 1e-4) << "pass " << i;
     EXPECT_GT((*split)->hot_slots(), 0u);
     EXPECT_GT((*split)->cold_slots(), 0u);
     // The split counts every routed slot once: the stats' total.
@@ -174,7 +165,7 @@ TEST(HotColdExperts, RefusesAPlacementOfAnotherModelAndBadBatches) {
   // Against the unsplit reference on the same batch.
   std::vector<float> want(out.size());
   ASSERT_TRUE((*ref)->Forward(b, want.data()).ok());
-  EXPECT_LE(MaxRelDiff(out, want), 1e-6);
+  EXPECT_LE(testing::MaxScaledDiff(out, want), 1e-6);
   for (int64_t c = 0; c < H; ++c) EXPECT_EQ(out[static_cast<size_t>(H + c)], 0.0f);
   ids[0] = -2;
   EXPECT_EQ((*h)->Forward(b, out.data()).code(), absl::StatusCode::kInvalidArgument);

@@ -33,6 +33,19 @@ inline std::vector<std::string> ModelFixtureNames() {
   return out;
 }
 
+// max |a - b| over max |b| (the logits' scale); infinite for a non-finite a
+// or a size mismatch.
+inline double MaxScaledDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
+  }
+  return scale > 0 ? m / scale : m;
+}
+
 struct ReferenceOutputs {
   std::vector<int32_t> prompt, greedy;
   std::vector<float> prefill, steps;  // [P, V], [N, V]

@@ -5,9 +5,12 @@
 #include "gpu_worker/driver/prefill_plan.h"
 
 #include <algorithm>
+#include <map>
 #include <vector>
 
+#include "gpu_worker/routed_experts.h"
 #include "gtest/gtest.h"
+#include "tests/model/model_test_util.h"
 
 namespace hmoe {
 namespace {
@@ -121,6 +124,58 @@ TEST(PrefillPlan, RefusesBadRates) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(PlanPrefillLayer(tokens, 0, kFlops, Rates(50, 2000)).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Records each call: tokens per expert, and answers `fail` once set.
+class CountingExperts : public RoutedExperts {
+ public:
+  absl::Status Forward(const ExpertBatch& b, float* out) override {
+    if (!fail.ok()) return fail;
+    std::map<int32_t, int64_t> per;
+    for (int64_t s = 0; s < b.num_tokens * b.top_k; ++s) ++per[b.expert_ids[s]];
+    calls.push_back(per);
+    layers.push_back(b.layer);
+    std::fill(out, out + b.num_tokens * b.hidden_size, 0.0f);
+    return absl::OkStatus();
+  }
+  std::vector<std::map<int32_t, int64_t>> calls;
+  std::vector<int> layers;
+  absl::Status fail = absl::OkStatus();
+};
+
+TEST(PrefillPlan, MeasureExpertRatesGivesEveryExpertNTokens) {
+  auto config = LoadModelConfig(testing::ModelFixturesRoot() + "/qwen3_moe_tiny");
+  ASSERT_TRUE(config.ok()) << config.status();
+  int moe = -1;
+  for (int l = 0; l < config->num_layers && moe < 0; ++l)
+    if (config->layers[static_cast<size_t>(l)].moe) moe = l;
+  ASSERT_GE(moe, 0);
+  CountingExperts x;
+  PrefillRates r;
+  ASSERT_TRUE(MeasureExpertRates(x, *config, moe, {4, 32}, &r).ok());
+  ASSERT_EQ(x.calls.size(), 3u) << "a warm-up, then one call per point";
+  EXPECT_EQ(r.cpu_tokens, (std::vector<int64_t>{4, 32}));
+  ASSERT_EQ(r.cpu_us.size(), 2u);
+  for (double us : r.cpu_us) EXPECT_GT(us, 0);
+  const int64_t E = config->moe.num_experts;
+  for (size_t c = 1; c < 3; ++c) {
+    const int64_t n = c == 1 ? 4 : 32;
+    EXPECT_EQ(static_cast<int64_t>(x.calls[c].size()), E);
+    for (const auto& [e, count] : x.calls[c]) {
+      EXPECT_TRUE(e >= 0 && e < E) << e;
+      // n * E / k tokens rounded up: each expert n tokens, a few one more.
+      EXPECT_GE(count, n) << "expert " << e;
+      EXPECT_LE(count, n + 1) << "expert " << e;
+    }
+    EXPECT_EQ(x.layers[c], moe);
+  }
+  // Errors: a dense layer, a bad list, the experts' own failure.
+  EXPECT_EQ(MeasureExpertRates(x, *config, -1, {4}, &r).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MeasureExpertRates(x, *config, moe, {}, &r).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MeasureExpertRates(x, *config, moe, {8, 8}, &r).code(),
+            absl::StatusCode::kInvalidArgument);
+  x.fail = absl::UnavailableError("service gone");
+  EXPECT_EQ(MeasureExpertRates(x, *config, moe, {4}, &r).code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -1,0 +1,124 @@
+// Hybrid prefill on the cuda backend (ModelOptions::prefill_experts): a
+// 48-token prefill (over the slots' 32, so the large-pass path) with every
+// MoE layer's routed experts streamed to the GPU ("stream") or placed by the
+// cost model ("auto", which measures the in-process experts first), against
+// the same model with them on the experts ("cpu"), on every fixture, with
+// the streamed copies in bf16 and int4; then decode steps on the same
+// sequence (its KV cache came from the streamed pass). Every routed slot
+// counted once; "stream" streams every slot of every MoE layer. Skips
+// without a GPU.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_worker/model.h"
+#include "gtest/gtest.h"
+#include "tests/model/model_test_util.h"
+#include "tests/testing/backends.h"
+
+namespace hmoe {
+namespace {
+
+using testing::ModelFixtureNames;
+using testing::ModelFixturesRoot;
+
+struct Out {
+  std::vector<std::vector<float>> logits;
+  uint64_t routed = 0;
+  ModelStats stats;
+};
+
+Out Generate(const std::string& dir, const std::string& policy, const std::string& fmt) {
+  ModelOptions o;
+  o.backend = "cuda";
+  o.num_threads = 2;
+  o.prefill_experts = policy;
+  o.hot_format = fmt;
+  o.hot_group = 32;
+  auto m = Model::Load(dir, o);
+  EXPECT_TRUE(m.ok()) << m.status();
+  Out r;
+  if (!m.ok()) return r;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 48; ++i) prompt.push_back((7 * i + 3) % 50);
+  auto s = (*m)->NewSequence();
+  auto l = (*m)->Prefill(*s, prompt, LogitsMode::kLast);
+  EXPECT_TRUE(l.ok()) << l.status();
+  if (!l.ok()) return r;
+  r.logits.push_back(*l);
+  for (int step = 0; step < 3; ++step) {
+    auto d = (*m)->Decode(*s, 3 + 5 * step);
+    EXPECT_TRUE(d.ok()) << d.status();
+    if (!d.ok()) return r;
+    r.logits.push_back(*d);
+  }
+  for (const auto& layer : (*m)->routing_stats().layers)
+    for (uint64_t c : layer.tokens) r.routed += c;
+  r.stats = (*m)->stats();
+  return r;
+}
+
+class CudaStreamedExperts : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { HMOE_SKIP_UNLESS_BACKEND("cuda"); }
+};
+
+TEST_P(CudaStreamedExperts, EqualTheServicePathWithinTolerance) {
+  const std::string dir = ModelFixturesRoot() + "/" + GetParam();
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const int64_t moe_layers = config->num_moe_layers(), K = config->moe.experts_per_token;
+  const Out cpu = Generate(dir, "cpu", "bf16");
+  ASSERT_EQ(cpu.logits.size(), 4u);
+  EXPECT_EQ(cpu.stats.streamed_slots, 0);
+  // bf16: the streamed side rounds silu(gate) * up to bf16 (cuBLAS's bf16
+  // inputs), the in-process experts do not; int4: quantized weights against
+  // the checkpoint's.
+  for (const std::string policy : {"stream", "auto"}) {
+    for (const auto& [fmt, tol] :
+         {std::pair<std::string, double>{"bf16", 2e-2}, {"int4", 2.5e-1}}) {
+      SCOPED_TRACE(::testing::Message() << GetParam() << ", " << policy << ", " << fmt);
+      const Out st = Generate(dir, policy, fmt);
+      ASSERT_EQ(st.logits.size(), cpu.logits.size());
+      double worst = 0;
+      for (size_t i = 0; i < st.logits.size(); ++i)
+        worst = std::max(worst, testing::MaxScaledDiff(st.logits[i], cpu.logits[i]));
+      EXPECT_LE(worst, tol);
+      EXPECT_EQ(st.routed, cpu.routed) << "streamed slots are counted too";
+      const ModelStats& s = st.stats;
+      EXPECT_EQ(s.prefill_cpu_layers + s.prefill_stream_layers + s.prefill_split_layers, moe_layers)
+          << "one choice per MoE layer of the one large pass";
+      if (policy == "stream") {
+        EXPECT_EQ(s.prefill_stream_layers, moe_layers);
+        EXPECT_EQ(s.streamed_slots, 48 * K * moe_layers);
+      }
+      std::printf(
+          "[ stream   ] %s %s %s: max rel diff %.3g; layers cpu/stream/split %lld/%lld/%lld, "
+          "%lld slots streamed\n",
+          GetParam().c_str(), policy.c_str(), fmt.c_str(), worst,
+          static_cast<long long>(s.prefill_cpu_layers),
+          static_cast<long long>(s.prefill_stream_layers),
+          static_cast<long long>(s.prefill_split_layers), static_cast<long long>(s.streamed_slots));
+    }
+  }
+}
+
+// A policy that is not one is refused at load.
+TEST(CudaStreamedExpertsOptions, UnknownPolicyIsRefused) {
+  HMOE_SKIP_UNLESS_BACKEND("cuda");
+  ModelOptions o;
+  o.backend = "cuda";
+  o.prefill_experts = "gpu";
+  auto m = Model::Load(ModelFixturesRoot() + "/qwen3_moe_tiny", o);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("prefill_experts \"gpu\""), std::string::npos) << m.status();
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaStreamedExperts, ::testing::ValuesIn(ModelFixtureNames()),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace hmoe
