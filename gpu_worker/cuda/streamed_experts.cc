@@ -160,51 +160,76 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
 }
 
 absl::Status StreamedExperts::Measure() {
-  cudaEvent_t a = nullptr, b = nullptr;
-  HMOE_CUDA_TRY(cudaEventCreate(&a), "cudaEventCreate");
-  HMOE_CUDA_TRY(cudaEventCreate(&b), "cudaEventCreate");
-  auto timed = [&](cudaStream_t st, auto&& work) -> absl::StatusOr<double> {
+  cudaEvent_t ev[2] = {nullptr, nullptr};
+  absl::Status st = absl::OkStatus();
+  for (cudaEvent_t& e : ev) {
+    const cudaError_t ce = st.ok() ? cudaEventCreate(&e) : cudaSuccess;
+    if (ce != cudaSuccess) st = CudaError(ce, "cudaEventCreate");
+  }
+  auto timed = [&](cudaStream_t strm, auto&& work) -> absl::StatusOr<double> {
     float best = 1e30f;
     for (int rep = 0; rep < 3; ++rep) {
-      HMOE_CUDA_TRY(cudaEventRecord(a, st), "cudaEventRecord");
+      HMOE_CUDA_TRY(cudaEventRecord(ev[0], strm), "cudaEventRecord");
       RETURN_IF_ERROR(work());
-      HMOE_CUDA_TRY(cudaEventRecord(b, st), "cudaEventRecord");
-      HMOE_CUDA_TRY(cudaEventSynchronize(b), "cudaEventSynchronize");
+      HMOE_CUDA_TRY(cudaEventRecord(ev[1], strm), "cudaEventRecord");
+      HMOE_CUDA_TRY(cudaEventSynchronize(ev[1]), "cudaEventSynchronize");
       float ms = 0;
-      HMOE_CUDA_TRY(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+      HMOE_CUDA_TRY(cudaEventElapsedTime(&ms, ev[0], ev[1]), "cudaEventElapsedTime");
       best = std::min(best, ms);
     }
     return static_cast<double>(best) * 1e-3;
   };
-  const int64_t bytes = std::min<int64_t>(int64_t{1} << 30, c_.moe.num_experts * blob_);
-  absl::StatusOr<double> up = timed(copy_, [&]() -> absl::Status {
-    HMOE_CUDA_TRY(cudaMemcpyAsync(stage_.as<char>(), arena_[0].as<char>(),
-                                  static_cast<size_t>(bytes), cudaMemcpyHostToDevice, copy_),
-                  "upload");
-    return absl::OkStatus();
-  });
-  const int64_t H = c_.hidden_size, I = c_.moe.intermediate_size;
-  const int64_t n = std::min<int64_t>(max_tokens_, 1024);
-  HMOE_CUDA_TRY(cudaMemsetAsync(w_gu_.as<void>(), 0, static_cast<size_t>(w_gu_.bytes()), compute_),
-                "cudaMemset");
-  HMOE_CUDA_TRY(cudaMemsetAsync(xg_.as<void>(), 0, static_cast<size_t>(n * H * 2), compute_),
-                "cudaMemset");
-  absl::StatusOr<double> gemm = timed(compute_, [&]() -> absl::Status {
-    const float one = 1.0f, zero = 0.0f;
-    HMOE_CUBLAS_TRY(
-        cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * I), static_cast<int>(n),
-                     static_cast<int>(H), &one, w_gu_.as<void>(), CUDA_R_16BF, static_cast<int>(H),
-                     xg_.as<void>(), CUDA_R_16BF, static_cast<int>(H), &zero, y_gu_.as<void>(),
-                     CUDA_R_32F, static_cast<int>(2 * I), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-        "GemmEx (streamed experts' rate)");
-    return absl::OkStatus();
-  });
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  const int64_t H = c_.hidden_size, I = c_.moe.intermediate_size, E = c_.moe.num_experts,
+                K = c_.moe.experts_per_token;
+  const int64_t bytes = std::min<int64_t>(int64_t{1} << 30, E * blob_);
+  absl::StatusOr<double> up = absl::InternalError("not measured");
+  absl::StatusOr<double> expert = absl::InternalError("not measured");
+  // One expert's whole compute (dequantize, two GEMMs, the activation) at
+  // the rows an expert gets in a full pass, on the arena's first expert.
+  const int64_t n = std::clamp<int64_t>(max_tokens_ * K / E, 16, max_tokens_);
+  if (st.ok()) {
+    up = timed(copy_, [&]() -> absl::Status {
+      HMOE_CUDA_TRY(cudaMemcpyAsync(stage_.as<char>(), arena_[0].as<char>(),
+                                    static_cast<size_t>(bytes), cudaMemcpyHostToDevice, copy_),
+                    "upload");
+      return absl::OkStatus();
+    });
+    HMOE_CUDA_TRY(cudaStreamSynchronize(copy_), "cudaStreamSynchronize");
+    HMOE_CUDA_TRY(cudaMemsetAsync(xg_.as<void>(), 0, static_cast<size_t>(n * H * 2), compute_),
+                  "cudaMemset");
+    const DevExpert ex = ExpertAt(stage_.as<char>());
+    expert = timed(compute_, [&]() -> absl::Status {
+      const float one = 1.0f, zero = 0.0f;
+      uint16_t* w_gu = w_gu_.as<uint16_t>();
+      HMOE_CUDA_TRY(DequantToBf16(ex.gate, w_gu, compute_), "DequantToBf16");
+      HMOE_CUDA_TRY(DequantToBf16(ex.up, w_gu + I * H, compute_), "DequantToBf16");
+      HMOE_CUBLAS_TRY(
+          cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * I),
+                       static_cast<int>(n), static_cast<int>(H), &one, w_gu, CUDA_R_16BF,
+                       static_cast<int>(H), xg_.as<void>(), CUDA_R_16BF, static_cast<int>(H), &zero,
+                       y_gu_.as<void>(), CUDA_R_32F, static_cast<int>(2 * I), CUBLAS_COMPUTE_32F,
+                       CUBLAS_GEMM_DEFAULT),
+          "GemmEx (streamed experts' rate)");
+      HMOE_CUDA_TRY(SiluMul(y_gu_.as<float>(), n, I, hb_.as<uint16_t>(), compute_), "SiluMul");
+      HMOE_CUDA_TRY(DequantToBf16(ex.down, w_d_.as<uint16_t>(), compute_), "DequantToBf16");
+      HMOE_CUBLAS_TRY(
+          cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(H), static_cast<int>(n),
+                       static_cast<int>(I), &one, w_d_.as<void>(), CUDA_R_16BF, static_cast<int>(I),
+                       hb_.as<void>(), CUDA_R_16BF, static_cast<int>(I), &zero, z_.as<void>(),
+                       CUDA_R_32F, static_cast<int>(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "GemmEx (streamed experts' rate)");
+      return absl::OkStatus();
+    });
+  }
+  for (cudaEvent_t e : ev)
+    if (e != nullptr) cudaEventDestroy(e);
+  RETURN_IF_ERROR(st);
   RETURN_IF_ERROR(up.status());
-  RETURN_IF_ERROR(gemm.status());
+  RETURN_IF_ERROR(expert.status());
   pcie_gbps_ = static_cast<double>(bytes) / *up / 1e9;
-  gemm_tflops_ = 2.0 * static_cast<double>(n * H * 2 * I) / *gemm / 1e12;
+  // The cost model's GPU rate: this whole compute (dequantization included)
+  // as FLOP/s of its GEMMs.
+  gemm_tflops_ = 6.0 * static_cast<double>(n * H * I) / *expert / 1e12;
   return absl::OkStatus();
 }
 
@@ -240,6 +265,13 @@ absl::StatusOr<int64_t> StreamedExperts::Run(int layer, const uint16_t* x, int64
   for (int64_t e = 0; e < E; ++e)
     begin[static_cast<size_t>(e) + 1] += begin[static_cast<size_t>(e)];
   const int64_t n = begin[static_cast<size_t>(E)];
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t ne = begin[static_cast<size_t>(e) + 1] - begin[static_cast<size_t>(e)];
+    if (ne > max_tokens_)  // a token routed to one expert twice
+      return absl::InvalidArgumentError(absl::StrCat("streamed experts: layer ", layer, " expert ",
+                                                     e, " has ", ne, " slots; at most ",
+                                                     max_tokens_, " fit"));
+  }
   int32_t* rows = idx_host_.as<int32_t>();
   int32_t* slot_of = rows + slots;
   uint8_t* marks = reinterpret_cast<uint8_t*>(slot_of + slots);

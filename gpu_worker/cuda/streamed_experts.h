@@ -49,7 +49,9 @@ class StreamedExperts {
   const float* out() const { return out_.as<float>(); }  // [T][H] of the last Run
 
   double pcie_gbps() const { return pcie_gbps_; }      // host -> device, pinned, measured
-  double gemm_tflops() const { return gemm_tflops_; }  // the expert GEMMs, measured
+  // One expert's compute (dequantization, GEMMs, activation) at the rows an
+  // expert gets in a full pass, measured, as TFLOP/s of its GEMMs.
+  double gemm_tflops() const { return gemm_tflops_; }
   int64_t expert_bytes() const { return blob_; }       // one expert as uploaded
   int64_t host_bytes() const;                          // the pinned arena
   int64_t max_tokens() const { return max_tokens_; }

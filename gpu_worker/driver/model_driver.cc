@@ -203,6 +203,7 @@ absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* defe
   // Hybrid prefill: the backend may compute some slots itself (not with
   // deferral: its calls may still be in flight).
   std::vector<int32_t> ids_rest;
+  bool all_taken = false;
   if (n == 0) {
     ids_rest.resize(static_cast<size_t>(T * K));
     absl::StatusOr<int64_t> taken =
@@ -210,6 +211,7 @@ absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* defe
     if (!taken.ok())
       return Annotate(taken.status(), absl::StrCat("layer ", l, " streamed experts"));
     if (*taken > 0) ids = ids_rest.data();
+    all_taken = *taken == T * K;
   }
   const ExpertBatch b{.layer = l,
                       .num_tokens = T,
@@ -222,6 +224,13 @@ absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* defe
   // backend computes the shared experts; deferred ones keep running after.
   const std::string where = absl::StrCat("layer ", l, " routed experts");
   routed_out_.resize(static_cast<size_t>(T * H));
+  if (all_taken) {  // nothing left for the experts (n == 0: no deferred part)
+    std::fill(routed_out_.begin(), routed_out_.end(), 0.0f);
+    RETURN_IF_ERROR(backend_->StartSharedExperts(l));
+    RETURN_IF_ERROR(backend_->AddExperts(l, routed_out_.data()));
+    *deferred = std::move(later);
+    return absl::OkStatus();
+  }
   auto ticket = experts_->Submit(b, routed_out_.data());
   if (!ticket.ok()) return Annotate(ticket.status(), where);
   if (later) {

@@ -410,7 +410,11 @@ int Run(int argc, char** argv) {
   } else if (!o.calibrate.empty()) {
     need_cuda("--calibrate");
     if (!tokenizer) Die("--calibrate: " + no_tokenizer + " (the prompts are text)", 1);
-    auto calib_model = Model::Load(o.model_dir, mo, remote.get());
+    // The calibration model prefills on the service only (no pinned copy
+    // of the experts for hybrid prefill: it is thrown away).
+    ModelOptions cmo = mo;
+    cmo.prefill_experts = "cpu";
+    auto calib_model = Model::Load(o.model_dir, cmo, remote.get());
     if (!calib_model.ok()) Die(calib_model.status().ToString(), 1);
     auto calib = CalibrateRouting(**calib_model, *tokenizer, o.calibrate);
     if (!calib.ok()) Die("--calibrate: " + calib.status().ToString(), 1);
