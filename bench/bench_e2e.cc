@@ -1084,9 +1084,7 @@ absl::Status Run(const Args& a) {
   cfg["num_hidden_layers"] = layers;
   const std::string config_text = cfg.dump(1) + "\n";
   ASSIGN_OR_RETURN(const ModelConfig config, ParseModelConfig(config_text, "preset " + a.preset));
-  std::vector<int> moe_layers;
-  for (size_t l = 0; l < config.layers.size(); ++l)
-    if (config.layers[l].moe) moe_layers.push_back(static_cast<int>(l));
+  const std::vector<int32_t> moe_layers = config.moe_layer_indices();
   for (size_t i = 0; i < moe_layers.size(); ++i)
     if (moe_layers[i] != first_dense + static_cast<int>(i))
       return absl::UnimplementedError(

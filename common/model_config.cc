@@ -54,6 +54,13 @@ int64_t ModelConfig::num_moe_layers() const {
   return std::count_if(layers.begin(), layers.end(), [](const LayerSpec& l) { return l.moe; });
 }
 
+std::vector<int32_t> ModelConfig::moe_layer_indices() const {
+  std::vector<int32_t> out;
+  for (size_t l = 0; l < layers.size(); ++l)
+    if (layers[l].moe) out.push_back(static_cast<int32_t>(l));
+  return out;
+}
+
 namespace {
 
 using json = nlohmann::json;

@@ -111,6 +111,7 @@ struct ModelConfig {
     return arch == Architecture::kDeepseekV3 || arch == Architecture::kDeepseekV2;
   }
   int64_t num_moe_layers() const;
+  std::vector<int32_t> moe_layer_indices() const;  // the MoE layers' decoder indices, ascending
 };
 
 // Parses config.json text; `source` (usually the path) prefixes every error.

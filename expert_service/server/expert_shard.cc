@@ -147,9 +147,7 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
     geo.intermediate = cfg.moe.intermediate_size;
     geo.experts = cfg.moe.num_experts;
     geo.top_k = cfg.moe.experts_per_token;
-    for (size_t l = 0; l < cfg.layers.size(); ++l) {
-      if (cfg.layers[l].moe) geo.moe_layers.push_back(static_cast<int32_t>(l));
-    }
+    geo.moe_layers = cfg.moe_layer_indices();
     if (geo.moe_layers.empty()) {
       return absl::FailedPreconditionError(
           absl::StrCat(opts.model_dir, ": model has no MoE layers"));

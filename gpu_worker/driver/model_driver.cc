@@ -39,13 +39,6 @@ namespace {
 
 class ModelDriver;
 
-std::vector<int32_t> MoeLayers(const ModelConfig& c) {
-  std::vector<int32_t> out;
-  for (int l = 0; l < c.num_layers; ++l)
-    if (c.layers[static_cast<size_t>(l)].moe) out.push_back(l);
-  return out;
-}
-
 class DriverSequence final : public Sequence {
  public:
   DriverSequence(const ModelDriver* owner, int64_t capacity, std::unique_ptr<KvCache> kv)
@@ -119,7 +112,7 @@ class ModelDriver final : public Model {
         geo_(AttentionGeometryFor(config)),
         rope_(ComputeRope(config.rope, geo_.rope_dim)),
         gate_(GateSpecFor(config)),
-        routing_(MoeLayers(config), config.moe.num_experts) {}
+        routing_(config.moe_layer_indices(), config.moe.num_experts) {}
 
   const ModelConfig& config() const override { return c_; }
   const ModelOptions& options() const override { return options_; }
