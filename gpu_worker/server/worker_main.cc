@@ -3,6 +3,7 @@
 //   hmoe-gpu-worker --model DIR [--listen 127.0.0.1:50051]
 //                   [--experts local | HOST:PORT[,HOST:PORT...]] [--transport grpc|shm|ucx]
 //                   [--max-batch 16] [--max-queue 64] [--max-context N] [--kv-blocks N]
+//                   [--prefill-chunk 64]
 //                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
 //                   [--defer-experts 0] [--port-file PATH]
 //                   [--backend cpu|cuda|auto] [--cuda-device 0] [--gpu-mem-gb GB]
@@ -47,7 +48,10 @@
 // the service, streamed to the GPU over PCIe, or the cost model's choice;
 // stream and auto keep a pinned host copy of every routed expert in the
 // shards' format). --log-prefill-plans on: one stderr line per such pass
-// with each layer's choice.
+// with each layer's choice. --prefill-chunk N (default 64): prompt tokens
+// per scheduler step, all requests together (EngineOptions::prefill_chunk);
+// streaming a layer's experts pays only for chunks of thousands of tokens,
+// which also hold the running requests' next token that long.
 // --cuda-expert-calls device|host: who sends each expert call and waits for
 // its answer inside a slot pass (ModelOptions::cuda_device_calls; device by
 // default, over shm).
@@ -111,6 +115,7 @@ struct WorkerOptions {
   std::string port_file;  // written with the bound port once serving (for --listen HOST:0)
   int max_batch = 16;
   int max_queue = 64;
+  int64_t prefill_chunk = 64;
   int64_t max_context = 0;  // 0: the model's max_position_embeddings
   int64_t kv_blocks = 0;
   int threads = 0;
@@ -175,6 +180,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.port_file = v;
     else if (a == "--max-batch")
       o.max_batch = static_cast<int>(num(1, 4096));
+    else if (a == "--prefill-chunk")
+      o.prefill_chunk = num(1, int64_t{1} << 20);
     else if (a == "--max-queue")
       o.max_queue = static_cast<int>(num(1, 1 << 20));
     else if (a == "--max-context")
@@ -238,6 +245,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       std::printf(
           "usage: hmoe-gpu-worker --model DIR [--listen ADDR] [--experts local|HOST:PORT,...]\n"
           "       [--transport grpc|shm|ucx] [--max-batch N] [--max-queue N] [--max-context N]\n"
+          "       [--prefill-chunk N]\n"
           "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
           "       [--defer-experts N] [--port-file PATH]\n"
           "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
@@ -446,6 +454,7 @@ int Run(int argc, char** argv) {
   EngineOptions eo;
   eo.max_batch = o.max_batch;
   eo.max_queue = o.max_queue;
+  eo.prefill_chunk = o.prefill_chunk;
   eo.kv_blocks = o.kv_blocks;
   auto engine = Engine::Create(model->get(), tokenizer.get(), eo);
   if (!engine.ok()) Die(engine.status().ToString(), 1);
