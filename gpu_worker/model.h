@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,7 @@
 #include "common/model_config.h"
 #include "common/routing_stats.h"
 #include "common/safetensors.h"
+#include "gpu_worker/driver/prefill_plan.h"
 #include "gpu_worker/hot_weights.h"
 #include "gpu_worker/routed_experts.h"
 
@@ -98,6 +100,11 @@ struct ModelOptions {
   // the service's weights) and one layer's experts on the GPU. Not with
   // deferred_experts (those passes stay "cpu").
   std::string prefill_experts = "cpu";
+  // auto: the cost model's rates (PCIe, the GPU's expert compute, the
+  // service's per-expert times) from here instead of measured (at load and
+  // at the first large pass); the backend logs what it measured in this
+  // form (PrefillRatesJson) for a file the worker's --prefill-rates reads.
+  std::optional<PrefillRates> prefill_rates;
   int64_t prefill_stream_tokens = 8192;
   bool log_prefill_plans = false;  // one stderr line per streamed pass: each layer's choice
   // cuda, fault tests only: > 0 injects a sticky device error (a trapping

@@ -566,6 +566,13 @@ absl::Status CudaBackend::LoadStreamedExperts(const Checkpoint& ckpt) {
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   prefill_rates_.pcie_gbps = streamed_->pcie_gbps();
   prefill_rates_.gpu_tflops = streamed_->gemm_tflops();
+  if (o_.prefill_rates) {
+    RETURN_IF_ERROR(ValidatePrefillRates(*o_.prefill_rates));
+    prefill_rates_ = *o_.prefill_rates;
+    cpu_rates_measured_ = true;
+    std::fprintf(stderr, "hmoe cuda backend: hybrid prefill plans with the given rates %s\n",
+                 PrefillRatesJson(prefill_rates_).c_str());
+  }
   return absl::OkStatus();
 }
 
@@ -1223,9 +1230,10 @@ absl::StatusOr<int64_t> CudaBackend::TakeRoutedSlots(int l, const RoutedInput& i
                         absl::StrFormat("%.0f", prefill_rates_.cpu_us[i]), " us");
       std::fprintf(stderr,
                    "hmoe cuda backend: hybrid prefill: the expert service takes per expert: %s "
-                   "(measured in %.1f s)\n",
+                   "(measured in %.1f s); rates %s\n",
                    pts.c_str(),
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                   PrefillRatesJson(prefill_rates_).c_str());
     }
     ASSIGN_OR_RETURN(plan, PlanPrefillLayer(counts, streamed_->expert_bytes(),
                                             6.0 * static_cast<double>(c_.hidden_size) *

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "gpu_worker/routed_experts.h"
+#include "nlohmann/json.hpp"
 
 namespace hmoe {
 
@@ -41,9 +42,7 @@ std::string PrefillPlan::Describe() const {
                          PrefillChoiceName(choice), gpu_experts.size(), cpu_us, gpu_us, us);
 }
 
-absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
-                                             int64_t expert_bytes, double flops_per_token,
-                                             const PrefillRates& r) {
+absl::Status ValidatePrefillRates(const PrefillRates& r) {
   if (!(r.pcie_gbps > 0) || !(r.gpu_tflops > 0))
     return absl::InvalidArgumentError(absl::StrCat("prefill rates: pcie_gbps ", r.pcie_gbps,
                                                    " and gpu_tflops ", r.gpu_tflops,
@@ -58,6 +57,52 @@ absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
                                                      r.cpu_tokens[i], " tokens, ", r.cpu_us[i],
                                                      " us) is not positive or not ascending"));
   }
+  return absl::OkStatus();
+}
+
+std::string PrefillRatesJson(const PrefillRates& r) {
+  nlohmann::json j;
+  j["format"] = "hmoe-prefill-rates-1";
+  j["pcie_gbps"] = r.pcie_gbps;
+  j["gpu_tflops"] = r.gpu_tflops;
+  nlohmann::json cpu = nlohmann::json::array();
+  for (size_t i = 0; i < r.cpu_tokens.size() && i < r.cpu_us.size(); ++i)
+    cpu.push_back({{"tokens", r.cpu_tokens[i]}, {"us", r.cpu_us[i]}});
+  j["cpu"] = cpu;
+  return j.dump();
+}
+
+absl::StatusOr<PrefillRates> ParsePrefillRates(const std::string& text, const std::string& source) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": prefill rates: ", what));
+  };
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
+  if (!j.contains("format") || !j["format"].is_string() ||
+      j["format"].get<std::string>() != "hmoe-prefill-rates-1")
+    return bad("format: expected \"hmoe-prefill-rates-1\"");
+  PrefillRates r;
+  for (const char* k : {"pcie_gbps", "gpu_tflops"}) {
+    if (!j.contains(k) || !j[k].is_number()) return bad(absl::StrCat(k, ": a number expected"));
+  }
+  r.pcie_gbps = j["pcie_gbps"].get<double>();
+  r.gpu_tflops = j["gpu_tflops"].get<double>();
+  if (!j.contains("cpu") || !j["cpu"].is_array()) return bad("cpu: an array expected");
+  for (const auto& p : j["cpu"]) {
+    if (!p.is_object() || !p.contains("tokens") || !p["tokens"].is_number_integer() ||
+        !p.contains("us") || !p["us"].is_number())
+      return bad("cpu[]: {\"tokens\": integer, \"us\": number} expected");
+    r.cpu_tokens.push_back(p["tokens"].get<int64_t>());
+    r.cpu_us.push_back(p["us"].get<double>());
+  }
+  if (absl::Status st = ValidatePrefillRates(r); !st.ok()) return bad(std::string(st.message()));
+  return r;
+}
+
+absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
+                                             int64_t expert_bytes, double flops_per_token,
+                                             const PrefillRates& r) {
+  RETURN_IF_ERROR(ValidatePrefillRates(r));
   if (expert_bytes <= 0 || !(flops_per_token > 0))
     return absl::InvalidArgumentError(absl::StrCat("prefill plan: expert_bytes ", expert_bytes,
                                                    " and flops_per_token ", flops_per_token,

@@ -33,6 +33,19 @@ struct PrefillRates {
   double CpuUs(int64_t n) const;
 };
 
+// OK, or INVALID_ARGUMENT naming the first rate that is not positive, or a
+// CPU point out of order (what PlanPrefillLayer and ParsePrefillRates check).
+absl::Status ValidatePrefillRates(const PrefillRates& r);
+
+// The rates as JSON ({"format": "hmoe-prefill-rates-1", "pcie_gbps",
+// "gpu_tflops", "cpu": [{"tokens", "us"}, ...]}): what the cuda backend logs
+// once it has measured them, and what ModelOptions::prefill_rates (the
+// worker's --prefill-rates FILE) reads back.
+std::string PrefillRatesJson(const PrefillRates& r);
+// INVALID_ARGUMENT naming `source` and the field for anything else, and for
+// rates ValidatePrefillRates refuses.
+absl::StatusOr<PrefillRates> ParsePrefillRates(const std::string& json, const std::string& source);
+
 enum class PrefillChoice { kCpu, kStream, kSplit };
 const char* PrefillChoiceName(PrefillChoice c);  // "cpu" | "stream" | "split"
 

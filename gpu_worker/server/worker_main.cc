@@ -11,6 +11,7 @@
 //                   [--routing-stats-out FILE]
 //                   [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]
 //                   [--prefill-experts cpu|stream|auto] [--log-prefill-plans on|off]
+//                   [--prefill-rates FILE]
 //                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
 //                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
 //                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
@@ -52,6 +53,10 @@
 // per scheduler step, all requests together (EngineOptions::prefill_chunk);
 // streaming a layer's experts pays only for chunks of thousands of tokens,
 // which also hold the running requests' next token that long.
+// --prefill-rates FILE (with auto): the cost model's rates from FILE (the
+// JSON the worker logs once it has measured them) instead of measured at
+// start and at the first prefill; a missing or malformed file stops the
+// worker (exit 1) naming it and the field.
 // --cuda-expert-calls device|host: who sends each expert call and waits for
 // its answer inside a slot pass (ModelOptions::cuda_device_calls; device by
 // default, over shm).
@@ -83,7 +88,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -129,6 +136,7 @@ struct WorkerOptions {
   bool cuda_expert_slots = true;
   bool cuda_device_calls = true;
   std::string prefill_experts = "cpu";
+  std::string prefill_rates;  // file
   bool log_prefill_plans = false;
   int64_t debug_cuda_fault_after = 0;
   std::string routing_stats_out;
@@ -230,6 +238,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       if (v != "cpu" && v != "stream" && v != "auto")
         Die("--prefill-experts must be cpu, stream or auto, got " + v);
       o.prefill_experts = v;
+    } else if (a == "--prefill-rates") {
+      o.prefill_rates = v;
     } else if (a == "--log-prefill-plans") {
       if (v != "on" && v != "off") Die("--log-prefill-plans must be on or off, got " + v);
       o.log_prefill_plans = v == "on";
@@ -251,7 +261,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
           "       [--cuda-graphs on|off] [--cuda-expert-slots on|off]\n"
           "       [--cuda-expert-calls device|host] [--prefill-experts cpu|stream|auto]\n"
-          "       [--log-prefill-plans on|off]\n"
+          "       [--log-prefill-plans on|off] [--prefill-rates FILE]\n"
           "       [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]\n"
           "       [--routing-stats-out FILE]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
@@ -352,6 +362,16 @@ int Run(int argc, char** argv) {
   mo.cuda_expert_slots = o.cuda_expert_slots;
   mo.cuda_device_calls = o.cuda_device_calls;
   mo.prefill_experts = o.prefill_experts;
+  if (!o.prefill_rates.empty()) {
+    if (o.prefill_experts != "auto") Die("--prefill-rates needs --prefill-experts auto");
+    std::ifstream f(o.prefill_rates, std::ios::binary);
+    if (!f) Die("--prefill-rates: " + o.prefill_rates + ": cannot open", 1);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    auto rates = ParsePrefillRates(ss.str(), o.prefill_rates);
+    if (!rates.ok()) Die("--prefill-rates: " + rates.status().ToString(), 1);
+    mo.prefill_rates = *rates;
+  }
   mo.log_prefill_plans = o.log_prefill_plans;
   mo.debug_cuda_fault_after = o.debug_cuda_fault_after;
   mo.kv_blocks = o.kv_blocks;

@@ -70,6 +70,7 @@ TEST(Flags, WorkerRefusesNumbersOutsideTheirRange) {
            Case{"--prefill-experts=gpu", "--prefill-experts must be cpu, stream or auto, got gpu"},
            Case{"--backend=cpu --prefill-experts=stream",
                 "--prefill-experts stream needs the cuda backend (backend cpu)"},
+           Case{"--prefill-rates=r.json", "--prefill-rates needs --prefill-experts auto"},
            Case{"--hot-experts-gb=1", "--hot-experts-gb needs --hot-experts STATS or --calibrate"},
            Case{"--hot-experts=s.json --calibrate=p.txt --hot-experts-gb=1",
                 "--hot-experts and --calibrate are exclusive"},
@@ -115,6 +116,29 @@ TEST(Flags, WorkerHotExpertsStatsAreCheckedAtStart) {
   r = Shell(dir, base + " --hot-experts " + good + " --hot-experts-gb 1");
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_THAT(r.err, HasSubstr("--hot-experts needs the cuda backend (backend cpu)"));
+}
+
+// --prefill-rates reads its file at start: a missing or malformed one stops
+// the worker (exit 1) naming the file (and the field), before the backend
+// is checked.
+TEST(Flags, WorkerPrefillRatesAreCheckedAtStart) {
+  testing::TempDir dir;
+  const std::string worker = std::string(HMOE_BINARY_DIR) + "/bin/hmoe-gpu-worker";
+  const std::string model = testing::FixturesDir() + "/ds3_fortunes";
+  const std::string missing = dir.file("none.json"), bad = dir.file("bad.json");
+  {
+    std::ofstream f(bad);
+    f << R"({"format": "hmoe-prefill-rates-1", "pcie_gbps": 50, "cpu": []})";
+  }
+  const std::string base =
+      absl::StrCat(worker, " --model ", model, " --backend cpu --prefill-experts auto");
+  Outcome r = Shell(dir, base + " --prefill-rates " + missing);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr(missing));
+  r = Shell(dir, base + " --prefill-rates " + bad);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr(bad));
+  EXPECT_THAT(r.err, HasSubstr("gpu_tflops"));
 }
 
 // A boolean flag's value counts: --ignore-eos=false is false (it was true,

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "gpu_worker/routed_experts.h"
@@ -176,6 +177,41 @@ TEST(PrefillPlan, MeasureExpertRatesGivesEveryExpertNTokens) {
             absl::StatusCode::kInvalidArgument);
   x.fail = absl::UnavailableError("service gone");
   EXPECT_EQ(MeasureExpertRates(x, *config, moe, {4}, &r).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(PrefillPlan, RatesJsonRoundTripsAndBadFilesAreNamed) {
+  const PrefillRates r = Rates(55.5, 2000);
+  auto back = ParsePrefillRates(PrefillRatesJson(r), "rates.json");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->pcie_gbps, r.pcie_gbps);
+  EXPECT_EQ(back->gpu_tflops, r.gpu_tflops);
+  EXPECT_EQ(back->cpu_tokens, r.cpu_tokens);
+  EXPECT_EQ(back->cpu_us, r.cpu_us);
+  struct Bad {
+    std::string text, says;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {"[1]", "not a JSON object"},
+           {R"({"format": "hmoe-routing-stats-1"})", "format"},
+           {R"({"format": "hmoe-prefill-rates-1", "gpu_tflops": 1, "cpu": []})", "pcie_gbps"},
+           {R"({"format": "hmoe-prefill-rates-1", "pcie_gbps": 50, "gpu_tflops": 400, "cpu": 3})",
+            "cpu: an array"},
+           {R"({"format": "hmoe-prefill-rates-1", "pcie_gbps": 50, "gpu_tflops": 400,
+                "cpu": [{"tokens": 1.5, "us": 2}]})",
+            "cpu[]"},
+           {R"({"format": "hmoe-prefill-rates-1", "pcie_gbps": 50, "gpu_tflops": 400,
+                "cpu": [{"tokens": 16, "us": 2}, {"tokens": 8, "us": 3}]})",
+            "not positive or not ascending"},
+           {R"({"format": "hmoe-prefill-rates-1", "pcie_gbps": 0, "gpu_tflops": 400,
+                "cpu": [{"tokens": 16, "us": 2}]})",
+            "must be > 0"},
+       }) {
+    auto p = ParsePrefillRates(b.text, "rates.json");
+    ASSERT_FALSE(p.ok()) << b.text;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << b.text;
+    EXPECT_NE(p.status().message().find("rates.json"), std::string::npos) << p.status();
+    EXPECT_NE(p.status().message().find(b.says), std::string::npos) << p.status();
+  }
 }
 
 }  // namespace
