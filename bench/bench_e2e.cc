@@ -1238,37 +1238,47 @@ absl::Status Run(const Args& a) {
   ojson prefill = ojson::array();
   std::printf("\n%-8s %10s %10s %12s %10s %14s\n", "prompt", "ms", "tok/s", "launches", "gpu_ms",
               "expert_wait_ms");
-  for (int64_t P : a.prompts) {
-    const std::vector<int32_t> tokens = RandomTokens(rng, P, vocab);
-    for (int w = 0; w < a.warmup; ++w) {
+  // `warmups` untimed then a.reps timed prefills of `tokens` on `model`,
+  // each in a fresh Sequence: ms per rep and the stats over the timed ones.
+  struct PrefillRun {
+    double ms = 0;
+    ModelStats d;
+  };
+  auto time_prefill = [&](const std::vector<int32_t>& tokens, int warmups,
+                          const std::string& what) -> absl::StatusOr<PrefillRun> {
+    for (int w = 0; w < warmups; ++w) {
       auto seq = model->NewSequence();
       RETURN_IF_ERROR(Annotate(model->Forward(*seq, tokens, LogitsMode::kLast, &logits),
-                               absl::StrCat("prefill warm-up, prompt ", P)));
+                               absl::StrCat(what, " warm-up")));
     }
     double total = 0;
     const ModelStats s0 = model->stats();
     for (int r = 0; r < a.reps; ++r) {
       auto seq = model->NewSequence();
       const double t = Now();
-      RETURN_IF_ERROR(Annotate(model->Forward(*seq, tokens, LogitsMode::kLast, &logits),
-                               absl::StrCat("prefill, prompt ", P)));
+      RETURN_IF_ERROR(Annotate(model->Forward(*seq, tokens, LogitsMode::kLast, &logits), what));
       total += Now() - t;
     }
-    const ModelStats d = Delta(s0, model->stats());
-    const double ms = total / a.reps * 1e3;
+    return PrefillRun{total / a.reps * 1e3, Delta(s0, model->stats())};
+  };
+  for (int64_t P : a.prompts) {
+    const std::vector<int32_t> tokens = RandomTokens(rng, P, vocab);
+    ASSIGN_OR_RETURN(const PrefillRun run,
+                     time_prefill(tokens, a.warmup, absl::StrCat("prefill, prompt ", P)));
+    const ModelStats& d = run.d;
+    const double ms = run.ms;
     const double launches = static_cast<double>(d.kernel_launches) / a.reps;
     const double gpu_ms = static_cast<double>(d.gpu_busy_ns) / a.reps / 1e6;
     const double wait_ms = static_cast<double>(d.expert_wait_ns) / a.reps / 1e6;
-    std::printf("%-8lld %10.1f %10.1f %12s %10s %14s\n", static_cast<long long>(P), ms,
-                static_cast<double>(P) / total * a.reps,
-                Cell(launches, d.kernel_launches > 0, "%.0f").c_str(),
-                Cell(gpu_ms, d.gpu_busy_ns > 0).c_str(),
-                Cell(wait_ms, d.expert_wait_ns > 0).c_str());
+    std::printf(
+        "%-8lld %10.1f %10.1f %12s %10s %14s\n", static_cast<long long>(P), ms,
+        static_cast<double>(P) / ms * 1e3, Cell(launches, d.kernel_launches > 0, "%.0f").c_str(),
+        Cell(gpu_ms, d.gpu_busy_ns > 0).c_str(), Cell(wait_ms, d.expert_wait_ns > 0).c_str());
     std::fflush(stdout);
     prefill.push_back({{"prompt", P},
                        {"reps", a.reps},
                        {"ms", ms},
-                       {"tok_s", static_cast<double>(P) / total * a.reps},
+                       {"tok_s", static_cast<double>(P) / ms * 1e3},
                        {"launches", launches},
                        {"gpu_ms", gpu_ms},
                        {"expert_wait_ms", wait_ms},
@@ -1417,11 +1427,26 @@ absl::Status Run(const Args& a) {
     DecodeRun run;
     double step_ms = 0, tok_s = 0, gpu_ms = 0, cpu_ms = 0;  // per step
   };
-  auto sweep_row = [&](const ModelOptions& so, ControlClient* control) -> absl::StatusOr<SweepRow> {
+  // The model again under `so` (the service stays).
+  auto reload = [&](const ModelOptions& so) -> absl::Status {
     model.reset();
     ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(work_dir));
     ASSIGN_OR_RETURN(model, Model::Create(config, *ckpt, so, experts.get()));
     ckpt.reset();
+    return absl::OkStatus();
+  };
+  // The GPU's copies of routed experts (hot, streamed) as the service holds
+  // them: its --synthetic weights (seed 1) in its format.
+  const SyntheticExperts synth{H, I, E, 1};
+  const int copy_group = group > 0 ? group : 64;
+  auto with_gpu_copies = [&](ModelOptions so) {
+    so.expert_source = [synth](int layer) { return SyntheticExpertSource(synth, layer); };
+    so.hot_format = a.format;
+    so.hot_group = copy_group;
+    return so;
+  };
+  auto sweep_row = [&](const ModelOptions& so, ControlClient* control) -> absl::StatusOr<SweepRow> {
+    RETURN_IF_ERROR(reload(so));
     SweepRow r;
     ASSIGN_OR_RETURN(r.run, run_decode(*model, 1, control));
     const double n = static_cast<double>(a.decode_steps);
@@ -1515,9 +1540,7 @@ absl::Status Run(const Args& a) {
   ojson hot_rows = ojson::array();
   if (!a.hot_sweep.empty()) {
     ControlClient control(MakeExpertChannel(epo.targets[0]));
-    const int hot_group = group > 0 ? group : 64;
-    const int64_t hot_expert_bytes = HotExpertBytes(config, fmt, hot_group);
-    const SyntheticExperts synth{H, I, E, 1};  // the service's --synthetic (seed 1)
+    const int64_t hot_expert_bytes = HotExpertBytes(config, fmt, copy_group);
     std::printf("\n%-8s %8s %9s %8s %9s %10s %8s %12s %12s %12s %12s\n", "hot_gib", "experts",
                 "planned", "on_gpu", "step_ms", "tok/s", "speedup", "ceiling_hot", "%ceiling_hot",
                 "gpu_ms/step", "cpu_ms/step");
@@ -1530,10 +1553,8 @@ absl::Status Run(const Args& a) {
         plo.budget_bytes = static_cast<int64_t>(gib * static_cast<double>(int64_t{1} << 30));
         plo.expert_bytes = hot_expert_bytes;
         ASSIGN_OR_RETURN(placed, PlanPlacement(calib, config, plo));
+        so = with_gpu_copies(so);
         so.hot_experts = std::make_shared<const Placement>(placed);
-        so.hot_format = a.format;
-        so.hot_group = hot_group;
-        so.expert_source = [synth](int layer) { return SyntheticExpertSource(synth, layer); };
       }
       const double tl = Now();
       ASSIGN_OR_RETURN(const SweepRow r, sweep_row(so, &control));
@@ -1588,7 +1609,6 @@ absl::Status Run(const Args& a) {
   ojson prefill_rows = ojson::array();
   if (!a.prefill_sweep.empty()) {
     const int64_t P = a.prefill_sweep_prompt > 0 ? a.prefill_sweep_prompt : max_prompt;
-    const SyntheticExperts synth{H, I, E, 1};  // the service's --synthetic (seed 1)
     std::printf("\n%-7s %8s %10s %10s %9s %22s %10s %9s\n", "policy", "prompt", "ms", "tok/s",
                 "speedup", "layers cpu/stream/split", "streamed", "%bound");
     std::map<std::string, double> ms_of, wait_of;
@@ -1599,37 +1619,21 @@ absl::Status Run(const Args& a) {
     };
     std::vector<Row> rows;
     for (const std::string& policy : a.prefill_sweep) {
-      ModelOptions so = mo;
+      ModelOptions so = with_gpu_copies(mo);
       so.prefill_experts = policy;
       so.prefill_stream_tokens = std::max<int64_t>(so.prefill_stream_tokens, P);
-      so.expert_source = [synth](int layer) { return SyntheticExpertSource(synth, layer); };
-      so.hot_format = a.format;
-      so.hot_group = group > 0 ? group : 64;
-      model.reset();
       const double tl = Now();
-      ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(work_dir));
-      ASSIGN_OR_RETURN(model, Model::Create(config, *ckpt, so, experts.get()));
-      ckpt.reset();
+      RETURN_IF_ERROR(reload(so));
       Row r;
       r.policy = policy;
       r.load_s = Now() - tl;
       const std::vector<int32_t> tokens = RandomTokens(rng, P, vocab);
-      for (int w = 0; w < std::max(1, a.warmup); ++w) {  // auto measures the service here
-        auto seq = model->NewSequence();
-        RETURN_IF_ERROR(Annotate(model->Forward(*seq, tokens, LogitsMode::kLast, &logits),
-                                 absl::StrCat("prefill sweep (", policy, ") warm-up")));
-      }
-      const ModelStats s0 = model->stats();
-      double total = 0;
-      for (int rep = 0; rep < a.reps; ++rep) {
-        auto seq = model->NewSequence();
-        const double t = Now();
-        RETURN_IF_ERROR(Annotate(model->Forward(*seq, tokens, LogitsMode::kLast, &logits),
-                                 absl::StrCat("prefill sweep (", policy, ")")));
-        total += Now() - t;
-      }
-      r.ms = total / a.reps * 1e3;
-      r.d = Delta(s0, model->stats());
+      // At least one warm-up: auto measures the service in its first pass.
+      ASSIGN_OR_RETURN(const PrefillRun run,
+                       time_prefill(tokens, std::max(1, a.warmup),
+                                    absl::StrCat("prefill sweep (", policy, ")")));
+      r.ms = run.ms;
+      r.d = run.d;
       ms_of[policy] = r.ms;
       wait_of[policy] = static_cast<double>(r.d.expert_wait_ns) / a.reps / 1e6;
       rows.push_back(std::move(r));

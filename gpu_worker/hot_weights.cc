@@ -11,25 +11,47 @@
 
 namespace hmoe {
 
+int KernelFormatCode(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kBf16:
+      return 0;
+    case WeightFormat::kInt8:
+      return 1;
+    case WeightFormat::kInt4:
+      return 2;
+  }
+  return 0;
+}
+
+KernelMatrixBytes KernelLayoutBytes(WeightFormat f, int group, int64_t rows, int64_t cols) {
+  switch (f) {
+    case WeightFormat::kBf16:
+      return {rows * cols * 2, 0};
+    case WeightFormat::kInt8:
+      return {rows * cols, rows * 4};
+    case WeightFormat::kInt4:
+      return {rows * ((cols + 1) / 2), rows * ((cols + group - 1) / group) * 4};
+  }
+  return {};
+}
+
 HostQuantMatrix ToKernelLayout(const QuantMatrix& m) {
   HostQuantMatrix h;
+  h.format = KernelFormatCode(m.format);
   h.group = m.group;
   h.rows = m.rows;
   h.cols = m.cols;
   h.scale = m.scale;
   switch (m.format) {
     case WeightFormat::kBf16:
-      h.format = 0;
       h.w.resize(m.bf16.size() * 2);
       std::memcpy(h.w.data(), m.bf16.data(), h.w.size());
       break;
     case WeightFormat::kInt8:
-      h.format = 1;
       h.w.resize(m.q.size());
       std::memcpy(h.w.data(), m.q.data(), h.w.size());
       break;
     case WeightFormat::kInt4: {
-      h.format = 2;
       const int64_t half = (m.cols + 1) / 2;
       h.w.assign(static_cast<size_t>(m.rows * half), 0);
       for (int64_t r = 0; r < m.rows; ++r)
@@ -53,18 +75,9 @@ int64_t HotExpertWeights::bytes() const {
 int64_t HotExpertBytes(const ModelConfig& config, WeightFormat format, int group) {
   const int64_t H = config.hidden_size, I = config.moe.intermediate_size;
   // gate and up [I][H], down [H][I].
-  auto matrix = [&](int64_t rows, int64_t cols) -> int64_t {
-    switch (format) {
-      case WeightFormat::kBf16:
-        return rows * cols * 2;
-      case WeightFormat::kInt8:
-        return rows * cols + rows * 4;
-      case WeightFormat::kInt4:
-        return rows * ((cols + 1) / 2) + rows * ((cols + group - 1) / group) * 4;
-    }
-    return 0;
-  };
-  return 2 * matrix(I, H) + matrix(H, I);
+  const KernelMatrixBytes gu = KernelLayoutBytes(format, group, I, H),
+                          d = KernelLayoutBytes(format, group, H, I);
+  return 2 * (gu.w + gu.scale) + d.w + d.scale;
 }
 
 absl::StatusOr<std::vector<HotExpertWeights>> LoadHotExperts(const Checkpoint& ckpt,

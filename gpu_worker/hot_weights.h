@@ -28,6 +28,12 @@ struct HostQuantMatrix {
   std::vector<float> scale;
 };
 HostQuantMatrix ToKernelLayout(const QuantMatrix& m);
+int KernelFormatCode(WeightFormat f);  // HostQuantMatrix::format for f
+// The bytes of one matrix in the kernel's layout (int4: `group`).
+struct KernelMatrixBytes {
+  int64_t w = 0, scale = 0;
+};
+KernelMatrixBytes KernelLayoutBytes(WeightFormat f, int group, int64_t rows, int64_t cols);
 
 struct HotExpertWeights {
   int32_t layer = 0, expert = 0;

@@ -399,6 +399,11 @@ class CudaBackend final : public LayerBackend {
   absl::Status LoadHotExperts(const Checkpoint& ckpt);
   // Hybrid prefill (ModelOptions::prefill_experts "stream" / "auto").
   absl::Status LoadStreamedExperts(const Checkpoint& ckpt);
+  // The GPU's copies of routed experts (hot, streamed): their format
+  // (hot_format; INVALID_ARGUMENT naming `what`) and where their weights
+  // come from (expert_source, else `ckpt`, which must outlive the loading).
+  absl::StatusOr<WeightFormat> CopyFormat(const char* what) const;
+  ExpertSourceFn CopySource(const Checkpoint& ckpt) const;
   std::unique_ptr<StreamedExperts> streamed_;
   PrefillRates prefill_rates_;
   bool cpu_rates_measured_ = false;
@@ -464,15 +469,9 @@ absl::Status CudaBackend::Upload(const void* host, int64_t bytes, DeviceBuffer* 
 }
 
 absl::Status CudaBackend::LoadHotExperts(const Checkpoint& ckpt) {
-  const std::optional<WeightFormat> fmt = ParseWeightFormat(o_.hot_format);
-  if (!fmt)
-    return absl::InvalidArgumentError(
-        absl::StrCat("hot experts: format \"", o_.hot_format, "\" is not bf16, int8 or int4"));
-  ASSIGN_OR_RETURN(
-      std::vector<HotExpertWeights> hot,
-      o_.expert_source
-          ? hmoe::LoadHotExperts(o_.expert_source, c_, *o_.hot_experts, *fmt, o_.hot_group)
-          : hmoe::LoadHotExperts(ckpt, c_, *o_.hot_experts, *fmt, o_.hot_group));
+  ASSIGN_OR_RETURN(const WeightFormat fmt, CopyFormat("hot experts"));
+  ASSIGN_OR_RETURN(std::vector<HotExpertWeights> hot,
+                   hmoe::LoadHotExperts(CopySource(ckpt), c_, *o_.hot_experts, fmt, o_.hot_group));
   const int64_t E = c_.moe.num_experts, K = c_.moe.experts_per_token, H = c_.hidden_size;
   std::map<int, std::vector<DevExpert>> tables;
   int64_t bytes = 0;
@@ -526,6 +525,19 @@ absl::Status CudaBackend::LoadHotExperts(const Checkpoint& ckpt) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<WeightFormat> CudaBackend::CopyFormat(const char* what) const {
+  const std::optional<WeightFormat> fmt = ParseWeightFormat(o_.hot_format);
+  if (!fmt)
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": format \"", o_.hot_format, "\" is not bf16, int8 or int4"));
+  return *fmt;
+}
+
+ExpertSourceFn CudaBackend::CopySource(const Checkpoint& ckpt) const {
+  if (o_.expert_source) return o_.expert_source;
+  return [&ckpt, this](int l) { return CheckpointSource(ckpt, c_, l); };
+}
+
 absl::Status CudaBackend::LoadStreamedExperts(const Checkpoint& ckpt) {
   const std::string& p = o_.prefill_experts;
   if (p != "cpu" && p != "stream" && p != "auto")
@@ -539,10 +551,7 @@ absl::Status CudaBackend::LoadStreamedExperts(const Checkpoint& ckpt) {
                  p.c_str());
     return absl::OkStatus();
   }
-  const std::optional<WeightFormat> fmt = ParseWeightFormat(o_.hot_format);
-  if (!fmt)
-    return absl::InvalidArgumentError(
-        absl::StrCat("streamed experts: format \"", o_.hot_format, "\" is not bf16, int8 or int4"));
+  ASSIGN_OR_RETURN(const WeightFormat fmt, CopyFormat("streamed experts"));
   if (o_.prefill_stream_tokens <= kSlotTokens)
     return absl::InvalidArgumentError(absl::StrCat("prefill_stream_tokens ",
                                                    o_.prefill_stream_tokens, " must be > ",
@@ -551,11 +560,8 @@ absl::Status CudaBackend::LoadStreamedExperts(const Checkpoint& ckpt) {
                                  ? std::min(o_.prefill_stream_tokens, o_.max_seq_len)
                                  : o_.prefill_stream_tokens;
   const auto t0 = std::chrono::steady_clock::now();
-  const ExpertSourceFn source =
-      o_.expert_source ? o_.expert_source
-                       : ExpertSourceFn([&](int l) { return CheckpointSource(ckpt, c_, l); });
-  ASSIGN_OR_RETURN(streamed_, StreamedExperts::Create(c_, source, *fmt, o_.hot_group, max_tokens,
-                                                      stream_, blas_, &budget_));
+  ASSIGN_OR_RETURN(streamed_, StreamedExperts::Create(c_, CopySource(ckpt), fmt, o_.hot_group,
+                                                      max_tokens, stream_, blas_, &budget_));
   std::fprintf(stderr,
                "hmoe cuda backend: hybrid prefill (%s) for passes of 33..%lld tokens: %s of "
                "routed experts (%s) pinned on the host, one layer's on the GPU; PCIe %.1f GB/s, "

@@ -14,23 +14,6 @@ constexpr int kChunks = 32;  // upload events per layer
 
 int64_t Align256(int64_t n) { return (n + 255) / 256 * 256; }
 
-// Bytes of one matrix's weights and scales in the kernel layout.
-std::pair<int64_t, int64_t> MatrixBytes(WeightFormat f, int group, int64_t rows, int64_t cols) {
-  switch (f) {
-    case WeightFormat::kBf16:
-      return {rows * cols * 2, 0};
-    case WeightFormat::kInt8:
-      return {rows * cols, rows * 4};
-    case WeightFormat::kInt4:
-      return {rows * ((cols + 1) / 2), rows * ((cols + group - 1) / group) * 4};
-  }
-  return {0, 0};
-}
-
-int FormatCode(WeightFormat f) {
-  return f == WeightFormat::kBf16 ? 0 : f == WeightFormat::kInt8 ? 1 : 2;
-}
-
 }  // namespace
 
 StreamedExperts::~StreamedExperts() {
@@ -75,7 +58,7 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
         absl::StrCat("streamed experts: max_tokens ", max_tokens, " must be > 0"));
   std::unique_ptr<StreamedExperts> s(new StreamedExperts());
   s->c_ = config;
-  s->format_ = FormatCode(format);
+  s->format_ = KernelFormatCode(format);
   s->group_ = format == WeightFormat::kInt4 ? group : 0;
   s->max_tokens_ = max_tokens;
   s->compute_ = compute;
@@ -84,14 +67,14 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
                 E = config.moe.num_experts, K = config.moe.experts_per_token;
   // The blob layout.
   int64_t at = 0;
-  const std::pair<int64_t, int64_t> m[3] = {MatrixBytes(format, group, I, H),
-                                            MatrixBytes(format, group, I, H),
-                                            MatrixBytes(format, group, H, I)};
+  const KernelMatrixBytes m[3] = {KernelLayoutBytes(format, group, I, H),
+                                  KernelLayoutBytes(format, group, I, H),
+                                  KernelLayoutBytes(format, group, H, I)};
   for (int i = 0; i < 3; ++i) {
     s->off_[2 * i] = at;
-    at = Align256(at + m[i].first);
+    at = Align256(at + m[i].w);
     s->off_[2 * i + 1] = at;
-    at = Align256(at + m[i].second);
+    at = Align256(at + m[i].scale);
   }
   s->blob_ = at;
   // Device memory first (fails fast on a card too small), then the arena.
@@ -141,8 +124,8 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
       char* b = base + static_cast<int64_t>(h.expert) * s->blob_;
       const HostQuantMatrix* mats[3] = {&h.gate, &h.up, &h.down};
       for (int i = 0; i < 3; ++i) {
-        if (static_cast<int64_t>(mats[i]->w.size()) != m[i].first ||
-            static_cast<int64_t>(mats[i]->scale.size()) * 4 != m[i].second)
+        if (static_cast<int64_t>(mats[i]->w.size()) != m[i].w ||
+            static_cast<int64_t>(mats[i]->scale.size()) * 4 != m[i].scale)
           return absl::InternalError(absl::StrCat("streamed experts: layer ", l, " expert ",
                                                   h.expert, " matrix ", i,
                                                   " is not the expected size"));
@@ -157,6 +140,30 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
     return absl::FailedPreconditionError("streamed experts: the model has no MoE layer");
   RETURN_IF_ERROR(s->Measure());
   return s;
+}
+
+absl::Status StreamedExperts::ComputeExpert(const DevExpert& ex, const uint16_t* x, int64_t n) {
+  const int64_t H = c_.hidden_size, I = c_.moe.intermediate_size;
+  const float one = 1.0f, zero = 0.0f;
+  uint16_t* w_gu = w_gu_.as<uint16_t>();
+  uint16_t* w_d = w_d_.as<uint16_t>();
+  HMOE_CUDA_TRY(DequantToBf16(ex.gate, w_gu, compute_), "DequantToBf16");
+  HMOE_CUDA_TRY(DequantToBf16(ex.up, w_gu + I * H, compute_), "DequantToBf16");
+  HMOE_CUBLAS_TRY(
+      cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * I), static_cast<int>(n),
+                   static_cast<int>(H), &one, w_gu, CUDA_R_16BF, static_cast<int>(H), x,
+                   CUDA_R_16BF, static_cast<int>(H), &zero, y_gu_.as<float>(), CUDA_R_32F,
+                   static_cast<int>(2 * I), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "GemmEx (streamed gate/up)");
+  HMOE_CUDA_TRY(SiluMul(y_gu_.as<float>(), n, I, hb_.as<uint16_t>(), compute_), "SiluMul");
+  HMOE_CUDA_TRY(DequantToBf16(ex.down, w_d, compute_), "DequantToBf16");
+  HMOE_CUBLAS_TRY(
+      cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(H), static_cast<int>(n),
+                   static_cast<int>(I), &one, w_d, CUDA_R_16BF, static_cast<int>(I),
+                   hb_.as<uint16_t>(), CUDA_R_16BF, static_cast<int>(I), &zero, z_.as<float>(),
+                   CUDA_R_32F, static_cast<int>(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "GemmEx (streamed down)");
+  return absl::OkStatus();
 }
 
 absl::Status StreamedExperts::Measure() {
@@ -197,28 +204,8 @@ absl::Status StreamedExperts::Measure() {
     HMOE_CUDA_TRY(cudaStreamSynchronize(copy_), "cudaStreamSynchronize");
     HMOE_CUDA_TRY(cudaMemsetAsync(xg_.as<void>(), 0, static_cast<size_t>(n * H * 2), compute_),
                   "cudaMemset");
-    const DevExpert ex = ExpertAt(stage_.as<char>());
     expert = timed(compute_, [&]() -> absl::Status {
-      const float one = 1.0f, zero = 0.0f;
-      uint16_t* w_gu = w_gu_.as<uint16_t>();
-      HMOE_CUDA_TRY(DequantToBf16(ex.gate, w_gu, compute_), "DequantToBf16");
-      HMOE_CUDA_TRY(DequantToBf16(ex.up, w_gu + I * H, compute_), "DequantToBf16");
-      HMOE_CUBLAS_TRY(
-          cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * I),
-                       static_cast<int>(n), static_cast<int>(H), &one, w_gu, CUDA_R_16BF,
-                       static_cast<int>(H), xg_.as<void>(), CUDA_R_16BF, static_cast<int>(H), &zero,
-                       y_gu_.as<void>(), CUDA_R_32F, static_cast<int>(2 * I), CUBLAS_COMPUTE_32F,
-                       CUBLAS_GEMM_DEFAULT),
-          "GemmEx (streamed experts' rate)");
-      HMOE_CUDA_TRY(SiluMul(y_gu_.as<float>(), n, I, hb_.as<uint16_t>(), compute_), "SiluMul");
-      HMOE_CUDA_TRY(DequantToBf16(ex.down, w_d_.as<uint16_t>(), compute_), "DequantToBf16");
-      HMOE_CUBLAS_TRY(
-          cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(H), static_cast<int>(n),
-                       static_cast<int>(I), &one, w_d_.as<void>(), CUDA_R_16BF, static_cast<int>(I),
-                       hb_.as<void>(), CUDA_R_16BF, static_cast<int>(I), &zero, z_.as<void>(),
-                       CUDA_R_32F, static_cast<int>(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-          "GemmEx (streamed experts' rate)");
-      return absl::OkStatus();
+      return ComputeExpert(ExpertAt(stage_.as<char>()), xg_.as<uint16_t>(), n);
     });
   }
   for (cudaEvent_t e : ev)
@@ -237,7 +224,7 @@ absl::StatusOr<int64_t> StreamedExperts::Run(int layer, const uint16_t* x, int64
                                              const int32_t* ids, const float* w,
                                              const std::vector<int32_t>& gpu_experts,
                                              int32_t* cpu_ids) {
-  const int64_t H = c_.hidden_size, I = c_.moe.intermediate_size, E = c_.moe.num_experts;
+  const int64_t H = c_.hidden_size, E = c_.moe.num_experts;
   if (layer < 0 || layer >= c_.num_layers || layer_row_[static_cast<size_t>(layer)] < 0)
     return absl::InvalidArgumentError(
         absl::StrCat("streamed experts: layer ", layer, " is not an MoE layer"));
@@ -325,9 +312,6 @@ absl::StatusOr<int64_t> StreamedExperts::Run(int layer, const uint16_t* x, int64
   // Compute: gather x per slot, then each expert as its chunk arrives.
   uint16_t* xg = xg_.as<uint16_t>();
   HMOE_CUDA_TRY(GatherBf16Rows(x, H, rows_dev, n, xg, compute_), "GatherBf16Rows");
-  const float one = 1.0f, zero = 0.0f;
-  uint16_t* w_gu = w_gu_.as<uint16_t>();
-  uint16_t* w_d = w_d_.as<uint16_t>();
   size_t i = 0;
   for (size_t c = 0; c < chunk_end.size(); ++c) {
     HMOE_CUDA_TRY(cudaStreamWaitEvent(compute_, chunk_ev_[c], 0), "cudaStreamWaitEvent");
@@ -335,24 +319,8 @@ absl::StatusOr<int64_t> StreamedExperts::Run(int layer, const uint16_t* x, int64
       const int32_t e = gpu_experts[i];
       const int64_t b0 = begin[static_cast<size_t>(e)], ni = begin[static_cast<size_t>(e) + 1] - b0;
       if (ni == 0) continue;
-      const DevExpert ex = ExpertAt(stage + static_cast<int64_t>(e) * blob_);
-      HMOE_CUDA_TRY(DequantToBf16(ex.gate, w_gu, compute_), "DequantToBf16");
-      HMOE_CUDA_TRY(DequantToBf16(ex.up, w_gu + I * H, compute_), "DequantToBf16");
-      HMOE_CUBLAS_TRY(
-          cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * I),
-                       static_cast<int>(ni), static_cast<int>(H), &one, w_gu, CUDA_R_16BF,
-                       static_cast<int>(H), xg + b0 * H, CUDA_R_16BF, static_cast<int>(H), &zero,
-                       y_gu_.as<float>(), CUDA_R_32F, static_cast<int>(2 * I), CUBLAS_COMPUTE_32F,
-                       CUBLAS_GEMM_DEFAULT),
-          "GemmEx (streamed gate/up)");
-      HMOE_CUDA_TRY(SiluMul(y_gu_.as<float>(), ni, I, hb_.as<uint16_t>(), compute_), "SiluMul");
-      HMOE_CUDA_TRY(DequantToBf16(ex.down, w_d, compute_), "DequantToBf16");
-      HMOE_CUBLAS_TRY(
-          cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(H), static_cast<int>(ni),
-                       static_cast<int>(I), &one, w_d, CUDA_R_16BF, static_cast<int>(I),
-                       hb_.as<uint16_t>(), CUDA_R_16BF, static_cast<int>(I), &zero, z_.as<float>(),
-                       CUDA_R_32F, static_cast<int>(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-          "GemmEx (streamed down)");
+      RETURN_IF_ERROR(
+          ComputeExpert(ExpertAt(stage + static_cast<int64_t>(e) * blob_), xg + b0 * H, ni));
       HMOE_CUDA_TRY(
           ScatterWeightedRows(z_.as<float>(), H, slot_dev + b0, ni, w, ys_.as<float>(), compute_),
           "ScatterWeightedRows");

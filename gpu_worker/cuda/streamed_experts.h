@@ -48,17 +48,20 @@ class StreamedExperts {
                               const std::vector<int32_t>& gpu_experts, int32_t* cpu_ids);
   const float* out() const { return out_.as<float>(); }  // [T][H] of the last Run
 
-  double pcie_gbps() const { return pcie_gbps_; }      // host -> device, pinned, measured
+  double pcie_gbps() const { return pcie_gbps_; }  // host -> device, pinned, measured
   // One expert's compute (dequantization, GEMMs, activation) at the rows an
   // expert gets in a full pass, measured, as TFLOP/s of its GEMMs.
   double gemm_tflops() const { return gemm_tflops_; }
-  int64_t expert_bytes() const { return blob_; }       // one expert as uploaded
-  int64_t host_bytes() const;                          // the pinned arena
+  int64_t expert_bytes() const { return blob_; }  // one expert as uploaded
+  int64_t host_bytes() const;                     // the pinned arena
   int64_t max_tokens() const { return max_tokens_; }
 
  private:
   StreamedExperts() = default;
   absl::Status Measure();
+  // z_[n][H] = down(silu(gate(x)) * up(x)) for x: bf16 [n][H] (device), on
+  // the compute stream, through w_gu_ / w_d_ / y_gu_ / hb_.
+  absl::Status ComputeExpert(const DevExpert& ex, const uint16_t* x, int64_t n);
   DevExpert ExpertAt(const char* base) const;  // the views of one blob at `base`
 
   ModelConfig c_;

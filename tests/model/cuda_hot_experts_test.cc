@@ -42,17 +42,7 @@ Out Generate(const std::string& dir, std::shared_ptr<const Placement> hot, const
   EXPECT_TRUE(m.ok()) << m.status();
   Out r;
   if (!m.ok()) return r;
-  auto s = (*m)->NewSequence();
-  auto l = (*m)->Prefill(*s, std::vector<int32_t>{1, 5, 17, 42, 7}, LogitsMode::kLast);
-  EXPECT_TRUE(l.ok()) << l.status();
-  if (!l.ok()) return r;
-  r.logits.push_back(*l);
-  for (int step = 0; step < 6; ++step) {
-    auto d = (*m)->Decode(*s, 3 + 5 * step);
-    EXPECT_TRUE(d.ok()) << d.status();
-    if (!d.ok()) return r;
-    r.logits.push_back(*d);
-  }
+  r.logits = testing::PrefillThenDecode(**m, {1, 5, 17, 42, 7}, 6);
   const RoutingTable t = (*m)->routing_stats();
   for (const auto& layer : t.layers)
     for (uint64_t c : layer.tokens) r.routed += c;

@@ -42,17 +42,7 @@ Out Generate(const std::string& dir, const std::string& policy, const std::strin
   if (!m.ok()) return r;
   std::vector<int32_t> prompt;
   for (int i = 0; i < 48; ++i) prompt.push_back((7 * i + 3) % 50);
-  auto s = (*m)->NewSequence();
-  auto l = (*m)->Prefill(*s, prompt, LogitsMode::kLast);
-  EXPECT_TRUE(l.ok()) << l.status();
-  if (!l.ok()) return r;
-  r.logits.push_back(*l);
-  for (int step = 0; step < 3; ++step) {
-    auto d = (*m)->Decode(*s, 3 + 5 * step);
-    EXPECT_TRUE(d.ok()) << d.status();
-    if (!d.ok()) return r;
-    r.logits.push_back(*d);
-  }
+  r.logits = testing::PrefillThenDecode(**m, prompt, 3);
   r.stats = (*m)->stats();
   return r;
 }

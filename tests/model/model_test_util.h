@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/safetensors.h"
+#include "gpu_worker/model.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 
@@ -44,6 +45,27 @@ inline double MaxScaledDiff(const std::vector<float>& a, const std::vector<float
     scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
   }
   return scale > 0 ? m / scale : m;
+}
+
+// The last-token logits of a prefill of `prompt` in a fresh Sequence of `m`,
+// then of `steps` decode steps feeding tokens 3, 8, 13, ...; stops at (and
+// reports) the first failure, so a shorter result means one failed.
+inline std::vector<std::vector<float>> PrefillThenDecode(const Model& m,
+                                                         const std::vector<int32_t>& prompt,
+                                                         int steps) {
+  std::vector<std::vector<float>> out;
+  auto s = m.NewSequence();
+  auto l = m.Prefill(*s, prompt, LogitsMode::kLast);
+  EXPECT_TRUE(l.ok()) << l.status();
+  if (!l.ok()) return out;
+  out.push_back(*l);
+  for (int step = 0; step < steps; ++step) {
+    auto d = m.Decode(*s, 3 + 5 * step);
+    EXPECT_TRUE(d.ok()) << d.status();
+    if (!d.ok()) return out;
+    out.push_back(*d);
+  }
+  return out;
 }
 
 struct ReferenceOutputs {
