@@ -914,7 +914,8 @@ ojson StatsJson(const ModelStats& s) {
           {"prefill_cpu_layers", s.prefill_cpu_layers},
           {"prefill_stream_layers", s.prefill_stream_layers},
           {"prefill_split_layers", s.prefill_split_layers},
-          {"streamed_slots", s.streamed_slots}};
+          {"streamed_slots", s.streamed_slots},
+          {"gemm_attention_tokens", s.gemm_attention_tokens}};
 }
 
 ModelStats Delta(const ModelStats& a, const ModelStats& b) {
@@ -930,6 +931,7 @@ ModelStats Delta(const ModelStats& a, const ModelStats& b) {
   d.prefill_stream_layers = b.prefill_stream_layers - a.prefill_stream_layers;
   d.prefill_split_layers = b.prefill_split_layers - a.prefill_split_layers;
   d.streamed_slots = b.streamed_slots - a.streamed_slots;
+  d.gemm_attention_tokens = b.gemm_attention_tokens - a.gemm_attention_tokens;
   return d;
 }
 

@@ -106,6 +106,12 @@ struct ModelOptions {
   // form (PrefillRatesJson) for a file the worker's --prefill-rates reads.
   std::optional<PrefillRates> prefill_rates;
   int64_t prefill_stream_tokens = 8192;
+  // cuda: a run of at least this many consecutive positions of one sequence
+  // in a pass (a prompt chunk) computes its attention by tensor-core GEMMs
+  // (TF32 inputs, f32 accumulation) over its gathered keys; shorter runs and
+  // passes of up to 32 tokens with cuda_expert_slots use PagedAttention
+  // (fp32). 0: PagedAttention for every pass.
+  int64_t cuda_gemm_attention_tokens = 64;
   bool log_prefill_plans = false;  // one stderr line per streamed pass: each layer's choice
   // cuda, fault tests only: > 0 injects a sticky device error (a trapping
   // kernel) at the start of pass number debug_cuda_fault_after + 1.
@@ -167,6 +173,9 @@ struct ModelStats {
   // experts ran, and the routed slots computed by streamed experts.
   int64_t prefill_cpu_layers = 0, prefill_stream_layers = 0, prefill_split_layers = 0;
   int64_t streamed_slots = 0;
+  // cuda: tokens whose attention ran by GEMMs (cuda_gemm_attention_tokens),
+  // counted once per layer.
+  int64_t gemm_attention_tokens = 0;
 };
 
 class Model {

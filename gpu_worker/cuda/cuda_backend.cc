@@ -23,6 +23,7 @@
 #include "expert_service/kernels/checkpoint_source.h"
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/cuda/device_memory.h"
+#include "gpu_worker/cuda/gemm_attention.h"
 #include "gpu_worker/cuda/kernels.h"
 #include "gpu_worker/cuda/streamed_experts.h"
 #include "gpu_worker/driver/model_driver.h"
@@ -37,6 +38,9 @@ constexpr int64_t kBlockTokens = 16;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // PagedAttention's split-key scratch: its most (dv 512) is 8 MiB.
 constexpr int64_t kAttentionScratchBytes = 8 << 20;
+// GEMM attention's scratch (gathered keys, one query chunk's scores): at most
+// this much, taken at the first pass with a long run.
+constexpr int64_t kGemmAttentionScratchBytes = int64_t{1} << 30;
 // cuBLAS's own workspace (set explicitly so that graph capture never needs
 // it to allocate).
 constexpr int64_t kBlasWorkspaceBytes = 32 << 20;
@@ -225,6 +229,7 @@ class CudaBackend final : public LayerBackend {
     s->prefill_stream_layers += prefill_layers_[1];
     s->prefill_split_layers += prefill_layers_[2];
     s->streamed_slots += streamed_slots_;
+    s->gemm_attention_tokens += gemm_attention_tokens_;
   }
   // The sticky failure (OK while there is none); any thread.
   absl::Status health() const override {
@@ -305,14 +310,25 @@ class CudaBackend final : public LayerBackend {
   }
   absl::Status Mlp(const DevMlp& m, float* out);
   // PagedAttention with the split-key scratch when it fits.
+  // The pass's long runs (runs_) by GEMM attention.
   absl::Status Attend(PagedAttentionArgs& a) {
     const int64_t need = PagedAttentionScratchFloats(a);
     if (need > 0 && need * 4 <= attn_scratch_.bytes()) {
       a.scratch = attn_scratch_.as<float>();
       a.scratch_floats = attn_scratch_.bytes() / 4;
     }
-    return Launched(PagedAttention(a, stream_), "PagedAttention");
+    if (runs_.empty()) return Launched(PagedAttention(a, stream_), "PagedAttention");
+    absl::Status st = AttendPass(a, runs_, gemm_scratch_.as<float>(), gemm_scratch_.bytes() / 4,
+                                 blas_, stream_, &launches_, &gemm_attention_tokens_);
+    return st.ok() ? st : Failed(st);
   }
+  // The attention geometry of every layer (no window, no pointers but the
+  // caches'): what sizes GEMM attention's scratch.
+  PagedAttentionArgs AttentionShape() const;
+  // runs_ of at least o_.cuda_gemm_attention_tokens tokens in the pass's
+  // metadata, and the scratch for them (as much as the budget allows; runs
+  // whose chunk does not fit go to PagedAttention).
+  absl::Status PlanGemmAttention(const int32_t* tstart, const int32_t* pos, int64_t T);
   absl::Status MlaAttention(int l);
   // The router of layer l on h_ -> rid_, rw_ [rows_, top_k].
   absl::Status RunRouter(int l, const GateSpec& g);
@@ -346,7 +362,9 @@ class CudaBackend final : public LayerBackend {
   // Workspace for passes of up to cap_tokens_ tokens.
   int64_t cap_tokens_ = 0, cap_table_ = 0, cap_rows_ = 0;  // tokens, table entries, logit rows
   DeviceBuffer ws_;
-  DeviceBuffer attn_scratch_;  // PagedAttention's split-key partials
+  DeviceBuffer attn_scratch_;       // PagedAttention's split-key partials
+  DeviceBuffer gemm_scratch_;       // GEMM attention's
+  std::vector<AttentionRun> runs_;  // this pass's runs for GEMM attention
   PinnedBuffer host_ws_;
   float *x_ = nullptr, *y_ = nullptr, *h_ = nullptr, *ysh_ = nullptr, *routed_ = nullptr;
   uint16_t* hb_ = nullptr;
@@ -455,6 +473,7 @@ class CudaBackend final : public LayerBackend {
   size_t events_used_ = 0;
   bool in_burst_ = false;
   int64_t launches_ = 0;
+  int64_t gemm_attention_tokens_ = 0;
   int64_t busy_ns_ = 0;
 };
 
@@ -909,6 +928,54 @@ absl::Status CudaBackend::Gemm(const DevLin& w, const uint16_t* x, int64_t T, fl
   return absl::OkStatus();
 }
 
+PagedAttentionArgs CudaBackend::AttentionShape() const {
+  PagedAttentionArgs a;
+  a.k_cache = kcache_.empty() ? nullptr : kcache_[0].as<float>();
+  a.num_heads = c_.num_heads;
+  if (c_.is_mla()) {
+    a.dk = a.k_row = a.v_row = c_.mla.kv_lora_rank + c_.mla.qk_rope_head_dim;
+    a.dv = c_.mla.kv_lora_rank;
+    a.v_cache = a.k_cache;
+    a.num_kv_heads = 1;
+  } else {
+    a.dk = a.dv = c_.head_dim;
+    a.k_row = a.v_row = c_.num_kv_heads * c_.head_dim;
+    a.v_cache = vcache_.empty() ? nullptr : vcache_[0].as<float>();
+    a.num_kv_heads = c_.num_kv_heads;
+  }
+  return a;
+}
+
+absl::Status CudaBackend::PlanGemmAttention(const int32_t* tstart, const int32_t* pos, int64_t T) {
+  runs_.clear();
+  const int64_t min_tokens = o_.cuda_gemm_attention_tokens;
+  if (min_tokens <= 0 || T < min_tokens) return absl::OkStatus();
+  runs_ = FindAttentionRuns(tstart, pos, T, min_tokens);
+  const PagedAttentionArgs shape = AttentionShape();
+  int64_t want = 0, least = 0;  // bytes: every run at its full chunk; one query
+  for (const AttentionRun& r : runs_) {
+    want = std::max(
+        want, 4 * GemmAttentionScratchFloats(shape, r, std::min(r.n, kMaxGemmAttentionChunk)));
+    least = std::max(least, 4 * GemmAttentionScratchFloats(shape, r, 1));
+  }
+  want = std::max(least, std::min(want, kGemmAttentionScratchBytes));
+  if (want <= gemm_scratch_.bytes()) return absl::OkStatus();
+  // Grow to `want`, or to what the budget has room for (runs that do not
+  // fit then take PagedAttention).
+  const int64_t old = gemm_scratch_.bytes();
+  const int64_t room = budget_.limit() - budget_.used() + old;
+  const int64_t bytes = std::min(want, room);
+  if (bytes <= old) return absl::OkStatus();
+  budget_.Give(old, "attention scratch");
+  RETURN_IF_ERROR(gemm_scratch_.Allocate(0));
+  RETURN_IF_ERROR(budget_.Take(bytes, "attention scratch"));
+  if (!gemm_scratch_.Allocate(bytes).ok()) {  // out of device memory: PagedAttention
+    budget_.Give(bytes, "attention scratch");
+    cudaGetLastError();
+  }
+  return absl::OkStatus();
+}
+
 void CudaBackend::BurstBegin() {
   if (in_burst_ || slot_pass_) return;  // a slot pass is timed as a whole
   if (events_used_ + 2 > events_.size()) {
@@ -982,6 +1049,7 @@ absl::Status CudaBackend::Begin(const PassTokens& p) {
     pos[t] = static_cast<int32_t>(ps);
   }
   for (size_t i = 0; i < p.logit_rows.size(); ++i) lrows[i] = p.logit_rows[i];
+  RETURN_IF_ERROR(PlanGemmAttention(tstart, pos, T));
   slot_ = meta_;
   tstart_ = meta_ + T;
   pos_ = meta_ + 2 * T;
@@ -1235,13 +1303,13 @@ absl::StatusOr<int64_t> CudaBackend::TakeRoutedSlots(int l, const RoutedInput& i
         absl::StrAppend(&pts, i ? ", " : "", prefill_rates_.cpu_tokens[i], " tokens ",
                         absl::StrFormat("%.0f", prefill_rates_.cpu_us[i]), " us");
       std::fprintf(stderr,
-                   "hmoe cuda backend: hybrid prefill: the expert service takes per expert: %s "
-                   "(measured in %.1f s); rates %s\n",
-                   pts.c_str(),
+                   "hmoe cuda backend: hybrid prefill: the expert service takes per expert: %s, "
+                   "and %.2f us per token of a call (measured in %.1f s); rates %s\n",
+                   pts.c_str(), prefill_rates_.cpu_call_us_per_token,
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                    PrefillRatesJson(prefill_rates_).c_str());
     }
-    ASSIGN_OR_RETURN(plan, PlanPrefillLayer(counts, streamed_->expert_bytes(),
+    ASSIGN_OR_RETURN(plan, PlanPrefillLayer(counts, T, streamed_->expert_bytes(),
                                             6.0 * static_cast<double>(c_.hidden_size) *
                                                 static_cast<double>(c_.moe.intermediate_size),
                                             prefill_rates_));
@@ -1602,6 +1670,7 @@ absl::Status CudaBackend::RegisterSlots(uint64_t gen) {
 }
 
 absl::Status CudaBackend::BeginSlotPass(const PassTokens& p) {
+  runs_.clear();
   const int64_t T = p.size(), B = BucketFor(T), rd = geo_.rope_dim;
   // Reconnects to a restarted service (new slots, graphs recaptured).
   ASSIGN_OR_RETURN(uint64_t gen, slots_->Prepare(absl::Now() + absl::Seconds(10)));

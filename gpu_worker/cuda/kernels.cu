@@ -211,6 +211,55 @@ __global__ void GatherRowsKernel(const float* x, int64_t cols, const int32_t* ro
   }
 }
 
+__global__ void GatherPagedRowsKernel(const float* cache, int64_t row_floats, const int32_t* table,
+                                      int64_t bt, int64_t p0, int64_t n, float* out, bool vec) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const int64_t p = p0 + i;
+    const float* src = cache + (static_cast<int64_t>(table[p / bt]) * bt + p % bt) * row_floats;
+    float* dst = out + i * row_floats;
+    if (vec) {
+      const float4* s4 = reinterpret_cast<const float4*>(src);
+      float4* d4 = reinterpret_cast<float4*>(dst);
+      for (int64_t c = threadIdx.x; c < row_floats / 4; c += blockDim.x) d4[c] = s4[c];
+    } else {
+      for (int64_t c = threadIdx.x; c < row_floats; c += blockDim.x) dst[c] = src[c];
+    }
+  }
+}
+
+// One block per row: the visible columns are [lo, hi) of the row.
+__global__ void MaskedSoftmaxRowsKernel(float* scores, int64_t rows, int64_t cols,
+                                        int64_t group_rows, int64_t q_pos0, int64_t k_pos0,
+                                        int64_t window) {
+  __shared__ float sh[33];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    float* s = scores + r * cols;
+    const int64_t q = q_pos0 + r % group_rows;
+    const int64_t hi = Min64(cols, q - k_pos0 + 1);
+    const int64_t lo = window > 0 ? Max64(0, q - window + 1 - k_pos0) : 0;
+    float mx = -INFINITY;
+    for (int64_t c = lo + threadIdx.x; c < hi; c += blockDim.x) mx = fmaxf(mx, s[c]);
+    mx = WarpMax(mx);
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      const int nw = (blockDim.x + 31) >> 5;
+      float w = threadIdx.x < nw ? sh[threadIdx.x] : -INFINITY;
+      w = WarpMax(w);
+      if (threadIdx.x == 0) sh[32] = w;
+    }
+    __syncthreads();
+    mx = sh[32];
+    __syncthreads();
+    float sum = 0.0f;
+    for (int64_t c = lo + threadIdx.x; c < hi; c += blockDim.x) sum += expf(s[c] - mx);
+    sum = BlockSum(sum, sh);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+      s[c] = c >= lo && c < hi ? expf(s[c] - mx) * inv : 0.0f;
+  }
+}
+
 // ---- paged attention -------------------------------------------------------------
 //
 // A block serves one token t, one kv head g and up to kMaxHpb of the heads
@@ -1346,6 +1395,27 @@ cudaError_t GatherRows(const float* x, int64_t cols, const int32_t* rows, int64_
                        cudaStream_t s) {
   if (n <= 0 || cols <= 0) return cudaSuccess;
   GatherRowsKernel<<<BlocksFor(n), kThreads, 0, s>>>(x, cols, rows, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t GatherPagedRows(const float* cache, int64_t row_floats, const int32_t* table,
+                            int64_t block_tokens, int64_t p0, int64_t n, float* out,
+                            cudaStream_t s) {
+  if (n <= 0 || row_floats <= 0) return cudaSuccess;
+  if (block_tokens <= 0 || p0 < 0) return cudaErrorInvalidValue;
+  const bool vec = row_floats % 4 == 0 && reinterpret_cast<uintptr_t>(cache) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  GatherPagedRowsKernel<<<BlocksFor(n), 128, 0, s>>>(cache, row_floats, table, block_tokens, p0, n,
+                                                     out, vec);
+  return cudaGetLastError();
+}
+
+cudaError_t MaskedSoftmaxRows(float* scores, int64_t rows, int64_t cols, int64_t group_rows,
+                              int64_t q_pos0, int64_t k_pos0, int64_t window, cudaStream_t s) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  if (group_rows <= 0) return cudaErrorInvalidValue;
+  MaskedSoftmaxRowsKernel<<<BlocksFor(rows), kThreads, 0, s>>>(scores, rows, cols, group_rows,
+                                                               q_pos0, k_pos0, window);
   return cudaGetLastError();
 }
 

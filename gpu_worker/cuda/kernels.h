@@ -90,6 +90,20 @@ struct PagedAttentionArgs {
 // length (online softmax over chunks of keys). Returns cudaErrorInvalidValue
 // when dk > 576, dv > 512, or scratch is given but smaller than needed.
 cudaError_t PagedAttention(const PagedAttentionArgs& a, cudaStream_t s);
+// GEMM attention's pieces (gpu_worker/cuda/gemm_attention.h):
+// out[i][:] = the cache row of key position p0 + i, i < n, where position p
+// lives in row table[p / block_tokens] * block_tokens + p % block_tokens
+// (rows of row_floats floats).
+cudaError_t GatherPagedRows(const float* cache, int64_t row_floats, const int32_t* table,
+                            int64_t block_tokens, int64_t p0, int64_t n, float* out,
+                            cudaStream_t s);
+// In place over rows r < rows of `cols` scores: row r is the query at
+// position q_pos0 + r % group_rows, column c the key at position k_pos0 + c;
+// visible keys (cpu::Visible: k <= q and, when window > 0, k > q - window)
+// get softmax weights exp(s - max) / sum over the visible ones, the rest 0
+// (a row with none visible: all 0).
+cudaError_t MaskedSoftmaxRows(float* scores, int64_t rows, int64_t cols, int64_t group_rows,
+                              int64_t q_pos0, int64_t k_pos0, int64_t window, cudaStream_t s);
 // Scratch floats PagedAttention uses for these shapes (0: it never splits);
 // depends on T, num_heads, num_kv_heads and dv only, and is at most
 // 2 * 512 * 8 * (dv + 2).

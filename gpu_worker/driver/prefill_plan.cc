@@ -47,6 +47,9 @@ absl::Status ValidatePrefillRates(const PrefillRates& r) {
     return absl::InvalidArgumentError(absl::StrCat("prefill rates: pcie_gbps ", r.pcie_gbps,
                                                    " and gpu_tflops ", r.gpu_tflops,
                                                    " must be > 0"));
+  if (!(r.cpu_call_us_per_token >= 0))
+    return absl::InvalidArgumentError(absl::StrCat("prefill rates: cpu_call_us_per_token ",
+                                                   r.cpu_call_us_per_token, " must be >= 0"));
   if (r.cpu_tokens.empty() || r.cpu_tokens.size() != r.cpu_us.size())
     return absl::InvalidArgumentError(
         "prefill rates: the CPU's (tokens, us) points are missing or unpaired");
@@ -69,6 +72,7 @@ std::string PrefillRatesJson(const PrefillRates& r) {
   for (size_t i = 0; i < r.cpu_tokens.size() && i < r.cpu_us.size(); ++i)
     cpu.push_back({{"tokens", r.cpu_tokens[i]}, {"us", r.cpu_us[i]}});
   j["cpu"] = cpu;
+  j["cpu_call_us_per_token"] = r.cpu_call_us_per_token;
   return j.dump();
 }
 
@@ -95,13 +99,18 @@ absl::StatusOr<PrefillRates> ParsePrefillRates(const std::string& text, const st
     r.cpu_tokens.push_back(p["tokens"].get<int64_t>());
     r.cpu_us.push_back(p["us"].get<double>());
   }
+  if (j.contains("cpu_call_us_per_token")) {
+    if (!j["cpu_call_us_per_token"].is_number())
+      return bad("cpu_call_us_per_token: a number expected");
+    r.cpu_call_us_per_token = j["cpu_call_us_per_token"].get<double>();
+  }
   if (absl::Status st = ValidatePrefillRates(r); !st.ok()) return bad(std::string(st.message()));
   return r;
 }
 
 absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
-                                             int64_t expert_bytes, double flops_per_token,
-                                             const PrefillRates& r) {
+                                             int64_t pass_tokens, int64_t expert_bytes,
+                                             double flops_per_token, const PrefillRates& r) {
   RETURN_IF_ERROR(ValidatePrefillRates(r));
   if (expert_bytes <= 0 || !(flops_per_token > 0))
     return absl::InvalidArgumentError(absl::StrCat("prefill plan: expert_bytes ", expert_bytes,
@@ -118,7 +127,7 @@ absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
   std::stable_sort(order.begin(), order.end(),
                    [&](int32_t a, int32_t b) { return tokens[a] > tokens[b]; });
   // Side times with the first k of `order` on the GPU.
-  double cpu_all = 0;
+  double cpu_all = static_cast<double>(std::max<int64_t>(0, pass_tokens)) * r.cpu_call_us_per_token;
   for (int32_t e : order) cpu_all += r.CpuUs(tokens[e]);
   struct Sides {
     double cpu = 0, up = 0, comp = 0;
@@ -170,14 +179,16 @@ absl::Status MeasureExpertRates(RoutedExperts& experts, const ModelConfig& confi
                                                      " tokens) is not positive or not ascending"));
   const int64_t E = config.moe.num_experts, K = config.moe.experts_per_token,
                 H = config.hidden_size;
-  auto call = [&](int64_t n) -> absl::StatusOr<double> {
+  // routed: false sends only token 0 to experts (the rest kNoExpert).
+  auto call = [&](int64_t n, bool routed = true) -> absl::StatusOr<double> {
     const int64_t T = (n * E + K - 1) / K;
     std::vector<float> hidden(static_cast<size_t>(T * H)), out(static_cast<size_t>(T * H));
     for (size_t i = 0; i < hidden.size(); ++i)
       hidden[i] = static_cast<float>(static_cast<int>(i % 17) - 8) / 64.0f;
     std::vector<int32_t> ids(static_cast<size_t>(T * K));
     std::vector<float> w(static_cast<size_t>(T * K), 1.0f / static_cast<float>(K));
-    for (int64_t s = 0; s < T * K; ++s) ids[static_cast<size_t>(s)] = static_cast<int32_t>(s % E);
+    for (int64_t s = 0; s < T * K; ++s)
+      ids[static_cast<size_t>(s)] = routed || s < K ? static_cast<int32_t>(s % E) : kNoExpert;
     ExpertBatch b;
     b.layer = layer;
     b.num_tokens = T;
@@ -191,12 +202,22 @@ absl::Status MeasureExpertRates(RoutedExperts& experts, const ModelConfig& confi
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   RETURN_IF_ERROR(call(tokens_per_expert.front()).status());  // warm-up
-  rates->cpu_tokens.clear();
-  rates->cpu_us.clear();
+  std::vector<double> secs;
   for (int64_t n : tokens_per_expert) {
     ASSIGN_OR_RETURN(const double s, call(n));
-    rates->cpu_tokens.push_back(n);
-    rates->cpu_us.push_back(s * 1e6 / static_cast<double>(E));
+    secs.push_back(s);
+  }
+  const int64_t last = tokens_per_expert.back(), T_last = (last * E + K - 1) / K;
+  ASSIGN_OR_RETURN(const double fixed, call(last, /*routed=*/false));
+  rates->cpu_call_us_per_token = fixed * 1e6 / static_cast<double>(T_last);
+  rates->cpu_tokens.clear();
+  rates->cpu_us.clear();
+  for (size_t i = 0; i < secs.size(); ++i) {
+    const int64_t T = (tokens_per_expert[i] * E + K - 1) / K;
+    const double us = secs[i] * 1e6;
+    const double net = us - rates->cpu_call_us_per_token * static_cast<double>(T);
+    rates->cpu_tokens.push_back(tokens_per_expert[i]);
+    rates->cpu_us.push_back(std::max(net, 0.01 * us) / static_cast<double>(E));
   }
   return absl::OkStatus();
 }

@@ -31,6 +31,10 @@ struct PrefillRates {
   std::vector<int64_t> cpu_tokens;
   std::vector<double> cpu_us;
   double CpuUs(int64_t n) const;
+  // The service's cost per token of the pass for a call at all (the hidden
+  // states in, the sums out, whatever experts it computes), us (>= 0): what
+  // (a) and (c) pay and (b) does not. Not part of cpu_us.
+  double cpu_call_us_per_token = 0;
 };
 
 // OK, or INVALID_ARGUMENT naming the first rate that is not positive, or a
@@ -38,7 +42,8 @@ struct PrefillRates {
 absl::Status ValidatePrefillRates(const PrefillRates& r);
 
 // The rates as JSON ({"format": "hmoe-prefill-rates-1", "pcie_gbps",
-// "gpu_tflops", "cpu": [{"tokens", "us"}, ...]}): what the cuda backend logs
+// "gpu_tflops", "cpu": [{"tokens", "us"}, ...], "cpu_call_us_per_token"
+// (optional, default 0)}): what the cuda backend logs
 // once it has measured them, and what ModelOptions::prefill_rates (the
 // worker's --prefill-rates FILE) reads back.
 std::string PrefillRatesJson(const PrefillRates& r);
@@ -58,25 +63,27 @@ struct PrefillPlan {
   std::string Describe() const;      // one line for the debug log and hmoe-bench-e2e
 };
 
-// tokens[e]: how many of the pass's tokens chose expert e in this layer;
-// expert_bytes: one expert's weights as streamed; flops_per_token: 2 * 3 *
-// hidden * intermediate (gate, up, down). Experts with no tokens cost
-// nothing anywhere. The split moves experts to the GPU in descending token
-// count (ties: lower id) while that lowers the layer's time, and picks the
-// best of (a), (b) and that split (ties: (a), then (b): the simpler).
-// INVALID_ARGUMENT for rates that are not positive / not ascending, or
-// bytes / flops <= 0.
+// tokens[e]: how many of the pass's tokens chose expert e in this layer
+// (pass_tokens tokens in all); expert_bytes: one expert's weights as
+// streamed; flops_per_token: 2 * 3 * hidden * intermediate (gate, up,
+// down). Experts with no tokens cost nothing anywhere; the CPU side costs
+// pass_tokens * cpu_call_us_per_token more whenever it has an expert. The split moves experts to
+// the GPU in descending token count (ties: lower id) while that lowers the layer's time, and picks
+// the best of (a), (b) and that split (ties: (a), then (b): the simpler). INVALID_ARGUMENT for
+// rates that are not positive / not ascending, or bytes / flops <= 0.
 absl::StatusOr<PrefillPlan> PlanPrefillLayer(const std::vector<int64_t>& tokens,
-                                             int64_t expert_bytes, double flops_per_token,
-                                             const PrefillRates& rates);
+                                             int64_t pass_tokens, int64_t expert_bytes,
+                                             double flops_per_token, const PrefillRates& rates);
 
 // Times `experts` (the expert service, or any RoutedExperts) on MoE layer
 // `layer` of `config`: for each n of `tokens_per_expert` (ascending, > 0), one
 // call in which every expert gets n tokens (n * E / k tokens, each routed to k
-// consecutive experts), after one untimed call; fills rates->cpu_tokens /
-// cpu_us with (n, time / E). The hidden states are a fixed pattern (the
-// kernels' time does not depend on the values). Errors of the calls are
-// passed on; INVALID_ARGUMENT for a non-MoE layer or a bad list.
+// consecutive experts), after one untimed call; then one call of the last
+// point's tokens with a single token routed (its time per token is
+// rates->cpu_call_us_per_token); fills rates->cpu_tokens / cpu_us with
+// (n, (time - that call cost) / E), at least 1% of time / E. The hidden states are a fixed pattern
+// (the kernels' time does not depend on the values). Errors of the calls are passed on;
+// INVALID_ARGUMENT for a non-MoE layer or a bad list.
 absl::Status MeasureExpertRates(RoutedExperts& experts, const ModelConfig& config, int layer,
                                 const std::vector<int64_t>& tokens_per_expert, PrefillRates* rates);
 

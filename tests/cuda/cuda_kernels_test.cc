@@ -1,6 +1,7 @@
 // Every CUDA kernel of gpu_worker/cuda/kernels.h against a plain CPU
 // reference (hmoe::cpu ops where one exists, a scalar loop here otherwise),
 // on many shapes, odd ones included. Skips without a usable CUDA device.
+#include <cublas_v2.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "common/transport/moe_call.h"
 #include "expert_service/kernels/moe.h"
 #include "gpu_worker/cpu/ops.h"
+#include "gpu_worker/cuda/gemm_attention.h"
 #include "gpu_worker/cuda/kernels.h"
 #include "gpu_worker/driver/routing.h"
 #include "gpu_worker/hot_weights.h"
@@ -486,7 +488,14 @@ struct AttnCase {
   std::vector<SeqSpec> seqs;
   int64_t q_pad = 0;  // extra floats per token row of q
   bool use_scratch = true;
+  // > 0: AttendPass with GEMM attention for runs of at least this many
+  // tokens, with gemm_floats of scratch (0: the full chunk of every run).
+  int64_t gemm_min = 0;
+  int64_t gemm_floats = 0;
 };
+
+// TF32 inputs (10-bit mantissas) in the GEMM attention.
+constexpr double kGemmNmse = 5e-5;
 
 void RunAttention(const AttnCase& c, std::mt19937& rng) {
   SCOPED_TRACE(c.name);
@@ -553,7 +562,33 @@ void RunAttention(const AttnCase& c, std::mt19937& rng) {
     a.scratch = dscratch.get();
     a.scratch_floats = scratch_n;
   }
-  Check(PagedAttention(a, nullptr));
+  int64_t gemm_runs = 0, gemm_tokens = 0;
+  if (c.gemm_min > 0) {
+    const std::vector<AttentionRun> runs =
+        FindAttentionRuns(table_start.data(), pos.data(), T, c.gemm_min);
+    int64_t floats = c.gemm_floats;
+    for (const AttentionRun& r : runs) {
+      if (c.gemm_floats == 0)
+        floats = std::max(floats,
+                          GemmAttentionScratchFloats(a, r, std::min(r.n, kMaxGemmAttentionChunk)));
+      if (GemmAttentionChunk(a, r, floats) > 0) {
+        ++gemm_runs;
+        gemm_tokens += r.n;
+      }
+    }
+    DeviceBuffer<float> gs(static_cast<size_t>(std::max<int64_t>(floats, 1)));
+    cublasHandle_t blas = nullptr;
+    ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+    int64_t launches = 0, took = 0;
+    const absl::Status st = AttendPass(a, runs, gs.get(), floats, blas, nullptr, &launches, &took);
+    cublasDestroy(blas);
+    ASSERT_TRUE(st.ok()) << st;
+    Check(cudaDeviceSynchronize());
+    EXPECT_GT(launches, 0);
+    EXPECT_EQ(took, gemm_tokens);
+  } else {
+    Check(PagedAttention(a, nullptr));
+  }
   const std::vector<float> got = dout.Download();
 
   // Reference: gather each (sequence, kv head)'s keys and values contiguously.
@@ -582,7 +617,15 @@ void RunAttention(const AttnCase& c, std::mt19937& rng) {
       }
     }
   }
-  EXPECT_LE(Nmse(got, want), kNmse);
+  const double nmse = Nmse(got, want);
+  if (c.gemm_min > 0) {
+    std::printf("[ gemm attn ] %-28s %lld of %lld tokens in %lld GEMM runs: NMSE %.2e\n",
+                c.name.c_str(), static_cast<long long>(gemm_tokens), static_cast<long long>(T),
+                static_cast<long long>(gemm_runs), nmse);
+    EXPECT_LE(nmse, kGemmNmse);
+  } else {
+    EXPECT_LE(nmse, kNmse);
+  }
 }
 
 TEST(GpuKernelTest, PagedAttentionMla) {
@@ -639,6 +682,80 @@ TEST(GpuKernelTest, PagedAttentionSlidingWindow) {
                rng);
   RunAttention({"window 1", false, 4, 1, 40, 40, 5, 1, {{33, 33}}}, rng);
   RunAttention({"mla window", true, 8, 1, 576, 512, 16, 100, {{1000, 3}, {50, 50}}}, rng);
+}
+
+// ---- GEMM attention (gemm_attention.h) -------------------------------------------------
+
+TEST(GemmAttention, FindAttentionRuns) {
+  // Tokens: seq A positions 5..7, seq B 0..1, seq A 8 (not adjacent to A's
+  // run), seq C 3..5 then 7 (a gap).
+  const std::vector<int32_t> ts{0, 0, 0, 4, 4, 0, 9, 9, 9, 9};
+  const std::vector<int32_t> pos{5, 6, 7, 0, 1, 8, 3, 4, 5, 7};
+  auto runs = FindAttentionRuns(ts.data(), pos.data(), 10, 2);
+  ASSERT_EQ(runs.size(), 3u);
+  EXPECT_EQ(runs[0].row0, 0);
+  EXPECT_EQ(runs[0].n, 3);
+  EXPECT_EQ(runs[0].pos0, 5);
+  EXPECT_EQ(runs[0].table_start, 0);
+  EXPECT_EQ(runs[1].row0, 3);
+  EXPECT_EQ(runs[1].n, 2);
+  EXPECT_EQ(runs[1].table_start, 4);
+  EXPECT_EQ(runs[2].row0, 6);
+  EXPECT_EQ(runs[2].n, 3);
+  EXPECT_EQ(runs[2].pos0, 3);
+  EXPECT_EQ(FindAttentionRuns(ts.data(), pos.data(), 10, 1).size(), 5u);
+  EXPECT_EQ(FindAttentionRuns(ts.data(), pos.data(), 10, 4).size(), 0u);
+  EXPECT_TRUE(FindAttentionRuns(ts.data(), pos.data(), 0, 1).empty());
+}
+
+TEST(GemmAttention, ScratchAndChunk) {
+  PagedAttentionArgs a;  // ds-v3 latent attention, 128 heads
+  float cache = 0;
+  a.k_cache = a.v_cache = &cache;
+  a.k_row = a.v_row = a.dk = 576;
+  a.dv = 512;
+  a.num_heads = 128;
+  const AttentionRun run{0, 8192, 0, 0};
+  EXPECT_EQ(GemmAttentionScratchFloats(a, run, 1), 8192 * 576 + 128 * 8192);
+  const int64_t one_gib = (int64_t{1} << 30) / 4;
+  EXPECT_EQ(GemmAttentionChunk(a, run, one_gib), 128);  // 512, 256 do not fit
+  EXPECT_EQ(GemmAttentionChunk(a, run, 8192 * 576), 0);
+  // A window bounds the keys of a chunk; separate values add their rows.
+  a.window = 100;
+  EXPECT_EQ(GemmAttentionScratchFloats(a, run, 16), 8192 * 576 + 128 * 16 * 115);
+  a.v_cache = nullptr;
+  a.window = 0;
+  EXPECT_EQ(GemmAttentionScratchFloats(a, AttentionRun{0, 10, 90, 0}, 2),
+            100 * (576 + 576) + 128 * 2 * 100);
+}
+
+TEST(GpuKernelTest, GemmAttentionMatchesTheReference) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(13);
+  auto gemm = [](AttnCase c, int64_t min, int64_t floats = 0) {
+    c.gemm_min = min;
+    c.gemm_floats = floats;
+    return c;
+  };
+  // ds-v3 latent shapes: two long runs (one after a 500-token prefix) beside
+  // a decode token and a short chunk that take PagedAttention.
+  const AttnCase mla{
+      "mla", true, 16, 1, 576, 512, 16, 0, {{300, 300}, {1, 1}, {700, 200}, {50, 3}}};
+  RunAttention(gemm(mla, 4), rng);
+  RunAttention(gemm(mla, 4, 481600), rng);  // chunks of 37 and 6 queries
+  RunAttention(gemm(mla, 4, 200000), rng);  // the 700-key run does not fit: PagedAttention
+  RunAttention(gemm({"gqa", false, 32, 4, 128, 128, 16, 0, {{400, 400}, {1000, 1}, {90, 70}}}, 16),
+               rng);
+  RunAttention(gemm({"gqa hd72 padded q", false, 6, 2, 72, 72, 7, 0, {{129, 100}, {33, 33}}, 3}, 1),
+               rng);
+  RunAttention(gemm({"gqa hd33 scalar", false, 4, 2, 33, 33, 3, 0, {{70, 69}, {5, 1}}, 1}, 1), rng);
+  RunAttention(gemm({"gqa hd256", false, 16, 2, 256, 256, 32, 0, {{600, 600}}}, 64), rng);
+  RunAttention(gemm({"gqa window 37", false, 8, 2, 64, 64, 16, 37, {{300, 300}, {1000, 100}}}, 8),
+               rng);
+  RunAttention(gemm({"gqa window 37 small chunks", false, 8, 2, 64, 64, 16, 37, {{300, 300}}}, 8,
+                    300 * 256 + 4 * 9 * 45),  // chunks of 9 queries
+               rng);
+  RunAttention(gemm({"mla window 100", true, 8, 1, 576, 512, 16, 100, {{1000, 600}}}, 8), rng);
 }
 
 // ---- MLA absorb / expand --------------------------------------------------------------

@@ -151,6 +151,78 @@ TEST_P(CudaVsCpu, LogitsAndGreedyGenerationAgree) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaVsCpu, ::testing::ValuesIn(ModelFixtureNames()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
+// GEMM attention (cuda_gemm_attention_tokens) for every run of every pass:
+// without slots every pass takes the general path, so decode tokens are
+// runs of 1. The prompt in two chunks (the second attends to the first's
+// cache), then a batch of a fresh prompt beside a decode token, then decode
+// steps on the CPU's tokens: all against the CPU backend.
+class CudaGemmAttention : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { HMOE_SKIP_UNLESS_BACKEND("cuda"); }
+};
+
+TEST_P(CudaGemmAttention, EqualsTheCpuBackend) {
+  const std::string name = GetParam();
+  const Model& cpu = Cached(name, "cpu");
+  ModelOptions o;
+  o.cuda_gemm_attention_tokens = 1;
+  o.cuda_expert_slots = false;
+  o.cuda_graphs = false;
+  auto gpu = Load(name, "cuda", o);
+  ASSERT_TRUE(gpu);
+  const int64_t V = cpu.config().vocab_size;
+  const auto ref = LoadReference(ModelFixturesRoot() + "/" + name);
+  const std::vector<int32_t>& p = ref.prompt;
+  ASSERT_GE(p.size(), 4u);
+  const size_t half = p.size() / 2;
+  const std::vector<int32_t> first(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(half)),
+      second(p.begin() + static_cast<std::ptrdiff_t>(half), p.end());
+  auto sc = cpu.NewSequence();
+  auto sg = gpu->NewSequence();
+  double worst = 0;
+  auto compare = [&](const std::vector<float>& g, const std::vector<float>& c) {
+    ASSERT_EQ(g.size(), c.size());
+    for (size_t r = 0; r < c.size() / static_cast<size_t>(V); ++r)
+      worst = std::max(worst, Nmse(g.data() + r * V, c.data() + r * V, V));
+  };
+  for (const auto* chunk : {&first, &second}) {
+    auto lc = cpu.Prefill(*sc, *chunk, LogitsMode::kAll);
+    auto lg = gpu->Prefill(*sg, *chunk, LogitsMode::kAll);
+    ASSERT_TRUE(lc.ok() && lg.ok()) << lc.status() << " " << lg.status();
+    compare(*lg, *lc);
+  }
+  const ModelStats before = gpu->stats();
+  auto fc = cpu.NewSequence();
+  auto fg = gpu->NewSequence();
+  std::vector<float> oc1, oc2, og1, og2;
+  const std::vector<int32_t> next{p[0]};
+  const ForwardStep cs[] = {{fc.get(), p, LogitsMode::kAll, &oc1},
+                            {sc.get(), next, LogitsMode::kLast, &oc2}};
+  const ForwardStep gs[] = {{fg.get(), p, LogitsMode::kAll, &og1},
+                            {sg.get(), next, LogitsMode::kLast, &og2}};
+  ASSERT_TRUE(cpu.ForwardBatch(cs).ok());
+  ASSERT_TRUE(gpu->ForwardBatch(gs).ok());
+  compare(og1, oc1);
+  compare(og2, oc2);
+  const int64_t layers = cpu.config().num_layers;
+  EXPECT_EQ(gpu->stats().gemm_attention_tokens - before.gemm_attention_tokens,
+            static_cast<int64_t>(p.size() + 1) * layers);
+  for (int i = 0; i < 6; ++i) {
+    const int32_t t = static_cast<int32_t>(ArgMax(oc2.data(), V));
+    auto dc = cpu.Decode(*sc, t);
+    auto dg = gpu->Decode(*sg, t);
+    ASSERT_TRUE(dc.ok() && dg.ok()) << dc.status() << " " << dg.status();
+    compare(*dg, *dc);
+    oc2 = *dc;
+  }
+  std::printf("[ gemm attn ] %-18s NMSE max %.2e over %zu prompt tokens, a batch and 6 steps\n",
+              name.c_str(), worst, p.size());
+  EXPECT_LE(worst, 1e-3) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGemmAttention, ::testing::ValuesIn(ModelFixtureNames()),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
 std::string ReadFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   std::stringstream ss;

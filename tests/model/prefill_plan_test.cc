@@ -45,13 +45,13 @@ TEST(PrefillPlan, CpuTimeInterpolatesAndExtrapolates) {
 TEST(PrefillPlan, FewTokensOverASlowLinkStayOnTheCpu) {
   std::vector<int64_t> tokens(256, 0);
   for (int e = 0; e < 32; ++e) tokens[static_cast<size_t>(e * 4)] = 1;
-  auto p = PlanPrefillLayer(tokens, kExpertBytes, kFlops, Rates(3, 2000));
+  auto p = PlanPrefillLayer(tokens, 0, kExpertBytes, kFlops, Rates(3, 2000));
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->choice, PrefillChoice::kCpu) << p->Describe();
   EXPECT_TRUE(p->gpu_experts.empty());
   EXPECT_DOUBLE_EQ(p->cpu_us, 32 * 200.0);
   EXPECT_EQ(p->gpu_us, 0);
-  auto fast = PlanPrefillLayer(tokens, kExpertBytes, kFlops, Rates(55.6, 2000));
+  auto fast = PlanPrefillLayer(tokens, 0, kExpertBytes, kFlops, Rates(55.6, 2000));
   ASSERT_TRUE(fast.ok()) << fast.status();
   EXPECT_EQ(fast->choice, PrefillChoice::kSplit) << fast->Describe();
   EXPECT_LT(fast->us, p->us);
@@ -59,7 +59,7 @@ TEST(PrefillPlan, FewTokensOverASlowLinkStayOnTheCpu) {
 
 TEST(PrefillPlan, ManyTokensAndASlowCpuStreamEverything) {
   const std::vector<int64_t> tokens(8, 256);
-  auto p = PlanPrefillLayer(tokens, kExpertBytes, kFlops, Rates(55.6, 20000));
+  auto p = PlanPrefillLayer(tokens, 0, kExpertBytes, kFlops, Rates(55.6, 20000));
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->choice, PrefillChoice::kStream) << p->Describe();
   EXPECT_EQ(p->gpu_experts.size(), 8u);
@@ -72,7 +72,7 @@ TEST(PrefillPlan, ManyTokensAndASlowCpuStreamEverything) {
 TEST(PrefillPlan, BalancedSidesSplitNearTheTwoSidedBound) {
   const std::vector<int64_t> tokens(8, 256);
   const PrefillRates r = Rates(55.6, 2000);
-  auto p = PlanPrefillLayer(tokens, kExpertBytes, kFlops, r);
+  auto p = PlanPrefillLayer(tokens, 0, kExpertBytes, kFlops, r);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->choice, PrefillChoice::kSplit) << p->Describe();
   ASSERT_GT(p->gpu_experts.size(), 0u);
@@ -88,9 +88,40 @@ TEST(PrefillPlan, BalancedSidesSplitNearTheTwoSidedBound) {
   EXPECT_DOUBLE_EQ(p->us, std::max(p->cpu_us, p->gpu_us));
 }
 
+// The service's cost per pass token of a call at all: paid by the CPU and
+// the split, not by streaming; large enough, it turns the balanced split
+// into streaming everything.
+TEST(PrefillPlan, ACallsCostPerTokenIsPaidByTheCpuSideOnly) {
+  const std::vector<int64_t> tokens(8, 256);  // 256 tokens of k = 8
+  PrefillRates r = Rates(55.6, 2000);
+  r.cpu_call_us_per_token = 1;
+  auto p = PlanPrefillLayer(tokens, 256, kExpertBytes, kFlops, r);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->choice, PrefillChoice::kSplit) << p->Describe();
+  const double cpu_experts = static_cast<double>(8 - p->gpu_experts.size());
+  EXPECT_DOUBLE_EQ(p->cpu_us, 256 * 1.0 + cpu_experts * 2000);
+  r.cpu_call_us_per_token = 20;  // 5.1 ms: more than streaming all (3.6 ms)
+  p = PlanPrefillLayer(tokens, 256, kExpertBytes, kFlops, r);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->choice, PrefillChoice::kStream) << p->Describe();
+  EXPECT_EQ(p->cpu_us, 0);
+  // Over a slow link the CPU keeps the layer and pays for the call.
+  std::vector<int64_t> few(256, 0);
+  for (int e = 0; e < 32; ++e) few[static_cast<size_t>(e * 4)] = 1;
+  r = Rates(3, 2000);
+  r.cpu_call_us_per_token = 2;
+  p = PlanPrefillLayer(few, 4, kExpertBytes, kFlops, r);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->choice, PrefillChoice::kCpu) << p->Describe();
+  EXPECT_DOUBLE_EQ(p->cpu_us, 4 * 2.0 + 32 * 200.0);
+  r.cpu_call_us_per_token = -1;
+  EXPECT_EQ(PlanPrefillLayer(few, 4, kExpertBytes, kFlops, r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(PrefillPlan, TheGpuTakesTheExpertsWithTheMostTokens) {
   std::vector<int64_t> tokens = {3, 900, 1, 0, 700, 5, 700, 2};
-  auto p = PlanPrefillLayer(tokens, kExpertBytes, kFlops, Rates(55.6, 2000));
+  auto p = PlanPrefillLayer(tokens, 0, kExpertBytes, kFlops, Rates(55.6, 2000));
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_EQ(p->choice, PrefillChoice::kSplit) << p->Describe();
   // The top ones by count, ties to the lower id: 1, then 4 and 6.
@@ -104,7 +135,8 @@ TEST(PrefillPlan, TheGpuTakesTheExpertsWithTheMostTokens) {
 }
 
 TEST(PrefillPlan, NoTokensCostNothing) {
-  auto p = PlanPrefillLayer(std::vector<int64_t>(16, 0), kExpertBytes, kFlops, Rates(55.6, 2000));
+  auto p =
+      PlanPrefillLayer(std::vector<int64_t>(16, 0), 0, kExpertBytes, kFlops, Rates(55.6, 2000));
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->choice, PrefillChoice::kCpu);
   EXPECT_EQ(p->us, 0);
@@ -113,17 +145,17 @@ TEST(PrefillPlan, NoTokensCostNothing) {
 TEST(PrefillPlan, RefusesBadRates) {
   const std::vector<int64_t> tokens(8, 16);
   PrefillRates r = Rates(0, 2000);
-  EXPECT_EQ(PlanPrefillLayer(tokens, kExpertBytes, kFlops, r).status().code(),
+  EXPECT_EQ(PlanPrefillLayer(tokens, 0, kExpertBytes, kFlops, r).status().code(),
             absl::StatusCode::kInvalidArgument);
   r = Rates(50, 2000);
   r.cpu_tokens = {16, 1, 256};
-  EXPECT_EQ(PlanPrefillLayer(tokens, kExpertBytes, kFlops, r).status().code(),
+  EXPECT_EQ(PlanPrefillLayer(tokens, 0, kExpertBytes, kFlops, r).status().code(),
             absl::StatusCode::kInvalidArgument);
   r = Rates(50, 2000);
   r.cpu_us.pop_back();
-  EXPECT_EQ(PlanPrefillLayer(tokens, kExpertBytes, kFlops, r).status().code(),
+  EXPECT_EQ(PlanPrefillLayer(tokens, 0, kExpertBytes, kFlops, r).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanPrefillLayer(tokens, 0, kFlops, Rates(50, 2000)).status().code(),
+  EXPECT_EQ(PlanPrefillLayer(tokens, 0, 0, kFlops, Rates(50, 2000)).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
@@ -154,7 +186,7 @@ TEST(PrefillPlan, MeasureExpertRatesGivesEveryExpertNTokens) {
   CountingExperts x;
   PrefillRates r;
   ASSERT_TRUE(MeasureExpertRates(x, *config, moe, {4, 32}, &r).ok());
-  ASSERT_EQ(x.calls.size(), 3u) << "a warm-up, then one call per point";
+  ASSERT_EQ(x.calls.size(), 4u) << "a warm-up, one call per point, one with a single token routed";
   EXPECT_EQ(r.cpu_tokens, (std::vector<int64_t>{4, 32}));
   ASSERT_EQ(r.cpu_us.size(), 2u);
   for (double us : r.cpu_us) EXPECT_GT(us, 0);
@@ -170,6 +202,13 @@ TEST(PrefillPlan, MeasureExpertRatesGivesEveryExpertNTokens) {
     }
     EXPECT_EQ(x.layers[c], moe);
   }
+  // The call cost's measurement: token 0's k slots only.
+  const int64_t K = config->moe.experts_per_token;
+  int64_t routed = 0;
+  for (const auto& [e, count] : x.calls[3])
+    if (e >= 0) routed += count;
+  EXPECT_EQ(routed, K);
+  EXPECT_GE(r.cpu_call_us_per_token, 0);
   // Errors: a dense layer, a bad list, the experts' own failure.
   EXPECT_EQ(MeasureExpertRates(x, *config, -1, {4}, &r).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(MeasureExpertRates(x, *config, moe, {}, &r).code(), absl::StatusCode::kInvalidArgument);
@@ -180,13 +219,15 @@ TEST(PrefillPlan, MeasureExpertRatesGivesEveryExpertNTokens) {
 }
 
 TEST(PrefillPlan, RatesJsonRoundTripsAndBadFilesAreNamed) {
-  const PrefillRates r = Rates(55.5, 2000);
+  PrefillRates r = Rates(55.5, 2000);
+  r.cpu_call_us_per_token = 1.5;
   auto back = ParsePrefillRates(PrefillRatesJson(r), "rates.json");
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->pcie_gbps, r.pcie_gbps);
   EXPECT_EQ(back->gpu_tflops, r.gpu_tflops);
   EXPECT_EQ(back->cpu_tokens, r.cpu_tokens);
   EXPECT_EQ(back->cpu_us, r.cpu_us);
+  EXPECT_EQ(back->cpu_call_us_per_token, r.cpu_call_us_per_token);
   struct Bad {
     std::string text, says;
   };
@@ -205,6 +246,12 @@ TEST(PrefillPlan, RatesJsonRoundTripsAndBadFilesAreNamed) {
            {R"({"format": "hmoe-prefill-rates-1", "pcie_gbps": 0, "gpu_tflops": 400,
                 "cpu": [{"tokens": 16, "us": 2}]})",
             "must be > 0"},
+           {R"({"format": "hmoe-prefill-rates-1", "pcie_gbps": 50, "gpu_tflops": 400,
+                "cpu": [{"tokens": 16, "us": 2}], "cpu_call_us_per_token": "x"})",
+            "cpu_call_us_per_token: a number"},
+           {R"({"format": "hmoe-prefill-rates-1", "pcie_gbps": 50, "gpu_tflops": 400,
+                "cpu": [{"tokens": 16, "us": 2}], "cpu_call_us_per_token": -2})",
+            "must be >= 0"},
        }) {
     auto p = ParsePrefillRates(b.text, "rates.json");
     ASSERT_FALSE(p.ok()) << b.text;
