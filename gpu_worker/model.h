@@ -112,6 +112,9 @@ struct ModelOptions {
   // passes of up to 32 tokens with cuda_expert_slots use PagedAttention
   // (fp32). 0: PagedAttention for every pass.
   int64_t cuda_gemm_attention_tokens = 64;
+  // cuda: GEMM attention's inputs rounded to TF32 (tensor cores); false:
+  // full-fp32 GEMMs (slower; PagedAttention's rounding up to summation order).
+  bool cuda_gemm_attention_tf32 = true;
   bool log_prefill_plans = false;  // one stderr line per streamed pass: each layer's choice
   // cuda, fault tests only: > 0 injects a sticky device error (a trapping
   // kernel) at the start of pass number debug_cuda_fault_after + 1.

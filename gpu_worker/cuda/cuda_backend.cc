@@ -318,8 +318,11 @@ class CudaBackend final : public LayerBackend {
       a.scratch_floats = attn_scratch_.bytes() / 4;
     }
     if (runs_.empty()) return Launched(PagedAttention(a, stream_), "PagedAttention");
-    absl::Status st = AttendPass(a, runs_, gemm_scratch_.as<float>(), gemm_scratch_.bytes() / 4,
-                                 blas_, stream_, &launches_, &gemm_attention_tokens_);
+    GemmAttentionOptions g;
+    g.scratch = gemm_scratch_.as<float>();
+    g.scratch_floats = gemm_scratch_.bytes() / 4;
+    g.tf32 = o_.cuda_gemm_attention_tf32;
+    absl::Status st = AttendPass(a, runs_, g, blas_, stream_, &launches_, &gemm_attention_tokens_);
     return st.ok() ? st : Failed(st);
   }
   // The attention geometry of every layer (no window, no pointers but the

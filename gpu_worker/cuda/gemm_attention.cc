@@ -65,10 +65,11 @@ int64_t GemmAttentionChunk(const PagedAttentionArgs& a, const AttentionRun& run,
   return c;
 }
 
-absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run, float* scratch,
-                           int64_t scratch_floats, cublasHandle_t blas, cudaStream_t s,
+absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run,
+                           const GemmAttentionOptions& o, cublasHandle_t blas, cudaStream_t s,
                            int64_t* launches) {
   if (run.n <= 0) return absl::OkStatus();
+  const int64_t scratch_floats = o.scratch_floats;
   const int64_t chunk = GemmAttentionChunk(a, run, scratch_floats);
   if (chunk <= 0)
     return absl::InvalidArgumentError(absl::StrCat(
@@ -82,7 +83,8 @@ absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run,
   const KeyRange keys = KeysOf(a, run);
   const int32_t* table = a.block_table + run.table_start;
   const bool shared = SharedValues(a);
-  float* kc = scratch;
+  const cublasComputeType_t compute = o.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  float* kc = o.scratch;
   float* vc = shared ? kc : kc + keys.n() * a.k_row;
   const int64_t v_ld = shared ? a.k_row : a.v_row;
   float* scores = kc + keys.n() * a.k_row + (shared ? 0 : keys.n() * a.v_row);
@@ -102,16 +104,16 @@ absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run,
     for (int64_t g = 0; st.ok() && g < a.num_kv_heads; ++g) {
       // Column-major: scores_j^T [nk x qn] = K [nk x dk] . q_j^T [dk x qn], j < group.
       ++count;
-      st = Blas(cublasGemmStridedBatchedEx(
-                    blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(nk), static_cast<int>(qn),
-                    static_cast<int>(a.dk), &a.scale,
-                    kc + (k_lo - keys.lo) * a.k_row + g * a.k_head_offset, CUDA_R_32F,
-                    static_cast<int>(a.k_row), 0,
-                    a.q + (run.row0 + q0) * a.q_tok_stride + g * group * a.q_head_stride,
-                    CUDA_R_32F, static_cast<int>(a.q_tok_stride), a.q_head_stride, &zero, scores,
-                    CUDA_R_32F, static_cast<int>(nk), qn * nk, static_cast<int>(group),
-                    CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT),
-                "scores", nk, qn, a.dk);
+      st = Blas(
+          cublasGemmStridedBatchedEx(
+              blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(nk), static_cast<int>(qn),
+              static_cast<int>(a.dk), &a.scale,
+              kc + (k_lo - keys.lo) * a.k_row + g * a.k_head_offset, CUDA_R_32F,
+              static_cast<int>(a.k_row), 0,
+              a.q + (run.row0 + q0) * a.q_tok_stride + g * group * a.q_head_stride, CUDA_R_32F,
+              static_cast<int>(a.q_tok_stride), a.q_head_stride, &zero, scores, CUDA_R_32F,
+              static_cast<int>(nk), qn * nk, static_cast<int>(group), compute, CUBLAS_GEMM_DEFAULT),
+          "scores", nk, qn, a.dk);
       if (!st.ok()) break;
       st = launched(MaskedSoftmaxRows(scores, group * qn, nk, qn, qp, k_lo, a.window, s),
                     "MaskedSoftmaxRows");
@@ -125,7 +127,7 @@ absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run,
                     qn * nk, &zero,
                     a.out + (run.row0 + q0) * a.out_tok_stride + g * group * a.out_head_stride,
                     CUDA_R_32F, static_cast<int>(a.out_tok_stride), a.out_head_stride,
-                    static_cast<int>(group), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT),
+                    static_cast<int>(group), compute, CUBLAS_GEMM_DEFAULT),
                 "values", a.dv, qn, nk);
     }
   }
@@ -134,8 +136,8 @@ absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run,
 }
 
 absl::Status AttendPass(const PagedAttentionArgs& a, const std::vector<AttentionRun>& runs,
-                        float* gemm_scratch, int64_t gemm_scratch_floats, cublasHandle_t blas,
-                        cudaStream_t s, int64_t* launches, int64_t* gemm_tokens) {
+                        const GemmAttentionOptions& o, cublasHandle_t blas, cudaStream_t s,
+                        int64_t* launches, int64_t* gemm_tokens) {
   // Tokens [from, to) by PagedAttention.
   auto paged = [&](int64_t from, int64_t to) -> absl::Status {
     if (to <= from) return absl::OkStatus();
@@ -155,12 +157,9 @@ absl::Status AttendPass(const PagedAttentionArgs& a, const std::vector<Attention
   };
   int64_t next = 0;  // first token not yet enqueued
   for (const AttentionRun& run : runs) {
-    if (GemmAttentionChunk(a, run, gemm_scratch_floats) <= 0) continue;
+    if (GemmAttentionChunk(a, run, o.scratch_floats) <= 0) continue;
     if (absl::Status st = paged(next, run.row0); !st.ok()) return st;
-    if (absl::Status st =
-            GemmAttention(a, run, gemm_scratch, gemm_scratch_floats, blas, s, launches);
-        !st.ok())
-      return st;
+    if (absl::Status st = GemmAttention(a, run, o, blas, s, launches); !st.ok()) return st;
     next = run.row0 + run.n;
     if (gemm_tokens) *gemm_tokens += run.n;
   }

@@ -43,13 +43,22 @@ inline constexpr int64_t kMaxGemmAttentionChunk = 512;
 int64_t GemmAttentionChunk(const PagedAttentionArgs& a, const AttentionRun& run,
                            int64_t scratch_floats);
 
+// Where GemmAttention works and how it multiplies.
+struct GemmAttentionOptions {
+  float* scratch = nullptr;  // device
+  int64_t scratch_floats = 0;
+  // TF32 inputs (tensor cores); false: full-fp32 GEMMs (slower; rounding as
+  // PagedAttention's up to summation order).
+  bool tf32 = true;
+};
+
 // Enqueues the attention of `run`'s tokens on `s` (`blas` bound to `s`): a's
 // q, k/v cache, block table (device), heads, dims, window, scale and out as
 // for PagedAttention; a.T / a.pos / a.table_start / a.scratch are not read.
 // INVALID_ARGUMENT when the scratch holds no chunk (GemmAttentionChunk 0);
 // INTERNAL for a failed launch. `launches` (nullable) counts launches.
-absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run, float* scratch,
-                           int64_t scratch_floats, cublasHandle_t blas, cudaStream_t s,
+absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run,
+                           const GemmAttentionOptions& o, cublasHandle_t blas, cudaStream_t s,
                            int64_t* launches);
 
 // A whole pass: `runs` (from FindAttentionRuns over a's metadata) whose
@@ -57,7 +66,7 @@ absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run,
 // PagedAttention (a.scratch as given, over the token ranges between them).
 // `gemm_tokens` (nullable) adds the tokens GemmAttention took.
 absl::Status AttendPass(const PagedAttentionArgs& a, const std::vector<AttentionRun>& runs,
-                        float* gemm_scratch, int64_t gemm_scratch_floats, cublasHandle_t blas,
-                        cudaStream_t s, int64_t* launches, int64_t* gemm_tokens);
+                        const GemmAttentionOptions& o, cublasHandle_t blas, cudaStream_t s,
+                        int64_t* launches, int64_t* gemm_tokens);
 
 }  // namespace hmoe::cuda

@@ -8,6 +8,7 @@
 //                   [--defer-experts 0] [--port-file PATH]
 //                   [--backend cpu|cuda|auto] [--cuda-device 0] [--gpu-mem-gb GB]
 //                   [--cuda-graphs on|off] [--cuda-expert-slots on|off]
+//                   [--gemm-attention-tokens 64] [--gemm-attention-tf32 on|off]
 //                   [--routing-stats-out FILE]
 //                   [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]
 //                   [--prefill-experts cpu|stream|auto] [--log-prefill-plans on|off]
@@ -33,6 +34,10 @@
 // decode step (ModelOptions::cuda_graphs); off runs the same work kernel by
 // kernel. --cuda-expert-slots off: no slots and no graphs, every pass's
 // routed experts go the host-copy way (ModelOptions::cuda_expert_slots).
+// --gemm-attention-tokens N (cuda; default 64, 0 off): a prompt chunk of at
+// least N tokens computes its attention by tensor-core GEMMs
+// (ModelOptions::cuda_gemm_attention_tokens); --gemm-attention-tf32 off
+// makes those GEMMs full fp32 (slower).
 // --hot-experts STATS --hot-experts-gb GB (cuda): the routed experts that
 // save the most CPU bytes per token under the routing statistics STATS
 // (`hmoe stats --save`, --routing-stats-out) fill GB of GPU memory and run
@@ -135,6 +140,8 @@ struct WorkerOptions {
   bool cuda_graphs = true;
   bool cuda_expert_slots = true;
   bool cuda_device_calls = true;
+  int64_t gemm_attention_tokens = 64;
+  bool gemm_attention_tf32 = true;
   std::string prefill_experts = "cpu";
   std::string prefill_rates;  // file
   bool log_prefill_plans = false;
@@ -228,6 +235,11 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.hot_experts_gb = std::strtod(v.c_str(), &end);
       if (end == v.c_str() || *end != '\0' || !(o.hot_experts_gb > 0) || o.hot_experts_gb > 1e6)
         Die("--hot-experts-gb must be a number of GiB > 0, got " + v);
+    } else if (a == "--gemm-attention-tokens") {
+      o.gemm_attention_tokens = num(0, int64_t{1} << 20);
+    } else if (a == "--gemm-attention-tf32") {
+      if (v != "on" && v != "off") Die("--gemm-attention-tf32 must be on or off, got " + v);
+      o.gemm_attention_tf32 = v == "on";
     } else if (a == "--cuda-expert-slots") {
       if (v != "on" && v != "off") Die("--cuda-expert-slots must be on or off, got " + v);
       o.cuda_expert_slots = v == "on";
@@ -260,6 +272,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--defer-experts N] [--port-file PATH]\n"
           "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
           "       [--cuda-graphs on|off] [--cuda-expert-slots on|off]\n"
+          "       [--gemm-attention-tokens N] [--gemm-attention-tf32 on|off]\n"
           "       [--cuda-expert-calls device|host] [--prefill-experts cpu|stream|auto]\n"
           "       [--log-prefill-plans on|off] [--prefill-rates FILE]\n"
           "       [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]\n"
@@ -360,6 +373,8 @@ int Run(int argc, char** argv) {
   mo.gpu_mem_gb = o.gpu_mem_gb;
   mo.cuda_graphs = o.cuda_graphs;
   mo.cuda_expert_slots = o.cuda_expert_slots;
+  mo.cuda_gemm_attention_tokens = o.gemm_attention_tokens;
+  mo.cuda_gemm_attention_tf32 = o.gemm_attention_tf32;
   mo.cuda_device_calls = o.cuda_device_calls;
   mo.prefill_experts = o.prefill_experts;
   if (!o.prefill_rates.empty()) {

@@ -161,34 +161,46 @@ class CudaGemmAttention : public ::testing::TestWithParam<std::string> {
   void SetUp() override { HMOE_SKIP_UNLESS_BACKEND("cuda"); }
 };
 
-TEST_P(CudaGemmAttention, EqualsTheCpuBackend) {
-  const std::string name = GetParam();
+// gemm_min 0: the same protocol by PagedAttention alone (the control).
+// Returns the rows' worst NMSE and their top-1 agreement.
+std::pair<double, double> CompareGemmAttention(const std::string& name, int64_t gemm_min,
+                                               bool tf32) {
+  SCOPED_TRACE(absl::StrCat(name, " cuda_gemm_attention_tokens ", gemm_min, tf32 ? " tf32" : ""));
+  const std::pair<double, double> failed{INFINITY, 0.0};
   const Model& cpu = Cached(name, "cpu");
   ModelOptions o;
-  o.cuda_gemm_attention_tokens = 1;
+  o.cuda_gemm_attention_tokens = gemm_min;
+  o.cuda_gemm_attention_tf32 = tf32;
   o.cuda_expert_slots = false;
   o.cuda_graphs = false;
   auto gpu = Load(name, "cuda", o);
-  ASSERT_TRUE(gpu);
+  if (!gpu) return failed;
   const int64_t V = cpu.config().vocab_size;
   const auto ref = LoadReference(ModelFixturesRoot() + "/" + name);
   const std::vector<int32_t>& p = ref.prompt;
-  ASSERT_GE(p.size(), 4u);
+  EXPECT_GE(p.size(), 4u);
   const size_t half = p.size() / 2;
   const std::vector<int32_t> first(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(half)),
       second(p.begin() + static_cast<std::ptrdiff_t>(half), p.end());
   auto sc = cpu.NewSequence();
   auto sg = gpu->NewSequence();
   double worst = 0;
+  int64_t rows = 0, agree = 0;
   auto compare = [&](const std::vector<float>& g, const std::vector<float>& c) {
     ASSERT_EQ(g.size(), c.size());
-    for (size_t r = 0; r < c.size() / static_cast<size_t>(V); ++r)
+    for (size_t r = 0; r < c.size() / static_cast<size_t>(V); ++r) {
       worst = std::max(worst, Nmse(g.data() + r * V, c.data() + r * V, V));
+      agree += ArgMax(g.data() + r * V, V) == ArgMax(c.data() + r * V, V);
+      ++rows;
+    }
   };
   for (const auto* chunk : {&first, &second}) {
     auto lc = cpu.Prefill(*sc, *chunk, LogitsMode::kAll);
     auto lg = gpu->Prefill(*sg, *chunk, LogitsMode::kAll);
-    ASSERT_TRUE(lc.ok() && lg.ok()) << lc.status() << " " << lg.status();
+    if (!lc.ok() || !lg.ok()) {
+      ADD_FAILURE() << lc.status() << " " << lg.status();
+      return failed;
+    }
     compare(*lg, *lc);
   }
   const ModelStats before = gpu->stats();
@@ -200,24 +212,45 @@ TEST_P(CudaGemmAttention, EqualsTheCpuBackend) {
                             {sc.get(), next, LogitsMode::kLast, &oc2}};
   const ForwardStep gs[] = {{fg.get(), p, LogitsMode::kAll, &og1},
                             {sg.get(), next, LogitsMode::kLast, &og2}};
-  ASSERT_TRUE(cpu.ForwardBatch(cs).ok());
-  ASSERT_TRUE(gpu->ForwardBatch(gs).ok());
+  if (!cpu.ForwardBatch(cs).ok() || !gpu->ForwardBatch(gs).ok()) {
+    ADD_FAILURE() << "ForwardBatch failed";
+    return failed;
+  }
   compare(og1, oc1);
   compare(og2, oc2);
   const int64_t layers = cpu.config().num_layers;
   EXPECT_EQ(gpu->stats().gemm_attention_tokens - before.gemm_attention_tokens,
-            static_cast<int64_t>(p.size() + 1) * layers);
+            gemm_min > 0 ? static_cast<int64_t>(p.size() + 1) * layers : 0);
   for (int i = 0; i < 6; ++i) {
     const int32_t t = static_cast<int32_t>(ArgMax(oc2.data(), V));
     auto dc = cpu.Decode(*sc, t);
     auto dg = gpu->Decode(*sg, t);
-    ASSERT_TRUE(dc.ok() && dg.ok()) << dc.status() << " " << dg.status();
+    if (!dc.ok() || !dg.ok()) {
+      ADD_FAILURE() << dc.status() << " " << dg.status();
+      return failed;
+    }
     compare(*dg, *dc);
     oc2 = *dc;
   }
-  std::printf("[ gemm attn ] %-18s NMSE max %.2e over %zu prompt tokens, a batch and 6 steps\n",
-              name.c_str(), worst, p.size());
-  EXPECT_LE(worst, 1e-3) << name;
+  const double top1 = static_cast<double>(agree) / static_cast<double>(std::max<int64_t>(1, rows));
+  std::printf(
+      "[ gemm attn ] %-18s %-15s NMSE max %.2e, top-1 %lld/%lld (a prompt of %zu in two chunks, a "
+      "batch, 6 steps)\n",
+      name.c_str(),
+      gemm_min == 0 ? "PagedAttention"
+      : tf32        ? "GEMM (tf32)"
+                    : "GEMM (fp32)",
+      worst, static_cast<long long>(agree), static_cast<long long>(rows), p.size());
+  return {worst, top1};
+}
+
+// PagedAttention and full-fp32 GEMMs within the backends' tolerance; TF32
+// (the default) may flip a near-tie of a tiny random model's routing, so it
+// is held to top-1 agreement here (and to the held-out KL on ds3_fortunes).
+TEST_P(CudaGemmAttention, EqualsTheCpuBackend) {
+  EXPECT_LE(CompareGemmAttention(GetParam(), 0, false).first, 1e-3);
+  EXPECT_LE(CompareGemmAttention(GetParam(), 1, false).first, 1e-3);
+  EXPECT_GE(CompareGemmAttention(GetParam(), 1, true).second, 0.9);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGemmAttention, ::testing::ValuesIn(ModelFixtureNames()),
