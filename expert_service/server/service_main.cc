@@ -390,6 +390,10 @@ int Main(int argc, char** argv) {
     return 1;
   }
   auto* health = server->GetHealthCheckService();
+  // The services' own names answer as the server does (every later
+  // SetServingStatus(bool) sets them too).
+  health->SetServingStatus(pb::ExpertControl::service_full_name(), false);
+  health->SetServingStatus(pb::ExpertData::service_full_name(), false);
   health->SetServingStatus(false);
 
   std::atomic<bool> stop{false};

@@ -508,6 +508,9 @@ int Run(int argc, char** argv) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) Die("cannot listen on " + o.listen, 1);
   auto* health = server->GetHealthCheckService();
+  // The service's own name answers as the server does (later
+  // SetServingStatus(bool) calls set every registered name).
+  health->SetServingStatus(hmoe::api::v1::Generation::service_full_name(), true);
   health->SetServingStatus(true);
   std::fprintf(stderr,
                "hmoe-gpu-worker: serving on port %d (%s, %lld-token context, experts: %s)\n", port,

@@ -95,6 +95,10 @@ TEST_P(AuthTest, EveryCallNeedsTheServicesToken) {
   // plane refuses its stream with the service's code.
   ControlClient anon(MakeExpertChannel(proc.target()));
   EXPECT_EQ(anon.Check(), Health::kServing);
+  // The services' own names answer too (they were NOT_FOUND).
+  EXPECT_EQ(anon.Check("hmoe.expert.v1.ExpertControl"), Health::kServing);
+  EXPECT_EQ(anon.Check("hmoe.expert.v1.ExpertData"), Health::kServing);
+  EXPECT_EQ(anon.Check("hmoe.expert.v1.NoSuchService"), Health::kNotServing);
   EXPECT_EQ(anon.Stats().status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(anon.AttachShm("/proc/self/fd/0", 1, 1).status().code(),
             absl::StatusCode::kUnauthenticated);
