@@ -142,6 +142,10 @@ class DataService final : public pb::ExpertData::Service {
       uint64_t ns = 0;
       if (!shard) {
         st = absl::UnavailableError("expert service: weights still loading");
+      } else if (!pb::OutputType_IsValid(req.output())) {
+        st = absl::InvalidArgumentError(
+            absl::StrCat("expert service: MoeRequest.output = ", req.output(),
+                         " is not an OutputType (0 OUTPUT_F32, 1 OUTPUT_BF16)"));
       } else {
         const ShardInfo& info = shard->info();
         MoeCall call;

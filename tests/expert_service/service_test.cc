@@ -32,6 +32,7 @@
 #include "common/transport/grpc_client.h"
 #include "expert_service/server/expert_shard.h"
 #include "expert_service/server/packed_file.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/expert.grpc.pb.h"
 #include "tests/testing/temp_dir.h"
@@ -772,6 +773,49 @@ TEST(ServiceProcess, OversizedGrpcRequestIsRefusedUnread) {
   auto h = client.Submit(call.call(), out.data(), absl::Now() + absl::Seconds(10));
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_TRUE(client.Wait(*h, absl::Now() + absl::Seconds(10)).ok());
+}
+
+// An enum value the proto does not define (MoeRequest.output = 99) is
+// refused naming the field, and the stream goes on answering.
+TEST(ServiceProcess, UnknownEnumValuesAreRefusedNamingTheField) {
+  namespace pb = ::hmoe::expert::v1;
+  ::hmoe::testing::TempDir dir;
+  ::hmoe::testing::ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir(), "--no-ucx"}, dir.file("port")));
+  auto channel = MakeExpertChannel(proc.target());
+  auto info = ControlClient(channel).Describe();
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto call = ::hmoe::testing::MakeRandomCall(*info, info->moe_layers[0], 2, 3);
+  const MoeCall& c = call.call();
+  auto stub = pb::ExpertData::NewStub(channel);
+  grpc::ClientContext ctx;
+  auto stream = stub->Moe(&ctx);
+  pb::MoeRequest req;
+  req.set_layer(c.layer);
+  req.set_tokens(static_cast<int32_t>(c.tokens));
+  req.set_top_k(static_cast<int32_t>(c.top_k));
+  req.set_hidden(reinterpret_cast<const char*>(c.hidden), c.hidden_bytes);
+  req.set_expert_ids(reinterpret_cast<const char*>(c.ids), c.ids_bytes);
+  req.set_expert_weights(reinterpret_cast<const char*>(c.weights), c.weights_bytes);
+  pb::MoeResponse resp;
+  for (int output : {99, -1, 1}) {
+    req.set_request_id(static_cast<uint64_t>(output + 2));
+    req.set_output(static_cast<pb::OutputType>(output));
+    ASSERT_TRUE(stream->Write(req));
+    ASSERT_TRUE(stream->Read(&resp));
+    EXPECT_EQ(resp.request_id(), req.request_id());
+    if (output == 1) {
+      EXPECT_EQ(resp.code(), 0) << resp.message();
+      EXPECT_EQ(resp.output(), pb::OUTPUT_BF16);
+      EXPECT_EQ(static_cast<int64_t>(resp.out().size()), 2 * 2 * info->hidden);
+    } else {
+      EXPECT_EQ(resp.code(), static_cast<int>(absl::StatusCode::kInvalidArgument)) << output;
+      EXPECT_THAT(resp.message(),
+                  ::testing::HasSubstr("MoeRequest.output = " + std::to_string(output)));
+    }
+  }
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
 }
 
 TEST(ServiceProcess, NumaNodeBinding) {
