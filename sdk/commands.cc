@@ -365,13 +365,16 @@ int ChatCommand(const std::vector<std::string>& args) {
 int BenchServeCommand(const std::vector<std::string>& args) {
   Flags f(args, {"--ignore-eos", "--add-special-tokens"});
   std::vector<std::string> known = kSamplingFlags;
-  known.insert(known.end(), {"--clients", "--requests", "--prompt", "-p"});
+  known.insert(known.end(), {"--clients", "--requests", "--prompt", "-p", "--retry"});
   if (!f.Unknown(known).empty()) {
     std::fprintf(stderr, "hmoe bench-serve: unknown flag %s\n", f.Unknown(known).c_str());
     return 2;
   }
   const int clients = static_cast<int>(f.Int("--clients", 8, 1, 4096));
   const int requests = static_cast<int>(f.Int("--requests", int64_t{clients} * 4, 1, 1 << 24));
+  // A request the server refuses with RESOURCE_EXHAUSTED (its queue full)
+  // is sent again up to this many times, after 5 ms doubling to 200 ms.
+  const int retry = static_cast<int>(f.Int("--retry", 0, 0, 1 << 20));
   const std::string prompt = f.Str("-p", f.Str("--prompt", "Once upon a time"));
   api::v1::GenerateRequest base;
   base.set_prompt(prompt);
@@ -397,7 +400,7 @@ int BenchServeCommand(const std::vector<std::string>& args) {
     }
     conns.push_back(std::move(*client));
   }
-  std::atomic<int> next{0}, done{0}, failed{0}, exhausted{0};
+  std::atomic<int> next{0}, done{0}, failed{0}, exhausted{0}, retries{0};
   std::atomic<int64_t> tokens{0};
   std::mutex mu;
   std::vector<double> latency, ttft;
@@ -408,9 +411,21 @@ int BenchServeCommand(const std::vector<std::string>& args) {
     threads.emplace_back([&, c] {
       Client& client = *conns[static_cast<size_t>(c)];
       while (next.fetch_add(1) < requests) {
-        auto r = client.Generate(
-            base, nullptr,
-            timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
+        auto send = [&] {
+          return client.Generate(
+              base, nullptr,
+              timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
+        };
+        auto r = send();
+        absl::Duration backoff = absl::Milliseconds(5);
+        for (int a = 0;
+             a < retry && !r.ok() && r.status().code() == absl::StatusCode::kResourceExhausted;
+             ++a) {
+          ++retries;
+          absl::SleepFor(backoff);
+          backoff = std::min(backoff * 2, absl::Milliseconds(200));
+          r = send();
+        }
         if (r.ok()) {
           tokens += r->usage.completion_tokens();
           std::lock_guard<std::mutex> lock(mu);
@@ -452,8 +467,9 @@ int BenchServeCommand(const std::vector<std::string>& args) {
   auto pct = [](std::vector<double> v, double p) { return NearestRankPercentile(std::move(v), p); };
   std::printf("bench-serve: %d clients, %d requests, %d max tokens each, prompt \"%s\"\n", clients,
               requests, base.max_tokens(), prompt.c_str());
-  std::printf("  completed %zu, refused (queue full) %d, failed %d in %.2f s\n", latency.size(),
-              exhausted.load(), failed.load(), secs);
+  std::printf("  completed %zu, refused (queue full%s) %d, failed %d in %.2f s; %d retries\n",
+              latency.size(), retry > 0 ? absl::StrCat(", after ", retry, " retries").c_str() : "",
+              exhausted.load(), failed.load(), secs, retries.load());
   std::printf("  throughput  %.2f tok/s, %.2f req/s\n", static_cast<double>(tokens.load()) / secs,
               static_cast<double>(latency.size()) / secs);
   std::printf("  latency ms  p50 %.1f  p90 %.1f  p99 %.1f  max %.1f\n", pct(latency, 0.5),
@@ -461,7 +477,15 @@ int BenchServeCommand(const std::vector<std::string>& args) {
   std::printf("  first token ms  p50 %.1f  p90 %.1f  p99 %.1f\n", pct(ttft, 0.5), pct(ttft, 0.9),
               pct(ttft, 0.99));
   if (!first_error.empty()) std::printf("  first error: %s\n", first_error.c_str());
-  return failed.load() == 0 ? 0 : 1;
+  // Non-zero when any request did not complete, refused ones included.
+  if (static_cast<int>(latency.size()) != requests) {
+    std::fprintf(
+        stderr, "hmoe bench-serve: %d of %d requests did not complete (%d refused, %d failed)%s\n",
+        requests - static_cast<int>(latency.size()), requests, exhausted.load(), failed.load(),
+        retry == 0 && exhausted.load() > 0 ? "; --retry N sends refused ones again" : "");
+    return 1;
+  }
+  return 0;
 }
 
 int StatsCommand(const std::vector<std::string>& args) {

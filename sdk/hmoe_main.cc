@@ -29,6 +29,7 @@ int Usage(FILE* out) {
       "  chat [--server ADDR] [--system TEXT] [sampling flags]\n"
       "      interactive chat that keeps the conversation\n"
       "  bench-serve [--server ADDR] [--clients N] [--requests M] [--max-tokens K] [-p TEXT]\n"
+      "              [--retry N]  (exit 1 when any request is refused or fails)\n"
       "      N concurrent clients: latency percentiles and throughput\n"
       "  stats [--server ADDR] [--save FILE] [--json]\n"
       "      the worker's requests, KV use and tokens routed per layer and expert;\n"

@@ -193,6 +193,36 @@ TEST(Serving, RoutingStatsAreServedAndWrittenAtShutdown) {
   for (size_t i = 0; i < e->layers.size(); ++i) EXPECT_EQ(e->layers[i].tokens, t->layers[i].tokens);
 }
 
+// `hmoe bench-serve` against a worker whose queue holds one request: the
+// refused requests are reported apart and make the exit non-zero (it was 0);
+// with --retry they are sent again until every one completes.
+TEST(Serving, BenchServeCountsRefusalsAndRetriesThem) {
+  testing::TempDir dir;
+  Pair pair;
+  ASSERT_TRUE(pair.Start(testing::FixturesDir() + "/ds3_fortunes", 1, "tp", "shm",
+                         {"--max-queue=1", "--max-batch=1"}));
+  const std::string base =
+      absl::StrCat("env -u HMOE_TOKEN_FILE -u HMOE_TLS_CA_FILE ", HMOE_BINARY_DIR,
+                   "/bin/hmoe bench-serve --server ", pair.worker().target(),
+                   " --clients 8 --requests 24 --max-tokens 16 ");
+  auto read = [](const std::string& path) {
+    std::ifstream f(path);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  };
+  const int refused =
+      std::system((base + ">" + dir.file("a.txt") + " 2>" + dir.file("a.err")).c_str());
+  const std::string a = read(dir.file("a.txt"));
+  EXPECT_THAT(a, HasSubstr("refused (queue full) "));
+  EXPECT_THAT(a, ::testing::Not(HasSubstr("refused (queue full) 0,"))) << a;
+  EXPECT_TRUE(WIFEXITED(refused) && WEXITSTATUS(refused) == 1) << refused << "\n" << a;
+  EXPECT_THAT(read(dir.file("a.err")), HasSubstr("did not complete"));
+  const int retried = std::system(
+      (base + "--retry 100000 >" + dir.file("b.txt") + " 2>" + dir.file("b.err")).c_str());
+  const std::string b = read(dir.file("b.txt"));
+  EXPECT_EQ(retried, 0) << b << read(dir.file("b.err"));
+  EXPECT_THAT(b, HasSubstr("completed 24, refused (queue full, after 100000 retries) 0, failed 0"));
+}
+
 // Whole stack (worker + expert service over shared memory, bf16 expert
 // weights) against transformers' greedy tokens, for every fixture.
 TEST(Serving, GreedyThroughTheWholeStackEqualsTransformers) {
