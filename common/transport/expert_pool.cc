@@ -33,6 +33,7 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
   if (opts.targets.empty()) return absl::InvalidArgumentError("targets: no shards given");
   auto pool = std::unique_ptr<ExpertPool>(new ExpertPool());
   pool->fail_fast_after_miss_ = opts.fail_fast_after_miss;
+  pool->fail_fast_after_failed_check_ = opts.fail_fast_after_failed_check;
   pool->transport_ = opts.transport;
   pool->max_in_flight_ =
       opts.transport == TransportKind::kShm ? static_cast<int>(opts.shm_slots) : 0;
@@ -127,7 +128,13 @@ absl::Status ExpertPool::FailingFast(const Shard& sh) const {
     return absl::FailedPreconditionError(absl::StrCat(
         "restarted serving something else than when the worker connected: ", sh.changed,
         "; restart it as it was (or restart the worker against it)"));
-  if (absl::Now() >= sh.fail_fast_until) return absl::OkStatus();
+  const absl::Time now = absl::Now();
+  if (now < sh.check_fail_until)
+    return absl::UnavailableError(absl::StrCat(
+        "not serving at its last health check (",
+        absl::FormatDuration(absl::Trunc(now - sh.check_failed_at, absl::Milliseconds(1))),
+        " ago); failing fast until a check finds it serving"));
+  if (now >= sh.fail_fast_until) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat("missed a call deadline less than ",
                                              absl::FormatDuration(fail_fast_after_miss_),
                                              " ago; failing fast"));
@@ -314,6 +321,15 @@ std::vector<Health> ExpertPool::CheckHealth(absl::Duration timeout) {
           s.up = false;
         }
         s.changed = std::move(diff);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (h == Health::kServing) {
+        s.check_failed_at = s.check_fail_until = absl::InfinitePast();
+      } else if (fail_fast_after_failed_check_ > absl::ZeroDuration()) {
+        s.check_failed_at = absl::Now();
+        s.check_fail_until = s.check_failed_at + fail_fast_after_failed_check_;
       }
     }
     r.push_back(h);

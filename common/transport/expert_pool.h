@@ -38,6 +38,12 @@ struct ExpertPoolOptions {
   // UNAVAILABLE at once for this long (0: off): a hung shard then costs one
   // deadline, not one per call queued behind it.
   absl::Duration fail_fast_after_miss = absl::ZeroDuration();
+  // After CheckHealth finds a shard not serving, calls to it fail
+  // UNAVAILABLE at once for this long (0: off), or until a later
+  // CheckHealth finds it serving: a shard known down costs no call
+  // deadline. Checking more often than this keeps it failing fast while
+  // down; a shard back up is served from the next check.
+  absl::Duration fail_fast_after_failed_check = absl::ZeroDuration();
   // The first token in force is sent with every control and gRPC data call
   // (the service's --auth-token-file; common/auth_token.h); a reload of it
   // applies to the calls that start afterwards. Null or off: none.
@@ -123,6 +129,10 @@ class ExpertPool {
     std::unique_ptr<MoeClient> client;
     bool up = true;                                     // guarded by mu_
     absl::Time fail_fast_until = absl::InfinitePast();  // guarded by mu_
+    // The last CheckHealth that found it not serving (InfinitePast: the
+    // last one found it serving), and until when calls fail fast for it.
+    absl::Time check_failed_at = absl::InfinitePast();   // guarded by mu_
+    absl::Time check_fail_until = absl::InfinitePast();  // guarded by mu_
     // ServedDifference from `info` seen by the last CheckHealth (a shard
     // restarted with other weights); calls to it are refused while set.
     std::string changed;  // guarded by mu_
@@ -159,6 +169,7 @@ class ExpertPool {
   ShardInfo model_;
   TransportKind transport_ = TransportKind::kGrpc;
   absl::Duration fail_fast_after_miss_;
+  absl::Duration fail_fast_after_failed_check_;
   int max_in_flight_ = 0;
   std::vector<Shard> shards_;  // by shard index
   mutable std::mutex mu_;

@@ -348,6 +348,9 @@ int Run(int argc, char** argv) {
     po.transport = *kind;
     // A hung shard costs one --expert-timeout-ms, not one per queued call.
     po.fail_fast_after_miss = absl::Seconds(1);
+    // A shard the health monitor (every second) finds down costs no
+    // timeout at all until it finds it up again.
+    po.fail_fast_after_failed_check = absl::Seconds(3);
     po.auth_tokens = expert_auth_tokens;
     po.credentials = *expert_credentials;  // insecure ones without --expert-tls-*
     auto p = ExpertPool::Connect(po);

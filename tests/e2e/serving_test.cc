@@ -777,6 +777,25 @@ TEST_F(TrainedModel, HungExpertServiceIsUnavailableToTheClient) {
   }
   EXPECT_GE(timed_out, 1);
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5));  // one 2 s expert timeout, not four
+  // Once health says NOT_SERVING and the miss's fail-fast second is over, a
+  // new request still costs no timeout (it cost the full 2 s): the shard is
+  // known down until a health check reaches it.
+  bool not_serving = false;
+  for (int i = 0; i < 50 && !not_serving; ++i) {
+    auto h = pair_.client().Healthy();
+    not_serving = h.ok() && !*h;
+    if (!not_serving) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(not_serving);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  for (int i = 0; i < 3; ++i) {
+    const absl::Time t1 = absl::Now();
+    const absl::Status down = pair_.client().Generate(r).status();
+    EXPECT_EQ(down.code(), absl::StatusCode::kUnavailable) << down;
+    EXPECT_THAT(std::string(down.message()), HasSubstr("last health check")) << down;
+    EXPECT_LT(absl::Now() - t1, absl::Milliseconds(500)) << down;
+    std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  }
   pair_.expert().Signal(SIGCONT);
   EXPECT_TRUE(ServedWithin5s(pair_.client(), r));
 }
