@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "grpcpp/support/status.h"
@@ -15,9 +16,21 @@ inline grpc::Status ToGrpcStatus(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
+// gRPC's own messages may end in an empty "last error: " (a connection
+// attempt that ended without one) or be empty: those say so instead.
 inline absl::Status FromGrpcStatus(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  std::string m = s.error_message();
+  constexpr std::string_view kLast = "last error:";
+  std::string_view trimmed(m);
+  while (!trimmed.empty() && trimmed.back() == ' ') trimmed.remove_suffix(1);
+  if (trimmed.empty()) {
+    m = "gRPC gave no detail";
+  } else if (trimmed.size() >= kLast.size() &&
+             trimmed.substr(trimmed.size() - kLast.size()) == kLast) {
+    m = std::string(trimmed) + " none recorded (the connection attempts ended without one)";
+  }
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), m);
 }
 
 }  // namespace hmoe
