@@ -41,6 +41,12 @@ absl::StatusOr<GenerateResult> Client::Generate(
     result.text += chunk.text();
     result.token_ids.insert(result.token_ids.end(), chunk.token_ids().begin(),
                             chunk.token_ids().end());
+    if (!api::v1::FinishReason_IsValid(chunk.finish_reason())) {
+      ctx.TryCancel();
+      reader->Finish();
+      return absl::DataLossError(absl::StrCat("worker: GenerateResponse.finish_reason = ",
+                                              chunk.finish_reason(), " is not a FinishReason"));
+    }
     if (chunk.finish_reason() != api::v1::FINISH_REASON_UNSPECIFIED) {
       result.finish_reason = chunk.finish_reason();
       result.usage = chunk.usage();

@@ -121,7 +121,10 @@ void ToShardDescription(const ShardInfo& i, expert::v1::ShardDescription* d) {
   d->set_ucx_available(i.ucx_available);
 }
 
-ShardInfo FromShardDescription(const expert::v1::ShardDescription& d) {
+absl::StatusOr<ShardInfo> FromShardDescription(const expert::v1::ShardDescription& d) {
+  if (!pb::SplitMode_IsValid(d.split()))
+    return absl::DataLossError(absl::StrCat("expert service: ShardDescription.split = ", d.split(),
+                                            " is not a SplitMode (0 SPLIT_TP, 1 SPLIT_EP)"));
   ShardInfo info;
   info.model_type = d.model_type();
   info.hidden = d.hidden();
@@ -144,6 +147,22 @@ ShardInfo FromShardDescription(const expert::v1::ShardDescription& d) {
   info.shm_available = d.shm_available();
   info.ucx_available = d.ucx_available();
   return info;
+}
+
+absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, int64_t out_bytes) {
+  if (resp.code() < 0 || resp.code() > 16)
+    return absl::UnknownError(absl::StrCat("expert service: MoeResponse.code = ", resp.code(),
+                                           " is not a status code (message: ", resp.message(),
+                                           ")"));
+  if (resp.code() != 0)
+    return absl::Status(static_cast<absl::StatusCode>(resp.code()), resp.message());
+  if (resp.output() != pb::OUTPUT_F32)
+    return absl::DataLossError(absl::StrCat("expert service: MoeResponse.output = ", resp.output(),
+                                            ", asked for OUTPUT_F32"));
+  if (static_cast<int64_t>(resp.out().size()) != out_bytes)
+    return absl::DataLossError(absl::StrCat("expert service: response of ", resp.out().size(),
+                                            " bytes, expected ", out_bytes));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ShardInfo> ControlClient::Describe(absl::Duration timeout) {
@@ -392,14 +411,8 @@ void GrpcStreamClient::ReadLoop(Stream* s) {
     auto it = pending_.find(resp.request_id());
     if (it == pending_.end()) continue;  // abandoned after a deadline
     Pending& p = it->second;
-    if (resp.code() != 0) {
-      p.status = absl::Status(static_cast<absl::StatusCode>(resp.code()), resp.message());
-    } else if (static_cast<int64_t>(resp.out().size()) != p.elems * 4) {
-      p.status = absl::InternalError(absl::StrCat("expert service: response of ", resp.out().size(),
-                                                  " bytes, expected ", p.elems * 4));
-    } else {
-      std::memcpy(p.out, resp.out().data(), resp.out().size());
-    }
+    p.status = MoeResponseStatus(resp, p.elems * 4);
+    if (p.status.ok()) std::memcpy(p.out, resp.out().data(), resp.out().size());
     p.done = true;
     cv_.notify_all();
   }

@@ -24,14 +24,20 @@ class ChannelCredentials;
 namespace hmoe {
 namespace expert::v1 {
 class ShardDescription;
+class MoeResponse;
 }  // namespace expert::v1
 
 class AuthTokens;
 
 // ShardInfo <-> the control plane's Describe answer (every field; the
-// service adds `instance`).
+// service adds `instance`). DATA_LOSS for a split that is not a SplitMode.
 void ToShardDescription(const ShardInfo& info, expert::v1::ShardDescription* d);
-ShardInfo FromShardDescription(const expert::v1::ShardDescription& d);
+absl::StatusOr<ShardInfo> FromShardDescription(const expert::v1::ShardDescription& d);
+
+// What a MoE response that should carry `out_bytes` of f32 says: its own
+// status (an out-of-range code is UNKNOWN, named), or DATA_LOSS for another
+// output type or size.
+absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, int64_t out_bytes);
 
 // A channel with our settings: unlimited message size, fast reconnect; every
 // call carries the first of `auth_tokens` in force when it starts
