@@ -40,6 +40,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -342,6 +343,19 @@ int Main(int argc, char** argv) {
   state.max_peers = o.max_peers;
   state.auth_tokens = o.auth_tokens;  // shared: SIGHUP's reload reaches the handlers
   Log("options: " + o.ToString());
+  // UCX's TCP transport listens on every network device it uses: keep it on
+  // the --listen host's (UCX_NET_DEVICES, which the address checker child
+  // inherits; one set in the environment wins). Before any thread starts.
+  if (o.ucx && std::getenv("UCX_NET_DEVICES") == nullptr) {
+    absl::StatusOr<std::string> dev = UcxNetDeviceFor(o.listen);
+    if (!dev.ok()) {
+      Log("warning: UCX data plane on every network device: " +
+          std::string(dev.status().message()));
+    } else if (!dev->empty()) {
+      ::setenv("UCX_NET_DEVICES", dev->c_str(), 1);
+      Log("UCX data plane on network device " + *dev + " (the --listen host's)");
+    }
+  }
   if (!o.auth_tokens->enabled() && !IsLoopbackListenAddress(o.listen)) {
     Log("warning: listening on " + o.listen +
         " without --auth-token-file: any host that reaches it can use this service");
