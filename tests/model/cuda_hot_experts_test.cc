@@ -77,9 +77,7 @@ TEST_P(CudaHotExperts, EqualTheColdPathWithinTolerance) {
       SCOPED_TRACE(::testing::Message() << GetParam() << ", deferred " << deferred << ", " << fmt);
       const Out hot = Generate(dir, p, fmt, deferred);
       ASSERT_EQ(hot.logits.size(), cold.logits.size());
-      double worst = 0;
-      for (size_t i = 0; i < hot.logits.size(); ++i)
-        worst = std::max(worst, testing::MaxScaledDiff(hot.logits[i], cold.logits[i]));
+      const double worst = testing::MaxScaledDiff(hot.logits, cold.logits);
       EXPECT_LE(worst, tol);
       std::printf("[ hot      ] %s deferred %d %s: max rel diff %.3g\n", GetParam().c_str(),
                   deferred, fmt.c_str(), worst);

@@ -69,9 +69,7 @@ TEST_P(CudaStreamedExperts, EqualTheServicePathWithinTolerance) {
       SCOPED_TRACE(::testing::Message() << GetParam() << ", " << policy << ", " << fmt);
       const Out st = Generate(dir, policy, fmt);
       ASSERT_EQ(st.logits.size(), cpu.logits.size());
-      double worst = 0;
-      for (size_t i = 0; i < st.logits.size(); ++i)
-        worst = std::max(worst, testing::MaxScaledDiff(st.logits[i], cpu.logits[i]));
+      const double worst = testing::MaxScaledDiff(st.logits, cpu.logits);
       EXPECT_LE(worst, tol);
       const ModelStats& s = st.stats;
       EXPECT_EQ(s.prefill_cpu_layers + s.prefill_stream_layers + s.prefill_split_layers, moe_layers)

@@ -47,6 +47,16 @@ inline double MaxScaledDiff(const std::vector<float>& a, const std::vector<float
   return scale > 0 ? m / scale : m;
 }
 
+// The largest MaxScaledDiff over passes' logits (PrefillThenDecode's);
+// infinite when the pass counts differ.
+inline double MaxScaledDiff(const std::vector<std::vector<float>>& a,
+                            const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, MaxScaledDiff(a[i], b[i]));
+  return worst;
+}
+
 // The last-token logits of a prefill of `prompt` in a fresh Sequence of `m`,
 // then of `steps` decode steps feeding tokens 3, 8, 13, ...; stops at (and
 // reports) the first failure, so a shorter result means one failed.
