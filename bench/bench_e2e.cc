@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -125,9 +126,12 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
                         experts (DRAM bandwidth / CPU-side bytes per token)
   --prefill-sweep LIST  cuda: after the runs above, prefill of the longest --prompts
                         prompt again per policy of the routed experts (cpu, stream,
-                        auto; ModelOptions::prefill_experts), the model reloaded for
-                        each with the service's synthetic experts as its streamed
-                        copies: tok/s, the layers' choices, and the bound of a
+                        auto; ModelOptions::prefill_experts; stream-serial and
+                        auto-serial: the same without uploading the next MoE
+                        layer's experts ahead, prefill_prefetch off), the model
+                        reloaded for each with the service's synthetic experts as
+                        its streamed copies: tok/s, the layers' choices, the
+                        experts uploaded ahead and used, and the bound of a
                         perfect split of the experts' work, G + A*S/(A+S) (A: the
                         cpu row's expert wait, G: the rest of it, S: the stream row
                         less G)
@@ -513,8 +517,10 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
     } else if (f == "--prefill-sweep") {
       a.prefill_sweep.clear();
       for (absl::string_view p : absl::StrSplit(v, ',')) {
-        if (p != "cpu" && p != "stream" && p != "auto")
-          return bad(absl::StrCat("--prefill-sweep: \"", p, "\" is not cpu, stream or auto"));
+        if (p != "cpu" && p != "stream" && p != "auto" && p != "stream-serial" &&
+            p != "auto-serial")
+          return bad(absl::StrCat("--prefill-sweep: \"", p,
+                                  "\" is not cpu, stream, auto, stream-serial or auto-serial"));
         a.prefill_sweep.emplace_back(p);
       }
     } else if (f == "--prefill-sweep-prompt") {
@@ -915,6 +921,8 @@ ojson StatsJson(const ModelStats& s) {
           {"prefill_stream_layers", s.prefill_stream_layers},
           {"prefill_split_layers", s.prefill_split_layers},
           {"streamed_slots", s.streamed_slots},
+          {"prefetched_experts", s.prefetched_experts},
+          {"prefetch_used_experts", s.prefetch_used_experts},
           {"gemm_attention_tokens", s.gemm_attention_tokens}};
 }
 
@@ -931,6 +939,8 @@ ModelStats Delta(const ModelStats& a, const ModelStats& b) {
   d.prefill_stream_layers = b.prefill_stream_layers - a.prefill_stream_layers;
   d.prefill_split_layers = b.prefill_split_layers - a.prefill_split_layers;
   d.streamed_slots = b.streamed_slots - a.streamed_slots;
+  d.prefetched_experts = b.prefetched_experts - a.prefetched_experts;
+  d.prefetch_used_experts = b.prefetch_used_experts - a.prefetch_used_experts;
   d.gemm_attention_tokens = b.gemm_attention_tokens - a.gemm_attention_tokens;
   return d;
 }
@@ -1611,8 +1621,8 @@ absl::Status Run(const Args& a) {
   ojson prefill_rows = ojson::array();
   if (!a.prefill_sweep.empty()) {
     const int64_t P = a.prefill_sweep_prompt > 0 ? a.prefill_sweep_prompt : max_prompt;
-    std::printf("\n%-7s %8s %10s %10s %9s %22s %10s %9s\n", "policy", "prompt", "ms", "tok/s",
-                "speedup", "layers cpu/stream/split", "streamed", "%bound");
+    std::printf("\n%-13s %8s %10s %10s %9s %22s %10s %15s %9s\n", "policy", "prompt", "ms", "tok/s",
+                "speedup", "layers cpu/stream/split", "streamed", "ahead/used", "%bound");
     std::map<std::string, double> ms_of, wait_of, gpu_of;
     struct Row {
       std::string policy;
@@ -1622,7 +1632,9 @@ absl::Status Run(const Args& a) {
     std::vector<Row> rows;
     for (const std::string& policy : a.prefill_sweep) {
       ModelOptions so = with_gpu_copies(mo);
-      so.prefill_experts = policy;
+      const bool serial = absl::EndsWith(policy, "-serial");
+      so.prefill_experts = serial ? policy.substr(0, policy.size() - 7) : policy;
+      so.prefill_prefetch = !serial;
       so.prefill_stream_tokens = std::max<int64_t>(so.prefill_stream_tokens, P);
       const double tl = Now();
       RETURN_IF_ERROR(reload(so));
@@ -1636,6 +1648,9 @@ absl::Status Run(const Args& a) {
                                     absl::StrCat("prefill sweep (", policy, ")")));
       r.ms = run.ms;
       r.d = run.d;
+      std::printf("# prefill sweep: %s, %lld tokens: %.1f ms (load %.1f s)\n", policy.c_str(),
+                  static_cast<long long>(P), r.ms, r.load_s);
+      std::fflush(stdout);
       ms_of[policy] = r.ms;
       wait_of[policy] = static_cast<double>(r.d.expert_wait_ns) / a.reps / 1e6;
       gpu_of[policy] = static_cast<double>(r.d.gpu_busy_ns) / a.reps / 1e6;
@@ -1662,7 +1677,7 @@ absl::Status Run(const Args& a) {
       const double reps = static_cast<double>(a.reps);
       const double slots = static_cast<double>(P) * K * static_cast<double>(L_moe);
       std::printf(
-          "%-7s %8lld %10.1f %10.1f %9s %22s %9.1f%% %9s\n", r.policy.c_str(),
+          "%-13s %8lld %10.1f %10.1f %9s %22s %9.1f%% %15s %9s\n", r.policy.c_str(),
           static_cast<long long>(P), r.ms, static_cast<double>(P) / r.ms * 1e3,
           Cell(ms_of.count("cpu") ? ms_of["cpu"] / r.ms : 0, ms_of.count("cpu") > 0, "%.2fx")
               .c_str(),
@@ -1670,6 +1685,9 @@ absl::Status Run(const Args& a) {
                           r.d.prefill_stream_layers / reps, r.d.prefill_split_layers / reps)
               .c_str(),
           100 * static_cast<double>(r.d.streamed_slots) / reps / slots,
+          absl::StrFormat("%.0f/%.0f", r.d.prefetched_experts / reps,
+                          r.d.prefetch_used_experts / reps)
+              .c_str(),
           Cell(100 * bound_ms / r.ms, have_bound, "%.1f%%").c_str());
       prefill_rows.push_back(
           {{"policy", r.policy},
@@ -1682,6 +1700,8 @@ absl::Status Run(const Args& a) {
            {"layers_split", r.d.prefill_split_layers / reps},
            {"streamed_slot_share", static_cast<double>(r.d.streamed_slots) / reps / slots},
            {"expert_wait_ms", static_cast<double>(r.d.expert_wait_ns) / reps / 1e6},
+           {"prefetched_experts", r.d.prefetched_experts / reps},
+           {"prefetch_used_experts", r.d.prefetch_used_experts / reps},
            {"bound_ms", have_bound ? ojson(bound_ms) : ojson(nullptr)},
            {"host_bound_ms", have_bound ? ojson(host_ms) : ojson(nullptr)},
            {"strict_bound_ms", have_bound ? ojson(strict_ms) : ojson(nullptr)},

@@ -106,6 +106,13 @@ struct ModelOptions {
   // form (PrefillRatesJson) for a file the worker's --prefill-rates reads.
   std::optional<PrefillRates> prefill_rates;
   int64_t prefill_stream_tokens = 8192;
+  // stream / auto: a second device stage into which, once a layer's
+  // streamed experts are enqueued, the next MoE layer's are uploaded ahead
+  // (a guess: every expert when this layer streamed every expert, else the
+  // experts that layer streamed in the last large pass; the layer's Run
+  // uploads what the guess missed). Costs one more layer's experts of GPU
+  // memory (without room for it: one stage, no prefetch).
+  bool prefill_prefetch = true;
   // cuda: a run of at least this many consecutive positions of one sequence
   // in a pass (a prompt chunk) computes its attention by tensor-core GEMMs
   // (TF32 inputs, f32 accumulation) over its gathered keys; shorter runs and
@@ -176,6 +183,9 @@ struct ModelStats {
   // experts ran, and the routed slots computed by streamed experts.
   int64_t prefill_cpu_layers = 0, prefill_stream_layers = 0, prefill_split_layers = 0;
   int64_t streamed_slots = 0;
+  // Experts of the next MoE layer uploaded ahead (prefill_prefetch), and of
+  // those the ones its layer then computed.
+  int64_t prefetched_experts = 0, prefetch_used_experts = 0;
   // cuda: tokens whose attention ran by GEMMs (cuda_gemm_attention_tokens),
   // counted once per layer.
   int64_t gemm_attention_tokens = 0;

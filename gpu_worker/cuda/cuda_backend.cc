@@ -229,6 +229,10 @@ class CudaBackend final : public LayerBackend {
     s->prefill_stream_layers += prefill_layers_[1];
     s->prefill_split_layers += prefill_layers_[2];
     s->streamed_slots += streamed_slots_;
+    if (streamed_) {
+      s->prefetched_experts += streamed_->prefetched();
+      s->prefetch_used_experts += streamed_->prefetch_used();
+    }
     s->gemm_attention_tokens += gemm_attention_tokens_;
   }
   // The sticky failure (OK while there is none); any thread.
@@ -431,6 +435,12 @@ class CudaBackend final : public LayerBackend {
   bool streamed_pending_ = false;   // AddExperts adds streamed_->out()
   int64_t prefill_layers_[3] = {};  // cpu, stream, split
   int64_t streamed_slots_ = 0;
+  // Per decoder layer: the experts its plan streamed in the last large pass
+  // (the prefetch's guess for it).
+  std::vector<std::vector<int32_t>> last_streamed_;
+  // Queues the upload of a guess of the MoE layer after `l`'s experts
+  // (ModelOptions::prefill_prefetch), given `l`'s plan.
+  absl::Status PrefetchAfter(int l, const PrefillPlan& plan, const std::vector<int64_t>& counts);
   std::string pass_plan_log_;  // log_prefill_plans: this pass's choices
   std::vector<DevWait> dev_waits_;
   // With dev_waits_, and every slot's DeviceWait::request set: the device
@@ -582,16 +592,20 @@ absl::Status CudaBackend::LoadStreamedExperts(const Checkpoint& ckpt) {
                                  ? std::min(o_.prefill_stream_tokens, o_.max_seq_len)
                                  : o_.prefill_stream_tokens;
   const auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(streamed_, StreamedExperts::Create(c_, CopySource(ckpt), fmt, o_.hot_group,
-                                                      max_tokens, stream_, blas_, &budget_));
-  std::fprintf(stderr,
-               "hmoe cuda backend: hybrid prefill (%s) for passes of 33..%lld tokens: %s of "
-               "routed experts (%s) pinned on the host, one layer's on the GPU; PCIe %.1f GB/s, "
-               "expert GEMMs %.0f TFLOP/s; loaded in %.1f s\n",
-               p.c_str(), static_cast<long long>(max_tokens),
-               Gib(static_cast<double>(streamed_->host_bytes())).c_str(), o_.hot_format.c_str(),
-               streamed_->pcie_gbps(), streamed_->gemm_tflops(),
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  ASSIGN_OR_RETURN(streamed_,
+                   StreamedExperts::Create(c_, CopySource(ckpt), fmt, o_.hot_group, max_tokens,
+                                           o_.prefill_prefetch, stream_, blas_, &budget_));
+  last_streamed_.assign(static_cast<size_t>(c_.num_layers), {});
+  std::fprintf(
+      stderr,
+      "hmoe cuda backend: hybrid prefill (%s) for passes of 33..%lld tokens: %s of "
+      "routed experts (%s) pinned on the host, %s on the GPU; PCIe %.1f GB/s, "
+      "expert GEMMs %.0f TFLOP/s; loaded in %.1f s\n",
+      p.c_str(), static_cast<long long>(max_tokens),
+      Gib(static_cast<double>(streamed_->host_bytes())).c_str(), o_.hot_format.c_str(),
+      streamed_->stages() > 1 ? "two layers' (the next one's uploaded ahead)" : "one layer's",
+      streamed_->pcie_gbps(), streamed_->gemm_tflops(),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   prefill_rates_.pcie_gbps = streamed_->pcie_gbps();
   prefill_rates_.gpu_tflops = streamed_->gemm_tflops();
   if (o_.prefill_rates) {
@@ -1319,14 +1333,41 @@ absl::StatusOr<int64_t> CudaBackend::TakeRoutedSlots(int l, const RoutedInput& i
   }
   ++prefill_layers_[static_cast<int>(plan.choice)];
   if (o_.log_prefill_plans) absl::StrAppend(&pass_plan_log_, "\n  layer ", l, " ", plan.Describe());
-  if (plan.gpu_experts.empty()) return int64_t{0};
-  BurstBegin();
-  absl::StatusOr<int64_t> n = streamed_->Run(l, hb_, T, K, in.ids, rw_, plan.gpu_experts, ids_out);
-  BurstEnd();
-  if (!n.ok()) return Failed(n.status());
-  streamed_pending_ = *n > 0;
-  streamed_slots_ += *n;
-  return *n;
+  int64_t n = 0;
+  if (!plan.gpu_experts.empty()) {
+    BurstBegin();
+    absl::StatusOr<int64_t> run =
+        streamed_->Run(l, hb_, T, K, in.ids, rw_, plan.gpu_experts, ids_out);
+    BurstEnd();
+    if (!run.ok()) return Failed(run.status());
+    n = *run;
+  }
+  if (absl::Status st = PrefetchAfter(l, plan, counts); !st.ok()) return Failed(st);
+  streamed_pending_ = n > 0;
+  streamed_slots_ += n;
+  return n;
+}
+
+absl::Status CudaBackend::PrefetchAfter(int l, const PrefillPlan& plan,
+                                        const std::vector<int64_t>& counts) {
+  last_streamed_[static_cast<size_t>(l)] = plan.gpu_experts;
+  if (streamed_->stages() < 2) return absl::OkStatus();
+  int next = l + 1;
+  while (next < c_.num_layers && !c_.layers[static_cast<size_t>(next)].moe) ++next;
+  if (next >= c_.num_layers) return absl::OkStatus();
+  // Every expert had tokens here and streamed: the next layer's most likely
+  // do too (large passes); else what the next layer streamed last time.
+  const bool all = plan.choice == PrefillChoice::kStream &&
+                   std::all_of(counts.begin(), counts.end(), [](int64_t c) { return c > 0; });
+  std::vector<int32_t> guess;
+  if (all) {
+    guess.resize(counts.size());
+    for (size_t e = 0; e < guess.size(); ++e) guess[e] = static_cast<int32_t>(e);
+  } else {
+    guess = last_streamed_[static_cast<size_t>(next)];
+  }
+  if (guess.empty()) return absl::OkStatus();
+  return streamed_->Prefetch(next, guess).status();  // the copy stream only
 }
 
 absl::Status CudaBackend::AddExperts(int l, const float* routed) {

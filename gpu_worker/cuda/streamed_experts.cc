@@ -1,7 +1,9 @@
 #include "gpu_worker/cuda/streamed_experts.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -22,9 +24,14 @@ StreamedExperts::~StreamedExperts() {
     cudaStreamSynchronize(copy_);
     cudaStreamDestroy(copy_);
   }
-  for (cudaEvent_t e : chunk_ev_) cudaEventDestroy(e);
-  if (done_ev_ != nullptr) cudaEventDestroy(done_ev_);
-  if (budget_ != nullptr) budget_->Give(device_bytes_, "streamed experts");
+  for (cudaEvent_t e : chunk_ev_)
+    if (e != nullptr) cudaEventDestroy(e);
+  for (Stage& st : stages_)
+    if (st.done != nullptr) cudaEventDestroy(st.done);
+  if (budget_ != nullptr) {
+    budget_->Give(device_bytes_, "streamed experts");
+    budget_->Give(prefetch_stage_bytes_, "streamed experts (prefetch stage)");
+  }
 }
 
 int64_t StreamedExperts::host_bytes() const {
@@ -52,7 +59,7 @@ DevExpert StreamedExperts::ExpertAt(const char* base) const {
 
 absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
     const ModelConfig& config, const ExpertSourceFn& source, WeightFormat format, int group,
-    int64_t max_tokens, cudaStream_t compute, cublasHandle_t blas, Budget* budget) {
+    int64_t max_tokens, bool prefetch, cudaStream_t compute, cublasHandle_t blas, Budget* budget) {
   if (max_tokens <= 0)
     return absl::InvalidArgumentError(
         absl::StrCat("streamed experts: max_tokens ", max_tokens, " must be > 0"));
@@ -86,7 +93,21 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
   RETURN_IF_ERROR(budget->Take(need, "streamed experts"));
   s->budget_ = budget;
   s->device_bytes_ = need;
-  RETURN_IF_ERROR(s->stage_.Allocate(E * s->blob_));
+  s->stages_.emplace_back();
+  RETURN_IF_ERROR(s->stages_[0].buf.Allocate(E * s->blob_));
+  if (prefetch) {
+    if (absl::Status st = budget->Take(E * s->blob_, "streamed experts (prefetch stage)");
+        st.ok()) {
+      s->prefetch_stage_bytes_ = E * s->blob_;
+      s->stages_.emplace_back();
+      RETURN_IF_ERROR(s->stages_[1].buf.Allocate(E * s->blob_));
+    } else {
+      std::fprintf(stderr,
+                   "hmoe cuda backend: streamed experts: one stage, no prefetch of the next "
+                   "layer (%s)\n",
+                   std::string(st.message()).c_str());
+    }
+  }
   RETURN_IF_ERROR(s->w_gu_.Allocate(2 * I * H * 2));
   RETURN_IF_ERROR(s->w_d_.Allocate(H * I * 2));
   RETURN_IF_ERROR(s->xg_.Allocate(slots * H * 2));
@@ -98,11 +119,15 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
   RETURN_IF_ERROR(s->idx_.Allocate(s->idx_ints_ * 4));
   RETURN_IF_ERROR(s->idx_host_.Allocate(s->idx_ints_ * 4));
   HMOE_CUDA_TRY(cudaStreamCreateWithFlags(&s->copy_, cudaStreamNonBlocking), "cudaStreamCreate");
-  s->chunk_ev_.resize(kChunks, nullptr);
+  s->chunk_ev_.resize(2 * kChunks, nullptr);  // a Prefetch's chunks and its Run's
   for (cudaEvent_t& e : s->chunk_ev_)
     HMOE_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-  HMOE_CUDA_TRY(cudaEventCreateWithFlags(&s->done_ev_, cudaEventDisableTiming), "cudaEventCreate");
-  HMOE_CUDA_TRY(cudaEventRecord(s->done_ev_, compute), "cudaEventRecord");
+  for (Stage& st : s->stages_) {
+    st.arrival.assign(static_cast<size_t>(E), -1);
+    st.ahead.assign(static_cast<size_t>(E), 0);
+    HMOE_CUDA_TRY(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming), "cudaEventCreate");
+    HMOE_CUDA_TRY(cudaEventRecord(st.done, compute), "cudaEventRecord");
+  }
 
   // The arena: per MoE layer, E blobs quantized as the service's.
   s->layer_row_.assign(static_cast<size_t>(config.num_layers), -1);
@@ -196,7 +221,7 @@ absl::Status StreamedExperts::Measure() {
   const int64_t n = std::clamp<int64_t>(max_tokens_ * K / E, 16, max_tokens_);
   if (st.ok()) {
     up = timed(copy_, [&]() -> absl::Status {
-      HMOE_CUDA_TRY(cudaMemcpyAsync(stage_.as<char>(), arena_[0].as<char>(),
+      HMOE_CUDA_TRY(cudaMemcpyAsync(stages_[0].buf.as<char>(), arena_[0].as<char>(),
                                     static_cast<size_t>(bytes), cudaMemcpyHostToDevice, copy_),
                     "upload");
       return absl::OkStatus();
@@ -205,7 +230,7 @@ absl::Status StreamedExperts::Measure() {
     HMOE_CUDA_TRY(cudaMemsetAsync(xg_.as<void>(), 0, static_cast<size_t>(n * H * 2), compute_),
                   "cudaMemset");
     expert = timed(compute_, [&]() -> absl::Status {
-      return ComputeExpert(ExpertAt(stage_.as<char>()), xg_.as<uint16_t>(), n);
+      return ComputeExpert(ExpertAt(stages_[0].buf.as<char>()), xg_.as<uint16_t>(), n);
     });
   }
   for (cudaEvent_t e : ev)
@@ -240,7 +265,10 @@ absl::StatusOr<int64_t> StreamedExperts::Run(int layer, const uint16_t* x, int64
     on[static_cast<size_t>(e)] = 1;
   }
   // The previous Run's copies out of idx_host_ are done once its compute is.
-  HMOE_CUDA_TRY(cudaEventSynchronize(done_ev_), "cudaEventSynchronize");
+  // So are the uploads it waited for, and all queued before them.
+  HMOE_CUDA_TRY(cudaEventSynchronize(stages_[static_cast<size_t>(last_)].done),
+                "cudaEventSynchronize");
+  arrived_upto_ = std::max(arrived_upto_, last_waited_);
   // Slots grouped by expert (ascending), each group in slot order.
   std::vector<int64_t> begin(static_cast<size_t>(E) + 1, 0);
   for (int64_t s = 0; s < slots; ++s) {
@@ -286,49 +314,106 @@ absl::StatusOr<int64_t> StreamedExperts::Run(int layer, const uint16_t* x, int64
                                 cudaMemcpyHostToDevice, compute_),
                 "streamed experts: marks upload");
 
-  // Uploads: once the stage is free, in chunks of consecutive experts; runs
-  // of consecutive ids go in one copy.
-  HMOE_CUDA_TRY(cudaStreamWaitEvent(copy_, done_ev_, 0), "cudaStreamWaitEvent");
+  // The stage holding this layer's experts (a Prefetch's or an earlier
+  // Run's), else the one the last Run did not use; upload what it lacks.
+  size_t b = stages_.size() > 1 ? static_cast<size_t>(1 - last_) : 0;
+  for (size_t i = 0; i < stages_.size(); ++i)
+    if (stages_[i].layer == layer) b = i;
+  Stage& st = stages_[b];
+  RETURN_IF_ERROR(Upload(st, layer, gpu_experts, /*ahead=*/false).status());
+  std::vector<int32_t> order;  // by arrival, then id
+  for (int32_t e = 0; e < E; ++e)
+    if (on[static_cast<size_t>(e)]) order.push_back(e);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) {
+    return st.arrival[static_cast<size_t>(a)] < st.arrival[static_cast<size_t>(c)];
+  });
+
+  // Compute: gather x per slot, then each expert once its chunk is in.
+  uint16_t* xg = xg_.as<uint16_t>();
+  HMOE_CUDA_TRY(GatherBf16Rows(x, H, rows_dev, n, xg, compute_), "GatherBf16Rows");
+  const char* stage = st.buf.as<char>();
+  int64_t waited = arrived_upto_;
+  for (const int32_t e : order) {
+    const int64_t b0 = begin[static_cast<size_t>(e)], ni = begin[static_cast<size_t>(e) + 1] - b0;
+    if (ni == 0) continue;
+    const int64_t seq = st.arrival[static_cast<size_t>(e)];
+    if (seq > waited) {
+      HMOE_CUDA_TRY(
+          cudaStreamWaitEvent(compute_, chunk_ev_[static_cast<size_t>(seq) % chunk_ev_.size()], 0),
+          "cudaStreamWaitEvent");
+      waited = seq;
+    }
+    if (st.ahead[static_cast<size_t>(e)]) {
+      st.ahead[static_cast<size_t>(e)] = 0;
+      ++prefetch_used_;
+    }
+    RETURN_IF_ERROR(
+        ComputeExpert(ExpertAt(stage + static_cast<int64_t>(e) * blob_), xg + b0 * H, ni));
+    HMOE_CUDA_TRY(
+        ScatterWeightedRows(z_.as<float>(), H, slot_dev + b0, ni, w, ys_.as<float>(), compute_),
+        "ScatterWeightedRows");
+  }
+  HMOE_CUDA_TRY(SumMarkedSlots(ys_.as<float>(), marks_dev, T, K, H, out_.as<float>(), compute_),
+                "SumMarkedSlots");
+  HMOE_CUDA_TRY(cudaEventRecord(st.done, compute_), "cudaEventRecord");
+  last_ = static_cast<int>(b);
+  last_waited_ = waited;
+  return n;
+}
+
+absl::StatusOr<int64_t> StreamedExperts::Upload(Stage& st, int layer,
+                                                const std::vector<int32_t>& experts, bool ahead) {
+  const int64_t E = c_.moe.num_experts;
+  std::vector<uint8_t> want(static_cast<size_t>(E), 0);
+  for (int32_t e : experts) {
+    if (e < 0 || e >= E)
+      return absl::InvalidArgumentError(absl::StrCat("streamed experts: expert ", e, " of ", E));
+    want[static_cast<size_t>(e)] = 1;
+  }
+  if (st.layer != layer) {  // another layer's: overwritten once its last compute is done
+    st.layer = layer;
+    std::fill(st.arrival.begin(), st.arrival.end(), -1);
+    std::fill(st.ahead.begin(), st.ahead.end(), 0);
+    HMOE_CUDA_TRY(cudaStreamWaitEvent(copy_, st.done, 0), "cudaStreamWaitEvent");
+  }
+  std::vector<int32_t> need;  // ascending
+  for (int32_t e = 0; e < E; ++e)
+    if (want[static_cast<size_t>(e)] && st.arrival[static_cast<size_t>(e)] < 0) need.push_back(e);
   const char* host = arena_[static_cast<size_t>(layer_row_[static_cast<size_t>(layer)])].as<char>();
-  char* stage = stage_.as<char>();
-  const size_t ne = gpu_experts.size();
-  const size_t per_chunk = (ne + kChunks - 1) / kChunks;
-  std::vector<size_t> chunk_end;
-  for (size_t c0 = 0; c0 < ne; c0 += per_chunk) {
-    const size_t c1 = std::min(ne, c0 + per_chunk);
-    for (size_t i = c0; i < c1;) {
+  char* stage = st.buf.as<char>();
+  const size_t per_chunk = (need.size() + kChunks - 1) / kChunks;
+  for (size_t c0 = 0; c0 < need.size(); c0 += per_chunk) {
+    const size_t c1 = std::min(need.size(), c0 + per_chunk);
+    for (size_t i = c0; i < c1;) {  // runs of consecutive ids in one copy
       size_t j = i + 1;
-      while (j < c1 && gpu_experts[j] == gpu_experts[j - 1] + 1) ++j;
-      const int64_t off = static_cast<int64_t>(gpu_experts[i]) * blob_;
+      while (j < c1 && need[j] == need[j - 1] + 1) ++j;
+      const int64_t off = static_cast<int64_t>(need[i]) * blob_;
       HMOE_CUDA_TRY(cudaMemcpyAsync(stage + off, host + off, static_cast<size_t>((j - i) * blob_),
                                     cudaMemcpyHostToDevice, copy_),
                     "streamed experts: upload");
       i = j;
     }
-    HMOE_CUDA_TRY(cudaEventRecord(chunk_ev_[chunk_end.size()], copy_), "cudaEventRecord");
-    chunk_end.push_back(c1);
-  }
-
-  // Compute: gather x per slot, then each expert as its chunk arrives.
-  uint16_t* xg = xg_.as<uint16_t>();
-  HMOE_CUDA_TRY(GatherBf16Rows(x, H, rows_dev, n, xg, compute_), "GatherBf16Rows");
-  size_t i = 0;
-  for (size_t c = 0; c < chunk_end.size(); ++c) {
-    HMOE_CUDA_TRY(cudaStreamWaitEvent(compute_, chunk_ev_[c], 0), "cudaStreamWaitEvent");
-    for (; i < chunk_end[c]; ++i) {
-      const int32_t e = gpu_experts[i];
-      const int64_t b0 = begin[static_cast<size_t>(e)], ni = begin[static_cast<size_t>(e) + 1] - b0;
-      if (ni == 0) continue;
-      RETURN_IF_ERROR(
-          ComputeExpert(ExpertAt(stage + static_cast<int64_t>(e) * blob_), xg + b0 * H, ni));
-      HMOE_CUDA_TRY(
-          ScatterWeightedRows(z_.as<float>(), H, slot_dev + b0, ni, w, ys_.as<float>(), compute_),
-          "ScatterWeightedRows");
+    const int64_t seq = seq_++;
+    HMOE_CUDA_TRY(cudaEventRecord(chunk_ev_[static_cast<size_t>(seq) % chunk_ev_.size()], copy_),
+                  "cudaEventRecord");
+    for (size_t i = c0; i < c1; ++i) {
+      st.arrival[static_cast<size_t>(need[i])] = seq;
+      st.ahead[static_cast<size_t>(need[i])] = ahead ? 1 : 0;
     }
   }
-  HMOE_CUDA_TRY(SumMarkedSlots(ys_.as<float>(), marks_dev, T, K, H, out_.as<float>(), compute_),
-                "SumMarkedSlots");
-  HMOE_CUDA_TRY(cudaEventRecord(done_ev_, compute_), "cudaEventRecord");
+  return static_cast<int64_t>(need.size());
+}
+
+absl::StatusOr<int64_t> StreamedExperts::Prefetch(int layer, const std::vector<int32_t>& experts) {
+  if (layer < 0 || layer >= c_.num_layers || layer_row_[static_cast<size_t>(layer)] < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("streamed experts: prefetch of layer ", layer, ", not an MoE layer"));
+  if (stages_.size() < 2) return int64_t{0};
+  size_t b = static_cast<size_t>(1 - last_);
+  for (size_t i = 0; i < stages_.size(); ++i)
+    if (stages_[i].layer == layer) b = i;
+  ASSIGN_OR_RETURN(const int64_t n, Upload(stages_[b], layer, experts, /*ahead=*/true));
+  prefetched_ += n;
   return n;
 }
 

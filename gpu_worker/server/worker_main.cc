@@ -12,7 +12,7 @@
 //                   [--routing-stats-out FILE]
 //                   [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]
 //                   [--prefill-experts cpu|stream|auto] [--log-prefill-plans on|off]
-//                   [--prefill-rates FILE]
+//                   [--prefill-rates FILE] [--prefill-prefetch on|off]
 //                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
 //                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
 //                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
@@ -54,7 +54,9 @@
 // the service, streamed to the GPU over PCIe, or the cost model's choice;
 // stream and auto keep a pinned host copy of every routed expert in the
 // shards' format). --log-prefill-plans on: one stderr line per such pass
-// with each layer's choice. --prefill-chunk N (default 64): prompt tokens
+// with each layer's choice. --prefill-prefetch off: no upload of the next
+// MoE layer's experts ahead (ModelOptions::prefill_prefetch; on by
+// default, one more layer's experts of GPU memory). --prefill-chunk N (default 64): prompt tokens
 // per scheduler step, all requests together (EngineOptions::prefill_chunk);
 // streaming a layer's experts pays only for chunks of thousands of tokens,
 // which also hold the running requests' next token that long.
@@ -145,6 +147,7 @@ struct WorkerOptions {
   std::string prefill_experts = "cpu";
   std::string prefill_rates;  // file
   bool log_prefill_plans = false;
+  bool prefill_prefetch = true;
   int64_t debug_cuda_fault_after = 0;
   std::string routing_stats_out;
   std::string hot_experts;  // routing-stats file
@@ -255,6 +258,9 @@ WorkerOptions ParseFlags(int argc, char** argv) {
     } else if (a == "--log-prefill-plans") {
       if (v != "on" && v != "off") Die("--log-prefill-plans must be on or off, got " + v);
       o.log_prefill_plans = v == "on";
+    } else if (a == "--prefill-prefetch") {
+      if (v != "on" && v != "off") Die("--prefill-prefetch must be on or off, got " + v);
+      o.prefill_prefetch = v == "on";
     } else if (a == "--cuda-graphs") {
       if (v != "on" && v != "off") Die("--cuda-graphs must be on or off, got " + v);
       o.cuda_graphs = v == "on";
@@ -274,7 +280,7 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--cuda-graphs on|off] [--cuda-expert-slots on|off]\n"
           "       [--gemm-attention-tokens N] [--gemm-attention-tf32 on|off]\n"
           "       [--cuda-expert-calls device|host] [--prefill-experts cpu|stream|auto]\n"
-          "       [--log-prefill-plans on|off] [--prefill-rates FILE]\n"
+          "       [--log-prefill-plans on|off] [--prefill-rates FILE] [--prefill-prefetch on|off]\n"
           "       [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]\n"
           "       [--routing-stats-out FILE]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
@@ -391,6 +397,7 @@ int Run(int argc, char** argv) {
     mo.prefill_rates = *rates;
   }
   mo.log_prefill_plans = o.log_prefill_plans;
+  mo.prefill_prefetch = o.prefill_prefetch;
   mo.debug_cuda_fault_after = o.debug_cuda_fault_after;
   mo.kv_blocks = o.kv_blocks;
   auto resolved = ResolveBackend(o.backend, o.cuda_device);

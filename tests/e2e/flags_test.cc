@@ -74,6 +74,7 @@ TEST(Flags, WorkerRefusesNumbersOutsideTheirRange) {
            Case{"--backend=cpu --prefill-experts=stream",
                 "--prefill-experts stream needs the cuda backend (backend cpu)"},
            Case{"--prefill-rates=r.json", "--prefill-rates needs --prefill-experts auto"},
+           Case{"--prefill-prefetch=yes", "--prefill-prefetch must be on or off, got yes"},
            Case{"--hot-experts-gb=1", "--hot-experts-gb needs --hot-experts STATS or --calibrate"},
            Case{"--hot-experts=s.json --calibrate=p.txt --hot-experts-gb=1",
                 "--hot-experts and --calibrate are exclusive"},

@@ -97,6 +97,74 @@ TEST_P(CudaStreamedExperts, EqualTheServicePathWithinTolerance) {
   }
 }
 
+// Uploading the next MoE layer's experts ahead (prefill_prefetch) changes
+// when bytes cross PCIe, never what is computed: over several large passes
+// (a prompt in two chunks, so the second pass's guesses come from the
+// first's choices and are partly wrong, then a second sequence) and decode
+// steps, the logits with and without it are equal bit for bit, and with it
+// the later layers compute from experts uploaded ahead.
+TEST_P(CudaStreamedExperts, PrefetchChangesNoResult) {
+  const std::string dir = ModelFixturesRoot() + "/" + GetParam();
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const int64_t moe_layers = config->num_moe_layers();
+  struct Run {
+    std::vector<std::vector<float>> logits;
+    ModelStats stats;
+  };
+  auto run = [&](bool prefetch, const std::string& fmt) {
+    ModelOptions o;
+    o.backend = "cuda";
+    o.num_threads = 2;
+    o.prefill_experts = "stream";
+    o.prefill_prefetch = prefetch;
+    o.hot_format = fmt;
+    o.hot_group = 32;
+    Run r;
+    auto m = Model::Load(dir, o);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return r;
+    auto prompt = [](int n, int a, int b) {
+      std::vector<int32_t> p;
+      for (int i = 0; i < n; ++i) p.push_back((a * i + b) % 50);
+      return p;
+    };
+    auto keep = [&](const absl::StatusOr<std::vector<float>>& l) {
+      EXPECT_TRUE(l.ok()) << l.status();
+      if (l.ok()) r.logits.push_back(*l);
+    };
+    auto s1 = (*m)->NewSequence();
+    keep((*m)->Prefill(*s1, prompt(48, 7, 3), LogitsMode::kLast));
+    keep((*m)->Prefill(*s1, prompt(40, 11, 5), LogitsMode::kLast));
+    auto s2 = (*m)->NewSequence();
+    keep((*m)->Prefill(*s2, prompt(64, 13, 1), LogitsMode::kLast));
+    keep((*m)->Decode(*s1, 9));
+    keep((*m)->Decode(*s2, 4));
+    r.stats = (*m)->stats();
+    return r;
+  };
+  for (const std::string fmt : {"bf16", "int4"}) {
+    SCOPED_TRACE(::testing::Message() << GetParam() << ", " << fmt);
+    const Run off = run(false, fmt), on = run(true, fmt);
+    ASSERT_EQ(off.logits.size(), 5u);
+    ASSERT_EQ(on.logits.size(), off.logits.size());
+    for (size_t i = 0; i < off.logits.size(); ++i)
+      EXPECT_EQ(on.logits[i], off.logits[i]) << "pass " << i << " differs with prefetch";
+    EXPECT_EQ(on.stats.streamed_slots, off.stats.streamed_slots);
+    EXPECT_EQ(off.stats.prefetched_experts, 0);
+    EXPECT_EQ(off.stats.prefetch_used_experts, 0);
+    EXPECT_LE(on.stats.prefetch_used_experts, on.stats.prefetched_experts);
+    if (moe_layers >= 2) {
+      EXPECT_GT(on.stats.prefetched_experts, 0);
+      EXPECT_GT(on.stats.prefetch_used_experts, 0);
+    }
+    std::printf("[ prefetch ] %s %s: %lld experts uploaded ahead, %lld of them used\n",
+                GetParam().c_str(), fmt.c_str(),
+                static_cast<long long>(on.stats.prefetched_experts),
+                static_cast<long long>(on.stats.prefetch_used_experts));
+  }
+}
+
 // A policy that is not one is refused at load.
 TEST(CudaStreamedExpertsOptions, UnknownPolicyIsRefused) {
   HMOE_SKIP_UNLESS_BACKEND("cuda");
