@@ -97,6 +97,9 @@ constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
   --defer-experts N     Expert Deferral: the N lowest-weighted routed experts of a
                         layer join one layer late (default 0: the exact model)
   --cuda-graphs on|off  cuda: one CUDA Graph per decode step (default on)
+  --log-prefill-plans on|off
+                        cuda: per large pass, each MoE layer's choice and the
+                        streamed experts' upload / compute timeline (stderr)
   --cuda-expert-slots on|off
                         cuda: off sends every pass's experts the host-copy way,
                         no slots or graphs (default on)
@@ -326,6 +329,7 @@ struct Args {
   int64_t kv_blocks = 0;
   int defer_experts = 0;
   bool cuda_graphs = true;
+  bool log_prefill_plans = false;  // stderr: each large pass's choices and streamed timeline
   bool cuda_expert_slots = true;
   bool cuda_device_calls = true;
   std::string service_cores, worker_cores;  // CPU lists; empty: all
@@ -387,6 +391,7 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
                                      "--kv-blocks",
                                      "--defer-experts",
                                      "--cuda-graphs",
+                                     "--log-prefill-plans",
                                      "--cuda-expert-slots",
                                      "--cuda-expert-calls",
                                      "--service-cores",
@@ -482,6 +487,10 @@ std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
     } else if (f == "--defer-experts") {
       if (!integer(0, 255)) return std::nullopt;
       a.defer_experts = static_cast<int>(n);
+    } else if (f == "--log-prefill-plans") {
+      if (v != "on" && v != "off")
+        return bad(absl::StrCat("--log-prefill-plans: \"", v, "\" is not on or off"));
+      a.log_prefill_plans = v == "on";
     } else if (f == "--cuda-graphs") {
       if (v != "on" && v != "off")
         return bad(absl::StrCat("--cuda-graphs: \"", v, "\" is not on or off"));
@@ -1223,6 +1232,7 @@ absl::Status Run(const Args& a) {
   mo.kv_blocks = a.kv_blocks;
   mo.deferred_experts = a.defer_experts;
   mo.cuda_graphs = a.cuda_graphs;
+  mo.log_prefill_plans = a.log_prefill_plans;
   mo.cuda_expert_slots = a.cuda_expert_slots;
   mo.cuda_device_calls = a.cuda_device_calls;
   mo.num_threads = a.threads;
@@ -1648,8 +1658,17 @@ absl::Status Run(const Args& a) {
                                     absl::StrCat("prefill sweep (", policy, ")")));
       r.ms = run.ms;
       r.d = run.d;
-      std::printf("# prefill sweep: %s, %lld tokens: %.1f ms (load %.1f s)\n", policy.c_str(),
-                  static_cast<long long>(P), r.ms, r.load_s);
+      std::printf(
+          "# prefill sweep: %s, %lld tokens: %.1f ms (load %.1f s); GPU %.1f ms, expert wait "
+          "%.1f ms, layers cpu/stream/split %lld/%lld/%lld, experts ahead/used %lld/%lld\n",
+          policy.c_str(), static_cast<long long>(P), r.ms, r.load_s,
+          static_cast<double>(r.d.gpu_busy_ns) / a.reps / 1e6,
+          static_cast<double>(r.d.expert_wait_ns) / a.reps / 1e6,
+          static_cast<long long>(r.d.prefill_cpu_layers / a.reps),
+          static_cast<long long>(r.d.prefill_stream_layers / a.reps),
+          static_cast<long long>(r.d.prefill_split_layers / a.reps),
+          static_cast<long long>(r.d.prefetched_experts / a.reps),
+          static_cast<long long>(r.d.prefetch_used_experts / a.reps));
       std::fflush(stdout);
       ms_of[policy] = r.ms;
       wait_of[policy] = static_cast<double>(r.d.expert_wait_ns) / a.reps / 1e6;

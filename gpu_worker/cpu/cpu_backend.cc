@@ -134,7 +134,7 @@ class CpuBackend final : public LayerBackend {
     // The routed sum, then the shared experts' output, join the residual.
     const bool shared = layers_[static_cast<size_t>(l)].has_shared;
     for (size_t i = 0; i < x_.size(); ++i) {
-      float v = routed[i];
+      float v = routed != nullptr ? routed[i] : 0.0f;
       if (shared) v += y_[i];
       x_[i] += v;
     }

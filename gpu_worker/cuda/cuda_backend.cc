@@ -606,6 +606,7 @@ absl::Status CudaBackend::LoadStreamedExperts(const Checkpoint& ckpt) {
       streamed_->stages() > 1 ? "two layers' (the next one's uploaded ahead)" : "one layer's",
       streamed_->pcie_gbps(), streamed_->gemm_tflops(),
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  streamed_->set_timeline(o_.log_prefill_plans);
   prefill_rates_.pcie_gbps = streamed_->pcie_gbps();
   prefill_rates_.gpu_tflops = streamed_->gemm_tflops();
   if (o_.prefill_rates) {
@@ -1375,6 +1376,19 @@ absl::Status CudaBackend::AddExperts(int l, const float* routed) {
   RETURN_IF_ERROR(health());
   const int64_t n = rows_ * c_.hidden_size;
   BurstBegin();
+  if (routed == nullptr) {
+    // Every slot streamed: no upload (it would queue behind the next
+    // layer's experts on the copy engine). x += streamed + shared, the
+    // reference's order (float addition commutes).
+    const float* s = streamed_pending_ ? streamed_->out() : nullptr;
+    streamed_pending_ = false;
+    const float* add = shared_pending_ ? ysh_ : s;
+    if (shared_pending_ && s != nullptr)
+      RETURN_IF_ERROR(Launched(Accumulate(ysh_, s, nullptr, n, stream_), "Accumulate"));
+    shared_pending_ = false;
+    if (add == nullptr) return absl::OkStatus();
+    return Launched(Accumulate(x_, add, nullptr, n, stream_), "Accumulate");
+  }
   HMOE_CUDA_TRY(
       cudaMemcpyAsync(routed_, routed, static_cast<size_t>(n * 4), cudaMemcpyHostToDevice, stream_),
       "expert output upload");
@@ -1495,8 +1509,10 @@ void CudaBackend::ArmCalls(const std::vector<SlotCall>& calls) {
 absl::Status CudaBackend::Commit() {
   RETURN_IF_ERROR(Sync("pass"));
   if (!pass_plan_log_.empty()) {
-    std::fprintf(stderr, "hmoe cuda backend: prefill pass of %lld tokens:%s\n",
-                 static_cast<long long>(rows_), pass_plan_log_.c_str());
+    const std::string timeline = streamed_ ? streamed_->TakeTimeline() : std::string();
+    std::fprintf(stderr, "hmoe cuda backend: prefill pass of %lld tokens:%s%s%s\n",
+                 static_cast<long long>(rows_), pass_plan_log_.c_str(),
+                 timeline.empty() ? "" : "\n  streamed experts' timeline:", timeline.c_str());
     pass_plan_log_.clear();
   }
   if (slot_pass_) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "common/transport/moe_call.h"
 
@@ -28,6 +29,11 @@ StreamedExperts::~StreamedExperts() {
     if (e != nullptr) cudaEventDestroy(e);
   for (Stage& st : stages_)
     if (st.done != nullptr) cudaEventDestroy(st.done);
+  for (const Span& sp : spans_) {
+    cudaEventDestroy(sp.a);
+    cudaEventDestroy(sp.b);
+  }
+  for (cudaEvent_t e : span_pool_) cudaEventDestroy(e);
   if (budget_ != nullptr) {
     budget_->Give(device_bytes_, "streamed experts");
     budget_->Give(prefetch_stage_bytes_, "streamed experts (prefetch stage)");
@@ -301,6 +307,11 @@ absl::StatusOr<int64_t> StreamedExperts::Run(int layer, const uint16_t* x, int64
     slot_of[i] = static_cast<int32_t>(s);
   }
   if (n == 0) return int64_t{0};
+  cudaEvent_t span_a = nullptr;  // the compute span starts with the index uploads
+  if (timeline_on_) {
+    ASSIGN_OR_RETURN(span_a, SpanEvent());
+    HMOE_CUDA_TRY(cudaEventRecord(span_a, compute_), "cudaEventRecord");
+  }
   int32_t* rows_dev = idx_.as<int32_t>();
   int32_t* slot_dev = rows_dev + slots;
   uint8_t* marks_dev = reinterpret_cast<uint8_t*>(slot_dev + slots);
@@ -356,6 +367,11 @@ absl::StatusOr<int64_t> StreamedExperts::Run(int layer, const uint16_t* x, int64
   HMOE_CUDA_TRY(SumMarkedSlots(ys_.as<float>(), marks_dev, T, K, H, out_.as<float>(), compute_),
                 "SumMarkedSlots");
   HMOE_CUDA_TRY(cudaEventRecord(st.done, compute_), "cudaEventRecord");
+  if (span_a != nullptr) {
+    ASSIGN_OR_RETURN(cudaEvent_t span_b, SpanEvent());
+    HMOE_CUDA_TRY(cudaEventRecord(span_b, compute_), "cudaEventRecord");
+    spans_.push_back({layer, "compute", span_a, span_b});
+  }
   last_ = static_cast<int>(b);
   last_waited_ = waited;
   return n;
@@ -381,6 +397,11 @@ absl::StatusOr<int64_t> StreamedExperts::Upload(Stage& st, int layer,
     if (want[static_cast<size_t>(e)] && st.arrival[static_cast<size_t>(e)] < 0) need.push_back(e);
   const char* host = arena_[static_cast<size_t>(layer_row_[static_cast<size_t>(layer)])].as<char>();
   char* stage = st.buf.as<char>();
+  cudaEvent_t span_a = nullptr;
+  if (timeline_on_ && !need.empty()) {
+    ASSIGN_OR_RETURN(span_a, SpanEvent());
+    HMOE_CUDA_TRY(cudaEventRecord(span_a, copy_), "cudaEventRecord");
+  }
   const size_t per_chunk = (need.size() + kChunks - 1) / kChunks;
   for (size_t c0 = 0; c0 < need.size(); c0 += per_chunk) {
     const size_t c1 = std::min(need.size(), c0 + per_chunk);
@@ -401,7 +422,50 @@ absl::StatusOr<int64_t> StreamedExperts::Upload(Stage& st, int layer,
       st.ahead[static_cast<size_t>(need[i])] = ahead ? 1 : 0;
     }
   }
+  if (span_a != nullptr) {
+    ASSIGN_OR_RETURN(cudaEvent_t span_b, SpanEvent());
+    HMOE_CUDA_TRY(cudaEventRecord(span_b, copy_), "cudaEventRecord");
+    spans_.push_back({layer, ahead ? "prefetch" : "upload", span_a, span_b});
+  }
   return static_cast<int64_t>(need.size());
+}
+
+absl::StatusOr<cudaEvent_t> StreamedExperts::SpanEvent() {
+  if (!span_pool_.empty()) {
+    cudaEvent_t e = span_pool_.back();
+    span_pool_.pop_back();
+    return e;
+  }
+  cudaEvent_t e = nullptr;
+  HMOE_CUDA_TRY(cudaEventCreate(&e), "cudaEventCreate");
+  return e;
+}
+
+std::string StreamedExperts::TakeTimeline() {
+  std::string out;
+  if (spans_.empty()) return out;
+  cudaStreamSynchronize(copy_);
+  cudaStreamSynchronize(compute_);
+  // The earliest start: spans on two streams, recorded in host order.
+  cudaEvent_t first = spans_[0].a;
+  for (const Span& sp : spans_) {
+    float d = 0;
+    if (cudaEventElapsedTime(&d, first, sp.a) == cudaSuccess && d < 0) first = sp.a;
+  }
+  for (const Span& sp : spans_) {
+    float a = 0, b = 0;
+    if (cudaEventElapsedTime(&a, first, sp.a) != cudaSuccess ||
+        cudaEventElapsedTime(&b, first, sp.b) != cudaSuccess) {
+      absl::StrAppend(&out, "\n  layer ", sp.layer, " ", sp.what, ": not timed");
+    } else {
+      absl::StrAppend(&out, "\n  layer ", sp.layer, " ", sp.what, " ",
+                      absl::StrFormat("%.1f-%.1f ms", a, b));
+    }
+    span_pool_.push_back(sp.a);
+    span_pool_.push_back(sp.b);
+  }
+  spans_.clear();
+  return out;
 }
 
 absl::StatusOr<int64_t> StreamedExperts::Prefetch(int layer, const std::vector<int32_t>& experts) {

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -68,6 +69,13 @@ class StreamedExperts {
   // (each upload counted once).
   int64_t prefetched() const { return prefetched_; }
   int64_t prefetch_used() const { return prefetch_used_; }
+
+  // With `on`, Upload and Run record timing events (copy and compute
+  // streams); TakeTimeline waits for both streams and returns one line per
+  // span since the last take ("layer L upload|prefetch|compute a-b ms"),
+  // times from the first span's start. For --log-prefill-plans.
+  void set_timeline(bool on) { timeline_on_ = on; }
+  std::string TakeTimeline();
 
   double pcie_gbps() const { return pcie_gbps_; }  // host -> device, pinned, measured
   // One expert's compute (dequantization, GEMMs, activation) at the rows an
@@ -129,6 +137,17 @@ class StreamedExperts {
   double pcie_gbps_ = 0, gemm_tflops_ = 0;
   int64_t prefetched_ = 0, prefetch_used_ = 0;
   int64_t device_bytes_ = 0, prefetch_stage_bytes_ = 0;
+  // The timeline's spans; events come from (and go back to) a pool.
+  struct Span {
+    int layer;
+    const char* what;
+    cudaEvent_t a, b;
+  };
+  bool timeline_on_ = false;
+  std::vector<Span> spans_;
+  std::vector<cudaEvent_t> span_pool_;
+  absl::StatusOr<cudaEvent_t> SpanEvent();
+
   Budget* budget_ = nullptr;
 };
 

@@ -107,7 +107,8 @@ class LayerBackend {
     return int64_t{0};
   }
   // `routed`: [T, H] host f32, the routed experts' sum for the pass's tokens
-  // (less what TakeRoutedSlots took, which the backend adds itself).
+  // (less what TakeRoutedSlots took, which the backend adds itself);
+  // nullptr when TakeRoutedSlots took every slot (nothing to upload).
   virtual absl::Status AddExperts(int layer, const float* routed) = 0;
   virtual absl::Status AddToResidual(const float* v) = 0;  // [T, H] host f32
 

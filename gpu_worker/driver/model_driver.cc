@@ -218,9 +218,8 @@ absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* defe
   const std::string where = absl::StrCat("layer ", l, " routed experts");
   routed_out_.resize(static_cast<size_t>(T * H));
   if (all_taken) {  // nothing left for the experts (n == 0: no deferred part)
-    std::fill(routed_out_.begin(), routed_out_.end(), 0.0f);
     RETURN_IF_ERROR(backend_->StartSharedExperts(l));
-    RETURN_IF_ERROR(backend_->AddExperts(l, routed_out_.data()));
+    RETURN_IF_ERROR(backend_->AddExperts(l, nullptr));
     *deferred = std::move(later);
     return absl::OkStatus();
   }
