@@ -12,6 +12,9 @@
 #include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_client.h"
 #include "common/transport/grpc_status.h"
+#include "grpcpp/impl/rpc_service_method.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/method_handler.h"
 #include "proto/expert.grpc.pb.h"
 
 namespace hmoe {
@@ -113,12 +116,27 @@ class ControlService final : public pb::ExpertControl::Service {
   ServiceState* s_;
 };
 
-class DataService final : public pb::ExpertData::Service {
+// ExpertData/Moe on raw byte buffers, parsed here: the generated sync
+// handler's Read returns false for a message that does not parse just as
+// for the client's half-close, so such a stream ended OK and the requests
+// after it went unanswered. Here it ends INVALID_ARGUMENT naming the
+// message. The method is registered under the generated service's name.
+class DataService final : public grpc::Service {
  public:
-  explicit DataService(ServiceState* s) : s_(s) {}
+  explicit DataService(ServiceState* s)
+      : s_(s), method_(absl::StrCat("/", pb::ExpertData::service_full_name(), "/Moe")) {
+    using Stream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        method_.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING,
+        new grpc::internal::BidiStreamingHandler<DataService, grpc::ByteBuffer, grpc::ByteBuffer>(
+            [](DataService* self, grpc::ServerContext* ctx, Stream* rw) {
+              return self->Moe(ctx, rw);
+            },
+            this)));
+  }
 
   grpc::Status Moe(grpc::ServerContext* ctx,
-                   grpc::ServerReaderWriter<pb::MoeResponse, pb::MoeRequest>* rw) override {
+                   grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* rw) {
     if (grpc::Status a = s_->Authorize(ctx); !a.ok()) return a;
     // Counted only while under the cap: a refused stream never inflates it.
     const uint64_t cap = static_cast<uint64_t>(s_->max_peers);
@@ -134,7 +152,18 @@ class DataService final : public pb::ExpertData::Service {
     pb::MoeRequest req;
     pb::MoeResponse resp;
     std::vector<float> out;
-    while (rw->Read(&req)) {
+    grpc::ByteBuffer in, reply;
+    grpc::Status end = grpc::Status::OK;
+    for (uint64_t n = 1; rw->Read(&in); ++n) {
+      const size_t bytes = in.Length();
+      if (grpc::Status p = grpc::SerializationTraits<pb::MoeRequest>::Deserialize(&in, &req);
+          !p.ok()) {
+        end = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                           absl::StrCat("expert service: message ", n, " of the MoE stream (",
+                                        bytes, " bytes) is not a hmoe.expert.v1.MoeRequest (",
+                                        p.error_message(), "); the stream ends here"));
+        break;
+      }
       resp.Clear();
       resp.set_request_id(req.request_id());
       ExpertShard* shard = s_->shard.load();
@@ -178,14 +207,25 @@ class DataService final : public pb::ExpertData::Service {
       }
       resp.set_code(static_cast<int>(st.code()));
       resp.set_message(std::string(st.message()));
-      if (!rw->Write(resp)) break;
+      bool own = false;
+      reply.Clear();  // Serialize wants an empty buffer
+      if (grpc::Status w =
+              grpc::SerializationTraits<pb::MoeResponse>::Serialize(resp, &reply, &own);
+          !w.ok()) {
+        end = grpc::Status(grpc::StatusCode::INTERNAL,
+                           absl::StrCat("expert service: a MoeResponse did not serialize (",
+                                        w.error_message(), ")"));
+        break;
+      }
+      if (!rw->Write(reply)) break;
     }
     s_->streams.fetch_sub(1);
-    return grpc::Status::OK;
+    return end;
   }
 
  private:
   ServiceState* s_;
+  const std::string method_;  // "/hmoe.expert.v1.ExpertData/Moe", outlives the method
 };
 
 }  // namespace

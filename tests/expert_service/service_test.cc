@@ -821,6 +821,75 @@ TEST(ServiceProcess, UnknownEnumValuesAreRefusedNamingTheField) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+// Issue 33 item 2: a message on the MoE stream that is not a MoeRequest
+// ended the stream OK (the generated handler's Read returned false as for a
+// half-close) and the requests after it were never answered. Now the
+// requests before it are answered and the stream ends INVALID_ARGUMENT
+// naming the message; a new stream is served as before.
+TEST(ServiceProcess, AMalformedMoeMessageEndsTheStreamInvalidArgument) {
+  namespace pb = ::hmoe::expert::v1;
+  ::hmoe::testing::TempDir dir;
+  ::hmoe::testing::ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir(), "--no-ucx"}, dir.file("port")));
+  auto channel = MakeExpertChannel(proc.target());
+  auto info = ControlClient(channel).Describe();
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto call = ::hmoe::testing::MakeRandomCall(*info, info->moe_layers[0], 2, 3);
+  const MoeCall& c = call.call();
+  pb::MoeRequest req;
+  req.set_layer(c.layer);
+  req.set_tokens(static_cast<int32_t>(c.tokens));
+  req.set_top_k(static_cast<int32_t>(c.top_k));
+  req.set_hidden(reinterpret_cast<const char*>(c.hidden), c.hidden_bytes);
+  req.set_expert_ids(reinterpret_cast<const char*>(c.ids), c.ids_bytes);
+  req.set_expert_weights(reinterpret_cast<const char*>(c.weights), c.weights_bytes);
+  auto bytes = [](const std::string& b) {
+    grpc::Slice slice(b);
+    return grpc::ByteBuffer(&slice, 1);
+  };
+  // A raw stream, as the generated stub opens it, carrying any bytes.
+  const std::string method = absl::StrCat("/", pb::ExpertData::service_full_name(), "/Moe");
+  const grpc::internal::RpcMethod moe(method.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING);
+  for (const std::string& garbage :
+       {std::string("\xff\xff\xff\xff\xff"),
+        std::string("\x08\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80"), std::string("\x22\x10\x01")}) {
+    SCOPED_TRACE(garbage.size());
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> rw(
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+            channel.get(), moe, &ctx));
+    req.set_request_id(1);
+    ASSERT_TRUE(rw->Write(bytes(req.SerializeAsString())));
+    grpc::ByteBuffer got;
+    ASSERT_TRUE(rw->Read(&got));
+    pb::MoeResponse resp;
+    ASSERT_TRUE(grpc::SerializationTraits<pb::MoeResponse>::Deserialize(&got, &resp).ok());
+    EXPECT_EQ(resp.request_id(), 1u);
+    EXPECT_EQ(resp.code(), 0) << resp.message();
+    rw->Write(bytes(garbage));
+    req.set_request_id(3);
+    rw->Write(bytes(req.SerializeAsString()));  // may be refused: the stream is ending
+    EXPECT_FALSE(rw->Read(&got)) << "nothing is answered after the malformed message";
+    rw->WritesDone();
+    const grpc::Status end = rw->Finish();
+    EXPECT_EQ(end.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << end.error_message();
+    EXPECT_THAT(end.error_message(), ::testing::HasSubstr("message 2 of the MoE stream"));
+    EXPECT_THAT(end.error_message(), ::testing::HasSubstr("is not a hmoe.expert.v1.MoeRequest"));
+  }
+  // The service goes on: a generated stub's stream is answered.
+  auto stub = pb::ExpertData::NewStub(channel);
+  grpc::ClientContext ctx;
+  auto stream = stub->Moe(&ctx);
+  req.set_request_id(7);
+  ASSERT_TRUE(stream->Write(req));
+  pb::MoeResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  EXPECT_EQ(resp.request_id(), 7u);
+  EXPECT_EQ(resp.code(), 0) << resp.message();
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 // The listening TCP sockets of process `pid` (IPv4 and IPv6 local addresses
 // as /proc/net prints them, hex).
 std::vector<std::string> ListeningAddresses(int pid) {
