@@ -10,6 +10,7 @@ pkgs=(
   nlohmann-json3-dev libpcre2-dev libnuma-dev libhwloc-dev libsystemd-dev
   systemd iproute2 procps
   python3-grpcio python3-protobuf
+  clang libclang-rt-14-dev
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up and the whole test suite, twice: a normal build (CUDA enabled
 # when nvcc is present; GPU tests skip without a GPU) and an ASan+UBSan build
-# of the CPU code. Run as root on Debian 12: installs what it needs first.
+# of the CPU code; then each libFuzzer target for a bounded time
+# (deploy/run-fuzz.sh). Run as root on Debian 12: installs what it needs first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install-deps.sh
@@ -22,4 +23,7 @@ cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 300
 
-echo "== run-tests: both builds passed in $(( $(date +%s) - start )) s"
+echo "== fuzz: libFuzzer targets (clang, ASan + UBSan), ${FUZZ_SECONDS:-30} s each"
+bash deploy/run-fuzz.sh
+
+echo "== run-tests: both builds and the fuzz targets passed in $(( $(date +%s) - start )) s"

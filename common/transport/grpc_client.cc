@@ -149,6 +149,20 @@ absl::StatusOr<ShardInfo> FromShardDescription(const expert::v1::ShardDescriptio
   return info;
 }
 
+MoeCall MoeCallOf(const expert::v1::MoeRequest& req) {
+  MoeCall call;
+  call.layer = req.layer();
+  call.tokens = req.tokens();
+  call.top_k = req.top_k();
+  call.hidden = reinterpret_cast<const uint16_t*>(req.hidden().data());
+  call.hidden_bytes = req.hidden().size();
+  call.ids = reinterpret_cast<const int32_t*>(req.expert_ids().data());
+  call.ids_bytes = req.expert_ids().size();
+  call.weights = reinterpret_cast<const float*>(req.expert_weights().data());
+  call.weights_bytes = req.expert_weights().size();
+  return call;
+}
+
 absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, int64_t out_bytes) {
   if (resp.code() < 0 || resp.code() > 16)
     return absl::UnknownError(absl::StrCat("expert service: MoeResponse.code = ", resp.code(),

@@ -24,6 +24,7 @@ class ChannelCredentials;
 namespace hmoe {
 namespace expert::v1 {
 class ShardDescription;
+class MoeRequest;
 class MoeResponse;
 }  // namespace expert::v1
 
@@ -38,6 +39,10 @@ absl::StatusOr<ShardInfo> FromShardDescription(const expert::v1::ShardDescriptio
 // status (an out-of-range code is UNKNOWN, named), or DATA_LOSS for another
 // output type or size.
 absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, int64_t out_bytes);
+// The call a MoE request carries, as the service checks it
+// (ValidateMoeCall): shape and byte sizes from its fields, pointers into
+// `req`'s bytes (valid while `req` is unchanged).
+MoeCall MoeCallOf(const expert::v1::MoeRequest& req);
 
 // A channel with our settings: unlimited message size, fast reconnect; every
 // call carries the first of `auth_tokens` in force when it starts

@@ -29,7 +29,6 @@
 namespace hmoe {
 namespace {
 
-constexpr uint64_t kSlotHeaderBytes = 256;
 // Each control-plane RPC of a (re)connect, unless the call's deadline is nearer.
 constexpr absl::Duration kControlTimeout = absl::Seconds(2);
 // Segments one service serves at once (each has a serving thread).
@@ -71,11 +70,6 @@ bool PeerExited(int pidfd, int32_t pid) {
 
 // The slot geometry as checked at attach. The header stays client-writable,
 // so the server never reads these fields from it again.
-struct SlotGeometry {
-  uint32_t num_slots = 0;
-  uint64_t slots_offset = 0, slot_bytes = 0, req_capacity = 0, resp_offset = 0, resp_capacity = 0;
-};
-
 ShmSlot* SlotAt(uint8_t* base, const SlotGeometry& g, uint32_t i) {
   return reinterpret_cast<ShmSlot*>(base + g.slots_offset + uint64_t{i} * g.slot_bytes);
 }
@@ -100,6 +94,49 @@ void SetMessage(ShmSlot* s, const absl::Status& st) {
 }
 
 }  // namespace
+
+absl::Status CheckSlotGeometry(const SlotGeometry& g, uint64_t segment_bytes) {
+  const unsigned __int128 end = static_cast<unsigned __int128>(g.slots_offset) +
+                                static_cast<unsigned __int128>(g.num_slots) * g.slot_bytes;
+  if (g.num_slots == 0 || g.num_slots > 4096 || g.slots_offset < sizeof(ShmHeader) ||
+      g.slots_offset % 64 != 0 || g.slot_bytes % 64 != 0 || end > segment_bytes ||
+      g.req_capacity > g.slot_bytes || g.resp_offset % 64 != 0 ||
+      static_cast<unsigned __int128>(g.resp_offset) <
+          static_cast<unsigned __int128>(kSlotHeaderBytes) + g.req_capacity ||
+      static_cast<unsigned __int128>(g.resp_offset) + g.resp_capacity > g.slot_bytes) {
+    return absl::InvalidArgumentError("slot geometry outside the segment");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSlotRequest(const SlotRequest& r, const SlotGeometry& g, const ShardInfo& info,
+                              MoeCall* call) {
+  const uint64_t req_cap = g.req_capacity, resp_cap = g.resp_capacity;
+  const uint64_t row_bytes = static_cast<uint64_t>(std::max<int64_t>(info.hidden, 1)) * 4;
+  auto in_range = [&](uint64_t off, uint64_t len, uint64_t align) {
+    return off <= req_cap && len <= req_cap - off && off % align == 0;
+  };
+  if (!in_range(r.hidden_off, r.hidden_bytes, 2))
+    return absl::InvalidArgumentError("hidden: offset/length outside the slot's request region");
+  if (!in_range(r.ids_off, r.ids_bytes, 4))
+    return absl::InvalidArgumentError(
+        "expert_ids: offset/length outside the slot's request region");
+  if (!in_range(r.weights_off, r.weights_bytes, 4))
+    return absl::InvalidArgumentError(
+        "expert_weights: offset/length outside the slot's request region");
+  if (r.tokens > 0 && static_cast<uint64_t>(r.tokens) * row_bytes > resp_cap)
+    return absl::InvalidArgumentError(absl::StrCat("tokens: ", r.tokens,
+                                                   " exceeds the segment's response capacity (",
+                                                   resp_cap / row_bytes, " tokens)"));
+  *call = MoeCall{};
+  call->layer = r.layer;
+  call->tokens = r.tokens;
+  call->top_k = r.top_k;
+  call->hidden_bytes = r.hidden_bytes;
+  call->ids_bytes = r.ids_bytes;
+  call->weights_bytes = r.weights_bytes;
+  return ValidateMoeCallShape(info, *call);
+}
 
 uint64_t ShmGeometry::req_capacity() const {
   const uint64_t t = static_cast<uint64_t>(max_tokens), k = static_cast<uint64_t>(max_top_k);
@@ -270,15 +307,7 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   g.req_capacity = h->req_capacity;
   g.resp_offset = h->resp_offset;
   g.resp_capacity = h->resp_capacity;
-  const unsigned __int128 end = static_cast<unsigned __int128>(g.slots_offset) +
-                                static_cast<unsigned __int128>(g.num_slots) * g.slot_bytes;
-  if (g.num_slots == 0 || g.num_slots > 4096 || g.slots_offset < sizeof(ShmHeader) ||
-      g.slots_offset % 64 != 0 || g.slot_bytes % 64 != 0 || end > s->size ||
-      g.req_capacity > g.slot_bytes || g.resp_offset % 64 != 0 ||
-      g.resp_offset < kSlotHeaderBytes + g.req_capacity ||
-      static_cast<unsigned __int128>(g.resp_offset) + g.resp_capacity > g.slot_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": slot geometry outside the segment"));
-  }
+  RETURN_IF_ERROR(Annotate(CheckSlotGeometry(g, s->size), path));
   Session* raw = s.get();
   uint64_t epoch = 0;
   {
@@ -324,7 +353,7 @@ void ShmServer::Serve(Session* s) {
   auto* h = reinterpret_cast<ShmHeader*>(s->base);
   const SlotGeometry& g = s->geo;
   const uint32_t n = g.num_slots;
-  const uint64_t req_cap = g.req_capacity, resp_off = g.resp_offset, resp_cap = g.resp_capacity;
+  const uint64_t resp_off = g.resp_offset;
   const uint64_t row_bytes = static_cast<uint64_t>(handler_->info().hidden) * 4;  // one output row
   uint32_t next = 0;
   bool client_gone = false;
@@ -341,36 +370,24 @@ void ShmServer::Serve(Session* s) {
       next = i + 1;
       uint8_t* data = reinterpret_cast<uint8_t*>(slot) + kSlotHeaderBytes;
       // Copy the client-written description once, then check every range.
-      const uint64_t ho = slot->hidden_off, hb = slot->hidden_bytes, io = slot->ids_off,
-                     ib = slot->ids_bytes, wo = slot->weights_off, wb = slot->weights_bytes;
+      SlotRequest r;
+      r.layer = slot->layer;
+      r.tokens = slot->tokens;
+      r.top_k = slot->top_k;
+      r.hidden_off = slot->hidden_off;
+      r.hidden_bytes = slot->hidden_bytes;
+      r.ids_off = slot->ids_off;
+      r.ids_bytes = slot->ids_bytes;
+      r.weights_off = slot->weights_off;
+      r.weights_bytes = slot->weights_bytes;
+      const uint64_t ho = r.hidden_off, io = r.ids_off, ib = r.ids_bytes, wo = r.weights_off,
+                     wb = r.weights_bytes;
       MoeCall call;
-      call.layer = slot->layer;
-      call.tokens = slot->tokens;
-      call.top_k = slot->top_k;
-      call.hidden_bytes = hb;
-      call.ids_bytes = ib;
-      call.weights_bytes = wb;
-      absl::Status st;
       bool handled = false;
-      auto in_range = [&](uint64_t off, uint64_t len, uint64_t align) {
-        return off <= req_cap && len <= req_cap - off && off % align == 0;
-      };
-      if (!in_range(ho, hb, 2)) {
-        st = absl::InvalidArgumentError("hidden: offset/length outside the slot's request region");
-      } else if (!in_range(io, ib, 4)) {
-        st = absl::InvalidArgumentError(
-            "expert_ids: offset/length outside the slot's request region");
-      } else if (!in_range(wo, wb, 4)) {
-        st = absl::InvalidArgumentError(
-            "expert_weights: offset/length outside the slot's request region");
-      } else if (call.tokens > 0 && static_cast<uint64_t>(call.tokens) * row_bytes > resp_cap) {
-        st = absl::InvalidArgumentError(absl::StrCat("tokens: ", call.tokens,
-                                                     " exceeds the segment's response capacity (",
-                                                     resp_cap / row_bytes, " tokens)"));
-      } else if (!(st = ValidateMoeCallShape(handler_->info(), call)).ok()) {
-        // Sizes first: nothing is copied for a call that cannot be valid
-        // (the client chooses the segment's size, and these lengths).
-      } else {
+      // Sizes first: nothing is copied for a call that cannot be valid
+      // (the client chooses the segment's size, and these lengths).
+      absl::Status st = CheckSlotRequest(r, g, handler_->info(), &call);
+      if (st.ok()) {
         // Hidden rows are read in place (their values never steer an
         // address); ids and weights are copied, then validated and used.
         s->ids.resize(ib / 4);

@@ -117,6 +117,32 @@ struct ShmGeometry {
   void WriteHeader(ShmHeader* h) const;
 };
 
+// The slot layout a segment's header describes. Client-written: the service
+// reads it once and checks that copy (CheckSlotGeometry) before any use.
+struct SlotGeometry {
+  uint32_t num_slots = 0;
+  uint64_t slots_offset = 0, slot_bytes = 0, req_capacity = 0, resp_offset = 0, resp_capacity = 0;
+};
+// Bytes of a slot's header (ShmSlot, padded); its request region follows.
+inline constexpr uint64_t kSlotHeaderBytes = 256;
+// INVALID_ARGUMENT ("slot geometry outside the segment") unless 1..4096
+// slots of 64-byte multiples lie inside `segment_bytes` past the header,
+// each with its request region before its 64-aligned response region.
+absl::Status CheckSlotGeometry(const SlotGeometry& g, uint64_t segment_bytes);
+
+// What a slot's client-written header asks, read once.
+struct SlotRequest {
+  int32_t layer = 0, tokens = 0, top_k = 0;
+  uint64_t hidden_off = 0, hidden_bytes = 0, ids_off = 0, ids_bytes = 0, weights_off = 0,
+           weights_bytes = 0;
+};
+// Fills `call`'s shape from `r` (its pointers left null) after checking that
+// each array lies inside the slot's request region of `g` (aligned to its
+// element), that `tokens` rows of `info.hidden` f32 fit the response region,
+// and ValidateMoeCallShape; INVALID_ARGUMENT naming the field.
+absl::Status CheckSlotRequest(const SlotRequest& r, const SlotGeometry& g, const ShardInfo& info,
+                              MoeCall* call);
+
 // Service side: one thread per attached segment.
 class ShmServer {
  public:

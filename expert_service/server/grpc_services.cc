@@ -177,16 +177,7 @@ class DataService final : public grpc::Service {
                          " is not an OutputType (0 OUTPUT_F32, 1 OUTPUT_BF16)"));
       } else {
         const ShardInfo& info = shard->info();
-        MoeCall call;
-        call.layer = req.layer();
-        call.tokens = req.tokens();
-        call.top_k = req.top_k();
-        call.hidden = reinterpret_cast<const uint16_t*>(req.hidden().data());
-        call.hidden_bytes = req.hidden().size();
-        call.ids = reinterpret_cast<const int32_t*>(req.expert_ids().data());
-        call.ids_bytes = req.expert_ids().size();
-        call.weights = reinterpret_cast<const float*>(req.expert_weights().data());
-        call.weights_bytes = req.expert_weights().size();
+        const MoeCall call = MoeCallOf(req);
         const int64_t t = std::clamp<int64_t>(call.tokens, 0, info.max_tokens);
         out.resize(static_cast<size_t>(t * info.hidden));
         st = shard->Handle(call, out.data(), &ns);

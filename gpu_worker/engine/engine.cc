@@ -136,8 +136,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model,
 
 Engine::~Engine() { Shutdown(absl::ZeroDuration()); }
 
-absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
-  const int64_t V = model_->config().vocab_size;
+absl::StatusOr<RequestFootprint> CheckGenerateRequest(const RequestLimits& l, GenerateRequest* r) {
+  GenerateRequest& req = *r;
+  const int64_t V = l.vocab_size;
   if (req.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
   for (size_t i = 0; i < req.prompt.size(); ++i)
     if (req.prompt[i] < 0 || req.prompt[i] >= V)
@@ -148,14 +149,14 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_tokens must be >= 1, got ", req.max_tokens));
   const int64_t prompt_len = static_cast<int64_t>(req.prompt.size());
-  if (prompt_len >= max_seq_len_)
+  if (prompt_len >= l.max_context)
     return absl::InvalidArgumentError(
-        absl::StrCat("prompt has ", prompt_len, " tokens; the context holds ", max_seq_len_,
-                     max_seq_len_ < model_->options().max_seq_len ? " (the KV cache's size)" : "",
+        absl::StrCat("prompt has ", prompt_len, " tokens; the context holds ", l.max_context,
+                     l.context_is_kv_bound ? " (the KV cache's size)" : "",
                      " (prompt plus at least one generated token)"));
   // Generation stops at the context length (finish reason "length").
   req.max_tokens =
-      static_cast<int32_t>(std::min<int64_t>(req.max_tokens, max_seq_len_ - prompt_len));
+      static_cast<int32_t>(std::min<int64_t>(req.max_tokens, l.max_context - prompt_len));
   RETURN_IF_ERROR(ValidateSamplingParams(req.sampling));
   // Bounded: every stop token and string is checked after each new token.
   if (req.stop_token_ids.size() > kMaxStopTokenIds)
@@ -168,7 +169,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
   if (req.stop_strings.size() > kMaxStopStrings)
     return absl::InvalidArgumentError(
         absl::StrCat("stop: ", req.stop_strings.size(), " strings; at most ", kMaxStopStrings));
-  size_t longest_stop = 0;
+  RequestFootprint f;
   for (size_t i = 0; i < req.stop_strings.size(); ++i) {
     const std::string& s = req.stop_strings[i];
     if (s.empty()) return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] is empty"));
@@ -178,19 +179,31 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
     size_t held = 0;
     if (SanitizeUtf8(s, false, &held) != s)
       return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] is not valid UTF-8"));
-    longest_stop = std::max(longest_stop, s.size());
+    f.longest_stop = std::max(f.longest_stop, s.size());
   }
-  if (!req.stop_strings.empty() && tokenizer_ == nullptr)
+  if (!req.stop_strings.empty() && !l.has_tokenizer)
     return absl::InvalidArgumentError("stop: stop strings need a tokenizer; this engine has none");
+  f.kv_blocks = (prompt_len + req.max_tokens + l.kv_block_tokens - 1) / l.kv_block_tokens;
+  if (f.kv_blocks > l.kv_blocks)
+    return absl::InvalidArgumentError(absl::StrCat("prompt + max_tokens need ", f.kv_blocks,
+                                                   " KV blocks; the cache has ", l.kv_blocks));
+  return f;
+}
 
+absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
+  RequestLimits limits;
+  limits.vocab_size = model_->config().vocab_size;
+  limits.max_context = max_seq_len_;
+  limits.context_is_kv_bound = max_seq_len_ < model_->options().max_seq_len;
+  limits.kv_blocks = options_.kv_blocks;
+  limits.kv_block_tokens = options_.kv_block_tokens;
+  limits.has_tokenizer = tokenizer_ != nullptr;
+  ASSIGN_OR_RETURN(const RequestFootprint f, CheckGenerateRequest(limits, &req));
+  const size_t longest_stop = f.longest_stop;
   auto r = std::make_unique<Request>();
   r->req = std::move(req);
   r->cb = std::move(cb);
-  r->blocks =
-      (prompt_len + r->req.max_tokens + options_.kv_block_tokens - 1) / options_.kv_block_tokens;
-  if (r->blocks > options_.kv_blocks)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt + max_tokens need ", r->blocks, " KV blocks; the cache has ", options_.kv_blocks));
+  r->blocks = f.kv_blocks;
   r->stop_holdback = longest_stop > 0 ? longest_stop - 1 : 0;
   r->submitted = absl::Now();
   std::lock_guard<std::mutex> lock(mu_);

@@ -77,6 +77,25 @@ struct GenerateRequest {
   absl::Time deadline = absl::InfiniteFuture();
 };
 
+// What Engine::Submit checks a request against.
+struct RequestLimits {
+  int64_t vocab_size = 0;
+  int64_t max_context = 0;           // prompt + generated tokens (Engine::max_context)
+  bool context_is_kv_bound = false;  // max_context is the KV cache's size, not the model's
+  int64_t kv_blocks = 0, kv_block_tokens = 0;
+  bool has_tokenizer = false;  // stop strings need one
+};
+
+// INVALID_ARGUMENT naming the field for a request Submit refuses; on success
+// clamps req->max_tokens to what the context has room for and returns the
+// KV blocks the request will hold and its stop strings' longest length.
+struct RequestFootprint {
+  int64_t kv_blocks = 0;
+  size_t longest_stop = 0;
+};
+absl::StatusOr<RequestFootprint> CheckGenerateRequest(const RequestLimits& limits,
+                                                      GenerateRequest* req);
+
 struct GenerateEvent {
   uint64_t request_id = 0;
   std::vector<int32_t> token_ids;  // new tokens in this event
@@ -155,7 +174,6 @@ class Engine {
   std::vector<uint64_t> cancels_;                       // guarded by mu_
   bool shutting_down_ = false;                          // guarded by mu_
   absl::Time drain_deadline_ = absl::InfiniteFuture();  // guarded by mu_
-  bool stop_ = false;                                   // guarded by mu_
   uint64_t next_id_ = 1;                                // guarded by mu_
   EngineStats stats_;                                   // guarded by mu_
   std::thread thread_;
