@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "sdk/client.h"
+#include "tests/e2e/serving_pair.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
 
@@ -29,8 +30,9 @@ namespace hmoe {
 namespace {
 
 using ::testing::HasSubstr;
-
-std::string WorkerBinary() { return std::string(HMOE_BINARY_DIR) + "/bin/hmoe-gpu-worker"; }
+using testing::Pair;
+using testing::ServedWithin5s;
+using testing::WorkerBinary;
 
 struct Reference {
   std::vector<int32_t> prompt, greedy;
@@ -44,68 +46,6 @@ Reference LoadReference(const std::string& dir) {
   for (float v : (*f)->Get("prompt_ids")->ToF32()) r.prompt.push_back(static_cast<int32_t>(v));
   for (float v : (*f)->Get("greedy_ids")->ToF32()) r.greedy.push_back(static_cast<int32_t>(v));
   return r;
-}
-
-// One expert service (or several shards) plus one worker.
-class Pair {
- public:
-  // `shards` expert-service processes with `split`; transport for the worker.
-  bool Start(const std::string& model, int shards = 1, const std::string& split = "tp",
-             const std::string& transport = "shm",
-             const std::vector<std::string>& worker_extra = {},
-             const std::vector<std::string>& expert_extra = {}) {
-    std::string targets;
-    for (int i = 0; i < shards; ++i) {
-      experts_.push_back(std::make_unique<testing::ServiceProcess>());
-      std::vector<std::string> args = {
-          "--model-dir=" + model, "--format=bf16",
-          "--shard=" + std::to_string(i) + "/" + std::to_string(shards), "--split=" + split};
-      args.insert(args.end(), expert_extra.begin(), expert_extra.end());
-      if (capture_logs_) experts_.back()->set_stderr_file(log("expert" + std::to_string(i)));
-      if (!experts_.back()->Start(args, dir_.file("expert" + std::to_string(i) + ".port")))
-        return false;
-      targets += (i ? "," : "") + experts_.back()->target();
-    }
-    worker_.set_binary(WorkerBinary());
-    if (capture_logs_) worker_.set_stderr_file(log("worker"));
-    std::vector<std::string> args = {"--model=" + model, "--experts=" + targets,
-                                     "--transport=" + transport, "--threads=2",
-                                     "--expert-timeout-ms=2000"};
-    args.insert(args.end(), worker_extra.begin(), worker_extra.end());
-    if (!worker_.Start(args, dir_.file("worker.port"))) return false;
-    ClientOptions o;
-    o.target = worker_.target();
-    o.tls = client_tls_;
-    auto c = Client::Connect(o);
-    if (!c.ok()) return false;
-    client_ = std::move(*c);
-    return true;
-  }
-  // TLS for the client Start connects (before Start).
-  void set_client_tls(TlsClientFiles tls) { client_tls_ = std::move(tls); }
-  // The processes' stderr to files (before Start): log("worker"), log("expert0").
-  void set_capture_logs() { capture_logs_ = true; }
-  std::string log(const std::string& process) const { return dir_.file(process + ".log"); }
-  Client& client() { return *client_; }
-  testing::ServiceProcess& worker() { return worker_; }
-  testing::ServiceProcess& expert(int i = 0) { return *experts_[static_cast<size_t>(i)]; }
-
- private:
-  testing::TempDir dir_;
-  std::vector<std::unique_ptr<testing::ServiceProcess>> experts_;
-  testing::ServiceProcess worker_;
-  std::unique_ptr<Client> client_;
-  TlsClientFiles client_tls_;
-  bool capture_logs_ = false;
-};
-
-// Generate `r` until it succeeds, for up to 5 s (a shard coming back).
-bool ServedWithin5s(Client& client, const api::v1::GenerateRequest& r) {
-  for (int i = 0; i < 50; ++i) {
-    if (client.Generate(r).ok()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  return false;
 }
 
 api::v1::GenerateRequest IdsRequest(const std::vector<int32_t>& prompt, int max_tokens) {
