@@ -139,6 +139,9 @@ Engine::~Engine() { Shutdown(absl::ZeroDuration()); }
 absl::StatusOr<RequestFootprint> CheckGenerateRequest(const RequestLimits& l, GenerateRequest* r) {
   GenerateRequest& req = *r;
   const int64_t V = l.vocab_size;
+  if (l.kv_block_tokens <= 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("request limits: kv_block_tokens must be > 0, got ", l.kv_block_tokens));
   if (req.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
   for (size_t i = 0; i < req.prompt.size(); ++i)
     if (req.prompt[i] < 0 || req.prompt[i] >= V)

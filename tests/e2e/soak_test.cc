@@ -176,7 +176,10 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
     if (absl::Now() >= next_restart && absl::Now() + absl::Seconds(8) < stop_at) {
       pair.expert().Kill(restarts % 2 ? SIGTERM : SIGKILL);
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      ASSERT_TRUE(pair.expert().Restart()) << "restart " << restarts;
+      if (!pair.expert().Restart()) {
+        ADD_FAILURE() << "the expert service did not restart (restart " << restarts << ")";
+        break;
+      }
       ++restarts;
       next_restart = absl::Now() + absl::Seconds(restart_every);
     }
@@ -186,7 +189,10 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
       api::v1::GenerateRequest probe;
       probe.set_prompt("Love is");
       probe.set_max_tokens(2);
-      ASSERT_TRUE(testing::ServedWithin5s(pair.client(), probe));
+      if (!testing::ServedWithin5s(pair.client(), probe)) {
+        ADD_FAILURE() << "not serving at the end of warm-up";
+        break;
+      }
       warm = Sample(worker_pid);
       warmed = true;
     } else if (warmed) {
@@ -196,6 +202,8 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
   stop.store(true);
   for (std::thread& t : threads) t.join();
 
+  // (The loop above only breaks early on a failure already reported; the
+  // clients are stopped and joined before anything else can return.)
   // The pair serves again, and the worker holds what it held after warm-up.
   api::v1::GenerateRequest r;
   r.set_prompt("Love is");
