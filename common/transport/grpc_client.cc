@@ -163,6 +163,15 @@ MoeCall MoeCallOf(const expert::v1::MoeRequest& req) {
   return call;
 }
 
+void ToMoeRequest(const MoeCall& call, expert::v1::MoeRequest* req) {
+  req->set_layer(call.layer);
+  req->set_tokens(call.tokens);
+  req->set_top_k(call.top_k);
+  req->set_hidden(call.hidden, call.hidden_bytes);
+  req->set_expert_ids(call.ids, call.ids_bytes);
+  req->set_expert_weights(call.weights, call.weights_bytes);
+}
+
 absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, int64_t out_bytes) {
   if (resp.code() < 0 || resp.code() > 16)
     return absl::UnknownError(absl::StrCat("expert service: MoeResponse.code = ", resp.code(),
@@ -323,14 +332,8 @@ absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* ou
   // A protobuf message holds under 2 GiB.
   RETURN_IF_ERROR(CheckMoeCallBytes(call, (uint64_t{1} << 31) - 4096, "grpc"));
   auto o = std::make_unique<Outgoing>();
-  pb::MoeRequest& req = o->req;
-  req.set_layer(call.layer);
-  req.set_tokens(call.tokens);
-  req.set_top_k(call.top_k);
-  req.set_hidden(call.hidden, call.hidden_bytes);
-  req.set_expert_ids(call.ids, call.ids_bytes);
-  req.set_expert_weights(call.weights, call.weights_bytes);
-  o->bytes = req.ByteSizeLong();
+  ToMoeRequest(call, &o->req);
+  o->bytes = o->req.ByteSizeLong();
   if (absl::Now() >= deadline) {
     return absl::DeadlineExceededError(
         "expert service (grpc): the call's deadline passed before it was sent");
@@ -356,7 +359,7 @@ absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* ou
   p.elems = static_cast<int64_t>(call.tokens > 0 ? call.tokens : 0) * hidden_;
   o->id = id;
   o->deadline = deadline;
-  req.set_request_id(id);
+  o->req.set_request_id(id);
   queued_bytes_ += o->bytes;
   outbox_.push_back(std::move(o));
   writer_cv_.notify_one();

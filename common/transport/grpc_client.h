@@ -43,6 +43,9 @@ absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, int64_t out_
 // (ValidateMoeCall): shape and byte sizes from its fields, pointers into
 // `req`'s bytes (valid while `req` is unchanged).
 MoeCall MoeCallOf(const expert::v1::MoeRequest& req);
+// The reverse: `call`'s shape and bytes into `req` (request_id and output
+// left as they are).
+void ToMoeRequest(const MoeCall& call, expert::v1::MoeRequest* req);
 
 // A channel with our settings: unlimited message size, fast reconnect; every
 // call carries the first of `auth_tokens` in force when it starts

@@ -202,12 +202,11 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
   limits.kv_block_tokens = options_.kv_block_tokens;
   limits.has_tokenizer = tokenizer_ != nullptr;
   ASSIGN_OR_RETURN(const RequestFootprint f, CheckGenerateRequest(limits, &req));
-  const size_t longest_stop = f.longest_stop;
   auto r = std::make_unique<Request>();
   r->req = std::move(req);
   r->cb = std::move(cb);
   r->blocks = f.kv_blocks;
-  r->stop_holdback = longest_stop > 0 ? longest_stop - 1 : 0;
+  r->stop_holdback = f.longest_stop > 0 ? f.longest_stop - 1 : 0;
   r->submitted = absl::Now();
   std::lock_guard<std::mutex> lock(mu_);
   if (shutting_down_)

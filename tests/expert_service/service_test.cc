@@ -794,12 +794,7 @@ TEST(ServiceProcess, UnknownEnumValuesAreRefusedNamingTheField) {
   grpc::ClientContext ctx;
   auto stream = stub->Moe(&ctx);
   pb::MoeRequest req;
-  req.set_layer(c.layer);
-  req.set_tokens(static_cast<int32_t>(c.tokens));
-  req.set_top_k(static_cast<int32_t>(c.top_k));
-  req.set_hidden(reinterpret_cast<const char*>(c.hidden), c.hidden_bytes);
-  req.set_expert_ids(reinterpret_cast<const char*>(c.ids), c.ids_bytes);
-  req.set_expert_weights(reinterpret_cast<const char*>(c.weights), c.weights_bytes);
+  ToMoeRequest(c, &req);
   pb::MoeResponse resp;
   for (int output : {99, -1, 1}) {
     req.set_request_id(static_cast<uint64_t>(output + 2));
@@ -837,12 +832,7 @@ TEST(ServiceProcess, AMalformedMoeMessageEndsTheStreamInvalidArgument) {
   auto call = ::hmoe::testing::MakeRandomCall(*info, info->moe_layers[0], 2, 3);
   const MoeCall& c = call.call();
   pb::MoeRequest req;
-  req.set_layer(c.layer);
-  req.set_tokens(static_cast<int32_t>(c.tokens));
-  req.set_top_k(static_cast<int32_t>(c.top_k));
-  req.set_hidden(reinterpret_cast<const char*>(c.hidden), c.hidden_bytes);
-  req.set_expert_ids(reinterpret_cast<const char*>(c.ids), c.ids_bytes);
-  req.set_expert_weights(reinterpret_cast<const char*>(c.weights), c.weights_bytes);
+  ToMoeRequest(c, &req);
   auto bytes = [](const std::string& b) {
     grpc::Slice slice(b);
     return grpc::ByteBuffer(&slice, 1);
