@@ -1,0 +1,1556 @@
+// Filters, tests and str / dict / list methods of the Jinja interpreter
+// (common/jinja.h), as jinja2 3.1 and Python 3 define them, plus
+// transformers' tojson.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/jinja_internal.h"
+#include "common/jinja_runtime.h"
+
+namespace hmoe::jinja::internal {
+
+// ---------------------------------------------------------------- text
+
+namespace {
+
+size_t DecodeOne(const std::string& s, size_t i, uint32_t* cp) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  if (c < 0x80) {
+    *cp = c;
+    return 1;
+  }
+  const int n = c >= 0xF0 && c <= 0xF4  ? 4
+                : c >= 0xE0 && c < 0xF0 ? 3
+                : c >= 0xC2 && c < 0xE0 ? 2
+                                        : 0;
+  if (n == 0 || i + n > s.size()) {
+    *cp = 0xDC00 + c;
+    return 1;
+  }
+  uint32_t v = c & (0xFF >> (n + 1));
+  for (int k = 1; k < n; ++k) {
+    const auto d = static_cast<unsigned char>(s[i + k]);
+    if ((d & 0xC0) != 0x80) {
+      *cp = 0xDC00 + c;
+      return 1;
+    }
+    v = (v << 6) | (d & 0x3F);
+  }
+  if ((n == 3 && (v < 0x800 || (v >= 0xD800 && v < 0xE000))) ||
+      (n == 4 && (v < 0x10000 || v > 0x10FFFF))) {
+    *cp = 0xDC00 + c;
+    return 1;
+  }
+  *cp = v;
+  return n;
+}
+
+std::vector<uint32_t> Decode(const std::string& s) {
+  std::vector<uint32_t> out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp;
+    i += DecodeOne(s, i, &cp);
+    out.push_back(cp);
+  }
+  return out;
+}
+
+void AppendCp(std::string* out, uint32_t cp) {
+  if (cp >= 0xDC80 && cp <= 0xDCFF) {
+    out->push_back(static_cast<char>(cp - 0xDC00));
+  } else if (cp < 0x80) {
+    out->push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+std::string Encode(const std::vector<uint32_t>& cps) {
+  std::string out;
+  for (uint32_t c : cps) AppendCp(&out, c);
+  return out;
+}
+
+bool IsSpace(uint32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 ||
+         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
+         c == 0x205F || c == 0x3000;
+}
+
+// Simple case mappings: ASCII, Latin-1, Latin Extended-A, Greek, Cyrillic.
+uint32_t Lower1(uint32_t c) {
+  if (c >= 'A' && c <= 'Z') return c + 32;
+  if (c < 0x80) return c;
+  if ((c >= 0xC0 && c <= 0xDE && c != 0xD7)) return c + 32;
+  if (c >= 0x100 && c <= 0x137 && c != 0x130) return c | 1;
+  if (c >= 0x139 && c <= 0x148) return (c & 1) ? c + 1 : c;
+  if (c >= 0x14A && c <= 0x177) return c | 1;
+  if (c == 0x178) return 0xFF;
+  if (c >= 0x179 && c <= 0x17E) return (c & 1) ? c + 1 : c;
+  if (c >= 0x391 && c <= 0x3A9 && c != 0x3A2) return c + 32;
+  if (c == 0x386) return 0x3AC;
+  if (c >= 0x388 && c <= 0x38A) return c + 37;
+  if (c == 0x38C) return 0x3CC;
+  if (c == 0x38E || c == 0x38F) return c + 63;
+  if (c >= 0x410 && c <= 0x42F) return c + 32;
+  if (c >= 0x400 && c <= 0x40F) return c + 80;
+  if ((c >= 0x460 && c <= 0x481) || (c >= 0x48A && c <= 0x4BF) || (c >= 0x4D0 && c <= 0x4FF))
+    return c | 1;
+  return c;
+}
+
+uint32_t Upper1(uint32_t c) {
+  if (c >= 'a' && c <= 'z') return c - 32;
+  if (c < 0x80) return c;
+  if (c == 0xB5) return 0x39C;
+  if ((c >= 0xE0 && c <= 0xFE && c != 0xF7)) return c - 32;
+  if (c == 0xFF) return 0x178;
+  if (c >= 0x100 && c <= 0x137 && c != 0x131) return c & ~1u;
+  if (c == 0x131) return 'I';
+  if (c >= 0x139 && c <= 0x148) return (c & 1) ? c : c - 1;
+  if (c >= 0x14A && c <= 0x177) return c & ~1u;
+  if (c >= 0x179 && c <= 0x17E) return (c & 1) ? c : c - 1;
+  if (c == 0x17F) return 'S';
+  if (c >= 0x3B1 && c <= 0x3C9 && c != 0x3C2) return c - 32;
+  if (c == 0x3C2) return 0x3A3;
+  if (c == 0x3AC) return 0x386;
+  if (c >= 0x3AD && c <= 0x3AF) return c - 37;
+  if (c == 0x3CC) return 0x38C;
+  if (c == 0x3CD || c == 0x3CE) return c - 63;
+  if (c >= 0x430 && c <= 0x44F) return c - 32;
+  if (c >= 0x450 && c <= 0x45F) return c - 80;
+  if ((c >= 0x460 && c <= 0x481) || (c >= 0x48A && c <= 0x4BF) || (c >= 0x4D0 && c <= 0x4FF))
+    return c & ~1u;
+  return c;
+}
+
+bool Cased(uint32_t c) { return Lower1(c) != c || Upper1(c) != c || c == 0xDF || c == 0x149; }
+bool IsLowerCp(uint32_t c) { return Upper1(c) != c || c == 0xDF || c == 0x138 || c == 0x149; }
+bool IsUpperCp(uint32_t c) { return Lower1(c) != c || c == 0x130; }
+
+void AppendUpper(std::vector<uint32_t>* out, uint32_t c) {
+  if (c == 0xDF) {
+    out->push_back('S');
+    out->push_back('S');
+  } else if (c == 0x149) {
+    out->push_back(0x2BC);
+    out->push_back('N');
+  } else {
+    out->push_back(Upper1(c));
+  }
+}
+
+void AppendLower(std::vector<uint32_t>* out, const std::vector<uint32_t>& s, size_t i) {
+  const uint32_t c = s[i];
+  if (c == 0x130) {
+    out->push_back('i');
+    out->push_back(0x307);
+  } else if (c == 0x3A3) {
+    // Final sigma: preceded by a cased letter and not followed by one.
+    bool before = false, after = false;
+    for (size_t k = i; k > 0; --k) {
+      if (Cased(s[k - 1])) {
+        before = true;
+        break;
+      }
+      if (s[k - 1] != '\'' && s[k - 1] != 0x2019) break;
+    }
+    for (size_t k = i + 1; k < s.size(); ++k) {
+      if (Cased(s[k])) {
+        after = true;
+        break;
+      }
+      if (s[k] != '\'' && s[k] != 0x2019) break;
+    }
+    out->push_back(before && !after ? 0x3C2 : 0x3C3);
+  } else {
+    out->push_back(Lower1(c));
+  }
+}
+
+std::string UpperStr(const std::string& s) {
+  std::vector<uint32_t> out;
+  for (uint32_t c : Decode(s)) AppendUpper(&out, c);
+  return Encode(out);
+}
+
+std::string LowerStr(const std::string& s) {
+  const std::vector<uint32_t> cps = Decode(s);
+  std::vector<uint32_t> out;
+  for (size_t i = 0; i < cps.size(); ++i) AppendLower(&out, cps, i);
+  return Encode(out);
+}
+
+// Python str.title().
+std::string TitleStr(const std::string& s) {
+  const std::vector<uint32_t> cps = Decode(s);
+  std::vector<uint32_t> out;
+  bool prev_cased = false;
+  for (size_t i = 0; i < cps.size(); ++i) {
+    const uint32_t c = cps[i];
+    if (prev_cased) {
+      AppendLower(&out, cps, i);
+    } else if (c == 0xDF) {
+      out.push_back('S');
+      out.push_back('s');
+    } else {
+      out.push_back(Upper1(c));
+    }
+    prev_cased = Cased(c);
+  }
+  return Encode(out);
+}
+
+// Python str.capitalize().
+std::string CapitalizeStr(const std::string& s) {
+  const std::vector<uint32_t> cps = Decode(s);
+  std::vector<uint32_t> out;
+  for (size_t i = 0; i < cps.size(); ++i) {
+    if (i == 0) {
+      if (cps[0] == 0xDF) {
+        out.push_back('S');
+        out.push_back('s');
+      } else {
+        out.push_back(Upper1(cps[0]));
+      }
+    } else {
+      AppendLower(&out, cps, i);
+    }
+  }
+  return Encode(out);
+}
+
+// jinja2's title filter: split before runs of [-\s({\[<]+, capitalize
+// each piece's first character, lowercase the rest.
+std::string JinjaTitle(const std::string& s) {
+  const std::vector<uint32_t> cps = Decode(s);
+  auto sep = [](uint32_t c) {
+    return c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || IsSpace(c);
+  };
+  std::vector<uint32_t> out;
+  size_t i = 0;
+  while (i < cps.size()) {
+    size_t j = i;
+    const bool is_sep = sep(cps[i]);
+    while (j < cps.size() && sep(cps[j]) == is_sep) ++j;
+    // piece [i, j)
+    std::vector<uint32_t> piece(cps.begin() + i, cps.begin() + j);
+    AppendUpper(&out, piece[0]);
+    for (size_t k = 1; k < piece.size(); ++k) AppendLower(&out, piece, k);
+    i = j;
+  }
+  return Encode(out);
+}
+
+// Python str.strip / lstrip / rstrip with chars (nullopt: whitespace).
+std::string StripStr(const std::string& s, const std::optional<std::string>& chars, bool left,
+                     bool right) {
+  const std::vector<uint32_t> cps = Decode(s);
+  std::vector<uint32_t> set;
+  if (chars) set = Decode(*chars);
+  auto strip = [&](uint32_t c) {
+    if (!chars) return IsSpace(c);
+    return std::find(set.begin(), set.end(), c) != set.end();
+  };
+  size_t a = 0, b = cps.size();
+  if (left)
+    while (a < b && strip(cps[a])) ++a;
+  if (right)
+    while (b > a && strip(cps[b - 1])) --b;
+  return Encode(std::vector<uint32_t>(cps.begin() + a, cps.begin() + b));
+}
+
+std::vector<std::string> SplitWhitespace(const std::string& s, int64_t maxsplit, bool from_right) {
+  const std::vector<uint32_t> cps = Decode(s);
+  std::vector<std::pair<size_t, size_t>> words;
+  size_t i = 0;
+  while (i < cps.size()) {
+    while (i < cps.size() && IsSpace(cps[i])) ++i;
+    if (i >= cps.size()) break;
+    size_t j = i;
+    while (j < cps.size() && !IsSpace(cps[j])) ++j;
+    words.emplace_back(i, j);
+    i = j;
+  }
+  std::vector<std::string> out;
+  if (maxsplit < 0 || static_cast<size_t>(maxsplit) + 1 >= words.size()) {
+    for (auto& w : words) out.push_back(Encode({cps.begin() + w.first, cps.begin() + w.second}));
+    return out;
+  }
+  const size_t keep = static_cast<size_t>(maxsplit);
+  if (!from_right) {
+    for (size_t k = 0; k < keep; ++k)
+      out.push_back(Encode({cps.begin() + words[k].first, cps.begin() + words[k].second}));
+    // The rest: from the next word start to the end, right-stripped? No: kept as is.
+    size_t start = words[keep].first;
+    size_t end = cps.size();
+    while (end > start && IsSpace(cps[end - 1])) --end;
+    out.push_back(Encode({cps.begin() + start, cps.begin() + end}));
+  } else {
+    const size_t first = words.size() - keep;
+    size_t start = 0;
+    while (start < cps.size() && IsSpace(cps[start])) ++start;
+    out.push_back(Encode({cps.begin() + start, cps.begin() + words[first - 1].second}));
+    for (size_t k = first; k < words.size(); ++k)
+      out.push_back(Encode({cps.begin() + words[k].first, cps.begin() + words[k].second}));
+  }
+  return out;
+}
+
+std::vector<std::string> SplitSep(const std::string& s, const std::string& sep, int64_t maxsplit,
+                                  bool from_right) {
+  if (sep.empty()) Fail("empty separator");
+  std::vector<std::string> out;
+  if (!from_right) {
+    size_t pos = 0;
+    int64_t n = 0;
+    while (maxsplit < 0 || n < maxsplit) {
+      const size_t k = s.find(sep, pos);
+      if (k == std::string::npos) break;
+      out.push_back(s.substr(pos, k - pos));
+      pos = k + sep.size();
+      ++n;
+    }
+    out.push_back(s.substr(pos));
+    return out;
+  }
+  size_t end = s.size();
+  int64_t n = 0;
+  std::vector<std::string> rev;
+  while (maxsplit < 0 || n < maxsplit) {
+    if (end < sep.size()) break;
+    const size_t k = s.rfind(sep, end - sep.size());
+    if (k == std::string::npos) break;
+    rev.push_back(s.substr(k + sep.size(), end - k - sep.size()));
+    end = k;
+    ++n;
+  }
+  rev.push_back(s.substr(0, end));
+  return std::vector<std::string>(rev.rbegin(), rev.rend());
+}
+
+std::string ReplaceStr(const std::string& s, const std::string& old, const std::string& rep,
+                       int64_t count) {
+  std::string out;
+  if (old.empty()) {
+    const std::vector<std::string> chars = SplitChars(s);
+    int64_t n = 0;
+    for (size_t i = 0; i <= chars.size(); ++i) {
+      if (count < 0 || n < count) {
+        out += rep;
+        ++n;
+      }
+      if (i < chars.size()) out += chars[i];
+    }
+    return out;
+  }
+  size_t pos = 0;
+  int64_t n = 0;
+  while (count < 0 || n < count) {
+    const size_t k = s.find(old, pos);
+    if (k == std::string::npos) break;
+    out.append(s, pos, k - pos);
+    out += rep;
+    pos = k + old.size();
+    ++n;
+  }
+  out.append(s, pos, std::string::npos);
+  return out;
+}
+
+// Python str.splitlines().
+std::vector<std::string> SplitLines(const std::string& s, bool keepends) {
+  const std::vector<uint32_t> cps = Decode(s);
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (size_t i = 0; i < cps.size(); ++i) {
+    const uint32_t c = cps[i];
+    const bool br = c == '\n' || c == '\r' || c == 0x0B || c == 0x0C || c == 0x1C || c == 0x1D ||
+                    c == 0x1E || c == 0x85 || c == 0x2028 || c == 0x2029;
+    if (!br) continue;
+    size_t end = i + 1;
+    if (c == '\r' && i + 1 < cps.size() && cps[i + 1] == '\n') end = i + 2;
+    out.push_back(Encode({cps.begin() + start, cps.begin() + (keepends ? end : i)}));
+    start = end;
+    i = end - 1;
+  }
+  if (start < cps.size()) out.push_back(Encode({cps.begin() + start, cps.end()}));
+  return out;
+}
+
+std::string HtmlEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out.push_back(c);
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- tojson
+
+struct JsonOpts {
+  bool ensure_ascii = false;
+  std::optional<std::string> indent;
+  std::string item_sep = ", ";
+  std::string key_sep = ": ";
+  bool sort_keys = false;
+};
+
+void JsonString(std::string* out, const std::string& s, bool ensure_ascii) {
+  out->push_back('"');
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp;
+    const size_t n = DecodeOne(s, i, &cp);
+    char buf[16];
+    switch (cp) {
+      case '"':
+        *out += "\\\"";
+        break;
+      case '\\':
+        *out += "\\\\";
+        break;
+      case '\n':
+        *out += "\\n";
+        break;
+      case '\r':
+        *out += "\\r";
+        break;
+      case '\t':
+        *out += "\\t";
+        break;
+      case '\b':
+        *out += "\\b";
+        break;
+      case '\f':
+        *out += "\\f";
+        break;
+      default:
+        if (cp < 0x20) {
+          std::snprintf(buf, sizeof(buf), "\\u%04x", cp);
+          *out += buf;
+        } else if (ensure_ascii && cp >= 0x7F) {
+          if (cp >= 0x10000) {
+            const uint32_t v = cp - 0x10000;
+            std::snprintf(buf, sizeof(buf), "\\u%04x\\u%04x", 0xD800 + (v >> 10),
+                          0xDC00 + (v & 0x3FF));
+          } else {
+            std::snprintf(buf, sizeof(buf), "\\u%04x", cp);
+          }
+          *out += buf;
+        } else {
+          out->append(s, i, n);
+        }
+    }
+    i += n;
+  }
+  out->push_back('"');
+}
+
+std::string JsonFloat(double d) {
+  if (std::isnan(d)) return "NaN";
+  if (std::isinf(d)) return d > 0 ? "Infinity" : "-Infinity";
+  return FloatRepr(d);
+}
+
+void JsonDump(std::string* out, const Value& v, const JsonOpts& o, int level, Interp& in) {
+  in.Step();
+  if (level > kMaxValueDepth) FailResource("tojson: value nested too deeply");
+  auto newline = [&](int lvl) {
+    *out += "\n";
+    for (int k = 0; k < lvl; ++k) *out += *o.indent;
+  };
+  switch (v.kind()) {
+    case Kind::kNone:
+      *out += "null";
+      return;
+    case Kind::kBool:
+      *out += v.b() ? "true" : "false";
+      return;
+    case Kind::kInt:
+      absl::StrAppend(out, v.i());
+      return;
+    case Kind::kFloat:
+      *out += JsonFloat(v.f());
+      return;
+    case Kind::kString:
+      JsonString(out, v.s(), o.ensure_ascii);
+      return;
+    case Kind::kList: {
+      if (v.flavor() == Flavor::kIter || v.flavor() == Flavor::kView)
+        Fail(absl::StrCat("Object of type ", PyTypeName(v), " is not JSON serializable"));
+      const auto& items = v.items();
+      if (items.empty()) {
+        *out += "[]";
+        return;
+      }
+      out->push_back('[');
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (i) *out += o.indent ? std::string(o.item_sep) : o.item_sep;
+        if (o.indent) newline(level + 1);
+        JsonDump(out, items[i], o, level + 1, in);
+      }
+      if (o.indent) newline(level);
+      out->push_back(']');
+      return;
+    }
+    case Kind::kDict: {
+      std::vector<const std::pair<Value, Value>*> items;
+      for (const auto& kv : v.dict().items) items.push_back(&kv);
+      if (items.empty()) {
+        *out += "{}";
+        return;
+      }
+      auto key_str = [](const Value& k) -> std::string {
+        switch (k.kind()) {
+          case Kind::kString:
+            return k.s();
+          case Kind::kInt:
+            return absl::StrCat(k.i());
+          case Kind::kFloat:
+            return JsonFloat(k.f());
+          case Kind::kBool:
+            return k.b() ? "true" : "false";
+          case Kind::kNone:
+            return "null";
+          default:
+            Fail(absl::StrCat("keys must be str, int, float, bool or None, not ", PyTypeName(k)));
+        }
+      };
+      if (o.sort_keys)
+        std::stable_sort(items.begin(), items.end(),
+                         [](const auto* a, const auto* b) { return Less(a->first, b->first); });
+      out->push_back('{');
+      bool first = true;
+      for (const auto* kv : items) {
+        if (!first) *out += o.item_sep;
+        first = false;
+        if (o.indent) newline(level + 1);
+        JsonString(out, key_str(kv->first), o.ensure_ascii);
+        *out += o.key_sep;
+        JsonDump(out, kv->second, o, level + 1, in);
+      }
+      if (o.indent) newline(level);
+      out->push_back('}');
+      return;
+    }
+    default:
+      Fail(absl::StrCat("Object of type ", PyTypeName(v), " is not JSON serializable"));
+  }
+}
+
+// ---------------------------------------------------------------- args
+
+// Positional-or-keyword arguments of a filter / method / test (after the
+// input value).
+class Args {
+ public:
+  Args(CallArgs& a, std::string fname, std::vector<std::string> names)
+      : a_(a), fname_(std::move(fname)), names_(std::move(names)) {
+    if (a_.pos.size() > names_.size())
+      Fail(absl::StrCat(fname_, "() takes at most ", names_.size(), " argument(s) (", a_.pos.size(),
+                        " given)"));
+    for (const auto& kv : a_.kw)
+      if (std::find(names_.begin(), names_.end(), kv.first) == names_.end())
+        Fail(absl::StrCat(fname_, "() got an unexpected keyword argument '", kv.first, "'"));
+  }
+  std::optional<Value> Get(size_t i) const {
+    if (i < a_.pos.size()) return a_.pos[i];
+    for (const auto& kv : a_.kw)
+      if (kv.first == names_[i]) return kv.second;
+    return std::nullopt;
+  }
+  Value Or(size_t i, Value def) const {
+    auto v = Get(i);
+    return v ? *v : def;
+  }
+  int64_t Int(size_t i, int64_t def) const {
+    auto v = Get(i);
+    if (!v || v->is_none()) return def;
+    if (v->is_undefined()) FailUndefined(*v);
+    if (!v->is_int() && !v->is_bool())
+      Fail(absl::StrCat(fname_, "(): '", PyTypeName(*v),
+                        "' object cannot be interpreted as an integer"));
+    return v->i();
+  }
+  bool Bool(size_t i, bool def) const {
+    auto v = Get(i);
+    return v ? Truthy(*v) : def;
+  }
+  std::optional<std::string> OptStr(size_t i) const {
+    auto v = Get(i);
+    if (!v || v->is_none()) return std::nullopt;
+    if (v->is_undefined()) FailUndefined(*v);
+    if (!v->is_string())
+      Fail(absl::StrCat(fname_, "() argument must be str or None, not ", PyTypeName(*v)));
+    return v->s();
+  }
+  std::string Str(size_t i) const {
+    auto v = Get(i);
+    if (!v) Fail(absl::StrCat(fname_, "() missing required argument '", names_[i], "'"));
+    if (v->is_undefined()) FailUndefined(*v);
+    if (!v->is_string())
+      Fail(absl::StrCat(fname_, "() argument must be str, not ", PyTypeName(*v)));
+    return v->s();
+  }
+
+ private:
+  CallArgs& a_;
+  std::string fname_;
+  std::vector<std::string> names_;
+};
+
+const std::string& NeedStr(const Value& self) { return self.s(); }
+
+// Python int(str) / float(str).
+std::optional<int64_t> ParsePyInt(const std::string& text, int base) {
+  std::string s = StripStr(text, std::nullopt, true, true);
+  bool neg = false;
+  size_t i = 0;
+  if (i < s.size() && (s[i] == '+' || s[i] == '-')) neg = s[i++] == '-';
+  if ((base == 16 || base == 8 || base == 2 || base == 0) && i + 1 < s.size() && s[i] == '0') {
+    const char p = static_cast<char>(std::tolower(s[i + 1]));
+    const int b = p == 'x' ? 16 : p == 'o' ? 8 : p == 'b' ? 2 : 0;
+    if (b && (base == b || base == 0)) {
+      base = b;
+      i += 2;
+      if (i < s.size() && s[i] == '_') ++i;
+    }
+  }
+  if (base == 0) base = 10;
+  if (i >= s.size()) return std::nullopt;
+  __int128 acc = 0;
+  bool prev_digit = false;
+  for (; i < s.size(); ++i) {
+    const char c = s[i];
+    if (c == '_') {
+      if (!prev_digit || i + 1 >= s.size() || s[i + 1] == '_') return std::nullopt;
+      prev_digit = false;
+      continue;
+    }
+    int d;
+    if (c >= '0' && c <= '9')
+      d = c - '0';
+    else if (std::isalpha(static_cast<unsigned char>(c)))
+      d = std::tolower(c) - 'a' + 10;
+    else
+      return std::nullopt;
+    if (d >= base) return std::nullopt;
+    acc = acc * base + d;
+    if (acc > static_cast<__int128>(INT64_MAX) + 1)
+      Fail("integer overflow (this renderer's integers are 64-bit)");
+    prev_digit = true;
+  }
+  if (neg) acc = -acc;
+  if (acc > INT64_MAX) Fail("integer overflow (this renderer's integers are 64-bit)");
+  return static_cast<int64_t>(acc);
+}
+
+std::optional<double> ParsePyFloat(const std::string& text) {
+  std::string s = StripStr(text, std::nullopt, true, true);
+  std::string t;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '_') {
+      if (i == 0 || i + 1 >= s.size() || !std::isdigit(static_cast<unsigned char>(s[i - 1])) ||
+          !std::isdigit(static_cast<unsigned char>(s[i + 1])))
+        return std::nullopt;
+      continue;
+    }
+    t.push_back(s[i]);
+  }
+  if (t.empty()) return std::nullopt;
+  std::string lower = LowerStr(t);
+  size_t k = lower[0] == '+' || lower[0] == '-' ? 1 : 0;
+  const std::string body = lower.substr(k);
+  const bool neg = lower[0] == '-';
+  if (body == "inf" || body == "infinity") return neg ? -HUGE_VAL : HUGE_VAL;
+  if (body == "nan") return std::nan("");
+  // digits [. digits] [e [+-] digits], at least one digit in the mantissa
+  size_t i = k;
+  bool digits = false;
+  while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) i++, digits = true;
+  if (i < t.size() && t[i] == '.') {
+    ++i;
+    while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) i++, digits = true;
+  }
+  if (!digits) return std::nullopt;
+  if (i < t.size() && (t[i] == 'e' || t[i] == 'E')) {
+    ++i;
+    if (i < t.size() && (t[i] == '+' || t[i] == '-')) ++i;
+    bool ed = false;
+    while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) i++, ed = true;
+    if (!ed) return std::nullopt;
+  }
+  if (i != t.size()) return std::nullopt;
+  return std::strtod(t.c_str(), nullptr);
+}
+
+// Python round(x, ndigits) for a float (correctly rounded, half to even).
+double PyRound(double x, int64_t nd) {
+  if (!std::isfinite(x) || x == 0) return x;
+  if (nd > 300) return x;
+  if (nd >= 0) {
+    char buf[512];
+    std::snprintf(buf, sizeof(buf), "%.*f", static_cast<int>(nd), x);
+    return std::strtod(buf, nullptr);
+  }
+  if (nd < -308) return 0.0 * x;
+  const double p = std::pow(10.0, static_cast<double>(-nd));
+  const double y = x / p;
+  double r = std::round(y);
+  if (std::fabs(y - std::trunc(y)) == 0.5) r = 2.0 * std::round(y / 2.0);
+  return r * p;
+}
+
+}  // namespace
+
+std::vector<std::string> SplitChars(const std::string& s) {
+  std::vector<std::string> out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp;
+    const size_t n = DecodeOne(s, i, &cp);
+    out.push_back(s.substr(i, n));
+    i += n;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- methods
+
+namespace {
+const char* const kStrMethods[] = {
+    "capitalize",   "casefold",    "center",    "count",      "encode",       "endswith",
+    "expandtabs",   "find",        "format",    "format_map", "index",        "isalnum",
+    "isalpha",      "isascii",     "isdecimal", "isdigit",    "isidentifier", "islower",
+    "isnumeric",    "isprintable", "isspace",   "istitle",    "isupper",      "join",
+    "ljust",        "lower",       "lstrip",    "maketrans",  "partition",    "removeprefix",
+    "removesuffix", "replace",     "rfind",     "rindex",     "rjust",        "rpartition",
+    "rsplit",       "rstrip",      "split",     "splitlines", "startswith",   "strip",
+    "swapcase",     "title",       "translate", "upper",      "zfill"};
+const char* const kDictSafe[] = {"copy", "fromkeys", "get", "items", "keys", "values"};
+const char* const kDictUnsafe[] = {"clear", "pop", "popitem", "setdefault", "update"};
+const char* const kListSafe[] = {"copy", "count", "index"};
+const char* const kListUnsafe[] = {"append", "clear",  "extend",  "insert",
+                                   "pop",    "remove", "reverse", "sort"};
+
+template <size_t N>
+bool In(const char* const (&arr)[N], const std::string& name) {
+  for (const char* x : arr)
+    if (name == x) return true;
+  return false;
+}
+}  // namespace
+
+MethodKind Interp::LookupMethod(const Value& obj, const std::string& name) {
+  switch (obj.kind()) {
+    case Kind::kString:
+      return In(kStrMethods, name) ? MethodKind::kSafe : MethodKind::kNone;
+    case Kind::kDict:
+      if (In(kDictSafe, name)) return MethodKind::kSafe;
+      return In(kDictUnsafe, name) ? MethodKind::kUnsafe : MethodKind::kNone;
+    case Kind::kList:
+      if (obj.flavor() == Flavor::kList) {
+        if (In(kListSafe, name)) return MethodKind::kSafe;
+        return In(kListUnsafe, name) ? MethodKind::kUnsafe : MethodKind::kNone;
+      }
+      if (obj.flavor() == Flavor::kTuple)
+        return name == "count" || name == "index" ? MethodKind::kSafe : MethodKind::kNone;
+      return MethodKind::kNone;
+    default:
+      return MethodKind::kNone;
+  }
+}
+
+Value Interp::CallMethod(const Value& self, const std::string& name, CallArgs& a) {
+  if (self.is_string()) {
+    const std::string& s = NeedStr(self);
+    if (name == "strip" || name == "lstrip" || name == "rstrip") {
+      Args p(a, name, {"chars"});
+      return Value::Str(StripStr(s, p.OptStr(0), name != "rstrip", name != "lstrip"));
+    }
+    if (name == "split" || name == "rsplit") {
+      Args p(a, name, {"sep", "maxsplit"});
+      const auto sep = p.OptStr(0);
+      const int64_t maxsplit = p.Int(1, -1);
+      const std::vector<std::string> parts = sep ? SplitSep(s, *sep, maxsplit, name == "rsplit")
+                                                 : SplitWhitespace(s, maxsplit, name == "rsplit");
+      CheckItems(parts.size());
+      std::vector<Value> out;
+      for (const auto& x : parts) out.push_back(Value::Str(x));
+      return Value::List(std::move(out));
+    }
+    if (name == "startswith" || name == "endswith") {
+      Args p(a, name, {"prefix"});
+      const Value arg = p.Or(0, Value());
+      std::vector<std::string> cands;
+      if (arg.is_string()) {
+        cands.push_back(arg.s());
+      } else if (arg.is_tuple()) {
+        for (const Value& x : arg.items()) {
+          if (!x.is_string())
+            Fail(absl::StrCat("tuple for ", name, " must only contain str, not ", PyTypeName(x)));
+          cands.push_back(x.s());
+        }
+      } else {
+        if (arg.is_undefined() && a.pos.size() + a.kw.size() > 0) FailUndefined(arg);
+        Fail(absl::StrCat(name, " first arg must be str or a tuple of str, not ", PyTypeName(arg)));
+      }
+      for (const std::string& c : cands) {
+        if (name == "startswith"
+                ? s.compare(0, c.size(), c) == 0 && s.size() >= c.size()
+                : s.size() >= c.size() && s.compare(s.size() - c.size(), c.size(), c) == 0)
+          return Value::Bool(true);
+      }
+      return Value::Bool(false);
+    }
+    if (name == "replace") {
+      Args p(a, name, {"old", "new", "count"});
+      const std::string r = ReplaceStr(s, p.Str(0), p.Str(1), p.Int(2, -1));
+      CheckString(r.size());
+      return Value::Str(r);
+    }
+    if (name == "upper") return Value::Str(UpperStr(s));
+    if (name == "lower") return Value::Str(LowerStr(s));
+    if (name == "title") return Value::Str(TitleStr(s));
+    if (name == "capitalize") return Value::Str(CapitalizeStr(s));
+    if (name == "find" || name == "rfind" || name == "index" || name == "rindex" ||
+        name == "count") {
+      Args p(a, name, {"sub"});
+      const std::string sub = p.Str(0);
+      if (name == "count") {
+        if (sub.empty()) return Value::Int(static_cast<int64_t>(SplitChars(s).size()) + 1);
+        int64_t n = 0;
+        for (size_t k = s.find(sub); k != std::string::npos; k = s.find(sub, k + sub.size())) ++n;
+        return Value::Int(n);
+      }
+      const size_t k = (name == "find" || name == "index") ? s.find(sub) : s.rfind(sub);
+      if (k == std::string::npos) {
+        if (name == "index" || name == "rindex") Fail("substring not found");
+        return Value::Int(-1);
+      }
+      return Value::Int(static_cast<int64_t>(SplitChars(s.substr(0, k)).size()));
+    }
+    if (name == "join") {
+      Args p(a, name, {"iterable"});
+      std::string out;
+      size_t i = 0;
+      for (const Value& x : Iterate(p.Or(0, Value()))) {
+        if (!x.is_string())
+          Fail(absl::StrCat("sequence item ", i, ": expected str instance, ", PyTypeName(x),
+                            " found"));
+        if (i++) out += s;
+        out += x.s();
+        CheckString(out.size());
+      }
+      return Value::Str(out);
+    }
+    if (name == "splitlines") {
+      Args p(a, name, {"keepends"});
+      std::vector<Value> out;
+      for (const auto& x : SplitLines(s, p.Bool(0, false))) out.push_back(Value::Str(x));
+      return Value::List(std::move(out));
+    }
+    if (name == "removeprefix" || name == "removesuffix") {
+      Args p(a, name, {"affix"});
+      const std::string x = p.Str(0);
+      if (name == "removeprefix" && s.compare(0, x.size(), x) == 0 && s.size() >= x.size())
+        return Value::Str(s.substr(x.size()));
+      if (name == "removesuffix" && !x.empty() && s.size() >= x.size() &&
+          s.compare(s.size() - x.size(), x.size(), x) == 0)
+        return Value::Str(s.substr(0, s.size() - x.size()));
+      return self;
+    }
+    if (name == "isspace" || name == "isdigit" || name == "isalpha" || name == "isalnum" ||
+        name == "islower" || name == "isupper" || name == "isascii") {
+      Args p(a, name, {});
+      const std::vector<uint32_t> cps = Decode(s);
+      if (name == "isascii")
+        return Value::Bool(
+            std::all_of(cps.begin(), cps.end(), [](uint32_t c) { return c < 0x80; }));
+      if (cps.empty()) return Value::Bool(false);
+      if (name == "islower" || name == "isupper") {
+        bool any = false;
+        for (uint32_t c : cps) {
+          if (!Cased(c)) continue;
+          any = true;
+          if (name == "islower" ? !IsLowerCp(c) : !IsUpperCp(c)) return Value::Bool(false);
+        }
+        return Value::Bool(any);
+      }
+      for (uint32_t c : cps) {
+        bool ok;
+        if (name == "isspace") {
+          ok = IsSpace(c);
+        } else if (name == "isdigit") {
+          ok = c >= '0' && c <= '9';
+        } else {
+          const bool alpha =
+              (c < 0x80 && std::isalpha(static_cast<int>(c))) || (c >= 0x80 && Cased(c));
+          ok = name == "isalpha" ? alpha : alpha || (c >= '0' && c <= '9');
+        }
+        if (!ok) return Value::Bool(false);
+      }
+      return Value::Bool(true);
+    }
+    Fail(absl::StrCat("unsupported construct: str.", name, "()"));
+  }
+  if (self.is_dict()) {
+    const auto& d = self.dict();
+    if (name == "get") {
+      Args p(a, name, {"key", "default"});
+      const Value key = p.Or(0, Value());
+      if (!p.Get(0)) Fail("get expected at least 1 argument, got 0");
+      if (key.is_list() || key.is_dict())
+        Fail(absl::StrCat("unhashable type: '", PyTypeName(key), "'"));
+      const Value* v = d.Find(key);
+      return v ? *v : p.Or(1, Value::None());
+    }
+    if (name == "items" || name == "keys" || name == "values") {
+      Args p(a, name, {});
+      std::vector<Value> out;
+      for (const auto& kv : d.items) {
+        if (name == "items")
+          out.push_back(Value::List({kv.first, kv.second}, true));
+        else
+          out.push_back(name == "keys" ? kv.first : kv.second);
+      }
+      return Value::Seq(std::move(out), Flavor::kView, absl::StrCat("dict_", name));
+    }
+    if (name == "copy") return self;
+    Fail(absl::StrCat("unsupported construct: dict.", name, "()"));
+  }
+  if (self.is_list()) {
+    if (name == "copy") return Value::List(self.items(), self.is_tuple());
+    if (name == "count" || name == "index") {
+      Args p(a, name, {"value"});
+      const Value x = p.Or(0, Value());
+      int64_t n = 0;
+      for (size_t i = 0; i < self.items().size(); ++i) {
+        if (!Equal(self.items()[i], x)) continue;
+        if (name == "index") return Value::Int(static_cast<int64_t>(i));
+        ++n;
+      }
+      if (name == "index") Fail(absl::StrCat(Repr(x), " is not in list"));
+      return Value::Int(n);
+    }
+  }
+  Fail(absl::StrCat("unsupported construct: ", PyTypeName(self), ".", name, "()"));
+}
+
+// ---------------------------------------------------------------- filters
+
+namespace {
+
+bool IsFilterName(const std::string& n);
+
+// make_attrgetter: dotted path, integer parts used as indexes.
+Value AttrPath(Interp& in, const Value& item, const Value& attr, const std::optional<Value>& def) {
+  std::vector<Value> parts;
+  if (attr.is_string()) {
+    for (const std::string& part : SplitSep(attr.s(), ".", -1, false)) {
+      const bool digits = !part.empty() && std::all_of(part.begin(), part.end(),
+                                                       [](char c) { return c >= '0' && c <= '9'; });
+      if (digits && part.size() < 18)
+        parts.push_back(Value::Int(std::stoll(part)));
+      else
+        parts.push_back(Value::Str(part));
+    }
+  } else {
+    parts.push_back(attr);
+  }
+  Value cur = item;
+  for (const Value& p : parts) {
+    cur = in.GetItem(cur, p);
+    if (def && cur.is_undefined()) cur = *def;
+  }
+  return cur;
+}
+
+Value IgnoreCase(const Value& v) { return v.is_string() ? Value::Str(LowerStr(v.s())) : v; }
+
+}  // namespace
+
+Value Interp::ApplyFilterExpr(const Expr& f, Value input, const std::shared_ptr<Scope>& scope) {
+  CallArgs args = EvalArgs(f, scope);
+  return ApplyFilter(f.name, input, args);
+}
+
+Value Interp::ApplyFilter(const std::string& name, const Value& v, CallArgs& a) {
+  Step();
+  const std::string& n = name;
+  if (n == "tojson") {
+    Args p(a, n, {"ensure_ascii", "indent", "separators", "sort_keys"});
+    JsonOpts o;
+    o.ensure_ascii = p.Bool(0, false);
+    const Value indent = p.Or(1, Value::None());
+    if (indent.is_int() || indent.is_bool()) {
+      o.indent = std::string(std::max<int64_t>(0, std::min<int64_t>(indent.i(), 1000)), ' ');
+    } else if (indent.is_string()) {
+      o.indent = indent.s();
+    } else if (!indent.is_none()) {
+      Fail(absl::StrCat("tojson: indent must be an int or a string, not ", PyTypeName(indent)));
+    }
+    if (o.indent) o.item_sep = ",";
+    const Value seps = p.Or(2, Value::None());
+    if (!seps.is_none()) {
+      if (!seps.is_list() || seps.items().size() != 2 || !seps.items()[0].is_string() ||
+          !seps.items()[1].is_string())
+        Fail("tojson: separators must be a (item_separator, key_separator) pair of strings");
+      o.item_sep = seps.items()[0].s();
+      o.key_sep = seps.items()[1].s();
+    }
+    o.sort_keys = p.Bool(3, false);
+    std::string out;
+    JsonDump(&out, v, o, 0, *this);
+    CheckString(out.size());
+    return Value::Str(std::move(out));
+  }
+  if (n == "trim") {
+    Args p(a, n, {"chars"});
+    return Value::Str(StripStr(Str(v), p.OptStr(0), true, true));
+  }
+  if (n == "length" || n == "count") {
+    Args p(a, n, {});
+    switch (v.kind()) {
+      case Kind::kUndefined:
+        return Value::Int(0);
+      case Kind::kString:
+        return Value::Int(static_cast<int64_t>(SplitChars(v.s()).size()));
+      case Kind::kList:
+        if (v.flavor() == Flavor::kIter)
+          Fail(absl::StrCat("object of type '", PyTypeName(v), "' has no len()"));
+        return Value::Int(static_cast<int64_t>(v.items().size()));
+      case Kind::kDict:
+        return Value::Int(static_cast<int64_t>(v.dict().items.size()));
+      default:
+        Fail(absl::StrCat("object of type '", PyTypeName(v), "' has no len()"));
+    }
+  }
+  if (n == "upper") return Value::Str(UpperStr(Str(v)));
+  if (n == "lower") return Value::Str(LowerStr(Str(v)));
+  if (n == "capitalize") return Value::Str(CapitalizeStr(Str(v)));
+  if (n == "title") return Value::Str(JinjaTitle(Str(v)));
+  if (n == "string" || n == "safe") {
+    Args p(a, n, {});
+    return Value::Str(Str(v));
+  }
+  if (n == "e" || n == "escape" || n == "forceescape") {
+    Args p(a, n, {});
+    return Value::Str(HtmlEscape(Str(v)));
+  }
+  if (n == "replace") {
+    Args p(a, n, {"old", "new", "count"});
+    const auto old = p.Get(0), rep = p.Get(1);
+    if (!old || !rep) Fail("replace() missing required arguments");
+    const std::string r = ReplaceStr(Str(v), Str(*old), Str(*rep), p.Int(2, -1));
+    CheckString(r.size());
+    return Value::Str(r);
+  }
+  if (n == "default" || n == "d") {
+    Args p(a, n, {"default_value", "boolean"});
+    if (v.is_undefined() || (p.Bool(1, false) && !Truthy(v))) return p.Or(0, Value::Str(""));
+    return v;
+  }
+  if (n == "join") {
+    Args p(a, n, {"d", "attribute"});
+    const std::string sep = Str(p.Or(0, Value::Str("")));
+    const auto attr = p.Get(1);
+    std::string out;
+    bool first = true;
+    for (const Value& x : Iterate(v)) {
+      if (!first) out += sep;
+      first = false;
+      out += Str(attr && !attr->is_none() ? AttrPath(*this, x, *attr, std::nullopt) : x);
+      CheckString(out.size());
+    }
+    return Value::Str(std::move(out));
+  }
+  if (n == "first" || n == "last") {
+    Args p(a, n, {});
+    if (v.is_none() || v.is_number() || v.is_object())
+      Fail(absl::StrCat("'", PyTypeName(v), "' object is not iterable"));
+    if (n == "last" && v.is_list() && v.flavor() == Flavor::kIter)
+      Fail(absl::StrCat("'", PyTypeName(v), "' object is not reversible"));
+    const std::vector<Value> items = Iterate(v);
+    if (items.empty())
+      return Value::Undefined(n == "first" ? "No first item, sequence was empty."
+                                           : "No last item, sequence was empty.");
+    return n == "first" ? items.front() : items.back();
+  }
+  if (n == "list") {
+    Args p(a, n, {});
+    return Value::List(Iterate(v));
+  }
+  if (n == "items") {
+    Args p(a, n, {});
+    if (v.is_undefined()) return Value::Seq({}, Flavor::kIter, "generator");
+    if (!v.is_dict()) Fail("Can only get item pairs from a mapping.");
+    std::vector<Value> out;
+    for (const auto& kv : v.dict().items) out.push_back(Value::List({kv.first, kv.second}, true));
+    return Value::Seq(std::move(out), Flavor::kIter, "generator");
+  }
+  if (n == "reverse") {
+    Args p(a, n, {});
+    if (v.is_string()) {
+      std::vector<std::string> chars = SplitChars(v.s());
+      std::string out;
+      for (auto it = chars.rbegin(); it != chars.rend(); ++it) out += *it;
+      return Value::Str(out);
+    }
+    std::vector<Value> items = Iterate(v);
+    std::reverse(items.begin(), items.end());
+    if (v.is_list() && v.flavor() == Flavor::kIter) return Value::List(std::move(items));
+    const char* tn = v.is_dict()                   ? "dict_reversekeyiterator"
+                     : v.is_tuple()                ? "reversed"
+                     : v.is_undefined()            ? "reversed"
+                     : v.flavor() == Flavor::kView ? "dict_reverseitemiterator"
+                                                   : "list_reverseiterator";
+    return Value::Seq(std::move(items), Flavor::kIter, tn);
+  }
+  if (n == "int") {
+    Args p(a, n, {"default", "base"});
+    const Value def = p.Or(0, Value::Int(0));
+    const int64_t base = p.Int(1, 10);
+    if (v.is_undefined()) FailUndefined(v);
+    if (v.is_int()) return v;
+    if (v.is_bool()) return Value::Int(v.i());
+    if (v.is_float()) {
+      if (!std::isfinite(v.f())) return def;
+      if (std::fabs(v.f()) >= 9.2e18)
+        Fail("integer overflow (this renderer's integers are 64-bit)");
+      return Value::Int(static_cast<int64_t>(std::trunc(v.f())));
+    }
+    if (v.is_string()) {
+      if (auto i = ParsePyInt(v.s(), static_cast<int>(base))) return Value::Int(*i);
+      if (auto f = ParsePyFloat(v.s())) {
+        if (!std::isfinite(*f)) return def;
+        if (std::fabs(*f) >= 9.2e18) Fail("integer overflow (this renderer's integers are 64-bit)");
+        return Value::Int(static_cast<int64_t>(std::trunc(*f)));
+      }
+    }
+    return def;
+  }
+  if (n == "float") {
+    Args p(a, n, {"default"});
+    const Value def = p.Or(0, Value::Float(0.0));
+    if (v.is_undefined()) FailUndefined(v);
+    if (v.is_number()) return Value::Float(v.f());
+    if (v.is_string()) {
+      if (auto f = ParsePyFloat(v.s())) return Value::Float(*f);
+    }
+    return def;
+  }
+  if (n == "abs") {
+    Args p(a, n, {});
+    if (v.is_undefined()) FailUndefined(v);
+    if (!v.is_number()) Fail(absl::StrCat("bad operand type for abs(): '", PyTypeName(v), "'"));
+    if (v.is_float()) return Value::Float(std::fabs(v.f()));
+    if (v.i() == INT64_MIN) Fail("integer overflow (this renderer's integers are 64-bit)");
+    return Value::Int(v.i() < 0 ? -v.i() : v.i());
+  }
+  if (n == "round") {
+    Args p(a, n, {"precision", "method"});
+    const int64_t prec = p.Int(0, 0);
+    const std::string method = p.Get(1) ? Str(*p.Get(1)) : "common";
+    if (method != "common" && method != "ceil" && method != "floor")
+      Fail("method must be common, ceil or floor");
+    if (v.is_undefined()) FailUndefined(v);
+    if (!v.is_number())
+      Fail(absl::StrCat("type ", PyTypeName(v), " doesn't define __round__ method"));
+    if (method == "common") {
+      if (!v.is_float()) {
+        if (prec >= 0) return Value::Int(v.i());
+        return Value::Int(static_cast<int64_t>(PyRound(static_cast<double>(v.i()), prec)));
+      }
+      return Value::Float(PyRound(v.f(), prec));
+    }
+    const double scale = std::pow(10.0, static_cast<double>(prec));
+    const double r = method == "ceil" ? std::ceil(v.f() * scale) : std::floor(v.f() * scale);
+    return Value::Float(r / scale);
+  }
+  if (n == "indent") {
+    Args p(a, n, {"width", "first", "blank"});
+    const Value w = p.Or(0, Value::Int(4));
+    std::string ind;
+    if (w.is_string()) {
+      ind = w.s();
+    } else if (w.is_int() || w.is_bool()) {
+      if (w.i() > 0) {
+        CheckString(static_cast<size_t>(w.i()));
+        ind = std::string(w.i(), ' ');
+      }
+    } else {
+      Fail("indent: width must be an int or a string");
+    }
+    const std::string s = Str(v) + "\n";
+    std::vector<std::string> lines = SplitLines(s, false);
+    std::string rv;
+    if (p.Bool(2, false)) {
+      for (size_t i = 0; i < lines.size(); ++i) {
+        if (i) rv += "\n" + ind;
+        rv += lines[i];
+        CheckString(rv.size());
+      }
+    } else {
+      rv = lines.empty() ? "" : lines[0];
+      for (size_t i = 1; i < lines.size(); ++i) {
+        rv += "\n";
+        if (!lines[i].empty()) rv += ind;
+        rv += lines[i];
+        CheckString(rv.size());
+      }
+    }
+    if (p.Bool(1, false)) rv = ind + rv;
+    return Value::Str(rv);
+  }
+  if (n == "center") {
+    Args p(a, n, {"width"});
+    const int64_t width = p.Int(0, 80);
+    const std::string s = Str(v);
+    const int64_t len = static_cast<int64_t>(SplitChars(s).size());
+    if (width <= len) return Value::Str(s);
+    CheckString(static_cast<size_t>(width));
+    const int64_t marg = width - len;
+    const int64_t left = marg / 2 + (marg & width & 1);
+    return Value::Str(std::string(left, ' ') + s + std::string(marg - left, ' '));
+  }
+  if (n == "attr") {
+    Args p(a, n, {"name"});
+    const std::string attr = Str(p.Or(0, Value::Str("")));
+    if (v.is_undefined()) FailUndefined(v);
+    if (v.is_dict()) {
+      const MethodKind mk = LookupMethod(v, attr);
+      if (mk == MethodKind::kNone)
+        return Value::Undefined(absl::StrCat("'dict object' has no attribute '", attr, "'"));
+    }
+    return GetAttr(v, attr);
+  }
+  if (n == "map") {
+    std::vector<Value> out;
+    const std::vector<Value> items = Iterate(v);
+    bool by_attr = a.pos.empty();
+    for (const auto& kv : a.kw)
+      if (kv.first != "attribute" && kv.first != "default" && by_attr)
+        Fail(absl::StrCat("Unexpected keyword argument '", kv.first, "'"));
+    if (by_attr) {
+      std::optional<Value> attr, def;
+      for (const auto& kv : a.kw) {
+        if (kv.first == "attribute") attr = kv.second;
+        if (kv.first == "default") def = kv.second;
+      }
+      if (!attr) Fail("map requires a filter name or attribute=");
+      for (const Value& x : items) out.push_back(AttrPath(*this, x, *attr, def));
+    } else {
+      if (!a.pos[0].is_string()) Fail("map: the filter name must be a string");
+      const std::string fname = a.pos[0].s();
+      if (!IsFilterName(fname)) Fail(absl::StrCat("No filter named '", fname, "'."));
+      CallArgs rest;
+      rest.pos.assign(a.pos.begin() + 1, a.pos.end());
+      rest.kw = a.kw;
+      for (const Value& x : items) {
+        CallArgs copy = rest;
+        out.push_back(ApplyFilter(fname, x, copy));
+      }
+    }
+    return Value::Seq(std::move(out), Flavor::kIter, "generator");
+  }
+  if (n == "select" || n == "reject" || n == "selectattr" || n == "rejectattr") {
+    const bool attr_mode = n == "selectattr" || n == "rejectattr";
+    const bool want = n == "select" || n == "selectattr";
+    size_t off = 0;
+    std::optional<Value> attr;
+    if (attr_mode) {
+      if (a.pos.empty()) Fail("Missing parameter for attribute name");
+      attr = a.pos[0];
+      off = 1;
+    }
+    std::optional<std::string> test;
+    CallArgs rest;
+    if (a.pos.size() > off) {
+      if (!a.pos[off].is_string()) Fail(absl::StrCat(n, ": the test name must be a string"));
+      test = a.pos[off].s();
+      rest.pos.assign(a.pos.begin() + off + 1, a.pos.end());
+      rest.kw = a.kw;
+    }
+    std::vector<Value> out;
+    for (const Value& x : Iterate(v)) {
+      const Value probe = attr ? AttrPath(*this, x, *attr, std::nullopt) : x;
+      bool r;
+      if (test) {
+        CallArgs copy = rest;
+        r = ApplyTest(*test, probe, copy);
+      } else {
+        r = Truthy(probe);
+      }
+      if (r == want) out.push_back(x);
+    }
+    return Value::Seq(std::move(out), Flavor::kIter, "generator");
+  }
+  if (n == "unique") {
+    Args p(a, n, {"case_sensitive", "attribute"});
+    const bool cs = p.Bool(0, false);
+    const auto attr = p.Get(1);
+    std::vector<Value> out, seen;
+    for (const Value& x : Iterate(v)) {
+      Value key = attr && !attr->is_none() ? AttrPath(*this, x, *attr, std::nullopt) : x;
+      if (!cs) key = IgnoreCase(key);
+      if (key.is_list() || key.is_dict())
+        Fail(absl::StrCat("unhashable type: '", PyTypeName(key), "'"));
+      bool dup = false;
+      for (const Value& s : seen)
+        if (Equal(s, key)) dup = true;
+      if (dup) continue;
+      seen.push_back(key);
+      out.push_back(x);
+    }
+    return Value::Seq(std::move(out), Flavor::kIter, "generator");
+  }
+  if (n == "sort" || n == "dictsort" || n == "min" || n == "max") {
+    const bool dictsort = n == "dictsort";
+    const bool minmax = n == "min" || n == "max";
+    std::vector<std::string> names;
+    if (dictsort)
+      names = {"case_sensitive", "by", "reverse"};
+    else if (minmax)
+      names = {"case_sensitive", "attribute"};
+    else
+      names = {"reverse", "case_sensitive", "attribute"};
+    Args p(a, n, names);
+    bool reverse = false, cs = false;
+    std::optional<Value> attr;
+    int by = 0;
+    if (dictsort) {
+      cs = p.Bool(0, false);
+      const std::string b = p.Get(1) ? Str(*p.Get(1)) : "key";
+      if (b != "key" && b != "value") Fail("You can only sort by either \"key\" or \"value\"");
+      by = b == "key" ? 0 : 1;
+      reverse = p.Bool(2, false);
+    } else if (minmax) {
+      cs = p.Bool(0, false);
+      attr = p.Get(1);
+    } else {
+      reverse = p.Bool(0, false);
+      cs = p.Bool(1, false);
+      attr = p.Get(2);
+    }
+    if (attr && attr->is_none()) attr.reset();
+    std::vector<Value> items;
+    if (dictsort) {
+      if (!v.is_dict()) Fail("dictsort: value must be a mapping");
+      for (const auto& kv : v.dict().items)
+        items.push_back(Value::List({kv.first, kv.second}, true));
+    } else {
+      items = Iterate(v);
+    }
+    std::vector<std::string> attr_parts;
+    auto key_of = [&](const Value& x) {
+      Value k;
+      if (dictsort) {
+        k = x.items()[by];
+      } else if (attr) {
+        if (attr->is_string() && attr->s().find(',') != std::string::npos && !minmax) {
+          std::vector<Value> ks;
+          for (const std::string& part : SplitSep(attr->s(), ",", -1, false)) {
+            Value kk = AttrPath(*this, x, Value::Str(part), std::nullopt);
+            ks.push_back(cs ? kk : IgnoreCase(kk));
+          }
+          return Value::List(std::move(ks));
+        }
+        k = AttrPath(*this, x, *attr, std::nullopt);
+      } else {
+        k = x;
+      }
+      return cs ? k : IgnoreCase(k);
+    };
+    std::vector<std::pair<Value, Value>> keyed;
+    for (Value& x : items) keyed.emplace_back(key_of(x), std::move(x));
+    if (minmax) {
+      if (keyed.empty()) return Value::Undefined("No aggregated item, sequence was empty.");
+      size_t best = 0;
+      for (size_t i = 1; i < keyed.size(); ++i) {
+        if (n == "min" ? Less(keyed[i].first, keyed[best].first)
+                       : Less(keyed[best].first, keyed[i].first))
+          best = i;
+      }
+      return keyed[best].second;
+    }
+    std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& x, const auto& y) {
+      return reverse ? Less(y.first, x.first) : Less(x.first, y.first);
+    });
+    std::vector<Value> out;
+    for (auto& kv : keyed) out.push_back(std::move(kv.second));
+    return Value::List(std::move(out));
+  }
+  if (n == "sum") {
+    Args p(a, n, {"attribute", "start"});
+    const auto attr = p.Get(0);
+    Value acc = p.Or(1, Value::Int(0));
+    for (const Value& x : Iterate(v)) {
+      const Value y = attr && !attr->is_none() ? AttrPath(*this, x, *attr, std::nullopt) : x;
+      if (acc.is_string()) Fail("sum() can't sum strings [use ''.join(seq) instead]");
+      if (!acc.is_number() || !y.is_number()) {
+        if (y.is_undefined()) FailUndefined(y);
+        Fail(absl::StrCat("unsupported operand type(s) for +: '", PyTypeName(acc), "' and '",
+                          PyTypeName(y), "'"));
+      }
+      if (acc.is_float() || y.is_float()) {
+        acc = Value::Float(acc.f() + y.f());
+      } else {
+        int64_t r;
+        if (__builtin_add_overflow(acc.i(), y.i(), &r))
+          Fail("integer overflow (this renderer's integers are 64-bit)");
+        acc = Value::Int(r);
+      }
+    }
+    return acc;
+  }
+  Fail(absl::StrCat("No filter named '", n, "'."));
+}
+
+namespace {
+bool IsFilterName(const std::string& n) {
+  static const char* const kNames[] = {
+      "abs",    "attr",       "capitalize", "count",   "d",          "default", "dictsort",
+      "e",      "escape",     "first",      "float",   "indent",     "int",     "items",
+      "join",   "last",       "length",     "list",    "lower",      "map",     "max",
+      "min",    "reject",     "rejectattr", "replace", "reverse",    "round",   "safe",
+      "select", "selectattr", "sort",       "string",  "sum",        "title",   "tojson",
+      "trim",   "unique",     "upper",      "center",  "forceescape"};
+  return In(kNames, n);
+}
+}  // namespace
+
+// ---------------------------------------------------------------- tests
+
+bool Interp::ApplyTest(const std::string& name, const Value& v, CallArgs& a) {
+  Step();
+  const std::string& n = name;
+  auto arg = [&](const char* pname) -> Value {
+    Args p(a, n, {pname});
+    auto x = p.Get(0);
+    if (!x) Fail(absl::StrCat("test '", n, "' requires an argument"));
+    return *x;
+  };
+  if (n == "defined") return !v.is_undefined();
+  if (n == "undefined") return v.is_undefined();
+  if (n == "none") return v.is_none();
+  if (n == "boolean") return v.is_bool();
+  if (n == "true") return v.is_bool() && v.b();
+  if (n == "false") return v.is_bool() && !v.b();
+  if (n == "integer") return v.is_int();
+  if (n == "float") return v.is_float();
+  if (n == "number") return v.is_number();
+  if (n == "string") return v.is_string();
+  if (n == "mapping") return v.is_dict();
+  if (n == "iterable") return v.is_undefined() || v.is_string() || v.is_list() || v.is_dict();
+  if (n == "sequence")
+    return v.is_undefined() || v.is_string() || v.is_dict() ||
+           (v.is_list() && (v.flavor() == Flavor::kList || v.flavor() == Flavor::kTuple));
+  if (n == "callable") return v.is_undefined() || (v.is_object() && v.obj()->callable());
+  if (n == "escaped") return false;
+  if (n == "lower" || n == "upper") {
+    CallArgs none;
+    Value s = Value::Str(Str(v));
+    return Truthy(CallMethod(s, n == "lower" ? "islower" : "isupper", none));
+  }
+  if (n == "even" || n == "odd" || n == "divisibleby") {
+    if (v.is_undefined()) FailUndefined(v);
+    if (!v.is_number())
+      Fail(absl::StrCat("unsupported operand type(s) for %: '", PyTypeName(v), "' and 'int'"));
+    Value d = n == "divisibleby" ? arg("num") : Value::Int(2);
+    if (d.is_undefined()) FailUndefined(d);
+    if (!d.is_number())
+      Fail(absl::StrCat("unsupported operand type(s) for %: '", PyTypeName(v), "' and '",
+                        PyTypeName(d), "'"));
+    double r;
+    if (v.is_float() || d.is_float()) {
+      if (d.f() == 0) Fail("float modulo");
+      r = std::fmod(v.f(), d.f());
+    } else {
+      if (d.i() == 0) Fail("integer division or modulo by zero");
+      r = d.i() == -1 ? 0 : static_cast<double>(v.i() % d.i());
+    }
+    if (n == "odd") return r != 0;
+    return r == 0;
+  }
+  if (n == "eq" || n == "equalto" || n == "==") return Equal(v, arg("other"));
+  if (n == "ne" || n == "!=") return !Equal(v, arg("other"));
+  if (n == "lt" || n == "lessthan" || n == "<") return Less(v, arg("other"), "<");
+  if (n == "le" || n == "<=") return !Less(arg("other"), v, "<=");
+  if (n == "gt" || n == "greaterthan" || n == ">") return Less(arg("other"), v, ">");
+  if (n == "ge" || n == ">=") return !Less(v, arg("other"), ">=");
+  if (n == "in") {
+    const Value seq = arg("seq");
+    CallArgs none;
+    if (seq.is_undefined()) return false;
+    if (seq.is_string()) {
+      if (!v.is_string())
+        Fail(absl::StrCat("'in <string>' requires string as left operand, not ", PyTypeName(v)));
+      return seq.s().find(v.s()) != std::string::npos;
+    }
+    if (seq.is_dict()) return seq.dict().Find(v) != nullptr;
+    if (!seq.is_list())
+      Fail(absl::StrCat("argument of type '", PyTypeName(seq), "' is not iterable"));
+    for (const Value& x : seq.items())
+      if (Equal(x, v)) return true;
+    return false;
+  }
+  if (n == "sameas") {
+    const Value o = arg("other");
+    if (v.is_object() || o.is_object()) return v.is_object() && o.is_object() && v.obj() == o.obj();
+    if (v.is_list() && o.is_list()) return v.list_ptr() == o.list_ptr();
+    if (v.is_dict() && o.is_dict()) return &v.dict() == &o.dict();
+    if (v.is_none() || v.is_bool() || v.is_undefined()) return v.kind() == o.kind() && Equal(v, o);
+    return false;
+  }
+  if (n == "filter") return v.is_string() && IsFilterName(v.s());
+  if (n == "test") {
+    static const char* const kTests[] = {
+        "boolean", "callable", "defined",  "divisibleby", "eq",       "equalto",     "escaped",
+        "even",    "false",    "filter",   "float",       "ge",       "greaterthan", "gt",
+        "in",      "integer",  "iterable", "le",          "lessthan", "lower",       "lt",
+        "mapping", "ne",       "none",     "number",      "odd",      "sameas",      "sequence",
+        "string",  "test",     "true",     "undefined",   "upper",    "==",          "!=",
+        "<",       "<=",       ">",        ">="};
+    return v.is_string() && In(kTests, v.s());
+  }
+  Fail(absl::StrCat("No test named '", n, "' found."));
+}
+
+}  // namespace hmoe::jinja::internal
