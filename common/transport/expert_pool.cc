@@ -109,7 +109,7 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
         break;
       }
       case TransportKind::kUcx: {
-        auto c = UcxClient::Create(s.control, s.info);
+        auto c = UcxClient::Create(s.control, s.info, opts.ucx);
         if (!c.ok()) return Annotate(c.status(), absl::StrCat("expert shard ", s.target));
         s.client = std::move(*c);
         break;

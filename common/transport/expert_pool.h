@@ -20,6 +20,7 @@
 #include "common/transport/expert_slots.h"
 #include "common/transport/grpc_client.h"
 #include "common/transport/moe_call.h"
+#include "common/transport/ucx_transport.h"
 
 namespace hmoe {
 
@@ -51,6 +52,7 @@ struct ExpertPoolOptions {
   // TLS to the shards' gRPC endpoints (grpc_tls.h ChannelCredentialsFrom);
   // null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  UcxClientOptions ucx;  // transport kUcx
 };
 
 class ExpertPool;

@@ -27,13 +27,16 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <new>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
+#include "common/transport/fragments.h"
 #include "common/transport/grpc_client.h"
 
 extern char** environ;
@@ -55,13 +58,8 @@ uint64_t MaxRequestBytes(const ShardInfo& info) {
   return t * (2 * static_cast<uint64_t>(std::max<int64_t>(info.hidden, 0)) +
               8 * static_cast<uint64_t>(std::max<int64_t>(info.top_k, 0)));
 }
-// The largest response a client takes: f32 rows for max_tokens tokens, or an
-// error message.
-uint64_t MaxResponseBytes(const ShardInfo& info) {
-  const uint64_t t = static_cast<uint64_t>(std::max<int64_t>(info.max_tokens, 0));
-  return std::max<uint64_t>(t * 4 * static_cast<uint64_t>(std::max<int64_t>(info.hidden, 0)),
-                            uint64_t{64} << 10);
-}
+// The longest error message a client takes in an answer.
+constexpr uint64_t kMaxErrorMessageBytes = 64 << 10;
 
 // Zero bytes after a peer's address, as parsed by the checker and the service.
 constexpr size_t kAddressPad = 4096;
@@ -274,27 +272,34 @@ class AddressChecker {
   int fd_ = -1;
 };
 
-// One message received by the worker: header and data copied out of UCX.
-struct Message {
-  std::string header;
-  std::vector<uint8_t> data;
-  uint64_t refused_bytes = 0;  // a payload over the worker's limit: not received, data empty
+// Buffers kept for reuse per side: a call's request and answer, a few calls
+// in flight.
+constexpr size_t kPooledBuffers = 4;
+
+// One active message as UCX hands it over (progress thread, valid during the
+// callback only): the owner reads the header and, if it wants the bytes,
+// calls Worker::Receive with where they go.
+struct Arrival {
+  std::string_view header;
+  void* data;  // UCX's handle: the bytes (eager) or the rendezvous descriptor
+  size_t len;
+  bool rndv;
 };
 
 // A UCP context + worker driven by one progress thread. Everything touching
 // UCX runs on that thread; other threads Post() closures to it.
 class Worker {
  public:
-  using OnMessage = std::function<void(Message&&)>;
+  // Runs on the progress thread for each message with id am_id. A message
+  // it does not Receive is dropped (a rendezvous sender's data is released).
+  using OnArrival = std::function<void(const Arrival&)>;
 
-  // Payloads over `max_payload` bytes are not received (no allocation of a
-  // peer-chosen size): on_message sees the header and refused_bytes.
-  static absl::StatusOr<std::unique_ptr<Worker>> Create(uint16_t am_id, OnMessage on_message,
-                                                        int spin_us, uint64_t max_payload) {
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(uint16_t am_id, OnArrival on_arrival,
+                                                        int spin_us) {
     auto w = std::unique_ptr<Worker>(new Worker());
-    w->on_message_ = std::move(on_message);
+    w->pool_ = std::make_shared<BufferPool>(kPooledBuffers);
+    w->on_arrival_ = std::move(on_arrival);
     w->spin_us_ = spin_us;
-    w->max_payload_ = max_payload;
     RETURN_IF_ERROR(InitUcp(&w->context_, &w->worker_));
     ucp_address_t* addr = nullptr;
     size_t len = 0;
@@ -329,6 +334,9 @@ class Worker {
   }
 
   const std::string& address() const { return address_; }
+  // n bytes from this side's pool (for payloads to Send). Thread-safe.
+  Bytes Buffer(size_t n) { return BufferPool::Get(pool_, n); }
+  const std::shared_ptr<BufferPool>& pool() const { return pool_; }
 
   void Post(std::function<void()> fn) {
     {
@@ -380,10 +388,69 @@ class Worker {
     if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
   }
 
-  // Sends header + payload (owned until completion). on_error runs if the send fails.
-  void Send(ucp_ep_h ep, uint16_t id, std::string header, std::vector<uint8_t> payload,
-            std::function<void(ucs_status_t)> on_error = nullptr) {
-    auto* op = new SendOp{this, std::move(header), std::move(payload), std::move(on_error)};
+  // Receives an arrival's len bytes into dst (which must stay valid until
+  // `done` runs; progress thread, now or later; ok false if the transfer
+  // failed, e.g. the peer went away).
+  void Receive(const Arrival& a, uint8_t* dst, std::function<void(bool ok)> done) {
+    if (!a.rndv) {
+      if (a.len > 0) std::memcpy(dst, a.data, a.len);
+      done(true);
+      return;
+    }
+    auto* op = new RecvOp{std::move(done)};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = [](void* req, ucs_status_t s, size_t, void* user) {
+      auto* op = static_cast<RecvOp*>(user);
+      op->done(s == UCS_OK);
+      delete op;
+      ucp_request_free(req);
+    };
+    p.user_data = op;
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, a.data, dst, a.len, &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      op->done(r == nullptr);
+      delete op;
+    }
+  }
+
+  // Sends `payload` in fragments of frag_bytes (one message when it is 0 or
+  // the payload is no longer), each with header(offset of its first byte).
+  // The payload is shared by the fragments until the last completes.
+  // on_error runs for each fragment whose send fails.
+  void Send(ucp_ep_h ep, uint16_t id, const std::function<std::string(uint64_t offset)>& header,
+            Bytes payload, uint64_t frag_bytes,
+            const std::function<void(ucs_status_t)>& on_error = nullptr) {
+    auto shared = std::make_shared<Bytes>(std::move(payload));
+    const uint64_t total = shared->size();
+    const uint64_t step = frag_bytes == 0 || frag_bytes >= total ? total : frag_bytes;
+    uint64_t offset = 0;
+    do {
+      const uint64_t len = std::min(step, total - offset);
+      SendOne(ep, id, header(offset), shared, offset, len, on_error);
+      offset += len;
+    } while (offset < total);
+  }
+
+  // Sends handed to UCX and not yet complete (a rendezvous send completes
+  // once the peer has fetched the data).
+  int64_t pending_sends() const { return pending_sends_; }
+
+ private:
+  Worker() = default;
+  struct SendOp {
+    Worker* self;
+    std::string header;
+    std::shared_ptr<Bytes> payload;
+    std::function<void(ucs_status_t)> on_error;
+  };
+  struct RecvOp {
+    std::function<void(bool)> done;
+  };
+
+  void SendOne(ucp_ep_h ep, uint16_t id, std::string header, std::shared_ptr<Bytes> payload,
+               uint64_t offset, uint64_t len, const std::function<void(ucs_status_t)>& on_error) {
+    auto* op = new SendOp{this, std::move(header), std::move(payload), on_error};
     ucp_request_param_t p{};
     p.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -397,7 +464,7 @@ class Worker {
     };
     p.user_data = op;
     ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, op->header.data(), op->header.size(),
-                                         op->payload.data(), op->payload.size(), &p);
+                                         op->payload->data() + offset, len, &p);
     if (r == nullptr) {
       delete op;
     } else if (UCS_PTR_IS_ERR(r)) {
@@ -408,57 +475,13 @@ class Worker {
     }
   }
 
-  // Sends handed to UCX and not yet complete (a rendezvous send completes
-  // once the peer has fetched the data).
-  int64_t pending_sends() const { return pending_sends_; }
-
- private:
-  Worker() = default;
-  struct SendOp {
-    Worker* self;
-    std::string header;
-    std::vector<uint8_t> payload;
-    std::function<void(ucs_status_t)> on_error;
-  };
-  struct RecvOp {
-    Worker* self;
-    Message msg;
-  };
-
   static ucs_status_t OnAm(void* arg, const void* header, size_t header_len, void* data, size_t len,
                            const ucp_am_recv_param_t* param) {
     auto* self = static_cast<Worker*>(arg);
-    Message m;
-    m.header.assign(static_cast<const char*>(header), header_len);
-    if (len > self->max_payload_) {
-      // Returning UCS_OK without receiving drops a rendezvous payload.
-      m.refused_bytes = len;
-      self->on_message_(std::move(m));
-      return UCS_OK;
-    }
-    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-      auto* op = new RecvOp{self, std::move(m)};
-      op->msg.data.resize(len);
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      p.cb.recv_am = [](void* req, ucs_status_t s, size_t, void* user) {
-        auto* op = static_cast<RecvOp*>(user);
-        if (s == UCS_OK) op->self->on_message_(std::move(op->msg));
-        delete op;
-        ucp_request_free(req);
-      };
-      p.user_data = op;
-      ucs_status_ptr_t r = ucp_am_recv_data_nbx(self->worker_, data, op->msg.data.data(), len, &p);
-      if (r == nullptr) {
-        self->on_message_(std::move(op->msg));
-        delete op;
-      } else if (UCS_PTR_IS_ERR(r)) {
-        delete op;
-      }
-      return UCS_OK;
-    }
-    m.data.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + len);
-    self->on_message_(std::move(m));
+    const Arrival a{std::string_view(static_cast<const char*>(header), header_len), data, len,
+                    (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0};
+    // Returning UCS_OK without receiving drops a rendezvous payload.
+    self->on_arrival_(a);
     return UCS_OK;
   }
 
@@ -516,8 +539,8 @@ class Worker {
   int efd_ = -1;
   int epoll_fd_ = -1;
   std::string address_;
-  OnMessage on_message_;
-  uint64_t max_payload_ = 0;
+  std::shared_ptr<BufferPool> pool_;
+  OnArrival on_arrival_;
   int spin_us_ = 50;
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
@@ -541,7 +564,6 @@ struct UcxServer::Impl {
   };
   std::map<uint64_t, Peer> peers;  // progress thread only
   std::atomic<uint64_t> n_endpoints{0}, n_failures{0};
-  std::vector<float> out;
 
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t) {
     auto* self = static_cast<Impl*>(arg);
@@ -555,89 +577,184 @@ struct UcxServer::Impl {
   }
   void DropPeer(std::map<uint64_t, Peer>::iterator it) {
     worker->CloseEp(it->second.ep);
+    DropIncoming(it->first);
     peers.erase(it);
     n_endpoints.fetch_sub(1);
   }
 
-  void OnRequest(Message&& m) {
+  // Requests whose fragments are still arriving, by (client id, request
+  // id). A null assembly: refused; its further fragments are dropped.
+  struct Incoming {
+    UcxRequestHeader h;
+    std::shared_ptr<Assembly> a;
+    absl::Time started;
+  };
+  std::map<std::pair<uint64_t, uint64_t>, Incoming> incoming;  // progress thread only
+  // Requests one client may have part-way at once (more: RESOURCE_EXHAUSTED).
+  static constexpr size_t kMaxIncomingPerPeer = 64;
+
+  void DropIncoming(uint64_t client_id) {
+    incoming.erase(incoming.lower_bound({client_id, 0}),
+                   incoming.upper_bound({client_id, UINT64_MAX}));
+  }
+  void ExpireIncoming() {
+    const absl::Time too_old = absl::Now() - opts.assembly_timeout;
+    std::erase_if(incoming, [&](const auto& kv) { return kv.second.started < too_old; });
+  }
+
+  // Whether the request's sizes can be a call this shard takes, before any
+  // byte is received: names the header's wrong field where it says.
+  absl::Status Admit(const UcxRequestHeader& h) const {
+    const uint64_t max = MaxRequestBytes(handler->info());
+    if (h.hidden_bytes <= max && h.ids_bytes <= max && h.weights_bytes <= max &&
+        h.hidden_bytes + h.ids_bytes + h.weights_bytes <= max) {
+      return absl::OkStatus();
+    }
+    MoeCall shape;
+    shape.layer = h.layer;
+    shape.tokens = h.tokens;
+    shape.top_k = h.top_k;
+    shape.hidden_bytes = h.hidden_bytes;
+    shape.ids_bytes = h.ids_bytes;
+    shape.weights_bytes = h.weights_bytes;
+    absl::Status st = ValidateMoeCallShape(handler->info(), shape);
+    if (!st.ok()) return st;
+    return absl::InvalidArgumentError(
+        absl::StrCat("request payload of ", h.hidden_bytes, "+", h.ids_bytes, "+", h.weights_bytes,
+                     " bytes over the shard's largest call (", max,
+                     " bytes: max_tokens x (2 x hidden + 8 x top_k))"));
+  }
+
+  void Answer(ucp_ep_h ep, UcxResponseHeader r, Bytes payload) {
+    worker->Send(
+        ep, kAmResponse,
+        [r](uint64_t offset) mutable {
+          r.frag_offset = offset;
+          return std::string(reinterpret_cast<const char*>(&r), sizeof(r));
+        },
+        std::move(payload), r.frag_bytes);
+  }
+  void AnswerError(ucp_ep_h ep, uint64_t request_id, const absl::Status& st) {
+    UcxResponseHeader r{};
+    r.request_id = request_id;
+    r.code = static_cast<int32_t>(st.code());
+    r.msg_len = static_cast<uint32_t>(st.message().size());
+    Bytes msg = worker->Buffer(st.message().size());
+    std::memcpy(msg.data(), st.message().data(), st.message().size());
+    Answer(ep, r, std::move(msg));
+  }
+  void Refuse(ucp_ep_h ep, const UcxRequestHeader& h, const absl::Status& st) {
+    handler->Refused(st);
+    AnswerError(ep, h.request_id, st);
+  }
+
+  void OnArrival(const Arrival& m) {
     UcxRequestHeader h;
     if (m.header.size() != sizeof(h)) return;  // not ours: no id to answer
     std::memcpy(&h, m.header.data(), sizeof(h));
     auto peer = peers.find(h.client_id);
     if (peer == peers.end()) return;
-    absl::Status st;
+    const ucp_ep_h ep = peer->second.ep;
+    const auto key = std::make_pair(h.client_id, h.request_id);
+    auto it = incoming.find(key);
+    if (it == incoming.end()) {
+      ExpireIncoming();
+      const size_t open = static_cast<size_t>(std::distance(
+          incoming.lower_bound({h.client_id, 0}), incoming.upper_bound({h.client_id, UINT64_MAX})));
+      if (open >= kMaxIncomingPerPeer) {
+        return Refuse(ep, h,
+                      absl::ResourceExhaustedError(absl::StrCat(
+                          "ucx: ", open, " requests of this client still missing fragments")));
+      }
+      absl::Status st = Admit(h);
+      absl::StatusOr<std::shared_ptr<Assembly>> a =
+          st.ok() ? Assembly::Start(worker->pool(), h.hidden_bytes + h.ids_bytes + h.weights_bytes,
+                                    h.frag_bytes)
+                  : st;
+      if (!a.ok()) {
+        // A request in several fragments: the rest are dropped on arrival.
+        if (m.len < h.hidden_bytes + h.ids_bytes + h.weights_bytes)
+          incoming.emplace(key, Incoming{h, nullptr, absl::Now()});
+        return Refuse(ep, h, a.status());
+      }
+      it = incoming.emplace(key, Incoming{h, *std::move(a), absl::Now()}).first;
+    }
+    Incoming& in = it->second;
+    if (in.a == nullptr) return;  // refused before
+    const UcxRequestHeader& first = in.h;
+    absl::StatusOr<uint8_t*> dst =
+        h.layer != first.layer || h.tokens != first.tokens || h.top_k != first.top_k ||
+                h.hidden_bytes != first.hidden_bytes || h.ids_bytes != first.ids_bytes ||
+                h.weights_bytes != first.weights_bytes || h.frag_bytes != first.frag_bytes
+            ? absl::InvalidArgumentError("the fragments of one request disagree on its header")
+            : in.a->Claim(h.frag_offset, m.len);
+    if (!dst.ok()) {
+      in.a = nullptr;  // receives in flight land in their own buffer and are dropped
+      return Refuse(ep, h, dst.status());
+    }
+    worker->Receive(m, *dst, [this, key, a = in.a](bool ok) {
+      if (!a->Landed(ok)) return;
+      auto it = incoming.find(key);
+      if (it == incoming.end() || it->second.a != a) return;  // dropped meanwhile
+      const UcxRequestHeader h = it->second.h;
+      incoming.erase(it);
+      if (!a->ok()) return;  // a transfer failed: the peer is going away
+      Serve(h, a->Take());
+    });
+  }
+
+  // Computes a whole request and answers it.
+  void Serve(const UcxRequestHeader& h, Bytes data) {
+    auto peer = peers.find(h.client_id);
+    if (peer == peers.end()) return;
     MoeCall call;
     call.layer = h.layer;
     call.tokens = h.tokens;
     call.top_k = h.top_k;
-    const uint64_t total = m.data.size();
-    if (m.refused_bytes > 0) {
-      // Name the field the header got wrong (tokens, top_k, a length) where
-      // it says; else the payload itself is the fault.
-      MoeCall shape = call;
-      shape.hidden_bytes = h.hidden_bytes;
-      shape.ids_bytes = h.ids_bytes;
-      shape.weights_bytes = h.weights_bytes;
-      st = ValidateMoeCallShape(handler->info(), shape);
-      if (st.ok()) {
-        st = absl::InvalidArgumentError(absl::StrCat(
-            "request payload of ", m.refused_bytes, " bytes over the shard's largest call (",
-            MaxRequestBytes(handler->info()), " bytes: max_tokens x (2 x hidden + 8 x top_k))"));
-      }
-    } else if (h.hidden_bytes > total || h.ids_bytes > total - h.hidden_bytes ||
-               h.weights_bytes != total - h.hidden_bytes - h.ids_bytes) {
-      st = absl::InvalidArgumentError(absl::StrCat("hidden/expert_ids/expert_weights: lengths ",
-                                                   h.hidden_bytes, "+", h.ids_bytes, "+",
-                                                   h.weights_bytes, " != payload ", total));
+    // The arrays are read in place from the (64-byte aligned) payload; one
+    // at an offset that is not a multiple of 4 (an odd tokens x hidden) is
+    // copied out first.
+    std::vector<int32_t> ids_copy;
+    std::vector<float> weights_copy;
+    const uint8_t* base = data.data();
+    call.hidden = reinterpret_cast<const uint16_t*>(base);
+    call.hidden_bytes = h.hidden_bytes;
+    const uint8_t* ids = base + h.hidden_bytes;
+    const uint8_t* weights = ids + h.ids_bytes;
+    if (reinterpret_cast<uintptr_t>(ids) % alignof(int32_t) != 0) {
+      ids_copy.resize(h.ids_bytes / 4 + 1);
+      std::memcpy(ids_copy.data(), ids, h.ids_bytes);
+      ids = reinterpret_cast<const uint8_t*>(ids_copy.data());
     }
-    // Align the int32/f32 arrays: copy them out of the byte payload.
-    std::vector<int32_t> ids;
-    std::vector<float> weights;
-    std::vector<uint16_t> hidden;
+    if (reinterpret_cast<uintptr_t>(weights) % alignof(float) != 0) {
+      weights_copy.resize(h.weights_bytes / 4 + 1);
+      std::memcpy(weights_copy.data(), weights, h.weights_bytes);
+      weights = reinterpret_cast<const uint8_t*>(weights_copy.data());
+    }
+    call.ids = reinterpret_cast<const int32_t*>(ids);
+    call.ids_bytes = h.ids_bytes;
+    call.weights = reinterpret_cast<const float*>(weights);
+    call.weights_bytes = h.weights_bytes;
+    const ShardInfo& info = handler->info();
+    const int64_t t = std::clamp<int64_t>(call.tokens, 0, info.max_tokens);
+    // The handler writes its answer straight into the buffer sent back.
+    Bytes answer = worker->Buffer(static_cast<size_t>(t * info.hidden) * sizeof(float));
     uint64_t ns = 0;
-    if (st.ok()) {
-      hidden.resize(h.hidden_bytes / 2 + 1);
-      ids.resize(h.ids_bytes / 4 + 1);
-      weights.resize(h.weights_bytes / 4 + 1);
-      if (h.hidden_bytes) std::memcpy(hidden.data(), m.data.data(), h.hidden_bytes);
-      if (h.ids_bytes) std::memcpy(ids.data(), m.data.data() + h.hidden_bytes, h.ids_bytes);
-      if (h.weights_bytes) {
-        std::memcpy(weights.data(), m.data.data() + h.hidden_bytes + h.ids_bytes, h.weights_bytes);
-      }
-      call.hidden = hidden.data();
-      call.hidden_bytes = h.hidden_bytes;
-      call.ids = ids.data();
-      call.ids_bytes = h.ids_bytes;
-      call.weights = weights.data();
-      call.weights_bytes = h.weights_bytes;
-      const ShardInfo& info = handler->info();
-      const int64_t t = std::clamp<int64_t>(call.tokens, 0, info.max_tokens);
-      out.resize(static_cast<size_t>(t * info.hidden));
-      st = handler->Handle(call, out.data(), &ns);
-    } else {
-      handler->Refused(st);
-    }
+    const absl::Status st = handler->Handle(call, reinterpret_cast<float*>(answer.data()), &ns);
+    if (!st.ok()) return AnswerError(peer->second.ep, h.request_id, st);
     UcxResponseHeader r{};
     r.request_id = h.request_id;
-    r.code = static_cast<int32_t>(st.code());
     r.compute_ns = ns;
-    std::vector<uint8_t> payload;
-    if (st.ok()) {
-      r.out_bytes =
-          static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(handler->info().hidden) * 4;
-      payload.resize(r.out_bytes);
-      std::memcpy(payload.data(), out.data(), r.out_bytes);
-    } else {
-      r.msg_len = static_cast<uint32_t>(st.message().size());
-      payload.assign(st.message().begin(), st.message().end());
-    }
-    worker->Send(peer->second.ep, kAmResponse,
-                 std::string(reinterpret_cast<const char*>(&r), sizeof(r)), std::move(payload));
+    r.out_bytes = static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(info.hidden) * 4;
+    r.frag_bytes = opts.fragment_bytes;
+    answer.Truncate(r.out_bytes);
+    Answer(peer->second.ep, r, std::move(answer));
   }
 };
 
 absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler,
                                                              const UcxServerOptions& opts) {
+  RETURN_IF_ERROR(CheckFragmentBytes(opts.fragment_bytes));
   auto s = std::unique_ptr<UcxServer>(new UcxServer());
   s->impl_ = std::make_unique<Impl>();
   Impl* impl = s->impl_.get();
@@ -648,8 +765,7 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler
     RETURN_IF_ERROR(impl->checker->Start());
   }
   auto w = Worker::Create(
-      kAmRequest, [impl](Message&& m) { impl->OnRequest(std::move(m)); }, 50,
-      handler != nullptr ? MaxRequestBytes(handler->info()) : 0);
+      kAmRequest, [impl](const Arrival& m) { impl->OnArrival(m); }, 50);
   if (!w.ok()) return w.status();
   impl->worker = std::move(*w);
   return s;
@@ -695,6 +811,7 @@ absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address
     auto it = impl->peers.find(client_id);
     if (it != impl->peers.end()) {
       impl->worker->CloseEp(it->second.ep);
+      impl->DropIncoming(client_id);
       impl->peers.erase(it);
       impl->n_endpoints.fetch_sub(1);
     } else if (impl->peers.size() >= impl->opts.max_endpoints) {
@@ -738,12 +855,22 @@ struct UcxClient::Impl {
   std::shared_ptr<ControlClient> control;
   ShardInfo info;  // what the service served at Create; each reconnect checks it still does
   int64_t hidden = 0;
+  uint64_t fragment_bytes = 0;
   uint64_t client_id = 0;
   std::unique_ptr<Worker> worker;
   ucp_ep_h ep = nullptr;        // progress thread only
   std::timed_mutex connect_mu;  // one handshake at a time
   std::mutex mu;
   std::condition_variable cv;
+  // Bumped with every notify of cv: Wait spins on it a moment before it
+  // sleeps (a small answer lands within tens of microseconds; a futex wake
+  // costs about as much).
+  std::atomic<uint64_t> wakeups{0};
+  int spin_us = 0;
+  void Notify() {  // mu held
+    wakeups.fetch_add(1, std::memory_order_release);
+    cv.notify_all();
+  }
   bool connected = false;
   // A call ran out its deadline: the next Submit re-handshakes first (the
   // service may have dropped its endpoint to us while ours looks up; our
@@ -760,6 +887,9 @@ struct UcxClient::Impl {
     uint64_t generation = 0;
     bool done = false;
     absl::Status status;
+    Bytes answer;  // status OK: out_bytes of f32 rows, copied to `out` by Wait
+    std::shared_ptr<Assembly> assembly;  // the answer's fragments arriving
+    UcxResponseHeader first{};           // the answer's first fragment's header
   };
   std::map<uint64_t, Pending> pending;
 
@@ -776,7 +906,7 @@ struct UcxClient::Impl {
         p.status = absl::UnavailableError(absl::StrCat("expert service (ucx): ", why));
       }
     }
-    cv.notify_all();
+    Notify();
   }
 
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t s) {
@@ -792,33 +922,72 @@ struct UcxClient::Impl {
     self->FailAll(gen, absl::StrCat("peer failure: ", ucs_status_string(s)));
   }
 
-  void OnResponse(Message&& m) {
+  // Ends a pending call (mu held).
+  void Finish(Pending& p, absl::Status st) {
+    p.status = std::move(st);
+    p.done = true;
+    p.assembly.reset();
+    Notify();
+  }
+
+  void OnArrival(const Arrival& m) {
     UcxResponseHeader h;
     if (m.header.size() != sizeof(h)) return;
     std::memcpy(&h, m.header.data(), sizeof(h));
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = pending.find(h.request_id);
-    if (it == pending.end()) return;  // abandoned after a deadline
-    Pending& p = it->second;
-    if (p.done) return;  // already ended (failed with its endpoint)
-    if (m.refused_bytes > 0) {
-      p.status =
-          absl::InternalError(absl::StrCat("expert service (ucx): a response of ", m.refused_bytes,
-                                           " bytes, expected ", p.out_bytes));
-      p.done = true;
-      cv.notify_all();
-      return;
+    std::shared_ptr<Assembly> a;
+    uint8_t* dst = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = pending.find(h.request_id);
+      if (it == pending.end()) return;  // abandoned after a deadline
+      Pending& p = it->second;
+      if (p.done) return;  // already ended (failed with its endpoint)
+      if (p.assembly == nullptr) {
+        // The first fragment: the answer's size must be the call's (or an
+        // error message's) before anything is received.
+        const uint64_t total = h.code == 0 ? h.out_bytes : h.msg_len;
+        if (h.code == 0 ? h.out_bytes != p.out_bytes : h.msg_len > kMaxErrorMessageBytes) {
+          return Finish(p, absl::InternalError(absl::StrCat(
+                               "expert service (ucx): a response of ", total, " bytes, expected ",
+                               h.code == 0 ? p.out_bytes : kMaxErrorMessageBytes)));
+        }
+        auto started = Assembly::Start(worker->pool(), total, h.frag_bytes);
+        if (!started.ok())
+          return Finish(p, Annotate(started.status(), "expert service (ucx): response"));
+        p.assembly = *std::move(started);
+        p.first = h;
+      }
+      const UcxResponseHeader& first = p.first;
+      absl::StatusOr<uint8_t*> d =
+          h.code != first.code || h.msg_len != first.msg_len || h.out_bytes != first.out_bytes ||
+                  h.frag_bytes != first.frag_bytes
+              ? absl::InternalError("the fragments of one response disagree on its header")
+              : p.assembly->Claim(h.frag_offset, m.len);
+      if (!d.ok()) return Finish(p, Annotate(d.status(), "expert service (ucx): response"));
+      a = p.assembly;
+      dst = *d;
     }
-    if (h.code != 0) {
-      p.status = absl::Status(static_cast<absl::StatusCode>(h.code),
-                              std::string(m.data.begin(), m.data.end()));
-    } else if (h.out_bytes != p.out_bytes || m.data.size() != h.out_bytes) {
-      p.status = absl::InternalError("expert service (ucx): response size mismatch");
-    } else {
-      if (h.out_bytes) std::memcpy(p.out, m.data.data(), h.out_bytes);
-    }
-    p.done = true;
-    cv.notify_all();
+    worker->Receive(m, dst, [this, id = h.request_id, a](bool ok) {
+      if (!a->Landed(ok)) return;
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = pending.find(id);
+      if (it == pending.end() || it->second.done || it->second.assembly != a) return;
+      Pending& p = it->second;
+      if (!a->ok()) {
+        return Finish(p,
+                      absl::UnavailableError("expert service (ucx): the answer's transfer failed"));
+      }
+      Bytes data = a->Take();
+      if (p.first.code != 0) {
+        return Finish(
+            p, absl::Status(static_cast<absl::StatusCode>(p.first.code),
+                            std::string(reinterpret_cast<const char*>(data.data()), data.size())));
+      }
+      // Copied to `out` by the waiting thread: the progress thread moves on
+      // to other calls' bytes meanwhile.
+      p.answer = std::move(data);
+      Finish(p, absl::OkStatus());
+    });
   }
 
   // Redoes the control-plane handshake and replaces the endpoint, within
@@ -882,17 +1051,19 @@ struct UcxClient::Impl {
 absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<ControlClient> control,
                                                              const ShardInfo& info,
                                                              const UcxClientOptions& opts) {
+  RETURN_IF_ERROR(CheckFragmentBytes(opts.fragment_bytes));
   auto c = std::unique_ptr<UcxClient>(new UcxClient());
   c->impl_ = std::make_unique<Impl>();
   Impl* impl = c->impl_.get();
   impl->control = std::move(control);
   impl->info = info;
   impl->hidden = info.hidden;
+  impl->fragment_bytes = opts.fragment_bytes;
+  impl->spin_us = opts.wait_spin_us;
   std::random_device rd;
   impl->client_id = (uint64_t{rd()} << 32) | rd();
   auto w = Worker::Create(
-      kAmResponse, [impl](Message&& m) { impl->OnResponse(std::move(m)); }, opts.spin_us,
-      MaxResponseBytes(info));
+      kAmResponse, [impl](const Arrival& m) { impl->OnArrival(m); }, opts.spin_us);
   if (!w.ok()) return w.status();
   impl->worker = std::move(*w);
   absl::Status st = impl->Connect(kConnectTimeout, absl::InfiniteFuture(), impl->generation);
@@ -951,7 +1122,7 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
     {
       std::lock_guard<std::mutex> lock(impl->mu);
       impl->handshaking = false;
-      impl->cv.notify_all();
+      impl->Notify();
     }
     // A service now serving other weights: say so (its old endpoint is
     // gone anyway); other failures keep the old endpoint.
@@ -965,7 +1136,7 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
   h.hidden_bytes = call.hidden_bytes;
   h.ids_bytes = call.ids_bytes;
   h.weights_bytes = call.weights_bytes;
-  std::vector<uint8_t> payload(call.hidden_bytes + call.ids_bytes + call.weights_bytes);
+  Bytes payload = impl->worker->Buffer(call.hidden_bytes + call.ids_bytes + call.weights_bytes);
   if (call.hidden_bytes) std::memcpy(payload.data(), call.hidden, call.hidden_bytes);
   if (call.ids_bytes) std::memcpy(payload.data() + call.hidden_bytes, call.ids, call.ids_bytes);
   if (call.weights_bytes) {
@@ -984,38 +1155,45 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
     p.generation = gen;
   }
   h.request_id = id;
-  impl->worker->Post([impl, id, hdr = std::string(reinterpret_cast<const char*>(&h), sizeof(h)),
-                      payload = std::move(payload)]() mutable {
-    // The endpoint and its generation change together on this thread: a
-    // reconnect between Submit and now means the call goes out on the new
-    // endpoint, so it belongs to the new generation (its failures and its
-    // deadline miss are that endpoint's).
-    uint64_t sent_gen;
-    {
-      std::lock_guard<std::mutex> lock(impl->mu);
-      sent_gen = impl->generation;
-      auto it = impl->pending.find(id);
-      // Already ended (failed with its endpoint, or abandoned at its deadline):
-      // nothing to send.
-      if (it == impl->pending.end() || it->second.done) return;
-      it->second.generation = sent_gen;
-    }
-    if (!impl->ep) {
-      std::lock_guard<std::mutex> lock(impl->mu);
-      impl->connected = false;  // the next Submit reconnects
-      auto it = impl->pending.find(id);
-      if (it != impl->pending.end() && !it->second.done) {
-        it->second.done = true;
-        it->second.status = absl::UnavailableError("expert service (ucx): not connected");
-        impl->cv.notify_all();
-      }
-      return;
-    }
-    impl->worker->Send(impl->ep, kAmRequest, std::move(hdr), std::move(payload),
-                       [impl, sent_gen](ucs_status_t s) {
-                         impl->FailAll(sent_gen, absl::StrCat("send: ", ucs_status_string(s)));
-                       });
-  });
+  h.frag_bytes = impl->fragment_bytes;
+  impl->worker->Post(
+      [impl, id, h, payload = std::make_shared<Bytes>(std::move(payload))]() mutable {
+        // The endpoint and its generation change together on this thread: a
+        // reconnect between Submit and now means the call goes out on the new
+        // endpoint, so it belongs to the new generation (its failures and its
+        // deadline miss are that endpoint's).
+        uint64_t sent_gen;
+        {
+          std::lock_guard<std::mutex> lock(impl->mu);
+          sent_gen = impl->generation;
+          auto it = impl->pending.find(id);
+          // Already ended (failed with its endpoint, or abandoned at its deadline):
+          // nothing to send.
+          if (it == impl->pending.end() || it->second.done) return;
+          it->second.generation = sent_gen;
+        }
+        if (!impl->ep) {
+          std::lock_guard<std::mutex> lock(impl->mu);
+          impl->connected = false;  // the next Submit reconnects
+          auto it = impl->pending.find(id);
+          if (it != impl->pending.end() && !it->second.done) {
+            it->second.done = true;
+            it->second.status = absl::UnavailableError("expert service (ucx): not connected");
+            impl->Notify();
+          }
+          return;
+        }
+        impl->worker->Send(
+            impl->ep, kAmRequest,
+            [&h](uint64_t offset) {
+              h.frag_offset = offset;
+              return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+            },
+            std::move(*payload), h.frag_bytes,
+            [impl, sent_gen](ucs_status_t s) {
+              impl->FailAll(sent_gen, absl::StrCat("send: ", ucs_status_string(s)));
+            });
+      });
   return id;
 }
 
@@ -1025,6 +1203,17 @@ absl::Status UcxClient::Wait(uint64_t handle, absl::Time deadline) {
   auto it = impl->pending.find(handle);
   if (it == impl->pending.end()) return absl::InvalidArgumentError("unknown handle");
   const auto until = absl::ToChronoTime(deadline);
+  if (!it->second.done && impl->spin_us > 0) {
+    // Only this Wait erases the entry: `it` stays valid while unlocked.
+    const uint64_t seen = impl->wakeups.load(std::memory_order_acquire);
+    lock.unlock();
+    const auto spin_end = std::min(
+        until, std::chrono::system_clock::now() + std::chrono::microseconds(impl->spin_us));
+    while (impl->wakeups.load(std::memory_order_acquire) == seen &&
+           std::chrono::system_clock::now() < spin_end) {
+    }
+    lock.lock();
+  }
   while (!it->second.done) {
     if (impl->cv.wait_until(lock, until) == std::cv_status::timeout && !it->second.done) {
       // Only a call on the current endpoint makes it suspect: calls left on
@@ -1035,7 +1224,11 @@ absl::Status UcxClient::Wait(uint64_t handle, absl::Time deadline) {
     }
   }
   absl::Status st = it->second.status;
+  Bytes answer = std::move(it->second.answer);
+  float* out = it->second.out;
   impl->pending.erase(it);
+  lock.unlock();
+  if (st.ok() && answer.size() > 0) std::memcpy(out, answer.data(), answer.size());
   return st;
 }
 

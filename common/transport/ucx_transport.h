@@ -23,7 +23,12 @@
 //
 // Messages are UCP active messages: id 1 request (header UcxRequestHeader,
 // data hidden | ids | weights), id 2 response (UcxResponseHeader, data = f32
-// output or the error message). Large payloads take UCX's rendezvous path.
+// output or the error message). A payload over fragment_bytes goes as
+// fragments of that size, each message carrying its offset; the receiver
+// lands each in place in one pooled buffer (no copies beyond UCX's own and
+// the caller's: Submit copies the call in, Wait copies the answer out) and
+// takes the payload once every fragment has arrived exactly once.
+// Fragments over UCX's rendezvous threshold take its rendezvous path.
 // Transports are picked by UCX_TLS as usual (tests: UCX_TLS=tcp,sm,self).
 #pragma once
 
@@ -36,6 +41,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/transport/fragments.h"
 #include "common/transport/moe_call.h"
 
 namespace hmoe {
@@ -47,6 +53,9 @@ struct UcxRequestHeader {
   uint64_t request_id;
   int32_t layer, tokens, top_k, pad;
   uint64_t hidden_bytes, ids_bytes, weights_bytes;
+  // This message's place in the payload (hidden | ids | weights), cut every
+  // frag_bytes (0: the payload is one message).
+  uint64_t frag_offset, frag_bytes;
 };
 struct UcxResponseHeader {
   uint64_t request_id;
@@ -54,7 +63,13 @@ struct UcxResponseHeader {
   uint32_t msg_len;
   uint64_t out_bytes;
   uint64_t compute_ns;
+  uint64_t frag_offset, frag_bytes;  // as in UcxRequestHeader; payload: output or message
 };
+
+// Payloads over this are sent as fragments of it, back to back: UCX moves a
+// run of 1 MiB messages faster than one 44 MB one (measured over TCP
+// loopback: 6.6 vs 3.5 GB/s) and the receiver's copies overlap the rest.
+inline constexpr uint64_t kDefaultUcxFragmentBytes = 1 << 20;
 
 // A UCX worker address is longer than this only if it is not one.
 inline constexpr size_t kMaxUcxAddressBytes = 64 << 10;
@@ -81,6 +96,11 @@ struct UcxServerOptions {
   // Clients with an endpoint at once; a new client over it: RESOURCE_EXHAUSTED
   // (a client reconnecting under its id replaces its own endpoint).
   size_t max_endpoints = 1024;
+  // Answers over this go out in fragments of it (>= 64 KiB; 0: one message).
+  uint64_t fragment_bytes = kDefaultUcxFragmentBytes;
+  // Requests still missing fragments this long after their first are
+  // dropped (a client that stopped sending part-way).
+  absl::Duration assembly_timeout = absl::Seconds(60);
 };
 
 // The checker's body: reads framed addresses from `in_fd` (u32 length, then
@@ -128,6 +148,11 @@ class UcxServer {
 
 struct UcxClientOptions {
   int spin_us = 50;  // progress busily this long before sleeping on the worker's event fd
+  // Wait spins this long for the answer before it sleeps (0: sleeps at
+  // once). Saves a futex wake on small calls where cores are spare.
+  int wait_spin_us = 0;
+  // Requests over this go out in fragments of it (>= 64 KiB; 0: one message).
+  uint64_t fragment_bytes = kDefaultUcxFragmentBytes;
 };
 
 class UcxClient : public MoeClient {

@@ -4,11 +4,14 @@
 //
 //   hmoe-expert-bench --targets=HOST:PORT[,HOST:PORT...] --transport=grpc|shm|ucx
 //       [--tokens=1,128] [--iters=200] [--warmup=20] [--verify-model-dir=DIR] [--zero-copy]
+//       [--ucx-fragment-bytes=N] [--ucx-wait-spin-us=N]
 //       [--auth-token-file=PATH] [--tls-ca-file=PEM [--tls-cert-file=PEM --tls-key-file=PEM]]
 //
 // Prints one JSON object per token count: transport, tokens, hidden, p50/p99/mean
 // round trip (us), mean shard compute (us, from the shards' stats) and
-// overhead = mean round trip - mean compute. With --verify-model-dir the
+// overhead = mean round trip - mean compute, and the bytes a call moves
+// (request: bf16 rows, ids, weights; answer: f32 rows) over the p50 round
+// trip as gb_per_s. With --verify-model-dir the
 // results are also compared with the in-process computation (max_rel_diff).
 // Exit status 0 on success, 1 on any failed request or verification.
 #include <algorithm>
@@ -69,6 +72,18 @@ int Main(int argc, char** argv) {
     } else if (a == "--warmup" && absl::SimpleAtoi(v, &warmup) && warmup >= 0) {
     } else if (a == "--verify-model-dir") {
       verify_dir = v;
+    } else if (a == "--ucx-fragment-bytes") {
+      uint64_t f = 0;
+      if (!absl::SimpleAtoi(v, &f) || !CheckFragmentBytes(f).ok()) {
+        std::fprintf(stderr, "--ucx-fragment-bytes: 0 or >= 65536\n");
+        return 2;
+      }
+      po.ucx.fragment_bytes = f;
+    } else if (a == "--ucx-wait-spin-us") {
+      if (!absl::SimpleAtoi(v, &po.ucx.wait_spin_us) || po.ucx.wait_spin_us < 0) {
+        std::fprintf(stderr, "--ucx-wait-spin-us: a count of microseconds\n");
+        return 2;
+      }
     } else if (a == "--zero-copy") {
       zero_copy = true;
     } else if (TakeTlsFlag(a, v, &tls)) {
@@ -203,6 +218,8 @@ int Main(int argc, char** argv) {
     const MoeCall call =
         MoeCall::Make(info.moe_layers[0], T, k, info.hidden, x.data(), ids.data(), w.data());
     std::vector<float> out(static_cast<size_t>(T * info.hidden));
+    const uint64_t call_bytes = call.hidden_bytes + call.ids_bytes + call.weights_bytes +
+                                static_cast<uint64_t>(T) * static_cast<uint64_t>(info.hidden) * 4;
     std::vector<double> us;
     uint64_t c0 = 0;
     for (int i = 0; i < warmup + iters; ++i) {
@@ -240,11 +257,11 @@ int Main(int argc, char** argv) {
     std::printf(
         "{\"transport\": \"%s\", \"shards\": %d, \"tokens\": %d, \"hidden\": %lld, \"iters\": %d, "
         "\"p50_us\": %.1f, \"p99_us\": %.1f, \"mean_us\": %.1f, \"compute_us\": %.1f, "
-        "\"overhead_us\": %.1f, \"max_rel_diff\": %.3g}\n",
+        "\"overhead_us\": %.1f, \"bytes\": %llu, \"gb_per_s\": %.3f, \"max_rel_diff\": %.3g}\n",
         shm ? "shm-zero-copy" : TransportKindName(po.transport), (*pool)->num_shards(), T,
         static_cast<long long>(info.hidden), iters, us[us.size() / 2],
         us[std::min(us.size() - 1, us.size() * 99 / 100)], mean, compute_us, mean - compute_us,
-        max_rel);
+        static_cast<unsigned long long>(call_bytes), call_bytes / us[us.size() / 2] / 1e3, max_rel);
     std::fflush(stdout);
   }
   return rc;

@@ -86,6 +86,7 @@ struct ServiceOptions {
   // Read from auth_token_file (off without it); SIGHUP re-reads it.
   std::shared_ptr<AuthTokens> auth_tokens = std::make_shared<AuthTokens>();
   int64_t max_peers = 64;
+  int64_t ucx_fragment_bytes = static_cast<int64_t>(kDefaultUcxFragmentBytes);
   TlsServerFiles tls;
   std::shared_ptr<grpc::ServerCredentials> credentials;  // from `tls`
 
@@ -99,6 +100,12 @@ struct ServiceOptions {
       return absl::InvalidArgumentError(
           absl::StrCat("--max-peers: ", max_peers, " outside [1, 65536]"));
     }
+    if (ucx_fragment_bytes < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ucx-fragment-bytes: ", ucx_fragment_bytes, " is negative"));
+    }
+    RETURN_IF_ERROR(Annotate(CheckFragmentBytes(static_cast<uint64_t>(ucx_fragment_bytes)),
+                             "--ucx-fragment-bytes"));
     if (!(drain_timeout_s >= 0 && drain_timeout_s <= 3600)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--drain-timeout-s: ", drain_timeout_s, " outside [0, 3600]"));
@@ -111,7 +118,7 @@ struct ServiceOptions {
         " cores=", cores.empty() ? "all" : cores, " shm=", shm, " ucx=", ucx,
         " drain_timeout_s=", drain_timeout_s, " instance=", instance.empty() ? "-" : instance,
         " auth=", auth_token_file.empty() ? "none" : "token file " + auth_token_file,
-        " max_peers=", max_peers,
+        " max_peers=", max_peers, " ucx_fragment_bytes=", ucx_fragment_bytes,
         " tls=", tls.enabled() ? (tls.client_ca_file.empty() ? "on" : "mutual") : "off");
   }
 };
@@ -215,6 +222,8 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
     else if (TakeTlsFlag(a, v, &o.tls)) {
     } else if (a == "--max-peers") {
       RETURN_IF_ERROR(int_of(&o.max_peers));
+    } else if (a == "--ucx-fragment-bytes") {
+      RETURN_IF_ERROR(int_of(&o.ucx_fragment_bytes));
     } else
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
   }
@@ -299,6 +308,8 @@ constexpr char kUsage[] =
     "    [--listen HOST:PORT] [--port-offset N] [--port-file PATH]\n"
     "    [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]\n"
     "    [--auth-token-file PATH] [--max-peers N]\n"
+    "    [--ucx-fragment-bytes N] (UCX answers over N bytes go in N-byte fragments;\n"
+    "                     default 1 MiB, 0: one message, else >= 65536)\n"
     "    [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
     "    [--no-memory-check] (load even if the packed weights exceed the node's,\n"
     "                     the machine's or the cgroup's memory)\n"
@@ -460,6 +471,7 @@ int Main(int argc, char** argv) {
     UcxServerOptions uo;
     uo.address_checker = {"/proc/self/exe", "--check-ucx-address"};
     uo.max_endpoints = static_cast<size_t>(o.max_peers);
+    uo.fragment_bytes = static_cast<uint64_t>(o.ucx_fragment_bytes);
     auto u = UcxServer::Create(shard->get(), uo);
     if (u.ok()) {
       ucx = std::move(*u);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/transport/grpc_client.h"
 #include "common/transport/grpc_status.h"
 #include "common/transport/ucx_transport.h"
@@ -65,16 +66,27 @@ absl::Status OneCall(UcxClient& client, const ShardInfo& info, absl::Duration ti
   return absl::OkStatus();
 }
 
+// One 5-token call answered exactly by a MixHandler-like shard.
+template <typename H>
+bool OneCallOk(UcxClient& client, const H& handler) {
+  auto rc = testing::MakeRandomCall(handler.info(), 0, 5, 77);
+  std::vector<float> want(static_cast<size_t>(5 * handler.info().hidden)), out(want.size());
+  handler.Compute(rc.call(), want.data());
+  auto h = client.Submit(rc.call(), out.data(), absl::Now() + absl::Seconds(10));
+  return h.ok() && client.Wait(*h, absl::Now() + absl::Seconds(10)).ok() && out == want;
+}
+
 // A UcxServer in front of `handler`, its control plane in process, and a
-// client that has completed one call.
+// client connected to it.
 struct Rig {
   std::unique_ptr<UcxServer> ucx;
   std::unique_ptr<Control> control_service;
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<UcxClient> client;
 
-  absl::Status Start(MoeHandler& handler) {
-    auto u = UcxServer::Create(&handler);
+  absl::Status Start(MoeHandler& handler, const UcxServerOptions& server_opts = {},
+                     const UcxClientOptions& client_opts = {}) {
+    auto u = UcxServer::Create(&handler, server_opts);
     if (!u.ok()) return u.status();
     ucx = std::move(*u);
     control_service = std::make_unique<Control>(ucx.get(), handler.info());
@@ -86,10 +98,10 @@ struct Rig {
     if (grpc_server == nullptr || port == 0) return absl::InternalError("no control server");
     auto control =
         std::make_shared<ControlClient>(MakeExpertChannel(absl::StrCat("127.0.0.1:", port)));
-    auto c = UcxClient::Create(control, handler.info());
+    auto c = UcxClient::Create(control, handler.info(), client_opts);
     if (!c.ok()) return c.status();
     client = std::move(*c);
-    return OneCall(*client, handler.info(), absl::Seconds(10));
+    return absl::OkStatus();
   }
   ~Rig() {
     client.reset();
@@ -103,6 +115,7 @@ TEST(UcxPeer, DroppedByTheServiceOneDeadlineThenAnsweredAgain) {
   Rig rig;
   absl::Status started = rig.Start(handler);
   ASSERT_TRUE(started.ok()) << started;
+  ASSERT_TRUE(OneCall(*rig.client, handler.info(), absl::Seconds(10)).ok());
   UcxServer& ucx = *rig.ucx;
   UcxClient& client = *rig.client;
   EXPECT_EQ(ucx.endpoints(), 1u);
@@ -165,6 +178,7 @@ TEST(UcxPeer, ClosingTheServerDeliversAnswersAlreadyComputed) {
     Rig rig;
     absl::Status started = rig.Start(handler);
     ASSERT_TRUE(started.ok()) << started;
+    ASSERT_TRUE(OneCall(*rig.client, handler.info(), absl::Seconds(10)).ok());
     const ShardInfo& info = handler.info();
     auto rc = testing::MakeRandomCall(info, info.moe_layers[0], 3, 11);
     std::vector<float> out(static_cast<size_t>(rc.tokens * info.hidden), -1.f);
@@ -179,6 +193,101 @@ TEST(UcxPeer, ClosingTheServerDeliversAnswersAlreadyComputed) {
         ASSERT_EQ(out[i], static_cast<float>(i / static_cast<size_t>(info.hidden) + 1)) << i;
     }
   }
+}
+
+// A shard whose answer depends on every byte of the request: row t, column
+// h is hidden[t][h] x (sum of row t's weights) + (sum of its expert ids), so
+// a fragment landed in the wrong place, twice or not at all changes it.
+class MixHandler : public MoeHandler {
+ public:
+  MixHandler() {
+    info_.hidden = 1536;
+    info_.top_k = 4;
+    info_.num_experts = 16;
+    info_.expert_end = 16;
+    info_.max_tokens = 700;
+    info_.moe_layers = {0};
+  }
+  const ShardInfo& info() const override { return info_; }
+  absl::Status Handle(const MoeCall& call, float* out, uint64_t* compute_ns) override {
+    if (absl::Status st = ValidateMoeCall(info_, call); !st.ok()) return st;
+    Compute(call, out);
+    if (compute_ns) *compute_ns = 0;
+    return absl::OkStatus();
+  }
+  void Compute(const MoeCall& call, float* out) const {
+    for (int64_t t = 0; t < call.tokens; ++t) {
+      float w = 0, ids = 0;
+      for (int j = 0; j < call.top_k; ++j) {
+        w += call.weights[t * call.top_k + j];
+        ids += static_cast<float>(call.ids[t * call.top_k + j]);
+      }
+      for (int64_t h = 0; h < info_.hidden; ++h)
+        out[t * info_.hidden + h] = Bf16ToF32(call.hidden[t * info_.hidden + h]) * w + ids;
+    }
+  }
+
+ private:
+  ShardInfo info_;
+};
+
+// Large calls (up to 2.2 MB of request, 4.3 MB of answer) cut into
+// fragments of several sizes on either side, some calls at once from
+// several threads: every answer is exactly the in-process one.
+TEST(UcxPeer, CallsInFragmentsAnswerExactly) {
+  testing::ScopedEnv tls("UCX_TLS", "tcp,sm,self");
+  MixHandler handler;
+  const ShardInfo& info = handler.info();
+  struct Sizes {
+    uint64_t client, server;
+  };
+  for (const Sizes sz : {Sizes{0, 0}, Sizes{kMinFragmentBytes, kMinFragmentBytes}, Sizes{100000, 0},
+                         Sizes{0, 333333}, Sizes{1 << 20, 1 << 20}}) {
+    SCOPED_TRACE(absl::StrCat("fragments: client ", sz.client, ", server ", sz.server));
+    UcxServerOptions so;
+    so.fragment_bytes = sz.server;
+    UcxClientOptions co;
+    co.fragment_bytes = sz.client;
+    Rig rig;
+    absl::Status started = rig.Start(handler, so, co);
+    ASSERT_TRUE(started.ok()) << started;
+    std::vector<std::thread> threads;
+    std::vector<std::string> failures(3);
+    for (int th = 0; th < 3; ++th) {
+      threads.emplace_back([&, th] {
+        int seed = th * 100;
+        for (const int32_t tokens : {1, 7, 333, 700, 42}) {
+          auto rc = testing::MakeRandomCall(info, 0, tokens, static_cast<uint64_t>(++seed));
+          std::vector<float> want(static_cast<size_t>(tokens * info.hidden));
+          handler.Compute(rc.call(), want.data());
+          std::vector<float> out(want.size(), -1.f);
+          auto h = rig.client->Submit(rc.call(), out.data(), absl::Now() + absl::Seconds(20));
+          absl::Status st =
+              h.ok() ? rig.client->Wait(*h, absl::Now() + absl::Seconds(20)) : h.status();
+          if (!st.ok()) {
+            failures[static_cast<size_t>(th)] += absl::StrCat(tokens, " tokens: ", st.ToString());
+          } else if (out != want) {
+            failures[static_cast<size_t>(th)] += absl::StrCat(tokens, " tokens: answer differs; ");
+          }
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& f : failures) EXPECT_EQ(f, "");
+    // A refused call in fragments is answered once, with the field named.
+    auto rc = testing::MakeRandomCall(info, 0, 700, 5);
+    MoeCall bad = rc.call();
+    bad.top_k = 3;  // the ids and weights no longer match
+    std::vector<float> out(static_cast<size_t>(700 * info.hidden));
+    auto h = rig.client->Submit(bad, out.data(), absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(h.ok());
+    absl::Status st = rig.client->Wait(*h, absl::Now() + absl::Seconds(20));
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_TRUE(OneCallOk(*rig.client, handler)) << "served after the refusal";
+  }
+  UcxServerOptions so;
+  so.fragment_bytes = 1000;
+  EXPECT_EQ(UcxServer::Create(&handler, so).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
