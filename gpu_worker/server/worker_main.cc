@@ -10,6 +10,8 @@
 //                   [--cuda-graphs on|off] [--cuda-expert-slots on|off]
 //                   [--gemm-attention-tokens 64] [--gemm-attention-tf32 on|off]
 //                   [--routing-stats-out FILE]
+//                   [--http-listen HOST:PORT [--http-port-file PATH]]
+//                   [--served-model-name NAME] [--chat-template FILE]
 //                   [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]
 //                   [--prefill-experts cpu|stream|auto] [--log-prefill-plans on|off]
 //                   [--prefill-rates FILE] [--prefill-prefetch on|off]
@@ -71,6 +73,17 @@
 // --drain-seconds (the rest end UNAVAILABLE), exit 0. A backend that failed
 // for good (a sticky CUDA error) turns health NOT_SERVING, fails what is in
 // flight, and the worker drains and exits 3 so systemd restarts it.
+// --http-listen HOST:PORT: also serve the OpenAI-compatible HTTP API there
+// (gpu_worker/server/http_service.h: /v1/chat/completions, /v1/completions,
+// /v1/models, /metrics, /health; off without it; 127.0.0.1:8000 is the usual
+// choice), with the same --auth-token-file tokens (as Bearer) and --tls-*
+// files (HTTPS) as the gRPC port; --http-port-file gets its bound port.
+// Clients name the model --served-model-name (default: the model
+// directory's name). Chat completions render the model's chat template
+// (tokenizer_config.json's chat_template, or chat_template.jinja; common/
+// chat_template.h), or --chat-template FILE's; a template with a construct
+// our interpreter does not support stops the worker at start (exit 1),
+// naming it and where.
 // --routing-stats-out FILE: at shutdown, the tokens routed to each expert of
 // each MoE layer (common/routing_stats.h JSON; `hmoe stats --save` gets the
 // same while it runs).
@@ -97,6 +110,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -104,6 +118,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
+#include "common/chat_template.h"
 #include "common/expert_placement.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
@@ -114,6 +129,7 @@
 #include "gpu_worker/hot_weights.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/server/generation_service.h"
+#include "gpu_worker/server/http_service.h"
 #include "gpu_worker/server/remote_experts.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -155,6 +171,10 @@ struct WorkerOptions {
   double hot_experts_gb = 0;
   std::string auth_token_file;
   std::string expert_auth_token_file;
+  std::string http_listen;     // empty: no HTTP API
+  std::string http_port_file;  // written with the HTTP port once serving
+  std::string served_model_name;
+  std::string chat_template;  // a .jinja file; empty: the model directory's
   TlsServerFiles tls;
   TlsClientFiles expert_tls;
 };
@@ -268,6 +288,14 @@ WorkerOptions ParseFlags(int argc, char** argv) {
       o.auth_token_file = v;
     else if (a == "--expert-auth-token-file")
       o.expert_auth_token_file = v;
+    else if (a == "--http-listen")
+      o.http_listen = v;
+    else if (a == "--http-port-file")
+      o.http_port_file = v;
+    else if (a == "--served-model-name")
+      o.served_model_name = v;
+    else if (a == "--chat-template")
+      o.chat_template = v;
     else if (TakeTlsFlag(a, v, &o.tls) || TakeTlsFlag(a, v, &o.expert_tls, "--expert-tls")) {
     } else if (a == "-h" || a == "--help") {
       std::printf(
@@ -283,6 +311,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
           "       [--log-prefill-plans on|off] [--prefill-rates FILE] [--prefill-prefetch on|off]\n"
           "       [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]\n"
           "       [--routing-stats-out FILE]\n"
+          "       [--http-listen HOST:PORT [--http-port-file PATH]] (OpenAI-compatible HTTP API)\n"
+          "       [--served-model-name NAME] [--chat-template FILE]\n"
           "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
           "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
           "       [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM --expert-tls-key-file "
@@ -293,6 +323,8 @@ WorkerOptions ParseFlags(int argc, char** argv) {
     }
   }
   if (o.model_dir.empty()) Die("--model DIR is required");
+  if (o.http_listen.empty() && !o.http_port_file.empty())
+    Die("--http-port-file needs --http-listen");
   return o;
 }
 
@@ -425,6 +457,33 @@ int Run(int argc, char** argv) {
       tokenizer = std::move(*t);
     }
   }
+  // The chat template (for the HTTP API's chat completions): parsed now, so
+  // a construct our interpreter does not support stops the worker here.
+  std::optional<ChatTemplate> chat;
+  std::string no_chat =
+      "the model directory has no chat template (tokenizer_config.json's "
+      "chat_template or chat_template.jinja; --chat-template FILE)";
+  if (!o.chat_template.empty()) {
+    std::ifstream in(o.chat_template, std::ios::binary);
+    if (!in) Die("--chat-template: cannot read " + o.chat_template, 1);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto from_dir = ChatTemplate::FromModelDir(o.model_dir);  // for its special tokens
+    std::optional<std::string> bos, eos;
+    if (from_dir.ok()) {
+      const auto& st = from_dir->special_tokens();
+      if (auto it = st.find("bos_token"); it != st.end()) bos = it->second;
+      if (auto it = st.find("eos_token"); it != st.end()) eos = it->second;
+    }
+    auto t = ChatTemplate::FromString(text.str(), bos, eos);
+    if (!t.ok())
+      Die(absl::StrCat("--chat-template ", o.chat_template, ": ", t.status().message()), 1);
+    chat = std::move(*t);
+  } else if (auto t = ChatTemplate::FromModelDir(o.model_dir); t.ok()) {
+    chat = std::move(*t);
+  } else if (!absl::IsNotFound(t.status())) {
+    Die("chat template: " + t.status().ToString(), 1);
+  }
   const bool hot = !o.hot_experts.empty() || !o.calibrate.empty() || o.hot_experts_gb > 0;
   if (o.prefill_experts != "cpu" && mo.backend != "cuda")
     Die("--prefill-experts " + o.prefill_experts + " needs the cuda backend (backend " +
@@ -526,13 +585,49 @@ int Run(int argc, char** argv) {
                "hmoe-gpu-worker: serving on port %d (%s, %lld-token context, experts: %s)\n", port,
                (*model)->config().model_type.c_str(),
                static_cast<long long>((*model)->options().max_seq_len), backend.c_str());
-  if (!o.port_file.empty()) {
-    const std::string tmp = o.port_file + ".tmp";
+  auto write_port = [](const std::string& path, int p, const char* flag) {
+    const std::string tmp = path + ".tmp";
     FILE* f = std::fopen(tmp.c_str(), "w");
-    if (f == nullptr || std::fprintf(f, "%d\n", port) < 0 || std::fclose(f) != 0 ||
-        std::rename(tmp.c_str(), o.port_file.c_str()) != 0)
-      Die("cannot write --port-file " + o.port_file, 1);
+    if (f == nullptr || std::fprintf(f, "%d\n", p) < 0 || std::fclose(f) != 0 ||
+        std::rename(tmp.c_str(), path.c_str()) != 0)
+      Die(absl::StrCat("cannot write ", flag, " ", path), 1);
+  };
+  // The expert shards' health as the monitor below last saw it (new HTTP
+  // requests get 503 while a shard is down).
+  std::atomic<bool> experts_up{true};
+  std::unique_ptr<HttpService> http;
+  if (!o.http_listen.empty()) {
+    HttpServiceOptions ho;
+    ho.listen = o.http_listen;
+    ho.model_name = o.served_model_name.empty()
+                        ? std::filesystem::path(o.model_dir).lexically_normal().filename().string()
+                        : o.served_model_name;
+    if (ho.model_name.empty()) ho.model_name = o.model_dir;
+    ho.auth_tokens = auth_tokens;
+    ho.tls = o.tls;
+    ho.threads = o.max_batch + o.max_queue + 16;
+    ho.ready = [&experts_up] { return experts_up.load(); };
+    auto h = HttpService::Start(engine->get(), tokenizer.get(), chat ? &*chat : nullptr, no_chat,
+                                std::move(ho));
+    if (!h.ok()) Die(h.status().ToString(), 1);
+    http = std::move(*h);
+    if (!IsLoopbackListenAddress(o.http_listen) && !auth_tokens->enabled()) {
+      std::fprintf(stderr,
+                   "hmoe-gpu-worker: warning: the HTTP API on %s is reachable beyond this host "
+                   "and no --auth-token-file is set: anyone who reaches it can use it\n",
+                   o.http_listen.c_str());
+    }
+    std::fprintf(
+        stderr,
+        "hmoe-gpu-worker: OpenAI-compatible HTTP API on port %d (%s, model \"%s\", chat %s)\n",
+        http->port(), o.tls.enabled() ? "https" : "http",
+        o.served_model_name.empty()
+            ? std::filesystem::path(o.model_dir).lexically_normal().filename().c_str()
+            : o.served_model_name.c_str(),
+        chat ? "on" : "off: no chat template");
+    if (!o.http_port_file.empty()) write_port(o.http_port_file, http->port(), "--http-port-file");
   }
+  if (!o.port_file.empty()) write_port(o.port_file, port, "--port-file");
   sd_notify(0, "READY=1");
 
   // Health follows the expert shards and the model: a backend that failed
@@ -565,6 +660,7 @@ int Run(int argc, char** argv) {
         }
         model_failed = true;
       }
+      experts_up = all_up;
       if (pool || model_failed) {
         std::lock_guard<std::mutex> lock(health_mu);
         if (!stopping.load()) health->SetServingStatus(all_up);
@@ -591,8 +687,10 @@ int Run(int argc, char** argv) {
     stopping = true;
     health->SetServingStatus(false);
   }
+  if (http) http->SetDraining();
   (*engine)->Shutdown(absl::Seconds(o.drain_seconds));  // new requests refused, in-flight finish
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (http) http->Stop();
   monitor.join();
   if (!o.routing_stats_out.empty()) {
     const std::string tmp = o.routing_stats_out + ".tmp";

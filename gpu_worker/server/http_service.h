@@ -1,0 +1,70 @@
+// The worker's OpenAI-compatible HTTP front end (cpp-httplib), beside the
+// gRPC one, over the same Engine:
+//   POST /v1/chat/completions, POST /v1/completions (streamed as
+//     server-sent events ending "data: [DONE]", or whole); GET /v1/models;
+//   GET /metrics (Prometheus text, from `metrics`); GET /health.
+// Errors are OpenAI's error JSON with the fitting status (openai_api.h):
+// 400 bad parameters (naming the field), 401 no or wrong bearer token, 404
+// another model or path, 413 a body over max_body_bytes, 429 the engine's
+// queue full, 503 draining or the expert service down.
+// A client that goes away cancels its request (the engine frees its KV
+// blocks at its next step): a streamed request notices at its next write; a
+// whole one is probed with a byte of JSON whitespace every probe_interval
+// while it waits (its body then starts with spaces, which JSON allows).
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/auth_token.h"
+#include "common/chat_template.h"
+#include "common/tokenizer.h"
+#include "common/transport/grpc_tls.h"
+#include "gpu_worker/engine/engine.h"
+
+namespace hmoe {
+
+struct HttpServiceOptions {
+  std::string listen = "127.0.0.1:8000";  // HOST:PORT (port 0: any; see port())
+  std::string model_name;                 // the `model` clients name and are told
+  // Non-null and on: /v1/* and /metrics need "Authorization: Bearer <token>".
+  std::shared_ptr<const AuthTokens> auth_tokens;
+  TlsServerFiles tls;  // cert + key: HTTPS (client_ca_file: clients need a certificate)
+  size_t max_body_bytes = 16 << 20;
+  int threads = 96;  // connections served at once (each streamed request holds one)
+  absl::Duration probe_interval = absl::Milliseconds(250);
+  std::function<std::string()> metrics;  // /metrics body; empty: 404
+  // False: new requests 503 (e.g. the expert service is down). Empty: always up.
+  std::function<bool()> ready;
+};
+
+class HttpService {
+ public:
+  // Borrowed: engine, tokenizer (may be null: token-id prompts only), chat
+  // (may be null: chat completions refused with `no_chat_template`).
+  static absl::StatusOr<std::unique_ptr<HttpService>> Start(Engine* engine,
+                                                            const Tokenizer* tokenizer,
+                                                            const ChatTemplate* chat,
+                                                            std::string no_chat_template,
+                                                            HttpServiceOptions options);
+  ~HttpService();  // Stop()
+  int port() const { return port_; }
+  // New requests get 503 from now on; those in flight go on.
+  void SetDraining() { draining_ = true; }
+  // Closes the listener and the connections; waits for the handlers.
+  void Stop();
+
+  struct Impl;
+
+ private:
+  HttpService() = default;
+  std::unique_ptr<Impl> impl_;
+  int port_ = 0;
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace hmoe
