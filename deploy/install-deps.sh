@@ -7,6 +7,7 @@ pkgs=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libdnnl-dev libucx-dev ucx-utils
   libgtest-dev libgmock-dev googletest libbenchmark-dev
+  prometheus  # promtool: tests check the rendered /metrics text
   nlohmann-json3-dev libpcre2-dev libnuma-dev libhwloc-dev libsystemd-dev libcpp-httplib-dev
   systemd iproute2 procps
   python3-grpcio python3-protobuf
