@@ -47,6 +47,7 @@ class Pair {
     ClientOptions o;
     o.target = worker_.target();
     o.tls = client_tls_;
+    o.auth_token = client_token_;
     auto c = Client::Connect(o);
     if (!c.ok()) return false;
     client_ = std::move(*c);
@@ -54,6 +55,10 @@ class Pair {
   }
   // TLS for the client Start connects (before Start).
   void set_client_tls(TlsClientFiles tls) { client_tls_ = std::move(tls); }
+  // The token the client Start connects sends (before Start).
+  void set_client_token(std::string token) { client_token_ = std::move(token); }
+  // A path in the pair's temporary directory (port files, token files).
+  std::string file(const std::string& name) const { return dir_.file(name); }
   // The processes' stderr to files (before Start): log("worker"), log("expert0").
   void set_capture_logs() { capture_logs_ = true; }
   std::string log(const std::string& process) const { return dir_.file(process + ".log"); }
@@ -67,6 +72,7 @@ class Pair {
   ServiceProcess worker_;
   std::unique_ptr<Client> client_;
   TlsClientFiles client_tls_;
+  std::string client_token_;
   bool capture_logs_ = false;
 };
 
