@@ -48,7 +48,31 @@ struct Engine::Request {
   bool holds_blocks = false;  // admitted: `blocks` counted in stats_.kv_blocks_used
   bool done = false;
   absl::Time submitted, admitted, first_token;
+  absl::Time last_token;  // with metrics only
   double prefill_ms = 0, decode_ms = 0;
+};
+
+namespace {
+enum PassKind { kPrefillPass, kDecodePass, kMixedPass };
+}  // namespace
+
+// Child pointers, looked up once at Create.
+struct Engine::Metrics {
+  static absl::StatusOr<std::unique_ptr<Metrics>> Register(MetricsRegistry& reg);
+
+  Counter* finished[static_cast<int>(FinishReason::kError) + 1] = {};  // by FinishReason
+  Counter* rejected = nullptr;
+  Counter* prompt_tokens = nullptr;
+  Counter* generation_tokens = nullptr;
+  Gauge* waiting = nullptr;
+  Gauge* running = nullptr;
+  Gauge* kv_used = nullptr;
+  Gauge* kv_total = nullptr;
+  Histogram* ttft = nullptr;
+  Histogram* itl = nullptr;
+  Histogram* e2e = nullptr;
+  Histogram* queue = nullptr;
+  Histogram* pass[3] = {};  // PassKind
 };
 
 namespace {
@@ -72,6 +96,65 @@ absl::Status ShutOutStatus() {
       "worker shutting down: the drain time ran out before this request finished");
 }
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine::Metrics>> Engine::Metrics::Register(MetricsRegistry& reg) {
+  auto m = std::make_unique<Metrics>();
+  ASSIGN_OR_RETURN(
+      CounterFamily finished,
+      reg.AddCounterFamily("hmoe_requests_finished_total",
+                           "Generation requests ended, by outcome: the final event's finish "
+                           "reason, or rejected (the queue was full at submit).",
+                           {"outcome"}));
+  for (FinishReason r : {FinishReason::kStopToken, FinishReason::kLength, FinishReason::kStopString,
+                         FinishReason::kCancelled, FinishReason::kDeadline, FinishReason::kError}) {
+    ASSIGN_OR_RETURN(m->finished[static_cast<int>(r)], finished.WithLabels({FinishReasonName(r)}));
+  }
+  ASSIGN_OR_RETURN(m->finished[static_cast<int>(FinishReason::kNone)],
+                   finished.WithLabels({"error"}));  // not reached: every end has a reason
+  ASSIGN_OR_RETURN(m->rejected, finished.WithLabels({"rejected"}));
+  ASSIGN_OR_RETURN(m->prompt_tokens,
+                   reg.AddCounter("hmoe_prompt_tokens_total", "Prompt tokens prefilled."));
+  ASSIGN_OR_RETURN(m->generation_tokens,
+                   reg.AddCounter("hmoe_generation_tokens_total", "Tokens generated."));
+  ASSIGN_OR_RETURN(m->waiting,
+                   reg.AddGauge("hmoe_requests_waiting", "Requests queued, not yet admitted."));
+  ASSIGN_OR_RETURN(m->running, reg.AddGauge("hmoe_requests_running",
+                                            "Requests admitted (prefilling or decoding)."));
+  ASSIGN_OR_RETURN(m->kv_used, reg.AddGauge("hmoe_kv_blocks_used",
+                                            "KV cache blocks reserved by running requests."));
+  ASSIGN_OR_RETURN(m->kv_total, reg.AddGauge("hmoe_kv_blocks_capacity",
+                                             "KV cache blocks in all (the engine's budget)."));
+  // Buckets for LLM serving: first tokens from milliseconds (a short prompt)
+  // to a minute (a long prefill behind a queue); tokens from 1 ms to 5 s.
+  ASSIGN_OR_RETURN(m->ttft, reg.AddHistogram("hmoe_time_to_first_token_seconds",
+                                             "From submit to the first generated token.",
+                                             {0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                                              0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 60}));
+  ASSIGN_OR_RETURN(m->itl, reg.AddHistogram("hmoe_inter_token_latency_seconds",
+                                            "Between consecutive generated tokens of a request.",
+                                            {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15,
+                                             0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5}));
+  ASSIGN_OR_RETURN(
+      m->e2e, reg.AddHistogram(
+                  "hmoe_request_duration_seconds", "From submit to the final event, any outcome.",
+                  {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600}));
+  ASSIGN_OR_RETURN(m->queue, reg.AddHistogram("hmoe_request_queue_seconds",
+                                              "From submit to admission (KV blocks and a batch "
+                                              "slot free).",
+                                              {0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                                               10, 30, 60}));
+  ASSIGN_OR_RETURN(
+      HistogramFamily pass,
+      reg.AddHistogramFamily(
+          "hmoe_forward_pass_seconds",
+          "One forward pass (Model::ForwardBatch) by kind: prefill (prompt "
+          "chunks only), decode (decode tokens only) or mixed.",
+          {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}, {"kind"}));
+  ASSIGN_OR_RETURN(m->pass[kPrefillPass], pass.WithLabels({"prefill"}));
+  ASSIGN_OR_RETURN(m->pass[kDecodePass], pass.WithLabels({"decode"}));
+  ASSIGN_OR_RETURN(m->pass[kMixedPass], pass.WithLabels({"mixed"}));
+  return m;
+}
 
 Engine::Engine(const Model* model, const Tokenizer* tokenizer, const EngineOptions& options)
     : model_(model), tokenizer_(tokenizer), options_(options) {}
@@ -124,12 +207,18 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model* model,
   }
   if (o.kv_blocks < 1)
     return absl::InvalidArgumentError(absl::StrCat("kv_blocks must be >= 1, got ", o.kv_blocks));
+  std::unique_ptr<Engine::Metrics> metrics;
+  if (o.metrics != nullptr) {
+    ASSIGN_OR_RETURN(metrics, Metrics::Register(*o.metrics));
+  }
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));
+  e->metrics_ = std::move(metrics);
   // A cache smaller than one context bounds every request's context too.
   e->max_seq_len_ = static_cast<int64_t>(
       std::min<__int128>(max_seq, static_cast<__int128>(o.kv_blocks) * o.kv_block_tokens));
   for (int64_t id : model->config().eos_token_ids) e->eos_ids_.push_back(static_cast<int32_t>(id));
   e->stats_.kv_blocks_total = o.kv_blocks;
+  if (e->metrics_) e->PublishGauges();
   e->thread_ = std::thread([p = e.get()] { p->Loop(); });
   return e;
 }
@@ -213,6 +302,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
     return absl::UnavailableError("engine is shutting down; not accepting requests");
   if (static_cast<int64_t>(waiting_.size()) >= options_.max_queue) {
     ++stats_.rejected;
+    if (metrics_) metrics_->rejected->Increment();
     return absl::ResourceExhaustedError(
         absl::StrCat("request queue is full (", options_.max_queue, " waiting); retry later"));
   }
@@ -220,6 +310,7 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateRequest req, Callback cb) {
   const uint64_t id = r->id;
   waiting_.push_back(std::move(r));
   stats_.waiting = static_cast<int64_t>(waiting_.size());
+  if (metrics_) PublishGauges();
   cv_.notify_all();
   return id;
 }
@@ -254,6 +345,14 @@ void Engine::ReleaseBlocks(Request& r) {
   stats_.kv_blocks_used -= r.blocks;
   --stats_.running;
   r.holds_blocks = false;
+  if (metrics_) PublishGauges();
+}
+
+void Engine::PublishGauges() {
+  metrics_->waiting->Set(static_cast<double>(stats_.waiting));
+  metrics_->running->Set(static_cast<double>(stats_.running));
+  metrics_->kv_used->Set(static_cast<double>(stats_.kv_blocks_used));
+  metrics_->kv_total->Set(static_cast<double>(stats_.kv_blocks_total));
 }
 
 void Engine::Finish(Request& r, FinishReason reason, absl::Status status) {
@@ -275,6 +374,10 @@ void Engine::Finish(Request& r, FinishReason reason, absl::Status status) {
   ev.prefill_ms = r.prefill_ms;
   ev.decode_ms = r.decode_ms;
   ev.time_to_first_token_ms = r.first_token == absl::Time() ? 0 : Ms(r.first_token - r.submitted);
+  if (metrics_) {
+    metrics_->finished[static_cast<int>(reason)]->Increment();
+    metrics_->e2e->Observe(absl::ToDoubleSeconds(now - r.submitted));
+  }
   r.seq.reset();  // frees the KV storage now
   {
     // Accounting is settled before the final event, so a client that sees
@@ -288,7 +391,19 @@ void Engine::Finish(Request& r, FinishReason reason, absl::Status status) {
 
 // Appends a sampled token; checks stop conditions; emits what can be emitted.
 void Engine::EmitToken(Request& r, int32_t token) {
-  if (r.first_token == absl::Time()) r.first_token = absl::Now();
+  const bool first = r.first_token == absl::Time();
+  if (first || metrics_) {
+    const absl::Time now = absl::Now();
+    if (first) r.first_token = now;
+    if (metrics_) {
+      if (first)
+        metrics_->ttft->Observe(absl::ToDoubleSeconds(now - r.submitted));
+      else
+        metrics_->itl->Observe(absl::ToDoubleSeconds(now - r.last_token));
+      metrics_->generation_tokens->Increment();
+    }
+    r.last_token = now;
+  }
   r.output.push_back(token);
   r.unsent_ids.push_back(token);
   {
@@ -380,15 +495,18 @@ void Engine::Step() {
     st.logits = &r.logits;
     steps.push_back(st);
   }
-  auto run = [&](absl::Span<const ForwardStep> s) {
+  auto run = [&](absl::Span<const ForwardStep> s, PassKind kind) {
     const absl::Time t0 = absl::Now();
     absl::Status st = model_->ForwardBatch(s);
-    return std::make_pair(st, Ms(absl::Now() - t0));
+    const absl::Duration took = absl::Now() - t0;
+    if (metrics_) metrics_->pass[kind]->Observe(absl::ToDoubleSeconds(took));
+    return std::make_pair(st, Ms(took));
   };
   auto settle = [&](const Entry& e, const absl::Status& st, double ms) {
     Request& r = *e.r;
     if (!st.ok()) return Finish(r, FinishReason::kError, st);
     if (e.prefill > 0) {
+      if (metrics_) metrics_->prompt_tokens->Increment(static_cast<double>(e.prefill));
       r.prefill_ms += ms;
       r.prefilled += e.prefill;
       if (r.prefilled == static_cast<int64_t>(r.req.prompt.size())) SampleNext(r);
@@ -398,7 +516,11 @@ void Engine::Step() {
       SampleNext(r);
     }
   };
-  auto [status, ms] = run(steps);
+  const bool any_prefill = entries.front().prefill > 0;  // prompt chunks come first
+  const bool any_decode = entries.back().prefill == 0;
+  auto [status, ms] = run(steps, any_prefill && any_decode ? kMixedPass
+                                 : any_prefill             ? kPrefillPass
+                                                           : kDecodePass);
   if (status.ok() || steps.size() == 1 || !StepSpecific(status)) {
     for (const Entry& e : entries) settle(e, status, ms);
     return;
@@ -406,7 +528,8 @@ void Engine::Step() {
   // A failed batch changed no Sequence: each step again on its own, until a
   // step fails for everyone's reason (then the rest fail with it unrun).
   for (size_t i = 0; i < entries.size(); ++i) {
-    auto [st, one_ms] = run(absl::MakeConstSpan(&steps[i], 1));
+    auto [st, one_ms] =
+        run(absl::MakeConstSpan(&steps[i], 1), entries[i].prefill > 0 ? kPrefillPass : kDecodePass);
     settle(entries[i], st, one_ms);
     if (!st.ok() && !StepSpecific(st)) {
       for (size_t j = i + 1; j < entries.size(); ++j) settle(entries[j], st, 0);
@@ -468,9 +591,11 @@ void Engine::Loop() {
         ++stats_.running;
         r->holds_blocks = true;
         r->admitted = now;
+        if (metrics_) metrics_->queue->Observe(absl::ToDoubleSeconds(now - r->submitted));
         running_.push_back(std::move(r));
       }
       stats_.waiting = static_cast<int64_t>(waiting_.size());
+      if (metrics_) PublishGauges();
       if (running_.empty() && ended.empty() && leaving.empty()) {
         if (shutting_down_ && waiting_.empty()) break;
         cv_.wait_for(lock, std::chrono::milliseconds(20));

@@ -41,12 +41,30 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/metrics.h"
 #include "common/tokenizer.h"
 #include "gpu_worker/engine/sampling.h"
 #include "gpu_worker/model.h"
 
 namespace hmoe {
 
+// The metrics an Engine with EngineOptions::metrics keeps:
+//   hmoe_requests_finished_total{outcome}  counter: stop, length, stop_string,
+//       cancelled (incl. shut out by a shutdown), deadline, error (final
+//       events by FinishReasonName), rejected (queue full at Submit)
+//   hmoe_prompt_tokens_total               counter: prompt tokens prefilled
+//   hmoe_generation_tokens_total           counter: tokens generated (sum of
+//       completion_tokens)
+//   hmoe_requests_waiting, hmoe_requests_running, hmoe_kv_blocks_used,
+//   hmoe_kv_blocks_capacity                gauges, as EngineStats (capacity:
+//                                          kv_blocks_total)
+//   hmoe_time_to_first_token_seconds       histogram: submit -> first token
+//   hmoe_inter_token_latency_seconds       histogram: per token after the first
+//   hmoe_request_duration_seconds          histogram: submit -> final event,
+//       every final event
+//   hmoe_request_queue_seconds             histogram: submit -> admission
+//   hmoe_forward_pass_seconds{kind}        histogram: one ForwardBatch;
+//       kind prefill (prompt chunks only), decode (decode tokens only), mixed
 struct EngineOptions {
   int max_batch = 16;            // requests decoded per step
   int max_queue = 64;            // waiting requests; a full queue -> RESOURCE_EXHAUSTED
@@ -54,6 +72,10 @@ struct EngineOptions {
   int64_t kv_blocks = 0;         // total blocks; 0: max_batch * ceil(max_seq_len / kv_block_tokens)
   int64_t prefill_chunk = 64;    // prompt tokens per scheduler step, all requests together
   uint64_t seed = 0x9e3779b97f4a7c15ull;  // base for requests without a seed
+  // Borrowed; outlives the engine. Null: no metrics (nothing measured).
+  // Create registers the metrics above in it (an error there fails
+  // Create); one engine per registry (a second shares the same series).
+  MetricsRegistry* metrics = nullptr;
 };
 
 enum class FinishReason { kNone, kLength, kStopToken, kStopString, kCancelled, kDeadline, kError };
@@ -151,6 +173,7 @@ class Engine {
 
  private:
   struct Request;
+  struct Metrics;
   Engine(const Model* model, const Tokenizer* tokenizer, const EngineOptions& options);
   void Loop();
   void Finish(Request& r, FinishReason reason, absl::Status status);
@@ -160,12 +183,15 @@ class Engine {
   void EmitToken(Request& r, int32_t token);
   void Step();
   void SampleNext(Request& r);
+  // Sets the gauges from stats_ (mu_ held; metrics_ set).
+  void PublishGauges();
 
   const Model* model_;
   const Tokenizer* tokenizer_;
   EngineOptions options_;
   int64_t max_seq_len_ = 0;
   std::vector<int32_t> eos_ids_;
+  std::unique_ptr<Metrics> metrics_;  // null without EngineOptions::metrics
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
