@@ -10,7 +10,7 @@ pkgs=(
   prometheus  # promtool: tests check the rendered /metrics text
   nlohmann-json3-dev libpcre2-dev libnuma-dev libhwloc-dev libsystemd-dev libcpp-httplib-dev
   systemd iproute2 procps
-  python3-grpcio python3-protobuf
+  python3-grpcio python3-protobuf python3-venv
   clang libclang-rt-14-dev
 )
 missing=()

@@ -11,6 +11,16 @@ start=$(date +%s)
 # ccache hits across checkouts in other folders (CI clones afresh each time).
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
 
+# The official OpenAI Python client for the HTTP API's end-to-end test
+# (pinned; test-only, the product never needs it).
+if ! build/openai-venv/bin/python -c "import openai" 2>/dev/null; then
+  echo "== openai client venv (tests/e2e/openai_client/requirements.txt)"
+  mkdir -p build
+  python3 -m venv build/openai-venv
+  build/openai-venv/bin/pip install -q --disable-pip-version-check \
+    -r tests/e2e/openai_client/requirements.txt
+fi
+
 echo "== normal build"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j"$jobs"

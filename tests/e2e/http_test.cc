@@ -443,5 +443,31 @@ TEST(HttpApi, AFullQueueIs429AndADownExpertServiceIs503) {
   EXPECT_EQ(status, 200);
 }
 
+// The official `openai` Python client (pinned in
+// tests/e2e/openai_client/requirements.txt, in the virtual environment
+// deploy/run-tests.sh makes) against the worker: chat and completions whole
+// and streamed, sampling fields, its exceptions for 404 / 400 / 401.
+TEST(HttpApi, TheOfficialOpenAiClient) {
+  const std::string python = std::string(HMOE_BINARY_DIR) + "/openai-venv/bin/python";
+  if (::access(python.c_str(), X_OK) != 0)
+    GTEST_SKIP() << "no " << python << " (deploy/run-tests.sh makes it with the pinned openai)";
+  HttpPair h;
+  { std::ofstream(h.pair.file("tokens")) << "client-key-0123456789\n"; }
+  ASSERT_EQ(::chmod(h.pair.file("tokens").c_str(), 0600), 0);
+  h.pair.set_client_token("client-key-0123456789");
+  ASSERT_TRUE(h.Start({"--auth-token-file=" + h.pair.file("tokens")}));
+  const std::string cmd = absl::StrCat(
+      python, " ", HMOE_SOURCE_DIR, "/tests/e2e/openai_client/check.py http://127.0.0.1:", h.port,
+      "/v1 ds3_fortunes client-key-0123456789 2>&1");
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  const int status = ::pclose(p);
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("ok   a wrong key -> AuthenticationError"), std::string::npos) << out;
+}
+
 }  // namespace
 }  // namespace hmoe
