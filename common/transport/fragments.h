@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -85,7 +86,8 @@ constexpr uint64_t kMinFragmentBytes = 64 << 10;
 // any order, each into its place in one pooled buffer: complete once every
 // fragment has landed exactly once. Shared by the map that finds it and the
 // receives in flight into it (its buffer outlives a dropped entry).
-// Not thread-safe: one thread (a UCX progress thread) drives it.
+// Thread-safe: with several UCX lanes its fragments are claimed and land on
+// several progress threads at once. Take() only after Landed() said true.
 class Assembly {
  public:
   // frag_bytes 0 (or over total): one message. INVALID_ARGUMENT when it is
@@ -104,7 +106,7 @@ class Assembly {
     a->frag_bytes_ = frag_bytes;
     const uint64_t n = total == 0 ? 1 : (total + frag_bytes - 1) / frag_bytes;
     a->claimed_.assign(n, false);
-    a->missing_ = n;
+    a->missing_.store(n, std::memory_order_relaxed);
     a->started_ = absl::Now();
     return a;
   }
@@ -120,6 +122,7 @@ class Assembly {
           absl::StrCat("fragment of ", len, " bytes at offset ", offset, " of a ", total,
                        "-byte payload cut every ", frag_bytes_, " bytes"));
     }
+    std::lock_guard<std::mutex> lock(mu_);
     if (claimed_[i]) {
       return absl::InvalidArgumentError(
           absl::StrCat("fragment at offset ", offset, " of the payload sent twice"));
@@ -131,19 +134,21 @@ class Assembly {
   // A claimed fragment's transfer ended (ok: its bytes are in place). True
   // once the last fragment has ended; ok() then says whether all arrived.
   bool Landed(bool ok) {
-    failed_ |= !ok;
-    return --missing_ == 0;
+    if (!ok) failed_.store(true, std::memory_order_relaxed);
+    // acq_rel: the last lander sees every other lander's bytes and verdict.
+    return missing_.fetch_sub(1, std::memory_order_acq_rel) == 1;
   }
-  bool ok() const { return !failed_; }
+  bool ok() const { return !failed_.load(std::memory_order_relaxed); }
   absl::Time started() const { return started_; }
   Bytes Take() { return std::move(buf_); }
 
  private:
   Bytes buf_;
   uint64_t frag_bytes_ = 0;
-  std::vector<bool> claimed_;
-  uint64_t missing_ = 0;
-  bool failed_ = false;
+  std::mutex mu_;
+  std::vector<bool> claimed_;  // mu_
+  std::atomic<uint64_t> missing_{0};
+  std::atomic<bool> failed_{false};
   absl::Time started_;
 };
 

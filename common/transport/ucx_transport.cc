@@ -29,6 +29,7 @@
 #include <mutex>
 #include <new>
 #include <random>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -64,8 +65,9 @@ constexpr uint64_t kMaxErrorMessageBytes = 64 << 10;
 // Zero bytes after a peer's address, as parsed by the checker and the service.
 constexpr size_t kAddressPad = 4096;
 
-// The UCP context and worker both sides (and the address checker) use.
-absl::Status InitUcp(ucp_context_h* context, ucp_worker_h* worker) {
+// The UCP context one side's lanes share (and the address checker's own).
+// `threads`: its workers run on several threads at once.
+absl::Status InitContext(bool threads, ucp_context_h* context) {
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcsError("config", s);
@@ -76,18 +78,42 @@ absl::Status InitUcp(ucp_context_h* context, ucp_worker_h* worker) {
   if (std::getenv("UCX_RNDV_THRESH") == nullptr)
     (void)ucp_config_modify(config, "RNDV_THRESH", "256k");
   ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = threads ? 1 : 0;
   s = ucp_init(&params, config, context);
   ucp_config_release(config);
   if (s != UCS_OK) return UcsError("init", s);
+  return absl::OkStatus();
+}
+
+// A worker driven by one thread at a time.
+absl::Status InitWorker(ucp_context_h context, ucp_worker_h* worker) {
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
-  s = ucp_worker_create(*context, &wp, worker);
+  const ucs_status_t s = ucp_worker_create(context, &wp, worker);
   if (s != UCS_OK) return UcsError("worker", s);
   return absl::OkStatus();
 }
+
+// A UCP context, cleaned up after the last of its workers is gone.
+class Context {
+ public:
+  static absl::StatusOr<std::shared_ptr<Context>> Create(bool threads) {
+    auto c = std::shared_ptr<Context>(new Context());
+    RETURN_IF_ERROR(InitContext(threads, &c->h_));
+    return c;
+  }
+  ~Context() {
+    if (h_ != nullptr) ucp_cleanup(h_);
+  }
+  ucp_context_h get() const { return h_; }
+
+ private:
+  Context() = default;
+  ucp_context_h h_ = nullptr;
+};
 
 // Frames between UcxServer and its checker child (one SOCK_STREAM
 // socketpair, fd kCheckerFd in the child): the child sends kCheckerReady
@@ -272,9 +298,21 @@ class AddressChecker {
   int fd_ = -1;
 };
 
-// Buffers kept for reuse per side: a call's request and answer, a few calls
-// in flight.
+// Buffers kept for reuse per side (shared by its lanes): a call's request
+// and answer, a few calls in flight.
 constexpr size_t kPooledBuffers = 4;
+
+// A payload of `total` bytes cut every frag_bytes (0 or >= total: one
+// message): fragment j is [offset(j), offset(j) + len(j)).
+struct Cut {
+  uint64_t total = 0, step = 0, count = 1;
+  uint64_t offset(uint64_t j) const { return j * step; }
+  uint64_t len(uint64_t j) const { return std::min(step, total - j * step); }
+};
+Cut CutPayload(uint64_t total, uint64_t frag_bytes) {
+  const uint64_t step = frag_bytes == 0 || frag_bytes >= total ? total : frag_bytes;
+  return Cut{total, step, step == 0 ? 1 : (total + step - 1) / step};
+}
 
 // One active message as UCX hands it over (progress thread, valid during the
 // callback only): the owner reads the header and, if it wants the bytes,
@@ -286,21 +324,22 @@ struct Arrival {
   bool rndv;
 };
 
-// A UCP context + worker driven by one progress thread. Everything touching
-// UCX runs on that thread; other threads Post() closures to it.
+// A UCP worker driven by one progress thread (one lane). Everything touching
+// the worker runs on that thread; other threads Post() closures to it.
 class Worker {
  public:
   // Runs on the progress thread for each message with id am_id. A message
   // it does not Receive is dropped (a rendezvous sender's data is released).
   using OnArrival = std::function<void(const Arrival&)>;
 
-  static absl::StatusOr<std::unique_ptr<Worker>> Create(uint16_t am_id, OnArrival on_arrival,
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(std::shared_ptr<Context> context,
+                                                        uint16_t am_id, OnArrival on_arrival,
                                                         int spin_us) {
     auto w = std::unique_ptr<Worker>(new Worker());
-    w->pool_ = std::make_shared<BufferPool>(kPooledBuffers);
+    w->context_ = std::move(context);
     w->on_arrival_ = std::move(on_arrival);
     w->spin_us_ = spin_us;
-    RETURN_IF_ERROR(InitUcp(&w->context_, &w->worker_));
+    RETURN_IF_ERROR(InitWorker(w->context_->get(), &w->worker_));
     ucp_address_t* addr = nullptr;
     size_t len = 0;
     ucs_status_t s = ucp_worker_get_address(w->worker_, &addr, &len);
@@ -322,21 +361,23 @@ class Worker {
   }
 
   ~Worker() {
-    // A Create that failed part-way has no progress thread (and maybe no
-    // worker) to signal.
+    Stop();
+    if (epoll_fd_ >= 0) ::close(epoll_fd_);
+    if (worker_) ucp_worker_destroy(worker_);
+  }
+
+  // Ends the progress thread (tasks posted later never run). A side with
+  // several lanes stops every lane before it destroys any: a lane's thread
+  // may post to another.
+  void Stop() {
+    // A Create that failed part-way has no progress thread to signal.
     if (thread_.joinable()) {
       Post([this] { stop_ = true; });
       thread_.join();
     }
-    if (epoll_fd_ >= 0) ::close(epoll_fd_);
-    if (worker_) ucp_worker_destroy(worker_);
-    if (context_) ucp_cleanup(context_);
   }
 
   const std::string& address() const { return address_; }
-  // n bytes from this side's pool (for payloads to Send). Thread-safe.
-  Bytes Buffer(size_t n) { return BufferPool::Get(pool_, n); }
-  const std::shared_ptr<BufferPool>& pool() const { return pool_; }
 
   void Post(std::function<void()> fn) {
     {
@@ -364,6 +405,10 @@ class Worker {
     cv.wait(lock, [&] { return done; });
     return result;
   }
+
+  // Sends handed to UCX and not yet complete (a rendezvous send completes
+  // once the peer has fetched the data). Any thread.
+  int64_t pending_sends() const { return pending_sends_.load(); }
 
   // ---- progress thread only ----
   absl::StatusOr<ucp_ep_h> CreateEp(const std::string& remote, ucp_err_handler_cb_t cb, void* arg) {
@@ -414,27 +459,17 @@ class Worker {
     }
   }
 
-  // Sends `payload` in fragments of frag_bytes (one message when it is 0 or
-  // the payload is no longer), each with header(offset of its first byte).
-  // The payload is shared by the fragments until the last completes.
-  // on_error runs for each fragment whose send fails.
-  void Send(ucp_ep_h ep, uint16_t id, const std::function<std::string(uint64_t offset)>& header,
-            Bytes payload, uint64_t frag_bytes,
-            const std::function<void(ucs_status_t)>& on_error = nullptr) {
-    auto shared = std::make_shared<Bytes>(std::move(payload));
-    const uint64_t total = shared->size();
-    const uint64_t step = frag_bytes == 0 || frag_bytes >= total ? total : frag_bytes;
-    uint64_t offset = 0;
-    do {
-      const uint64_t len = std::min(step, total - offset);
-      SendOne(ep, id, header(offset), shared, offset, len, on_error);
-      offset += len;
-    } while (offset < total);
+  // Sends fragments first, first + stride, ... of `payload` cut as `cut`,
+  // each with header(its offset). The payload is shared by the fragments
+  // (of every lane) until the last completes. on_error runs for each
+  // fragment whose send fails.
+  void SendFragments(ucp_ep_h ep, uint16_t id,
+                     const std::function<std::string(uint64_t offset)>& header,
+                     const std::shared_ptr<Bytes>& payload, const Cut& cut, uint64_t first,
+                     uint64_t stride, const std::function<void(ucs_status_t)>& on_error = nullptr) {
+    for (uint64_t j = first; j < cut.count; j += stride)
+      SendOne(ep, id, header(cut.offset(j)), payload, cut.offset(j), cut.len(j), on_error);
   }
-
-  // Sends handed to UCX and not yet complete (a rendezvous send completes
-  // once the peer has fetched the data).
-  int64_t pending_sends() const { return pending_sends_; }
 
  private:
   Worker() = default;
@@ -458,7 +493,7 @@ class Worker {
     p.cb.send = [](void* req, ucs_status_t s, void* user) {
       auto* op = static_cast<SendOp*>(user);
       if (s != UCS_OK && op->on_error) op->on_error(s);
-      --op->self->pending_sends_;
+      op->self->pending_sends_.fetch_sub(1);
       delete op;
       ucp_request_free(req);
     };
@@ -471,7 +506,7 @@ class Worker {
       if (op->on_error) op->on_error(UCS_PTR_STATUS(r));
       delete op;
     } else {
-      ++pending_sends_;
+      pending_sends_.fetch_add(1);
     }
   }
 
@@ -521,6 +556,7 @@ class Worker {
       while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
       ucp_request_free(r);
     }
+    closing_.clear();
   }
 
   // Progress thread only; the epoll fd is the worker's, closed with it.
@@ -534,23 +570,116 @@ class Worker {
     epoll_wait(epoll_fd_, &ev, 1, ms);
   }
 
-  ucp_context_h context_ = nullptr;
+  std::shared_ptr<Context> context_;  // outlives worker_
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
   int epoll_fd_ = -1;
   std::string address_;
-  std::shared_ptr<BufferPool> pool_;
   OnArrival on_arrival_;
   int spin_us_ = 50;
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
   std::vector<void*> closing_;
-  int64_t pending_sends_ = 0;  // progress thread only
+  std::atomic<int64_t> pending_sends_{0};
   bool stop_ = false;
   std::thread thread_;
 };
 
+constexpr char kAddressListMagic[] = "HMOELNS1";
+constexpr size_t kAddressListMagicBytes = 8;
+
+bool IsAddressList(const std::string& bytes) {
+  return bytes.size() >= kAddressListMagicBytes &&
+         std::memcmp(bytes.data(), kAddressListMagic, kAddressListMagicBytes) == 0;
+}
+
+void PutU32(std::string* s, uint32_t v) {
+  for (int i = 0; i < 4; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint32_t GetU32(const char* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t{static_cast<uint8_t>(p[i])} << (8 * i);
+  return v;
+}
+
+// Closes eps[i] on lane i's worker: now for `here` (the calling progress
+// thread's lane), posted to the others' threads.
+template <typename Lanes>
+void CloseEps(const Lanes& lanes, const std::vector<ucp_ep_h>& eps, size_t here) {
+  for (size_t i = 0; i < eps.size() && i < lanes.size(); ++i) {
+    if (eps[i] == nullptr) continue;
+    Worker* w = lanes[i]->worker.get();
+    if (i == here) {
+      w->CloseEp(eps[i]);
+    } else {
+      w->Post([w, ep = eps[i]] { w->CloseEp(ep); });
+    }
+  }
+}
+constexpr size_t kNoLane = SIZE_MAX;
+
 }  // namespace
+
+absl::Status CheckUcxLanes(int lanes, const char* field) {
+  if (lanes < 1 || lanes > kMaxUcxLanes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", lanes, " outside [1, ", kMaxUcxLanes, "]"));
+  }
+  return absl::OkStatus();
+}
+
+std::string EncodeUcxAddresses(const std::vector<std::string>& addresses) {
+  if (addresses.size() == 1) return addresses[0];
+  std::string s(kAddressListMagic, kAddressListMagicBytes);
+  PutU32(&s, static_cast<uint32_t>(addresses.size()));
+  for (const std::string& a : addresses) {
+    PutU32(&s, static_cast<uint32_t>(a.size()));
+    s += a;
+  }
+  return s;
+}
+
+absl::StatusOr<std::vector<std::string>> DecodeUcxAddresses(const std::string& bytes,
+                                                            const char* field) {
+  if (!IsAddressList(bytes)) {
+    if (bytes.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": empty"));
+    if (bytes.size() > kMaxUcxAddressBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": ", bytes.size(), " bytes, over the ",
+                                                     kMaxUcxAddressBytes, " a UCX address takes"));
+    }
+    return std::vector<std::string>{bytes};
+  }
+  size_t at = kAddressListMagicBytes;
+  auto cut_short = [&](const char* what) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": lane list of ", bytes.size(),
+                                                   " bytes ends inside ", what, " at byte ", at));
+  };
+  if (bytes.size() - at < 4) return cut_short("its count");
+  const uint32_t n = GetU32(bytes.data() + at);
+  at += 4;
+  if (n < 1 || n > static_cast<uint32_t>(kMaxUcxLanes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": lane list of ", n, " addresses (1 to ", kMaxUcxLanes, ")"));
+  }
+  std::vector<std::string> out;
+  for (uint32_t i = 0; i < n; ++i) {
+    if (bytes.size() - at < 4) return cut_short("a length");
+    const uint32_t len = GetU32(bytes.data() + at);
+    at += 4;
+    if (len == 0 || len > kMaxUcxAddressBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": lane ", i, "'s address of ", len,
+                                                     " bytes (1 to ", kMaxUcxAddressBytes, ")"));
+    }
+    if (bytes.size() - at < len) return cut_short("an address");
+    out.emplace_back(bytes, at, len);
+    at += len;
+  }
+  if (at != bytes.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", bytes.size() - at, " bytes after the lane list's last address"));
+  }
+  return out;
+}
 
 // ---- server -------------------------------------------------------------------
 
@@ -558,28 +687,55 @@ struct UcxServer::Impl {
   MoeHandler* handler = nullptr;
   UcxServerOptions opts;
   std::unique_ptr<AddressChecker> checker;  // null: addresses not checked
-  std::unique_ptr<Worker> worker;
-  struct Peer {
-    ucp_ep_h ep = nullptr;
+  std::shared_ptr<BufferPool> pool;
+  struct Lane {
+    Impl* impl;
+    size_t index;
+    std::unique_ptr<Worker> worker;
   };
-  std::map<uint64_t, Peer> peers;  // progress thread only
+  std::vector<std::unique_ptr<Lane>> lanes;
+  struct Peer {
+    // eps[i] is on lanes[i]'s worker, created and closed on its thread.
+    std::vector<ucp_ep_h> eps;
+    uint64_t incarnation = 0;  // which Connect made them
+  };
+  std::mutex mu;
+  std::map<uint64_t, Peer> peers;  // mu
+  uint64_t incarnations = 0;       // mu
+  // Endpoints that failed while not (yet) a peer's, recorded while a
+  // Connect is between creating endpoints and installing them (mu).
+  int connecting = 0;
+  std::set<ucp_ep_h> failed_early;
   std::atomic<uint64_t> n_endpoints{0}, n_failures{0};
+  // Answers being computed or handed to lanes: the destructor's drain waits
+  // for them to reach UCX (then for UCX's pending sends).
+  std::atomic<int64_t> answering{0};
 
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t) {
-    auto* self = static_cast<Impl*>(arg);
+    auto* lane = static_cast<Lane*>(arg);
+    Impl* self = lane->impl;
     self->n_failures.fetch_add(1);
-    for (auto it = self->peers.begin(); it != self->peers.end(); ++it) {
-      if (it->second.ep == ep) {
-        self->DropPeer(it);
-        break;
+    std::vector<ucp_ep_h> eps;
+    {
+      std::lock_guard<std::mutex> lock(self->mu);
+      auto it = std::find_if(self->peers.begin(), self->peers.end(), [&](const auto& kv) {
+        return lane->index < kv.second.eps.size() && kv.second.eps[lane->index] == ep;
+      });
+      if (it == self->peers.end()) {
+        if (self->connecting > 0) self->failed_early.insert(ep);
+        return;
       }
+      eps = self->ErasePeer(it);
     }
+    CloseEps(self->lanes, eps, lane->index);
   }
-  void DropPeer(std::map<uint64_t, Peer>::iterator it) {
-    worker->CloseEp(it->second.ep);
+  // mu held. Forgets a peer; returns its endpoints for CloseEps.
+  std::vector<ucp_ep_h> ErasePeer(std::map<uint64_t, Peer>::iterator it) {
+    std::vector<ucp_ep_h> eps = std::move(it->second.eps);
     DropIncoming(it->first);
     peers.erase(it);
     n_endpoints.fetch_sub(1);
+    return eps;
   }
 
   // Requests whose fragments are still arriving, by (client id, request
@@ -589,15 +745,15 @@ struct UcxServer::Impl {
     std::shared_ptr<Assembly> a;
     absl::Time started;
   };
-  std::map<std::pair<uint64_t, uint64_t>, Incoming> incoming;  // progress thread only
+  std::map<std::pair<uint64_t, uint64_t>, Incoming> incoming;  // mu
   // Requests one client may have part-way at once (more: RESOURCE_EXHAUSTED).
   static constexpr size_t kMaxIncomingPerPeer = 64;
 
-  void DropIncoming(uint64_t client_id) {
+  void DropIncoming(uint64_t client_id) {  // mu held
     incoming.erase(incoming.lower_bound({client_id, 0}),
                    incoming.upper_bound({client_id, UINT64_MAX}));
   }
-  void ExpireIncoming() {
+  void ExpireIncoming() {  // mu held
     const absl::Time too_old = absl::Now() - opts.assembly_timeout;
     std::erase_if(incoming, [&](const auto& kv) { return kv.second.started < too_old; });
   }
@@ -625,88 +781,152 @@ struct UcxServer::Impl {
                      " bytes: max_tokens x (2 x hidden + 8 x top_k))"));
   }
 
-  void Answer(ucp_ep_h ep, UcxResponseHeader r, Bytes payload) {
-    worker->Send(
-        ep, kAmResponse,
-        [r](uint64_t offset) mutable {
-          r.frag_offset = offset;
-          return std::string(reinterpret_cast<const char*>(&r), sizeof(r));
-        },
-        std::move(payload), r.frag_bytes);
+  // Sends `payload` to client `client_id` as response fragments striped
+  // over its lanes: fragment j on lane (j + here) mod n, n = min(its lanes,
+  // fragments), so one fragment goes on lane 0. Called on lane `here`'s
+  // progress thread: that lane's part is sent now, the others' posted.
+  void Answer(size_t here, uint64_t client_id, UcxResponseHeader r, Bytes payload) {
+    answering.fetch_add(1);
+    size_t n = 0;
+    uint64_t incarnation = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto p = peers.find(client_id);
+      if (p != peers.end()) {
+        n = p->second.eps.size();
+        incarnation = p->second.incarnation;
+      }
+    }
+    const Cut cut = CutPayload(payload.size(), r.frag_bytes);
+    const size_t used = static_cast<size_t>(std::min<uint64_t>(n, cut.count));
+    auto shared = std::make_shared<Bytes>(std::move(payload));
+    std::function<void()> now;
+    for (size_t lane = 0; lane < used; ++lane) {
+      answering.fetch_add(1);
+      // The fragments j with (j + here) mod used == lane; sent on the
+      // endpoint of the Connect that was current at the answer (a client
+      // reconnecting meanwhile gets none of them, not half).
+      auto send = [this, lane, first = (lane + used - here % used) % used, used, client_id,
+                   incarnation, r, shared, cut] {
+        ucp_ep_h ep = nullptr;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          auto p = peers.find(client_id);
+          if (p != peers.end() && p->second.incarnation == incarnation) ep = p->second.eps[lane];
+        }
+        if (ep != nullptr) {
+          lanes[lane]->worker->SendFragments(
+              ep, kAmResponse,
+              [r](uint64_t offset) mutable {
+                r.frag_offset = offset;
+                return std::string(reinterpret_cast<const char*>(&r), sizeof(r));
+              },
+              shared, cut, first, used);
+        }
+        answering.fetch_sub(1);
+      };
+      if (lane == here) {
+        now = std::move(send);
+      } else {
+        lanes[lane]->worker->Post(std::move(send));
+      }
+    }
+    if (now) now();
+    answering.fetch_sub(1);
   }
-  void AnswerError(ucp_ep_h ep, uint64_t request_id, const absl::Status& st) {
+  void AnswerError(size_t here, uint64_t client_id, uint64_t request_id, const absl::Status& st) {
     UcxResponseHeader r{};
     r.request_id = request_id;
     r.code = static_cast<int32_t>(st.code());
     r.msg_len = static_cast<uint32_t>(st.message().size());
-    Bytes msg = worker->Buffer(st.message().size());
+    Bytes msg = BufferPool::Get(pool, st.message().size());
     std::memcpy(msg.data(), st.message().data(), st.message().size());
-    Answer(ep, r, std::move(msg));
+    Answer(here, client_id, r, std::move(msg));
   }
-  void Refuse(ucp_ep_h ep, const UcxRequestHeader& h, const absl::Status& st) {
+  void Refuse(size_t here, const UcxRequestHeader& h, const absl::Status& st) {
     handler->Refused(st);
-    AnswerError(ep, h.request_id, st);
+    AnswerError(here, h.client_id, h.request_id, st);
   }
 
-  void OnArrival(const Arrival& m) {
+  // A request fragment on `lane` (its progress thread).
+  void OnArrival(Lane* lane, const Arrival& m) {
     UcxRequestHeader h;
     if (m.header.size() != sizeof(h)) return;  // not ours: no id to answer
     std::memcpy(&h, m.header.data(), sizeof(h));
-    auto peer = peers.find(h.client_id);
-    if (peer == peers.end()) return;
-    const ucp_ep_h ep = peer->second.ep;
     const auto key = std::make_pair(h.client_id, h.request_id);
-    auto it = incoming.find(key);
-    if (it == incoming.end()) {
-      ExpireIncoming();
-      const size_t open = static_cast<size_t>(std::distance(
-          incoming.lower_bound({h.client_id, 0}), incoming.upper_bound({h.client_id, UINT64_MAX})));
-      if (open >= kMaxIncomingPerPeer) {
-        return Refuse(ep, h,
-                      absl::ResourceExhaustedError(absl::StrCat(
-                          "ucx: ", open, " requests of this client still missing fragments")));
-      }
-      absl::Status st = Admit(h);
-      absl::StatusOr<std::shared_ptr<Assembly>> a =
-          st.ok() ? Assembly::Start(worker->pool(), h.hidden_bytes + h.ids_bytes + h.weights_bytes,
-                                    h.frag_bytes)
-                  : st;
-      if (!a.ok()) {
-        // A request in several fragments: the rest are dropped on arrival.
-        if (m.len < h.hidden_bytes + h.ids_bytes + h.weights_bytes)
-          incoming.emplace(key, Incoming{h, nullptr, absl::Now()});
-        return Refuse(ep, h, a.status());
-      }
-      it = incoming.emplace(key, Incoming{h, *std::move(a), absl::Now()}).first;
-    }
-    Incoming& in = it->second;
-    if (in.a == nullptr) return;  // refused before
-    const UcxRequestHeader& first = in.h;
-    absl::StatusOr<uint8_t*> dst =
-        h.layer != first.layer || h.tokens != first.tokens || h.top_k != first.top_k ||
-                h.hidden_bytes != first.hidden_bytes || h.ids_bytes != first.ids_bytes ||
-                h.weights_bytes != first.weights_bytes || h.frag_bytes != first.frag_bytes
-            ? absl::InvalidArgumentError("the fragments of one request disagree on its header")
-            : in.a->Claim(h.frag_offset, m.len);
-    if (!dst.ok()) {
-      in.a = nullptr;  // receives in flight land in their own buffer and are dropped
-      return Refuse(ep, h, dst.status());
-    }
-    worker->Receive(m, *dst, [this, key, a = in.a](bool ok) {
-      if (!a->Landed(ok)) return;
+    absl::Status refused;
+    std::shared_ptr<Assembly> a;
+    uint8_t* dst = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (peers.find(h.client_id) == peers.end()) return;
       auto it = incoming.find(key);
-      if (it == incoming.end() || it->second.a != a) return;  // dropped meanwhile
-      const UcxRequestHeader h = it->second.h;
-      incoming.erase(it);
+      if (it == incoming.end()) {
+        ExpireIncoming();
+        const size_t open =
+            static_cast<size_t>(std::distance(incoming.lower_bound({h.client_id, 0}),
+                                              incoming.upper_bound({h.client_id, UINT64_MAX})));
+        const uint64_t total = h.hidden_bytes + h.ids_bytes + h.weights_bytes;
+        absl::Status admitted =
+            open >= kMaxIncomingPerPeer
+                ? absl::ResourceExhaustedError(absl::StrCat(
+                      "ucx: ", open, " requests of this client still missing fragments"))
+                : Admit(h);
+        absl::StatusOr<std::shared_ptr<Assembly>> started =
+            admitted.ok() ? Assembly::Start(pool, total, h.frag_bytes) : admitted;
+        if (!started.ok()) {
+          // A request in several fragments: the rest are dropped on arrival
+          // (a full client's are not remembered either).
+          if (m.len < total && open < kMaxIncomingPerPeer)
+            incoming.emplace(key, Incoming{h, nullptr, absl::Now()});
+          refused = started.status();
+        } else {
+          it = incoming.emplace(key, Incoming{h, *std::move(started), absl::Now()}).first;
+        }
+      }
+      if (refused.ok()) {
+        Incoming& in = it->second;
+        if (in.a == nullptr) return;  // refused before
+        const UcxRequestHeader& first = in.h;
+        absl::StatusOr<uint8_t*> d =
+            h.layer != first.layer || h.tokens != first.tokens || h.top_k != first.top_k ||
+                    h.hidden_bytes != first.hidden_bytes || h.ids_bytes != first.ids_bytes ||
+                    h.weights_bytes != first.weights_bytes || h.frag_bytes != first.frag_bytes
+                ? absl::InvalidArgumentError("the fragments of one request disagree on its header")
+                : in.a->Claim(h.frag_offset, m.len);
+        if (d.ok()) {
+          a = in.a;
+          dst = *d;
+        } else {
+          in.a = nullptr;  // receives in flight land in their own buffer and are dropped
+          refused = d.status();
+        }
+      }
+    }
+    const size_t here = lane->index;
+    if (!refused.ok()) return Refuse(here, h, refused);
+    lane->worker->Receive(m, dst, [this, key, a, here](bool ok) {
+      if (!a->Landed(ok)) return;
+      UcxRequestHeader h;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        auto it = incoming.find(key);
+        if (it == incoming.end() || it->second.a != a) return;  // dropped meanwhile
+        h = it->second.h;
+        incoming.erase(it);
+      }
       if (!a->ok()) return;  // a transfer failed: the peer is going away
-      Serve(h, a->Take());
+      Serve(here, h, a->Take());
     });
   }
 
-  // Computes a whole request and answers it.
-  void Serve(const UcxRequestHeader& h, Bytes data) {
-    auto peer = peers.find(h.client_id);
-    if (peer == peers.end()) return;
+  // Computes a whole request and answers it (on lane `here`'s thread).
+  void Serve(size_t here, const UcxRequestHeader& h, Bytes data) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (peers.find(h.client_id) == peers.end()) return;
+      answering.fetch_add(1);
+    }
     MoeCall call;
     call.layer = h.layer;
     call.tokens = h.tokens;
@@ -738,109 +958,198 @@ struct UcxServer::Impl {
     const ShardInfo& info = handler->info();
     const int64_t t = std::clamp<int64_t>(call.tokens, 0, info.max_tokens);
     // The handler writes its answer straight into the buffer sent back.
-    Bytes answer = worker->Buffer(static_cast<size_t>(t * info.hidden) * sizeof(float));
+    Bytes answer = BufferPool::Get(pool, static_cast<size_t>(t * info.hidden) * sizeof(float));
     uint64_t ns = 0;
     const absl::Status st = handler->Handle(call, reinterpret_cast<float*>(answer.data()), &ns);
-    if (!st.ok()) return AnswerError(peer->second.ep, h.request_id, st);
-    UcxResponseHeader r{};
-    r.request_id = h.request_id;
-    r.compute_ns = ns;
-    r.out_bytes = static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(info.hidden) * 4;
-    r.frag_bytes = opts.fragment_bytes;
-    answer.Truncate(r.out_bytes);
-    Answer(peer->second.ep, r, std::move(answer));
+    if (!st.ok()) {
+      AnswerError(here, h.client_id, h.request_id, st);
+    } else {
+      UcxResponseHeader r{};
+      r.request_id = h.request_id;
+      r.compute_ns = ns;
+      r.out_bytes = static_cast<uint64_t>(call.tokens) * static_cast<uint64_t>(info.hidden) * 4;
+      r.frag_bytes = opts.fragment_bytes;
+      answer.Truncate(r.out_bytes);
+      Answer(here, h.client_id, r, std::move(answer));
+    }
+    answering.fetch_sub(1);
+  }
+
+  // Every lane's thread stopped, then every worker destroyed (a lane's
+  // thread may post to another lane's).
+  void StopLanes() {
+    for (auto& l : lanes) l->worker->Stop();
+    lanes.clear();
   }
 };
 
 absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Create(MoeHandler* handler,
                                                              const UcxServerOptions& opts) {
   RETURN_IF_ERROR(CheckFragmentBytes(opts.fragment_bytes));
+  RETURN_IF_ERROR(CheckUcxLanes(opts.lanes));
   auto s = std::unique_ptr<UcxServer>(new UcxServer());
   s->impl_ = std::make_unique<Impl>();
   Impl* impl = s->impl_.get();
   impl->handler = handler;
   impl->opts = opts;
+  impl->pool = std::make_shared<BufferPool>(kPooledBuffers);
   if (!opts.address_checker.empty()) {
     impl->checker = std::make_unique<AddressChecker>(opts.address_checker, opts.check_timeout);
     RETURN_IF_ERROR(impl->checker->Start());
   }
-  auto w = Worker::Create(
-      kAmRequest, [impl](const Arrival& m) { impl->OnArrival(m); }, 50);
-  if (!w.ok()) return w.status();
-  impl->worker = std::move(*w);
+  auto context = Context::Create(opts.lanes > 1);
+  if (!context.ok()) return context.status();
+  for (int i = 0; i < opts.lanes; ++i) {
+    auto lane = std::make_unique<Impl::Lane>();
+    lane->impl = impl;
+    lane->index = static_cast<size_t>(i);
+    auto w = Worker::Create(
+        *context, kAmRequest, [impl, l = lane.get()](const Arrival& m) { impl->OnArrival(l, m); },
+        50);
+    if (!w.ok()) return w.status();  // the lanes made so far stop with `s`
+    lane->worker = std::move(*w);
+    impl->lanes.push_back(std::move(lane));
+  }
   return s;
 }
 
 UcxServer::~UcxServer() {
-  if (impl_ && impl_->worker) {
-    // Answers already handed to UCX go out before the endpoints close (a
-    // forced close cancels them; a rendezvous answer waits for the client to
-    // fetch it): a drained service's last answers arrive. Asked on the
-    // progress thread, so a Send issued just before is counted.
-    Worker* w = impl_->worker.get();
-    const absl::Time until = absl::Now() + impl_->opts.close_timeout;
-    while (w->Call<int64_t>([w] { return w->pending_sends(); }) > 0 && absl::Now() < until)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    impl_->worker->Call<int>([this] {
-      for (auto& [id, p] : impl_->peers) impl_->worker->CloseEp(p.ep);
-      impl_->peers.clear();
+  if (!impl_ || impl_->lanes.empty()) return;
+  Impl* impl = impl_.get();
+  // Answers already computed go out before the endpoints close (a forced
+  // close cancels them; a rendezvous answer waits for the client to fetch
+  // it): a drained service's last answers arrive. An answer is counted in
+  // `answering` until its every lane has handed its fragments to UCX.
+  const absl::Time until = absl::Now() + impl->opts.close_timeout;
+  auto busy = [impl] {
+    if (impl->answering.load() > 0) return true;
+    for (const auto& l : impl->lanes) {
+      if (l->worker->pending_sends() > 0) return true;
+    }
+    return false;
+  };
+  while (busy() && absl::Now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::map<uint64_t, Impl::Peer> peers;
+  {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    peers.swap(impl->peers);
+  }
+  for (size_t i = 0; i < impl->lanes.size(); ++i) {
+    Worker* w = impl->lanes[i]->worker.get();
+    w->Call<int>([&] {
+      for (auto& [id, p] : peers) {
+        if (i < p.eps.size() && p.eps[i] != nullptr) w->CloseEp(p.eps[i]);
+      }
       return 0;
     });
-    impl_->worker.reset();
   }
+  impl->StopLanes();
 }
 
 absl::StatusOr<std::string> UcxServer::Connect(const std::string& client_address,
                                                uint64_t client_id,
                                                const std::function<bool()>& caller_gone) {
-  if (client_address.empty()) return absl::InvalidArgumentError("client_worker_address: empty");
-  if (client_address.size() > kMaxUcxAddressBytes)
-    return absl::InvalidArgumentError(absl::StrCat("client_worker_address: ", client_address.size(),
-                                                   " bytes, over the ", kMaxUcxAddressBytes,
-                                                   " a UCX address takes"));
+  absl::StatusOr<std::vector<std::string>> addresses =
+      DecodeUcxAddresses(client_address, "client_worker_address");
+  if (!addresses.ok()) return addresses.status();
+  const bool list = IsAddressList(client_address);
   Impl* impl = impl_.get();
+  const size_t n = std::min(addresses->size(), impl->lanes.size());
+  addresses->resize(n);
   auto gone = [&] { return caller_gone != nullptr && caller_gone(); };
   if (gone())
     return absl::CancelledError("UCX connect: the client gave up before the address check");
-  if (impl->checker) RETURN_IF_ERROR(impl->checker->Check(client_address));
+  if (impl->checker) {
+    for (size_t i = 0; i < n; ++i) {
+      absl::Status st = impl->checker->Check((*addresses)[i]);
+      if (!st.ok()) return list ? Annotate(st, absl::StrCat("lane ", i)) : st;
+    }
+  }
   if (gone()) {
     return absl::CancelledError(
         "UCX connect: the client gave up during the address check; no endpoint made");
   }
-  absl::Status st = impl->worker->Call<absl::Status>([&]() -> absl::Status {
-    auto it = impl->peers.find(client_id);
-    if (it != impl->peers.end()) {
-      impl->worker->CloseEp(it->second.ep);
-      impl->DropIncoming(client_id);
-      impl->peers.erase(it);
-      impl->n_endpoints.fetch_sub(1);
-    } else if (impl->peers.size() >= impl->opts.max_endpoints) {
-      return absl::ResourceExhaustedError(absl::StrCat("UCX: ", impl->peers.size(),
-                                                       " clients connected, the service's cap (",
-                                                       impl->opts.max_endpoints, ", --max-peers)"));
+  auto over_cap = [impl] {
+    return absl::ResourceExhaustedError(absl::StrCat("UCX: ", impl->peers.size(),
+                                                     " clients connected, the service's cap (",
+                                                     impl->opts.max_endpoints, ", --max-peers)"));
+  };
+  {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    if (impl->peers.find(client_id) == impl->peers.end() &&
+        impl->peers.size() >= impl->opts.max_endpoints) {
+      return over_cap();
     }
-    // Parsed with the same zero padding as in the checker.
-    auto ep = impl->worker->CreateEp(client_address + std::string(kAddressPad, '\0'),
-                                     &Impl::OnEpError, impl);
-    if (!ep.ok()) return ep.status();
-    impl->peers[client_id].ep = *ep;
-    impl->n_endpoints.fetch_add(1);
-    return absl::OkStatus();
-  });
-  if (!st.ok()) return st;
-  return impl->worker->address();
+    ++impl->connecting;
+  }
+  std::vector<ucp_ep_h> eps(n, nullptr);
+  absl::Status st;
+  for (size_t i = 0; i < n && st.ok(); ++i) {
+    Impl::Lane* lane = impl->lanes[i].get();
+    st = lane->worker->Call<absl::Status>([&]() -> absl::Status {
+      // Parsed with the same zero padding as in the checker.
+      auto ep = lane->worker->CreateEp((*addresses)[i] + std::string(kAddressPad, '\0'),
+                                       &Impl::OnEpError, lane);
+      if (!ep.ok()) return ep.status();
+      eps[i] = *ep;
+      return absl::OkStatus();
+    });
+  }
+  std::vector<ucp_ep_h> replaced;
+  {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    --impl->connecting;
+    for (size_t i = 0; i < n; ++i) {
+      if (eps[i] != nullptr && impl->failed_early.erase(eps[i]) > 0 && st.ok()) {
+        st = absl::UnavailableError(
+            absl::StrCat("UCX connect: lane ", i, "'s endpoint failed while being set up"));
+      }
+    }
+    if (impl->connecting == 0) impl->failed_early.clear();
+    if (st.ok()) {
+      auto it = impl->peers.find(client_id);
+      if (it != impl->peers.end()) {
+        replaced = std::move(it->second.eps);
+        impl->DropIncoming(client_id);
+      } else if (impl->peers.size() >= impl->opts.max_endpoints) {
+        st = over_cap();
+      } else {
+        impl->n_endpoints.fetch_add(1);
+      }
+    }
+    if (st.ok()) {
+      Impl::Peer& p = impl->peers[client_id];
+      p.eps = eps;
+      p.incarnation = ++impl->incarnations;
+    }
+  }
+  if (!st.ok()) {
+    CloseEps(impl->lanes, eps, kNoLane);
+    return st;
+  }
+  CloseEps(impl->lanes, replaced, kNoLane);
+  if (!list) return impl->lanes[0]->worker->address();
+  std::vector<std::string> mine;
+  for (size_t i = 0; i < n; ++i) mine.push_back(impl->lanes[i]->worker->address());
+  return EncodeUcxAddresses(mine);
 }
 
 uint64_t UcxServer::endpoints() const { return impl_->n_endpoints.load(); }
 uint64_t UcxServer::peer_failures() const { return impl_->n_failures.load(); }
 
-void UcxServer::FailPeersForTesting() {
+void UcxServer::FailPeersForTesting(int lane) {
   Impl* impl = impl_.get();
-  impl->worker->Call<int>([impl] {
-    while (!impl->peers.empty()) {
-      impl->n_failures.fetch_add(1);
-      impl->DropPeer(impl->peers.begin());
+  if (lane < 0 || static_cast<size_t>(lane) >= impl->lanes.size()) return;
+  Impl::Lane* l = impl->lanes[static_cast<size_t>(lane)].get();
+  l->worker->Call<int>([impl, l] {
+    std::vector<ucp_ep_h> eps;
+    {
+      std::lock_guard<std::mutex> lock(impl->mu);
+      for (const auto& [id, p] : impl->peers) {
+        if (l->index < p.eps.size()) eps.push_back(p.eps[l->index]);
+      }
     }
+    for (ucp_ep_h ep : eps) Impl::OnEpError(l, ep, UCS_ERR_CONNECTION_RESET);
     return 0;
   });
 }
@@ -857,8 +1166,15 @@ struct UcxClient::Impl {
   int64_t hidden = 0;
   uint64_t fragment_bytes = 0;
   uint64_t client_id = 0;
-  std::unique_ptr<Worker> worker;
-  ucp_ep_h ep = nullptr;        // progress thread only
+  std::shared_ptr<BufferPool> pool;
+  struct Lane {
+    Impl* impl;
+    size_t index;
+    std::unique_ptr<Worker> worker;
+    ucp_ep_h ep = nullptr;  // this lane's thread only
+    uint64_t gen = 0;       // the connection attempt `ep` belongs to (this lane's thread only)
+  };
+  std::vector<std::unique_ptr<Lane>> lanes;
   std::timed_mutex connect_mu;  // one handshake at a time
   std::mutex mu;
   std::condition_variable cv;
@@ -873,13 +1189,17 @@ struct UcxClient::Impl {
   }
   bool connected = false;
   // A call ran out its deadline: the next Submit re-handshakes first (the
-  // service may have dropped its endpoint to us while ours looks up; our
+  // service may have dropped its endpoints to us while ours look up; our
   // requests then vanish and nothing else would tell us). At most one
-  // attempt per kSuspectRetry; a failed one leaves the old endpoint in use.
+  // attempt per kSuspectRetry; a failed one leaves the old endpoints in use.
   bool suspect = false;
   bool handshaking = false;  // a Submit is redoing the handshake (others wait)
   std::chrono::steady_clock::time_point last_retry{};
+  // The connection in use: its attempt number (0: none yet) and its lanes.
   uint64_t generation = 0;
+  size_t active_lanes = 0;
+  uint64_t attempts = 0;        // connection attempts so far (each tags its endpoints)
+  uint64_t failed_attempt = 0;  // an attempt one of whose new endpoints failed at once
   uint64_t next_id = 1;
   struct Pending {
     float* out = nullptr;
@@ -895,7 +1215,11 @@ struct UcxClient::Impl {
 
   void FailAll(uint64_t gen, const std::string& why) {
     std::lock_guard<std::mutex> lock(mu);
-    if (gen != generation) return;
+    if (gen != generation) {
+      // An endpoint of the connection being set up: that set-up fails.
+      if (gen > generation) failed_attempt = gen;
+      return;
+    }
     connected = false;
     FailGeneration(gen, why);
   }
@@ -910,16 +1234,12 @@ struct UcxClient::Impl {
   }
 
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t s) {
-    auto* self = static_cast<Impl*>(arg);
-    if (ep != self->ep) return;
-    self->worker->CloseEp(ep);
-    self->ep = nullptr;
-    uint64_t gen;
-    {
-      std::lock_guard<std::mutex> lock(self->mu);
-      gen = self->generation;
-    }
-    self->FailAll(gen, absl::StrCat("peer failure: ", ucs_status_string(s)));
+    auto* lane = static_cast<Lane*>(arg);
+    if (ep != lane->ep) return;
+    lane->worker->CloseEp(ep);
+    lane->ep = nullptr;
+    lane->impl->FailAll(
+        lane->gen, absl::StrCat("peer failure on lane ", lane->index, ": ", ucs_status_string(s)));
   }
 
   // Ends a pending call (mu held).
@@ -930,7 +1250,8 @@ struct UcxClient::Impl {
     Notify();
   }
 
-  void OnArrival(const Arrival& m) {
+  // A response fragment on `lane` (its progress thread).
+  void OnArrival(Lane* lane, const Arrival& m) {
     UcxResponseHeader h;
     if (m.header.size() != sizeof(h)) return;
     std::memcpy(&h, m.header.data(), sizeof(h));
@@ -951,7 +1272,7 @@ struct UcxClient::Impl {
                                "expert service (ucx): a response of ", total, " bytes, expected ",
                                h.code == 0 ? p.out_bytes : kMaxErrorMessageBytes)));
         }
-        auto started = Assembly::Start(worker->pool(), total, h.frag_bytes);
+        auto started = Assembly::Start(pool, total, h.frag_bytes);
         if (!started.ok())
           return Finish(p, Annotate(started.status(), "expert service (ucx): response"));
         p.assembly = *std::move(started);
@@ -967,7 +1288,7 @@ struct UcxClient::Impl {
       a = p.assembly;
       dst = *d;
     }
-    worker->Receive(m, dst, [this, id = h.request_id, a](bool ok) {
+    lane->worker->Receive(m, dst, [this, id = h.request_id, a](bool ok) {
       if (!a->Landed(ok)) return;
       std::lock_guard<std::mutex> lock(mu);
       auto it = pending.find(id);
@@ -983,19 +1304,56 @@ struct UcxClient::Impl {
             p, absl::Status(static_cast<absl::StatusCode>(p.first.code),
                             std::string(reinterpret_cast<const char*>(data.data()), data.size())));
       }
-      // Copied to `out` by the waiting thread: the progress thread moves on
+      // Copied to `out` by the waiting thread: the progress threads move on
       // to other calls' bytes meanwhile.
       p.answer = std::move(data);
       Finish(p, absl::OkStatus());
     });
   }
 
-  // Redoes the control-plane handshake and replaces the endpoint, within
-  // `timeout` or by `deadline` if nearer (then DEADLINE_EXCEEDED; else
-  // UNAVAILABLE). Serialized; a caller that saw generation `seen` returns at
-  // once if another thread has replaced that connection meanwhile. Calls
-  // still out on the old endpoint are left to finish: the service answers
-  // them on its new endpoint to us, or they end by their own deadline.
+  // Sends the fragments of request `id` that are lane `lane`'s (j mod used
+  // == lane) on its endpoint; on that lane's thread.
+  void SendRequest(Lane* lane, uint64_t id, UcxRequestHeader h,
+                   const std::shared_ptr<Bytes>& payload, const Cut& cut, size_t used) {
+    // A lane's endpoint and its attempt change together on this thread: a
+    // reconnect between Submit and now means the call goes out on the new
+    // endpoint, so it belongs to the new connection (its failures and its
+    // deadline miss are that connection's).
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = pending.find(id);
+      // Already ended (failed with its endpoint, or abandoned at its
+      // deadline): nothing to send.
+      if (it == pending.end() || it->second.done) return;
+      if (lane->ep == nullptr) {
+        connected = false;  // the next Submit reconnects
+        it->second.done = true;
+        it->second.status = absl::UnavailableError(
+            absl::StrCat("expert service (ucx): not connected (lane ", lane->index, ")"));
+        Notify();
+        return;
+      }
+      it->second.generation = lane->gen;
+    }
+    lane->worker->SendFragments(
+        lane->ep, kAmRequest,
+        [&h](uint64_t offset) {
+          h.frag_offset = offset;
+          return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+        },
+        payload, cut, lane->index, used,
+        [this, gen = lane->gen](ucs_status_t s) {
+          FailAll(gen, absl::StrCat("send: ", ucs_status_string(s)));
+        });
+  }
+
+  // Redoes the control-plane handshake and replaces every lane's endpoint,
+  // within `timeout` or by `deadline` if nearer (then DEADLINE_EXCEEDED;
+  // else UNAVAILABLE). Serialized; a caller that saw generation `seen`
+  // returns at once if another thread has replaced that connection
+  // meanwhile. Calls still out on the old endpoints are left to finish: the
+  // service answers them on its new endpoints to us, or they end by their
+  // own deadline.
   absl::Status Connect(absl::Duration timeout, absl::Time deadline, uint64_t seen) {
     std::unique_lock<std::timed_mutex> serial(connect_mu, std::defer_lock);
     if (deadline == absl::InfiniteFuture()) {
@@ -1020,31 +1378,75 @@ struct UcxClient::Impl {
       if (!now.ok()) return SetupFailure(ControlFailure(now.status(), capped, "ucx: describe"));
       RETURN_IF_ERROR(CheckServesTheSame(info, *now, "ucx"));
     }
-    auto server_addr = control->UcxConnect(worker->address(), client_id,
-                                           std::max(until - absl::Now(), absl::ZeroDuration()));
-    if (!server_addr.ok()) {
-      return SetupFailure(ControlFailure(server_addr.status(), capped, "ucx connect"));
-    }
-    // On the progress thread, where endpoint errors are handled too: the
-    // swap and the new generation are one step for OnEpError.
-    return worker->Call<absl::Status>([&]() -> absl::Status {
-      if (ep) {
-        worker->CloseEp(ep);
-        ep = nullptr;
-      }
-      auto e = worker->CreateEp(*server_addr, &Impl::OnEpError, this);
+    std::vector<std::string> mine;
+    for (const auto& l : lanes) mine.push_back(l->worker->address());
+    auto reply = control->UcxConnect(EncodeUcxAddresses(mine), client_id,
+                                     std::max(until - absl::Now(), absl::ZeroDuration()));
+    if (!reply.ok()) return SetupFailure(ControlFailure(reply.status(), capped, "ucx connect"));
+    auto theirs = DecodeUcxAddresses(*reply, "server_worker_address");
+    if (!theirs.ok()) return SetupFailure(Annotate(theirs.status(), "ucx connect"));
+    const size_t n = std::min(theirs->size(), lanes.size());
+    uint64_t attempt;
+    {
       std::lock_guard<std::mutex> lock(mu);
-      if (!e.ok()) {
-        connected = false;
-        FailGeneration(generation, e.status().ToString());
-        return e.status();
+      attempt = ++attempts;
+    }
+    // Each lane's swap on its own thread, where its endpoint errors are
+    // handled too; lanes past n are left without one.
+    absl::Status st;
+    for (size_t i = 0; i < lanes.size(); ++i) {
+      Lane* lane = lanes[i].get();
+      absl::Status s = lane->worker->Call<absl::Status>([&]() -> absl::Status {
+        if (lane->ep) lane->worker->CloseEp(lane->ep);
+        lane->ep = nullptr;
+        if (i >= n || !st.ok()) return absl::OkStatus();
+        auto e = lane->worker->CreateEp((*theirs)[i], &Impl::OnEpError, lane);
+        if (!e.ok()) return e.status();
+        lane->ep = *e;
+        lane->gen = attempt;
+        return absl::OkStatus();
+      });
+      if (st.ok()) st = s;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (st.ok() && failed_attempt == attempt) {
+        st = absl::UnavailableError("ucx connect: an endpoint failed while being set up");
       }
-      ep = *e;
-      ++generation;
-      connected = true;
-      suspect = false;
-      return absl::OkStatus();
-    });
+      if (st.ok()) {
+        generation = attempt;
+        active_lanes = n;
+        connected = true;
+        suspect = false;
+        return absl::OkStatus();
+      }
+    }
+    for (const auto& l : lanes) {
+      Lane* lane = l.get();
+      lane->worker->Call<int>([lane] {
+        if (lane->ep) lane->worker->CloseEp(lane->ep);
+        lane->ep = nullptr;
+        return 0;
+      });
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    connected = false;
+    FailGeneration(generation, st.ToString());
+    return st;
+  }
+
+  // Every lane's endpoint closed and its thread stopped.
+  void Close() {
+    for (const auto& l : lanes) {
+      Lane* lane = l.get();
+      lane->worker->Call<int>([lane] {
+        if (lane->ep) lane->worker->CloseEp(lane->ep);
+        lane->ep = nullptr;
+        return 0;
+      });
+    }
+    for (const auto& l : lanes) l->worker->Stop();
+    lanes.clear();
   }
 };
 
@@ -1052,6 +1454,7 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<Con
                                                              const ShardInfo& info,
                                                              const UcxClientOptions& opts) {
   RETURN_IF_ERROR(CheckFragmentBytes(opts.fragment_bytes));
+  RETURN_IF_ERROR(CheckUcxLanes(opts.lanes));
   auto c = std::unique_ptr<UcxClient>(new UcxClient());
   c->impl_ = std::make_unique<Impl>();
   Impl* impl = c->impl_.get();
@@ -1060,26 +1463,43 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Create(std::shared_ptr<Con
   impl->hidden = info.hidden;
   impl->fragment_bytes = opts.fragment_bytes;
   impl->spin_us = opts.wait_spin_us;
+  impl->pool = std::make_shared<BufferPool>(kPooledBuffers);
   std::random_device rd;
   impl->client_id = (uint64_t{rd()} << 32) | rd();
-  auto w = Worker::Create(
-      kAmResponse, [impl](const Arrival& m) { impl->OnArrival(m); }, opts.spin_us);
-  if (!w.ok()) return w.status();
-  impl->worker = std::move(*w);
+  auto context = Context::Create(opts.lanes > 1);
+  if (!context.ok()) return context.status();
+  for (int i = 0; i < opts.lanes; ++i) {
+    auto lane = std::make_unique<Impl::Lane>();
+    lane->impl = impl;
+    lane->index = static_cast<size_t>(i);
+    auto w = Worker::Create(
+        *context, kAmResponse, [impl, l = lane.get()](const Arrival& m) { impl->OnArrival(l, m); },
+        opts.spin_us);
+    if (!w.ok()) return w.status();  // the lanes made so far stop with `c`
+    lane->worker = std::move(*w);
+    impl->lanes.push_back(std::move(lane));
+  }
   absl::Status st = impl->Connect(kConnectTimeout, absl::InfiniteFuture(), impl->generation);
   if (!st.ok()) return st;
   return c;
 }
 
 UcxClient::~UcxClient() {
-  if (impl_ && impl_->worker) {
-    impl_->worker->Call<int>([this] {
-      if (impl_->ep) impl_->worker->CloseEp(impl_->ep);
-      impl_->ep = nullptr;
-      return 0;
-    });
-    impl_->worker.reset();
-  }
+  if (impl_) impl_->Close();
+}
+
+int UcxClient::lanes() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->connected ? static_cast<int>(impl_->active_lanes) : 0;
+}
+
+void UcxClient::FailLaneForTesting(int lane) {
+  if (lane < 0 || static_cast<size_t>(lane) >= impl_->lanes.size()) return;
+  Impl::Lane* l = impl_->lanes[static_cast<size_t>(lane)].get();
+  l->worker->Call<int>([l] {
+    if (l->ep) Impl::OnEpError(l, l->ep, UCS_ERR_CONNECTION_RESET);
+    return 0;
+  });
 }
 
 absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl::Time deadline) {
@@ -1096,8 +1516,8 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
   {
     std::unique_lock<std::mutex> lock(impl->mu);
     // Another Submit is re-handshaking: wait (<= its 250 ms, or our
-    // deadline), then use the endpoint it leaves, rather than send on the
-    // suspect one meanwhile.
+    // deadline), then use the endpoints it leaves, rather than send on the
+    // suspect ones meanwhile.
     if (!impl->cv.wait_until(lock, absl::ToChronoTime(deadline),
                              [impl] { return !impl->handshaking; })) {
       return absl::DeadlineExceededError(
@@ -1117,15 +1537,15 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
     if (!st.ok()) return st;
   } else if (retry) {
     // Short: a stopped service must still end this call by its own deadline.
-    // A failed handshake keeps the old endpoint (and the suspicion).
+    // A failed handshake keeps the old endpoints (and the suspicion).
     const absl::Status st = impl->Connect(kSuspectConnectTimeout, deadline, seen);
     {
       std::lock_guard<std::mutex> lock(impl->mu);
       impl->handshaking = false;
       impl->Notify();
     }
-    // A service now serving other weights: say so (its old endpoint is
-    // gone anyway); other failures keep the old endpoint.
+    // A service now serving other weights: say so (its old endpoints are
+    // gone anyway); other failures keep the old endpoints.
     if (absl::IsFailedPrecondition(st)) return st;
   }
   UcxRequestHeader h{};
@@ -1136,64 +1556,38 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
   h.hidden_bytes = call.hidden_bytes;
   h.ids_bytes = call.ids_bytes;
   h.weights_bytes = call.weights_bytes;
-  Bytes payload = impl->worker->Buffer(call.hidden_bytes + call.ids_bytes + call.weights_bytes);
+  h.frag_bytes = impl->fragment_bytes;
+  Bytes payload =
+      BufferPool::Get(impl->pool, call.hidden_bytes + call.ids_bytes + call.weights_bytes);
   if (call.hidden_bytes) std::memcpy(payload.data(), call.hidden, call.hidden_bytes);
   if (call.ids_bytes) std::memcpy(payload.data() + call.hidden_bytes, call.ids, call.ids_bytes);
   if (call.weights_bytes) {
     std::memcpy(payload.data() + call.hidden_bytes + call.ids_bytes, call.weights,
                 call.weights_bytes);
   }
-  uint64_t id, gen;
+  const Cut cut = CutPayload(payload.size(), h.frag_bytes);
+  uint64_t id;
+  size_t used;
   {
     std::lock_guard<std::mutex> lock(impl->mu);
     id = impl->next_id++;
-    gen = impl->generation;
     auto& p = impl->pending[id];
     p.out = out;
     p.out_bytes = static_cast<uint64_t>(call.tokens > 0 ? call.tokens : 0) *
                   static_cast<uint64_t>(impl->hidden) * 4;
-    p.generation = gen;
+    p.generation = impl->generation;
+    // Fragment j on lane j mod used: one fragment on lane 0.
+    used =
+        static_cast<size_t>(std::min<uint64_t>(std::max<size_t>(impl->active_lanes, 1), cut.count));
   }
   h.request_id = id;
-  h.frag_bytes = impl->fragment_bytes;
-  impl->worker->Post(
-      [impl, id, h, payload = std::make_shared<Bytes>(std::move(payload))]() mutable {
-        // The endpoint and its generation change together on this thread: a
-        // reconnect between Submit and now means the call goes out on the new
-        // endpoint, so it belongs to the new generation (its failures and its
-        // deadline miss are that endpoint's).
-        uint64_t sent_gen;
-        {
-          std::lock_guard<std::mutex> lock(impl->mu);
-          sent_gen = impl->generation;
-          auto it = impl->pending.find(id);
-          // Already ended (failed with its endpoint, or abandoned at its deadline):
-          // nothing to send.
-          if (it == impl->pending.end() || it->second.done) return;
-          it->second.generation = sent_gen;
-        }
-        if (!impl->ep) {
-          std::lock_guard<std::mutex> lock(impl->mu);
-          impl->connected = false;  // the next Submit reconnects
-          auto it = impl->pending.find(id);
-          if (it != impl->pending.end() && !it->second.done) {
-            it->second.done = true;
-            it->second.status = absl::UnavailableError("expert service (ucx): not connected");
-            impl->Notify();
-          }
-          return;
-        }
-        impl->worker->Send(
-            impl->ep, kAmRequest,
-            [&h](uint64_t offset) {
-              h.frag_offset = offset;
-              return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
-            },
-            std::move(*payload), h.frag_bytes,
-            [impl, sent_gen](ucs_status_t s) {
-              impl->FailAll(sent_gen, absl::StrCat("send: ", ucs_status_string(s)));
-            });
-      });
+  auto shared = std::make_shared<Bytes>(std::move(payload));
+  for (size_t i = 0; i < used; ++i) {
+    Impl::Lane* lane = impl->lanes[i].get();
+    lane->worker->Post([impl, lane, id, h, shared, cut, used] {
+      impl->SendRequest(lane, id, h, shared, cut, used);
+    });
+  }
   return id;
 }
 
@@ -1281,7 +1675,9 @@ int UcxAddressCheckMain(int in_fd, int out_fd) {
   ::setrlimit(RLIMIT_CORE, &no_core);
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
-  if (absl::Status st = InitUcp(&context, &worker); !st.ok()) {
+  absl::Status init = InitContext(false, &context);
+  if (init.ok()) init = InitWorker(context, &worker);
+  if (absl::Status st = init; !st.ok()) {
     std::fprintf(stderr, "hmoe UCX address check: %s\n", std::string(st.message()).c_str());
     if (worker != nullptr) ucp_worker_destroy(worker);
     if (context != nullptr) ucp_cleanup(context);

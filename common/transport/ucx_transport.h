@@ -1,33 +1,48 @@
 // UCX data plane (across hosts; any UCX transport: tcp, shared memory, verbs).
 //
-// Each side owns one UCP worker driven by one progress thread; other threads
-// hand it work through a queue and ucp_worker_signal. The worker's address is
-// exchanged over the gRPC control plane (ExpertControl.UcxConnect: the client
-// sends its address and a client id, the service answers with its own), and
-// both sides create endpoints with UCP_ERR_HANDLING_MODE_PEER, so a dead peer
-// surfaces as an endpoint error: the client fails its calls UNAVAILABLE and
-// reconnects on a later Submit; the service drops the endpoint. Once the
-// service has closed its endpoint to a client, that client's requests are no
-// longer delivered (measured: UCX reports nothing to the client's endpoint
-// for seconds). So once a call ends in DEADLINE_EXCEEDED, the client's next
-// Submit (at most once a second) first redoes the handshake with a 250 ms
-// control-plane timeout, which that Submit waits for (an ExpertPool submits
-// to its shards in turn); if the service answers, the new endpoint is used
-// and calls still out on the old one finish or end by their deadline; if not
-// (e.g. a stopped service), the call goes out on the old endpoint and ends by
-// its own deadline as before.
+// Each side owns `lanes` UCP workers (one UCP context), each driven by its
+// own progress thread; other threads hand a lane work through its queue and
+// ucp_worker_signal. A lane is one endpoint pair, so over TCP its own
+// connection: one connection driven by one thread tops out well below what
+// the host moves (measured over loopback TCP: 2.2-2.5 GB/s for a 44 MB call
+// on one lane vs 4.3-5 GB/s in UCX's own perftest). The workers' addresses
+// are exchanged over the gRPC control plane (ExpertControl.UcxConnect: the
+// client sends its lanes' addresses and a client id, the service connects to
+// the first min(client's, its own) of them and answers with as many of its
+// own; lane i pairs the client's worker i with the service's worker i). One
+// lane travels as the bare worker address (as before lanes), several as an
+// EncodeUcxAddresses list in the same bytes field. Every endpoint is created
+// with UCP_ERR_HANDLING_MODE_PEER, so a dead peer surfaces as an endpoint
+// error on some lane: the client fails that connection's calls UNAVAILABLE
+// and reconnects every lane on a later Submit; the service drops the client
+// (all its lanes). Once the service has closed its endpoints to a client,
+// that client's requests are no longer delivered (measured: UCX reports
+// nothing to the client's endpoint for seconds). So once a call ends in
+// DEADLINE_EXCEEDED, the client's next Submit (at most once a second) first
+// redoes the handshake with a 250 ms control-plane timeout, which that
+// Submit waits for (an ExpertPool submits to its shards in turn); if the
+// service answers, the new endpoints are used and calls still out on the
+// old ones finish or end by their deadline; if not (e.g. a stopped service),
+// the call goes out on the old endpoints and ends by its own deadline.
 //
 // The service closes its endpoints (UcxServer's destructor) only once the
-// answers already handed to UCX have completed, up to close_timeout: a
-// forced close would cancel a rendezvous answer the client has not fetched.
+// answers already handed to UCX on every lane have completed, up to
+// close_timeout: a forced close would cancel a rendezvous answer the client
+// has not fetched.
 //
 // Messages are UCP active messages: id 1 request (header UcxRequestHeader,
 // data hidden | ids | weights), id 2 response (UcxResponseHeader, data = f32
 // output or the error message). A payload over fragment_bytes goes as
-// fragments of that size, each message carrying its offset; the receiver
-// lands each in place in one pooled buffer (no copies beyond UCX's own and
-// the caller's: Submit copies the call in, Wait copies the answer out) and
-// takes the payload once every fragment has arrived exactly once.
+// fragments of that size, each message carrying its offset, fragment j on
+// lane j mod n (n = min(lanes, fragments); the service starts its answer's
+// stripe on the lane whose thread computed it); a payload of one fragment
+// (a decode call, an error) always goes on lane 0, so small calls see one
+// lane exactly as before. The receiver lands each fragment in place, on the
+// thread of the lane it came on, in one pooled buffer shared by the lanes
+// (no copies beyond UCX's own and the caller's: Submit copies the call in,
+// Wait copies the answer out) and takes the payload once every fragment has
+// arrived exactly once; the service then computes it on that lane's thread
+// (MoeHandler::Handle is thread-safe; lanes compute concurrently).
 // Fragments over UCX's rendezvous threshold take its rendezvous path.
 // Transports are picked by UCX_TLS as usual (tests: UCX_TLS=tcp,sm,self).
 #pragma once
@@ -74,6 +89,22 @@ inline constexpr uint64_t kDefaultUcxFragmentBytes = 1 << 20;
 // A UCX worker address is longer than this only if it is not one.
 inline constexpr size_t kMaxUcxAddressBytes = 64 << 10;
 
+// Lanes (UCP workers, each with its progress thread and connection) per side.
+inline constexpr int kDefaultUcxLanes = 4;
+inline constexpr int kMaxUcxLanes = 16;
+// INVALID_ARGUMENT naming `field` unless 1 <= lanes <= kMaxUcxLanes.
+absl::Status CheckUcxLanes(int lanes, const char* field = "lanes");
+
+// Several lanes' worker addresses in one UcxConnect address field:
+// "HMOELNS1", a u32 count, then each address as a u32 length and its bytes
+// (little-endian). One address is sent bare (what a one-lane peer sends).
+std::string EncodeUcxAddresses(const std::vector<std::string>& addresses);
+// The addresses in such a field: a list (1..kMaxUcxLanes addresses of
+// 1..kMaxUcxAddressBytes bytes, nothing after them) or one bare address.
+// INVALID_ARGUMENT naming `field` otherwise.
+absl::StatusOr<std::vector<std::string>> DecodeUcxAddresses(const std::string& bytes,
+                                                            const char* field);
+
 struct UcxServerOptions {
   // argv of the address checker: a child process that reads client worker
   // addresses and answers whether this host's UCX creates an endpoint to
@@ -93,9 +124,13 @@ struct UcxServerOptions {
   // The destructor waits up to this long for answers already handed to UCX
   // to reach their clients before it closes the endpoints.
   absl::Duration close_timeout = absl::Seconds(5);
-  // Clients with an endpoint at once; a new client over it: RESOURCE_EXHAUSTED
-  // (a client reconnecting under its id replaces its own endpoint).
+  // Clients with endpoints at once (a client counts once, whatever its
+  // lanes); a new client over it: RESOURCE_EXHAUSTED (a client reconnecting
+  // under its id replaces all its own endpoints).
   size_t max_endpoints = 1024;
+  // UCP workers with their progress threads (1..kMaxUcxLanes); a client
+  // gets min(its lanes, these).
+  int lanes = kDefaultUcxLanes;
   // Answers over this go out in fragments of it (>= 64 KiB; 0: one message).
   uint64_t fragment_bytes = kDefaultUcxFragmentBytes;
   // Requests still missing fragments this long after their first are
@@ -127,8 +162,11 @@ class UcxServer {
   static absl::StatusOr<std::unique_ptr<UcxServer>> Create(MoeHandler* handler,
                                                            const UcxServerOptions& opts = {});
   ~UcxServer();
-  // Connects to a client worker; returns this service's worker address.
-  // RESOURCE_EXHAUSTED when max_endpoints other clients are connected.
+  // Connects to a client's workers (`client_address`: one bare address or an
+  // EncodeUcxAddresses list; each used one passes the address checker) on
+  // min(their number, lanes) lanes; returns this service's worker addresses
+  // for those lanes, in the same form. RESOURCE_EXHAUSTED when max_endpoints
+  // other clients are connected.
   // `caller_gone` (optional) says whether the client has given up (e.g. the
   // control call's deadline passed while the address check ran): asked
   // before and after the check; then CANCELLED and no endpoint is made.
@@ -136,9 +174,11 @@ class UcxServer {
                                       const std::function<bool()>& caller_gone = nullptr);
   uint64_t endpoints() const;
   uint64_t peer_failures() const;
-  // Fault injection: every peer's endpoint fails and is dropped as if UCX had
-  // reported an error on it; the clients are not told.
-  void FailPeersForTesting();
+  // Fault injection: every peer's endpoint on `lane` fails as if UCX had
+  // reported an error on it (on that lane's thread), so the peer is dropped
+  // with all its lanes; the clients are not told. Peers without that lane
+  // are left alone.
+  void FailPeersForTesting(int lane = 0);
 
   struct Impl;
 
@@ -153,6 +193,9 @@ struct UcxClientOptions {
   int wait_spin_us = 0;
   // Requests over this go out in fragments of it (>= 64 KiB; 0: one message).
   uint64_t fragment_bytes = kDefaultUcxFragmentBytes;
+  // UCP workers with their progress threads (1..kMaxUcxLanes); the calls use
+  // min(this, the service's lanes).
+  int lanes = kDefaultUcxLanes;
 };
 
 class UcxClient : public MoeClient {
@@ -164,6 +207,11 @@ class UcxClient : public MoeClient {
   absl::StatusOr<uint64_t> Submit(const MoeCall& call, float* out, absl::Time deadline) override;
   absl::Status Wait(uint64_t handle, absl::Time deadline) override;
   const char* transport() const override { return "ucx"; }
+  // Lanes the current connection uses (0 while not connected).
+  int lanes() const;
+  // Fault injection: the client's endpoint on `lane` fails as if UCX had
+  // reported an error on it (on that lane's thread).
+  void FailLaneForTesting(int lane);
 
   struct Impl;
 

@@ -4,7 +4,7 @@
 //
 //   hmoe-expert-bench --targets=HOST:PORT[,HOST:PORT...] --transport=grpc|shm|ucx
 //       [--tokens=1,128] [--iters=200] [--warmup=20] [--verify-model-dir=DIR] [--zero-copy]
-//       [--ucx-fragment-bytes=N] [--ucx-wait-spin-us=N]
+//       [--ucx-fragment-bytes=N] [--ucx-wait-spin-us=N] [--ucx-lanes=N]
 //       [--auth-token-file=PATH] [--tls-ca-file=PEM [--tls-cert-file=PEM --tls-key-file=PEM]]
 //
 // Prints one JSON object per token count: transport, tokens, hidden, p50/p99/mean
@@ -82,6 +82,11 @@ int Main(int argc, char** argv) {
     } else if (a == "--ucx-wait-spin-us") {
       if (!absl::SimpleAtoi(v, &po.ucx.wait_spin_us) || po.ucx.wait_spin_us < 0) {
         std::fprintf(stderr, "--ucx-wait-spin-us: a count of microseconds\n");
+        return 2;
+      }
+    } else if (a == "--ucx-lanes") {
+      if (!absl::SimpleAtoi(v, &po.ucx.lanes) || !CheckUcxLanes(po.ucx.lanes).ok()) {
+        std::fprintf(stderr, "--ucx-lanes: 1 to %d\n", kMaxUcxLanes);
         return 2;
       }
     } else if (a == "--zero-copy") {

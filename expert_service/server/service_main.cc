@@ -87,6 +87,7 @@ struct ServiceOptions {
   std::shared_ptr<AuthTokens> auth_tokens = std::make_shared<AuthTokens>();
   int64_t max_peers = 64;
   int64_t ucx_fragment_bytes = static_cast<int64_t>(kDefaultUcxFragmentBytes);
+  int64_t ucx_lanes = kDefaultUcxLanes;
   TlsServerFiles tls;
   std::shared_ptr<grpc::ServerCredentials> credentials;  // from `tls`
 
@@ -106,6 +107,10 @@ struct ServiceOptions {
     }
     RETURN_IF_ERROR(Annotate(CheckFragmentBytes(static_cast<uint64_t>(ucx_fragment_bytes)),
                              "--ucx-fragment-bytes"));
+    if (ucx_lanes < 1 || ucx_lanes > kMaxUcxLanes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ucx-lanes: ", ucx_lanes, " outside [1, ", kMaxUcxLanes, "]"));
+    }
     if (!(drain_timeout_s >= 0 && drain_timeout_s <= 3600)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--drain-timeout-s: ", drain_timeout_s, " outside [0, 3600]"));
@@ -119,6 +124,7 @@ struct ServiceOptions {
         " drain_timeout_s=", drain_timeout_s, " instance=", instance.empty() ? "-" : instance,
         " auth=", auth_token_file.empty() ? "none" : "token file " + auth_token_file,
         " max_peers=", max_peers, " ucx_fragment_bytes=", ucx_fragment_bytes,
+        " ucx_lanes=", ucx_lanes,
         " tls=", tls.enabled() ? (tls.client_ca_file.empty() ? "on" : "mutual") : "off");
   }
 };
@@ -224,6 +230,8 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
       RETURN_IF_ERROR(int_of(&o.max_peers));
     } else if (a == "--ucx-fragment-bytes") {
       RETURN_IF_ERROR(int_of(&o.ucx_fragment_bytes));
+    } else if (a == "--ucx-lanes") {
+      RETURN_IF_ERROR(int_of(&o.ucx_lanes));
     } else
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
   }
@@ -310,6 +318,8 @@ constexpr char kUsage[] =
     "    [--auth-token-file PATH] [--max-peers N]\n"
     "    [--ucx-fragment-bytes N] (UCX answers over N bytes go in N-byte fragments;\n"
     "                     default 1 MiB, 0: one message, else >= 65536)\n"
+    "    [--ucx-lanes N] (UCX workers, each with its thread and connection; a\n"
+    "                     client uses min(its, these); default 4, 1..16)\n"
     "    [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
     "    [--no-memory-check] (load even if the packed weights exceed the node's,\n"
     "                     the machine's or the cgroup's memory)\n"
@@ -472,6 +482,7 @@ int Main(int argc, char** argv) {
     uo.address_checker = {"/proc/self/exe", "--check-ucx-address"};
     uo.max_endpoints = static_cast<size_t>(o.max_peers);
     uo.fragment_bytes = static_cast<uint64_t>(o.ucx_fragment_bytes);
+    uo.lanes = static_cast<int>(o.ucx_lanes);
     auto u = UcxServer::Create(shard->get(), uo);
     if (u.ok()) {
       ucx = std::move(*u);
