@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/transport/shm_transport.h"
@@ -117,7 +118,50 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
     }
   }
   pool->shards_ = std::move(shards);
+  if (opts.metrics != nullptr) RETURN_IF_ERROR(pool->RegisterMetrics(*opts.metrics));
   return pool;
+}
+
+absl::Status ExpertPool::RegisterMetrics(MetricsRegistry& reg) {
+  ASSIGN_OR_RETURN(CounterFamily calls,
+                   reg.AddCounterFamily("hmoe_expert_calls_total",
+                                        "Expert calls per shard, by outcome (the status code).",
+                                        {"transport", "shard", "outcome"}));
+  ASSIGN_OR_RETURN(
+      HistogramFamily seconds,
+      reg.AddHistogramFamily("hmoe_expert_call_seconds",
+                             "Expert call latency per shard: from Submit to Wait seeing the "
+                             "shard's answer.",
+                             {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                              0.25, 0.5, 1, 2.5, 5, 10},
+                             {"transport", "shard"}));
+  ASSIGN_OR_RETURN(GaugeFamily up, reg.AddGaugeFamily("hmoe_expert_shard_up",
+                                                      "1 while the last call or health check "
+                                                      "found the expert shard serving, else 0.",
+                                                      {"shard"}));
+  const std::string transport = TransportKindName(transport_);
+  for (Shard& sh : shards_) {
+    ASSIGN_OR_RETURN(sh.calls_ok, calls.WithLabels({transport, sh.target, "ok"}));
+    ASSIGN_OR_RETURN(sh.call_seconds, seconds.WithLabels({transport, sh.target}));
+    ASSIGN_OR_RETURN(sh.up_gauge, up.WithLabels({sh.target}));
+    sh.up_gauge->Set(1);
+  }
+  calls_metric_ = calls;
+  return absl::OkStatus();
+}
+
+void ExpertPool::CountCall(const Sub& sub, const absl::Status& st) {
+  const Shard& sh = shards_[static_cast<size_t>(sub.shard)];
+  if (sub.submit_status.ok())
+    sh.call_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - sub.started));
+  if (st.ok()) {
+    sh.calls_ok->Increment();
+    return;
+  }
+  // Failures look their child up (the registry's lock): not the hot path.
+  auto c = calls_metric_->WithLabels({TransportKindName(transport_), sh.target,
+                                      absl::AsciiStrToLower(absl::StatusCodeToString(st.code()))});
+  if (c.ok()) (*c)->Increment();
 }
 
 ExpertPool::~ExpertPool() = default;
@@ -148,6 +192,7 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, abs
   const int64_t H = model_.hidden;
   const int k = call.top_k;
   auto send = [&](Shard& sh, const MoeCall& c, Sub& sub) {
+    if (calls_metric_) sub.started = absl::Now();
     if (absl::Now() >= deadline) {
       sub.late = true;
       sub.submit_status =
@@ -239,7 +284,9 @@ absl::Status ExpertPool::Wait(uint64_t handle, absl::Time deadline) {
       // Only a shard that was sent the call in time and missed it fails fast.
       if (absl::IsDeadlineExceeded(st) && !sub.late && fail_fast_after_miss_ > absl::ZeroDuration())
         sh.fail_fast_until = absl::Now() + fail_fast_after_miss_;
+      if (sh.up_gauge) sh.up_gauge->Set(sh.up ? 1 : 0);
     }
+    if (calls_metric_) CountCall(sub, st);
     if (!st.ok() && first.ok()) {
       first = Annotate(st, absl::StrCat("expert shard ", sub.shard, " (",
                                         shards_[static_cast<size_t>(sub.shard)].target, ")"));
@@ -325,6 +372,7 @@ std::vector<Health> ExpertPool::CheckHealth(absl::Duration timeout) {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (s.up_gauge) s.up_gauge->Set(h == Health::kServing ? 1 : 0);
       if (h == Health::kServing) {
         s.check_failed_at = s.check_fail_until = absl::InfinitePast();
       } else if (fail_fast_after_failed_check_ > absl::ZeroDuration()) {

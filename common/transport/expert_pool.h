@@ -11,12 +11,14 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/auth_token.h"
+#include "common/metrics.h"
 #include "common/transport/expert_slots.h"
 #include "common/transport/grpc_client.h"
 #include "common/transport/moe_call.h"
@@ -53,6 +55,18 @@ struct ExpertPoolOptions {
   // null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   UcxClientOptions ucx;  // transport kUcx
+  // Borrowed; outlives the pool. Null: no metrics. Connect registers, with
+  // shard = the target (host:port) and transport = TransportKindName:
+  //   hmoe_expert_calls_total{transport,shard,outcome}: a call's part for
+  //     one shard, outcome the status code in lower case (ok, unavailable,
+  //     deadline_exceeded, ...; failing fast counts too);
+  //   hmoe_expert_call_seconds{transport,shard}: from Submit to Wait seeing
+  //     that shard's answer or failure, calls sent to it only (a caller that
+  //     waits late, as Expert Deferral does, adds its own delay);
+  //   hmoe_expert_shard_up{shard}: 1/0 as the last observation of the shard
+  //     found it: a call's outcome as ShardsUp, or a CheckHealth.
+  // Calls through zero-copy shm slots (MakeShmExpertSlots) are not counted.
+  MetricsRegistry* metrics = nullptr;
 };
 
 class ExpertPool;
@@ -138,6 +152,10 @@ class ExpertPool {
     // ServedDifference from `info` seen by the last CheckHealth (a shard
     // restarted with other weights); calls to it are refused while set.
     std::string changed;  // guarded by mu_
+    // With ExpertPoolOptions::metrics: this shard's children.
+    Counter* calls_ok = nullptr;
+    Histogram* call_seconds = nullptr;
+    Gauge* up_gauge = nullptr;
   };
   struct Sub {
     int shard = 0;
@@ -146,6 +164,7 @@ class ExpertPool {
     // The deadline had passed before this shard was sent the call (an earlier
     // shard's Submit, or the caller, used it up): not this shard's miss.
     bool late = false;
+    absl::Time started;  // with metrics only
     // Where the shard's answer lands: the caller's `out` itself (tp, first
     // shard) or `scratch` (a recycled buffer, summed / scattered in Wait).
     float* dst = nullptr;
@@ -167,13 +186,18 @@ class ExpertPool {
   // page-faults its partial outputs (a T=128, H=7168 partial is 3.7 MB).
   std::vector<float> TakeScratch(size_t n);
   void ReturnScratch(std::vector<float> buf);
+  // Registers the metrics and caches each shard's children (Connect).
+  absl::Status RegisterMetrics(MetricsRegistry& reg);
+  // One call's part for `sub` ended with `st` (metrics set).
+  void CountCall(const Sub& sub, const absl::Status& st);
 
   ShardInfo model_;
   TransportKind transport_ = TransportKind::kGrpc;
   absl::Duration fail_fast_after_miss_;
   absl::Duration fail_fast_after_failed_check_;
   int max_in_flight_ = 0;
-  std::vector<Shard> shards_;  // by shard index
+  std::vector<Shard> shards_;                  // by shard index
+  std::optional<CounterFamily> calls_metric_;  // with ExpertPoolOptions::metrics
   mutable std::mutex mu_;
   uint64_t next_ = 1;
   std::map<uint64_t, std::unique_ptr<Op>> ops_;
