@@ -263,4 +263,17 @@ absl::StatusOr<std::string> ChatTemplate::Render(const json& messages,
   return tmpl->Render(ctx, ro);
 }
 
+absl::StatusOr<ChatPrompt> RenderChatPrompt(const ChatTemplate& chat, const Tokenizer& tokenizer,
+                                            const nlohmann::ordered_json& messages,
+                                            const ChatRenderOptions& options) {
+  ChatPrompt p;
+  auto text = chat.Render(messages, options);
+  if (!text.ok()) return text.status();
+  p.text = std::move(*text);
+  auto ids = tokenizer.Encode(p.text, /*add_special_tokens=*/false);
+  if (!ids.ok()) return ids.status();
+  p.ids = std::move(*ids);
+  return p;
+}
+
 }  // namespace hmoe

@@ -36,6 +36,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/jinja.h"
+#include "common/tokenizer.h"
 #include "nlohmann/json.hpp"
 
 namespace hmoe {
@@ -83,5 +84,16 @@ class ChatTemplate {
   std::map<std::string, std::string> special_tokens_;
   ChatTemplateOptions options_;
 };
+
+// A chat request's prompt tokens: `messages` rendered by `chat` and encoded
+// without adding special tokens (the template writes them, as transformers
+// does). `rendered` (optional) gets the text. Render's and Encode's errors.
+struct ChatPrompt {
+  std::string text;
+  std::vector<int32_t> ids;
+};
+absl::StatusOr<ChatPrompt> RenderChatPrompt(const ChatTemplate& chat, const Tokenizer& tokenizer,
+                                            const nlohmann::ordered_json& messages,
+                                            const ChatRenderOptions& options);
 
 }  // namespace hmoe

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/auth_token.h"
@@ -270,10 +271,76 @@ int GenerateCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
+namespace {
+
+// `hmoe chat` on a model with a chat template: the conversation goes as
+// GenerateRequest.chat messages, rendered by the worker. The --system
+// message stays first; when the prompt outgrows the context, the oldest
+// exchanges go.
+int ChatWithTemplate(Flags& f, const api::v1::GenerateRequest& base, double timeout,
+                     Client& client) {
+  const std::string system = f.Str("--system");
+  std::vector<std::pair<std::string, std::string>> turns;  // (user, assistant)
+  const bool tty = isatty(0);
+  std::string line;
+  for (;;) {
+    if (tty) std::fputs("> ", stderr);
+    if (!std::getline(std::cin, line)) break;
+    if (line == "/quit" || line == "/exit") break;
+    if (line == "/reset") {
+      turns.clear();
+      continue;
+    }
+    if (line.empty()) continue;
+    for (;;) {
+      api::v1::GenerateRequest req = base;
+      api::v1::Chat* chat = req.mutable_chat();
+      auto add = [&](const char* role, const std::string& content) {
+        api::v1::ChatMessage* m = chat->add_messages();
+        m->set_role(role);
+        m->set_content(content);
+      };
+      if (!system.empty()) add("system", system);
+      for (const auto& [user, assistant] : turns) {
+        add("user", user);
+        add("assistant", assistant);
+      }
+      add("user", line);
+      std::string reply;
+      auto r = client.Generate(
+          req,
+          [&](const api::v1::GenerateResponse& c) {
+            std::fputs(c.text().c_str(), stdout);
+            std::fflush(stdout);
+            reply += c.text();
+            return true;
+          },
+          timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
+      // The history no longer fits: drop the oldest exchange and ask again.
+      if (!r.ok() && absl::IsInvalidArgument(r.status()) && !turns.empty() &&
+          absl::StrContains(r.status().message(), "the context holds")) {
+        turns.erase(turns.begin());
+        continue;
+      }
+      std::printf("\n");
+      if (!r.ok()) {
+        Fail("chat", r.status());
+      } else {
+        turns.emplace_back(line, reply);
+      }
+      break;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
 int ChatCommand(const std::vector<std::string>& args) {
-  Flags f(args, {"--ignore-eos", "--add-special-tokens"});
+  Flags f(args, {"--ignore-eos", "--add-special-tokens", "--plain-text"});
   std::vector<std::string> known = kSamplingFlags;
   known.push_back("--system");
+  known.push_back("--plain-text");
   if (!f.Unknown(known).empty()) {
     std::fprintf(stderr, "hmoe chat: unknown flag %s\n", f.Unknown(known).c_str());
     return 2;
@@ -281,7 +348,7 @@ int ChatCommand(const std::vector<std::string>& args) {
   // Every flag is checked before connecting.
   api::v1::GenerateRequest base;
   ApplySampling(f, base, 64);
-  if (base.stop_size() == 0) base.add_stop("\nUser:");
+  const bool plain_text = f.Bool("--plain-text", false);
   const double timeout = f.TimeoutSeconds();
   f.NoMorePositional(0);
   if (!f.error().empty()) {
@@ -298,8 +365,11 @@ int ChatCommand(const std::vector<std::string>& args) {
                  "hmoe chat with %s (%lld-token context). /reset clears the history, /quit or "
                  "Ctrl-D ends.\n",
                  info->model_type().c_str(), static_cast<long long>(info->max_context()));
-  // Plain-text transcript: the tiny models have no chat template. The
-  // --system text stays first; the oldest turns go when the context is full.
+  if (info->has_chat_template() && !plain_text) return ChatWithTemplate(f, base, timeout, **client);
+  // Plain-text transcript (a model without a chat template, or
+  // --plain-text). The --system text stays first; the oldest turns go when
+  // the context is full.
+  if (base.stop_size() == 0) base.add_stop("\nUser:");
   std::string system = f.Str("--system");
   if (!system.empty()) system += "\n";
   std::vector<std::string> turns;  // "User: ...\nAssistant: ...\n"

@@ -45,6 +45,12 @@ absl::StatusOr<GenerateRequest> GenerationService::ToEngineRequest(
     case api::v1::GenerateRequest::kPromptIds:
       out.prompt.assign(req.prompt_ids().ids().begin(), req.prompt_ids().ids().end());
       break;
+    case api::v1::GenerateRequest::kChat: {
+      auto ids = ChatPromptIds(req.chat());
+      if (!ids.ok()) return ids.status();
+      out.prompt = std::move(*ids);
+      break;
+    }
     default:
       return absl::InvalidArgumentError("prompt is empty: set prompt or prompt_ids");
   }
@@ -65,6 +71,56 @@ absl::StatusOr<GenerateRequest> GenerationService::ToEngineRequest(
   out.stop_strings.assign(req.stop().begin(), req.stop().end());
   out.ignore_eos = req.ignore_eos();
   return out;
+}
+
+absl::StatusOr<std::vector<int32_t>> GenerationService::ChatPromptIds(
+    const api::v1::Chat& chat) const {
+  using Json = nlohmann::ordered_json;
+  if (chat_ == nullptr) return absl::InvalidArgumentError(absl::StrCat("chat: ", no_chat_));
+  if (tokenizer_ == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat("chat: ", no_tokenizer_));
+  if (chat.messages().empty()) return absl::InvalidArgumentError("chat.messages: empty");
+  auto parse = [](const std::string& text, const std::string& field,
+                  bool object) -> absl::StatusOr<Json> {
+    Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || (object ? !j.is_object() : !j.is_array())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": not a JSON ", object ? "object" : "array"));
+    }
+    return j;
+  };
+  Json messages = Json::array();
+  for (int i = 0; i < chat.messages_size(); ++i) {
+    const api::v1::ChatMessage& m = chat.messages(i);
+    const std::string p = absl::StrCat("chat.messages[", i, "]");
+    if (m.role().empty()) return absl::InvalidArgumentError(p + ".role: empty");
+    Json j = {{"role", m.role()}, {"content", m.content()}};
+    if (!m.name().empty()) j["name"] = m.name();
+    if (!m.tool_call_id().empty()) j["tool_call_id"] = m.tool_call_id();
+    if (!m.reasoning_content().empty()) j["reasoning_content"] = m.reasoning_content();
+    if (!m.tool_calls_json().empty()) {
+      auto calls = parse(m.tool_calls_json(), p + ".tool_calls_json", false);
+      if (!calls.ok()) return calls.status();
+      j["tool_calls"] = std::move(*calls);
+    }
+    messages.push_back(std::move(j));
+  }
+  ChatRenderOptions ro;
+  ro.add_generation_prompt = !chat.has_add_generation_prompt() || chat.add_generation_prompt();
+  if (!chat.tools_json().empty()) {
+    auto tools = parse(chat.tools_json(), "chat.tools_json", false);
+    if (!tools.ok()) return tools.status();
+    ro.tools = std::move(*tools);
+  }
+  if (!chat.template_kwargs_json().empty()) {
+    auto kw = parse(chat.template_kwargs_json(), "chat.template_kwargs_json", true);
+    if (!kw.ok()) return kw.status();
+    ro.extra_context = std::move(*kw);
+  }
+  // Text that is not UTF-8 fails the tokenizer, named "chat".
+  auto prompt = RenderChatPrompt(*chat_, *tokenizer_, messages, ro);
+  if (!prompt.ok()) return Annotate(prompt.status(), "chat");
+  return std::move(prompt->ids);
 }
 
 namespace {
@@ -195,6 +251,7 @@ grpc::Status GenerationService::ModelInfo(grpc::ServerContext* ctx,
   if (c.bos_token_id) resp->set_bos_token_id(static_cast<int32_t>(*c.bos_token_id));
   resp->set_experts_backend(experts_backend_);
   resp->set_max_batch(engine_->options().max_batch);
+  resp->set_has_chat_template(chat_ != nullptr);
   return grpc::Status::OK;
 }
 

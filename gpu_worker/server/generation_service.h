@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/auth_token.h"
+#include "common/chat_template.h"
 #include "gpu_worker/engine/engine.h"
 #include "proto/api.grpc.pb.h"
 
@@ -35,10 +36,18 @@ class GenerationService final : public api::v1::Generation::Service {
   // Why there is no tokenizer, for the errors of text calls when it is null
   // (default: "this model has no tokenizer.json").
   void set_no_tokenizer_reason(std::string why) { no_tokenizer_ = std::move(why); }
+  // The chat template for GenerateRequest.chat (borrowed; null: chat
+  // requests are INVALID_ARGUMENT with `why_not`).
+  void set_chat_template(const ChatTemplate* chat, std::string why_not) {
+    chat_ = chat;
+    no_chat_ = std::move(why_not);
+  }
 
   // Builds the engine request from the API message (INVALID_ARGUMENT naming
   // the field). Public for tests.
   absl::StatusOr<GenerateRequest> ToEngineRequest(const api::v1::GenerateRequest& req) const;
+  // GenerateRequest.chat's prompt tokens (INVALID_ARGUMENT naming the field).
+  absl::StatusOr<std::vector<int32_t>> ChatPromptIds(const api::v1::Chat& chat) const;
 
  private:
   Engine* engine_;
@@ -47,6 +56,8 @@ class GenerationService final : public api::v1::Generation::Service {
   std::string model_dir_;
   std::string experts_backend_;
   std::string no_tokenizer_ = "this model has no tokenizer.json";
+  const ChatTemplate* chat_ = nullptr;
+  std::string no_chat_ = "this model has no chat template";
   std::shared_ptr<const AuthTokens> auth_tokens_;  // never null
   grpc::Status Authorize(const grpc::ServerContext* ctx) const;
 };

@@ -342,23 +342,16 @@ absl::StatusOr<Parsed> ParseRequest(Endpoint endpoint, const Json& body, const C
       }
       ro.extra_context = *kw;
     }
-    auto text = ctx.chat->Render(msgs, ro);
-    if (!text.ok()) {
-      *error = FromStatus(text.status());
-      error->param = "messages";
-      return text.status();
-    }
     if (ctx.tokenizer == nullptr)
       return f.Fail("messages", "chat completions need the model's tokenizer.json"), bad;
-    // The template writes the special tokens itself (as transformers does).
-    auto ids = ctx.tokenizer->Encode(*text, /*add_special_tokens=*/false);
-    if (!ids.ok()) {
-      *error = FromStatus(ids.status());
+    auto prompt = RenderChatPrompt(*ctx.chat, *ctx.tokenizer, msgs, ro);
+    if (!prompt.ok()) {
+      *error = FromStatus(prompt.status());
       error->param = "messages";
-      return ids.status();
+      return prompt.status();
     }
-    r.prompt = std::move(*ids);
-    out.rendered_prompt = std::move(*text);
+    r.prompt = std::move(prompt->ids);
+    out.rendered_prompt = std::move(prompt->text);
   } else {
     const Json* prompt = f.Get("prompt");
     if (prompt == nullptr) return f.Fail("prompt", "prompt: required"), bad;

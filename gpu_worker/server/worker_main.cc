@@ -566,6 +566,7 @@ int Run(int argc, char** argv) {
   GenerationService service(engine->get(), model->get(), tokenizer.get(), o.model_dir, backend,
                             auth_tokens);
   service.set_no_tokenizer_reason(no_tokenizer);
+  service.set_chat_template(chat ? &*chat : nullptr, no_chat);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
