@@ -9,9 +9,12 @@
 #   bench/transport_overhead.sh [BIN_DIR] [OUT_DIR]
 #
 # UCX runs over loopback TCP alone (UCX_TLS=tcp: as across hosts) for every
-# --ucx-fragment-bytes in FRAGS, then with shared memory allowed
-# (tcp,sm,self). The denominator for UCX is UCX's own ucx_perftest in the same
-# run: ucp_am_lat one-way times of the same two messages (request, answer)
+# --ucx-fragment-bytes in FRAGS (on the default lanes), then for every
+# --ucx-lanes in LANES (both sides; 1 = one connection and one progress
+# thread a side, as before lanes; default fragments), then with shared
+# memory allowed (tcp,sm,self). The denominator for UCX is UCX's own
+# ucx_perftest in the same run (one connection, one thread a side):
+# ucp_am_lat one-way times of the same two messages (request, answer)
 # added up = the round trip UCX itself needs, and ucp_am_bw of 1 MiB
 # messages (streaming). Targets (issues 5 and 33): shm <= 10 us at T=1; UCX
 # <= 30 us at T=1 and >= 5 GB/s at T=128 and 1024; gRPC <= 200 us at T=1.
@@ -22,6 +25,7 @@ hidden=${HIDDEN:-7168}
 iters=${ITERS:-300}
 tokens=${TOKENS:-1,128,1024}
 frags=${FRAGS:-0 262144 1048576 4194304}
+lanes=${LANES:-1 2 4 8}
 perftest=${PERFTEST:-$(command -v ucx_perftest || echo "$bin/ucx_perftest")}
 tmp=$(mktemp -d)
 svc=
@@ -52,6 +56,11 @@ for f in $frags; do
   if [ "$f" = 1048576 ]; then
     bench "ucx-tcp-frag$f-waitspin50" --transport=ucx --ucx-fragment-bytes="$f" --ucx-wait-spin-us=50
   fi
+  stop
+done
+for l in $lanes; do
+  start --ucx-lanes="$l"
+  bench "ucx-tcp-lanes$l" --transport=ucx --ucx-lanes="$l"
   stop
 done
 export UCX_TLS=tcp,sm,self

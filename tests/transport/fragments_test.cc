@@ -2,9 +2,11 @@
 // plane's reusable buffers and fragment reassembly.
 #include "common/transport/fragments.h"
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -89,6 +91,47 @@ TEST(Assembly, FragmentsInAnyOrderLandInPlace) {
     BufferPool::Bytes got = (*a)->Take();
     ASSERT_EQ(got.size(), total);
     EXPECT_EQ(std::memcmp(got.data(), want.data(), total), 0);
+  }
+}
+
+// Lanes: one payload's fragments claimed and landed from several threads
+// at once (some twice, refused): each lands once, exactly one landing
+// completes the payload, and the bytes are all in place.
+TEST(Assembly, FragmentsFromSeveralThreadsAtOnce) {
+  auto pool = std::make_shared<BufferPool>(4);
+  const uint64_t frag = kMinFragmentBytes, n = 64, total = n * frag - 123;
+  const std::vector<uint8_t> want = Pattern(total);
+  for (int round = 0; round < 20; ++round) {
+    auto a = Assembly::Start(pool, total, frag);
+    ASSERT_TRUE(a.ok()) << a.status();
+    std::atomic<int> completions{0}, refused{0};
+    std::vector<std::thread> threads;
+    for (uint64_t t = 0; t < 4; ++t) {
+      // Thread t takes fragments t, t + 4, ... and then its neighbour's
+      // first one: whichever of the two comes second is refused.
+      threads.emplace_back([&, t] {
+        std::vector<uint64_t> mine;
+        for (uint64_t i = t; i < n; i += 4) mine.push_back(i);
+        mine.push_back((t + 1) % 4);
+        for (const uint64_t i : mine) {
+          const uint64_t off = i * frag, len = std::min(frag, total - off);
+          auto dst = (*a)->Claim(off, len);
+          if (!dst.ok()) {
+            ++refused;
+            continue;
+          }
+          std::memcpy(*dst, want.data() + off, len);
+          if ((*a)->Landed(true)) ++completions;
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(completions.load(), 1);
+    EXPECT_EQ(refused.load(), 4);
+    EXPECT_TRUE((*a)->ok());
+    BufferPool::Bytes got = (*a)->Take();
+    ASSERT_EQ(got.size(), total);
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), total), 0) << "round " << round;
   }
 }
 
