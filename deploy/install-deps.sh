@@ -22,6 +22,12 @@ if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q
   apt-get install -y -q --no-install-recommends "${missing[@]}"
+  # Only prometheus' promtool is wanted (tests check /metrics with it): the
+  # server the package enables on install is stopped and disabled again.
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null &&
+    systemctl is-system-running >/dev/null 2>&1; then
+    systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 else
   echo "install-deps: all ${#pkgs[@]} packages present"
 fi

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,8 @@
 #include "common/auth_token.h"
 #include "common/routing_stats.h"
 #include "common/status.h"
+#include "httplib.h"
+#include "nlohmann/json.hpp"
 #include "sdk/client.h"
 #include "sdk/stats.h"
 
@@ -630,6 +633,139 @@ int StatsCommand(const std::vector<std::string>& args) {
                 all ? 100.0 * static_cast<double>(top) / static_cast<double>(all) : 0.0);
   }
   if (!save.empty()) std::printf("saved to %s\n", save.c_str());
+  return 0;
+}
+
+// One streamed chat request over the worker's HTTP API: wall time, time to
+// the first content and completion tokens (from the usage chunk).
+struct HttpRun {
+  double wall_ms = 0, first_ms = 0;
+  int64_t tokens = 0;
+  std::string text;
+};
+absl::StatusOr<HttpRun> HttpChatOnce(httplib::Client& http, const std::string& body) {
+  HttpRun run;
+  std::string pending;
+  absl::Status failed;
+  const auto t0 = std::chrono::steady_clock::now();
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.body = body;
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
+    pending.append(data, len);
+    size_t end;
+    while ((end = pending.find("\n\n")) != std::string::npos) {
+      const std::string event = pending.substr(0, end);
+      pending.erase(0, end + 2);
+      if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
+      auto j = nlohmann::json::parse(event.substr(6), nullptr, false);
+      if (j.is_discarded() || j.contains("error")) {
+        failed = absl::InternalError("HTTP stream: " + event);
+        return false;
+      }
+      if (j.contains("usage") && j["usage"].is_object())
+        run.tokens = j["usage"]["completion_tokens"].get<int64_t>();
+      if (!j["choices"].empty() && j["choices"][0]["delta"].contains("content")) {
+        if (run.text.empty())
+          run.first_ms =
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                  .count();
+        run.text += j["choices"][0]["delta"]["content"].get<std::string>();
+      }
+    }
+    return true;
+  };
+  auto res = http.send(req);
+  run.wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (!failed.ok()) return failed;
+  if (!res) return absl::UnavailableError("HTTP: " + httplib::to_string(res.error()));
+  if (res->status != 200)
+    return absl::InternalError(absl::StrCat("HTTP ", res->status, ": ", res->body));
+  return run;
+}
+
+int BenchHttpCommand(const std::vector<std::string>& args) {
+  Flags f(args, {});
+  std::vector<std::string> known = {
+      "--server", "--token-file", "--tls-ca-file", "--tls-cert-file", "--tls-key-file",
+      "--http",   "--requests",   "--max-tokens",  "--prompt",        "-p"};
+  if (!f.Unknown(known).empty()) {
+    std::fprintf(stderr, "hmoe bench-http: unknown flag %s\n", f.Unknown(known).c_str());
+    return 2;
+  }
+  const std::string url = f.Str("--http", "http://127.0.0.1:8000");
+  const int requests = static_cast<int>(f.Int("--requests", 20, 1, 1 << 20));
+  const int max_tokens = static_cast<int>(f.Int("--max-tokens", 128, 1, 1 << 20));
+  const std::string prompt = f.Str("-p", f.Str("--prompt", "Tell me a fortune"));
+  f.NoMorePositional(0);
+  if (!f.error().empty()) {
+    std::fprintf(stderr, "hmoe bench-http: %s\n", f.error().c_str());
+    return 2;
+  }
+  auto client = ConnectFrom(f);
+  if (!client.ok()) return Fail("bench-http", client.status());
+  auto info = (*client)->ModelInfo();
+  if (!info.ok()) return Fail("bench-http", info.status());
+  if (!info->has_chat_template()) {
+    std::fprintf(stderr, "hmoe bench-http: the model has no chat template\n");
+    return 1;
+  }
+  httplib::Client http(url);
+  http.set_read_timeout(600, 0);
+  const char* env_token = std::getenv("HMOE_TOKEN_FILE");
+  const std::string token_file = f.Str("--token-file", env_token ? env_token : "");
+  if (!token_file.empty()) {
+    auto token = ReadAuthTokenFile(token_file);
+    if (!token.ok()) return Fail("bench-http", token.status());
+    http.set_bearer_token_auth(token->c_str());
+  }
+  // The same conversation both ways, greedy, eos ignored: the same tokens.
+  api::v1::GenerateRequest g;
+  api::v1::ChatMessage* m = g.mutable_chat()->add_messages();
+  m->set_role("user");
+  m->set_content(prompt);
+  g.set_max_tokens(max_tokens);
+  g.set_ignore_eos(true);
+  g.mutable_sampling()->set_temperature(0);
+  const std::string body = nlohmann::json{{"messages", {{{"role", "user"}, {"content", prompt}}}},
+                                          {"max_tokens", max_tokens},
+                                          {"ignore_eos", true},
+                                          {"temperature", 0},
+                                          {"stream", true},
+                                          {"stream_options", {{"include_usage", true}}}}
+                               .dump();
+  // Alternating, one at a time (batch 1), after one warm-up each: drift in
+  // the machine's speed falls on both alike.
+  std::vector<double> grpc_tps, http_tps, grpc_first, http_first;
+  for (int i = -1; i < requests; ++i) {
+    auto r = (*client)->Generate(g, [](const api::v1::GenerateResponse&) { return true; });
+    if (!r.ok()) return Fail("bench-http (gRPC)", r.status());
+    auto h = HttpChatOnce(http, body);
+    if (!h.ok()) return Fail("bench-http (HTTP)", h.status());
+    if (h->text != r->text || h->tokens != r->usage.completion_tokens()) {
+      std::fprintf(stderr, "hmoe bench-http: HTTP and gRPC generated different text\n");
+      return 1;
+    }
+    if (i < 0) continue;
+    grpc_tps.push_back(static_cast<double>(r->usage.completion_tokens()) / (r->wall_ms / 1e3));
+    http_tps.push_back(static_cast<double>(h->tokens) / (h->wall_ms / 1e3));
+    grpc_first.push_back(r->first_chunk_ms);
+    http_first.push_back(h->first_ms);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double g_tps = median(grpc_tps), h_tps = median(http_tps);
+  std::printf(
+      "{\"model\": \"%s\", \"requests\": %d, \"max_tokens\": %d, \"grpc_tok_s\": %.2f, "
+      "\"http_tok_s\": %.2f, \"http_vs_grpc\": %.4f, \"grpc_first_ms\": %.2f, "
+      "\"http_first_ms\": %.2f}\n",
+      info->model_type().c_str(), requests, max_tokens, g_tps, h_tps, h_tps / g_tps,
+      median(grpc_first), median(http_first));
   return 0;
 }
 

@@ -13,6 +13,9 @@ namespace hmoe {
 int GenerateCommand(const std::vector<std::string>& args);
 int ChatCommand(const std::vector<std::string>& args);
 int BenchServeCommand(const std::vector<std::string>& args);
+// Streaming chat tok/s at batch 1 through the HTTP API beside the gRPC API
+// on the same worker and conversation (requests alternate).
+int BenchHttpCommand(const std::vector<std::string>& args);
 // hmoe stats [--save FILE] [--json]: the worker's engine and routing
 // statistics; --save writes the routing table (common/routing_stats.h).
 int StatsCommand(const std::vector<std::string>& args);

@@ -32,6 +32,8 @@ int Usage(FILE* out) {
       "  bench-serve [--server ADDR] [--clients N] [--requests M] [--max-tokens K] [-p TEXT]\n"
       "              [--retry N]  (exit 1 when any request is refused or fails)\n"
       "      N concurrent clients: latency percentiles and throughput\n"
+      "  bench-http [--server ADDR] [--http URL] [--requests N] [--max-tokens K] [-p TEXT]\n"
+      "      streaming chat tok/s at batch 1 over the HTTP API beside gRPC (alternating)\n"
       "  stats [--server ADDR] [--save FILE] [--json]\n"
       "      the worker's requests, KV use and tokens routed per layer and expert;\n"
       "      --save writes the routing table as JSON (for hot-expert placement)\n"
@@ -105,6 +107,7 @@ int main(int argc, char** argv) {
   if (cmd == "generate") return hmoe::GenerateCommand(args);
   if (cmd == "chat") return hmoe::ChatCommand(args);
   if (cmd == "bench-serve") return hmoe::BenchServeCommand(args);
+  if (cmd == "bench-http") return hmoe::BenchHttpCommand(args);
   if (cmd == "stats") return hmoe::StatsCommand(args);
   if (cmd == "-h" || cmd == "--help" || cmd == "help") return Usage(stdout);
   std::fprintf(stderr, "hmoe: unknown command \"%s\"\n", cmd.c_str());

@@ -266,7 +266,9 @@ struct HttpService::Impl {
             }
           }
           st->pending.clear();
-          if (!sink.write(out.data(), out.size())) return false;
+          // Events without text (a skipped special token) write nothing:
+          // an empty write would end cpp-httplib's chunked body unfinished.
+          if (!out.empty() && !sink.write(out.data(), out.size())) return false;
           if (st->ended) sink.done();
           return true;
         },

@@ -120,6 +120,7 @@
 #include "common/auth_token.h"
 #include "common/chat_template.h"
 #include "common/expert_placement.h"
+#include "common/metrics.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
 #include "common/transport/grpc_tls.h"
@@ -375,6 +376,9 @@ int Run(int argc, char** argv) {
 
   auto config = LoadModelConfig(o.model_dir);
   if (!config.ok()) Die(config.status().ToString(), 1);
+  // The engine's and the expert pool's metrics (/metrics on the HTTP API);
+  // declared first, so it outlives both.
+  MetricsRegistry metrics;
   std::unique_ptr<ExpertPool> pool;
   std::unique_ptr<PoolRoutedExperts> remote;
   std::string backend = "in-process reference";
@@ -391,6 +395,7 @@ int Run(int argc, char** argv) {
     po.fail_fast_after_failed_check = absl::Seconds(3);
     po.auth_tokens = expert_auth_tokens;
     po.credentials = *expert_credentials;  // insecure ones without --expert-tls-*
+    po.metrics = &metrics;
     auto p = ExpertPool::Connect(po);
     if (!p.ok()) Die("expert service: " + p.status().ToString(), 1);
     pool = std::move(*p);
@@ -560,6 +565,7 @@ int Run(int argc, char** argv) {
   eo.max_queue = o.max_queue;
   eo.prefill_chunk = o.prefill_chunk;
   eo.kv_blocks = o.kv_blocks;
+  eo.metrics = &metrics;
   auto engine = Engine::Create(model->get(), tokenizer.get(), eo);
   if (!engine.ok()) Die(engine.status().ToString(), 1);
 
@@ -608,6 +614,7 @@ int Run(int argc, char** argv) {
     ho.tls = o.tls;
     ho.threads = o.max_batch + o.max_queue + 16;
     ho.ready = [&experts_up] { return experts_up.load(); };
+    ho.metrics = [&metrics] { return metrics.RenderPrometheus(); };
     auto h = HttpService::Start(engine->get(), tokenizer.get(), chat ? &*chat : nullptr, no_chat,
                                 std::move(ho));
     if (!h.ok()) Die(h.status().ToString(), 1);

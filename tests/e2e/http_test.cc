@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
@@ -233,6 +234,29 @@ TEST(HttpApi, ChatRendersTheTemplateWholeAndStreamed) {
   }
   EXPECT_EQ(text, grpc->text);
 
+  // Past an eos (ignore_eos): the eos adds no text, and the stream must
+  // still end properly with every delta (an empty write once cut it).
+  const Json long_req = {
+      {"messages", plain}, {"max_tokens", 64}, {"temperature", 0}, {"ignore_eos", true}};
+  auto whole64 = c.Post("/v1/chat/completions", long_req.dump(), "application/json");
+  ASSERT_TRUE(whole64);
+  ASSERT_EQ(whole64->status, 200);
+  Json streamed_req = long_req;
+  streamed_req["stream"] = true;
+  auto s64 = c.Post("/v1/chat/completions", streamed_req.dump(), "application/json");
+  ASSERT_TRUE(s64);
+  const auto d64 = SseData(s64->body);
+  ASSERT_FALSE(d64.empty());
+  EXPECT_EQ(d64.back(), "[DONE]");
+  std::string text64;
+  for (size_t i = 0; i + 1 < d64.size(); ++i) {
+    Json ch = Json::parse(d64[i]);
+    if (!ch["choices"].empty() && ch["choices"][0]["delta"].contains("content"))
+      text64 += ch["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  EXPECT_EQ(text64, Json::parse(whole64->body)["choices"][0]["message"]["content"]);
+  EXPECT_EQ(Json::parse(whole64->body)["usage"]["completion_tokens"], 64);
+
   // The template's own error is the client's 400.
   auto bad = c.Post("/v1/chat/completions",
                     R"({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 2})",
@@ -441,6 +465,58 @@ TEST(HttpApi, AFullQueueIs429AndADownExpertServiceIs503) {
     if (status != 200) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_EQ(status, 200);
+}
+
+// The value of the sample `series` (name{labels} exactly) in Prometheus
+// text, or -1.
+double Sample(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = -1;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return -1;
+}
+
+TEST(HttpApi, MetricsCountWhatWasServed) {
+  HttpPair h;
+  ASSERT_TRUE(h.Start());
+  auto c = h.Client();
+  int64_t generated = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto r = c.Post("/v1/completions", R"({"prompt": "The fortune", "max_tokens": 7})",
+                    "application/json");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200);
+    generated += Json::parse(r->body)["usage"]["completion_tokens"].get<int64_t>();
+  }
+  auto m = c.Get("/metrics");
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->status, 200);
+  EXPECT_TRUE(absl::StartsWith(m->get_header_value("Content-Type"), "text/plain; version=0.0.4"));
+  const std::string& t = m->body;
+  EXPECT_EQ(Sample(t, "hmoe_requests_finished_total{outcome=\"length\"}") +
+                Sample(t, "hmoe_requests_finished_total{outcome=\"stop\"}"),
+            3);
+  EXPECT_EQ(Sample(t, "hmoe_generation_tokens_total"), static_cast<double>(generated));
+  EXPECT_EQ(Sample(t, "hmoe_time_to_first_token_seconds_count"), 3);
+  EXPECT_EQ(Sample(t, "hmoe_requests_running"), 0);
+  EXPECT_EQ(Sample(t, "hmoe_kv_blocks_used"), 0);
+  EXPECT_GT(Sample(t, "hmoe_kv_blocks_capacity"), 0);
+  const std::string shard = h.pair.expert().target();
+  EXPECT_GT(Sample(t, absl::StrCat("hmoe_expert_calls_total{transport=\"shm\",shard=\"", shard,
+                                   "\",outcome=\"ok\"}")),
+            0)
+      << t;
+  EXPECT_EQ(Sample(t, absl::StrCat("hmoe_expert_shard_up{shard=\"", shard, "\"}")), 1);
+  // Prometheus' own checker, where Debian's prometheus package is installed.
+  if (::access("/usr/bin/promtool", X_OK) == 0) {
+    const std::string file = h.pair.file("metrics.txt");
+    std::ofstream(file) << t;
+    EXPECT_EQ(std::system(("/usr/bin/promtool check metrics < " + file + " >/dev/null").c_str()), 0)
+        << t;
+  }
 }
 
 // The official `openai` Python client (pinned in
