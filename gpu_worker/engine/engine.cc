@@ -37,6 +37,7 @@ struct Engine::Request {
   std::unique_ptr<StreamDecoder> decoder;
   std::vector<int32_t> output;
   std::vector<int32_t> unsent_ids;
+  std::vector<TokenLogprob> unsent_logprobs;  // with req.logprobs >= 0
   int64_t prefilled = 0;
   std::vector<float> logits;  // logits of the last forward pass
   int32_t pending = -1;       // sampled, emitted, not yet in the cache (next step's token)
@@ -250,6 +251,9 @@ absl::StatusOr<RequestFootprint> CheckGenerateRequest(const RequestLimits& l, Ge
   req.max_tokens =
       static_cast<int32_t>(std::min<int64_t>(req.max_tokens, l.max_context - prompt_len));
   RETURN_IF_ERROR(ValidateSamplingParams(req.sampling));
+  if (req.logprobs < -1 || req.logprobs > kMaxTopLogprobs)
+    return absl::InvalidArgumentError(
+        absl::StrCat("logprobs: ", req.logprobs, " outside [-1, ", kMaxTopLogprobs, "]"));
   // Bounded: every stop token and string is checked after each new token.
   if (req.stop_token_ids.size() > kMaxStopTokenIds)
     return absl::InvalidArgumentError(absl::StrCat("stop_token_ids: ", req.stop_token_ids.size(),
@@ -361,6 +365,7 @@ void Engine::Finish(Request& r, FinishReason reason, absl::Status status) {
   GenerateEvent ev;
   ev.request_id = r.id;
   ev.token_ids = std::move(r.unsent_ids);
+  ev.logprobs = std::move(r.unsent_logprobs);
   if (r.decoder) r.text += r.decoder->Finish();
   ev.text = r.text.substr(std::min(r.text_sent, r.text.size()));
   r.text_sent = r.text.size();
@@ -442,6 +447,8 @@ void Engine::EmitToken(Request& r, int32_t token) {
   ev.request_id = r.id;
   ev.token_ids = std::move(r.unsent_ids);
   r.unsent_ids.clear();
+  ev.logprobs = std::move(r.unsent_logprobs);
+  r.unsent_logprobs.clear();
   if (safe > r.text_sent) {
     ev.text = r.text.substr(r.text_sent, safe - r.text_sent);
     r.text_sent = safe;
@@ -458,6 +465,7 @@ void Engine::SampleNext(Request& r) {
     Finish(r, FinishReason::kError, token.status());
     return;
   }
+  if (r.req.logprobs >= 0) r.unsent_logprobs.push_back(LogprobOf(r.logits, *token, r.req.logprobs));
   EmitToken(r, *token);
   if (!r.done) r.pending = *token;
 }

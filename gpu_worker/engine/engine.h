@@ -85,6 +85,8 @@ const char* FinishReasonName(FinishReason r);
 inline constexpr size_t kMaxStopTokenIds = 1024;
 inline constexpr size_t kMaxStopStrings = 64;
 inline constexpr size_t kMaxStopStringBytes = 1024;
+// Alternatives a request may ask for with each token's logprob.
+inline constexpr int32_t kMaxTopLogprobs = 20;
 
 struct GenerateRequest {
   std::vector<int32_t> prompt;  // token ids, non-empty
@@ -97,6 +99,9 @@ struct GenerateRequest {
   // tokenizer. Errors name them "stop" (the API's field).
   std::vector<std::string> stop_strings;
   absl::Time deadline = absl::InfiniteFuture();
+  // -1: none; 0..kMaxTopLogprobs: each generated token's logprob and that
+  // many most likely alternatives (LogprobOf, sampling.h).
+  int32_t logprobs = -1;
 };
 
 // What Engine::Submit checks a request against.
@@ -120,8 +125,9 @@ absl::StatusOr<RequestFootprint> CheckGenerateRequest(const RequestLimits& limit
 
 struct GenerateEvent {
   uint64_t request_id = 0;
-  std::vector<int32_t> token_ids;  // new tokens in this event
-  std::string text;                // new text (valid UTF-8; empty without a tokenizer)
+  std::vector<int32_t> token_ids;      // new tokens in this event
+  std::vector<TokenLogprob> logprobs;  // one per token_ids entry, when the request asked
+  std::string text;                    // new text (valid UTF-8; empty without a tokenizer)
   FinishReason finish = FinishReason::kNone;
   absl::Status status;  // non-OK with kError / kDeadline / kCancelled
   // Set on the final event.

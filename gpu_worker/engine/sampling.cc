@@ -35,6 +35,42 @@ int32_t Argmax(absl::Span<const float> logits) {
   return best;
 }
 
+TokenLogprob LogprobOf(absl::Span<const float> logits, int32_t token, int top_n) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (float l : logits) max = std::max(max, l);
+  double sum = 0;
+  for (float l : logits) sum += std::exp(static_cast<double>(l) - max);
+  const double log_z = static_cast<double>(max) + std::log(sum);
+  TokenLogprob out;
+  out.token = token;
+  out.logprob = static_cast<float>(logits[static_cast<size_t>(token)] - log_z);
+  if (top_n <= 0) return out;
+  // The top_n largest by a small heap: the root is the worst kept one.
+  using Entry = std::pair<float, int32_t>;
+  auto worse = [](const Entry& a, const Entry& b) {  // a ranks below b
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  };
+  auto heap_cmp = [&](const Entry& a, const Entry& b) { return worse(b, a); };
+  std::vector<Entry> heap;
+  heap.reserve(static_cast<size_t>(top_n) + 1);
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const Entry e{logits[i], static_cast<int32_t>(i)};
+    if (std::isinf(e.first)) continue;  // masked: never an alternative
+    if (heap.size() < static_cast<size_t>(top_n)) {
+      heap.push_back(e);
+      std::push_heap(heap.begin(), heap.end(), heap_cmp);
+    } else if (worse(heap.front(), e)) {
+      std::pop_heap(heap.begin(), heap.end(), heap_cmp);
+      heap.back() = e;
+      std::push_heap(heap.begin(), heap.end(), heap_cmp);
+    }
+  }
+  std::sort(heap.begin(), heap.end(), [&](const Entry& a, const Entry& b) { return worse(b, a); });
+  for (const Entry& e : heap)
+    out.top.emplace_back(e.second, static_cast<float>(static_cast<double>(e.first) - log_z));
+  return out;
+}
+
 Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed)
     : params_(params), rng_(params.has_seed ? params.seed : fallback_seed) {}
 

@@ -75,4 +75,16 @@ class Sampler {
 // Greedy argmax (lowest id wins ties).
 int32_t Argmax(absl::Span<const float> logits);
 
+// A token's log-probability under the model's distribution: the
+// log-softmax of the raw logits (before penalties, temperature and
+// truncation, as vLLM reports them), and the `top` most likely tokens'
+// (most likely first, lowest id first on ties; masked tokens never).
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+};
+// `logits` finite or -inf (masked), token in range; top_n >= 0.
+TokenLogprob LogprobOf(absl::Span<const float> logits, int32_t token, int top_n);
+
 }  // namespace hmoe

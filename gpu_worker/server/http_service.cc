@@ -176,6 +176,7 @@ struct HttpService::Impl {
     auto parsed = openai::ParseRequest(endpoint, body, ctx, &perr);
     if (!parsed.ok()) return SendError(res, perr);
     auto stream = std::make_shared<Stream>();
+    const int32_t want_lp = parsed->request.logprobs;
     auto id = engine->Submit(std::move(parsed->request), [stream](const GenerateEvent& ev) {
       std::lock_guard<std::mutex> lock(stream->mu);
       stream->events.push_back(ev);
@@ -206,17 +207,25 @@ struct HttpService::Impl {
 
     if (!parsed->stream) {
       std::string text;
-      for (const GenerateEvent& ev : got) text += ev.text;
+      std::vector<TokenLogprob> lps;
+      for (GenerateEvent& ev : got) {
+        text += ev.text;
+        lps.insert(lps.end(), ev.logprobs.begin(), ev.logprobs.end());
+      }
       const GenerateEvent& last = got.back();
-      const Json j = openai::CompletionResponse(endpoint, cid, now, o.model_name, text, last.finish,
-                                                {last.prompt_tokens, last.completion_tokens});
+      size_t offset = 0;
+      const Json j = openai::CompletionResponse(
+          endpoint, cid, now, o.model_name, text, last.finish,
+          {last.prompt_tokens, last.completion_tokens},
+          openai::LogprobsJson(endpoint, want_lp, lps, tokenizer, &offset));
       res.set_content(j.dump(-1, ' ', false, Json::error_handler_t::replace), "application/json");
       return;
     }
     struct State {
       std::deque<GenerateEvent> pending;
       bool first = true;
-      bool ended = false;  // the final event written
+      bool ended = false;      // the final event written
+      size_t text_offset = 0;  // completions' logprobs.text_offset
     };
     auto st = std::make_shared<State>();
     st->pending = std::move(got);
@@ -226,6 +235,7 @@ struct HttpService::Impl {
     const std::string model = o.model_name;
     Engine* eng = engine;
     const absl::Duration probe = o.probe_interval;
+    const Tokenizer* tok = tokenizer;
     res.set_chunked_content_provider(
         "text/event-stream",
         [=](size_t, httplib::DataSink& sink) {
@@ -243,12 +253,17 @@ struct HttpService::Impl {
               st->ended = true;
               break;
             }
-            if (!ev.text.empty() || st->first || ev.finish != FinishReason::kNone) {
-              // The text (or the role, first) and the finish reason go in
-              // separate chunks, as OpenAI's servers send them.
-              if (!ev.text.empty() || st->first) {
-                out += SseData(openai::StreamChunk(endpoint, cid, now, model, ev.text, st->first,
-                                                   FinishReason::kNone));
+            const bool has_lp = want_lp >= 0 && !ev.logprobs.empty();
+            if (!ev.text.empty() || st->first || has_lp || ev.finish != FinishReason::kNone) {
+              // The text (or the role, first; with the tokens' logprobs)
+              // and the finish reason go in separate chunks, as OpenAI's
+              // servers send them.
+              if (!ev.text.empty() || st->first || has_lp) {
+                out += SseData(openai::StreamChunk(
+                    endpoint, cid, now, model, ev.text, st->first, FinishReason::kNone,
+                    has_lp ? openai::LogprobsJson(endpoint, want_lp, ev.logprobs, tok,
+                                                  &st->text_offset)
+                           : Json(nullptr)));
                 st->first = false;
               }
               if (ev.finish != FinishReason::kNone)

@@ -291,11 +291,19 @@ absl::StatusOr<Parsed> ParseRequest(Endpoint endpoint, const Json& body, const C
       !f.OnlyOff("suffix", Json(""), "not supported"))
     return bad;
   if (chat) {
-    if (!f.OnlyOff("logprobs", Json(false), "not supported by this server yet") ||
-        !f.OnlyOff("top_logprobs", Json(0), "not supported by this server yet"))
+    bool logprobs = false;
+    int64_t top = 0;
+    bool has_top = false;
+    if (!f.Bool("logprobs", &logprobs) ||
+        !f.Int("top_logprobs", 0, kMaxTopLogprobs, &top, &has_top))
       return bad;
-  } else if (!f.OnlyOff("logprobs", Json(0), "not supported by this server yet")) {
-    return bad;
+    if (has_top && !logprobs)
+      return f.Fail("top_logprobs", "top_logprobs: needs logprobs true"), bad;
+    r.logprobs = logprobs ? static_cast<int32_t>(top) : -1;
+  } else {
+    int64_t n_lp = -1;
+    if (!f.Int("logprobs", 0, kMaxTopLogprobs, &n_lp)) return bad;
+    r.logprobs = static_cast<int32_t>(n_lp);
   }
 
   if (chat) {
@@ -389,6 +397,48 @@ absl::StatusOr<Parsed> ParseRequest(Endpoint endpoint, const Json& body, const C
   return out;
 }
 
+Json LogprobsJson(Endpoint endpoint, int32_t requested, const std::vector<TokenLogprob>& tokens,
+                  const Tokenizer* tokenizer, size_t* offset) {
+  if (requested < 0) return nullptr;
+  auto text_of = [&](int32_t id) {
+    return tokenizer != nullptr ? tokenizer->TokenBytes(id, /*skip_special_tokens=*/false)
+                                : absl::StrCat("<", id, ">");
+  };
+  auto bytes_of = [](const std::string& s) {
+    Json b = Json::array();
+    for (unsigned char ch : s) b.push_back(static_cast<int>(ch));
+    return b;
+  };
+  if (endpoint == Endpoint::kChatCompletions) {
+    Json content = Json::array();
+    for (const TokenLogprob& t : tokens) {
+      const std::string s = text_of(t.token);
+      Json top = Json::array();
+      for (const auto& [id, lp] : t.top) {
+        const std::string ts = text_of(id);
+        top.push_back({{"token", ts}, {"logprob", lp}, {"bytes", bytes_of(ts)}});
+      }
+      content.push_back(
+          {{"token", s}, {"logprob", t.logprob}, {"bytes", bytes_of(s)}, {"top_logprobs", top}});
+    }
+    return Json{{"content", content}, {"refusal", nullptr}};
+  }
+  Json toks = Json::array(), lps = Json::array(), tops = Json::array(), offs = Json::array();
+  for (const TokenLogprob& t : tokens) {
+    const std::string s = text_of(t.token);
+    toks.push_back(s);
+    lps.push_back(t.logprob);
+    Json top = Json::object();
+    for (const auto& [id, lp] : t.top) top[text_of(id)] = lp;
+    top[s] = t.logprob;  // the chosen token is always there, as in OpenAI's
+    tops.push_back(top);
+    offs.push_back(*offset);
+    *offset += s.size();
+  }
+  return Json{
+      {"tokens", toks}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
+}
+
 Json FinishReasonJson(FinishReason r) {
   switch (r) {
     case FinishReason::kLength:
@@ -409,7 +459,7 @@ Json UsageJson(const Usage& u) {
 
 Json CompletionResponse(Endpoint endpoint, const std::string& id, int64_t created,
                         const std::string& model, const std::string& text, FinishReason finish,
-                        const Usage& usage) {
+                        const Usage& usage, const Json& logprobs) {
   const bool chat = endpoint == Endpoint::kChatCompletions;
   Json choice;
   choice["index"] = 0;
@@ -418,7 +468,7 @@ Json CompletionResponse(Endpoint endpoint, const std::string& id, int64_t create
   } else {
     choice["text"] = text;
   }
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = logprobs;
   choice["finish_reason"] = FinishReasonJson(finish);
   return Json{{"id", id},
               {"object", chat ? "chat.completion" : "text_completion"},
@@ -429,8 +479,8 @@ Json CompletionResponse(Endpoint endpoint, const std::string& id, int64_t create
 }
 
 Json StreamChunk(Endpoint endpoint, const std::string& id, int64_t created,
-                 const std::string& model, const std::string& text, bool first,
-                 FinishReason finish) {
+                 const std::string& model, const std::string& text, bool first, FinishReason finish,
+                 const Json& logprobs) {
   const bool chat = endpoint == Endpoint::kChatCompletions;
   Json choice;
   choice["index"] = 0;
@@ -442,7 +492,7 @@ Json StreamChunk(Endpoint endpoint, const std::string& id, int64_t created,
   } else {
     choice["text"] = text;
   }
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = logprobs;
   choice["finish_reason"] = FinishReasonJson(finish);
   return Json{{"id", id},
               {"object", chat ? "chat.completion.chunk" : "text_completion"},

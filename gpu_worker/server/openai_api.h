@@ -70,16 +70,24 @@ struct Usage {
 };
 Json UsageJson(const Usage& u);
 
+// A choice's "logprobs" for these tokens (null when the request asked for
+// none, i.e. request.logprobs < 0): chat {"content": [{token, logprob,
+// bytes, top_logprobs}]}; completions {tokens, token_logprobs,
+// top_logprobs (the alternatives and the chosen token), text_offset (UTF-8
+// bytes into the completion, counted from *offset, which advances)}.
+Json LogprobsJson(Endpoint endpoint, int32_t requested, const std::vector<TokenLogprob>& tokens,
+                  const Tokenizer* tokenizer, size_t* offset);
+
 // Whole responses.
 Json CompletionResponse(Endpoint endpoint, const std::string& id, int64_t created,
                         const std::string& model, const std::string& text, FinishReason finish,
-                        const Usage& usage);
+                        const Usage& usage, const Json& logprobs = nullptr);
 // One stream chunk: a text delta (chat: the first one also carries the
 // role), or the final one with finish_reason; `usage` only on the last
 // chunk of a stream with include_usage (choices empty then).
 Json StreamChunk(Endpoint endpoint, const std::string& id, int64_t created,
-                 const std::string& model, const std::string& text, bool first,
-                 FinishReason finish);
+                 const std::string& model, const std::string& text, bool first, FinishReason finish,
+                 const Json& logprobs = nullptr);
 Json UsageChunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
                 const Usage& usage);
 

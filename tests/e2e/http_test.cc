@@ -313,8 +313,8 @@ TEST(HttpApi, BadRequestsGetOpenAiErrorsNamingTheField) {
       {"/v1/chat/completions",
        R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", 400,
        "messages[0].content[0].type"},
-      {"/v1/chat/completions",
-       R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true})", 400, "logprobs"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "logprobs": 1})",
+       400, "logprobs"},
       {"/v1/chat/completions",
        R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})", 400,
        "tool_choice"},
@@ -465,6 +465,74 @@ TEST(HttpApi, AFullQueueIs429AndADownExpertServiceIs503) {
     if (status != 200) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_EQ(status, 200);
+}
+
+TEST(HttpApi, LogprobsForChatAndCompletions) {
+  HttpPair h;
+  ASSERT_TRUE(h.Start());
+  auto c = h.Client();
+  const Json msgs = Json::array({{{"role", "user"}, {"content", "Tell me a fortune"}}});
+  const Json req = {{"messages", msgs}, {"max_tokens", 9},   {"temperature", 0},
+                    {"logprobs", true}, {"top_logprobs", 3}, {"ignore_eos", true}};
+  auto res = c.Post("/v1/chat/completions", req.dump(), "application/json");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  Json j = Json::parse(res->body);
+  const Json& content = j["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 9u) << res->body;
+  std::string joined;
+  for (const Json& t : content) {
+    ASSERT_EQ(t["top_logprobs"].size(), 3u);
+    // Greedy: the chosen token is the most likely one.
+    EXPECT_EQ(t["token"], t["top_logprobs"][0]["token"]);
+    EXPECT_FLOAT_EQ(t["logprob"].get<float>(), t["top_logprobs"][0]["logprob"].get<float>());
+    EXPECT_LE(t["logprob"].get<float>(), 0.f);
+    EXPECT_GE(t["top_logprobs"][0]["logprob"].get<float>(),
+              t["top_logprobs"][1]["logprob"].get<float>());
+    std::string bytes;
+    for (const Json& b : t["bytes"]) bytes += static_cast<char>(b.get<int>());
+    EXPECT_EQ(bytes, t["token"].get<std::string>());
+  }
+  // Streamed: the same entries, spread over the chunks.
+  Json sreq = req;
+  sreq["stream"] = true;
+  auto s = c.Post("/v1/chat/completions", sreq.dump(), "application/json");
+  ASSERT_TRUE(s);
+  Json streamed = Json::array();
+  for (const std::string& d : SseData(s->body)) {
+    if (d == "[DONE]") continue;
+    Json ch = Json::parse(d);
+    if (!ch["choices"].empty() && !ch["choices"][0]["logprobs"].is_null())
+      for (const Json& t : ch["choices"][0]["logprobs"]["content"]) streamed.push_back(t);
+  }
+  EXPECT_EQ(streamed, content);
+  // Completions: the legacy shape.
+  auto comp = c.Post("/v1/completions",
+                     R"({"prompt": "The fortune", "max_tokens": 6, "temperature": 0,
+                         "logprobs": 2, "ignore_eos": true})",
+                     "application/json");
+  ASSERT_TRUE(comp);
+  ASSERT_EQ(comp->status, 200) << comp->body;
+  Json cj = Json::parse(comp->body)["choices"][0]["logprobs"];
+  ASSERT_EQ(cj["tokens"].size(), 6u) << comp->body;
+  ASSERT_EQ(cj["token_logprobs"].size(), 6u);
+  size_t offset = 0;
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(cj["text_offset"][i], offset);
+    offset += cj["tokens"][i].get<std::string>().size();
+    EXPECT_GE(cj["top_logprobs"][i].size(), 2u);
+    EXPECT_LE(cj["top_logprobs"][i].size(), 3u);
+  }
+  // Refusals name the field.
+  EXPECT_EQ(
+      RefusalOf(c.Post("/v1/chat/completions", Json{{"messages", msgs}, {"top_logprobs", 2}}.dump(),
+                       "application/json"))
+          .param,
+      "top_logprobs");
+  EXPECT_EQ(
+      RefusalOf(c.Post("/v1/completions", R"({"prompt": "x", "logprobs": 21})", "application/json"))
+          .param,
+      "logprobs");
 }
 
 // The value of the sample `series` (name{labels} exactly) in Prometheus

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -245,4 +246,42 @@ TEST(Sampling, Validation) {
 }
 
 }  // namespace
+// LogprobOf against a plain two-pass reference: log-softmax in long double
+// and a full sort, on many vocabulary sizes, ties and masked tokens.
+TEST(Sampling, LogprobOfMatchesAFullSortReference) {
+  std::mt19937 rng(5);
+  for (const size_t V :
+       {size_t{1}, size_t{2}, size_t{7}, size_t{64}, size_t{1000}, size_t{32771}}) {
+    for (const int top_n : {0, 1, 3, 20, 40}) {
+      SCOPED_TRACE(absl::StrCat("V=", V, " top_n=", top_n));
+      std::vector<float> logits(V);
+      std::normal_distribution<float> nd(0.f, 4.f);
+      for (float& l : logits) l = std::round(nd(rng) * 4) / 4;  // plenty of ties
+      if (V > 3) logits[1] = -std::numeric_limits<float>::infinity();
+      int32_t token = static_cast<int32_t>(rng() % V);
+      if (V > 3 && token == 1) token = 0;  // not the masked one
+      long double z = 0, m = -INFINITY;
+      for (float l : logits) m = std::max<long double>(m, l);
+      for (float l : logits) z += std::exp(static_cast<long double>(l) - m);
+      const long double log_z = m + std::log(z);
+      const TokenLogprob got = LogprobOf(logits, token, top_n);
+      EXPECT_EQ(got.token, token);
+      EXPECT_NEAR(got.logprob, static_cast<double>(logits[static_cast<size_t>(token)] - log_z),
+                  1e-4);
+      std::vector<int32_t> order(V);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b)];
+      });
+      if (V > 3) order.erase(std::find(order.begin(), order.end(), 1));  // masked
+      ASSERT_EQ(got.top.size(), std::min<size_t>(static_cast<size_t>(top_n), order.size()));
+      for (size_t i = 0; i < got.top.size(); ++i) {
+        EXPECT_EQ(got.top[i].first, order[i]) << i;
+        EXPECT_NEAR(got.top[i].second,
+                    static_cast<double>(logits[static_cast<size_t>(order[i])] - log_z), 1e-4);
+      }
+    }
+  }
+}
+
 }  // namespace hmoe

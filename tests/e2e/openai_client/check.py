@@ -49,6 +49,11 @@ def main() -> int:
           usage.completion_tokens == whole.usage.completion_tokens and
           finish == whole.choices[0].finish_reason)
 
+    lp = c.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                   logprobs=True, top_logprobs=2)
+    check("chat logprobs", len(lp.choices[0].logprobs.content) == lp.usage.completion_tokens and
+          all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp.choices[0].logprobs.content))
+
     comp = c.completions.create(model=model, prompt="The fortune of", max_tokens=10,
                                 temperature=0, seed=7)
     check("completions whole", comp.object == "text_completion" and
