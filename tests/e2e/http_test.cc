@@ -361,6 +361,54 @@ TEST(HttpApi, BearerTokensAsOnTheGrpcPort) {
   EXPECT_EQ(health->status, 200);
 }
 
+std::string Pem(const std::string& name) {
+  return std::string(HMOE_SOURCE_DIR) + "/tests/fixtures/tls/" + name;
+}
+
+// --tls-cert-file / --tls-key-file make the HTTP port HTTPS too, and
+// --tls-client-ca-file asks its clients for a certificate, as on gRPC.
+TEST(HttpApi, HttpsWithTheWorkersCertificate) {
+  for (const bool mutual : {false, true}) {
+    SCOPED_TRACE(mutual);
+    HttpPair h;
+    TlsClientFiles tls;
+    tls.ca_file = Pem("ca.pem");
+    if (mutual) {
+      tls.cert_file = Pem("client.pem");
+      tls.key_file = Pem("client.key");
+    }
+    h.pair.set_client_tls(tls);
+    std::vector<std::string> flags = {"--tls-cert-file=" + Pem("server.pem"),
+                                      "--tls-key-file=" + Pem("server.key")};
+    if (mutual) flags.push_back("--tls-client-ca-file=" + Pem("ca.pem"));
+    ASSERT_TRUE(h.Start(flags));
+    auto https = [&](bool with_cert) {
+      auto c = with_cert ? std::make_unique<httplib::SSLClient>(
+                               "127.0.0.1", h.port, Pem("client.pem"), Pem("client.key"))
+                         : std::make_unique<httplib::SSLClient>("127.0.0.1", h.port);
+      c->set_ca_cert_path(Pem("ca.pem").c_str());
+      c->enable_server_certificate_verification(true);
+      c->set_read_timeout(30, 0);
+      return c;
+    };
+    auto ok = https(mutual)->Post("/v1/completions", R"({"prompt": "The", "max_tokens": 3})",
+                                  "application/json");
+    ASSERT_TRUE(ok) << httplib::to_string(ok.error());
+    EXPECT_EQ(ok->status, 200) << ok->body;
+    // Plain HTTP gets no answer from the HTTPS port.
+    auto plain = h.Client().Get("/v1/models");
+    EXPECT_TRUE(!plain || plain->status != 200);
+    // A server certificate from another CA is refused by the client.
+    auto other = std::make_unique<httplib::SSLClient>("127.0.0.1", h.port);
+    other->set_ca_cert_path(Pem("other_ca.pem").c_str());
+    other->enable_server_certificate_verification(true);
+    EXPECT_FALSE(other->Get("/v1/models"));
+    if (mutual) {
+      EXPECT_FALSE(https(false)->Get("/v1/models")) << "no client certificate";
+    }
+  }
+}
+
 int64_t KvBlocksUsed(testing::Pair& p) {
   auto s = p.client().Stats();
   return s.ok() ? s->kv_blocks_used() + s->running() + s->waiting() : -1;
