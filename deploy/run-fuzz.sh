@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 secs=${FUZZ_SECONDS:-30}
 artifacts=${FUZZ_ARTIFACTS:-$PWD/build-fuzz/artifacts}
 targets=("$@")
-((${#targets[@]})) || targets=(safetensors config tokenizer generate_request expert_protocol chat_template)
+((${#targets[@]})) || targets=(safetensors config tokenizer generate_request expert_protocol chat_template openai_request)
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
   -DCMAKE_CXX_COMPILER=clang++ -DHMOE_FUZZ=ON -DHMOE_BUILD_BENCH=OFF -DHMOE_BUILD_TESTS=OFF \

@@ -18,8 +18,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     auto tk = hmoe::Tokenizer::FromFile(hmoe::fuzz::Fixture("ds3_fortunes/tokenizer.json"));
     return tk.ok() ? tk->release() : nullptr;
   }();
-  static auto* service =
-      new hmoe::GenerationService(nullptr, nullptr, tokenizer, "fuzz", "none", nullptr);
+  static auto* service = [] {
+    auto* s = new hmoe::GenerationService(nullptr, nullptr, tokenizer, "fuzz", "none", nullptr);
+    // Chat messages are rendered by the fixture's template.
+    auto t = hmoe::ChatTemplate::FromModelDir(hmoe::fuzz::Fixture("ds3_fortunes"));
+    if (t.ok()) s->set_chat_template(new hmoe::ChatTemplate(std::move(*t)), "none");
+    return s;
+  }();
   hmoe::api::v1::GenerateRequest req;
   if (!req.ParseFromArray(data, static_cast<int>(size))) return 0;
   auto er = service->ToEngineRequest(req);

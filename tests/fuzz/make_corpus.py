@@ -38,8 +38,15 @@ def safetensors(tensors, metadata=None):
     return struct.pack("<Q", len(h)) + h + blobs
 
 
+# The targets whose seeds this script writes (chat_template's come from
+# tests/fixtures/chat_templates/ and are kept).
+MINE = ["safetensors", "config", "tokenizer", "generate_request", "expert_protocol",
+        "openai_request"]
+
+
 def main():
-    shutil.rmtree(ROOT, ignore_errors=True)
+    for t in MINE:
+        shutil.rmtree(os.path.join(ROOT, t), ignore_errors=True)
     # safetensors
     put("safetensors", "f32", safetensors({"w": ("F32", [2, 3], struct.pack("<6f", *range(6)))}))
     put("safetensors", "bf16_meta", safetensors(
@@ -84,8 +91,13 @@ def main():
                  'stop_token_ids: [0, 2] ignore_eos: true',
         "bad_ids": 'prompt_ids { ids: [-1, 99999999] } max_tokens: 0',
         "bad_sampling": 'prompt: "x" sampling { temperature: -1 top_p: 0 presence_penalty: 3 }',
+        "chat": 'chat { messages { role: "system" content: "Be brief." } '
+                'messages { role: "user" content: "Hi" } add_generation_prompt: true '
+                'template_kwargs_json: "{\\"enable_thinking\\": false}" } max_tokens: 4',
+        "chat_bad_role": 'chat { messages { role: "tool" content: "x" } tools_json: "[" }',
     }.items():
         put("generate_request", name, encode("hmoe.api.v1.GenerateRequest", text, "api.proto"))
+    openai_bodies()
     # Expert protocol: even first byte + a MoeRequest; odd + a slot
     hidden = b"\x80\x3f" * 64 * 2
     ids = struct.pack("<8i", 0, 1, 2, 3, 15, 14, -1, 4)
@@ -113,6 +125,33 @@ def main():
     put("expert_protocol", "slot_bad_ranges", b"\x01" + geo + req_bad + region)
     geo_bad = struct.pack("<I6Q", 0, 8, 100, 2 ** 64 - 1, 3, 2 ** 64 - 1, 64)
     put("expert_protocol", "slot_bad_geometry", b"\x01" + geo_bad + req + region)
+
+
+def openai_bodies():
+    """OpenAI-style request bodies: first byte even = chat, odd = completions."""
+    chat = [
+        {"model": "fortunes", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        {"messages": [{"role": "developer", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                   {"type": "text", "text": "b"}]}],
+         "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.7,
+         "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": -3, "stop": ["\n", "User:"],
+         "logprobs": True, "top_logprobs": 5, "chat_template_kwargs": {"x": 1}},
+        {"messages": [{"role": "tool", "content": None}], "tools": [{"type": "function"}],
+         "tool_choice": "auto", "n": 1, "max_completion_tokens": 3},
+        {"messages": [], "max_tokens": "3"},
+    ]
+    comp = [
+        {"prompt": "The fortune", "max_tokens": 5, "logprobs": 2, "echo": False},
+        {"prompt": [1, 2, 3], "stop_token_ids": [5], "ignore_eos": True},
+        {"prompt": [["x"]], "n": 2, "logit_bias": {"1": 2}},
+        {"prompt": ["The"], "presence_penalty": 2.5, "frequency_penalty": -2,
+         "repetition_penalty": 1.2, "response_format": {"type": "text"}},
+    ]
+    for i, b in enumerate(chat):
+        put("openai_request", "chat%d" % i, b"\x00" + json.dumps(b).encode())
+    for i, b in enumerate(comp):
+        put("openai_request", "completions%d" % i, b"\x01" + json.dumps(b).encode())
 
 
 def varint(n):
