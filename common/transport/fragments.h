@@ -140,6 +140,9 @@ class Assembly {
   }
   bool ok() const { return !failed_.load(std::memory_order_relaxed); }
   absl::Time started() const { return started_; }
+  // The payload's bytes: a landed fragment's may be read while others are
+  // still arriving. Null after Take().
+  const uint8_t* data() const { return buf_.data(); }
   Bytes Take() { return std::move(buf_); }
 
  private:

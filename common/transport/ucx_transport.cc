@@ -411,6 +411,12 @@ class Worker {
   int64_t pending_sends() const { return pending_sends_.load(); }
 
   // ---- progress thread only ----
+  // Handles whatever has reached this worker already.
+  void Drain() {
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+  }
+
   absl::StatusOr<ucp_ep_h> CreateEp(const std::string& remote, ucp_err_handler_cb_t cb, void* arg) {
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -1200,6 +1206,7 @@ struct UcxClient::Impl {
   size_t active_lanes = 0;
   uint64_t attempts = 0;        // connection attempts so far (each tags its endpoints)
   uint64_t failed_attempt = 0;  // an attempt one of whose new endpoints failed at once
+  uint64_t failing = 0;         // the connection whose calls FailAll is ending
   uint64_t next_id = 1;
   struct Pending {
     float* out = nullptr;
@@ -1210,18 +1217,40 @@ struct UcxClient::Impl {
     Bytes answer;  // status OK: out_bytes of f32 rows, copied to `out` by Wait
     std::shared_ptr<Assembly> assembly;  // the answer's fragments arriving
     UcxResponseHeader first{};           // the answer's first fragment's header
+    // Fragments of an OK answer landed before its last (offset, length):
+    // Wait copies them to `out` while the others arrive.
+    std::vector<std::pair<uint64_t, uint64_t>> landed;
   };
   std::map<uint64_t, Pending> pending;
 
+  // Connection `gen` failed (an endpoint error or a failed send on some
+  // lane): the next Submit reconnects, and its calls still out end
+  // UNAVAILABLE once every lane has handled what already reached it. A
+  // service that closes right after its last answers closes every lane, and
+  // an idle lane can see that before a busy one has taken in the answers
+  // sent on it.
   void FailAll(uint64_t gen, const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (gen != generation) {
-      // An endpoint of the connection being set up: that set-up fails.
-      if (gen > generation) failed_attempt = gen;
-      return;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (gen != generation) {
+        // An endpoint of the connection being set up: that set-up fails.
+        if (gen > generation) failed_attempt = gen;
+        return;
+      }
+      connected = false;
+      if (failing == gen) return;  // already being ended
+      failing = gen;
     }
-    connected = false;
-    FailGeneration(gen, why);
+    auto left = std::make_shared<std::atomic<size_t>>(lanes.size());
+    for (const auto& l : lanes) {
+      Lane* lane = l.get();
+      lane->worker->Post([this, lane, left, gen, why] {
+        lane->worker->Drain();
+        if (left->fetch_sub(1) != 1) return;
+        std::lock_guard<std::mutex> lock(mu);
+        FailGeneration(gen, why);
+      });
+    }
   }
   void FailGeneration(uint64_t gen, const std::string& why) {  // mu held
     for (auto& [id, p] : pending) {
@@ -1288,33 +1317,44 @@ struct UcxClient::Impl {
       a = p.assembly;
       dst = *d;
     }
-    lane->worker->Receive(m, dst, [this, id = h.request_id, a](bool ok) {
-      if (!a->Landed(ok)) return;
-      std::lock_guard<std::mutex> lock(mu);
-      auto it = pending.find(id);
-      if (it == pending.end() || it->second.done || it->second.assembly != a) return;
-      Pending& p = it->second;
-      if (!a->ok()) {
-        return Finish(p,
-                      absl::UnavailableError("expert service (ucx): the answer's transfer failed"));
-      }
-      Bytes data = a->Take();
-      if (p.first.code != 0) {
-        return Finish(
-            p, absl::Status(static_cast<absl::StatusCode>(p.first.code),
-                            std::string(reinterpret_cast<const char*>(data.data()), data.size())));
-      }
-      // Copied to `out` by the waiting thread: the progress threads move on
-      // to other calls' bytes meanwhile.
-      p.answer = std::move(data);
-      Finish(p, absl::OkStatus());
-    });
+    lane->worker->Receive(
+        m, dst, [this, id = h.request_id, a, off = h.frag_offset, len = m.len](bool ok) {
+          if (!a->Landed(ok)) {
+            if (!ok) return;
+            std::lock_guard<std::mutex> lock(mu);
+            auto it = pending.find(id);
+            if (it == pending.end() || it->second.done || it->second.assembly != a ||
+                it->second.first.code != 0) {
+              return;
+            }
+            it->second.landed.emplace_back(off, len);
+            return Notify();
+          }
+          std::lock_guard<std::mutex> lock(mu);
+          auto it = pending.find(id);
+          if (it == pending.end() || it->second.done || it->second.assembly != a) return;
+          Pending& p = it->second;
+          if (!a->ok()) {
+            return Finish(
+                p, absl::UnavailableError("expert service (ucx): the answer's transfer failed"));
+          }
+          Bytes data = a->Take();
+          if (p.first.code != 0) {
+            return Finish(p, absl::Status(static_cast<absl::StatusCode>(p.first.code),
+                                          std::string(reinterpret_cast<const char*>(data.data()),
+                                                      data.size())));
+          }
+          // Copied to `out` by the waiting thread: the progress threads move on
+          // to other calls' bytes meanwhile.
+          p.answer = std::move(data);
+          Finish(p, absl::OkStatus());
+        });
   }
 
-  // Sends the fragments of request `id` that are lane `lane`'s (j mod used
-  // == lane) on its endpoint; on that lane's thread.
+  // Sends fragment j of request `id` on `lane`'s endpoint; on that lane's
+  // thread.
   void SendRequest(Lane* lane, uint64_t id, UcxRequestHeader h,
-                   const std::shared_ptr<Bytes>& payload, const Cut& cut, size_t used) {
+                   const std::shared_ptr<Bytes>& payload, const Cut& cut, uint64_t j) {
     // A lane's endpoint and its attempt change together on this thread: a
     // reconnect between Submit and now means the call goes out on the new
     // endpoint, so it belongs to the new connection (its failures and its
@@ -1341,7 +1381,7 @@ struct UcxClient::Impl {
           h.frag_offset = offset;
           return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
         },
-        payload, cut, lane->index, used,
+        payload, cut, j, cut.count,
         [this, gen = lane->gen](ucs_status_t s) {
           FailAll(gen, absl::StrCat("send: ", ucs_status_string(s)));
         });
@@ -1559,12 +1599,6 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
   h.frag_bytes = impl->fragment_bytes;
   Bytes payload =
       BufferPool::Get(impl->pool, call.hidden_bytes + call.ids_bytes + call.weights_bytes);
-  if (call.hidden_bytes) std::memcpy(payload.data(), call.hidden, call.hidden_bytes);
-  if (call.ids_bytes) std::memcpy(payload.data() + call.hidden_bytes, call.ids, call.ids_bytes);
-  if (call.weights_bytes) {
-    std::memcpy(payload.data() + call.hidden_bytes + call.ids_bytes, call.weights,
-                call.weights_bytes);
-  }
   const Cut cut = CutPayload(payload.size(), h.frag_bytes);
   uint64_t id;
   size_t used;
@@ -1582,11 +1616,28 @@ absl::StatusOr<uint64_t> UcxClient::Submit(const MoeCall& call, float* out, absl
   }
   h.request_id = id;
   auto shared = std::make_shared<Bytes>(std::move(payload));
-  for (size_t i = 0; i < used; ++i) {
-    Impl::Lane* lane = impl->lanes[i].get();
-    lane->worker->Post([impl, lane, id, h, shared, cut, used] {
-      impl->SendRequest(lane, id, h, shared, cut, used);
-    });
+  // Each fragment is handed to its lane as soon as it is copied in: the
+  // lanes send the first ones while the later ones are copied.
+  const struct {
+    const void* p;
+    uint64_t n;
+  } parts[] = {{call.hidden, call.hidden_bytes},
+               {call.ids, call.ids_bytes},
+               {call.weights, call.weights_bytes}};
+  for (uint64_t j = 0; j < cut.count; ++j) {
+    const uint64_t lo = cut.offset(j), hi = lo + cut.len(j);
+    uint64_t start = 0;
+    for (const auto& part : parts) {
+      const uint64_t from = std::max(lo, start), to = std::min(hi, start + part.n);
+      if (from < to) {
+        std::memcpy(shared->data() + from, static_cast<const uint8_t*>(part.p) + (from - start),
+                    to - from);
+      }
+      start += part.n;
+    }
+    Impl::Lane* lane = impl->lanes[j % used].get();
+    lane->worker->Post(
+        [impl, lane, id, h, shared, cut, j] { impl->SendRequest(lane, id, h, shared, cut, j); });
   }
   return id;
 }
@@ -1608,21 +1659,46 @@ absl::Status UcxClient::Wait(uint64_t handle, absl::Time deadline) {
     }
     lock.lock();
   }
-  while (!it->second.done) {
-    if (impl->cv.wait_until(lock, until) == std::cv_status::timeout && !it->second.done) {
-      // Only a call on the current endpoint makes it suspect: calls left on
-      // a replaced one must not trigger handshake after handshake.
-      if (it->second.generation == impl->generation) impl->suspect = true;
+  Impl::Pending& p = it->second;
+  auto* out = reinterpret_cast<uint8_t*>(p.out);
+  // Parts of `out` written while the answer's other fragments arrived.
+  std::vector<std::pair<uint64_t, uint64_t>> copied;
+  while (!p.done) {
+    if (!p.landed.empty()) {
+      // The landed bytes stay put: in the assembly (held here) until the
+      // last fragment, then in p.answer, which only this Wait frees.
+      std::vector<std::pair<uint64_t, uint64_t>> ranges;
+      ranges.swap(p.landed);
+      const std::shared_ptr<Assembly> a = p.assembly;
+      const uint8_t* from = a->data();
+      lock.unlock();
+      for (const auto& [off, len] : ranges) std::memcpy(out + off, from + off, len);
+      copied.insert(copied.end(), ranges.begin(), ranges.end());
+      lock.lock();
+      continue;
+    }
+    if (impl->cv.wait_until(lock, until) == std::cv_status::timeout && !p.done) {
+      // Only a call on the current connection makes it suspect: calls left
+      // on a replaced one must not trigger handshake after handshake.
+      if (p.generation == impl->generation) impl->suspect = true;
       impl->pending.erase(it);
       return absl::DeadlineExceededError("expert service (ucx): no answer before the deadline");
     }
   }
-  absl::Status st = it->second.status;
-  Bytes answer = std::move(it->second.answer);
-  float* out = it->second.out;
+  absl::Status st = p.status;
+  Bytes answer = std::move(p.answer);
   impl->pending.erase(it);
   lock.unlock();
-  if (st.ok() && answer.size() > 0) std::memcpy(out, answer.data(), answer.size());
+  if (st.ok() && answer.size() > 0) {
+    // The rest: what was not copied while it arrived.
+    std::sort(copied.begin(), copied.end());
+    uint64_t at = 0;
+    copied.emplace_back(answer.size(), 0);
+    for (const auto& [off, len] : copied) {
+      if (off > at) std::memcpy(out + at, answer.data() + at, off - at);
+      at = std::max(at, off + len);
+    }
+  }
   return st;
 }
 

@@ -14,10 +14,13 @@
 // EncodeUcxAddresses list in the same bytes field. Every endpoint is created
 // with UCP_ERR_HANDLING_MODE_PEER, so a dead peer surfaces as an endpoint
 // error on some lane: the client fails that connection's calls UNAVAILABLE
-// and reconnects every lane on a later Submit; the service drops the client
-// (all its lanes). Once the service has closed its endpoints to a client,
-// that client's requests are no longer delivered (measured: UCX reports
-// nothing to the client's endpoint for seconds). So once a call ends in
+// (once every lane has handled what already reached it: a service closing
+// after its last answers closes every lane, and an idle lane may see that
+// before another has taken in an answer) and reconnects every lane on a
+// later Submit; the service drops the client (all its lanes). Once the
+// service has closed its endpoints to a client, that client's requests are
+// no longer delivered (measured: UCX reports nothing to the client's
+// endpoint for seconds). So once a call ends in
 // DEADLINE_EXCEEDED, the client's next Submit (at most once a second) first
 // redoes the handshake with a 250 ms control-plane timeout, which that
 // Submit waits for (an ExpertPool submits to its shards in turn); if the
@@ -26,9 +29,9 @@
 // the call goes out on the old endpoints and ends by its own deadline.
 //
 // The service closes its endpoints (UcxServer's destructor) only once the
-// answers already handed to UCX on every lane have completed, up to
-// close_timeout: a forced close would cancel a rendezvous answer the client
-// has not fetched.
+// answers already computed have been handed to UCX on every lane and
+// completed, up to close_timeout: a forced close would cancel a rendezvous
+// answer the client has not fetched.
 //
 // Messages are UCP active messages: id 1 request (header UcxRequestHeader,
 // data hidden | ids | weights), id 2 response (UcxResponseHeader, data = f32
@@ -40,9 +43,11 @@
 // lane exactly as before. The receiver lands each fragment in place, on the
 // thread of the lane it came on, in one pooled buffer shared by the lanes
 // (no copies beyond UCX's own and the caller's: Submit copies the call in,
-// Wait copies the answer out) and takes the payload once every fragment has
-// arrived exactly once; the service then computes it on that lane's thread
-// (MoeHandler::Handle is thread-safe; lanes compute concurrently).
+// handing each fragment to its lane once copied; Wait copies the answer out,
+// each fragment as it lands while the others arrive) and takes the payload
+// once every fragment has arrived exactly once; the service then computes
+// it on that lane's thread (MoeHandler::Handle is thread-safe; lanes
+// compute concurrently).
 // Fragments over UCX's rendezvous threshold take its rendezvous path.
 // Transports are picked by UCX_TLS as usual (tests: UCX_TLS=tcp,sm,self).
 #pragma once
