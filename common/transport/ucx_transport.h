@@ -86,10 +86,12 @@ struct UcxResponseHeader {
   uint64_t frag_offset, frag_bytes;  // as in UcxRequestHeader; payload: output or message
 };
 
-// Payloads over this are sent as fragments of it, back to back: UCX moves a
-// run of 1 MiB messages faster than one 44 MB one (measured over TCP
-// loopback: 6.6 vs 3.5 GB/s) and the receiver's copies overlap the rest.
-inline constexpr uint64_t kDefaultUcxFragmentBytes = 1 << 20;
+// Payloads over this are sent as fragments of it, back to back, striped
+// over the lanes. Measured on the 16-core GPU host over TCP loopback with 4
+// lanes (bench/results/README.md, "Transports that carry prefill"): 256 KiB
+// fragments move a T=128 call in 1.05 ms of transport (5.3 GB/s) and a
+// T=1024 one in 4.6 ms (9.5 GB/s), 1 MiB ones in 1.28 / 4.98 ms.
+inline constexpr uint64_t kDefaultUcxFragmentBytes = 256 << 10;
 
 // A UCX worker address is longer than this only if it is not one.
 inline constexpr size_t kMaxUcxAddressBytes = 64 << 10;

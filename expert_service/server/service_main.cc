@@ -317,7 +317,7 @@ constexpr char kUsage[] =
     "    [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]\n"
     "    [--auth-token-file PATH] [--max-peers N]\n"
     "    [--ucx-fragment-bytes N] (UCX answers over N bytes go in N-byte fragments;\n"
-    "                     default 1 MiB, 0: one message, else >= 65536)\n"
+    "                     default 256 KiB, 0: one message, else >= 65536)\n"
     "    [--ucx-lanes N] (UCX workers, each with its thread and connection; a\n"
     "                     client uses min(its, these); default 4, 1..16)\n"
     "    [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
