@@ -340,6 +340,10 @@ void ReloadTokens(const char* flag, const std::string& path, AuthTokens* tokens)
 int Run(int argc, char** argv) {
   // Signals are taken by a sigwait thread, never by a handler.
   sigset_t sigs;
+  // A client gone mid-write is an error on that write, not the process's
+  // end (cpp-httplib's TLS writes go through OpenSSL's write(), which raises
+  // SIGPIPE on a closed connection).
+  signal(SIGPIPE, SIG_IGN);
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);

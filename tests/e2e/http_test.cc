@@ -40,6 +40,13 @@ int ReadPort(const std::string& path) {
   return port;
 }
 
+// The clients here write to servers that may hang up (a TLS handshake
+// refused): that is an error on the write, not this process's end.
+[[maybe_unused]] const bool kIgnoreSigpipe = [] {
+  ::signal(SIGPIPE, SIG_IGN);
+  return true;
+}();
+
 // A worker with --http-listen on the fortunes model and its HTTP client.
 struct HttpPair {
   testing::Pair pair;
@@ -406,6 +413,25 @@ TEST(HttpApi, HttpsWithTheWorkersCertificate) {
     if (mutual) {
       EXPECT_FALSE(https(false)->Get("/v1/models")) << "no client certificate";
     }
+    // A TLS client that hangs up mid-stream: the worker's next writes fail
+    // (and must not end it: SIGPIPE), the request is cancelled, it serves on.
+    {
+      auto c = https(mutual);
+      httplib::Request req;
+      req.method = "POST";
+      req.path = "/v1/completions";
+      req.body = R"({"prompt": "The", "max_tokens": 900, "ignore_eos": true, "stream": true})";
+      req.set_header("Content-Type", "application/json");
+      int chunks = 0;
+      req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 3; };
+      c->send(req);
+      EXPECT_GE(chunks, 1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto after = https(mutual)->Post("/v1/completions", R"({"prompt": "The", "max_tokens": 2})",
+                                     "application/json");
+    ASSERT_TRUE(after) << "the worker is gone: " << httplib::to_string(after.error());
+    EXPECT_EQ(after->status, 200);
   }
 }
 
