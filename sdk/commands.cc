@@ -276,6 +276,27 @@ int GenerateCommand(const std::vector<std::string>& args) {
 
 namespace {
 
+// One line of `hmoe chat`'s input: text to send, /reset, a line to skip
+// (empty), or the end (EOF, /quit, /exit). The "> " prompt on a terminal.
+enum class ChatLine { kText, kReset, kSkip, kEnd };
+ChatLine ReadChatLine(bool tty, std::string* line) {
+  if (tty) std::fputs("> ", stderr);
+  if (!std::getline(std::cin, *line)) return ChatLine::kEnd;
+  if (*line == "/quit" || *line == "/exit") return ChatLine::kEnd;
+  if (*line == "/reset") return ChatLine::kReset;
+  return line->empty() ? ChatLine::kSkip : ChatLine::kText;
+}
+
+// A Generate callback that prints each chunk's text as it comes and keeps it.
+std::function<bool(const api::v1::GenerateResponse&)> PrintInto(std::string* reply) {
+  return [reply](const api::v1::GenerateResponse& c) {
+    std::fputs(c.text().c_str(), stdout);
+    std::fflush(stdout);
+    *reply += c.text();
+    return true;
+  };
+}
+
 // `hmoe chat` on a model with a chat template: the conversation goes as
 // GenerateRequest.chat messages, rendered by the worker. The --system
 // message stays first; when the prompt outgrows the context, the oldest
@@ -287,14 +308,10 @@ int ChatWithTemplate(Flags& f, const api::v1::GenerateRequest& base, double time
   const bool tty = isatty(0);
   std::string line;
   for (;;) {
-    if (tty) std::fputs("> ", stderr);
-    if (!std::getline(std::cin, line)) break;
-    if (line == "/quit" || line == "/exit") break;
-    if (line == "/reset") {
-      turns.clear();
-      continue;
-    }
-    if (line.empty()) continue;
+    const ChatLine next = ReadChatLine(tty, &line);
+    if (next == ChatLine::kEnd) break;
+    if (next == ChatLine::kReset) turns.clear();
+    if (next != ChatLine::kText) continue;
     for (;;) {
       api::v1::GenerateRequest req = base;
       api::v1::Chat* chat = req.mutable_chat();
@@ -311,13 +328,7 @@ int ChatWithTemplate(Flags& f, const api::v1::GenerateRequest& base, double time
       add("user", line);
       std::string reply;
       auto r = client.Generate(
-          req,
-          [&](const api::v1::GenerateResponse& c) {
-            std::fputs(c.text().c_str(), stdout);
-            std::fflush(stdout);
-            reply += c.text();
-            return true;
-          },
+          req, PrintInto(&reply),
           timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
       // The history no longer fits: drop the oldest exchange and ask again.
       if (!r.ok() && absl::IsInvalidArgument(r.status()) && !turns.empty() &&
@@ -380,14 +391,10 @@ int ChatCommand(const std::vector<std::string>& args) {
   const int64_t reply_room = std::min<int64_t>(base.max_tokens(), info->max_context() / 2);
   std::string line;
   for (;;) {
-    if (tty) std::fputs("> ", stderr);
-    if (!std::getline(std::cin, line)) break;
-    if (line == "/quit" || line == "/exit") break;
-    if (line == "/reset") {
-      turns.clear();
-      continue;
-    }
-    if (line.empty()) continue;
+    const ChatLine next = ReadChatLine(tty, &line);
+    if (next == ChatLine::kEnd) break;
+    if (next == ChatLine::kReset) turns.clear();
+    if (next != ChatLine::kText) continue;
     const std::string ask = "User: " + line + "\nAssistant:";
     auto compose = [&] {
       std::string p = system;
@@ -417,13 +424,7 @@ int ChatCommand(const std::vector<std::string>& args) {
     req.set_prompt(prompt);
     std::string reply;
     auto r = (*client)->Generate(
-        req,
-        [&](const api::v1::GenerateResponse& c) {
-          std::fputs(c.text().c_str(), stdout);
-          std::fflush(stdout);
-          reply += c.text();
-          return true;
-        },
+        req, PrintInto(&reply),
         timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
     std::printf("\n");
     if (!r.ok()) {
