@@ -90,7 +90,9 @@ TEST(Assembly, FragmentsInAnyOrderLandInPlace) {
     EXPECT_TRUE((*a)->ok());
     BufferPool::Bytes got = (*a)->Take();
     ASSERT_EQ(got.size(), total);
-    EXPECT_EQ(std::memcmp(got.data(), want.data(), total), 0);
+    if (total > 0) {
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), total), 0);
+    }
   }
 }
 
