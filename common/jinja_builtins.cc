@@ -20,44 +20,12 @@ namespace hmoe::jinja::internal {
 
 namespace {
 
-size_t DecodeOne(const std::string& s, size_t i, uint32_t* cp) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  if (c < 0x80) {
-    *cp = c;
-    return 1;
-  }
-  const int n = c >= 0xF0 && c <= 0xF4  ? 4
-                : c >= 0xE0 && c < 0xF0 ? 3
-                : c >= 0xC2 && c < 0xE0 ? 2
-                                        : 0;
-  if (n == 0 || i + n > s.size()) {
-    *cp = 0xDC00 + c;
-    return 1;
-  }
-  uint32_t v = c & (0xFF >> (n + 1));
-  for (int k = 1; k < n; ++k) {
-    const auto d = static_cast<unsigned char>(s[i + k]);
-    if ((d & 0xC0) != 0x80) {
-      *cp = 0xDC00 + c;
-      return 1;
-    }
-    v = (v << 6) | (d & 0x3F);
-  }
-  if ((n == 3 && (v < 0x800 || (v >= 0xD800 && v < 0xE000))) ||
-      (n == 4 && (v < 0x10000 || v > 0x10FFFF))) {
-    *cp = 0xDC00 + c;
-    return 1;
-  }
-  *cp = v;
-  return n;
-}
-
 std::vector<uint32_t> Decode(const std::string& s) {
   std::vector<uint32_t> out;
   out.reserve(s.size());
   for (size_t i = 0; i < s.size();) {
     uint32_t cp;
-    i += DecodeOne(s, i, &cp);
+    i += DecodeUtf8One(s, i, &cp);
     out.push_back(cp);
   }
   return out;
@@ -436,7 +404,7 @@ void JsonString(std::string* out, const std::string& s, bool ensure_ascii) {
   out->push_back('"');
   for (size_t i = 0; i < s.size();) {
     uint32_t cp;
-    const size_t n = DecodeOne(s, i, &cp);
+    const size_t n = DecodeUtf8One(s, i, &cp);
     char buf[16];
     switch (cp) {
       case '"':
@@ -744,7 +712,7 @@ std::vector<std::string> SplitChars(const std::string& s) {
   out.reserve(s.size());
   for (size_t i = 0; i < s.size();) {
     uint32_t cp;
-    const size_t n = DecodeOne(s, i, &cp);
+    const size_t n = DecodeUtf8One(s, i, &cp);
     out.push_back(s.substr(i, n));
     i += n;
   }

@@ -265,4 +265,8 @@ struct Program {
 // Parses a template (jinja_parser.cc); throws Error.
 std::unique_ptr<Program> ParseProgram(std::string_view source, std::string_view name);
 
+// Decodes one UTF-8 sequence at s[i]; returns its length (1 for an invalid
+// byte, with *cp = 0xDC00 + byte, as Python's surrogateescape would).
+size_t DecodeUtf8One(const std::string& s, size_t i, uint32_t* cp);
+
 }  // namespace hmoe::jinja::internal

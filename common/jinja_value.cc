@@ -258,37 +258,6 @@ std::string FloatRepr(double d) {
 
 namespace {
 
-// Decodes one UTF-8 sequence at s[i]; returns its length (1 for an invalid
-// byte, with *cp = 0xDC00 + byte, as Python's surrogateescape would).
-size_t DecodeOne(const std::string& s, size_t i, uint32_t* cp) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  if (c < 0x80) {
-    *cp = c;
-    return 1;
-  }
-  int n = c >= 0xF0 && c <= 0xF4 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 && c < 0xE0 ? 2 : 0;
-  if (n == 0 || i + n > s.size()) {
-    *cp = 0xDC00 + c;
-    return 1;
-  }
-  uint32_t v = c & (0xFF >> (n + 1));
-  for (int k = 1; k < n; ++k) {
-    const auto d = static_cast<unsigned char>(s[i + k]);
-    if ((d & 0xC0) != 0x80) {
-      *cp = 0xDC00 + c;
-      return 1;
-    }
-    v = (v << 6) | (d & 0x3F);
-  }
-  if ((n == 3 && (v < 0x800 || (v >= 0xD800 && v < 0xE000))) ||
-      (n == 4 && (v < 0x10000 || v > 0x10FFFF))) {
-    *cp = 0xDC00 + c;
-    return 1;
-  }
-  *cp = v;
-  return n;
-}
-
 // Python's str.isprintable() for one code point (approximation outside the
 // common ranges: everything else counts as printable).
 bool Printable(uint32_t cp) {
@@ -312,7 +281,7 @@ std::string ReprString(const std::string& s) {
   std::string out(1, quote);
   for (size_t i = 0; i < s.size();) {
     uint32_t cp;
-    const size_t n = DecodeOne(s, i, &cp);
+    const size_t n = DecodeUtf8One(s, i, &cp);
     char buf[16];
     if (cp == static_cast<uint32_t>(quote) || cp == '\\') {
       out.push_back('\\');
@@ -479,6 +448,38 @@ void Namespace::Set(const std::string& name, Value v) {
     }
   }
   attrs_.emplace_back(name, std::move(v));
+}
+
+size_t DecodeUtf8One(const std::string& s, size_t i, uint32_t* cp) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  if (c < 0x80) {
+    *cp = c;
+    return 1;
+  }
+  const int n = c >= 0xF0 && c <= 0xF4  ? 4
+                : c >= 0xE0 && c < 0xF0 ? 3
+                : c >= 0xC2 && c < 0xE0 ? 2
+                                        : 0;
+  if (n == 0 || i + n > s.size()) {
+    *cp = 0xDC00 + c;
+    return 1;
+  }
+  uint32_t v = c & (0xFF >> (n + 1));
+  for (int k = 1; k < n; ++k) {
+    const auto d = static_cast<unsigned char>(s[i + k]);
+    if ((d & 0xC0) != 0x80) {
+      *cp = 0xDC00 + c;
+      return 1;
+    }
+    v = (v << 6) | (d & 0x3F);
+  }
+  if ((n == 3 && (v < 0x800 || (v >= 0xD800 && v < 0xE000))) ||
+      (n == 4 && (v < 0x10000 || v > 0x10FFFF))) {
+    *cp = 0xDC00 + c;
+    return 1;
+  }
+  *cp = v;
+  return n;
 }
 
 }  // namespace hmoe::jinja::internal
