@@ -179,15 +179,19 @@ void ApplySampling(Flags& f, api::v1::GenerateRequest& req, int default_max_toke
   req.set_add_special_tokens(f.Bool("--add-special-tokens", false));
 }
 
+// The token to send: --token-file's, else $HMOE_TOKEN_FILE's; "" for none.
+absl::StatusOr<std::string> TokenFrom(Flags& f) {
+  const char* env_token = std::getenv("HMOE_TOKEN_FILE");
+  const std::string token_file = f.Str("--token-file", env_token ? env_token : "");
+  if (token_file.empty()) return std::string();
+  return ReadAuthTokenFile(token_file);
+}
+
 absl::StatusOr<std::unique_ptr<Client>> ConnectFrom(Flags& f) {
   ClientOptions o;
   o.target = f.Str("--server",
                    std::getenv("HMOE_SERVER") ? std::getenv("HMOE_SERVER") : "127.0.0.1:50051");
-  const char* env_token = std::getenv("HMOE_TOKEN_FILE");
-  const std::string token_file = f.Str("--token-file", env_token ? env_token : "");
-  if (!token_file.empty()) {
-    ASSIGN_OR_RETURN(o.auth_token, ReadAuthTokenFile(token_file));
-  }
+  ASSIGN_OR_RETURN(o.auth_token, TokenFrom(f));
   const char* env_ca = std::getenv("HMOE_TLS_CA_FILE");
   o.tls.ca_file = f.Str("--tls-ca-file", env_ca ? env_ca : "");
   o.tls.cert_file = f.Str("--tls-cert-file");
@@ -716,13 +720,9 @@ int BenchHttpCommand(const std::vector<std::string>& args) {
   }
   httplib::Client http(url);
   http.set_read_timeout(600, 0);
-  const char* env_token = std::getenv("HMOE_TOKEN_FILE");
-  const std::string token_file = f.Str("--token-file", env_token ? env_token : "");
-  if (!token_file.empty()) {
-    auto token = ReadAuthTokenFile(token_file);
-    if (!token.ok()) return Fail("bench-http", token.status());
-    http.set_bearer_token_auth(token->c_str());
-  }
+  auto token = TokenFrom(f);
+  if (!token.ok()) return Fail("bench-http", token.status());
+  if (!token->empty()) http.set_bearer_token_auth(token->c_str());
   // The same conversation both ways, greedy, eos ignored: the same tokens.
   api::v1::GenerateRequest g;
   api::v1::ChatMessage* m = g.mutable_chat()->add_messages();
