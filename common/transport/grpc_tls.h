@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/auth_token.h"
+#include "common/flags.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 
@@ -42,32 +43,21 @@ struct TlsClientFiles {
   bool enabled() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
 };
 
-// Flag parsing shared by the binaries: if `flag` is PREFIX-cert-file,
-// PREFIX-key-file or PREFIX-client-ca-file (server) / PREFIX-ca-file
-// (client), stores `value` and returns true.
-inline bool TakeTlsFlag(const std::string& flag, const std::string& value, TlsServerFiles* f,
-                        const std::string& prefix = "--tls") {
-  if (flag == prefix + "-cert-file")
-    f->cert_file = value;
-  else if (flag == prefix + "-key-file")
-    f->key_file = value;
-  else if (flag == prefix + "-client-ca-file")
-    f->client_ca_file = value;
-  else
-    return false;
-  return true;
+// The TLS flags on `fs`: PREFIX-cert-file, PREFIX-key-file and
+// PREFIX-client-ca-file (server) / PREFIX-ca-file (client), PREFIX without
+// the dashes ("tls", "expert-tls").
+inline void AddTlsFlags(FlagSet& fs, TlsServerFiles* f, const std::string& prefix = "tls") {
+  fs.String(prefix + "-cert-file", &f->cert_file, "PEM",
+            "TLS: this certificate chain (with the key file)");
+  fs.String(prefix + "-key-file", &f->key_file, "PEM", "TLS: the certificate's private key");
+  fs.String(prefix + "-client-ca-file", &f->client_ca_file, "PEM",
+            "mutual TLS: clients need a certificate signed by this CA");
 }
-inline bool TakeTlsFlag(const std::string& flag, const std::string& value, TlsClientFiles* f,
-                        const std::string& prefix = "--tls") {
-  if (flag == prefix + "-ca-file")
-    f->ca_file = value;
-  else if (flag == prefix + "-cert-file")
-    f->cert_file = value;
-  else if (flag == prefix + "-key-file")
-    f->key_file = value;
-  else
-    return false;
-  return true;
+inline void AddTlsFlags(FlagSet& fs, TlsClientFiles* f, const std::string& prefix = "tls") {
+  fs.String(prefix + "-ca-file", &f->ca_file, "PEM", "TLS on, the server verified against this CA");
+  fs.String(prefix + "-cert-file", &f->cert_file, "PEM",
+            "mutual TLS: the client certificate (with the key file)");
+  fs.String(prefix + "-key-file", &f->key_file, "PEM", "mutual TLS: the client key");
 }
 
 // The PEM text of `path` (ReadCredentialFile, at most kMaxPemBytes); `what`

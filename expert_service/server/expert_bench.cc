@@ -2,10 +2,8 @@
 // ExpertPool over one transport, and reports per-request latency and the part
 // of it that is not the shards' compute ("overhead").
 //
-//   hmoe-expert-bench --targets=HOST:PORT[,HOST:PORT...] --transport=grpc|shm|ucx
-//       [--tokens=1,128] [--iters=200] [--warmup=20] [--verify-model-dir=DIR] [--zero-copy]
-//       [--ucx-fragment-bytes=N] [--ucx-wait-spin-us=N] [--ucx-lanes=N]
-//       [--auth-token-file=PATH] [--tls-ca-file=PEM [--tls-cert-file=PEM --tls-key-file=PEM]]
+//   hmoe-expert-bench --targets=HOST:PORT[,HOST:PORT...] --transport=grpc|shm|ucx [flags]
+//       (--help lists them)
 //
 // Prints one JSON object per token count: transport, tokens, hidden, p50/p99/mean
 // round trip (us), mean shard compute (us, from the shards' stats) and
@@ -17,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -26,6 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
 #include "common/dtype.h"
+#include "common/flags.h"
 #include "common/status.h"
 #include "common/transport/expert_pool.h"
 #include "common/transport/grpc_tls.h"
@@ -42,69 +42,46 @@ int Main(int argc, char** argv) {
   std::string verify_dir;
   bool zero_copy = false;
   TlsClientFiles tls;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i], v;
-    const auto eq = a.find('=');
-    if (eq != std::string::npos) {
-      v = a.substr(eq + 1);
-      a = a.substr(0, eq);
-    }
-    if (a == "--targets") {
-      po.targets = absl::StrSplit(v, ',', absl::SkipEmpty());
-    } else if (a == "--transport") {
-      auto t = ParseTransportKind(v);
-      if (!t.ok()) {
-        std::fprintf(stderr, "%s\n", std::string(t.status().message()).c_str());
-        return 2;
-      }
-      po.transport = *t;
-    } else if (a == "--tokens") {
-      tokens_list.clear();
-      for (absl::string_view s : absl::StrSplit(v, ',')) {
-        int t = 0;
-        if (!absl::SimpleAtoi(s, &t) || t <= 0) {
-          std::fprintf(stderr, "--tokens: bad value\n");
-          return 2;
+  std::string targets, transport = "grpc", tokens = "1,128", auth_token_file;
+  int64_t fragment_bytes = static_cast<int64_t>(po.ucx.fragment_bytes);
+  FlagSet fs("hmoe-expert-bench", "--targets HOST:PORT[,HOST:PORT...] [flags]",
+             "Drives running expert-service shards through the ExpertPool over one transport\n"
+             "and prints per-request latency and overhead, one JSON object per token count.");
+  fs.String("targets", &targets, "HOST:PORT,...", "the shards");
+  fs.Choice("transport", &transport, {"grpc", "shm", "ucx"}, "the data plane");
+  fs.String("tokens", &tokens, "N,N,...", "tokens per call, one run each");
+  fs.Int("iters", &iters, 1, 1 << 30, "timed calls per run");
+  fs.Int("warmup", &warmup, 0, 1 << 30, "untimed calls first");
+  fs.String("verify-model-dir", &verify_dir, "DIR",
+            "compare the answers with the in-process computation on this checkpoint");
+  fs.Bool("zero-copy", &zero_copy, "shm: the calls' rows in the shard's own segment");
+  fs.Int("ucx-fragment-bytes", &fragment_bytes, 0, std::numeric_limits<int64_t>::max(),
+         "UCX answers over N bytes in N-byte fragments; 0: one message, else >= 65536");
+  fs.Int("ucx-wait-spin-us", &po.ucx.wait_spin_us, 0, std::numeric_limits<int>::max(),
+         "UCX: microseconds to spin before sleeping on an answer");
+  fs.Int("ucx-lanes", &po.ucx.lanes, 1, kMaxUcxLanes, "UCX workers and connections per shard");
+  fs.String("auth-token-file", &auth_token_file, "PATH", "the shards' --auth-token-file");
+  AddTlsFlags(fs, &tls);
+  if (auto exit = fs.ParseOrExit(argc, argv, [&]() -> absl::Status {
+        po.targets = absl::StrSplit(targets, ',', absl::SkipEmpty());
+        ASSIGN_OR_RETURN(po.transport, ParseTransportKind(transport));
+        tokens_list.clear();
+        for (absl::string_view t : absl::StrSplit(tokens, ',')) {
+          int n = 0;
+          if (!absl::SimpleAtoi(t, &n) || n <= 0)
+            return absl::InvalidArgumentError(
+                absl::StrCat("--tokens: \"", tokens, "\" is not a list of counts > 0"));
+          tokens_list.push_back(n);
         }
-        tokens_list.push_back(t);
-      }
-    } else if (a == "--iters" && absl::SimpleAtoi(v, &iters) && iters > 0) {
-    } else if (a == "--warmup" && absl::SimpleAtoi(v, &warmup) && warmup >= 0) {
-    } else if (a == "--verify-model-dir") {
-      verify_dir = v;
-    } else if (a == "--ucx-fragment-bytes") {
-      uint64_t f = 0;
-      if (!absl::SimpleAtoi(v, &f) || !CheckFragmentBytes(f).ok()) {
-        std::fprintf(stderr, "--ucx-fragment-bytes: 0 or >= 65536\n");
-        return 2;
-      }
-      po.ucx.fragment_bytes = f;
-    } else if (a == "--ucx-wait-spin-us") {
-      if (!absl::SimpleAtoi(v, &po.ucx.wait_spin_us) || po.ucx.wait_spin_us < 0) {
-        std::fprintf(stderr, "--ucx-wait-spin-us: a count of microseconds\n");
-        return 2;
-      }
-    } else if (a == "--ucx-lanes") {
-      if (!absl::SimpleAtoi(v, &po.ucx.lanes) || !CheckUcxLanes(po.ucx.lanes).ok()) {
-        std::fprintf(stderr, "--ucx-lanes: 1 to %d\n", kMaxUcxLanes);
-        return 2;
-      }
-    } else if (a == "--zero-copy") {
-      zero_copy = true;
-    } else if (TakeTlsFlag(a, v, &tls)) {
-    } else if (a == "--auth-token-file") {
-      auto tokens = AuthTokens::FromFile(v);
-      if (!tokens.ok()) {
-        std::fprintf(stderr, "hmoe-expert-bench: %s\n",
-                     std::string(tokens.status().message()).c_str());
-        return 2;
-      }
-      po.auth_tokens = *tokens;
-    } else {
-      std::fprintf(stderr, "hmoe-expert-bench: bad flag %s\n", argv[i]);
-      return 2;
-    }
-  }
+        po.ucx.fragment_bytes = static_cast<uint64_t>(fragment_bytes);
+        RETURN_IF_ERROR(
+            Annotate(CheckFragmentBytes(po.ucx.fragment_bytes), "--ucx-fragment-bytes"));
+        if (!auth_token_file.empty()) {
+          ASSIGN_OR_RETURN(po.auth_tokens, AuthTokens::FromFile(auth_token_file));
+        }
+        return absl::OkStatus();
+      }))
+    return *exit;
   if (tls.enabled()) {
     auto creds = ChannelCredentialsFrom(tls);
     if (!creds.ok()) {

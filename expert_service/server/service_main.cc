@@ -1,5 +1,5 @@
 // hmoe-expert-service: serves one shard of a model's routed experts. Usage:
-// kUsage below (--help prints it).
+// AddFlags below (--help prints them).
 //
 // The experts run on the CPU kernels (expert_service/kernels) with one thread
 // pool over the cores the process is bound to (--numa-node / --cores, bound
@@ -54,6 +54,7 @@
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
 #include "common/dtype.h"
+#include "common/flags.h"
 #include "common/status.h"
 #include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_client.h"
@@ -129,112 +130,74 @@ struct ServiceOptions {
   }
 };
 
-absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
-  ServiceOptions o;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i], v;
-    const auto eq = a.find('=');
-    const std::string name = a.substr(0, eq);
-    const bool boolean = name == "--no-shm" || name == "--no-ucx" || name == "--null-compute" ||
-                         name == "--no-memory-check";
-    if (eq != std::string::npos) {
-      v = a.substr(eq + 1);
-      a = name;
-    } else if (!boolean) {
-      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(a, ": needs a value"));
-      v = argv[++i];
-    }
-    // An on/off flag alone is on; with a value, the value counts
-    // (--null-compute=false is off, not on).
-    bool on = true;
-    if (boolean && eq != std::string::npos) {
-      if (v == "true" || v == "1") {
-        on = true;
-      } else if (v == "false" || v == "0") {
-        on = false;
-      } else {
-        return absl::InvalidArgumentError(absl::StrCat(a, " is true or false, got \"", v, "\""));
-      }
-    }
-    auto int_of = [&](int64_t* out) -> absl::Status {
-      if (!absl::SimpleAtoi(v, out)) {
-        return absl::InvalidArgumentError(absl::StrCat(a, ": \"", v, "\" is not an integer"));
-      }
-      return absl::OkStatus();
-    };
-    int64_t n = 0;
-    if (a == "--model-dir")
-      o.shard.model_dir = v;
-    else if (a == "--packed-dir")
-      o.shard.packed_dir = v;
-    else if (a == "--synthetic")
-      o.shard.synthetic = v;
-    else if (a == "--shard") {
-      std::vector<std::string> p = absl::StrSplit(v, '/');
-      if (p.size() != 2 || !absl::SimpleAtoi(p[0], &o.shard.shard_index) ||
-          !absl::SimpleAtoi(p[1], &o.shard.num_shards)) {
-        return absl::InvalidArgumentError(absl::StrCat("--shard: \"", v, "\" is not i/n"));
-      }
-    } else if (a == "--split") {
-      if (v == "tp")
-        o.shard.split = SplitMode::kTp;
-      else if (v == "ep")
-        o.shard.split = SplitMode::kEp;
-      else
-        return absl::InvalidArgumentError(absl::StrCat("--split: \"", v, "\" is not tp or ep"));
-    } else if (a == "--format") {
-      ASSIGN_OR_RETURN(o.shard.format, ParseServeFormat(v, &o.shard.group));
-      o.shard.format_explicit = true;
-    } else if (a == "--max-tokens") {
-      RETURN_IF_ERROR(int_of(&o.shard.max_tokens));
-    } else if (a == "--threads") {
-      RETURN_IF_ERROR(int_of(&n));
-      if (n < 0 || n > 4096)
-        return absl::InvalidArgumentError(absl::StrCat("--threads: ", n, " outside [0, 4096]"));
-      o.shard.threads = static_cast<int>(n);
-    } else if (a == "--listen")
-      o.listen = v;
-    else if (a == "--port-file")
-      o.port_file = v;
-    else if (a == "--port-offset") {
-      RETURN_IF_ERROR(int_of(&n));
-      if (n < 0 || n > 65535)
-        return absl::InvalidArgumentError(
-            absl::StrCat("--port-offset: ", n, " outside [0, 65535]"));
-      o.port_offset = static_cast<int>(n);
-    } else if (a == "--numa-node") {
-      RETURN_IF_ERROR(int_of(&n));
-      if (n < -1 || n > 1023)
-        return absl::InvalidArgumentError(absl::StrCat("--numa-node: ", n, " outside [-1, 1023]"));
-      o.numa_node = static_cast<int>(n);
-    } else if (a == "--cores")
-      o.cores = v;
-    else if (a == "--no-shm")
-      o.shm = !on;
-    else if (a == "--no-ucx")
-      o.ucx = !on;
-    else if (a == "--null-compute")
-      o.shard.null_compute = on;
-    else if (a == "--no-memory-check")
-      o.shard.check_memory = !on;
-    else if (a == "--drain-timeout-s") {
-      if (!absl::SimpleAtod(v, &o.drain_timeout_s)) {
-        return absl::InvalidArgumentError(absl::StrCat("--drain-timeout-s: \"", v, "\""));
-      }
-    } else if (a == "--instance")
-      o.instance = v;
-    else if (a == "--auth-token-file")
-      o.auth_token_file = v;
-    else if (TakeTlsFlag(a, v, &o.tls)) {
-    } else if (a == "--max-peers") {
-      RETURN_IF_ERROR(int_of(&o.max_peers));
-    } else if (a == "--ucx-fragment-bytes") {
-      RETURN_IF_ERROR(int_of(&o.ucx_fragment_bytes));
-    } else if (a == "--ucx-lanes") {
-      RETURN_IF_ERROR(int_of(&o.ucx_lanes));
-    } else
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
-  }
+// The flags, bound to `o`'s fields.
+void AddFlags(FlagSet& fs, ServiceOptions* o) {
+  ShardOptions& sh = o->shard;
+  fs.Group("model");
+  fs.String("model-dir", &sh.model_dir, "DIR", "Hugging Face checkpoint (safetensors)");
+  fs.String("packed-dir", &sh.packed_dir, "DIR",
+            "`hmoe convert` output (then --model-dir gives config.json)");
+  fs.String("synthetic", &sh.synthetic, "SPEC",
+            "random weights: hidden=H,intermediate=I,experts=E,top_k=K,layers=L"
+            "[,first_dense=D][,seed=S]");
+  fs.Custom(
+      "shard", "i/n", "serve shard i of n",
+      [&sh](std::string_view v) -> absl::Status {
+        std::vector<std::string> p = absl::StrSplit(std::string(v), '/');
+        if (p.size() != 2 || !absl::SimpleAtoi(p[0], &sh.shard_index) ||
+            !absl::SimpleAtoi(p[1], &sh.num_shards))
+          return absl::InvalidArgumentError(absl::StrCat("\"", std::string(v), "\" is not i/n"));
+        return absl::OkStatus();
+      },
+      "0/1");
+  fs.Enum<SplitMode>("split", &sh.split, {{"tp", SplitMode::kTp}, {"ep", SplitMode::kEp}},
+                     "how the experts are split over the shards");
+  fs.Custom(
+      "format", "bf16|int8|int4g32|int4g64|int4g128",
+      "weight format served; with --packed-dir the files' must be in it (default: theirs)",
+      [&sh](std::string_view v) -> absl::Status {
+        ASSIGN_OR_RETURN(sh.format, ParseServeFormat(std::string(v), &sh.group));
+        sh.format_explicit = true;
+        return absl::OkStatus();
+      },
+      "bf16");
+  fs.Bool("memory-check", &sh.check_memory,
+          "refuse to load packed weights that exceed the node's, the machine's or the cgroup's "
+          "memory");
+  fs.Group("compute");
+  fs.Int("max-tokens", &sh.max_tokens, 1, 1 << 20, "tokens one call may carry");
+  fs.Int("threads", &sh.threads, 0, 4096, "compute threads; 0: one per core the process may use");
+  fs.Int("numa-node", &o->numa_node, -1, 1023,
+         "run on and take memory from this NUMA node (-1: unbound)");
+  fs.String("cores", &o->cores, "LIST", "run on these cores (\"0-7,16\"); not with --numa-node");
+  fs.Bool("null-compute", &sh.null_compute,
+          "benchmarks: validate each call, answer zeros, skip the experts");
+  fs.Group("serving");
+  fs.String("listen", &o->listen, "HOST:PORT", "the gRPC port (UCX and shm are set up through it)");
+  fs.Int("port-offset", &o->port_offset, 0, 65535,
+         "added to the --listen port (systemd units: the NUMA node)");
+  fs.String("port-file", &o->port_file, "PATH", "gets the bound port once the service is READY");
+  fs.Bool("shm", &o->shm, "the shared-memory data plane");
+  fs.Bool("ucx", &o->ucx, "the UCX data plane");
+  fs.Int("ucx-fragment-bytes", &o->ucx_fragment_bytes, 0, std::numeric_limits<int64_t>::max(),
+         "UCX answers over N bytes go in N-byte fragments; 0: one message, else >= 65536");
+  fs.Int("ucx-lanes", &o->ucx_lanes, 1, kMaxUcxLanes,
+         "UCX workers, each with its thread and connection; a client uses min(its, these)");
+  fs.Int("max-peers", &o->max_peers, 1, 65536,
+         "gRPC streams, shm segments and UCX clients at once, each");
+  fs.Double(
+      "drain-timeout-s", &o->drain_timeout_s, "on SIGTERM, how long in-flight calls may finish",
+      [](double x) { return x >= 0 && x <= 3600; }, "a number of seconds in [0, 3600]");
+  fs.String("instance", &o->instance, "NAME", "a name for the logs and Info");
+  fs.Group("security");
+  fs.String("auth-token-file", &o->auth_token_file, "PATH",
+            "calls must carry a token in this file (one per line; SIGHUP re-reads it)");
+  AddTlsFlags(fs, &o->tls);
+}
+
+// What the flags imply, checked across them: the port offset applied, the
+// kernel tuning (HMOE_* environment), the token file and TLS files read.
+absl::Status Finish(ServiceOptions& o) {
   if (o.port_offset != 0) {
     const auto colon = o.listen.rfind(':');
     int port = 0;
@@ -251,7 +214,7 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
     ASSIGN_OR_RETURN(o.auth_tokens, AuthTokens::FromFile(o.auth_token_file));
   }
   ASSIGN_OR_RETURN(o.credentials, ServerCredentialsFrom(o.tls));
-  return o;
+  return absl::OkStatus();
 }
 
 absl::Status BindResources(const ServiceOptions& o) {
@@ -309,36 +272,16 @@ void ReloadCredentials(const ServiceOptions& o) {
   if (o.tls.enabled()) Log("SIGHUP: TLS certificates are read at start only");
 }
 
-constexpr char kUsage[] =
-    "usage: hmoe-expert-service (--model-dir DIR [--packed-dir DIR] | --synthetic SPEC)\n"
-    "    [--shard i/n] [--split tp|ep] [--format bf16|int8|int4g32|int4g64|int4g128]\n"
-    "    [--max-tokens N] [--threads N] [--numa-node N | --cores LIST]\n"
-    "    [--listen HOST:PORT] [--port-offset N] [--port-file PATH]\n"
-    "    [--no-shm] [--no-ucx] [--drain-timeout-s S] [--instance NAME]\n"
-    "    [--auth-token-file PATH] [--max-peers N]\n"
-    "    [--ucx-fragment-bytes N] (UCX answers over N bytes go in N-byte fragments;\n"
-    "                     default 256 KiB, 0: one message, else >= 65536)\n"
-    "    [--ucx-lanes N] (UCX workers, each with its thread and connection; a\n"
-    "                     client uses min(its, these); default 4, 1..16)\n"
-    "    [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
-    "    [--no-memory-check] (load even if the packed weights exceed the node's,\n"
-    "                     the machine's or the cgroup's memory)\n"
-    "    [--null-compute]   (benchmarks: validate, answer zeros, skip the experts)\n"
-    "Serves one shard of a model's routed experts over gRPC, shared memory and UCX\n"
-    "(default --listen 127.0.0.1:50061). SIGTERM drains and exits; SIGHUP re-reads\n"
-    "--auth-token-file. README.md and docs/ARCHITECTURE.md say more.\n";
+constexpr char kAbout[] =
+    "Serves one shard of a model's routed experts over gRPC, shared memory and UCX.\n"
+    "SIGTERM drains and exits; SIGHUP re-reads --auth-token-file. README.md and\n"
+    "docs/ARCHITECTURE.md say more.\n";
 
 int Main(int argc, char** argv) {
   // The UCX address checker (UcxServerOptions::address_checker): this binary
   // re-run by the service itself, its socket at kCheckerFd.
   if (argc == 2 && std::strcmp(argv[1], "--check-ucx-address") == 0)
     return UcxAddressCheckMain(kCheckerFd, kCheckerFd);
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-  }
   // Signals go to the sigwait thread only: block them before any thread starts.
   sigset_t sigs;
   sigemptyset(&sigs);
@@ -348,13 +291,11 @@ int Main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  auto parsed = ParseArgs(argc, argv);
-  if (!parsed.ok()) {
-    std::fprintf(stderr, "hmoe-expert-service: %s\n",
-                 std::string(parsed.status().message()).c_str());
-    return 2;
-  }
-  ServiceOptions opts = *parsed;
+  ServiceOptions opts;
+  FlagSet flags("hmoe-expert-service",
+                "(--model-dir DIR [--packed-dir DIR] | --synthetic SPEC) [flags]", kAbout);
+  AddFlags(flags, &opts);
+  if (auto exit = flags.ParseOrExit(argc, argv, [&] { return Finish(opts); })) return *exit;
   opts.shard.log = [](const std::string& line) { Log(line); };
   const ServiceOptions& o = opts;
   ServiceState state;

@@ -1,24 +1,6 @@
 // hmoe-gpu-worker: serves hmoe.api.v1.Generation for one model.
 //
-//   hmoe-gpu-worker --model DIR [--listen 127.0.0.1:50051]
-//                   [--experts local | HOST:PORT[,HOST:PORT...]] [--transport grpc|shm|ucx]
-//                   [--max-batch 16] [--max-queue 64] [--max-context N] [--kv-blocks N]
-//                   [--prefill-chunk 64]
-//                   [--threads N] [--expert-timeout-ms 10000] [--drain-seconds 30]
-//                   [--defer-experts 0] [--port-file PATH]
-//                   [--backend cpu|cuda|auto] [--cuda-device 0] [--gpu-mem-gb GB]
-//                   [--cuda-graphs on|off] [--cuda-expert-slots on|off]
-//                   [--gemm-attention-tokens 64] [--gemm-attention-tf32 on|off]
-//                   [--routing-stats-out FILE]
-//                   [--http-listen HOST:PORT [--http-port-file PATH]]
-//                   [--served-model-name NAME] [--chat-template FILE]
-//                   [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]
-//                   [--prefill-experts cpu|stream|auto] [--log-prefill-plans on|off]
-//                   [--prefill-rates FILE] [--prefill-prefetch on|off]
-//                   [--auth-token-file PATH] [--expert-auth-token-file PATH]
-//                   [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]
-//                   [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM
-//                    --expert-tls-key-file PEM]]
+//   hmoe-gpu-worker --model DIR [flags]   (--help lists them: AddFlags below)
 //
 // Routed experts run in-process (reference) with --experts local, else on
 // the expert service shards given; an expert call that misses
@@ -120,6 +102,7 @@
 #include "common/auth_token.h"
 #include "common/chat_template.h"
 #include "common/expert_placement.h"
+#include "common/flags.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
@@ -185,148 +168,95 @@ struct WorkerOptions {
   std::exit(code);
 }
 
-WorkerOptions ParseFlags(int argc, char** argv) {
-  WorkerOptions o;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i], v;
-    const size_t eq = a.find('=');
-    if (eq != std::string::npos) {
-      v = a.substr(eq + 1);
-      a = a.substr(0, eq);
-    } else if (a != "-h" && a != "--help") {
-      if (i + 1 >= argc) Die(a + " needs a value");
-      v = argv[++i];
-    }
-    // An integer in [lo, hi] (so that narrowing it to int cannot wrap).
-    auto num = [&](int64_t lo, int64_t hi) {
-      char* end = nullptr;
-      errno = 0;
-      const long long x = std::strtoll(v.c_str(), &end, 10);
-      if (end == v.c_str() || *end != '\0' || errno == ERANGE || x < lo || x > hi)
-        Die(a + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-            "], got " + v);
-      return static_cast<int64_t>(x);
-    };
-    if (a == "--model")
-      o.model_dir = v;
-    else if (a == "--listen")
-      o.listen = v;
-    else if (a == "--experts")
-      o.experts = v;
-    else if (a == "--transport")
-      o.transport = v;
-    else if (a == "--port-file")
-      o.port_file = v;
-    else if (a == "--max-batch")
-      o.max_batch = static_cast<int>(num(1, 4096));
-    else if (a == "--prefill-chunk")
-      o.prefill_chunk = num(1, int64_t{1} << 20);
-    else if (a == "--max-queue")
-      o.max_queue = static_cast<int>(num(1, 1 << 20));
-    else if (a == "--max-context")
-      o.max_context = num(0, int64_t{1} << 24);
-    else if (a == "--kv-blocks")
-      o.kv_blocks = num(0, int64_t{1} << 40);
-    else if (a == "--threads")
-      o.threads = static_cast<int>(num(0, 4096));
-    else if (a == "--expert-timeout-ms")
-      o.expert_timeout_ms = static_cast<int>(num(1, 3600 * 1000));
-    else if (a == "--drain-seconds")
-      o.drain_seconds = static_cast<int>(num(0, 24 * 3600));
-    else if (a == "--defer-experts")
-      o.defer_experts = static_cast<int>(num(0, 256));
-    else if (a == "--backend") {
-      if (v != "cpu" && v != "cuda" && v != "auto")
-        Die("--backend must be cpu, cuda or auto, got " + v);
-      o.backend = v;
-    } else if (a == "--cuda-device")
-      o.cuda_device = static_cast<int>(num(0, 1024));
-    else if (a == "--gpu-mem-gb") {
-      char* end = nullptr;
-      o.gpu_mem_gb = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || !(o.gpu_mem_gb >= 0) || o.gpu_mem_gb > 1e6)
-        Die("--gpu-mem-gb must be a number of GiB >= 0, got " + v);
-    } else if (a == "--debug-cuda-fault-after") {
-      o.debug_cuda_fault_after = num(1, int64_t{1} << 40);
-    } else if (a == "--routing-stats-out") {
-      o.routing_stats_out = v;
-    } else if (a == "--hot-experts") {
-      o.hot_experts = v;
-    } else if (a == "--calibrate") {
-      o.calibrate = v;
-    } else if (a == "--hot-experts-gb") {
-      char* end = nullptr;
-      o.hot_experts_gb = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || !(o.hot_experts_gb > 0) || o.hot_experts_gb > 1e6)
-        Die("--hot-experts-gb must be a number of GiB > 0, got " + v);
-    } else if (a == "--gemm-attention-tokens") {
-      o.gemm_attention_tokens = num(0, int64_t{1} << 20);
-    } else if (a == "--gemm-attention-tf32") {
-      if (v != "on" && v != "off") Die("--gemm-attention-tf32 must be on or off, got " + v);
-      o.gemm_attention_tf32 = v == "on";
-    } else if (a == "--cuda-expert-slots") {
-      if (v != "on" && v != "off") Die("--cuda-expert-slots must be on or off, got " + v);
-      o.cuda_expert_slots = v == "on";
-    } else if (a == "--cuda-expert-calls") {
-      if (v != "device" && v != "host") Die("--cuda-expert-calls must be device or host, got " + v);
-      o.cuda_device_calls = v == "device";
-    } else if (a == "--prefill-experts") {
-      if (v != "cpu" && v != "stream" && v != "auto")
-        Die("--prefill-experts must be cpu, stream or auto, got " + v);
-      o.prefill_experts = v;
-    } else if (a == "--prefill-rates") {
-      o.prefill_rates = v;
-    } else if (a == "--log-prefill-plans") {
-      if (v != "on" && v != "off") Die("--log-prefill-plans must be on or off, got " + v);
-      o.log_prefill_plans = v == "on";
-    } else if (a == "--prefill-prefetch") {
-      if (v != "on" && v != "off") Die("--prefill-prefetch must be on or off, got " + v);
-      o.prefill_prefetch = v == "on";
-    } else if (a == "--cuda-graphs") {
-      if (v != "on" && v != "off") Die("--cuda-graphs must be on or off, got " + v);
-      o.cuda_graphs = v == "on";
-    } else if (a == "--auth-token-file")
-      o.auth_token_file = v;
-    else if (a == "--expert-auth-token-file")
-      o.expert_auth_token_file = v;
-    else if (a == "--http-listen")
-      o.http_listen = v;
-    else if (a == "--http-port-file")
-      o.http_port_file = v;
-    else if (a == "--served-model-name")
-      o.served_model_name = v;
-    else if (a == "--chat-template")
-      o.chat_template = v;
-    else if (TakeTlsFlag(a, v, &o.tls) || TakeTlsFlag(a, v, &o.expert_tls, "--expert-tls")) {
-    } else if (a == "-h" || a == "--help") {
-      std::printf(
-          "usage: hmoe-gpu-worker --model DIR [--listen ADDR] [--experts local|HOST:PORT,...]\n"
-          "       [--transport grpc|shm|ucx] [--max-batch N] [--max-queue N] [--max-context N]\n"
-          "       [--prefill-chunk N]\n"
-          "       [--kv-blocks N] [--threads N] [--expert-timeout-ms N] [--drain-seconds N]\n"
-          "       [--defer-experts N] [--port-file PATH]\n"
-          "       [--backend cpu|cuda|auto] [--cuda-device N] [--gpu-mem-gb GB]\n"
-          "       [--cuda-graphs on|off] [--cuda-expert-slots on|off]\n"
-          "       [--gemm-attention-tokens N] [--gemm-attention-tf32 on|off]\n"
-          "       [--cuda-expert-calls device|host] [--prefill-experts cpu|stream|auto]\n"
-          "       [--log-prefill-plans on|off] [--prefill-rates FILE] [--prefill-prefetch on|off]\n"
-          "       [--hot-experts STATS | --calibrate PROMPTS] [--hot-experts-gb GB]\n"
-          "       [--routing-stats-out FILE]\n"
-          "       [--http-listen HOST:PORT [--http-port-file PATH]] (OpenAI-compatible HTTP API)\n"
-          "       [--served-model-name NAME] [--chat-template FILE]\n"
-          "       [--auth-token-file PATH] [--expert-auth-token-file PATH]\n"
-          "       [--tls-cert-file PEM --tls-key-file PEM [--tls-client-ca-file PEM]]\n"
-          "       [--expert-tls-ca-file PEM [--expert-tls-cert-file PEM --expert-tls-key-file "
-          "PEM]]\n");
-      std::exit(0);
-    } else {
-      Die("unknown flag " + a);
-    }
-  }
-  if (o.model_dir.empty()) Die("--model DIR is required");
+// The flags, bound to `o`'s fields.
+void AddFlags(FlagSet& fs, WorkerOptions* o) {
+  const std::vector<std::pair<std::string, bool>> on_off = {{"on", true}, {"off", false}};
+  fs.Group("model and serving");
+  fs.String("model", &o->model_dir, "DIR", "the model directory (required)");
+  fs.String("listen", &o->listen, "HOST:PORT", "the gRPC API (hmoe.api.v1.Generation)");
+  fs.String("port-file", &o->port_file, "PATH",
+            "gets the bound port once serving (for --listen HOST:0)");
+  fs.Int("max-batch", &o->max_batch, 1, 4096, "requests decoded together");
+  fs.Int("max-queue", &o->max_queue, 1, 1 << 20, "requests waiting at most; more are refused");
+  fs.Int("max-context", &o->max_context, 0, int64_t{1} << 24,
+         "tokens per request; 0: the model's max_position_embeddings");
+  fs.Int("kv-blocks", &o->kv_blocks, 0, int64_t{1} << 40,
+         "the paged KV pool's blocks (cuda) and the engine's budget; 0: what fits");
+  fs.Int("prefill-chunk", &o->prefill_chunk, 1, int64_t{1} << 20,
+         "prompt tokens per scheduler step, all requests together");
+  fs.Int("threads", &o->threads, 0, 4096, "CPU threads; 0: one per core");
+  fs.Int("drain-seconds", &o->drain_seconds, 0, 24 * 3600,
+         "on SIGTERM, how long in-flight requests may finish");
+  fs.String("routing-stats-out", &o->routing_stats_out, "FILE",
+            "at shutdown, the tokens routed to each expert (`hmoe stats --save`'s JSON)");
+  fs.Group("routed experts");
+  fs.String("experts", &o->experts, "local|HOST:PORT,...",
+            "in-process (reference), or the expert service shards");
+  fs.Choice("transport", &o->transport, {"grpc", "shm", "ucx"}, "to the expert service shards");
+  fs.Int("expert-timeout-ms", &o->expert_timeout_ms, 1, 3600 * 1000,
+         "an expert call that misses it fails its request UNAVAILABLE");
+  fs.Int("defer-experts", &o->defer_experts, 0, 256,
+         "Expert Deferral: the N lowest-weighted routed experts per token join one layer late "
+         "(0: the exact model)");
+  fs.Group("backend");
+  fs.Choice("backend", &o->backend, {"cpu", "cuda", "auto"},
+            "where attention, router, shared experts and the LM head run (auto: cuda when a "
+            "usable GPU is present)");
+  fs.Int("cuda-device", &o->cuda_device, 0, 1024, "the GPU");
+  fs.Double(
+      "gpu-mem-gb", &o->gpu_mem_gb, "bounds the cuda backend's GPU memory; 0: the card's",
+      [](double x) { return x >= 0 && x <= 1e6; }, "a number of GiB >= 0");
+  fs.Enum<bool>("cuda-graphs", &o->cuda_graphs, on_off, "replay one CUDA Graph per decode step");
+  fs.Enum<bool>("cuda-expert-slots", &o->cuda_expert_slots, on_off,
+                "off: every pass's routed experts go the host-copy way (no slots, no graphs)");
+  fs.Enum<bool>("cuda-expert-calls", &o->cuda_device_calls, {{"device", true}, {"host", false}},
+                "who sends each expert call inside a slot pass");
+  fs.Int("gemm-attention-tokens", &o->gemm_attention_tokens, 0, int64_t{1} << 20,
+         "a prompt chunk of at least N tokens computes attention by tensor-core GEMMs (0: off)");
+  fs.Enum<bool>("gemm-attention-tf32", &o->gemm_attention_tf32, on_off,
+                "off: those GEMMs in full fp32 (slower)");
+  fs.Int("debug-cuda-fault-after", &o->debug_cuda_fault_after, 1, int64_t{1} << 40,
+         "tests: inject a sticky device error at the start of pass N + 1");
+  fs.Group("hot experts and prefill (cuda)");
+  fs.String("hot-experts", &o->hot_experts, "STATS",
+            "routing statistics: the experts that save the most CPU bytes run on the GPU");
+  fs.String("calibrate", &o->calibrate, "PROMPTS",
+            "or: the statistics from prefilling each line of PROMPTS at start");
+  fs.Double(
+      "hot-experts-gb", &o->hot_experts_gb, "GPU memory for the hot experts",
+      [](double x) { return x > 0 && x <= 1e6; }, "a number of GiB > 0");
+  fs.Choice("prefill-experts", &o->prefill_experts, {"cpu", "stream", "auto"},
+            "where a prefill pass's routed experts run: the service, streamed to the GPU, or "
+            "the cost model's choice");
+  fs.String("prefill-rates", &o->prefill_rates, "FILE",
+            "with --prefill-experts auto: the cost model's rates from FILE");
+  fs.Enum<bool>("log-prefill-plans", &o->log_prefill_plans, on_off,
+                "one stderr line per streamed-prefill pass with each layer's choice");
+  fs.Enum<bool>("prefill-prefetch", &o->prefill_prefetch, on_off,
+                "upload the next MoE layer's experts ahead");
+  fs.Group("HTTP API");
+  fs.String("http-listen", &o->http_listen, "HOST:PORT",
+            "also serve the OpenAI-compatible HTTP API there (127.0.0.1:8000 is usual)");
+  fs.String("http-port-file", &o->http_port_file, "PATH", "gets the HTTP port once serving");
+  fs.String("served-model-name", &o->served_model_name, "NAME",
+            "the model's name for clients (default: the model directory's)");
+  fs.String("chat-template", &o->chat_template, "FILE",
+            "a .jinja chat template instead of the model directory's");
+  fs.Group("security");
+  fs.String("auth-token-file", &o->auth_token_file, "PATH",
+            "clients must send a token in this file (one per line; SIGHUP re-reads it)");
+  fs.String("expert-auth-token-file", &o->expert_auth_token_file, "PATH",
+            "the token the expert service shards require (their --auth-token-file)");
+  AddTlsFlags(fs, &o->tls);
+  AddTlsFlags(fs, &o->expert_tls, "expert-tls");
+}
+
+// The checks across flags.
+absl::Status CheckFlags(const WorkerOptions& o) {
+  if (o.model_dir.empty()) return absl::InvalidArgumentError("--model DIR is required");
   if (o.http_listen.empty() && !o.http_port_file.empty())
-    Die("--http-port-file needs --http-listen");
-  return o;
+    return absl::InvalidArgumentError("--http-port-file needs --http-listen");
+  return absl::OkStatus();
 }
 
 // SIGHUP: a token file is read again; one that fails its checks leaves the
@@ -350,7 +280,14 @@ int Run(int argc, char** argv) {
   sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
-  const WorkerOptions o = ParseFlags(argc, argv);
+  WorkerOptions flagged;
+  FlagSet flags("hmoe-gpu-worker", "--model DIR [flags]",
+                "Serves hmoe.api.v1.Generation (and, with --http-listen, the OpenAI-compatible "
+                "HTTP API)\nfor one model. The comment atop gpu_worker/server/worker_main.cc "
+                "says more.");
+  AddFlags(flags, &flagged);
+  if (auto exit = flags.ParseOrExit(argc, argv, [&] { return CheckFlags(flagged); })) return *exit;
+  const WorkerOptions& o = flagged;
   std::fprintf(stderr,
                "hmoe-gpu-worker: model %s, listen %s, experts %s (%s), max_batch %d, max_queue %d, "
                "max_context %lld, drain %ds, deferred experts %d\n",
