@@ -9,18 +9,21 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <limits>
-#include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/auth_token.h"
+#include "common/flags.h"
 #include "common/routing_stats.h"
 #include "common/status.h"
+#include "common/transport/grpc_tls.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "sdk/client.h"
@@ -29,175 +32,143 @@
 namespace hmoe {
 namespace {
 
-// --name value / --name=value / boolean --name; positional arguments kept in order.
-class Flags {
+// The request flags of generate, chat and bench-serve: sampling, limits and
+// the per-request --timeout.
+struct RequestFlags {
+  int64_t max_tokens = 64;
+  double temperature = 0, top_p = 1, min_p = 0, repetition_penalty = 1, presence_penalty = 0,
+         frequency_penalty = 0;
+  int64_t top_k = 0;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  bool ignore_eos = false, add_special_tokens = false;
+  double timeout = 0;  // seconds; 0: none
+
+  absl::Time Deadline() const {
+    return timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture();
+  }
+};
+
+// Binds `r` (its fields' values are the defaults) to the sampling flags.
+void AddRequestFlags(FlagSet& fs, RequestFlags* r) {
+  constexpr int64_t kI32 = std::numeric_limits<int32_t>::max();
+  fs.Group("sampling");
+  fs.Int("max-tokens", &r->max_tokens, 1, kI32, "tokens to generate at most");
+  fs.Double("temperature", &r->temperature, "0: greedy");
+  fs.Int("top-k", &r->top_k, 0, kI32, "0: all");
+  fs.Double("top-p", &r->top_p, "nucleus sampling");
+  fs.Double("min-p", &r->min_p, "drop tokens below this share of the likeliest");
+  fs.Double("repetition-penalty", &r->repetition_penalty, "1: none");
+  fs.Double("presence-penalty", &r->presence_penalty, "0: none");
+  fs.Double("frequency-penalty", &r->frequency_penalty, "0: none");
+  fs.Uint64("seed", &r->seed, "sampling seed (the worker picks one when not given)");
+  fs.Strings("stop", &r->stop, "STR", "stop when the text contains STR");
+  fs.Bool("ignore-eos", &r->ignore_eos, "generate past the end-of-sequence token");
+  fs.Bool("add-special-tokens", &r->add_special_tokens,
+          "let the tokenizer add its special tokens (BOS) to the prompt");
+  fs.Double(
+      "timeout", &r->timeout, "seconds per request; 0: none", [](double t) { return t >= 0; },
+      ">= 0 seconds");
+}
+
+// The request's sampling and limits from the flags (a sampling field the
+// command line does not name stays unset: the worker's default).
+void ApplySampling(const FlagSet& fs, const RequestFlags& r, api::v1::GenerateRequest& req) {
+  req.set_max_tokens(static_cast<int32_t>(r.max_tokens));
+  auto* s = req.mutable_sampling();
+  if (fs.seen("temperature")) s->set_temperature(static_cast<float>(r.temperature));
+  if (fs.seen("top-k")) s->set_top_k(static_cast<int32_t>(r.top_k));
+  if (fs.seen("top-p")) s->set_top_p(static_cast<float>(r.top_p));
+  if (fs.seen("min-p")) s->set_min_p(static_cast<float>(r.min_p));
+  if (fs.seen("repetition-penalty"))
+    s->set_repetition_penalty(static_cast<float>(r.repetition_penalty));
+  if (fs.seen("presence-penalty")) s->set_presence_penalty(static_cast<float>(r.presence_penalty));
+  if (fs.seen("frequency-penalty"))
+    s->set_frequency_penalty(static_cast<float>(r.frequency_penalty));
+  if (fs.seen("seed")) s->set_seed(r.seed);
+  for (const std::string& stop : r.stop) req.add_stop(stop);
+  req.set_ignore_eos(r.ignore_eos);
+  req.set_add_special_tokens(r.add_special_tokens);
+}
+
+// A subcommand that talks to the worker: its flags (the caller binds its
+// own; the connection's are added here, their defaults from $HMOE_SERVER,
+// $HMOE_TOKEN_FILE and $HMOE_TLS_CA_FILE), the parse, and the connection.
+// Every message starts "hmoe NAME: ".
+class Command {
  public:
-  Flags(const std::vector<std::string>& args, const std::vector<std::string>& booleans) {
-    for (size_t i = 0; i < args.size(); ++i) {
-      const std::string& a = args[i];
-      if (a.size() < 2 || a[0] != '-') {
-        positional_.push_back(a);
-        continue;
-      }
-      std::string name = a, value;
-      const size_t eq = a.find('=');
-      if (eq != std::string::npos) {
-        name = a.substr(0, eq);
-        value = a.substr(eq + 1);
-      } else if (std::find(booleans.begin(), booleans.end(), a) != booleans.end()) {
-        value = "true";
-      } else if (i + 1 < args.size()) {
-        value = args[++i];
-      } else {
-        error_ = a + " needs a value";
-      }
-      values_[name].push_back(value);
+  Command(const std::string& name, const std::string& synopsis, const std::string& about)
+      : flags_("hmoe " + name, synopsis, about) {}
+  FlagSet& flags() { return flags_; }
+
+  // Parses `args` (positional arguments into `positional`; nullptr: none
+  // taken), then `check`. nullopt: go on; else the exit code, the usage or
+  // the error printed: 0 after --help, 2 after a bad flag.
+  std::optional<int> Parse(const std::vector<std::string>& args,
+                           std::vector<std::string>* positional = nullptr,
+                           const std::function<absl::Status()>& check = nullptr) {
+    AddConnectionFlags();
+    return flags_.ParseOrExit(args, positional, check);
+  }
+  // Parse, then Connect: the client, or nullptr with *exit_code set (1 when
+  // the connection failed, said on stderr).
+  std::unique_ptr<Client> Start(const std::vector<std::string>& args,
+                                std::vector<std::string>* positional,
+                                const std::function<absl::Status()>& check, int* exit_code) {
+    if (std::optional<int> exit = Parse(args, positional, check)) {
+      *exit_code = *exit;
+      return nullptr;
     }
-  }
-  std::string error() const { return error_; }
-  bool Has(const std::string& n) const { return values_.count(n) > 0; }
-  std::string Str(const std::string& n, const std::string& def = "") const {
-    auto it = values_.find(n);
-    return it == values_.end() ? def : it->second.back();
-  }
-  std::vector<std::string> All(const std::string& n) const {
-    auto it = values_.find(n);
-    return it == values_.end() ? std::vector<std::string>{} : it->second;
-  }
-  // A boolean flag: absent -> `def`; `--x` or `--x=true|1|yes|on` -> true;
-  // `--x=false|0|no|off` -> false; anything else records an error.
-  bool Bool(const std::string& n, bool def) {
-    if (!Has(n)) return def;
-    const std::string v = Str(n);
-    if (v == "true" || v == "1" || v == "yes" || v == "on") return true;
-    if (v == "false" || v == "0" || v == "no" || v == "off") return false;
-    error_ = absl::StrCat(n, " is true or false, got \"", v, "\"");
-    return def;
-  }
-  // Parses a number; records an error naming the flag.
-  double Num(const std::string& n, double def) {
-    if (!Has(n)) return def;
-    const std::string v = Str(n);
-    char* end = nullptr;
-    const double x = std::strtod(v.c_str(), &end);
-    if (end == v.c_str() || *end != '\0')
-      error_ = absl::StrCat(n, " must be a number, got \"", v, "\"");
-    return x;
-  }
-  // Parses an integer in [lo, hi]; records an error naming the flag.
-  int64_t Int(const std::string& n, int64_t def, int64_t lo, int64_t hi) {
-    if (!Has(n)) return def;
-    const std::string v = Str(n);
-    char* end = nullptr;
-    errno = 0;
-    const long long x = std::strtoll(v.c_str(), &end, 10);
-    if (end == v.c_str() || *end != '\0' || errno == ERANGE || x < lo || x > hi) {
-      error_ = absl::StrCat(n, " must be an integer in [", lo, ", ", hi, "], got \"", v, "\"");
-      return def;
+    auto client = Connect();
+    if (!client.ok()) {
+      *exit_code = Fail(client.status());
+      return nullptr;
     }
-    return x;
+    return std::move(*client);
   }
-  // Parses an unsigned 64-bit integer (decimal); records an error naming the flag.
-  uint64_t U64(const std::string& n, uint64_t def) {
-    if (!Has(n)) return def;
-    const std::string v = Str(n);
-    char* end = nullptr;
-    errno = 0;
-    const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
-    if (v.empty() || v[0] == '-' || v[0] == '+' || end == v.c_str() || *end != '\0' ||
-        errno == ERANGE) {
-      error_ = absl::StrCat(n, " must be an integer in [0, 2^64), got \"", v, "\"");
-      return def;
-    }
-    return x;
+
+  absl::StatusOr<std::unique_ptr<Client>> Connect() const {
+    ClientOptions o;
+    o.target = server_;
+    ASSIGN_OR_RETURN(o.auth_token, Token());
+    o.tls = tls_;
+    return Client::Connect(o);
   }
-  const std::vector<std::string>& positional() const { return positional_; }
-  // Records an error for positional arguments past the first `allowed`
-  // (they were dropped silently: `--ignore-eos false` left ignore_eos on).
-  void NoMorePositional(size_t allowed) {
-    if (positional_.size() > allowed && error_.empty())
-      error_ = absl::StrCat("unexpected argument \"", positional_[allowed],
-                            "\" (boolean flags take --flag=false)");
+  // The token to send: --token-file's; "" for none.
+  absl::StatusOr<std::string> Token() const {
+    if (token_file_.empty()) return std::string();
+    return ReadAuthTokenFile(token_file_);
   }
-  // --timeout SEC per request: >= 0, 0 (the default) for none.
-  double TimeoutSeconds() {
-    const double t = Num("--timeout", 0);
-    if (!(t >= 0) && error_.empty())
-      error_ = absl::StrCat("--timeout must be >= 0 seconds, got \"", Str("--timeout"), "\"");
-    return t > 0 ? t : 0;
-  }
-  // Names not in `known`, for an error.
-  std::string Unknown(const std::vector<std::string>& known) const {
-    for (const auto& [name, v] : values_)
-      if (std::find(known.begin(), known.end(), name) == known.end()) return name;
-    return "";
+  // Prints "hmoe NAME<what>: status"; the exit code 1.
+  int Fail(const absl::Status& s, const std::string& what = "") const {
+    std::fprintf(stderr, "%s%s: %s\n", flags_.program().c_str(), what.c_str(),
+                 s.ToString().c_str());
+    return 1;
   }
 
  private:
-  std::map<std::string, std::vector<std::string>> values_;
-  std::vector<std::string> positional_;
-  std::string error_;
+  void AddConnectionFlags() {
+    if (connection_flags_) return;
+    connection_flags_ = true;
+    auto env = [](const char* name, const char* def) {
+      const char* v = std::getenv(name);
+      return std::string(v != nullptr ? v : def);
+    };
+    server_ = env("HMOE_SERVER", "127.0.0.1:50051");
+    token_file_ = env("HMOE_TOKEN_FILE", "");
+    tls_.ca_file = env("HMOE_TLS_CA_FILE", "");
+    flags_.Group("connection (defaults from $HMOE_SERVER, $HMOE_TOKEN_FILE, $HMOE_TLS_CA_FILE)");
+    flags_.String("server", &server_, "HOST:PORT", "the hmoe-gpu-worker");
+    flags_.String("token-file", &token_file_, "PATH",
+                  "the file with the worker's --auth-token-file token");
+    AddTlsFlags(flags_, &tls_);
+  }
+
+  FlagSet flags_;
+  bool connection_flags_ = false;
+  std::string server_, token_file_;
+  TlsClientFiles tls_;
 };
-
-const std::vector<std::string> kSamplingFlags = {"--server",
-                                                 "--token-file",
-                                                 "--tls-ca-file",
-                                                 "--tls-cert-file",
-                                                 "--tls-key-file",
-                                                 "--max-tokens",
-                                                 "--temperature",
-                                                 "--top-k",
-                                                 "--top-p",
-                                                 "--min-p",
-                                                 "--repetition-penalty",
-                                                 "--presence-penalty",
-                                                 "--frequency-penalty",
-                                                 "--seed",
-                                                 "--stop",
-                                                 "--ignore-eos",
-                                                 "--add-special-tokens",
-                                                 "--timeout"};
-
-// Fills the request's sampling and limits from flags.
-void ApplySampling(Flags& f, api::v1::GenerateRequest& req, int default_max_tokens) {
-  constexpr int64_t kI32 = std::numeric_limits<int32_t>::max();
-  req.set_max_tokens(static_cast<int32_t>(f.Int("--max-tokens", default_max_tokens, 1, kI32)));
-  auto* s = req.mutable_sampling();
-  if (f.Has("--temperature")) s->set_temperature(static_cast<float>(f.Num("--temperature", 0)));
-  if (f.Has("--top-k")) s->set_top_k(static_cast<int32_t>(f.Int("--top-k", 0, 0, kI32)));
-  if (f.Has("--top-p")) s->set_top_p(static_cast<float>(f.Num("--top-p", 1)));
-  if (f.Has("--min-p")) s->set_min_p(static_cast<float>(f.Num("--min-p", 0)));
-  if (f.Has("--repetition-penalty"))
-    s->set_repetition_penalty(static_cast<float>(f.Num("--repetition-penalty", 1)));
-  if (f.Has("--presence-penalty"))
-    s->set_presence_penalty(static_cast<float>(f.Num("--presence-penalty", 0)));
-  if (f.Has("--frequency-penalty"))
-    s->set_frequency_penalty(static_cast<float>(f.Num("--frequency-penalty", 0)));
-  if (f.Has("--seed")) s->set_seed(f.U64("--seed", 0));
-  for (const std::string& stop : f.All("--stop")) req.add_stop(stop);
-  req.set_ignore_eos(f.Bool("--ignore-eos", false));
-  req.set_add_special_tokens(f.Bool("--add-special-tokens", false));
-}
-
-// The token to send: --token-file's, else $HMOE_TOKEN_FILE's; "" for none.
-absl::StatusOr<std::string> TokenFrom(Flags& f) {
-  const char* env_token = std::getenv("HMOE_TOKEN_FILE");
-  const std::string token_file = f.Str("--token-file", env_token ? env_token : "");
-  if (token_file.empty()) return std::string();
-  return ReadAuthTokenFile(token_file);
-}
-
-absl::StatusOr<std::unique_ptr<Client>> ConnectFrom(Flags& f) {
-  ClientOptions o;
-  o.target = f.Str("--server",
-                   std::getenv("HMOE_SERVER") ? std::getenv("HMOE_SERVER") : "127.0.0.1:50051");
-  ASSIGN_OR_RETURN(o.auth_token, TokenFrom(f));
-  const char* env_ca = std::getenv("HMOE_TLS_CA_FILE");
-  o.tls.ca_file = f.Str("--tls-ca-file", env_ca ? env_ca : "");
-  o.tls.cert_file = f.Str("--tls-cert-file");
-  o.tls.key_file = f.Str("--tls-key-file");
-  return Client::Connect(o);
-}
 
 const char* FinishName(api::v1::FinishReason r) {
   switch (r) {
@@ -212,46 +183,38 @@ const char* FinishName(api::v1::FinishReason r) {
   }
 }
 
-int Fail(const std::string& cmd, const absl::Status& s) {
-  std::fprintf(stderr, "hmoe %s: %s\n", cmd.c_str(), s.ToString().c_str());
-  return 1;
-}
-
 }  // namespace
 
 int GenerateCommand(const std::vector<std::string>& args) {
-  Flags f(args, {"--ignore-eos", "--add-special-tokens", "--ids"});
-  std::vector<std::string> known = kSamplingFlags;
-  known.insert(known.end(), {"-p", "--prompt", "--ids"});
-  if (!f.Unknown(known).empty()) {
-    std::fprintf(stderr, "hmoe generate: unknown flag %s\n", f.Unknown(known).c_str());
-    return 2;
-  }
-  std::string prompt = f.Str("-p", f.Str("--prompt"));
-  const bool flag_prompt = !prompt.empty();
-  if (!flag_prompt && !f.positional().empty()) prompt = f.positional()[0];
-  f.NoMorePositional(flag_prompt ? 0 : 1);
-  if (prompt.empty()) {
-    std::fprintf(stderr,
-                 "usage: hmoe generate -p|--prompt TEXT [--server ADDR] [sampling flags] [--ids]\n"
-                 "       [--timeout SEC] [--token-file PATH] [--tls-ca-file PEM]\n"
-                 "(hmoe --help lists the sampling flags)\n");
-    return 2;
-  }
+  Command cmd("generate", "-p|--prompt TEXT [flags]",
+              "Streams a completion from hmoe-gpu-worker and prints tok/s.");
+  std::string prompt;
+  bool ids = false;
+  RequestFlags rf;
+  FlagSet& fs = cmd.flags();
+  fs.String("prompt", &prompt, "TEXT", "the prompt (or as the one argument)").Alias("-p");
+  fs.Bool("ids", &ids, "print token ids instead of text");
+  AddRequestFlags(fs, &rf);
+  std::vector<std::string> positional;
+  int exit_code = 0;
+  auto client = cmd.Start(
+      args, &positional,
+      [&]() -> absl::Status {
+        const bool flag_prompt = !prompt.empty();
+        if (!flag_prompt && !positional.empty()) prompt = positional[0];
+        if (positional.size() > (flag_prompt ? 0u : 1u))
+          return UnexpectedArgument(positional[flag_prompt ? 0 : 1]);
+        if (prompt.empty()) return absl::InvalidArgumentError("-p|--prompt TEXT is required");
+        return absl::OkStatus();
+      },
+      &exit_code);
+  if (!client) return exit_code;
   api::v1::GenerateRequest req;
   req.set_prompt(prompt);
-  ApplySampling(f, req, 64);
-  const double timeout = f.TimeoutSeconds();
-  const bool ids = f.Bool("--ids", false);
-  if (!f.error().empty()) {
-    std::fprintf(stderr, "hmoe generate: %s\n", f.error().c_str());
-    return 2;
-  }
-  auto client = ConnectFrom(f);
-  if (!client.ok()) return Fail("generate", client.status());
+  ApplySampling(fs, rf, req);
   std::fputs(prompt.c_str(), stdout);
   std::fflush(stdout);
-  auto r = (*client)->Generate(
+  auto r = client->Generate(
       req,
       [&](const api::v1::GenerateResponse& c) {
         if (ids) {
@@ -262,10 +225,10 @@ int GenerateCommand(const std::vector<std::string>& args) {
         std::fflush(stdout);
         return true;
       },
-      timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
+      rf.Deadline());
   std::printf("\n");
   std::fflush(stdout);
-  if (!r.ok()) return Fail("generate", r.status());
+  if (!r.ok()) return cmd.Fail(r.status());
   const double decode_s = r->timings.decode_ms() / 1e3;
   const int64_t n = r->usage.completion_tokens();
   std::fprintf(
@@ -305,9 +268,8 @@ std::function<bool(const api::v1::GenerateResponse&)> PrintInto(std::string* rep
 // GenerateRequest.chat messages, rendered by the worker. The --system
 // message stays first; when the prompt outgrows the context, the oldest
 // exchanges go.
-int ChatWithTemplate(Flags& f, const api::v1::GenerateRequest& base, double timeout,
-                     Client& client) {
-  const std::string system = f.Str("--system");
+int ChatWithTemplate(const Command& cmd, const std::string& system, const RequestFlags& rf,
+                     const api::v1::GenerateRequest& base, Client& client) {
   std::vector<std::pair<std::string, std::string>> turns;  // (user, assistant)
   const bool tty = isatty(0);
   std::string line;
@@ -331,9 +293,7 @@ int ChatWithTemplate(Flags& f, const api::v1::GenerateRequest& base, double time
       }
       add("user", line);
       std::string reply;
-      auto r = client.Generate(
-          req, PrintInto(&reply),
-          timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
+      auto r = client.Generate(req, PrintInto(&reply), rf.Deadline());
       // The history no longer fits: drop the oldest exchange and ask again.
       if (!r.ok() && absl::IsInvalidArgument(r.status()) && !turns.empty() &&
           absl::StrContains(r.status().message(), "the context holds")) {
@@ -342,7 +302,7 @@ int ChatWithTemplate(Flags& f, const api::v1::GenerateRequest& base, double time
       }
       std::printf("\n");
       if (!r.ok()) {
-        Fail("chat", r.status());
+        cmd.Fail(r.status());
       } else {
         turns.emplace_back(line, reply);
       }
@@ -355,40 +315,37 @@ int ChatWithTemplate(Flags& f, const api::v1::GenerateRequest& base, double time
 }  // namespace
 
 int ChatCommand(const std::vector<std::string>& args) {
-  Flags f(args, {"--ignore-eos", "--add-special-tokens", "--plain-text"});
-  std::vector<std::string> known = kSamplingFlags;
-  known.push_back("--system");
-  known.push_back("--plain-text");
-  if (!f.Unknown(known).empty()) {
-    std::fprintf(stderr, "hmoe chat: unknown flag %s\n", f.Unknown(known).c_str());
-    return 2;
-  }
+  Command cmd("chat", "[flags]",
+              "Interactive chat that keeps the conversation: the model's chat template on the\n"
+              "worker; --plain-text or no template: a User:/Assistant: transcript. /reset clears\n"
+              "the history; /quit or Ctrl-D ends.");
+  std::string system;
+  bool plain_text = false;
+  RequestFlags rf;
+  FlagSet& fs = cmd.flags();
+  fs.String("system", &system, "TEXT", "a system message, kept first");
+  fs.Bool("plain-text", &plain_text, "a User:/Assistant: transcript even with a chat template");
+  AddRequestFlags(fs, &rf);
   // Every flag is checked before connecting.
+  int exit_code = 0;
+  auto client = cmd.Start(args, nullptr, nullptr, &exit_code);
+  if (!client) return exit_code;
   api::v1::GenerateRequest base;
-  ApplySampling(f, base, 64);
-  const bool plain_text = f.Bool("--plain-text", false);
-  const double timeout = f.TimeoutSeconds();
-  f.NoMorePositional(0);
-  if (!f.error().empty()) {
-    std::fprintf(stderr, "hmoe chat: %s\n", f.error().c_str());
-    return 2;
-  }
-  auto client = ConnectFrom(f);
-  if (!client.ok()) return Fail("chat", client.status());
-  auto info = (*client)->ModelInfo();
-  if (!info.ok()) return Fail("chat", info.status());
+  ApplySampling(fs, rf, base);
+  auto info = client->ModelInfo();
+  if (!info.ok()) return cmd.Fail(info.status());
   const bool tty = isatty(0);
   if (tty)
     std::fprintf(stderr,
                  "hmoe chat with %s (%lld-token context). /reset clears the history, /quit or "
                  "Ctrl-D ends.\n",
                  info->model_type().c_str(), static_cast<long long>(info->max_context()));
-  if (info->has_chat_template() && !plain_text) return ChatWithTemplate(f, base, timeout, **client);
+  if (info->has_chat_template() && !plain_text)
+    return ChatWithTemplate(cmd, system, rf, base, *client);
   // Plain-text transcript (a model without a chat template, or
   // --plain-text). The --system text stays first; the oldest turns go when
   // the context is full.
   if (base.stop_size() == 0) base.add_stop("\nUser:");
-  std::string system = f.Str("--system");
   if (!system.empty()) system += "\n";
   std::vector<std::string> turns;  // "User: ...\nAssistant: ...\n"
   // Room kept for the reply (the engine clamps max_tokens to the context).
@@ -410,7 +367,7 @@ int ChatCommand(const std::vector<std::string>& args) {
     // the server refuses (not UTF-8, say) is reported; the chat goes on.
     absl::Status tokenized;
     for (;;) {
-      auto ids = (*client)->Tokenize(prompt, base.add_special_tokens());
+      auto ids = client->Tokenize(prompt, base.add_special_tokens());
       if (!ids.ok()) {
         tokenized = ids.status();
         break;
@@ -421,18 +378,16 @@ int ChatCommand(const std::vector<std::string>& args) {
       prompt = compose();
     }
     if (!tokenized.ok()) {
-      Fail("chat", tokenized);
+      cmd.Fail(tokenized);
       continue;
     }
     api::v1::GenerateRequest req = base;
     req.set_prompt(prompt);
     std::string reply;
-    auto r = (*client)->Generate(
-        req, PrintInto(&reply),
-        timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
+    auto r = client->Generate(req, PrintInto(&reply), rf.Deadline());
     std::printf("\n");
     if (!r.ok()) {
-      Fail("chat", r.status());
+      cmd.Fail(r.status());
       continue;
     }
     turns.push_back(ask + reply + "\n");
@@ -441,41 +396,36 @@ int ChatCommand(const std::vector<std::string>& args) {
 }
 
 int BenchServeCommand(const std::vector<std::string>& args) {
-  Flags f(args, {"--ignore-eos", "--add-special-tokens"});
-  std::vector<std::string> known = kSamplingFlags;
-  known.insert(known.end(), {"--clients", "--requests", "--prompt", "-p", "--retry"});
-  if (!f.Unknown(known).empty()) {
-    std::fprintf(stderr, "hmoe bench-serve: unknown flag %s\n", f.Unknown(known).c_str());
-    return 2;
-  }
-  const int clients = static_cast<int>(f.Int("--clients", 8, 1, 4096));
-  const int requests = static_cast<int>(f.Int("--requests", int64_t{clients} * 4, 1, 1 << 24));
+  Command cmd("bench-serve", "[flags]",
+              "N concurrent clients: latency percentiles and throughput (exit 1 when any\n"
+              "request is refused or fails).");
+  int clients = 8, retry = 0;
+  int64_t requests_flag = 0;
+  std::string prompt = "Once upon a time";
+  RequestFlags rf;
+  rf.max_tokens = 32;
+  // Fixed-length outputs measure steadier: EOS is ignored unless --ignore-eos=false.
+  rf.ignore_eos = true;
+  FlagSet& fs = cmd.flags();
+  fs.Int("clients", &clients, 1, 4096, "concurrent clients, one connection each");
+  fs.Int("requests", &requests_flag, 1, 1 << 24, "requests in all (default 4 per client)");
   // A request the server refuses with RESOURCE_EXHAUSTED (its queue full)
   // is sent again up to this many times, after 5 ms doubling to 200 ms.
-  const int retry = static_cast<int>(f.Int("--retry", 0, 0, 1 << 20));
-  const std::string prompt = f.Str("-p", f.Str("--prompt", "Once upon a time"));
+  fs.Int("retry", &retry, 0, 1 << 20, "send a request refused (queue full) again up to N times");
+  fs.String("prompt", &prompt, "TEXT", "every request's prompt").Alias("-p");
+  AddRequestFlags(fs, &rf);
+  if (std::optional<int> exit = cmd.Parse(args)) return *exit;
+  const int requests = fs.seen("requests") ? static_cast<int>(requests_flag) : clients * 4;
   api::v1::GenerateRequest base;
   base.set_prompt(prompt);
-  ApplySampling(f, base, 32);
-  // Fixed-length outputs measure steadier: EOS is ignored unless --ignore-eos=false.
-  base.set_ignore_eos(f.Bool("--ignore-eos", true));
-  const double timeout = f.TimeoutSeconds();
-  f.NoMorePositional(0);
-  if (!f.error().empty() || clients < 1 || requests < 1) {
-    std::fprintf(stderr, "hmoe bench-serve: %s\n",
-                 f.error().empty() ? "--clients and --requests must be >= 1" : f.error().c_str());
-    return 2;
-  }
+  ApplySampling(fs, rf, base);
   // Every client connects before the clock starts (the run times requests,
   // not handshakes); one that cannot is a failed run.
   std::vector<std::unique_ptr<Client>> conns;
   for (int c = 0; c < clients; ++c) {
-    auto client = ConnectFrom(f);
-    if (!client.ok()) {
-      std::fprintf(stderr, "hmoe bench-serve: client %d of %d: %s\n", c + 1, clients,
-                   client.status().ToString().c_str());
-      return 1;
-    }
+    auto client = cmd.Connect();
+    if (!client.ok())
+      return cmd.Fail(client.status(), absl::StrCat(": client ", c + 1, " of ", clients));
     conns.push_back(std::move(*client));
   }
   std::atomic<int> next{0}, done{0}, failed{0}, exhausted{0}, retries{0};
@@ -489,11 +439,7 @@ int BenchServeCommand(const std::vector<std::string>& args) {
     threads.emplace_back([&, c] {
       Client& client = *conns[static_cast<size_t>(c)];
       while (next.fetch_add(1) < requests) {
-        auto send = [&] {
-          return client.Generate(
-              base, nullptr,
-              timeout > 0 ? absl::Now() + absl::Seconds(timeout) : absl::InfiniteFuture());
-        };
+        auto send = [&] { return client.Generate(base, nullptr, rf.Deadline()); };
         auto r = send();
         absl::Duration backoff = absl::Milliseconds(5);
         for (int a = 0;
@@ -567,31 +513,18 @@ int BenchServeCommand(const std::vector<std::string>& args) {
 }
 
 int StatsCommand(const std::vector<std::string>& args) {
-  Flags f(args, {"--json"});
-  const std::vector<std::string> known = {"--server",        "--token-file",   "--tls-ca-file",
-                                          "--tls-cert-file", "--tls-key-file", "--save",
-                                          "--json"};
-  if (!f.Unknown(known).empty()) {
-    std::fprintf(stderr, "hmoe stats: unknown flag %s\n", f.Unknown(known).c_str());
-    return 2;
-  }
-  const bool json = f.Bool("--json", false);
-  const std::string save = f.Str("--save");
-  f.NoMorePositional(0);
-  if (!f.error().empty()) {
-    std::fprintf(stderr, "hmoe stats: %s\n", f.error().c_str());
-    return 2;
-  }
-  auto client = ConnectFrom(f);
-  if (!client.ok()) {
-    std::fprintf(stderr, "hmoe stats: %s\n", client.status().ToString().c_str());
-    return 1;
-  }
-  auto s = (*client)->Stats();
-  if (!s.ok()) {
-    std::fprintf(stderr, "hmoe stats: %s\n", s.status().ToString().c_str());
-    return 1;
-  }
+  Command cmd("stats", "[flags]",
+              "The worker's requests, KV use and tokens routed per layer and expert.");
+  bool json = false;
+  std::string save;
+  cmd.flags().Bool("json", &json, "print the routing table as JSON");
+  cmd.flags().String("save", &save, "FILE",
+                     "write the routing table as JSON (for --hot-experts placement)");
+  int exit_code = 0;
+  auto client = cmd.Start(args, nullptr, nullptr, &exit_code);
+  if (!client) return exit_code;
+  auto s = client->Stats();
+  if (!s.ok()) return cmd.Fail(s.status());
   RoutingTable t;
   t.model_type = s->model_type();
   t.num_experts = s->num_experts();
@@ -693,35 +626,29 @@ absl::StatusOr<HttpRun> HttpChatOnce(httplib::Client& http, const std::string& b
 }
 
 int BenchHttpCommand(const std::vector<std::string>& args) {
-  Flags f(args, {});
-  std::vector<std::string> known = {
-      "--server", "--token-file", "--tls-ca-file", "--tls-cert-file", "--tls-key-file",
-      "--http",   "--requests",   "--max-tokens",  "--prompt",        "-p"};
-  if (!f.Unknown(known).empty()) {
-    std::fprintf(stderr, "hmoe bench-http: unknown flag %s\n", f.Unknown(known).c_str());
-    return 2;
-  }
-  const std::string url = f.Str("--http", "http://127.0.0.1:8000");
-  const int requests = static_cast<int>(f.Int("--requests", 20, 1, 1 << 20));
-  const int max_tokens = static_cast<int>(f.Int("--max-tokens", 128, 1, 1 << 20));
-  const std::string prompt = f.Str("-p", f.Str("--prompt", "Tell me a fortune"));
-  f.NoMorePositional(0);
-  if (!f.error().empty()) {
-    std::fprintf(stderr, "hmoe bench-http: %s\n", f.error().c_str());
-    return 2;
-  }
-  auto client = ConnectFrom(f);
-  if (!client.ok()) return Fail("bench-http", client.status());
-  auto info = (*client)->ModelInfo();
-  if (!info.ok()) return Fail("bench-http", info.status());
+  Command cmd("bench-http", "[flags]",
+              "Streaming chat tok/s at batch 1 over the HTTP API beside gRPC (alternating).");
+  std::string url = "http://127.0.0.1:8000";
+  int requests = 20, max_tokens = 128;
+  std::string prompt = "Tell me a fortune";
+  FlagSet& fs = cmd.flags();
+  fs.String("http", &url, "URL", "the worker's HTTP API (its --http-listen)");
+  fs.Int("requests", &requests, 1, 1 << 20, "requests each way, after one warm-up each");
+  fs.Int("max-tokens", &max_tokens, 1, 1 << 20, "tokens per request (EOS ignored)");
+  fs.String("prompt", &prompt, "TEXT", "the user message").Alias("-p");
+  int exit_code = 0;
+  auto client = cmd.Start(args, nullptr, nullptr, &exit_code);
+  if (!client) return exit_code;
+  auto info = client->ModelInfo();
+  if (!info.ok()) return cmd.Fail(info.status());
   if (!info->has_chat_template()) {
     std::fprintf(stderr, "hmoe bench-http: the model has no chat template\n");
     return 1;
   }
   httplib::Client http(url);
   http.set_read_timeout(600, 0);
-  auto token = TokenFrom(f);
-  if (!token.ok()) return Fail("bench-http", token.status());
+  auto token = cmd.Token();
+  if (!token.ok()) return cmd.Fail(token.status());
   if (!token->empty()) http.set_bearer_token_auth(token->c_str());
   // The same conversation both ways, greedy, eos ignored: the same tokens.
   api::v1::GenerateRequest g;
@@ -742,10 +669,10 @@ int BenchHttpCommand(const std::vector<std::string>& args) {
   // the machine's speed falls on both alike.
   std::vector<double> grpc_tps, http_tps, grpc_first, http_first;
   for (int i = -1; i < requests; ++i) {
-    auto r = (*client)->Generate(g, [](const api::v1::GenerateResponse&) { return true; });
-    if (!r.ok()) return Fail("bench-http (gRPC)", r.status());
+    auto r = client->Generate(g, [](const api::v1::GenerateResponse&) { return true; });
+    if (!r.ok()) return cmd.Fail(r.status(), " (gRPC)");
     auto h = HttpChatOnce(http, body);
-    if (!h.ok()) return Fail("bench-http (HTTP)", h.status());
+    if (!h.ok()) return cmd.Fail(h.status(), " (HTTP)");
     if (h->text != r->text || h->tokens != r->usage.completion_tokens()) {
       std::fprintf(stderr, "hmoe bench-http: HTTP and gRPC generated different text\n");
       return 1;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/flags.h"
 #include "expert_service/server/convert_cli.h"
 #include "sdk/commands.h"
 #include "sdk/inspect.h"
@@ -37,9 +38,10 @@ int Usage(FILE* out) {
       "  stats [--server ADDR] [--save FILE] [--json]\n"
       "      the worker's requests, KV use and tokens routed per layer and expert;\n"
       "      --save writes the routing table as JSON (for hot-expert placement)\n"
-      "sampling flags: --max-tokens N --temperature T --top-k K --top-p P --min-p P\n"
-      "  --repetition-penalty R --presence-penalty X --frequency-penalty X --seed S\n"
-      "  --stop STR (repeatable) --ignore-eos[=true|false] --add-special-tokens[=true|false]\n"
+      "hmoe COMMAND --help lists its flags (sampling flags: --max-tokens N --temperature T\n"
+      "  --top-k K --top-p P --min-p P --repetition-penalty R --presence-penalty X\n"
+      "  --frequency-penalty X --seed S --stop STR (repeatable) --ignore-eos[=true|false]\n"
+      "  --add-special-tokens[=true|false])\n"
       "(--server defaults to $HMOE_SERVER or 127.0.0.1:50051; --token-file, default\n"
       " $HMOE_TOKEN_FILE, names the file with the worker's --auth-token-file token;\n"
       " --tls-ca-file, default $HMOE_TLS_CA_FILE, turns on TLS and verifies the worker with\n"
@@ -49,42 +51,22 @@ int Usage(FILE* out) {
 
 int Inspect(const std::vector<std::string>& args) {
   hmoe::InspectOptions opt;
-  std::string dir;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "--json") {
-      opt.json = true;
-    } else if (a == "--no-check") {
-      opt.check_weights = false;
-    } else if (a == "--dram-gbps" || a.rfind("--dram-gbps=", 0) == 0) {
-      std::string v;
-      if (a == "--dram-gbps") {
-        if (i + 1 >= args.size()) {
-          std::fprintf(stderr, "hmoe inspect: --dram-gbps needs a value\n");
-          return 2;
-        }
-        v = args[++i];
-      } else {
-        v = a.substr(12);
-      }
-      char* end = nullptr;
-      opt.dram_gbps = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || !(opt.dram_gbps > 0)) {
-        std::fprintf(stderr, "hmoe inspect: --dram-gbps must be a positive number, got \"%s\"\n",
-                     v.c_str());
-        return 2;
-      }
-    } else if (!a.empty() && a[0] == '-') {
-      std::fprintf(stderr, "hmoe inspect: unknown flag %s\n", a.c_str());
-      return 2;
-    } else if (dir.empty()) {
-      dir = a;
-    } else {
-      std::fprintf(stderr, "hmoe inspect: one MODEL_DIR expected, got also %s\n", a.c_str());
-      return 2;
-    }
-  }
-  if (dir.empty()) return Usage(stderr);
+  hmoe::FlagSet fs("hmoe inspect", "MODEL_DIR [flags]",
+                   "Architecture, layer kinds, parameter counts, routed-expert bytes per format\n"
+                   "and the decode ceiling for the DRAM bandwidth given.");
+  fs.Double(
+      "dram-gbps", &opt.dram_gbps, "GB/s of DRAM bandwidth for the decode ceiling",
+      [](double x) { return x > 0; }, "a positive number");
+  fs.Bool("json", &opt.json, "the report as JSON");
+  fs.Bool("check", &opt.check_weights, "open the checkpoint (if any) and check the weight map");
+  std::vector<std::string> dirs;
+  if (auto exit = fs.ParseOrExit(args, &dirs, [&]() -> absl::Status {
+        if (dirs.size() > 1) return hmoe::UnexpectedArgument(dirs[1]);
+        if (dirs.empty()) return absl::InvalidArgumentError("MODEL_DIR is required");
+        return absl::OkStatus();
+      }))
+    return *exit;
+  const std::string& dir = dirs[0];
   auto report = hmoe::InspectModel(dir, opt);
   if (!report.ok()) {
     std::fprintf(stderr, "hmoe inspect: %s\n", std::string(report.status().ToString()).c_str());
@@ -100,8 +82,6 @@ int main(int argc, char** argv) {
   if (argc < 2) return Usage(stderr);
   const std::string cmd = argv[1];
   std::vector<std::string> args(argv + 2, argv + argc);
-  for (const std::string& a : args)
-    if (a == "-h" || a == "--help") return Usage(stdout);
   if (cmd == "inspect") return Inspect(args);
   if (cmd == "convert") return hmoe::ConvertCommand(args);
   if (cmd == "generate") return hmoe::GenerateCommand(args);

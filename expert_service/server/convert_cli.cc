@@ -9,59 +9,27 @@
 #include <thread>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
+#include "common/flags.h"
 #include "expert_service/server/packed_file.h"
 
 namespace hmoe {
 
 int ConvertCommand(const std::vector<std::string>& args) {
   ConvertOptions o;
+  FlagSet fs("hmoe convert", "MODEL_DIR OUT --format int4g64|int8|bf16 [flags]",
+             "Packed expert files for hmoe-expert-service --packed-dir.");
+  fs.String("format", &o.format, "int4g32|int4g64|int4g128|int8|bf16", "the files' weight format");
+  fs.Int("shards", &o.shards, 1, 1 << 16, "files for this many expert service shards");
+  fs.Enum<SplitMode>("split", &o.split, {{"tp", SplitMode::kTp}, {"ep", SplitMode::kEp}},
+                     "how the experts are split over the shards");
+  fs.Int("threads", &o.threads, 0, 1024,
+         "experts quantized at once; 0: the CPUs this process may use (<= 64)");
   std::vector<std::string> pos;
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string a = args[i], v;
-    const auto eq = a.find('=');
-    if (a.rfind("--", 0) == 0) {
-      if (eq != std::string::npos) {
-        v = a.substr(eq + 1);
-        a = a.substr(0, eq);
-      } else if (i + 1 < args.size()) {
-        v = args[++i];
-      } else {
-        std::fprintf(stderr, "hmoe convert: %s needs a value\n", a.c_str());
-        return 2;
-      }
-    }
-    if (a == "--format") {
-      o.format = v;
-    } else if (a == "--shards") {
-      if (!absl::SimpleAtoi(v, &o.shards) || o.shards < 1) {
-        std::fprintf(stderr, "hmoe convert: --shards must be a positive integer\n");
-        return 2;
-      }
-    } else if (a == "--threads") {
-      if (!absl::SimpleAtoi(v, &o.threads) || o.threads < 0 || o.threads > 1024) {
-        std::fprintf(stderr, "hmoe convert: --threads must be an integer in [0, 1024]\n");
-        return 2;
-      }
-    } else if (a == "--split") {
-      if (v != "tp" && v != "ep") {
-        std::fprintf(stderr, "hmoe convert: --split must be tp or ep\n");
-        return 2;
-      }
-      o.split = v == "ep" ? SplitMode::kEp : SplitMode::kTp;
-    } else if (a.rfind("--", 0) == 0) {
-      std::fprintf(stderr, "hmoe convert: unknown flag %s\n", a.c_str());
-      return 2;
-    } else {
-      pos.push_back(a);
-    }
-  }
-  if (pos.size() != 2) {
-    std::fprintf(stderr,
-                 "usage: hmoe convert MODEL_DIR OUT --format int4g64|int8|bf16 "
-                 "[--shards n --split tp|ep] [--threads n]\n");
-    return 2;
-  }
+  if (auto exit = fs.ParseOrExit(args, &pos, [&]() -> absl::Status {
+        if (pos.size() != 2) return absl::InvalidArgumentError("MODEL_DIR and OUT are required");
+        return absl::OkStatus();
+      }))
+    return *exit;
   const auto t0 = std::chrono::steady_clock::now();
   o.progress = [t0](int layer, int done, int total) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
