@@ -529,6 +529,11 @@ int Main(int argc, char** argv) {
     if (!ParseIsa(is))
       return bad(absl::StrCat("unknown ISA '", is, "' (amx, avx512, avx2, scalar)"));
   if (a.isas.empty()) a.isas = {std::string(IsaName(DetectedIsa()))};
+  // HMOE_ISA caps every --isa (read once here; the kernels read no environment).
+  const char* env_isa = std::getenv("HMOE_ISA");
+  const absl::StatusOr<std::optional<Isa>> isa_cap =
+      ParseIsaCap(env_isa != nullptr ? env_isa : "", "HMOE_ISA");
+  if (!isa_cap.ok()) return bad(std::string(isa_cap.status().message()));
   const absl::StatusOr<KernelTuning> env_tuning_or = KernelTuningFromEnv();
   if (!env_tuning_or.ok()) {
     std::fprintf(stderr, "%s\n", env_tuning_or.status().ToString().c_str());
@@ -790,7 +795,7 @@ int Main(int argc, char** argv) {
                 const std::string tag = absl::StrCat(tune.name.empty() ? "" : " cfg=", tune.name,
                                                      v.tag.empty() ? "" : " ", v.tag);
                 RunOptions ro;
-                ro.isa = *isa;
+                ro.isa = MinIsa(*isa, *isa_cap);
                 ro.many_threshold = tune.many.value_or(a.many);
                 ro.many_threshold_int4 = tune.many_int4.value_or(a.many_int4);
                 ro.tuning = tune.tuning;

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstdlib>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -82,13 +81,6 @@ Isa DetectedIsa() {
 
 absl::StatusOr<Isa> ResolveIsa(std::optional<Isa> requested, bool strict) {
   Isa isa = DetectedIsa();
-  if (const char* env = std::getenv("HMOE_ISA"); env != nullptr && *env != '\0') {
-    auto cap = ParseIsa(env);
-    if (!cap)
-      return absl::InvalidArgumentError(
-          absl::StrCat("HMOE_ISA='", env, "' is not one of amx|avx512|avx2|scalar"));
-    isa = std::min(isa, *cap);
-  }
   if (requested) {
     if (*requested > DetectedIsa() && strict)
       return absl::FailedPreconditionError(absl::StrCat("ISA ", std::string(IsaName(*requested)),
@@ -97,6 +89,21 @@ absl::StatusOr<Isa> ResolveIsa(std::optional<Isa> requested, bool strict) {
     isa = std::min(isa, *requested);
   }
   return isa;
+}
+
+absl::StatusOr<std::optional<Isa>> ParseIsaCap(std::string_view value, std::string_view source) {
+  if (value.empty()) return std::optional<Isa>();
+  std::optional<Isa> cap = ParseIsa(value);
+  if (!cap)
+    return absl::InvalidArgumentError(absl::StrCat(std::string(source), "='", std::string(value),
+                                                   "' is not one of amx|avx512|avx2|scalar"));
+  return cap;
+}
+
+std::optional<Isa> MinIsa(std::optional<Isa> a, std::optional<Isa> b) {
+  if (!a) return b;
+  if (!b) return a;
+  return std::min(*a, *b);
 }
 
 }  // namespace hmoe

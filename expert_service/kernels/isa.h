@@ -24,10 +24,18 @@ std::optional<Isa> ParseIsa(std::string_view name);
 // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)). Computed once.
 Isa DetectedIsa();
 
-// The ISA to use: min(detected, HMOE_ISA env cap, `requested`).
-// `requested` above what the CPU supports falls back to the best available
-// unless `strict`, in which case it is FAILED_PRECONDITION. A malformed
-// HMOE_ISA is INVALID_ARGUMENT.
+// The ISA to use: min(detected, `requested`). `requested` above what the
+// CPU supports falls back to the best available unless `strict`, in which
+// case it is FAILED_PRECONDITION. Reads no environment: the binaries turn
+// HMOE_ISA / --isa into `requested` (RunOptions::isa) at start-up.
 absl::StatusOr<Isa> ResolveIsa(std::optional<Isa> requested, bool strict = false);
+
+// An ISA cap as an operator gives it (HMOE_ISA's value; `source` names it in
+// the error): empty is none, else ParseIsa's names; INVALID_ARGUMENT
+// "HMOE_ISA='sse9' is not one of amx|avx512|avx2|scalar" otherwise.
+absl::StatusOr<std::optional<Isa>> ParseIsaCap(std::string_view value, std::string_view source);
+
+// The tighter of two caps (nullopt: no cap).
+std::optional<Isa> MinIsa(std::optional<Isa> a, std::optional<Isa> b);
 
 }  // namespace hmoe

@@ -174,7 +174,7 @@ struct MoeInput {
 };
 
 struct RunOptions {
-  std::optional<Isa> isa;   // cap; the effective ISA is min(detected, HMOE_ISA, this)
+  std::optional<Isa> isa;   // cap; the effective ISA is min(detected, this)
   bool strict_isa = false;  // requesting an ISA the CPU lacks fails instead of falling back
   int many_threshold = 4;   // experts with more tokens than this use the "many" (AMX) kernels
   // INT4 "many" dequantizes weights to bf16 for AMX, which pays off only with
@@ -234,7 +234,7 @@ class MoeWorkspace {
 absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out, ThreadPool& pool,
                     MoeWorkspace& ws, const RunOptions& opts = {});
 
-// The ISA RunMoe would use for these options (after HMOE_ISA and fallback).
+// The ISA RunMoe would use for these options (after the cap and fallback).
 absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts);
 
 // The scalar reference (double accumulation where the kernels use fp32,

@@ -109,6 +109,7 @@ std::string ShardOptions::ToString() const {
                       " shard=", shard_index, "/", num_shards, " split=", SplitModeName(split),
                       " format=", ServeFormatName(format, group), " max_tokens=", max_tokens,
                       " threads=", threads == 0 ? std::string("all") : absl::StrCat(threads),
+                      isa ? absl::StrCat(" isa<=", std::string(IsaName(*isa))) : "",
                       null_compute ? " null_compute=1" : "", check_memory ? "" : " memory_check=0",
                       tuned.empty() ? "" : " tuning: ", tuned);
 }
@@ -227,6 +228,7 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   info.i_end = po.i_end;
   shard->null_compute_ = opts.null_compute;
   shard->run_opts_.tuning = opts.tuning;
+  shard->run_opts_.isa = opts.isa;
   ASSIGN_OR_RETURN(shard->isa_, EffectiveIsa(shard->run_opts_));
   ASSIGN_OR_RETURN(shard->pool_, SharedThreadPool(opts.threads));
   ThreadPool& pool = *shard->pool_;

@@ -49,6 +49,9 @@ struct ShardOptions {
   // HMOE_VIRTUAL_NUMA apply as in ThreadPoolOptions. Shards loaded in one
   // process with the same count share one pool.
   int threads = 0;
+  // The kernels' ISA at most (--isa, default $HMOE_ISA: read by the binary);
+  // nullopt: the best this CPU has.
+  std::optional<Isa> isa;
   // Benchmark seam: validate every call but answer zeros without computing,
   // so that transport overhead can be measured apart from the experts.
   bool null_compute = false;

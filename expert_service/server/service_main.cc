@@ -61,6 +61,7 @@
 #include "common/transport/grpc_tls.h"
 #include "common/transport/shm_transport.h"
 #include "common/transport/ucx_transport.h"
+#include "expert_service/kernels/isa.h"
 #include "expert_service/numa.h"
 #include "expert_service/server/expert_shard.h"
 #include "expert_service/server/grpc_services.h"
@@ -167,6 +168,13 @@ void AddFlags(FlagSet& fs, ServiceOptions* o) {
   fs.Group("compute");
   fs.Int("max-tokens", &sh.max_tokens, 1, 1 << 20, "tokens one call may carry");
   fs.Int("threads", &sh.threads, 0, 4096, "compute threads; 0: one per core the process may use");
+  fs.Enum<std::optional<Isa>>("isa", &sh.isa,
+                              {{"amx", Isa::kAmx},
+                               {"avx512", Isa::kAvx512},
+                               {"avx2", Isa::kAvx2},
+                               {"scalar", Isa::kScalar}},
+                              "the kernels' instruction set at most (default: $HMOE_ISA, else the "
+                              "best this CPU has)");
   fs.Int("numa-node", &o->numa_node, -1, 1023,
          "run on and take memory from this NUMA node (-1: unbound)");
   fs.String("cores", &o->cores, "LIST", "run on these cores (\"0-7,16\"); not with --numa-node");
@@ -292,6 +300,14 @@ int Main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   ServiceOptions opts;
+  // The environment's defaults, read here once: HMOE_ISA (the --isa default).
+  const char* env_isa = std::getenv("HMOE_ISA");
+  if (auto cap = ParseIsaCap(env_isa != nullptr ? env_isa : "", "HMOE_ISA"); cap.ok()) {
+    opts.shard.isa = *cap;
+  } else {
+    std::fprintf(stderr, "hmoe-expert-service: %s\n", std::string(cap.status().message()).c_str());
+    return 2;
+  }
   FlagSet flags("hmoe-expert-service",
                 "(--model-dir DIR [--packed-dir DIR] | --synthetic SPEC) [flags]", kAbout);
   AddFlags(flags, &opts);

@@ -70,12 +70,16 @@ double Bound(WeightFormat f, const RunOptions& ro = {}) {
 }
 
 // The ISA a test asked for, or a skip reason when this CPU or HMOE_ISA caps it
-// lower (the case would silently run a lower ISA under the wrong name).
+// lower (the case would silently run a lower ISA under the wrong name). The
+// test binary is the edge that reads HMOE_ISA, here.
 std::optional<std::string> IsaUnavailable(Isa isa) {
   if (isa > DetectedIsa())
     return absl::StrCat("this CPU supports up to ", std::string(IsaName(DetectedIsa())), ", not ",
                         std::string(IsaName(isa)));
-  auto eff = ResolveIsa(isa);
+  const char* env = std::getenv("HMOE_ISA");
+  auto cap = ParseIsaCap(env != nullptr ? env : "", "HMOE_ISA");
+  if (!cap.ok()) return absl::StrCat("HMOE_ISA: ", cap.status().ToString());
+  auto eff = ResolveIsa(MinIsa(isa, *cap));
   if (!eff.ok()) return absl::StrCat("HMOE_ISA: ", eff.status().ToString());
   if (*eff != isa) return absl::StrCat("HMOE_ISA caps the ISA at ", std::string(IsaName(*eff)));
   return std::nullopt;
@@ -980,19 +984,22 @@ TEST(MoePipelineTest, SameBitsAsPhasedOnAllCores) {
 
 // ---- dispatch ------------------------------------------------------------------------
 
+// HMOE_ISA's value is read by the binaries (ParseIsaCap) and passed down as
+// the requested cap; ResolveIsa reads no environment.
 TEST(DispatchTest, EnvCapsAndFallback) {
+  auto cap = [](const char* v) { return ParseIsaCap(v, "HMOE_ISA").value(); };
   {
-    ScopedEnv e("HMOE_ISA", "scalar");
-    EXPECT_EQ(ResolveIsa(std::nullopt).value(), Isa::kScalar);
-    EXPECT_EQ(ResolveIsa(Isa::kAmx).value(), Isa::kScalar);
+    EXPECT_EQ(ResolveIsa(cap("scalar")).value(), Isa::kScalar);
+    EXPECT_EQ(ResolveIsa(MinIsa(cap("scalar"), Isa::kAmx)).value(), Isa::kScalar);
   }
+  { EXPECT_EQ(ResolveIsa(cap("AVX2")).value(), std::min(Isa::kAvx2, DetectedIsa())); }
   {
-    ScopedEnv e("HMOE_ISA", "avx2");
-    EXPECT_EQ(ResolveIsa(std::nullopt).value(), std::min(Isa::kAvx2, DetectedIsa()));
-  }
-  {
-    ScopedEnv e("HMOE_ISA", "sse9");
-    EXPECT_EQ(ResolveIsa(std::nullopt).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(ParseIsaCap("sse9", "HMOE_ISA").status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(ParseIsaCap("sse9", "HMOE_ISA").status().message(),
+              "HMOE_ISA='sse9' is not one of amx|avx512|avx2|scalar");
+    EXPECT_EQ(cap(""), std::nullopt);
+    ScopedEnv e("HMOE_ISA", "scalar");  // no longer read below the binaries
+    EXPECT_EQ(ResolveIsa(std::nullopt).value(), DetectedIsa());
   }
   EXPECT_EQ(ResolveIsa(Isa::kAmx).value(), DetectedIsa());  // falls back, never SIGILLs
   if (DetectedIsa() < Isa::kAmx) {
