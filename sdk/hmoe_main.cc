@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "expert_service/server/convert_cli.h"
+#include "expert_service/convert/convert_cli.h"
 #include "sdk/commands.h"
 #include "sdk/inspect.h"
 

@@ -54,13 +54,13 @@
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
 #include "common/dtype.h"
+#include "common/runtime/numa.h"
 #include "common/status.h"
 #include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_client.h"
 #include "common/transport/grpc_tls.h"
 #include "common/transport/shm_transport.h"
 #include "common/transport/ucx_transport.h"
-#include "expert_service/numa.h"
 #include "expert_service/server/expert_shard.h"
 #include "expert_service/server/grpc_services.h"
 #include "grpcpp/grpcpp.h"
@@ -246,6 +246,7 @@ absl::StatusOr<ServiceOptions> ParseArgs(int argc, char** argv) {
     o.listen = absl::StrCat(o.listen.substr(0, colon + 1), port + o.port_offset);
   }
   ASSIGN_OR_RETURN(o.shard.tuning, KernelTuningFromEnv());
+  RETURN_IF_ERROR(ThreadCountsFromEnv(&o.shard.threads, &o.shard.virtual_nodes));
   RETURN_IF_ERROR(o.Validate());
   if (!o.auth_token_file.empty()) {
     ASSIGN_OR_RETURN(o.auth_tokens, AuthTokens::FromFile(o.auth_token_file));

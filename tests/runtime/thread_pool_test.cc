@@ -1,4 +1,4 @@
-#include "expert_service/thread_pool.h"
+#include "common/runtime/thread_pool.h"
 
 #include <gtest/gtest.h>
 #include <numaif.h>
@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "expert_service/numa.h"
+#include "common/runtime/numa.h"
 #include "tests/testing/scoped_env.h"
 #include "tests/testing/temp_dir.h"
 
@@ -194,34 +194,88 @@ TEST(ThreadPoolTest, TooManyVirtualNodesIsAnError) {
   EXPECT_FALSE(ThreadPool::Create(o).ok());
 }
 
-// HMOE_THREADS / HMOE_VIRTUAL_NUMA apply when the option is 0; a value that
-// is not a non-negative integer is INVALID_ARGUMENT naming the variable,
-// never a silent default.
+// HMOE_THREADS / HMOE_VIRTUAL_NUMA apply, at a binary's edge, when the
+// option is 0; a value that is not a non-negative integer is
+// INVALID_ARGUMENT naming the variable, never a silent default.
 TEST(ThreadPoolTest, EnvCountsAreValidated) {
   {
     testing::ScopedEnv e("HMOE_THREADS", "1");
-    auto pool = ThreadPool::Create({});
+    ThreadPoolOptions o;
+    ASSERT_TRUE(ThreadCountsFromEnv(&o.max_threads, &o.virtual_nodes).ok());
+    auto pool = ThreadPool::Create(o);
     ASSERT_TRUE(pool.ok()) << pool.status();
     EXPECT_EQ((*pool)->num_threads(), 1);
   }
   for (const char* name : {"HMOE_THREADS", "HMOE_VIRTUAL_NUMA"}) {
     for (const char* bad : {"abc", "-1", "2x", "99999999999"}) {
       testing::ScopedEnv e(name, bad);
-      auto pool = ThreadPool::Create({});
-      ASSERT_FALSE(pool.ok()) << name << "=" << bad;
-      EXPECT_EQ(pool.status().code(), absl::StatusCode::kInvalidArgument);
-      EXPECT_NE(pool.status().message().find(name), std::string_view::npos) << pool.status();
-      EXPECT_NE(pool.status().message().find(bad), std::string_view::npos) << pool.status();
+      ThreadPoolOptions o;
+      const absl::Status st = ThreadCountsFromEnv(&o.max_threads, &o.virtual_nodes);
+      ASSERT_FALSE(st.ok()) << name << "=" << bad;
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(st.message().find(name), std::string_view::npos) << st;
+      EXPECT_NE(st.message().find(bad), std::string_view::npos) << st;
     }
   }
   {
     testing::ScopedEnv e("HMOE_THREADS", "abc");  // an explicit option wins over the env
     ThreadPoolOptions o;
     o.max_threads = 1;
+    ASSERT_TRUE(ThreadCountsFromEnv(&o.max_threads, &o.virtual_nodes).ok());
     auto pool = ThreadPool::Create(o);
     ASSERT_TRUE(pool.ok()) << pool.status();
     EXPECT_EQ((*pool)->num_threads(), 1);
   }
+}
+
+// The pool itself reads no environment: a bad HMOE_THREADS is no concern of
+// Create (only ThreadCountsFromEnv, at a binary's edge, reads it).
+TEST(ThreadPoolTest, CreateReadsNoEnvironment) {
+  testing::ScopedEnv threads("HMOE_THREADS", "abc");
+  testing::ScopedEnv vnuma("HMOE_VIRTUAL_NUMA", "abc");
+  ThreadPoolOptions o;
+  o.max_threads = 1;
+  auto pool = ThreadPool::Create(o);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  EXPECT_EQ((*pool)->num_nodes(), 1);
+}
+
+// The CPU reference backend's loops: ranges of at least the grain cover
+// every index once; a call from inside a range runs inline.
+TEST(ThreadPoolTest, CoversEveryIndexOnceAndNestsInline) {
+  auto pool = ThreadPool::Create(UnpinnedThreads(4)).value();
+  for (int64_t n : {1, 7, 100, 1000}) {
+    std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+    pool->ParallelFor(n, 3, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        hits[static_cast<size_t>(i)]++;
+        pool->ParallelFor(2, 1, [](int64_t, int64_t) {});  // nested: runs inline
+      }
+    });
+    for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+  }
+}
+
+// Without per_core: exactly the count asked for, past the cores too, tied to
+// no core and no memory node; a count below 1 or virtual nodes is refused.
+TEST(ThreadPoolTest, UnpinnedPoolHasExactlyItsCount) {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  auto pool = ThreadPool::Create(UnpinnedThreads(cores + 3));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  EXPECT_EQ((*pool)->num_threads(), cores + 3);
+  ASSERT_EQ((*pool)->num_nodes(), 1);
+  EXPECT_EQ((*pool)->mem_node(0), -1);
+  for (int cpu : (*pool)->nodes()[0].cpus) EXPECT_EQ(cpu, -1);
+  std::atomic<int> ran{0};
+  (*pool)->Run([&](const Worker&) { ran++; });
+  EXPECT_EQ(ran.load(), cores + 3);
+  for (int bad : {0, -1}) {
+    auto p = ThreadPool::Create(UnpinnedThreads(bad));
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  ThreadPoolOptions split = UnpinnedThreads(2);
+  split.virtual_nodes = 2;
+  EXPECT_EQ(ThreadPool::Create(split).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(NumaBufferTest, AllocatesAndFrees) {

@@ -1,8 +1,9 @@
-#include "expert_service/thread_pool.h"
+#include "common/runtime/thread_pool.h"
 
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +22,10 @@ inline void CpuRelax() {
 #endif
 }
 
+// Set while this thread runs a range of ParallelFor(n, grain, fn): a nested
+// call runs inline.
+thread_local bool in_range = false;
+
 // A non-negative count from the environment; unset or empty is 0.
 absl::StatusOr<int> EnvCount(const char* name) {
   const char* v = std::getenv(name);
@@ -32,28 +37,58 @@ absl::StatusOr<int> EnvCount(const char* name) {
   return n;
 }
 
+// The nodes of a pool: the cores found (per_core) or one node of workers
+// tied to no core.
+absl::StatusOr<std::vector<NodeCores>> PoolNodes(const ThreadPoolOptions& opts) {
+  if (opts.per_core) {
+    TopologyOptions topo;
+    topo.max_threads = opts.max_threads;
+    topo.virtual_nodes = opts.virtual_nodes;
+    return DiscoverTopology(topo);
+  }
+  if (opts.max_threads < 1 || opts.virtual_nodes != 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a pool without per_core takes max_threads >= 1 and no virtual_nodes, got max_threads ",
+        opts.max_threads, ", virtual_nodes ", opts.virtual_nodes));
+  NodeCores node;
+  node.cpus.assign(static_cast<size_t>(opts.max_threads), -1);
+  node.mem_node = -1;
+  return std::vector<NodeCores>{std::move(node)};
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolOptions& opts) {
-  TopologyOptions topo;
-  topo.max_threads = opts.max_threads;
-  topo.virtual_nodes = opts.virtual_nodes;
-  if (topo.max_threads == 0) {
+ThreadPoolOptions UnpinnedThreads(int threads) {
+  ThreadPoolOptions o;
+  o.max_threads = threads;
+  o.per_core = false;
+  o.pin = false;
+  o.spin_us = 0;
+  return o;
+}
+
+absl::Status ThreadCountsFromEnv(int* max_threads, int* virtual_nodes) {
+  if (*max_threads == 0) {
     auto n = EnvCount("HMOE_THREADS");
     if (!n.ok()) return n.status();
-    topo.max_threads = *n;
+    *max_threads = *n;
   }
-  if (topo.virtual_nodes == 0) {
+  if (*virtual_nodes == 0) {
     auto n = EnvCount("HMOE_VIRTUAL_NUMA");
     if (!n.ok()) return n.status();
-    topo.virtual_nodes = *n;
+    *virtual_nodes = *n;
   }
-  auto nodes = DiscoverTopology(topo);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolOptions& opts) {
+  auto nodes = PoolNodes(opts);
   if (!nodes.ok()) return nodes.status();
+  const bool pin = opts.per_core && opts.pin;
   std::unique_ptr<ThreadPool> pool(new ThreadPool());
   pool->nodes_ = std::move(*nodes);
   pool->spin_us_ = opts.spin_us;
-  pool->pin_caller_ = opts.pin && opts.pin_caller;
+  pool->pin_caller_ = pin && opts.pin_caller;
   size_t planned = 0;
   for (const NodeCores& n : pool->nodes_) planned += n.cpus.size();
   int g = 0;
@@ -72,7 +107,7 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const ThreadPoolO
         return absl::ResourceExhaustedError(
             absl::StrCat("starting worker thread ", g, " of ", planned, ": ", e.what()));
       }
-      if (opts.pin) {
+      if (pin) {
         // Pinned from here so a refusal is reported, not ignored (the CPU
         // set changed since discovery, or a cgroup cpuset forbids the CPU).
         cpu_set_t set;
@@ -180,6 +215,28 @@ void ThreadPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t, const Wo
   std::atomic<int64_t> next{0};
   Run([&](const Worker& w) {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i, w);
+  });
+}
+
+void ThreadPool::ParallelFor(int64_t n, int64_t grain,
+                             absl::FunctionRef<void(int64_t, int64_t)> fn) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  if (workers_.empty() || in_range || n <= grain) {
+    fn(0, n);
+    return;
+  }
+  const int64_t per = 4 * static_cast<int64_t>(num_threads());
+  const int64_t chunk = std::max(grain, (n + per - 1) / per);
+  std::atomic<int64_t> next{0};
+  Run([&](const Worker&) {
+    struct InRange {  // restored however fn leaves
+      bool was = in_range;
+      InRange() { in_range = true; }
+      ~InRange() { in_range = was; }
+    } scope;
+    for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < n;)
+      fn(b, std::min(n, b + chunk));
   });
 }
 

@@ -1,4 +1,4 @@
-#include "expert_service/server/convert_cli.h"
+#include "expert_service/convert/convert_cli.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -10,7 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
-#include "expert_service/server/packed_file.h"
+#include "expert_service/convert/packed_file.h"
 
 namespace hmoe {
 

@@ -23,9 +23,11 @@
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "common/transport/moe_call.h"
 #include "common/weight_map.h"
 #include "expert_service/kernels/checkpoint_source.h"
-#include "expert_service/server/expert_shard.h"
+#include "expert_service/kernels/moe.h"
+#include "expert_service/kernels/packed.h"
 
 namespace hmoe {
 
@@ -38,7 +40,7 @@ class PackedExperts {
                                                              const ModelConfig& cfg,
                                                              SplitMode split, int shard,
                                                              int num_shards);
-  ServeFormat format() const { return format_; }
+  WeightFormat format() const { return format_; }
   int group() const { return group_; }
   int64_t i_begin() const { return i_begin_; }
   int64_t i_end() const { return i_end_; }
@@ -62,7 +64,7 @@ class PackedExperts {
   std::map<std::string, std::string> sums_;
   std::string conversion_id_;
   std::string source_fingerprint_;
-  ServeFormat format_ = ServeFormat::kBf16;
+  WeightFormat format_ = WeightFormat::kBf16;
   int group_ = 64;
   int64_t hidden_ = 0, i_begin_ = 0, i_end_ = 0, e_begin_ = 0, e_end_ = 0;
 };
@@ -94,6 +96,6 @@ uint64_t Fnv1a64(const void* data, size_t n);
 
 // The kernels' options for shard `shard`/`num_shards` of a model.
 PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMode split, int shard,
-                             int num_shards, ServeFormat format, int group);
+                             int num_shards, WeightFormat format, int group);
 
 }  // namespace hmoe

@@ -1,4 +1,4 @@
-#include "expert_service/server/packed_file.h"
+#include "expert_service/convert/packed_file.h"
 
 #include <fcntl.h>
 #include <sched.h>
@@ -112,10 +112,10 @@ uint64_t Fnv1a64(const void* data, size_t n) {
 }
 
 PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMode split, int shard,
-                             int num_shards, ServeFormat format, int group) {
+                             int num_shards, WeightFormat format, int group) {
   PackOptions o;
   o.format = format;
-  o.group = format == ServeFormat::kInt4 ? group : 128;
+  o.group = format == WeightFormat::kInt4 ? group : 128;
   if (split == SplitMode::kEp) {
     o.expert_begin = Part(num_experts, shard, num_shards);
     o.expert_end = Part(num_experts, shard + 1, num_shards);
@@ -133,7 +133,7 @@ PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMod
 absl::Status ConvertModel(const std::string& model_dir, const std::string& out_dir,
                           const ConvertOptions& opts) {
   int group = 64;
-  ASSIGN_OR_RETURN(ServeFormat f, ParseServeFormat(opts.format, &group));
+  ASSIGN_OR_RETURN(WeightFormat f, ParseServeFormat(opts.format, &group));
   ASSIGN_OR_RETURN(ModelConfig cfg, LoadModelConfig(model_dir));
   ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(model_dir));
   ASSIGN_OR_RETURN(const std::string source_fingerprint, RoutedExpertsFingerprint(*ckpt, cfg));
@@ -390,7 +390,7 @@ absl::StatusOr<QuantExpert> PackedExperts::Expert(int layer, int64_t e) const {
       return t;
     };
     m->format = format_;
-    m->group = format_ == ServeFormat::kInt4 ? group_ : 0;
+    m->group = format_ == WeightFormat::kInt4 ? group_ : 0;
     m->rows = rows;
     m->cols = cols;
     ASSIGN_OR_RETURN(Tensor q, tensor(base + ".q"));
@@ -404,7 +404,7 @@ absl::StatusOr<QuantExpert> PackedExperts::Expert(int layer, int64_t e) const {
     const std::vector<TensorSpec> want = MatrixSpecs(base, format_, group_, rows, cols);
     const size_t n = static_cast<size_t>(rows * cols);
     if (q.dtype() != want[0].dtype || q.shape() != want[0].shape) return shape_error(q);
-    if (format_ == ServeFormat::kBf16) {
+    if (format_ == WeightFormat::kBf16) {
       m->bf16.assign(q.data<uint16_t>(), q.data<uint16_t>() + n);
       return absl::OkStatus();
     }
@@ -412,7 +412,7 @@ absl::StatusOr<QuantExpert> PackedExperts::Expert(int layer, int64_t e) const {
     if (s.dtype() != want[1].dtype || s.shape() != want[1].shape) return shape_error(s);
     const int64_t qcols = want[0].shape[1];
     m->scale.assign(s.data<float>(), s.data<float>() + s.numel());
-    if (format_ == ServeFormat::kInt8) {
+    if (format_ == WeightFormat::kInt8) {
       m->q.assign(q.data<int8_t>(), q.data<int8_t>() + n);
     } else {
       m->q.resize(n);

@@ -1,4 +1,4 @@
-#include "expert_service/numa.h"
+#include "common/runtime/numa.h"
 
 #include <hwloc.h>
 #include <numa.h>
