@@ -13,6 +13,8 @@
 #   prefill-qwen3  8192-token prefill per routed-expert policy, qwen3-30b
 #   prefill-ds3    the same for ds-v3 truncated to 7 layers
 #   transport      bench/transport_overhead.sh (shm / UCX lanes / gRPC)
+#   grpc-ab        gRPC data plane, BASELINE's binaries against BUNDLE's,
+#                  alternately, twice (BASELINE: a bundle of the commit before)
 #   http           hmoe bench-http: HTTP vs gRPC streaming at batch 1
 #   accuracy       hmoe-bench-accuracy on the ds3_fortunes held-out text
 #   serve          bench/serve_ab.sh: hmoe bench-serve, CPU reference worker
@@ -24,7 +26,7 @@
 #   cmake -S . -B build -G Ninja -DCMAKE_CUDA_ARCHITECTURES=90 && ninja -C build
 #   ../shared/gpu-machine/bundle.sh .gpu/b.tgz build/bin/hmoe-tests build/bin/...
 set -uo pipefail
-subjects=" kernels gpu-tests decode-qwen3 decode-ds3 hot-ds3 prefill-qwen3 prefill-ds3 transport http accuracy serve "
+subjects=" kernels gpu-tests decode-qwen3 decode-ds3 hot-ds3 prefill-qwen3 prefill-ds3 transport grpc-ab http accuracy serve "
 subject=${1:-}
 [[ -n $subject && $subjects == *" $subject "* ]] || { echo "usage: $0 SUBJECT [OUT_DIR], SUBJECT one of:$subjects"; exit 2; }
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
@@ -107,6 +109,27 @@ case $subject in
       sed 's/^{/{"run": "ucx-tcp-waitspin50", /' | tee -a "$out/transport.jsonl"
     kill "$svc"
     wait "$svc" 2>/dev/null
+    ;;
+  grpc-ab)  # H100 run 20: before / after the gRPC copy removal
+    base=${BASELINE:?set BASELINE to a bundle of the binaries to compare against}
+    mkdir -p /tmp/base && tar xzf "$base" -C /tmp/base
+    ab() {  # ab DIR NAME: one null-compute shard of DIR's, driven over gRPC
+      rm -f /tmp/hmoe-t.port
+      LD_LIBRARY_PATH=$1/lib "$1/bin/hmoe-expert-service" \
+        --synthetic="hidden=7168,intermediate=8,experts=8,top_k=8,layers=1" --null-compute \
+        --max-tokens=1024 --listen=127.0.0.1:0 --port-file=/tmp/hmoe-t.port >"$out/ab-service.log" 2>&1 &
+      local svc=$!
+      wait_file /tmp/hmoe-t.port &&
+        LD_LIBRARY_PATH=$1/lib "$1/bin/hmoe-expert-bench" --targets="127.0.0.1:$(cat /tmp/hmoe-t.port)" \
+          --transport=grpc --tokens=1,128,1024 --iters=150 --warmup=20 |
+        sed "s/^{/{\"run\": \"$2\", /" | tee -a "$out/grpc_ab.jsonl"
+      kill "$svc"
+      wait "$svc" 2>/dev/null
+    }
+    for _ in 1 2; do
+      ab /tmp/base grpc-before
+      ab /tmp/b grpc-after
+    done
     ;;
   http)  # H200 run 19
     m=tests/fixtures/ds3_fortunes
