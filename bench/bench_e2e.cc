@@ -64,14 +64,14 @@
 #include "common/expert_placement.h"
 #include "common/model_config.h"
 #include "common/routing_stats.h"
+#include "common/runtime/numa.h"
+#include "common/runtime/thread_pool.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "common/transport/expert_pool.h"
 #include "common/weight_map.h"
 #include "expert_service/kernels/moe.h"
 #include "expert_service/kernels/synthetic_source.h"
-#include "expert_service/numa.h"
-#include "expert_service/thread_pool.h"
 #include "gpu_worker/hot_weights.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/server/remote_experts.h"
@@ -1073,6 +1073,7 @@ absl::Status Run(const Args& a) {
   // The probe's pool is the service's: same thread count, same pinning.
   ThreadPoolOptions tpo;
   tpo.max_threads = a.service_threads;
+  RETURN_IF_ERROR(ThreadCountsFromEnv(&tpo.max_threads, &tpo.virtual_nodes));  // as the service
   std::unique_ptr<ThreadPool> probe_pool;
   ASSIGN_OR_RETURN(probe_pool, ThreadPool::Create(tpo));
   PackOptions po;

@@ -42,13 +42,13 @@
 #include "absl/strings/str_split.h"
 #include "bench/dram_probe.h"
 #include "common/dtype.h"
+#include "common/runtime/numa.h"
+#include "common/runtime/thread_pool.h"
 #include "expert_service/kernels/gemm.h"
 #include "expert_service/kernels/isa.h"
 #include "expert_service/kernels/moe.h"
 #include "expert_service/kernels/onednn_moe.h"
 #include "expert_service/kernels/tuning.h"
-#include "expert_service/numa.h"
-#include "expert_service/thread_pool.h"
 
 namespace hmoe {
 namespace {
@@ -556,6 +556,10 @@ int Main(int argc, char** argv) {
   po.max_threads = a.threads;
   po.virtual_nodes = a.vnuma > 0 ? a.vnuma : 1;
   po.pin_caller = a.pin_caller;
+  if (const absl::Status env = ThreadCountsFromEnv(&po.max_threads, &po.virtual_nodes); !env.ok()) {
+    std::fprintf(stderr, "pool: %s\n", env.ToString().c_str());  // HMOE_THREADS, with --threads 0
+    return 1;
+  }
   auto pool_or = ThreadPool::Create(po);
   if (!pool_or.ok()) {
     std::fprintf(stderr, "pool: %s\n", pool_or.status().ToString().c_str());

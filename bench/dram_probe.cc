@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "expert_service/numa.h"
+#include "common/runtime/numa.h"
 
 namespace hmoe {
 namespace {

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "expert_service/thread_pool.h"
+#include "common/runtime/thread_pool.h"
 
 namespace hmoe {
 

@@ -6,7 +6,8 @@
 #
 # Starts hmoe-expert-service once (FORMAT, default int8; SERVICE_THREADS),
 # then for REPS rounds (default 2) each worker in turn (WORKER_THREADS,
-# TRANSPORT default shm) and `hmoe bench-serve` with CLIENTS concurrent
+# TRANSPORT default shm, WORKER_ARGS more flags, e.g. "--backend cpu") and
+# `hmoe bench-serve` with CLIENTS concurrent
 # clients, REQUESTS requests of MAX_TOKENS tokens. BIN_DIR holds hmoe and
 # hmoe-expert-service (default build/bin). A model to try it on:
 # bench/make_random_checkpoint.py /tmp/ds3-h2048-e64.
@@ -35,8 +36,9 @@ echo "bench-serve: $(nproc) CPUs, ${CLIENTS:-16} clients, ${REQUESTS:-32} reques
 for rep in $(seq "${REPS:-2}"); do
   for worker in "$@"; do
     rm -f "$tmp/w.port"
+    # shellcheck disable=SC2086  # WORKER_ARGS: several flags
     "$worker" --model "$model" --listen 127.0.0.1:0 --port-file "$tmp/w.port" \
-      ${WORKER_THREADS:+--threads $WORKER_THREADS} --experts "127.0.0.1:$(cat "$tmp/e.port")" \
+      ${WORKER_THREADS:+--threads $WORKER_THREADS} ${WORKER_ARGS:-} --experts "127.0.0.1:$(cat "$tmp/e.port")" \
       --transport "${TRANSPORT:-shm}" >"$tmp/w.log" 2>&1 &
     w=$!
     wait_port "$tmp/w.port" $w "$tmp/w.log"

@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/runtime/thread_pool.h"
 #include "common/status.h"
 #include "common/weight_map.h"
 #include "gpu_worker/cpu/cpu_backend.h"
@@ -61,9 +62,10 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,
   // With experts served elsewhere the checkpoint need not hold them.
   RETURN_IF_ERROR(CheckWeights(config, ckpt, /*routed_experts=*/experts == nullptr));
   // The CPU's parallel loops: the cpu backend's and the in-process experts'.
-  std::shared_ptr<cpu::ThreadPool> pool;
-  if (o.backend == "cpu" || (config.num_moe_layers() > 0 && experts == nullptr))
-    pool = std::make_shared<cpu::ThreadPool>(o.num_threads);
+  std::shared_ptr<ThreadPool> pool;
+  if (o.backend == "cpu" || (config.num_moe_layers() > 0 && experts == nullptr)) {
+    ASSIGN_OR_RETURN(pool, ThreadPool::Create(UnpinnedThreads(o.num_threads)));
+  }
   std::unique_ptr<RoutedExperts> owned;
   if (config.num_moe_layers() > 0 && experts == nullptr) {
     ASSIGN_OR_RETURN(auto ref, cpu::ReferenceExperts::Create(config, ckpt, pool));

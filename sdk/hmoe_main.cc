@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "common/flags.h"
-#include "expert_service/server/convert_cli.h"
+#include "expert_service/convert/convert_cli.h"
 #include "sdk/commands.h"
 #include "sdk/inspect.h"
 

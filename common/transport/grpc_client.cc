@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "common/status.h"
 #include "common/transport/grpc_auth.h"
+#include "common/transport/grpc_moe_wire.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/expert.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
@@ -173,6 +174,11 @@ void ToMoeRequest(const MoeCall& call, expert::v1::MoeRequest* req) {
 }
 
 absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, int64_t out_bytes) {
+  return MoeResponseStatus(resp, resp.out().size(), out_bytes);
+}
+
+absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, uint64_t got_bytes,
+                               int64_t out_bytes) {
   if (resp.code() < 0 || resp.code() > 16)
     return absl::UnknownError(absl::StrCat("expert service: MoeResponse.code = ", resp.code(),
                                            " is not a status code (message: ", resp.message(),
@@ -182,9 +188,9 @@ absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, int64_t out_
   if (resp.output() != pb::OUTPUT_F32)
     return absl::DataLossError(absl::StrCat("expert service: MoeResponse.output = ", resp.output(),
                                             ", asked for OUTPUT_F32"));
-  if (static_cast<int64_t>(resp.out().size()) != out_bytes)
-    return absl::DataLossError(absl::StrCat("expert service: response of ", resp.out().size(),
-                                            " bytes, expected ", out_bytes));
+  if (got_bytes != static_cast<uint64_t>(out_bytes))
+    return absl::DataLossError(
+        absl::StrCat("expert service: response of ", got_bytes, " bytes, expected ", out_bytes));
   return absl::OkStatus();
 }
 
@@ -261,7 +267,7 @@ absl::StatusOr<std::string> ControlClient::UcxConnect(const std::string& client_
 
 struct GrpcStreamClient::Stream {
   grpc::ClientContext ctx;
-  std::unique_ptr<grpc::ClientReaderWriter<pb::MoeRequest, pb::MoeResponse>> rw;
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> rw;
   std::thread reader, writer;
   bool ended = false;   // mu_: the reader has seen the stream finish
   bool verify = false;  // the writer checks the service before its first write
@@ -272,7 +278,7 @@ struct GrpcStreamClient::Outgoing {
   uint64_t id = 0;
   uint64_t bytes = 0;
   absl::Time deadline;
-  pb::MoeRequest req;
+  grpc::ByteBuffer req;  // a MoeRequest (grpc_moe_wire.h)
 };
 
 GrpcStreamClient::GrpcStreamClient(std::shared_ptr<grpc::Channel> channel, int64_t hidden,
@@ -314,8 +320,13 @@ absl::Status GrpcStreamClient::EnsureStream(std::unique_lock<std::mutex>& lock) 
     // writer thread. Uncorked, opening would wait here (under mu_) for a
     // connection to a service that accepts TCP but never answers.
     s->ctx.set_initial_metadata_corked(true);
-    auto stub = pb::ExpertData::NewStub(channel_);
-    s->rw = stub->Moe(&s->ctx);
+    // On raw byte buffers (grpc_moe_wire.h): the generated stub would copy
+    // each request twice more and each answer once more.
+    const grpc::internal::RpcMethod method(MoeMethodName(),
+                                           grpc::internal::RpcMethod::BIDI_STREAMING);
+    s->rw.reset(
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+            channel_.get(), method, &s->ctx));
     if (!s->rw) return absl::UnavailableError("expert service: cannot open the MoE stream");
     Stream* raw = s.get();
     raw->verify = check_.has_value() && check_->control != nullptr;
@@ -332,8 +343,9 @@ absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* ou
   // A protobuf message holds under 2 GiB.
   RETURN_IF_ERROR(CheckMoeCallBytes(call, (uint64_t{1} << 31) - 4096, "grpc"));
   auto o = std::make_unique<Outgoing>();
-  ToMoeRequest(call, &o->req);
-  o->bytes = o->req.ByteSizeLong();
+  o->id = next_id_.fetch_add(1);
+  o->req = EncodeMoeRequest(o->id, call);
+  o->bytes = o->req.Length();
   if (absl::Now() >= deadline) {
     return absl::DeadlineExceededError(
         "expert service (grpc): the call's deadline passed before it was sent");
@@ -353,13 +365,11 @@ absl::StatusOr<uint64_t> GrpcStreamClient::Submit(const MoeCall& call, float* ou
                        " bytes the stream has not taken) until the deadline"));
     }
   }
-  const uint64_t id = next_id_++;
+  const uint64_t id = o->id;
   Pending& p = pending_[id];
   p.out = out;
   p.elems = static_cast<int64_t>(call.tokens > 0 ? call.tokens : 0) * hidden_;
-  o->id = id;
   o->deadline = deadline;
-  o->req.set_request_id(id);
   queued_bytes_ += o->bytes;
   outbox_.push_back(std::move(o));
   writer_cv_.notify_one();
@@ -422,14 +432,30 @@ void GrpcStreamClient::WriteLoop(Stream* s) {
 }
 
 void GrpcStreamClient::ReadLoop(Stream* s) {
-  pb::MoeResponse resp;
-  while (s->rw->Read(&resp)) {
+  grpc::ByteBuffer in;
+  pb::MoeResponse head;
+  // An answer's `out` goes straight into its caller's buffer (under mu_:
+  // Wait may abandon the call meanwhile) when it is the answer expected.
+  auto sink = [&](const pb::MoeResponse& h, uint64_t bytes) -> void* {
+    auto it = pending_.find(h.request_id());
+    if (it == pending_.end() || it->second.done) return nullptr;
+    const Pending& p = it->second;
+    return MoeResponseStatus(h, bytes, p.elems * 4).ok() ? p.out : nullptr;
+  };
+  while (s->rw->Read(&in)) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = pending_.find(resp.request_id());
-    if (it == pending_.end()) continue;  // abandoned after a deadline
+    uint64_t got = 0;
+    if (absl::Status d = DecodeMoeResponse(&in, &head, &got, sink); !d.ok()) {
+      // A service that sends garbage is broken: end the stream, failing
+      // every call on it with why.
+      s->failed = std::move(d);
+      s->ctx.TryCancel();
+      break;
+    }
+    auto it = pending_.find(head.request_id());
+    if (it == pending_.end() || it->second.done) continue;  // abandoned after a deadline
     Pending& p = it->second;
-    p.status = MoeResponseStatus(resp, p.elems * 4);
-    if (p.status.ok()) std::memcpy(p.out, resp.out().data(), resp.out().size());
+    p.status = MoeResponseStatus(head, got, p.elems * 4);
     p.done = true;
     cv_.notify_all();
   }

@@ -3,6 +3,7 @@
 // stream of MoE requests with many in flight.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -39,6 +40,9 @@ absl::StatusOr<ShardInfo> FromShardDescription(const expert::v1::ShardDescriptio
 // status (an out-of-range code is UNKNOWN, named), or DATA_LOSS for another
 // output type or size.
 absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, int64_t out_bytes);
+// The same for an answer whose `out` held `got_bytes` (read apart from it).
+absl::Status MoeResponseStatus(const expert::v1::MoeResponse& resp, uint64_t got_bytes,
+                               int64_t out_bytes);
 // The call a MoE request carries, as the service checks it
 // (ValidateMoeCall): shape and byte sizes from its fields, pointers into
 // `req`'s bytes (valid while `req` is unchanged).
@@ -161,7 +165,7 @@ class GrpcStreamClient : public MoeClient {
   bool stopping_ = false;
   std::deque<std::unique_ptr<Outgoing>> outbox_;
   uint64_t queued_bytes_ = 0;
-  uint64_t next_id_ = 1;
+  std::atomic<uint64_t> next_id_{1};
   std::map<uint64_t, Pending> pending_;
 };
 

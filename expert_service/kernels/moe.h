@@ -41,12 +41,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/runtime/numa.h"
+#include "common/runtime/thread_pool.h"
 #include "common/tensor.h"
 #include "expert_service/kernels/isa.h"
 #include "expert_service/kernels/packed.h"
 #include "expert_service/kernels/tuning.h"
-#include "expert_service/numa.h"
-#include "expert_service/thread_pool.h"
 
 namespace hmoe {
 

@@ -41,7 +41,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "expert_service/numa.h"
+#include "common/runtime/numa.h"
 
 namespace hmoe {
 

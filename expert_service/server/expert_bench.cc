@@ -26,6 +26,7 @@
 #include "common/auth_token.h"
 #include "common/dtype.h"
 #include "common/flags.h"
+#include "common/runtime/thread_pool.h"
 #include "common/status.h"
 #include "common/transport/expert_pool.h"
 #include "common/transport/grpc_tls.h"
@@ -112,6 +113,10 @@ int Main(int argc, char** argv) {
       return 1;
     }
     so.format = *format;
+    if (const absl::Status env = ThreadCountsFromEnv(&so.threads, &so.virtual_nodes); !env.ok()) {
+      std::fprintf(stderr, "hmoe-expert-bench: %s\n", env.ToString().c_str());
+      return 1;
+    }
     for (int i = 0; i < so.num_shards; ++i) {
       so.shard_index = i;
       auto s = ExpertShard::Load(so);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -15,8 +16,8 @@
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "common/weight_map.h"
+#include "expert_service/convert/packed_file.h"
 #include "expert_service/kernels/synthetic_source.h"
-#include "expert_service/server/packed_file.h"
 
 namespace hmoe {
 namespace {
@@ -114,14 +115,15 @@ std::string ShardOptions::ToString() const {
                       tuned.empty() ? "" : " tuning: ", tuned);
 }
 
-absl::StatusOr<ThreadPool*> SharedThreadPool(int threads) {
+absl::StatusOr<ThreadPool*> SharedThreadPool(int threads, int virtual_nodes) {
   static std::mutex mu;
-  static auto* pools = new std::map<int, std::unique_ptr<ThreadPool>>();
+  static auto* pools = new std::map<std::pair<int, int>, std::unique_ptr<ThreadPool>>();
   std::lock_guard<std::mutex> lock(mu);
-  auto& p = (*pools)[threads];
+  auto& p = (*pools)[{threads, virtual_nodes}];
   if (!p) {
     ThreadPoolOptions o;
     o.max_threads = threads;
+    o.virtual_nodes = virtual_nodes;
     ASSIGN_OR_RETURN(p, ThreadPool::Create(o));
   }
   return p.get();
@@ -230,7 +232,7 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   shard->run_opts_.tuning = opts.tuning;
   shard->run_opts_.isa = opts.isa;
   ASSIGN_OR_RETURN(shard->isa_, EffectiveIsa(shard->run_opts_));
-  ASSIGN_OR_RETURN(shard->pool_, SharedThreadPool(opts.threads));
+  ASSIGN_OR_RETURN(shard->pool_, SharedThreadPool(opts.threads, opts.virtual_nodes));
   ThreadPool& pool = *shard->pool_;
   if (opts.check_memory) {
     // Refuse a shard that cannot fit before packing for minutes and being

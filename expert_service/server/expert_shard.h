@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/runtime/thread_pool.h"
 #include "common/transport/moe_call.h"
 #include "expert_service/kernels/moe.h"
-#include "expert_service/thread_pool.h"
 
 namespace hmoe {
 
@@ -45,10 +45,12 @@ struct ShardOptions {
   bool format_explicit = false;
   int64_t max_tokens = 256;  // capacity of one request (sizes shm slots and the workspace)
   // Compute threads: 0 = one per core the process may run on (so bind the
-  // process with --cores / --numa-node before Load); env HMOE_THREADS and
-  // HMOE_VIRTUAL_NUMA apply as in ThreadPoolOptions. Shards loaded in one
-  // process with the same count share one pool.
+  // process with --cores / --numa-node before Load); virtual_nodes as in
+  // ThreadPoolOptions (hmoe-expert-service takes both, when 0, from
+  // HMOE_THREADS / HMOE_VIRTUAL_NUMA: ThreadCountsFromEnv). Shards loaded in
+  // one process with the same counts share one pool.
   int threads = 0;
+  int virtual_nodes = 0;
   // The kernels' ISA at most (--isa, default $HMOE_ISA: read by the binary);
   // nullopt: the best this CPU has.
   std::optional<Isa> isa;
@@ -73,9 +75,10 @@ struct ShardOptions {
   std::string ToString() const;
 };
 
-// The process-wide compute pool for `threads` (0: one per allowed core),
-// created on first use and kept until exit.
-absl::StatusOr<ThreadPool*> SharedThreadPool(int threads);
+// The process-wide compute pool for `threads` (0: one per allowed core) and
+// `virtual_nodes` (0: the real NUMA nodes), created on first use and kept
+// until exit.
+absl::StatusOr<ThreadPool*> SharedThreadPool(int threads, int virtual_nodes);
 
 class ExpertShard : public MoeHandler {
  public:

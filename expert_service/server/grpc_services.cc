@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -11,6 +13,7 @@
 #include "common/dtype.h"
 #include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_client.h"
+#include "common/transport/grpc_moe_wire.h"
 #include "common/transport/grpc_status.h"
 #include "grpcpp/impl/rpc_service_method.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -116,6 +119,62 @@ class ControlService final : public pb::ExpertControl::Service {
   ServiceState* s_;
 };
 
+// The buffers a Moe stream computes its answers into, lent to gRPC as the
+// answers' `out` slices (sent without a copy) and taken back when gRPC lets
+// go of a slice, on whatever thread and perhaps after the stream has ended:
+// each lent slice holds the pool alive. Reusing buffers spares a large
+// answer the page faults of fresh memory.
+class OutBuffers : public std::enable_shared_from_this<OutBuffers> {
+ public:
+  ~OutBuffers() {
+    for (const Buffer& b : free_) std::free(b.data);
+  }
+  // A slice of `bytes` over a 64-byte aligned buffer; *data is where to write.
+  grpc::Slice Lend(size_t bytes, void** data) {
+    Buffer b;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = std::find_if(free_.begin(), free_.end(),
+                             [&](const Buffer& f) { return f.capacity >= bytes; });
+      if (it != free_.end()) {
+        b = *it;
+        free_.erase(it);
+      }
+    }
+    if (b.data == nullptr) {
+      b.capacity = std::max<size_t>((bytes + 63) / 64 * 64, 64);
+      b.data = std::aligned_alloc(64, b.capacity);
+      if (b.data == nullptr) throw std::bad_alloc();
+    }
+    *data = b.data;
+    auto* lease = new Lease{shared_from_this(), b};
+    return grpc::Slice(b.data, bytes, &OutBuffers::Return, lease);
+  }
+
+ private:
+  static constexpr size_t kKeep = 4;  // buffers kept for reuse at most
+  struct Buffer {
+    void* data = nullptr;
+    size_t capacity = 0;
+  };
+  struct Lease {
+    std::shared_ptr<OutBuffers> pool;
+    Buffer buffer;
+  };
+  static void Return(void* p) {
+    std::unique_ptr<Lease> lease(static_cast<Lease*>(p));
+    OutBuffers& pool = *lease->pool;
+    std::lock_guard<std::mutex> lock(pool.mu_);
+    if (pool.free_.size() < kKeep) {
+      pool.free_.push_back(lease->buffer);
+    } else {
+      std::free(lease->buffer.data);
+    }
+  }
+  std::mutex mu_;
+  std::vector<Buffer> free_;
+};
+
 // ExpertData/Moe on raw byte buffers, parsed here: the generated sync
 // handler's Read returns false for a message that does not parse just as
 // for the client's half-close, so such a stream ended OK and the requests
@@ -123,11 +182,10 @@ class ControlService final : public pb::ExpertControl::Service {
 // message. The method is registered under the generated service's name.
 class DataService final : public grpc::Service {
  public:
-  explicit DataService(ServiceState* s)
-      : s_(s), method_(absl::StrCat("/", pb::ExpertData::service_full_name(), "/Moe")) {
+  explicit DataService(ServiceState* s) : s_(s) {
     using Stream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
     AddMethod(new grpc::internal::RpcServiceMethod(
-        method_.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING,
+        MoeMethodName(), grpc::internal::RpcMethod::BIDI_STREAMING,
         new grpc::internal::BidiStreamingHandler<DataService, grpc::ByteBuffer, grpc::ByteBuffer>(
             [](DataService* self, grpc::ServerContext* ctx, Stream* rw) {
               return self->Moe(ctx, rw);
@@ -151,8 +209,9 @@ class DataService final : public grpc::Service {
     } while (!s_->streams.compare_exchange_weak(open, open + 1));
     pb::MoeRequest req;
     pb::MoeResponse resp;
-    std::vector<float> out;
-    grpc::ByteBuffer in, reply;
+    auto buffers = std::make_shared<OutBuffers>();
+    std::vector<float> f32;  // an answer converted to bf16 is computed here
+    grpc::ByteBuffer in;
     grpc::Status end = grpc::Status::OK;
     for (uint64_t n = 1; rw->Read(&in); ++n) {
       const size_t bytes = in.Length();
@@ -166,6 +225,7 @@ class DataService final : public grpc::Service {
       }
       resp.Clear();
       resp.set_request_id(req.request_id());
+      grpc::Slice out;  // the answer's `out`
       ExpertShard* shard = s_->shard.load();
       absl::Status st;
       uint64_t ns = 0;
@@ -178,36 +238,36 @@ class DataService final : public grpc::Service {
       } else {
         const ShardInfo& info = shard->info();
         const MoeCall call = MoeCallOf(req);
-        const int64_t t = std::clamp<int64_t>(call.tokens, 0, info.max_tokens);
-        out.resize(static_cast<size_t>(t * info.hidden));
-        st = shard->Handle(call, out.data(), &ns);
-        if (st.ok()) {
+        const size_t elems =
+            static_cast<size_t>(std::clamp<int64_t>(call.tokens, 0, info.max_tokens) * info.hidden);
+        const bool bf16 = req.output() == pb::OUTPUT_BF16;
+        void* data = nullptr;
+        float* y = nullptr;
+        if (bf16) {
+          f32.resize(elems);
+          y = f32.data();
+        } else {
+          out = buffers->Lend(elems * 4, &data);
+          y = static_cast<float*>(data);
+        }
+        st = shard->Handle(call, y, &ns);
+        if (!st.ok()) {
+          out = grpc::Slice();
+        } else {
           resp.set_tokens(call.tokens);
           resp.set_hidden(info.hidden);
           resp.set_compute_ns(ns);
-          if (req.output() == pb::OUTPUT_BF16) {
-            std::string b(out.size() * 2, '\0');
-            auto* p = reinterpret_cast<uint16_t*>(b.data());
-            for (size_t i = 0; i < out.size(); ++i) p[i] = F32ToBf16(out[i]);
-            resp.set_out(std::move(b));
-            resp.set_output(pb::OUTPUT_BF16);
-          } else {
-            resp.set_out(out.data(), out.size() * 4);
+          resp.set_output(req.output());
+          if (bf16) {
+            out = buffers->Lend(elems * 2, &data);
+            auto* p = static_cast<uint16_t*>(data);
+            for (size_t i = 0; i < elems; ++i) p[i] = F32ToBf16(f32[i]);
           }
         }
       }
       resp.set_code(static_cast<int>(st.code()));
       resp.set_message(std::string(st.message()));
-      bool own = false;
-      reply.Clear();  // Serialize wants an empty buffer
-      if (grpc::Status w =
-              grpc::SerializationTraits<pb::MoeResponse>::Serialize(resp, &reply, &own);
-          !w.ok()) {
-        end = grpc::Status(grpc::StatusCode::INTERNAL,
-                           absl::StrCat("expert service: a MoeResponse did not serialize (",
-                                        w.error_message(), ")"));
-        break;
-      }
+      const grpc::ByteBuffer reply = EncodeMoeResponse(resp, out);
       if (!rw->Write(reply)) break;
     }
     s_->streams.fetch_sub(1);
@@ -216,7 +276,6 @@ class DataService final : public grpc::Service {
 
  private:
   ServiceState* s_;
-  const std::string method_;  // "/hmoe.expert.v1.ExpertData/Moe", outlives the method
 };
 
 }  // namespace

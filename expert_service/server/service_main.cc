@@ -55,6 +55,7 @@
 #include "common/auth_token.h"
 #include "common/dtype.h"
 #include "common/flags.h"
+#include "common/runtime/numa.h"
 #include "common/status.h"
 #include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_client.h"
@@ -62,7 +63,6 @@
 #include "common/transport/shm_transport.h"
 #include "common/transport/ucx_transport.h"
 #include "expert_service/kernels/isa.h"
-#include "expert_service/numa.h"
 #include "expert_service/server/expert_shard.h"
 #include "expert_service/server/grpc_services.h"
 #include "grpcpp/grpcpp.h"
@@ -217,6 +217,7 @@ absl::Status Finish(ServiceOptions& o) {
     o.listen = absl::StrCat(o.listen.substr(0, colon + 1), port + o.port_offset);
   }
   ASSIGN_OR_RETURN(o.shard.tuning, KernelTuningFromEnv());
+  RETURN_IF_ERROR(ThreadCountsFromEnv(&o.shard.threads, &o.shard.virtual_nodes));
   RETURN_IF_ERROR(o.Validate());
   if (!o.auth_token_file.empty()) {
     ASSIGN_OR_RETURN(o.auth_tokens, AuthTokens::FromFile(o.auth_token_file));

@@ -6,7 +6,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "gpu_worker/cpu/thread_pool.h"
+#include "common/runtime/thread_pool.h"
 #include "gpu_worker/driver/backend.h"
 
 namespace hmoe::cpu {

@@ -12,8 +12,8 @@
 
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
+#include "common/runtime/thread_pool.h"
 #include "common/safetensors.h"
-#include "gpu_worker/cpu/thread_pool.h"
 #include "gpu_worker/driver/rope.h"
 
 namespace hmoe::cpu {

@@ -86,8 +86,9 @@ absl::StatusOr<std::unique_ptr<RoutedExperts>> MakeReferenceRoutedExperts(const 
                                                                           int num_threads) {
   if (num_threads <= 0)
     num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  ASSIGN_OR_RETURN(auto r, cpu::ReferenceExperts::Create(
-                               config, ckpt, std::make_shared<cpu::ThreadPool>(num_threads)));
+  ASSIGN_OR_RETURN(std::shared_ptr<ThreadPool> pool,
+                   ThreadPool::Create(UnpinnedThreads(num_threads)));
+  ASSIGN_OR_RETURN(auto r, cpu::ReferenceExperts::Create(config, ckpt, std::move(pool)));
   return std::unique_ptr<RoutedExperts>(std::move(r));
 }
 

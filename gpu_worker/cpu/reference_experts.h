@@ -5,8 +5,8 @@
 #include <memory>
 #include <vector>
 
+#include "common/runtime/thread_pool.h"
 #include "gpu_worker/cpu/ops.h"
-#include "gpu_worker/cpu/thread_pool.h"
 #include "gpu_worker/routed_experts.h"
 
 namespace hmoe::cpu {

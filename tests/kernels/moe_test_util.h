@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/runtime/thread_pool.h"
 #include "common/tensor.h"
 #include "expert_service/kernels/gemm.h"
 #include "expert_service/kernels/isa.h"
 #include "expert_service/kernels/moe.h"
-#include "expert_service/thread_pool.h"
 
 namespace hmoe::testing {
 

@@ -7,8 +7,8 @@
 
 #include "common/dtype.h"
 #include "common/model_config.h"
+#include "common/runtime/thread_pool.h"
 #include "gpu_worker/cpu/ops.h"
-#include "gpu_worker/cpu/thread_pool.h"
 #include "gpu_worker/driver/routing.h"
 #include "gtest/gtest.h"
 
@@ -23,20 +23,6 @@ std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
   return v;
 }
 
-TEST(ThreadPool, CoversEveryIndexOnceAndNestsInline) {
-  ThreadPool pool(4);
-  for (int64_t n : {1, 7, 100, 1000}) {
-    std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
-    pool.ParallelFor(n, 3, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        hits[static_cast<size_t>(i)]++;
-        pool.ParallelFor(2, 1, [](int64_t, int64_t) {});  // nested: runs inline
-      }
-    });
-    for (auto& h : hits) EXPECT_EQ(h.load(), 1);
-  }
-}
-
 void LinearCase(int64_t T, int64_t K) {
   const int64_t N = 300;
   std::vector<float> x = Random(T * K, 1), wf = Random(N * K, 2), bias = Random(N, 3);
@@ -46,13 +32,13 @@ void LinearCase(int64_t T, int64_t K) {
     wf[i] = Bf16ToF32(wb[i]);
   }
   Matrix mf{N, K, wf.data(), nullptr, nullptr}, mb{N, K, nullptr, wb.data(), nullptr};
-  ThreadPool pool(3);
+  auto pool = ThreadPool::Create(UnpinnedThreads(3)).value();
   std::vector<float> yf(T * N), yb(T * N), y1(N);
-  Linear(&pool, x.data(), T, mf, bias.data(), yf.data());
+  Linear(pool.get(), x.data(), T, mf, bias.data(), yf.data());
   Linear(nullptr, x.data(), T, mb, bias.data(), yb.data());
   EXPECT_EQ(yf, yb);
   for (int64_t t = 0; t < T; ++t) {
-    Linear(&pool, x.data() + t * K, 1, mf, bias.data(), y1.data());
+    Linear(pool.get(), x.data() + t * K, 1, mf, bias.data(), y1.data());
     for (int64_t n = 0; n < N; ++n) {
       ASSERT_EQ(y1[n], yf[t * N + n]);  // bit-identical whatever the batch
       double ref = bias[n];
@@ -76,11 +62,11 @@ TEST(Ops, LinearBf16MatchesF32AndIgnoresBatching) {
 // K with and without a tail, several T, with a bias and without.
 TEST(Ops, LinearSimdPathsEqualScalarBitForBit) {
   if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
-  ThreadPool two(2);
+  auto two = ThreadPool::Create(UnpinnedThreads(2)).value();
   // K 4100 on one thread: several L2 row chunks (~256 KiB of weights: 12-14
   // rows f32, 28-30 bf16) in one range, each with a K tail of 4.
   for (int64_t K : {1, 7, 8, 9, 16, 37, 64, 129, 2048, 4100}) {
-    ThreadPool* pool = K == 4100 ? nullptr : &two;
+    ThreadPool* pool = K == 4100 ? nullptr : two.get();
     // T and N around the blocks of 2 or 4 rows x 4 tokens.
     for (int64_t T : {1, 3, 4, 5, 8, 13}) {
       SCOPED_TRACE(::testing::Message() << "K " << K << " T " << T);
