@@ -222,12 +222,8 @@ absl::StatusOr<NumaBuffer> NumaBuffer::Allocate(size_t bytes, int node) {
     b.data_ = static_cast<uint8_t*>(p);
   }
   // Weights and activations are streamed: huge pages spare TLB walks (advice
-  // only; ignored where THP is off; HMOE_THP=0 skips it, for benchmarks).
-  static const bool thp = [] {
-    const char* e = std::getenv("HMOE_THP");
-    return e == nullptr || *e != '0';
-  }();
-  if (thp && rounded >= (size_t{4} << 20)) madvise(b.data_, rounded, MADV_HUGEPAGE);
+  // only; ignored where THP is off).
+  if (rounded >= (size_t{4} << 20)) madvise(b.data_, rounded, MADV_HUGEPAGE);
   b.size_ = rounded;
   b.node_ = node;
   return b;
