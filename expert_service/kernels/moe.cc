@@ -790,9 +790,8 @@ void MoeCall::DownTask(const Local& l, const Task& tk, const Task* tn) {
 // part q) of w[t][j] * y_q[row(t, j)], one weighted_sum of all the token's
 // rows, written once (streaming).
 void MoeCall::ReduceItem(const Local& l, int64_t it) {
-  const int64_t nch = (H_ + plan_.hchunk - 1) / plan_.hchunk;
-  const int64_t t = it / nch;
-  const int64_t c0 = (it % nch) * plan_.hchunk, c1 = std::min(H_, c0 + plan_.hchunk);
+  const int64_t t = it / plan_.hchunks;
+  const int64_t c0 = (it % plan_.hchunks) * plan_.hchunk, c1 = std::min(H_, c0 + plan_.hchunk);
   int n = 0;
   for (int j = 0; j < K_; ++j) {
     const int32_t r = plan_.slot_row[static_cast<size_t>(t * K_ + j)];

@@ -154,7 +154,8 @@ void PlanMoe(const PackedMoeLayer& layer, const MoeInput& in, const RunOptions& 
   const int64_t H = layer.hidden(), T = in.tokens, nthreads = pool.num_threads();
   plan.hchunk = std::min<int64_t>(
       H, std::max<int64_t>(256, RoundUp((H * T + 4 * nthreads - 1) / (4 * nthreads), 16)));
-  plan.red_items = T * ((H + plan.hchunk - 1) / plan.hchunk);
+  plan.hchunks = (H + plan.hchunk - 1) / plan.hchunk;
+  plan.red_items = T * plan.hchunks;
 }
 
 }  // namespace hmoe::kern

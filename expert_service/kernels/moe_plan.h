@@ -66,7 +66,9 @@ struct MoePlan {
   bool any_int8_h = false;  // some expert's down takes int8 activations (hquant)
   bool prequant = false;    // xquant runs: int8 activations per token, once
   // ---- reduce: items of hchunk output columns of one token, token-major ----
-  int64_t hchunk = 0, red_items = 0;
+  int64_t hchunk = 0;
+  int64_t hchunks = 0;    // items per token
+  int64_t red_items = 0;  // tokens x hchunks
 };
 
 // Plans one call of `in` on `layer` (in.tokens x in.top_k within what `plan`
