@@ -72,10 +72,6 @@ struct HwTiles {
   template <int C, int A, int B>
   static void DpI8();
   static void PrefetchL2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
-  static void PrefetchL1(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-  static void PrefetchNta(const void* p) {
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
-  }
 };
 #define HMOE_TILE_REG(T)                                              \
   template <>                                                         \
@@ -181,8 +177,6 @@ struct EmuTiles {
     std::memcpy(R().t[C], c, 1024);
   }
   static void PrefetchL2(const void*) {}
-  static void PrefetchL1(const void*) {}
-  static void PrefetchNta(const void*) {}
 };
 
 enum class Kind { kBf16, kInt8, kInt4Bf16 };
