@@ -6,7 +6,7 @@
 # and the issue-4 table. Results go to OUT_DIR (text files, plus bench.json).
 #
 #   bench/amx_check.sh [BIN_DIR] [OUT_DIR]
-#   TUNE="D:;E:HMOE_AMX_EDGE=1" REPS=3 bench/amx_check.sh /tmp/b/bin "$OUT"
+#   TUNE="D:;T0:HMOE_AMX_TAIL16=0" REPS=3 bench/amx_check.sh /tmp/b/bin "$OUT"
 #   MICRO=0 ROWS=0 PROBE=0 TABLE=0 ...: without the micro-probe / its --rows
 #   case / the kernel probe / the table
 #
@@ -20,8 +20,9 @@ set -uo pipefail
 bin=${1:-build/bin}
 out=${2:-.}
 reps=${REPS:-3}
-# The open questions of run 6 (bench/results/README.md): kc 512 and kc 512 + edge.
-tune=${TUNE:-"D:;K5:HMOE_AMX_KC_BYTES=512;K5E:HMOE_AMX_KC_BYTES=512,HMOE_AMX_EDGE=1"}
+# The open question of run 6 (bench/results/README.md): kc 512 (its other
+# one, kc 512 + edge, went with the edge knob).
+tune=${TUNE:-"D:;K5:HMOE_AMX_KC_BYTES=512"}
 micro=${MICRO:-1}
 rows=${ROWS:-1}
 probe=${PROBE:-1}

@@ -302,7 +302,7 @@ void Ld4(const Ops& o) {
 // Top with the C block reloaded every kKc steps, as in the real kernel's K
 // chunks: C stored to and loaded back from a 4 KiB buffer (L1). kEdge: the
 // stores and reloads interleaved register by register with the first step's
-// loads and products (kernels_amx.cc HMOE_AMX_EDGE).
+// loads and products (the kernel's former HMOE_AMX_EDGE, removed: a tie).
 template <int64_t kKc, bool kEdge>
 void Blk(const Ops& o) {
   alignas(64) static thread_local float cbuf[4][256];
@@ -357,7 +357,7 @@ uint8_t* FarRegion() {
 // Top<true> with the C block stored and reloaded every kKc steps as the kernel
 // does at K-chunk boundaries. kLay: 0 C rows strided (1 KiB apart, a
 // 16-panel task's C) in a 256 KiB ring (L2); 1 contiguous tiles in one 4 KiB
-// buffer (L1); 2 contiguous tiles in the ring (HMOE_AMX_CTMP's layout). kPf
+// buffer (L1); 2 contiguous tiles in the ring (the removed HMOE_AMX_CTMP's). kPf
 // software prefetches (T1) per step of lines from FarRegion(): the
 // fill-buffer pressure of prefetching the next chunk. kPfC: the next block's
 // 64 C lines prefetched into L1 (T0) over the block's steps.

@@ -311,8 +311,9 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
       const PackedGeom g =
           MakeGeom(i8 ? WeightFormat::kInt8 : WeightFormat::kBf16, 0, panels * 16, sh.K);
       const int64_t lda = g.kp * (i8 ? 1 : 2);
-      // Scratch as in RunMoe: at least the kernels' minimum, and room for
-      // HMOE_AMX_CTMP's partial-C tiles (1 KiB per 16 rows x 1 panel).
+      // Scratch: at least the kernels' minimum, and 1 KiB per 16 rows x 1
+      // panel (room the removed contiguous partial-C tiles took; kept so
+      // probe rows compare with earlier runs).
       const int64_t scratch_bytes =
           std::max<int64_t>(kern::kGemmScratchBytes, int64_t{(rows + 31) / 32 * 32} * panels * 64);
       std::vector<NumaBuffer> w(static_cast<size_t>(nt * sh.copies)), A(nt), C(nt), S(nt);

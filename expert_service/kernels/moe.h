@@ -192,9 +192,10 @@ struct RunOptions {
 
 // RunMoe's per-phase wall time (worker 0's view, seconds) summed over calls
 // with MoeTuning::profile set, in phase order (route, wake, gather, gate_up,
-// hquant, down, reduce, join). Pipelined, "gather" is the activation
-// quantization alone and "gate_up" the whole gather..down stage (hquant and
-// down read 0).
+// hquant, down, reduce, join). "gather" is the activation quantization
+// (xquant) alone and "gate_up" the whole gather..down stage; hquant and down
+// read 0 (phases of the earlier barrier-per-step mode, kept so profiles line
+// up with recorded runs).
 struct MoePhaseProfile {
   static constexpr int kPhases = 8;
   static const char* Name(int phase);

@@ -6,6 +6,10 @@
 // Callers carry a KernelTuning in RunOptions; nothing in the kernels reads
 // the environment. Benchmarks and operators set knobs through HMOE_AMX_*,
 // HMOE_FEW_*, HMOE_MOE_* and HMOE_PROFILE, read once by KernelTuningFromEnv.
+// Knobs whose other settings lost or tied their measurements were removed
+// with their code paths (AMX edge overlap, contiguous partial C, int8
+// one-pass epilogue, A prefetches; RunMoe's phased stages, overlapped
+// reduce, direct y): bench/results/README.md keeps the numbers.
 #pragma once
 
 #include <cstdint>
@@ -25,18 +29,10 @@ struct AmxTuning {
   // of two) or 0 = per format (1024 for bf16 / int8 and staged int4: a row
   // pair's A chunk is 32 KiB and stays in L1; 2048 for unstaged int4).
   int64_t kc_bytes = 0;
-  // HMOE_AMX_PREFETCH: prefetch into L2 what comes next (order 0: the next
-  // panel pair's B chunk; order 1: the next K chunk's B and, for tile-layout
-  // A, the next row pair's A chunk).
+  // HMOE_AMX_PREFETCH: prefetch into L2 the B lines that come next (order 0:
+  // the next panel pair's chunk; order 1: the next K chunk of the task's
+  // panels; staged int4: its int4 lines and scales).
   bool prefetch = true;
-  // HMOE_AMX_PF_MASK = 1..3: (order 1, prefetch on) 1 the B lines (staged
-  // int4: the int4 lines and scales), 2 the A lines, 3 both. Every software
-  // prefetch holds one of the core's L1 fill buffers, the same buffers the
-  // tile loads from L2 need.
-  int pf_mask = 1;
-  // HMOE_AMX_PF_A = 0..2: prefetch A tiles a few steps ahead into L1: no, as
-  // T0, as NTA.
-  int pf_a = 0;
   // HMOE_AMX_ORDER = 0 | 1: inside a K chunk, panel pairs outer (0) or row
   // pairs outer (1).
   int order = 1;
@@ -52,15 +48,6 @@ struct AmxTuning {
   // order 0: A) with tileloaddt1 so it does not evict the other (bf16, int8
   // and staged int4; unstaged int4 never streams).
   bool stream = true;
-  // HMOE_AMX_CTMP: (order 1) keep partial C between K chunks in the scratch
-  // as contiguous tiles instead of strided rows of c.
-  bool ctmp = false;
-  // HMOE_AMX_I8_EPI: (int8) scale C to f32 per block right after its last K
-  // chunk (1, from L1) or in one pass after the GEMM (0).
-  bool i8_block_epi = true;
-  // HMOE_AMX_EDGE: overlap a block's C stores with the next block's first k
-  // step.
-  bool edge = false;
   // HMOE_AMX_TAIL16: a last row pair whose second 16-row block is only
   // padding (rows >= m) runs as one row block (1x2 C tiles), so rows are
   // padded to 16, not 32 (0: the padding block is computed too).
@@ -90,20 +77,11 @@ struct MoeTuning {
   // HMOE_MOE_TASK_PANELS: panels (16 columns each) per gate_up / down task
   // at most; even, 2..kMaxTaskPanels.
   int64_t task_panels = 16;
-  // HMOE_MOE_DIRECT_Y: down tasks of "many" experts store C straight into y
-  // instead of the worker's buffer plus a streaming copy.
-  bool direct_y = false;
   // HMOE_MOE_LOOKAHEAD: workers claim one task ahead so the kernel
   // prefetches its first K chunk.
   bool lookahead = true;
-  // HMOE_MOE_PIPELINE: gather, gate_up, hquant and down as one
-  // dependency-driven stage (1) or with a barrier after each (0).
-  bool pipeline = true;
   // HMOE_MOE_GATHER_STREAM: write gathered activations with streaming stores.
   bool gather_stream = true;
-  // HMOE_MOE_OVERLAP_REDUCE: overlap the reduce with the down tasks (column
-  // waves) from 64 tokens.
-  bool overlap_reduce = false;
   // HMOE_PROFILE: accumulate per-phase wall time in the workspace
   // (MoeWorkspace::TakeProfile).
   bool profile = false;

@@ -475,10 +475,9 @@ INSTANTIATE_TEST_SUITE_P(All, AmxEmulationTest,
                                                std::get<1>(p.param), "_S", std::get<2>(p.param));
                          });
 
-// The tuning knobs (tuning.h) change loop orders, K-chunk sizes, where
-// partial C lives, how a block's C stores overlap the next block and where
-// down writes its rows: every setting must give the same numerics. Settings
-// are spelled as the environment variables the benchmark reads.
+// The tuning knobs (tuning.h) change loop orders, K-chunk sizes, task
+// sizes, prefetch and streaming: every setting must give the same numerics.
+// Settings are spelled as the environment variables the benchmark reads.
 using TuningSetting = std::vector<std::pair<std::string, std::string>>;
 KernelTuning TuningOf(const TuningSetting& setting) {
   auto t = KernelTuningFromEnv([&](const char* name) -> const char* {
@@ -495,39 +494,32 @@ KernelTuning TuningOf(const TuningSetting& setting) {
 // setting (each with its own ctest time limit; CI also runs them under ASan).
 const std::vector<TuningSetting>& TuningSettings() {
   static const std::vector<TuningSetting> settings = {
-      {{"HMOE_AMX_EDGE", "1"}},
-      {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "512"}},
-      {{"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_CTMP", "1"}, {"HMOE_AMX_KC_BYTES", "512"}},
+      {{"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "512"}},
+      {{"HMOE_AMX_KC_BYTES", "512"}},
       {{"HMOE_AMX_PREFETCH", "0"}, {"HMOE_AMX_STREAM", "0"}, {"HMOE_AMX_KC_BYTES", "4096"}},
       {{"HMOE_MOE_TASK_PANELS", "32"}, {"HMOE_AMX_KC_BYTES", "512"}},
-      {{"HMOE_AMX_KC_BYTES", "256"}, {"HMOE_AMX_EDGE", "1"}},
-      {{"HMOE_MOE_DIRECT_Y", "1"}},
-      {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "4"}},
-      {{"HMOE_MOE_DIRECT_Y", "1"}, {"HMOE_MOE_TASK_PANELS", "32"}},
-      {{"HMOE_MOE_LOOKAHEAD", "0"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
-      {{"HMOE_MOE_PIPELINE", "0"}},
-      {{"HMOE_MOE_PIPELINE", "0"}, {"HMOE_MOE_LOOKAHEAD", "0"}},
-      // Session 7's defaults, and the other prefetch selections.
-      {{"HMOE_AMX_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}, {"HMOE_AMX_KC_BYTES", "2048"}},
-      {{"HMOE_AMX_PF_MASK", "2"}, {"HMOE_AMX_KC_BYTES", "512"}},
-      {{"HMOE_MOE_GATHER_STREAM", "0"}, {"HMOE_AMX_PF_MASK", "3"}},
+      {{"HMOE_AMX_KC_BYTES", "256"}},
+      {{"HMOE_MOE_TASK_PANELS", "4"}},
+      {{"HMOE_MOE_TASK_PANELS", "32"}},
+      {{"HMOE_MOE_LOOKAHEAD", "0"}, {"HMOE_MOE_TASK_PANELS", "2"}},
+      // Session 7's loads and K chunks.
+      {{"HMOE_AMX_STREAM", "0"}, {"HMOE_AMX_KC_BYTES", "2048"}},
+      {{"HMOE_MOE_GATHER_STREAM", "0"}},
       {{"HMOE_FEW_PF_I4", "0"}, {"HMOE_FEW_PF_I8", "4096"}, {"HMOE_FEW_PF_BF16", "0"}},
-      // int8 scaling in one pass after the GEMM (session 8's way), both orders.
-      {{"HMOE_AMX_I8_EPI", "0"}},
-      {{"HMOE_AMX_I8_EPI", "0"}, {"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "256"}},
+      // Order 0 for every call, with 256-byte K chunks and with 4-panel tasks.
+      {{"HMOE_AMX_ORDER", "0"}, {"HMOE_AMX_KC_BYTES", "256"}},
       {{"HMOE_AMX_ORDER", "0"}, {"HMOE_MOE_TASK_PANELS", "4"}},
-      // The reduce overlapped with the down waves; with two-panel tasks.
-      {{"HMOE_MOE_OVERLAP_REDUCE", "1"}},
-      {{"HMOE_MOE_OVERLAP_REDUCE", "1"}, {"HMOE_MOE_TASK_PANELS", "2"}},
+      // Two-panel tasks.
+      {{"HMOE_MOE_TASK_PANELS", "2"}},
       // Tasks claimed one at a time (no look-ahead).
       {{"HMOE_MOE_LOOKAHEAD", "0"}},
-      // Padding row blocks computed (before tail16); with edge and order 0.
+      // Padding row blocks computed (before tail16); with order 0.
       {{"HMOE_AMX_TAIL16", "0"}},
-      {{"HMOE_AMX_TAIL16", "0"}, {"HMOE_AMX_EDGE", "1"}, {"HMOE_AMX_ORDER", "0"}},
+      {{"HMOE_AMX_TAIL16", "0"}, {"HMOE_AMX_ORDER", "0"}},
       // Order 1 for every call size, and order 0 for every call of <= 512
       // rows (the defaults switch at 32 rows).
       {{"HMOE_AMX_ORDER0_ROWS", "0"}},
-      {{"HMOE_AMX_ORDER0_ROWS", "512"}, {"HMOE_AMX_EDGE", "1"}},
+      {{"HMOE_AMX_ORDER0_ROWS", "512"}},
       // int4 unstaged (order 0, 2 KiB chunks); staged with 128-k chunks (the
       // next chunk dequantized between k steps) and tasks of up to 32 panels.
       {{"HMOE_AMX_I4_STAGE", "0"}},
@@ -539,20 +531,13 @@ const std::vector<TuningSetting>& TuningSettings() {
 // One tuning setting against the reference on the "many" kernels `ro`
 // selects: calls of 7-28 rows (one row pair: the small-call loop order, a
 // lone 16-row block), 45-509 rows (row pairs outer, tails of 1-16 rows), K
-// across chunks; with direct_y, shapes whose H is whole panels.
+// across chunks.
 void CheckTuningSetting(RunOptions ro) {
   CheckAgainstReference({WeightFormat::kInt8, 0}, 17, 0, ro);
   CheckAgainstReference({WeightFormat::kBf16, 0}, 17, 0, ro);
-  if (!ro.tuning.moe.direct_y) {
-    CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
-    CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
-    CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
-    return;
-  }
-  CheckAgainstReference({WeightFormat::kBf16, 0}, 48, 3, ro);
-  CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
-  CheckAgainstReference({WeightFormat::kInt4, 64}, 48, 3, ro);
-  CheckAgainstReference({WeightFormat::kInt8, 0}, 800, 3, ro);  // two row chunks per expert
+  CheckAgainstReference({WeightFormat::kBf16, 0}, 200, 2, ro);
+  CheckAgainstReference({WeightFormat::kInt8, 0}, 300, 1, ro);
+  CheckAgainstReference({WeightFormat::kInt4, 64}, 300, 0, ro);
 }
 
 class AmxEmulationTuningTest : public ::testing::TestWithParam<size_t> {};
@@ -570,13 +555,9 @@ TEST_P(AmxEmulationTuningTest, MatchesReference) {
   ro.isa = Isa::kAvx512;
   ro.emulate_amx = true;
   CheckTuningSetting(ro);
-  if (ro.tuning.moe.direct_y) {
-    ro.emulate_amx = false;  // AVX-512 "many" kernels
-    CheckAgainstReference({WeightFormat::kInt8, 0}, 48, 3, ro);
-  }
 }
 
-// Test names: the setting spelled out, e.g. AMX_EDGE_1__AMX_ORDER_0.
+// Test names: the setting spelled out, e.g. AMX_ORDER_0__AMX_KC_BYTES_512.
 std::string TuningSettingName(const ::testing::TestParamInfo<size_t>& info) {
   std::string name;
   for (const auto& [k, v] : TuningSettings()[info.param]) {
@@ -870,38 +851,11 @@ TEST(MoeNumaTest, VirtualNodesMatchOneNode) {
   }
 }
 
-// The benchmark knobs that change where down writes (direct y), how tasks are
-// claimed (lookahead) and how C tiles drain (edge), with the intermediate dim
-// split over two virtual nodes: same result as one node. Hidden 208 (a
-// multiple of 16) so direct y applies.
-TEST(MoeNumaTest, TuningKnobsOnVirtualNodesMatchOneNode) {
-  if (DetectedIsa() < Isa::kAvx512)
-    GTEST_SKIP() << "the AMX model's epilogues need AVX-512; this CPU has "
-                 << IsaName(DetectedIsa());
-  auto pool2 = TwoNodePool();
-  ASSERT_NE(pool2, nullptr);
-  auto src = RandomSource(208, 300, 5, 37);
-  for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0}}) {
-    auto [L1, L2] = PackOneAndTwoNodes(src, fc, *pool2);
-    ASSERT_EQ(L2.parts().size(), 2u);
-    RunOptions ro;
-    ro.isa = Isa::kAvx512;
-    ro.emulate_amx = true;
-    ro.tuning.moe.direct_y = true;
-    ro.tuning.moe.lookahead = true;
-    ro.tuning.amx.edge = true;
-    auto b = RandomBatch(40, 3, 208, 5, 77);
-    auto a1 = RunLayer(L1, b, SharedPool(), ro);
-    auto a2 = RunLayer(L2, b, *pool2, ro);
-    EXPECT_LE(RelErr(a2, a1), 1e-5) << FmtName(fc);
-  }
-}
-
-// The pipelined stage (default) and the phased one (HMOE_MOE_PIPELINE=0) do
-// the same arithmetic on every item, only in another order: bit-identical
-// outputs, on one node and on two virtual nodes (where an expert's hquant
-// waits for both parts' gate_up), call after call on one workspace.
-TEST(MoePipelineTest, SameBitsAsPhased) {
+// The stage runs its items in whatever order the workers reach them, but
+// every item does the same arithmetic: bit-identical outputs call after call
+// on one workspace, as on a fresh one, on one node and on two virtual nodes
+// (where an expert's hquant waits for both parts' gate_up).
+TEST(MoePipelineTest, SameBitsCallAfterCall) {
   auto pool2 = TwoNodePool();
   ASSERT_NE(pool2, nullptr);
   auto src = RandomSource(200, 300, 7, 41);
@@ -921,15 +875,13 @@ TEST(MoePipelineTest, SameBitsAsPhased) {
                              /*empty_expert=*/6);
         for (auto [L, pool] : {std::pair<const PackedMoeLayer*, ThreadPool*>{&L1, &SharedPool()},
                                std::pair<const PackedMoeLayer*, ThreadPool*>{&L2, pool2.get()}}) {
-          RunOptions phased_ro = ro;
-          phased_ro.tuning.moe.pipeline = false;
-          const std::vector<float> phased = RunLayer(*L, b, *pool, phased_ro);
+          const std::vector<float> fresh = RunLayer(*L, b, *pool, ro);
           auto ws = MoeWorkspace::Create(*L, T, 3, *pool);
           ASSERT_TRUE(ws.ok()) << ws.status();
           for (int call = 0; call < 4; ++call) {
-            std::vector<float> out(phased.size(), -1.0f);
+            std::vector<float> out(fresh.size(), -1.0f);
             ASSERT_TRUE(RunMoe(*L, b.input(), out.data(), *pool, **ws, ro).ok());
-            ASSERT_EQ(out, phased) << "call " << call << ", " << L->parts().size() << " part(s)";
+            ASSERT_EQ(out, fresh) << "call " << call << ", " << L->parts().size() << " part(s)";
           }
         }
       }
@@ -940,7 +892,7 @@ TEST(MoePipelineTest, SameBitsAsPhased) {
 // CI), one and two virtual nodes, many experts with small tasks, so workers
 // race through the per-expert counters; the CPU's own "many" kernels (AMX
 // where present).
-TEST(MoePipelineTest, SameBitsAsPhasedOnAllCores) {
+TEST(MoePipelineTest, SameBitsCallAfterCallOnAllCores) {
   auto src = RandomSource(208, 320, 32, 43);
   for (int nodes : {1, 2}) {
     ThreadPoolOptions po;
@@ -954,29 +906,21 @@ TEST(MoePipelineTest, SameBitsAsPhasedOnAllCores) {
       ASSERT_TRUE(L.ok()) << L.status();
       // Two batches, alternated: what a call leaves in the workspace (y, h,
       // gathered rows) is wrong for the next, so a read that runs ahead of
-      // its writer shows. Default stages, then the reduce overlapped with
-      // the down waves (HMOE_MOE_OVERLAP_REDUCE=1, T=400 >= 64).
+      // its writer shows.
       const Batch batches[2] = {
           RandomBatch(400, 4, 208, 32, 123, /*repeats=*/true, /*empty_expert=*/31),
           RandomBatch(400, 4, 208, 32, 321, /*repeats=*/true, /*empty_expert=*/30)};
-      RunOptions phased_ro;
-      phased_ro.tuning.moe.pipeline = false;
-      std::vector<float> phased[2];
-      for (int i = 0; i < 2; ++i) phased[i] = RunLayer(*L, batches[i], **pool, phased_ro);
-      ASSERT_NE(phased[0], phased[1]);
+      std::vector<float> fresh[2];
+      for (int i = 0; i < 2; ++i) fresh[i] = RunLayer(*L, batches[i], **pool, {});
+      ASSERT_NE(fresh[0], fresh[1]);
       auto ws = MoeWorkspace::Create(*L, 400, 4, **pool);
       ASSERT_TRUE(ws.ok()) << ws.status();
-      for (const bool overlap : {false, true}) {
-        RunOptions ro;
-        ro.tuning.moe.overlap_reduce = overlap;
-        for (int call = 0; call < 8; ++call) {
-          const int i = call % 2;
-          std::vector<float> out(phased[i].size(), -1.0f);
-          ASSERT_TRUE(RunMoe(*L, batches[i].input(), out.data(), **pool, **ws, ro).ok());
-          ASSERT_EQ(out, phased[i])
-              << FmtName(fc) << ", " << (*pool)->num_threads() << " workers, " << nodes
-              << " node(s), overlapped reduce " << overlap << ", call " << call;
-        }
+      for (int call = 0; call < 8; ++call) {
+        const int i = call % 2;
+        std::vector<float> out(fresh[i].size(), -1.0f);
+        ASSERT_TRUE(RunMoe(*L, batches[i].input(), out.data(), **pool, **ws, {}).ok());
+        ASSERT_EQ(out, fresh[i]) << FmtName(fc) << ", " << (*pool)->num_threads() << " workers, "
+                                 << nodes << " node(s), call " << call;
       }
     }
   }

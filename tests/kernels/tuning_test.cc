@@ -41,17 +41,11 @@ TEST(KernelTuningTest, EveryVariableReachesItsField) {
   // One non-default valid value per variable; each must show in the string
   // (so it was stored) and change exactly one setting.
   const Env values = {
-      {"HMOE_AMX_KC_BYTES", "512"},    {"HMOE_AMX_PREFETCH", "0"},
-      {"HMOE_AMX_PF_MASK", "3"},       {"HMOE_AMX_PF_A", "2"},
-      {"HMOE_AMX_ORDER", "0"},         {"HMOE_AMX_STREAM", "0"},
-      {"HMOE_AMX_CTMP", "1"},          {"HMOE_AMX_I8_EPI", "0"},
-      {"HMOE_AMX_EDGE", "1"},          {"HMOE_AMX_TAIL16", "0"},
-      {"HMOE_AMX_ORDER0_ROWS", "0"},   {"HMOE_FEW_PF_I4", "0"},
-      {"HMOE_FEW_PF_I8", "4096"},      {"HMOE_FEW_PF_BF16", "64"},
-      {"HMOE_MOE_TASK_PANELS", "4"},   {"HMOE_MOE_DIRECT_Y", "1"},
-      {"HMOE_MOE_LOOKAHEAD", "0"},     {"HMOE_MOE_PIPELINE", "0"},
-      {"HMOE_MOE_GATHER_STREAM", "0"}, {"HMOE_MOE_OVERLAP_REDUCE", "1"},
-      {"HMOE_PROFILE", "1"},           {"HMOE_AMX_I4_STAGE", "0"},
+      {"HMOE_AMX_KC_BYTES", "512"},    {"HMOE_AMX_PREFETCH", "0"},    {"HMOE_AMX_ORDER", "0"},
+      {"HMOE_AMX_STREAM", "0"},        {"HMOE_AMX_TAIL16", "0"},      {"HMOE_AMX_ORDER0_ROWS", "0"},
+      {"HMOE_AMX_I4_STAGE", "0"},      {"HMOE_FEW_PF_I4", "0"},       {"HMOE_FEW_PF_I8", "4096"},
+      {"HMOE_FEW_PF_BF16", "64"},      {"HMOE_MOE_TASK_PANELS", "4"}, {"HMOE_MOE_LOOKAHEAD", "0"},
+      {"HMOE_MOE_GATHER_STREAM", "0"}, {"HMOE_PROFILE", "1"},
   };
   ASSERT_EQ(values.size(), KernelTuningVariables().size()) << "a variable without a case here";
   for (const std::string& name : KernelTuningVariables()) {
@@ -64,13 +58,8 @@ TEST(KernelTuningTest, EveryVariableReachesItsField) {
   ASSERT_TRUE(all.ok()) << all.status();
   EXPECT_EQ(all->amx.kc_bytes, 512);
   EXPECT_FALSE(all->amx.prefetch);
-  EXPECT_EQ(all->amx.pf_mask, 3);
-  EXPECT_EQ(all->amx.pf_a, 2);
   EXPECT_EQ(all->amx.order, 0);
   EXPECT_FALSE(all->amx.stream);
-  EXPECT_TRUE(all->amx.ctmp);
-  EXPECT_FALSE(all->amx.i8_block_epi);
-  EXPECT_TRUE(all->amx.edge);
   EXPECT_FALSE(all->amx.tail16);
   EXPECT_EQ(all->amx.order0_rows, 0);
   EXPECT_FALSE(all->amx.i4_stage);
@@ -78,11 +67,8 @@ TEST(KernelTuningTest, EveryVariableReachesItsField) {
   EXPECT_EQ(all->few.pf_i8, 4096);
   EXPECT_EQ(all->few.pf_bf16, 64);
   EXPECT_EQ(all->moe.task_panels, 4);
-  EXPECT_TRUE(all->moe.direct_y);
   EXPECT_FALSE(all->moe.lookahead);
-  EXPECT_FALSE(all->moe.pipeline);
   EXPECT_FALSE(all->moe.gather_stream);
-  EXPECT_TRUE(all->moe.overlap_reduce);
   EXPECT_TRUE(all->moe.profile);
   EXPECT_TRUE(ValidateKernelTuning(*all).ok());
 }
@@ -99,9 +85,7 @@ TEST(KernelTuningTest, BadValuesNameTheVariable) {
       {"HMOE_AMX_KC_BYTES", "8192", "power of two"},
       {"HMOE_AMX_STREAM", "2", "0 or 1"},
       {"HMOE_AMX_STREAM", "yes", "0 or 1"},
-      {"HMOE_AMX_EDGE", "", "0 or 1"},
-      {"HMOE_AMX_PF_MASK", "0", "from 1 to 3"},
-      {"HMOE_AMX_PF_A", "-1", "from 0 to 2"},
+      {"HMOE_AMX_TAIL16", "", "0 or 1"},
       {"HMOE_AMX_ORDER0_ROWS", "513", "from 0 to 512"},
       {"HMOE_FEW_PF_I8", "70000", "from 0 to 65536"},
       {"HMOE_FEW_PF_BF16", "12x", "from 0 to 65536"},
@@ -131,7 +115,7 @@ TEST(KernelTuningTest, ValidateNamesTheField) {
   s = ValidateKernelTuning(t);
   EXPECT_NE(s.message().find("HMOE_AMX_KC_BYTES is 100"), absl::string_view::npos) << s;
   t = KernelTuning();
-  t.amx.pf_mask = 0;
+  t.amx.order0_rows = -1;
   EXPECT_FALSE(ValidateKernelTuning(t).ok());
   t = KernelTuning();
   t.few.pf_bf16 = -64;
