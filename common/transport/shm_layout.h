@@ -138,6 +138,7 @@ absl::Status CheckSlotRequest(const SlotRequest& r, const SlotGeometry& g, const
 // ---- shared by both ends' code (not part of the layout) ----
 namespace shm {
 
+// `x` rounded up to a multiple of `a`.
 uint64_t Align(uint64_t x, uint64_t a);
 // Steady-clock ns (heartbeats).
 uint64_t NowNs();
@@ -146,6 +147,7 @@ void FutexWait(std::atomic<uint32_t>* addr, uint32_t expected, int64_t timeout_n
 void FutexWake(std::atomic<uint32_t>* addr);
 // Random, never 0 (an unset header field).
 uint64_t RandomOdd64();
+// A pidfd of `pid`, or -1 with errno set (ESRCH: no such process).
 int PidfdOpen(int32_t pid);
 // True if the process behind `pidfd` (or, without one, `pid`) has exited.
 bool PeerExited(int pidfd, int32_t pid);
