@@ -68,13 +68,13 @@
 #include "common/runtime/thread_pool.h"
 #include "common/safetensors.h"
 #include "common/status.h"
-#include "common/transport/expert_pool.h"
 #include "common/weight_map.h"
 #include "expert_service/kernels/moe.h"
 #include "expert_service/kernels/synthetic_source.h"
 #include "gpu_worker/hot_weights.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/server/remote_experts.h"
+#include "gpu_worker/transport/expert_pool.h"
 
 namespace hmoe {
 namespace {

@@ -32,8 +32,8 @@
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
-#include "common/transport/expert_slots.h"
 #include "common/transport/moe_call.h"
+#include "gpu_worker/transport/expert_slots.h"
 
 namespace hmoe {
 
@@ -64,7 +64,7 @@ class RoutedExperts {
   virtual absl::StatusOr<uint64_t> Submit(const ExpertBatch& batch, float* out);
   virtual absl::Status Wait(uint64_t ticket);
 
-  // Fixed expert-call slots (common/transport/expert_slots.h) reaching these
+  // Fixed expert-call slots (gpu_worker/transport/expert_slots.h) reaching these
   // experts, for passes a backend runs from the GPU (one CUDA Graph per
   // step). The default: in-process slots in host memory whose calls are
   // this object's Submit / Wait (the bf16 hidden rows widened to f32).

@@ -28,10 +28,11 @@
 #include "common/flags.h"
 #include "common/runtime/thread_pool.h"
 #include "common/status.h"
-#include "common/transport/expert_pool.h"
+#include "common/transport/fragments.h"
 #include "common/transport/grpc_tls.h"
-#include "common/transport/shm_transport.h"
 #include "expert_service/server/expert_shard.h"
+#include "gpu_worker/transport/expert_pool.h"
+#include "gpu_worker/transport/shm_client.h"
 
 namespace hmoe {
 namespace {

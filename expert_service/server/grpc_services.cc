@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/transport/grpc_auth.h"
-#include "common/transport/grpc_client.h"
+#include "common/transport/grpc_messages.h"
 #include "common/transport/grpc_moe_wire.h"
 #include "common/transport/grpc_status.h"
 #include "grpcpp/impl/rpc_service_method.h"

@@ -14,9 +14,9 @@
 #include <string>
 
 #include "common/auth_token.h"
-#include "common/transport/shm_transport.h"
-#include "common/transport/ucx_transport.h"
 #include "expert_service/server/expert_shard.h"
+#include "expert_service/transport/shm_server.h"
+#include "expert_service/transport/ucx_server.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/expert.pb.h"
 

@@ -20,7 +20,7 @@
 //
 // Device-side expert calls. A backend that took the routed experts
 // (AttachExperts returned true) may run a pass's expert calls itself through
-// fixed slots (common/transport/expert_slots.h): when pass_uses_slots()
+// fixed slots (gpu_worker/transport/expert_slots.h): when pass_uses_slots()
 // after Begin, a MoE layer is
 //     RouteToSlots(l, gate, n)   router, Deferral's split, both parts submitted
 //     StartSharedExperts(l)

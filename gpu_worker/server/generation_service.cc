@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/transport/grpc_auth.h"
-#include "common/transport/grpc_client.h"
+#include "common/transport/grpc_status.h"
 #include "common/weight_map.h"
 
 namespace hmoe {

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "common/transport/expert_pool.h"
 #include "gpu_worker/routed_experts.h"
+#include "gpu_worker/transport/expert_pool.h"
 
 namespace hmoe {
 

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "common/transport/grpc_client.h"
+#include "common/transport/grpc_messages.h"
 #include "common/transport/moe_call.h"
-#include "common/transport/shm_transport.h"
+#include "common/transport/shm_layout.h"
 #include "proto/expert.pb.h"
 #include "tests/fuzz/fuzz_util.h"
 

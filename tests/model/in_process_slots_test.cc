@@ -1,5 +1,5 @@
 // RoutedExperts::MakeSlots, the in-process adapter of the fixed expert-call
-// slots (common/transport/expert_slots.h), over a fixture's reference
+// slots (gpu_worker/transport/expert_slots.h), over a fixture's reference
 // experts: each slot's answer is Forward's on the same (bf16) rows; misuse
 // is reported by TakeStatus, never acted on; the one region is released
 // once, at destruction.

@@ -9,9 +9,9 @@
 #include <thread>
 #include <vector>
 
-#include "common/transport/expert_pool.h"
-#include "common/transport/grpc_client.h"
 #include "gmock/gmock.h"
+#include "gpu_worker/transport/expert_pool.h"
+#include "gpu_worker/transport/grpc_client.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"

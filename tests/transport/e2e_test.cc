@@ -20,12 +20,15 @@
 #include <string>
 #include <thread>
 
-#include "common/transport/expert_pool.h"
-#include "common/transport/grpc_client.h"
-#include "common/transport/shm_transport.h"
-#include "common/transport/ucx_transport.h"
+#include "common/transport/grpc_messages.h"
 #include "expert_service/server/expert_shard.h"
+#include "expert_service/transport/shm_server.h"
+#include "expert_service/transport/ucx_server.h"
 #include "gmock/gmock.h"
+#include "gpu_worker/transport/expert_pool.h"
+#include "gpu_worker/transport/grpc_client.h"
+#include "gpu_worker/transport/shm_client.h"
+#include "gpu_worker/transport/ucx_client.h"
 #include "gtest/gtest.h"
 #include "tests/testing/scoped_env.h"
 #include "tests/testing/temp_dir.h"

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/metrics.h"
-#include "common/transport/expert_pool.h"
+#include "gpu_worker/transport/expert_pool.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"

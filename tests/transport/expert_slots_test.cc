@@ -5,7 +5,7 @@
 // what ExpertPool::Run gives on the same inputs; misuse is reported, never
 // acted on; a killed or hung service ends every Wait by its deadline and the
 // slots serve again once it is back.
-#include "common/transport/expert_slots.h"
+#include "gpu_worker/transport/expert_slots.h"
 
 #include <signal.h>
 
@@ -25,9 +25,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "common/transport/expert_pool.h"
-#include "common/transport/shm_transport.h"
 #include "gmock/gmock.h"
+#include "gpu_worker/transport/expert_pool.h"
+#include "gpu_worker/transport/shm_client.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "common/transport/grpc_client.h"
+#include "common/transport/grpc_messages.h"
 #include "grpcpp/support/proto_buffer_writer.h"
 #include "gtest/gtest.h"
 

@@ -1,9 +1,9 @@
 // The one mapping between our status and gRPC's (common/transport/grpc_status.h),
-// and how the expert clients read the service's answers (grpc_client.h):
+// and how the expert clients read the service's answers (grpc_messages.h):
 // unknown enum values and codes are refused, named.
 #include "common/transport/grpc_status.h"
 
-#include "common/transport/grpc_client.h"
+#include "common/transport/grpc_messages.h"
 #include "gtest/gtest.h"
 #include "proto/expert.pb.h"
 

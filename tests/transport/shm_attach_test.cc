@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "common/transport/shm_transport.h"
+#include "expert_service/transport/shm_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/transport/test_util.h"

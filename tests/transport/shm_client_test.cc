@@ -2,6 +2,8 @@
 // segment's header intact, and one whose shared-memory server stops while the
 // process lives on: an in-process ShmServer behind an in-process control
 // plane.
+#include "gpu_worker/transport/shm_client.h"
+
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -16,9 +18,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "common/transport/grpc_client.h"
+#include "common/transport/grpc_messages.h"
 #include "common/transport/grpc_status.h"
-#include "common/transport/shm_transport.h"
+#include "expert_service/transport/shm_server.h"
+#include "gpu_worker/transport/grpc_client.h"
 #include "gtest/gtest.h"
 #include "proto/expert.grpc.pb.h"
 #include "tests/transport/test_util.h"

@@ -9,8 +9,8 @@
 #include <filesystem>
 #include <string>
 
-#include "common/transport/grpc_client.h"
-#include "common/transport/shm_transport.h"
+#include "gpu_worker/transport/grpc_client.h"
+#include "gpu_worker/transport/shm_client.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"

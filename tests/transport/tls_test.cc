@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "common/transport/expert_pool.h"
 #include "common/transport/grpc_tls.h"
 #include "gmock/gmock.h"
+#include "gpu_worker/transport/expert_pool.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"

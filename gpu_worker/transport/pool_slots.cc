@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "common/transport/expert_pool.h"
-#include "common/transport/shm_transport.h"
+#include "gpu_worker/transport/expert_pool.h"
+#include "gpu_worker/transport/shm_client.h"
 
 namespace hmoe {
 namespace {

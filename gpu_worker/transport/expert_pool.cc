@@ -1,4 +1,4 @@
-#include "common/transport/expert_pool.h"
+#include "gpu_worker/transport/expert_pool.h"
 
 #include <algorithm>
 #include <thread>
@@ -6,8 +6,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "common/transport/shm_transport.h"
-#include "common/transport/ucx_transport.h"
+#include "gpu_worker/transport/shm_client.h"
+#include "gpu_worker/transport/ucx_client.h"
 
 namespace hmoe {
 

@@ -1,4 +1,4 @@
-#include "common/transport/expert_slots.h"
+#include "gpu_worker/transport/expert_slots.h"
 
 #include <chrono>
 #include <cstdlib>

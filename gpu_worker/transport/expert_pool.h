@@ -19,10 +19,10 @@
 #include "absl/time/time.h"
 #include "common/auth_token.h"
 #include "common/metrics.h"
-#include "common/transport/expert_slots.h"
-#include "common/transport/grpc_client.h"
 #include "common/transport/moe_call.h"
-#include "common/transport/ucx_transport.h"
+#include "gpu_worker/transport/expert_slots.h"
+#include "gpu_worker/transport/grpc_client.h"
+#include "gpu_worker/transport/ucx_client.h"
 
 namespace hmoe {
 
