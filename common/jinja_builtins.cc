@@ -31,23 +31,12 @@ std::vector<uint32_t> Decode(const std::string& s) {
   return out;
 }
 
+// DecodeUtf8One's inverse: an escaped byte (0xDC80..0xDCFF) goes back as itself.
 void AppendCp(std::string* out, uint32_t cp) {
   if (cp >= 0xDC80 && cp <= 0xDCFF) {
     out->push_back(static_cast<char>(cp - 0xDC00));
-  } else if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
   } else {
-    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    AppendUtf8(out, cp);
   }
 }
 

@@ -7,8 +7,12 @@
 #include <cctype>
 #include <cstdio>
 #include <fstream>
+#include <initializer_list>
 #include <limits>
+#include <optional>
 #include <queue>
+#include <string_view>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -24,6 +28,15 @@ namespace {
 constexpr int64_t kMaxTokenId = (int64_t{1} << 22) - 1;
 
 using json = nlohmann::json;
+
+// What `name` stands for in `table` (a JSON field's spellings), or nullopt.
+template <typename T>
+std::optional<T> Lookup(std::string_view name,
+                        std::initializer_list<std::pair<std::string_view, T>> table) {
+  for (const auto& [spelling, value] : table)
+    if (spelling == name) return value;
+  return std::nullopt;
+}
 
 // ---- UTF-8 --------------------------------------------------------------------
 
@@ -720,18 +733,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
         }
         ASSIGN_OR_RETURN(pt.regex, Regex::Compile(regex, src + ": pre_tokenizer Split"));
         const std::string beh = p->value("behavior", "Isolated");
-        if (beh == "Isolated")
-          pt.behavior = SplitBehavior::kIsolated;
-        else if (beh == "Removed")
-          pt.behavior = SplitBehavior::kRemoved;
-        else if (beh == "MergedWithPrevious")
-          pt.behavior = SplitBehavior::kMergedWithPrevious;
-        else if (beh == "MergedWithNext")
-          pt.behavior = SplitBehavior::kMergedWithNext;
-        else if (beh == "Contiguous")
-          pt.behavior = SplitBehavior::kContiguous;
-        else
-          return unimplemented("pre_tokenizer.Split.behavior", beh);
+        const std::optional<SplitBehavior> b =
+            Lookup<SplitBehavior>(beh, {{"Isolated", SplitBehavior::kIsolated},
+                                        {"Removed", SplitBehavior::kRemoved},
+                                        {"MergedWithPrevious", SplitBehavior::kMergedWithPrevious},
+                                        {"MergedWithNext", SplitBehavior::kMergedWithNext},
+                                        {"Contiguous", SplitBehavior::kContiguous}});
+        if (!b) return unimplemented("pre_tokenizer.Split.behavior", beh);
+        pt.behavior = *b;
         pt.invert = p->value("invert", false);
       } else if (type == "Digits") {
         pt.kind = PreTokenizer::kSplit;
@@ -744,14 +753,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
         if (pt.replacement.empty())
           return invalid("pre_tokenizer.Metaspace.replacement", "is empty");
         const std::string scheme = MetaspacePrependScheme(*p);
-        if (scheme == "always")
-          pt.prepend = PreTokenizer::kAlways;
-        else if (scheme == "first")
-          pt.prepend = PreTokenizer::kFirst;
-        else if (scheme == "never")
-          pt.prepend = PreTokenizer::kNever;
-        else
-          return unimplemented("pre_tokenizer.Metaspace.prepend_scheme", scheme);
+        const auto prepend =
+            Lookup<PreTokenizer::Prepend>(scheme, {{"always", PreTokenizer::kAlways},
+                                                   {"first", PreTokenizer::kFirst},
+                                                   {"never", PreTokenizer::kNever}});
+        if (!prepend) return unimplemented("pre_tokenizer.Metaspace.prepend_scheme", scheme);
+        pt.prepend = *prepend;
         if (p->value("split", true)) {
           pt.behavior = SplitBehavior::kMergedWithNext;
           ASSIGN_OR_RETURN(pt.regex, Regex::Compile(QuoteRegex(pt.replacement),

@@ -243,15 +243,20 @@ int GenerateCommand(const std::vector<std::string>& args) {
 
 namespace {
 
-// One line of `hmoe chat`'s input: text to send, /reset, a line to skip
-// (empty), or the end (EOF, /quit, /exit). The "> " prompt on a terminal.
-enum class ChatLine { kText, kReset, kSkip, kEnd };
-ChatLine ReadChatLine(bool tty, std::string* line) {
-  if (tty) std::fputs("> ", stderr);
-  if (!std::getline(std::cin, *line)) return ChatLine::kEnd;
-  if (*line == "/quit" || *line == "/exit") return ChatLine::kEnd;
-  if (*line == "/reset") return ChatLine::kReset;
-  return line->empty() ? ChatLine::kSkip : ChatLine::kText;
+// The next line of text for the conversation into *line (prompting "> " on a
+// terminal): false at the end (EOF, /quit, /exit); /reset calls `reset` and
+// empty lines are skipped.
+bool NextChatText(bool tty, std::string* line, const std::function<void()>& reset) {
+  for (;;) {
+    if (tty) std::fputs("> ", stderr);
+    if (!std::getline(std::cin, *line)) return false;
+    if (*line == "/quit" || *line == "/exit") return false;
+    if (*line == "/reset") {
+      reset();
+    } else if (!line->empty()) {
+      return true;
+    }
+  }
 }
 
 // A Generate callback that prints each chunk's text as it comes and keeps it.
@@ -273,11 +278,7 @@ int ChatWithTemplate(const Command& cmd, const std::string& system, const Reques
   std::vector<std::pair<std::string, std::string>> turns;  // (user, assistant)
   const bool tty = isatty(0);
   std::string line;
-  for (;;) {
-    const ChatLine next = ReadChatLine(tty, &line);
-    if (next == ChatLine::kEnd) break;
-    if (next == ChatLine::kReset) turns.clear();
-    if (next != ChatLine::kText) continue;
+  while (NextChatText(tty, &line, [&] { turns.clear(); })) {
     for (;;) {
       api::v1::GenerateRequest req = base;
       api::v1::Chat* chat = req.mutable_chat();
@@ -351,11 +352,7 @@ int ChatCommand(const std::vector<std::string>& args) {
   // Room kept for the reply (the engine clamps max_tokens to the context).
   const int64_t reply_room = std::min<int64_t>(base.max_tokens(), info->max_context() / 2);
   std::string line;
-  for (;;) {
-    const ChatLine next = ReadChatLine(tty, &line);
-    if (next == ChatLine::kEnd) break;
-    if (next == ChatLine::kReset) turns.clear();
-    if (next != ChatLine::kText) continue;
+  while (NextChatText(tty, &line, [&] { turns.clear(); })) {
     const std::string ask = "User: " + line + "\nAssistant:";
     auto compose = [&] {
       std::string p = system;

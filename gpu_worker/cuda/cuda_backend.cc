@@ -313,9 +313,17 @@ class CudaBackend final : public LayerBackend {
     return st;
   }
   absl::Status Mlp(const DevMlp& m, float* out);
-  // PagedAttention with the split-key scratch when it fits.
-  // The pass's long runs (runs_) by GEMM attention.
-  absl::Status Attend(PagedAttentionArgs& a) {
+  // PagedAttention over the pass's paged cache (block table, positions,
+  // softmax scale; `window` tokens, 0 = all) of a layer's geometry `a`, with
+  // the split-key scratch when it fits; the pass's long runs (runs_) by GEMM
+  // attention.
+  absl::Status Attend(PagedAttentionArgs& a, int64_t window) {
+    a.block_table = table_;
+    a.table_start = tstart_;
+    a.pos = pos_;
+    a.block_tokens = kBlockTokens;
+    a.window = window;
+    a.scale = geo_.softmax_scale;
     const int64_t need = PagedAttentionScratchFloats(a);
     if (need > 0 && need * 4 <= attn_scratch_.bytes()) {
       a.scratch = attn_scratch_.as<float>();
@@ -1132,16 +1140,10 @@ absl::Status CudaBackend::MlaAttention(int l) {
   a.T = T;
   a.num_heads = nh;
   a.num_kv_heads = 1;
-  a.block_table = table_;
-  a.table_start = tstart_;
-  a.pos = pos_;
-  a.block_tokens = kBlockTokens;
-  a.window = L.window;
-  a.scale = geo_.softmax_scale;
   a.out = olat_;
   a.out_tok_stride = nh * r;
   a.out_head_stride = r;
-  RETURN_IF_ERROR(Attend(a));
+  RETURN_IF_ERROR(Attend(a, L.window));
   RETURN_IF_ERROR(Launched(
       MlaExpandOutput(olat_, L.kv_b.w.as<uint16_t>(), T, nh, nope, vd, r, nullptr, attnb_, stream_),
       "MlaExpandOutput"));
@@ -1187,16 +1189,10 @@ absl::Status CudaBackend::GqaAttention(int l) {
   a.T = T;
   a.num_heads = nh;
   a.num_kv_heads = nkv;
-  a.block_table = table_;
-  a.table_start = tstart_;
-  a.pos = pos_;
-  a.block_tokens = kBlockTokens;
-  a.window = L.window;
-  a.scale = geo_.softmax_scale;
   a.out = attn_;
   a.out_tok_stride = nh * hd;
   a.out_head_stride = hd;
-  RETURN_IF_ERROR(Attend(a));
+  RETURN_IF_ERROR(Attend(a, L.window));
   RETURN_IF_ERROR(Launched(ToBf16(attn_, T * nh * hd, attnb_, stream_), "ToBf16"));
   return Gemm(L.o, attnb_, T, y_);
 }
