@@ -1498,14 +1498,7 @@ bool Interp::ApplyTest(const std::string& name, const Value& v, CallArgs& a) {
   }
   if (n == "filter") return v.is_string() && IsFilterName(v.s());
   if (n == "test") {
-    static const char* const kTests[] = {
-        "boolean", "callable", "defined",  "divisibleby", "eq",       "equalto",     "escaped",
-        "even",    "false",    "filter",   "float",       "ge",       "greaterthan", "gt",
-        "in",      "integer",  "iterable", "le",          "lessthan", "lower",       "lt",
-        "mapping", "ne",       "none",     "number",      "odd",      "sameas",      "sequence",
-        "string",  "test",     "true",     "undefined",   "upper",    "==",          "!=",
-        "<",       "<=",       ">",        ">="};
-    return v.is_string() && In(kTests, v.s());
+    return v.is_string() && KnownTests().contains(v.s());
   }
   Fail(absl::StrCat("No test named '", n, "' found."));
 }

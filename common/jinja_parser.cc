@@ -447,17 +447,6 @@ const absl::flat_hash_set<std::string>& JinjaOnlyFilters() {
   return *s;
 }
 
-const absl::flat_hash_set<std::string>& KnownTests() {
-  static const auto* s = new absl::flat_hash_set<std::string>{
-      "boolean", "callable", "defined",  "divisibleby", "eq",       "equalto",     "escaped",
-      "even",    "false",    "filter",   "float",       "ge",       "greaterthan", "gt",
-      "in",      "integer",  "iterable", "le",          "lessthan", "lower",       "lt",
-      "mapping", "ne",       "none",     "number",      "odd",      "sameas",      "sequence",
-      "string",  "test",     "true",     "undefined",   "upper",    "==",          "!=",
-      "<",       "<=",       ">",        ">="};
-  return *s;
-}
-
 class Parser {
  public:
   Parser(std::vector<Token> toks, const Lexer& lexer) : t_(std::move(toks)), lx_(lexer) {}
@@ -1282,6 +1271,17 @@ std::unique_ptr<Program> ParseProgram(std::string_view source, std::string_view 
   program->name = std::string(name);
   program->body = parser.ParseTemplate();
   return program;
+}
+
+const absl::flat_hash_set<std::string>& KnownTests() {
+  static const auto* s = new absl::flat_hash_set<std::string>{
+      "boolean", "callable", "defined",  "divisibleby", "eq",       "equalto",     "escaped",
+      "even",    "false",    "filter",   "float",       "ge",       "greaterthan", "gt",
+      "in",      "integer",  "iterable", "le",          "lessthan", "lower",       "lt",
+      "mapping", "ne",       "none",     "number",      "odd",      "sameas",      "sequence",
+      "string",  "test",     "true",     "undefined",   "upper",    "==",          "!=",
+      "<",       "<=",       ">",        ">="};
+  return *s;
 }
 
 }  // namespace hmoe::jinja::internal

@@ -317,6 +317,19 @@ std::string QuoteRegex(const std::string& literal) {
   return regex;
 }
 
+// A tokenizer.json pattern ({"Regex": r} or {"String": s}) as a regex into
+// *regex; false when it is neither.
+bool PatternRegex(const json& pattern, std::string* regex) {
+  if (pattern.contains("Regex")) {
+    *regex = pattern["Regex"].get<std::string>();
+  } else if (pattern.contains("String")) {
+    *regex = QuoteRegex(pattern["String"].get<std::string>());
+  } else {
+    return false;
+  }
+  return true;
+}
+
 bool IsSpaceByte(char c) {
   return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
 }
@@ -644,15 +657,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
           step.content = n.at("prepend").get<std::string>();
         } else if (type == "Replace") {
           step.kind = NormalizerStep::kReplace;
-          const json& pat = n.at("pattern");
           std::string regex;
-          if (pat.contains("Regex")) {
-            regex = pat["Regex"].get<std::string>();
-          } else if (pat.contains("String")) {
-            regex = QuoteRegex(pat["String"].get<std::string>());
-          } else {
+          if (!PatternRegex(n.at("pattern"), &regex))
             return invalid("normalizer.Replace.pattern", "needs Regex or String");
-          }
           if (regex.empty()) return invalid("normalizer.Replace.pattern", "is empty");
           ASSIGN_OR_RETURN(step.pattern, Regex::Compile(regex, src + ": normalizer Replace"));
           step.content = n.at("content").get<std::string>();
@@ -722,15 +729,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
       pt.where = absl::StrCat(src, ": pre_tokenizer ", type);
       if (type == "Split") {
         pt.kind = PreTokenizer::kSplit;
-        const json& pat = p->at("pattern");
         std::string regex;
-        if (pat.contains("Regex")) {
-          regex = pat["Regex"].get<std::string>();
-        } else if (pat.contains("String")) {
-          regex = QuoteRegex(pat["String"].get<std::string>());
-        } else {
+        if (!PatternRegex(p->at("pattern"), &regex))
           return invalid("pre_tokenizer.Split.pattern", "needs Regex or String");
-        }
         ASSIGN_OR_RETURN(pt.regex, Regex::Compile(regex, src + ": pre_tokenizer Split"));
         const std::string beh = p->value("behavior", "Isolated");
         const std::optional<SplitBehavior> b =
