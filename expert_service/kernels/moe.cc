@@ -147,8 +147,7 @@ inline double Secs() {
 }  // namespace
 
 const char* MoePhaseProfile::Name(int phase) {
-  static const char* const kNames[kPhases] = {"route",  "wake", "gather", "gate_up",
-                                              "hquant", "down", "reduce", "join"};
+  static const char* const kNames[kPhases] = {"route", "wake", "xquant", "stage", "reduce", "join"};
   return phase >= 0 && phase < kPhases ? kNames[phase] : "?";
 }
 
@@ -453,15 +452,14 @@ class MoeCall {
     Stage(l);
     w_.barrier.Wait();
     Mark(wk, 4);
-    Mark(wk, 5);
-    Mark(wk, 6);
     for (int64_t it; (it = w_.counters[kReduceItems].fetch_add(1, std::memory_order_relaxed)) <
                      plan_.red_items;)
       ReduceItem(l, it);
-    Mark(wk, 7);
+    Mark(wk, 5);
   }
 
-  double ts[9] = {};  // phase boundaries (MoeTuning::profile, worker 0's view)
+  double ts[MoePhaseProfile::kPhases + 1] =
+      {};  // phase boundaries (MoeTuning::profile, worker 0's view)
 
  private:
   // A worker's NUMA part and own buffers.
@@ -832,7 +830,7 @@ absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out,
   if (prof) call.ts[1] = Secs();
   pool.Run([&](const Worker& wk) { call.Work(wk); });
   if (prof) {
-    call.ts[8] = Secs();
+    call.ts[MoePhaseProfile::kPhases] = Secs();
     for (int i = 0; i < MoePhaseProfile::kPhases; ++i)
       w.profile.seconds[i] += call.ts[i + 1] - call.ts[i];
     ++w.profile.calls;

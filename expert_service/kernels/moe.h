@@ -191,13 +191,12 @@ struct RunOptions {
 };
 
 // RunMoe's per-phase wall time (worker 0's view, seconds) summed over calls
-// with MoeTuning::profile set, in phase order (route, wake, gather, gate_up,
-// hquant, down, reduce, join). "gather" is the activation quantization
-// (xquant) alone and "gate_up" the whole gather..down stage; hquant and down
-// read 0 (phases of the earlier barrier-per-step mode, kept so profiles line
-// up with recorded runs).
+// with MoeTuning::profile set, in phase order (route: the plan; wake; xquant:
+// the activation quantization before the stage, when the plan asks for it;
+// stage: gather, gate_up, hquant and down as one dependency-driven stage;
+// reduce; join).
 struct MoePhaseProfile {
-  static constexpr int kPhases = 8;
+  static constexpr int kPhases = 6;
   static const char* Name(int phase);
   int64_t calls = 0;
   double seconds[kPhases] = {};
