@@ -12,6 +12,7 @@ pkgs=(
   systemd iproute2 procps
   python3-grpcio python3-protobuf python3-venv
   clang libclang-rt-14-dev
+  bazel-bootstrap  # the Bazel build beside CMake (bazel/README.md), offline
 )
 missing=()
 for p in "${pkgs[@]}"; do

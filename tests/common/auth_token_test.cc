@@ -44,7 +44,7 @@ TEST(AuthToken, RefusesWhatIsNotAPrivateTokenFileNamingIt) {
     absl::StatusCode code;
     std::string says;
   };
-  ::symlink(WriteFile(dir, "target", good).c_str(), dir.file("link").c_str());
+  ASSERT_EQ(::symlink(WriteFile(dir, "target", good).c_str(), dir.file("link").c_str()), 0);
   const Case cases[] = {
       {dir.file("missing"), absl::StatusCode::kNotFound, "No such file"},
       {WriteFile(dir, "shared", good, 0644), absl::StatusCode::kFailedPrecondition,
@@ -73,7 +73,7 @@ TEST(AuthToken, RefusesWhatIsNotAPrivateTokenFileNamingIt) {
   auto via_link = ReadAuthTokenFile(dir.file("link"));
   ASSERT_TRUE(via_link.ok()) << via_link.status();
   EXPECT_EQ(*via_link, good);
-  ::symlink(dir.file("shared").c_str(), dir.file("link2").c_str());
+  ASSERT_EQ(::symlink(dir.file("shared").c_str(), dir.file("link2").c_str()), 0);
   EXPECT_EQ(ReadAuthTokenFile(dir.file("link2")).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // A FIFO is refused without blocking.

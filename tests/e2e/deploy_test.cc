@@ -23,8 +23,9 @@ TEST(Deploy, SystemdUnitsVerify) {
   if (std::system("command -v systemd-analyze >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "systemd-analyze not available";
   testing::TempDir dir;
-  const std::string src = std::string(HMOE_SOURCE_DIR) + "/deploy/systemd";
-  const std::string bin = std::string(HMOE_BINARY_DIR) + "/bin";
+  // Absolute: the units' paths must be (the dirs are relative under Bazel).
+  const std::string src = std::filesystem::absolute(HMOE_SOURCE_DIR "/deploy/systemd").string();
+  const std::string bin = std::filesystem::absolute(HMOE_BINARY_DIR "/bin").string();
   for (const char* name : {"hmoe-gpu-worker.service", "hmoe-expert-service@.service"}) {
     std::string unit = Slurp(src + "/" + name);
     ASSERT_FALSE(unit.empty()) << name;

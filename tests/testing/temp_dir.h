@@ -38,10 +38,14 @@ class TempDir {
   std::filesystem::path path_;
 };
 
-// Directory of the committed fixtures (tests/fixtures).
+// Directory of the committed fixtures (tests/fixtures), absolute: symlinks
+// made to fixture files must resolve from anywhere (HMOE_SOURCE_DIR is "."
+// under Bazel, whose tests run in their runfiles tree).
 inline std::string FixturesDir() {
   const char* env = std::getenv("HMOE_SOURCE_DIR");
-  return std::string(env ? env : HMOE_SOURCE_DIR) + "/tests/fixtures";
+  return std::filesystem::absolute(std::string(env ? env : HMOE_SOURCE_DIR) + "/tests/fixtures")
+      .lexically_normal()
+      .string();
 }
 
 }  // namespace hmoe::testing
