@@ -11,13 +11,21 @@ cmake_build=${HMOE_CMAKE_BUILD:-build}
 if [[ ! -f $cmake_build/compile_commands.json ]]; then
   cmake -S . -B "$cmake_build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
+# Bazel's action cache outlives a fresh clone (as ccache does for CMake):
+# outputs are keyed by their inputs, not by the checkout's folder.
+disk_cache=${HMOE_BAZEL_DISK_CACHE:-$HOME/.cache/hmoe-bazel-disk}
+cache=(--disk_cache="$disk_cache")
+# Bazel 4 never trims it: entries unread for two weeks go.
+[[ -d $disk_cache ]] && find "$disk_cache" -type f -atime +14 -delete 2>/dev/null || true
+# No Bazel server left behind when this ends (CI waits for its processes).
+trap 'bazel shutdown 2>/dev/null || true' EXIT
 tests=("$@")
 ((${#tests[@]})) || tests=(//tests:hmoe-tests-common //tests:hmoe-tests-kernels //tests:hmoe-tests-model)
 
 echo "== bazel: CMake and Bazel source lists"
 bash bazel/check_sources.sh "$cmake_build"
 echo "== bazel build //..."
-bazel build --noshow_progress //...
+bazel build --noshow_progress "${cache[@]}" //...
 echo "== bazel test ${tests[*]}"
-bazel test --noshow_progress "${tests[@]}"
+bazel test --noshow_progress "${cache[@]}" "${tests[@]}"
 echo "== run-bazel: passed in $(($(date +%s) - start)) s"

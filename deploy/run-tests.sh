@@ -2,12 +2,21 @@
 # Set-up and the whole test suite, twice: a normal build (CUDA enabled
 # when nvcc is present; GPU tests skip without a GPU) and an ASan+UBSan build
 # of the CPU code; then each libFuzzer target for a bounded time
-# (deploy/run-fuzz.sh). Run as root on Debian 12: installs what it needs first.
+# (deploy/run-fuzz.sh); then the Bazel build beside CMake: the same sources,
+# //... built, the common, kernels and model suites run (deploy/run-bazel.sh).
+# Run as root on Debian 12: installs what it needs first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install-deps.sh
 jobs=$(nproc)
 start=$(date +%s)
+stage_start=$start
+stage_done() {  # stage_done NAME: the stage's own time and the total so far
+  local now
+  now=$(date +%s)
+  echo "== run-tests: $1 took $((now - stage_start)) s ($((now - start)) s so far)"
+  stage_start=$now
+}
 # ccache hits across checkouts in other folders (CI clones afresh each time).
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
 
@@ -21,10 +30,13 @@ if ! build/openai-venv/bin/python -c "import openai" 2>/dev/null; then
     -r tests/e2e/openai_client/requirements.txt
 fi
 
+stage_done "set-up"
+
 echo "== normal build"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs" --timeout 300
+stage_done "normal build and tests"
 
 echo "== ASan + UBSan build (CPU code)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHMOE_SANITIZE=ON \
@@ -33,8 +45,14 @@ cmake --build build-asan -j"$jobs"
 # The soak (tests/e2e/soak_test.cc) runs 120 s in the normal build, 45 s here.
 HMOE_SOAK_SECONDS=45 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 300
+stage_done "ASan + UBSan build and tests"
 
 echo "== fuzz: libFuzzer targets (clang, ASan + UBSan), ${FUZZ_SECONDS:-30} s each"
 bash deploy/run-fuzz.sh
+stage_done "fuzz build and runs"
 
-echo "== run-tests: both builds and the fuzz targets passed in $(( $(date +%s) - start )) s"
+echo "== Bazel build beside CMake"
+HMOE_CMAKE_BUILD=build bash deploy/run-bazel.sh
+stage_done "Bazel"
+
+echo "== run-tests: both CMake builds, the fuzz targets and Bazel passed in $(( $(date +%s) - start )) s"
