@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz/: clang, ASan + UBSan) in
-# build-fuzz/ and runs each for FUZZ_SECONDS (default 30) from its seed
+# build-fuzz/ (or in FUZZ_BUILD, an HMOE_FUZZ tree configured already: the
+# test command's build-asan) and runs each for FUZZ_SECONDS (default 30) from its seed
 # corpus (tests/fuzz/corpus/<target>/, read only; what it finds goes to a
 # scratch directory). Any crash, sanitizer report, leak, input slower than
 # 10 s or RSS over 2 GiB fails the run (targets run FUZZ_JOBS at a time,
@@ -11,14 +12,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${FUZZ_SECONDS:-30}
-artifacts=${FUZZ_ARTIFACTS:-$PWD/build-fuzz/artifacts}
+artifacts=${FUZZ_ARTIFACTS:-$PWD/${FUZZ_BUILD:-build-fuzz}/artifacts}
 targets=("$@")
 ((${#targets[@]})) || targets=(safetensors config tokenizer generate_request expert_protocol chat_template openai_request)
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
-cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
-  -DCMAKE_CXX_COMPILER=clang++ -DHMOE_FUZZ=ON -DHMOE_BUILD_BENCH=OFF -DHMOE_BUILD_TESTS=OFF \
-  >/dev/null
-cmake --build build-fuzz -j"$(nproc)" --target hmoe-fuzz-all
+build=${FUZZ_BUILD:-build-fuzz}
+if [[ -z ${FUZZ_BUILD:-} ]]; then
+  cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
+    -DCMAKE_CXX_COMPILER=clang++ -DHMOE_FUZZ=ON -DHMOE_BUILD_BENCH=OFF -DHMOE_BUILD_TESTS=OFF \
+    >/dev/null
+fi
+cmake --build "$build" -j"$(nproc)" --target hmoe-fuzz-all
 mkdir -p "$artifacts"
 # Each target is one process on one core: run as many at once as there are
 # cores (FUZZ_JOBS), each for its full FUZZ_SECONDS; print in target order.
@@ -27,7 +31,7 @@ fuzz_one() {  # fuzz_one TARGET: runs it, writes its verdict to $artifacts/TARGE
   local t=$1 scratch log="$artifacts/$1.log"
   scratch=$(mktemp -d)
   if ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    build-fuzz/bin/hmoe-fuzz-"$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
+    "$build"/bin/hmoe-fuzz-"$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
     -print_final_stats=1 -artifact_prefix="$artifacts/$t-" "$scratch" "tests/fuzz/corpus/$t" \
     >"$log" 2>&1; then
     echo "   ok: $(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}') inputs, $(ls "$scratch" | wc -l) new corpus entries" >"$artifacts/$t.verdict"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up and the whole test suite, twice: a normal build (CUDA enabled
 # when nvcc is present; GPU tests skip without a GPU) and an ASan+UBSan build
-# of the CPU code; then each libFuzzer target for a bounded time
+# of the CPU code (clang, with the fuzz targets); then each libFuzzer target
+# for a bounded time
 # (deploy/run-fuzz.sh); then the Bazel build beside CMake: the same sources,
 # //... built, the common, kernels and model suites run (deploy/run-bazel.sh).
 # Run as root on Debian 12: installs what it needs first.
@@ -38,9 +39,12 @@ cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs" --timeout 300
 stage_done "normal build and tests"
 
-echo "== ASan + UBSan build (CPU code)"
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHMOE_SANITIZE=ON \
-  -DHMOE_ENABLE_CUDA=OFF -DHMOE_BUILD_BENCH=OFF >/dev/null
+# One clang tree for the sanitizers and the fuzz targets: HMOE_FUZZ builds our
+# code with ASan + UBSan and libFuzzer's coverage, the test suites and the
+# fuzz targets (deploy/run-fuzz.sh runs them from this tree).
+echo "== ASan + UBSan build (CPU code, clang; the fuzz targets too)"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
+  -DCMAKE_CXX_COMPILER=clang++ -DHMOE_FUZZ=ON -DHMOE_ENABLE_CUDA=OFF -DHMOE_BUILD_BENCH=OFF >/dev/null
 cmake --build build-asan -j"$jobs"
 # The soak (tests/e2e/soak_test.cc) runs 120 s in the normal build, 45 s here.
 HMOE_SOAK_SECONDS=45 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
@@ -48,8 +52,8 @@ HMOE_SOAK_SECONDS=45 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=
 stage_done "ASan + UBSan build and tests"
 
 echo "== fuzz: libFuzzer targets (clang, ASan + UBSan), ${FUZZ_SECONDS:-30} s each"
-bash deploy/run-fuzz.sh
-stage_done "fuzz build and runs"
+FUZZ_BUILD=build-asan bash deploy/run-fuzz.sh
+stage_done "fuzz runs"
 
 echo "== Bazel build beside CMake"
 HMOE_CMAKE_BUILD=build bash deploy/run-bazel.sh

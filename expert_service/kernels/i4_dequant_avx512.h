@@ -18,8 +18,13 @@ struct GroupScales {
   __m512 s0, s1, n0, n1;
 };
 
+// The functions are static: each ISA object that includes this keeps its own
+// copy of whatever the compiler does not inline (a sanitized clang build left
+// DequantLine's lambda out of line), never a weak one the linker could share
+// across objects (tests/kernels/isa_objects_check.sh).
+
 // `scales`: the group's 64-byte f32 scale[16] (after its G / 8 lines).
-inline GroupScales LoadGroupScales(const uint8_t* scales) {
+static inline GroupScales LoadGroupScales(const uint8_t* scales) {
   const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i dup_hi =
       _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
@@ -34,7 +39,7 @@ inline GroupScales LoadGroupScales(const uint8_t* scales) {
 
 // One int4 line (64-byte aligned) -> 4 bf16 lines at dst (64-byte aligned):
 // bf16(q * scale) for k pairs (k0, k0+1) .. (k0+6, k0+7).
-inline void DequantLine(const uint8_t* line, const GroupScales& s, uint16_t* dst) {
+static inline void DequantLine(const uint8_t* line, const GroupScales& s, uint16_t* dst) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i wsplit =
       _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26, 24,

@@ -4,12 +4,15 @@
 # a function (an inline from a shared header, a std:: template) is one copy
 # among several across the link, and the linker may keep this one for every
 # caller: then code that runs before ISA dispatch would execute AVX-512 or
-# AMX instructions and SIGILL on an older CPU. Usage: isa_objects_check.sh LIB.a
+# AMX instructions and SIGILL on an older CPU.
+# Usage: isa_objects_check.sh LIB.a [LIB.a ...]  (CMake: libhmoe_kernels.a;
+# Bazel: the per-ISA libraries; their objects are kernels_amx.cc.o / kernels_amx.o)
 set -euo pipefail
-lib=${1:?usage: $0 libhmoe_kernels.a}
-readelf -sW "$lib" | awk '
-  /^File: / { member = substr($0, 7); seen[member ~ /kernels_(avx2|avx512|amx)\.cc\.o\)$/] = 1; next }
-  member ~ /kernels_(avx2|avx512|amx)\.cc\.o\)$/ && $4 == "FUNC" &&
+(($# > 0)) || { echo "usage: $0 libhmoe_kernels.a ..." >&2; exit 2; }
+readelf -sW "$@" | awk '
+  BEGIN { isa = "kernels_(avx2|avx512|amx)(\\.cc)?(\\.pic)?\\.o\\)$" }
+  /^File: / { member = substr($0, 7); seen[member ~ isa] = 1; next }
+  member ~ isa && $4 == "FUNC" &&
       ($5 == "WEAK" || $5 == "UNIQUE") { print member ": shared function " $8; bad = 1 }
   END {
     if (!seen[1]) { print "no ISA kernel objects in the archive"; exit 1 }
