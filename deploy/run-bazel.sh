@@ -13,7 +13,7 @@ if [[ ! -f $cmake_build/compile_commands.json ]]; then
 fi
 # Bazel's action cache outlives a fresh clone (as ccache does for CMake):
 # outputs are keyed by their inputs, not by the checkout's folder.
-disk_cache=${HMOE_BAZEL_DISK_CACHE:-$HOME/.cache/hmoe-bazel-disk}
+disk_cache=${HMOE_BAZEL_DISK_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/hmoe-bazel-disk}
 cache=(--disk_cache="$disk_cache")
 # Bazel 4 never trims it: entries unread for two weeks go.
 [[ -d $disk_cache ]] && find "$disk_cache" -type f -atime +14 -delete 2>/dev/null || true
