@@ -19,26 +19,14 @@ HMOE_AVX512_COPTS = HMOE_AVX2_COPTS + [
 ]
 HMOE_AMX_COPTS = HMOE_AVX512_COPTS + ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 
+def _ours(rule, name, copts, kwargs):
+    rule(name = name, copts = HMOE_COPTS + copts, linkstatic = True, **kwargs)
+
 def hmoe_cc_library(name, copts = [], **kwargs):
-    native.cc_library(
-        name = name,
-        copts = HMOE_COPTS + copts,
-        linkstatic = True,
-        **kwargs
-    )
+    _ours(native.cc_library, name, copts, kwargs)
 
 def hmoe_cc_binary(name, copts = [], **kwargs):
-    native.cc_binary(
-        name = name,
-        copts = HMOE_COPTS + copts,
-        linkstatic = True,
-        **kwargs
-    )
+    _ours(native.cc_binary, name, copts, kwargs)
 
 def hmoe_cc_test(name, copts = [], **kwargs):
-    native.cc_test(
-        name = name,
-        copts = HMOE_COPTS + copts,
-        linkstatic = True,
-        **kwargs
-    )
+    _ours(native.cc_test, name, copts, kwargs)

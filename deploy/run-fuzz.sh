@@ -12,11 +12,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${FUZZ_SECONDS:-30}
-artifacts=${FUZZ_ARTIFACTS:-$PWD/${FUZZ_BUILD:-build-fuzz}/artifacts}
+build=${FUZZ_BUILD:-build-fuzz}
+artifacts=${FUZZ_ARTIFACTS:-$PWD/$build/artifacts}
 targets=("$@")
 ((${#targets[@]})) || targets=(safetensors config tokenizer generate_request expert_protocol chat_template openai_request)
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
-build=${FUZZ_BUILD:-build-fuzz}
 if [[ -z ${FUZZ_BUILD:-} ]]; then
   cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
     -DCMAKE_CXX_COMPILER=clang++ -DHMOE_FUZZ=ON -DHMOE_BUILD_BENCH=OFF -DHMOE_BUILD_TESTS=OFF \

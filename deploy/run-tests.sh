@@ -2,9 +2,9 @@
 # Set-up and the whole test suite, twice: a normal build (CUDA enabled
 # when nvcc is present; GPU tests skip without a GPU) and an ASan+UBSan build
 # of the CPU code (clang, with the fuzz targets); then each libFuzzer target
-# for a bounded time
-# (deploy/run-fuzz.sh); then the Bazel build beside CMake: the same sources,
-# //... built, the common, kernels and model suites run (deploy/run-bazel.sh).
+# for a bounded time (deploy/run-fuzz.sh); then the Bazel build beside CMake:
+# the same sources, //... built, the common, kernels and model suites run
+# (deploy/run-bazel.sh).
 # Run as root on Debian 12: installs what it needs first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
