@@ -23,10 +23,9 @@
 // core (loads and products sharing the AMX unit, cache misses); one whose
 // clock drops with it loses it to the power / frequency limit.
 //
-//   hmoe-amx-microprobe [threads=16] [seconds per case=0.3]
-//   hmoe-amx-microprobe --pairs [seconds per case=0.2]
-//
-//   hmoe-amx-microprobe --rows [threads=16] [seconds per case=0.2]
+// Flags and positional arguments: amx_microprobe_main.cc (--help;
+// docs/FLAGS.md). This file is compiled with the AMX flags; the flag parsing
+// is not, so that --help runs on any CPU.
 //
 // --rows asks whether a tile product over fewer rows (C and A tiles
 // configured with M < 16 rows, B unchanged) takes less time: the
@@ -40,6 +39,8 @@
 // core runs at ~1x the single rate, two cores at ~2x. Then the loop on one
 // CPU per core found vs all CPUs.
 //
+#include "bench/amx_microprobe.h"
+
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
@@ -648,19 +649,15 @@ int Rows(int max_threads, double secs) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int hmoe::amx_probe::Run(Mode mode, int nthreads, double secs) {
   if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
     std::fprintf(stderr, "no XTILEDATA permission\n");
     return 1;
   }
   const Variant peak{"peak4", Peak4<false>, 4}, peak6{"peak6", Peak6, 4},
       peaki8{"peak4-i8", Peak4<true>, 4};
-  if (argc > 1 && std::string(argv[1]) == "--pairs")
-    return Pairs(peak, argc > 2 ? std::atof(argv[2]) : 0.2);
-  if (argc > 1 && std::string(argv[1]) == "--rows")
-    return Rows(argc > 2 ? std::atoi(argv[2]) : 16, argc > 3 ? std::atof(argv[3]) : 0.2);
-  const int nthreads = argc > 1 ? std::atoi(argv[1]) : 16;
-  const double secs = argc > 2 ? std::atof(argv[2]) : 0.3;
+  if (mode == Mode::kPairs) return Pairs(peak, secs);
+  if (mode == Mode::kRows) return Rows(nthreads, secs);
   const Variant vs[] = {{"cur", Cur<false>, 4},
                         {"top", Top<false>, 4},
                         {"pipe", Pipe<false>, 4},

@@ -12,7 +12,7 @@
 // logits are computed once and kept. Targets: deferral 2 and int8 <= +0.5%
 // perplexity, int4 <= +3%; a missed target is reported, not an error.
 //
-// Flags: kUsage below (--help). Exit 0 on success (targets met or not), 2 on
+// Flags: AddFlags below (--help; docs/FLAGS.md). Exit 0 on success (targets met or not), 2 on
 // a bad flag, 1 on any other failure.
 #include <chrono>
 #include <cstdio>
@@ -23,10 +23,10 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/accuracy.h"
+#include "common/flags.h"
 #include "common/model_config.h"
 #include "common/status.h"
 #include "common/tokenizer.h"
@@ -36,16 +36,6 @@ namespace hmoe {
 namespace {
 
 using ojson = nlohmann::ordered_json;
-
-constexpr char kUsage[] = R"(usage: hmoe-bench-accuracy [flags]
-  --model DIR     checkpoint (default: the ds3_fortunes fixture,
-                  $HMOE_SOURCE_DIR/tests/fixtures/ds3_fortunes)
-  --heldout FILE  docs separated by "\n%\n" (default: tests/fixtures/corpus_heldout.txt)
-  --threads N     threads of the model and of the expert kernels (default 0: all cores)
-  --max-docs N    score only the first N docs (default 0: all)
-  --json FILE     also write the results as one JSON object
-  --help          this text
-)";
 
 struct Args {
   std::string model, heldout, json;
@@ -58,56 +48,17 @@ std::string SourceDir() {
   return env && *env ? env : HMOE_SOURCE_DIR;
 }
 
-// Exit code 2 with a message, or the parsed flags.
-std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
-  Args a;
-  a.model = SourceDir() + "/tests/fixtures/ds3_fortunes";
-  a.heldout = SourceDir() + "/tests/fixtures/corpus_heldout.txt";
-  auto bad = [&](const std::string& msg) -> std::optional<Args> {
-    std::fprintf(stderr, "hmoe-bench-accuracy: %s (--help for usage)\n", msg.c_str());
-    *exit_code = 2;
-    return std::nullopt;
-  };
-  for (int i = 1; i < argc; ++i) {
-    std::string f = argv[i], v;
-    if (f == "--help" || f == "-h") {
-      std::fputs(kUsage, stdout);
-      *exit_code = 0;
-      return std::nullopt;
-    }
-    if (const size_t eq = f.find('='); eq != std::string::npos) {
-      v = f.substr(eq + 1);
-      f = f.substr(0, eq);
-    } else {
-      if (f != "--model" && f != "--heldout" && f != "--threads" && f != "--max-docs" &&
-          f != "--json")
-        return bad(absl::StrCat("unknown flag ", f));
-      if (i + 1 >= argc) return bad(absl::StrCat(f, " needs a value"));
-      v = argv[++i];
-    }
-    int64_t n = 0;
-    auto integer = [&](int64_t lo, int64_t hi) {
-      if (absl::SimpleAtoi(v, &n) && n >= lo && n <= hi) return true;
-      bad(absl::StrCat(f, " wants an integer in [", lo, ", ", hi, "], got \"", v, "\""));
-      return false;
-    };
-    if (f == "--model") {
-      a.model = v;
-    } else if (f == "--heldout") {
-      a.heldout = v;
-    } else if (f == "--threads") {
-      if (!integer(0, 4096)) return std::nullopt;
-      a.threads = static_cast<int>(n);
-    } else if (f == "--max-docs") {
-      if (!integer(0, int64_t{1} << 30)) return std::nullopt;
-      a.max_docs = n;
-    } else if (f == "--json") {
-      a.json = v;
-    } else {
-      return bad(absl::StrCat("unknown flag ", f));
-    }
-  }
-  return a;
+// The flags, bound to `a`'s fields.
+void AddFlags(FlagSet& fs, Args* a) {
+  fs.String("model", &a->model, "DIR",
+            "checkpoint (default: the ds3_fortunes fixture, "
+            "$HMOE_SOURCE_DIR/tests/fixtures/ds3_fortunes)");
+  fs.String("heldout", &a->heldout, "FILE",
+            "docs separated by \"\\n%\\n\" (default: tests/fixtures/corpus_heldout.txt)");
+  fs.Int("threads", &a->threads, 0, 4096,
+         "threads of the model and of the expert kernels (0: all cores)");
+  fs.Int("max-docs", &a->max_docs, 0, int64_t{1} << 30, "score only the first N docs (0: all)");
+  fs.String("json", &a->json, "FILE", "also write the results as one JSON object");
 }
 
 double Now() {
@@ -248,10 +199,16 @@ absl::Status Run(const Args& a) {
 }
 
 int Main(int argc, char** argv) {
-  int code = 0;
-  const std::optional<Args> args = ParseArgs(argc, argv, &code);
-  if (!args) return code;
-  const absl::Status st = Run(*args);
+  Args args;
+  FlagSet fs("hmoe-bench-accuracy", "[flags]",
+             "What Expert Deferral and the expert service's weight formats cost in accuracy:\n"
+             "held-out perplexity, mean KL and top-1 agreement against the exact model.\n"
+             "Exit 0 on success (targets met or not), 2 on a bad flag, 1 on any other failure.");
+  AddFlags(fs, &args);
+  if (std::optional<int> exit = fs.ParseOrExit(argc, argv)) return *exit;
+  if (args.model.empty()) args.model = SourceDir() + "/tests/fixtures/ds3_fortunes";
+  if (args.heldout.empty()) args.heldout = SourceDir() + "/tests/fixtures/corpus_heldout.txt";
+  const absl::Status st = Run(args);
   if (!st.ok()) {
     std::fprintf(stderr, "hmoe-bench-accuracy: %s\n", st.ToString().c_str());
     return 1;

@@ -19,7 +19,7 @@
 // readings counts), bytes_per_weight the packed
 // bytes of one expert (scales and padding included) / (3 * H * I).
 //
-// Flags: kUsage below (--help). Exit 0 on success, 2 on a bad flag, 1 on any
+// Flags: AddFlags below (--help; docs/FLAGS.md). Exit 0 on success, 2 on a bad flag, 1 on any
 // other failure (the message names what failed; the service's log is shown
 // when it failed to start). The service is stopped (SIGTERM, then waited on)
 // on every exit path, also on SIGINT / SIGTERM of this process.
@@ -41,6 +41,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -62,6 +63,7 @@
 #include "bench/dram_probe.h"
 #include "common/dtype.h"
 #include "common/expert_placement.h"
+#include "common/flags.h"
 #include "common/model_config.h"
 #include "common/routing_stats.h"
 #include "common/runtime/numa.h"
@@ -80,94 +82,6 @@ namespace hmoe {
 namespace {
 
 using ojson = nlohmann::ordered_json;
-
-constexpr char kUsage[] = R"(usage: hmoe-bench-e2e [flags]
-  --preset NAME         qwen3-30b, ds-v3, ds-v2-lite or mixtral (default ds-v3)
-  --layers N            decoder layers, dense-first ones included (default 0: as
-                        many as fit the routed experts in --mem-fraction of RAM
-                        at --format, at most the model's)
-  --format F            routed experts: int4 (int4g64), int8 or bf16 (default int4)
-  --mem-fraction F      share of RAM the routed experts may take when --layers is
-                        0, in (0, 0.9] (default 0.6)
-  --transport T         shm, ucx or grpc (default shm)
-  --backend B           the model's backend: cuda or cpu (default cuda)
-  --gpu-mem-gb G        cuda: memory bound in GiB (default 0: the device's free
-                        memory less 1 GiB)
-  --kv-blocks N         cuda: paged KV cache blocks (default 0: the backend's)
-  --defer-experts N     Expert Deferral: the N lowest-weighted routed experts of a
-                        layer join one layer late (default 0: the exact model)
-  --cuda-graphs on|off  cuda: one CUDA Graph per decode step (default on)
-  --log-prefill-plans on|off
-                        cuda: per large pass, each MoE layer's choice and the
-                        streamed experts' upload / compute timeline (stderr)
-  --cuda-expert-slots on|off
-                        cuda: off sends every pass's experts the host-copy way,
-                        no slots or graphs (default on)
-  --cuda-expert-calls device|host
-                        cuda, slot passes: who sends each expert call and waits
-                        for it (default device: kernels store and poll the shm
-                        slot's state; host: host nodes)
-  --service-cores LIST  CPUs of the expert service and the DRAM probes (e.g.
-                        0-13; default: all this process may use)
-  --worker-cores LIST   CPUs of this process (the worker: its CUDA and host-node
-                        threads) once the service runs (default: all)
-  --path-sweep LIST     after the runs above, batch-1 decode again per worker
-                        path, the model reloaded for each: device (slots, graphs,
-                        device calls), host (slots, graphs, host nodes),
-                        eager (slots, no graphs, device calls), copy (no slots)
-  --defer-sweep LIST    after the runs above, batch-1 decode again for each
-                        deferral count in LIST (e.g. 0,1,2,3,4; the model is
-                        reloaded per count): tok/s, GPU and CPU busy per step
-                        and the bound perfect overlap allows (default: none)
-  --hot-sweep LIST      cuda: after the runs above, batch-1 decode again per GPU
-                        budget in GiB for hot experts (e.g. 0,8,24; 0: none), the
-                        placement planned (PlanPlacement) from the routing counts
-                        of a calibration run (batch-16 decode, --calibrate-steps
-                        steps, default 32), the hot experts'
-                        weights the service's synthetic ones: tok/s, the share of
-                        routed traffic served on the GPU and the ceiling with hot
-                        experts (DRAM bandwidth / CPU-side bytes per token)
-  --prefill-sweep LIST  cuda: after the runs above, prefill of the longest --prompts
-                        prompt again per policy of the routed experts (cpu, stream,
-                        auto; ModelOptions::prefill_experts; stream-serial and
-                        auto-serial: the same without uploading the next MoE
-                        layer's experts ahead, prefill_prefetch off), the model
-                        reloaded for each with the service's synthetic experts as
-                        its streamed copies: tok/s, the layers' choices, the
-                        experts uploaded ahead and used, and the bound of a
-                        perfect split of the experts' work, G + A*S/(A+S) (A: the
-                        cpu row's expert wait, G: its GPU time, S: the
-                        stream-serial row's GPU time, else the stream row's, less G)
-  --prefill-sweep-prompt N  its prompt length (default: the longest --prompts)
-  --router-zipf S       routers with e_score_correction_bias (ds-v3): a per-layer
-                        bias of S * 0.35 * ln(1 / rank) over a random ranking of
-                        the experts, so popularity is skewed like Zipf(S) (the
-                        routing counts show how much); 0 (default): unbiased
-  --threads N           worker threads of the model's parallel loops (default 0:
-                        hardware concurrency)
-  --prompts LIST        prefill prompt lengths (default 512,2048,8192)
-  --batches LIST        decode batch sizes (default 1,4,16)
-  --decode-steps N      timed decode steps per batch (default 32)
-  --decode-prompt N     tokens each decode sequence is prefilled with (default 32)
-  --warmup N            untimed passes before each prefill row and untimed
-                        steps before each decode row (default 1 and 2*N)
-  --reps N              timed passes per prefill row (default 1)
-  --service-threads N   the expert service's --threads, also the DRAM probe's
-                        (default 0: every core)
-  --service-max-tokens N  the service's --max-tokens (default: the service's)
-  --service-timeout-s S seconds to wait for the service to load (default 1800)
-  --expert-timeout-ms N deadline of one MoE call (default 120000)
-  --bin-dir DIR         where hmoe-expert-service is (default: this program's dir)
-  --work-dir DIR        checkpoint and service log (default
-                        /tmp/hmoe-bench-e2e-PRESET-LLAYERS[-vVOCAB]); reused when
-                        its checkpoint matches
-  --vocab N             smoke tests only: override the vocabulary size
-  --probe-bytes N       DRAM probe buffer in MiB (default max(8 x LLC, 2 GiB))
-  --probe-reps N        timed passes per probe pattern (default 4)
-  --no-probe-after      skip the second DRAM probe after the service has loaded
-  --json FILE           also write the results as one JSON object
-  --help                this text
-)";
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -358,240 +272,189 @@ struct Args {
   bool probe_after = true;
 };
 
-// Exit code 2 with a message, or the parsed flags.
-std::optional<Args> ParseArgs(int argc, char** argv, int* exit_code) {
-  Args a;
-  auto bad = [&](const std::string& msg) -> std::optional<Args> {
-    std::fprintf(stderr, "hmoe-bench-e2e: %s (--help for usage)\n", msg.c_str());
-    *exit_code = 2;
-    return std::nullopt;
+// A setter of a comma-separated list of integers in [lo, hi] (replacing the
+// list), for FlagSet::Custom.
+std::function<absl::Status(std::string_view)> IntList(int64_t lo, int64_t hi,
+                                                      std::vector<int64_t>* out) {
+  return [lo, hi, out](std::string_view v) {
+    out->clear();
+    for (absl::string_view p : absl::StrSplit(std::string(v), ',', absl::SkipEmpty())) {
+      int64_t n = 0;
+      if (!absl::SimpleAtoi(p, &n) || n < lo || n > hi)
+        return absl::InvalidArgumentError(
+            absl::StrCat("\"", std::string(p), "\" is not an integer in [", lo, ", ", hi, "]"));
+      out->push_back(n);
+    }
+    if (out->empty()) return absl::InvalidArgumentError("lists nothing");
+    return absl::OkStatus();
   };
-  for (int i = 1; i < argc; ++i) {
-    std::string f = argv[i], v;
-    if (f == "--help" || f == "-h") {
-      std::fputs(kUsage, stdout);
-      *exit_code = 0;
-      return std::nullopt;
-    }
-    if (f == "--no-probe-after") {
-      a.probe_after = false;
-      continue;
-    }
-    if (const size_t eq = f.find('='); eq != std::string::npos) {
-      v = f.substr(eq + 1);
-      f = f.substr(0, eq);
-    } else {
-      static const char* kKnown[] = {"--preset",
-                                     "--layers",
-                                     "--format",
-                                     "--mem-fraction",
-                                     "--transport",
-                                     "--backend",
-                                     "--gpu-mem-gb",
-                                     "--kv-blocks",
-                                     "--defer-experts",
-                                     "--cuda-graphs",
-                                     "--log-prefill-plans",
-                                     "--cuda-expert-slots",
-                                     "--cuda-expert-calls",
-                                     "--service-cores",
-                                     "--worker-cores",
-                                     "--defer-sweep",
-                                     "--path-sweep",
-                                     "--hot-sweep",
-                                     "--prefill-sweep",
-                                     "--prefill-sweep-prompt",
-                                     "--calibrate-steps",
-                                     "--router-zipf",
-                                     "--threads",
-                                     "--prompts",
-                                     "--batches",
-                                     "--decode-steps",
-                                     "--decode-prompt",
-                                     "--warmup",
-                                     "--reps",
-                                     "--service-threads",
-                                     "--service-max-tokens",
-                                     "--service-timeout-s",
-                                     "--expert-timeout-ms",
-                                     "--bin-dir",
-                                     "--work-dir",
-                                     "--vocab",
-                                     "--probe-bytes",
-                                     "--probe-reps",
-                                     "--json"};
-      if (std::find_if(std::begin(kKnown), std::end(kKnown),
-                       [&](const char* k) { return f == k; }) == std::end(kKnown))
-        return bad(absl::StrCat("unknown flag ", f));
-      if (i + 1 >= argc) return bad(absl::StrCat(f, " needs a value"));
-      v = argv[++i];
-    }
-    int64_t n = 0;
-    double d = 0;
-    auto integer = [&](int64_t lo, int64_t hi) {
-      if (absl::SimpleAtoi(v, &n) && n >= lo && n <= hi) return true;
-      bad(absl::StrCat(f, " wants an integer in [", lo, ", ", hi, "], got \"", v, "\""));
-      return false;
-    };
-    auto list = [&](int64_t lo, int64_t hi, std::vector<int64_t>* out) {
-      out->clear();
-      for (absl::string_view p : absl::StrSplit(v, ',', absl::SkipEmpty())) {
-        if (!absl::SimpleAtoi(p, &n) || n < lo || n > hi) {
-          bad(absl::StrCat(f, ": \"", std::string(p), "\" is not an integer in [", lo, ", ", hi,
-                           "]"));
-          return false;
-        }
-        out->push_back(n);
+}
+
+// A setter that appends each comma-separated word of `words` to `out`
+// (`clear`: replacing the list), for FlagSet::Custom.
+std::function<absl::Status(std::string_view)> WordList(std::vector<std::string> words,
+                                                       std::vector<std::string>* out, bool clear) {
+  return [words = std::move(words), out, clear](std::string_view v) {
+    if (clear) out->clear();
+    for (absl::string_view p : absl::StrSplit(std::string(v), ',')) {
+      if (std::find(words.begin(), words.end(), p) == words.end()) {
+        std::string either = words[0];
+        for (size_t i = 1; i < words.size(); ++i)
+          absl::StrAppend(&either, i + 1 < words.size() ? ", " : " or ", words[i]);
+        return absl::InvalidArgumentError(absl::StrCat("\"", std::string(p), "\" is not ", either));
       }
-      if (out->empty()) {
-        bad(absl::StrCat(f, " lists nothing"));
-        return false;
-      }
-      return true;
-    };
-    auto real = [&](double lo, double hi, bool open_lo) {
-      if (absl::SimpleAtod(v, &d) && (open_lo ? d > lo : d >= lo) && d <= hi) return true;
-      bad(absl::StrCat(f, " wants a number in ", open_lo ? "(" : "[", lo, ", ", hi, "], got \"", v,
-                       "\""));
-      return false;
-    };
-    if (f == "--preset") {
-      if (!PresetConfig(v))
-        return bad(
-            absl::StrCat("unknown preset \"", v, "\" (qwen3-30b, ds-v3, ds-v2-lite, mixtral)"));
-      a.preset = v;
-    } else if (f == "--layers") {
-      if (!integer(0, 4096)) return std::nullopt;
-      a.layers = static_cast<int>(n);
-    } else if (f == "--format") {
-      if (v != "int4" && v != "int8" && v != "bf16")
-        return bad(absl::StrCat("--format: \"", v, "\" is not int4, int8 or bf16"));
-      a.format = v;
-    } else if (f == "--mem-fraction") {
-      if (!real(0, 0.9, true)) return std::nullopt;
-      a.mem_fraction = d;
-    } else if (f == "--transport") {
-      if (!ParseTransportKind(v).ok())
-        return bad(absl::StrCat("--transport: \"", v, "\" is not shm, ucx or grpc"));
-      a.transport = v;
-    } else if (f == "--backend") {
-      if (v != "cuda" && v != "cpu")
-        return bad(absl::StrCat("--backend: \"", v, "\" is not cuda or cpu"));
-      a.backend = v;
-    } else if (f == "--gpu-mem-gb") {
-      if (!real(0, 1 << 20, false)) return std::nullopt;
-      a.gpu_mem_gb = d;
-    } else if (f == "--kv-blocks") {
-      if (!integer(0, int64_t{1} << 32)) return std::nullopt;
-      a.kv_blocks = n;
-    } else if (f == "--defer-experts") {
-      if (!integer(0, 255)) return std::nullopt;
-      a.defer_experts = static_cast<int>(n);
-    } else if (f == "--log-prefill-plans") {
-      if (v != "on" && v != "off")
-        return bad(absl::StrCat("--log-prefill-plans: \"", v, "\" is not on or off"));
-      a.log_prefill_plans = v == "on";
-    } else if (f == "--cuda-graphs") {
-      if (v != "on" && v != "off")
-        return bad(absl::StrCat("--cuda-graphs: \"", v, "\" is not on or off"));
-      a.cuda_graphs = v == "on";
-    } else if (f == "--cuda-expert-slots") {
-      if (v != "on" && v != "off")
-        return bad(absl::StrCat("--cuda-expert-slots: \"", v, "\" is not on or off"));
-      a.cuda_expert_slots = v == "on";
-    } else if (f == "--cuda-expert-calls") {
-      if (v != "device" && v != "host")
-        return bad(absl::StrCat("--cuda-expert-calls: \"", v, "\" is not device or host"));
-      a.cuda_device_calls = v == "device";
-    } else if (f == "--service-cores" || f == "--worker-cores") {
+      out->emplace_back(p);
+    }
+    return absl::OkStatus();
+  };
+}
+
+// The flags, bound to `a`'s fields.
+void AddFlags(FlagSet& fs, Args* a) {
+  const std::vector<std::pair<std::string, bool>> on_off = {{"on", true}, {"off", false}};
+  auto range = [](double lo, double hi, bool open_lo) {
+    return [=](double x) { return (open_lo ? x > lo : x >= lo) && x <= hi; };
+  };
+  auto in = [](double lo, double hi, bool open_lo) {
+    return absl::StrCat("a number in ", open_lo ? "(" : "[", lo, ", ", hi, "]");
+  };
+  auto cpu_list = [](std::string* out) {
+    return [out](std::string_view v) {
       cpu_set_t set;
-      if (absl::Status st = ParseCpuList(v, &set); !st.ok())
-        return bad(absl::StrCat(f, ": ", st.message()));
-      (f == "--service-cores" ? a.service_cores : a.worker_cores) = v;
-    } else if (f == "--path-sweep") {
-      for (absl::string_view p : absl::StrSplit(v, ',')) {
-        if (p != "device" && p != "host" && p != "eager" && p != "copy")
-          return bad(absl::StrCat("--path-sweep: \"", p, "\" is not device, host, eager or copy"));
-        a.path_sweep.emplace_back(p);
-      }
-    } else if (f == "--hot-sweep") {
-      a.hot_sweep.clear();
-      for (absl::string_view p : absl::StrSplit(v, ',', absl::SkipEmpty())) {
-        if (!absl::SimpleAtod(p, &d) || !(d >= 0 && d <= 1e5))
-          return bad(absl::StrCat("--hot-sweep: \"", std::string(p),
-                                  "\" is not a number of GiB in [0, 100000]"));
-        a.hot_sweep.push_back(d);
-      }
-      if (a.hot_sweep.empty()) return bad("--hot-sweep lists nothing");
-    } else if (f == "--prefill-sweep") {
-      a.prefill_sweep.clear();
-      for (absl::string_view p : absl::StrSplit(v, ',')) {
-        if (p != "cpu" && p != "stream" && p != "auto" && p != "stream-serial" &&
-            p != "auto-serial")
-          return bad(absl::StrCat("--prefill-sweep: \"", p,
-                                  "\" is not cpu, stream, auto, stream-serial or auto-serial"));
-        a.prefill_sweep.emplace_back(p);
-      }
-    } else if (f == "--prefill-sweep-prompt") {
-      if (!integer(1, int64_t{1} << 20)) return std::nullopt;
-      a.prefill_sweep_prompt = n;
-    } else if (f == "--calibrate-steps") {
-      if (!integer(1, 1 << 20)) return std::nullopt;
-      a.calibrate_steps = n;
-    } else if (f == "--router-zipf") {
-      if (!real(0, 4, false)) return std::nullopt;
-      a.router_zipf = d;
-    } else if (f == "--defer-sweep") {
-      if (!list(0, 255, &a.defer_sweep)) return std::nullopt;
-    } else if (f == "--threads") {
-      if (!integer(0, 4096)) return std::nullopt;
-      a.threads = static_cast<int>(n);
-    } else if (f == "--prompts") {
-      if (!list(1, int64_t{1} << 20, &a.prompts)) return std::nullopt;
-    } else if (f == "--batches") {
-      if (!list(1, 4096, &a.batches)) return std::nullopt;
-    } else if (f == "--decode-steps") {
-      if (!integer(1, 1 << 20)) return std::nullopt;
-      a.decode_steps = n;
-    } else if (f == "--decode-prompt") {
-      if (!integer(1, 1 << 20)) return std::nullopt;
-      a.decode_prompt = n;
-    } else if (f == "--warmup") {
-      if (!integer(0, 100)) return std::nullopt;
-      a.warmup = static_cast<int>(n);
-    } else if (f == "--reps") {
-      if (!integer(1, 1000)) return std::nullopt;
-      a.reps = static_cast<int>(n);
-    } else if (f == "--service-threads") {
-      if (!integer(0, 4096)) return std::nullopt;
-      a.service_threads = static_cast<int>(n);
-    } else if (f == "--service-max-tokens") {
-      if (!integer(1, 1 << 20)) return std::nullopt;
-      a.service_max_tokens = n;
-    } else if (f == "--service-timeout-s") {
-      if (!real(0, 86400, true)) return std::nullopt;
-      a.service_timeout_s = d;
-    } else if (f == "--expert-timeout-ms") {
-      if (!integer(1, int64_t{3600} * 1000)) return std::nullopt;
-      a.expert_timeout_ms = n;
-    } else if (f == "--bin-dir") {
-      a.bin_dir = v;
-    } else if (f == "--work-dir") {
-      a.work_dir = v;
-    } else if (f == "--vocab") {
-      if (!integer(1, int64_t{1} << 24)) return std::nullopt;
-      a.vocab = n;
-    } else if (f == "--probe-bytes") {
-      if (!integer(1, int64_t{1} << 30)) return std::nullopt;
-      a.probe_mib = n;
-    } else if (f == "--probe-reps") {
-      if (!integer(1, 100)) return std::nullopt;
-      a.probe_reps = static_cast<int>(n);
-    } else if (f == "--json") {
-      a.json = v;
-    }
-  }
-  return a;
+      RETURN_IF_ERROR(ParseCpuList(std::string(v), &set));
+      *out = std::string(v);
+      return absl::OkStatus();
+    };
+  };
+  fs.Group("model and service");
+  fs.Choice("preset", &a->preset, {"qwen3-30b", "ds-v3", "ds-v2-lite", "mixtral"},
+            "the model's shape");
+  fs.Int("layers", &a->layers, 0, 4096,
+         "decoder layers, dense-first ones included (0: as many as fit the routed experts in "
+         "--mem-fraction of RAM at --format, at most the model's)");
+  fs.Choice("format", &a->format, {"int4", "int8", "bf16"},
+            "routed experts: int4 (int4g64), int8 or bf16");
+  fs.Double("mem-fraction", &a->mem_fraction,
+            "share of RAM the routed experts may take when --layers is 0", range(0, 0.9, true),
+            in(0, 0.9, true));
+  fs.Custom(
+      "transport", "shm|ucx|grpc", "to the expert service",
+      [a](std::string_view v) {
+        RETURN_IF_ERROR(ParseTransportKind(std::string(v)).status());
+        a->transport = std::string(v);
+        return absl::OkStatus();
+      },
+      a->transport);
+  fs.Choice("backend", &a->backend, {"cuda", "cpu"}, "the model's backend");
+  fs.Double("gpu-mem-gb", &a->gpu_mem_gb,
+            "cuda: memory bound in GiB (0: the device's free memory less 1 GiB)",
+            range(0, 1 << 20, false), in(0, 1 << 20, false));
+  fs.Int("kv-blocks", &a->kv_blocks, 0, int64_t{1} << 32,
+         "cuda: paged KV cache blocks (0: the backend's)");
+  fs.Int("defer-experts", &a->defer_experts, 0, 255,
+         "Expert Deferral: the N lowest-weighted routed experts of a layer join one layer late "
+         "(0: the exact model)");
+  fs.Enum<bool>("cuda-graphs", &a->cuda_graphs, on_off, "cuda: one CUDA Graph per decode step");
+  fs.Enum<bool>("log-prefill-plans", &a->log_prefill_plans, on_off,
+                "cuda: per large pass, each MoE layer's choice and the streamed experts' upload / "
+                "compute timeline (stderr)");
+  fs.Enum<bool>("cuda-expert-slots", &a->cuda_expert_slots, on_off,
+                "cuda: off sends every pass's experts the host-copy way, no slots or graphs");
+  fs.Enum<bool>("cuda-expert-calls", &a->cuda_device_calls, {{"device", true}, {"host", false}},
+                "cuda, slot passes: who sends each expert call and waits for it (device: kernels "
+                "store and poll the shm slot's state; host: host nodes)");
+  fs.Custom("service-cores", "LIST",
+            "CPUs of the expert service and the DRAM probes (e.g. 0-13; "
+            "default: all this process may use)",
+            cpu_list(&a->service_cores));
+  fs.Custom("worker-cores", "LIST",
+            "CPUs of this process (the worker: its CUDA and host-node "
+            "threads) once the service runs (default: all)",
+            cpu_list(&a->worker_cores));
+  fs.Double("router-zipf", &a->router_zipf,
+            "routers with e_score_correction_bias (ds-v3): a per-layer bias of S * 0.35 * "
+            "ln(1 / rank) over a random ranking of the experts, so popularity is skewed like "
+            "Zipf(S) (the routing counts show how much); 0: unbiased",
+            range(0, 4, false), in(0, 4, false));
+  fs.Int("threads", &a->threads, 0, 4096,
+         "worker threads of the model's parallel loops (0: hardware concurrency)");
+  fs.Int("service-threads", &a->service_threads, 0, 4096,
+         "the expert service's --threads, also the DRAM probe's (0: every core)");
+  fs.Int("service-max-tokens", &a->service_max_tokens, 1, 1 << 20,
+         "the service's --max-tokens (0: the service's)");
+  fs.Double("service-timeout-s", &a->service_timeout_s, "seconds to wait for the service to load",
+            range(0, 86400, true), in(0, 86400, true));
+  fs.Int("expert-timeout-ms", &a->expert_timeout_ms, 1, int64_t{3600} * 1000,
+         "deadline of one MoE call");
+  fs.String("bin-dir", &a->bin_dir, "DIR",
+            "where hmoe-expert-service is (default: this program's dir)");
+  fs.String("work-dir", &a->work_dir, "DIR",
+            "checkpoint and service log (default /tmp/hmoe-bench-e2e-PRESET-LLAYERS[-vVOCAB]); "
+            "reused when its checkpoint matches");
+  fs.Int("vocab", &a->vocab, 1, int64_t{1} << 24,
+         "smoke tests only: override the vocabulary size (0: the preset's)");
+  fs.Group("runs");
+  fs.Custom("prompts", "LIST", "prefill prompt lengths", IntList(1, int64_t{1} << 20, &a->prompts),
+            absl::StrJoin(a->prompts, ","));
+  fs.Custom("batches", "LIST", "decode batch sizes", IntList(1, 4096, &a->batches),
+            absl::StrJoin(a->batches, ","));
+  fs.Int("decode-steps", &a->decode_steps, 1, 1 << 20, "timed decode steps per batch");
+  fs.Int("decode-prompt", &a->decode_prompt, 1, 1 << 20,
+         "tokens each decode sequence is prefilled with");
+  fs.Int("warmup", &a->warmup, 0, 100,
+         "untimed passes before each prefill row and untimed steps (2*N) before each decode row");
+  fs.Int("reps", &a->reps, 1, 1000, "timed passes per prefill row");
+  fs.Int("probe-bytes", &a->probe_mib, 1, int64_t{1} << 30,
+         "DRAM probe buffer in MiB (0: max(8 x LLC, 2 GiB))");
+  fs.Int("probe-reps", &a->probe_reps, 1, 100, "timed passes per probe pattern");
+  fs.Bool("probe-after", &a->probe_after,
+          "a second DRAM probe after the service has loaded (the higher reading counts)");
+  fs.String("json", &a->json, "FILE", "also write the results as one JSON object");
+  fs.Group("sweeps (after the runs above)");
+  fs.Custom("path-sweep", "LIST",
+            "batch-1 decode again per worker path, the model reloaded for each: device (slots, "
+            "graphs, device calls), host (slots, graphs, host nodes), eager (slots, no graphs, "
+            "device calls), copy (no slots)",
+            WordList({"device", "host", "eager", "copy"}, &a->path_sweep, /*clear=*/false));
+  fs.Custom("defer-sweep", "LIST",
+            "batch-1 decode again for each deferral count in LIST (e.g. 0,1,2,3,4; the model is "
+            "reloaded per count): tok/s, GPU and CPU busy per step and the bound perfect overlap "
+            "allows",
+            IntList(0, 255, &a->defer_sweep));
+  fs.Custom(
+      "hot-sweep", "LIST",
+      "cuda: batch-1 decode again per GPU budget in GiB for hot experts (e.g. 0,8,24; 0: none), "
+      "the placement planned (PlanPlacement) from the routing counts of a calibration run "
+      "(batch-16 decode, --calibrate-steps steps), the hot experts' weights the service's "
+      "synthetic ones: tok/s, the share of routed traffic served on the GPU and the ceiling "
+      "with hot experts (DRAM bandwidth / CPU-side bytes per token)",
+      [a](std::string_view v) {
+        a->hot_sweep.clear();
+        for (absl::string_view p : absl::StrSplit(std::string(v), ',', absl::SkipEmpty())) {
+          double d = 0;
+          if (!absl::SimpleAtod(p, &d) || !(d >= 0 && d <= 1e5))
+            return absl::InvalidArgumentError(
+                absl::StrCat("\"", std::string(p), "\" is not a number of GiB in [0, 100000]"));
+          a->hot_sweep.push_back(d);
+        }
+        if (a->hot_sweep.empty()) return absl::InvalidArgumentError("lists nothing");
+        return absl::OkStatus();
+      });
+  fs.Int("calibrate-steps", &a->calibrate_steps, 1, 1 << 20,
+         "the hot sweep's calibration run: batch-16 decode steps");
+  fs.Custom("prefill-sweep", "LIST",
+            "cuda: prefill of the longest --prompts prompt again per policy of the routed experts "
+            "(cpu, stream, auto; ModelOptions::prefill_experts; stream-serial and auto-serial: "
+            "the same without uploading the next MoE layer's experts ahead, prefill_prefetch "
+            "off), the model reloaded for each with the service's synthetic experts as its "
+            "streamed copies: tok/s, the layers' choices, the experts uploaded ahead and used, "
+            "and the bound of a perfect split of the experts' work, G + A*S/(A+S) (A: the cpu "
+            "row's expert wait, G: its GPU time, S: the stream-serial row's GPU time, else the "
+            "stream row's, less G)",
+            WordList({"cpu", "stream", "auto", "stream-serial", "auto-serial"}, &a->prefill_sweep,
+                     /*clear=*/true));
+  fs.Int("prefill-sweep-prompt", &a->prefill_sweep_prompt, 1, int64_t{1} << 20,
+         "its prompt length (0: the longest --prompts)");
 }
 
 // ---- the worker's checkpoint ------------------------------------------------------
@@ -898,7 +761,7 @@ absl::Status PinThread(const cpu_set_t& set, const std::string& what) {
 // `list` as a CPU set; `all` when empty.
 cpu_set_t CpusOr(const std::string& list, const cpu_set_t& all) {
   cpu_set_t set = all;
-  if (!list.empty()) ParseCpuList(list, &set).IgnoreError();  // checked by ParseArgs
+  if (!list.empty()) ParseCpuList(list, &set).IgnoreError();  // checked by AddFlags
   return set;
 }
 
@@ -1819,9 +1682,14 @@ absl::Status Run(const Args& a) {
 }
 
 int Main(int argc, char** argv) {
-  int code = 0;
-  const std::optional<Args> args = ParseArgs(argc, argv, &code);
-  if (!args) return code;
+  Args args;
+  FlagSet fs("hmoe-bench-e2e", "[flags]",
+             "The worker's model in this process and hmoe-expert-service --synthetic as a child,\n"
+             "end to end: prefill and decode tok/s against the CPU-expert decode ceiling\n"
+             "measured in the same run (bench_e2e.cc's header). Exit 0 on success, 2 on a bad\n"
+             "flag, 1 on any other failure.");
+  AddFlags(fs, &args);
+  if (std::optional<int> exit = fs.ParseOrExit(argc, argv)) return *exit;
   // SIGINT / SIGTERM go to a sigwait thread that stops the service and exits.
   sigset_t sigs;
   sigemptyset(&sigs);
@@ -1836,7 +1704,7 @@ int Main(int argc, char** argv) {
     StopChild(g_child.load());
     std::_Exit(128 + sig);
   }).detach();
-  const absl::Status st = Run(*args);
+  const absl::Status st = Run(args);
   if (!st.ok()) {
     std::fprintf(stderr, "hmoe-bench-e2e: %s\n", st.ToString().c_str());
     return 1;

@@ -1,6 +1,6 @@
 // hmoe-bench-moe: the MoE operator against the machine's measured limits and
-// against oneDNN, at real model shapes, cache-cold. Flags: kUsage below
-// (`--help`).
+// against oneDNN, at real model shapes, cache-cold. Flags: AddFlags below
+// (`--help`; docs/FLAGS.md).
 //
 // Kernel tuning (expert_service/kernels/tuning.h) comes from the HMOE_AMX_*,
 // HMOE_FEW_*, HMOE_MOE_* and HMOE_PROFILE environment variables. --tune
@@ -39,9 +39,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/dram_probe.h"
 #include "common/dtype.h"
+#include "common/flags.h"
 #include "common/runtime/numa.h"
 #include "common/runtime/thread_pool.h"
 #include "expert_service/kernels/gemm.h"
@@ -52,43 +54,6 @@
 
 namespace hmoe {
 namespace {
-
-constexpr char kUsage[] = R"(usage: hmoe-bench-moe [flags]
-  --preset LIST     ds-v3, qwen3-30b, ds-v2-lite, mixtral, or a shape HxIxExK
-                    (default ds-v3,qwen3-30b)
-  --T LIST          tokens per call, each >= 1 (default 1,2,4,8,32,128,512,2048,8192)
-  --format LIST     bf16, int8, int4 (default int4,int8,bf16)
-  --isa LIST        amx, avx512, avx2, scalar (default: the best this CPU has;
-                    one above it is skipped with a note)
-  --routing R       uniform (a balanced sweep: every expert T*k/E tokens),
-                    random (each token's k experts drawn at random: a real
-                    router's imbalance without skew) or zipf (default uniform)
-  --zipf-s S        Zipf exponent, P(rank r) ~ 1/r^S, 0 < S <= 4 (default 1)
-  --layers N        layers to cycle through (default 0: enough that the
-                    weights exceed 4x the last-level cache)
-  --threads N       pool threads (default 0: one per core)
-  --vnuma N         split the cores into N virtual NUMA nodes (tensor-parallel
-                    split of every expert; default 1); N > 1 also runs every
-                    row on the same cores as one node (rows tagged nodes=N /
-                    nodes=1, interleaved), so the split's cost reads off
-                    adjacent rows
-  --group G         int4 group: 32, 64 or 128 (default 128)
-  --many N          experts with more than N tokens in a call take the AMX
-                    ("many") kernels, int8 / bf16 (default: RunOptions')
-  --many-int4 N     the same for int4 (default: RunOptions')
-  --min-time S      seconds of timed calls per row, > 0 (default 0.25)
-  --reps N          measurements per row and --tune setting (default 1)
-  --tune SETTINGS   "A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=0;B:" compares
-                    kernel settings in one process, interleaved; MANY=N and
-                    MANY_INT4=N in a setting override --many / --many-int4
-  --row-limits      re-measure the AMX peak after every AMX row with T >= 128
-  --no-pin-caller   let the OS place the calling thread (worker 0) during
-                    our calls (default: the pool moves it to its first core)
-  --kernel-probe    the AMX GEMM alone vs the register-only tile loop
-  --no-onednn       skip the oneDNN baseline
-  --json FILE       also write the rows as JSON
-  --help            this text
-)";
 
 struct Preset {
   const char* name;
@@ -417,104 +382,92 @@ void KernelProbe(ThreadPool& pool, int64_t hidden, const std::vector<Args::Tune>
     }
 }
 
+// The flags, bound to `a`'s fields.
+void AddFlags(FlagSet& fs, Args* a) {
+  auto names = [](std::vector<std::string>* out) {
+    return [out](std::string_view v) {
+      *out = List(std::string(v));
+      return absl::OkStatus();
+    };
+  };
+  fs.Custom("preset", "LIST", "ds-v3, qwen3-30b, ds-v2-lite, mixtral, or a shape HxIxExK",
+            names(&a->presets), absl::StrJoin(a->presets, ","));
+  fs.Custom(
+      "T", "LIST", "tokens per call, each >= 1",
+      [a](std::string_view v) {
+        a->Ts.clear();
+        for (const auto& t : List(std::string(v))) {
+          int64_t n = 0;
+          if (!absl::SimpleAtoi(t, &n) || n < 1 || n > (int64_t{1} << 20))
+            return absl::InvalidArgumentError(
+                absl::StrCat("'", t, "' is not a token count in [1, 1048576]"));
+          a->Ts.push_back(n);
+        }
+        return absl::OkStatus();
+      },
+      absl::StrJoin(a->Ts, ","));
+  fs.Custom("format", "LIST", "bf16, int8, int4", names(&a->formats),
+            absl::StrJoin(a->formats, ","));
+  fs.Custom("isa", "LIST",
+            "amx, avx512, avx2, scalar (default: the best this CPU has; one above it is skipped "
+            "with a note)",
+            names(&a->isas));
+  fs.Enum<Routing>("routing", &a->routing,
+                   {{RoutingName(Routing::kSweep), Routing::kSweep},
+                    {RoutingName(Routing::kRandom), Routing::kRandom},
+                    {RoutingName(Routing::kZipf), Routing::kZipf}},
+                   "uniform (a balanced sweep: every expert T*k/E tokens), random (each token's k "
+                   "experts drawn at random: a real router's imbalance without skew) or zipf");
+  fs.Double(
+      "zipf-s", &a->zipf_s, "Zipf exponent, P(rank r) ~ 1/r^S",
+      [](double x) { return x > 0 && x <= 4; }, "a number in (0, 4]");
+  fs.Int("layers", &a->layers, 0, 4096,
+         "layers to cycle through (0: enough that the weights exceed 4x the last-level cache)");
+  fs.Int("threads", &a->threads, 0, 4096, "pool threads (0: one per core)");
+  fs.Int("vnuma", &a->vnuma, 0, 256,
+         "split the cores into N virtual NUMA nodes (tensor-parallel split of every expert; 0 "
+         "or 1: one node); N > 1 also runs every row on the same cores as one node (rows tagged "
+         "nodes=N / nodes=1, interleaved), so the split's cost reads off adjacent rows");
+  fs.Enum<int>("group", &a->group, {{"32", 32}, {"64", 64}, {"128", 128}}, "int4 group");
+  fs.Int("many", &a->many, 0, 1 << 20,
+         "experts with more than N tokens in a call take the AMX (\"many\") kernels, int8 / "
+         "bf16 (default: RunOptions')");
+  fs.Int("many-int4", &a->many_int4, 0, 1 << 20, "the same for int4 (default: RunOptions')");
+  fs.Double(
+      "min-time", &a->min_time, "seconds of timed calls per row",
+      [](double x) { return x > 0 && x <= 3600; }, "seconds in (0, 3600]");
+  fs.Int("reps", &a->reps, 1, 1000, "measurements per row and --tune setting");
+  fs.Custom(
+      "tune", "SETTINGS",
+      "\"A:HMOE_AMX_KC_BYTES=512,HMOE_AMX_STREAM=0;B:\" compares kernel settings in one "
+      "process, interleaved; MANY=N and MANY_INT4=N in a setting override --many / "
+      "--many-int4",
+      [a](std::string_view v) {
+        if (ParseTunes(std::string(v), a->tunes)) return absl::OkStatus();
+        return absl::InvalidArgumentError("wants NAME:HMOE_AMX_K=V,HMOE_MOE_K=V,...;NAME:...");
+      });
+  fs.Bool("row-limits", &a->row_limits,
+          "re-measure the AMX peak after every AMX row with T >= 128");
+  fs.Bool("pin-caller", &a->pin_caller,
+          "the pool moves the calling thread (worker 0) to its first core during our calls "
+          "(off: the OS places it)");
+  fs.Bool("kernel-probe", &a->kernel_probe, "the AMX GEMM alone vs the register-only tile loop");
+  fs.Bool("onednn", &a->onednn, "the oneDNN baseline");
+  fs.String("json", &a->json, "FILE", "also write the rows as JSON");
+}
+
 int Main(int argc, char** argv) {
-  static constexpr std::string_view kValueFlags[] = {
-      "--preset", "--T",       "--format", "--isa",      "--routing",  "--zipf-s",
-      "--layers", "--threads", "--vnuma",  "--group",    "--min-time", "--reps",
-      "--json",   "--tune",    "--many",   "--many-int4"};
   Args a;
+  FlagSet fs("hmoe-bench-moe", "[flags]",
+             "The MoE operator against the machine's measured limits and against oneDNN, at\n"
+             "real model shapes, cache-cold. Kernel tuning comes from the HMOE_AMX_*, HMOE_FEW_*,\n"
+             "HMOE_MOE_* and HMOE_PROFILE environment variables (--tune compares settings).");
+  AddFlags(fs, &a);
+  if (std::optional<int> exit = fs.ParseOrExit(argc, argv)) return *exit;
   auto bad = [](const std::string& msg) {
     std::fprintf(stderr, "hmoe-bench-moe: %s (--help for usage)\n", msg.c_str());
     return 2;
   };
-  for (int i = 1; i < argc; ++i) {
-    const std::string f = argv[i];
-    if (f == "--help" || f == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    const bool has_value = i + 1 < argc;
-    auto val = [&]() -> std::string { return has_value ? argv[++i] : std::string(); };
-    auto count = [&](int64_t lo, int64_t hi, int64_t* out) {
-      const std::string v = val();
-      return absl::SimpleAtoi(v, out) && *out >= lo && *out <= hi;
-    };
-    auto range = [&](int64_t lo, int64_t hi) {
-      return absl::StrCat(f, " wants an integer in [", lo, ", ", hi, "]");
-    };
-    int64_t n = 0;
-    if (f == "--kernel-probe") {
-      a.kernel_probe = true;
-    } else if (f == "--row-limits") {
-      a.row_limits = true;
-    } else if (f == "--no-pin-caller") {
-      a.pin_caller = false;
-    } else if (f == "--no-onednn") {
-      a.onednn = false;
-    } else if (std::find(std::begin(kValueFlags), std::end(kValueFlags), f) ==
-               std::end(kValueFlags)) {
-      return bad(absl::StrCat("unknown flag ", f));
-    } else if (!has_value) {
-      return bad(absl::StrCat(f, " needs a value"));
-    } else if (f == "--preset") {
-      a.presets = List(val());
-    } else if (f == "--T") {
-      a.Ts.clear();
-      for (const auto& t : List(val())) {
-        if (!absl::SimpleAtoi(t, &n) || n < 1 || n > (int64_t{1} << 20))
-          return bad(absl::StrCat("--T: '", t, "' is not a token count in [1, 1048576]"));
-        a.Ts.push_back(n);
-      }
-    } else if (f == "--format") {
-      a.formats = List(val());
-    } else if (f == "--isa") {
-      a.isas = List(val());
-    } else if (f == "--routing") {
-      const std::string r = val();
-      bool known = false;
-      for (Routing m : {Routing::kSweep, Routing::kRandom, Routing::kZipf})
-        if (r == RoutingName(m)) {
-          a.routing = m;
-          known = true;
-        }
-      if (!known) return bad(absl::StrCat("--routing: '", r, "' is not uniform, random or zipf"));
-    } else if (f == "--zipf-s") {
-      const std::string v = val();
-      if (!absl::SimpleAtod(v, &a.zipf_s) || !(a.zipf_s > 0 && a.zipf_s <= 4))
-        return bad(absl::StrCat("--zipf-s: '", v, "' is not in (0, 4]"));
-    } else if (f == "--layers") {
-      if (!count(0, 4096, &n)) return bad(range(0, 4096));
-      a.layers = static_cast<int>(n);
-    } else if (f == "--threads") {
-      if (!count(0, 4096, &n)) return bad(range(0, 4096));
-      a.threads = static_cast<int>(n);
-    } else if (f == "--vnuma") {
-      if (!count(0, 256, &n)) return bad(range(0, 256));
-      a.vnuma = static_cast<int>(n);
-    } else if (f == "--group") {
-      if (!count(32, 128, &n) || (n != 32 && n != 64 && n != 128))
-        return bad("--group wants 32, 64 or 128");
-      a.group = static_cast<int>(n);
-    } else if (f == "--many") {
-      if (!count(0, 1 << 20, &n)) return bad(range(0, 1 << 20));
-      a.many = static_cast<int>(n);
-    } else if (f == "--many-int4") {
-      if (!count(0, 1 << 20, &n)) return bad(range(0, 1 << 20));
-      a.many_int4 = static_cast<int>(n);
-    } else if (f == "--min-time") {
-      const std::string v = val();
-      if (!absl::SimpleAtod(v, &a.min_time) || !(a.min_time > 0 && a.min_time <= 3600))
-        return bad(absl::StrCat("--min-time: '", v, "' is not seconds in (0, 3600]"));
-    } else if (f == "--reps") {
-      if (!count(1, 1000, &n)) return bad(range(1, 1000));
-      a.reps = static_cast<int>(n);
-    } else if (f == "--json") {
-      a.json = val();
-    } else if (f == "--tune") {
-      if (!ParseTunes(val(), a.tunes))
-        return bad("--tune wants NAME:HMOE_AMX_K=V,HMOE_MOE_K=V,...;NAME:...");
-    }
-  }
   // Names checked before the probes spend any time.
   if (a.Ts.empty()) return bad("--T lists no token counts");
   if (a.presets.empty()) return bad("--preset lists no presets");
