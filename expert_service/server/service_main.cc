@@ -1,48 +1,20 @@
-// hmoe-expert-service: serves one shard of a model's routed experts. Usage:
-// AddFlags below (--help prints them).
-//
-// The experts run on the CPU kernels (expert_service/kernels) with one thread
-// pool over the cores the process is bound to (--numa-node / --cores, bound
-// before the weights are loaded, so memory and workers stay there).
-// Control plane and data plane on gRPC (proto/expert.proto) plus grpc.health.v1;
-// shared-memory and UCX data planes set up through the control plane.
-// READY=1 goes to systemd (sd_notify) once the weights are loaded and every
-// front end listens. SIGTERM/SIGINT (handled on a sigwait thread): health goes
-// NOT_SERVING, new calls are refused, in-flight calls finish (up to the drain
-// timeout), then the process exits 0; during loading it stops the load at the
-// next expert and exits 0 without READY. SIGHUP (systemctl reload) re-reads
-// --auth-token-file.
-//
-// --auth-token-file: every control and data call must carry a token in the
-// file (common/auth_token.h: one per line, so a token can rotate; the
-// worker's --expert-auth-token-file), else UNAUTHENTICATED; health stays
-// open. A reload applies to calls and set-ups that start afterwards; shm and
-// UCX sessions already set up stay. UCX and shared-memory sessions are set
-// up through the control plane, so they need it too. Without it, anyone who
-// reaches --listen may call the service (the default listens on loopback).
-// --max-peers N (default 64): at most N gRPC MoE streams, N shared-memory
-// segments and N UCX clients at once; one more is refused RESOURCE_EXHAUSTED.
-// --tls-cert-file / --tls-key-file: the gRPC port speaks TLS (the worker's
-// --expert-tls-ca-file verifies it); --tls-client-ca-file: clients must also
-// present a certificate signed by that CA (mutual TLS). UCX and shared
-// memory are not encrypted.
+// hmoe-expert-service: serves one shard of a model's routed experts: flags
+// (AddFlags; --help and docs/FLAGS.md say them, with the signals and health)
+// and wiring. The shard is expert_shard.h; the gRPC services, data planes,
+// CPU binding and port file it is served through are front_ends.h.
 //
 //   hmoe-expert-service --check-ucx-address   (internal: the UCX address
 //       checker child the service starts itself; see UcxServerOptions)
-#include <numa.h>
-#include <sched.h>
 #include <signal.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <memory>
 #include <string>
@@ -62,11 +34,9 @@
 #include "common/transport/grpc_tls.h"
 #include "expert_service/kernels/isa.h"
 #include "expert_service/server/expert_shard.h"
+#include "expert_service/server/front_ends.h"
 #include "expert_service/server/grpc_services.h"
-#include "expert_service/transport/shm_server.h"
-#include "expert_service/transport/ucx_server.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "proto/expert.grpc.pb.h"
 
 namespace hmoe {
@@ -192,14 +162,21 @@ void AddFlags(FlagSet& fs, ServiceOptions* o) {
   fs.Int("ucx-lanes", &o->ucx_lanes, 1, kMaxUcxLanes,
          "UCX workers, each with its thread and connection; a client uses min(its, these)");
   fs.Int("max-peers", &o->max_peers, 1, 65536,
-         "gRPC streams, shm segments and UCX clients at once, each");
+         "gRPC MoE streams, shm segments and UCX clients at once, each; one more is refused "
+         "RESOURCE_EXHAUSTED");
   fs.Double(
       "drain-timeout-s", &o->drain_timeout_s, "on SIGTERM, how long in-flight calls may finish",
       [](double x) { return x >= 0 && x <= 3600; }, "a number of seconds in [0, 3600]");
   fs.String("instance", &o->instance, "NAME", "a name for the logs and Info");
-  fs.Group("security");
+  fs.Group(
+      "security (--tls-*: the gRPC port speaks TLS, the worker's --expert-tls-ca-file "
+      "verifies it; UCX and shared memory are not encrypted)");
   fs.String("auth-token-file", &o->auth_token_file, "PATH",
-            "calls must carry a token in this file (one per line; SIGHUP re-reads it)");
+            "every control and data call must carry a token in this file (one per line, so a "
+            "token can rotate; the worker's --expert-auth-token-file), else UNAUTHENTICATED; "
+            "health stays open. SIGHUP re-reads it for calls and set-ups that start afterwards "
+            "(shm and UCX sessions already set up stay). Without it, anyone who reaches "
+            "--listen may call the service");
   AddTlsFlags(fs, &o->tls);
 }
 
@@ -226,48 +203,9 @@ absl::Status Finish(ServiceOptions& o) {
   return absl::OkStatus();
 }
 
-absl::Status BindResources(const ServiceOptions& o) {
-  if (o.numa_node >= 0) {
-    if (numa_available() < 0) {
-      return absl::FailedPreconditionError("--numa-node: libnuma reports NUMA unavailable");
-    }
-    if (o.numa_node > numa_max_node()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--numa-node: ", o.numa_node, " > max node ", numa_max_node()));
-    }
-    if (numa_run_on_node(o.numa_node) != 0) {
-      return absl::InternalError(absl::StrCat("numa_run_on_node: ", std::strerror(errno)));
-    }
-    bitmask* nodes = numa_allocate_nodemask();
-    numa_bitmask_setbit(nodes, static_cast<unsigned>(o.numa_node));
-    numa_set_membind(nodes);  // strict: the experts' memory stays on the node
-    numa_bitmask_free(nodes);
-  }
-  if (!o.cores.empty()) {
-    cpu_set_t set;
-    if (absl::Status st = ParseCpuList(o.cores, &set); !st.ok())
-      return absl::InvalidArgumentError(absl::StrCat("--cores: ", st.message()));
-    if (sched_setaffinity(0, sizeof(set), &set) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--cores: ", std::strerror(errno)));
-    }
-  }
-  return absl::OkStatus();
-}
-
 void Log(const std::string& s) {
   std::fprintf(stderr, "hmoe-expert-service[%d]: %s\n", ::getpid(), s.c_str());
   std::fflush(stderr);
-}
-
-// The gRPC data plane's largest request, fixed before the model's shape is
-// known (the server is up while the weights load): --max-tokens rows of the
-// widest hidden size taken (kGrpcMaxHidden) plus ids and weights for top-k up
-// to kGrpcMaxTopK, plus framing. gRPC refuses a larger message
-// (RESOURCE_EXHAUSTED) before allocating or parsing it.
-constexpr int64_t kGrpcMaxHidden = 32768, kGrpcMaxTopK = 64;
-int GrpcMaxRequestBytes(int64_t max_tokens) {
-  const int64_t bytes = max_tokens * (2 * kGrpcMaxHidden + 8 * kGrpcMaxTopK) + (64 << 10);
-  return static_cast<int>(std::min<int64_t>(bytes, std::numeric_limits<int>::max()));
 }
 
 // SIGHUP: the token file is read again; a file that fails its checks
@@ -282,9 +220,17 @@ void ReloadCredentials(const ServiceOptions& o) {
 }
 
 constexpr char kAbout[] =
-    "Serves one shard of a model's routed experts over gRPC, shared memory and UCX.\n"
-    "SIGTERM drains and exits; SIGHUP re-reads --auth-token-file. README.md and\n"
-    "docs/ARCHITECTURE.md say more.\n";
+    "Serves one shard of a model's routed experts over gRPC, shared memory and UCX, on\n"
+    "the CPU kernels with one thread pool over the cores the process is bound to\n"
+    "(--numa-node / --cores, bound before the weights load, so memory and workers stay\n"
+    "there). Control plane and data plane on gRPC (proto/expert.proto) plus\n"
+    "grpc.health.v1; the shared-memory and UCX data planes are set up through the\n"
+    "control plane. READY=1 goes to systemd once the weights are loaded and every front\n"
+    "end listens. SIGTERM / SIGINT: health goes NOT_SERVING, new calls are refused,\n"
+    "in-flight calls finish (up to --drain-timeout-s), exit 0; during loading the load\n"
+    "stops at the next expert and the process exits 0 without READY. SIGHUP (systemctl\n"
+    "reload) re-reads --auth-token-file. Exit 2 on a bad flag or binding, 1 when the\n"
+    "start fails.\n";
 
 int Main(int argc, char** argv) {
   // The UCX address checker (UcxServerOptions::address_checker): this binary
@@ -322,72 +268,30 @@ int Main(int argc, char** argv) {
   state.max_peers = o.max_peers;
   state.auth_tokens = o.auth_tokens;  // shared: SIGHUP's reload reaches the handlers
   Log("options: " + o.ToString());
-  // UCX's TCP transport listens on every network device it uses: keep it on
-  // the --listen host's (UCX_NET_DEVICES, which the address checker child
-  // inherits; one set in the environment wins). Before any thread starts.
-  if (o.ucx && std::getenv("UCX_NET_DEVICES") == nullptr) {
-    absl::StatusOr<std::string> dev = UcxNetDeviceFor(o.listen);
-    if (!dev.ok()) {
-      Log("warning: UCX data plane on every network device: " +
-          std::string(dev.status().message()));
-    } else if (!dev->empty()) {
-      ::setenv("UCX_NET_DEVICES", dev->c_str(), 1);
-      Log("UCX data plane on network device " + *dev + " (the --listen host's)");
-    }
-  }
+  if (o.ucx) PinUcxToListenDevice(o.listen, Log);  // before any thread starts
   if (!o.auth_tokens->enabled() && !IsLoopbackListenAddress(o.listen)) {
     Log("warning: listening on " + o.listen +
         " without --auth-token-file: any host that reaches it can use this service");
   }
-  if (absl::Status st = BindResources(o); !st.ok()) {
+  if (absl::Status st = BindProcess(o.numa_node, o.cores); !st.ok()) {
     Log(std::string(st.message()));
     return 2;
   }
-  if (!o.port_file.empty()) {
-    // A file left by an earlier run must not announce this one before READY;
-    // a place that cannot be written fails now, not after a long load.
-    if (std::remove(o.port_file.c_str()) != 0 && errno != ENOENT) {
-      Log(absl::StrCat("cannot remove the old --port-file ", o.port_file, ": ",
-                       std::strerror(errno)));
-      return 2;
-    }
-    const std::string tmp = o.port_file + ".tmp";
-    if (!std::ofstream(tmp)) {
-      Log(absl::StrCat("cannot write --port-file ", o.port_file, ": ", std::strerror(errno)));
-      return 2;
-    }
-    std::remove(tmp.c_str());
+  const PortFile port_file(o.port_file);
+  if (absl::Status st = port_file.Prepare(); !st.ok()) {
+    Log(std::string(st.message()));
+    return 2;
   }
 
-  std::unique_ptr<grpc::Service> control = MakeControlService(&state);
-  std::unique_ptr<grpc::Service> data = MakeDataService(&state);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(o.listen, o.credentials, &port);
-  builder.SetMaxReceiveMessageSize(GrpcMaxRequestBytes(o.shard.max_tokens));
-  // gRPC sets SO_REUSEPORT by default: a second service on a taken port
-  // would start and split the connections with the first.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  // Pings to idle clients: a stream from a host that died ends within ~40 s
-  // and frees its --max-peers place. Clients ping every 10 s (grpc_client.cc).
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
-  builder.SetMaxSendMessageSize(-1);
-  builder.RegisterService(control.get());
-  builder.RegisterService(data.get());
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    Log("cannot listen on " + o.listen);
+  absl::StatusOr<std::unique_ptr<GrpcFrontEnd>> grpc_fe =
+      StartGrpcFrontEnd(o.listen, o.credentials, o.shard.max_tokens, &state);
+  if (!grpc_fe.ok()) {
+    Log(std::string(grpc_fe.status().message()));
     return 1;
   }
+  grpc::Server* server = (*grpc_fe)->server.get();
+  const int port = (*grpc_fe)->port;
   auto* health = server->GetHealthCheckService();
-  // The services' own names answer as the server does (every later
-  // SetServingStatus(bool) sets them too).
-  health->SetServingStatus(pb::ExpertControl::service_full_name(), false);
-  health->SetServingStatus(pb::ExpertData::service_full_name(), false);
-  health->SetServingStatus(false);
 
   std::atomic<bool> stop{false};
   std::atomic<bool> load_failed{false};  // the thread is being woken to exit, not to drain
@@ -429,69 +333,28 @@ int Main(int argc, char** argv) {
     return 1;
   };
   if (!shard.ok()) return fail_start("load", std::string(shard.status().message()));
-  std::unique_ptr<ShmServer> shm;
-  std::unique_ptr<UcxServer> ucx;
-  if (o.shm) {
-    shm = std::make_unique<ShmServer>(shard->get(), static_cast<size_t>(o.max_peers));
-    state.shm = shm.get();
-  }
-  if (o.ucx) {
-    UcxServerOptions uo;
-    uo.address_checker = {"/proc/self/exe", "--check-ucx-address"};
-    uo.max_endpoints = static_cast<size_t>(o.max_peers);
-    uo.fragment_bytes = static_cast<uint64_t>(o.ucx_fragment_bytes);
-    uo.lanes = static_cast<int>(o.ucx_lanes);
-    auto u = UcxServer::Create(shard->get(), uo);
-    if (u.ok()) {
-      ucx = std::move(*u);
-      state.ucx = ucx.get();
-    } else {
-      Log("UCX data plane off: " + std::string(u.status().message()));
-    }
-  }
-  if ((*shard)->info().hidden > kGrpcMaxHidden || (*shard)->info().top_k > kGrpcMaxTopK) {
-    Log(absl::StrCat("warning: hidden ", (*shard)->info().hidden, " / top_k ",
-                     (*shard)->info().top_k, " over the ", kGrpcMaxHidden, " / ", kGrpcMaxTopK,
-                     " the gRPC data plane is sized for: its largest calls will be refused "
-                     "(RESOURCE_EXHAUSTED); shm and UCX are not limited"));
-  }
-  // A launcher waits for the port file: it is written (to .tmp, read back)
-  // before the service turns SERVING, so a place that cannot take it fails
-  // the start without the service ever having looked up, and renamed into
-  // place after, so whoever sees it finds the service SERVING.
-  const std::string port_tmp = o.port_file.empty() ? "" : o.port_file + ".tmp";
-  if (!port_tmp.empty()) {
-    errno = 0;
-    std::ofstream(port_tmp) << port << "\n";
-    const int write_errno = errno;
-    std::ifstream check(port_tmp);
-    int read_back = 0;
-    if (!(check >> read_back) || read_back != port) {
-      std::remove(port_tmp.c_str());
-      return fail_start("start",
-                        absl::StrCat("cannot write --port-file ", o.port_file, ": ",
-                                     std::strerror(write_errno != 0 ? write_errno : errno)));
-    }
-  }
+  DataPlanes planes =
+      StartDataPlanes(shard->get(),
+                      {.shm = o.shm,
+                       .ucx = o.ucx,
+                       .max_peers = o.max_peers,
+                       .ucx_fragment_bytes = static_cast<uint64_t>(o.ucx_fragment_bytes),
+                       .ucx_lanes = static_cast<int>(o.ucx_lanes)},
+                      &state, Log);
+  if (const std::string w = GrpcShapeWarning((*shard)->info()); !w.empty()) Log(w);
+  // A launcher waits for the port file: written before the service turns
+  // SERVING, renamed into place after (PortFile).
+  if (absl::Status st = port_file.WriteTemp(port); !st.ok())
+    return fail_start("start", std::string(st.message()));
   state.shard.store(shard->get());
   state.load_state = pb::LoadStatus::READY;
   health->SetServingStatus(true);
-  const ExpertShard& sh = **shard;
-  Log(absl::StrCat("ready: port ", port, ", ", sh.weight_bytes(), " packed ",
-                   sh.info().weight_format, " weight bytes in ", state.load_seconds,
-                   " s; experts [", sh.info().expert_begin, ", ", sh.info().expert_end,
-                   "), intermediate [", sh.info().i_begin, ", ", sh.info().i_end, "); isa ",
-                   std::string(IsaName(sh.isa())), ", ", sh.pool().num_threads(), " threads on ",
-                   sh.pool().num_nodes(), " node(s)", DescribeMemoryRemap(sh.pool().nodes()),
-                   NumaAvailable() ? ""
-                                   : "; libnuma unavailable here (a container refusing the NUMA "
-                                     "calls?): memory not bound, all cores one node"));
+  Log(ReadyLine(**shard, port, state.load_seconds));
   int exit_code = 0;
-  if (!port_tmp.empty() && std::rename(port_tmp.c_str(), o.port_file.c_str()) != 0) {
+  if (absl::Status st = port_file.Publish(); !st.ok()) {
     // Rare (the .tmp beside it was written): drain what may have started.
-    Log(absl::StrCat("cannot rename ", port_tmp, " to --port-file ", o.port_file, ": ",
-                     std::strerror(errno), "; stopping"));
-    std::remove(port_tmp.c_str());
+    Log(absl::StrCat(st.message(), "; stopping"));
+    port_file.RemoveTemp();
     exit_code = 1;
     load_failed.store(true);  // no "signal" line: the thread is woken to stop
     pthread_kill(signals.native_handle(), SIGTERM);
@@ -504,19 +367,12 @@ int Main(int argc, char** argv) {
   sd_notify(0, "STOPPING=1");
   health->SetServingStatus(false);
   state.load_state = pb::LoadStatus::DRAINING;
-  (*shard)->SetDraining();
-  const auto drain_until =
-      std::chrono::steady_clock::now() +
-      std::chrono::milliseconds(static_cast<int64_t>(o.drain_timeout_s * 1000));
-  while ((*shard)->counters().in_flight.load() > 0 &&
-         std::chrono::steady_clock::now() < drain_until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  DrainShard(**shard, o.drain_timeout_s);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
   state.shm = nullptr;
   state.ucx = nullptr;
-  shm.reset();
-  ucx.reset();
+  planes.shm.reset();
+  planes.ucx.reset();
   if (o.shard.tuning.moe.profile) Log("RunMoe phases: " + (*shard)->TakeProfile().ToString());
   Log("stopped");
   return exit_code;
