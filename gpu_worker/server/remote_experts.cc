@@ -52,8 +52,7 @@ absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> PoolRoutedExperts::Create(
 }
 
 void PoolRoutedExperts::SubmitMore(Pending& p) {
-  const int window =
-      pool_->max_in_flight() > 0 ? std::max(1, pool_->max_in_flight() / kTicketsInFlight) : 64;
+  const int window = pool_->calls_per_ticket();
   const ExpertBatch& b = p.batch;
   while (p.first.ok() && p.next < b.num_tokens && static_cast<int>(p.handles.size()) < window) {
     const int64_t t0 = p.next, n = std::min(p.piece, b.num_tokens - t0);

@@ -44,14 +44,9 @@ class PoolRoutedExperts final : public RoutedExperts {
   const ModelConfig& config_;
   ExpertPool* pool_;
   absl::Duration timeout_;
-  // One Submit's calls: pieces of at most `piece` tokens, at most
-  // max_in_flight() / kTicketsInFlight of them submitted at a time (the rest
-  // as earlier ones are waited on), so that the tickets the model holds at
-  // once (with Expert Deferral: the previous layer's deferred call, this
-  // layer's call and its deferred call) stay within the shm slots together,
-  // each making progress on its own. More tickets at once could overrun the
-  // slots (a RESOURCE_EXHAUSTED failure, not a hang).
-  static constexpr int kTicketsInFlight = 3;
+  // One Submit's calls: pieces of at most `piece` tokens, at most the pool's
+  // calls_per_ticket() of them submitted at a time (the rest as earlier ones
+  // are waited on).
   struct Pending {
     ExpertBatch batch;  // the caller's pointers, valid until Wait returns
     float* out = nullptr;

@@ -7,6 +7,7 @@
 // submit/wait that Expert Deferral pipelines on.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -99,6 +100,19 @@ class ExpertPool {
   // before a shard refuses more: the shm slots; 0 when the transport sets
   // no such limit.
   int max_in_flight() const { return max_in_flight_; }
+  // The tickets a caller may hold at once and still have each make progress:
+  // the model's MoE calls (with Expert Deferral: the previous layer's
+  // deferred call, this layer's call and its deferred call).
+  static constexpr int kTicketsInFlight = 3;
+  // How many calls one of those tickets may keep in flight at a time (a
+  // ticket split into more calls submits the rest as earlier ones are waited
+  // on): max_in_flight() / kTicketsInFlight, at least 1; 64 when the
+  // transport sets no limit. Within it, kTicketsInFlight tickets stay within
+  // the shm slots together; more calls at once could overrun them (a
+  // RESOURCE_EXHAUSTED failure, not a hang).
+  int calls_per_ticket() const {
+    return max_in_flight_ > 0 ? std::max(1, max_in_flight_ / kTicketsInFlight) : 64;
+  }
   SplitMode split() const { return model_.split; }
 
   // Validates `call` (INVALID_ARGUMENT naming the field), sends it to the
