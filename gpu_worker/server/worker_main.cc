@@ -1,86 +1,10 @@
-// hmoe-gpu-worker: serves hmoe.api.v1.Generation for one model.
+// hmoe-gpu-worker: serves hmoe.api.v1.Generation (and, with --http-listen,
+// the OpenAI-compatible HTTP API) for one model.
 //
-//   hmoe-gpu-worker --model DIR [flags]   (--help lists them: AddFlags below)
+//   hmoe-gpu-worker --model DIR [flags]
 //
-// Routed experts run in-process (reference) with --experts local, else on
-// the expert service shards given; an expert call that misses
-// --expert-timeout-ms fails its request UNAVAILABLE, and expert calls fail
-// at once for the next second. --defer-experts N: Expert Deferral (the N
-// lowest-weighted routed experts per token join one layer late; see
-// ModelOptions::deferred_experts; 0 = the exact model). Health (grpc.health.v1) is SERVING once the
-// model is loaded and, with remote experts, while every shard answers.
-// --backend: where attention, router, shared experts and the LM head run
-// (auto, the default: cuda when a usable GPU is present, else cpu; the choice
-// is logged at start). --gpu-mem-gb bounds the cuda backend's weights, KV
-// cache and workspaces (to emulate a smaller card); --kv-blocks sizes its
-// paged KV pool (0: what fits) and the engine's block budget with it.
-// --cuda-graphs (on by default): the cuda backend replays one CUDA Graph per
-// decode step (ModelOptions::cuda_graphs); off runs the same work kernel by
-// kernel. --cuda-expert-slots off: no slots and no graphs, every pass's
-// routed experts go the host-copy way (ModelOptions::cuda_expert_slots).
-// --gemm-attention-tokens N (cuda; default 64, 0 off): a prompt chunk of at
-// least N tokens computes its attention by tensor-core GEMMs
-// (ModelOptions::cuda_gemm_attention_tokens); --gemm-attention-tf32 off
-// makes those GEMMs full fp32 (slower).
-// --hot-experts STATS --hot-experts-gb GB (cuda): the routed experts that
-// save the most CPU bytes per token under the routing statistics STATS
-// (`hmoe stats --save`, --routing-stats-out) fill GB of GPU memory and run
-// on the GPU in decode steps, quantized as the expert service serves them
-// (its --format); the placement is logged at start. Foreign or malformed
-// stats stop the worker at start (exit 1) naming the file and field.
-// --calibrate PROMPTS --hot-experts-gb GB (cuda): the statistics come from a
-// calibration run at start instead: the model loads without hot experts,
-// prefills each line of PROMPTS (text, one prompt per line; the model's
-// tokenizer.json), plans from its routing counts and loads again with the
-// hot experts (gpu_worker/calibrate.h; logged: prompts, tokens, seconds).
-// --prefill-experts cpu|stream|auto (cuda; cpu by default): where a prefill
-// pass's routed experts run per MoE layer (ModelOptions::prefill_experts:
-// the service, streamed to the GPU over PCIe, or the cost model's choice;
-// stream and auto keep a pinned host copy of every routed expert in the
-// shards' format). --log-prefill-plans on: one stderr line per such pass
-// with each layer's choice. --prefill-prefetch off: no upload of the next
-// MoE layer's experts ahead (ModelOptions::prefill_prefetch; on by
-// default, one more layer's experts of GPU memory). --prefill-chunk N (default 64): prompt tokens
-// per scheduler step, all requests together (EngineOptions::prefill_chunk);
-// streaming a layer's experts pays only for chunks of thousands of tokens,
-// which also hold the running requests' next token that long.
-// --prefill-rates FILE (with auto): the cost model's rates from FILE (the
-// JSON the worker logs once it has measured them) instead of measured at
-// start and at the first prefill; a missing or malformed file stops the
-// worker (exit 1) naming it and the field.
-// --cuda-expert-calls device|host: who sends each expert call and waits for
-// its answer inside a slot pass (ModelOptions::cuda_device_calls; device by
-// default, over shm).
-// SIGTERM / SIGINT: stop accepting, let in-flight requests finish within
-// --drain-seconds (the rest end UNAVAILABLE), exit 0. A backend that failed
-// for good (a sticky CUDA error) turns health NOT_SERVING, fails what is in
-// flight, and the worker drains and exits 3 so systemd restarts it.
-// --http-listen HOST:PORT: also serve the OpenAI-compatible HTTP API there
-// (gpu_worker/server/http_service.h: /v1/chat/completions, /v1/completions,
-// /v1/models, /metrics, /health; off without it; 127.0.0.1:8000 is the usual
-// choice), with the same --auth-token-file tokens (as Bearer) and --tls-*
-// files (HTTPS) as the gRPC port; --http-port-file gets its bound port.
-// Clients name the model --served-model-name (default: the model
-// directory's name). Chat completions render the model's chat template
-// (tokenizer_config.json's chat_template, or chat_template.jinja; common/
-// chat_template.h), or --chat-template FILE's; a template with a construct
-// our interpreter does not support stops the worker at start (exit 1),
-// naming it and where.
-// --routing-stats-out FILE: at shutdown, the tokens routed to each expert of
-// each MoE layer (common/routing_stats.h JSON; `hmoe stats --save` gets the
-// same while it runs).
-// --debug-cuda-fault-after N (tests): the cuda backend injects a sticky
-// device error at the start of pass N + 1. SIGHUP (systemctl
-// reload): the token files are read again.
-// --auth-token-file: clients must send a token in that file (hmoe
-// --token-file; common/auth_token.h: one per line, so a token can rotate),
-// else UNAUTHENTICATED; health stays open.
-// --expert-auth-token-file: the token the expert service shards require
-// (their --auth-token-file); the worker sends the file's first token.
-// --tls-*: the client API speaks TLS (hmoe --tls-ca-file verifies it;
-// --tls-client-ca-file: clients need a certificate from that CA). --expert-
-// tls-*: TLS to the shards' gRPC ports (their --tls-cert-file), with a
-// client certificate when they require one.
+// Flags, health, signals and exit codes: AddFlags and Run's FlagSet below,
+// printed by --help and in docs/FLAGS.md.
 #include <signal.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
@@ -183,34 +107,42 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
   fs.Int("kv-blocks", &o->kv_blocks, 0, int64_t{1} << 40,
          "the paged KV pool's blocks (cuda) and the engine's budget; 0: what fits");
   fs.Int("prefill-chunk", &o->prefill_chunk, 1, int64_t{1} << 20,
-         "prompt tokens per scheduler step, all requests together");
+         "prompt tokens per scheduler step, all requests together (streamed prefill experts pay "
+         "off only for chunks of thousands of tokens, which also hold the running requests' "
+         "next token that long)");
   fs.Int("threads", &o->threads, 0, 4096, "CPU threads; 0: one per core");
   fs.Int("drain-seconds", &o->drain_seconds, 0, 24 * 3600,
          "on SIGTERM, how long in-flight requests may finish");
   fs.String("routing-stats-out", &o->routing_stats_out, "FILE",
-            "at shutdown, the tokens routed to each expert (`hmoe stats --save`'s JSON)");
+            "at shutdown, the tokens routed to each expert of each MoE layer (`hmoe stats "
+            "--save`'s JSON, common/routing_stats.h)");
   fs.Group("routed experts");
   fs.String("experts", &o->experts, "local|HOST:PORT,...",
             "in-process (reference), or the expert service shards");
   fs.Choice("transport", &o->transport, {"grpc", "shm", "ucx"}, "to the expert service shards");
   fs.Int("expert-timeout-ms", &o->expert_timeout_ms, 1, 3600 * 1000,
-         "an expert call that misses it fails its request UNAVAILABLE");
+         "an expert call that misses it fails its request UNAVAILABLE, and expert calls fail "
+         "at once for the next second");
   fs.Int("defer-experts", &o->defer_experts, 0, 256,
          "Expert Deferral: the N lowest-weighted routed experts per token join one layer late "
          "(0: the exact model)");
   fs.Group("backend");
   fs.Choice("backend", &o->backend, {"cpu", "cuda", "auto"},
             "where attention, router, shared experts and the LM head run (auto: cuda when a "
-            "usable GPU is present)");
+            "usable GPU is present, else cpu; the choice is logged at start)");
   fs.Int("cuda-device", &o->cuda_device, 0, 1024, "the GPU");
   fs.Double(
-      "gpu-mem-gb", &o->gpu_mem_gb, "bounds the cuda backend's GPU memory; 0: the card's",
+      "gpu-mem-gb", &o->gpu_mem_gb,
+      "bounds the cuda backend's weights, KV cache and workspaces (to emulate a smaller card); "
+      "0: the card's",
       [](double x) { return x >= 0 && x <= 1e6; }, "a number of GiB >= 0");
-  fs.Enum<bool>("cuda-graphs", &o->cuda_graphs, on_off, "replay one CUDA Graph per decode step");
+  fs.Enum<bool>("cuda-graphs", &o->cuda_graphs, on_off,
+                "replay one CUDA Graph per decode step (off: the same work kernel by kernel)");
   fs.Enum<bool>("cuda-expert-slots", &o->cuda_expert_slots, on_off,
                 "off: every pass's routed experts go the host-copy way (no slots, no graphs)");
   fs.Enum<bool>("cuda-expert-calls", &o->cuda_device_calls, {{"device", true}, {"host", false}},
-                "who sends each expert call inside a slot pass");
+                "who sends each expert call and waits for its answer inside a slot pass (device: "
+                "kernels, over shm; host: host nodes)");
   fs.Int("gemm-attention-tokens", &o->gemm_attention_tokens, 0, int64_t{1} << 20,
          "a prompt chunk of at least N tokens computes attention by tensor-core GEMMs (0: off)");
   fs.Enum<bool>("gemm-attention-tf32", &o->gemm_attention_tf32, on_off,
@@ -219,34 +151,55 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
          "tests: inject a sticky device error at the start of pass N + 1");
   fs.Group("hot experts and prefill (cuda)");
   fs.String("hot-experts", &o->hot_experts, "STATS",
-            "routing statistics: the experts that save the most CPU bytes run on the GPU");
+            "routing statistics (`hmoe stats --save`, --routing-stats-out): the routed experts "
+            "that save the most CPU bytes per token fill --hot-experts-gb and run on the GPU in "
+            "decode steps, quantized as the expert service serves them (its --format); the "
+            "placement is logged at start; foreign or malformed stats stop the worker (exit 1) "
+            "naming the file and field");
   fs.String("calibrate", &o->calibrate, "PROMPTS",
-            "or: the statistics from prefilling each line of PROMPTS at start");
+            "or: the statistics from a calibration run at start: the model loads without hot "
+            "experts, prefills each line of PROMPTS (text, one prompt per line), plans from its "
+            "routing counts and loads again with the hot experts (logged: prompts, tokens, "
+            "seconds)");
   fs.Double(
       "hot-experts-gb", &o->hot_experts_gb, "GPU memory for the hot experts",
       [](double x) { return x > 0 && x <= 1e6; }, "a number of GiB > 0");
   fs.Choice("prefill-experts", &o->prefill_experts, {"cpu", "stream", "auto"},
-            "where a prefill pass's routed experts run: the service, streamed to the GPU, or "
-            "the cost model's choice");
+            "where a prefill pass's routed experts run per MoE layer: the service, streamed to "
+            "the GPU over PCIe, or the cost model's choice (stream and auto keep a pinned host "
+            "copy of every routed expert in the shards' format)");
   fs.String("prefill-rates", &o->prefill_rates, "FILE",
-            "with --prefill-experts auto: the cost model's rates from FILE");
+            "with --prefill-experts auto: the cost model's rates from FILE (the JSON the worker "
+            "logs once it has measured them) instead of measured at start and at the first "
+            "prefill; a missing or malformed file stops the worker (exit 1) naming it and the "
+            "field");
   fs.Enum<bool>("log-prefill-plans", &o->log_prefill_plans, on_off,
                 "one stderr line per streamed-prefill pass with each layer's choice");
   fs.Enum<bool>("prefill-prefetch", &o->prefill_prefetch, on_off,
-                "upload the next MoE layer's experts ahead");
+                "upload the next MoE layer's experts ahead (one more layer's experts of GPU "
+                "memory)");
   fs.Group("HTTP API");
   fs.String("http-listen", &o->http_listen, "HOST:PORT",
-            "also serve the OpenAI-compatible HTTP API there (127.0.0.1:8000 is usual)");
+            "also serve the OpenAI-compatible HTTP API there (/v1/chat/completions, "
+            "/v1/completions, /v1/models, /metrics, /health; 127.0.0.1:8000 is usual), with the "
+            "same --auth-token-file tokens (as Bearer) and --tls-* files (HTTPS) as the gRPC "
+            "port");
   fs.String("http-port-file", &o->http_port_file, "PATH", "gets the HTTP port once serving");
   fs.String("served-model-name", &o->served_model_name, "NAME",
             "the model's name for clients (default: the model directory's)");
   fs.String("chat-template", &o->chat_template, "FILE",
-            "a .jinja chat template instead of the model directory's");
-  fs.Group("security");
+            "a .jinja chat template instead of the model directory's (tokenizer_config.json's "
+            "chat_template, or chat_template.jinja); a template with a construct the interpreter "
+            "does not support stops the worker at start (exit 1), naming it and where");
+  fs.Group(
+      "security (--tls-*: the client API speaks TLS; --expert-tls-*: TLS to the shards' gRPC "
+      "ports, their --tls-cert-file)");
   fs.String("auth-token-file", &o->auth_token_file, "PATH",
-            "clients must send a token in this file (one per line; SIGHUP re-reads it)");
+            "clients must send a token in this file (one per line, so a token can rotate; "
+            "SIGHUP re-reads it), else UNAUTHENTICATED; health stays open");
   fs.String("expert-auth-token-file", &o->expert_auth_token_file, "PATH",
-            "the token the expert service shards require (their --auth-token-file)");
+            "the token the expert service shards require (their --auth-token-file); the "
+            "worker sends the file's first token");
   AddTlsFlags(fs, &o->tls);
   AddTlsFlags(fs, &o->expert_tls, "expert-tls");
 }
@@ -283,8 +236,13 @@ int Run(int argc, char** argv) {
   WorkerOptions flagged;
   FlagSet flags("hmoe-gpu-worker", "--model DIR [flags]",
                 "Serves hmoe.api.v1.Generation (and, with --http-listen, the OpenAI-compatible "
-                "HTTP API)\nfor one model. The comment atop gpu_worker/server/worker_main.cc "
-                "says more.");
+                "HTTP API)\nfor one model. Health (grpc.health.v1) is SERVING once the model is "
+                "loaded and, with\nremote experts, while every shard answers.\n"
+                "SIGTERM / SIGINT: stop accepting, let in-flight requests finish within\n"
+                "--drain-seconds (the rest end UNAVAILABLE), exit 0. SIGHUP (systemctl reload): "
+                "the\ntoken files are read again. A backend that failed for good (a sticky CUDA "
+                "error)\nturns health NOT_SERVING, fails what is in flight, and the worker "
+                "drains and exits 3\nso that systemd restarts it. A bad flag exits 2.");
   AddFlags(flags, &flagged);
   if (auto exit = flags.ParseOrExit(argc, argv, [&] { return CheckFlags(flagged); })) return *exit;
   const WorkerOptions& o = flagged;
