@@ -146,13 +146,21 @@ std::string ReadyLine(const ExpertShard& sh, int port, double load_seconds) {
                                         "NUMA calls?): memory not bound, all cores one node");
 }
 
-void DrainShard(ExpertShard& shard, double timeout_s) {
+void StopServing(ExpertShard& shard, double drain_timeout_s, GrpcFrontEnd& grpc, DataPlanes& planes,
+                 ServiceState* state) {
+  grpc.server->GetHealthCheckService()->SetServingStatus(false);
+  state->load_state = pb::LoadStatus::DRAINING;
   shard.SetDraining();
   const auto drain_until = std::chrono::steady_clock::now() +
-                           std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+                           std::chrono::milliseconds(static_cast<int64_t>(drain_timeout_s * 1000));
   while (shard.counters().in_flight.load() > 0 && std::chrono::steady_clock::now() < drain_until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  grpc.server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  state->shm = nullptr;
+  state->ucx = nullptr;
+  planes.shm.reset();
+  planes.ucx.reset();
 }
 
 absl::Status PortFile::Prepare() const {

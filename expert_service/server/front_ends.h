@@ -1,8 +1,8 @@
 // What hmoe-expert-service's main starts around its ExpertShard, apart from
 // flags and wiring (service_main.cc): the process's CPU / NUMA placement,
 // the gRPC server (the control and data services of grpc_services.h and
-// grpc.health.v1), the shared-memory and UCX data planes, and the port file
-// a launcher waits for.
+// grpc.health.v1), the shared-memory and UCX data planes, the port file
+// a launcher waits for, and the drain at the end.
 #pragma once
 
 #include <cstdint>
@@ -84,9 +84,12 @@ DataPlanes StartDataPlanes(ExpertShard* shard, const DataPlaneOptions& o, Servic
 // and intermediate range, ISA, threads and nodes.
 std::string ReadyLine(const ExpertShard& shard, int port, double load_seconds);
 
-// Marks `shard` draining (new calls refused) and waits until its calls in
-// flight end or `timeout_s` seconds pass.
-void DrainShard(ExpertShard& shard, double timeout_s);
+// Stops serving `shard`: health NOT_SERVING and `state` DRAINING, new calls
+// refused, the calls in flight waited on until they end or `drain_timeout_s`
+// seconds pass, then the gRPC server shut down (200 ms grace) and the data
+// planes taken out of `state` and closed.
+void StopServing(ExpertShard& shard, double drain_timeout_s, GrpcFrontEnd& grpc, DataPlanes& planes,
+                 ServiceState* state);
 
 // --port-file: the bound port, written so that whoever reads it finds the
 // service SERVING. Prepare (at start, before the load) removes a file left

@@ -365,14 +365,7 @@ int Main(int argc, char** argv) {
   signals.join();
 
   sd_notify(0, "STOPPING=1");
-  health->SetServingStatus(false);
-  state.load_state = pb::LoadStatus::DRAINING;
-  DrainShard(**shard, o.drain_timeout_s);
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
-  state.shm = nullptr;
-  state.ucx = nullptr;
-  planes.shm.reset();
-  planes.ucx.reset();
+  StopServing(**shard, o.drain_timeout_s, **grpc_fe, planes, &state);
   if (o.shard.tuning.moe.profile) Log("RunMoe phases: " + (*shard)->TakeProfile().ToString());
   Log("stopped");
   return exit_code;
