@@ -63,31 +63,16 @@ struct ServiceOptions {
   TlsServerFiles tls;
   std::shared_ptr<grpc::ServerCredentials> credentials;  // from `tls`
 
+  // The checks across fields and those the flags' ranges do not make (each
+  // flag's own range is FlagSet's).
   absl::Status Validate() const {
     RETURN_IF_ERROR(shard.Validate());
     if (numa_node >= 0 && !cores.empty()) {
       return absl::InvalidArgumentError("--numa-node and --cores are exclusive");
     }
     if (listen.empty()) return absl::InvalidArgumentError("--listen: empty");
-    if (max_peers < 1 || max_peers > 65536) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--max-peers: ", max_peers, " outside [1, 65536]"));
-    }
-    if (ucx_fragment_bytes < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--ucx-fragment-bytes: ", ucx_fragment_bytes, " is negative"));
-    }
-    RETURN_IF_ERROR(Annotate(CheckFragmentBytes(static_cast<uint64_t>(ucx_fragment_bytes)),
-                             "--ucx-fragment-bytes"));
-    if (ucx_lanes < 1 || ucx_lanes > kMaxUcxLanes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--ucx-lanes: ", ucx_lanes, " outside [1, ", kMaxUcxLanes, "]"));
-    }
-    if (!(drain_timeout_s >= 0 && drain_timeout_s <= 3600)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--drain-timeout-s: ", drain_timeout_s, " outside [0, 3600]"));
-    }
-    return absl::OkStatus();
+    return Annotate(CheckFragmentBytes(static_cast<uint64_t>(ucx_fragment_bytes)),
+                    "--ucx-fragment-bytes");
   }
   std::string ToString() const {
     return absl::StrCat(
