@@ -147,6 +147,7 @@ TEST(LayerKinds, KindsWithoutAnImplementationAreUnimplemented) {
 
   // A layer of an unknown kind: the layer is named.
   ModelConfig c = Load("qwen3_30b_a3b");
+  ASSERT_GT(c.layers.size(), 5u);
   c.layers[3].attention = bad_attention;
   c.layers[5].router = bad_router;
   auto a = AttentionSpecFor(c, 3);
