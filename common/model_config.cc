@@ -11,18 +11,52 @@
 
 namespace hmoe {
 
+namespace {
+
+// The architectures: config.json's model_type, and the kinds their layers
+// run (ResolveLayerKinds). A new architecture or a new kind for one is a row.
+struct ArchRow {
+  Architecture arch;
+  const char* model_type;
+  AttentionKind attention;
+  RouterKind router;
+  ResidualKind residual;
+};
+constexpr ArchRow kArchitectures[] = {
+    {Architecture::kDeepseekV3, "deepseek_v3", AttentionKind::kMla, RouterKind::kSigmoidGroupedTopk,
+     ResidualKind::kPlain},
+    {Architecture::kDeepseekV2, "deepseek_v2", AttentionKind::kMla, RouterKind::kSoftmaxTopk,
+     ResidualKind::kPlain},
+    {Architecture::kQwen3Moe, "qwen3_moe", AttentionKind::kGqa, RouterKind::kSoftmaxTopk,
+     ResidualKind::kPlain},
+    {Architecture::kMixtral, "mixtral", AttentionKind::kGqa, RouterKind::kSoftmaxTopk,
+     ResidualKind::kPlain},
+};
+
+const ArchRow* ArchRowFor(Architecture a) {
+  for (const ArchRow& r : kArchitectures)
+    if (r.arch == a) return &r;
+  return nullptr;
+}
+
+// layer_types entries (transformers' per-layer attention types) and what
+// each means for the layer's attention.
+struct LayerTypeRow {
+  const char* name;
+  bool sliding;  // takes the config's sliding_window
+};
+constexpr LayerTypeRow kLayerTypes[] = {{"full_attention", false}, {"sliding_attention", true}};
+
+}  // namespace
+
 const char* ArchitectureName(Architecture a) {
-  switch (a) {
-    case Architecture::kDeepseekV3:
-      return "deepseek_v3";
-    case Architecture::kDeepseekV2:
-      return "deepseek_v2";
-    case Architecture::kQwen3Moe:
-      return "qwen3_moe";
-    case Architecture::kMixtral:
-      return "mixtral";
-  }
-  return "?";
+  const ArchRow* r = ArchRowFor(a);
+  return r != nullptr ? r->model_type : "?";
+}
+ArchitectureKinds KindsOf(Architecture a) {
+  const ArchRow* r = ArchRowFor(a);
+  if (r == nullptr) return {};
+  return {r->attention, r->router, r->residual};
 }
 const char* ScoringFuncName(ScoringFunc s) {
   return s == ScoringFunc::kSoftmax ? "softmax" : "sigmoid";
@@ -35,6 +69,31 @@ const char* TopkMethodName(TopkMethod t) {
       return "group_limited_greedy";
     case TopkMethod::kNoauxTc:
       return "noaux_tc";
+  }
+  return "?";
+}
+const char* AttentionKindName(AttentionKind k) {
+  switch (k) {
+    case AttentionKind::kMla:
+      return "mla";
+    case AttentionKind::kGqa:
+      return "gqa";
+  }
+  return "?";
+}
+const char* RouterKindName(RouterKind k) {
+  switch (k) {
+    case RouterKind::kSoftmaxTopk:
+      return "softmax_topk";
+    case RouterKind::kSigmoidGroupedTopk:
+      return "sigmoid_grouped_topk";
+  }
+  return "?";
+}
+const char* ResidualKindName(ResidualKind k) {
+  switch (k) {
+    case ResidualKind::kPlain:
+      return "plain";
   }
   return "?";
 }
@@ -236,20 +295,19 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   Reader r(root, source);
   ModelConfig c;
   c.model_type = r.StringOr("model_type", "");
-  if (c.model_type == "deepseek_v3")
-    c.arch = Architecture::kDeepseekV3;
-  else if (c.model_type == "deepseek_v2")
-    c.arch = Architecture::kDeepseekV2;
-  else if (c.model_type == "qwen3_moe")
-    c.arch = Architecture::kQwen3Moe;
-  else if (c.model_type == "mixtral")
-    c.arch = Architecture::kMixtral;
-  else if (c.model_type.empty())
-    return Invalid(source, "model_type", "is required");
-  else
+  const ArchRow* arch = nullptr;
+  for (const ArchRow& row : kArchitectures)
+    if (c.model_type == row.model_type) arch = &row;
+  if (arch == nullptr) {
+    if (c.model_type.empty()) return Invalid(source, "model_type", "is required");
+    std::string known;
+    for (const ArchRow& row : kArchitectures)
+      absl::StrAppend(&known, known.empty() ? "" : ", ", row.model_type);
     return absl::UnimplementedError(
-        absl::StrCat(source, ": model_type \"", c.model_type,
-                     "\" is not supported (deepseek_v3, deepseek_v2, qwen3_moe, mixtral)"));
+        absl::StrCat(source, ": model_type \"", c.model_type, "\" is not supported (", known, ")"));
+  }
+  c.arch = arch->arch;
+  c.residual = arch->residual;
 
   c.vocab_size = r.Int("vocab_size");
   c.hidden_size = r.Int("hidden_size");
@@ -487,9 +545,25 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
           absl::StrCat("has ", layer_types.size(), " entries for ", c.num_layers, " layers"));
   }
   RETURN_IF_ERROR(r.status());
+  // Each layer_types entry names a row of kLayerTypes.
+  std::vector<const LayerTypeRow*> layer_type_rows(layer_types.size(), nullptr);
+  for (size_t i = 0; i < layer_types.size(); ++i) {
+    for (const LayerTypeRow& row : kLayerTypes)
+      if (layer_types[i] == row.name) layer_type_rows[i] = &row;
+    if (layer_type_rows[i] == nullptr) {
+      std::string known;
+      for (const LayerTypeRow& row : kLayerTypes)
+        absl::StrAppend(&known, known.empty() ? "" : ", ", row.name);
+      return absl::UnimplementedError(absl::StrCat(source, ": field \"layer_types[", i, "]\" is \"",
+                                                   layer_types[i], "\"; supported: ", known));
+    }
+  }
   c.layers.resize(static_cast<size_t>(c.num_layers));
   for (int64_t i = 0; i < c.num_layers; ++i) {
     LayerSpec& l = c.layers[static_cast<size_t>(i)];
+    // The layer's attention and router kinds: its architecture's.
+    l.attention = arch->attention;
+    l.router = arch->router;
     switch (c.arch) {
       case Architecture::kDeepseekV3:
       case Architecture::kDeepseekV2:
@@ -501,8 +575,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                     c.mlp_only_layers.end() &&
                 (i + 1) % c.decoder_sparse_step == 0;
         if (!layer_types.empty()) {
-          l.sliding_window =
-              layer_types[static_cast<size_t>(i)] == "sliding_attention" ? window : 0;
+          l.sliding_window = layer_type_rows[static_cast<size_t>(i)]->sliding ? window : 0;
         } else {
           l.sliding_window = qwen_window && i >= max_window_layers ? window : 0;
         }

@@ -23,11 +23,35 @@ enum class ScoringFunc { kSoftmax, kSigmoid };
 // score; noaux_tc (V3): groups ranked by the sum of their top-2 biased scores.
 enum class TopkMethod { kGreedy, kGroupLimitedGreedy, kNoauxTc };
 enum class RopeType { kDefault, kLinear, kYarn };
+// Per-layer kinds: which attention and which router a layer runs, and how
+// its sublayers join the residual. The model driver and the backends keep one
+// implementation per kind in tables keyed by these (gpu_worker/driver/).
+//   mla: DeepSeek's multi-head latent attention (cache: latent + rope key);
+//   gqa: grouped-query attention (cache: K and V per kv head), with or
+//        without a sliding window (LayerSpec::sliding_window).
+enum class AttentionKind { kMla, kGqa };
+//   softmax_topk: softmax scores, plain or group-limited (groups by max) top-k;
+//   sigmoid_grouped_topk: sigmoid scores, selection on scores + correction
+//        bias within the best groups (groups by their top-2 sum; noaux_tc).
+enum class RouterKind { kSoftmaxTopk, kSigmoidGroupedTopk };
+//   plain: one residual stream, x += sublayer(norm(x)).
+enum class ResidualKind { kPlain };
 
 const char* ArchitectureName(Architecture a);  // the model_type string
 const char* ScoringFuncName(ScoringFunc s);
 const char* TopkMethodName(TopkMethod t);
 const char* RopeTypeName(RopeType r);
+const char* AttentionKindName(AttentionKind k);  // "mla", "gqa"
+const char* RouterKindName(RouterKind k);        // "softmax_topk", "sigmoid_grouped_topk"
+const char* ResidualKindName(ResidualKind k);    // "plain"
+// The kinds an architecture's layers run (ParseModelConfig gives each layer
+// these; the one place they are chosen).
+struct ArchitectureKinds {
+  AttentionKind attention = AttentionKind::kGqa;
+  RouterKind router = RouterKind::kSoftmaxTopk;
+  ResidualKind residual = ResidualKind::kPlain;
+};
+ArchitectureKinds KindsOf(Architecture a);
 
 struct RopeConfig {
   RopeType type = RopeType::kDefault;
@@ -78,6 +102,8 @@ struct QuantizationConfig {
 struct LayerSpec {
   bool moe = false;            // routed experts (else dense MLP)
   int64_t sliding_window = 0;  // 0: full attention
+  AttentionKind attention = AttentionKind::kGqa;
+  RouterKind router = RouterKind::kSoftmaxTopk;  // MoE layers' router (dense layers: unused)
 };
 
 struct ModelConfig {
@@ -105,7 +131,8 @@ struct ModelConfig {
   std::vector<int64_t> eos_token_ids;
   std::optional<int64_t> bos_token_id;
   QuantizationConfig quantization;
-  std::vector<LayerSpec> layers;  // derived, one per hidden layer
+  ResidualKind residual = ResidualKind::kPlain;
+  std::vector<LayerSpec> layers;  // derived, one per hidden layer (ParseModelConfig)
 
   bool is_mla() const {
     return arch == Architecture::kDeepseekV3 || arch == Architecture::kDeepseekV2;

@@ -7,18 +7,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "gpu_worker/cpu/attention.h"
 #include "gpu_worker/cpu/ops.h"
+#include "gpu_worker/cpu/residual.h"
+#include "gpu_worker/driver/attention.h"
 #include "gpu_worker/driver/model_driver.h"
+#include "gpu_worker/driver/residual.h"
 #include "gpu_worker/driver/weight_names.h"
 
 namespace hmoe::cpu {
 namespace {
-
-struct Lin {
-  Matrix w;
-  std::vector<float> b;  // empty: no bias
-  const float* bias() const { return b.empty() ? nullptr : b.data(); }
-};
 
 struct Mlp {
   Lin gate, up, down;
@@ -26,13 +24,7 @@ struct Mlp {
 
 struct Layer {
   std::vector<float> in_norm, post_norm;
-  int64_t window = 0;
-  // MLA
-  Lin q, q_a, q_b, kv_a, kv_b, o;
-  std::vector<float> q_a_norm, kv_a_norm;
-  // GQA (q and o shared with MLA's names)
-  Lin k, v;
-  std::vector<float> q_norm, k_norm;  // Qwen3
+  std::unique_ptr<AttentionOp> attention;  // its kind's (attention.h)
   // feed-forward
   bool moe = false;
   Mlp dense;
@@ -42,22 +34,23 @@ struct Layer {
   Mlp shared;
 };
 
-// Per layer, f32 rows: MLA the normed latent then the roped shared key; GQA
-// the keys and the values. Storage grows on demand up to the capacity and is
-// kept on Shrink.
+// Per layer, f32 rows as the layer's attention kind lays them out
+// (AttentionSpec::cache): key rows, and value rows when it keeps any.
+// Storage grows on demand up to the capacity and is kept on Shrink.
 class CpuKvCache final : public KvCache {
  public:
-  CpuKvCache(int64_t capacity, int64_t k_row, int64_t v_row, int64_t layers)
+  CpuKvCache(int64_t capacity, std::vector<KvLayout> layouts)
       : capacity_(capacity),
-        k_row_(k_row),
-        v_row_(v_row),
-        k_(static_cast<size_t>(layers)),
-        v_(static_cast<size_t>(layers)) {}
+        layouts_(std::move(layouts)),
+        k_(layouts_.size()),
+        v_(layouts_.size()) {}
   absl::Status Reserve(int64_t n) override {
     if (n <= rows_) return absl::OkStatus();
     const int64_t rows = std::min(capacity_, std::max(n, std::max<int64_t>(16, 2 * rows_)));
-    for (auto& k : k_) k.resize(static_cast<size_t>(rows * k_row_));
-    for (auto& v : v_) v.resize(static_cast<size_t>(rows * v_row_));
+    for (size_t l = 0; l < layouts_.size(); ++l) {
+      k_[l].resize(static_cast<size_t>(rows * layouts_[l].k_row));
+      v_[l].resize(static_cast<size_t>(rows * layouts_[l].v_row));
+    }
     rows_ = rows;
     return absl::OkStatus();
   }
@@ -67,7 +60,7 @@ class CpuKvCache final : public KvCache {
 
  private:
   int64_t capacity_;
-  int64_t k_row_, v_row_;  // floats per position per layer
+  std::vector<KvLayout> layouts_;  // per layer
   int64_t rows_ = 0;
   std::vector<std::vector<float>> k_, v_;
 };
@@ -75,42 +68,51 @@ class CpuKvCache final : public KvCache {
 class CpuBackend final : public LayerBackend {
  public:
   CpuBackend(const ModelConfig& config, std::shared_ptr<ThreadPool> pool)
-      : c_(config), pool_(std::move(pool)), geo_(AttentionGeometryFor(config)) {}
+      : c_(config), pool_(std::move(pool)) {}
   absl::Status LoadWeights(const Checkpoint& ckpt);
 
   const char* name() const override { return "cpu"; }
   std::unique_ptr<KvCache> NewKvCache(int64_t capacity) override {
-    const int64_t k_row =
-        c_.is_mla() ? c_.mla.kv_lora_rank + c_.mla.qk_rope_head_dim : c_.num_kv_heads * c_.head_dim;
-    const int64_t v_row = c_.is_mla() ? 0 : k_row;
-    return std::make_unique<CpuKvCache>(capacity, k_row, v_row, c_.num_layers);
+    return std::make_unique<CpuKvCache>(capacity, cache_layouts_);
   }
 
   absl::Status Begin(const PassTokens& tokens) override {
     pass_ = &tokens;
     const int64_t T = tokens.size(), H = c_.hidden_size;
-    x_.resize(static_cast<size_t>(T * H));
-    h_.resize(x_.size());
-    y_.resize(x_.size());
-    for (int64_t t = 0; t < T; ++t) embed_.RowToF32(tokens.ids[t], x_.data() + t * H);
+    h_.resize(static_cast<size_t>(T * H));
+    y_.resize(h_.size());
+    for (int64_t t = 0; t < T; ++t) embed_.RowToF32(tokens.ids[t], h_.data() + t * H);
+    residual_->Begin(h_.data(), T);
+    layer_ = 0;
     return absl::OkStatus();
   }
   absl::Status Attention(int l) override {
     const Layer& L = layers_[static_cast<size_t>(l)];
     const int64_t T = pass_->size(), H = c_.hidden_size;
     const float eps = static_cast<float>(c_.rms_norm_eps);
-    RmsNorm(x_.data(), T, H, L.in_norm.data(), eps, h_.data());
-    if (c_.is_mla())
-      MlaAttention(l, h_.data(), pass_->rope_cs.data(), y_.data());
-    else
-      GqaAttention(l, h_.data(), pass_->rope_cs.data(), y_.data());
-    for (size_t i = 0; i < x_.size(); ++i) x_[i] += y_[i];
-    RmsNorm(x_.data(), T, H, L.post_norm.data(), eps, h_.data());
+    layer_ = l;
+    RmsNorm(residual_->Input(l, Sublayer::kAttention), T, H, L.in_norm.data(), eps, h_.data());
+    kv_k_.resize(static_cast<size_t>(T));
+    kv_v_.resize(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) {
+      kv_k_[static_cast<size_t>(t)] = Kv(t)->k(l);
+      kv_v_[static_cast<size_t>(t)] = Kv(t)->v(l);
+    }
+    const AttentionPass p{.pool = pool_.get(),
+                          .T = T,
+                          .pos = pass_->pos.data(),
+                          .max_pos = pass_->max_pos,
+                          .rope_cs = pass_->rope_cs.data(),
+                          .k = kv_k_.data(),
+                          .v = kv_v_.data()};
+    L.attention->Forward(p, h_.data(), y_.data());
+    residual_->Join(l, Sublayer::kAttention, y_.data());
+    RmsNorm(residual_->Input(l, Sublayer::kFeedForward), T, H, L.post_norm.data(), eps, h_.data());
     return absl::OkStatus();
   }
   absl::Status DenseMlp(int l) override {
     RunMlp(layers_[static_cast<size_t>(l)].dense, h_.data(), pass_->size(), y_.data());
-    for (size_t i = 0; i < x_.size(); ++i) x_[i] += y_[i];
+    residual_->Join(l, Sublayer::kFeedForward, y_.data());
     return absl::OkStatus();
   }
   absl::Status Route(int l, const GateSpec& gate, RoutedInput* out) override {
@@ -133,23 +135,25 @@ class CpuBackend final : public LayerBackend {
   absl::Status AddExperts(int l, const float* routed) override {
     // The routed sum, then the shared experts' output, join the residual.
     const bool shared = layers_[static_cast<size_t>(l)].has_shared;
-    for (size_t i = 0; i < x_.size(); ++i) {
+    for (size_t i = 0; i < y_.size(); ++i) {
       float v = routed != nullptr ? routed[i] : 0.0f;
       if (shared) v += y_[i];
-      x_[i] += v;
+      y_[i] = v;
     }
+    residual_->Join(l, Sublayer::kFeedForward, y_.data());
     return absl::OkStatus();
   }
   absl::Status AddToResidual(const float* v) override {
-    for (size_t i = 0; i < x_.size(); ++i) x_[i] += v[i];
+    residual_->Join(layer_, Sublayer::kFeedForward, v);
     return absl::OkStatus();
   }
   absl::Status Logits(float* out) override {
     const int64_t H = c_.hidden_size, rows = static_cast<int64_t>(pass_->logit_rows.size());
     const float eps = static_cast<float>(c_.rms_norm_eps);
+    const float* x = residual_->Output();
     for (int64_t i = 0; i < rows; ++i)
-      RmsNorm(x_.data() + pass_->logit_rows[static_cast<size_t>(i)] * H, 1, H, final_norm_.data(),
-              eps, h_.data() + i * H);
+      RmsNorm(x + pass_->logit_rows[static_cast<size_t>(i)] * H, 1, H, final_norm_.data(), eps,
+              h_.data() + i * H);
     Linear(pool_.get(), h_.data(), rows, lm_head_, nullptr, out);
     return absl::OkStatus();
   }
@@ -163,20 +167,21 @@ class CpuBackend final : public LayerBackend {
   CpuKvCache* Kv(int64_t t) const {
     return static_cast<CpuKvCache*>(pass_->kv[static_cast<size_t>(t)]);
   }
-  void MlaAttention(int l, const float* h, const float* cs, float* out) const;
-  void GqaAttention(int l, const float* h, const float* cs, float* out) const;
   void RunMlp(const Mlp& m, const float* h, int64_t T, float* out) const;
 
   ModelConfig c_;
   std::shared_ptr<ThreadPool> pool_;
-  AttentionGeometry geo_;
   Matrix embed_, lm_head_;
   std::vector<float> final_norm_;
   std::vector<Layer> layers_;
+  std::vector<KvLayout> cache_layouts_;  // per layer, its attention kind's
+  std::unique_ptr<Residual> residual_;   // the config's residual scheme
   // The pass in progress.
   const PassTokens* pass_ = nullptr;
-  std::vector<float> x_, h_, y_, logits_, weights_;
+  int layer_ = 0;  // the layer whose sublayers run
+  std::vector<float> h_, y_, logits_, weights_;
   std::vector<int32_t> ids_;
+  std::vector<float*> kv_k_, kv_v_;  // [T] the layer's caches of each token
 };
 
 absl::Status CpuBackend::LoadWeights(const Checkpoint& ckpt) {
@@ -185,9 +190,7 @@ absl::Status CpuBackend::LoadWeights(const Checkpoint& ckpt) {
   const int64_t block = c.quantization.method == "fp8" ? c.quantization.weight_block[0] : 0;
   // A linear layer: its weight, and its bias when the checkpoint has one.
   auto lin = [&](const std::string& prefix, Lin* out) -> absl::Status {
-    ASSIGN_OR_RETURN(out->w, LoadMatrix(ckpt, prefix + ".weight", block));
-    ASSIGN_OR_RETURN(out->b, LoadOptionalVector(ckpt, prefix + ".bias", out->w.rows));
-    return absl::OkStatus();
+    return LoadLin(ckpt, prefix, block, out);
   };
   auto vec = [&](const std::string& name, int64_t n, std::vector<float>* out) -> absl::Status {
     ASSIGN_OR_RETURN(*out, LoadVector(ckpt, name, n));
@@ -206,37 +209,20 @@ absl::Status CpuBackend::LoadWeights(const Checkpoint& ckpt) {
     ASSIGN_OR_RETURN(lm_head_, LoadMatrix(ckpt, names.lm_head, block));
   }
   RETURN_IF_ERROR(vec(names.final_norm, H, &final_norm_));
+  ASSIGN_OR_RETURN(const ResidualSpec residual, ResidualSpecFor(c));
+  ASSIGN_OR_RETURN(residual_, MakeResidual(residual, H));
   layers_.resize(static_cast<size_t>(c.num_layers));
+  cache_layouts_.resize(layers_.size());
   for (int i = 0; i < c.num_layers; ++i) {
     Layer& L = layers_[static_cast<size_t>(i)];
     const LayerNames n = NamesForLayer(c, i);
-    L.window = c.layers[static_cast<size_t>(i)].sliding_window;
     L.moe = c.layers[static_cast<size_t>(i)].moe;
     RETURN_IF_ERROR(vec(n.input_norm, H, &L.in_norm));
     RETURN_IF_ERROR(vec(n.post_norm, H, &L.post_norm));
-    if (c.is_mla()) {
-      if (c.mla.q_lora_rank) {
-        RETURN_IF_ERROR(lin(n.q_a, &L.q_a));
-        RETURN_IF_ERROR(vec(n.q_a_norm, *c.mla.q_lora_rank, &L.q_a_norm));
-        RETURN_IF_ERROR(lin(n.q_b, &L.q_b));
-      } else {
-        RETURN_IF_ERROR(lin(n.q, &L.q));
-      }
-      RETURN_IF_ERROR(lin(n.kv_a, &L.kv_a));
-      RETURN_IF_ERROR(vec(n.kv_a_norm, c.mla.kv_lora_rank, &L.kv_a_norm));
-      RETURN_IF_ERROR(lin(n.kv_b, &L.kv_b));
-      if (!L.kv_b.b.empty())
-        return absl::UnimplementedError(absl::StrCat(ckpt.dir(), ": ", n.kv_b, ".bias"));
-    } else {
-      RETURN_IF_ERROR(lin(n.q, &L.q));
-      RETURN_IF_ERROR(lin(n.k, &L.k));
-      RETURN_IF_ERROR(lin(n.v, &L.v));
-      if (c.arch == Architecture::kQwen3Moe) {
-        RETURN_IF_ERROR(vec(n.q_norm, c.head_dim, &L.q_norm));
-        RETURN_IF_ERROR(vec(n.k_norm, c.head_dim, &L.k_norm));
-      }
-    }
-    RETURN_IF_ERROR(lin(n.o, &L.o));
+    ASSIGN_OR_RETURN(const AttentionSpec spec, AttentionSpecFor(c, i));
+    ASSIGN_OR_RETURN(L.attention, MakeAttentionOp(c, spec));
+    RETURN_IF_ERROR(L.attention->Load(ckpt, n, block));
+    cache_layouts_[static_cast<size_t>(i)] = spec.cache;
     if (!L.moe) {
       RETURN_IF_ERROR(mlp(n.dense, &L.dense));
       continue;
@@ -259,102 +245,6 @@ void CpuBackend::RunMlp(const Mlp& m, const float* h, int64_t T, float* out) con
   Linear(pool_.get(), h, T, m.up.w, m.up.bias(), u.data());
   for (size_t i = 0; i < g.size(); ++i) g[i] = Silu(g[i]) * u[i];
   Linear(pool_.get(), g.data(), T, m.down.w, m.down.bias(), out);
-}
-
-void CpuBackend::MlaAttention(int l, const float* h, const float* cs, float* out) const {
-  const int64_t T = pass_->size();
-  const Layer& L = layers_[static_cast<size_t>(l)];
-  const int64_t nh = c_.num_heads, nope = c_.mla.qk_nope_head_dim, rope = c_.mla.qk_rope_head_dim;
-  const int64_t vd = c_.mla.v_head_dim, r = c_.mla.kv_lora_rank, qk = nope + rope;
-  const int64_t row = r + rope;  // cache row: latent, then roped shared key
-  std::vector<float> q(static_cast<size_t>(T * nh * qk));
-  if (c_.mla.q_lora_rank) {
-    const int64_t qr = *c_.mla.q_lora_rank;
-    std::vector<float> qa(static_cast<size_t>(T * qr));
-    Linear(pool_.get(), h, T, L.q_a.w, L.q_a.bias(), qa.data());
-    RmsNorm(qa.data(), T, qr, L.q_a_norm.data(), kMlaNormEps, qa.data());
-    Linear(pool_.get(), qa.data(), T, L.q_b.w, L.q_b.bias(), q.data());
-  } else {
-    Linear(pool_.get(), h, T, L.q.w, L.q.bias(), q.data());
-  }
-  std::vector<float> kva(static_cast<size_t>(T * row));
-  Linear(pool_.get(), h, T, L.kv_a.w, L.kv_a.bias(), kva.data());
-  for (int64_t t = 0; t < T; ++t) {
-    float* dst = Kv(t)->k(l) + pass_->pos[t] * row;
-    RmsNorm(kva.data() + t * row, 1, r, L.kv_a_norm.data(), kMlaNormEps, dst);
-    std::copy_n(kva.data() + t * row + r, rope, dst + r);
-    ApplyRope(dst + r, rope, cs + t * rope, geo_.rope_layout);
-  }
-  // Per (token, head): absorb kv_b's key part into the query, attend over the
-  // latents, expand the latent output with kv_b's value part.
-  std::vector<float> attn(static_cast<size_t>(T * nh * vd));
-  const Matrix& wkv = L.kv_b.w;  // [nh * (nope + vd), r]
-  pool_->ParallelFor(T * nh, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qfull(static_cast<size_t>(row)), wrow(static_cast<size_t>(r)),
-        olat(static_cast<size_t>(r)), scores(static_cast<size_t>(pass_->max_pos + 1));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / nh, hd = i % nh;
-      const float* qh = q.data() + t * nh * qk + hd * qk;
-      std::fill(qfull.begin(), qfull.begin() + r, 0.0f);
-      for (int64_t j = 0; j < nope; ++j) {
-        wkv.RowToF32(hd * (nope + vd) + j, wrow.data());
-        const float qj = qh[j];
-        for (int64_t c = 0; c < r; ++c) qfull[c] += qj * wrow[c];
-      }
-      std::copy_n(qh + nope, rope, qfull.data() + r);
-      ApplyRope(qfull.data() + r, rope, cs + t * rope, geo_.rope_layout);
-      const float* cache = Kv(t)->k(l);
-      AttendOne(qfull.data(), row, cache, row, cache, r, row, pass_->pos[t], L.window,
-                geo_.softmax_scale, scores.data(), olat.data());
-      float* o = attn.data() + t * nh * vd + hd * vd;
-      for (int64_t d = 0; d < vd; ++d) {
-        wkv.RowToF32(hd * (nope + vd) + nope + d, wrow.data());
-        float acc = 0.0f;
-        for (int64_t c = 0; c < r; ++c) acc += wrow[c] * olat[c];
-        o[d] = acc;
-      }
-    }
-  });
-  Linear(pool_.get(), attn.data(), T, L.o.w, L.o.bias(), out);
-}
-
-void CpuBackend::GqaAttention(int l, const float* h, const float* cs, float* out) const {
-  const int64_t T = pass_->size();
-  const Layer& L = layers_[static_cast<size_t>(l)];
-  const int64_t nh = c_.num_heads, nkv = c_.num_kv_heads, hd = c_.head_dim;
-  const int64_t row = nkv * hd, group = nh / nkv;
-  const float eps = static_cast<float>(c_.rms_norm_eps);
-  std::vector<float> q(static_cast<size_t>(T * nh * hd)), k(static_cast<size_t>(T * row)),
-      v(static_cast<size_t>(T * row));
-  Linear(pool_.get(), h, T, L.q.w, L.q.bias(), q.data());
-  Linear(pool_.get(), h, T, L.k.w, L.k.bias(), k.data());
-  Linear(pool_.get(), h, T, L.v.w, L.v.bias(), v.data());
-  if (!L.q_norm.empty()) {
-    RmsNorm(q.data(), T * nh, hd, L.q_norm.data(), eps, q.data());
-    RmsNorm(k.data(), T * nkv, hd, L.k_norm.data(), eps, k.data());
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t i = 0; i < nh; ++i)
-      ApplyRope(q.data() + (t * nh + i) * hd, hd, cs + t * hd, geo_.rope_layout);
-    for (int64_t i = 0; i < nkv; ++i)
-      ApplyRope(k.data() + (t * nkv + i) * hd, hd, cs + t * hd, geo_.rope_layout);
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    std::copy_n(k.data() + t * row, row, Kv(t)->k(l) + pass_->pos[t] * row);
-    std::copy_n(v.data() + t * row, row, Kv(t)->v(l) + pass_->pos[t] * row);
-  }
-  std::vector<float> attn(static_cast<size_t>(T * nh * hd));
-  pool_->ParallelFor(T * nh, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(static_cast<size_t>(pass_->max_pos + 1));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / nh, head = i % nh, kvh = head / group;
-      const float* kc = Kv(t)->k(l);
-      const float* vc = Kv(t)->v(l);
-      AttendOne(q.data() + i * hd, hd, kc + kvh * hd, row, vc + kvh * hd, hd, row, pass_->pos[t],
-                L.window, geo_.softmax_scale, scores.data(), attn.data() + i * hd);
-    }
-  });
-  Linear(pool_.get(), attn.data(), T, L.o.w, L.o.bias(), out);
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 #include "gpu_worker/cuda/streamed_experts.h"
 #include "gpu_worker/driver/model_driver.h"
 #include "gpu_worker/driver/prefill_plan.h"
+#include "gpu_worker/driver/residual.h"
 #include "gpu_worker/driver/weight_names.h"
 #include "gpu_worker/hot_weights.h"
 
@@ -373,6 +374,7 @@ class CudaBackend final : public LayerBackend {
   std::shared_ptr<BlockPool> pool_;
   std::vector<DeviceBuffer> kcache_, vcache_;  // [layer]
   int64_t k_row_ = 0, v_row_ = 0;
+  std::vector<AttentionSpec> attn_specs_;  // [layer] attention kind, cache rows, geometry
 
   // Workspace for passes of up to cap_tokens_ tokens.
   int64_t cap_tokens_ = 0, cap_table_ = 0, cap_rows_ = 0;  // tokens, table entries, logit rows
@@ -721,6 +723,24 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   HMOE_CUDA_TRY(cudaEventCreateWithFlags(&done_ev_, cudaEventBlockingSync | cudaEventDisableTiming),
                 "cudaEventCreate");
   graphs_on_ = o_.cuda_graphs;
+  // The kinds this backend runs: plain residual; attention per layer (MLA,
+  // GQA), all layers with one cache layout.
+  ASSIGN_OR_RETURN(const ResidualSpec residual, ResidualSpecFor(c_));
+  if (residual.kind != ResidualKind::kPlain)
+    return absl::UnimplementedError(
+        absl::StrCat("cuda backend: residual kind ", ResidualKindName(residual.kind)));
+  attn_specs_.clear();
+  for (int l = 0; l < c_.num_layers; ++l) {
+    ASSIGN_OR_RETURN(AttentionSpec spec, AttentionSpecFor(c_, l));
+    if (spec.kind != AttentionKind::kMla && spec.kind != AttentionKind::kGqa)
+      return absl::UnimplementedError(absl::StrCat("cuda backend: layer ", l, " attention kind ",
+                                                   AttentionKindName(spec.kind)));
+    if (!attn_specs_.empty() && (spec.cache.k_row != attn_specs_[0].cache.k_row ||
+                                 spec.cache.v_row != attn_specs_[0].cache.v_row))
+      return absl::UnimplementedError(
+          absl::StrCat("cuda backend: layer ", l, "'s KV cache layout differs from layer 0's"));
+    attn_specs_.push_back(spec);
+  }
   // Weights.
   const ModelNames names;
   const int64_t H = c_.hidden_size;
@@ -804,9 +824,8 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   RETURN_IF_ERROR(attn_scratch_.Allocate(kAttentionScratchBytes));
   // A workspace for a first pass of up to 256 tokens, then the KV pool from what is left.
   RETURN_IF_ERROR(EnsureWorkspace(256, 256 * 4, 16));
-  k_row_ =
-      c_.is_mla() ? c_.mla.kv_lora_rank + c_.mla.qk_rope_head_dim : c_.num_kv_heads * c_.head_dim;
-  v_row_ = c_.is_mla() ? 0 : k_row_;
+  k_row_ = attn_specs_[0].cache.k_row;
+  v_row_ = attn_specs_[0].cache.v_row;
   const int64_t block_bytes = kBlockTokens * (k_row_ + v_row_) * 4 * c_.num_layers;
   int64_t blocks = o_.kv_blocks;
   const int64_t max_useful = 16 * ((o_.max_seq_len + kBlockTokens - 1) / kBlockTokens);
@@ -956,19 +975,16 @@ absl::Status CudaBackend::Gemm(const DevLin& w, const uint16_t* x, int64_t T, fl
 
 PagedAttentionArgs CudaBackend::AttentionShape() const {
   PagedAttentionArgs a;
+  const AttentionSpec& s = attn_specs_[0];
+  const bool values = s.cache.v_row > 0;  // else read from the key rows
   a.k_cache = kcache_.empty() ? nullptr : kcache_[0].as<float>();
-  a.num_heads = c_.num_heads;
-  if (c_.is_mla()) {
-    a.dk = a.k_row = a.v_row = c_.mla.kv_lora_rank + c_.mla.qk_rope_head_dim;
-    a.dv = c_.mla.kv_lora_rank;
-    a.v_cache = a.k_cache;
-    a.num_kv_heads = 1;
-  } else {
-    a.dk = a.dv = c_.head_dim;
-    a.k_row = a.v_row = c_.num_kv_heads * c_.head_dim;
-    a.v_cache = vcache_.empty() ? nullptr : vcache_[0].as<float>();
-    a.num_kv_heads = c_.num_kv_heads;
-  }
+  a.num_heads = s.num_heads;
+  a.dk = s.dk;
+  a.dv = s.dv;
+  a.k_row = s.cache.k_row;
+  a.v_row = values ? s.cache.v_row : s.cache.k_row;
+  a.v_cache = !values ? a.k_cache : vcache_.empty() ? nullptr : vcache_[0].as<float>();
+  a.num_kv_heads = s.num_kv_heads;
   return a;
 }
 
@@ -1206,7 +1222,14 @@ absl::Status CudaBackend::Attention(int l) {
   RETURN_IF_ERROR(
       Launched(AddRmsNorm(x_, nullptr, T, H, L.in_norm.as<float>(), eps, nullptr, hb_, stream_),
                "AddRmsNorm"));
-  RETURN_IF_ERROR(c_.is_mla() ? MlaAttention(l) : GqaAttention(l));
+  switch (attn_specs_[static_cast<size_t>(l)].kind) {  // the layer's attention kind's ops
+    case AttentionKind::kMla:
+      RETURN_IF_ERROR(MlaAttention(l));
+      break;
+    case AttentionKind::kGqa:
+      RETURN_IF_ERROR(GqaAttention(l));
+      break;
+  }
   // x += attention; h = post_norm(x) (f32 for the experts, bf16 for the GEMMs).
   return Launched(AddRmsNorm(x_, y_, T, H, L.post_norm.as<float>(), eps, h_, hb_, stream_),
                   "AddRmsNorm");
@@ -1240,7 +1263,18 @@ absl::Status CudaBackend::RunRouter(int l, const GateSpec& g) {
   RouteParams p;
   p.num_experts = static_cast<int>(E);
   p.top_k = static_cast<int>(K);
-  p.sigmoid = g.scoring == ScoringFunc::kSigmoid;
+  // The router kinds this kernel runs (GateSpec as hmoe::Route takes it).
+  switch (g.kind) {
+    case RouterKind::kSoftmaxTopk:
+      p.sigmoid = false;
+      break;
+    case RouterKind::kSigmoidGroupedTopk:
+      p.sigmoid = true;
+      break;
+    default:
+      return absl::UnimplementedError(
+          absl::StrCat("cuda backend: router kind ", RouterKindName(g.kind)));
+  }
   p.method = g.method == TopkMethod::kGreedy               ? 0
              : g.method == TopkMethod::kGroupLimitedGreedy ? 1
                                                            : 2;

@@ -16,7 +16,10 @@
 //     AddToResidual(v)                  x += v (a deferred call's sum, any time)
 //   Logits(out)                         lm_head(final_norm(x)) for the kept rows
 // then Commit (success) or Abort (any error after Begin). A backend runs one
-// pass at a time; the driver serializes them.
+// pass at a time; the driver serializes them. "x +=" is the plain residual
+// scheme; a backend joins sublayers through the config's scheme
+// (residual.h), runs each layer's attention by its kind (attention.h) and
+// routes by the GateSpec's kind (routing.h).
 //
 // Device-side expert calls. A backend that took the routed experts
 // (AttachExperts returned true) may run a pass's expert calls itself through

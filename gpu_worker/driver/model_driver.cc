@@ -13,28 +13,6 @@
 
 namespace hmoe {
 
-AttentionGeometry AttentionGeometryFor(const ModelConfig& config) {
-  AttentionGeometry g;
-  if (config.is_mla()) {
-    g.rope_dim = config.mla.qk_rope_head_dim;
-    // V2 always rotates interleaved pairs (complex form); V3 per rope_interleave.
-    g.rope_layout = config.arch == Architecture::kDeepseekV2 || config.rope.interleave
-                        ? RopeLayout::kInterleaved
-                        : RopeLayout::kHalves;
-    double scale = 1.0 / std::sqrt(static_cast<double>(config.mla.qk_head_dim()));
-    if (config.rope.type != RopeType::kDefault && config.rope.mscale_all_dim != 0.0) {
-      const double ms = YarnGetMscale(config.rope.factor, config.rope.mscale_all_dim);
-      scale *= ms * ms;
-    }
-    g.softmax_scale = static_cast<float>(scale);
-  } else {
-    g.rope_dim = config.head_dim;
-    g.rope_layout = RopeLayout::kHalves;
-    g.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(config.head_dim)));
-  }
-  return g;
-}
-
 namespace {
 
 class ModelDriver;
@@ -103,7 +81,7 @@ class ModelDriver final : public Model {
  public:
   ModelDriver(const ModelConfig& config, const ModelOptions& options,
               std::unique_ptr<LayerBackend> backend, RoutedExperts* experts,
-              std::unique_ptr<RoutedExperts> owned_experts)
+              std::unique_ptr<RoutedExperts> owned_experts, std::vector<GateSpec> gates)
       : c_(config),
         options_(options),
         owned_experts_(std::move(owned_experts)),
@@ -111,7 +89,7 @@ class ModelDriver final : public Model {
         experts_(experts),
         geo_(AttentionGeometryFor(config)),
         rope_(ComputeRope(config.rope, geo_.rope_dim)),
-        gate_(GateSpecFor(config)),
+        gates_(std::move(gates)),
         routing_(config.moe_layer_indices(), config.moe.num_experts) {}
 
   const ModelConfig& config() const override { return c_; }
@@ -152,7 +130,7 @@ class ModelDriver final : public Model {
   RoutedExperts* experts_;
   AttentionGeometry geo_;
   RopeTables rope_;
-  GateSpec gate_;
+  std::vector<GateSpec> gates_;      // [num_layers] each MoE layer's gate (its router kind's)
   mutable RoutingCounters routing_;  // thread-safe adds
   // One pass at a time: the backend holds one pass's activations.
   mutable std::mutex mu_;
@@ -165,7 +143,7 @@ class ModelDriver final : public Model {
 absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* deferred) const {
   if (!c_.layers[static_cast<size_t>(l)].moe) return backend_->DenseMlp(l);
   RoutedInput in;
-  RETURN_IF_ERROR(backend_->Route(l, gate_, &in));
+  RETURN_IF_ERROR(backend_->Route(l, gates_[static_cast<size_t>(l)], &in));
   const int64_t K = c_.moe.experts_per_token, H = c_.hidden_size;
   // T from the call's tokens: every backend routes all of the pass's tokens.
   const int64_t T = pass_tokens_;
@@ -250,7 +228,7 @@ absl::Status ModelDriver::FeedForwardInSlots(int l, int* deferred) const {
   if (!c_.layers[static_cast<size_t>(l)].moe) return backend_->DenseMlp(l);
   // The last layer never defers: nothing would be left to overlap with.
   const int n = l + 1 < c_.num_layers ? options_.deferred_experts : 0;
-  RETURN_IF_ERROR(backend_->RouteToSlots(l, gate_, n));
+  RETURN_IF_ERROR(backend_->RouteToSlots(l, gates_[static_cast<size_t>(l)], n));
   RETURN_IF_ERROR(backend_->StartSharedExperts(l));
   RETURN_IF_ERROR(backend_->JoinSlot(l, 0));
   if (n > 0) *deferred = l;
@@ -391,7 +369,15 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModelDriver(
     RoutedExperts* experts, std::unique_ptr<RoutedExperts> owned_experts) {
   if (config.num_moe_layers() > 0 && experts == nullptr)
     return absl::InvalidArgumentError("CreateModelDriver: a MoE model needs RoutedExperts");
-  auto* d = new ModelDriver(config, options, std::move(backend), experts, std::move(owned_experts));
+  // Each MoE layer's gate, from its router kind (UNIMPLEMENTED: a kind
+  // without a router).
+  std::vector<GateSpec> gates(config.layers.size());
+  for (int l = 0; l < config.num_layers; ++l) {
+    if (!config.layers[static_cast<size_t>(l)].moe) continue;
+    ASSIGN_OR_RETURN(gates[static_cast<size_t>(l)], GateSpecFor(config, l));
+  }
+  auto* d = new ModelDriver(config, options, std::move(backend), experts, std::move(owned_experts),
+                            std::move(gates));
   std::unique_ptr<Model> m(d);
   // The backend may reach the experts from the device itself (slots).
   if (experts != nullptr) d->AttachBackendExperts();

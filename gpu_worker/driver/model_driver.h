@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "gpu_worker/driver/attention.h"
 #include "gpu_worker/driver/backend.h"
 #include "gpu_worker/driver/rope.h"
 #include "gpu_worker/model.h"
@@ -21,19 +22,5 @@ namespace hmoe {
 absl::StatusOr<std::unique_ptr<Model>> CreateModelDriver(
     const ModelConfig& config, const ModelOptions& options, std::unique_ptr<LayerBackend> backend,
     RoutedExperts* experts, std::unique_ptr<RoutedExperts> owned_experts);
-
-// The rotary dimension, pair layout and softmax scale of `config`'s attention
-// (MLA: qk_rope_head_dim, interleaved for V2 and rope_interleave, YaRN
-// mscale^2 folded into the scale; GQA: head_dim, halves).
-struct AttentionGeometry {
-  int64_t rope_dim = 0;
-  RopeLayout rope_layout = RopeLayout::kHalves;
-  float softmax_scale = 1.0f;
-};
-AttentionGeometry AttentionGeometryFor(const ModelConfig& config);
-
-// transformers builds DeepSeek's q_a_layernorm and kv_a_layernorm with the
-// RMSNorm default eps, not config.rms_norm_eps.
-inline constexpr float kMlaNormEps = 1e-6f;
 
 }  // namespace hmoe

@@ -5,47 +5,71 @@
 #include <numeric>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "common/transport/moe_call.h"
+#include "gpu_worker/driver/router_kinds.h"
 
 namespace hmoe {
 
-GateSpec GateSpecFor(const ModelConfig& c) {
-  GateSpec g;
-  const MoeConfig& m = c.moe;
-  g.num_experts = m.num_experts;
-  g.top_k = m.experts_per_token;
-  g.routed_scaling_factor = static_cast<float>(m.routed_scaling_factor);
-  switch (c.arch) {
-    case Architecture::kDeepseekV3:
-      g.scoring = ScoringFunc::kSigmoid;
-      g.method = TopkMethod::kNoauxTc;
-      g.n_group = m.n_group;
-      g.topk_group = m.topk_group;
-      g.norm_topk_prob = m.norm_topk_prob;
-      g.norm_eps = 1e-20f;
-      break;
-    case Architecture::kDeepseekV2:
-      g.scoring = ScoringFunc::kSoftmax;
-      g.method = m.topk_method;
-      g.n_group = m.n_group;
-      g.topk_group = m.topk_group;
-      g.norm_topk_prob = false;
-      break;
-    case Architecture::kQwen3Moe:
-      g.norm_topk_prob = m.norm_topk_prob;
-      g.routed_scaling_factor = 1.0f;
-      break;
-    case Architecture::kMixtral:
-      g.norm_topk_prob = true;
-      g.routed_scaling_factor = 1.0f;
-      break;
-  }
-  if (g.method == TopkMethod::kGreedy) g.n_group = g.topk_group = 1;
-  return g;
+namespace {
+
+// The router table: one row per RouterKind (router_kinds.h).
+constexpr RouterOps kRouters[] = {
+    {RouterKind::kSoftmaxTopk, &SoftmaxTopkSpec, &SoftmaxTopkRoute},
+    {RouterKind::kSigmoidGroupedTopk, &SigmoidGroupedTopkSpec, &SigmoidGroupedTopkRoute},
+};
+
+const RouterOps* FindRouter(RouterKind kind) {
+  for (const RouterOps& r : kRouters)
+    if (r.kind == kind) return &r;
+  return nullptr;
+}
+
+}  // namespace
+
+absl::StatusOr<const RouterOps*> RouterOpsFor(RouterKind kind) {
+  const RouterOps* r = FindRouter(kind);
+  if (r == nullptr)
+    return absl::UnimplementedError(absl::StrCat("router kind ", static_cast<int>(kind), " (",
+                                                 RouterKindName(kind), ") has no implementation"));
+  return r;
+}
+
+absl::StatusOr<GateSpec> GateSpecFor(const ModelConfig& config, int layer) {
+  if (layer < 0 || layer >= static_cast<int>(config.layers.size()))
+    return absl::InvalidArgumentError(
+        absl::StrCat("GateSpecFor: layer ", layer, " outside [0, ", config.layers.size(), ")"));
+  const RouterKind kind = config.layers[static_cast<size_t>(layer)].router;
+  absl::StatusOr<const RouterOps*> r = RouterOpsFor(kind);
+  if (!r.ok()) return Annotate(r.status(), absl::StrCat("layer ", layer));
+  return (*r)->spec(config);
+}
+
+GateSpec GateSpecFor(const ModelConfig& config) {
+  const RouterOps* r = FindRouter(KindsOf(config.arch).router);
+  return r != nullptr ? r->spec(config) : BaseGateSpec(config, KindsOf(config.arch).router);
 }
 
 void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias, int32_t* ids,
            float* weights) {
+  const RouterOps* r = FindRouter(g.kind);
+  if (r != nullptr) return r->route(g, logits, T, bias, ids, weights);
+  std::fill(ids, ids + T * g.top_k, kNoExpert);
+  std::fill(weights, weights + T * g.top_k, 0.0f);
+}
+
+GateSpec BaseGateSpec(const ModelConfig& c, RouterKind kind) {
+  GateSpec g;
+  g.kind = kind;
+  g.num_experts = c.moe.num_experts;
+  g.top_k = c.moe.experts_per_token;
+  g.routed_scaling_factor = static_cast<float>(c.moe.routed_scaling_factor);
+  return g;
+}
+
+void TopkFromScores(const GateSpec& g, ScoreRow score_row, const float* logits, int64_t T,
+                    const float* bias, int32_t* ids, float* weights) {
   const int64_t E = g.num_experts, K = g.top_k;
   const int64_t G = std::max<int64_t>(1, g.n_group), per = E / G;
   std::vector<float> scores(E), choice(E), gscore(G);
@@ -56,15 +80,7 @@ void Route(const GateSpec& g, const float* logits, int64_t T, const float* bias,
     return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
   };
   for (int64_t t = 0; t < T; ++t) {
-    const float* l = logits + t * E;
-    if (g.scoring == ScoringFunc::kSigmoid) {
-      for (int64_t e = 0; e < E; ++e) scores[e] = 1.0f / (1.0f + std::exp(-l[e]));
-    } else {
-      const float mx = *std::max_element(l, l + E);
-      float sum = 0.0f;
-      for (int64_t e = 0; e < E; ++e) sum += (scores[e] = std::exp(l[e] - mx));
-      for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
-    }
+    score_row(logits + t * E, E, scores.data());
     for (int64_t e = 0; e < E; ++e) choice[e] = scores[e] + (bias ? bias[e] : 0.0f);
     std::fill(allowed.begin(), allowed.end(), 1);
     if (g.method != TopkMethod::kGreedy && G > 1) {

@@ -210,7 +210,7 @@ TEST(Gate, NoauxTcGroupLimitedWithSelectionOnlyBias) {
   GateSpec g;
   g.num_experts = 8;
   g.top_k = 2;
-  g.scoring = ScoringFunc::kSigmoid;
+  g.kind = RouterKind::kSigmoidGroupedTopk;
   g.method = TopkMethod::kNoauxTc;
   g.n_group = 4;
   g.topk_group = 2;
@@ -295,11 +295,11 @@ TEST(Gate, SpecPerArchitecture) {
   c.arch = Architecture::kDeepseekV2;
   GateSpec v2 = GateSpecFor(c);
   EXPECT_FALSE(v2.norm_topk_prob);  // transformers' V2 never renormalizes
-  EXPECT_EQ(v2.scoring, ScoringFunc::kSoftmax);
+  EXPECT_EQ(v2.kind, RouterKind::kSoftmaxTopk);
   EXPECT_EQ(v2.routed_scaling_factor, 2.0f);
   c.arch = Architecture::kDeepseekV3;
   GateSpec v3 = GateSpecFor(c);
-  EXPECT_EQ(v3.scoring, ScoringFunc::kSigmoid);
+  EXPECT_EQ(v3.kind, RouterKind::kSigmoidGroupedTopk);
   EXPECT_EQ(v3.method, TopkMethod::kNoauxTc);
   EXPECT_TRUE(v3.norm_topk_prob);
   EXPECT_EQ(v3.norm_eps, 1e-20f);

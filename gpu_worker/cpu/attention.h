@@ -1,0 +1,65 @@
+// The reference backend's attention ops, one per AttentionKind
+// (gpu_worker/driver/attention.h) in the table of attention.cc: each owns
+// its layer's weights and writes and reads the cache rows its kind's
+// AttentionSpec lays out.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "common/runtime/thread_pool.h"
+#include "common/safetensors.h"
+#include "gpu_worker/cpu/ops.h"
+#include "gpu_worker/driver/attention.h"
+#include "gpu_worker/driver/weight_names.h"
+
+namespace hmoe::cpu {
+
+// A linear layer: its weight and, when the checkpoint has one, its bias.
+struct Lin {
+  Matrix w;
+  std::vector<float> b;  // empty: no bias
+  const float* bias() const { return b.empty() ? nullptr : b.data(); }
+};
+// Loads PREFIX.weight (fp8: dequantized with `fp8_block`) and PREFIX.bias.
+absl::Status LoadLin(const Checkpoint& ckpt, const std::string& prefix, int64_t fp8_block,
+                     Lin* out);
+
+// What a layer's attention reads of the pass.
+struct AttentionPass {
+  ThreadPool* pool = nullptr;
+  int64_t T = 0;
+  const int64_t* pos = nullptr;  // [T] each token's position
+  int64_t max_pos = 0;
+  const float* rope_cs = nullptr;  // [T, rope_dim] RopeCosSin rows
+  // [T] each token's Sequence's key / value cache of this layer: rows of
+  // the spec's cache.k_row / cache.v_row floats by position (v: null
+  // entries when v_row is 0).
+  float* const* k = nullptr;
+  float* const* v = nullptr;
+};
+
+class AttentionOp {
+ public:
+  virtual ~AttentionOp() = default;
+  // Loads the layer's attention weights (input norm aside).
+  virtual absl::Status Load(const Checkpoint& ckpt, const LayerNames& names, int64_t fp8_block) = 0;
+  // Writes each token's cache row at its position, then out [T, H] =
+  // o_proj(attention(h [T, H])) over positions [0, pos] of its cache.
+  virtual void Forward(const AttentionPass& p, const float* h, float* out) const = 0;
+};
+
+// The op of `spec.kind` for a layer of `config`; UNIMPLEMENTED naming the
+// kind when the reference backend has none.
+absl::StatusOr<std::unique_ptr<AttentionOp>> MakeAttentionOp(const ModelConfig& config,
+                                                             const AttentionSpec& spec);
+
+// The kinds' ops (one file each: mla_attention.cc, gqa_attention.cc).
+std::unique_ptr<AttentionOp> MakeMlaAttention(const ModelConfig& config, const AttentionSpec& spec);
+std::unique_ptr<AttentionOp> MakeGqaAttention(const ModelConfig& config, const AttentionSpec& spec);
+
+}  // namespace hmoe::cpu
