@@ -1,4 +1,4 @@
-// Internals of the Jinja evaluator (common/jinja.h): scopes, the
+// Internals of the Jinja evaluator (common/text/jinja/jinja.h): scopes, the
 // interpreter state, callables. Filters, tests and methods live in
 // jinja_builtins.cc; statements and expressions in jinja_eval.cc.
 #pragma once
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "common/jinja.h"
-#include "common/jinja_internal.h"
+#include "common/text/jinja/jinja.h"
+#include "common/text/jinja/jinja_internal.h"
 #include "nlohmann/json.hpp"
 
 namespace hmoe::jinja::internal {

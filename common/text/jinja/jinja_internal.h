@@ -1,4 +1,4 @@
-// Internals of the Jinja interpreter (common/jinja.h): values, the syntax
+// Internals of the Jinja interpreter (common/text/jinja/jinja.h): values, the syntax
 // tree, and the error type thrown inside the library (caught at
 // Template::Parse / Render, never crossing the public API).
 #pragma once

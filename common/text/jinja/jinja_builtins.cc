@@ -1,5 +1,5 @@
 // Filters, tests and str / dict / list methods of the Jinja interpreter
-// (common/jinja.h), as jinja2 3.1 and Python 3 define them, plus
+// (common/text/jinja/jinja.h), as jinja2 3.1 and Python 3 define them, plus
 // transformers' tojson.
 #include <algorithm>
 #include <cmath>
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/jinja_internal.h"
-#include "common/jinja_runtime.h"
+#include "common/text/jinja/jinja_internal.h"
+#include "common/text/jinja/jinja_runtime.h"
 
 namespace hmoe::jinja::internal {
 

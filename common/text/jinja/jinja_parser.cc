@@ -1,4 +1,4 @@
-// Lexer and parser of the Jinja subset (common/jinja.h). The lexer follows
+// Lexer and parser of the Jinja subset (common/text/jinja/jinja.h). The lexer follows
 // jinja2's (lexer.py) with trim_blocks and lstrip_blocks on and
 // keep_trailing_newline off; the parser follows jinja2's parser.py.
 #include <algorithm>
@@ -10,7 +10,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/jinja_internal.h"
+#include "common/text/jinja/jinja_internal.h"
 
 namespace hmoe::jinja::internal {
 
