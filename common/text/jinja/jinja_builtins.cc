@@ -1,6 +1,7 @@
 // Filters, tests and str / dict / list methods of the Jinja interpreter
 // (common/text/jinja/jinja.h), as jinja2 3.1 and Python 3 define them, plus
-// transformers' tojson.
+// transformers' tojson. Filters and methods are tables of named functions
+// (Filters(), StrMethods(), ...), one function per filter or method family.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -8,8 +9,10 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/text/jinja/jinja_internal.h"
 #include "common/text/jinja/jinja_runtime.h"
@@ -592,8 +595,6 @@ class Args {
   std::vector<std::string> names_;
 };
 
-const std::string& NeedStr(const Value& self) { return self.s(); }
-
 // Python int(str) / float(str).
 std::optional<int64_t> ParsePyInt(const std::string& text, int base) {
   std::string s = StripStr(text, std::nullopt, true, true);
@@ -711,221 +712,333 @@ std::vector<std::string> SplitChars(const std::string& s) {
 // ---------------------------------------------------------------- methods
 
 namespace {
-const char* const kStrMethods[] = {
-    "capitalize",   "casefold",    "center",    "count",      "encode",       "endswith",
-    "expandtabs",   "find",        "format",    "format_map", "index",        "isalnum",
-    "isalpha",      "isascii",     "isdecimal", "isdigit",    "isidentifier", "islower",
-    "isnumeric",    "isprintable", "isspace",   "istitle",    "isupper",      "join",
-    "ljust",        "lower",       "lstrip",    "maketrans",  "partition",    "removeprefix",
-    "removesuffix", "replace",     "rfind",     "rindex",     "rjust",        "rpartition",
-    "rsplit",       "rstrip",      "split",     "splitlines", "startswith",   "strip",
-    "swapcase",     "title",       "translate", "upper",      "zfill"};
-const char* const kDictSafe[] = {"copy", "fromkeys", "get", "items", "keys", "values"};
-const char* const kDictUnsafe[] = {"clear", "pop", "popitem", "setdefault", "update"};
-const char* const kListSafe[] = {"copy", "count", "index"};
-const char* const kListUnsafe[] = {"append", "clear",  "extend",  "insert",
-                                   "pop",    "remove", "reverse", "sort"};
 
-template <size_t N>
-bool In(const char* const (&arr)[N], const std::string& name) {
-  for (const char* x : arr)
-    if (name == x) return true;
-  return false;
+// A filter (`input | name(args)`) or a method (`input.name(args)`). `name` is
+// the name it was called by: aliases share a function, and errors name what
+// the template wrote.
+using BuiltinOp = Value (*)(Interp& in, const std::string& name, const Value& input,
+                            CallArgs& args);
+
+Value StrStrip(Interp&, const std::string& name, const Value& self, CallArgs& a) {
+  Args p(a, name, {"chars"});
+  return Value::Str(StripStr(self.s(), p.OptStr(0), name != "rstrip", name != "lstrip"));
 }
+
+Value StrSplit(Interp& in, const std::string& name, const Value& self, CallArgs& a) {
+  Args p(a, name, {"sep", "maxsplit"});
+  const auto sep = p.OptStr(0);
+  const int64_t maxsplit = p.Int(1, -1);
+  const std::vector<std::string> parts =
+      sep ? SplitSep(self.s(), *sep, maxsplit, name == "rsplit")
+          : SplitWhitespace(self.s(), maxsplit, name == "rsplit");
+  in.CheckItems(parts.size());
+  std::vector<Value> out;
+  for (const auto& x : parts) out.push_back(Value::Str(x));
+  return Value::List(std::move(out));
+}
+
+// startswith / endswith.
+Value StrAffixTest(Interp&, const std::string& name, const Value& self, CallArgs& a) {
+  const std::string& s = self.s();
+  Args p(a, name, {"prefix"});
+  const Value arg = p.Or(0, Value());
+  std::vector<std::string> cands;
+  if (arg.is_string()) {
+    cands.push_back(arg.s());
+  } else if (arg.is_tuple()) {
+    for (const Value& x : arg.items()) {
+      if (!x.is_string())
+        Fail(absl::StrCat("tuple for ", name, " must only contain str, not ", PyTypeName(x)));
+      cands.push_back(x.s());
+    }
+  } else {
+    if (arg.is_undefined() && a.pos.size() + a.kw.size() > 0) FailUndefined(arg);
+    Fail(absl::StrCat(name, " first arg must be str or a tuple of str, not ", PyTypeName(arg)));
+  }
+  for (const std::string& c : cands) {
+    if (name == "startswith"
+            ? s.compare(0, c.size(), c) == 0 && s.size() >= c.size()
+            : s.size() >= c.size() && s.compare(s.size() - c.size(), c.size(), c) == 0)
+      return Value::Bool(true);
+  }
+  return Value::Bool(false);
+}
+
+Value StrReplace(Interp& in, const std::string& name, const Value& self, CallArgs& a) {
+  Args p(a, name, {"old", "new", "count"});
+  const std::string r = ReplaceStr(self.s(), p.Str(0), p.Str(1), p.Int(2, -1));
+  in.CheckString(r.size());
+  return Value::Str(r);
+}
+
+Value StrUpper(Interp&, const std::string&, const Value& self, CallArgs&) {
+  return Value::Str(UpperStr(self.s()));
+}
+
+Value StrLower(Interp&, const std::string&, const Value& self, CallArgs&) {
+  return Value::Str(LowerStr(self.s()));
+}
+
+Value StrTitle(Interp&, const std::string&, const Value& self, CallArgs&) {
+  return Value::Str(TitleStr(self.s()));
+}
+
+Value StrCapitalize(Interp&, const std::string&, const Value& self, CallArgs&) {
+  return Value::Str(CapitalizeStr(self.s()));
+}
+
+// find / rfind / index / rindex / count.
+Value StrFind(Interp&, const std::string& name, const Value& self, CallArgs& a) {
+  const std::string& s = self.s();
+  Args p(a, name, {"sub"});
+  const std::string sub = p.Str(0);
+  if (name == "count") {
+    if (sub.empty()) return Value::Int(static_cast<int64_t>(SplitChars(s).size()) + 1);
+    int64_t n = 0;
+    for (size_t k = s.find(sub); k != std::string::npos; k = s.find(sub, k + sub.size())) ++n;
+    return Value::Int(n);
+  }
+  const size_t k = (name == "find" || name == "index") ? s.find(sub) : s.rfind(sub);
+  if (k == std::string::npos) {
+    if (name == "index" || name == "rindex") Fail("substring not found");
+    return Value::Int(-1);
+  }
+  return Value::Int(static_cast<int64_t>(SplitChars(s.substr(0, k)).size()));
+}
+
+Value StrJoin(Interp& in, const std::string& name, const Value& self, CallArgs& a) {
+  Args p(a, name, {"iterable"});
+  std::string out;
+  size_t i = 0;
+  for (const Value& x : in.Iterate(p.Or(0, Value()))) {
+    if (!x.is_string())
+      Fail(absl::StrCat("sequence item ", i, ": expected str instance, ", PyTypeName(x), " found"));
+    if (i++) out += self.s();
+    out += x.s();
+    in.CheckString(out.size());
+  }
+  return Value::Str(out);
+}
+
+Value StrSplitlines(Interp&, const std::string& name, const Value& self, CallArgs& a) {
+  Args p(a, name, {"keepends"});
+  std::vector<Value> out;
+  for (const auto& x : SplitLines(self.s(), p.Bool(0, false))) out.push_back(Value::Str(x));
+  return Value::List(std::move(out));
+}
+
+// removeprefix / removesuffix.
+Value StrRemoveAffix(Interp&, const std::string& name, const Value& self, CallArgs& a) {
+  const std::string& s = self.s();
+  Args p(a, name, {"affix"});
+  const std::string x = p.Str(0);
+  if (name == "removeprefix" && s.compare(0, x.size(), x) == 0 && s.size() >= x.size())
+    return Value::Str(s.substr(x.size()));
+  if (name == "removesuffix" && !x.empty() && s.size() >= x.size() &&
+      s.compare(s.size() - x.size(), x.size(), x) == 0)
+    return Value::Str(s.substr(0, s.size() - x.size()));
+  return self;
+}
+
+// isspace / isdigit / isalpha / isalnum / islower / isupper / isascii.
+Value StrIsClass(Interp&, const std::string& name, const Value& self, CallArgs& a) {
+  Args p(a, name, {});
+  const std::vector<uint32_t> cps = Decode(self.s());
+  if (name == "isascii")
+    return Value::Bool(std::all_of(cps.begin(), cps.end(), [](uint32_t c) { return c < 0x80; }));
+  if (cps.empty()) return Value::Bool(false);
+  if (name == "islower" || name == "isupper") {
+    bool any = false;
+    for (uint32_t c : cps) {
+      if (!Cased(c)) continue;
+      any = true;
+      if (name == "islower" ? !IsLowerCp(c) : !IsUpperCp(c)) return Value::Bool(false);
+    }
+    return Value::Bool(any);
+  }
+  for (uint32_t c : cps) {
+    bool ok;
+    if (name == "isspace") {
+      ok = IsSpace(c);
+    } else if (name == "isdigit") {
+      ok = c >= '0' && c <= '9';
+    } else {
+      const bool alpha = (c < 0x80 && std::isalpha(static_cast<int>(c))) || (c >= 0x80 && Cased(c));
+      ok = name == "isalpha" ? alpha : alpha || (c >= '0' && c <= '9');
+    }
+    if (!ok) return Value::Bool(false);
+  }
+  return Value::Bool(true);
+}
+
+Value DictGet(Interp&, const std::string& name, const Value& self, CallArgs& a) {
+  Args p(a, name, {"key", "default"});
+  const Value key = p.Or(0, Value());
+  if (!p.Get(0)) Fail("get expected at least 1 argument, got 0");
+  if (key.is_list() || key.is_dict())
+    Fail(absl::StrCat("unhashable type: '", PyTypeName(key), "'"));
+  const Value* v = self.dict().Find(key);
+  return v ? *v : p.Or(1, Value::None());
+}
+
+// items / keys / values.
+Value DictView(Interp&, const std::string& name, const Value& self, CallArgs& a) {
+  Args p(a, name, {});
+  std::vector<Value> out;
+  for (const auto& kv : self.dict().items) {
+    if (name == "items")
+      out.push_back(Value::List({kv.first, kv.second}, true));
+    else
+      out.push_back(name == "keys" ? kv.first : kv.second);
+  }
+  return Value::Seq(std::move(out), Flavor::kView, absl::StrCat("dict_", name));
+}
+
+Value DictCopy(Interp&, const std::string&, const Value& self, CallArgs&) { return self; }
+
+Value ListCopy(Interp&, const std::string&, const Value& self, CallArgs&) {
+  return Value::List(self.items(), self.is_tuple());
+}
+
+// count / index of a list or tuple.
+Value ListFind(Interp&, const std::string& name, const Value& self, CallArgs& a) {
+  Args p(a, name, {"value"});
+  const Value x = p.Or(0, Value());
+  int64_t n = 0;
+  for (size_t i = 0; i < self.items().size(); ++i) {
+    if (!Equal(self.items()[i], x)) continue;
+    if (name == "index") return Value::Int(static_cast<int64_t>(i));
+    ++n;
+  }
+  if (name == "index") Fail(absl::StrCat(Repr(x), " is not in list"));
+  return Value::Int(n);
+}
+
+// An attribute Python's str / dict / list / tuple has: callable here (kSafe)
+// or refused by the sandbox (kUnsafe). `fn` is null where we do not
+// implement it: calling it fails as an unsupported construct.
+struct MethodEntry {
+  MethodKind kind;
+  BuiltinOp fn;
+};
+using MethodTable = absl::flat_hash_map<std::string_view, MethodEntry>;
+
+constexpr MethodEntry Safe(BuiltinOp fn) { return {MethodKind::kSafe, fn}; }
+constexpr MethodEntry kSafeMissing = {MethodKind::kSafe, nullptr};
+constexpr MethodEntry kUnsafe = {MethodKind::kUnsafe, nullptr};
+
+const MethodTable& StrMethods() {
+  static const auto* t = new MethodTable{
+      {"capitalize", Safe(StrCapitalize)},
+      {"casefold", kSafeMissing},
+      {"center", kSafeMissing},
+      {"count", Safe(StrFind)},
+      {"encode", kSafeMissing},
+      {"endswith", Safe(StrAffixTest)},
+      {"expandtabs", kSafeMissing},
+      {"find", Safe(StrFind)},
+      {"format", kSafeMissing},
+      {"format_map", kSafeMissing},
+      {"index", Safe(StrFind)},
+      {"isalnum", Safe(StrIsClass)},
+      {"isalpha", Safe(StrIsClass)},
+      {"isascii", Safe(StrIsClass)},
+      {"isdecimal", kSafeMissing},
+      {"isdigit", Safe(StrIsClass)},
+      {"isidentifier", kSafeMissing},
+      {"islower", Safe(StrIsClass)},
+      {"isnumeric", kSafeMissing},
+      {"isprintable", kSafeMissing},
+      {"isspace", Safe(StrIsClass)},
+      {"istitle", kSafeMissing},
+      {"isupper", Safe(StrIsClass)},
+      {"join", Safe(StrJoin)},
+      {"ljust", kSafeMissing},
+      {"lower", Safe(StrLower)},
+      {"lstrip", Safe(StrStrip)},
+      {"maketrans", kSafeMissing},
+      {"partition", kSafeMissing},
+      {"removeprefix", Safe(StrRemoveAffix)},
+      {"removesuffix", Safe(StrRemoveAffix)},
+      {"replace", Safe(StrReplace)},
+      {"rfind", Safe(StrFind)},
+      {"rindex", Safe(StrFind)},
+      {"rjust", kSafeMissing},
+      {"rpartition", kSafeMissing},
+      {"rsplit", Safe(StrSplit)},
+      {"rstrip", Safe(StrStrip)},
+      {"split", Safe(StrSplit)},
+      {"splitlines", Safe(StrSplitlines)},
+      {"startswith", Safe(StrAffixTest)},
+      {"strip", Safe(StrStrip)},
+      {"swapcase", kSafeMissing},
+      {"title", Safe(StrTitle)},
+      {"translate", kSafeMissing},
+      {"upper", Safe(StrUpper)},
+      {"zfill", kSafeMissing},
+  };
+  return *t;
+}
+
+const MethodTable& DictMethods() {
+  static const auto* t = new MethodTable{
+      {"clear", kUnsafe},     {"copy", Safe(DictCopy)},   {"fromkeys", kSafeMissing},
+      {"get", Safe(DictGet)}, {"items", Safe(DictView)},  {"keys", Safe(DictView)},
+      {"pop", kUnsafe},       {"popitem", kUnsafe},       {"setdefault", kUnsafe},
+      {"update", kUnsafe},    {"values", Safe(DictView)},
+  };
+  return *t;
+}
+
+const MethodTable& ListMethods() {
+  static const auto* t = new MethodTable{
+      {"append", kUnsafe},       {"clear", kUnsafe},  {"copy", Safe(ListCopy)},
+      {"count", Safe(ListFind)}, {"extend", kUnsafe}, {"index", Safe(ListFind)},
+      {"insert", kUnsafe},       {"pop", kUnsafe},    {"remove", kUnsafe},
+      {"reverse", kUnsafe},      {"sort", kUnsafe},
+  };
+  return *t;
+}
+
+const MethodTable& TupleMethods() {
+  static const auto* t = new MethodTable{
+      {"count", Safe(ListFind)},
+      {"index", Safe(ListFind)},
+  };
+  return *t;
+}
+
+// The methods of `v`'s type; null for types without any (iterators, views,
+// numbers, objects).
+const MethodTable* MethodsOf(const Value& v) {
+  switch (v.kind()) {
+    case Kind::kString:
+      return &StrMethods();
+    case Kind::kDict:
+      return &DictMethods();
+    case Kind::kList:
+      if (v.flavor() == Flavor::kList) return &ListMethods();
+      if (v.flavor() == Flavor::kTuple) return &TupleMethods();
+      return nullptr;
+    default:
+      return nullptr;
+  }
+}
+
 }  // namespace
 
 MethodKind Interp::LookupMethod(const Value& obj, const std::string& name) {
-  switch (obj.kind()) {
-    case Kind::kString:
-      return In(kStrMethods, name) ? MethodKind::kSafe : MethodKind::kNone;
-    case Kind::kDict:
-      if (In(kDictSafe, name)) return MethodKind::kSafe;
-      return In(kDictUnsafe, name) ? MethodKind::kUnsafe : MethodKind::kNone;
-    case Kind::kList:
-      if (obj.flavor() == Flavor::kList) {
-        if (In(kListSafe, name)) return MethodKind::kSafe;
-        return In(kListUnsafe, name) ? MethodKind::kUnsafe : MethodKind::kNone;
-      }
-      if (obj.flavor() == Flavor::kTuple)
-        return name == "count" || name == "index" ? MethodKind::kSafe : MethodKind::kNone;
-      return MethodKind::kNone;
-    default:
-      return MethodKind::kNone;
-  }
+  const MethodTable* methods = MethodsOf(obj);
+  if (methods == nullptr) return MethodKind::kNone;
+  const auto it = methods->find(name);
+  return it == methods->end() ? MethodKind::kNone : it->second.kind;
 }
 
 Value Interp::CallMethod(const Value& self, const std::string& name, CallArgs& a) {
-  if (self.is_string()) {
-    const std::string& s = NeedStr(self);
-    if (name == "strip" || name == "lstrip" || name == "rstrip") {
-      Args p(a, name, {"chars"});
-      return Value::Str(StripStr(s, p.OptStr(0), name != "rstrip", name != "lstrip"));
-    }
-    if (name == "split" || name == "rsplit") {
-      Args p(a, name, {"sep", "maxsplit"});
-      const auto sep = p.OptStr(0);
-      const int64_t maxsplit = p.Int(1, -1);
-      const std::vector<std::string> parts = sep ? SplitSep(s, *sep, maxsplit, name == "rsplit")
-                                                 : SplitWhitespace(s, maxsplit, name == "rsplit");
-      CheckItems(parts.size());
-      std::vector<Value> out;
-      for (const auto& x : parts) out.push_back(Value::Str(x));
-      return Value::List(std::move(out));
-    }
-    if (name == "startswith" || name == "endswith") {
-      Args p(a, name, {"prefix"});
-      const Value arg = p.Or(0, Value());
-      std::vector<std::string> cands;
-      if (arg.is_string()) {
-        cands.push_back(arg.s());
-      } else if (arg.is_tuple()) {
-        for (const Value& x : arg.items()) {
-          if (!x.is_string())
-            Fail(absl::StrCat("tuple for ", name, " must only contain str, not ", PyTypeName(x)));
-          cands.push_back(x.s());
-        }
-      } else {
-        if (arg.is_undefined() && a.pos.size() + a.kw.size() > 0) FailUndefined(arg);
-        Fail(absl::StrCat(name, " first arg must be str or a tuple of str, not ", PyTypeName(arg)));
-      }
-      for (const std::string& c : cands) {
-        if (name == "startswith"
-                ? s.compare(0, c.size(), c) == 0 && s.size() >= c.size()
-                : s.size() >= c.size() && s.compare(s.size() - c.size(), c.size(), c) == 0)
-          return Value::Bool(true);
-      }
-      return Value::Bool(false);
-    }
-    if (name == "replace") {
-      Args p(a, name, {"old", "new", "count"});
-      const std::string r = ReplaceStr(s, p.Str(0), p.Str(1), p.Int(2, -1));
-      CheckString(r.size());
-      return Value::Str(r);
-    }
-    if (name == "upper") return Value::Str(UpperStr(s));
-    if (name == "lower") return Value::Str(LowerStr(s));
-    if (name == "title") return Value::Str(TitleStr(s));
-    if (name == "capitalize") return Value::Str(CapitalizeStr(s));
-    if (name == "find" || name == "rfind" || name == "index" || name == "rindex" ||
-        name == "count") {
-      Args p(a, name, {"sub"});
-      const std::string sub = p.Str(0);
-      if (name == "count") {
-        if (sub.empty()) return Value::Int(static_cast<int64_t>(SplitChars(s).size()) + 1);
-        int64_t n = 0;
-        for (size_t k = s.find(sub); k != std::string::npos; k = s.find(sub, k + sub.size())) ++n;
-        return Value::Int(n);
-      }
-      const size_t k = (name == "find" || name == "index") ? s.find(sub) : s.rfind(sub);
-      if (k == std::string::npos) {
-        if (name == "index" || name == "rindex") Fail("substring not found");
-        return Value::Int(-1);
-      }
-      return Value::Int(static_cast<int64_t>(SplitChars(s.substr(0, k)).size()));
-    }
-    if (name == "join") {
-      Args p(a, name, {"iterable"});
-      std::string out;
-      size_t i = 0;
-      for (const Value& x : Iterate(p.Or(0, Value()))) {
-        if (!x.is_string())
-          Fail(absl::StrCat("sequence item ", i, ": expected str instance, ", PyTypeName(x),
-                            " found"));
-        if (i++) out += s;
-        out += x.s();
-        CheckString(out.size());
-      }
-      return Value::Str(out);
-    }
-    if (name == "splitlines") {
-      Args p(a, name, {"keepends"});
-      std::vector<Value> out;
-      for (const auto& x : SplitLines(s, p.Bool(0, false))) out.push_back(Value::Str(x));
-      return Value::List(std::move(out));
-    }
-    if (name == "removeprefix" || name == "removesuffix") {
-      Args p(a, name, {"affix"});
-      const std::string x = p.Str(0);
-      if (name == "removeprefix" && s.compare(0, x.size(), x) == 0 && s.size() >= x.size())
-        return Value::Str(s.substr(x.size()));
-      if (name == "removesuffix" && !x.empty() && s.size() >= x.size() &&
-          s.compare(s.size() - x.size(), x.size(), x) == 0)
-        return Value::Str(s.substr(0, s.size() - x.size()));
-      return self;
-    }
-    if (name == "isspace" || name == "isdigit" || name == "isalpha" || name == "isalnum" ||
-        name == "islower" || name == "isupper" || name == "isascii") {
-      Args p(a, name, {});
-      const std::vector<uint32_t> cps = Decode(s);
-      if (name == "isascii")
-        return Value::Bool(
-            std::all_of(cps.begin(), cps.end(), [](uint32_t c) { return c < 0x80; }));
-      if (cps.empty()) return Value::Bool(false);
-      if (name == "islower" || name == "isupper") {
-        bool any = false;
-        for (uint32_t c : cps) {
-          if (!Cased(c)) continue;
-          any = true;
-          if (name == "islower" ? !IsLowerCp(c) : !IsUpperCp(c)) return Value::Bool(false);
-        }
-        return Value::Bool(any);
-      }
-      for (uint32_t c : cps) {
-        bool ok;
-        if (name == "isspace") {
-          ok = IsSpace(c);
-        } else if (name == "isdigit") {
-          ok = c >= '0' && c <= '9';
-        } else {
-          const bool alpha =
-              (c < 0x80 && std::isalpha(static_cast<int>(c))) || (c >= 0x80 && Cased(c));
-          ok = name == "isalpha" ? alpha : alpha || (c >= '0' && c <= '9');
-        }
-        if (!ok) return Value::Bool(false);
-      }
-      return Value::Bool(true);
-    }
-    Fail(absl::StrCat("unsupported construct: str.", name, "()"));
-  }
-  if (self.is_dict()) {
-    const auto& d = self.dict();
-    if (name == "get") {
-      Args p(a, name, {"key", "default"});
-      const Value key = p.Or(0, Value());
-      if (!p.Get(0)) Fail("get expected at least 1 argument, got 0");
-      if (key.is_list() || key.is_dict())
-        Fail(absl::StrCat("unhashable type: '", PyTypeName(key), "'"));
-      const Value* v = d.Find(key);
-      return v ? *v : p.Or(1, Value::None());
-    }
-    if (name == "items" || name == "keys" || name == "values") {
-      Args p(a, name, {});
-      std::vector<Value> out;
-      for (const auto& kv : d.items) {
-        if (name == "items")
-          out.push_back(Value::List({kv.first, kv.second}, true));
-        else
-          out.push_back(name == "keys" ? kv.first : kv.second);
-      }
-      return Value::Seq(std::move(out), Flavor::kView, absl::StrCat("dict_", name));
-    }
-    if (name == "copy") return self;
-    Fail(absl::StrCat("unsupported construct: dict.", name, "()"));
-  }
-  if (self.is_list()) {
-    if (name == "copy") return Value::List(self.items(), self.is_tuple());
-    if (name == "count" || name == "index") {
-      Args p(a, name, {"value"});
-      const Value x = p.Or(0, Value());
-      int64_t n = 0;
-      for (size_t i = 0; i < self.items().size(); ++i) {
-        if (!Equal(self.items()[i], x)) continue;
-        if (name == "index") return Value::Int(static_cast<int64_t>(i));
-        ++n;
-      }
-      if (name == "index") Fail(absl::StrCat(Repr(x), " is not in list"));
-      return Value::Int(n);
-    }
+  if (const MethodTable* methods = MethodsOf(self)) {
+    const auto it = methods->find(name);
+    if (it != methods->end() && it->second.fn != nullptr)
+      return it->second.fn(*this, name, self, a);
   }
   Fail(absl::StrCat("unsupported construct: ", PyTypeName(self), ".", name, "()"));
 }
@@ -933,8 +1046,6 @@ Value Interp::CallMethod(const Value& self, const std::string& name, CallArgs& a
 // ---------------------------------------------------------------- filters
 
 namespace {
-
-bool IsFilterName(const std::string& n);
 
 // make_attrgetter: dotted path, integer parts used as indexes.
 Value AttrPath(Interp& in, const Value& item, const Value& attr, const std::optional<Value>& def) {
@@ -961,7 +1072,556 @@ Value AttrPath(Interp& in, const Value& item, const Value& attr, const std::opti
 
 Value IgnoreCase(const Value& v) { return v.is_string() ? Value::Str(LowerStr(v.s())) : v; }
 
+Value FilterTojson(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"ensure_ascii", "indent", "separators", "sort_keys"});
+  JsonOpts o;
+  o.ensure_ascii = p.Bool(0, false);
+  const Value indent = p.Or(1, Value::None());
+  if (indent.is_int() || indent.is_bool()) {
+    o.indent = std::string(std::max<int64_t>(0, std::min<int64_t>(indent.i(), 1000)), ' ');
+  } else if (indent.is_string()) {
+    o.indent = indent.s();
+  } else if (!indent.is_none()) {
+    Fail(absl::StrCat("tojson: indent must be an int or a string, not ", PyTypeName(indent)));
+  }
+  if (o.indent) o.item_sep = ",";
+  const Value seps = p.Or(2, Value::None());
+  if (!seps.is_none()) {
+    if (!seps.is_list() || seps.items().size() != 2 || !seps.items()[0].is_string() ||
+        !seps.items()[1].is_string())
+      Fail("tojson: separators must be a (item_separator, key_separator) pair of strings");
+    o.item_sep = seps.items()[0].s();
+    o.key_sep = seps.items()[1].s();
+  }
+  o.sort_keys = p.Bool(3, false);
+  std::string out;
+  JsonDump(&out, v, o, 0, in);
+  in.CheckString(out.size());
+  return Value::Str(std::move(out));
+}
+
+Value FilterTrim(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"chars"});
+  return Value::Str(StripStr(Str(v), p.OptStr(0), true, true));
+}
+
+// length / count.
+Value FilterLength(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {});
+  switch (v.kind()) {
+    case Kind::kUndefined:
+      return Value::Int(0);
+    case Kind::kString:
+      return Value::Int(static_cast<int64_t>(SplitChars(v.s()).size()));
+    case Kind::kList:
+      if (v.flavor() == Flavor::kIter)
+        Fail(absl::StrCat("object of type '", PyTypeName(v), "' has no len()"));
+      return Value::Int(static_cast<int64_t>(v.items().size()));
+    case Kind::kDict:
+      return Value::Int(static_cast<int64_t>(v.dict().items.size()));
+    default:
+      Fail(absl::StrCat("object of type '", PyTypeName(v), "' has no len()"));
+  }
+}
+
+Value FilterUpper(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return Value::Str(UpperStr(Str(v)));
+}
+
+Value FilterLower(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return Value::Str(LowerStr(Str(v)));
+}
+
+Value FilterCapitalize(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return Value::Str(CapitalizeStr(Str(v)));
+}
+
+Value FilterTitle(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return Value::Str(JinjaTitle(Str(v)));
+}
+
+// string / safe.
+Value FilterString(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {});
+  return Value::Str(Str(v));
+}
+
+// e / escape / forceescape.
+Value FilterEscape(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {});
+  return Value::Str(HtmlEscape(Str(v)));
+}
+
+Value FilterReplace(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"old", "new", "count"});
+  const auto old = p.Get(0), rep = p.Get(1);
+  if (!old || !rep) Fail("replace() missing required arguments");
+  const std::string r = ReplaceStr(Str(v), Str(*old), Str(*rep), p.Int(2, -1));
+  in.CheckString(r.size());
+  return Value::Str(r);
+}
+
+// default / d.
+Value FilterDefault(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"default_value", "boolean"});
+  if (v.is_undefined() || (p.Bool(1, false) && !Truthy(v))) return p.Or(0, Value::Str(""));
+  return v;
+}
+
+Value FilterJoin(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"d", "attribute"});
+  const std::string sep = Str(p.Or(0, Value::Str("")));
+  const auto attr = p.Get(1);
+  std::string out;
+  bool first = true;
+  for (const Value& x : in.Iterate(v)) {
+    if (!first) out += sep;
+    first = false;
+    out += Str(attr && !attr->is_none() ? AttrPath(in, x, *attr, std::nullopt) : x);
+    in.CheckString(out.size());
+  }
+  return Value::Str(std::move(out));
+}
+
+void CheckIterable(const Value& v) {
+  if (v.is_none() || v.is_number() || v.is_object())
+    Fail(absl::StrCat("'", PyTypeName(v), "' object is not iterable"));
+}
+
+Value FilterFirst(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {});
+  CheckIterable(v);
+  const std::vector<Value> items = in.Iterate(v);
+  if (items.empty()) return Value::Undefined("No first item, sequence was empty.");
+  return items.front();
+}
+
+Value FilterLast(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {});
+  CheckIterable(v);
+  if (v.is_list() && v.flavor() == Flavor::kIter)
+    Fail(absl::StrCat("'", PyTypeName(v), "' object is not reversible"));
+  const std::vector<Value> items = in.Iterate(v);
+  if (items.empty()) return Value::Undefined("No last item, sequence was empty.");
+  return items.back();
+}
+
+Value FilterList(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {});
+  return Value::List(in.Iterate(v));
+}
+
+Value FilterItems(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {});
+  if (v.is_undefined()) return Value::Seq({}, Flavor::kIter, "generator");
+  if (!v.is_dict()) Fail("Can only get item pairs from a mapping.");
+  std::vector<Value> out;
+  for (const auto& kv : v.dict().items) out.push_back(Value::List({kv.first, kv.second}, true));
+  return Value::Seq(std::move(out), Flavor::kIter, "generator");
+}
+
+Value FilterReverse(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {});
+  if (v.is_string()) {
+    std::vector<std::string> chars = SplitChars(v.s());
+    std::string out;
+    for (auto it = chars.rbegin(); it != chars.rend(); ++it) out += *it;
+    return Value::Str(out);
+  }
+  std::vector<Value> items = in.Iterate(v);
+  std::reverse(items.begin(), items.end());
+  if (v.is_list() && v.flavor() == Flavor::kIter) return Value::List(std::move(items));
+  const char* tn = v.is_dict()                   ? "dict_reversekeyiterator"
+                   : v.is_tuple()                ? "reversed"
+                   : v.is_undefined()            ? "reversed"
+                   : v.flavor() == Flavor::kView ? "dict_reverseitemiterator"
+                                                 : "list_reverseiterator";
+  return Value::Seq(std::move(items), Flavor::kIter, tn);
+}
+
+Value FilterInt(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"default", "base"});
+  const Value def = p.Or(0, Value::Int(0));
+  const int64_t base = p.Int(1, 10);
+  if (v.is_undefined()) FailUndefined(v);
+  if (v.is_int()) return v;
+  if (v.is_bool()) return Value::Int(v.i());
+  if (v.is_float()) {
+    if (!std::isfinite(v.f())) return def;
+    if (std::fabs(v.f()) >= 9.2e18) Fail("integer overflow (this renderer's integers are 64-bit)");
+    return Value::Int(static_cast<int64_t>(std::trunc(v.f())));
+  }
+  if (v.is_string()) {
+    if (auto i = ParsePyInt(v.s(), static_cast<int>(base))) return Value::Int(*i);
+    if (auto f = ParsePyFloat(v.s())) {
+      if (!std::isfinite(*f)) return def;
+      if (std::fabs(*f) >= 9.2e18) Fail("integer overflow (this renderer's integers are 64-bit)");
+      return Value::Int(static_cast<int64_t>(std::trunc(*f)));
+    }
+  }
+  return def;
+}
+
+Value FilterFloat(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"default"});
+  const Value def = p.Or(0, Value::Float(0.0));
+  if (v.is_undefined()) FailUndefined(v);
+  if (v.is_number()) return Value::Float(v.f());
+  if (v.is_string()) {
+    if (auto f = ParsePyFloat(v.s())) return Value::Float(*f);
+  }
+  return def;
+}
+
+Value FilterAbs(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {});
+  if (v.is_undefined()) FailUndefined(v);
+  if (!v.is_number()) Fail(absl::StrCat("bad operand type for abs(): '", PyTypeName(v), "'"));
+  if (v.is_float()) return Value::Float(std::fabs(v.f()));
+  if (v.i() == INT64_MIN) Fail("integer overflow (this renderer's integers are 64-bit)");
+  return Value::Int(v.i() < 0 ? -v.i() : v.i());
+}
+
+Value FilterRound(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"precision", "method"});
+  const int64_t prec = p.Int(0, 0);
+  const std::string method = p.Get(1) ? Str(*p.Get(1)) : "common";
+  if (method != "common" && method != "ceil" && method != "floor")
+    Fail("method must be common, ceil or floor");
+  if (v.is_undefined()) FailUndefined(v);
+  if (!v.is_number())
+    Fail(absl::StrCat("type ", PyTypeName(v), " doesn't define __round__ method"));
+  if (method == "common") {
+    if (!v.is_float()) {
+      if (prec >= 0) return Value::Int(v.i());
+      return Value::Int(static_cast<int64_t>(PyRound(static_cast<double>(v.i()), prec)));
+    }
+    return Value::Float(PyRound(v.f(), prec));
+  }
+  const double scale = std::pow(10.0, static_cast<double>(prec));
+  const double r = method == "ceil" ? std::ceil(v.f() * scale) : std::floor(v.f() * scale);
+  return Value::Float(r / scale);
+}
+
+Value FilterIndent(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"width", "first", "blank"});
+  const Value w = p.Or(0, Value::Int(4));
+  std::string ind;
+  if (w.is_string()) {
+    ind = w.s();
+  } else if (w.is_int() || w.is_bool()) {
+    if (w.i() > 0) {
+      in.CheckString(static_cast<size_t>(w.i()));
+      ind = std::string(w.i(), ' ');
+    }
+  } else {
+    Fail("indent: width must be an int or a string");
+  }
+  const std::string s = Str(v) + "\n";
+  std::vector<std::string> lines = SplitLines(s, false);
+  std::string rv;
+  if (p.Bool(2, false)) {
+    for (size_t i = 0; i < lines.size(); ++i) {
+      if (i) rv += "\n" + ind;
+      rv += lines[i];
+      in.CheckString(rv.size());
+    }
+  } else {
+    rv = lines.empty() ? "" : lines[0];
+    for (size_t i = 1; i < lines.size(); ++i) {
+      rv += "\n";
+      if (!lines[i].empty()) rv += ind;
+      rv += lines[i];
+      in.CheckString(rv.size());
+    }
+  }
+  if (p.Bool(1, false)) rv = ind + rv;
+  return Value::Str(rv);
+}
+
+Value FilterCenter(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"width"});
+  const int64_t width = p.Int(0, 80);
+  const std::string s = Str(v);
+  const int64_t len = static_cast<int64_t>(SplitChars(s).size());
+  if (width <= len) return Value::Str(s);
+  in.CheckString(static_cast<size_t>(width));
+  const int64_t marg = width - len;
+  const int64_t left = marg / 2 + (marg & width & 1);
+  return Value::Str(std::string(left, ' ') + s + std::string(marg - left, ' '));
+}
+
+Value FilterAttr(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"name"});
+  const std::string attr = Str(p.Or(0, Value::Str("")));
+  if (v.is_undefined()) FailUndefined(v);
+  if (v.is_dict()) {
+    const MethodKind mk = in.LookupMethod(v, attr);
+    if (mk == MethodKind::kNone)
+      return Value::Undefined(absl::StrCat("'dict object' has no attribute '", attr, "'"));
+  }
+  return in.GetAttr(v, attr);
+}
+
+Value FilterMap(Interp& in, const std::string&, const Value& v, CallArgs& a) {
+  std::vector<Value> out;
+  const std::vector<Value> items = in.Iterate(v);
+  bool by_attr = a.pos.empty();
+  for (const auto& kv : a.kw)
+    if (kv.first != "attribute" && kv.first != "default" && by_attr)
+      Fail(absl::StrCat("Unexpected keyword argument '", kv.first, "'"));
+  if (by_attr) {
+    std::optional<Value> attr, def;
+    for (const auto& kv : a.kw) {
+      if (kv.first == "attribute") attr = kv.second;
+      if (kv.first == "default") def = kv.second;
+    }
+    if (!attr) Fail("map requires a filter name or attribute=");
+    for (const Value& x : items) out.push_back(AttrPath(in, x, *attr, def));
+  } else {
+    if (!a.pos[0].is_string()) Fail("map: the filter name must be a string");
+    const std::string fname = a.pos[0].s();
+    if (!IsFilter(fname)) Fail(absl::StrCat("No filter named '", fname, "'."));
+    CallArgs rest;
+    rest.pos.assign(a.pos.begin() + 1, a.pos.end());
+    rest.kw = a.kw;
+    for (const Value& x : items) {
+      CallArgs copy = rest;
+      out.push_back(in.ApplyFilter(fname, x, copy));
+    }
+  }
+  return Value::Seq(std::move(out), Flavor::kIter, "generator");
+}
+
+// select / reject / selectattr / rejectattr: the items whose test (or truth),
+// of the item or of its attribute (`by_attr`), is `keep`.
+Value SelectItems(Interp& in, const std::string& n, const Value& v, CallArgs& a, bool by_attr,
+                  bool keep) {
+  size_t off = 0;
+  std::optional<Value> attr;
+  if (by_attr) {
+    if (a.pos.empty()) Fail("Missing parameter for attribute name");
+    attr = a.pos[0];
+    off = 1;
+  }
+  std::optional<std::string> test;
+  CallArgs rest;
+  if (a.pos.size() > off) {
+    if (!a.pos[off].is_string()) Fail(absl::StrCat(n, ": the test name must be a string"));
+    test = a.pos[off].s();
+    rest.pos.assign(a.pos.begin() + off + 1, a.pos.end());
+    rest.kw = a.kw;
+  }
+  std::vector<Value> out;
+  for (const Value& x : in.Iterate(v)) {
+    const Value probe = attr ? AttrPath(in, x, *attr, std::nullopt) : x;
+    bool r;
+    if (test) {
+      CallArgs copy = rest;
+      r = in.ApplyTest(*test, probe, copy);
+    } else {
+      r = Truthy(probe);
+    }
+    if (r == keep) out.push_back(x);
+  }
+  return Value::Seq(std::move(out), Flavor::kIter, "generator");
+}
+
+Value FilterSelect(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  return SelectItems(in, n, v, a, /*by_attr=*/false, /*keep=*/true);
+}
+
+Value FilterReject(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  return SelectItems(in, n, v, a, /*by_attr=*/false, /*keep=*/false);
+}
+
+Value FilterSelectattr(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  return SelectItems(in, n, v, a, /*by_attr=*/true, /*keep=*/true);
+}
+
+Value FilterRejectattr(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  return SelectItems(in, n, v, a, /*by_attr=*/true, /*keep=*/false);
+}
+
+Value FilterUnique(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"case_sensitive", "attribute"});
+  const bool cs = p.Bool(0, false);
+  const auto attr = p.Get(1);
+  std::vector<Value> out, seen;
+  for (const Value& x : in.Iterate(v)) {
+    Value key = attr && !attr->is_none() ? AttrPath(in, x, *attr, std::nullopt) : x;
+    if (!cs) key = IgnoreCase(key);
+    if (key.is_list() || key.is_dict())
+      Fail(absl::StrCat("unhashable type: '", PyTypeName(key), "'"));
+    bool dup = false;
+    for (const Value& s : seen)
+      if (Equal(s, key)) dup = true;
+    if (dup) continue;
+    seen.push_back(key);
+    out.push_back(x);
+  }
+  return Value::Seq(std::move(out), Flavor::kIter, "generator");
+}
+
+// (sort key, item) pairs.
+using Keyed = std::vector<std::pair<Value, Value>>;
+
+// The key sort / min / max order `x` by: its attribute (a dotted path; with
+// `several`, also a comma-separated list of them) or `x` itself, lowercased
+// unless case-sensitive.
+Value SortKey(Interp& in, const Value& x, const std::optional<Value>& attr, bool cs, bool several) {
+  Value k;
+  if (attr) {
+    if (several && attr->is_string() && attr->s().find(',') != std::string::npos) {
+      std::vector<Value> ks;
+      for (const std::string& part : SplitSep(attr->s(), ",", -1, false)) {
+        Value kk = AttrPath(in, x, Value::Str(part), std::nullopt);
+        ks.push_back(cs ? kk : IgnoreCase(kk));
+      }
+      return Value::List(std::move(ks));
+    }
+    k = AttrPath(in, x, *attr, std::nullopt);
+  } else {
+    k = x;
+  }
+  return cs ? k : IgnoreCase(k);
+}
+
+// The items of `keyed` as a list, stably sorted by key.
+Value SortedItems(Keyed keyed, bool reverse) {
+  std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& x, const auto& y) {
+    return reverse ? Less(y.first, x.first) : Less(x.first, y.first);
+  });
+  std::vector<Value> out;
+  for (auto& kv : keyed) out.push_back(std::move(kv.second));
+  return Value::List(std::move(out));
+}
+
+// An attribute argument; none is no attribute.
+std::optional<Value> AttrArg(std::optional<Value> attr) {
+  if (attr && attr->is_none()) attr.reset();
+  return attr;
+}
+
+Value FilterSort(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"reverse", "case_sensitive", "attribute"});
+  const bool reverse = p.Bool(0, false);
+  const bool cs = p.Bool(1, false);
+  const std::optional<Value> attr = AttrArg(p.Get(2));
+  std::vector<Value> items = in.Iterate(v);
+  Keyed keyed;
+  for (Value& x : items) keyed.emplace_back(SortKey(in, x, attr, cs, true), std::move(x));
+  return SortedItems(std::move(keyed), reverse);
+}
+
+Value FilterDictsort(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"case_sensitive", "by", "reverse"});
+  const bool cs = p.Bool(0, false);
+  const std::string b = p.Get(1) ? Str(*p.Get(1)) : "key";
+  if (b != "key" && b != "value") Fail("You can only sort by either \"key\" or \"value\"");
+  const int by = b == "key" ? 0 : 1;
+  const bool reverse = p.Bool(2, false);
+  if (!v.is_dict()) Fail("dictsort: value must be a mapping");
+  Keyed keyed;
+  for (const auto& kv : v.dict().items) {
+    const Value& k = by == 0 ? kv.first : kv.second;
+    keyed.emplace_back(cs ? k : IgnoreCase(k), Value::List({kv.first, kv.second}, true));
+  }
+  return SortedItems(std::move(keyed), reverse);
+}
+
+// min / max.
+Value FilterMinMax(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"case_sensitive", "attribute"});
+  const bool cs = p.Bool(0, false);
+  const std::optional<Value> attr = AttrArg(p.Get(1));
+  std::vector<Value> items = in.Iterate(v);
+  Keyed keyed;
+  for (Value& x : items) keyed.emplace_back(SortKey(in, x, attr, cs, false), std::move(x));
+  if (keyed.empty()) return Value::Undefined("No aggregated item, sequence was empty.");
+  size_t best = 0;
+  for (size_t i = 1; i < keyed.size(); ++i) {
+    if (n == "min" ? Less(keyed[i].first, keyed[best].first)
+                   : Less(keyed[best].first, keyed[i].first))
+      best = i;
+  }
+  return keyed[best].second;
+}
+
+Value FilterSum(Interp& in, const std::string& n, const Value& v, CallArgs& a) {
+  Args p(a, n, {"attribute", "start"});
+  const auto attr = p.Get(0);
+  Value acc = p.Or(1, Value::Int(0));
+  for (const Value& x : in.Iterate(v)) {
+    const Value y = attr && !attr->is_none() ? AttrPath(in, x, *attr, std::nullopt) : x;
+    if (acc.is_string()) Fail("sum() can't sum strings [use ''.join(seq) instead]");
+    if (!acc.is_number() || !y.is_number()) {
+      if (y.is_undefined()) FailUndefined(y);
+      Fail(absl::StrCat("unsupported operand type(s) for +: '", PyTypeName(acc), "' and '",
+                        PyTypeName(y), "'"));
+    }
+    if (acc.is_float() || y.is_float()) {
+      acc = Value::Float(acc.f() + y.f());
+    } else {
+      int64_t r;
+      if (__builtin_add_overflow(acc.i(), y.i(), &r))
+        Fail("integer overflow (this renderer's integers are 64-bit)");
+      acc = Value::Int(r);
+    }
+  }
+  return acc;
+}
+
+// Every filter we implement, by the names jinja2 gives it.
+const absl::flat_hash_map<std::string_view, BuiltinOp>& Filters() {
+  static const auto* t = new absl::flat_hash_map<std::string_view, BuiltinOp>{
+      {"abs", FilterAbs},
+      {"attr", FilterAttr},
+      {"capitalize", FilterCapitalize},
+      {"center", FilterCenter},
+      {"count", FilterLength},
+      {"d", FilterDefault},
+      {"default", FilterDefault},
+      {"dictsort", FilterDictsort},
+      {"e", FilterEscape},
+      {"escape", FilterEscape},
+      {"first", FilterFirst},
+      {"float", FilterFloat},
+      {"forceescape", FilterEscape},
+      {"indent", FilterIndent},
+      {"int", FilterInt},
+      {"items", FilterItems},
+      {"join", FilterJoin},
+      {"last", FilterLast},
+      {"length", FilterLength},
+      {"list", FilterList},
+      {"lower", FilterLower},
+      {"map", FilterMap},
+      {"max", FilterMinMax},
+      {"min", FilterMinMax},
+      {"reject", FilterReject},
+      {"rejectattr", FilterRejectattr},
+      {"replace", FilterReplace},
+      {"reverse", FilterReverse},
+      {"round", FilterRound},
+      {"safe", FilterString},
+      {"select", FilterSelect},
+      {"selectattr", FilterSelectattr},
+      {"sort", FilterSort},
+      {"string", FilterString},
+      {"sum", FilterSum},
+      {"title", FilterTitle},
+      {"tojson", FilterTojson},
+      {"trim", FilterTrim},
+      {"unique", FilterUnique},
+      {"upper", FilterUpper},
+  };
+  return *t;
+}
+
 }  // namespace
+
+bool IsFilter(std::string_view name) { return Filters().contains(name); }
 
 Value Interp::ApplyFilterExpr(const Expr& f, Value input, const std::shared_ptr<Scope>& scope) {
   CallArgs args = EvalArgs(f, scope);
@@ -970,448 +1630,10 @@ Value Interp::ApplyFilterExpr(const Expr& f, Value input, const std::shared_ptr<
 
 Value Interp::ApplyFilter(const std::string& name, const Value& v, CallArgs& a) {
   Step();
-  const std::string& n = name;
-  if (n == "tojson") {
-    Args p(a, n, {"ensure_ascii", "indent", "separators", "sort_keys"});
-    JsonOpts o;
-    o.ensure_ascii = p.Bool(0, false);
-    const Value indent = p.Or(1, Value::None());
-    if (indent.is_int() || indent.is_bool()) {
-      o.indent = std::string(std::max<int64_t>(0, std::min<int64_t>(indent.i(), 1000)), ' ');
-    } else if (indent.is_string()) {
-      o.indent = indent.s();
-    } else if (!indent.is_none()) {
-      Fail(absl::StrCat("tojson: indent must be an int or a string, not ", PyTypeName(indent)));
-    }
-    if (o.indent) o.item_sep = ",";
-    const Value seps = p.Or(2, Value::None());
-    if (!seps.is_none()) {
-      if (!seps.is_list() || seps.items().size() != 2 || !seps.items()[0].is_string() ||
-          !seps.items()[1].is_string())
-        Fail("tojson: separators must be a (item_separator, key_separator) pair of strings");
-      o.item_sep = seps.items()[0].s();
-      o.key_sep = seps.items()[1].s();
-    }
-    o.sort_keys = p.Bool(3, false);
-    std::string out;
-    JsonDump(&out, v, o, 0, *this);
-    CheckString(out.size());
-    return Value::Str(std::move(out));
-  }
-  if (n == "trim") {
-    Args p(a, n, {"chars"});
-    return Value::Str(StripStr(Str(v), p.OptStr(0), true, true));
-  }
-  if (n == "length" || n == "count") {
-    Args p(a, n, {});
-    switch (v.kind()) {
-      case Kind::kUndefined:
-        return Value::Int(0);
-      case Kind::kString:
-        return Value::Int(static_cast<int64_t>(SplitChars(v.s()).size()));
-      case Kind::kList:
-        if (v.flavor() == Flavor::kIter)
-          Fail(absl::StrCat("object of type '", PyTypeName(v), "' has no len()"));
-        return Value::Int(static_cast<int64_t>(v.items().size()));
-      case Kind::kDict:
-        return Value::Int(static_cast<int64_t>(v.dict().items.size()));
-      default:
-        Fail(absl::StrCat("object of type '", PyTypeName(v), "' has no len()"));
-    }
-  }
-  if (n == "upper") return Value::Str(UpperStr(Str(v)));
-  if (n == "lower") return Value::Str(LowerStr(Str(v)));
-  if (n == "capitalize") return Value::Str(CapitalizeStr(Str(v)));
-  if (n == "title") return Value::Str(JinjaTitle(Str(v)));
-  if (n == "string" || n == "safe") {
-    Args p(a, n, {});
-    return Value::Str(Str(v));
-  }
-  if (n == "e" || n == "escape" || n == "forceescape") {
-    Args p(a, n, {});
-    return Value::Str(HtmlEscape(Str(v)));
-  }
-  if (n == "replace") {
-    Args p(a, n, {"old", "new", "count"});
-    const auto old = p.Get(0), rep = p.Get(1);
-    if (!old || !rep) Fail("replace() missing required arguments");
-    const std::string r = ReplaceStr(Str(v), Str(*old), Str(*rep), p.Int(2, -1));
-    CheckString(r.size());
-    return Value::Str(r);
-  }
-  if (n == "default" || n == "d") {
-    Args p(a, n, {"default_value", "boolean"});
-    if (v.is_undefined() || (p.Bool(1, false) && !Truthy(v))) return p.Or(0, Value::Str(""));
-    return v;
-  }
-  if (n == "join") {
-    Args p(a, n, {"d", "attribute"});
-    const std::string sep = Str(p.Or(0, Value::Str("")));
-    const auto attr = p.Get(1);
-    std::string out;
-    bool first = true;
-    for (const Value& x : Iterate(v)) {
-      if (!first) out += sep;
-      first = false;
-      out += Str(attr && !attr->is_none() ? AttrPath(*this, x, *attr, std::nullopt) : x);
-      CheckString(out.size());
-    }
-    return Value::Str(std::move(out));
-  }
-  if (n == "first" || n == "last") {
-    Args p(a, n, {});
-    if (v.is_none() || v.is_number() || v.is_object())
-      Fail(absl::StrCat("'", PyTypeName(v), "' object is not iterable"));
-    if (n == "last" && v.is_list() && v.flavor() == Flavor::kIter)
-      Fail(absl::StrCat("'", PyTypeName(v), "' object is not reversible"));
-    const std::vector<Value> items = Iterate(v);
-    if (items.empty())
-      return Value::Undefined(n == "first" ? "No first item, sequence was empty."
-                                           : "No last item, sequence was empty.");
-    return n == "first" ? items.front() : items.back();
-  }
-  if (n == "list") {
-    Args p(a, n, {});
-    return Value::List(Iterate(v));
-  }
-  if (n == "items") {
-    Args p(a, n, {});
-    if (v.is_undefined()) return Value::Seq({}, Flavor::kIter, "generator");
-    if (!v.is_dict()) Fail("Can only get item pairs from a mapping.");
-    std::vector<Value> out;
-    for (const auto& kv : v.dict().items) out.push_back(Value::List({kv.first, kv.second}, true));
-    return Value::Seq(std::move(out), Flavor::kIter, "generator");
-  }
-  if (n == "reverse") {
-    Args p(a, n, {});
-    if (v.is_string()) {
-      std::vector<std::string> chars = SplitChars(v.s());
-      std::string out;
-      for (auto it = chars.rbegin(); it != chars.rend(); ++it) out += *it;
-      return Value::Str(out);
-    }
-    std::vector<Value> items = Iterate(v);
-    std::reverse(items.begin(), items.end());
-    if (v.is_list() && v.flavor() == Flavor::kIter) return Value::List(std::move(items));
-    const char* tn = v.is_dict()                   ? "dict_reversekeyiterator"
-                     : v.is_tuple()                ? "reversed"
-                     : v.is_undefined()            ? "reversed"
-                     : v.flavor() == Flavor::kView ? "dict_reverseitemiterator"
-                                                   : "list_reverseiterator";
-    return Value::Seq(std::move(items), Flavor::kIter, tn);
-  }
-  if (n == "int") {
-    Args p(a, n, {"default", "base"});
-    const Value def = p.Or(0, Value::Int(0));
-    const int64_t base = p.Int(1, 10);
-    if (v.is_undefined()) FailUndefined(v);
-    if (v.is_int()) return v;
-    if (v.is_bool()) return Value::Int(v.i());
-    if (v.is_float()) {
-      if (!std::isfinite(v.f())) return def;
-      if (std::fabs(v.f()) >= 9.2e18)
-        Fail("integer overflow (this renderer's integers are 64-bit)");
-      return Value::Int(static_cast<int64_t>(std::trunc(v.f())));
-    }
-    if (v.is_string()) {
-      if (auto i = ParsePyInt(v.s(), static_cast<int>(base))) return Value::Int(*i);
-      if (auto f = ParsePyFloat(v.s())) {
-        if (!std::isfinite(*f)) return def;
-        if (std::fabs(*f) >= 9.2e18) Fail("integer overflow (this renderer's integers are 64-bit)");
-        return Value::Int(static_cast<int64_t>(std::trunc(*f)));
-      }
-    }
-    return def;
-  }
-  if (n == "float") {
-    Args p(a, n, {"default"});
-    const Value def = p.Or(0, Value::Float(0.0));
-    if (v.is_undefined()) FailUndefined(v);
-    if (v.is_number()) return Value::Float(v.f());
-    if (v.is_string()) {
-      if (auto f = ParsePyFloat(v.s())) return Value::Float(*f);
-    }
-    return def;
-  }
-  if (n == "abs") {
-    Args p(a, n, {});
-    if (v.is_undefined()) FailUndefined(v);
-    if (!v.is_number()) Fail(absl::StrCat("bad operand type for abs(): '", PyTypeName(v), "'"));
-    if (v.is_float()) return Value::Float(std::fabs(v.f()));
-    if (v.i() == INT64_MIN) Fail("integer overflow (this renderer's integers are 64-bit)");
-    return Value::Int(v.i() < 0 ? -v.i() : v.i());
-  }
-  if (n == "round") {
-    Args p(a, n, {"precision", "method"});
-    const int64_t prec = p.Int(0, 0);
-    const std::string method = p.Get(1) ? Str(*p.Get(1)) : "common";
-    if (method != "common" && method != "ceil" && method != "floor")
-      Fail("method must be common, ceil or floor");
-    if (v.is_undefined()) FailUndefined(v);
-    if (!v.is_number())
-      Fail(absl::StrCat("type ", PyTypeName(v), " doesn't define __round__ method"));
-    if (method == "common") {
-      if (!v.is_float()) {
-        if (prec >= 0) return Value::Int(v.i());
-        return Value::Int(static_cast<int64_t>(PyRound(static_cast<double>(v.i()), prec)));
-      }
-      return Value::Float(PyRound(v.f(), prec));
-    }
-    const double scale = std::pow(10.0, static_cast<double>(prec));
-    const double r = method == "ceil" ? std::ceil(v.f() * scale) : std::floor(v.f() * scale);
-    return Value::Float(r / scale);
-  }
-  if (n == "indent") {
-    Args p(a, n, {"width", "first", "blank"});
-    const Value w = p.Or(0, Value::Int(4));
-    std::string ind;
-    if (w.is_string()) {
-      ind = w.s();
-    } else if (w.is_int() || w.is_bool()) {
-      if (w.i() > 0) {
-        CheckString(static_cast<size_t>(w.i()));
-        ind = std::string(w.i(), ' ');
-      }
-    } else {
-      Fail("indent: width must be an int or a string");
-    }
-    const std::string s = Str(v) + "\n";
-    std::vector<std::string> lines = SplitLines(s, false);
-    std::string rv;
-    if (p.Bool(2, false)) {
-      for (size_t i = 0; i < lines.size(); ++i) {
-        if (i) rv += "\n" + ind;
-        rv += lines[i];
-        CheckString(rv.size());
-      }
-    } else {
-      rv = lines.empty() ? "" : lines[0];
-      for (size_t i = 1; i < lines.size(); ++i) {
-        rv += "\n";
-        if (!lines[i].empty()) rv += ind;
-        rv += lines[i];
-        CheckString(rv.size());
-      }
-    }
-    if (p.Bool(1, false)) rv = ind + rv;
-    return Value::Str(rv);
-  }
-  if (n == "center") {
-    Args p(a, n, {"width"});
-    const int64_t width = p.Int(0, 80);
-    const std::string s = Str(v);
-    const int64_t len = static_cast<int64_t>(SplitChars(s).size());
-    if (width <= len) return Value::Str(s);
-    CheckString(static_cast<size_t>(width));
-    const int64_t marg = width - len;
-    const int64_t left = marg / 2 + (marg & width & 1);
-    return Value::Str(std::string(left, ' ') + s + std::string(marg - left, ' '));
-  }
-  if (n == "attr") {
-    Args p(a, n, {"name"});
-    const std::string attr = Str(p.Or(0, Value::Str("")));
-    if (v.is_undefined()) FailUndefined(v);
-    if (v.is_dict()) {
-      const MethodKind mk = LookupMethod(v, attr);
-      if (mk == MethodKind::kNone)
-        return Value::Undefined(absl::StrCat("'dict object' has no attribute '", attr, "'"));
-    }
-    return GetAttr(v, attr);
-  }
-  if (n == "map") {
-    std::vector<Value> out;
-    const std::vector<Value> items = Iterate(v);
-    bool by_attr = a.pos.empty();
-    for (const auto& kv : a.kw)
-      if (kv.first != "attribute" && kv.first != "default" && by_attr)
-        Fail(absl::StrCat("Unexpected keyword argument '", kv.first, "'"));
-    if (by_attr) {
-      std::optional<Value> attr, def;
-      for (const auto& kv : a.kw) {
-        if (kv.first == "attribute") attr = kv.second;
-        if (kv.first == "default") def = kv.second;
-      }
-      if (!attr) Fail("map requires a filter name or attribute=");
-      for (const Value& x : items) out.push_back(AttrPath(*this, x, *attr, def));
-    } else {
-      if (!a.pos[0].is_string()) Fail("map: the filter name must be a string");
-      const std::string fname = a.pos[0].s();
-      if (!IsFilterName(fname)) Fail(absl::StrCat("No filter named '", fname, "'."));
-      CallArgs rest;
-      rest.pos.assign(a.pos.begin() + 1, a.pos.end());
-      rest.kw = a.kw;
-      for (const Value& x : items) {
-        CallArgs copy = rest;
-        out.push_back(ApplyFilter(fname, x, copy));
-      }
-    }
-    return Value::Seq(std::move(out), Flavor::kIter, "generator");
-  }
-  if (n == "select" || n == "reject" || n == "selectattr" || n == "rejectattr") {
-    const bool attr_mode = n == "selectattr" || n == "rejectattr";
-    const bool want = n == "select" || n == "selectattr";
-    size_t off = 0;
-    std::optional<Value> attr;
-    if (attr_mode) {
-      if (a.pos.empty()) Fail("Missing parameter for attribute name");
-      attr = a.pos[0];
-      off = 1;
-    }
-    std::optional<std::string> test;
-    CallArgs rest;
-    if (a.pos.size() > off) {
-      if (!a.pos[off].is_string()) Fail(absl::StrCat(n, ": the test name must be a string"));
-      test = a.pos[off].s();
-      rest.pos.assign(a.pos.begin() + off + 1, a.pos.end());
-      rest.kw = a.kw;
-    }
-    std::vector<Value> out;
-    for (const Value& x : Iterate(v)) {
-      const Value probe = attr ? AttrPath(*this, x, *attr, std::nullopt) : x;
-      bool r;
-      if (test) {
-        CallArgs copy = rest;
-        r = ApplyTest(*test, probe, copy);
-      } else {
-        r = Truthy(probe);
-      }
-      if (r == want) out.push_back(x);
-    }
-    return Value::Seq(std::move(out), Flavor::kIter, "generator");
-  }
-  if (n == "unique") {
-    Args p(a, n, {"case_sensitive", "attribute"});
-    const bool cs = p.Bool(0, false);
-    const auto attr = p.Get(1);
-    std::vector<Value> out, seen;
-    for (const Value& x : Iterate(v)) {
-      Value key = attr && !attr->is_none() ? AttrPath(*this, x, *attr, std::nullopt) : x;
-      if (!cs) key = IgnoreCase(key);
-      if (key.is_list() || key.is_dict())
-        Fail(absl::StrCat("unhashable type: '", PyTypeName(key), "'"));
-      bool dup = false;
-      for (const Value& s : seen)
-        if (Equal(s, key)) dup = true;
-      if (dup) continue;
-      seen.push_back(key);
-      out.push_back(x);
-    }
-    return Value::Seq(std::move(out), Flavor::kIter, "generator");
-  }
-  if (n == "sort" || n == "dictsort" || n == "min" || n == "max") {
-    const bool dictsort = n == "dictsort";
-    const bool minmax = n == "min" || n == "max";
-    std::vector<std::string> names;
-    if (dictsort)
-      names = {"case_sensitive", "by", "reverse"};
-    else if (minmax)
-      names = {"case_sensitive", "attribute"};
-    else
-      names = {"reverse", "case_sensitive", "attribute"};
-    Args p(a, n, names);
-    bool reverse = false, cs = false;
-    std::optional<Value> attr;
-    int by = 0;
-    if (dictsort) {
-      cs = p.Bool(0, false);
-      const std::string b = p.Get(1) ? Str(*p.Get(1)) : "key";
-      if (b != "key" && b != "value") Fail("You can only sort by either \"key\" or \"value\"");
-      by = b == "key" ? 0 : 1;
-      reverse = p.Bool(2, false);
-    } else if (minmax) {
-      cs = p.Bool(0, false);
-      attr = p.Get(1);
-    } else {
-      reverse = p.Bool(0, false);
-      cs = p.Bool(1, false);
-      attr = p.Get(2);
-    }
-    if (attr && attr->is_none()) attr.reset();
-    std::vector<Value> items;
-    if (dictsort) {
-      if (!v.is_dict()) Fail("dictsort: value must be a mapping");
-      for (const auto& kv : v.dict().items)
-        items.push_back(Value::List({kv.first, kv.second}, true));
-    } else {
-      items = Iterate(v);
-    }
-    std::vector<std::string> attr_parts;
-    auto key_of = [&](const Value& x) {
-      Value k;
-      if (dictsort) {
-        k = x.items()[by];
-      } else if (attr) {
-        if (attr->is_string() && attr->s().find(',') != std::string::npos && !minmax) {
-          std::vector<Value> ks;
-          for (const std::string& part : SplitSep(attr->s(), ",", -1, false)) {
-            Value kk = AttrPath(*this, x, Value::Str(part), std::nullopt);
-            ks.push_back(cs ? kk : IgnoreCase(kk));
-          }
-          return Value::List(std::move(ks));
-        }
-        k = AttrPath(*this, x, *attr, std::nullopt);
-      } else {
-        k = x;
-      }
-      return cs ? k : IgnoreCase(k);
-    };
-    std::vector<std::pair<Value, Value>> keyed;
-    for (Value& x : items) keyed.emplace_back(key_of(x), std::move(x));
-    if (minmax) {
-      if (keyed.empty()) return Value::Undefined("No aggregated item, sequence was empty.");
-      size_t best = 0;
-      for (size_t i = 1; i < keyed.size(); ++i) {
-        if (n == "min" ? Less(keyed[i].first, keyed[best].first)
-                       : Less(keyed[best].first, keyed[i].first))
-          best = i;
-      }
-      return keyed[best].second;
-    }
-    std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& x, const auto& y) {
-      return reverse ? Less(y.first, x.first) : Less(x.first, y.first);
-    });
-    std::vector<Value> out;
-    for (auto& kv : keyed) out.push_back(std::move(kv.second));
-    return Value::List(std::move(out));
-  }
-  if (n == "sum") {
-    Args p(a, n, {"attribute", "start"});
-    const auto attr = p.Get(0);
-    Value acc = p.Or(1, Value::Int(0));
-    for (const Value& x : Iterate(v)) {
-      const Value y = attr && !attr->is_none() ? AttrPath(*this, x, *attr, std::nullopt) : x;
-      if (acc.is_string()) Fail("sum() can't sum strings [use ''.join(seq) instead]");
-      if (!acc.is_number() || !y.is_number()) {
-        if (y.is_undefined()) FailUndefined(y);
-        Fail(absl::StrCat("unsupported operand type(s) for +: '", PyTypeName(acc), "' and '",
-                          PyTypeName(y), "'"));
-      }
-      if (acc.is_float() || y.is_float()) {
-        acc = Value::Float(acc.f() + y.f());
-      } else {
-        int64_t r;
-        if (__builtin_add_overflow(acc.i(), y.i(), &r))
-          Fail("integer overflow (this renderer's integers are 64-bit)");
-        acc = Value::Int(r);
-      }
-    }
-    return acc;
-  }
-  Fail(absl::StrCat("No filter named '", n, "'."));
+  const auto it = Filters().find(name);
+  if (it == Filters().end()) Fail(absl::StrCat("No filter named '", name, "'."));
+  return it->second(*this, name, v, a);
 }
-
-namespace {
-bool IsFilterName(const std::string& n) {
-  static const char* const kNames[] = {
-      "abs",    "attr",       "capitalize", "count",   "d",          "default", "dictsort",
-      "e",      "escape",     "first",      "float",   "indent",     "int",     "items",
-      "join",   "last",       "length",     "list",    "lower",      "map",     "max",
-      "min",    "reject",     "rejectattr", "replace", "reverse",    "round",   "safe",
-      "select", "selectattr", "sort",       "string",  "sum",        "title",   "tojson",
-      "trim",   "unique",     "upper",      "center",  "forceescape"};
-  return In(kNames, n);
-}
-}  // namespace
 
 // ---------------------------------------------------------------- tests
 
@@ -1496,7 +1718,7 @@ bool Interp::ApplyTest(const std::string& name, const Value& v, CallArgs& a) {
     if (v.is_none() || v.is_bool() || v.is_undefined()) return v.kind() == o.kind() && Equal(v, o);
     return false;
   }
-  if (n == "filter") return v.is_string() && IsFilterName(v.s());
+  if (n == "filter") return v.is_string() && IsFilter(v.s());
   if (n == "test") {
     return v.is_string() && KnownTests().contains(v.s());
   }

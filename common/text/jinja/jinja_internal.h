@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -271,6 +272,8 @@ std::unique_ptr<Program> ParseProgram(std::string_view source, std::string_view 
 size_t DecodeUtf8One(const std::string& s, size_t i, uint32_t* cp);
 // The names of the tests we implement (`is NAME`; the parser refuses others).
 const absl::flat_hash_set<std::string>& KnownTests();
+// Whether the interpreter implements the filter `name` (jinja_builtins.cc).
+bool IsFilter(std::string_view name);
 
 // Appends code point `cp` (<= 0x10FFFF) as UTF-8.
 void AppendUtf8(std::string* out, uint32_t cp);
