@@ -1,7 +1,8 @@
 // Filters, tests and str / dict / list methods of the Jinja interpreter
 // (common/text/jinja/jinja.h), as jinja2 3.1 and Python 3 define them, plus
-// transformers' tojson. Filters and methods are tables of named functions
-// (Filters(), StrMethods(), ...), one function per filter or method family.
+// transformers' tojson. Filters, methods and tests are tables of named
+// functions (Filters(), StrMethods(), ..., Tests()), one function per filter,
+// method or test family.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -1637,92 +1638,187 @@ Value Interp::ApplyFilter(const std::string& name, const Value& v, CallArgs& a) 
 
 // ---------------------------------------------------------------- tests
 
+namespace {
+
+// A test (`value is name(args)`); `name` as for BuiltinOp.
+using TestOp = bool (*)(Interp& in, const std::string& name, const Value& v, CallArgs& args);
+
+// The one argument of a test that takes one.
+Value TestArg(const std::string& n, CallArgs& a, const char* pname) {
+  Args p(a, n, {pname});
+  auto x = p.Get(0);
+  if (!x) Fail(absl::StrCat("test '", n, "' requires an argument"));
+  return *x;
+}
+
+bool TestDefined(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return !v.is_undefined();
+}
+bool TestUndefined(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return v.is_undefined();
+}
+bool TestNone(Interp&, const std::string&, const Value& v, CallArgs&) { return v.is_none(); }
+bool TestBoolean(Interp&, const std::string&, const Value& v, CallArgs&) { return v.is_bool(); }
+bool TestTrue(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return v.is_bool() && v.b();
+}
+bool TestFalse(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return v.is_bool() && !v.b();
+}
+bool TestInteger(Interp&, const std::string&, const Value& v, CallArgs&) { return v.is_int(); }
+bool TestFloat(Interp&, const std::string&, const Value& v, CallArgs&) { return v.is_float(); }
+bool TestNumber(Interp&, const std::string&, const Value& v, CallArgs&) { return v.is_number(); }
+bool TestString(Interp&, const std::string&, const Value& v, CallArgs&) { return v.is_string(); }
+bool TestMapping(Interp&, const std::string&, const Value& v, CallArgs&) { return v.is_dict(); }
+bool TestIterable(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return v.is_undefined() || v.is_string() || v.is_list() || v.is_dict();
+}
+bool TestSequence(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return v.is_undefined() || v.is_string() || v.is_dict() ||
+         (v.is_list() && (v.flavor() == Flavor::kList || v.flavor() == Flavor::kTuple));
+}
+bool TestCallable(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return v.is_undefined() || (v.is_object() && v.obj()->callable());
+}
+bool TestEscaped(Interp&, const std::string&, const Value&, CallArgs&) { return false; }
+
+// lower / upper: str(v).islower() / .isupper().
+bool TestCase(Interp& in, const std::string& n, const Value& v, CallArgs&) {
+  CallArgs none;
+  Value s = Value::Str(Str(v));
+  return Truthy(in.CallMethod(s, n == "lower" ? "islower" : "isupper", none));
+}
+
+// even / odd / divisibleby.
+bool TestDivisible(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  if (v.is_undefined()) FailUndefined(v);
+  if (!v.is_number())
+    Fail(absl::StrCat("unsupported operand type(s) for %: '", PyTypeName(v), "' and 'int'"));
+  Value d = n == "divisibleby" ? TestArg(n, a, "num") : Value::Int(2);
+  if (d.is_undefined()) FailUndefined(d);
+  if (!d.is_number())
+    Fail(absl::StrCat("unsupported operand type(s) for %: '", PyTypeName(v), "' and '",
+                      PyTypeName(d), "'"));
+  double r;
+  if (v.is_float() || d.is_float()) {
+    if (d.f() == 0) Fail("float modulo");
+    r = std::fmod(v.f(), d.f());
+  } else {
+    if (d.i() == 0) Fail("integer division or modulo by zero");
+    r = d.i() == -1 ? 0 : static_cast<double>(v.i() % d.i());
+  }
+  if (n == "odd") return r != 0;
+  return r == 0;
+}
+
+// eq / equalto / ==, ne / !=, lt / lessthan / <, le / <=, gt / greaterthan / >, ge / >=.
+bool TestEq(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  return Equal(v, TestArg(n, a, "other"));
+}
+bool TestNe(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  return !Equal(v, TestArg(n, a, "other"));
+}
+bool TestLt(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  return Less(v, TestArg(n, a, "other"), "<");
+}
+bool TestLe(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  return !Less(TestArg(n, a, "other"), v, "<=");
+}
+bool TestGt(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  return Less(TestArg(n, a, "other"), v, ">");
+}
+bool TestGe(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  return !Less(v, TestArg(n, a, "other"), ">=");
+}
+
+bool TestIn(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  const Value seq = TestArg(n, a, "seq");
+  if (seq.is_undefined()) return false;
+  if (seq.is_string()) {
+    if (!v.is_string())
+      Fail(absl::StrCat("'in <string>' requires string as left operand, not ", PyTypeName(v)));
+    return seq.s().find(v.s()) != std::string::npos;
+  }
+  if (seq.is_dict()) return seq.dict().Find(v) != nullptr;
+  if (!seq.is_list())
+    Fail(absl::StrCat("argument of type '", PyTypeName(seq), "' is not iterable"));
+  for (const Value& x : seq.items())
+    if (Equal(x, v)) return true;
+  return false;
+}
+
+bool TestSameas(Interp&, const std::string& n, const Value& v, CallArgs& a) {
+  const Value o = TestArg(n, a, "other");
+  if (v.is_object() || o.is_object()) return v.is_object() && o.is_object() && v.obj() == o.obj();
+  if (v.is_list() && o.is_list()) return v.list_ptr() == o.list_ptr();
+  if (v.is_dict() && o.is_dict()) return &v.dict() == &o.dict();
+  if (v.is_none() || v.is_bool() || v.is_undefined()) return v.kind() == o.kind() && Equal(v, o);
+  return false;
+}
+
+bool TestFilter(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return v.is_string() && IsFilter(v.s());
+}
+
+bool TestTest(Interp&, const std::string&, const Value& v, CallArgs&) {
+  return v.is_string() && IsTest(v.s());
+}
+
+// Every test we implement, by the names jinja2 gives it.
+const absl::flat_hash_map<std::string_view, TestOp>& Tests() {
+  static const auto* t = new absl::flat_hash_map<std::string_view, TestOp>{
+      {"!=", TestNe},
+      {"<", TestLt},
+      {"<=", TestLe},
+      {"==", TestEq},
+      {">", TestGt},
+      {">=", TestGe},
+      {"boolean", TestBoolean},
+      {"callable", TestCallable},
+      {"defined", TestDefined},
+      {"divisibleby", TestDivisible},
+      {"eq", TestEq},
+      {"equalto", TestEq},
+      {"escaped", TestEscaped},
+      {"even", TestDivisible},
+      {"false", TestFalse},
+      {"filter", TestFilter},
+      {"float", TestFloat},
+      {"ge", TestGe},
+      {"greaterthan", TestGt},
+      {"gt", TestGt},
+      {"in", TestIn},
+      {"integer", TestInteger},
+      {"iterable", TestIterable},
+      {"le", TestLe},
+      {"lessthan", TestLt},
+      {"lower", TestCase},
+      {"lt", TestLt},
+      {"mapping", TestMapping},
+      {"ne", TestNe},
+      {"none", TestNone},
+      {"number", TestNumber},
+      {"odd", TestDivisible},
+      {"sameas", TestSameas},
+      {"sequence", TestSequence},
+      {"string", TestString},
+      {"test", TestTest},
+      {"true", TestTrue},
+      {"undefined", TestUndefined},
+      {"upper", TestCase},
+  };
+  return *t;
+}
+
+}  // namespace
+
+bool IsTest(std::string_view name) { return Tests().contains(name); }
+
 bool Interp::ApplyTest(const std::string& name, const Value& v, CallArgs& a) {
   Step();
-  const std::string& n = name;
-  auto arg = [&](const char* pname) -> Value {
-    Args p(a, n, {pname});
-    auto x = p.Get(0);
-    if (!x) Fail(absl::StrCat("test '", n, "' requires an argument"));
-    return *x;
-  };
-  if (n == "defined") return !v.is_undefined();
-  if (n == "undefined") return v.is_undefined();
-  if (n == "none") return v.is_none();
-  if (n == "boolean") return v.is_bool();
-  if (n == "true") return v.is_bool() && v.b();
-  if (n == "false") return v.is_bool() && !v.b();
-  if (n == "integer") return v.is_int();
-  if (n == "float") return v.is_float();
-  if (n == "number") return v.is_number();
-  if (n == "string") return v.is_string();
-  if (n == "mapping") return v.is_dict();
-  if (n == "iterable") return v.is_undefined() || v.is_string() || v.is_list() || v.is_dict();
-  if (n == "sequence")
-    return v.is_undefined() || v.is_string() || v.is_dict() ||
-           (v.is_list() && (v.flavor() == Flavor::kList || v.flavor() == Flavor::kTuple));
-  if (n == "callable") return v.is_undefined() || (v.is_object() && v.obj()->callable());
-  if (n == "escaped") return false;
-  if (n == "lower" || n == "upper") {
-    CallArgs none;
-    Value s = Value::Str(Str(v));
-    return Truthy(CallMethod(s, n == "lower" ? "islower" : "isupper", none));
-  }
-  if (n == "even" || n == "odd" || n == "divisibleby") {
-    if (v.is_undefined()) FailUndefined(v);
-    if (!v.is_number())
-      Fail(absl::StrCat("unsupported operand type(s) for %: '", PyTypeName(v), "' and 'int'"));
-    Value d = n == "divisibleby" ? arg("num") : Value::Int(2);
-    if (d.is_undefined()) FailUndefined(d);
-    if (!d.is_number())
-      Fail(absl::StrCat("unsupported operand type(s) for %: '", PyTypeName(v), "' and '",
-                        PyTypeName(d), "'"));
-    double r;
-    if (v.is_float() || d.is_float()) {
-      if (d.f() == 0) Fail("float modulo");
-      r = std::fmod(v.f(), d.f());
-    } else {
-      if (d.i() == 0) Fail("integer division or modulo by zero");
-      r = d.i() == -1 ? 0 : static_cast<double>(v.i() % d.i());
-    }
-    if (n == "odd") return r != 0;
-    return r == 0;
-  }
-  if (n == "eq" || n == "equalto" || n == "==") return Equal(v, arg("other"));
-  if (n == "ne" || n == "!=") return !Equal(v, arg("other"));
-  if (n == "lt" || n == "lessthan" || n == "<") return Less(v, arg("other"), "<");
-  if (n == "le" || n == "<=") return !Less(arg("other"), v, "<=");
-  if (n == "gt" || n == "greaterthan" || n == ">") return Less(arg("other"), v, ">");
-  if (n == "ge" || n == ">=") return !Less(v, arg("other"), ">=");
-  if (n == "in") {
-    const Value seq = arg("seq");
-    CallArgs none;
-    if (seq.is_undefined()) return false;
-    if (seq.is_string()) {
-      if (!v.is_string())
-        Fail(absl::StrCat("'in <string>' requires string as left operand, not ", PyTypeName(v)));
-      return seq.s().find(v.s()) != std::string::npos;
-    }
-    if (seq.is_dict()) return seq.dict().Find(v) != nullptr;
-    if (!seq.is_list())
-      Fail(absl::StrCat("argument of type '", PyTypeName(seq), "' is not iterable"));
-    for (const Value& x : seq.items())
-      if (Equal(x, v)) return true;
-    return false;
-  }
-  if (n == "sameas") {
-    const Value o = arg("other");
-    if (v.is_object() || o.is_object()) return v.is_object() && o.is_object() && v.obj() == o.obj();
-    if (v.is_list() && o.is_list()) return v.list_ptr() == o.list_ptr();
-    if (v.is_dict() && o.is_dict()) return &v.dict() == &o.dict();
-    if (v.is_none() || v.is_bool() || v.is_undefined()) return v.kind() == o.kind() && Equal(v, o);
-    return false;
-  }
-  if (n == "filter") return v.is_string() && IsFilter(v.s());
-  if (n == "test") {
-    return v.is_string() && KnownTests().contains(v.s());
-  }
-  Fail(absl::StrCat("No test named '", n, "' found."));
+  const auto it = Tests().find(name);
+  if (it == Tests().end()) Fail(absl::StrCat("No test named '", name, "' found."));
+  return it->second(*this, name, v, a);
 }
 
 }  // namespace hmoe::jinja::internal

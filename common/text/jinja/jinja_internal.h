@@ -10,7 +10,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 
 namespace hmoe::jinja::internal {
@@ -270,10 +269,10 @@ std::unique_ptr<Program> ParseProgram(std::string_view source, std::string_view 
 // Decodes one UTF-8 sequence at s[i]; returns its length (1 for an invalid
 // byte, with *cp = 0xDC00 + byte, as Python's surrogateescape would).
 size_t DecodeUtf8One(const std::string& s, size_t i, uint32_t* cp);
-// The names of the tests we implement (`is NAME`; the parser refuses others).
-const absl::flat_hash_set<std::string>& KnownTests();
-// Whether the interpreter implements the filter `name` (jinja_builtins.cc).
+// Whether the interpreter implements the filter / the test `name`
+// (jinja_builtins.cc); the parser refuses other tests.
 bool IsFilter(std::string_view name);
+bool IsTest(std::string_view name);
 
 // Appends code point `cp` (<= 0x10FFFF) as UTF-8.
 void AppendUtf8(std::string* out, uint32_t cp);

@@ -1230,7 +1230,7 @@ class Parser {
     } else {
       Err(t, absl::StrCat("expected name, got '", Describe(t), "'"));
     }
-    if (!KnownTests().contains(name)) Err(t, absl::StrCat("No test named '", name, "' found."));
+    if (!IsTest(name)) Err(t, absl::StrCat("No test named '", name, "' found."));
     auto e = Node(ExprKind::kTest, at);
     e->name = std::move(name);
     e->negated = negated;
@@ -1267,17 +1267,6 @@ std::unique_ptr<Program> ParseProgram(std::string_view source, std::string_view 
   program->name = std::string(name);
   program->body = parser.ParseTemplate();
   return program;
-}
-
-const absl::flat_hash_set<std::string>& KnownTests() {
-  static const auto* s = new absl::flat_hash_set<std::string>{
-      "boolean", "callable", "defined",  "divisibleby", "eq",       "equalto",     "escaped",
-      "even",    "false",    "filter",   "float",       "ge",       "greaterthan", "gt",
-      "in",      "integer",  "iterable", "le",          "lessthan", "lower",       "lt",
-      "mapping", "ne",       "none",     "number",      "odd",      "sameas",      "sequence",
-      "string",  "test",     "true",     "undefined",   "upper",    "==",          "!=",
-      "<",       "<=",       ">",        ">="};
-  return *s;
 }
 
 }  // namespace hmoe::jinja::internal
