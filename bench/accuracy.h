@@ -16,7 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "expert_service/kernels/packed.h"
 #include "expert_service/server/expert_shard.h"
 #include "gpu_worker/model.h"

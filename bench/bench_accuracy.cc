@@ -29,7 +29,7 @@
 #include "common/flags.h"
 #include "common/model_config.h"
 #include "common/status.h"
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "expert_service/kernels/isa.h"
 
 namespace hmoe {

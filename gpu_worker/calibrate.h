@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/routing_stats.h"
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "gpu_worker/model.h"
 
 namespace hmoe {

@@ -42,7 +42,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/metrics.h"
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "gpu_worker/engine/sampling.h"
 #include "gpu_worker/model.h"
 

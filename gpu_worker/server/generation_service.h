@@ -7,7 +7,7 @@
 #include <string>
 
 #include "common/auth_token.h"
-#include "common/chat_template.h"
+#include "common/text/chat_template.h"
 #include "gpu_worker/engine/engine.h"
 #include "proto/api.grpc.pb.h"
 

@@ -21,8 +21,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/auth_token.h"
-#include "common/chat_template.h"
-#include "common/tokenizer.h"
+#include "common/text/chat_template.h"
+#include "common/text/tokenizer.h"
 #include "common/transport/grpc_tls.h"
 #include "gpu_worker/engine/engine.h"
 

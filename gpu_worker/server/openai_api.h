@@ -10,8 +10,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/chat_template.h"
-#include "common/tokenizer.h"
+#include "common/text/chat_template.h"
+#include "common/text/tokenizer.h"
 #include "gpu_worker/engine/engine.h"
 #include "nlohmann/json.hpp"
 

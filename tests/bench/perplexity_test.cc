@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "bench/accuracy.h"
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "gpu_worker/model.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

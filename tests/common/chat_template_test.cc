@@ -1,9 +1,9 @@
-// ChatTemplate (common/chat_template.h): the real templates of DeepSeek-V3,
+// ChatTemplate (common/text/chat_template.h): the real templates of DeepSeek-V3,
 // DeepSeek-R1, Qwen3, Mixtral-8x7B-Instruct and Kimi-K2 must render every
 // conversation in tests/fixtures/chat_templates/cases.json byte for byte as
 // transformers' apply_chat_template did (make_fixtures.py), and loading
 // follows transformers' rules.
-#include "common/chat_template.h"
+#include "common/text/chat_template.h"
 
 #include <filesystem>
 #include <fstream>

@@ -1,8 +1,8 @@
-// The Jinja interpreter (common/jinja.h): small templates whose expected
+// The Jinja interpreter (common/text/jinja/jinja.h): small templates whose expected
 // output (or error) Python jinja2 produced in transformers' environment
 // (tests/fixtures/chat_templates/jinja_cases.json, made by make_fixtures.py),
 // plus parse errors, unsupported constructs and limits.
-#include "common/jinja.h"
+#include "common/text/jinja/jinja.h"
 
 #include <fstream>
 #include <sstream>

@@ -1,4 +1,4 @@
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 
 #include <fstream>
 

@@ -1,4 +1,4 @@
-#include "common/unicode_nfc.h"
+#include "common/text/unicode_nfc.h"
 
 #include <fstream>
 #include <string>

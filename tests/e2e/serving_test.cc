@@ -17,7 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "common/routing_stats.h"
 #include "common/safetensors.h"
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

@@ -1,4 +1,4 @@
-// The Jinja interpreter behind ChatTemplate (common/jinja.h): arbitrary
+// The Jinja interpreter behind ChatTemplate (common/text/jinja/jinja.h): arbitrary
 // bytes as a template, parsed and rendered under tight limits. The input is
 //   <template> [ "\0" <context JSON> ]
 // without the NUL (or with a context that is not a JSON object) the
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common/jinja.h"
+#include "common/text/jinja/jinja.h"
 #include "nlohmann/json.hpp"
 
 namespace {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "gmock/gmock.h"
 #include "gpu_worker/model.h"
 #include "gtest/gtest.h"

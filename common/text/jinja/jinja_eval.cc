@@ -1,4 +1,4 @@
-// Evaluator of the Jinja subset (common/jinja.h): statements, expressions,
+// Evaluator of the Jinja subset (common/text/jinja/jinja.h): statements, expressions,
 // Python-style operators, attribute lookup as jinja2's sandbox does it, and
 // the public Template API.
 #include <algorithm>
@@ -14,9 +14,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/jinja.h"
-#include "common/jinja_internal.h"
-#include "common/jinja_runtime.h"
+#include "common/text/jinja/jinja.h"
+#include "common/text/jinja/jinja_internal.h"
+#include "common/text/jinja/jinja_runtime.h"
 
 namespace hmoe::jinja {
 

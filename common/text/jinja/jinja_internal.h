@@ -1,4 +1,4 @@
-// Internals of the Jinja interpreter (common/jinja.h): values, the syntax
+// Internals of the Jinja interpreter (common/text/jinja/jinja.h): values, the syntax
 // tree, and the error type thrown inside the library (caught at
 // Template::Parse / Render, never crossing the public API).
 #pragma once
@@ -6,10 +6,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 
 namespace hmoe::jinja::internal {
@@ -269,8 +269,10 @@ std::unique_ptr<Program> ParseProgram(std::string_view source, std::string_view 
 // Decodes one UTF-8 sequence at s[i]; returns its length (1 for an invalid
 // byte, with *cp = 0xDC00 + byte, as Python's surrogateescape would).
 size_t DecodeUtf8One(const std::string& s, size_t i, uint32_t* cp);
-// The names of the tests we implement (`is NAME`; the parser refuses others).
-const absl::flat_hash_set<std::string>& KnownTests();
+// Whether the interpreter implements the filter / the test `name`
+// (jinja_builtins.cc); the parser refuses other tests.
+bool IsFilter(std::string_view name);
+bool IsTest(std::string_view name);
 
 // Appends code point `cp` (<= 0x10FFFF) as UTF-8.
 void AppendUtf8(std::string* out, uint32_t cp);

@@ -1,4 +1,4 @@
-// Internals of the Jinja evaluator (common/jinja.h): scopes, the
+// Internals of the Jinja evaluator (common/text/jinja/jinja.h): scopes, the
 // interpreter state, callables. Filters, tests and methods live in
 // jinja_builtins.cc; statements and expressions in jinja_eval.cc.
 #pragma once
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "common/jinja.h"
-#include "common/jinja_internal.h"
+#include "common/text/jinja/jinja.h"
+#include "common/text/jinja/jinja_internal.h"
 #include "nlohmann/json.hpp"
 
 namespace hmoe::jinja::internal {
@@ -101,6 +101,9 @@ class Interp {
   Value ApplyFilterExpr(const Expr& f, Value input, const std::shared_ptr<Scope>& scope);
   Value ApplyFilter(const std::string& name, const Value& input, CallArgs& args);
   bool ApplyTest(const std::string& name, const Value& v, CallArgs& args);
+  // Whether `obj`'s type has the method `name`, and whether the sandbox
+  // allows it (jinja_builtins.cc).
+  MethodKind LookupMethod(const Value& obj, const std::string& name);
 
   const RenderOptions& options_;
   const Limits limits_;
@@ -130,7 +133,6 @@ class Interp {
   Value SliceValue(const Value& obj, const Value& start, const Value& stop, const Value& step);
   Value MissingAttr(const Value& obj, const std::string& name);
   Value BoundMethod(const Value& self, const std::string& name);
-  MethodKind LookupMethod(const Value& obj, const std::string& name);  // builtins.cc
 
   const Program& program_;
   uint64_t steps_ = 0;

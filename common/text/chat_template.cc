@@ -1,6 +1,6 @@
 // ChatTemplate: loading a model's chat template(s) and rendering them as
 // transformers' apply_chat_template does (see chat_template.h).
-#include "common/chat_template.h"
+#include "common/text/chat_template.h"
 
 #include <filesystem>
 #include <fstream>

@@ -1,6 +1,6 @@
 // A model's chat template, rendered as transformers' apply_chat_template(
 // tokenize=False) renders it (transformers 5.x), with our own Jinja
-// interpreter (common/jinja.h).
+// interpreter (common/text/jinja/jinja.h).
 //
 // Loading (FromModelDir), as transformers' tokenizer loading does:
 //   * templates: `chat_template.jinja` (the "default") and
@@ -35,8 +35,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/jinja.h"
-#include "common/tokenizer.h"
+#include "common/text/jinja/jinja.h"
+#include "common/text/tokenizer.h"
 #include "nlohmann/json.hpp"
 
 namespace hmoe {

@@ -1,4 +1,4 @@
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "common/status.h"
-#include "common/unicode_nfc.h"
+#include "common/text/unicode_nfc.h"
 #include "nlohmann/json.hpp"
 
 namespace hmoe {

@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "common/jinja_internal.h"
+#include "common/text/jinja/jinja_internal.h"
 
 namespace hmoe::jinja::internal {
 

@@ -1,4 +1,4 @@
-#include "common/unicode_nfc.h"
+#include "common/text/unicode_nfc.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -20,7 +20,7 @@ struct Composition {
   uint32_t first, second, composite;
 };
 
-#include "common/unicode_nfc_tables.inc"
+#include "common/text/unicode_nfc_tables.inc"
 
 // Hangul syllables (Unicode ch. 3.12).
 constexpr uint32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
