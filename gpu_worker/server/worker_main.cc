@@ -102,6 +102,7 @@
 #include "common/auth_token.h"
 #include "common/chat_template.h"
 #include "common/expert_placement.h"
+#include "common/experts/weight_format.h"
 #include "common/flags.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
@@ -453,7 +454,7 @@ int Run(int argc, char** argv) {
   if (hot || o.prefill_experts != "cpu") {
     // The shards' format (the same quantized weights on both sides), or the
     // in-process experts' bf16.
-    auto fmt = ParseServeFormat(pool ? pool->model().weight_format : "bf16", &group);
+    auto fmt = ParseWeightFormat(pool ? pool->model().weight_format : "bf16", &group);
     if (!fmt.ok()) Die("expert service: " + fmt.status().ToString(), 1);
     hot_fmt = *fmt;
     plo.budget_bytes = static_cast<int64_t>(o.hot_experts_gb * (1ull << 30));
@@ -494,7 +495,7 @@ int Run(int argc, char** argv) {
   if (hot) {
     std::fprintf(stderr, "hmoe-gpu-worker: hot experts from %s: %s (%s, %.2f GiB budget)\n",
                  placed_from.c_str(), placed->Describe().c_str(),
-                 ServeFormatName(hot_fmt, group).c_str(), o.hot_experts_gb);
+                 WeightFormatName(hot_fmt, group).c_str(), o.hot_experts_gb);
     mo.hot_experts = std::make_shared<Placement>(std::move(*placed));
     mo.hot_format = std::string(WeightFormatName(hot_fmt));
     mo.hot_group = group;
