@@ -57,7 +57,7 @@ std::unique_ptr<ExpertShard> Load(int i, int n, SplitMode split,
   o.shard_index = i;
   o.num_shards = n;
   o.split = split;
-  auto f = ParseServeFormat(format, &o.group);
+  auto f = ParseWeightFormat(format, &o.group);
   EXPECT_TRUE(f.ok());
   o.format = *f;
   auto s = ExpertShard::Load(o);
@@ -381,9 +381,6 @@ TEST(ExpertShard, OptionsValidatedWithClearErrors) {
   o.split = SplitMode::kEp;
   auto s = ExpertShard::Load(o);  // 17 ep shards for 16 experts
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
-  int g = 0;
-  EXPECT_FALSE(ParseServeFormat("int4g48", &g).ok());
-  EXPECT_FALSE(ParseServeFormat("fp4", &g).ok());
   ShardOptions bad;
   bad.model_dir = "/nonexistent-model";
   EXPECT_FALSE(ExpertShard::Load(bad).ok());
