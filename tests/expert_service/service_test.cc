@@ -119,7 +119,7 @@ double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
   return den == 0 ? num : num / den;
 }
 
-// The shard's packed weights are exactly the kernels' QuantizeExpert of the
+// The shard's packed weights are exactly QuantizeExpert's (common/experts) of the
 // checkpoint slice, and Handle (RunMoe) agrees with the kernels' scalar
 // reference (RunMoeReference) on them, for every format, whole and sharded,
 // in both regimes (3 tokens: "few"; 40 tokens over 16 experts x top-4: some
