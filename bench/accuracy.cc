@@ -147,7 +147,7 @@ absl::StatusOr<LoadedVariant> LoadVariant(const std::string& dir, const Variant&
     ShardOptions so;
     so.model_dir = dir;
     so.format = v.format;
-    if (v.format == WeightFormat::kInt4) so.group = v.group;
+    if (IsGrouped(v.format)) so.group = v.group;
     so.format_explicit = true;
     so.threads = threads;
     ASSIGN_OR_RETURN(const ModelConfig config, LoadModelConfig(dir));

@@ -16,8 +16,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/experts/weight_format.h"
 #include "common/text/tokenizer.h"
-#include "expert_service/kernels/packed.h"
 #include "expert_service/server/expert_shard.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/routed_experts.h"

@@ -75,7 +75,7 @@ struct Row {
 
 std::string Experts(const accuracy::Variant& v) {
   if (!v.service_experts) return "fp32 reference";
-  return absl::StrCat("service ", ServeFormatName(v.format, v.group));
+  return absl::StrCat("service ", WeightFormatName(v.format, v.group));
 }
 
 std::string Target(const accuracy::Variant& v) {
@@ -170,7 +170,7 @@ absl::Status Run(const Args& a) {
       v["deferred_experts"] = r.variant.deferred_experts;
       v["experts"] = r.variant.service_experts ? "service" : "reference";
       if (r.variant.service_experts) {
-        v["format"] = ServeFormatName(r.variant.format, r.variant.group);
+        v["format"] = WeightFormatName(r.variant.format, r.variant.group);
         v["isa"] = r.isa.empty() ? ojson(nullptr) : ojson(r.isa);
       }
       v["supported"] = r.unsupported.empty();

@@ -63,6 +63,7 @@
 #include "bench/dram_probe.h"
 #include "common/dtype.h"
 #include "common/expert_placement.h"
+#include "common/experts/synthetic_source.h"
 #include "common/flags.h"
 #include "common/model_config.h"
 #include "common/routing_stats.h"
@@ -72,7 +73,6 @@
 #include "common/status.h"
 #include "common/weight_map.h"
 #include "expert_service/kernels/moe.h"
-#include "expert_service/kernels/synthetic_source.h"
 #include "gpu_worker/hot_weights.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/server/remote_experts.h"
@@ -902,8 +902,8 @@ absl::Status Run(const Args& a) {
   const int64_t H = full.hidden_size, I = full.moe.intermediate_size, E = full.moe.num_experts;
   const int K = static_cast<int>(full.moe.experts_per_token);
   const WeightFormat fmt = *ParseWeightFormat(a.format);
-  const int group = fmt == WeightFormat::kInt4 ? 64 : 0;
-  const std::string service_format = fmt == WeightFormat::kInt4 ? "int4g64" : a.format;
+  const int group = Traits(fmt).default_group;
+  const std::string service_format = WeightFormatName(fmt, group);
 
   // The backend and the expert service binary, checked before anything takes time.
   ASSIGN_OR_RETURN(const std::string resolved_backend, ResolveBackend(a.backend));

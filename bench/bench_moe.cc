@@ -477,7 +477,7 @@ int Main(int argc, char** argv) {
                               "' (ds-v3, qwen3-30b, ds-v2-lite, mixtral or HxIxExK)"));
   if (a.formats.empty()) return bad("--format lists no formats");
   for (const auto& fm : a.formats)
-    if (!ParseWeightFormat(fm))
+    if (!ParseWeightFormat(fm).ok())
       return bad(absl::StrCat("unknown format '", fm, "' (bf16, int8, int4)"));
   for (const auto& is : a.isas)
     if (!ParseIsa(is))
@@ -615,7 +615,7 @@ int Main(int argc, char** argv) {
     std::vector<float> out(static_cast<size_t>(Tmax * P->H));
     std::map<std::string, std::map<int64_t, double>> dnn_us;  // by oneDNN format
     for (const auto& fname : a.formats) {
-      const std::optional<WeightFormat> fmt = ParseWeightFormat(fname);  // checked after parsing
+      const absl::StatusOr<WeightFormat> fmt = ParseWeightFormat(fname);  // checked after parsing
       PackOptions o;
       o.format = *fmt;
       o.group = a.group;

@@ -6,38 +6,18 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/experts/checkpoint_source.h"
 #include "common/status.h"
-#include "expert_service/kernels/checkpoint_source.h"
 
 namespace hmoe {
 
-int KernelFormatCode(WeightFormat f) {
-  switch (f) {
-    case WeightFormat::kBf16:
-      return 0;
-    case WeightFormat::kInt8:
-      return 1;
-    case WeightFormat::kInt4:
-      return 2;
-  }
-  return 0;
-}
-
 KernelMatrixBytes KernelLayoutBytes(WeightFormat f, int group, int64_t rows, int64_t cols) {
-  switch (f) {
-    case WeightFormat::kBf16:
-      return {rows * cols * 2, 0};
-    case WeightFormat::kInt8:
-      return {rows * cols, rows * 4};
-    case WeightFormat::kInt4:
-      return {rows * ((cols + 1) / 2), rows * ((cols + group - 1) / group) * 4};
-  }
-  return {};
+  return {rows * RowBytes(f, cols), rows * ScalesPerRow(f, group, cols) * ScaleBytes(f)};
 }
 
 HostQuantMatrix ToKernelLayout(const QuantMatrix& m) {
   HostQuantMatrix h;
-  h.format = KernelFormatCode(m.format);
+  h.format = m.format;
   h.group = m.group;
   h.rows = m.rows;
   h.cols = m.cols;
@@ -93,7 +73,7 @@ absl::StatusOr<std::vector<HotExpertWeights>> LoadHotExperts(const ExpertSourceF
                                                              const Placement& placement,
                                                              WeightFormat format, int group) {
   RETURN_IF_ERROR(CheckPlacementFits(placement, config));
-  PackOptions po;
+  QuantOptions po;
   po.format = format;
   po.group = group;
   // The sources checked first (cheap), then the experts quantized in

@@ -10,25 +10,25 @@
 
 #include "absl/status/statusor.h"
 #include "common/expert_placement.h"
+#include "common/experts/format_codes.h"
+#include "common/experts/quantize.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
-#include "expert_service/kernels/moe.h"
 
 namespace hmoe {
 
-// One matrix in the kernel's layout: format 0 bf16 (w: [rows][cols] bf16),
-// 1 int8 (w: q [rows][cols]; scale [rows]), 2 int4 (w: two values per byte,
-// the even column in the low nibble, [rows][ceil(cols / 2)]; scale
-// [rows][ceil(cols / group)]).
+// One matrix in the kernel's layout: each row RowBytes(format, cols) of
+// weights at the format's bits (bf16 [rows][cols]; int8 q [rows][cols];
+// int4 two values per byte, the even column in the low nibble), and
+// [rows][ScalesPerRow(format, group, cols)] f32 scales.
 struct HostQuantMatrix {
-  int format = 0;
+  WeightFormat format = WeightFormat::kBf16;
   int group = 0;
   int64_t rows = 0, cols = 0;
   std::vector<uint8_t> w;
   std::vector<float> scale;
 };
 HostQuantMatrix ToKernelLayout(const QuantMatrix& m);
-int KernelFormatCode(WeightFormat f);  // HostQuantMatrix::format for f
 // The bytes of one matrix in the kernel's layout (int4: `group`).
 struct KernelMatrixBytes {
   int64_t w = 0, scale = 0;

@@ -24,7 +24,7 @@
 namespace hmoe {
 namespace {
 
-// 2: slices quantized by the kernels' QuantizeExpert (scales per slice).
+// 2: slices quantized by QuantizeExpert (scales per slice).
 constexpr const char* kVersion = "2";
 
 int64_t Part(int64_t n, int i, int parts) { return n * i / parts; }
@@ -39,10 +39,6 @@ struct ShardOut {
   }
 };
 
-int64_t ScaleCols(WeightFormat f, int group, int64_t cols) {
-  return f == WeightFormat::kInt8 ? 1 : (cols + group - 1) / group;
-}
-
 // The tensors AddMatrix writes for a [rows][cols] matrix `name`.
 std::vector<TensorSpec> MatrixSpecs(const std::string& name, WeightFormat f, int group,
                                     int64_t rows, int64_t cols) {
@@ -51,12 +47,12 @@ std::vector<TensorSpec> MatrixSpecs(const std::string& name, WeightFormat f, int
       return {{name + ".q", DType::kBF16, {rows, cols}}};
     case WeightFormat::kInt8:
       return {{name + ".q", DType::kI8, {rows, cols}},
-              {name + ".s", DType::kF32, {rows, ScaleCols(f, group, cols)}}};
+              {name + ".s", DType::kF32, {rows, ScalesPerRow(f, group, cols)}}};
     case WeightFormat::kInt4:
       break;
   }
   return {{name + ".q", DType::kU8, {rows, (cols + 1) / 2}},
-          {name + ".s", DType::kF32, {rows, ScaleCols(f, group, cols)}}};
+          {name + ".s", DType::kF32, {rows, ScalesPerRow(f, group, cols)}}};
 }
 
 absl::Status AddMatrix(ShardOut& out, const std::string& name, const QuantMatrix& m) {
@@ -115,7 +111,7 @@ PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMod
                              int num_shards, WeightFormat format, int group) {
   PackOptions o;
   o.format = format;
-  o.group = format == WeightFormat::kInt4 ? group : 128;
+  o.group = IsGrouped(format) ? group : 128;
   if (split == SplitMode::kEp) {
     o.expert_begin = Part(num_experts, shard, num_shards);
     o.expert_end = Part(num_experts, shard + 1, num_shards);
@@ -133,7 +129,7 @@ PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMod
 absl::Status ConvertModel(const std::string& model_dir, const std::string& out_dir,
                           const ConvertOptions& opts) {
   int group = 64;
-  ASSIGN_OR_RETURN(WeightFormat f, ParseServeFormat(opts.format, &group));
+  ASSIGN_OR_RETURN(WeightFormat f, ParseWeightFormat(opts.format, &group));
   ASSIGN_OR_RETURN(ModelConfig cfg, LoadModelConfig(model_dir));
   ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(model_dir));
   ASSIGN_OR_RETURN(const std::string source_fingerprint, RoutedExpertsFingerprint(*ckpt, cfg));
@@ -177,7 +173,7 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
       }
     }
     metas[static_cast<size_t>(i)] = {{"hmoe_packed_version", kVersion},
-                                     {"format", ServeFormatName(f, group)},
+                                     {"format", WeightFormatName(f, group)},
                                      {"model_type", cfg.model_type},
                                      {"hidden", absl::StrCat(H)},
                                      {"intermediate", absl::StrCat(I)},
@@ -346,7 +342,7 @@ absl::StatusOr<std::unique_ptr<PackedExperts>> PackedExperts::Open(const std::st
   p->conversion_id_ = get("conversion_id");
   p->source_fingerprint_ = get("source_fingerprint");
   int group = 64;
-  ASSIGN_OR_RETURN(p->format_, ParseServeFormat(get("format"), &group));
+  ASSIGN_OR_RETURN(p->format_, ParseWeightFormat(get("format"), &group));
   p->group_ = group;
   p->hidden_ = cfg.hidden_size;
   if (!absl::SimpleAtoi(get("i_begin"), &p->i_begin_) ||
@@ -390,7 +386,7 @@ absl::StatusOr<QuantExpert> PackedExperts::Expert(int layer, int64_t e) const {
       return t;
     };
     m->format = format_;
-    m->group = format_ == WeightFormat::kInt4 ? group_ : 0;
+    m->group = IsGrouped(format_) ? group_ : 0;
     m->rows = rows;
     m->cols = cols;
     ASSIGN_OR_RETURN(Tensor q, tensor(base + ".q"));
@@ -398,7 +394,7 @@ absl::StatusOr<QuantExpert> PackedExperts::Expert(int layer, int64_t e) const {
       return absl::InvalidArgumentError(
           absl::StrCat(path_, ": ", base, " has shape ", ShapeString(t.shape()), " / dtype ",
                        DTypeName(t.dtype()), ", expected [", rows, ", ", cols, "] ",
-                       ServeFormatName(format_, group_)));
+                       WeightFormatName(format_, group_)));
     };
     // What convert wrote for this matrix: .q, then .s unless bf16.
     const std::vector<TensorSpec> want = MatrixSpecs(base, format_, group_, rows, cols);

@@ -2,8 +2,8 @@
 // without re-quantizing. One safetensors file per shard (mmap-ready, 8-byte
 // aligned tensors), named experts-<split>-<i>of<n>.safetensors, holding for
 // every MoE layer L and owned expert E the shard's slice quantized exactly as
-// the kernels' QuantizeExpert quantizes it (so loading one gives the same
-// packed weights, bit for bit, as quantizing at load):
+// QuantizeExpert (common/experts/quantize.h) quantizes it (so loading one
+// gives the same packed weights, bit for bit, as quantizing at load):
 //   "L.E.gate.q", "L.E.up.q"  [I_slice][H]  int8 | bf16 | int4 as U8 [rows][ceil(cols/2)]
 //   "L.E.down.q"              [H][I_slice]  (two values per byte, low nibble first)
 //   "L.E.<proj>.s"            f32 scales of the slice: int8 [rows][1],
@@ -21,13 +21,13 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/experts/checkpoint_source.h"
+#include "common/experts/quantize.h"
+#include "common/experts/weight_format.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "common/transport/moe_call.h"
 #include "common/weight_map.h"
-#include "expert_service/kernels/checkpoint_source.h"
-#include "expert_service/kernels/moe.h"
-#include "expert_service/kernels/packed.h"
 
 namespace hmoe {
 
@@ -94,7 +94,7 @@ absl::Status ConvertModel(const std::string& model_dir, const std::string& out_d
 
 uint64_t Fnv1a64(const void* data, size_t n);
 
-// The kernels' options for shard `shard`/`num_shards` of a model.
+// The options of shard `shard`/`num_shards` of a model.
 PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMode split, int shard,
                              int num_shards, WeightFormat format, int group);
 

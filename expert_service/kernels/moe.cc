@@ -289,7 +289,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.max_rows = slots + 32 * std::min<int64_t>(w.n_local, slots);  // + padding to 32 rows
   const auto& p0 = layer.parts()[0];
   w.kp_h = p0.gu.kp;
-  w.gmax = w.format == WeightFormat::kInt4 ? w.kp_h / w.group : 0;
+  w.gmax = IsGrouped(w.format) ? w.kp_h / w.group : 0;
   const size_t E = static_cast<size_t>(w.n_local), R = static_cast<size_t>(w.max_rows);
   w.plan.Reserve(layer, slots, w.max_rows);
   w.gather_left = std::vector<std::atomic<int32_t>>(E);
@@ -315,7 +315,7 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
     // hquant stages 16 int8 rows; staged int4 "many" tasks keep two K chunks
     // of up to kMaxTaskPanels bf16 panels (2 x 32 x 16 KiB, kernels_amx.cc).
     w.scratch_bytes = std::max({w.scratch_bytes, 16 * b.kp_i, kCbufFloats * 4});
-    b.groups = w.format == WeightFormat::kInt4 ? b.kp_i / w.group : 0;
+    b.groups = IsGrouped(w.format) ? b.kp_i / w.group : 0;
     const int node = pool.mem_node(p);
     w.part_node.push_back(node);
     ASSIGN_OR_RETURN(b.h, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i) * 4, node));

@@ -41,6 +41,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/experts/quantize.h"
+#include "common/experts/weight_format.h"
 #include "common/runtime/numa.h"
 #include "common/runtime/thread_pool.h"
 #include "common/tensor.h"
@@ -49,54 +51,6 @@
 #include "expert_service/kernels/tuning.h"
 
 namespace hmoe {
-
-// ---- weights in ----------------------------------------------------------------
-
-// One expert as stored in a checkpoint: gate, up [I][H], down [H][I]; bf16, f32
-// or f8_e4m3 (then *_scale_inv are the f32 block scales, DeepSeek-V3 style:
-// w = fp8 * scale_inv[r / block][c / block]).
-struct ExpertWeights {
-  Tensor gate, up, down;
-  Tensor gate_scale_inv, up_scale_inv, down_scale_inv;
-};
-
-struct MoeWeightsSource {
-  int64_t hidden = 0;
-  int64_t intermediate = 0;
-  int64_t num_experts = 0;
-  int64_t fp8_block = 128;
-  // Expert e's weights; called once per packed expert, from pool threads.
-  std::function<absl::StatusOr<ExpertWeights>(int64_t e)> expert;
-};
-
-struct PackOptions {
-  WeightFormat format = WeightFormat::kBf16;
-  int group = 128;           // int4 group along K: 32, 64 or 128
-  int64_t i_begin = 0;       // intermediate slice owned by this shard
-  int64_t i_end = -1;        // -1: to the end
-  int64_t expert_begin = 0;  // experts owned by this shard
-  int64_t expert_end = -1;   // -1: to the end
-};
-
-// A quantized matrix in plain row-major form (logical shape, no padding):
-// what Pack quantizes to, what the reference computes with.
-struct QuantMatrix {
-  WeightFormat format = WeightFormat::kBf16;
-  int group = 0;
-  int64_t rows = 0, cols = 0;
-  std::vector<uint16_t> bf16;            // kBf16
-  std::vector<int8_t> q;                 // kInt8, kInt4
-  std::vector<float> scale;              // kInt8: [rows]; kInt4: [rows][ceil(cols / group)]
-  float At(int64_t r, int64_t c) const;  // the weight value: bf16, or f32(q * s)
-};
-struct QuantExpert {
-  QuantMatrix gate, up;  // [I_slice][H]
-  QuantMatrix down;      // [H][I_slice]
-};
-
-// Quantizes one expert's slice exactly as Pack does (common/dtype.h quantizers).
-absl::StatusOr<QuantExpert> QuantizeExpert(const ExpertWeights& w, const MoeWeightsSource& src,
-                                           const PackOptions& opts);
 
 // ---- the packed layer ------------------------------------------------------------
 

@@ -1,11 +1,11 @@
-// Quantization and packing into the layout documented in packed.h.
+// Packing quantized experts (common/experts/quantize.h) into the layout
+// documented in packed.h, and back.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <mutex>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/status.h"
@@ -13,56 +13,14 @@
 
 namespace hmoe {
 
-std::string_view WeightFormatName(WeightFormat f) {
-  switch (f) {
-    case WeightFormat::kBf16:
-      return "bf16";
-    case WeightFormat::kInt8:
-      return "int8";
-    case WeightFormat::kInt4:
-      return "int4";
-  }
-  return "?";
-}
-
-std::optional<WeightFormat> ParseWeightFormat(std::string_view s) {
-  if (s == "bf16") return WeightFormat::kBf16;
-  if (s == "int8") return WeightFormat::kInt8;
-  if (s == "int4") return WeightFormat::kInt4;
-  return std::nullopt;
-}
-
-absl::StatusOr<WeightFormat> ParseServeFormat(const std::string& s, int* group) {
-  if (s == "bf16") return WeightFormat::kBf16;
-  if (s == "int8") return WeightFormat::kInt8;
-  if (s.rfind("int4", 0) == 0) {
-    int g = 64;
-    if (s.size() > 4) {
-      if (s.substr(4, 1) != "g" || !absl::SimpleAtoi(s.substr(5), &g) ||
-          (g != 32 && g != 64 && g != 128)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("format: \"", s, "\"; int4 groups are int4g32, int4g64, int4g128"));
-      }
-    }
-    if (group) *group = g;
-    return WeightFormat::kInt4;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("format: \"", s, "\" is not one of bf16, int8, int4g32, int4g64, int4g128"));
-}
-
-std::string ServeFormatName(WeightFormat f, int group) {
-  return f == WeightFormat::kInt4 ? absl::StrCat("int4g", group) : std::string(WeightFormatName(f));
-}
-
 int64_t KAlign(WeightFormat f, int group) {
-  return f == WeightFormat::kInt4 ? std::max<int64_t>(64, group) : 64;
+  return IsGrouped(f) ? std::max<int64_t>(64, group) : 64;
 }
 
 PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k) {
   PackedGeom g;
   g.format = f;
-  g.group = f == WeightFormat::kInt4 ? group : 0;
+  g.group = IsGrouped(f) ? group : 0;
   g.n = n;
   g.k = k;
   g.np = RoundUp(n, 16);
@@ -80,22 +38,6 @@ PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k) {
       break;
   }
   return g;
-}
-
-float QuantMatrix::At(int64_t r, int64_t c) const {
-  switch (format) {
-    case WeightFormat::kBf16:
-      return Bf16ToF32(bf16[static_cast<size_t>(r * cols + c)]);
-    case WeightFormat::kInt8:
-      return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) *
-             scale[static_cast<size_t>(r)];
-    case WeightFormat::kInt4: {
-      const int64_t ng = (cols + group - 1) / group;
-      return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) *
-             scale[static_cast<size_t>(r * ng + c / group)];
-    }
-  }
-  return 0.0f;
 }
 
 namespace {
@@ -235,96 +177,14 @@ struct RandomPanel {
   }
 };
 
-// A NaN or infinite weight (a corrupt checkpoint, an fp8 NaN code, an
-// overflowing scale) would poison every scale it shares: refused, located.
-absl::Status CheckFinite(const std::vector<float>& w, int64_t cols, std::string_view name) {
-  for (size_t i = 0; i < w.size(); ++i) {
-    if (!std::isfinite(w[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(std::string(name), ": element [", static_cast<int64_t>(i) / cols, ", ",
-                       static_cast<int64_t>(i) % cols, "] is ", w[i], "; weights must be finite"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::vector<float>> MatrixF32(const Tensor& t, const Tensor& scale_inv,
-                                             int64_t block, int64_t rows, int64_t cols,
-                                             std::string_view name) {
-  if (t.rank() != 2 || t.dim(0) != rows || t.dim(1) != cols)
-    return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": expected shape [", rows,
-                                                   ", ", cols, "], got ", ShapeString(t.shape())));
-  if (t.dtype() == DType::kF8E4M3) {
-    if (block <= 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat(std::string(name), ": fp8 block size must be > 0, got ", block));
-    const int64_t br = (rows + block - 1) / block, bc = (cols + block - 1) / block;
-    if (scale_inv.empty() || scale_inv.dtype() != DType::kF32 || scale_inv.rank() != 2 ||
-        scale_inv.dim(0) != br || scale_inv.dim(1) != bc)
-      return absl::InvalidArgumentError(absl::StrCat(
-          std::string(name), ": fp8 weight needs an f32 scale_inv of [", br, ", ", bc, "], got ",
-          scale_inv.empty() ? std::string("none") : ShapeString(scale_inv.shape())));
-    if (!t.contiguous() || !scale_inv.contiguous())
-      return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": must be contiguous"));
-    std::vector<float> out(static_cast<size_t>(rows * cols));
-    DequantFp8BlockToF32(t.data<uint8_t>(), rows, cols, scale_inv.data<float>(), block, out.data());
-    RETURN_IF_ERROR(CheckFinite(out, cols, name));
-    return out;
-  }
-  if (t.dtype() != DType::kBF16 && t.dtype() != DType::kF32 && t.dtype() != DType::kF16)
-    return absl::InvalidArgumentError(
-        absl::StrCat(std::string(name), ": unsupported dtype ", std::string(DTypeName(t.dtype()))));
-  std::vector<float> out = t.ToF32();
-  RETURN_IF_ERROR(CheckFinite(out, cols, name));
-  return out;
-}
-
-QuantMatrix Quantize(const float* w, int64_t rows, int64_t cols, WeightFormat f, int group) {
-  QuantMatrix m;
-  m.format = f;
-  m.group = f == WeightFormat::kInt4 ? group : 0;
-  m.rows = rows;
-  m.cols = cols;
-  const size_t n = static_cast<size_t>(rows * cols);
-  if (f == WeightFormat::kBf16) {
-    m.bf16.resize(n);
-    for (size_t i = 0; i < n; ++i) m.bf16[i] = F32ToBf16(w[i]);
-  } else if (f == WeightFormat::kInt8) {
-    m.q.resize(n);
-    m.scale.resize(static_cast<size_t>(rows));
-    QuantizeI8PerRow(w, rows, cols, m.q.data(), m.scale.data());
-  } else {
-    const int64_t cp = RoundUp(cols, group), ng = cp / group;
-    std::vector<float> padded(static_cast<size_t>(rows * cp), 0.0f);
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(&padded[static_cast<size_t>(r * cp)], w + r * cols,
-                  sizeof(float) * static_cast<size_t>(cols));
-    std::vector<uint8_t> packed(static_cast<size_t>(DTypeBytes(DType::kI4, rows * cp)));
-    m.scale.resize(static_cast<size_t>(rows * ng));
-    QuantizeI4PerGroup(padded.data(), rows, cp, group, packed.data(), m.scale.data());
-    m.q.resize(n);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c)
-        m.q[static_cast<size_t>(r * cols + c)] = UnpackI4(packed.data(), r * cp + c);
-  }
-  return m;
-}
-
 absl::Status CheckOptions(int64_t hidden, int64_t inter, int64_t experts, const PackOptions& o,
                           int64_t* i1, int64_t* e1) {
+  RETURN_IF_ERROR(CheckQuantOptions(o, hidden, inter, experts));
   *i1 = o.i_end < 0 ? inter : o.i_end;
   *e1 = o.expert_end < 0 ? experts : o.expert_end;
-  if (hidden <= 0 || inter <= 0 || experts <= 0)
-    return absl::InvalidArgumentError("hidden, intermediate and num_experts must be > 0");
-  if (o.i_begin < 0 || o.i_begin >= *i1 || *i1 > inter)
-    return absl::InvalidArgumentError(
-        absl::StrCat("bad intermediate slice [", o.i_begin, ", ", *i1, ") of ", inter));
   if (o.expert_begin < 0 || o.expert_begin >= *e1 || *e1 > experts)
     return absl::InvalidArgumentError(
         absl::StrCat("bad expert range [", o.expert_begin, ", ", *e1, ") of ", experts));
-  if (o.format == WeightFormat::kInt4 && o.group != 32 && o.group != 64 && o.group != 128)
-    return absl::InvalidArgumentError(
-        absl::StrCat("int4 group must be 32, 64 or 128, got ", o.group));
   return absl::OkStatus();
 }
 
@@ -343,7 +203,7 @@ absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Plan(int64_t hidden, int64_t inte
   RETURN_IF_ERROR(CheckOptions(hidden, intermediate, num_experts, o, &i1, &e1));
   PackedMoeLayer L;
   L.format_ = o.format;
-  L.group_ = o.format == WeightFormat::kInt4 ? o.group : 0;
+  L.group_ = IsGrouped(o.format) ? o.group : 0;
   L.hidden_ = hidden;
   L.i_begin_ = o.i_begin;
   L.i_end_ = i1;
@@ -391,25 +251,6 @@ absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Allocate(int64_t hidden, int64_t 
   return L;
 }
 
-absl::StatusOr<QuantExpert> QuantizeExpert(const ExpertWeights& w, const MoeWeightsSource& src,
-                                           const PackOptions& o) {
-  int64_t i1, e1;
-  RETURN_IF_ERROR(CheckOptions(src.hidden, src.intermediate, src.num_experts, o, &i1, &e1));
-  const int64_t H = src.hidden, I = src.intermediate, is = i1 - o.i_begin;
-  ASSIGN_OR_RETURN(auto gate, MatrixF32(w.gate, w.gate_scale_inv, src.fp8_block, I, H, "gate"));
-  ASSIGN_OR_RETURN(auto up, MatrixF32(w.up, w.up_scale_inv, src.fp8_block, I, H, "up"));
-  ASSIGN_OR_RETURN(auto down, MatrixF32(w.down, w.down_scale_inv, src.fp8_block, H, I, "down"));
-  std::vector<float> ds(static_cast<size_t>(H * is));
-  for (int64_t r = 0; r < H; ++r)
-    std::memcpy(&ds[static_cast<size_t>(r * is)], &down[static_cast<size_t>(r * I + o.i_begin)],
-                sizeof(float) * static_cast<size_t>(is));
-  QuantExpert q;
-  q.gate = Quantize(gate.data() + o.i_begin * H, is, H, o.format, o.group);
-  q.up = Quantize(up.data() + o.i_begin * H, is, H, o.format, o.group);
-  q.down = Quantize(ds.data(), H, is, o.format, o.group);
-  return q;
-}
-
 namespace {
 
 // A quantized matrix that is `rows` x `cols` in the layer's format (and int4
@@ -420,18 +261,14 @@ absl::Status CheckQuantMatrix(const QuantMatrix& m, const char* name, int64_t ro
     return absl::InvalidArgumentError(
         absl::StrCat("PackExpert: ", name, ": ", what, "; the layer is ",
                      std::string(WeightFormatName(L.format())),
-                     L.format() == WeightFormat::kInt4 ? absl::StrCat(" group ", L.group()) : "",
-                     " [", rows, " x ", cols, "]"));
+                     IsGrouped(L.format()) ? absl::StrCat(" group ", L.group()) : "", " [", rows,
+                     " x ", cols, "]"));
   };
   if (m.rows != rows || m.cols != cols) return bad(absl::StrCat("[", m.rows, " x ", m.cols, "]"));
   if (m.format != L.format()) return bad(std::string(WeightFormatName(m.format)));
-  if (L.format() == WeightFormat::kInt4 && m.group != L.group())
-    return bad(absl::StrCat("group ", m.group));
+  if (IsGrouped(L.format()) && m.group != L.group()) return bad(absl::StrCat("group ", m.group));
   const size_t n = static_cast<size_t>(rows * cols);
-  size_t scales = 0;
-  if (L.format() == WeightFormat::kInt8) scales = static_cast<size_t>(rows);
-  if (L.format() == WeightFormat::kInt4)
-    scales = static_cast<size_t>(rows * ((cols + L.group() - 1) / L.group()));
+  const size_t scales = static_cast<size_t>(rows * ScalesPerRow(L.format(), L.group(), cols));
   const bool sizes_ok = L.format() == WeightFormat::kBf16
                             ? m.bf16.size() == n
                             : m.q.size() == n && m.scale.size() == scales;
@@ -482,9 +319,7 @@ absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& L, int64_t e) {
       m.bf16.resize(n);
     else
       m.q.resize(n);
-    if (f == WeightFormat::kInt8) m.scale.resize(static_cast<size_t>(rows));
-    if (f == WeightFormat::kInt4)
-      m.scale.resize(static_cast<size_t>(rows * ((cols + L.group() - 1) / L.group())));
+    m.scale.resize(static_cast<size_t>(rows * ScalesPerRow(f, L.group(), cols)));
   };
   QuantExpert q;
   init(q.gate, is, H);

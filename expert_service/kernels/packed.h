@@ -35,23 +35,10 @@
 
 #include <cstdint>
 #include <limits>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <vector>
 
-#include "absl/status/statusor.h"
-#include "common/runtime/numa.h"
+#include "common/experts/format_codes.h"
 
 namespace hmoe {
-
-enum class WeightFormat : uint8_t { kBf16, kInt8, kInt4 };
-std::string_view WeightFormatName(WeightFormat f);  // "bf16" | "int8" | "int4"
-std::optional<WeightFormat> ParseWeightFormat(std::string_view s);
-// The service's --format / ShardInfo::weight_format names: bf16, int8,
-// int4 (group 64), int4g32, int4g64, int4g128; INVALID_ARGUMENT otherwise.
-absl::StatusOr<WeightFormat> ParseServeFormat(const std::string& s, int* group);
-std::string ServeFormatName(WeightFormat f, int group);  // the inverse
 
 struct PackedGeom {
   WeightFormat format = WeightFormat::kBf16;

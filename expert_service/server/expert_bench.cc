@@ -108,7 +108,7 @@ int Main(int argc, char** argv) {
     so.max_tokens = info.max_tokens;
     so.split = info.split;
     so.num_shards = (*pool)->num_shards();
-    auto format = ParseServeFormat(info.weight_format, &so.group);
+    auto format = ParseWeightFormat(info.weight_format, &so.group);
     if (!format.ok()) {
       std::fprintf(stderr, "hmoe-expert-bench: %s\n", format.status().ToString().c_str());
       return 1;

@@ -12,12 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/dtype.h"
+#include "common/experts/synthetic_source.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "common/weight_map.h"
 #include "expert_service/convert/packed_file.h"
-#include "expert_service/kernels/synthetic_source.h"
 
 namespace hmoe {
 namespace {
@@ -108,7 +108,7 @@ std::string ShardOptions::ToString() const {
                       : packed_dir.empty() ? model_dir
                                            : packed_dir + " (config " + model_dir + ")",
                       " shard=", shard_index, "/", num_shards, " split=", SplitModeName(split),
-                      " format=", ServeFormatName(format, group), " max_tokens=", max_tokens,
+                      " format=", WeightFormatName(format, group), " max_tokens=", max_tokens,
                       " threads=", threads == 0 ? std::string("all") : absl::StrCat(threads),
                       isa ? absl::StrCat(" isa<=", std::string(IsaName(*isa))) : "",
                       null_compute ? " null_compute=1" : "", check_memory ? "" : " memory_check=0",
@@ -176,10 +176,10 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
     format = packed->format();
     group = packed->group();
     if (opts.format_explicit &&
-        ServeFormatName(format, group) != ServeFormatName(opts.format, opts.group))
+        WeightFormatName(format, group) != WeightFormatName(opts.format, opts.group))
       return absl::FailedPreconditionError(absl::StrCat(
-          "--format ", ServeFormatName(opts.format, opts.group), ", but ", opts.packed_dir,
-          " holds ", ServeFormatName(format, group),
+          "--format ", WeightFormatName(opts.format, opts.group), ", but ", opts.packed_dir,
+          " holds ", WeightFormatName(format, group),
           " (as hmoe convert wrote it): give that --format, or none, or convert again"));
   }
   const PackOptions po = ShardPackOptions(geo.intermediate, geo.experts, opts.split,
@@ -204,7 +204,7 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   info.split = opts.split;
   info.max_tokens = opts.max_tokens;
   info.pid = ::getpid();
-  info.weight_format = ServeFormatName(format, group);
+  info.weight_format = WeightFormatName(format, group);
   if (packed) {
     info.conversion_id = packed->conversion_id();
     info.source_fingerprint = packed->source_fingerprint();
@@ -262,7 +262,7 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
     const MemoryLimits limits = opts.memory_limits ? *opts.memory_limits : ReadMemoryLimits();
     const std::string what = absl::StrCat(
         "this shard's packed weights (", HumanBytes(weights), ": ", geo.moe_layers.size(),
-        " MoE layers x ", plan.num_local_experts(), " experts, ", ServeFormatName(format, group),
+        " MoE layers x ", plan.num_local_experts(), " experts, ", WeightFormatName(format, group),
         "), workspace (", HumanBytes(workspace), " for --max-tokens ", opts.max_tokens, ")",
         staging > 0
             ? absl::StrCat(" and packing buffers (", HumanBytes(staging), " for ",

@@ -112,7 +112,7 @@ void AddFlags(FlagSet& fs, ServiceOptions* o) {
       "format", "bf16|int8|int4g32|int4g64|int4g128",
       "weight format served; with --packed-dir the files' must be in it (default: theirs)",
       [&sh](std::string_view v) -> absl::Status {
-        ASSIGN_OR_RETURN(sh.format, ParseServeFormat(std::string(v), &sh.group));
+        ASSIGN_OR_RETURN(sh.format, ParseWeightFormat(std::string(v), &sh.group));
         sh.format_explicit = true;
         return absl::OkStatus();
       },

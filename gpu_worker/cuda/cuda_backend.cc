@@ -19,8 +19,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/dtype.h"
+#include "common/experts/checkpoint_source.h"
+#include "common/experts/weight_format.h"
 #include "common/status.h"
-#include "expert_service/kernels/checkpoint_source.h"
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/cuda/device_memory.h"
 #include "gpu_worker/cuda/gemm_attention.h"
@@ -568,10 +569,8 @@ absl::Status CudaBackend::LoadHotExperts(const Checkpoint& ckpt) {
 }
 
 absl::StatusOr<WeightFormat> CudaBackend::CopyFormat(const char* what) const {
-  const std::optional<WeightFormat> fmt = ParseWeightFormat(o_.hot_format);
-  if (!fmt)
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": format \"", o_.hot_format, "\" is not bf16, int8 or int4"));
+  absl::StatusOr<WeightFormat> fmt = ParseWeightFormat(o_.hot_format);
+  if (!fmt.ok()) return Annotate(fmt.status(), what);
   return *fmt;
 }
 

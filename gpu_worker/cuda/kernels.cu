@@ -928,7 +928,7 @@ __device__ double RowDot(const DevQuantMatrix& W, int64_t r, const float* a_f, c
                          float a_s) {
   const int lane = threadIdx.x % 32;
   double acc = 0.0;
-  if (W.format == 0) {
+  if (W.format == WeightFormat::kBf16) {
     const uint16_t* w = static_cast<const uint16_t*>(W.w) + r * W.cols;
     if (W.cols % 8 == 0 && Aligned16(w)) {
       const uint4* w4 = reinterpret_cast<const uint4*>(w);
@@ -946,7 +946,7 @@ __device__ double RowDot(const DevQuantMatrix& W, int64_t r, const float* a_f, c
       for (int64_t c = lane; c < W.cols; c += 32)
         acc += static_cast<double>(a_f[c]) * static_cast<double>(Bf16ToF(w[c]));
     }
-  } else if (W.format == 1) {
+  } else if (W.format == WeightFormat::kInt8) {
     const int8_t* w = static_cast<const int8_t*>(W.w) + r * W.cols;
     int isum = 0;
     if (W.cols % 16 == 0 && Aligned16(w) && Aligned16(a_q)) {
@@ -1042,7 +1042,7 @@ __global__ void HotGateUpKernel(HotExpertsArgs a, const int32_t* slot_expert, co
   const int64_t t = slot / a.K;
   // f32 activations (bf16 weights): widened per thread from x.
   extern __shared__ float xf[];
-  const bool f32_act = ex.gate.format == 0;
+  const bool f32_act = ex.gate.format == WeightFormat::kBf16;
   if (f32_act)
     for (int64_t c = threadIdx.x; c < a.H; c += blockDim.x) xf[c] = Bf16ToF(a.x[t * a.H + c]);
   __syncthreads();
@@ -1097,9 +1097,9 @@ __global__ void DequantToBf16Kernel(DevQuantMatrix W, uint16_t* out) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / W.cols, c = i % W.cols;
-    if (W.format == 0) {
+    if (W.format == WeightFormat::kBf16) {
       out[i] = static_cast<const uint16_t*>(W.w)[i];
-    } else if (W.format == 1) {
+    } else if (W.format == WeightFormat::kInt8) {
       out[i] = FToBf16(static_cast<float>(static_cast<const int8_t*>(W.w)[i]) * W.scale[r]);
     } else {
       const int b = static_cast<const uint8_t*>(W.w)[r * ((W.cols + 1) / 2) + c / 2];
@@ -1529,8 +1529,8 @@ cudaError_t HotExperts(const HotExpertsArgs& a, cudaStream_t s) {
 
 cudaError_t DequantToBf16(const DevQuantMatrix& w, uint16_t* out, cudaStream_t s) {
   if (w.rows == 0 || w.cols == 0) return cudaSuccess;
-  if (w.w == nullptr || out == nullptr || w.rows < 0 || w.cols < 0 || w.format < 0 ||
-      w.format > 2 || (w.format > 0 && w.scale == nullptr) || (w.format == 2 && w.group <= 0))
+  if (w.w == nullptr || out == nullptr || w.rows < 0 || w.cols < 0 || !IsWeightFormat(w.format) ||
+      (HasScales(w.format) && w.scale == nullptr) || (IsGrouped(w.format) && w.group <= 0))
     return cudaErrorInvalidValue;
   DequantToBf16Kernel<<<GridFor(w.rows * w.cols), kThreads, 0, s>>>(w, out);
   return cudaGetLastError();

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/experts/format_codes.h"
+
 namespace hmoe::cuda {
 
 // Whether a CUDA device exists and a context can be made on the current one;
@@ -205,12 +207,12 @@ cudaError_t SplitHotIds(const int32_t* ids, int64_t n, const uint8_t* mask, int6
                         int32_t* cold, int32_t* hot, cudaStream_t s);
 
 // One matrix of a routed expert in the expert service's quantized form
-// (expert_service/kernels/moe.h QuantMatrix), on the device: format 0 bf16
-// ([rows][cols] bf16); 1 int8 (q [rows][cols], scale [rows]); 2 int4 (q
-// packed two per byte, the even column in the low nibble, [rows][ceil(cols /
-// 2)] bytes, values in [-8, 7]; scale [rows][ceil(cols / group)]).
+// (common/experts/quantize.h QuantMatrix), on the device: kBf16 ([rows][cols]
+// bf16); kInt8 (q [rows][cols], scale [rows]); kInt4 (q packed two per byte,
+// the even column in the low nibble, [rows][ceil(cols / 2)] bytes, values in
+// [-8, 7]; scale [rows][ceil(cols / group)]).
 struct DevQuantMatrix {
-  int format = 0;
+  WeightFormat format = WeightFormat::kBf16;
   int group = 0;
   int64_t rows = 0, cols = 0;
   const void* w = nullptr;

@@ -53,7 +53,7 @@ DevExpert StreamedExperts::ExpertAt(const char* base) const {
     m.rows = rows;
     m.cols = cols;
     m.w = base + off_[2 * i];
-    m.scale = format_ == 0 ? nullptr : reinterpret_cast<const float*>(base + off_[2 * i + 1]);
+    m.scale = HasScales(format_) ? reinterpret_cast<const float*>(base + off_[2 * i + 1]) : nullptr;
     return m;
   };
   DevExpert e;
@@ -71,8 +71,8 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
         absl::StrCat("streamed experts: max_tokens ", max_tokens, " must be > 0"));
   std::unique_ptr<StreamedExperts> s(new StreamedExperts());
   s->c_ = config;
-  s->format_ = KernelFormatCode(format);
-  s->group_ = format == WeightFormat::kInt4 ? group : 0;
+  s->format_ = format;
+  s->group_ = IsGrouped(format) ? group : 0;
   s->max_tokens_ = max_tokens;
   s->compute_ = compute;
   s->blas_ = blas;

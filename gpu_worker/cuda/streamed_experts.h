@@ -110,7 +110,8 @@ class StreamedExperts {
                                  bool ahead);
 
   ModelConfig c_;
-  int format_ = 0, group_ = 0;
+  WeightFormat format_ = WeightFormat::kBf16;
+  int group_ = 0;
   int64_t max_tokens_ = 0;
   cudaStream_t compute_ = nullptr, copy_ = nullptr;
   cublasHandle_t blas_ = nullptr;

@@ -25,6 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
 #include "common/expert_placement.h"
+#include "common/experts/weight_format.h"
 #include "common/flags.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
@@ -411,7 +412,7 @@ int Run(int argc, char** argv) {
   if (hot || o.prefill_experts != "cpu") {
     // The shards' format (the same quantized weights on both sides), or the
     // in-process experts' bf16.
-    auto fmt = ParseServeFormat(pool ? pool->model().weight_format : "bf16", &group);
+    auto fmt = ParseWeightFormat(pool ? pool->model().weight_format : "bf16", &group);
     if (!fmt.ok()) Die("expert service: " + fmt.status().ToString(), 1);
     hot_fmt = *fmt;
     plo.budget_bytes = static_cast<int64_t>(o.hot_experts_gb * (1ull << 30));
@@ -452,7 +453,7 @@ int Run(int argc, char** argv) {
   if (hot) {
     std::fprintf(stderr, "hmoe-gpu-worker: hot experts from %s: %s (%s, %.2f GiB budget)\n",
                  placed_from.c_str(), placed->Describe().c_str(),
-                 ServeFormatName(hot_fmt, group).c_str(), o.hot_experts_gb);
+                 WeightFormatName(hot_fmt, group).c_str(), o.hot_experts_gb);
     mo.hot_experts = std::make_shared<Placement>(std::move(*placed));
     mo.hot_format = std::string(WeightFormatName(hot_fmt));
     mo.hot_group = group;

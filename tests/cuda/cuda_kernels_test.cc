@@ -1237,21 +1237,21 @@ TEST(GpuKernelTest, HotExpertsMatchTheServiceReference) {
   SKIP_WITHOUT_GPU();
   struct Fmt {
     WeightFormat f;
-    int group, dev;
+    int group;
   };
-  const Fmt fmts[] = {{WeightFormat::kBf16, 128, 0},
-                      {WeightFormat::kInt8, 128, 1},
-                      {WeightFormat::kInt4, 32, 2},
-                      {WeightFormat::kInt4, 64, 2},
-                      {WeightFormat::kInt4, 128, 2}};
+  const Fmt fmts[] = {{WeightFormat::kBf16, 128},
+                      {WeightFormat::kInt8, 128},
+                      {WeightFormat::kInt4, 32},
+                      {WeightFormat::kInt4, 64},
+                      {WeightFormat::kInt4, 128}};
   const std::pair<int64_t, int64_t> shapes[] = {{96, 40}, {200, 64}, {2048, 96}};
   constexpr int64_t E = 6;
   const bool hot_e[E] = {true, false, true, true, false, true};
   std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> keep;
   // The backend's layout (gpu_worker/hot_weights.h), uploaded.
-  auto upload = [&](const QuantMatrix& m, int dev) {
+  auto upload = [&](const QuantMatrix& m, WeightFormat f) {
     const HostQuantMatrix h = ToKernelLayout(m);
-    EXPECT_EQ(h.format, dev);
+    EXPECT_EQ(h.format, f);
     DevQuantMatrix d;
     d.format = h.format;
     d.group = h.group;
@@ -1284,9 +1284,8 @@ TEST(GpuKernelTest, HotExpertsMatchTheServiceReference) {
         ASSERT_TRUE(qe.ok()) << qe.status();
         q.push_back(std::move(*qe));
         if (hot_e[e])
-          dev[static_cast<size_t>(e)] =
-              DevExpert{upload(q.back().gate, fm.dev), upload(q.back().up, fm.dev),
-                        upload(q.back().down, fm.dev)};
+          dev[static_cast<size_t>(e)] = DevExpert{
+              upload(q.back().gate, fm.f), upload(q.back().up, fm.f), upload(q.back().down, fm.f)};
       }
       std::vector<uint8_t> dev_bytes(sizeof(DevExpert) * E);
       std::memcpy(dev_bytes.data(), dev.data(), dev_bytes.size());
@@ -1339,19 +1338,22 @@ TEST(GpuKernelTest, DequantToBf16) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(11);
   for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{3, 37}, {5, 64}, {7, 130}, {1, 1}}) {
-    for (const auto& [format, group] : {std::pair<int, int>{0, 0}, {1, 0}, {2, 32}, {2, 64}}) {
-      SCOPED_TRACE(::testing::Message()
-                   << rows << "x" << cols << " format " << format << " group " << group);
+    for (const auto& [format, group] : {std::pair<WeightFormat, int>{WeightFormat::kBf16, 0},
+                                        {WeightFormat::kInt8, 0},
+                                        {WeightFormat::kInt4, 32},
+                                        {WeightFormat::kInt4, 64}}) {
+      SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " format "
+                                        << WeightFormatName(format) << " group " << group);
       std::vector<uint8_t> w;
       std::vector<float> scale;
       std::vector<uint16_t> want(static_cast<size_t>(rows * cols));
       const int64_t half = (cols + 1) / 2, ng = group > 0 ? (cols + group - 1) / group : 0;
-      if (format == 0) {
+      if (format == WeightFormat::kBf16) {
         const std::vector<uint16_t> b = RandomBf16(want.size(), rng);
         w.resize(b.size() * 2);
         std::memcpy(w.data(), b.data(), w.size());
         want = b;
-      } else if (format == 1) {
+      } else if (format == WeightFormat::kInt8) {
         w.resize(want.size());
         scale = Random(static_cast<size_t>(rows), rng, 0.001f, 0.1f);
         for (int64_t r = 0; r < rows; ++r)
@@ -1382,7 +1384,7 @@ TEST(GpuKernelTest, DequantToBf16) {
       m.rows = rows;
       m.cols = cols;
       m.w = dw.get();
-      m.scale = format == 0 ? nullptr : ds.get();
+      m.scale = format == WeightFormat::kBf16 ? nullptr : ds.get();
       Check(DequantToBf16(m, out.get(), nullptr));
       EXPECT_EQ(out.Download(), want);
     }

@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "common/experts/synthetic_source.h"
+#include "common/experts/weight_format.h"
 #include "common/model_config.h"
 #include "common/transport/moe_call.h"
-#include "expert_service/kernels/packed.h"
-#include "expert_service/kernels/synthetic_source.h"
 #include "gpu_worker/cuda/kernels.h"
 #include "tests/testing/temp_dir.h"
 

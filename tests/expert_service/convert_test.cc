@@ -33,7 +33,7 @@ ShardOptions Opts(int i, int n, SplitMode split, const std::string& format,
   o.shard_index = i;
   o.num_shards = n;
   o.split = split;
-  o.format = *ParseServeFormat(format, &o.group);
+  o.format = *ParseWeightFormat(format, &o.group);
   return o;
 }
 

@@ -57,7 +57,7 @@ std::unique_ptr<ExpertShard> Load(int i, int n, SplitMode split,
   o.shard_index = i;
   o.num_shards = n;
   o.split = split;
-  auto f = ParseServeFormat(format, &o.group);
+  auto f = ParseWeightFormat(format, &o.group);
   EXPECT_TRUE(f.ok());
   o.format = *f;
   auto s = ExpertShard::Load(o);
@@ -119,7 +119,7 @@ double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
   return den == 0 ? num : num / den;
 }
 
-// The shard's packed weights are exactly the kernels' QuantizeExpert of the
+// The shard's packed weights are exactly QuantizeExpert's (common/experts) of the
 // checkpoint slice, and Handle (RunMoe) agrees with the kernels' scalar
 // reference (RunMoeReference) on them, for every format, whole and sharded,
 // in both regimes (3 tokens: "few"; 40 tokens over 16 experts x top-4: some
@@ -381,9 +381,6 @@ TEST(ExpertShard, OptionsValidatedWithClearErrors) {
   o.split = SplitMode::kEp;
   auto s = ExpertShard::Load(o);  // 17 ep shards for 16 experts
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
-  int g = 0;
-  EXPECT_FALSE(ParseServeFormat("int4g48", &g).ok());
-  EXPECT_FALSE(ParseServeFormat("fp4", &g).ok());
   ShardOptions bad;
   bad.model_dir = "/nonexistent-model";
   EXPECT_FALSE(ExpertShard::Load(bad).ok());

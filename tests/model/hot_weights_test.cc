@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/experts/weight_format.h"
 #include "common/weight_map.h"
 #include "gtest/gtest.h"
 #include "tests/model/model_test_util.h"
@@ -28,7 +29,7 @@ TEST(HotWeights, KernelLayoutKeepsEveryValue) {
   for (int64_t i = 0; i < m.rows * m.cols; ++i) m.q.push_back(static_cast<int8_t>(i % 16 - 8));
   m.scale = {0.5f, 0.25f, 2.0f};
   const HostQuantMatrix h = ToKernelLayout(m);
-  EXPECT_EQ(h.format, 2);
+  EXPECT_EQ(h.format, WeightFormat::kInt4);
   ASSERT_EQ(h.w.size(), 3u * 4u);
   for (int64_t r = 0; r < m.rows; ++r)
     for (int64_t c = 0; c < m.cols; ++c) {
@@ -42,7 +43,7 @@ TEST(HotWeights, KernelLayoutKeepsEveryValue) {
   QuantMatrix i8 = m;
   i8.format = WeightFormat::kInt8;
   const HostQuantMatrix h8 = ToKernelLayout(i8);
-  EXPECT_EQ(h8.format, 1);
+  EXPECT_EQ(h8.format, WeightFormat::kInt8);
   ASSERT_EQ(h8.w.size(), i8.q.size());
   EXPECT_EQ(std::memcmp(h8.w.data(), i8.q.data(), i8.q.size()), 0);
   QuantMatrix b16;
@@ -51,7 +52,7 @@ TEST(HotWeights, KernelLayoutKeepsEveryValue) {
   b16.cols = 3;
   b16.bf16 = {0x3f80, 0x4000, 0xbf80};
   const HostQuantMatrix hb = ToKernelLayout(b16);
-  EXPECT_EQ(hb.format, 0);
+  EXPECT_EQ(hb.format, WeightFormat::kBf16);
   ASSERT_EQ(hb.w.size(), 6u);
   EXPECT_EQ(std::memcmp(hb.w.data(), b16.bf16.data(), 6), 0);
 }
@@ -90,12 +91,12 @@ TEST(HotWeights, LoadedExpertsAreTheCheckpointsWithinTheirFormatsError) {
         for (int64_t c = 0; c < H; ++c) {
           const float want = w[static_cast<size_t>(r * H + c)];
           float got = 0, tol = 0;
-          if (h.gate.format == 0) {
+          if (h.gate.format == WeightFormat::kBf16) {
             uint16_t b;
             std::memcpy(&b, h.gate.w.data() + (r * H + c) * 2, 2);
             got = Bf16ToF32(b);
             tol = std::fabs(want) * 1e-2f;  // bf16 of the checkpoint's value
-          } else if (h.gate.format == 1) {
+          } else if (h.gate.format == WeightFormat::kInt8) {
             const float s = h.gate.scale[static_cast<size_t>(r)];
             got =
                 static_cast<float>(static_cast<int8_t>(h.gate.w[static_cast<size_t>(r * H + c)])) *

@@ -54,7 +54,7 @@ std::unique_ptr<ExpertShard> LocalShard(const std::string& extra_format = "bf16"
   ShardOptions o;
   o.model_dir = ModelDir();
   int group = 64;
-  o.format = *ParseServeFormat(extra_format, &group);
+  o.format = *ParseWeightFormat(extra_format, &group);
   o.group = group;
   auto s = ExpertShard::Load(o);
   EXPECT_TRUE(s.ok()) << s.status();

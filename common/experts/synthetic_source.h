@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "expert_service/kernels/moe.h"
+#include "common/experts/expert_weights.h"
 
 namespace hmoe {
 

@@ -6,9 +6,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/experts/expert_weights.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
-#include "expert_service/kernels/moe.h"
 
 namespace hmoe {
 
@@ -21,7 +21,7 @@ absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const Mo
 // quantization_config (an fp8 expert is then refused by LoadExpertWeights),
 // UNIMPLEMENTED for non-square blocks (as the worker refuses them).
 absl::StatusOr<int64_t> Fp8ExpertBlock(const ModelConfig& cfg, const std::string& dir);
-// The kernels' weight source for one MoE layer of a checkpoint (streams
+// The weight source for one MoE layer of a checkpoint (streams
 // LoadExpertWeights; `ckpt` and `cfg` must outlive it).
 MoeWeightsSource CheckpointSource(const Checkpoint& ckpt, const ModelConfig& cfg, int layer);
 }  // namespace hmoe

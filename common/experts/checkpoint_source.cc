@@ -1,4 +1,4 @@
-#include "expert_service/kernels/checkpoint_source.h"
+#include "common/experts/checkpoint_source.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"

@@ -1,4 +1,4 @@
-#include "expert_service/kernels/synthetic_source.h"
+#include "common/experts/synthetic_source.h"
 
 #include <cmath>
 
