@@ -22,7 +22,7 @@
 #include "common/transport/moe_call.h"
 #include "expert_service/kernels/packed.h"
 #include "expert_service/kernels/synthetic_source.h"
-#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/cuda/device_status.h"
 #include "tests/testing/temp_dir.h"
 
 namespace hmoe::cuda {
