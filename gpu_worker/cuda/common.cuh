@@ -1,5 +1,6 @@
 // Device helpers shared by the kernel families' .cu files (bf16 conversion,
-// warp and block reductions, launch sizes). Included by .cu files only.
+// warp and block reductions, launch sizes). Included by .cu files only; the
+// anonymous namespace gives each .cu its own internal copy.
 #pragma once
 
 #include <algorithm>
