@@ -1,7 +1,7 @@
 // The hot experts' weights for the GPU (issue 31): loaded from the
 // checkpoint and quantized exactly as the expert service quantizes them
 // (QuantizeExpert), then laid out as the CUDA kernel reads them
-// (gpu_worker/cuda/kernels.h DevQuantMatrix). CUDA-free, so CI checks it.
+// (gpu_worker/cuda/dev_quant_matrix.h DevQuantMatrix). CUDA-free, so CI checks it.
 #pragma once
 
 #include <cstdint>

@@ -6,7 +6,7 @@
 #   bench/results/reproduce.sh SUBJECT [OUT_DIR]        (OUT_DIR default: $OUT)
 #
 #   kernels        hmoe-tests (AMX / MoE kernels), hmoe-bench-moe tables
-#   gpu-tests      bench/gpu_check.sh: CUDA kernels, backend, serving tests
+#   gpu-tests      bench/gpu_check.sh: hmoe-tests-cuda, Backends/*/cuda, serving tests
 #   decode-qwen3   hmoe-bench-e2e qwen3-30b decode, deferral and path sweeps
 #   decode-ds3     the same for ds-v3 truncated to 8 layers
 #   hot-ds3        hot experts on the GPU, ds-v3 8 layers, Zipf-biased router
@@ -20,7 +20,7 @@
 #   serve          bench/serve_ab.sh: hmoe bench-serve, CPU reference worker
 #
 # BUNDLE (default .gpu/b.tgz) is unpacked to /tmp/b first: the build/bin
-# programs the subject runs (hmoe-tests, hmoe-bench-moe, hmoe-bench-e2e,
+# programs the subject runs (hmoe-tests, hmoe-tests-cuda, hmoe-bench-moe, hmoe-bench-e2e,
 # hmoe-bench-accuracy, hmoe-expert-service, hmoe-expert-bench,
 # hmoe-gpu-worker, hmoe, ucx_perftest), packed on the development machine by
 #   cmake -S . -B build -G Ninja -DCMAKE_CUDA_ARCHITECTURES=90 && ninja -C build
@@ -70,10 +70,8 @@ case $subject in
       --group 64 --routing random --no-onednn
     ;;
   gpu-tests)  # H200 run 18, call 1
-    KERNEL_SECS=150 SERVE=1 E2E_RUNS="" \
-      BACKEND_FILTER='StreamedExperts.*:*CudaVsCpu*:*CudaGemmAttention*:CudaBackend.*:ModelBackend.*:Backends/*:*CudaGraphs*:InProcessSlots*:DriverHealth*:Fixtures/CudaStreamed*:Fixtures/CudaHot*:GemmAttention.*:PrefillPlan*' \
-      bash bench/gpu_check.sh "$B" "$out"
-    grep -h "held-out\|\[ cuda/cpu \]" "$out/backend.txt"
+    SERVE=1 E2E_RUNS="" bash bench/gpu_check.sh "$B" "$out"
+    grep -h "held-out\|\[ cuda/cpu \]" "$out/cuda.txt"
     ;;
   decode-qwen3)  # H200 run 10
     e2e e2e-qwen3 300 --preset qwen3-30b --format int4 --prompts 256 --batches 1,8 \

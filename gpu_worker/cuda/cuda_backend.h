@@ -1,7 +1,7 @@
 // The CUDA backend (driver/backend.h): every non-expert weight on the GPU in
 // bf16 (fp8 checkpoints dequantized at load), a paged KV cache in device
 // memory (blocks of 16 tokens from one pool), cuBLAS for the projections and
-// our kernels (kernels.h) for the rest. The routed experts' inputs go to the
+// our kernels (*_kernels.h) for the rest. The routed experts' inputs go to the
 // host in pinned buffers and their sums come back to join the residual while
 // the shared experts run on the GPU. This header includes no CUDA.
 #pragma once

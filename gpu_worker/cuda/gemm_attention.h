@@ -4,8 +4,8 @@
 // chunk of queries and per kv head, scores = scale * q . k^T (one strided
 // batched GEMM over the heads that share the kv head), a masked softmax in
 // place, out = p . v (a second one). The same contract as PagedAttention
-// (kernels.h) within TF32 rounding; PagedAttention stays the path of short
-// runs and decode. Internal to gpu_worker/cuda/ (includes CUDA).
+// (paged_attention_kernels.h) within TF32 rounding; PagedAttention stays the
+// path of short runs and decode. Internal to gpu_worker/cuda/ (includes CUDA).
 #pragma once
 
 #include <cublas_v2.h>
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/cuda/paged_attention_kernels.h"
 
 namespace hmoe::cuda {
 

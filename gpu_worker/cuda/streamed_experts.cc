@@ -9,6 +9,8 @@
 #include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "common/transport/moe_call.h"
+#include "gpu_worker/cuda/elementwise_kernels.h"
+#include "gpu_worker/cuda/streamed_expert_kernels.h"
 
 namespace hmoe::cuda {
 namespace {

@@ -22,8 +22,8 @@
 
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
+#include "gpu_worker/cuda/dev_quant_matrix.h"
 #include "gpu_worker/cuda/device_memory.h"
-#include "gpu_worker/cuda/kernels.h"
 #include "gpu_worker/hot_weights.h"
 
 namespace hmoe::cuda {

@@ -22,7 +22,7 @@
 #include "common/experts/weight_format.h"
 #include "common/model_config.h"
 #include "common/transport/moe_call.h"
-#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/cuda/device_status.h"
 #include "tests/testing/temp_dir.h"
 
 namespace hmoe::cuda {

@@ -16,27 +16,16 @@
 #include "gpu_worker/driver/routing.h"
 #include "gpu_worker/model.h"
 #include "gtest/gtest.h"
-#include "tests/testing/backends.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
+#include "tests/worker_server/pool_test_util.h"
 
 namespace hmoe {
 namespace {
 
 using ::testing::HasSubstr;
-
-std::string ModelDir() { return ::hmoe::testing::FixturesDir() + "/deepseek_v3_tiny"; }
-
-// The tiny fixture's service in `proc`, and a pool over shm to it (null on failure).
-std::unique_ptr<ExpertPool> StartShm(testing::ServiceProcess& proc, testing::TempDir& dir) {
-  EXPECT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
-  ExpertPoolOptions po;
-  po.targets = {proc.target()};
-  po.transport = TransportKind::kShm;
-  auto pool = ExpertPool::Connect(po);
-  EXPECT_TRUE(pool.ok()) << pool.status();
-  return pool.ok() ? std::move(*pool) : nullptr;
-}
+using testing::ModelDir;
+using testing::StartShm;
 
 // A call the service refuses as malformed (here: a NaN routing weight, which
 // the router of a broken pass produces) is INTERNAL naming the field, not
@@ -134,78 +123,6 @@ TEST(PoolRoutedExperts, EmptySlotsAreSkippedAndTheSplitHalvesSumToTheWhole) {
   std::fill(a.begin(), a.end(), 7.0f);
   ASSERT_TRUE((*experts)->Forward(batch, a.data()).ok());
   for (float v : a) ASSERT_EQ(v, 0.0f);
-}
-
-// The cuda backend over a real service's shm slots: the device waiting for
-// each answer itself (a kernel polling the slot's state word) gives the
-// same logits, bit for bit, as host wait nodes, as eager slot passes and as
-// the host-copy path, with and without Expert Deferral; one graph launch per
-// decode step.
-TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
-  HMOE_SKIP_UNLESS_BACKEND("cuda");
-  testing::TempDir dir;
-  testing::ServiceProcess proc;
-  auto config = LoadModelConfig(ModelDir());
-  ASSERT_TRUE(config.ok()) << config.status();
-  std::unique_ptr<ExpertPool> pool;
-  ASSERT_NO_FATAL_FAILURE(pool = StartShm(proc, dir));
-  ASSERT_NE(pool, nullptr);
-  auto experts = PoolRoutedExperts::Create(*config, pool.get(), absl::Seconds(10), "");
-  ASSERT_TRUE(experts.ok()) << experts.status();
-  struct Path {
-    const char* name;
-    bool slots, graphs, device_calls;
-  };
-  const Path paths[] = {{"device", true, true, true},
-                        {"host", true, true, false},
-                        {"eager", true, false, true},
-                        {"copy", false, false, false}};
-  for (int deferred : {0, 1}) {
-    std::vector<std::vector<float>> first;  // the first path's logits, pass by pass
-    for (const Path& p : paths) {
-      SCOPED_TRACE(::testing::Message() << p.name << ", deferred " << deferred);
-      ModelOptions o;
-      o.backend = "cuda";
-      o.num_threads = 2;
-      o.deferred_experts = deferred;
-      o.cuda_expert_slots = p.slots;
-      o.cuda_graphs = p.graphs;
-      o.cuda_device_calls = p.device_calls;
-      auto ckpt = Checkpoint::Open(ModelDir());
-      ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-      auto m = Model::Create(*config, **ckpt, o, experts->get());
-      ASSERT_TRUE(m.ok()) << m.status();
-      auto seq = (*m)->NewSequence();
-      std::vector<std::vector<float>> got;
-      auto lg = (*m)->Prefill(*seq, std::vector<int32_t>{1, 5, 17, 42, 7}, LogitsMode::kLast);
-      ASSERT_TRUE(lg.ok()) << lg.status();
-      got.push_back(*lg);
-      const ModelStats before = (*m)->stats();
-      int32_t next = 3;
-      for (int step = 0; step < 6; ++step) {
-        auto l = (*m)->Decode(*seq, next);
-        ASSERT_TRUE(l.ok()) << l.status();
-        next = static_cast<int32_t>(std::max_element(l->begin(), l->end()) - l->begin());
-        got.push_back(*l);
-      }
-      const ModelStats after = (*m)->stats();
-      if (p.graphs) {
-        EXPECT_EQ(after.graph_launches - before.graph_launches, 6);
-      } else {
-        EXPECT_EQ(after.graph_launches, 0);
-      }
-      if (first.empty()) {
-        first = got;
-        continue;
-      }
-      ASSERT_EQ(got.size(), first.size());
-      for (size_t i = 0; i < got.size(); ++i) {
-        ASSERT_EQ(got[i].size(), first[i].size());
-        EXPECT_EQ(std::memcmp(got[i].data(), first[i].data(), got[i].size() * sizeof(float)), 0)
-            << "pass " << i << " differs from the device-wait path";
-      }
-    }
-  }
 }
 
 }  // namespace

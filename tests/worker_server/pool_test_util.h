@@ -1,0 +1,28 @@
+// The worker-side tests' expert service: the tiny DeepSeek-V3 fixture served
+// by a real hmoe-expert-service child process, reached through an ExpertPool.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "gpu_worker/transport/expert_pool.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/transport/service_process.h"
+
+namespace hmoe::testing {
+
+inline std::string ModelDir() { return FixturesDir() + "/deepseek_v3_tiny"; }
+
+// The tiny fixture's service in `proc`, and a pool over shm to it (null on failure).
+inline std::unique_ptr<ExpertPool> StartShm(ServiceProcess& proc, TempDir& dir) {
+  EXPECT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
+  ExpertPoolOptions po;
+  po.targets = {proc.target()};
+  po.transport = TransportKind::kShm;
+  auto pool = ExpertPool::Connect(po);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return pool.ok() ? std::move(*pool) : nullptr;
+}
+
+}  // namespace hmoe::testing
