@@ -43,8 +43,8 @@ using Logits = std::vector<std::vector<float>>;  // pass by pass
 
 // A large pass (37 tokens, host copies), a slot pass (5 tokens, bucket 8),
 // then 6 decode steps of each sequence, greedy.
-Logits Run(const ModelConfig& config, const std::string& dir, RoutedExperts* experts,
-           const Path& path, int deferred, std::shared_ptr<const Placement> hot) {
+Logits RunPasses(const ModelConfig& config, const std::string& dir, RoutedExperts* experts,
+                 const Path& path, int deferred, std::shared_ptr<const Placement> hot) {
   ModelOptions o;
   o.backend = "cuda";
   o.num_threads = 2;
@@ -78,7 +78,9 @@ Logits Run(const ModelConfig& config, const std::string& dir, RoutedExperts* exp
       out.push_back(*l);
     }
   }
-  if (path.slots) EXPECT_GT((*m)->stats().graph_launches, 0);
+  if (path.slots) {
+    EXPECT_GT((*m)->stats().graph_launches, 0);
+  }
   return out;
 }
 
@@ -123,22 +125,22 @@ TEST_P(CudaFeatureMatrix, EveryPathDeferralAndHotCombinationIsBitForBit) {
   const int K = static_cast<int>(config->moe.experts_per_token);
   for (int deferred : {0, std::min(2, K - 1)}) {
     const std::string at = GetParam() + ", deferred " + std::to_string(deferred);
-    const Logits copy = Run(*config, dir, experts->get(), kPaths[0], deferred, nullptr);
+    const Logits copy = RunPasses(*config, dir, experts->get(), kPaths[0], deferred, nullptr);
     ASSERT_FALSE(copy.empty()) << at;
     for (const Path& p : kPaths) {
       SCOPED_TRACE(at + ", " + p.name + ", hot off");
-      ExpectBitEqual(Run(*config, dir, experts->get(), p, deferred, nullptr), copy,
+      ExpectBitEqual(RunPasses(*config, dir, experts->get(), p, deferred, nullptr), copy,
                      "against the host-copy path");
     }
     {
       SCOPED_TRACE(at + ", host copy, hot on");
-      ExpectBitEqual(Run(*config, dir, experts->get(), kPaths[0], deferred, hot), copy,
+      ExpectBitEqual(RunPasses(*config, dir, experts->get(), kPaths[0], deferred, hot), copy,
                      "against the host-copy path without hot experts");
     }
-    const Logits host_node = Run(*config, dir, experts->get(), kPaths[1], deferred, hot);
+    const Logits host_node = RunPasses(*config, dir, experts->get(), kPaths[1], deferred, hot);
     for (const Path& p : {kPaths[2], kPaths[3]}) {
       SCOPED_TRACE(at + ", " + p.name + ", hot on");
-      ExpectBitEqual(Run(*config, dir, experts->get(), p, deferred, hot), host_node,
+      ExpectBitEqual(RunPasses(*config, dir, experts->get(), p, deferred, hot), host_node,
                      "against the host-node path with hot experts");
     }
   }

@@ -84,7 +84,9 @@ std::vector<std::vector<float>> ThroughSlots(ExpertSlots& s, Path path, int laye
   }
   for (size_t i = 0; i < parts.size(); ++i) {
     const int slot = static_cast<int>(i);
-    if (path != Path::kHostNode) EXPECT_TRUE(PollAnswered(s, slot)) << "slot " << slot;
+    if (path != Path::kHostNode) {
+      EXPECT_TRUE(PollAnswered(s, slot)) << "slot " << slot;
+    }
     s.Wait(slot);
     const float* o = s.view(slot).out;
     out.emplace_back(o, o + parts[i].T * s.hidden());
