@@ -148,7 +148,7 @@ class ExpertCallPath {
 
 // The options a path is chosen from.
 struct ExpertCallOptions {
-  bool slots = true;         // CudaOptions::expert_slots
+  bool slots = true;                               // CudaOptions::expert_slots
   SlotCalls slot_calls = SlotCalls::kDeviceSends;  // CudaOptions::slot_calls
   ExpertSlotsOptions slot_options;
 };

@@ -209,8 +209,9 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
   fs.Enum<bool>("cuda-graphs", &o->cuda_graphs, on_off, "replay one CUDA Graph per decode step");
   fs.Enum<bool>("cuda-expert-slots", &o->cuda_expert_slots, on_off,
                 "off: every pass's routed experts go the host-copy way (no slots, no graphs)");
-  fs.Enum<SlotCalls>("cuda-expert-calls", &o->cuda_slot_calls, {{"device", SlotCalls::kDeviceSends}, {"host", SlotCalls::kHostNodes}},
-                "who sends each expert call inside a slot pass");
+  fs.Enum<SlotCalls>("cuda-expert-calls", &o->cuda_slot_calls,
+                     {{"device", SlotCalls::kDeviceSends}, {"host", SlotCalls::kHostNodes}},
+                     "who sends each expert call inside a slot pass");
   fs.Int("gemm-attention-tokens", &o->gemm_attention_tokens, 0, int64_t{1} << 20,
          "a prompt chunk of at least N tokens computes attention by tensor-core GEMMs (0: off)");
   fs.Enum<bool>("gemm-attention-tf32", &o->gemm_attention_tf32, on_off,
