@@ -1092,13 +1092,13 @@ absl::Status Run(const Args& a) {
   // The model.
   ModelOptions mo;
   mo.backend = a.backend;
-  mo.gpu_mem_gb = a.gpu_mem_gb;
-  mo.kv_blocks = a.kv_blocks;
+  mo.cuda.gpu_mem_gb = a.gpu_mem_gb;
+  mo.cuda.kv_blocks = a.kv_blocks;
   mo.deferred_experts = a.defer_experts;
-  mo.cuda_graphs = a.cuda_graphs;
-  mo.log_prefill_plans = a.log_prefill_plans;
-  mo.cuda_expert_slots = a.cuda_expert_slots;
-  mo.cuda_device_calls = a.cuda_device_calls;
+  mo.cuda.graphs = a.cuda_graphs;
+  mo.cuda.log_prefill_plans = a.log_prefill_plans;
+  mo.cuda.expert_slots = a.cuda_expert_slots;
+  mo.cuda.slot_calls = a.cuda_device_calls ? SlotCalls::kDeviceSends : SlotCalls::kHostNodes;
   mo.num_threads = a.threads;
   mo.max_seq_len = max_seq;
   t0 = Now();
@@ -1326,9 +1326,9 @@ absl::Status Run(const Args& a) {
   const SyntheticExperts synth{H, I, E, 1};
   const int copy_group = group > 0 ? group : 64;
   auto with_gpu_copies = [&](ModelOptions so) {
-    so.expert_source = [synth](int layer) { return SyntheticExpertSource(synth, layer); };
-    so.hot_format = a.format;
-    so.hot_group = copy_group;
+    so.cuda.expert_source = [synth](int layer) { return SyntheticExpertSource(synth, layer); };
+    so.cuda.hot_format = fmt;
+    so.cuda.hot_group = copy_group;
     return so;
   };
   auto sweep_row = [&](const ModelOptions& so, ControlClient* control) -> absl::StatusOr<SweepRow> {
@@ -1395,9 +1395,9 @@ absl::Status Run(const Args& a) {
                 "gpu_ms/step", "cpu_ms/step", "wait_ms/step", "graphs/step");
     for (const std::string& path : a.path_sweep) {
       ModelOptions so = mo;
-      so.cuda_expert_slots = path != "copy";
-      so.cuda_graphs = path == "device" || path == "host";
-      so.cuda_device_calls = path != "host";
+      so.cuda.expert_slots = path != "copy";
+      so.cuda.graphs = path == "device" || path == "host";
+      so.cuda.slot_calls = path != "host" ? SlotCalls::kDeviceSends : SlotCalls::kHostNodes;
       ASSIGN_OR_RETURN(const SweepRow r, sweep_row(so, &control));
       const DecodeRun& run = r.run;
       const double n = static_cast<double>(a.decode_steps);
@@ -1440,7 +1440,7 @@ absl::Status Run(const Args& a) {
         plo.expert_bytes = hot_expert_bytes;
         ASSIGN_OR_RETURN(placed, PlanPlacement(calib, config, plo));
         so = with_gpu_copies(so);
-        so.hot_experts = std::make_shared<const Placement>(placed);
+        so.cuda.hot_experts = std::make_shared<const Placement>(placed);
       }
       const double tl = Now();
       ASSIGN_OR_RETURN(const SweepRow r, sweep_row(so, &control));
@@ -1507,9 +1507,10 @@ absl::Status Run(const Args& a) {
     for (const std::string& policy : a.prefill_sweep) {
       ModelOptions so = with_gpu_copies(mo);
       const bool serial = absl::EndsWith(policy, "-serial");
-      so.prefill_experts = serial ? policy.substr(0, policy.size() - 7) : policy;
-      so.prefill_prefetch = !serial;
-      so.prefill_stream_tokens = std::max<int64_t>(so.prefill_stream_tokens, P);
+      so.cuda.prefill_experts =
+          *ParsePrefillExperts(serial ? policy.substr(0, policy.size() - 7) : policy);
+      so.cuda.prefill_prefetch = !serial;
+      so.cuda.prefill_stream_tokens = std::max<int64_t>(so.cuda.prefill_stream_tokens, P);
       const double tl = Now();
       RETURN_IF_ERROR(reload(so));
       Row r;

@@ -41,12 +41,12 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,
         "ModelOptions.deferred_experts must be 0 or in [1, ", config.moe.experts_per_token - 1,
         "] (experts_per_token ", config.moe.experts_per_token, " of ", config.model_type, "), got ",
         options.deferred_experts));
-  if (options.gpu_mem_gb < 0)
+  if (options.cuda.gpu_mem_gb < 0)
     return absl::InvalidArgumentError(
-        absl::StrCat("ModelOptions.gpu_mem_gb must be >= 0, got ", options.gpu_mem_gb));
-  if (options.kv_blocks < 0)
+        absl::StrCat("ModelOptions.cuda.gpu_mem_gb must be >= 0, got ", options.cuda.gpu_mem_gb));
+  if (options.cuda.kv_blocks < 0)
     return absl::InvalidArgumentError(
-        absl::StrCat("ModelOptions.kv_blocks must be >= 0, got ", options.kv_blocks));
+        absl::StrCat("ModelOptions.cuda.kv_blocks must be >= 0, got ", options.cuda.kv_blocks));
   if (static_cast<int64_t>(config.layers.size()) != config.num_layers)
     return absl::InvalidArgumentError("ModelConfig.layers does not match num_hidden_layers");
   if (config.quantization.method == "fp8" &&
@@ -55,7 +55,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,
         ckpt.dir(), ": fp8 weight blocks must be square, got ", config.quantization.weight_block[0],
         "x", config.quantization.weight_block[1]));
   ModelOptions o = options;
-  ASSIGN_OR_RETURN(o.backend, ResolveBackend(options.backend, options.cuda_device));
+  ASSIGN_OR_RETURN(o.backend, ResolveBackend(options.backend, options.cuda.device));
   if (o.num_threads == 0)
     o.num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (o.max_seq_len == 0) o.max_seq_len = config.max_position_embeddings;
@@ -81,6 +81,25 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,
     ASSIGN_OR_RETURN(backend, cpu::CreateCpuBackend(config, ckpt, o, pool));
   }
   return CreateModelDriver(config, o, std::move(backend), experts, std::move(owned));
+}
+
+std::string_view PrefillExpertsName(PrefillExperts p) {
+  switch (p) {
+    case PrefillExperts::kCpu:
+      return "cpu";
+    case PrefillExperts::kStream:
+      return "stream";
+    case PrefillExperts::kAuto:
+      return "auto";
+  }
+  return "cpu";
+}
+
+std::optional<PrefillExperts> ParsePrefillExperts(std::string_view s) {
+  if (s == "cpu") return PrefillExperts::kCpu;
+  if (s == "stream") return PrefillExperts::kStream;
+  if (s == "auto") return PrefillExperts::kAuto;
+  return std::nullopt;
 }
 
 absl::StatusOr<std::string> ResolveBackend(const std::string& name, int cuda_device) {

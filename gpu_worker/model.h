@@ -35,6 +35,7 @@
 #include "common/model_config.h"
 #include "common/routing_stats.h"
 #include "common/safetensors.h"
+#include "gpu_worker/cuda/cuda_options.h"
 #include "gpu_worker/driver/prefill_plan.h"
 #include "gpu_worker/hot_weights.h"
 #include "gpu_worker/routed_experts.h"
@@ -47,85 +48,8 @@ struct ModelOptions {
   // "auto" (cuda when a usable GPU is present, else cpu). Resolved by Create:
   // options() reports "cpu" or "cuda".
   std::string backend = "cpu";
-  int cuda_device = 0;  // cuda: the device ordinal
-  // cuda: bound on weights + KV cache + workspaces in GiB (emulates a
-  // smaller card); 0: the device's free memory less 1 GiB. What does not fit
-  // fails at load with RESOURCE_EXHAUSTED naming the sizes.
-  double gpu_mem_gb = 0;
-  // cuda: blocks of kv_block_tokens() tokens in the paged KV cache; 0: as
-  // many as fit in the memory bound (at most enough for 16 sequences of
-  // max_seq_len).
-  int64_t kv_blocks = 0;
-  // cuda: passes of up to 32 tokens (decode steps, small chunks) run with
-  // their routed experts called from the device through fixed slots, padded
-  // to a bucket of 1, 2, 4, 8, 16 or 32 tokens; with cuda_graphs each
-  // bucket's pass is captured once as a CUDA Graph and replayed (false: the
-  // same work launched kernel by kernel, for comparison).
-  bool cuda_graphs = true;
-  // cuda: false sends every pass's routed experts the host-copy way (no
-  // slots, no graphs), the path before issue 30; measured faster at batch 1
-  // while the graphs' per-layer host-node hand-off costs ~0.4 ms
-  // (bench/results/README.md, run 6).
-  bool cuda_expert_slots = true;
-  // cuda, slots over shm: the device sends each expert call itself (a
-  // one-thread kernel storing REQUEST into the slot's state word in the
-  // registered segment, which the service then polls) and waits for the
-  // answer itself (a kernel polling that word), so a slot pass has no host
-  // nodes. false, or a transport without such a word (staged slots): host
-  // nodes submit and wait.
-  bool cuda_device_calls = true;
-  // cuda: hot experts (issue 31): this placement's routed experts, quantized
-  // from the checkpoint as the expert service does (`hot_format`: bf16, int8
-  // or int4 with `hot_group`; use the service's --format), are computed on
-  // the GPU in passes of up to 32 tokens, and those calls' slots reach the
-  // service empty (kNoExpert). Larger passes send every expert to the
-  // service; a deferred part always goes there. Null: none.
-  std::shared_ptr<const Placement> hot_experts;
-  std::string hot_format = "bf16";
-  int hot_group = 64;
-  // Where the GPU's copies of routed experts (hot, streamed) come from;
-  // empty: the checkpoint. The benchmark passes the service's synthetic
-  // experts (SyntheticExpertSource) so both sides hold the same model.
-  ExpertSourceFn expert_source;
-  // cuda, hybrid prefill (issue 31): where the routed experts of a pass of
-  // more than 32 tokens (and at most prefill_stream_tokens) run, per MoE
-  // layer: "cpu" (the expert service, as a decode step's cold experts),
-  // "stream" (every expert with tokens uploaded over PCIe and computed on
-  // the GPU by cuBLAS over bf16 copies of the service's quantized weights),
-  // "auto" (PlanPrefillLayer: cpu, stream or the busiest experts streamed
-  // and the rest on the service so both finish together, from the PCIe and
-  // GEMM rates measured at load and the service's rates measured at the
-  // first such pass). "stream" and "auto" keep a pinned host copy of every
-  // routed expert in `hot_format` (the service's; as much host memory as
-  // the service's weights) and one layer's experts on the GPU. Not with
-  // deferred_experts (those passes stay "cpu").
-  std::string prefill_experts = "cpu";
-  // auto: the cost model's rates (PCIe, the GPU's expert compute, the
-  // service's per-expert times) from here instead of measured (at load and
-  // at the first large pass); the backend logs what it measured in this
-  // form (PrefillRatesJson) for a file the worker's --prefill-rates reads.
-  std::optional<PrefillRates> prefill_rates;
-  int64_t prefill_stream_tokens = 8192;
-  // stream / auto: a second device stage into which, once a layer's
-  // streamed experts are enqueued, the next MoE layer's are uploaded ahead
-  // (a guess: every expert when this layer streamed every expert, else the
-  // experts that layer streamed in the last large pass; the layer's Run
-  // uploads what the guess missed). Costs one more layer's experts of GPU
-  // memory (without room for it: one stage, no prefetch).
-  bool prefill_prefetch = true;
-  // cuda: a run of at least this many consecutive positions of one sequence
-  // in a pass (a prompt chunk) computes its attention by tensor-core GEMMs
-  // (TF32 inputs, f32 accumulation) over its gathered keys; shorter runs and
-  // passes of up to 32 tokens with cuda_expert_slots use PagedAttention
-  // (fp32). 0: PagedAttention for every pass.
-  int64_t cuda_gemm_attention_tokens = 64;
-  // cuda: GEMM attention's inputs rounded to TF32 (tensor cores); false:
-  // full-fp32 GEMMs (slower; PagedAttention's rounding up to summation order).
-  bool cuda_gemm_attention_tf32 = true;
-  bool log_prefill_plans = false;  // one stderr line per streamed pass: each layer's choice
-  // cuda, fault tests only: > 0 injects a sticky device error (a trapping
-  // kernel) at the start of pass number debug_cuda_fault_after + 1.
-  int64_t debug_cuda_fault_after = 0;
+  // The CUDA backend's own options (backend "cuda", or "auto" resolved to it).
+  CudaOptions cuda;
   int num_threads = 0;      // worker threads for the parallel loops; 0: hardware concurrency
   int64_t max_seq_len = 0;  // Sequence capacity in tokens; 0: config max_position_embeddings
   // Expert Deferral: per token, the `deferred_experts` lowest-weighted routed

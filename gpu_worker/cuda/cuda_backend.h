@@ -19,7 +19,7 @@ bool CudaBackendUsable(int device, std::string* why);
 
 // Options are validated and resolved by the caller (Model::Create); the
 // checkpoint has passed CheckWeights. RESOURCE_EXHAUSTED (naming the sizes)
-// when weights + workspaces + the KV pool exceed options.gpu_mem_gb or the
+// when weights + workspaces + the KV pool exceed options.cuda.gpu_mem_gb or the
 // device's free memory; FAILED_PRECONDITION when the device is unusable.
 absl::StatusOr<std::unique_ptr<LayerBackend>> CreateCudaBackend(const ModelConfig& config,
                                                                 const Checkpoint& ckpt,

@@ -1,4 +1,4 @@
-// Streamed experts (issue 31, hybrid prefill): every routed expert of the
+// Streamed experts (hybrid prefill): every routed expert of the
 // model in pinned host memory, quantized as the expert service serves it and
 // laid out as the GPU reads it; for one MoE layer of a large pass, the
 // experts the plan gives the GPU are uploaded over PCIe (a copy stream, in

@@ -66,10 +66,10 @@ struct WorkerOptions {
   double gpu_mem_gb = 0;
   bool cuda_graphs = true;
   bool cuda_expert_slots = true;
-  bool cuda_device_calls = true;
+  SlotCalls cuda_slot_calls = SlotCalls::kDeviceSends;
   int64_t gemm_attention_tokens = 64;
   bool gemm_attention_tf32 = true;
-  std::string prefill_experts = "cpu";
+  PrefillExperts prefill_experts = PrefillExperts::kCpu;
   std::string prefill_rates;  // file
   bool log_prefill_plans = false;
   bool prefill_prefetch = true;
@@ -141,9 +141,10 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
                 "replay one CUDA Graph per decode step (off: the same work kernel by kernel)");
   fs.Enum<bool>("cuda-expert-slots", &o->cuda_expert_slots, on_off,
                 "off: every pass's routed experts go the host-copy way (no slots, no graphs)");
-  fs.Enum<bool>("cuda-expert-calls", &o->cuda_device_calls, {{"device", true}, {"host", false}},
-                "who sends each expert call and waits for its answer inside a slot pass (device: "
-                "kernels, over shm; host: host nodes)");
+  fs.Enum<SlotCalls>("cuda-expert-calls", &o->cuda_slot_calls,
+                     {{"device", SlotCalls::kDeviceSends}, {"host", SlotCalls::kHostNodes}},
+                     "who sends each expert call and waits for its answer inside a slot pass (device: "
+                     "kernels, over shm; host: host nodes)");
   fs.Int("gemm-attention-tokens", &o->gemm_attention_tokens, 0, int64_t{1} << 20,
          "a prompt chunk of at least N tokens computes attention by tensor-core GEMMs (0: off)");
   fs.Enum<bool>("gemm-attention-tf32", &o->gemm_attention_tf32, on_off,
@@ -165,10 +166,13 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
   fs.Double(
       "hot-experts-gb", &o->hot_experts_gb, "GPU memory for the hot experts",
       [](double x) { return x > 0 && x <= 1e6; }, "a number of GiB > 0");
-  fs.Choice("prefill-experts", &o->prefill_experts, {"cpu", "stream", "auto"},
-            "where a prefill pass's routed experts run per MoE layer: the service, streamed to "
-            "the GPU over PCIe, or the cost model's choice (stream and auto keep a pinned host "
-            "copy of every routed expert in the shards' format)");
+  fs.Enum<PrefillExperts>("prefill-experts", &o->prefill_experts,
+                          {{"cpu", PrefillExperts::kCpu},
+                           {"stream", PrefillExperts::kStream},
+                           {"auto", PrefillExperts::kAuto}},
+                          "where a prefill pass's routed experts run per MoE layer: the service, "
+                          "streamed to the GPU over PCIe, or the cost model's choice (stream and auto "
+                          "keep a pinned host copy of every routed expert in the shards' format)");
   fs.String("prefill-rates", &o->prefill_rates, "FILE",
             "with --prefill-experts auto: the cost model's rates from FILE (the JSON the worker "
             "logs once it has measured them) instead of measured at start and at the first "
@@ -315,28 +319,29 @@ int Run(int argc, char** argv) {
   mo.num_threads = o.threads;
   mo.max_seq_len = o.max_context;
   mo.deferred_experts = o.defer_experts;
-  mo.cuda_device = o.cuda_device;
-  mo.gpu_mem_gb = o.gpu_mem_gb;
-  mo.cuda_graphs = o.cuda_graphs;
-  mo.cuda_expert_slots = o.cuda_expert_slots;
-  mo.cuda_gemm_attention_tokens = o.gemm_attention_tokens;
-  mo.cuda_gemm_attention_tf32 = o.gemm_attention_tf32;
-  mo.cuda_device_calls = o.cuda_device_calls;
-  mo.prefill_experts = o.prefill_experts;
+  mo.cuda.device = o.cuda_device;
+  mo.cuda.gpu_mem_gb = o.gpu_mem_gb;
+  mo.cuda.graphs = o.cuda_graphs;
+  mo.cuda.expert_slots = o.cuda_expert_slots;
+  mo.cuda.gemm_attention_tokens = o.gemm_attention_tokens;
+  mo.cuda.gemm_attention_tf32 = o.gemm_attention_tf32;
+  mo.cuda.slot_calls = o.cuda_slot_calls;
+  mo.cuda.prefill_experts = o.prefill_experts;
   if (!o.prefill_rates.empty()) {
-    if (o.prefill_experts != "auto") Die("--prefill-rates needs --prefill-experts auto");
+    if (o.prefill_experts != PrefillExperts::kAuto)
+      Die("--prefill-rates needs --prefill-experts auto");
     std::ifstream f(o.prefill_rates, std::ios::binary);
     if (!f) Die("--prefill-rates: " + o.prefill_rates + ": cannot open", 1);
     std::stringstream ss;
     ss << f.rdbuf();
     auto rates = ParsePrefillRates(ss.str(), o.prefill_rates);
     if (!rates.ok()) Die("--prefill-rates: " + rates.status().ToString(), 1);
-    mo.prefill_rates = *rates;
+    mo.cuda.prefill_rates = *rates;
   }
-  mo.log_prefill_plans = o.log_prefill_plans;
-  mo.prefill_prefetch = o.prefill_prefetch;
-  mo.debug_cuda_fault_after = o.debug_cuda_fault_after;
-  mo.kv_blocks = o.kv_blocks;
+  mo.cuda.log_prefill_plans = o.log_prefill_plans;
+  mo.cuda.prefill_prefetch = o.prefill_prefetch;
+  mo.cuda.debug_fault_after = o.debug_cuda_fault_after;
+  mo.cuda.kv_blocks = o.kv_blocks;
   auto resolved = ResolveBackend(o.backend, o.cuda_device);
   if (!resolved.ok()) Die(resolved.status().ToString(), 1);
   mo.backend = *resolved;
@@ -390,9 +395,9 @@ int Run(int argc, char** argv) {
     Die("chat template: " + t.status().ToString(), 1);
   }
   const bool hot = !o.hot_experts.empty() || !o.calibrate.empty() || o.hot_experts_gb > 0;
-  if (o.prefill_experts != "cpu" && mo.backend != "cuda")
-    Die("--prefill-experts " + o.prefill_experts + " needs the cuda backend (backend " +
-        mo.backend + ")");
+  if (o.prefill_experts != PrefillExperts::kCpu && mo.backend != "cuda")
+    Die("--prefill-experts " + std::string(PrefillExpertsName(o.prefill_experts)) +
+        " needs the cuda backend (backend " + mo.backend + ")");
   if (hot) {
     if (!o.hot_experts.empty() && !o.calibrate.empty())
       Die("--hot-experts and --calibrate are exclusive (a stats file, or a calibration run)");
@@ -409,7 +414,7 @@ int Run(int argc, char** argv) {
   PlacementOptions plo;
   int group = 64;
   WeightFormat hot_fmt = WeightFormat::kBf16;
-  if (hot || o.prefill_experts != "cpu") {
+  if (hot || o.prefill_experts != PrefillExperts::kCpu) {
     // The shards' format (the same quantized weights on both sides), or the
     // in-process experts' bf16.
     auto fmt = ParseWeightFormat(pool ? pool->model().weight_format : "bf16", &group);
@@ -430,7 +435,7 @@ int Run(int argc, char** argv) {
     // The calibration model prefills on the service only (no pinned copy
     // of the experts for hybrid prefill: it is thrown away).
     ModelOptions cmo = mo;
-    cmo.prefill_experts = "cpu";
+    cmo.cuda.prefill_experts = PrefillExperts::kCpu;
     auto calib_model = Model::Load(o.model_dir, cmo, remote.get());
     if (!calib_model.ok()) Die(calib_model.status().ToString(), 1);
     auto calib = CalibrateRouting(**calib_model, *tokenizer, o.calibrate);
@@ -445,18 +450,18 @@ int Run(int argc, char** argv) {
     if (!placed.ok()) Die("--calibrate: " + placed.status().ToString(), 1);
     placed_from = "the calibration run";
   }
-  if (hot || o.prefill_experts != "cpu") {
+  if (hot || o.prefill_experts != PrefillExperts::kCpu) {
     // The GPU's copies of experts (hot, streamed) in the shards' format.
-    mo.hot_format = std::string(WeightFormatName(hot_fmt));
-    mo.hot_group = group;
+    mo.cuda.hot_format = hot_fmt;
+    mo.cuda.hot_group = group;
   }
   if (hot) {
     std::fprintf(stderr, "hmoe-gpu-worker: hot experts from %s: %s (%s, %.2f GiB budget)\n",
                  placed_from.c_str(), placed->Describe().c_str(),
                  WeightFormatName(hot_fmt, group).c_str(), o.hot_experts_gb);
-    mo.hot_experts = std::make_shared<Placement>(std::move(*placed));
-    mo.hot_format = std::string(WeightFormatName(hot_fmt));
-    mo.hot_group = group;
+    mo.cuda.hot_experts = std::make_shared<Placement>(std::move(*placed));
+    mo.cuda.hot_format = hot_fmt;
+    mo.cuda.hot_group = group;
   }
   auto model = Model::Load(o.model_dir, mo, remote.get());
   if (!model.ok()) Die(model.status().ToString(), 1);

@@ -151,7 +151,7 @@ TEST_P(CudaVsCpu, LogitsAndGreedyGenerationAgree) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaVsCpu, ::testing::ValuesIn(ModelFixtureNames()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
-// GEMM attention (cuda_gemm_attention_tokens) for every run of every pass:
+// GEMM attention (CudaOptions::gemm_attention_tokens) for every run of every pass:
 // without slots every pass takes the general path, so decode tokens are
 // runs of 1. The prompt in two chunks (the second attends to the first's
 // cache), then a batch of a fresh prompt beside a decode token, then decode
@@ -165,14 +165,14 @@ class CudaGemmAttention : public ::testing::TestWithParam<std::string> {
 // Returns the rows' worst NMSE and their top-1 agreement.
 std::pair<double, double> CompareGemmAttention(const std::string& name, int64_t gemm_min,
                                                bool tf32) {
-  SCOPED_TRACE(absl::StrCat(name, " cuda_gemm_attention_tokens ", gemm_min, tf32 ? " tf32" : ""));
+  SCOPED_TRACE(absl::StrCat(name, " cuda.gemm_attention_tokens ", gemm_min, tf32 ? " tf32" : ""));
   const std::pair<double, double> failed{INFINITY, 0.0};
   const Model& cpu = Cached(name, "cpu");
   ModelOptions o;
-  o.cuda_gemm_attention_tokens = gemm_min;
-  o.cuda_gemm_attention_tf32 = tf32;
-  o.cuda_expert_slots = false;
-  o.cuda_graphs = false;
+  o.cuda.gemm_attention_tokens = gemm_min;
+  o.cuda.gemm_attention_tf32 = tf32;
+  o.cuda.expert_slots = false;
+  o.cuda.graphs = false;
   auto gpu = Load(name, "cuda", o);
   if (!gpu) return failed;
   const int64_t V = cpu.config().vocab_size;
@@ -353,7 +353,7 @@ TEST(CudaBackend, BatchedStepsMatchSoloAndDeferralMatchesTheCpu) {
 TEST(CudaBackend, PagedKvPoolIsReallyAllocatedAndFreed) {
   HMOE_SKIP_UNLESS_BACKEND("cuda");
   ModelOptions o;
-  o.kv_blocks = 4;  // 64 tokens
+  o.cuda.kv_blocks = 4;  // 64 tokens
   auto m = Load("qwen3_moe_tiny", "cuda", o);
   ASSERT_TRUE(m);
   EXPECT_EQ(m->kv_blocks_total(), 4);
@@ -389,7 +389,7 @@ TEST(CudaBackend, AMemoryBoundTooSmallFailsAtLoadNamingSizes) {
   HMOE_SKIP_UNLESS_BACKEND("cuda");
   ModelOptions o;
   o.backend = "cuda";
-  o.gpu_mem_gb = 0.0001;  // ~100 KiB
+  o.cuda.gpu_mem_gb = 0.0001;  // ~100 KiB
   auto m = Model::Load(ModelFixturesRoot() + "/deepseek_v3_tiny", o);
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kResourceExhausted) << m.status();

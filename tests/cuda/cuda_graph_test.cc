@@ -1,4 +1,4 @@
-// The CUDA backend's graph-captured passes (ModelOptions::cuda_graphs)
+// The CUDA backend's graph-captured passes (CudaOptions::graphs)
 // against the same passes launched kernel by kernel, on every fixture: bit
 // for bit, with and without Expert Deferral, solo and batched (padded
 // buckets), one graph launch per pass once captured; and the sticky-error
@@ -25,7 +25,7 @@ std::unique_ptr<Model> LoadCuda(const std::string& name, bool graphs, int deferr
   ModelOptions o;
   o.backend = "cuda";
   o.num_threads = 2;
-  o.cuda_graphs = graphs;
+  o.cuda.graphs = graphs;
   o.deferred_experts = deferred;
   auto m = Model::Load(ModelFixturesRoot() + "/" + name, o);
   EXPECT_TRUE(m.ok()) << m.status();
@@ -113,14 +113,14 @@ TEST_P(CudaGraphs, ReplayEqualsEagerBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGraphs, ::testing::ValuesIn(ModelFixtureNames()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
-// An injected sticky device error (ModelOptions::debug_cuda_fault_after):
+// An injected sticky device error (CudaOptions::debug_fault_after):
 // the pass it hits fails, health() reports it from then on and every later
 // pass fails with it; 0, or the number of the check that failed.
 int StickyErrorScenario() {
   ModelOptions o;
   o.backend = "cuda";
   o.num_threads = 2;
-  o.debug_cuda_fault_after = 2;
+  o.cuda.debug_fault_after = 2;
   auto m = Model::Load(ModelFixturesRoot() + "/qwen3_moe_tiny", o);
   if (!m.ok()) return 10;
   auto s = (*m)->NewSequence();

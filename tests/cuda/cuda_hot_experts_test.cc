@@ -1,4 +1,4 @@
-// Hot experts on the cuda backend (ModelOptions::hot_experts): every other
+// Hot experts on the cuda backend (CudaOptions::hot_experts): every other
 // routed expert of every MoE layer on the GPU, the rest through the
 // in-process experts' slots; the logits of passes that run the slots (a
 // short prefill, decode steps) against the same model without hot experts,
@@ -35,9 +35,9 @@ Out Generate(const std::string& dir, std::shared_ptr<const Placement> hot, const
   o.backend = "cuda";
   o.num_threads = 2;
   o.deferred_experts = deferred;
-  o.hot_experts = std::move(hot);
-  o.hot_format = fmt;
-  o.hot_group = 32;
+  o.cuda.hot_experts = std::move(hot);
+  o.cuda.hot_format = *ParseWeightFormat(fmt);
+  o.cuda.hot_group = 32;
   auto m = Model::Load(dir, o);
   EXPECT_TRUE(m.ok()) << m.status();
   Out r;

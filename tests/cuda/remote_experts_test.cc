@@ -56,9 +56,9 @@ TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
       o.backend = "cuda";
       o.num_threads = 2;
       o.deferred_experts = deferred;
-      o.cuda_expert_slots = p.slots;
-      o.cuda_graphs = p.graphs;
-      o.cuda_device_calls = p.device_calls;
+      o.cuda.expert_slots = p.slots;
+      o.cuda.graphs = p.graphs;
+      o.cuda.slot_calls = p.device_calls ? SlotCalls::kDeviceSends : SlotCalls::kHostNodes;
       auto ckpt = Checkpoint::Open(ModelDir());
       ASSERT_TRUE(ckpt.ok()) << ckpt.status();
       auto m = Model::Create(*config, **ckpt, o, experts->get());

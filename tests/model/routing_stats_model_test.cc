@@ -30,7 +30,7 @@ TEST_P(RoutingStatsTest, EveryRoutedTokenIsCountedOnce) {
         o.backend = GetParam();
         o.num_threads = 2;
         o.deferred_experts = deferred;
-        o.cuda_expert_slots = slots;
+        o.cuda.expert_slots = slots;
         auto m = Model::Load(testing::ModelFixturesRoot() + "/" + name, o);
         ASSERT_TRUE(m.ok()) << m.status();
         const ModelConfig& c = (*m)->config();
