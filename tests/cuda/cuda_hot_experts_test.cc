@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/expert_placement.h"
+#include "common/experts/weight_format.h"
 #include "gpu_worker/model.h"
 #include "gtest/gtest.h"
 #include "tests/model/model_test_util.h"

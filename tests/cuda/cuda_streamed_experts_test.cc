@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/experts/weight_format.h"
 #include "gpu_worker/model.h"
 #include "gtest/gtest.h"
 #include "tests/model/model_test_util.h"
