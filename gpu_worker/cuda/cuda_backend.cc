@@ -14,11 +14,11 @@
 #include "common/status.h"
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/cuda/cuda_backend_impl.h"
+#include "gpu_worker/cuda/device_status.h"
 #include "gpu_worker/cuda/elementwise_kernels.h"
 #include "gpu_worker/cuda/paged_attention_kernels.h"
-#include "gpu_worker/cuda/router_kernels.h"
-#include "gpu_worker/cuda/device_status.h"
 #include "gpu_worker/cuda/residual_join.h"
+#include "gpu_worker/cuda/router_kernels.h"
 #include "gpu_worker/driver/residual.h"
 
 namespace hmoe::cuda {

@@ -8,9 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/experts/checkpoint_source.h"
 #include "common/experts/weight_format.h"
 #include "common/status.h"
-#include "common/experts/checkpoint_source.h"
 #include "gpu_worker/cuda/cuda_backend_impl.h"
 
 namespace hmoe::cuda {

@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "gpu_worker/cuda/cuda_backend_impl.h"
-#include "gpu_worker/cuda/host_copy_path.h"
 #include "gpu_worker/cuda/elementwise_kernels.h"
+#include "gpu_worker/cuda/host_copy_path.h"
 #include "gpu_worker/cuda/router_kernels.h"
 
 namespace hmoe::cuda {

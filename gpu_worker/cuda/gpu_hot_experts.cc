@@ -1,7 +1,7 @@
-#include "gpu_worker/cuda/hot_expert_kernels.h"
 #include "gpu_worker/cuda/gpu_hot_experts.h"
 
 #include "common/status.h"
+#include "gpu_worker/cuda/hot_expert_kernels.h"
 
 namespace hmoe::cuda {
 namespace {

@@ -16,9 +16,9 @@
 #include "absl/status/statusor.h"
 #include "common/expert_placement.h"
 #include "common/model_config.h"
+#include "gpu_worker/cuda/dev_quant_matrix.h"
 #include "gpu_worker/cuda/device_memory.h"
 #include "gpu_worker/cuda/expert_call_path.h"
-#include "gpu_worker/cuda/dev_quant_matrix.h"
 #include "gpu_worker/hot_weights.h"
 
 namespace hmoe::cuda {

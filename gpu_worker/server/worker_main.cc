@@ -141,10 +141,11 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
                 "replay one CUDA Graph per decode step (off: the same work kernel by kernel)");
   fs.Enum<bool>("cuda-expert-slots", &o->cuda_expert_slots, on_off,
                 "off: every pass's routed experts go the host-copy way (no slots, no graphs)");
-  fs.Enum<SlotCalls>("cuda-expert-calls", &o->cuda_slot_calls,
-                     {{"device", SlotCalls::kDeviceSends}, {"host", SlotCalls::kHostNodes}},
-                     "who sends each expert call and waits for its answer inside a slot pass (device: "
-                     "kernels, over shm; host: host nodes)");
+  fs.Enum<SlotCalls>(
+      "cuda-expert-calls", &o->cuda_slot_calls,
+      {{"device", SlotCalls::kDeviceSends}, {"host", SlotCalls::kHostNodes}},
+      "who sends each expert call and waits for its answer inside a slot pass (device: "
+      "kernels, over shm; host: host nodes)");
   fs.Int("gemm-attention-tokens", &o->gemm_attention_tokens, 0, int64_t{1} << 20,
          "a prompt chunk of at least N tokens computes attention by tensor-core GEMMs (0: off)");
   fs.Enum<bool>("gemm-attention-tf32", &o->gemm_attention_tf32, on_off,
@@ -166,13 +167,14 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
   fs.Double(
       "hot-experts-gb", &o->hot_experts_gb, "GPU memory for the hot experts",
       [](double x) { return x > 0 && x <= 1e6; }, "a number of GiB > 0");
-  fs.Enum<PrefillExperts>("prefill-experts", &o->prefill_experts,
-                          {{"cpu", PrefillExperts::kCpu},
-                           {"stream", PrefillExperts::kStream},
-                           {"auto", PrefillExperts::kAuto}},
-                          "where a prefill pass's routed experts run per MoE layer: the service, "
-                          "streamed to the GPU over PCIe, or the cost model's choice (stream and auto "
-                          "keep a pinned host copy of every routed expert in the shards' format)");
+  fs.Enum<PrefillExperts>(
+      "prefill-experts", &o->prefill_experts,
+      {{"cpu", PrefillExperts::kCpu},
+       {"stream", PrefillExperts::kStream},
+       {"auto", PrefillExperts::kAuto}},
+      "where a prefill pass's routed experts run per MoE layer: the service, "
+      "streamed to the GPU over PCIe, or the cost model's choice (stream and auto "
+      "keep a pinned host copy of every routed expert in the shards' format)");
   fs.String("prefill-rates", &o->prefill_rates, "FILE",
             "with --prefill-experts auto: the cost model's rates from FILE (the JSON the worker "
             "logs once it has measured them) instead of measured at start and at the first "
