@@ -68,20 +68,8 @@ TEST(QuantizeTest, BadOptionsAreInvalidArgumentNamingTheValue) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
     EXPECT_NE(std::string(s.message()).find(what), std::string::npos) << s;
   };
+  for (const auto& [bad, what] : testing::BadQuantOptionsForI32()) expect_bad(bad, what);
   QuantOptions o;
-  o.format = WeightFormat::kInt4;
-  o.group = 48;
-  expect_bad(o, "int4 group must be 32, 64 or 128, got 48");
-  o.group = 32;
-  o.i_begin = 40;  // past I = 32
-  expect_bad(o, "bad intermediate slice [40, 32) of 32");
-  o.i_begin = 16;
-  o.i_end = 16;  // empty
-  expect_bad(o, "bad intermediate slice [16, 16) of 32");
-  o.i_begin = 0;
-  o.i_end = 33;  // past I
-  expect_bad(o, "bad intermediate slice [0, 33) of 32");
-  o.i_end = -1;
   o.format = WeightFormat::kInt8;
   o.group = 48;  // formats without groups ignore it
   EXPECT_TRUE(QuantizeExpert(w, src, o).ok());

@@ -6,11 +6,14 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "common/experts/expert_weights.h"
+#include "common/experts/quantize.h"
 #include "common/tensor.h"
 
 namespace hmoe::testing {
@@ -58,6 +61,26 @@ inline MoeWeightsSource RandomSource(int64_t H, int64_t I, int64_t E, uint64_t s
     return store->w[static_cast<size_t>(e)];
   };
   return src;
+}
+
+// Quantization options that are bad for an expert of intermediate size 32
+// (RandomSource(H, 32, ...)), each with what the INVALID_ARGUMENT names.
+inline std::vector<std::pair<QuantOptions, std::string>> BadQuantOptionsForI32() {
+  std::vector<std::pair<QuantOptions, std::string>> bad;
+  QuantOptions o;
+  o.format = WeightFormat::kInt4;
+  o.group = 48;
+  bad.emplace_back(o, "int4 group must be 32, 64 or 128, got 48");
+  o.group = 32;
+  o.i_begin = 40;  // past I = 32
+  bad.emplace_back(o, "bad intermediate slice [40, 32) of 32");
+  o.i_begin = 16;
+  o.i_end = 16;  // empty
+  bad.emplace_back(o, "bad intermediate slice [16, 16) of 32");
+  o.i_begin = 0;
+  o.i_end = 33;  // past I
+  bad.emplace_back(o, "bad intermediate slice [0, 33) of 32");
+  return bad;
 }
 
 }  // namespace hmoe::testing

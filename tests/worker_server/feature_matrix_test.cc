@@ -26,6 +26,7 @@
 #include "tests/model/model_test_util.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
+#include "tests/worker_server/pool_test_util.h"
 
 namespace hmoe {
 namespace {
@@ -105,13 +106,10 @@ TEST_P(SlotFeatureMatrix, EveryPathDeferralAndHotCombinationEqualsHostCopies) {
   if (config->num_moe_layers() == 0) GTEST_SKIP() << GetParam() << " has no MoE layer";
   testing::TempDir tmp;
   testing::ServiceProcess proc;
-  ASSERT_TRUE(proc.Start({"--model-dir=" + dir}, tmp.file("port")));
-  ExpertPoolOptions po;
-  po.targets = {proc.target()};
-  po.transport = TransportKind::kShm;
-  auto pool = ExpertPool::Connect(po);
-  ASSERT_TRUE(pool.ok()) << pool.status();
-  auto experts = PoolRoutedExperts::Create(*config, pool->get(), absl::Seconds(10), "");
+  std::unique_ptr<ExpertPool> pool;
+  ASSERT_NO_FATAL_FAILURE(pool = testing::StartShm(proc, tmp, dir));
+  ASSERT_NE(pool, nullptr);
+  auto experts = PoolRoutedExperts::Create(*config, pool.get(), absl::Seconds(10), "");
   ASSERT_TRUE(experts.ok()) << experts.status();
   const int64_t H = config->hidden_size, E = config->moe.num_experts, T = 5;
   const int K = static_cast<int>(config->moe.experts_per_token);

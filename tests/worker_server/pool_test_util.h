@@ -14,9 +14,10 @@ namespace hmoe::testing {
 
 inline std::string ModelDir() { return FixturesDir() + "/deepseek_v3_tiny"; }
 
-// The tiny fixture's service in `proc`, and a pool over shm to it (null on failure).
-inline std::unique_ptr<ExpertPool> StartShm(ServiceProcess& proc, TempDir& dir) {
-  EXPECT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
+// `model_dir`'s service in `proc`, and a pool over shm to it (null on failure).
+inline std::unique_ptr<ExpertPool> StartShm(ServiceProcess& proc, TempDir& dir,
+                                            const std::string& model_dir = ModelDir()) {
+  EXPECT_TRUE(proc.Start({"--model-dir=" + model_dir}, dir.file("port")));
   ExpertPoolOptions po;
   po.targets = {proc.target()};
   po.transport = TransportKind::kShm;
