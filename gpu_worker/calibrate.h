@@ -1,4 +1,4 @@
-// Routing calibration (issue 31): run a prompts file through a model and
+// Routing calibration: run a prompts file through a model and
 // keep its routing counts, which PlanPlacement turns into hot experts
 // (hmoe-gpu-worker --calibrate).
 #pragma once

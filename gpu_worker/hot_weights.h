@@ -1,4 +1,4 @@
-// The hot experts' weights for the GPU (issue 31): loaded from the
+// The hot experts' weights for the GPU: loaded from the
 // checkpoint and quantized exactly as the expert service quantizes them
 // (QuantizeExpert), then laid out as the CUDA kernel reads them
 // (gpu_worker/cuda/dev_quant_matrix.h DevQuantMatrix). CUDA-free, so CI checks it.

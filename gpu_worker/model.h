@@ -113,6 +113,9 @@ struct ModelStats {
   // cuda: tokens whose attention ran by GEMMs (cuda_gemm_attention_tokens),
   // counted once per layer.
   int64_t gemm_attention_tokens = 0;
+  // cuda: how expert calls go, chosen once at start ("host copy", "host
+  // node", "device wait" or "device send"); "" on other backends.
+  const char* expert_call_path = "";
 };
 
 class Model {

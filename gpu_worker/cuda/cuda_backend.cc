@@ -54,6 +54,7 @@ void CudaBackend::AddStats(ModelStats* s) const {
     s->graph_captures += graphs_->captures();
   }
   s->expert_wait_ns += slot_wait_ns_;
+  if (calls_) s->expert_call_path = calls_->name();
   s->prefill_cpu_layers += prefill_layers_[0];
   s->prefill_stream_layers += prefill_layers_[1];
   s->prefill_split_layers += prefill_layers_[2];

@@ -42,12 +42,6 @@ bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts)
   };
   std::string why;
   calls_ = ChooseExpertCallPath(experts, counts, eo, &why);
-  if (!cu_.expert_slots) {
-    std::fprintf(stderr,
-                 "hmoe cuda backend: routed experts through host copies (--cuda-expert-slots "
-                 "off)\n");
-    return false;
-  }
   auto fallback = [&](const std::string& st) {
     std::fprintf(stderr,
                  "hmoe cuda backend: routed experts through host copies, without slots or "

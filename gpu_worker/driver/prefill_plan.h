@@ -1,4 +1,4 @@
-// Hybrid prefill's cost model (issue 31 item 3): for one MoE layer of a pass
+// Hybrid prefill's cost model: for one MoE layer of a pass
 // with many tokens per expert, where its routed experts run —
 //   (a) kCpu:    all on the expert service (its AMX kernels),
 //   (b) kStream: all streamed to the GPU over PCIe and computed there

@@ -462,8 +462,6 @@ int Run(int argc, char** argv) {
                  placed_from.c_str(), placed->Describe().c_str(),
                  WeightFormatName(hot_fmt, group).c_str(), o.hot_experts_gb);
     mo.cuda.hot_experts = std::make_shared<Placement>(std::move(*placed));
-    mo.cuda.hot_format = hot_fmt;
-    mo.cuda.hot_group = group;
   }
   auto model = Model::Load(o.model_dir, mo, remote.get());
   if (!model.ok()) Die(model.status().ToString(), 1);

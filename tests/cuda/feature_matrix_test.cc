@@ -59,6 +59,8 @@ Logits RunPasses(const ModelConfig& config, const std::string& dir, RoutedExpert
   auto m = Model::Create(config, **ckpt, o, experts);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return {};
+  // The path asked for is the path taken (no silent step down).
+  EXPECT_STREQ((*m)->stats().expert_call_path, path.name);
   Logits out;
   std::vector<int32_t> big, small = {1, 5, 17, 42, 7};
   for (int i = 0; i < 37; ++i) big.push_back((7 * i + 3) % 50);
