@@ -3,12 +3,12 @@
 # (../shared/gpu-machine/README.md): hmoe-tests-cuda, the whole GPU suite (the
 # CUDA kernels against the CPU reference ops, the CUDA backend against the CPU
 # backend on every fixture, graphs, hot and streamed experts, the expert-call
-# paths over a real service); the cuda instances of the suites that run on
-# every backend (Backends/*/cuda in hmoe-tests); the serving tests with the
-# cuda backend; then the hmoe-bench-e2e runs named in E2E_RUNS
+# paths over a real service, the feature matrix, and the cuda instances of
+# the suites that run on every backend); the serving tests with the cuda
+# backend (they run the programs); then the hmoe-bench-e2e runs named in E2E_RUNS
 # (space-separated PRESET:FORMAT[:LAYERS], e.g. "qwen3-30b:int4 ds-v3:int4:5";
 # E2E_SECS bounds each). Output per step in OUT/NAME.txt (and
-# OUT/e2e-PRESET-FORMAT.json). CUDA=0 / BACKENDS=0 / SERVE=0 leave a step out.
+# OUT/e2e-PRESET-FORMAT.json). CUDA=0 / SERVE=0 leave a step out.
 #
 #   bench/gpu_check.sh BIN_DIR OUT_DIR
 set -uo pipefail
@@ -29,8 +29,6 @@ step() {  # step NAME SECONDS CMD...
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | head -20) \
   >"$out/machine.txt" 2>&1
 [ "${CUDA:-1}" = 1 ] && step cuda "${CUDA_SECS:-420}" "$bin/hmoe-tests-cuda"
-[ "${BACKENDS:-1}" = 1 ] && step backends "${BACKENDS_SECS:-300}" "$bin/hmoe-tests" \
-  --gtest_filter='Backends/*/cuda'
 [ "${SERVE:-1}" = 1 ] && step serving "${SERVE_SECS:-240}" "$bin/hmoe-tests" \
   --gtest_filter="${SERVE_FILTER:-Serving*:*Worker*:E2e*}"
 for run in ${E2E_RUNS:-}; do

@@ -6,7 +6,7 @@
 #   bench/results/reproduce.sh SUBJECT [OUT_DIR]        (OUT_DIR default: $OUT)
 #
 #   kernels        hmoe-tests (AMX / MoE kernels), hmoe-bench-moe tables
-#   gpu-tests      bench/gpu_check.sh: hmoe-tests-cuda, Backends/*/cuda, serving tests
+#   gpu-tests      bench/gpu_check.sh: hmoe-tests-cuda (the whole GPU suite), serving tests
 #   decode-qwen3   hmoe-bench-e2e qwen3-30b decode, deferral and path sweeps
 #   decode-ds3     the same for ds-v3 truncated to 8 layers
 #   hot-ds3        hot experts on the GPU, ds-v3 8 layers, Zipf-biased router

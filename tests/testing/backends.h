@@ -11,7 +11,15 @@
 
 namespace hmoe::testing {
 
-inline std::vector<std::string> TestBackends() { return {"cpu", "cuda"}; }
+// hmoe-tests-cuda compiles these suites again for its cuda instances alone
+// (tests/CMakeLists.txt: HMOE_TEST_BACKENDS_CUDA_ONLY).
+inline std::vector<std::string> TestBackends() {
+#ifdef HMOE_TEST_BACKENDS_CUDA_ONLY
+  return {"cuda"};
+#else
+  return {"cpu", "cuda"};
+#endif
+}
 
 // Empty when `backend` runs here, else why not.
 inline std::string BackendUnavailable(const std::string& backend) {
