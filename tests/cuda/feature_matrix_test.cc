@@ -109,11 +109,8 @@ TEST_P(CudaFeatureMatrix, EveryPathDeferralAndHotCombinationIsBitForBit) {
   if (config->num_moe_layers() == 0) GTEST_SKIP() << GetParam() << " has no MoE layer";
   testing::TempDir tmp;
   testing::ServiceProcess proc;
-  std::unique_ptr<ExpertPool> pool;
-  ASSERT_NO_FATAL_FAILURE(pool = testing::StartShm(proc, tmp, dir));
-  ASSERT_NE(pool, nullptr);
-  auto experts = PoolRoutedExperts::Create(*config, pool.get(), absl::Seconds(10), "");
-  ASSERT_TRUE(experts.ok()) << experts.status();
+  testing::ServedExperts served;
+  ASSERT_NO_FATAL_FAILURE(testing::ServeExperts(proc, tmp, *config, dir, &served));
   // Every other expert of each MoE layer hot, in bf16.
   auto hot = std::make_shared<Placement>();
   hot->model_type = config->model_type;
@@ -125,22 +122,23 @@ TEST_P(CudaFeatureMatrix, EveryPathDeferralAndHotCombinationIsBitForBit) {
   const int K = static_cast<int>(config->moe.experts_per_token);
   for (int deferred : {0, std::min(2, K - 1)}) {
     const std::string at = GetParam() + ", deferred " + std::to_string(deferred);
-    const Logits copy = RunPasses(*config, dir, experts->get(), kPaths[0], deferred, nullptr);
+    const Logits copy = RunPasses(*config, dir, served.experts.get(), kPaths[0], deferred, nullptr);
     ASSERT_FALSE(copy.empty()) << at;
     for (const Path& p : kPaths) {
       SCOPED_TRACE(at + ", " + p.name + ", hot off");
-      ExpectBitEqual(RunPasses(*config, dir, experts->get(), p, deferred, nullptr), copy,
+      ExpectBitEqual(RunPasses(*config, dir, served.experts.get(), p, deferred, nullptr), copy,
                      "against the host-copy path");
     }
     {
       SCOPED_TRACE(at + ", host copy, hot on");
-      ExpectBitEqual(RunPasses(*config, dir, experts->get(), kPaths[0], deferred, hot), copy,
+      ExpectBitEqual(RunPasses(*config, dir, served.experts.get(), kPaths[0], deferred, hot), copy,
                      "against the host-copy path without hot experts");
     }
-    const Logits host_node = RunPasses(*config, dir, experts->get(), kPaths[1], deferred, hot);
+    const Logits host_node =
+        RunPasses(*config, dir, served.experts.get(), kPaths[1], deferred, hot);
     for (const Path& p : {kPaths[2], kPaths[3]}) {
       SCOPED_TRACE(at + ", " + p.name + ", hot on");
-      ExpectBitEqual(RunPasses(*config, dir, experts->get(), p, deferred, hot), host_node,
+      ExpectBitEqual(RunPasses(*config, dir, served.experts.get(), p, deferred, hot), host_node,
                      "against the host-node path with hot experts");
     }
   }

@@ -22,7 +22,6 @@ namespace hmoe {
 namespace {
 
 using testing::ModelDir;
-using testing::StartShm;
 
 // The cuda backend over a real service's shm slots: the device waiting for
 // each answer itself (a kernel polling the slot's state word) gives the
@@ -35,11 +34,8 @@ TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
   testing::ServiceProcess proc;
   auto config = LoadModelConfig(ModelDir());
   ASSERT_TRUE(config.ok()) << config.status();
-  std::unique_ptr<ExpertPool> pool;
-  ASSERT_NO_FATAL_FAILURE(pool = StartShm(proc, dir));
-  ASSERT_NE(pool, nullptr);
-  auto experts = PoolRoutedExperts::Create(*config, pool.get(), absl::Seconds(10), "");
-  ASSERT_TRUE(experts.ok()) << experts.status();
+  testing::ServedExperts served;
+  ASSERT_NO_FATAL_FAILURE(testing::ServeExperts(proc, dir, *config, ModelDir(), &served));
   struct Path {
     const char* name;
     bool slots, graphs, device_calls;
@@ -61,7 +57,7 @@ TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
       o.cuda.slot_calls = p.device_calls ? SlotCalls::kDeviceSends : SlotCalls::kHostNodes;
       auto ckpt = Checkpoint::Open(ModelDir());
       ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-      auto m = Model::Create(*config, **ckpt, o, experts->get());
+      auto m = Model::Create(*config, **ckpt, o, served.experts.get());
       ASSERT_TRUE(m.ok()) << m.status();
       auto seq = (*m)->NewSequence();
       std::vector<std::vector<float>> got;

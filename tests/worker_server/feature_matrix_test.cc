@@ -106,11 +106,8 @@ TEST_P(SlotFeatureMatrix, EveryPathDeferralAndHotCombinationEqualsHostCopies) {
   if (config->num_moe_layers() == 0) GTEST_SKIP() << GetParam() << " has no MoE layer";
   testing::TempDir tmp;
   testing::ServiceProcess proc;
-  std::unique_ptr<ExpertPool> pool;
-  ASSERT_NO_FATAL_FAILURE(pool = testing::StartShm(proc, tmp, dir));
-  ASSERT_NE(pool, nullptr);
-  auto experts = PoolRoutedExperts::Create(*config, pool.get(), absl::Seconds(10), "");
-  ASSERT_TRUE(experts.ok()) << experts.status();
+  testing::ServedExperts served;
+  ASSERT_NO_FATAL_FAILURE(testing::ServeExperts(proc, tmp, *config, dir, &served));
   const int64_t H = config->hidden_size, E = config->moe.num_experts, T = 5;
   const int K = static_cast<int>(config->moe.experts_per_token);
   ExpertSlotsOptions so;
@@ -118,7 +115,7 @@ TEST_P(SlotFeatureMatrix, EveryPathDeferralAndHotCombinationEqualsHostCopies) {
   so.num_slots = 2;  // a layer's call and its later part
   so.max_tokens = 32;
   so.top_k = K;
-  auto slots = (*experts)->MakeSlots(so);
+  auto slots = served.experts->MakeSlots(so);
   ASSERT_TRUE(slots.ok()) << slots.status();
   ASSERT_TRUE((*slots)->Prepare(absl::Now() + absl::Seconds(10)).ok());
   int layer = 0;
@@ -164,7 +161,7 @@ TEST_P(SlotFeatureMatrix, EveryPathDeferralAndHotCombinationEqualsHostCopies) {
       for (const Part& p : parts) {
         std::vector<float> o(static_cast<size_t>(T * H));
         ExpertBatch b{layer, T, H, p.hidden.data(), p.k, p.ids.data(), p.weights.data()};
-        ASSERT_TRUE((*experts)->Forward(b, o.data()).ok());
+        ASSERT_TRUE(served.experts->Forward(b, o.data()).ok());
         want.push_back(std::move(o));
       }
       for (Path path : kPaths) {

@@ -5,6 +5,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/time/time.h"
+#include "common/model_config.h"
+#include "gpu_worker/server/remote_experts.h"
 #include "gpu_worker/transport/expert_pool.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
@@ -24,6 +27,22 @@ inline std::unique_ptr<ExpertPool> StartShm(ServiceProcess& proc, TempDir& dir,
   auto pool = ExpertPool::Connect(po);
   EXPECT_TRUE(pool.ok()) << pool.status();
   return pool.ok() ? std::move(*pool) : nullptr;
+}
+
+// A real service of `model_dir` (whose config is `config`) and the worker's
+// PoolRoutedExperts over shm to it.
+struct ServedExperts {
+  std::unique_ptr<ExpertPool> pool;
+  std::unique_ptr<PoolRoutedExperts> experts;
+};
+// Fails the calling test (wrap in ASSERT_NO_FATAL_FAILURE) if a step fails.
+inline void ServeExperts(ServiceProcess& proc, TempDir& dir, const ModelConfig& config,
+                         const std::string& model_dir, ServedExperts* out) {
+  ASSERT_NO_FATAL_FAILURE(out->pool = StartShm(proc, dir, model_dir));
+  ASSERT_NE(out->pool, nullptr);
+  auto experts = PoolRoutedExperts::Create(config, out->pool.get(), absl::Seconds(10), "");
+  ASSERT_TRUE(experts.ok()) << experts.status();
+  out->experts = std::move(*experts);
 }
 
 }  // namespace hmoe::testing

@@ -81,11 +81,8 @@ TEST(PoolRoutedExperts, EmptySlotsAreSkippedAndTheSplitHalvesSumToTheWhole) {
   testing::ServiceProcess proc;
   auto config = LoadModelConfig(ModelDir());
   ASSERT_TRUE(config.ok()) << config.status();
-  std::unique_ptr<ExpertPool> pool;
-  ASSERT_NO_FATAL_FAILURE(pool = StartShm(proc, dir));
-  ASSERT_NE(pool, nullptr);
-  auto experts = PoolRoutedExperts::Create(*config, pool.get(), absl::Seconds(10), "");
-  ASSERT_TRUE(experts.ok()) << experts.status();
+  testing::ServedExperts served;
+  ASSERT_NO_FATAL_FAILURE(testing::ServeExperts(proc, dir, *config, ModelDir(), &served));
   int layer = 0;
   while (!config->layers[static_cast<size_t>(layer)].moe) ++layer;
   const int64_t T = 5, H = config->hidden_size, E = config->moe.num_experts;
@@ -106,11 +103,11 @@ TEST(PoolRoutedExperts, EmptySlotsAreSkippedAndTheSplitHalvesSumToTheWhole) {
   ASSERT_LT(n_hot, T * k);
   std::vector<float> whole(static_cast<size_t>(T * H)), a(whole.size()), b(whole.size());
   ExpertBatch batch{layer, T, H, hidden.data(), k, ids.data(), weights.data()};
-  ASSERT_TRUE((*experts)->Forward(batch, whole.data()).ok());
+  ASSERT_TRUE(served.experts->Forward(batch, whole.data()).ok());
   batch.expert_ids = cold_ids.data();
-  ASSERT_TRUE((*experts)->Forward(batch, a.data()).ok());
+  ASSERT_TRUE(served.experts->Forward(batch, a.data()).ok());
   batch.expert_ids = hot_ids.data();
-  ASSERT_TRUE((*experts)->Forward(batch, b.data()).ok());
+  ASSERT_TRUE(served.experts->Forward(batch, b.data()).ok());
   double diff = 0, scale = 0;
   for (size_t i = 0; i < whole.size(); ++i) {
     diff = std::max(diff, std::fabs(static_cast<double>(a[i]) + b[i] - whole[i]));
@@ -121,7 +118,7 @@ TEST(PoolRoutedExperts, EmptySlotsAreSkippedAndTheSplitHalvesSumToTheWhole) {
   std::vector<int32_t> none(ids.size(), kNoExpert);
   batch.expert_ids = none.data();
   std::fill(a.begin(), a.end(), 7.0f);
-  ASSERT_TRUE((*experts)->Forward(batch, a.data()).ok());
+  ASSERT_TRUE(served.experts->Forward(batch, a.data()).ok());
   for (float v : a) ASSERT_EQ(v, 0.0f);
 }
 
