@@ -170,6 +170,7 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
   std::vector<std::thread> threads;
   for (int i = 0; i < clients; ++i) threads.emplace_back(load, i);
   absl::Time next_restart = start + absl::Seconds(restart_every);
+  absl::Time last_restart = absl::InfinitePast();
   bool warmed = false;
   while (absl::Now() < stop_at) {
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -181,11 +182,13 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
         break;
       }
       ++restarts;
+      last_restart = absl::Now();
       next_restart = absl::Now() + absl::Seconds(restart_every);
     }
-    if (!warmed && absl::Now() >= warm_at) {
+    if (!warmed && absl::Now() >= warm_at && absl::Now() >= last_restart + absl::Seconds(5)) {
       // The baseline in the state the end is sampled in: serving (not in
-      // the middle of a restart, when the worker holds no segment).
+      // the middle of a restart, when the worker holds no segment, nor just
+      // after one, while the new segment's pages are still being touched).
       api::v1::GenerateRequest probe;
       probe.set_prompt("Love is");
       probe.set_max_tokens(2);
