@@ -199,9 +199,9 @@ TEST_F(DeviceCalls, EveryPathIsCountedAsThePoolsOwnCalls) {
 }
 
 // A garbage answer (a NaN, an infinity) is refused: the call fails
-// DATA_LOSS naming the value's place (UNAVAILABLE to the client, as the
-// worker maps the service's failures), the pass that read it is dropped,
-// and the failure is counted; the next call is served.
+// DATA_LOSS naming the value's place (INTERNAL to the engine, which re-runs
+// the pass request by request), the pass that read it is dropped, and the
+// failure is counted; the next call is served.
 TEST_F(DeviceCalls, AGarbageAnswerIsRefused) {
   ASSERT_NO_FATAL_FAILURE(Start(absl::Seconds(10)));
   const int64_t H = config_.hidden_size;
@@ -212,8 +212,8 @@ TEST_F(DeviceCalls, AGarbageAnswerIsRefused) {
       SCOPED_TRACE(absl::StrCat(PathName(path), " ", v));
       const absl::Status st =
           Call(path, 0, 2, [&] { const_cast<float*>(slots_->view(0).out)[H + 5] = v; });
-      EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
-      EXPECT_THAT(std::string(st.message()), HasSubstr("DATA_LOSS")) << st;
+      EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+      EXPECT_THAT(std::string(st.message()), HasSubstr("answer was refused")) << st;
       EXPECT_THAT(std::string(st.message()), HasSubstr("non-finite value (row 1, column 5)")) << st;
       EXPECT_TRUE(Call(path, 0, 2).ok());
     }
@@ -221,6 +221,19 @@ TEST_F(DeviceCalls, AGarbageAnswerIsRefused) {
   EXPECT_EQ(Calls("data_loss"), 4);
   EXPECT_EQ(Calls("ok"), 4);
   EXPECT_EQ(Up(), 1) << "a garbage answer is not a service down";
+  // The pool's own path (the CPU backend's, the cuda host copy path's): a
+  // NaN hidden row comes back NaN and is refused alike.
+  const int64_t k = config_.moe.experts_per_token;
+  std::vector<float> hidden(static_cast<size_t>(2 * H), 0.f), out(hidden.size());
+  hidden[static_cast<size_t>(H + 7)] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<int32_t> ids(static_cast<size_t>(2 * k));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % k);
+  std::vector<float> w(ids.size(), 0.25f);
+  const absl::Status st = experts_->Forward(
+      ExpertBatch{layer_, 2, H, hidden.data(), static_cast<int>(k), ids.data(), w.data()},
+      out.data());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("non-finite value (row 1, column ")) << st;
 }
 
 // A hung service (stopped) while the device waits on a slot word: the call
