@@ -34,7 +34,16 @@ bool StartCuda(Pair& pair, const std::vector<std::string>& extra, std::string* w
   std::ifstream f(pair.log("worker"));
   const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   if (log.find("CUDA") != std::string::npos || log.find("cuda") != std::string::npos) {
-    *why = log;
+    // The log's last line that names it.
+    std::string line;
+    for (size_t end = log.size(); end > 0 && why->empty();) {
+      const size_t start = log.rfind('\n', end - 1);
+      line = log.substr(start == std::string::npos ? 0 : start + 1,
+                        end - (start == std::string::npos ? 0 : start + 1));
+      if (line.find("cuda") != std::string::npos || line.find("CUDA") != std::string::npos)
+        *why = line;
+      end = start == std::string::npos ? 0 : start;
+    }
     return false;
   }
   ADD_FAILURE() << log;
