@@ -57,7 +57,9 @@ absl::Status HostNodePath::Register() {
 }
 
 absl::StatusOr<bool> HostNodePath::Prepare() {
-  ASSIGN_OR_RETURN(uint64_t gen, slots_->Prepare(absl::Now() + absl::Seconds(10)));
+  // A reconnect gets what a call gets (the slots fail fast while the
+  // service is known down).
+  ASSIGN_OR_RETURN(uint64_t gen, slots_->Prepare(absl::Now() + slots_->call_timeout()));
   if (gen == gen_) return false;
   RETURN_IF_ERROR(Register());
   gen_ = gen;

@@ -11,15 +11,22 @@ namespace hmoe {
 // Whatever went wrong between the worker and the expert service is
 // UNAVAILABLE to the client, as api.proto says, except a call the worker
 // itself got wrong (the pool's or the service's INVALID_ARGUMENT: NaN router
-// weights), which is INTERNAL: no client's input is to blame (the engine still re-runs the pass
-// request by request, so a NaN from one request fails that request only). The message keeps the
-// transport's words. A shard restarted serving something else (another format, part, checkpoint or
-// a smaller --max-tokens: the pool's FAILED_PRECONDITION) is UNAVAILABLE too. The expert call's
-// deadline is the worker's own --expert-timeout-ms: a miss is not the client's DEADLINE_EXCEEDED.
+// weights) or an answer refused for a non-finite value, which is INTERNAL: no client's input is to
+// blame (the engine still re-runs the pass request by request, so a NaN from one request fails that
+// request only). The message keeps the transport's words. A shard restarted serving something else
+// (another format, part, checkpoint or a smaller --max-tokens: the pool's FAILED_PRECONDITION) is
+// UNAVAILABLE too. The expert call's deadline is the worker's own --expert-timeout-ms: a miss is
+// not the client's DEADLINE_EXCEEDED.
 absl::Status PoolRoutedExperts::ExpertFailure(const absl::Status& st) const {
   if (absl::IsInvalidArgument(st)) {
     return absl::InternalError(
         absl::StrCat("the worker's expert call was refused: ", std::string(st.message())));
+  }
+  // An answer holding a non-finite value (CheckAnswer): INTERNAL too, so that
+  // the engine's re-run finds the request whose input produced it.
+  if (absl::IsDataLoss(st)) {
+    return absl::InternalError(
+        absl::StrCat("the expert service's answer was refused: ", std::string(st.message())));
   }
   if (st.ok() || absl::IsUnavailable(st)) return st;
   if (absl::IsDeadlineExceeded(st)) {
@@ -106,6 +113,8 @@ absl::Status PoolRoutedExperts::Wait(uint64_t ticket) {
     if (p->first.ok()) p->first = st;
     SubmitMore(*p);
   }
+  if (p->first.ok())
+    p->first = CheckAnswer(p->out, static_cast<int32_t>(p->batch.num_tokens), p->batch.hidden_size);
   return ExpertFailure(p->first);
 }
 

@@ -25,7 +25,8 @@ class PoolRoutedExperts final : public RoutedExperts {
   // Each call gets `call_timeout`; a shard that misses it is UNAVAILABLE (the
   // pool's fail_fast_after_miss then spares the calls queued behind it). A
   // batch of more tokens than the shards take (ShardInfo::max_tokens) is sent
-  // as several calls under the one deadline.
+  // as several calls under the one deadline. An answer holding a non-finite
+  // value is refused (INTERNAL naming its place; CheckAnswer).
   static absl::StatusOr<std::unique_ptr<PoolRoutedExperts>> Create(
       const ModelConfig& config, ExpertPool* pool, absl::Duration call_timeout,
       const std::string& source_fingerprint = "");

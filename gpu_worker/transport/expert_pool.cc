@@ -30,6 +30,36 @@ absl::StatusOr<TransportKind> ParseTransportKind(const std::string& s) {
   return absl::InvalidArgumentError(absl::StrCat("transport: \"", s, "\" is not grpc, shm or ucx"));
 }
 
+// A shard's ExpertCallLedger: the slots' calls are the pool's.
+class ExpertPool::ShardLedger final : public ExpertCallLedger {
+ public:
+  ShardLedger(ExpertPool* pool, int shard) : pool_(pool), shard_(shard) {}
+  absl::Status Admit() override {
+    return Annotate(pool_->FailingFast(pool_->shards_[static_cast<size_t>(shard_)]), Where());
+  }
+  void Ended(const SlotCallEnd& e) override {
+    pool_->Account(shard_, e.status, e.sent, /*late=*/false, e.took, e.tokens, e.top_k);
+  }
+  void Reconnected(const absl::Status& st) override {
+    std::lock_guard<std::mutex> lock(pool_->mu_);
+    Shard& sh = pool_->shards_[static_cast<size_t>(shard_)];
+    if (st.ok())
+      sh.up = true;
+    else if (absl::IsUnavailable(st) || absl::IsUnauthenticated(st) ||
+             absl::IsPermissionDenied(st) || absl::IsFailedPrecondition(st))
+      sh.up = false;
+    if (sh.up_gauge) sh.up_gauge->Set(sh.up ? 1 : 0);
+  }
+
+ private:
+  std::string Where() const {
+    return absl::StrCat("expert shard ", shard_, " (",
+                        pool_->shards_[static_cast<size_t>(shard_)].target, ")");
+  }
+  ExpertPool* pool_;
+  int shard_;
+};
+
 absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPoolOptions& opts) {
   if (opts.targets.empty()) return absl::InvalidArgumentError("targets: no shards given");
   auto pool = std::unique_ptr<ExpertPool>(new ExpertPool());
@@ -118,6 +148,8 @@ absl::StatusOr<std::unique_ptr<ExpertPool>> ExpertPool::Connect(const ExpertPool
     }
   }
   pool->shards_ = std::move(shards);
+  for (size_t i = 0; i < pool->shards_.size(); ++i)
+    pool->ledgers_.push_back(std::make_unique<ShardLedger>(pool.get(), static_cast<int>(i)));
   if (opts.metrics != nullptr) RETURN_IF_ERROR(pool->RegisterMetrics(*opts.metrics));
   return pool;
 }
@@ -139,9 +171,21 @@ absl::Status ExpertPool::RegisterMetrics(MetricsRegistry& reg) {
                                                       "1 while the last call or health check "
                                                       "found the expert shard serving, else 0.",
                                                       {"shard"}));
+  ASSIGN_OR_RETURN(CounterFamily tokens,
+                   reg.AddCounterFamily("hmoe_expert_call_tokens_total",
+                                        "Token rows of the expert calls sent to each shard.",
+                                        {"transport", "shard"}));
+  ASSIGN_OR_RETURN(CounterFamily bytes,
+                   reg.AddCounterFamily("hmoe_expert_call_bytes_total",
+                                        "Payload bytes of the expert calls sent to each shard: "
+                                        "requests sent, answers received.",
+                                        {"transport", "shard", "direction"}));
   const std::string transport = TransportKindName(transport_);
   for (Shard& sh : shards_) {
     ASSIGN_OR_RETURN(sh.calls_ok, calls.WithLabels({transport, sh.target, "ok"}));
+    ASSIGN_OR_RETURN(sh.tokens, tokens.WithLabels({transport, sh.target}));
+    ASSIGN_OR_RETURN(sh.bytes_sent, bytes.WithLabels({transport, sh.target, "sent"}));
+    ASSIGN_OR_RETURN(sh.bytes_received, bytes.WithLabels({transport, sh.target, "received"}));
     ASSIGN_OR_RETURN(sh.call_seconds, seconds.WithLabels({transport, sh.target}));
     ASSIGN_OR_RETURN(sh.up_gauge, up.WithLabels({sh.target}));
     sh.up_gauge->Set(1);
@@ -150,10 +194,29 @@ absl::Status ExpertPool::RegisterMetrics(MetricsRegistry& reg) {
   return absl::OkStatus();
 }
 
-void ExpertPool::CountCall(const Sub& sub, const absl::Status& st) {
-  const Shard& sh = shards_[static_cast<size_t>(sub.shard)];
-  if (sub.submit_status.ok())
-    sh.call_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - sub.started));
+void ExpertPool::Account(int shard, const absl::Status& st, bool sent, bool late,
+                         absl::Duration took, int64_t tokens, int64_t top_k) {
+  Shard& sh = shards_[static_cast<size_t>(shard)];
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (st.ok())
+      sh.up = true;
+    else if (absl::IsUnavailable(st) || absl::IsUnauthenticated(st) ||
+             absl::IsPermissionDenied(st) || absl::IsFailedPrecondition(st))
+      sh.up = false;
+    // Only a shard that was sent the call in time and missed it fails fast.
+    if (absl::IsDeadlineExceeded(st) && !late && fail_fast_after_miss_ > absl::ZeroDuration())
+      sh.fail_fast_until = absl::Now() + fail_fast_after_miss_;
+    if (sh.up_gauge) sh.up_gauge->Set(sh.up ? 1 : 0);
+  }
+  if (!calls_metric_) return;
+  if (sent) {
+    const int64_t H = model_.hidden;
+    sh.call_seconds->Observe(absl::ToDoubleSeconds(took));
+    sh.tokens->Increment(static_cast<double>(tokens));
+    sh.bytes_sent->Increment(static_cast<double>(tokens * (H * 2 + top_k * 8)));
+    if (st.ok()) sh.bytes_received->Increment(static_cast<double>(tokens * H * 4));
+  }
   if (st.ok()) {
     sh.calls_ok->Increment();
     return;
@@ -217,6 +280,8 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, abs
     Shard& sh = shards_[i];
     Sub sub;
     sub.shard = static_cast<int>(i);
+    sub.tokens = call.tokens;
+    sub.top_k = k;
     if (model_.split == SplitMode::kTp) {
       // The first shard answers straight into `out`; the others' partials are added in Wait.
       if (i == 0) {
@@ -238,6 +303,7 @@ absl::StatusOr<uint64_t> ExpertPool::Submit(const MoeCall& call, float* out, abs
       }
       if (sub.rows.empty()) continue;
       const int32_t n = static_cast<int32_t>(sub.rows.size());
+      sub.tokens = n;
       std::vector<uint16_t> x(static_cast<size_t>(n * H));
       std::vector<int32_t> ids(static_cast<size_t>(n * k));
       std::vector<float> w(static_cast<size_t>(n * k));
@@ -273,20 +339,9 @@ absl::Status ExpertPool::Wait(uint64_t handle, absl::Time deadline) {
     absl::Status st = sub.submit_status.ok() ? shards_[static_cast<size_t>(sub.shard)].client->Wait(
                                                    sub.handle, deadline)
                                              : sub.submit_status;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      Shard& sh = shards_[static_cast<size_t>(sub.shard)];
-      if (st.ok())
-        sh.up = true;
-      else if (absl::IsUnavailable(st) || absl::IsUnauthenticated(st) ||
-               absl::IsPermissionDenied(st) || absl::IsFailedPrecondition(st))
-        sh.up = false;
-      // Only a shard that was sent the call in time and missed it fails fast.
-      if (absl::IsDeadlineExceeded(st) && !sub.late && fail_fast_after_miss_ > absl::ZeroDuration())
-        sh.fail_fast_until = absl::Now() + fail_fast_after_miss_;
-      if (sh.up_gauge) sh.up_gauge->Set(sh.up ? 1 : 0);
-    }
-    if (calls_metric_) CountCall(sub, st);
+    Account(sub.shard, st, sub.submit_status.ok(), sub.late,
+            calls_metric_ ? absl::Now() - sub.started : absl::ZeroDuration(), sub.tokens,
+            sub.top_k);
     if (!st.ok() && first.ok()) {
       first = Annotate(st, absl::StrCat("expert shard ", sub.shard, " (",
                                         shards_[static_cast<size_t>(sub.shard)].target, ")"));

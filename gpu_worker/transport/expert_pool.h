@@ -64,9 +64,16 @@ struct ExpertPoolOptions {
   //   hmoe_expert_call_seconds{transport,shard}: from Submit to Wait seeing
   //     that shard's answer or failure, calls sent to it only (a caller that
   //     waits late, as Expert Deferral does, adds its own delay);
+  //   hmoe_expert_call_tokens_total{transport,shard}: token rows of the
+  //     calls sent to it;
+  //   hmoe_expert_call_bytes_total{transport,shard,direction}: payload
+  //     bytes of those calls, direction "sent" (bf16 rows, ids, weights) or
+  //     "received" (the f32 answers of the calls that succeeded);
   //   hmoe_expert_shard_up{shard}: 1/0 as the last observation of the shard
   //     found it: a call's outcome as ShardsUp, or a CheckHealth.
-  // Calls through zero-copy shm slots (MakeShmExpertSlots) are not counted.
+  // Every call is counted alike, whoever sends it: Submit / Wait, and the
+  // slots of MakeSlots (a call a device sends is counted when its Wait sees
+  // the outcome, after the device's pass; its latency runs from Arm).
   MetricsRegistry* metrics = nullptr;
 };
 
@@ -131,8 +138,10 @@ class ExpertPool {
   // Fixed expert-call slots (expert_slots.h) over this pool: zero copy in
   // the shard's own shared memory when the pool is one shm shard (a segment
   // of its own, beside the one Submit uses), else staged through
-  // Submit / Wait. FAILED_PRECONDITION when the shards take fewer tokens
-  // per call than opts.max_tokens, or a smaller top-k than opts.top_k.
+  // Submit / Wait. Either way the slots' calls are this pool's: counted in
+  // its metrics, failing fast as Submit's do (FailingFast) and updating
+  // ShardsUp and the fail-fast state (opts.ledger is replaced). FAILED_PRECONDITION when the shards
+  // take fewer tokens per call than opts.max_tokens, or a smaller top-k than opts.top_k.
   absl::StatusOr<std::unique_ptr<ExpertSlots>> MakeSlots(const ExpertSlotsOptions& opts);
 
   // Last known state per shard: false after an UNAVAILABLE, a refused
@@ -168,11 +177,16 @@ class ExpertPool {
     std::string changed;  // guarded by mu_
     // With ExpertPoolOptions::metrics: this shard's children.
     Counter* calls_ok = nullptr;
+    Counter* tokens = nullptr;
+    Counter* bytes_sent = nullptr;
+    Counter* bytes_received = nullptr;
     Histogram* call_seconds = nullptr;
     Gauge* up_gauge = nullptr;
   };
+  class ShardLedger;
   struct Sub {
     int shard = 0;
+    int32_t tokens = 0, top_k = 0;
     uint64_t handle = 0;
     absl::Status submit_status;
     // The deadline had passed before this shard was sent the call (an earlier
@@ -202,16 +216,21 @@ class ExpertPool {
   void ReturnScratch(std::vector<float> buf);
   // Registers the metrics and caches each shard's children (Connect).
   absl::Status RegisterMetrics(MetricsRegistry& reg);
-  // One call's part for `sub` ended with `st` (metrics set).
-  void CountCall(const Sub& sub, const absl::Status& st);
+  // The one accounting point of a call's part for shard `shard`, whoever
+  // sent it: ShardsUp, the fail-fast state after a miss, the metrics.
+  // `sent`: it reached the shard (its latency `took` counts); `late`: its
+  // deadline had passed before it was sent (not the shard's miss).
+  void Account(int shard, const absl::Status& st, bool sent, bool late, absl::Duration took,
+               int64_t tokens, int64_t top_k);
 
   ShardInfo model_;
   TransportKind transport_ = TransportKind::kGrpc;
   absl::Duration fail_fast_after_miss_;
   absl::Duration fail_fast_after_failed_check_;
   int max_in_flight_ = 0;
-  std::vector<Shard> shards_;                  // by shard index
-  std::optional<CounterFamily> calls_metric_;  // with ExpertPoolOptions::metrics
+  std::vector<Shard> shards_;                               // by shard index
+  std::vector<std::unique_ptr<ExpertCallLedger>> ledgers_;  // ShardLedger by shard index
+  std::optional<CounterFamily> calls_metric_;               // with ExpertPoolOptions::metrics
   mutable std::mutex mu_;
   uint64_t next_ = 1;
   std::map<uint64_t, std::unique_ptr<Op>> ops_;

@@ -1,6 +1,8 @@
 #include "gpu_worker/transport/expert_slots.h"
 
+#include <bit>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -49,12 +51,29 @@ SlotView HostMemorySlots::view(int slot) const {
                   reinterpret_cast<const float*>(p + out_off_)};
 }
 
+absl::Status CheckAnswer(const float* out, int32_t tokens, int64_t hidden) {
+  if (out == nullptr) return absl::InternalError("expert slots: no answer region");
+  const int64_t n = int64_t{tokens} * hidden;
+  // A branch-free pass first (one the compiler can vectorize): an all-ones
+  // exponent is a NaN or an infinity; the second pass finds where.
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i)
+    bad |= static_cast<uint32_t>((std::bit_cast<uint32_t>(out[i]) & 0x7f800000u) == 0x7f800000u);
+  if (bad == 0) return absl::OkStatus();
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(out[i]))
+      return absl::DataLossError(absl::StrCat("the expert answer holds a non-finite value (row ",
+                                              i / hidden, ", column ", i % hidden, "); refused"));
+  }
+  return absl::OkStatus();
+}
+
 ExpertSlotsBase::ExpertSlotsBase(int64_t hidden, const ExpertSlotsOptions& opts)
     : opts_(opts), hidden_(hidden), calls_(static_cast<size_t>(opts.num_slots)) {}
 
 void ExpertSlotsBase::Record(const absl::Status& st, int slot, int32_t layer) {
   if (st.ok()) return;
-  absl::Status mapped = opts_.map_failure ? opts_.map_failure(st) : st;
+  absl::Status mapped = Mapped(st);
   std::lock_guard<std::mutex> lock(mu_);
   if (first_.ok())
     first_ = Annotate(mapped, absl::StrCat("layer ", layer, " routed experts (slot ", slot, ")"));
@@ -83,7 +102,10 @@ bool ExpertSlotsBase::Claim(int slot, int32_t layer, int32_t tokens, int32_t top
   c.pending = true;
   c.sent = false;
   c.layer = layer;
-  c.deadline = absl::Now() + opts_.call_timeout;
+  c.tokens = tokens;
+  c.top_k = top_k;
+  c.started = absl::Now();
+  c.deadline = c.started + opts_.call_timeout;
   if (tokens == 0) return false;  // nothing to compute; Wait returns at once
   {
     // A failure since the last TakeStatus dooms the pass: the rest of its
@@ -98,9 +120,14 @@ bool ExpertSlotsBase::Claim(int slot, int32_t layer, int32_t tokens, int32_t top
            slot, layer);
     return false;
   }
-  absl::Status st = arm ? DoArm(slot, layer, tokens, top_k, c.deadline)
-                        : DoSubmit(slot, layer, tokens, top_k, c.deadline);
+  absl::Status st = opts_.ledger != nullptr ? opts_.ledger->Admit() : absl::OkStatus();
+  if (st.ok())
+    st = arm ? DoArm(slot, layer, tokens, top_k, c.deadline)
+             : DoSubmit(slot, layer, tokens, top_k, c.deadline);
   c.sent = st.ok();
+  // A refusal is the call's end; a sent call ends at its Wait.
+  if (!st.ok() && opts_.ledger != nullptr)
+    opts_.ledger->Ended(SlotCallEnd{layer, tokens, top_k, false, absl::ZeroDuration(), st});
   Record(st, slot, layer);
   return c.sent;
 }
@@ -120,9 +147,13 @@ void ExpertSlotsBase::Wait(int slot) {
   if (!c.sent) return;  // its failure (or empty call) is already recorded
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status st = DoWait(slot, c.deadline);
+  if (st.ok()) st = CheckAnswer(view(slot).out, c.tokens, hidden_);
   wait_ns_.fetch_add(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
           .count());
+  // ABORTED: an armed call the device never sent, no call of the service's.
+  if (opts_.ledger != nullptr && !absl::IsAborted(st))
+    opts_.ledger->Ended(SlotCallEnd{c.layer, c.tokens, c.top_k, true, absl::Now() - c.started, st});
   Record(st, slot, c.layer);
 }
 

@@ -20,7 +20,9 @@
 // DEADLINE_EXCEEDED (no answer in time; the slot stays blocked until the
 // service finishes the abandoned call or goes away), the service's own
 // refusals (INVALID_ARGUMENT naming the field), FAILED_PRECONDITION (bad slot
-// use: a slot submitted twice, an unknown slot, too many tokens).
+// use: a slot submitted twice, an unknown slot, too many tokens), DATA_LOSS
+// (an answer with a non-finite value), and with a ledger its Admit's
+// refusals (UNAVAILABLE: the service known down).
 #pragma once
 
 #include <atomic>
@@ -36,6 +38,36 @@
 
 namespace hmoe {
 
+// How one slot call ended, for ExpertCallLedger::Ended.
+struct SlotCallEnd {
+  int32_t layer = 0;
+  int32_t tokens = 0;
+  int32_t top_k = 0;
+  // It reached the service (a call refused before it was sent: false).
+  bool sent = false;
+  // From Submit / Arm to the host seeing its answer or failure (sent calls;
+  // for a call the device sends, its Wait comes after the pass).
+  absl::Duration took;
+  absl::Status status;  // the transport's own outcome (before map_failure)
+};
+
+// Where a transport accounts the calls its slots carry and refuses them
+// while the service is known down: the same bookkeeping as its other calls
+// (ExpertPool's, per shard). Any thread.
+class ExpertCallLedger {
+ public:
+  virtual ~ExpertCallLedger() = default;
+  // OK, or why no call may be sent now (UNAVAILABLE: the service failed its
+  // last health check or missed a deadline lately). Checked before each
+  // call and before a reconnect.
+  virtual absl::Status Admit() = 0;
+  // A call that Admit let through ended.
+  virtual void Ended(const SlotCallEnd& end) = 0;
+  // A reconnect (ExpertSlots::Prepare) ended with `st`: the service's state,
+  // not a call.
+  virtual void Reconnected(const absl::Status& st) = 0;
+};
+
 struct ExpertSlotsOptions {
   int64_t hidden = 0;  // H, the model's hidden size
   int num_slots = 0;
@@ -49,6 +81,9 @@ struct ExpertSlotsOptions {
   // cudaHostUnregister it): at destruction, and when Prepare moves the
   // slots. Never called from Submit or Wait. May be empty.
   std::function<void(void* base, uint64_t bytes)> before_release;
+  // Borrowed, outlives the slots; null: calls are neither accounted nor
+  // refused here (staged slots: their transport does both).
+  ExpertCallLedger* ledger = nullptr;
 };
 
 // A slot's regions (for the current generation).
@@ -77,7 +112,9 @@ class ExpertSlots {
 
   // Outside any graph, before a pass: reconnects to the service when it went
   // away (until `deadline`), and returns the generation, which changes when
-  // the slots moved (views, regions: re-read them, recapture graphs).
+  // the slots moved (views, regions: re-read them, recapture graphs). With a
+  // ledger, fails at once (its Admit's status, mapped) while the service is
+  // known down; failures are mapped as a call's.
   virtual absl::StatusOr<uint64_t> Prepare(absl::Time deadline) = 0;
   virtual SlotView view(int slot) const = 0;
   virtual std::vector<HostRegion> regions() const = 0;
@@ -88,7 +125,9 @@ class ExpertSlots {
   // anyway, and a hung service then costs one deadline per pass.
   virtual void Submit(int slot, int32_t layer, int32_t tokens, int32_t top_k) = 0;
   // Waits until the slot's answer is in view(slot).out, or the call's
-  // deadline; on failure the response region is unspecified.
+  // deadline; on failure the response region is unspecified. An answer
+  // with a non-finite value is a failure (DATA_LOSS, CheckAnswer): a pass
+  // that already read it is dropped as for any failed call.
   virtual void Wait(int slot) = 0;
   // The first failure since the last TakeStatus (OK if none), and clears it.
   virtual absl::Status TakeStatus() = 0;
@@ -134,6 +173,10 @@ class ExpertSlots {
   virtual bool service_alive() const { return true; }
 };
 
+// DATA_LOSS naming the first non-finite value of an answer of `tokens` rows
+// of `hidden` f32 (a service answering garbage), else OK.
+absl::Status CheckAnswer(const float* out, int32_t tokens, int64_t hidden);
+
 // The common bookkeeping of an implementation: per-slot submitted state,
 // the first failure, the time spent waiting. Submit/Wait of one slot come
 // from one thread at a time; TakeStatus from any.
@@ -158,7 +201,13 @@ class ExpertSlotsBase : public ExpertSlots {
   // capacity, tokens > 0); `deadline` is the call's.
   virtual absl::Status DoSubmit(int slot, int32_t layer, int32_t tokens, int32_t top_k,
                                 absl::Time deadline) = 0;
+  // ABORTED only for an armed call that was never sent (the device's pass
+  // stopped first): released, and not a call the ledger counts.
   virtual absl::Status DoWait(int slot, absl::Time deadline) = 0;
+  // `st` as TakeStatus reports it (ExpertSlotsOptions::map_failure).
+  absl::Status Mapped(const absl::Status& st) const {
+    return st.ok() || !opts_.map_failure ? st : opts_.map_failure(st);
+  }
   // Arm's: the call written, not sent (only where device_wait().request != 0).
   virtual absl::Status DoArm(int slot, int32_t layer, int32_t tokens, int32_t top_k,
                              absl::Time deadline) {
@@ -171,8 +220,8 @@ class ExpertSlotsBase : public ExpertSlots {
   struct Call {
     bool pending = false;  // submitted, not yet waited
     bool sent = false;     // DoSubmit succeeded
-    int32_t layer = 0;
-    absl::Time deadline;
+    int32_t layer = 0, tokens = 0, top_k = 0;
+    absl::Time started, deadline;
   };
   void Record(const absl::Status& st, int slot, int32_t layer);
   // Submit and Arm: checks, bookkeeping, then DoSubmit or DoArm; whether sent.

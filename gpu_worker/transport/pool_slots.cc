@@ -47,7 +47,13 @@ class ShmSlots final : public ExpertSlotsBase {
   }
   const char* kind() const override { return "shm (zero copy)"; }
   absl::StatusOr<uint64_t> Prepare(absl::Time deadline) override {
+    // A service known down is not waited for (as a call to it is not).
+    // (Its segment, if any, stays as it is.)
+    if (opts_.ledger != nullptr) RETURN_IF_ERROR(Mapped(opts_.ledger->Admit()));
     absl::StatusOr<uint64_t> got = client_->EnsureSegment(deadline);
+    // A reconnect's outcome is news about the service; a segment kept is not.
+    if (opts_.ledger != nullptr && (!got.ok() || *got != gen_))
+      opts_.ledger->Reconnected(got.status());
     if (!got.ok()) {
       // The old segment was given up (before_release called): no view may
       // point into it.
@@ -55,7 +61,7 @@ class ShmSlots final : public ExpertSlotsBase {
       std::fill(states_.begin(), states_.end(), nullptr);
       region_ = HostRegion{};
       gen_ = 0;
-      return got.status();
+      return Mapped(got.status());
     }
     const uint64_t gen = *got;
     if (gen != gen_) {
@@ -166,9 +172,13 @@ absl::StatusOr<std::unique_ptr<ExpertSlots>> ExpertPool::MakeSlots(const ExpertS
     so.before_unmap = opts.before_release;
     auto c = ShmClient::Create(shards_[0].control, shards_[0].info, so);
     if (!c.ok()) return Annotate(c.status(), absl::StrCat("expert shard ", shards_[0].target));
-    return MakeShmExpertSlots(std::move(*c), model_.hidden, opts);
+    ExpertSlotsOptions zero_copy = opts;
+    zero_copy.ledger = ledgers_[0].get();
+    return MakeShmExpertSlots(std::move(*c), model_.hidden, zero_copy);
   }
-  return MakeStagedExpertSlots(this, opts);
+  ExpertSlotsOptions staged = opts;
+  staged.ledger = nullptr;  // Submit / Wait account for them
+  return MakeStagedExpertSlots(this, staged);
 }
 
 }  // namespace hmoe
