@@ -39,6 +39,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -260,6 +261,20 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
       GTEST_SKIP() << "the worker cannot run --backend=cuda here: " << log;
     FAIL() << "the pair did not start; the worker's log:\n" << log;
   }
+  // The logs go with the pair's folder: their ends for a failure's
+  // diagnosis, however the test ends (an ASSERT returns early).
+  struct OnExit {
+    std::function<void()> f;
+    ~OnExit() { f(); }
+  } print_logs{[&] {
+    if (!HasFailure()) return;
+    for (const std::string process : {"worker", "expert0"}) {
+      std::ifstream in(pair.log(process));
+      const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      std::printf("[ soak     ] the %s's log, last 4000 bytes:\n%s\n", process.c_str(),
+                  log.substr(log.size() > 4000 ? log.size() - 4000 : 0).c_str());
+    }
+  }};
   const int worker_pid = pair.worker().pid();
   ASSERT_GT(worker_pid, 0);
   int http_port = 0;
