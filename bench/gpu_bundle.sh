@@ -10,7 +10,8 @@
 #                     shared libraries (../shared/gpu-machine/bundle.sh, or
 #                     BUNDLE_SH; debug info stripped), recompressed with xz
 # OUT_DIR/extras.txz  what the tests that skip there lack: promtool (Debian's
-#                     prometheus; a static Go binary), ip(8) with its
+#                     prometheus; a static Go binary), ip(8) and
+#                     systemd-analyze (with Debian's target units) with their
 #                     libraries, the Python stubs (BUILD_DIR/python), the
 #                     wheels of the OpenAI client's venv
 #                     (tests/e2e/openai_client/requirements.txt) and of the
@@ -35,6 +36,7 @@ for p in hmoe-tests hmoe-gpu-worker hmoe-expert-service hmoe-expert-bench hmoe; 
   progs+=("$build/bin/$p")
 done
 bash "$bundle_sh" "$out/b.tgz" "${progs[@]}" >/dev/null
+packed=" $(tar tzf "$out/b.tgz" | sed -n 's#^\./lib/##p' | tr '\n' ' ') "
 gzip -dc "$out/b.tgz" | xz -T0 -6 >"$out/b.txz"
 rm -f "$out/b.tgz"
 
@@ -42,17 +44,31 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/tools/bin" "$stage/tools/lib" "$stage/wheels/openai" "$stage/wheels/grpc"
 cp "$(command -v promtool)" "$stage/tools/bin/promtool"
-# ip(8) and the libraries it loads beyond the C runtime, for a wrapper that
-# gives it (alone) its own library path.
-ipbin=$(command -v ip)
-cp "$ipbin" "$stage/tools/bin/ip.real"
-ldd "$ipbin" | awk '/=> \//{print $1, $3}' | while read -r name path; do
-  [[ $name =~ ^(libc\.so|libm\.so|ld-linux|libpthread|libdl\.so|librt\.so) ]] && continue
-  cp -L "$path" "$stage/tools/lib/$name"
-done
-printf '#!/bin/sh\nd=$(dirname "$0")\nLD_LIBRARY_PATH="$d/../lib" exec "$d/ip.real" "$@"\n' \
-  >"$stage/tools/bin/ip"
-chmod +x "$stage/tools/bin/ip"
+# ip(8) and systemd-analyze with the libraries they load beyond the C
+# runtime and b.txz's, for wrappers that give them (alone) their own library
+# path (then b.txz's, which bench/gpu_suite.sh sets); systemd-analyze with
+# Debian's target units, the ones the service units are verified against.
+carry_tool() {  # carry_tool PROGRAM [ENV=VALUE ...]: tools/bin/NAME wrapping tools/bin/NAME.real
+  local prog name
+  prog=$(command -v "$1") || { echo "gpu_bundle: no $1 here" >&2; exit 2; }
+  name=$(basename "$1")
+  shift
+  cp -L "$prog" "$stage/tools/bin/$name.real"
+  ldd "$prog" | awk '/=> \//{print $1, $3}' | while read -r lib path; do
+    [[ $lib =~ ^(libc\.so|libm\.so|ld-linux|libpthread|libdl\.so|librt\.so) ]] && continue
+    [[ $packed == *" $lib "* ]] && continue
+    cp -L "$path" "$stage/tools/lib/$lib"
+  done
+  # shellcheck disable=SC2016  # expanded by the wrapper
+  printf '#!/bin/sh\nd=$(cd "$(dirname "$(readlink -f "$0")")/.." && pwd)\nexport %s LD_LIBRARY_PATH="$d/lib:${LD_LIBRARY_PATH:-}"\nexec "$d/bin/%s.real" "$@"\n' \
+    "$*" "$name" >"$stage/tools/bin/$name"
+  chmod +x "$stage/tools/bin/$name"
+}
+carry_tool ip
+mkdir -p "$stage/tools/units"
+cp /lib/systemd/system/*.target "$stage/tools/units/"
+# shellcheck disable=SC2016  # expanded by the wrapper
+carry_tool systemd-analyze 'SYSTEMD_UNIT_PATH="$d/units"'
 [ -d "$build/python" ] && cp -r "$build/python" "$stage/python"
 pip_dl() {  # pip_dl DIR -r FILE: wheels for CPython 3.12 x86-64, no deps resolved (all pinned)
   local dir=$1

@@ -13,8 +13,8 @@
 #                                         back its samples and summary
 #
 # OUT_DIR defaults to $OUT. Environment: BUNDLE (.gpu/b.txz), EXTRAS
-# (.gpu/extras.txz), JOBS (tests at a time; default 12 of 16 cores, the rest
-# left to the soak), TEST_SECONDS (per test, as ctest's --timeout: 300),
+# (.gpu/extras.txz), JOBS (tests at a time; default 8 on 16 cores: each test's
+# expert service runs threads on every core, and the soak runs beside them), TEST_SECONDS (per test, as ctest's --timeout: 300),
 # SUITE_SECONDS (all of them: 450, so that call 1 ends inside its 600 s),
 # SOAK_SECONDS (600), SOAK=0 (no soak), COLLECT_SECONDS (call 2's wait: 570),
 # ROOT (/tmp: where b/, bx/, hmoe-soak/ and hmoe-suite/ go).
@@ -95,10 +95,29 @@ tar xJf "$bundle" -C "$B" && tar xJf "$extras" -C "$X" || exit 1
   [ -x /usr/bin/promtool ] || install -m 755 "$X/tools/bin/promtool" /usr/bin/promtool
   /usr/bin/promtool --version 2>&1 | head -1
 
-  # ip(8) for UcxNetns (needs root and network namespaces with a veth pair).
+  # Carried tools go on PATH (through $X/path) only where missing and
+  # working here. ip(8) for UcxNetns (which also needs root and network
+  # namespaces with a veth pair).
+  mkdir -p "$X/path"
+  export PATH=$PATH:$X/path
   if ! command -v ip >/dev/null; then
-    export PATH=$PATH:$X/tools/bin
+    ln -s "$X/tools/bin/ip" "$X/path/ip"
     echo "ip: carried ($(ip -V 2>&1))"
+  fi
+  # systemd-analyze for Deploy.SystemdUnitsVerify: Debian's, with its
+  # libraries and target units, where it verifies a trivial unit here.
+  if ! command -v systemd-analyze >/dev/null; then
+    probe=$(mktemp -d)
+    printf '[Service]\nExecStart=/bin/true\n' >"$probe/hmoe-probe.service"
+    if (cd "$probe" && "$X/tools/bin/systemd-analyze" verify --man=no hmoe-probe.service) \
+      >"$probe/out" 2>&1; then
+      ln -s "$X/tools/bin/systemd-analyze" "$X/path/systemd-analyze"
+      echo "systemd-analyze: carried ($(systemd-analyze --version | head -1))"
+    else
+      echo "systemd-analyze: carried but does not run here, left off PATH (Deploy.SystemdUnitsVerify skips):"
+      cat "$probe/out"
+    fi
+    rm -rf "$probe"
   fi
 
   # /usr/bin/python3 with gRPC for the Python client's tests (serving_test:
@@ -131,9 +150,6 @@ tar xJf "$bundle" -C "$B" && tar xJf "$extras" -C "$X" || exit 1
   fi
   "$venv/bin/python" -c 'import openai; print("openai venv:", openai.__version__)' 2>&1
 
-  echo "systemd-analyze: not brought (systemd is the OS's init and unit tree, not a tool that" \
-    "travels: Debian's binary needs its libsystemd-shared and the units it verifies against," \
-    "and this sandbox runs no systemd): Deploy.SystemdUnitsVerify skips"
 } >"$out/setup.txt" 2>&1
 cat "$out/setup.txt"
 
@@ -158,7 +174,7 @@ rm -rf "$res" && mkdir -p "$res"
   /^[^ ]/ { suite = $1; next }
   /^  / { name = $1; if (suite != "Soak." && suite !~ /^DISABLED_/ && name !~ /^DISABLED_/) print suite name }
 ' >"$res/list"
-echo "$(wc -l <"$res/list") tests, ${JOBS:-12} at a time"
+echo "$(wc -l <"$res/list") tests, ${JOBS:-8} at a time"
 run_one() {  # run_one INDEX NAME
   echo "$2" >"$res/$1.name"
   timeout -k 10 "${TEST_SECONDS:-300}" "$B/bin/hmoe-tests" --gtest_filter="$2" \
@@ -169,9 +185,9 @@ export -f run_one
 export res B
 suite_t0=$(date +%s)
 nl -ba -w1 -s' ' "$res/list" |
-  timeout -k 10 "${SUITE_SECONDS:-450}" xargs -P "${JOBS:-12}" -L 1 bash -c 'run_one "$0" "$1"'
+  timeout -k 10 "${SUITE_SECONDS:-450}" xargs -P "${JOBS:-8}" -L 1 bash -c 'run_one "$0" "$1"'
 {
-  echo "suite: $(($(date +%s) - suite_t0)) s on $(nproc) cores, ${JOBS:-12} tests at a time" \
+  echo "suite: $(($(date +%s) - suite_t0)) s on $(nproc) cores, ${JOBS:-8} tests at a time" \
     "$( [ "${SOAK:-1}" = 1 ] && echo "(the soak started $(($(date +%s) - $(cat "$soak/started"))) s ago)")"
   python3 bench/gpu_tests_summary.py "$res" --json "$out/suite.json"
 } >"$out/suite.txt" 2>&1
