@@ -158,8 +158,9 @@ if [ "${SOAK:-1}" = 1 ]; then
   soak_s=${SOAK_SECONDS:-600}
   rm -rf "$soak" && mkdir -p "$soak"
   date +%s >"$soak/started"
+  # The GPU is the soak's alone once the suite has ended (suite-ended).
   HMOE_SOAK_SECONDS=$soak_s HMOE_SOAK_BACKEND=cuda HMOE_SOAK_SAMPLES=$soak/samples.csv \
-    HMOE_SOAK_SAMPLE_SECONDS=10 setsid bash -c \
+    HMOE_SOAK_SAMPLE_SECONDS=10 HMOE_SOAK_GPU_QUIET_FILE=$soak/suite-ended setsid bash -c \
     "timeout -k 10 $((soak_s + 240)) $B/bin/hmoe-tests --gtest_filter='Soak.*' \
        --gtest_output=json:$soak/soak.json >$soak/soak.log 2>&1; echo \$? >$soak/rc" \
     </dev/null >/dev/null 2>&1 &
@@ -186,6 +187,7 @@ export res B
 suite_t0=$(date +%s)
 nl -ba -w1 -s' ' "$res/list" |
   timeout -k 10 "${SUITE_SECONDS:-450}" xargs -P "${JOBS:-8}" -L 1 bash -c 'run_one "$0" "$1"'
+[ -d "$soak" ] && touch "$soak/suite-ended"
 {
   echo "suite: $(($(date +%s) - suite_t0)) s on $(nproc) cores, ${JOBS:-8} tests at a time" \
     "$( [ "${SOAK:-1}" = 1 ] && echo "(the soak started $(($(date +%s) - $(cat "$soak/started"))) s ago)")"

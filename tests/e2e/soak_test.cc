@@ -24,6 +24,12 @@
 //                              slots in use, GPU memory (/metrics and
 //                              nvidia-smi), requests ended and restarts so far
 //   HMOE_SOAK_SAMPLE_SECONDS   between CSV rows (default 10)
+//   HMOE_SOAK_GPU_QUIET_FILE   the GPU is the soak's alone once this file
+//                              exists (bench/gpu_suite.sh creates it when the
+//                              suite beside the soak ends); unset: all along.
+//                              The device's memory in use (the worker's
+//                              /metrics) stays within 5% of its first quiet
+//                              sample after warm-up
 #include <dirent.h>
 #include <fcntl.h>
 #include <httplib.h>
@@ -85,6 +91,7 @@ struct SoakOptions {
   std::string backend = "auto";
   std::string samples;  // CSV path; empty: none written
   int64_t sample_every = 10;
+  std::string gpu_quiet_file;  // empty: the GPU is the soak's alone all along
 };
 
 absl::StatusOr<SoakOptions> SoakOptionsFromEnv() {
@@ -100,6 +107,7 @@ absl::StatusOr<SoakOptions> SoakOptionsFromEnv() {
           absl::StrCat("HMOE_SOAK_BACKEND=\"", o.backend, "\": want auto, cpu or cuda"));
   }
   if (const char* f = std::getenv("HMOE_SOAK_SAMPLES")) o.samples = f;
+  if (const char* f = std::getenv("HMOE_SOAK_GPU_QUIET_FILE")) o.gpu_quiet_file = f;
   return o;
 }
 
@@ -225,13 +233,14 @@ struct Row {
   SlotSample slots;
   double gpu_used_bytes = std::numeric_limits<double>::quiet_NaN();  // /metrics, whole device
   int64_t gpu_proc_mib = -1;                                         // nvidia-smi, the worker
+  bool gpu_quiet = false;  // no other process uses the GPU (HMOE_SOAK_GPU_QUIET_FILE)
   int64_t requests = 0, restarts = 0;
 };
 
 const char kCsvHeader[] =
     "t_s,phase,rss_kb,fds,shm_segments,kv_blocks_used,kv_blocks_total,requests_running,"
-    "requests_waiting,slots_busy,slots_total,gpu_used_bytes,gpu_worker_mib,requests_ended,"
-    "restarts";
+    "requests_waiting,slots_busy,slots_total,gpu_used_bytes,gpu_worker_mib,gpu_quiet,"
+    "requests_ended,restarts";
 
 std::string Csv(const Row& r) {
   return absl::StrCat(
@@ -239,7 +248,7 @@ std::string Csv(const Row& r) {
       r.proc.memfds, ",", r.kv_used, ",", r.kv_total, ",", r.running, ",", r.waiting, ",",
       r.slots.busy, ",", r.slots.total, ",",
       std::isnan(r.gpu_used_bytes) ? std::string() : absl::StrFormat("%.0f", r.gpu_used_bytes), ",",
-      r.gpu_proc_mib, ",", r.requests, ",", r.restarts);
+      r.gpu_proc_mib, ",", r.gpu_quiet ? 1 : 0, ",", r.requests, ",", r.restarts);
 }
 
 enum Kind { kStream, kIds, kLong, kCancel, kDeadline, kBad, kKinds };
@@ -400,6 +409,7 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
       if (auto res = http.Get("/metrics"); res && res->status == 200)
         r.gpu_used_bytes = MetricValue(res->body, "hmoe_gpu_memory_used_bytes");
       r.gpu_proc_mib = GpuMemoryMib(worker_pid);
+      r.gpu_quiet = o.gpu_quiet_file.empty() || ::access(o.gpu_quiet_file.c_str(), F_OK) == 0;
     }
     r.requests = ended.load();
     r.restarts = restarts;
@@ -509,6 +519,24 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
         << "the worker's GPU memory grew from " << warm_gpu_mib << " MiB at warm-up to "
         << gpu_mib_max << " MiB";
   }
+  // The device's memory in use, over the quiet samples from warm-up on (the
+  // rest row included): flat against the first.
+  double gpu_quiet_first = std::numeric_limits<double>::quiet_NaN(), gpu_quiet_max = 0;
+  int64_t gpu_quiet_rows = 0;
+  std::vector<const Row*> quiet_rows;
+  for (const Row& row : rows)
+    if (row.phase != "start" && row.phase != "warm-up") quiet_rows.push_back(&row);
+  quiet_rows.push_back(&rest);
+  for (const Row* row : quiet_rows) {
+    if (!row->gpu_quiet || std::isnan(row->gpu_used_bytes)) continue;
+    if (gpu_quiet_rows++ == 0) gpu_quiet_first = row->gpu_used_bytes;
+    gpu_quiet_max = std::max(gpu_quiet_max, row->gpu_used_bytes);
+  }
+  if (gpu_quiet_rows >= 2) {
+    EXPECT_LE(gpu_quiet_max, 1.05 * gpu_quiet_first)
+        << "GPU memory in use grew from " << gpu_quiet_first << " bytes to " << gpu_quiet_max
+        << " over " << gpu_quiet_rows << " samples while the soak had the GPU alone";
+  }
 
   int64_t total = 0, per_kind[kKinds] = {};
   std::string codes;
@@ -528,8 +556,9 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
       "[ soak     ] %lld s, backend %s, %lld clients, %lld expert-service restarts: %lld requests "
       "(%s); slowest %lld ms; worker RSS %lld kB after warm-up, max %lld kB (%+.1f%%), end %lld "
       "kB; fds %lld -> max %lld, end %lld; shm segments %lld -> max %lld, end %lld; GPU MiB "
-      "(nvidia-smi) %lld -> max %lld, end %lld; at rest: running %lld, waiting %lld, KV blocks "
-      "%lld of %lld, slots %lld of %lld\n",
+      "(nvidia-smi) %lld -> max %lld, end %lld; GPU in use (device, %lld quiet samples) %.0f MiB "
+      "-> max %.0f MiB; at rest: running %lld, waiting %lld, KV blocks %lld of %lld, slots %lld "
+      "of %lld\n",
       static_cast<long long>(o.seconds), cuda ? "cuda" : "cpu", static_cast<long long>(o.clients),
       static_cast<long long>(restarts), static_cast<long long>(total), codes.c_str(),
       static_cast<long long>(slowest_ms), static_cast<long long>(warm.rss_kb),
@@ -540,9 +569,11 @@ TEST(Soak, MixedLoadWithExpertServiceRestarts) {
       static_cast<long long>(warm.memfds), static_cast<long long>(memfds_max),
       static_cast<long long>(end.memfds), static_cast<long long>(warm_gpu_mib),
       static_cast<long long>(gpu_mib_max), static_cast<long long>(end_row.gpu_proc_mib),
-      static_cast<long long>(rest.running), static_cast<long long>(rest.waiting),
-      static_cast<long long>(rest.kv_used), static_cast<long long>(rest.kv_total),
-      static_cast<long long>(rest.slots.busy), static_cast<long long>(rest.slots.total));
+      static_cast<long long>(gpu_quiet_rows), gpu_quiet_first / 1048576.0,
+      gpu_quiet_max / 1048576.0, static_cast<long long>(rest.running),
+      static_cast<long long>(rest.waiting), static_cast<long long>(rest.kv_used),
+      static_cast<long long>(rest.kv_total), static_cast<long long>(rest.slots.busy),
+      static_cast<long long>(rest.slots.total));
   // Start, middle and end of the run for the note (every row is in the CSV).
   {
     std::printf("[ soak     ] %s\n", kCsvHeader);
