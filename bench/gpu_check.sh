@@ -8,7 +8,10 @@
 # backend (they run the programs); then the hmoe-bench-e2e runs named in E2E_RUNS
 # (space-separated PRESET:FORMAT[:LAYERS], e.g. "qwen3-30b:int4 ds-v3:int4:5";
 # E2E_SECS bounds each). Output per step in OUT/NAME.txt (and
-# OUT/e2e-PRESET-FORMAT.json). CUDA=0 / SERVE=0 leave a step out.
+# OUT/e2e-PRESET-FORMAT.json); each test step ends with its pass / fail /
+# skip counts per test area (bench/gpu_tests_summary.py, from its JSON
+# report in OUT/NAME/). CUDA=0 / SERVE=0 leave a step out. The whole suite
+# and the CUDA soak: bench/gpu_suite.sh.
 #
 #   bench/gpu_check.sh BIN_DIR OUT_DIR
 set -uo pipefail
@@ -25,12 +28,19 @@ step() {  # step NAME SECONDS CMD...
   echo "rc=$rc" >>"$out/$name.txt"
   echo "   rc=$rc"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran|\[ cuda/cpu \]|\[ graphs   \]" "$out/$name.txt" | head -40
+  if [ -f "$out/$name/report.json" ]; then  # a test step: counts per area
+    python3 "$(dirname "$0")/gpu_tests_summary.py" "$out/$name" --log "$out/$name.txt" |
+      tee -a "$out/$name.txt"
+  fi
 }
+mkdir -p "$out/cuda" "$out/serving"
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | head -20) \
   >"$out/machine.txt" 2>&1
-[ "${CUDA:-1}" = 1 ] && step cuda "${CUDA_SECS:-420}" "$bin/hmoe-tests-cuda"
+[ "${CUDA:-1}" = 1 ] && step cuda "${CUDA_SECS:-420}" "$bin/hmoe-tests-cuda" \
+  --gtest_output="json:$out/cuda/report.json"
 [ "${SERVE:-1}" = 1 ] && step serving "${SERVE_SECS:-240}" "$bin/hmoe-tests" \
-  --gtest_filter="${SERVE_FILTER:-Serving*:*Worker*:E2e*}"
+  --gtest_filter="${SERVE_FILTER:-Serving*:*Worker*:E2e*}" \
+  --gtest_output="json:$out/serving/report.json"
 for run in ${E2E_RUNS:-}; do
   IFS=: read -r preset format layers <<<"$run"
   name="e2e-$preset-$format"

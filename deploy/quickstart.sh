@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job, from a fresh Debian 12 machine (as root): install what the
-# project needs, build it, start the pair on the bundled tiny trained model
-# (tests/fixtures/ds3_fortunes: DeepSeek-V3 architecture, trained on Debian's
-# fortunes), generate text from a prompt, print it with tok/s, stop both.
+# programs need to build and run (deploy/install-deps.sh without --tests: no
+# test tools, Bazel or Prometheus), build them, start the pair on the bundled
+# tiny trained model (tests/fixtures/ds3_fortunes: DeepSeek-V3 architecture,
+# trained on Debian's fortunes), generate text from a prompt, print it with
+# tok/s, stop both.
 #
 #   bash deploy/quickstart.sh ["PROMPT"]
 # Environment: MODEL (model dir), TRANSPORT (shm | grpc | ucx; default shm),

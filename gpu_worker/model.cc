@@ -119,6 +119,19 @@ absl::StatusOr<std::string> ResolveBackend(const std::string& name, int cuda_dev
 #endif
 }
 
+absl::StatusOr<DeviceMemory> QueryDeviceMemory(int cuda_device) {
+#ifdef HMOE_HAVE_CUDA
+  int64_t used = 0, total = 0;
+  std::string why;
+  if (!cuda::DeviceMemoryInfo(cuda_device, &used, &total, &why))
+    return absl::FailedPreconditionError(why);
+  return DeviceMemory{used, total};
+#else
+  (void)cuda_device;
+  return absl::UnimplementedError("GPU memory: this build has no CUDA (built without nvcc)");
+#endif
+}
+
 absl::Status Model::Forward(Sequence& seq, absl::Span<const int32_t> tokens, LogitsMode mode,
                             std::vector<float>* logits) const {
   const ForwardStep step{&seq, tokens, mode, logits};

@@ -185,4 +185,15 @@ class Model {
 // UNIMPLEMENTED; cuda without a usable device: FAILED_PRECONDITION saying why.
 absl::StatusOr<std::string> ResolveBackend(const std::string& name, int cuda_device = 0);
 
+// A CUDA device's memory as its driver reports it (cudaMemGetInfo): `used`
+// is every process's allocations on the device together (total - free).
+struct DeviceMemory {
+  int64_t used_bytes = 0;
+  int64_t total_bytes = 0;
+};
+// Quick (no device synchronization), callable from any thread; selects
+// `cuda_device` on the calling thread. UNIMPLEMENTED in a build without
+// CUDA; FAILED_PRECONDITION naming the device when it cannot be queried.
+absl::StatusOr<DeviceMemory> QueryDeviceMemory(int cuda_device);
+
 }  // namespace hmoe

@@ -788,6 +788,19 @@ bool CudaBackendUsable(int device, std::string* why) {
   return true;
 }
 
+bool DeviceMemoryInfo(int device, int64_t* used, int64_t* total, std::string* why) {
+  size_t free_bytes = 0, total_bytes = 0;
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaMemGetInfo(&free_bytes, &total_bytes);
+  if (e != cudaSuccess) {
+    *why = absl::StrCat("CUDA device ", device, ": cudaMemGetInfo: ", cudaGetErrorString(e));
+    return false;
+  }
+  *used = static_cast<int64_t>(total_bytes - free_bytes);
+  *total = static_cast<int64_t>(total_bytes);
+  return true;
+}
+
 absl::StatusOr<std::unique_ptr<LayerBackend>> CreateCudaBackend(const ModelConfig& config,
                                                                 const Checkpoint& ckpt,
                                                                 const ModelOptions& options) {

@@ -17,6 +17,10 @@ namespace hmoe::cuda {
 // Whether `device` exists and a context can be made on it; `why` says why not.
 bool CudaBackendUsable(int device, std::string* why);
 
+// `device`'s memory in use by every process (total - free) and its total, as
+// cudaMemGetInfo reports them; false with `why` when it cannot be queried.
+bool DeviceMemoryInfo(int device, int64_t* used, int64_t* total, std::string* why);
+
 // Options are validated and resolved by the caller (Model::Create); the
 // checkpoint has passed CheckWeights. RESOURCE_EXHAUSTED (naming the sizes)
 // when weights + workspaces + the KV pool exceed options.cuda.gpu_mem_gb or the

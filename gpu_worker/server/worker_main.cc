@@ -15,11 +15,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -473,6 +476,27 @@ int Run(int argc, char** argv) {
   eo.metrics = &metrics;
   auto engine = Engine::Create(model->get(), tokenizer.get(), eo);
   if (!engine.ok()) Die(engine.status().ToString(), 1);
+  // The cuda backend's device memory on /metrics (NaN when the driver
+  // cannot be asked); declared after `metrics`, so destroyed before it.
+  std::vector<std::unique_ptr<CallbackGauge>> gpu_memory;
+  if (mo.backend == "cuda") {
+    const int device = o.cuda_device;
+    auto device_memory = [device](bool used) {
+      auto m = QueryDeviceMemory(device);
+      if (!m.ok()) return std::numeric_limits<double>::quiet_NaN();
+      return static_cast<double>(used ? m->used_bytes : m->total_bytes);
+    };
+    for (const bool used : {true, false}) {
+      auto g = metrics.AddCallbackGauge(
+          used ? "hmoe_gpu_memory_used_bytes" : "hmoe_gpu_memory_total_bytes",
+          used ? "Memory in use on the worker's GPU, every process's together (the driver's "
+                 "total - free)."
+               : "The worker's GPU's memory in all.",
+          {}, {}, [device_memory, used] { return device_memory(used); });
+      if (!g.ok()) Die(g.status().ToString(), 1);
+      gpu_memory.push_back(std::move(*g));
+    }
+  }
 
   GenerationService service(engine->get(), model->get(), tokenizer.get(), o.model_dir, backend,
                             auth_tokens);

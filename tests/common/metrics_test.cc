@@ -232,7 +232,8 @@ TEST(Metrics, ConcurrentUpdatesSumExactly) {
 TEST(Metrics, PromtoolAcceptsARenderedRegistry) {
   const char* promtool = "/usr/bin/promtool";
   if (access(promtool, X_OK) != 0)
-    GTEST_SKIP() << "promtool not installed (apt-get install prometheus; deploy/install-deps.sh)";
+    GTEST_SKIP()
+        << "promtool not installed (apt-get install prometheus; deploy/install-deps.sh --tests)";
   MetricsRegistry reg;
   auto outcome =
       *reg.AddCounterFamily("hmoe_requests_finished_total", "Requests by outcome.", {"outcome"});
