@@ -89,6 +89,11 @@ kern::GemmFn GemmFor(const kern::KernelSet& k, WeightFormat f, bool many) {
       return k.i8;
     case WeightFormat::kInt4:
       return many ? k.i4_bf16 : k.i4_i8;
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kInt4Bf16:
+    case WeightFormat::kFp8:
+    case WeightFormat::kMxfp8:
+      break;  // no kernels yet (PackedMoeLayer::Plan refuses them)
   }
   return nullptr;
 }

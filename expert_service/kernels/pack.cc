@@ -36,6 +36,11 @@ PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k) {
     case WeightFormat::kInt4:
       g.panel_bytes = g.kp / group * g.i4_group_bytes();
       break;
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kInt4Bf16:
+    case WeightFormat::kFp8:
+    case WeightFormat::kMxfp8:
+      break;  // no kernels yet: refused by CheckOptions
   }
   return g;
 }
@@ -90,6 +95,11 @@ void WritePanel(const PackedGeom& g, const Src& s, uint8_t* dst) {
       }
       break;
     }
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kInt4Bf16:
+    case WeightFormat::kFp8:
+    case WeightFormat::kMxfp8:
+      break;  // no kernels yet: refused by CheckOptions
   }
 }
 
@@ -182,6 +192,10 @@ absl::Status CheckOptions(int64_t hidden, int64_t inter, int64_t experts, const 
   RETURN_IF_ERROR(CheckQuantOptions(o, hidden, inter, experts));
   *i1 = o.i_end < 0 ? inter : o.i_end;
   *e1 = o.expert_end < 0 ? experts : o.expert_end;
+  if (o.format != WeightFormat::kBf16 && o.format != WeightFormat::kInt8 &&
+      o.format != WeightFormat::kInt4)
+    return absl::UnimplementedError(absl::StrCat("the expert service has no kernels for ",
+                                                 WeightFormatName(o.format, o.group), " yet"));
   if (o.expert_begin < 0 || o.expert_begin >= *e1 || *e1 > experts)
     return absl::InvalidArgumentError(
         absl::StrCat("bad expert range [", o.expert_begin, ", ", *e1, ") of ", experts));
