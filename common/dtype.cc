@@ -101,6 +101,32 @@ float Fp8E4M3ToF32(uint8_t v) {
   return sign * std::ldexp(1.0f + man / 8.0f, exp - 7);
 }
 
+float E2M1ToF32(uint8_t code) {
+  static constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float m = kMag[code & 7];
+  return (code & 8) ? -m : m;
+}
+
+uint8_t F32ToE2M1(float f) {
+  static constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const uint8_t sign = std::signbit(f) ? 8 : 0;
+  const float a = std::fabs(f);
+  uint8_t best = 7;  // saturates: everything from 5 up that is not nearer 4
+  for (uint8_t i = 0; i < 7; ++i) {
+    const float mid = 0.5f * (kMag[i] + kMag[i + 1]);
+    if (a < mid || (a == mid && (i & 1) == 0)) {
+      best = i;
+      break;
+    }
+  }
+  return static_cast<uint8_t>(sign | best);
+}
+
+float E8M0ToF32(uint8_t e) {
+  if (e == 0xFF) return std::nanf("");
+  return std::ldexp(1.0f, static_cast<int>(e) - 127);
+}
+
 uint8_t F32ToFp8E4M3(float f) {
   if (std::isnan(f)) return 0x7f;
   uint8_t sign = std::signbit(f) ? 0x80 : 0;

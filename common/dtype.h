@@ -73,6 +73,15 @@ float Fp8E4M3ToF32(uint8_t v);
 uint8_t F32ToFp8E4M3(float f);
 float Fp8E5M2ToF32(uint8_t v);
 
+// ---- OCP Microscaling (MX) elements and scales -----------------------------------
+// e2m1 (fp4): code bit 3 is the sign, the low 3 bits index {0, 0.5, 1, 1.5,
+// 2, 3, 4, 6}. f32 -> e2m1 rounds to nearest, ties to the even code, and
+// saturates to +-6; NaN is refused by the callers (e2m1 has none).
+float E2M1ToF32(uint8_t code);
+uint8_t F32ToE2M1(float f);
+// e8m0: 2^(e - 127) for e in [0, 254]; 0xFF is NaN.
+float E8M0ToF32(uint8_t e);
+
 // Dequantizes a DeepSeek-V3 block-scaled fp8 weight: w[r][c] = fp8[r][c] *
 // scale_inv[r / block][c / block], scale_inv being [ceil(rows/block), ceil(cols/block)].
 void DequantFp8BlockToF32(const uint8_t* w, int64_t rows, int64_t cols, const float* scale_inv,

@@ -1,7 +1,9 @@
 #include "common/experts/quantize.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -12,20 +14,55 @@
 
 namespace hmoe {
 
+namespace {
+
+// The 4- or 8-bit code of weight (r, c) in `m.packed`.
+uint8_t CodeAt(const QuantMatrix& m, int64_t r, int64_t c) {
+  const int64_t rb = RowBytes(m.format, m.cols);
+  if (Traits(m.format).bits == 8) return m.packed[static_cast<size_t>(r * rb + c)];
+  const uint8_t b = m.packed[static_cast<size_t>(r * rb + c / 2)];
+  return static_cast<uint8_t>((c & 1) ? b >> 4 : b & 0xF);
+}
+
+}  // namespace
+
+float QuantMatrix::ScaleAt(int64_t r, int64_t c) const {
+  const size_t i = static_cast<size_t>(ScaleIndex(format, group, cols, r, c));
+  switch (Traits(format).scale_type) {
+    case ScaleType::kNone:
+      return 1.0f;
+    case ScaleType::kF32:
+      return scale[i];
+    case ScaleType::kBf16:
+      return Bf16ToF32(scale_bf16[i]);
+    case ScaleType::kE8M0:
+      return E8M0ToF32(scale_e8m0[i]);
+  }
+  return 0.0f;
+}
+
 float QuantMatrix::At(int64_t r, int64_t c) const {
   switch (format) {
     case WeightFormat::kBf16:
       return Bf16ToF32(bf16[static_cast<size_t>(r * cols + c)]);
     case WeightFormat::kInt8:
-      return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) *
-             scale[static_cast<size_t>(r)];
-    case WeightFormat::kInt4: {
-      const int64_t ng = ScalesPerRow(format, group, cols);
-      return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) *
-             scale[static_cast<size_t>(r * ng + c / group)];
+    case WeightFormat::kInt4:
+      return static_cast<float>(q[static_cast<size_t>(r * cols + c)]) * ScaleAt(r, c);
+    case WeightFormat::kInt4Bf16: {
+      const int v = CodeAt(*this, r, c);
+      return static_cast<float>(v >= 8 ? v - 16 : v) * ScaleAt(r, c);
     }
+    case WeightFormat::kMxfp4:
+      return E2M1ToF32(CodeAt(*this, r, c)) * ScaleAt(r, c);
+    case WeightFormat::kFp8:
+    case WeightFormat::kMxfp8:
+      return Fp8E4M3ToF32(CodeAt(*this, r, c)) * ScaleAt(r, c);
   }
   return 0.0f;
+}
+
+void QuantMatrix::DequantizeRow(int64_t r, float* out) const {
+  for (int64_t c = 0; c < cols; ++c) out[c] = At(r, c);
 }
 
 namespace {
@@ -74,6 +111,94 @@ absl::StatusOr<std::vector<float>> MatrixF32(const Tensor& t, const Tensor& scal
   return out;
 }
 
+void SetCode(QuantMatrix* m, int64_t r, int64_t c, uint8_t code) {
+  const int64_t rb = RowBytes(m->format, m->cols);
+  if (Traits(m->format).bits == 8) {
+    m->packed[static_cast<size_t>(r * rb + c)] = code;
+    return;
+  }
+  uint8_t& b = m->packed[static_cast<size_t>(r * rb + c / 2)];
+  b = (c & 1) ? static_cast<uint8_t>((b & 0x0F) | (code << 4))
+              : static_cast<uint8_t>((b & 0xF0) | (code & 0x0F));
+}
+
+// OCP Microscaling: per block of `group` cols one scale X = 2^e, the
+// smallest power of two with max|w| / X <= the element's max (6 or 448; the
+// spec's example takes floor(log2(max|w|)) - emax_elem, which clips the
+// block's largest weights: this never clips), clamped to the e8m0 range (an
+// all-zero block gets 2^-127); each element is w / X rounded to nearest even.
+void QuantizeMx(const float* w, QuantMatrix* m) {
+  const bool fp4 = m->format == WeightFormat::kMxfp4;
+  const int emax_elem = fp4 ? 2 : 8;  // e2m1: 6 = 1.5 * 2^2; e4m3: 448 = 1.75 * 2^8
+  const float max_elem = fp4 ? 6.0f : 448.0f;
+  const int64_t spr = ScalesPerRow(m->format, m->group, m->cols);
+  m->packed.assign(static_cast<size_t>(m->rows * RowBytes(m->format, m->cols)), 0);
+  m->scale_e8m0.assign(static_cast<size_t>(m->rows * spr), 0);
+  for (int64_t r = 0; r < m->rows; ++r)
+    for (int64_t g = 0; g < spr; ++g) {
+      const int64_t c0 = g * m->group, c1 = std::min(m->cols, c0 + m->group);
+      float amax = 0.0f;
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(w[r * m->cols + c]));
+      int e = -127;
+      if (amax > 0.0f) {
+        int fe;
+        std::frexp(amax, &fe);   // amax in [2^(fe-1), 2^fe)
+        e = fe - 1 - emax_elem;  // amax / 2^e in [2^emax_elem, 2^(emax_elem + 1))
+        if (std::ldexp(amax, -e) > max_elem) ++e;
+        e = std::clamp(e, -127, 127);
+      }
+      m->scale_e8m0[static_cast<size_t>(r * spr + g)] = static_cast<uint8_t>(e + 127);
+      for (int64_t c = c0; c < c1; ++c) {
+        const float v = std::ldexp(w[r * m->cols + c], -e);
+        SetCode(m, r, c, fp4 ? F32ToE2M1(v) : F32ToFp8E4M3(v));
+      }
+    }
+}
+
+// compressed-tensors symmetric int4: scale = bf16(max|w| / 7.5) per group,
+// q = clamp(round_half_even(w / scale), -8, 7); a zero scale gets zeros.
+void QuantizeInt4Bf16(const float* w, QuantMatrix* m) {
+  const int64_t spr = ScalesPerRow(m->format, m->group, m->cols);
+  m->packed.assign(static_cast<size_t>(m->rows * RowBytes(m->format, m->cols)), 0);
+  m->scale_bf16.assign(static_cast<size_t>(m->rows * spr), 0);
+  for (int64_t r = 0; r < m->rows; ++r)
+    for (int64_t g = 0; g < spr; ++g) {
+      const int64_t c0 = g * m->group, c1 = std::min(m->cols, c0 + m->group);
+      float amax = 0.0f;
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(w[r * m->cols + c]));
+      const uint16_t sb = F32ToBf16(amax / 7.5f);
+      const float s = Bf16ToF32(sb);
+      const bool zero = !(s >= std::numeric_limits<float>::min());
+      m->scale_bf16[static_cast<size_t>(r * spr + g)] = zero ? 0 : sb;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float q = zero ? 0.0f : std::nearbyint(w[r * m->cols + c] / s);
+        SetCode(m, r, c, static_cast<uint8_t>(static_cast<int>(std::clamp(q, -8.0f, 7.0f)) & 0xF));
+      }
+    }
+}
+
+// DeepSeek-V3 fp8: per group x group block, scale = max|w| / 448 (f32) and
+// each element e4m3(w / scale), saturating; a zero scale gets zeros.
+void QuantizeFp8Block(const float* w, QuantMatrix* m) {
+  const int64_t b = m->group, br = ScaleRows(m->format, b, m->rows);
+  const int64_t bc = ScalesPerRow(m->format, b, m->cols);
+  m->packed.assign(static_cast<size_t>(m->rows * m->cols), 0);
+  m->scale.assign(static_cast<size_t>(br * bc), 0.0f);
+  for (int64_t i = 0; i < br; ++i)
+    for (int64_t j = 0; j < bc; ++j) {
+      const int64_t r1 = std::min(m->rows, (i + 1) * b), c1 = std::min(m->cols, (j + 1) * b);
+      float amax = 0.0f;
+      for (int64_t r = i * b; r < r1; ++r)
+        for (int64_t c = j * b; c < c1; ++c) amax = std::max(amax, std::fabs(w[r * m->cols + c]));
+      float s = amax / 448.0f;
+      if (!(s >= std::numeric_limits<float>::min())) s = 0.0f;
+      m->scale[static_cast<size_t>(i * bc + j)] = s;
+      for (int64_t r = i * b; r < r1; ++r)
+        for (int64_t c = j * b; c < c1; ++c)
+          SetCode(m, r, c, s == 0.0f ? 0 : F32ToFp8E4M3(w[r * m->cols + c] / s));
+    }
+}
+
 // The quantizers per format: the kernels of each format's quantization.
 QuantMatrix Quantize(const float* w, int64_t rows, int64_t cols, WeightFormat f, int group) {
   QuantMatrix m;
@@ -107,6 +232,16 @@ QuantMatrix Quantize(const float* w, int64_t rows, int64_t cols, WeightFormat f,
           m.q[static_cast<size_t>(r * cols + c)] = UnpackI4(packed.data(), r * cp + c);
       break;
     }
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kMxfp8:
+      QuantizeMx(w, &m);
+      break;
+    case WeightFormat::kInt4Bf16:
+      QuantizeInt4Bf16(w, &m);
+      break;
+    case WeightFormat::kFp8:
+      QuantizeFp8Block(w, &m);
+      break;
   }
   return m;
 }

@@ -196,7 +196,8 @@ template <WeightFormat F>
 inline Half2 NativeDecode(const uint8_t* sb, int64_t k) {
   Half2 w;
   if constexpr (F == WeightFormat::kFp8 || F == WeightFormat::kMxfp8) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (k / 4) * 64 + 16 * (k % 4)));
+    const __m128i b =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (k / 4) * 64 + 16 * (k % 4)));
     const __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 7);  // s at bit 14, e m at 13..7
     const __m256i h = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
     w.v[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
@@ -266,8 +267,8 @@ void NativeFormat(const GemmArgs& a) {
     const uint16_t* rows[4];
     float* c[4];
     for (int m = 0; m < mb; ++m) {
-      rows[m] = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) +
-                                                  (m0 + m) * a.lda);
+      rows[m] =
+          reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + (m0 + m) * a.lda);
       c[m] = a.c + (m0 + m) * a.ldc;
     }
     switch (mb) {

@@ -295,12 +295,11 @@ inline void DecodeLine(const uint8_t* line, __m512* w) {
     E4m3Pair(line, &w[0], &w[1]);
     E4m3Pair(line + 32, &w[2], &w[3]);
   } else {
-    const __m512 table =
-        F == WeightFormat::kMxfp4
-            ? _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f,
-                             -1.5f, -2.0f, -3.0f, -4.0f, -6.0f)
-            : _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, -8.0f, -7.0f, -6.0f,
-                             -5.0f, -4.0f, -3.0f, -2.0f, -1.0f);
+    const __m512 table = F == WeightFormat::kMxfp4
+                             ? _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f,
+                                              -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f)
+                             : _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, -8.0f,
+                                              -7.0f, -6.0f, -5.0f, -4.0f, -3.0f, -2.0f, -1.0f);
     const __m512i d = _mm512_load_si512(line);
     w[0] = Nibble<0>(d, table);
     w[1] = Nibble<1>(d, table);
@@ -315,8 +314,8 @@ inline void DecodeLine(const uint8_t* line, __m512* w) {
 
 // "few": MB rows x one panel; per group sum_k x * value, times the scale.
 template <WeightFormat F, int MB>
-void NativeBlock(const PackedGeom& g, const uint8_t* panel, const uint16_t* const* rows,
-                 int64_t pf, float* const* c) {
+void NativeBlock(const PackedGeom& g, const uint8_t* panel, const uint16_t* const* rows, int64_t pf,
+                 float* const* c) {
   constexpr int kK = kLineK<F>;
   alignas(64) float xf[MB][256];
   __m512 acc[MB];
@@ -327,7 +326,8 @@ void NativeBlock(const PackedGeom& g, const uint8_t* panel, const uint16_t* cons
       for (int64_t k = 0; k < g.sb_k; k += 16) {
         const __m256i b =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[m] + sb * g.sb_k + k));
-        _mm512_store_ps(xf[m] + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+        _mm512_store_ps(xf[m] + k,
+                        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
       }
     for (int64_t k0 = 0; k0 < g.sb_k; k0 += g.group) {
       __m512 ga[MB];
@@ -399,9 +399,8 @@ void DequantNative(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_
                    uint16_t* out) {
   constexpr int kK = kLineK<F>;
   // bf16 pairs [c][2]: lanes 2c, 2c+1 <- k, k+1 of channel c.
-  const __m512i pairs =
-      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t k = k0; k < k1; k += g.group) {
     const uint8_t* p = panel + (k / g.sb_k) * g.sb_bytes;
     __m512 s = NativeScales(g, panel, k / g.group);
@@ -579,8 +578,8 @@ void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t
   }
 }
 
-void DequantNativePanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0,
-                                  int64_t k1, uint16_t* out) {
+void DequantNativePanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1,
+                                  uint16_t* out) {
   switch (g.format) {
     case WeightFormat::kMxfp4:
       return DequantNative<WeightFormat::kMxfp4>(g, panel, k0, k1, out);

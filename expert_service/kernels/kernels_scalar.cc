@@ -153,7 +153,8 @@ void GemmNative(const GemmArgs& a) {
         float gacc[16] = {};
         for (int64_t k = gi * g.group; k < (gi + 1) * g.group; ++k) {
           const float xv = Bf16ToF32(x[k]);
-          for (int c = 0; c < 16; ++c) gacc[c] += xv * NativeValue(g.format, NativeCode(g, panel, c, k));
+          for (int c = 0; c < 16; ++c)
+            gacc[c] += xv * NativeValue(g.format, NativeCode(g, panel, c, k));
         }
         for (int c = 0; c < 16; ++c) acc[c] += gacc[c] * NativeScale(g, panel, c, gi);
       }
@@ -276,17 +277,17 @@ void WeightedSumScalar(const float* const* rows, const float* w, int n, int64_t 
 const KernelSet& ScalarKernels() {
   static const KernelSet k = [] {
     KernelSet s{GemmBf16,
-                           GemmI8,
-                           GemmI4I8,
-                           GemmI4Bf16,
-                           SiluMulScalar,
-                           SiluMulBf16Scalar,
-                           QuantBf16Scalar,
-                           AmaxF32Scalar,
-                           QuantF32Scalar,
-                           StoreRowsScalar,
-                           PackTiledBlockScalar,
-                           WeightedSumScalar};
+                GemmI8,
+                GemmI4I8,
+                GemmI4Bf16,
+                SiluMulScalar,
+                SiluMulBf16Scalar,
+                QuantBf16Scalar,
+                AmaxF32Scalar,
+                QuantF32Scalar,
+                StoreRowsScalar,
+                PackTiledBlockScalar,
+                WeightedSumScalar};
     s.native = GemmNative;
     s.native_bf16 = GemmNativeBf16;
     return s;

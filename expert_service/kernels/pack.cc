@@ -182,7 +182,8 @@ struct PanelReader {
   }
   const uint8_t* scale_at(int c, int64_t gi) const {
     const int64_t per = g.sb_k / g.group;
-    return p + (gi / per) * g.sb_bytes + g.sb_code_bytes + ((gi % per) * 16 + c) * ScaleBytes(g.format);
+    return p + (gi / per) * g.sb_bytes + g.sb_code_bytes +
+           ((gi % per) * 16 + c) * ScaleBytes(g.format);
   }
   uint8_t e8m0(int c, int64_t gi) const { return *scale_at(c, gi); }
   uint16_t bf16s(int c, int64_t gi) const {
@@ -304,9 +305,8 @@ struct RandomPanel {
     return static_cast<uint8_t>(127 - emax - log2_sqrt_k() + (unit(c, gi) >= 1.0f ? 1 : 0));
   }
   uint16_t bf16s(int c, int64_t gi) const {
-    return c < rows_valid
-               ? F32ToBf16(unit(c, gi) / (7.0f * std::sqrt(static_cast<float>(k_total))))
-               : 0;
+    return c < rows_valid ? F32ToBf16(unit(c, gi) / (7.0f * std::sqrt(static_cast<float>(k_total))))
+                          : 0;
   }
   float f32s(int64_t sb) const {
     return rows_valid > 0 ? unit(0, sb) / (448.0f * std::sqrt(static_cast<float>(k_total))) : 0.0f;
@@ -416,8 +416,7 @@ absl::Status CheckQuantMatrix(const QuantMatrix& m, const char* name, int64_t ro
                               " and ", scales));
     // What the kernels cannot serve: a NaN scale or code (refused, not served as NaN).
     for (size_t i = 0; i < m.scale_e8m0.size() && f != WeightFormat::kInt4Bf16; ++i)
-      if (m.scale_e8m0[i] == kE8M0NaN)
-        return bad(absl::StrCat("e8m0 scale ", i, " is 0xFF (NaN)"));
+      if (m.scale_e8m0[i] == kE8M0NaN) return bad(absl::StrCat("e8m0 scale ", i, " is 0xFF (NaN)"));
     for (size_t i = 0; i < m.scale.size() && f == WeightFormat::kFp8; ++i)
       if (!std::isfinite(m.scale[i])) return bad(absl::StrCat("scale ", i, " is ", m.scale[i]));
     for (size_t i = 0; i < m.scale_bf16.size() && f == WeightFormat::kInt4Bf16; ++i)

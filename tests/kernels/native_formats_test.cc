@@ -206,10 +206,9 @@ void Check(Fmt fc, int64_t T, int shape, const RunOptions& ro, ThreadPool& pool)
   std::vector<float> out(static_cast<size_t>(T * sh.H), -1.0f), ref(out.size());
   ASSERT_TRUE(RunMoe(*L, b.input(), out.data(), pool, **ws, ro).ok());
   ASSERT_TRUE(RunMoeReference(QuantizeAll(src, o), sh.H, 0, b.input(), ref.data(), ro).ok());
-  const std::string what =
-      absl::StrCat(std::string(IsaName(*ro.isa)), ro.emulate_amx ? " (AMX model) " : " ",
-                   FmtName(fc), " T=", T, " shape ", shape, " many_threshold_int4 ",
-                   ro.many_threshold_int4);
+  const std::string what = absl::StrCat(
+      std::string(IsaName(*ro.isa)), ro.emulate_amx ? " (AMX model) " : " ", FmtName(fc), " T=", T,
+      " shape ", shape, " many_threshold_int4 ", ro.many_threshold_int4);
   EXPECT_LE(RelErr(out, ref), kBound) << what;
   EXPECT_LE(Nmse(out, ref), kBound * kBound) << what;
 }
@@ -233,18 +232,19 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& p) {
 
 // T = 1 and 3: every expert "few"; 17: some experts over the int4 threshold
 // (16), so both regimes in one call; 300: mostly "many".
-INSTANTIATE_TEST_SUITE_P(All, NativeKernelTest,
-                         ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2,
-                                                              Isa::kAvx512, Isa::kAmx),
-                                            ::testing::Range(0, 4), ::testing::Values(1, 3, 17, 300),
-                                            ::testing::Values(0, 1)),
-                         ParamName);
+INSTANTIATE_TEST_SUITE_P(
+    All, NativeKernelTest,
+    ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx),
+                       ::testing::Range(0, 4), ::testing::Values(1, 3, 17, 300),
+                       ::testing::Values(0, 1)),
+    ParamName);
 
 // K spanning AMX chunks, and the token counts of prefill up to 8192 (AVX-512
 // and AMX only: the scalar path would take minutes there).
 INSTANTIATE_TEST_SUITE_P(LongK, NativeKernelTest,
                          ::testing::Combine(::testing::Values(Isa::kAvx512, Isa::kAmx),
-                                            ::testing::Range(0, 4), ::testing::Values(17, 120, 8192),
+                                            ::testing::Range(0, 4),
+                                            ::testing::Values(17, 120, 8192),
                                             ::testing::Values(2, 3)),
                          ParamName);
 
