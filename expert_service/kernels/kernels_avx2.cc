@@ -223,7 +223,17 @@ inline Half2 NativeDecode(const uint8_t* sb, int64_t k) {
   return w;
 }
 
-template <WeightFormat F, int MB>
+// f32 -> bf16 -> f32, round to nearest even (F32ToBf16 for finite values).
+inline __m256 RoundBf16(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// kMany = false: "few" (per group sum x * value, times the scale); true:
+// "many" (sum x * bf16(value * scale)).
+template <WeightFormat F, int MB, bool kMany>
 void NativeRows(const GemmArgs& a, const uint16_t* const* rows, float* const* c) {
   const PackedGeom& g = *a.g;
   constexpr bool kE4m3 = F == WeightFormat::kFp8 || F == WeightFormat::kMxfp8;
@@ -239,28 +249,36 @@ void NativeRows(const GemmArgs& a, const uint16_t* const* rows, float* const* c)
       for (int64_t k0 = 0; k0 < g.sb_k; k0 += g.group) {
         __m256 ga[MB][2];
         for (int m = 0; m < MB; ++m) ga[m][0] = ga[m][1] = _mm256_setzero_ps();
+        const Half2 s = NativeScales(g, panel, (sb * g.sb_k + k0) / g.group);
         for (int64_t k = k0; k < k0 + g.group; ++k) {
-          const Half2 w = NativeDecode<F>(p, k);
+          Half2 w = NativeDecode<F>(p, k);
+          if constexpr (kMany)
+            for (int h = 0; h < 2; ++h) {
+              const __m256 v = kE4m3 ? _mm256_mul_ps(w.v[h], _mm256_set1_ps(256.0f)) : w.v[h];
+              w.v[h] = RoundBf16(_mm256_mul_ps(v, s.v[h]));
+            }
           for (int m = 0; m < MB; ++m) {
             const __m256 x = _mm256_set1_ps(xf[m][k]);
             ga[m][0] = _mm256_fmadd_ps(w.v[0], x, ga[m][0]);
             ga[m][1] = _mm256_fmadd_ps(w.v[1], x, ga[m][1]);
           }
         }
-        const Half2 s = NativeScales(g, panel, (sb * g.sb_k + k0) / g.group);
         for (int m = 0; m < MB; ++m)
-          for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(ga[m][h], s.v[h], acc[m][h]);
+          for (int h = 0; h < 2; ++h)
+            acc[m][h] = kMany ? _mm256_add_ps(acc[m][h], ga[m][h])
+                              : _mm256_fmadd_ps(ga[m][h], s.v[h], acc[m][h]);
       }
     }
     for (int m = 0; m < MB; ++m)
       for (int h = 0; h < 2; ++h) {
-        const __m256 v = kE4m3 ? _mm256_mul_ps(acc[m][h], _mm256_set1_ps(256.0f)) : acc[m][h];
+        const __m256 v =
+            kE4m3 && !kMany ? _mm256_mul_ps(acc[m][h], _mm256_set1_ps(256.0f)) : acc[m][h];
         _mm256_storeu_ps(c[m] + (j - a.nb0) * 16 + 8 * h, v);
       }
   }
 }
 
-template <WeightFormat F>
+template <WeightFormat F, bool kMany>
 void NativeFormat(const GemmArgs& a) {
   for (int m0 = 0; m0 < a.m; m0 += 4) {
     const int mb = std::min(4, a.m - m0);
@@ -273,35 +291,38 @@ void NativeFormat(const GemmArgs& a) {
     }
     switch (mb) {
       case 1:
-        NativeRows<F, 1>(a, rows, c);
+        NativeRows<F, 1, kMany>(a, rows, c);
         break;
       case 2:
-        NativeRows<F, 2>(a, rows, c);
+        NativeRows<F, 2, kMany>(a, rows, c);
         break;
       case 3:
-        NativeRows<F, 3>(a, rows, c);
+        NativeRows<F, 3, kMany>(a, rows, c);
         break;
       default:
-        NativeRows<F, 4>(a, rows, c);
+        NativeRows<F, 4, kMany>(a, rows, c);
         break;
     }
   }
 }
 
-void GemmNative(const GemmArgs& a) {
+template <bool kMany>
+void GemmNativeT(const GemmArgs& a) {
   switch (a.g->format) {
     case WeightFormat::kMxfp4:
-      return NativeFormat<WeightFormat::kMxfp4>(a);
+      return NativeFormat<WeightFormat::kMxfp4, kMany>(a);
     case WeightFormat::kInt4Bf16:
-      return NativeFormat<WeightFormat::kInt4Bf16>(a);
+      return NativeFormat<WeightFormat::kInt4Bf16, kMany>(a);
     case WeightFormat::kFp8:
-      return NativeFormat<WeightFormat::kFp8>(a);
+      return NativeFormat<WeightFormat::kFp8, kMany>(a);
     case WeightFormat::kMxfp8:
-      return NativeFormat<WeightFormat::kMxfp8>(a);
+      return NativeFormat<WeightFormat::kMxfp8, kMany>(a);
     default:
       return;
   }
 }
+void GemmNative(const GemmArgs& a) { GemmNativeT<false>(a); }
+void GemmNativeBf16(const GemmArgs& a) { GemmNativeT<true>(a); }
 
 }  // namespace
 
@@ -313,7 +334,8 @@ const KernelSet& Avx2Kernels() {
     s.i4_i8 = GemmI4I8;
     s.weighted_sum = WeightedSum;
     s.native = GemmNative;
-    return s;  // i4_bf16, native_bf16, SiLU and quantization: the scalar versions
+    s.native_bf16 = GemmNativeBf16;
+    return s;  // i4_bf16, SiLU and quantization: the scalar versions
   }();
   return k;
 }
