@@ -349,8 +349,111 @@ void NativeBlock(const PackedGeom& g, const uint8_t* panel, const uint16_t* cons
     _mm512_storeu_ps(c[m], kE4m3<F> ? _mm512_mul_ps(acc[m], _mm512_set1_ps(256.0f)) : acc[m]);
 }
 
+// 4-bit codes, "few", on bf16 dot products: one code line (8 k x 16
+// channels, the INT4 nibble order) gives four vectors of bf16 pairs by a
+// 16-entry vpermw table: the 16-bit halves of channel c's dword hold k0,
+// k0+4, k0+1, k0+5 (low half) and k0+2, k0+6, k0+3, k0+7 (high half) at
+// nibble shifts 0, 4, 8, 12, so shift s pairs (k0, k0+2), (k0+4, k0+6),
+// (k0+1, k0+3), (k0+5, k0+7). The activations come as bf16 pairs in that
+// order (PairRows). The values are exact in bf16; vdpbf16ps sums exact
+// products in fp32 (as the bf16 kernel).
+template <WeightFormat F>
+inline __m512i Bf16Table() {
+  if constexpr (F == WeightFormat::kMxfp4)  // e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6, then negated
+    return _mm512_set_epi16(-16192, -16256, -16320, -16384, -16448, -16512, -16640, -32768, -16192,
+                            -16256, -16320, -16384, -16448, -16512, -16640, -32768, 0x40C0, 0x4080,
+                            0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0, 0x40C0, 0x4080, 0x4040,
+                            0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+  else  // int4 two's complement: 0..7, -8..-1
+    return _mm512_set_epi16(-16512, -16384, -16320, -16256, -16224, -16192, -16160, -16128, 0x40E0,
+                            0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0, -16512, -16384,
+                            -16320, -16256, -16224, -16192, -16160, -16128, 0x40E0, 0x40C0, 0x40A0,
+                            0x4080, 0x4040, 0x4000, 0x3F80, 0);
+}
+
+// xp[k / 2 + i], i < 4: the bf16 pairs of Native4Block's order for the 8 k
+// at k (k a multiple of 8), over kp k of row x.
+inline void PairRow(const uint16_t* x, int64_t kp, uint32_t* xp) {
+  const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int64_t k = 0; k < kp; k += 8)
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(xp + k / 2),
+        _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k)), order));
+}
+
+template <WeightFormat F, int MB>
+void Native4Block(const PackedGeom& g, const uint8_t* panel, const uint32_t* const* xp, int64_t pf,
+                  float* c0, int64_t ldc) {
+  const __m512i table = Bf16Table<F>();
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < g.kp; k0 += g.group) {
+    const uint8_t* p = panel + (k0 / g.sb_k) * g.sb_bytes;
+    __m512 ga[MB];
+    for (int m = 0; m < MB; ++m) ga[m] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k0 + g.group; k += 8) {
+      const uint8_t* line = p + (k % g.sb_k) / 8 * 64;
+      if (pf > 0) Prefetch(line, pf);
+      const __m512i d = _mm512_load_si512(line);
+      const __m512i w[4] = {
+          _mm512_permutexvar_epi16(_mm512_and_si512(d, low4), table),
+          _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(d, 4), low4), table),
+          _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(d, 8), low4), table),
+          _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 12), table)};
+      for (int m = 0; m < MB; ++m)
+        for (int i = 0; i < 4; ++i)
+          ga[m] = _mm512_dpbf16_ps(ga[m], (__m512bh)w[i],
+                                   (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m][k / 2 + i])));
+    }
+    const __m512 s = NativeScales(g, panel, k0 / g.group);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(ga[m], s, acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(c0 + m * ldc, acc[m]);
+}
+
+// 4-bit "few" with the activations paired once per call (in the scratch).
+template <WeightFormat F>
+void Native4Few(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  const int64_t pf = a.tune().few.pf_i4;
+  uint32_t* buf = reinterpret_cast<uint32_t*>(a.scratch);
+  for (int m0 = 0; m0 < a.m; m0 += 4) {
+    const int mb = std::min(4, a.m - m0);
+    const uint32_t* xp[4];
+    for (int m = 0; m < mb; ++m) {
+      PairRow(
+          reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + (m0 + m) * a.lda),
+          g.kp, buf + m * (g.kp / 2));
+      xp[m] = buf + m * (g.kp / 2);
+    }
+    for (int64_t j = a.nb0; j < a.nb1; ++j) {
+      const uint8_t* panel = a.w + j * g.panel_bytes;
+      float* c = a.c + m0 * a.ldc + (j - a.nb0) * 16;
+      switch (mb) {
+        case 1:
+          Native4Block<F, 1>(g, panel, xp, pf, c, a.ldc);
+          break;
+        case 2:
+          Native4Block<F, 2>(g, panel, xp, pf, c, a.ldc);
+          break;
+        case 3:
+          Native4Block<F, 3>(g, panel, xp, pf, c, a.ldc);
+          break;
+        default:
+          Native4Block<F, 4>(g, panel, xp, pf, c, a.ldc);
+          break;
+      }
+    }
+  }
+}
+
 template <WeightFormat F>
 void NativeFew(const GemmArgs& a) {
+  if constexpr (!kE4m3<F>) {
+    // The paired activations of 4 rows: 8 bytes per k.
+    if (a.scratch != nullptr && 8 * a.g->kp <= a.scratch_bytes) return Native4Few<F>(a);
+  }
   const int64_t pf = kE4m3<F> ? a.tune().few.pf_i8 : a.tune().few.pf_i4;
   ForBlocks(a, a.w, a.g->panel_bytes,
             [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
