@@ -118,7 +118,7 @@ void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t
 void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, int64_t kp);
 
 // Native formats, AVX-512 (shared with the AMX file): panel lines for k in
-// [k0, k1) (multiples of the super-block) -> bf16(value * scale) in the BF16
+// [k0, k1) (multiples of the scale group) -> bf16(value * scale) in the BF16
 // panel layout ((k1 - k0) / 2 lines of 64 B at out).
 void DequantNativePanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1,
                                   uint16_t* out);

@@ -88,8 +88,9 @@ constexpr bool IsNativeFormat(WeightFormat f) {
   return f == WeightFormat::kMxfp4 || f == WeightFormat::kInt4Bf16 || f == WeightFormat::kFp8 ||
          f == WeightFormat::kMxfp8;
 }
-// A native format's super-block (k): 128, or 4 groups' worth of bf16
-// scales when that is more (their 16 channels then fill whole 64-byte lines).
+// A native format's super-block (k): 128, or two groups where that is more
+// (int4bf16 group 128: two groups' 16-channel bf16 scales fill one 64-byte
+// line).
 constexpr int64_t NativeSuperBlockK(WeightFormat f, int group) {
   if (f == WeightFormat::kInt4Bf16) return group * 2 > 128 ? int64_t{group} * 2 : 128;
   return 128;
