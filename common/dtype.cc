@@ -24,6 +24,7 @@ int DTypeBits(DType t) {
       return 16;
     case DType::kF8E4M3:
     case DType::kF8E5M2:
+    case DType::kF8E8M0:
     case DType::kI8:
     case DType::kU8:
     case DType::kBool:
@@ -42,12 +43,12 @@ struct NameEntry {
   std::string_view name;
 };
 constexpr NameEntry kNames[] = {
-    {DType::kF64, "F64"},   {DType::kF32, "F32"},        {DType::kF16, "F16"},
-    {DType::kBF16, "BF16"}, {DType::kF8E4M3, "F8_E4M3"}, {DType::kF8E5M2, "F8_E5M2"},
-    {DType::kI64, "I64"},   {DType::kI32, "I32"},        {DType::kI16, "I16"},
-    {DType::kI8, "I8"},     {DType::kU8, "U8"},          {DType::kBool, "BOOL"},
-    {DType::kU16, "U16"},   {DType::kU32, "U32"},        {DType::kU64, "U64"},
-    {DType::kI4, "I4"},
+    {DType::kF64, "F64"},        {DType::kF32, "F32"},        {DType::kF16, "F16"},
+    {DType::kBF16, "BF16"},      {DType::kF8E4M3, "F8_E4M3"}, {DType::kF8E5M2, "F8_E5M2"},
+    {DType::kI64, "I64"},        {DType::kI32, "I32"},        {DType::kI16, "I16"},
+    {DType::kI8, "I8"},          {DType::kU8, "U8"},          {DType::kBool, "BOOL"},
+    {DType::kU16, "U16"},        {DType::kU32, "U32"},        {DType::kU64, "U64"},
+    {DType::kF8E8M0, "F8_E8M0"}, {DType::kI4, "I4"},
 };
 }  // namespace
 

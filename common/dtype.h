@@ -33,6 +33,7 @@ enum class DType : uint8_t {
   kU16,
   kU32,
   kU64,
+  kF8E8M0,  // OCP e8m0 scales (MX formats): 2^(e - 127), 0xFF NaN
 };
 
 // Bits per element (4 for kI4, 8*bytes otherwise).

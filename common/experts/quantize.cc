@@ -199,8 +199,9 @@ void QuantizeFp8Block(const float* w, QuantMatrix* m) {
     }
 }
 
-// The quantizers per format: the kernels of each format's quantization.
-QuantMatrix Quantize(const float* w, int64_t rows, int64_t cols, WeightFormat f, int group) {
+}  // namespace
+
+QuantMatrix QuantizeMatrix(const float* w, int64_t rows, int64_t cols, WeightFormat f, int group) {
   QuantMatrix m;
   m.format = f;
   m.group = IsGrouped(f) ? group : 0;
@@ -246,7 +247,173 @@ QuantMatrix Quantize(const float* w, int64_t rows, int64_t cols, WeightFormat f,
   return m;
 }
 
+namespace {
+
+std::string Shape2(int64_t a, int64_t b) { return absl::StrCat("[", a, ", ", b, "]"); }
+
+// Whether `s` is an e8m0 scale tensor's dtype (U8 as gpt-oss stores it, or
+// safetensors' F8_E8M0).
+bool IsE8M0Dtype(DType d) { return d == DType::kU8 || d == DType::kF8E8M0; }
+
+// The scales of `s` into `m` in the format's scale type; `s` already checked.
+absl::Status CopyScales(const Tensor& s, std::string_view name, QuantMatrix* m) {
+  const size_t n = static_cast<size_t>(s.numel());
+  switch (Traits(m->format).scale_type) {
+    case ScaleType::kF32:
+      m->scale.assign(s.data<float>(), s.data<float>() + n);
+      for (size_t i = 0; i < n; ++i)
+        if (!std::isfinite(m->scale[i]))
+          return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": scale ", i, " is ",
+                                                         m->scale[i], "; scales must be finite"));
+      return absl::OkStatus();
+    case ScaleType::kBf16:
+      m->scale_bf16.assign(s.data<uint16_t>(), s.data<uint16_t>() + n);
+      for (size_t i = 0; i < n; ++i)
+        if (!std::isfinite(Bf16ToF32(m->scale_bf16[i])))
+          return absl::InvalidArgumentError(absl::StrCat(std::string(name), ": scale ", i, " is ",
+                                                         Bf16ToF32(m->scale_bf16[i]),
+                                                         "; scales must be finite"));
+      return absl::OkStatus();
+    case ScaleType::kE8M0:
+      m->scale_e8m0.assign(s.data<uint8_t>(), s.data<uint8_t>() + n);
+      for (size_t i = 0; i < n; ++i)
+        if (m->scale_e8m0[i] == kE8M0NaN)
+          return absl::InvalidArgumentError(
+              absl::StrCat(std::string(name), ": scale ", i, " is 0xFF, the e8m0 NaN"));
+      return absl::OkStatus();
+    case ScaleType::kNone:
+      break;
+  }
+  return absl::OkStatus();
+}
+
+// Copies [r0, r1) x [c0, c1) of native `m` (c0 on a byte boundary).
+QuantMatrix SliceNative(const QuantMatrix& m, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  QuantMatrix out;
+  out.format = m.format;
+  out.group = m.group;
+  out.rows = r1 - r0;
+  out.cols = c1 - c0;
+  const int bits = Traits(m.format).bits;
+  const int64_t rb = RowBytes(m.format, m.cols), ob = RowBytes(m.format, out.cols);
+  out.packed.assign(static_cast<size_t>(out.rows * ob), 0);
+  for (int64_t r = 0; r < out.rows; ++r) {
+    std::memcpy(&out.packed[static_cast<size_t>(r * ob)],
+                &m.packed[static_cast<size_t>((r0 + r) * rb + c0 * bits / 8)],
+                static_cast<size_t>(ob));
+    if (bits == 4 && (out.cols & 1)) out.packed[static_cast<size_t>(r * ob + ob - 1)] &= 0x0F;
+  }
+  const int64_t s_r0 = ScaleRows(m.format, m.group, r0), s_c0 = ScalesPerRow(m.format, m.group, c0);
+  const int64_t s_rows = ScaleRows(m.format, m.group, r1) - s_r0;
+  const int64_t s_cols = ScalesPerRow(m.format, m.group, c1) - s_c0;
+  const int64_t ld = ScalesPerRow(m.format, m.group, m.cols);
+  auto copy = [&](const auto& from, auto& to) {
+    to.clear();
+    if (from.empty()) return;
+    for (int64_t r = 0; r < s_rows; ++r)
+      for (int64_t c = 0; c < s_cols; ++c)
+        to.push_back(from[static_cast<size_t>((s_r0 + r) * ld + s_c0 + c)]);
+  };
+  copy(m.scale, out.scale);
+  copy(m.scale_bf16, out.scale_bf16);
+  copy(m.scale_e8m0, out.scale_e8m0);
+  return out;
+}
+
+// Native matrix `name`'s slice [r0, r1) x [c0, c1): the scale blocks must not
+// straddle the cut.
+absl::StatusOr<QuantMatrix> NativeSlice(const Tensor& t, const Tensor& s, WeightFormat f, int group,
+                                        int64_t rows, int64_t cols, int64_t r0, int64_t r1,
+                                        int64_t c0, int64_t c1, std::string_view name) {
+  ASSIGN_OR_RETURN(QuantMatrix m, NativeMatrix(t, s, f, group, rows, cols, name));
+  if (r0 == 0 && r1 == rows && c0 == 0 && c1 == cols) return m;
+  const bool block2d = Traits(f).scale_block == ScaleBlock::kBlock2D;
+  auto cut_ok = [&](int64_t at, int64_t end, bool blocked) {
+    return at == 0 || at == end || !blocked || at % group == 0;
+  };
+  if (!cut_ok(r0, rows, block2d) || !cut_ok(r1, rows, block2d) || !cut_ok(c0, cols, true) ||
+      !cut_ok(c1, cols, true))
+    return absl::InvalidArgumentError(
+        absl::StrCat(std::string(name), ": the slice [", r0, ", ", r1, ") x [", c0, ", ", c1,
+                     ") of ", WeightFormatName(f, group), " ", Shape2(rows, cols),
+                     " cuts its scale blocks of ", group, "; shard on multiples of ", group));
+  return SliceNative(m, r0, r1, c0, c1);
+}
+
 }  // namespace
+
+absl::StatusOr<QuantMatrix> NativeMatrix(const Tensor& t, const Tensor& s, WeightFormat f,
+                                         int group, int64_t rows, int64_t cols,
+                                         std::string_view name) {
+  const std::string n(name);
+  if (!IsWeightFormat(f) || f == WeightFormat::kBf16 || f == WeightFormat::kInt8 ||
+      f == WeightFormat::kInt4)
+    return absl::InvalidArgumentError(absl::StrCat(n, ": ", std::string(WeightFormatName(f)),
+                                                   " is not a checkpoint's native format"));
+  RETURN_IF_ERROR(CheckGroup(f, group));
+  QuantMatrix m;
+  m.format = f;
+  m.group = group;
+  m.rows = rows;
+  m.cols = cols;
+  // The codes: dtype and shape as stored.
+  bool codes_ok = t.contiguous();
+  std::string want;
+  switch (f) {
+    case WeightFormat::kMxfp4:
+      want = absl::StrCat("U8 ", Shape2(rows, cols / 2), " or [", rows, ", ", cols / 32, ", 16]");
+      codes_ok = codes_ok && cols % 32 == 0 &&
+                 (t.dtype() == DType::kU8 || t.dtype() == DType::kI8) &&
+                 ((t.rank() == 2 && t.dim(0) == rows && t.dim(1) == cols / 2) ||
+                  (t.rank() == 3 && t.dim(0) == rows && t.dim(1) == cols / 32 && t.dim(2) == 16));
+      break;
+    case WeightFormat::kInt4Bf16:
+      want = absl::StrCat("I32 ", Shape2(rows, (cols + 7) / 8));
+      codes_ok = codes_ok && t.dtype() == DType::kI32 && t.rank() == 2 && t.dim(0) == rows &&
+                 t.dim(1) == (cols + 7) / 8;
+      break;
+    default:  // kFp8, kMxfp8
+      want = absl::StrCat("F8_E4M3 ", Shape2(rows, cols));
+      codes_ok = codes_ok && t.dtype() == DType::kF8E4M3 && t.rank() == 2 && t.dim(0) == rows &&
+                 t.dim(1) == cols;
+      break;
+  }
+  if (!codes_ok)
+    return absl::InvalidArgumentError(absl::StrCat(
+        n, ": ", WeightFormatName(f, group), " codes must be ", want, ", got ",
+        DTypeName(t.dtype()), " ", ShapeString(t.shape()), t.contiguous() ? "" : " (strided)"));
+  const int64_t srows = ScaleRows(f, group, rows), scols = ScalesPerRow(f, group, cols);
+  const ScaleType st = Traits(f).scale_type;
+  const bool sdtype_ok = st == ScaleType::kF32    ? s.dtype() == DType::kF32
+                         : st == ScaleType::kBf16 ? s.dtype() == DType::kBF16
+                                                  : IsE8M0Dtype(s.dtype());
+  if (s.empty() || !sdtype_ok || !s.contiguous() || s.rank() != 2 || s.dim(0) != srows ||
+      s.dim(1) != scols)
+    return absl::InvalidArgumentError(
+        absl::StrCat(n, ": ", WeightFormatName(f, group), " scales must be ",
+                     st == ScaleType::kF32    ? "F32"
+                     : st == ScaleType::kBf16 ? "BF16"
+                                              : "F8_E8M0 / U8",
+                     " ", Shape2(srows, scols), ", got ",
+                     s.empty() ? std::string("none")
+                               : absl::StrCat(DTypeName(s.dtype()), " ", ShapeString(s.shape()))));
+  const int64_t rb = RowBytes(f, cols);
+  m.packed.resize(static_cast<size_t>(rows * rb));
+  if (f == WeightFormat::kInt4Bf16) {
+    // Offset-binary nibbles (q + 8) to two's complement (q): flip each top bit.
+    const int64_t stride = (cols + 7) / 8 * 4;
+    const uint8_t* src = static_cast<const uint8_t*>(t.raw());
+    for (int64_t r = 0; r < rows; ++r) {
+      uint8_t* dst = &m.packed[static_cast<size_t>(r * rb)];
+      for (int64_t b = 0; b < rb; ++b) dst[b] = static_cast<uint8_t>(src[r * stride + b] ^ 0x88);
+      if (cols & 1) dst[rb - 1] &= 0x0F;
+    }
+  } else {
+    std::memcpy(m.packed.data(), t.raw(), m.packed.size());
+  }
+  RETURN_IF_ERROR(CopyScales(s, name, &m));
+  return m;
+}
 
 absl::Status CheckQuantOptions(const QuantOptions& o, int64_t hidden, int64_t inter,
                                int64_t experts) {
@@ -266,18 +433,38 @@ absl::StatusOr<QuantExpert> QuantizeExpert(const ExpertWeights& w, const MoeWeig
                                            const QuantOptions& o) {
   RETURN_IF_ERROR(CheckQuantOptions(o, src.hidden, src.intermediate, src.num_experts));
   const int64_t H = src.hidden, I = src.intermediate;
-  const int64_t is = (o.i_end < 0 ? I : o.i_end) - o.i_begin;
-  ASSIGN_OR_RETURN(auto gate, MatrixF32(w.gate, w.gate_scale_inv, src.fp8_block, I, H, "gate"));
-  ASSIGN_OR_RETURN(auto up, MatrixF32(w.up, w.up_scale_inv, src.fp8_block, I, H, "up"));
-  ASSIGN_OR_RETURN(auto down, MatrixF32(w.down, w.down_scale_inv, src.fp8_block, H, I, "down"));
+  const int64_t i1 = o.i_end < 0 ? I : o.i_end, is = i1 - o.i_begin;
+  if (w.format != WeightFormat::kBf16 && w.format == o.format && w.group == o.group) {
+    // Kept as stored: no second rounding.
+    QuantExpert q;
+    ASSIGN_OR_RETURN(q.gate, NativeSlice(w.gate, w.gate_scale_inv, w.format, w.group, I, H,
+                                         o.i_begin, i1, 0, H, "gate"));
+    ASSIGN_OR_RETURN(q.up, NativeSlice(w.up, w.up_scale_inv, w.format, w.group, I, H, o.i_begin, i1,
+                                       0, H, "up"));
+    ASSIGN_OR_RETURN(q.down, NativeSlice(w.down, w.down_scale_inv, w.format, w.group, H, I, 0, H,
+                                         o.i_begin, i1, "down"));
+    return q;
+  }
+  auto f32 = [&](const Tensor& t, const Tensor& s, int64_t rows, int64_t cols,
+                 std::string_view name) -> absl::StatusOr<std::vector<float>> {
+    if (w.format == WeightFormat::kBf16) return MatrixF32(t, s, src.fp8_block, rows, cols, name);
+    ASSIGN_OR_RETURN(QuantMatrix m, NativeMatrix(t, s, w.format, w.group, rows, cols, name));
+    std::vector<float> out(static_cast<size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) m.DequantizeRow(r, &out[static_cast<size_t>(r * cols)]);
+    RETURN_IF_ERROR(CheckFinite(out, cols, name));
+    return out;
+  };
+  ASSIGN_OR_RETURN(auto gate, f32(w.gate, w.gate_scale_inv, I, H, "gate"));
+  ASSIGN_OR_RETURN(auto up, f32(w.up, w.up_scale_inv, I, H, "up"));
+  ASSIGN_OR_RETURN(auto down, f32(w.down, w.down_scale_inv, H, I, "down"));
   std::vector<float> ds(static_cast<size_t>(H * is));
   for (int64_t r = 0; r < H; ++r)
     std::memcpy(&ds[static_cast<size_t>(r * is)], &down[static_cast<size_t>(r * I + o.i_begin)],
                 sizeof(float) * static_cast<size_t>(is));
   QuantExpert q;
-  q.gate = Quantize(gate.data() + o.i_begin * H, is, H, o.format, o.group);
-  q.up = Quantize(up.data() + o.i_begin * H, is, H, o.format, o.group);
-  q.down = Quantize(ds.data(), H, is, o.format, o.group);
+  q.gate = QuantizeMatrix(gate.data() + o.i_begin * H, is, H, o.format, o.group);
+  q.up = QuantizeMatrix(up.data() + o.i_begin * H, is, H, o.format, o.group);
+  q.down = QuantizeMatrix(ds.data(), H, is, o.format, o.group);
   return q;
 }
 

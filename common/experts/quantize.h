@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -65,12 +66,29 @@ struct QuantExpert {
   QuantMatrix down;      // [H][I_slice]
 };
 
+// Quantizes a finite row-major [rows][cols] matrix to `f` (grouped: `group`,
+// which `f` must take), as QuantizeExpert does each of its matrices.
+QuantMatrix QuantizeMatrix(const float* w, int64_t rows, int64_t cols, WeightFormat f, int group);
+
+// The matrix `name` [rows][cols] of native format `f` (mxfp4, int4bf16,
+// fp8, mxfp8) from its codes `t` and scales `s` as a checkpoint stores them
+// (expert_weights.h ExpertWeights), bit for bit (compressed-tensors'
+// offset-binary nibbles become two's complement). INVALID_ARGUMENT naming
+// `name`, the expected and the given dtype and shape, a non-finite f32 / bf16
+// scale or an e8m0 scale of 0xFF (NaN).
+absl::StatusOr<QuantMatrix> NativeMatrix(const Tensor& t, const Tensor& s, WeightFormat f,
+                                         int group, int64_t rows, int64_t cols,
+                                         std::string_view name);
+
 // INVALID_ARGUMENT naming the bad value: a dim not > 0, an empty or
 // out-of-range intermediate slice, a group the format does not take.
 absl::Status CheckQuantOptions(const QuantOptions& opts, int64_t hidden, int64_t intermediate,
                                int64_t num_experts);
 // Quantizes one expert's slice (common/dtype.h quantizers; fp8 dequantized
-// with its block scales first). The native formats quantize as their
+// with its block scales first). An expert stored in a native format (w.format)
+// asked for in that format and group is kept as stored (NativeMatrix; a
+// slice must not cut its scale blocks); in another format it is dequantized
+// first. The native formats quantize as their
 // producers do: mxfp4 / mxfp8 per the OCP Microscaling spec (a power-of-two
 // scale per 32, the smallest that clips nothing), int4bf16 as
 // compressed-tensors (scale bf16(max|w| / 7.5), q in [-8, 7]), fp8 as

@@ -151,11 +151,21 @@ PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMod
   return o;
 }
 
+absl::StatusOr<std::string> DefaultConvertFormat(const ModelConfig& cfg, const std::string& dir) {
+  ASSIGN_OR_RETURN(const NativeExpertFormat native, CheckpointExpertFormat(cfg, dir));
+  if (native.format == WeightFormat::kBf16) return std::string("int4g64");
+  return WeightFormatName(native.format, native.group);
+}
+
 absl::Status ConvertModel(const std::string& model_dir, const std::string& out_dir,
                           const ConvertOptions& opts) {
-  int group = 64;
-  ASSIGN_OR_RETURN(WeightFormat f, ParseWeightFormat(opts.format, &group));
   ASSIGN_OR_RETURN(ModelConfig cfg, LoadModelConfig(model_dir));
+  std::string format = opts.format;
+  if (format.empty()) {
+    ASSIGN_OR_RETURN(format, DefaultConvertFormat(cfg, model_dir));
+  }
+  int group = 64;
+  ASSIGN_OR_RETURN(WeightFormat f, ParseWeightFormat(format, &group));
   ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(model_dir));
   ASSIGN_OR_RETURN(const std::string source_fingerprint, RoutedExpertsFingerprint(*ckpt, cfg));
   const int64_t H = cfg.hidden_size, I = cfg.moe.intermediate_size, E = cfg.moe.num_experts;
