@@ -34,6 +34,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -180,6 +181,17 @@ std::vector<Router> LayerRouters(int64_t layers, int64_t E, int K, Routing mode,
   for (int64_t l = 0; l < layers; ++l)
     r.emplace_back(E, K, mode, zipf_s, 12345 + static_cast<uint64_t>(l));
   return r;
+}
+
+// A --format name and its group: the name's own ("int4g32"), else --group
+// where the format takes it (bare "int4"), else the format's default group.
+absl::StatusOr<std::pair<WeightFormat, int>> FormatOf(const std::string& name, int group_flag) {
+  int group = 0;
+  auto f = ParseWeightFormat(name, &group);
+  if (!f.ok()) return f.status();
+  const bool bare = name == Traits(*f).name;
+  if (bare && TakesGroup(*f, group_flag)) group = group_flag;
+  return std::make_pair(*f, group);
 }
 
 struct Args {
@@ -406,8 +418,11 @@ void AddFlags(FlagSet& fs, Args* a) {
         return absl::OkStatus();
       },
       absl::StrJoin(a->Ts, ","));
-  fs.Custom("format", "LIST", "bf16, int8, int4", names(&a->formats),
-            absl::StrJoin(a->formats, ","));
+  fs.Custom("format", "LIST",
+            "bf16, int8, int4 (with --group, or int4g32 / int4g64 / int4g128), and the native "
+            "formats mxfp4, int4bf16 (compressed-tensors int4, bf16 scales; int4bf16g64 ...), "
+            "fp8 (128x128 blocks), mxfp8",
+            names(&a->formats), absl::StrJoin(a->formats, ","));
   fs.Custom("isa", "LIST",
             "amx, avx512, avx2, scalar (default: the best this CPU has; one above it is skipped "
             "with a note)",
@@ -477,8 +492,7 @@ int Main(int argc, char** argv) {
                               "' (ds-v3, qwen3-30b, ds-v2-lite, mixtral or HxIxExK)"));
   if (a.formats.empty()) return bad("--format lists no formats");
   for (const auto& fm : a.formats)
-    if (!ParseWeightFormat(fm).ok())
-      return bad(absl::StrCat("unknown format '", fm, "' (bf16, int8, int4)"));
+    if (auto f = FormatOf(fm, a.group); !f.ok()) return bad(std::string(f.status().message()));
   for (const auto& is : a.isas)
     if (!ParseIsa(is))
       return bad(absl::StrCat("unknown ISA '", is, "' (amx, avx512, avx2, scalar)"));
@@ -615,13 +629,14 @@ int Main(int argc, char** argv) {
     std::vector<float> out(static_cast<size_t>(Tmax * P->H));
     std::map<std::string, std::map<int64_t, double>> dnn_us;  // by oneDNN format
     for (const auto& fname : a.formats) {
-      const absl::StatusOr<WeightFormat> fmt = ParseWeightFormat(fname);  // checked after parsing
+      const auto fg = *FormatOf(fname, a.group);  // checked after parsing
+      const WeightFormat* fmt = &fg.first;
       PackOptions o;
-      o.format = *fmt;
-      o.group = a.group;
+      o.format = fg.first;
+      o.group = fg.second;
       // One layer's packed bytes decide how many layers make > 4x LLC.
-      const PackedGeom gu = MakeGeom(*fmt, a.group, 2 * RoundUp(P->I, 16), P->H),
-                       dn = MakeGeom(*fmt, a.group, P->H, P->I);
+      const PackedGeom gu = MakeGeom(*fmt, o.group, 2 * RoundUp(P->I, 16), P->H),
+                       dn = MakeGeom(*fmt, o.group, P->H, P->I);
       const int64_t layer_bytes = (gu.bytes() + dn.bytes()) * P->E;
       const int L = a.layers > 0 ? a.layers
                                  : static_cast<int>(std::max<int64_t>(

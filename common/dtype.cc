@@ -24,6 +24,7 @@ int DTypeBits(DType t) {
       return 16;
     case DType::kF8E4M3:
     case DType::kF8E5M2:
+    case DType::kF8E8M0:
     case DType::kI8:
     case DType::kU8:
     case DType::kBool:
@@ -42,12 +43,12 @@ struct NameEntry {
   std::string_view name;
 };
 constexpr NameEntry kNames[] = {
-    {DType::kF64, "F64"},   {DType::kF32, "F32"},        {DType::kF16, "F16"},
-    {DType::kBF16, "BF16"}, {DType::kF8E4M3, "F8_E4M3"}, {DType::kF8E5M2, "F8_E5M2"},
-    {DType::kI64, "I64"},   {DType::kI32, "I32"},        {DType::kI16, "I16"},
-    {DType::kI8, "I8"},     {DType::kU8, "U8"},          {DType::kBool, "BOOL"},
-    {DType::kU16, "U16"},   {DType::kU32, "U32"},        {DType::kU64, "U64"},
-    {DType::kI4, "I4"},
+    {DType::kF64, "F64"},        {DType::kF32, "F32"},        {DType::kF16, "F16"},
+    {DType::kBF16, "BF16"},      {DType::kF8E4M3, "F8_E4M3"}, {DType::kF8E5M2, "F8_E5M2"},
+    {DType::kI64, "I64"},        {DType::kI32, "I32"},        {DType::kI16, "I16"},
+    {DType::kI8, "I8"},          {DType::kU8, "U8"},          {DType::kBool, "BOOL"},
+    {DType::kU16, "U16"},        {DType::kU32, "U32"},        {DType::kU64, "U64"},
+    {DType::kF8E8M0, "F8_E8M0"}, {DType::kI4, "I4"},
 };
 }  // namespace
 
@@ -99,6 +100,32 @@ float Fp8E4M3ToF32(uint8_t v) {
   if (exp == 0xf && man == 0x7) return std::nanf("");
   if (exp == 0) return sign * std::ldexp(static_cast<float>(man), -9);  // 2^-6 * man/8
   return sign * std::ldexp(1.0f + man / 8.0f, exp - 7);
+}
+
+float E2M1ToF32(uint8_t code) {
+  static constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float m = kMag[code & 7];
+  return (code & 8) ? -m : m;
+}
+
+uint8_t F32ToE2M1(float f) {
+  static constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const uint8_t sign = std::signbit(f) ? 8 : 0;
+  const float a = std::fabs(f);
+  uint8_t best = 7;  // saturates: everything from 5 up that is not nearer 4
+  for (uint8_t i = 0; i < 7; ++i) {
+    const float mid = 0.5f * (kMag[i] + kMag[i + 1]);
+    if (a < mid || (a == mid && (i & 1) == 0)) {
+      best = i;
+      break;
+    }
+  }
+  return static_cast<uint8_t>(sign | best);
+}
+
+float E8M0ToF32(uint8_t e) {
+  if (e == 0xFF) return std::nanf("");
+  return std::ldexp(1.0f, static_cast<int>(e) - 127);
 }
 
 uint8_t F32ToFp8E4M3(float f) {

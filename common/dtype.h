@@ -33,6 +33,7 @@ enum class DType : uint8_t {
   kU16,
   kU32,
   kU64,
+  kF8E8M0,  // OCP e8m0 scales (MX formats): 2^(e - 127), 0xFF NaN
 };
 
 // Bits per element (4 for kI4, 8*bytes otherwise).
@@ -72,6 +73,15 @@ uint16_t F32ToF16(float f);
 float Fp8E4M3ToF32(uint8_t v);
 uint8_t F32ToFp8E4M3(float f);
 float Fp8E5M2ToF32(uint8_t v);
+
+// ---- OCP Microscaling (MX) elements and scales -----------------------------------
+// e2m1 (fp4): code bit 3 is the sign, the low 3 bits index {0, 0.5, 1, 1.5,
+// 2, 3, 4, 6}. f32 -> e2m1 rounds to nearest, ties to the even code, and
+// saturates to +-6; NaN is refused by the callers (e2m1 has none).
+float E2M1ToF32(uint8_t code);
+uint8_t F32ToE2M1(float f);
+// e8m0: 2^(e - 127) for e in [0, 254]; 0xFF is NaN.
+float E8M0ToF32(uint8_t e);
 
 // Dequantizes a DeepSeek-V3 block-scaled fp8 weight: w[r][c] = fp8[r][c] *
 // scale_inv[r / block][c / block], scale_inv being [ceil(rows/block), ceil(cols/block)].

@@ -274,6 +274,54 @@ absl::Status Invalid(const std::string& source, const std::string& field, const 
   return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", field, "\" ", what));
 }
 
+// compressed-tensors' quantization_config: every config group quantizing
+// weights must be what the expert service reads natively (format
+// pack-quantized, int 4-bit symmetric per group of 32, 64 or 128);
+// UNIMPLEMENTED naming the field otherwise.
+absl::Status ParseCompressedTensors(const json& q, const std::string& source,
+                                    QuantizationConfig* out) {
+  auto unimplemented = [&](const std::string& field, const std::string& what) {
+    return absl::UnimplementedError(
+        absl::StrCat(source, ": quantization_config.", field, " ", what,
+                     " (compressed-tensors read: pack-quantized int4 symmetric, group 32, 64 or "
+                     "128)"));
+  };
+  const std::string format = q.contains("format") && q["format"].is_string()
+                                 ? q["format"].get<std::string>()
+                                 : std::string();
+  if (!q.contains("config_groups") || !q["config_groups"].is_object() || q["config_groups"].empty())
+    return Invalid(source, "quantization_config.config_groups", "must be a non-empty object");
+  for (const auto& [name, g] : q["config_groups"].items()) {
+    const std::string at = absl::StrCat("config_groups.", name);
+    if (!g.is_object()) return Invalid(source, "quantization_config." + at, "must be an object");
+    const std::string gformat =
+        g.contains("format") && g["format"].is_string() ? g["format"].get<std::string>() : format;
+    if (gformat != "pack-quantized")
+      return unimplemented(at + ".format", absl::StrCat("\"", gformat, "\""));
+    if (!g.contains("weights") || !g["weights"].is_object())
+      return Invalid(source, "quantization_config." + at + ".weights", "must be an object");
+    Reader w(g["weights"], source, absl::StrCat("quantization_config.", at, ".weights."));
+    const int64_t bits = w.Int("num_bits");
+    const std::string type = w.StringOr("type", "int");
+    const bool symmetric = w.BoolOr("symmetric", true);
+    const std::string strategy = w.StringOr("strategy", "group");
+    const int64_t group = w.IntOr("group_size", 0);
+    RETURN_IF_ERROR(w.status());
+    if (bits != 4) return unimplemented(at + ".weights.num_bits", absl::StrCat(bits));
+    if (type != "int") return unimplemented(at + ".weights.type", absl::StrCat("\"", type, "\""));
+    if (!symmetric) return unimplemented(at + ".weights.symmetric", "false (zero points)");
+    if (strategy != "group")
+      return unimplemented(at + ".weights.strategy", absl::StrCat("\"", strategy, "\""));
+    if (group != 32 && group != 64 && group != 128)
+      return unimplemented(at + ".weights.group_size", absl::StrCat(group));
+    if (out->group_size != 0 && out->group_size != group)
+      return unimplemented(at + ".weights.group_size",
+                           absl::StrCat(group, " beside another group's ", out->group_size));
+    out->group_size = group;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 // The text as a JSON object; INVALID_ARGUMENT naming `source` otherwise.
@@ -423,15 +471,22 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     if (!q.is_object()) return Invalid(source, "quantization_config", "must be an object");
     Reader qr(q, source, "quantization_config.");
     c.quantization.method = qr.StringOr("quant_method", "");
-    c.quantization.weight_block = qr.IntList("weight_block_size");
     RETURN_IF_ERROR(qr.status());
-    if (c.quantization.method != "fp8")
-      return absl::UnimplementedError(absl::StrCat(source, ": quantization_config.quant_method \"",
-                                                   c.quantization.method, "\" (only fp8)"));
-    if (c.quantization.weight_block.size() != 2 || c.quantization.weight_block[0] <= 0 ||
-        c.quantization.weight_block[1] <= 0)
-      return Invalid(source, "quantization_config.weight_block_size",
-                     "must be two positive integers");
+    const std::string& method = c.quantization.method;
+    if (method == "fp8") {
+      c.quantization.weight_block = qr.IntList("weight_block_size");
+      RETURN_IF_ERROR(qr.status());
+      if (c.quantization.weight_block.size() != 2 || c.quantization.weight_block[0] <= 0 ||
+          c.quantization.weight_block[1] <= 0)
+        return Invalid(source, "quantization_config.weight_block_size",
+                       "must be two positive integers");
+    } else if (method == "compressed-tensors") {
+      RETURN_IF_ERROR(ParseCompressedTensors(q, source, &c.quantization));
+    } else if (method != "mxfp4" && method != "mxfp8") {
+      return absl::UnimplementedError(
+          absl::StrCat(source, ": quantization_config.quant_method \"", method,
+                       "\" (read: fp8, compressed-tensors pack-quantized int4, mxfp4, mxfp8)"));
+    }
   }
 
   // ---- consistency --------------------------------------------------------------

@@ -100,6 +100,9 @@ std::vector<float> Tensor::ToF32() const {
       case DType::kF8E5M2:
         v = Fp8E5M2ToF32(static_cast<uint8_t>(base[off]));
         break;
+      case DType::kF8E8M0:
+        v = E8M0ToF32(static_cast<uint8_t>(base[off]));
+        break;
       case DType::kI64: {
         int64_t x;
         std::memcpy(&x, base + off * 8, 8);

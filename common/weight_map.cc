@@ -45,6 +45,13 @@ std::string ExpertWeightName(const ModelConfig& c, int layer, int expert, Expert
   return absl::StrCat(L(layer), block, ".experts.", expert, ".", ProjName(c, proj), ".weight");
 }
 
+std::vector<std::string> NativeExpertTensors(const ModelConfig& c, const std::string& weight_name) {
+  if (c.quantization.method == "compressed-tensors")
+    return {weight_name + "_packed", weight_name + "_scale", weight_name + "_shape"};
+  if (c.quantization.method == "mxfp4") return {weight_name + "_blocks", weight_name + "_scales"};
+  return {};
+}
+
 absl::StatusOr<std::string> RoutedExpertsFingerprint(const Checkpoint& ckpt, const ModelConfig& c) {
   uint64_t h = 0xcbf29ce484222325ull;
   auto mix = [&h](const void* data, size_t n) {
@@ -71,8 +78,15 @@ absl::StatusOr<std::string> RoutedExpertsFingerprint(const Checkpoint& ckpt, con
     for (int64_t e : {int64_t{0}, E / 2, E - 1}) {
       for (ExpertProj p : {ExpertProj::kGate, ExpertProj::kUp, ExpertProj::kDown}) {
         const std::string w = ExpertWeightName(c, static_cast<int>(l), static_cast<int>(e), p);
+        const std::vector<std::string> native = NativeExpertTensors(c, w);
+        if (!ckpt.Has(w) && !native.empty() && ckpt.Has(native[0])) {
+          for (const std::string& n : native)
+            if (ckpt.Has(n)) RETURN_IF_ERROR(mix_tensor(n));
+          continue;
+        }
         RETURN_IF_ERROR(mix_tensor(w));
         if (ckpt.Has(ScaleInvName(w))) RETURN_IF_ERROR(mix_tensor(ScaleInvName(w)));
+        if (ckpt.Has(w + "_scale")) RETURN_IF_ERROR(mix_tensor(w + "_scale"));
       }
     }
   }
@@ -217,6 +231,15 @@ absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt, bool rou
   for (const WeightSpec& w : ExpectedWeights(c)) {
     if (!routed_experts && w.role == WeightRole::kRoutedExpert) continue;
     const TensorEntry* e = ckpt.Find(w.name);
+    if (e == nullptr && w.role == WeightRole::kRoutedExpert) {
+      // Stored natively: LoadExpertWeights checks each one's codes and scales.
+      const std::vector<std::string> native = NativeExpertTensors(c, w.name);
+      if (!native.empty() && ckpt.Has(native[0])) {
+        for (size_t i = 1; i < 2; ++i)
+          if (!ckpt.Has(native[i])) missing.push_back(native[i]);
+        continue;
+      }
+    }
     if (e == nullptr) {
       missing.push_back(w.name);
       continue;
@@ -228,7 +251,17 @@ absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt, bool rou
     }
     const bool is_float =
         e->dtype == DType::kF32 || e->dtype == DType::kBF16 || e->dtype == DType::kF16;
-    if (e->dtype == DType::kF8E4M3 && fp8 && w.matrix()) {
+    if (e->dtype == DType::kF8E4M3 && c.quantization.method == "mxfp8" &&
+        w.role == WeightRole::kRoutedExpert) {
+      const std::string sname = w.name + "_scale";
+      const TensorEntry* s = ckpt.Find(sname);
+      const Shape want{w.shape[0], (w.shape[1] + 31) / 32};
+      if (s == nullptr)
+        missing.push_back(sname);
+      else if (s->shape != want || (s->dtype != DType::kF8E8M0 && s->dtype != DType::kU8))
+        wrong.push_back(absl::StrCat(sname, " is ", DTypeName(s->dtype), " ", ShapeString(s->shape),
+                                     ", expected F8_E8M0 ", ShapeString(want)));
+    } else if (e->dtype == DType::kF8E4M3 && fp8 && w.matrix()) {
       const std::string sname = ScaleInvName(w.name);
       const TensorEntry* s = ckpt.Find(sname);
       const Shape want{(w.shape[0] + br - 1) / br, (w.shape[1] + bc - 1) / bc};

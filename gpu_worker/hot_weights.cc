@@ -6,13 +6,15 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/experts/checkpoint_source.h"
 #include "common/status.h"
 
 namespace hmoe {
 
 KernelMatrixBytes KernelLayoutBytes(WeightFormat f, int group, int64_t rows, int64_t cols) {
-  return {rows * RowBytes(f, cols), rows * ScalesPerRow(f, group, cols) * ScaleBytes(f)};
+  return {rows * RowBytes(f, cols), ScaleCount(f, group, rows, cols) *
+                                        static_cast<int64_t>(HasScales(f) ? sizeof(float) : 0)};
 }
 
 HostQuantMatrix ToKernelLayout(const QuantMatrix& m) {
@@ -41,6 +43,20 @@ HostQuantMatrix ToKernelLayout(const QuantMatrix& m) {
         }
       break;
     }
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kInt4Bf16:
+    case WeightFormat::kFp8:
+    case WeightFormat::kMxfp8:
+      // The codes as stored; bf16 / e8m0 scales widened to f32 (exact).
+      h.w = m.packed;
+      h.scale.resize(static_cast<size_t>(ScaleCount(m.format, m.group, m.rows, m.cols)));
+      for (int64_t i = 0; i < static_cast<int64_t>(h.scale.size()); ++i) {
+        const size_t j = static_cast<size_t>(i);
+        h.scale[j] = Traits(m.format).scale_type == ScaleType::kBf16   ? Bf16ToF32(m.scale_bf16[j])
+                     : Traits(m.format).scale_type == ScaleType::kE8M0 ? E8M0ToF32(m.scale_e8m0[j])
+                                                                       : m.scale[j];
+      }
+      break;
   }
   return h;
 }

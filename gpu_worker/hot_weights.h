@@ -19,8 +19,9 @@ namespace hmoe {
 
 // One matrix in the kernel's layout: each row RowBytes(format, cols) of
 // weights at the format's bits (bf16 [rows][cols]; int8 q [rows][cols];
-// int4 two values per byte, the even column in the low nibble), and
-// [rows][ScalesPerRow(format, group, cols)] f32 scales.
+// int4 two values per byte, the even column in the low nibble; the native
+// formats' codes as QuantMatrix::packed holds them), and
+// [ScaleRows][ScalesPerRow(format, group, cols)] scales as f32.
 struct HostQuantMatrix {
   WeightFormat format = WeightFormat::kBf16;
   int group = 0;

@@ -23,7 +23,7 @@ int Usage(FILE* out) {
       "  inspect MODEL_DIR [--dram-gbps N] [--json] [--no-check]\n"
       "      architecture, layer kinds, parameter counts, routed-expert bytes per format\n"
       "      and the decode ceiling for N GB/s of DRAM bandwidth (default 100)\n"
-      "  convert MODEL_DIR OUT --format int4g64|int8|bf16 [--shards n --split tp|ep]\n"
+      "  convert MODEL_DIR OUT [--format FORMAT] [--shards n --split tp|ep]\n"
       "      packed expert files for hmoe-expert-service --packed-dir\n"
       "  generate -p|--prompt TEXT [--server ADDR] [sampling flags] [--ids] [--timeout SEC]\n"
       "      stream a completion from hmoe-gpu-worker and print tok/s\n"

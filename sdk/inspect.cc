@@ -4,6 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/experts/checkpoint_source.h"
+#include "common/experts/weight_format.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -18,6 +20,14 @@ const char* ExpertFormatName(ExpertFormat f) {
       return "int8";
     case ExpertFormat::kInt4G64:
       return "int4g64";
+    case ExpertFormat::kMxfp4:
+      return "mxfp4";
+    case ExpertFormat::kInt4Bf16G32:
+      return "int4bf16g32";
+    case ExpertFormat::kFp8:
+      return "fp8";
+    case ExpertFormat::kMxfp8:
+      return "mxfp8";
   }
   return "?";
 }
@@ -30,6 +40,14 @@ double ExpertBytesPerWeight(ExpertFormat f, int64_t k) {
       return 1.0 + 4.0 / static_cast<double>(k);
     case ExpertFormat::kInt4G64:
       return 0.5 + 4.0 / 64.0;
+    case ExpertFormat::kMxfp4:
+      return 0.5 + 1.0 / 32.0;
+    case ExpertFormat::kInt4Bf16G32:
+      return 0.5 + 2.0 / 32.0;
+    case ExpertFormat::kFp8:
+      return 1.0 + 4.0 / (128.0 * 128.0);
+    case ExpertFormat::kMxfp8:
+      return 1.0 + 1.0 / 32.0;
   }
   return 0;
 }
@@ -46,7 +64,7 @@ absl::StatusOr<ModelReport> InspectModel(const std::string& model_dir,
   r.moe_layers = c.num_moe_layers();
   const double H = static_cast<double>(c.hidden_size),
                I = static_cast<double>(c.moe.intermediate_size);
-  for (int f = 0; f < 3; ++f) {
+  for (int f = 0; f < kNumExpertFormats; ++f) {
     const auto fmt = static_cast<ExpertFormat>(f);
     // gate and up reduce over H, down over I.
     const double per_expert = 2 * H * I * ExpertBytesPerWeight(fmt, c.hidden_size) +
@@ -57,6 +75,18 @@ absl::StatusOr<ModelReport> InspectModel(const std::string& model_dir,
                            static_cast<double>(r.moe_layers);
     r.decode_ceiling_tps[f] =
         r.bytes_per_token[f] > 0 ? options.dram_gbps * 1e9 / r.bytes_per_token[f] : 0;
+  }
+  const absl::StatusOr<NativeExpertFormat> native_or = CheckpointExpertFormat(c, model_dir);
+  const NativeExpertFormat native = native_or.ok() ? *native_or : NativeExpertFormat{};
+  if (!native_or.ok()) {
+    r.expert_format = absl::StrCat("unreadable: ", native_or.status().message());
+  } else if (native.format != WeightFormat::kBf16) {
+    r.expert_format = WeightFormatName(native.format, native.group);
+    for (int f = 0; f < kNumExpertFormats; ++f)
+      if (r.expert_format == ExpertFormatName(static_cast<ExpertFormat>(f)))
+        r.expert_format_row = f;
+  } else if (c.quantization.method == "fp8") {
+    r.expert_format = "fp8 (dequantized: blocks the service does not read)";
   }
   if (!options.check_weights) return r;
   std::error_code ec;
@@ -118,7 +148,8 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
                    {"shared_experts", p.shared_experts},
                    {"norms", p.norms}};
     j["dram_gbps"] = o.dram_gbps;
-    for (int f = 0; f < 3; ++f) {
+    if (!r.expert_format.empty()) j["expert_format"] = r.expert_format;
+    for (int f = 0; f < kNumExpertFormats; ++f) {
       j["formats"][ExpertFormatName(static_cast<ExpertFormat>(f))] = {
           {"routed_bytes", r.routed_bytes[f]},
           {"bytes_per_token", r.bytes_per_token[f]},
@@ -171,9 +202,22 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
   if (m.score_correction_bias) absl::StrAppend(&s, ", correction bias");
   absl::StrAppend(&s, m.norm_topk_prob ? ", renormalized" : "", ", scaling ",
                   m.routed_scaling_factor, "\n");
-  if (!c.quantization.method.empty())
-    absl::StrAppend(&s, "checkpoint     ", c.quantization.method, " weights, blocks ",
-                    c.quantization.weight_block[0], "x", c.quantization.weight_block[1], "\n");
+  if (!c.quantization.method.empty()) {
+    absl::StrAppend(&s, "checkpoint     ", c.quantization.method, " weights");
+    if (c.quantization.weight_block.size() == 2)
+      absl::StrAppend(&s, ", blocks ", c.quantization.weight_block[0], "x",
+                      c.quantization.weight_block[1]);
+    if (!r.expert_format.empty())
+      absl::StrAppend(
+          &s, "; routed experts ", r.expert_format,
+          r.expert_format_row >= 0
+              ? absl::StrFormat(" (%.3f bytes/weight, %s per token)",
+                                ExpertBytesPerWeight(static_cast<ExpertFormat>(r.expert_format_row),
+                                                     c.hidden_size),
+                                GB(r.bytes_per_token[r.expert_format_row]))
+              : std::string());
+    absl::StrAppend(&s, "\n");
+  }
   absl::StrAppend(&s, "\nparameters     total          ", Count(p.total), "  (", Billions(p.total),
                   ")\n");
   absl::StrAppend(&s, "               active/token   ", Count(p.active), "  (", Billions(p.active),
@@ -190,13 +234,16 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
                   ", router ", Billions(p.router), ", embeddings ", Billions(p.embedding), "\n");
   absl::StrAppend(&s, "\nrouted experts by format  (decode ceiling = ", o.dram_gbps,
                   " GB/s / routed bytes read per token)\n");
-  absl::StrAppend(&s, "  format    all experts     per token    ceiling\n");
-  for (int f = 0; f < 3; ++f)
+  absl::StrAppend(&s, "  format      all experts    per token    ceiling\n");
+  for (int f = 0; f < kNumExpertFormats; ++f)
     absl::StrAppend(
-        &s, absl::StrFormat("  %-8s %11s %12s %9.2f tok/s\n",
+        &s, absl::StrFormat("  %-11s %11s %12s %9.2f tok/s%s\n",
                             ExpertFormatName(static_cast<ExpertFormat>(f)), GB(r.routed_bytes[f]),
-                            GB(r.bytes_per_token[f]), r.decode_ceiling_tps[f]));
-  absl::StrAppend(&s, "  (int8: f32 scale per output row; int4g64: f32 scale per 64 weights)\n");
+                            GB(r.bytes_per_token[f]), r.decode_ceiling_tps[f],
+                            f == r.expert_format_row ? "  (the checkpoint's)" : ""));
+  absl::StrAppend(&s,
+                  "  (int8: f32 scale per output row; int4g64: f32 scale per 64 weights; mxfp4 / "
+                  "mxfp8: e8m0 per 32; int4bf16g32: bf16 per 32; fp8: f32 per 128x128)\n");
   if (r.has_checkpoint) {
     absl::StrAppend(&s, "\ncheckpoint     ", r.checkpoint_files, " file(s), ", r.checkpoint_tensors,
                     " tensors, ", GB(r.checkpoint_bytes), "\nweight map     ", r.weight_check,

@@ -20,18 +20,28 @@ struct InspectOptions {
 
 // Storage formats for routed experts and their bytes per weight, scales
 // included. K is the reduction length of the matrix (H for gate/up, I for down).
-enum class ExpertFormat { kBf16, kInt8, kInt4G64 };
+// The formats checkpoints ship: mxfp4, int4bf16g32 (compressed-tensors
+// int4), fp8 (128x128 blocks), mxfp8.
+enum class ExpertFormat { kBf16, kInt8, kInt4G64, kMxfp4, kInt4Bf16G32, kFp8, kMxfp8 };
+inline constexpr int kNumExpertFormats = 7;
 const char* ExpertFormatName(ExpertFormat f);
-// bf16: 2; int8: 1 + 4/K (f32 scale per output row); int4g64: 0.5 + 4/64 (f32 scale per 64).
+// bf16: 2; int8: 1 + 4/K (f32 scale per output row); int4g64: 0.5 + 4/64 (f32
+// scale per 64); mxfp4: 0.5 + 1/32 (e8m0 per 32); int4bf16g32: 0.5 + 2/32;
+// fp8: 1 + 4/128^2 (f32 per 128x128 block); mxfp8: 1 + 1/32.
 double ExpertBytesPerWeight(ExpertFormat f, int64_t k);
 
 struct ModelReport {
   ModelConfig config;
   ParamCounts params;
   int64_t moe_layers = 0;
-  double routed_bytes[3] = {0, 0, 0};        // all routed experts, per ExpertFormat
-  double bytes_per_token[3] = {0, 0, 0};     // routed weights read per decoded token
-  double decode_ceiling_tps[3] = {0, 0, 0};  // at options.dram_gbps
+  double routed_bytes[kNumExpertFormats] = {};        // all routed experts, per ExpertFormat
+  double bytes_per_token[kNumExpertFormats] = {};     // routed weights read per decoded token
+  double decode_ceiling_tps[kNumExpertFormats] = {};  // at options.dram_gbps
+  // The format the config's quantization stores routed experts in, as
+  // `hmoe convert` keeps it by default ("" unquantized; "fp8 (dequantized)"
+  // for blocks the service does not read natively), and its row above (-1: none).
+  std::string expert_format;
+  int expert_format_row = -1;
   // Checkpoint, when MODEL_DIR holds one.
   bool has_checkpoint = false;
   int64_t checkpoint_files = 0;

@@ -20,7 +20,7 @@ std::vector<int> Groups(const WeightFormatTraits& t) {
 std::string NameList(bool with_groups) {
   std::vector<std::string> names;
   for (const WeightFormatTraits& t : kWeightFormatTraits) {
-    if (!with_groups || t.scale_block != ScaleBlock::kGroup) {
+    if (!with_groups || !IsGrouped(t.format) || TakesOneGroup(t.format)) {
       names.push_back(t.name);
       continue;
     }
@@ -36,8 +36,9 @@ std::string_view WeightFormatName(WeightFormat f) {
 }
 
 std::string WeightFormatName(WeightFormat f, int group) {
-  return IsWeightFormat(f) && IsGrouped(f) ? absl::StrCat(Traits(f).name, "g", group)
-                                           : std::string(WeightFormatName(f));
+  return IsWeightFormat(f) && IsGrouped(f) && !TakesOneGroup(f)
+             ? absl::StrCat(Traits(f).name, "g", group)
+             : std::string(WeightFormatName(f));
 }
 
 absl::StatusOr<WeightFormat> ParseWeightFormat(std::string_view name) {
@@ -52,17 +53,19 @@ absl::StatusOr<WeightFormat> ParseWeightFormat(std::string_view name, int* group
   const absl::string_view quoted(name.data(), name.size());
   for (const WeightFormatTraits& t : kWeightFormatTraits) {
     const std::string_view base = t.name;
-    if (t.scale_block != ScaleBlock::kGroup) {
+    if (!IsGrouped(t.format)) {
       if (name == base) return t.format;
       continue;
     }
+    // base, or base + "g" + digits ("int4g32"; "int4bf16" is another row's).
     if (name.substr(0, base.size()) != base) continue;
     int g = t.default_group;
     if (name.size() > base.size()) {
       const absl::string_view rest = quoted.substr(base.size());
-      if (rest[0] != 'g' || !absl::SimpleAtoi(rest.substr(1), &g) || !TakesGroup(t.format, g)) {
+      if (rest[0] != 'g') continue;
+      if (!absl::SimpleAtoi(rest.substr(1), &g) || !TakesGroup(t.format, g)) {
         std::vector<std::string> names;
-        for (int ok : Groups(t)) names.push_back(absl::StrCat(t.name, "g", ok));
+        for (int ok : Groups(t)) names.push_back(WeightFormatName(t.format, ok));
         return absl::InvalidArgumentError(absl::StrCat("format: \"", quoted, "\"; ", t.name,
                                                        " groups are ", absl::StrJoin(names, ", ")));
       }

@@ -16,9 +16,13 @@ namespace hmoe {
 
 int ConvertCommand(const std::vector<std::string>& args) {
   ConvertOptions o;
-  FlagSet fs("hmoe convert", "MODEL_DIR OUT --format int4g64|int8|bf16 [flags]",
+  FlagSet fs("hmoe convert", "MODEL_DIR OUT [--format FORMAT] [flags]",
              "Packed expert files for hmoe-expert-service --packed-dir.");
-  fs.String("format", &o.format, "int4g32|int4g64|int4g128|int8|bf16", "the files' weight format");
+  fs.String("format", &o.format,
+            "int4g32|int4g64|int4g128|int8|bf16|mxfp4|int4bf16g32|int4bf16g64|int4bf16g128|fp8|"
+            "mxfp8",
+            "the files' weight format; default: the checkpoint's own (mxfp4, int4bf16g32 for "
+            "compressed-tensors int4, fp8, mxfp8: kept as stored), else int4g64");
   fs.Int("shards", &o.shards, 1, 1 << 16, "files for this many expert service shards");
   fs.Enum<SplitMode>("split", &o.split, {{"tp", SplitMode::kTp}, {"ep", SplitMode::kEp}},
                      "how the experts are split over the shards");
@@ -62,6 +66,13 @@ int ConvertCommand(const std::vector<std::string>& args) {
     }
   });
   o.cancelled = [&signalled] { return signalled.load() != 0; };
+  if (o.format.empty()) {
+    // Resolved here to be printed; ConvertModel reports a config it cannot read.
+    const absl::StatusOr<ModelConfig> cfg = LoadModelConfig(pos[0]);
+    const absl::StatusOr<std::string> native =
+        cfg.ok() ? DefaultConvertFormat(*cfg, pos[0]) : absl::StatusOr<std::string>(cfg.status());
+    if (native.ok()) o.format = *native;
+  }
   absl::Status st = ConvertModel(pos[0], pos[1], o);
   done.store(true);
   waiter.join();

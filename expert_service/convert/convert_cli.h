@@ -1,4 +1,4 @@
-// `hmoe convert MODEL_DIR OUT --format int4g64|int8|bf16 [--shards n --split tp|ep]`:
+// `hmoe convert MODEL_DIR OUT [--format FORMAT] [--shards n --split tp|ep]`:
 // writes packed expert files (packed_file.h) for hmoe-expert-service --packed-dir.
 #pragma once
 

@@ -50,6 +50,18 @@ std::vector<TensorSpec> MatrixSpecs(const std::string& name, WeightFormat f, int
               {name + ".s", DType::kF32, {rows, ScalesPerRow(f, group, cols)}}};
     case WeightFormat::kInt4:
       break;
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kInt4Bf16:
+    case WeightFormat::kFp8:
+    case WeightFormat::kMxfp8: {
+      // The codes as stored, and the scales in their own type (e8m0 as U8).
+      const ScaleType st = Traits(f).scale_type;
+      const DType sd = st == ScaleType::kF32    ? DType::kF32
+                       : st == ScaleType::kBf16 ? DType::kBF16
+                                                : DType::kU8;
+      return {{name + ".q", DType::kU8, {rows, RowBytes(f, cols)}},
+              {name + ".s", sd, {ScaleRows(f, group, rows), ScalesPerRow(f, group, cols)}}};
+    }
   }
   return {{name + ".q", DType::kU8, {rows, (cols + 1) / 2}},
           {name + ".s", DType::kF32, {rows, ScalesPerRow(f, group, cols)}}};
@@ -58,6 +70,19 @@ std::vector<TensorSpec> MatrixSpecs(const std::string& name, WeightFormat f, int
 absl::Status AddMatrix(ShardOut& out, const std::string& name, const QuantMatrix& m) {
   const std::vector<TensorSpec> specs = MatrixSpecs(name, m.format, m.group, m.rows, m.cols);
   if (m.format == WeightFormat::kBf16) return out.Add(specs[0], m.bf16.data(), m.bf16.size() * 2);
+  if (!m.packed.empty()) {
+    RETURN_IF_ERROR(out.Add(specs[0], m.packed.data(), m.packed.size()));
+    switch (Traits(m.format).scale_type) {
+      case ScaleType::kBf16:
+        return out.Add(specs[1], m.scale_bf16.data(), m.scale_bf16.size() * 2);
+      case ScaleType::kE8M0:
+        return out.Add(specs[1], m.scale_e8m0.data(), m.scale_e8m0.size());
+      case ScaleType::kF32:
+      case ScaleType::kNone:
+        break;
+    }
+    return out.Add(specs[1], m.scale.data(), m.scale.size() * 4);
+  }
   if (m.format == WeightFormat::kInt8) {
     RETURN_IF_ERROR(out.Add(specs[0], m.q.data(), m.q.size()));
   } else {
@@ -126,11 +151,21 @@ PackOptions ShardPackOptions(int64_t intermediate, int64_t num_experts, SplitMod
   return o;
 }
 
+absl::StatusOr<std::string> DefaultConvertFormat(const ModelConfig& cfg, const std::string& dir) {
+  ASSIGN_OR_RETURN(const NativeExpertFormat native, CheckpointExpertFormat(cfg, dir));
+  if (native.format == WeightFormat::kBf16) return std::string("int4g64");
+  return WeightFormatName(native.format, native.group);
+}
+
 absl::Status ConvertModel(const std::string& model_dir, const std::string& out_dir,
                           const ConvertOptions& opts) {
-  int group = 64;
-  ASSIGN_OR_RETURN(WeightFormat f, ParseWeightFormat(opts.format, &group));
   ASSIGN_OR_RETURN(ModelConfig cfg, LoadModelConfig(model_dir));
+  std::string format = opts.format;
+  if (format.empty()) {
+    ASSIGN_OR_RETURN(format, DefaultConvertFormat(cfg, model_dir));
+  }
+  int group = 64;
+  ASSIGN_OR_RETURN(WeightFormat f, ParseWeightFormat(format, &group));
   ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(model_dir));
   ASSIGN_OR_RETURN(const std::string source_fingerprint, RoutedExpertsFingerprint(*ckpt, cfg));
   const int64_t H = cfg.hidden_size, I = cfg.moe.intermediate_size, E = cfg.moe.num_experts;
@@ -407,6 +442,31 @@ absl::StatusOr<QuantExpert> PackedExperts::Expert(int layer, int64_t e) const {
     ASSIGN_OR_RETURN(Tensor s, tensor(base + ".s"));
     if (s.dtype() != want[1].dtype || s.shape() != want[1].shape) return shape_error(s);
     const int64_t qcols = want[0].shape[1];
+    switch (format_) {
+      case WeightFormat::kBf16:
+      case WeightFormat::kInt8:
+      case WeightFormat::kInt4:
+        break;
+      case WeightFormat::kMxfp4:
+      case WeightFormat::kInt4Bf16:
+      case WeightFormat::kFp8:
+      case WeightFormat::kMxfp8: {
+        m->packed.assign(q.data<uint8_t>(), q.data<uint8_t>() + q.numel());
+        const ScaleType st = Traits(format_).scale_type;
+        if (st == ScaleType::kBf16) {
+          m->scale_bf16.assign(s.data<uint16_t>(), s.data<uint16_t>() + s.numel());
+        } else if (st == ScaleType::kE8M0) {
+          m->scale_e8m0.assign(s.data<uint8_t>(), s.data<uint8_t>() + s.numel());
+          for (size_t i = 0; i < m->scale_e8m0.size(); ++i)
+            if (m->scale_e8m0[i] == kE8M0NaN)
+              return absl::DataLossError(
+                  absl::StrCat(path_, ": ", base, ".s[", i, "] is the e8m0 NaN code 0xFF"));
+        } else {
+          m->scale.assign(s.data<float>(), s.data<float>() + s.numel());
+        }
+        return absl::OkStatus();
+      }
+    }
     m->scale.assign(s.data<float>(), s.data<float>() + s.numel());
     if (format_ == WeightFormat::kInt8) {
       m->q.assign(q.data<int8_t>(), q.data<int8_t>() + n);

@@ -70,7 +70,9 @@ class PackedExperts {
 };
 
 struct ConvertOptions {
-  std::string format = "int4g64";
+  // The files' weight format ("int4g64", "mxfp4", ...); empty: the
+  // checkpoint's own (DefaultConvertFormat).
+  std::string format;
   int shards = 1;
   SplitMode split = SplitMode::kTp;
   int threads = 0;  // experts quantized at once; 0: the CPUs this process may use (<= 64)
@@ -91,6 +93,12 @@ struct ConvertOptions {
 // empty files under the final names. On failure no .tmp is left.
 absl::Status ConvertModel(const std::string& model_dir, const std::string& out_dir,
                           const ConvertOptions& opts);
+
+// The format `hmoe convert` writes without --format: the one the checkpoint
+// stores its routed experts in when the service reads it natively (mxfp4,
+// int4bf16g32, fp8, mxfp8: kept as stored, no second rounding), else
+// int4g64. `dir` names the checkpoint in errors.
+absl::StatusOr<std::string> DefaultConvertFormat(const ModelConfig& cfg, const std::string& dir);
 
 uint64_t Fnv1a64(const void* data, size_t n);
 

@@ -77,6 +77,12 @@ struct KernelSet {
   // 64-byte aligned (the output is not read again soon), fenced.
   void (*weighted_sum)(const float* const* rows, const float* w, int n, int64_t len, float* out,
                        bool stream) = nullptr;
+  // Native formats (packed.h; the kernel reads GemmArgs::g->format), bf16
+  // activations. "few": per scale group, sum_k x * value (the exact element
+  // value) in f32, times the group's scale; "many": weights as bf16(value *
+  // scale), as bf16 weights. Dequantized formats' rules in moe.h.
+  GemmFn native = nullptr;
+  GemmFn native_bf16 = nullptr;
 };
 
 // Shared scalar helpers (kernels_scalar.cc) for ISA files that reuse them.
@@ -110,6 +116,12 @@ void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t
 // The AVX-512 bf16 kernel over an already-bf16 panel set (used for int4 "many"
 // without AMX): panels at `w` with `panel_bytes` stride, kp = K extent.
 void GemmBf16PanelsAvx512(const GemmArgs& a, const uint8_t* w, int64_t panel_bytes, int64_t kp);
+
+// Native formats, AVX-512 (shared with the AMX file): panel lines for k in
+// [k0, k1) (multiples of the scale group) -> bf16(value * scale) in the BF16
+// panel layout ((k1 - k0) / 2 lines of 64 B at out).
+void DequantNativePanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1,
+                                  uint16_t* out);
 
 // Probes for the benchmark (only call after dispatch says the ISA is there).
 // Streams `bytes` (multiple of 256) with AVX-512 loads; returns a checksum.

@@ -179,7 +179,7 @@ struct EmuTiles {
   static void PrefetchL2(const void*) {}
 };
 
-enum class Kind { kBf16, kInt8, kInt4Bf16 };
+enum class Kind { kBf16, kInt8, kInt4Bf16, kNativeBf16 };
 
 // Tuning: AmxTuning (tuning.h). What the measurements said:
 //   kc_bytes: 1024 (bf16, int8) keeps a row pair's A chunk (32 KiB) in L1
@@ -214,7 +214,9 @@ constexpr int64_t kStepK = kKind == Kind::kInt8 ? 64 : 32;  // k per tile
 template <Kind kKind>
 AmxPlan PlanAmx(const GemmArgs& a) {
   constexpr bool kI8 = kKind == Kind::kInt8;
-  constexpr bool kI4 = kKind == Kind::kInt4Bf16;  // int4 weights staged as bf16
+  // int4 and native weights are dequantized to bf16; only int4 is ever staged
+  // (native formats run order 0, each panel pair dequantized before its blocks).
+  constexpr bool kI4 = kKind == Kind::kInt4Bf16 || kKind == Kind::kNativeBf16;
   const AmxTuning& tune = a.tune().amx;
   AmxPlan p;
   // Few rows: panel pairs outer (AmxTuning::order0_rows).
@@ -230,7 +232,7 @@ AmxPlan PlanAmx(const GemmArgs& a) {
   };
   // Staged int4: two halves of the scratch, each one K chunk of the task's
   // panels as bf16 panels (panel j - nb0 at + (j - nb0) * stage_pb).
-  p.i4_stage = kI4 && tune.i4_stage && p.order == 1 &&
+  p.i4_stage = kKind == Kind::kInt4Bf16 && tune.i4_stage && p.order == 1 &&
                2 * p.npan * (chunk_k(true) / kStepK<kKind> * 1024) <= a.scratch_bytes;
   p.chunk_k = chunk_k(p.i4_stage);
   p.stage_pb = p.chunk_k / kStepK<kKind> * 1024;
@@ -300,6 +302,7 @@ class AmxRun {
  private:
   static constexpr bool kI8 = kKind == Kind::kInt8;
   static constexpr bool kI4 = kKind == Kind::kInt4Bf16;
+  static constexpr bool kNative = kKind == Kind::kNativeBf16;
   static constexpr int64_t kStep = kStepK<kKind>;
 
   template <int C, int TA, int TB>
@@ -535,14 +538,13 @@ class AmxRun {
     const bool two = j + 1 < a_.nb1;
     const uint8_t* B0;
     const uint8_t* B1;
-    if constexpr (kI4) {
+    if constexpr (kI4 || kNative) {
       uint8_t* buf0 = a_.scratch;
       uint8_t* buf1 = a_.scratch + kGemmScratchBytes / 2;  // each half: <= 2048 k of one panel
-      DequantI4PanelBf16Avx512(g_, a_.w + j * g_.panel_bytes, kc0, kc1,
-                               reinterpret_cast<uint16_t*>(buf0));
+      const auto dequant = kI4 ? DequantI4PanelBf16Avx512 : DequantNativePanelBf16Avx512;
+      dequant(g_, a_.w + j * g_.panel_bytes, kc0, kc1, reinterpret_cast<uint16_t*>(buf0));
       if (two)
-        DequantI4PanelBf16Avx512(g_, a_.w + (j + 1) * g_.panel_bytes, kc0, kc1,
-                                 reinterpret_cast<uint16_t*>(buf1));
+        dequant(g_, a_.w + (j + 1) * g_.panel_bytes, kc0, kc1, reinterpret_cast<uint16_t*>(buf1));
       B0 = buf0;
       B1 = buf1;
     } else {
@@ -638,6 +640,7 @@ const KernelSet& AmxKernels() {
     s.bf16 = AmxGemm<Kind::kBf16, HwTiles>;
     s.i8 = AmxGemm<Kind::kInt8, HwTiles>;
     s.i4_bf16 = AmxGemm<Kind::kInt4Bf16, HwTiles>;
+    s.native_bf16 = AmxGemm<Kind::kNativeBf16, HwTiles>;
     return s;
   }();
   return k;
@@ -649,6 +652,7 @@ const KernelSet& AmxEmulatedKernels() {
     s.bf16 = AmxGemm<Kind::kBf16, EmuTiles>;
     s.i8 = AmxGemm<Kind::kInt8, EmuTiles>;
     s.i4_bf16 = AmxGemm<Kind::kInt4Bf16, EmuTiles>;
+    s.native_bf16 = AmxGemm<Kind::kNativeBf16, EmuTiles>;
     return s;
   }();
   return k;

@@ -241,6 +241,314 @@ void GemmI4Bf16(const GemmArgs& a) {
   }
 }
 
+// ---- native formats (packed.h native layout) ----------------------------------------
+// 16 e8m0 scales -> f32 2^(e - 127) (e = 0: 2^-127, a denormal).
+inline __m512 E8m0x16(const uint8_t* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __mmask16 z = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  return _mm512_castsi512_ps(
+      _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), z, _mm512_set1_epi32(0x00400000)));
+}
+
+// The 16 channels' scales of panel-local group gi (fp8: super-block gi).
+inline __m512 NativeScales(const PackedGeom& g, const uint8_t* panel, int64_t gi) {
+  if (g.format == WeightFormat::kFp8) {
+    float v;
+    std::memcpy(&v, panel + g.fp8_scale_offset() + gi * 4, 4);
+    return _mm512_set1_ps(v);
+  }
+  const int64_t per = g.sb_k / g.group;
+  const uint8_t* p = panel + (gi / per) * g.sb_bytes + g.sb_code_bytes;
+  if (g.format == WeightFormat::kInt4Bf16) {
+    const __m512i v = _mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (gi % per) * 32)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
+  return E8m0x16(p + (gi % per) * 16);
+}
+
+template <WeightFormat F>
+constexpr bool kE4m3 = F == WeightFormat::kFp8 || F == WeightFormat::kMxfp8;
+// k per 64-byte code line.
+template <WeightFormat F>
+constexpr int kLineK = kE4m3<F> ? 4 : 8;
+
+template <int T>
+inline __m512 Nibble(__m512i d, __m512 table) {
+  constexpr int kShift = (T & 3) * 8 + (T >> 2) * 4;  // k0+i: bits 8i; k0+4+i: bits 8i+4
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(d, kShift), table);  // low 4 bits index
+}
+// Two k (32 bytes: 16 channels each) of e4m3 codes -> value / 256 (f16 bit
+// trick: s.eeee.mmm placed as f16 s.0eeee.mmm0000000, exact, denormals too).
+inline void E4m3Pair(const uint8_t* p, __m512* w0, __m512* w1) {
+  const __m512i t = _mm512_slli_epi16(
+      _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p))), 7);
+  const __m512i h = _mm512_add_epi16(t, _mm512_and_si512(t, _mm512_set1_epi16(0x4000)));
+  *w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  *w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+// One code line -> the values of its kLineK k (16 channels each); e4m3 as
+// value / 256.
+template <WeightFormat F>
+inline void DecodeLine(const uint8_t* line, __m512* w) {
+  if constexpr (kE4m3<F>) {
+    E4m3Pair(line, &w[0], &w[1]);
+    E4m3Pair(line + 32, &w[2], &w[3]);
+  } else {
+    const __m512 table = F == WeightFormat::kMxfp4
+                             ? _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f,
+                                              -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f)
+                             : _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, -8.0f,
+                                              -7.0f, -6.0f, -5.0f, -4.0f, -3.0f, -2.0f, -1.0f);
+    const __m512i d = _mm512_load_si512(line);
+    w[0] = Nibble<0>(d, table);
+    w[1] = Nibble<1>(d, table);
+    w[2] = Nibble<2>(d, table);
+    w[3] = Nibble<3>(d, table);
+    w[4] = Nibble<4>(d, table);
+    w[5] = Nibble<5>(d, table);
+    w[6] = Nibble<6>(d, table);
+    w[7] = Nibble<7>(d, table);
+  }
+}
+
+// "few": MB rows x one panel; per group sum_k x * value, times the scale.
+template <WeightFormat F, int MB>
+void NativeBlock(const PackedGeom& g, const uint8_t* panel, const uint16_t* const* rows, int64_t pf,
+                 float* const* c) {
+  constexpr int kK = kLineK<F>;
+  alignas(64) float xf[MB][256];
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < g.nsb(); ++sb) {
+    const uint8_t* p = panel + sb * g.sb_bytes;
+    for (int m = 0; m < MB; ++m)
+      for (int64_t k = 0; k < g.sb_k; k += 16) {
+        const __m256i b =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[m] + sb * g.sb_k + k));
+        _mm512_store_ps(xf[m] + k,
+                        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+      }
+    for (int64_t k0 = 0; k0 < g.sb_k; k0 += g.group) {
+      __m512 ga[MB];
+      for (int m = 0; m < MB; ++m) ga[m] = _mm512_setzero_ps();
+      for (int64_t k = k0; k < k0 + g.group; k += kK) {
+        const uint8_t* line = p + k / kK * 64;
+        if (pf > 0) Prefetch(line, pf);
+        __m512 w[kK];
+        DecodeLine<F>(line, w);
+        for (int t = 0; t < kK; ++t)
+          for (int m = 0; m < MB; ++m)
+            ga[m] = _mm512_fmadd_ps(w[t], _mm512_set1_ps(xf[m][k + t]), ga[m]);
+      }
+      const __m512 s = NativeScales(g, panel, (sb * g.sb_k + k0) / g.group);
+      for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(ga[m], s, acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    _mm512_storeu_ps(c[m], kE4m3<F> ? _mm512_mul_ps(acc[m], _mm512_set1_ps(256.0f)) : acc[m]);
+}
+
+// 4-bit codes, "few", on bf16 dot products: one code line (8 k x 16
+// channels, the INT4 nibble order) gives four vectors of bf16 pairs by a
+// 16-entry vpermw table: the 16-bit halves of channel c's dword hold k0,
+// k0+4, k0+1, k0+5 (low half) and k0+2, k0+6, k0+3, k0+7 (high half) at
+// nibble shifts 0, 4, 8, 12, so shift s pairs (k0, k0+2), (k0+4, k0+6),
+// (k0+1, k0+3), (k0+5, k0+7). The activations come as bf16 pairs in that
+// order (PairRows). The values are exact in bf16; vdpbf16ps sums exact
+// products in fp32 (as the bf16 kernel).
+template <WeightFormat F>
+inline __m512i Bf16Table() {
+  if constexpr (F == WeightFormat::kMxfp4)  // e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6, then negated
+    return _mm512_set_epi16(-16192, -16256, -16320, -16384, -16448, -16512, -16640, -32768, -16192,
+                            -16256, -16320, -16384, -16448, -16512, -16640, -32768, 0x40C0, 0x4080,
+                            0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0, 0x40C0, 0x4080, 0x4040,
+                            0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+  else  // int4 two's complement: 0..7, -8..-1
+    return _mm512_set_epi16(-16512, -16384, -16320, -16256, -16224, -16192, -16160, -16128, 0x40E0,
+                            0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0, -16512, -16384,
+                            -16320, -16256, -16224, -16192, -16160, -16128, 0x40E0, 0x40C0, 0x40A0,
+                            0x4080, 0x4040, 0x4000, 0x3F80, 0);
+}
+
+// xp[k / 2 + i], i < 4: the bf16 pairs of Native4Block's order for the 8 k
+// at k (k a multiple of 8), over kp k of row x.
+inline void PairRow(const uint16_t* x, int64_t kp, uint32_t* xp) {
+  const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int64_t k = 0; k < kp; k += 8)
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(xp + k / 2),
+        _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k)), order));
+}
+
+template <WeightFormat F, int MB>
+void Native4Block(const PackedGeom& g, const uint8_t* panel, const uint32_t* const* xp, int64_t pf,
+                  float* c0, int64_t ldc) {
+  const __m512i table = Bf16Table<F>();
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < g.kp; k0 += g.group) {
+    const uint8_t* p = panel + (k0 / g.sb_k) * g.sb_bytes;
+    __m512 ga[MB];
+    for (int m = 0; m < MB; ++m) ga[m] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k0 + g.group; k += 8) {
+      const uint8_t* line = p + (k % g.sb_k) / 8 * 64;
+      if (pf > 0) Prefetch(line, pf);
+      const __m512i d = _mm512_load_si512(line);
+      const __m512i w[4] = {
+          _mm512_permutexvar_epi16(_mm512_and_si512(d, low4), table),
+          _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(d, 4), low4), table),
+          _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(d, 8), low4), table),
+          _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 12), table)};
+      for (int m = 0; m < MB; ++m)
+        for (int i = 0; i < 4; ++i)
+          ga[m] = _mm512_dpbf16_ps(ga[m], (__m512bh)w[i],
+                                   (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m][k / 2 + i])));
+    }
+    const __m512 s = NativeScales(g, panel, k0 / g.group);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(ga[m], s, acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(c0 + m * ldc, acc[m]);
+}
+
+// 4-bit "few" with the activations paired once per call (in the scratch).
+template <WeightFormat F>
+void Native4Few(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  const int64_t pf = a.tune().few.pf_i4;
+  uint32_t* buf = reinterpret_cast<uint32_t*>(a.scratch);
+  for (int m0 = 0; m0 < a.m; m0 += 4) {
+    const int mb = std::min(4, a.m - m0);
+    const uint32_t* xp[4];
+    for (int m = 0; m < mb; ++m) {
+      PairRow(
+          reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + (m0 + m) * a.lda),
+          g.kp, buf + m * (g.kp / 2));
+      xp[m] = buf + m * (g.kp / 2);
+    }
+    for (int64_t j = a.nb0; j < a.nb1; ++j) {
+      const uint8_t* panel = a.w + j * g.panel_bytes;
+      float* c = a.c + m0 * a.ldc + (j - a.nb0) * 16;
+      switch (mb) {
+        case 1:
+          Native4Block<F, 1>(g, panel, xp, pf, c, a.ldc);
+          break;
+        case 2:
+          Native4Block<F, 2>(g, panel, xp, pf, c, a.ldc);
+          break;
+        case 3:
+          Native4Block<F, 3>(g, panel, xp, pf, c, a.ldc);
+          break;
+        default:
+          Native4Block<F, 4>(g, panel, xp, pf, c, a.ldc);
+          break;
+      }
+    }
+  }
+}
+
+template <WeightFormat F>
+void NativeFew(const GemmArgs& a) {
+  if constexpr (!kE4m3<F>) {
+    // The paired activations of 4 rows: 8 bytes per k.
+    if (a.scratch != nullptr && 8 * a.g->kp <= a.scratch_bytes) return Native4Few<F>(a);
+  }
+  const int64_t pf = kE4m3<F> ? a.tune().few.pf_i8 : a.tune().few.pf_i4;
+  ForBlocks(a, a.w, a.g->panel_bytes,
+            [&](int m0, int mb, int nb, const uint8_t* const* panels, float* const* c) {
+              const uint16_t* rows[4];
+              for (int m = 0; m < mb; ++m)
+                rows[m] = reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) +
+                                                            (m0 + m) * a.lda);
+              for (int n = 0; n < nb; ++n) {
+                float* cn[4];
+                for (int m = 0; m < mb; ++m) cn[m] = c[m] + 16 * n;
+                switch (mb) {
+                  case 1:
+                    NativeBlock<F, 1>(*a.g, panels[n], rows, pf, cn);
+                    break;
+                  case 2:
+                    NativeBlock<F, 2>(*a.g, panels[n], rows, pf, cn);
+                    break;
+                  case 3:
+                    NativeBlock<F, 3>(*a.g, panels[n], rows, pf, cn);
+                    break;
+                  default:
+                    NativeBlock<F, 4>(*a.g, panels[n], rows, pf, cn);
+                    break;
+                }
+              }
+            });
+}
+
+void GemmNative(const GemmArgs& a) {
+  switch (a.g->format) {
+    case WeightFormat::kMxfp4:
+      return NativeFew<WeightFormat::kMxfp4>(a);
+    case WeightFormat::kInt4Bf16:
+      return NativeFew<WeightFormat::kInt4Bf16>(a);
+    case WeightFormat::kFp8:
+      return NativeFew<WeightFormat::kFp8>(a);
+    case WeightFormat::kMxfp8:
+      return NativeFew<WeightFormat::kMxfp8>(a);
+    default:
+      return;
+  }
+}
+
+template <WeightFormat F>
+void DequantNative(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1,
+                   uint16_t* out) {
+  constexpr int kK = kLineK<F>;
+  // bf16 pairs [c][2]: lanes 2c, 2c+1 <- k, k+1 of channel c.
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t k = k0; k < k1; k += g.group) {
+    const uint8_t* p = panel + (k / g.sb_k) * g.sb_bytes;
+    __m512 s = NativeScales(g, panel, k / g.group);
+    for (int64_t kl = k % g.sb_k; kl < k % g.sb_k + g.group; kl += kK) {
+      __m512 w[kK];
+      DecodeLine<F>(p + kl / kK * 64, w);
+      for (int t = 0; t < kK; t += 2) {
+        __m512 w0 = w[t], w1 = w[t + 1];
+        if (kE4m3<F>) {  // value / 256 back to the value, then the scale (never overflows early)
+          w0 = _mm512_mul_ps(w0, _mm512_set1_ps(256.0f));
+          w1 = _mm512_mul_ps(w1, _mm512_set1_ps(256.0f));
+        }
+        const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(w1, s), _mm512_mul_ps(w0, s));
+        const int64_t kg = (k / g.sb_k) * g.sb_k + kl + t;  // panel-local k of the pair
+        _mm512_store_si512(out + (kg - k0) / 2 * 32, _mm512_permutexvar_epi16(pairs, b));
+      }
+    }
+  }
+}
+
+// Native "many" without AMX: dequantize each panel to bf16 in scratch, then bf16 GEMV.
+void GemmNativeBf16(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  uint16_t* buf = reinterpret_cast<uint16_t*>(a.scratch);
+  const int64_t kc = std::min<int64_t>(g.kp, kGemmScratchBytes / 64 / 2 / g.sb_k * g.sb_k);
+  for (int64_t j = a.nb0; j < a.nb1; ++j)
+    for (int m = 0; m < a.m; ++m) std::memset(a.c + m * a.ldc + (j - a.nb0) * 16, 0, 64);
+  for (int64_t j = a.nb0; j < a.nb1; ++j) {
+    for (int64_t k0 = 0; k0 < g.kp; k0 += kc) {
+      const int64_t k1 = std::min(g.kp, k0 + kc);
+      DequantNativePanelBf16Avx512(g, a.w + j * g.panel_bytes, k0, k1, buf);
+      for (int m = 0; m < a.m; ++m) {
+        const uint16_t* x =
+            reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda) + k0;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t kk = 0; kk < (k1 - k0) / 2; ++kk)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512(buf + kk * 32),
+                                 (__m512bh)Bcast32(x + 2 * kk));
+        float* c = a.c + m * a.ldc + (j - a.nb0) * 16;
+        _mm512_storeu_ps(c, _mm512_add_ps(_mm512_loadu_ps(c), acc));
+      }
+    }
+  }
+}
+
 // ---- SiLU --------------------------------------------------------------------------
 inline __m512 Exp(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
@@ -373,6 +681,22 @@ void DequantI4PanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t
   }
 }
 
+void DequantNativePanelBf16Avx512(const PackedGeom& g, const uint8_t* panel, int64_t k0, int64_t k1,
+                                  uint16_t* out) {
+  switch (g.format) {
+    case WeightFormat::kMxfp4:
+      return DequantNative<WeightFormat::kMxfp4>(g, panel, k0, k1, out);
+    case WeightFormat::kInt4Bf16:
+      return DequantNative<WeightFormat::kInt4Bf16>(g, panel, k0, k1, out);
+    case WeightFormat::kFp8:
+      return DequantNative<WeightFormat::kFp8>(g, panel, k0, k1, out);
+    case WeightFormat::kMxfp8:
+      return DequantNative<WeightFormat::kMxfp8>(g, panel, k0, k1, out);
+    default:
+      return;
+  }
+}
+
 uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes) {
   // Four interleaved sequential streams (as a kernel task reads several
   // panels at once), two lines each per step: enough loads in flight.
@@ -449,8 +773,13 @@ void WeightedSum(const float* const* rows, const float* w, int n, int64_t len, f
 }
 
 const KernelSet& Avx512Kernels() {
-  static const KernelSet k{GemmBf16,  GemmI8,  GemmI4I8, GemmI4Bf16, SiluMul,        SiluMulBf16,
-                           QuantBf16, AmaxF32, QuantF32, StoreRows,  PackTiledBlock, WeightedSum};
+  static const KernelSet k = [] {
+    KernelSet s{GemmBf16,  GemmI8,  GemmI4I8, GemmI4Bf16, SiluMul,        SiluMulBf16,
+                QuantBf16, AmaxF32, QuantF32, StoreRows,  PackTiledBlock, WeightedSum};
+    s.native = GemmNative;
+    s.native_bf16 = GemmNativeBf16;
+    return s;
+  }();
   return k;
 }
 

@@ -103,6 +103,87 @@ void GemmI4Bf16(const GemmArgs& a) {
   }
 }
 
+// ---- native formats (packed.h native layout) ---------------------------------------
+// The exact value of a code.
+float NativeValue(WeightFormat f, uint8_t code) {
+  switch (f) {
+    case WeightFormat::kMxfp4:
+      return E2M1ToF32(code);
+    case WeightFormat::kInt4Bf16:
+      return static_cast<float>((code ^ 8) - 8);
+    default:
+      return Fp8E4M3ToF32(code);
+  }
+}
+// The code of panel-local (c, k).
+uint8_t NativeCode(const PackedGeom& g, const uint8_t* panel, int c, int64_t k) {
+  const uint8_t* sb = panel + (k / g.sb_k) * g.sb_bytes;
+  const int64_t kk = k % g.sb_k;
+  if (Traits(g.format).bits == 8) return sb[(kk / 4) * 64 + 16 * (kk % 4) + c];
+  const uint8_t b = sb[(kk / 8) * 64 + 4 * c + (kk & 3)];
+  return static_cast<uint8_t>((kk & 4) ? b >> 4 : b & 15);
+}
+// The f32 scale of panel-local group gi (k / group) of channel c.
+float NativeScale(const PackedGeom& g, const uint8_t* panel, int c, int64_t gi) {
+  if (g.format == WeightFormat::kFp8) {
+    float v;
+    std::memcpy(&v, panel + g.fp8_scale_offset() + gi * 4, 4);
+    return v;
+  }
+  const int64_t per = g.sb_k / g.group;
+  const uint8_t* s = panel + (gi / per) * g.sb_bytes + g.sb_code_bytes +
+                     ((gi % per) * 16 + c) * ScaleBytes(g.format);
+  if (g.format == WeightFormat::kInt4Bf16) {
+    uint16_t v;
+    std::memcpy(&v, s, 2);
+    return Bf16ToF32(v);
+  }
+  return std::ldexp(1.0f, static_cast<int>(*s) - 127);
+}
+
+void GemmNative(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  for (int m = 0; m < a.m; ++m) {
+    const uint16_t* x =
+        reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
+    for (int64_t j = a.nb0; j < a.nb1; ++j) {
+      const uint8_t* panel = a.w + j * g.panel_bytes;
+      float acc[16] = {};
+      for (int64_t gi = 0; gi < g.kp / g.group; ++gi) {
+        float gacc[16] = {};
+        for (int64_t k = gi * g.group; k < (gi + 1) * g.group; ++k) {
+          const float xv = Bf16ToF32(x[k]);
+          for (int c = 0; c < 16; ++c)
+            gacc[c] += xv * NativeValue(g.format, NativeCode(g, panel, c, k));
+        }
+        for (int c = 0; c < 16; ++c) acc[c] += gacc[c] * NativeScale(g, panel, c, gi);
+      }
+      std::memcpy(a.c + m * a.ldc + (j - a.nb0) * 16, acc, sizeof(acc));
+    }
+  }
+}
+
+void GemmNativeBf16(const GemmArgs& a) {
+  const PackedGeom& g = *a.g;
+  for (int m = 0; m < a.m; ++m) {
+    const uint16_t* x =
+        reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(a.a) + m * a.lda);
+    for (int64_t j = a.nb0; j < a.nb1; ++j) {
+      const uint8_t* panel = a.w + j * g.panel_bytes;
+      float acc[16] = {};
+      for (int64_t k = 0; k < g.kp; ++k) {
+        const float xv = Bf16ToF32(x[k]);
+        for (int c = 0; c < 16; ++c) {
+          const float w = NativeValue(g.format, NativeCode(g, panel, c, k)) *
+                          NativeScale(g, panel, c, k / g.group);
+          acc[c] += xv * Bf16ToF32(F32ToBf16(w));
+        }
+      }
+      std::memcpy(a.c + m * a.ldc + (j - a.nb0) * 16, acc, sizeof(acc));
+    }
+  }
+}
+
 inline float Silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 }  // namespace
@@ -194,18 +275,23 @@ void WeightedSumScalar(const float* const* rows, const float* w, int n, int64_t 
 }
 
 const KernelSet& ScalarKernels() {
-  static const KernelSet k{GemmBf16,
-                           GemmI8,
-                           GemmI4I8,
-                           GemmI4Bf16,
-                           SiluMulScalar,
-                           SiluMulBf16Scalar,
-                           QuantBf16Scalar,
-                           AmaxF32Scalar,
-                           QuantF32Scalar,
-                           StoreRowsScalar,
-                           PackTiledBlockScalar,
-                           WeightedSumScalar};
+  static const KernelSet k = [] {
+    KernelSet s{GemmBf16,
+                GemmI8,
+                GemmI4I8,
+                GemmI4Bf16,
+                SiluMulScalar,
+                SiluMulBf16Scalar,
+                QuantBf16Scalar,
+                AmaxF32Scalar,
+                QuantF32Scalar,
+                StoreRowsScalar,
+                PackTiledBlockScalar,
+                WeightedSumScalar};
+    s.native = GemmNative;
+    s.native_bf16 = GemmNativeBf16;
+    return s;
+  }();
   return k;
 }
 

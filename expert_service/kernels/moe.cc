@@ -89,6 +89,11 @@ kern::GemmFn GemmFor(const kern::KernelSet& k, WeightFormat f, bool many) {
       return k.i8;
     case WeightFormat::kInt4:
       return many ? k.i4_bf16 : k.i4_i8;
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kInt4Bf16:
+    case WeightFormat::kFp8:
+    case WeightFormat::kMxfp8:
+      return many ? k.native_bf16 : k.native;
   }
   return nullptr;
 }
@@ -394,6 +399,11 @@ absl::Status CheckWorkspaceFits(const PackedMoeLayer& layer, const ThreadPool& p
 }
 
 }  // namespace
+
+int ManyThreshold(WeightFormat f, const RunOptions& opts) {
+  return f == WeightFormat::kInt4 || IsNativeFormat(f) ? opts.many_threshold_int4
+                                                       : opts.many_threshold;
+}
 
 absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts) {
   return ResolveIsa(opts.isa, opts.strict_isa);

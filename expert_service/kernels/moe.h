@@ -24,6 +24,10 @@
 //   * INT4 weights (w = q * s_group), "few": as INT8 but with a per-group
 //     int32 sum scaled by s_group; "many": weights are dequantized to
 //     bf16(q * s_group) and everything else is as BF16.
+//   * Native formats (mxfp4, int4bf16, fp8, mxfp8: w = v * s, v the exact
+//     element value, s the group's or block's scale): activations as BF16;
+//     "few": per scale group, sum(x * v) in fp32 times s; "many": weights
+//     dequantized to bf16(v * s), then as BF16. h as BF16.
 //   SiLU(g) = g / (1 + exp(-g)). The final sum over top-k and over NUMA-node
 //   partials is fp32, weights applied per expert.
 //
@@ -187,6 +191,11 @@ class MoeWorkspace {
 // count vs workspace, pointers): shapes are validated one layer up.
 absl::Status RunMoe(const PackedMoeLayer& layer, const MoeInput& in, float* out, ThreadPool& pool,
                     MoeWorkspace& ws, const RunOptions& opts = {});
+
+// The "many" threshold of an expert in format `f`: many_threshold_int4 for
+// the formats whose "many" kernels dequantize the weights to bf16 (int4 and
+// the native formats), else many_threshold.
+int ManyThreshold(WeightFormat f, const RunOptions& opts);
 
 // The ISA RunMoe would use for these options (after the cap and fallback).
 absl::StatusOr<Isa> EffectiveIsa(const RunOptions& opts);

@@ -11,8 +11,7 @@ void RouteRows(const PackedMoeLayer& layer, const MoeInput& in, const RunOptions
                MoePlan& plan) {
   const int64_t T = in.tokens, K = in.top_k;
   const int64_t E = layer.num_local_experts(), e_begin = layer.expert_begin();
-  const int threshold =
-      layer.format() == WeightFormat::kInt4 ? opts.many_threshold_int4 : opts.many_threshold;
+  const int threshold = ManyThreshold(layer.format(), opts);
   std::fill(plan.count.begin(), plan.count.end(), 0);
   // ids are read once (they may sit in memory a client can still write):
   // slot_row holds each slot's local expert (or -1) until rows are assigned.

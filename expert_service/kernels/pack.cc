@@ -14,6 +14,7 @@
 namespace hmoe {
 
 int64_t KAlign(WeightFormat f, int group) {
+  if (IsNativeFormat(f)) return NativeSuperBlockK(f, group);
   return IsGrouped(f) ? std::max<int64_t>(64, group) : 64;
 }
 
@@ -36,6 +37,18 @@ PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k) {
     case WeightFormat::kInt4:
       g.panel_bytes = g.kp / group * g.i4_group_bytes();
       break;
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kInt4Bf16:
+    case WeightFormat::kFp8:
+    case WeightFormat::kMxfp8: {
+      g.sb_k = NativeSuperBlockK(f, group);
+      g.sb_code_bytes = g.sb_k * 16 * Traits(f).bits / 8;
+      const int64_t scales = f == WeightFormat::kFp8 ? 0 : g.sb_k / group * 16 * ScaleBytes(f);
+      g.sb_bytes = g.sb_code_bytes + scales;
+      g.panel_bytes = g.nsb() * g.sb_bytes;
+      if (f == WeightFormat::kFp8) g.panel_bytes += RoundUp(g.nsb() * 4, 64);
+      break;
+    }
   }
   return g;
 }
@@ -46,6 +59,48 @@ namespace {
 // Src provides, for panel-local row c (0..15) and panel-local k (0..kp):
 //   bf16(c, k) -> uint16_t, q(c, k) -> int, scale(c) (int8), gscale(c, gi) (int4)
 // and must return 0 for padding.
+// Native formats: Src also provides code(c, k) -> uint8_t (the raw 4- or
+// 8-bit code), e8m0(c, gi) and bf16s(c, gi) (the scale of panel-local group
+// gi), and f32s(sb) (fp8: super-block sb's scale).
+template <typename Src>
+void WriteNativePanel(const PackedGeom& g, const Src& s, uint8_t* dst) {
+  const bool four = Traits(g.format).bits == 4;
+  const int64_t groups = g.sb_k / g.group;
+  for (int64_t sb = 0; sb < g.nsb(); ++sb) {
+    uint8_t* p = dst + sb * g.sb_bytes;
+    const int64_t kb = sb * g.sb_k;
+    if (four) {
+      for (int64_t o = 0; o < g.sb_k / 8; ++o)
+        for (int c = 0; c < 16; ++c)
+          for (int i = 0; i < 4; ++i)
+            p[o * 64 + 4 * c + i] = static_cast<uint8_t>((s.code(c, kb + 8 * o + i) & 15) |
+                                                         (s.code(c, kb + 8 * o + 4 + i) << 4));
+    } else {
+      for (int64_t o = 0; o < g.sb_k / 4; ++o)
+        for (int i = 0; i < 4; ++i)
+          for (int c = 0; c < 16; ++c) p[o * 64 + 16 * i + c] = s.code(c, kb + 4 * o + i);
+    }
+    uint8_t* sc = p + g.sb_code_bytes;
+    for (int64_t gi = 0; gi < groups && g.format != WeightFormat::kFp8; ++gi)
+      for (int c = 0; c < 16; ++c) {
+        if (g.format == WeightFormat::kInt4Bf16) {
+          const uint16_t v = s.bf16s(c, sb * groups + gi);
+          std::memcpy(sc + (gi * 16 + c) * 2, &v, 2);
+        } else {
+          sc[gi * 16 + c] = s.e8m0(c, sb * groups + gi);
+        }
+      }
+  }
+  if (g.format == WeightFormat::kFp8) {
+    uint8_t* t = dst + g.fp8_scale_offset();
+    std::memset(t, 0, static_cast<size_t>(g.panel_bytes - g.fp8_scale_offset()));
+    for (int64_t sb = 0; sb < g.nsb(); ++sb) {
+      const float v = s.f32s(sb);
+      std::memcpy(t + sb * 4, &v, 4);
+    }
+  }
+}
+
 template <typename Src>
 void WritePanel(const PackedGeom& g, const Src& s, uint8_t* dst) {
   switch (g.format) {
@@ -90,6 +145,12 @@ void WritePanel(const PackedGeom& g, const Src& s, uint8_t* dst) {
       }
       break;
     }
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kInt4Bf16:
+    case WeightFormat::kFp8:
+    case WeightFormat::kMxfp8:
+      WriteNativePanel(g, s, dst);
+      break;
   }
 }
 
@@ -111,6 +172,30 @@ struct PanelReader {
   float gscale(int c, int64_t gi) const {
     return reinterpret_cast<const float*>(p + gi * g.i4_group_bytes() + int64_t{g.group} * 8)[c];
   }
+  // Native formats.
+  uint8_t code(int c, int64_t k) const {
+    const uint8_t* sb = p + (k / g.sb_k) * g.sb_bytes;
+    const int64_t kk = k % g.sb_k;
+    if (Traits(g.format).bits == 8) return sb[(kk / 4) * 64 + 16 * (kk % 4) + c];
+    const uint8_t b = sb[(kk / 8) * 64 + 4 * c + (kk & 3)];
+    return static_cast<uint8_t>((kk & 4) ? b >> 4 : b & 15);
+  }
+  const uint8_t* scale_at(int c, int64_t gi) const {
+    const int64_t per = g.sb_k / g.group;
+    return p + (gi / per) * g.sb_bytes + g.sb_code_bytes +
+           ((gi % per) * 16 + c) * ScaleBytes(g.format);
+  }
+  uint8_t e8m0(int c, int64_t gi) const { return *scale_at(c, gi); }
+  uint16_t bf16s(int c, int64_t gi) const {
+    uint16_t v;
+    std::memcpy(&v, scale_at(c, gi), 2);
+    return v;
+  }
+  float f32s(int64_t sb) const {
+    float v;
+    std::memcpy(&v, p + g.fp8_scale_offset() + sb * 4, 4);
+    return v;
+  }
 };
 
 // A window of a QuantMatrix: rows [r0, r0 + 16) ∩ [0, rend), cols c0 + k for k < kn.
@@ -127,6 +212,31 @@ struct MatrixWindow {
     const int64_t gg = c0 / m.group + gi;
     if (r0 + c >= rend || gi * m.group >= kn) return 0.0f;
     return m.scale[static_cast<size_t>((r0 + c) * ng + gg)];
+  }
+  // Native formats.
+  uint8_t code(int c, int64_t k) const {
+    if (!in(c, k)) return 0;
+    const int64_t r = r0 + c, col = c0 + k, rb = RowBytes(m.format, m.cols);
+    if (Traits(m.format).bits == 8) return m.packed[static_cast<size_t>(r * rb + col)];
+    const uint8_t b = m.packed[static_cast<size_t>(r * rb + col / 2)];
+    return static_cast<uint8_t>((col & 1) ? b >> 4 : b & 15);
+  }
+  // The scale index of panel-local group gi of row c (-1: padding).
+  int64_t sidx(int c, int64_t gi) const {
+    if (r0 + c >= rend || gi * m.group >= kn) return -1;
+    return ScaleIndex(m.format, m.group, m.cols, r0 + c, c0 + gi * m.group);
+  }
+  uint8_t e8m0(int c, int64_t gi) const {
+    const int64_t i = sidx(c, gi);
+    return i < 0 ? 0 : m.scale_e8m0[static_cast<size_t>(i)];
+  }
+  uint16_t bf16s(int c, int64_t gi) const {
+    const int64_t i = sidx(c, gi);
+    return i < 0 ? 0 : m.scale_bf16[static_cast<size_t>(i)];
+  }
+  float f32s(int64_t sb) const {
+    const int64_t i = sidx(0, sb);
+    return i < 0 ? 0.0f : m.scale[static_cast<size_t>(i)];
   }
 };
 
@@ -174,6 +284,32 @@ struct RandomPanel {
                      (0.5f + static_cast<float>(h(c, -2 - gi - (group ? k_off / group : 0)) >> 40) /
                                  static_cast<float>(1 << 24))
                : 0.0f;
+  }
+  // Native formats: uniform codes (e4m3 without its NaN codes) and scales
+  // that put the weights' magnitude near 1/sqrt(K).
+  uint8_t code(int c, int64_t k) const {
+    if (!in(c, k)) return 0;
+    const uint64_t r = h(c, k);
+    if (Traits(f).bits == 4) return static_cast<uint8_t>(r & 15);
+    const int v = static_cast<int>(r % 254);  // 0..253, then 0x7F skipped: never NaN
+    return static_cast<uint8_t>(v >= 0x7F ? v + 1 : v);
+  }
+  float unit(int c, int64_t gi) const {
+    return 0.5f + static_cast<float>(h(c, -2 - gi - (group ? k_off / group : 0)) >> 40) /
+                      static_cast<float>(1 << 24);
+  }
+  int log2_sqrt_k() const { return static_cast<int>(std::lround(0.5 * std::log2(k_total))); }
+  uint8_t e8m0(int c, int64_t gi) const {
+    if (c >= rows_valid) return 0;
+    const int emax = f == WeightFormat::kMxfp4 ? 2 : 8;  // the element's largest binade
+    return static_cast<uint8_t>(127 - emax - log2_sqrt_k() + (unit(c, gi) >= 1.0f ? 1 : 0));
+  }
+  uint16_t bf16s(int c, int64_t gi) const {
+    return c < rows_valid ? F32ToBf16(unit(c, gi) / (7.0f * std::sqrt(static_cast<float>(k_total))))
+                          : 0;
+  }
+  float f32s(int64_t sb) const {
+    return rows_valid > 0 ? unit(0, sb) / (448.0f * std::sqrt(static_cast<float>(k_total))) : 0.0f;
   }
 };
 
@@ -268,7 +404,31 @@ absl::Status CheckQuantMatrix(const QuantMatrix& m, const char* name, int64_t ro
   if (m.format != L.format()) return bad(std::string(WeightFormatName(m.format)));
   if (IsGrouped(L.format()) && m.group != L.group()) return bad(absl::StrCat("group ", m.group));
   const size_t n = static_cast<size_t>(rows * cols);
-  const size_t scales = static_cast<size_t>(rows * ScalesPerRow(L.format(), L.group(), cols));
+  const size_t scales = static_cast<size_t>(ScaleCount(L.format(), L.group(), rows, cols));
+  if (IsNativeFormat(L.format())) {
+    const WeightFormat f = L.format();
+    const size_t codes = static_cast<size_t>(rows * RowBytes(f, cols));
+    const size_t have = Traits(f).scale_type == ScaleType::kE8M0   ? m.scale_e8m0.size()
+                        : Traits(f).scale_type == ScaleType::kBf16 ? m.scale_bf16.size()
+                                                                   : m.scale.size();
+    if (m.packed.size() != codes || have != scales)
+      return bad(absl::StrCat(m.packed.size(), " code bytes and ", have, " scales, want ", codes,
+                              " and ", scales));
+    // What the kernels cannot serve: a NaN scale or code (refused, not served as NaN).
+    for (size_t i = 0; i < m.scale_e8m0.size() && f != WeightFormat::kInt4Bf16; ++i)
+      if (m.scale_e8m0[i] == kE8M0NaN) return bad(absl::StrCat("e8m0 scale ", i, " is 0xFF (NaN)"));
+    for (size_t i = 0; i < m.scale.size() && f == WeightFormat::kFp8; ++i)
+      if (!std::isfinite(m.scale[i])) return bad(absl::StrCat("scale ", i, " is ", m.scale[i]));
+    for (size_t i = 0; i < m.scale_bf16.size() && f == WeightFormat::kInt4Bf16; ++i)
+      if (!std::isfinite(Bf16ToF32(m.scale_bf16[i])))
+        return bad(absl::StrCat("scale ", i, " is ", Bf16ToF32(m.scale_bf16[i])));
+    if (Traits(f).bits == 8)
+      for (size_t i = 0; i < m.packed.size(); ++i)
+        if ((m.packed[i] & 0x7F) == 0x7F)
+          return bad(absl::StrCat("e4m3 code at [", static_cast<int64_t>(i) / cols, ", ",
+                                  static_cast<int64_t>(i) % cols, "] is NaN"));
+    return absl::OkStatus();
+  }
   const bool sizes_ok = L.format() == WeightFormat::kBf16
                             ? m.bf16.size() == n
                             : m.q.size() == n && m.scale.size() == scales;
@@ -315,11 +475,19 @@ absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& L, int64_t e) {
     m.rows = rows;
     m.cols = cols;
     const size_t n = static_cast<size_t>(rows * cols);
-    if (f == WeightFormat::kBf16)
+    const size_t scales = static_cast<size_t>(ScaleCount(f, L.group(), rows, cols));
+    if (f == WeightFormat::kBf16) {
       m.bf16.resize(n);
-    else
+    } else if (IsNativeFormat(f)) {
+      m.packed.resize(static_cast<size_t>(rows * RowBytes(f, cols)));
+      if (Traits(f).scale_type == ScaleType::kE8M0) m.scale_e8m0.resize(scales);
+      if (Traits(f).scale_type == ScaleType::kBf16) m.scale_bf16.resize(scales);
+      if (Traits(f).scale_type == ScaleType::kF32) m.scale.resize(scales);
+      return;
+    } else {
       m.q.resize(n);
-    m.scale.resize(static_cast<size_t>(rows * ScalesPerRow(f, L.group(), cols)));
+    }
+    m.scale.resize(scales);
   };
   QuantExpert q;
   init(q.gate, is, H);
@@ -327,6 +495,25 @@ absl::StatusOr<QuantExpert> UnpackExpert(const PackedMoeLayer& L, int64_t e) {
   init(q.down, H, is);
   auto put = [&](QuantMatrix& m, int64_t r, int64_t c, const PanelReader& pr, int pc, int64_t pk) {
     const size_t i = static_cast<size_t>(r * m.cols + c);
+    if (IsNativeFormat(f)) {
+      const uint8_t code = pr.code(pc, pk);
+      const int64_t rb = RowBytes(f, m.cols);
+      if (Traits(f).bits == 8) {
+        m.packed[static_cast<size_t>(r * rb + c)] = code;
+      } else {
+        uint8_t& b = m.packed[static_cast<size_t>(r * rb + c / 2)];
+        b = (c & 1) ? static_cast<uint8_t>((b & 0x0F) | (code << 4))
+                    : static_cast<uint8_t>((b & 0xF0) | code);
+      }
+      if (pk % L.group() == 0) {
+        const size_t si = static_cast<size_t>(ScaleIndex(f, L.group(), m.cols, r, c));
+        if (f == WeightFormat::kFp8) m.scale[si] = pr.f32s(pk / L.group());
+        if (f == WeightFormat::kInt4Bf16) m.scale_bf16[si] = pr.bf16s(pc, pk / L.group());
+        if (f == WeightFormat::kMxfp4 || f == WeightFormat::kMxfp8)
+          m.scale_e8m0[si] = pr.e8m0(pc, pk / L.group());
+      }
+      return;
+    }
     if (f == WeightFormat::kBf16)
       m.bf16[i] = pr.bf16(pc, pk);
     else

@@ -28,6 +28,27 @@
 //         exactly an INT8-layout line for k0..k0+3 and the high nibbles for
 //         k0+4..k0+7 (values 0..15, i.e. q + 8, q in [-8, 7]).
 //
+//   Native formats (mxfp4, int4bf16, fp8, mxfp8: the codes and scales as a
+//   checkpoint stores them, never re-quantized): Kp = roundup(K, sb_k), and
+//   the panel is Kp / sb_k super-blocks of sb_k consecutive k (sb_k =
+//   NativeSuperBlockK: 128, or 256 for int4bf16 group 128), each its code
+//   lines, then (all but fp8) its scales:
+//     4-bit codes (mxfp4: e2m1; int4bf16: two's complement q): sb_k / 8
+//       lines; line o holds k0 = 8o (from the super-block's start): byte
+//       4c+i = code[16j+c][k0+i] | code[16j+c][k0+4+i] << 4, i = 0..3 (the
+//       INT4 nibble order, raw codes).
+//     8-bit codes (e4m3): sb_k / 4 lines; line o holds k0 = 4o: byte 16i+c =
+//       code[16j+c][k0+i] (k-major: 16 bytes are one k's 16 channels).
+//     scales: sb_k / group groups x 16 channels, [group][channel], in the
+//       format's scale type (e8m0 bytes; int4bf16: bf16), 64 or 128 bytes.
+//     fp8 (one f32 scale per 128 x 128 block; sb_k = 128): every channel of
+//       a panel lies in one block row (parts split K and the panel rows on
+//       multiples of 128), so after the super-blocks the panel holds its
+//       Kp / 128 f32 scales, one per super-block, zero-padded to 64 bytes.
+//   Padding codes are 0 (the value 0 in every format) and padding scales 0.
+//   Panel bytes are the stored bytes but for fp8's trailer padding: the
+//   layout adds no per-weight bytes (footprint: DRAM <= 1.02x native).
+//
 // gate and up are packed as one matrix of 2*Np(I) rows with panels
 // interleaved: panel 2j = gate rows [16j, 16j+16), panel 2j+1 = up rows, so a
 // task over a panel pair computes SiLU(gate)*up for 16 columns at once.
@@ -52,10 +73,32 @@ struct PackedGeom {
   int64_t i8_scale_offset() const { return kp * 16; }
   int64_t i8_rowsum_offset() const { return kp * 16 + 64; }
   int64_t i4_group_bytes() const { return int64_t{group} * 8 + 64; }
+  // Native formats: k per super-block, its bytes (code lines and scales),
+  // its code bytes (the scales follow them), and fp8's per-panel scale
+  // trailer (after the super-blocks).
+  int64_t sb_k = 0;
+  int64_t sb_bytes = 0;
+  int64_t sb_code_bytes = 0;
+  int64_t nsb() const { return sb_k > 0 ? kp / sb_k : 0; }
+  int64_t fp8_scale_offset() const { return nsb() * sb_bytes; }
 };
 
+// The formats kept as their checkpoints store them (packed.h native layout).
+constexpr bool IsNativeFormat(WeightFormat f) {
+  return f == WeightFormat::kMxfp4 || f == WeightFormat::kInt4Bf16 || f == WeightFormat::kFp8 ||
+         f == WeightFormat::kMxfp8;
+}
+// A native format's super-block (k): 128, or two groups where that is more
+// (int4bf16 group 128: two groups' 16-channel bf16 scales fill one 64-byte
+// line).
+constexpr int64_t NativeSuperBlockK(WeightFormat f, int group) {
+  if (f == WeightFormat::kInt4Bf16) return group * 2 > 128 ? int64_t{group} * 2 : 128;
+  return 128;
+}
+
 PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k);
-// K alignment for a format: 64, or the int4 group when larger.
+// K alignment for a format: 64, or the int4 group when larger; native
+// formats: their super-block.
 int64_t KAlign(WeightFormat f, int group);
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "expert_service/kernels/moe.h"
+#include "expert_service/kernels/packed.h"
 
 namespace hmoe {
 namespace {
@@ -45,7 +46,9 @@ void MatVec(const QuantMatrix& W, bool many, const float* a_f, const int8_t* a_q
     if (!int8_act) {
       for (int64_t c = 0; c < W.cols; ++c) {
         float wv = W.At(r, c);
-        if (W.format == WeightFormat::kInt4) wv = Bf16ToF32(F32ToBf16(wv));  // "many": bf16(q*s)
+        // "many" int4 and native formats: bf16(q * s); native "few": exact.
+        if (W.format == WeightFormat::kInt4 || (many && IsNativeFormat(W.format)))
+          wv = Bf16ToF32(F32ToBf16(wv));
         acc += static_cast<double>(a_f[c]) * wv;
       }
     } else if (W.format == WeightFormat::kInt8) {
@@ -94,8 +97,7 @@ absl::Status RunMoeReference(const std::vector<QuantExpert>& experts, int64_t hi
       if (q.gate.cols != H || q.down.rows != H)
         return absl::InvalidArgumentError(absl::StrCat("reference: expert ", e, " shape mismatch"));
       const WeightFormat f = q.gate.format;
-      const bool many = count[static_cast<size_t>(e)] >
-                        (f == WeightFormat::kInt4 ? opts.many_threshold_int4 : opts.many_threshold);
+      const bool many = count[static_cast<size_t>(e)] > ManyThreshold(f, opts);
       const bool int8_act = f == WeightFormat::kInt8 || (f == WeightFormat::kInt4 && !many);
       MatVec(q.gate, many, xf.data(), xq.data(), xs, g);
       MatVec(q.up, many, xf.data(), xq.data(), xs, u);

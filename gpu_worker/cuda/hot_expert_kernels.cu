@@ -5,6 +5,7 @@
 
 #include "gpu_worker/cuda/common.cuh"
 #include "gpu_worker/cuda/hot_expert_kernels.h"
+#include "gpu_worker/cuda/native_decode.cuh"
 
 namespace hmoe::cuda {
 namespace {
@@ -102,7 +103,11 @@ __device__ double RowDot(const DevQuantMatrix& W, int64_t r, const float* a_f, c
                          float a_s) {
   const int lane = threadIdx.x % 32;
   double acc = 0.0;
-  if (W.format == WeightFormat::kBf16) {
+  if (IsNativeDev(W.format)) {
+    // Native formats: f32 activations against f32(value * scale), as bf16.
+    for (int64_t c = lane; c < W.cols; c += 32)
+      acc += static_cast<double>(a_f[c]) * static_cast<double>(NativeWeightDev(W, r, c));
+  } else if (W.format == WeightFormat::kBf16) {
     const uint16_t* w = static_cast<const uint16_t*>(W.w) + r * W.cols;
     if (W.cols % 8 == 0 && Aligned16(w)) {
       const uint4* w4 = reinterpret_cast<const uint4*>(w);
@@ -216,7 +221,7 @@ __global__ void HotGateUpKernel(HotExpertsArgs a, const int32_t* slot_expert, co
   const int64_t t = slot / a.K;
   // f32 activations (bf16 weights): widened per thread from x.
   extern __shared__ float xf[];
-  const bool f32_act = ex.gate.format == WeightFormat::kBf16;
+  const bool f32_act = ex.gate.format == WeightFormat::kBf16 || IsNativeDev(ex.gate.format);
   if (f32_act)
     for (int64_t c = threadIdx.x; c < a.H; c += blockDim.x) xf[c] = Bf16ToF(a.x[t * a.H + c]);
   __syncthreads();

@@ -33,7 +33,8 @@ int64_t HotExpertsScratchBytes(int64_t T, int64_t H, int64_t I, int64_t K);
 // (RunMoeReference): int8 and int4 weights meet int8 activations quantized
 // per row (x per token over H, then silu(gate) * up per slot over I), the
 // integer dot products exact, combined in double with the scales; bf16
-// weights meet f32 activations and a bf16-rounded intermediate. Results
+// weights and the native formats (mxfp4, int4bf16, fp8, mxfp8: each weight
+// f32(value * scale)) meet f32 activations and a bf16-rounded intermediate. Results
 // match the reference up to summation order and expf's last bits.
 cudaError_t HotExperts(const HotExpertsArgs& a, cudaStream_t s);
 

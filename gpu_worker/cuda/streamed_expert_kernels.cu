@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "gpu_worker/cuda/common.cuh"
+#include "gpu_worker/cuda/native_decode.cuh"
 #include "gpu_worker/cuda/streamed_expert_kernels.h"
 
 namespace hmoe::cuda {
@@ -17,7 +18,9 @@ __global__ void DequantToBf16Kernel(DevQuantMatrix W, uint16_t* out) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / W.cols, c = i % W.cols;
-    if (W.format == WeightFormat::kBf16) {
+    if (IsNativeDev(W.format)) {
+      out[i] = FToBf16(NativeWeightDev(W, r, c));
+    } else if (W.format == WeightFormat::kBf16) {
       out[i] = static_cast<const uint16_t*>(W.w)[i];
     } else if (W.format == WeightFormat::kInt8) {
       out[i] = FToBf16(static_cast<float>(static_cast<const int8_t*>(W.w)[i]) * W.scale[r]);

@@ -9,7 +9,8 @@ namespace hmoe::cuda {
 
 // Streamed experts (hybrid prefill: weights uploaded per pass, computed by
 // cuBLAS on bf16 copies). DequantToBf16: out [rows][cols] = bf16(w's value):
-// bf16 as is, int8 q * scale[r], int4 q * scale[r][c / group], rounded once.
+// bf16 as is, int8 q * scale[r], int4 q * scale[r][c / group], the native
+// formats bf16(f32(value * scale)) (QuantMatrix::At), rounded once.
 cudaError_t DequantToBf16(const DevQuantMatrix& w, uint16_t* out, cudaStream_t s);
 // out[i][:] = x[rows[i]][:] for i < n (bf16 rows of `cols`).
 cudaError_t GatherBf16Rows(const uint16_t* x, int64_t cols, const int32_t* rows, int64_t n,

@@ -53,11 +53,10 @@ TEST(GpuKernelTest, HotExpertsMatchTheServiceReference) {
     WeightFormat f;
     int group;
   };
-  const Fmt fmts[] = {{WeightFormat::kBf16, 128},
-                      {WeightFormat::kInt8, 128},
-                      {WeightFormat::kInt4, 32},
-                      {WeightFormat::kInt4, 64},
-                      {WeightFormat::kInt4, 128}};
+  const Fmt fmts[] = {
+      {WeightFormat::kBf16, 128},    {WeightFormat::kInt8, 128}, {WeightFormat::kInt4, 32},
+      {WeightFormat::kInt4, 64},     {WeightFormat::kInt4, 128}, {WeightFormat::kMxfp4, 32},
+      {WeightFormat::kInt4Bf16, 32}, {WeightFormat::kFp8, 128},  {WeightFormat::kMxfp8, 32}};
   const std::pair<int64_t, int64_t> shapes[] = {{96, 40}, {200, 64}, {2048, 96}};
   constexpr int64_t E = 6;
   const bool hot_e[E] = {true, false, true, true, false, true};

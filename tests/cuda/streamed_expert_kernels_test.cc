@@ -77,6 +77,48 @@ TEST(GpuKernelTest, DequantToBf16) {
   }
 }
 
+// DequantToBf16 on the native formats (the worker's kernel layout of
+// QuantizeExpert's matrices) against bf16(QuantMatrix::At), bit for bit:
+// odd shapes, group tails, fp8 blocks cut at both edges.
+TEST(GpuKernelTest, DequantToBf16NativeFormats) {
+  SKIP_WITHOUT_GPU();
+  for (const auto& [format, group] : {std::pair<WeightFormat, int>{WeightFormat::kMxfp4, 32},
+                                      {WeightFormat::kInt4Bf16, 32},
+                                      {WeightFormat::kInt4Bf16, 128},
+                                      {WeightFormat::kFp8, 128},
+                                      {WeightFormat::kMxfp8, 32}}) {
+    for (const auto& [H, I] : {std::pair<int64_t, int64_t>{37, 5}, {130, 200}, {300, 64}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << WeightFormatName(format, group) << " H " << H << " I " << I);
+      const MoeWeightsSource src = testing::RandomSource(H, I, 1, 5);
+      PackOptions po;
+      po.format = format;
+      po.group = group;
+      auto q = QuantizeExpert(*src.expert(0), src, po);
+      ASSERT_TRUE(q.ok()) << q.status();
+      for (const QuantMatrix* m : {&q->gate, &q->down}) {
+        const HostQuantMatrix h = ToKernelLayout(*m);
+        std::vector<uint16_t> want(static_cast<size_t>(m->rows * m->cols));
+        for (int64_t r = 0; r < m->rows; ++r)
+          for (int64_t c = 0; c < m->cols; ++c)
+            want[static_cast<size_t>(r * m->cols + c)] = HostBf16(m->At(r, c));
+        DeviceBuffer<uint8_t> dw(h.w);
+        DeviceBuffer<float> ds(h.scale);
+        DeviceBuffer<uint16_t> out(want.size());
+        DevQuantMatrix d;
+        d.format = h.format;
+        d.group = h.group;
+        d.rows = h.rows;
+        d.cols = h.cols;
+        d.w = dw.get();
+        d.scale = ds.get();
+        Check(DequantToBf16(d, out.get(), nullptr));
+        EXPECT_EQ(out.Download(), want);
+      }
+    }
+  }
+}
+
 // The streamed experts' data movers: gather rows, weighted scatter into
 // slots, the marked slots' sum per token in slot order.
 TEST(GpuKernelTest, StreamedExpertsGatherScatterSum) {

@@ -16,6 +16,7 @@
 #include "gpu_worker/transport/expert_pool.h"
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_edit.h"
+#include "tests/testing/native_checkpoint.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
 #include "tests/transport/test_util.h"
@@ -458,6 +459,58 @@ TEST(Convert, TruncatedCorruptedOrMismatchedFilesAreRefused) {
   // Bad arguments.
   EXPECT_EQ(ConvertCommand({ModelDir(), out, "--format=fp4"}), 1);
   EXPECT_EQ(ConvertCommand({ModelDir()}), 2);
+}
+
+// A checkpoint whose routed experts ship quantized converts to its own
+// format by default, codes and scales kept bit for bit; --format still
+// re-quantizes.
+TEST(Convert, KeepsTheCheckpointsNativeFormatByDefault) {
+  for (WeightFormat f :
+       {WeightFormat::kInt4Bf16, WeightFormat::kMxfp4, WeightFormat::kFp8, WeightFormat::kMxfp8}) {
+    SCOPED_TRACE(std::string(WeightFormatName(f)));
+    ::hmoe::testing::TempDir dir;
+    const std::string model = dir.file("model"), out = dir.file("out");
+    std::filesystem::create_directories(model);
+    const ::hmoe::testing::NativeCheckpoint nc = ::hmoe::testing::MakeNative(model, f);
+    auto cfg = LoadModelConfig(model);
+    ASSERT_TRUE(cfg.ok()) << cfg.status();
+    EXPECT_EQ(DefaultConvertFormat(*cfg, model).value(),
+              WeightFormatName(f, Traits(f).default_group));
+    ConvertOptions o;  // no format: the checkpoint's
+    ASSERT_TRUE(ConvertModel(model, out, o).ok());
+    auto packed = PackedExperts::Open(out, *cfg, SplitMode::kTp, 0, 1);
+    ASSERT_TRUE(packed.ok()) << packed.status();
+    EXPECT_EQ((*packed)->format(), f);
+    int compared = 0;
+    for (size_t l = 0; l < cfg->layers.size(); ++l) {
+      if (!cfg->layers[l].moe) continue;
+      for (int64_t e = 0; e < cfg->moe.num_experts; ++e) {
+        auto q = (*packed)->Expert(static_cast<int>(l), e);
+        ASSERT_TRUE(q.ok()) << q.status();
+        const QuantMatrix* got[3] = {&q->gate, &q->up, &q->down};
+        const ExpertProj projs[3] = {ExpertProj::kGate, ExpertProj::kUp, ExpertProj::kDown};
+        for (int i = 0; i < 3; ++i) {
+          const QuantMatrix& want = nc.written.at(
+              ExpertWeightName(*cfg, static_cast<int>(l), static_cast<int>(e), projs[i]));
+          EXPECT_EQ(got[i]->packed, want.packed);
+          EXPECT_EQ(got[i]->scale, want.scale);
+          EXPECT_EQ(got[i]->scale_bf16, want.scale_bf16);
+          EXPECT_EQ(got[i]->scale_e8m0, want.scale_e8m0);
+          ++compared;
+        }
+      }
+    }
+    EXPECT_GT(compared, 0);
+    // --format re-quantizes (from the dequantized weights).
+    o.format = "int8";
+    ASSERT_TRUE(ConvertModel(model, dir.file("int8"), o).ok());
+    auto i8 = PackedExperts::Open(dir.file("int8"), *cfg, SplitMode::kTp, 0, 1);
+    ASSERT_TRUE(i8.ok()) << i8.status();
+    EXPECT_EQ((*i8)->format(), WeightFormat::kInt8);
+  }
+  auto bf16 = LoadModelConfig(ModelDir());
+  ASSERT_TRUE(bf16.ok());
+  EXPECT_EQ(DefaultConvertFormat(*bf16, ModelDir()).value(), "int4g64");
 }
 
 }  // namespace

@@ -48,10 +48,10 @@ TEST(QuantizeTest, NonFiniteWeightsAreRefusedNamingTheElement) {
     } else {
       w.up.data<uint16_t>()[3 * 130 + 7] = 0x7f80;  // bf16 +inf
     }
-    for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4}) {
+    for (const WeightFormatTraits& t : kWeightFormatTraits) {
       QuantOptions o;
-      o.format = f;
-      o.group = f == WeightFormat::kInt4 ? 32 : 0;
+      o.format = t.format;
+      o.group = t.default_group;
       const absl::Status st = QuantizeExpert(w, src, o).status();
       EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
       EXPECT_NE(st.message().find("up: element [3, 7] is"), std::string_view::npos) << st;
@@ -81,8 +81,13 @@ TEST(QuantizeTest, MatricesFollowTheTraits) {
   const MoeWeightsSource src = RandomSource(100, 40, 1, 5);
   const ExpertWeights w = src.expert(0).value();
   for (const WeightFormatTraits& t : kWeightFormatTraits) {
-    for (int group : t.scale_block == ScaleBlock::kGroup ? std::vector<int>{32, 64, 128}
-                                                         : std::vector<int>{128}) {
+    std::vector<int> groups = {128};
+    if (IsGrouped(t.format)) {
+      groups.clear();
+      for (int g : t.groups)
+        if (g != 0) groups.push_back(g);
+    }
+    for (int group : groups) {
       SCOPED_TRACE(WeightFormatName(t.format, group));
       QuantOptions o;
       o.format = t.format;
@@ -97,9 +102,23 @@ TEST(QuantizeTest, MatricesFollowTheTraits) {
         EXPECT_EQ(m->rows, gate_up ? 22 : 100);
         EXPECT_EQ(m->cols, gate_up ? 100 : 22);
         const size_t n = static_cast<size_t>(m->rows * m->cols);
-        EXPECT_EQ(m->scale.size(),
-                  static_cast<size_t>(m->rows * ScalesPerRow(t.format, group, m->cols)));
-        EXPECT_EQ(m->bf16.size() + m->q.size(), n);
+        const size_t scales = static_cast<size_t>(ScaleCount(t.format, group, m->rows, m->cols));
+        EXPECT_EQ(m->scale.size(), t.scale_type == ScaleType::kF32 ? scales : 0);
+        EXPECT_EQ(m->scale_bf16.size(), t.scale_type == ScaleType::kBf16 ? scales : 0);
+        EXPECT_EQ(m->scale_e8m0.size(), t.scale_type == ScaleType::kE8M0 ? scales : 0);
+        if (t.value == ValueCode::kE2M1 || t.value == ValueCode::kE4M3 ||
+            t.format == WeightFormat::kInt4Bf16) {
+          EXPECT_EQ(m->packed.size(), static_cast<size_t>(m->rows * RowBytes(t.format, m->cols)));
+          EXPECT_EQ(m->bf16.size() + m->q.size(), 0u);
+        } else {
+          EXPECT_EQ(m->bf16.size() + m->q.size(), n);
+          EXPECT_TRUE(m->packed.empty());
+        }
+        for (int64_t r = 0; r < m->rows; ++r) {
+          std::vector<float> row(static_cast<size_t>(m->cols));
+          m->DequantizeRow(r, row.data());
+          for (int64_t c = 0; c < m->cols; ++c) ASSERT_EQ(row[static_cast<size_t>(c)], m->At(r, c));
+        }
       }
       // The slice: gate row r of the quantized form is row 8 + r of the source.
       const std::vector<float> gate = w.gate.ToF32();
@@ -107,13 +126,16 @@ TEST(QuantizeTest, MatricesFollowTheTraits) {
         for (int64_t c : {0, 57, 99}) {
           const float want = gate[static_cast<size_t>((8 + r) * 100 + c)];
           const float got = q.gate.At(r, c);
-          const float tol =
-              t.format == WeightFormat::kBf16 ? 0.0f : 0.6f;  // one level of 8 / 4 bits
+          // Half a step of the value grid at the largest value, in scales:
+          // int 0.5 (clamped 7.5 -> 7 too), e2m1 1 (between 4 and 6), e4m3 16
+          // (between 416 and 448); with slack for the bf16 rounding of scales.
+          const float tol = t.value == ValueCode::kE2M1   ? 1.01f
+                            : t.value == ValueCode::kE4M3 ? 16.1f
+                                                          : 0.6f;
           if (t.format == WeightFormat::kBf16) {
             EXPECT_EQ(got, Bf16ToF32(F32ToBf16(want)));
           } else {
-            const float s = q.gate.scale[static_cast<size_t>(
-                r * ScalesPerRow(t.format, group, 100) + (IsGrouped(t.format) ? c / group : 0))];
+            const float s = q.gate.ScaleAt(r, c);
             EXPECT_LE(std::abs(got - want), tol * s + 1e-7f) << r << "," << c;
           }
         }

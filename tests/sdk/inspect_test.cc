@@ -43,6 +43,48 @@ TEST(Inspect, DeepseekV3DefaultsMatchTransformersCounts) {
   EXPECT_THAT(text, HasSubstr("none (config.json only)"));
 }
 
+// A checkpoint whose routed experts ship quantized: its format is named,
+// with its bytes per token (what `hmoe convert` keeps by default).
+TEST(Inspect, NamesTheFormatARoutedExpertCheckpointShips) {
+  const std::string configs = testing::FixturesDir() + "/configs";
+  json base = json::parse(std::ifstream(configs + "/deepseek_v3_default/config.json"));
+  const double weights_per_token = 58.0 * 8 * 3 * 7168 * 2048;
+  struct Case {
+    const char* quant;
+    std::string format;
+    double bytes_per_weight;
+  };
+  const Case cases[] = {
+      {R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
+           "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int",
+             "symmetric": true, "strategy": "group", "group_size": 32}}}})",
+       "int4bf16g32", 0.5625},
+      {R"({"quant_method": "mxfp4"})", "mxfp4", 0.53125},
+      {R"({"quant_method": "fp8", "weight_block_size": [128, 128]})", "fp8", 1.0 + 4.0 / 16384},
+      {R"({"quant_method": "mxfp8"})", "mxfp8", 1.03125},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.format);
+    testing::TempDir dir;
+    json j = base;
+    j["quantization_config"] = json::parse(c.quant);
+    std::ofstream(dir.file("config.json")) << j.dump();
+    InspectOptions opt;
+    opt.json = true;
+    auto r = InspectModel(dir.path(), opt);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->expert_format, c.format);
+    json got = json::parse(FormatReport(*r, opt));
+    EXPECT_EQ(got["expert_format"], c.format);
+    EXPECT_NEAR(got["formats"][c.format]["bytes_per_token"].get<double>(),
+                weights_per_token * c.bytes_per_weight, 1.0);
+    opt.json = false;
+    const std::string text = FormatReport(*r, opt);
+    EXPECT_THAT(text, HasSubstr("; routed experts " + c.format));
+    EXPECT_THAT(text, HasSubstr("(the checkpoint's)"));
+  }
+}
+
 TEST(Inspect, ChecksTheCheckpointWhenPresent) {
   InspectOptions opt;
   auto r = InspectModel(testing::FixturesDir() + "/mixtral_tiny", opt);
