@@ -497,6 +497,55 @@ TEST(ServiceProcess, SigtermFinishesInFlightThenExitsZero) {
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
 }
 
+// SIGTERM while a worker is mid-generation (a stream of calls, one per
+// layer and step, over shared memory as the README's pair runs): the calls
+// go on being served until they stop coming, then the service exits 0. (It
+// refused every call after SIGTERM, failing each generation in flight
+// within ~20 ms.)
+TEST(ServiceProcess, SigtermServesAGenerationInFlightToItsEnd) {
+  ::hmoe::testing::TempDir dir;
+  ::hmoe::testing::ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--synthetic=hidden=256,intermediate=256,experts=8,top_k=2,layers=2",
+                          "--threads=1", "--no-ucx", "--drain-quiet-s=0.5"},
+                         dir.file("port")));
+  ExpertPoolOptions po;
+  po.targets = {proc.target()};
+  po.transport = TransportKind::kShm;
+  auto pool = ExpertPool::Connect(po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto call = MakeRandomCall((*pool)->model(), 0, 1, 2);
+  std::vector<float> out(static_cast<size_t>(256));
+  // The "generation": 1 s of back-to-back calls; SIGTERM a quarter in.
+  int served = 0;
+  absl::Status failed;
+  const auto t0 = std::chrono::steady_clock::now();
+  bool signalled = false;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1)) {
+    if (!signalled && std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(250)) {
+      proc.Signal(SIGTERM);
+      signalled = true;
+    }
+    absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(5));
+    if (!st.ok()) {
+      failed = st;
+      break;
+    }
+    ++served;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_TRUE(failed.ok()) << "call " << served << " failed: " << failed;
+  // The calls stopped: it drains and exits 0 (after --drain-quiet-s).
+  int status = 0;
+  pid_t r = 0;
+  const auto t1 = std::chrono::steady_clock::now();
+  while ((r = waitpid(proc.pid(), &status, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() - t1 < std::chrono::seconds(20)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(r, proc.pid());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 TEST(ServiceProcess, BadFlagsAndUnloadableModelExitNonZero) {
   ::hmoe::testing::TempDir dir;
   for (std::vector<std::string> args :
