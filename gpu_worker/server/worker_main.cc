@@ -33,6 +33,7 @@
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer.h"
 #include "common/transport/grpc_tls.h"
+#include "common/transport/ucx_wire.h"
 #include "common/weight_map.h"
 #include "gpu_worker/calibrate.h"
 #include "gpu_worker/engine/engine.h"
@@ -295,6 +296,20 @@ int Run(int argc, char** argv) {
     auto kind = ParseTransportKind(o.transport);
     if (!kind.ok()) Die(kind.status().ToString());
     po.transport = *kind;
+    if (po.transport == TransportKind::kUcx && std::getenv("UCX_NET_DEVICES") == nullptr) {
+      // UCX's TCP listeners only on the interfaces the shards are reached by
+      // (loopback for loopback targets), not on every device.
+      const std::string devices = UcxNetDevicesForTargets(po.targets);
+      if (!devices.empty()) {
+        ::setenv("UCX_NET_DEVICES", devices.c_str(), 1);
+        std::fprintf(stderr, "hmoe-gpu-worker: UCX data plane on network device(s) %s\n",
+                     devices.c_str());
+      } else {
+        std::fprintf(stderr,
+                     "hmoe-gpu-worker: UCX data plane on every network device (a target "
+                     "is not a literal address with a known route; UCX_NET_DEVICES sets them)\n");
+      }
+    }
     // A hung shard costs one --expert-timeout-ms, not one per queued call.
     po.fail_fast_after_miss = absl::Seconds(1);
     // A shard the health monitor (every second) finds down costs no

@@ -987,6 +987,14 @@ TEST(UcxNetDevice, TheListenHostsInterfaceOrEveryDevice) {
   EXPECT_NE(far.status().message().find("203.0.113.77"), std::string::npos);
 }
 
+TEST(UcxNetDevice, ATargetsDevicesAreThoseItIsReachedBy) {
+  auto lo = UcxNetDeviceFor("127.0.0.1:1");
+  ASSERT_TRUE(lo.ok()) << lo.status();
+  EXPECT_EQ(UcxNetDevicesForTargets({"127.0.0.1:50061", "localhost:50062", "127.0.0.2:1"}), *lo);
+  EXPECT_EQ(UcxNetDevicesForTargets({"127.0.0.1:50061", "some-host-name:1"}), "");
+  EXPECT_EQ(UcxNetDevicesForTargets({}), "");
+}
+
 TEST(ServiceProcess, NumaNodeBinding) {
   ::hmoe::testing::TempDir dir;
   ::hmoe::testing::ServiceProcess proc;
