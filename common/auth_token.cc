@@ -13,50 +13,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/small_file.h"
 #include "common/status.h"
 
 namespace hmoe {
 
 absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, const std::string& what,
                                                int64_t max_bytes, uint32_t* mode) {
-  // O_NONBLOCK: a FIFO must not block the open (it is refused below as not
-  // a regular file). Symlinks are followed: what is checked is the file.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    const int err = errno;
-    const std::string msg = absl::StrCat(what, ": ", std::strerror(err));
-    if (err == ENOENT) return absl::NotFoundError(msg);
-    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
-    return absl::InternalError(msg);
-  }
-  struct FdCloser {
-    int fd;
-    ~FdCloser() { ::close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat(what, ": fstat failed"));
-  if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(what, ": not a regular file"));
-  }
-  if (st.st_size > max_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": ", st.st_size, " bytes, over the ", max_bytes, " taken"));
-  }
-  if (mode != nullptr) *mode = static_cast<uint32_t>(st.st_mode & 07777);
-  std::string bytes(static_cast<size_t>(max_bytes) + 1, '\0');
-  size_t n = 0;
-  while (n < bytes.size()) {
-    const ssize_t r = ::read(fd, bytes.data() + n, bytes.size() - n);
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
-    if (r == 0) break;
-    n += static_cast<size_t>(r);
-  }
-  if (n > static_cast<size_t>(max_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": grew past ", max_bytes, " bytes"));
-  }
-  bytes.resize(n);
-  return bytes;
+  return ReadSmallFile(path, max_bytes, what, mode);
 }
 
 namespace {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/small_file.h"
 #include "common/status.h"
 
 namespace hmoe {
@@ -147,21 +148,9 @@ absl::Status CheckPlacementFits(const Placement& p, const ModelConfig& config) {
 
 absl::StatusOr<Placement> PlanPlacementFromFile(const std::string& path, const ModelConfig& config,
                                                 const PlacementOptions& opts) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    const int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
-    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open: ", std::strerror(err)));
-  }
-  std::string text;
-  char buf[1 << 16];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
-  const bool failed = std::ferror(f) != 0;
-  const int err = errno;
-  std::fclose(f);
-  if (failed) return absl::DataLossError(absl::StrCat(path, ": read failed: ", std::strerror(err)));
-  auto stats = ParseRoutingTable(text);
+  absl::StatusOr<std::string> text = ReadSmallFile(path, kMaxIndexJsonBytes);
+  if (!text.ok()) return text.status();
+  auto stats = ParseRoutingTable(*text);
   if (!stats.ok()) return Annotate(stats.status(), path);
   auto placed = PlanPlacement(*stats, config, opts);
   if (!placed.ok()) return Annotate(placed.status(), path);

@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "common/small_file.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
@@ -664,15 +665,14 @@ absl::Status MergeGenerationConfig(const std::string& json_text, const std::stri
 
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
   const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxConfigJsonBytes));
   ASSIGN_OR_RETURN(ModelConfig c, ParseModelConfig(text, path));
   const std::string gen = (std::filesystem::path(model_dir) / "generation_config.json").string();
-  std::ifstream gin(gen, std::ios::binary);
-  if (gin) {
-    std::string gtext((std::istreambuf_iterator<char>(gin)), std::istreambuf_iterator<char>());
-    RETURN_IF_ERROR(MergeGenerationConfig(gtext, gen, c));
+  absl::StatusOr<std::string> gtext = ReadSmallFile(gen, kMaxConfigJsonBytes);
+  if (gtext.ok()) {
+    RETURN_IF_ERROR(MergeGenerationConfig(*gtext, gen, c));
+  } else if (!absl::IsNotFound(gtext.status())) {
+    return gtext.status();
   }
   return c;
 }

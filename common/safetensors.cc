@@ -13,6 +13,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/small_file.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
@@ -22,39 +23,84 @@ namespace {
 using json = nlohmann::json;
 namespace fs = std::filesystem;
 
+// Finds the first duplicate key of the top-level object and of the objects
+// it holds but __metadata__ (with `nested_key`: only of the one so named).
+// A SAX pass: nlohmann's callback parser rescans the parent object after
+// every nested object it keeps, which is quadratic in the tensor count.
+class DuplicateKeyFinder : public nlohmann::json_sax<json> {
+ public:
+  explicit DuplicateKeyFinder(const std::string& nested_key) : nested_key_(nested_key) {}
+  const std::string& duplicate() const { return duplicate_; }
+  const std::string& error() const { return error_; }
+
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    ++depth_;
+    if (depth_ == 2) nested_keys_.clear();
+    return true;
+  }
+  bool end_object() override {
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    ++depth_;
+    return true;
+  }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool key(string_t& k) override {
+    if (depth_ == 1) {
+      current_top_key_ = k;
+      if (!top_keys_.insert(k).second && duplicate_.empty())
+        duplicate_ = absl::StrCat("\"", k, "\"");
+    } else if (depth_ == 2) {
+      // (__metadata__ is a string map the reference reader takes as it comes.)
+      const bool track = nested_key_.empty() ? current_top_key_ != "__metadata__"
+                                             : current_top_key_ == nested_key_;
+      if (track && !nested_keys_.insert(k).second && duplicate_.empty())
+        duplicate_ = absl::StrCat("\"", k, "\" in \"", current_top_key_, "\"");
+    }
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    error_ = e.what();
+    return false;
+  }
+
+ private:
+  const std::string nested_key_;
+  int depth_ = 0;
+  std::string current_top_key_;
+  std::set<std::string> top_keys_;
+  std::set<std::string> nested_keys_;
+  std::string duplicate_;
+  std::string error_;
+};
+
 // Parses `text` as JSON, refusing duplicate keys in the top-level object and
 // in the objects it holds but __metadata__ (with `nested_key`: only in the
-// one so named).
+// one so named). Linear in the size of `text` (n log n in the key count).
 // Never throws.
 absl::StatusOr<json> ParseStrictJson(std::string_view text, const std::string& what,
                                      const std::string& nested_key = "") {
-  std::string duplicate;
-  std::vector<std::set<std::string>> keys_at_depth(4);
-  std::string current_top_key;
-  auto cb = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
-    // An object starting at depth d holds keys reported at depth d + 1.
-    if (event == json::parse_event_t::object_start && depth + 1 < 4)
-      keys_at_depth[static_cast<size_t>(depth + 1)].clear();
-    if (event == json::parse_event_t::key && depth >= 1 && depth <= 2) {
-      const std::string k = parsed.get<std::string>();
-      if (depth == 1) current_top_key = k;
-      // (__metadata__ is a string map the reference reader takes as it comes.)
-      const bool track = depth == 1 || (nested_key.empty() ? current_top_key != "__metadata__"
-                                                           : current_top_key == nested_key);
-      if (track && !keys_at_depth[static_cast<size_t>(depth)].insert(k).second && duplicate.empty())
-        duplicate = depth == 1 ? absl::StrCat("\"", k, "\"")
-                               : absl::StrCat("\"", k, "\" in \"", current_top_key, "\"");
-    }
-    return true;
-  };
-  json j;
-  try {
-    j = json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/true);
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": invalid JSON: ", e.what()));
-  }
-  if (!duplicate.empty())
-    return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate key ", duplicate));
+  DuplicateKeyFinder finder(nested_key);
+  const bool parsed = json::sax_parse(text.begin(), text.end(), &finder,
+                                      nlohmann::detail::input_format_t::json, /*strict=*/true);
+  if (!parsed)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": invalid JSON: ", finder.error()));
+  if (!finder.duplicate().empty())
+    return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate key ", finder.duplicate()));
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(what, ": invalid JSON"));
   if (!j.is_object())
     return absl::InvalidArgumentError(absl::StrCat(what, ": JSON is not an object"));
   return j;
@@ -81,16 +127,21 @@ SafetensorsFile::~SafetensorsFile() = default;
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
     const std::string& path, const SafetensorsOptions& options) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO must not block the open; only a regular file is
+  // mapped.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    if (err == ELOOP || err == ENXIO)
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, ": cannot open: ", std::strerror(err)));
     return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open: ", std::strerror(err)));
   }
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+    return absl::FailedPreconditionError(absl::StrCat(path, ": not a regular file"));
   }
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
   if (file_size < 8) {
@@ -270,9 +321,10 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   };
 
   const std::string index_path = (fs::path(dir) / "model.safetensors.index.json").string();
-  if (fs::exists(index_path, ec)) {
-    std::ifstream in(index_path, std::ios::binary);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  absl::StatusOr<std::string> index_text = ReadSmallFile(index_path, kMaxIndexJsonBytes);
+  if (!index_text.ok() && !absl::IsNotFound(index_text.status())) return index_text.status();
+  if (index_text.ok()) {
+    const std::string& text = *index_text;
     ASSIGN_OR_RETURN(json j, ParseStrictJson(text, index_path, "weight_map"));
     if (!j.contains("weight_map") || !j["weight_map"].is_object())
       return absl::InvalidArgumentError(

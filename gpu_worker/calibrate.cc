@@ -1,18 +1,21 @@
 #include "gpu_worker/calibrate.h"
 
 #include <chrono>
-#include <fstream>
+#include <sstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/small_file.h"
 #include "common/status.h"
 
 namespace hmoe {
 
 absl::StatusOr<CalibrationResult> CalibrateRouting(const Model& model, const Tokenizer& tok,
                                                    const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open the calibration prompts"));
+  ASSIGN_OR_RETURN(
+      const std::string prompts,
+      ReadSmallFile(path, kMaxIndexJsonBytes, absl::StrCat(path, " (calibration prompts)")));
+  std::istringstream in(prompts);
   const auto t0 = std::chrono::steady_clock::now();
   CalibrationResult r;
   const int64_t cap = model.options().max_seq_len;

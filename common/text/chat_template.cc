@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/small_file.h"
 
 namespace hmoe {
 
@@ -18,17 +19,12 @@ using json = nlohmann::ordered_json;
 const char* const kSpecialTokens[] = {"bos_token", "eos_token", "unk_token", "sep_token",
                                       "pad_token", "cls_token", "mask_token"};
 
-absl::StatusOr<std::string> ReadFile(const std::filesystem::path& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::NotFoundError(absl::StrCat(path.string(), ": cannot open"));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) return absl::InvalidArgumentError(absl::StrCat(path.string(), ": read error"));
-  return ss.str();
+absl::StatusOr<std::string> ReadFile(const std::filesystem::path& path, int64_t max_bytes) {
+  return ReadSmallFile(path.string(), max_bytes);
 }
 
 absl::StatusOr<json> ReadJson(const std::filesystem::path& path) {
-  auto text = ReadFile(path);
+  auto text = ReadFile(path, kMaxConfigJsonBytes);
   if (!text.ok()) return text.status();
   json j = json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded())
@@ -79,20 +75,22 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir,
   const fs::path root(dir);
   const fs::path cfg_path = root / "tokenizer_config.json";
   json cfg = json::object();
-  const bool have_cfg = fs::exists(cfg_path, ec);
+  // A file that is absent is skipped; one that exists but cannot be read
+  // (not a regular file, too large, a symlink loop) is an error.
+  auto cfg_json = ReadJson(cfg_path);
+  if (!cfg_json.ok() && !absl::IsNotFound(cfg_json.status())) return cfg_json.status();
+  const bool have_cfg = cfg_json.ok();
   if (have_cfg) {
-    auto j = ReadJson(cfg_path);
-    if (!j.ok()) return j.status();
-    cfg = std::move(*j);
+    cfg = std::move(*cfg_json);
     for (const char* t : kSpecialTokens) {
       absl::Status s = ReadToken(cfg, cfg_path.string(), t, &ct.special_tokens_);
       if (!s.ok()) return s;
     }
   }
   const fs::path stm_path = root / "special_tokens_map.json";
-  if (fs::exists(stm_path, ec)) {
-    auto j = ReadJson(stm_path);
-    if (!j.ok()) return j.status();
+  if (auto j = ReadJson(stm_path); !j.ok() && !absl::IsNotFound(j.status())) {
+    return j.status();
+  } else if (j.ok()) {
     for (const char* t : kSpecialTokens) {
       absl::Status s = ReadToken(*j, stm_path.string(), t, &ct.special_tokens_);
       if (!s.ok()) return s;
@@ -103,9 +101,10 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir,
   std::map<std::string, std::string> sources;  // name -> (source, where)
   std::map<std::string, std::string> where;
   const fs::path default_file = root / "chat_template.jinja";
-  if (fs::exists(default_file, ec)) {
-    auto text = ReadFile(default_file);
-    if (!text.ok()) return text.status();
+  if (auto text = ReadFile(default_file, kMaxChatTemplateBytes);
+      !text.ok() && !absl::IsNotFound(text.status())) {
+    return text.status();
+  } else if (text.ok()) {
     sources["default"] = std::move(*text);
     where["default"] = default_file.string();
   }
@@ -113,7 +112,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir,
   if (fs::is_directory(extra_dir, ec)) {
     for (const auto& entry : fs::directory_iterator(extra_dir, ec)) {
       if (entry.path().extension() != ".jinja") continue;
-      auto text = ReadFile(entry.path());
+      auto text = ReadFile(entry.path(), kMaxChatTemplateBytes);
       if (!text.ok()) return text.status();
       const std::string name = entry.path().stem().string();
       sources[name] = std::move(*text);

@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "common/small_file.h"
 #include "common/status.h"
 #include "common/text/unicode_nfc.h"
 #include "nlohmann/json.hpp"
@@ -552,9 +553,7 @@ Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
 Tokenizer::~Tokenizer() = default;
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxTokenizerJsonBytes));
   return FromJson(text, path);
 }
 

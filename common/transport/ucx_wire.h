@@ -112,4 +112,20 @@ absl::StatusOr<std::vector<std::string>> DecodeUcxAddresses(const std::string& b
 // Whether `bytes` is an EncodeUcxAddresses list (not one bare address).
 bool IsUcxAddressList(const std::string& bytes);
 
+// The network device (UCX_NET_DEVICES) that keeps UCX's TCP listeners on the
+// host of a gRPC `listen` address (host:port, [v6]:port): the interface
+// holding that address ("lo" for 127.0.0.1, ::1 and localhost); "" for a
+// wildcard host (0.0.0.0, [::], empty: every device) and for a host name
+// that is not a literal address (UCX's default, the caller says so).
+// NOT_FOUND when no local interface holds the literal address.
+absl::StatusOr<std::string> UcxNetDeviceFor(const std::string& listen);
+
+// The network devices (UCX_NET_DEVICES, comma-separated) for a client of
+// `targets` (host:port, [v6]:port): for each literal host, the interface a
+// packet to it leaves by ("lo" for loopback hosts), so that UCX's TCP
+// listeners stay off interfaces no target is reached by; "" (every device,
+// UCX's default) when a host is not a literal address or no route to it is
+// known here.
+std::string UcxNetDevicesForTargets(const std::vector<std::string>& targets);
+
 }  // namespace hmoe

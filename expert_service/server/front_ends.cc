@@ -146,13 +146,28 @@ std::string ReadyLine(const ExpertShard& sh, int port, double load_seconds) {
                                         "NUMA calls?): memory not bound, all cores one node");
 }
 
-void StopServing(ExpertShard& shard, double drain_timeout_s, GrpcFrontEnd& grpc, DataPlanes& planes,
-                 ServiceState* state) {
+void StopServing(ExpertShard& shard, const DrainOptions& drain, GrpcFrontEnd& grpc,
+                 DataPlanes& planes, ServiceState* state) {
   grpc.server->GetHealthCheckService()->SetServingStatus(false);
   state->load_state = pb::LoadStatus::DRAINING;
+  using Clock = std::chrono::steady_clock;
+  const auto drain_until =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(drain.timeout_s * 1000));
+  const auto quiet = std::chrono::milliseconds(static_cast<int64_t>(drain.quiet_s * 1000));
+  // Served while calls keep coming: a generation in flight is many calls.
+  uint64_t seen = shard.counters().requests.load();
+  auto last_call = Clock::now();
+  while (Clock::now() < drain_until) {
+    const uint64_t now_seen = shard.counters().requests.load();
+    if (now_seen != seen) {
+      seen = now_seen;
+      last_call = Clock::now();
+    } else if (shard.counters().in_flight.load() == 0 && Clock::now() - last_call >= quiet) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   shard.SetDraining();
-  const auto drain_until = std::chrono::steady_clock::now() +
-                           std::chrono::milliseconds(static_cast<int64_t>(drain_timeout_s * 1000));
   while (shard.counters().in_flight.load() > 0 && std::chrono::steady_clock::now() < drain_until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }

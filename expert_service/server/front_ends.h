@@ -84,12 +84,23 @@ DataPlanes StartDataPlanes(ExpertShard* shard, const DataPlaneOptions& o, Servic
 // and intermediate range, ISA, threads and nodes.
 std::string ReadyLine(const ExpertShard& shard, int port, double load_seconds);
 
-// Stops serving `shard`: health NOT_SERVING and `state` DRAINING, new calls
-// refused, the calls in flight waited on until they end or `drain_timeout_s`
-// seconds pass, then the gRPC server shut down (200 ms grace) and the data
-// planes taken out of `state` and closed.
-void StopServing(ExpertShard& shard, double drain_timeout_s, GrpcFrontEnd& grpc, DataPlanes& planes,
-                 ServiceState* state);
+// How StopServing drains.
+struct DrainOptions {
+  // The whole drain is bounded by this.
+  double timeout_s = 10;
+  // Calls go on being served until none arrived for this long (the
+  // generations of the workers attached finish: each of their steps is
+  // calls); then new calls are refused and those in flight waited on.
+  double quiet_s = 1;
+};
+
+// Stops serving `shard`: health NOT_SERVING and `state` DRAINING; calls are
+// served until the data planes have been quiet for `drain.quiet_s`, then new
+// calls are refused and those in flight waited on, all within
+// `drain.timeout_s`; then the gRPC server is shut down (200 ms grace) and the
+// data planes taken out of `state` and closed.
+void StopServing(ExpertShard& shard, const DrainOptions& drain, GrpcFrontEnd& grpc,
+                 DataPlanes& planes, ServiceState* state);
 
 // --port-file: the bound port, written so that whoever reads it finds the
 // service SERVING. Prepare (at start, before the load) removes a file left

@@ -51,7 +51,7 @@ struct ServiceOptions {
   std::string cores;  // e.g. "0-7,16"
   bool shm = true;
   bool ucx = true;
-  double drain_timeout_s = 10;
+  DrainOptions drain;
   std::string instance;
   int port_offset = 0;  // added to the --listen port (systemd: the NUMA node)
   std::string auth_token_file;
@@ -78,7 +78,8 @@ struct ServiceOptions {
     return absl::StrCat(
         shard.ToString(), " listen=", listen, " numa_node=", numa_node,
         " cores=", cores.empty() ? "all" : cores, " shm=", shm, " ucx=", ucx,
-        " drain_timeout_s=", drain_timeout_s, " instance=", instance.empty() ? "-" : instance,
+        " drain_timeout_s=", drain.timeout_s, " drain_quiet_s=", drain.quiet_s,
+        " instance=", instance.empty() ? "-" : instance,
         " auth=", auth_token_file.empty() ? "none" : "token file " + auth_token_file,
         " max_peers=", max_peers, " ucx_fragment_bytes=", ucx_fragment_bytes,
         " ucx_lanes=", ucx_lanes,
@@ -150,7 +151,12 @@ void AddFlags(FlagSet& fs, ServiceOptions* o) {
          "gRPC MoE streams, shm segments and UCX clients at once, each; one more is refused "
          "RESOURCE_EXHAUSTED");
   fs.Double(
-      "drain-timeout-s", &o->drain_timeout_s, "on SIGTERM, how long in-flight calls may finish",
+      "drain-timeout-s", &o->drain.timeout_s, "on SIGTERM, how long in-flight work may finish",
+      [](double x) { return x >= 0 && x <= 3600; }, "a number of seconds in [0, 3600]");
+  fs.Double(
+      "drain-quiet-s", &o->drain.quiet_s,
+      "on SIGTERM, calls are served until none came for this long (the workers' generations "
+      "in flight finish), within --drain-timeout-s",
       [](double x) { return x >= 0 && x <= 3600; }, "a number of seconds in [0, 3600]");
   fs.String("instance", &o->instance, "NAME", "a name for the logs and Info");
   fs.Group(
@@ -211,11 +217,12 @@ constexpr char kAbout[] =
     "there). Control plane and data plane on gRPC (proto/expert.proto) plus\n"
     "grpc.health.v1; the shared-memory and UCX data planes are set up through the\n"
     "control plane. READY=1 goes to systemd once the weights are loaded and every front\n"
-    "end listens. SIGTERM / SIGINT: health goes NOT_SERVING, new calls are refused,\n"
-    "in-flight calls finish (up to --drain-timeout-s), exit 0; during loading the load\n"
-    "stops at the next expert and the process exits 0 without READY. SIGHUP (systemctl\n"
-    "reload) re-reads --auth-token-file. Exit 2 on a bad flag or binding, 1 when the\n"
-    "start fails.\n";
+    "end listens. SIGTERM / SIGINT: health goes NOT_SERVING, calls are served until\n"
+    "none came for --drain-quiet-s (the generations in flight finish), then new calls\n"
+    "are refused and in-flight ones finish (all within --drain-timeout-s), exit 0;\n"
+    "during loading the load stops at the next expert and the process exits 0 without\n"
+    "READY. SIGHUP (systemctl reload) re-reads --auth-token-file. Exit 2 on a bad flag\n"
+    "or binding, 1 when the start fails.\n";
 
 int Main(int argc, char** argv) {
   // The UCX address checker (UcxServerOptions::address_checker): this binary
@@ -350,7 +357,7 @@ int Main(int argc, char** argv) {
   signals.join();
 
   sd_notify(0, "STOPPING=1");
-  StopServing(**shard, o.drain_timeout_s, **grpc_fe, planes, &state);
+  StopServing(**shard, o.drain, **grpc_fe, planes, &state);
   if (o.shard.tuning.moe.profile) Log("RunMoe phases: " + (*shard)->TakeProfile().ToString());
   Log("stopped");
   return exit_code;

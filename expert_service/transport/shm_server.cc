@@ -128,6 +128,13 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
   const int open_errno = errno;
   ::close(pfd);
   if (fd < 0) return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(open_errno)));
+  // Only our own user's private segment: a memfd is created mode 0777; the
+  // client makes it 0600 before asking for the attach.
+  if (fstat(fd, &st) != 0 || st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+    ::close(fd);
+    return absl::PermissionDeniedError(
+        absl::StrCat(path, ": not a segment private to this service's user (owner and mode 0600)"));
+  }
   // Sealed against shrinking, or the client could truncate it under our
   // mapping and every later access would SIGBUS the service.
   const int seals = fcntl(fd, F_GET_SEALS);
@@ -157,9 +164,12 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
     return absl::InvalidArgumentError(absl::StrCat(path, ": bad magic/version"));
   }
   if (h->nonce != nonce) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": holds segment ", absl::Hex(h->nonce),
-                                                   ", not the requested ", absl::Hex(nonce),
-                                                   " (the fd number was reused)"));
+    // Neither nonce is told: a live segment's nonce is what lets a caller
+    // attach it.
+    return absl::InvalidArgumentError(
+        absl::StrCat(path,
+                     ": holds another segment than the one requested (the fd number was "
+                     "reused?)"));
   }
   const int64_t hidden = h->hidden;
   if (hidden != info.hidden) {
@@ -194,8 +204,7 @@ absl::StatusOr<uint64_t> ShmServer::Attach(const std::string& path, int64_t clie
     // have two threads claim its slots and rewrite its epoch.
     for (const auto& [e, other] : sessions_) {
       if (other->nonce == nonce) {
-        return absl::AlreadyExistsError(absl::StrCat(path, ": segment ", absl::Hex(nonce),
-                                                     " is already attached (epoch ", e, ")"));
+        return absl::AlreadyExistsError(absl::StrCat(path, ": segment is already attached"));
       }
     }
     if (sessions_.size() >= max_sessions_) {

@@ -723,44 +723,6 @@ void UcxServer::FailPeersForTesting(int lane) {
   });
 }
 
-absl::StatusOr<std::string> UcxNetDeviceFor(const std::string& listen) {
-  std::string host = listen;
-  if (!host.empty() && host.front() == '[') {
-    const size_t close = host.find(']');
-    host = close == std::string::npos ? host.substr(1) : host.substr(1, close - 1);
-  } else if (std::count(host.begin(), host.end(), ':') == 1) {
-    host = host.substr(0, host.find(':'));
-  }
-  if (host.empty() || host == "0.0.0.0" || host == "::") return std::string();
-  if (host == "localhost") host = "127.0.0.1";
-  in_addr v4{};
-  in6_addr v6{};
-  const bool is4 = inet_pton(AF_INET, host.c_str(), &v4) == 1;
-  const bool is6 = !is4 && inet_pton(AF_INET6, host.c_str(), &v6) == 1;
-  if (!is4 && !is6) return std::string();
-  ifaddrs* list = nullptr;
-  if (getifaddrs(&list) != 0)
-    return absl::InternalError(absl::StrCat("getifaddrs: ", std::strerror(errno)));
-  std::string name;
-  for (ifaddrs* a = list; a != nullptr && name.empty(); a = a->ifa_next) {
-    if (a->ifa_addr == nullptr) continue;
-    if (is4 && a->ifa_addr->sa_family == AF_INET) {
-      const auto* s = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
-      // 127.0.0.0/8 is all on the loopback device.
-      const bool loop4 = (ntohl(v4.s_addr) >> 24) == 127 && (a->ifa_flags & IFF_LOOPBACK);
-      if (s->sin_addr.s_addr == v4.s_addr || loop4) name = a->ifa_name;
-    } else if (is6 && a->ifa_addr->sa_family == AF_INET6) {
-      const auto* s = reinterpret_cast<const sockaddr_in6*>(a->ifa_addr);
-      if (std::memcmp(&s->sin6_addr, &v6, sizeof(v6)) == 0) name = a->ifa_name;
-    }
-  }
-  freeifaddrs(list);
-  if (name.empty())
-    return absl::NotFoundError(
-        absl::StrCat("no local network interface holds ", host, " (from ", listen, ")"));
-  return name;
-}
-
 int UcxAddressCheckMain(int in_fd, int out_fd) {
   // A malformed address ends this process by abort(): no core file for it.
   ::prctl(PR_SET_DUMPABLE, 0);

@@ -56,13 +56,6 @@ struct UcxServerOptions {
 // core file), which the server reads as a refusal.
 int UcxAddressCheckMain(int in_fd, int out_fd);
 
-// The network device (UCX_NET_DEVICES) that keeps UCX's TCP listeners on the
-// host of a gRPC `listen` address (host:port, [v6]:port): the interface
-// holding that address ("lo" for 127.0.0.1, ::1 and localhost); "" for a
-// wildcard host (0.0.0.0, [::], empty: every device) and for a host name
-// that is not a literal address (UCX's default, the caller says so).
-// NOT_FOUND when no local interface holds the literal address.
-absl::StatusOr<std::string> UcxNetDeviceFor(const std::string& listen);
 // The fd the checker child finds its socket at (stdin / stdout / stderr stay
 // the service's: UCX logs to stdout).
 inline constexpr int kCheckerFd = 3;

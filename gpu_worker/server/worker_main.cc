@@ -32,9 +32,11 @@
 #include "common/flags.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
+#include "common/small_file.h"
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer.h"
 #include "common/transport/grpc_tls.h"
+#include "common/transport/ucx_wire.h"
 #include "common/weight_map.h"
 #include "gpu_worker/calibrate.h"
 #include "gpu_worker/engine/engine.h"
@@ -297,6 +299,20 @@ int Run(int argc, char** argv) {
     auto kind = ParseTransportKind(o.transport);
     if (!kind.ok()) Die(kind.status().ToString());
     po.transport = *kind;
+    if (po.transport == TransportKind::kUcx && std::getenv("UCX_NET_DEVICES") == nullptr) {
+      // UCX's TCP listeners only on the interfaces the shards are reached by
+      // (loopback for loopback targets), not on every device.
+      const std::string devices = UcxNetDevicesForTargets(po.targets);
+      if (!devices.empty()) {
+        ::setenv("UCX_NET_DEVICES", devices.c_str(), 1);
+        std::fprintf(stderr, "hmoe-gpu-worker: UCX data plane on network device(s) %s\n",
+                     devices.c_str());
+      } else {
+        std::fprintf(stderr,
+                     "hmoe-gpu-worker: UCX data plane on every network device (a target "
+                     "is not a literal address with a known route; UCX_NET_DEVICES sets them)\n");
+      }
+    }
     // A hung shard costs one --expert-timeout-ms, not one per queued call.
     po.fail_fast_after_miss = absl::Seconds(1);
     // A shard the health monitor (every second) finds down costs no
@@ -335,11 +351,9 @@ int Run(int argc, char** argv) {
   if (!o.prefill_rates.empty()) {
     if (o.prefill_experts != PrefillExperts::kAuto)
       Die("--prefill-rates needs --prefill-experts auto");
-    std::ifstream f(o.prefill_rates, std::ios::binary);
-    if (!f) Die("--prefill-rates: " + o.prefill_rates + ": cannot open", 1);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    auto rates = ParsePrefillRates(ss.str(), o.prefill_rates);
+    auto text = ReadSmallFile(o.prefill_rates, kMaxIndexJsonBytes);
+    if (!text.ok()) Die("--prefill-rates: " + text.status().ToString(), 1);
+    auto rates = ParsePrefillRates(*text, o.prefill_rates);
     if (!rates.ok()) Die("--prefill-rates: " + rates.status().ToString(), 1);
     mo.cuda.prefill_rates = *rates;
   }
@@ -356,21 +370,20 @@ int Run(int argc, char** argv) {
   std::unique_ptr<Tokenizer> tokenizer;
   std::string no_tokenizer = "this model has no tokenizer.json";
   const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
-  if (std::filesystem::exists(tok_path)) {
-    auto t = Tokenizer::FromFile(tok_path);
-    if (absl::IsUnimplemented(t.status())) {
-      // A tokenizer this build cannot run: serve token ids, say why once.
-      no_tokenizer =
-          absl::StrCat("the model's tokenizer is not supported here (", t.status().message(), ")");
-      std::fprintf(stderr,
-                   "hmoe-gpu-worker: warning: %s: text prompts, Tokenize and Detokenize are "
-                   "refused; prompt_ids work\n",
-                   no_tokenizer.c_str());
-    } else if (!t.ok()) {
-      Die(t.status().ToString(), 1);
-    } else {
-      tokenizer = std::move(*t);
-    }
+  if (auto t = Tokenizer::FromFile(tok_path); absl::IsNotFound(t.status())) {
+    // No tokenizer.json: token ids only.
+  } else if (absl::IsUnimplemented(t.status())) {
+    // A tokenizer this build cannot run: serve token ids, say why once.
+    no_tokenizer =
+        absl::StrCat("the model's tokenizer is not supported here (", t.status().message(), ")");
+    std::fprintf(stderr,
+                 "hmoe-gpu-worker: warning: %s: text prompts, Tokenize and Detokenize are "
+                 "refused; prompt_ids work\n",
+                 no_tokenizer.c_str());
+  } else if (!t.ok()) {
+    Die(t.status().ToString(), 1);
+  } else {
+    tokenizer = std::move(*t);
   }
   // The chat template (for the HTTP API's chat completions): parsed now, so
   // a construct our interpreter does not support stops the worker here.
@@ -379,10 +392,8 @@ int Run(int argc, char** argv) {
       "the model directory has no chat template (tokenizer_config.json's "
       "chat_template or chat_template.jinja; --chat-template FILE)";
   if (!o.chat_template.empty()) {
-    std::ifstream in(o.chat_template, std::ios::binary);
-    if (!in) Die("--chat-template: cannot read " + o.chat_template, 1);
-    std::stringstream text;
-    text << in.rdbuf();
+    auto text = ReadSmallFile(o.chat_template, kMaxChatTemplateBytes);
+    if (!text.ok()) Die("--chat-template: " + text.status().ToString(), 1);
     auto from_dir = ChatTemplate::FromModelDir(o.model_dir);  // for its special tokens
     std::optional<std::string> bos, eos;
     if (from_dir.ok()) {
@@ -390,7 +401,7 @@ int Run(int argc, char** argv) {
       if (auto it = st.find("bos_token"); it != st.end()) bos = it->second;
       if (auto it = st.find("eos_token"); it != st.end()) eos = it->second;
     }
-    auto t = ChatTemplate::FromString(text.str(), bos, eos);
+    auto t = ChatTemplate::FromString(*text, bos, eos);
     if (!t.ok())
       Die(absl::StrCat("--chat-template ", o.chat_template, ": ", t.status().message()), 1);
     chat = std::move(*t);

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,7 +54,10 @@ struct ShmClient::Segment {
   ShmHeader* header() const { return reinterpret_cast<ShmHeader*>(base); }
   // The service went away or gave the segment up.
   bool Gone() const {
-    return dead.load() || header()->closed.load() || PeerExited(server_pidfd, server_pid);
+    // A header epoch not ours: another server attached the segment (and
+    // answers slots with its epoch); a fresh segment replaces it.
+    return dead.load() || header()->closed.load() || header()->epoch.load() != epoch ||
+           PeerExited(server_pidfd, server_pid);
   }
   ~Segment() {
     if (base) {
@@ -103,6 +107,9 @@ absl::StatusOr<std::shared_ptr<ShmClient::Segment>> ShmClient::Connect(absl::Tim
   if (seg->fd < 0)
     return absl::InternalError(absl::StrCat("shm: memfd_create: ", std::strerror(errno)));
   seg->path = absl::StrCat("/proc/", ::getpid(), "/fd/", seg->fd);
+  // Private to our user (a memfd is created 0777): the service refuses any other.
+  if (fchmod(seg->fd, 0600) != 0)
+    return absl::InternalError(absl::StrCat("shm: chmod 600 the memfd: ", std::strerror(errno)));
   if (ftruncate(seg->fd, static_cast<off_t>(seg->size)) != 0) {
     return absl::ResourceExhaustedError(
         absl::StrCat("shm: ftruncate memfd to ", seg->size, " bytes: ", std::strerror(errno)));

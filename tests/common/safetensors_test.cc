@@ -430,5 +430,24 @@ TEST_F(CheckpointTest, EmptyDirectory) {
   EXPECT_EQ(Checkpoint::Open(dir_.file("nope")).status().code(), absl::StatusCode::kNotFound);
 }
 
+// The header parse is linear in the entry count: 200,000 entries parse in
+// about a second; a parse quadratic in them (a rescan of the top-level
+// object per entry) takes minutes and runs into the test timeout.
+TEST_F(SafetensorsTest, AHeaderOfManyEntriesParses) {
+  constexpr int kEntries = 200000;
+  std::string header = "{";
+  header.reserve(kEntries * 64);
+  for (int i = 0; i < kEntries; ++i) {
+    if (i > 0) header += ',';
+    header += Entry("t" + std::to_string(i), "U8", "[1]", i, i + 1);
+  }
+  header += "}";
+  WriteRaw(path_, header, kEntries);
+  auto f = SafetensorsFile::Open(path_);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f.value()->entries().size(), static_cast<size_t>(kEntries));
+  EXPECT_NE(f.value()->Find("t199999"), nullptr);
+}
+
 }  // namespace
 }  // namespace hmoe

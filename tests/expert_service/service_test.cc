@@ -497,6 +497,55 @@ TEST(ServiceProcess, SigtermFinishesInFlightThenExitsZero) {
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
 }
 
+// SIGTERM while a worker is mid-generation (a stream of calls, one per
+// layer and step, over shared memory as the README's pair runs): the calls
+// go on being served until they stop coming, then the service exits 0. (It
+// refused every call after SIGTERM, failing each generation in flight
+// within ~20 ms.)
+TEST(ServiceProcess, SigtermServesAGenerationInFlightToItsEnd) {
+  ::hmoe::testing::TempDir dir;
+  ::hmoe::testing::ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--synthetic=hidden=256,intermediate=256,experts=8,top_k=2,layers=2",
+                          "--threads=1", "--no-ucx", "--drain-quiet-s=0.5"},
+                         dir.file("port")));
+  ExpertPoolOptions po;
+  po.targets = {proc.target()};
+  po.transport = TransportKind::kShm;
+  auto pool = ExpertPool::Connect(po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto call = MakeRandomCall((*pool)->model(), 0, 1, 2);
+  std::vector<float> out(static_cast<size_t>(256));
+  // The "generation": 1 s of back-to-back calls; SIGTERM a quarter in.
+  int served = 0;
+  absl::Status failed;
+  const auto t0 = std::chrono::steady_clock::now();
+  bool signalled = false;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1)) {
+    if (!signalled && std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(250)) {
+      proc.Signal(SIGTERM);
+      signalled = true;
+    }
+    absl::Status st = (*pool)->Run(call.call(), out.data(), absl::Now() + absl::Seconds(5));
+    if (!st.ok()) {
+      failed = st;
+      break;
+    }
+    ++served;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_TRUE(failed.ok()) << "call " << served << " failed: " << failed;
+  // The calls stopped: it drains and exits 0 (after --drain-quiet-s).
+  int status = 0;
+  pid_t r = 0;
+  const auto t1 = std::chrono::steady_clock::now();
+  while ((r = waitpid(proc.pid(), &status, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() - t1 < std::chrono::seconds(20)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(r, proc.pid());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 TEST(ServiceProcess, BadFlagsAndUnloadableModelExitNonZero) {
   ::hmoe::testing::TempDir dir;
   for (std::vector<std::string> args :
@@ -539,44 +588,36 @@ bool Listening(int port) {
   return ok;
 }
 
-// The fixture, except that config.json is a FIFO: loading blocks on it
-// until Release() writes the real config (the control plane is up meanwhile).
-class FifoConfigModel {
- public:
-  explicit FifoConfigModel(const std::string& dir) : dir_(dir) {
-    EXPECT_TRUE(std::filesystem::create_directory(dir_));
-    for (const auto& e : std::filesystem::directory_iterator(ModelDir())) {
-      const std::string to = dir_ + "/" + e.path().filename().string();
-      if (e.path().filename() == "config.json") {
-        EXPECT_EQ(mkfifo(to.c_str(), 0600), 0);
-      } else {
-        std::filesystem::create_symlink(e.path(), to);
-      }
-    }
-  }
-  const std::string& dir() const { return dir_; }
-  // Writes the config once the service has the FIFO open for reading (ENXIO
-  // before); false if it never opens it.
-  bool Release() {
-    std::ifstream cfg_in(ModelDir() + "/config.json");
-    const std::string config((std::istreambuf_iterator<char>(cfg_in)),
-                             std::istreambuf_iterator<char>());
-    int fifo = -1;
-    for (int i = 0; i < 2000 && fifo < 0; ++i) {
-      fifo = ::open((dir_ + "/config.json").c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
-      if (fifo < 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    if (fifo < 0) return false;
-    fcntl(fifo, F_SETFL, 0);  // blocking writes from here
-    const bool ok =
-        ::write(fifo, config.data(), config.size()) == static_cast<ssize_t>(config.size());
-    ::close(fifo);
-    return ok;
-  }
+// A synthetic shard that takes a while to load (seconds to minutes on any
+// host: the control plane is up meanwhile), with the flags to serve it.
+std::vector<std::string> SlowLoadArgs(int layers) {
+  return {
+      absl::StrCat("--synthetic=hidden=1024,intermediate=512,experts=64,top_k=4,layers=", layers),
+      "--format=int4g64", "--threads=1", "--no-memory-check"};
+}
 
- private:
-  std::string dir_;
-};
+// A FIFO as config.json fails the load at once, naming the file (it used
+// to block the load forever, past SIGTERM).
+TEST(ServiceProcess, AFifoConfigJsonFailsTheLoad) {
+  ::hmoe::testing::TempDir dir;
+  const std::string model = dir.file("model");
+  ASSERT_TRUE(std::filesystem::create_directory(model));
+  for (const auto& e : std::filesystem::directory_iterator(ModelDir())) {
+    const std::string to = model + "/" + e.path().filename().string();
+    if (e.path().filename() == "config.json") {
+      ASSERT_EQ(mkfifo(to.c_str(), 0600), 0);
+    } else {
+      std::filesystem::create_symlink(e.path(), to);
+    }
+  }
+  ::hmoe::testing::ServiceProcess proc;
+  const std::string log = dir.file("service.log");
+  proc.set_stderr_file(log);
+  EXPECT_FALSE(proc.Start({"--model-dir=" + model, "--no-ucx"}, dir.file("port")));
+  const int status = proc.exit_status();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << "wait status " << status;
+  EXPECT_TRUE(::hmoe::testing::FileSays(log, model + "/config.json: not a regular file"));
+}
 
 // ServiceProcess::Start on a thread (it returns once the service is ready or
 // gone), on a free port; the constructor waits until the port listens.
@@ -610,11 +651,10 @@ class BackgroundStart {
 
 TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
   ::hmoe::testing::TempDir dir;
-  FifoConfigModel model(dir.file("model"));
   ::hmoe::testing::ServiceProcess proc;
   // The channel only once the port listens (a refused first connection
   // would put gRPC into its reconnect backoff).
-  BackgroundStart start(proc, {"--model-dir=" + model.dir()}, dir.file("port"));
+  BackgroundStart start(proc, SlowLoadArgs(400), dir.file("port"));
   ASSERT_TRUE(start.listening());
   const int port = start.port();
   ControlClient control(MakeExpertChannel(absl::StrCat("127.0.0.1:", port)));
@@ -631,16 +671,22 @@ TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
   EXPECT_EQ(ucx.status().code(), absl::StatusCode::kUnavailable) << ucx.status();
   EXPECT_NE(std::string(ucx.status().message()).find("still loading"), std::string::npos);
   EXPECT_EQ(control.Check(), Health::kNotServing);
-  // Let it load. If it never opens the FIFO, Start gives up (60 s).
-  EXPECT_TRUE(model.Release()) << "the service never opened config.json";
-  ASSERT_TRUE(start.Join());
+  proc.Signal(SIGTERM);
+  EXPECT_FALSE(start.Join());
+}
+
+// Up and serving, the same bad shm path and UCX address are judged on their
+// merits (the UCX one by the service's checker child: UCX itself would
+// abort the service on it).
+TEST(ServiceProcess, DataPlanesJudgeBadAttachesOnTheirMerits) {
+  ::hmoe::testing::TempDir dir;
+  ::hmoe::testing::ServiceProcess proc;
+  ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir()}, dir.file("port")));
+  ControlClient control(MakeExpertChannel(proc.target()));
   EXPECT_EQ(control.Check(), Health::kServing);
-  // Up now: the same bad path is judged on its merits.
-  shm = control.AttachShm("/dev/shm/not-a-memfd", getpid(), 1);
+  auto shm = control.AttachShm("/dev/shm/not-a-memfd", getpid(), 1);
   EXPECT_EQ(shm.status().code(), absl::StatusCode::kInvalidArgument) << shm.status();
-  // And the bad UCX address too: refused by the service's checker child (UCX
-  // itself would abort the service on it).
-  ucx = control.UcxConnect("not-an-address", 7);
+  auto ucx = control.UcxConnect("not-an-address", 7);
   EXPECT_EQ(ucx.status().code(), absl::StatusCode::kInvalidArgument) << ucx.status();
   EXPECT_NE(std::string(ucx.status().message()).find("client_worker_address"), std::string::npos)
       << ucx.status();
@@ -652,12 +698,10 @@ TEST(ServiceProcess, DataPlanesAnswerUnavailableWhileLoading) {
 // announcing READY or serving (no port file, no SERVING on the way out).
 TEST(ServiceProcess, SigtermWhileLoadingExitsWithoutServing) {
   ::hmoe::testing::TempDir dir;
-  FifoConfigModel model(dir.file("model"));
   ::hmoe::testing::ServiceProcess proc;
-  BackgroundStart start(proc, {"--model-dir=" + model.dir()}, dir.file("port"));
+  BackgroundStart start(proc, SlowLoadArgs(2), dir.file("port"));
   ASSERT_TRUE(start.listening());
   proc.Signal(SIGTERM);  // spawned: its pid is set before it listens
-  EXPECT_TRUE(model.Release()) << "the service never opened config.json";
   EXPECT_FALSE(start.Join()) << "it wrote its port file (announced READY) after SIGTERM";
   EXPECT_FALSE(std::filesystem::exists(dir.file("port")));
 }
@@ -667,13 +711,13 @@ TEST(ServiceProcess, SigtermWhileLoadingExitsWithoutServing) {
 // SERVING (a launcher or a health checker never sees it up).
 TEST(ServiceProcess, UnwritablePortFileFailsTheStartWithoutServing) {
   ::hmoe::testing::TempDir dir;
-  FifoConfigModel model(dir.file("model"));
   const std::string port_dir = dir.file("run");
   ASSERT_TRUE(std::filesystem::create_directory(port_dir));
   ::hmoe::testing::ServiceProcess proc;
   const std::string log = dir.file("service.log");
   proc.set_stderr_file(log);
-  BackgroundStart start(proc, {"--model-dir=" + model.dir()}, port_dir + "/port");
+  // A load of seconds: the place goes away before it ends.
+  BackgroundStart start(proc, SlowLoadArgs(2), port_dir + "/port");
   ASSERT_TRUE(start.listening());
   // Past the start-up check of the place: now it goes away.
   std::filesystem::remove_all(port_dir);
@@ -685,7 +729,6 @@ TEST(ServiceProcess, UnwritablePortFileFailsTheStartWithoutServing) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   });
-  EXPECT_TRUE(model.Release()) << "the service never opened config.json";
   EXPECT_FALSE(start.Join()) << "it announced READY without its port file";
   done = true;
   watch.join();
@@ -942,6 +985,14 @@ TEST(UcxNetDevice, TheListenHostsInterfaceOrEveryDevice) {
   auto far = UcxNetDeviceFor("203.0.113.77:1");         // TEST-NET-3: not ours
   EXPECT_EQ(far.status().code(), absl::StatusCode::kNotFound) << far.status();
   EXPECT_NE(far.status().message().find("203.0.113.77"), std::string::npos);
+}
+
+TEST(UcxNetDevice, ATargetsDevicesAreThoseItIsReachedBy) {
+  auto lo = UcxNetDeviceFor("127.0.0.1:1");
+  ASSERT_TRUE(lo.ok()) << lo.status();
+  EXPECT_EQ(UcxNetDevicesForTargets({"127.0.0.1:50061", "localhost:50062", "127.0.0.2:1"}), *lo);
+  EXPECT_EQ(UcxNetDevicesForTargets({"127.0.0.1:50061", "some-host-name:1"}), "");
+  EXPECT_EQ(UcxNetDevicesForTargets({}), "");
 }
 
 TEST(ServiceProcess, NumaNodeBinding) {

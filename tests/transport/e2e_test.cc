@@ -7,6 +7,7 @@
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <ucp/api/ucp.h>
@@ -673,6 +674,7 @@ TEST(ShmPeerDeath, ClientKilledMidWriteSegmentDiscarded) {
   const std::string memfd_name = absl::StrCat("hmoe-test-", getpid());
   const int fd = memfd_create(memfd_name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   ASSERT_GE(fd, 0);
+  ASSERT_EQ(fchmod(fd, 0600), 0);
   ASSERT_EQ(ftruncate(fd, static_cast<off_t>(geo.total_bytes())), 0);
   ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
   // The "worker": a child that only waits to be killed.

@@ -19,6 +19,7 @@ namespace hmoe {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 ShmGeometry Geometry(const ShardInfo& info) {
   ShmGeometry g;
@@ -33,9 +34,10 @@ ShmGeometry Geometry(const ShardInfo& info) {
 // (0: none). Returns the fd (the mapping is dropped again).
 constexpr uint64_t kNonce = 0x5eedf00d12345679ull;
 
-int MakeSegment(const ShmGeometry& g, unsigned int memfd_flags, int seals) {
+int MakeSegment(const ShmGeometry& g, unsigned int memfd_flags, int seals, mode_t mode = 0600) {
   const int fd = memfd_create("hmoe-shm-attach-test", MFD_CLOEXEC | memfd_flags);
   if (fd < 0) return -1;
+  if (fchmod(fd, mode) != 0) return -1;
   if (ftruncate(fd, static_cast<off_t>(g.total_bytes())) != 0) return -1;
   void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return -1;
@@ -68,6 +70,10 @@ TEST(ShmAttach, SealedMemfdOfTheClientIsServedAndCannotShrink) {
     auto again = server.Attach(FdPath(f), getpid(), kNonce);
     EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists) << again.status();
     EXPECT_THAT(std::string(again.status().message()), HasSubstr("already attached"));
+    // Neither the segment's nonce nor its epoch is told to the caller.
+    EXPECT_THAT(std::string(again.status().message()),
+                Not(HasSubstr(absl::StrCat(absl::Hex(kNonce)))));
+    EXPECT_THAT(std::string(again.status().message()), Not(HasSubstr(absl::StrCat(*epoch))));
   }
   EXPECT_EQ(server.sessions(), 1u);
   ::close(dup_fd);
@@ -163,8 +169,27 @@ TEST(ShmAttach, RefusesAnotherSegmentUnderTheSameFdNumber) {
   auto epoch = server.Attach(FdPath(fd), getpid(), kNonce + 2);
   EXPECT_EQ(epoch.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(epoch.status().message()), HasSubstr("reused"));
+  // The live segment's nonce is not told: it is what an attach needs.
+  EXPECT_THAT(std::string(epoch.status().message()),
+              Not(HasSubstr(absl::StrCat(absl::Hex(kNonce)))));
   EXPECT_EQ(server.sessions(), 0u);
   ::close(fd);
+}
+
+// A segment other users can reach (a memfd is created mode 0777) is not
+// served: only the service's own user's private segments are.
+TEST(ShmAttach, RefusesASegmentOpenToOtherUsers) {
+  testing::RowHandler handler;
+  ShmServer server(&handler);
+  for (mode_t mode : {0777, 0660, 0604}) {
+    const int fd = MakeSegment(Geometry(handler.info()), MFD_ALLOW_SEALING, F_SEAL_SHRINK, mode);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    auto epoch = server.Attach(FdPath(fd), getpid(), kNonce);
+    EXPECT_EQ(epoch.status().code(), absl::StatusCode::kPermissionDenied) << mode;
+    EXPECT_THAT(std::string(epoch.status().message()), HasSubstr("0600"));
+    ::close(fd);
+  }
+  EXPECT_EQ(server.sessions(), 0u);
 }
 
 }  // namespace

@@ -121,6 +121,41 @@ TEST(ShmClient, AHeaderRewrittenByTheServiceDoesNotMoveTheClientsSlots) {
   }
 }
 
+// The fd of this process's shm segment (a memfd named hmoe-shm), or -1.
+int SegmentFd() {
+  for (int fd = 0; fd < 1024; ++fd) {
+    char link[256];
+    const ssize_t n =
+        ::readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link, sizeof(link) - 1);
+    if (n > 0 && std::string_view(link, static_cast<size_t>(n)).find("memfd:hmoe-shm") !=
+                     std::string_view::npos)
+      return fd;
+  }
+  return -1;
+}
+
+// Another server attaching the segment (it rewrites the header's epoch and
+// answers slots with its own): the client gives that segment up and attaches
+// a fresh one, so calls go on succeeding (before: every later call failed
+// DATA_LOSS "slot answered for another request/epoch" for good).
+TEST(ShmClient, ASegmentAttachedByAnotherServerIsReplaced) {
+  Rig rig;
+  absl::Status started = rig.Start();
+  ASSERT_TRUE(started.ok()) << started;
+  auto* h = static_cast<ShmHeader*>(rig.client->segment());
+  ASSERT_NE(h, nullptr);
+  const int fd = SegmentFd();
+  ASSERT_GE(fd, 0);
+  testing::RowHandler other_handler;
+  ShmServer other(&other_handler);
+  auto epoch = other.Attach(absl::StrCat("/proc/", ::getpid(), "/fd/", fd), ::getpid(), h->nonce);
+  ASSERT_TRUE(epoch.ok()) << epoch.status();
+  for (int i = 0; i < 50; ++i) {
+    absl::Status st = OneCall(*rig.client, rig.handler.info(), 1 + i % 4, absl::Seconds(10));
+    ASSERT_TRUE(st.ok()) << i << ": " << st;
+  }
+}
+
 // Byte sizes that wrap around 2^64 are refused before anything is copied
 // (before: the capacity check wrapped too and memcpy ran off the segment).
 TEST(ShmClient, ByteSizesThatWrapAreRefused) {
