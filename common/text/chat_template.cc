@@ -268,7 +268,12 @@ absl::StatusOr<ChatPrompt> RenderChatPrompt(const ChatTemplate& chat, const Toke
                                             const ChatRenderOptions& options) {
   ChatPrompt p;
   auto text = chat.Render(messages, options);
-  if (!text.ok()) return text.status();
+  if (!text.ok()) {
+    // A limit this request's input hits is hit again on a retry.
+    if (text.status().code() == absl::StatusCode::kResourceExhausted)
+      return absl::InvalidArgumentError(text.status().message());
+    return text.status();
+  }
   p.text = std::move(*text);
   auto ids = tokenizer.Encode(p.text, /*add_special_tokens=*/false);
   if (!ids.ok()) return ids.status();

@@ -87,7 +87,9 @@ class ChatTemplate {
 
 // A chat request's prompt tokens: `messages` rendered by `chat` and encoded
 // without adding special tokens (the template writes them, as transformers
-// does). `rendered` (optional) gets the text. Render's and Encode's errors.
+// does). `rendered` (optional) gets the text. Render's and Encode's errors,
+// but a jinja::Limits bound is INVALID_ARGUMENT: the request's own input
+// hits it, and would again on a retry.
 struct ChatPrompt {
   std::string text;
   std::vector<int32_t> ids;

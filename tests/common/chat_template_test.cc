@@ -189,6 +189,25 @@ TEST(ChatTemplateTest, FromStringAndMessageNormalization) {
   EXPECT_EQ(ct->Render(msgs, bad).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A template limit hit by a request's own input is the request's fault: a
+// retry hits it again, so it is not RESOURCE_EXHAUSTED (429, "retry").
+TEST(ChatTemplateTest, ALimitHitByTheRequestIsInvalidArgument) {
+  ChatTemplateOptions o;
+  o.limits.max_output_bytes = 64;
+  auto ct = ChatTemplate::FromString("{% for m in messages %}{{ m.content }}{% endfor %}",
+                                     std::nullopt, std::nullopt, o);
+  ASSERT_TRUE(ct.ok()) << ct.status();
+  auto tok = Tokenizer::FromFile(testing::FixturesDir() + "/tokenizer.json");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const json msgs = {{{"role", "user"}, {"content", std::string(100, 'a')}}};
+  EXPECT_EQ(ct->Render(msgs).status().code(), absl::StatusCode::kResourceExhausted);
+  auto p = RenderChatPrompt(*ct, **tok, msgs, {});
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << p.status();
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr("exceeded 64 bytes"));
+  const json short_msgs = {{{"role", "user"}, {"content", "hi"}}};
+  EXPECT_TRUE(RenderChatPrompt(*ct, **tok, short_msgs, {}).ok());
+}
+
 TEST(ChatTemplateTest, MixtralAlternationErrorIsRaisedVerbatim) {
   auto ct = ChatTemplate::FromModelDir(Dir() + "/mixtral");
   ASSERT_TRUE(ct.ok()) << ct.status();
