@@ -1,4 +1,4 @@
-// The worker's OpenAI-compatible HTTP front end (cpp-httplib), beside the
+// The worker's OpenAI-compatible HTTP front end (http_server.h), beside the
 // gRPC one, over the same Engine:
 //   POST /v1/chat/completions, POST /v1/completions (streamed as
 //     server-sent events ending "data: [DONE]", or whole); GET /v1/models;
@@ -34,8 +34,13 @@ struct HttpServiceOptions {
   // Non-null and on: /v1/* and /metrics need "Authorization: Bearer <token>".
   std::shared_ptr<const AuthTokens> auth_tokens;
   TlsServerFiles tls;  // cert + key: HTTPS (client_ca_file: clients need a certificate)
-  size_t max_body_bytes = 16 << 20;
-  int threads = 96;  // connections served at once (each streamed request holds one)
+  size_t max_body_bytes = 16 << 20;  // after chunked decoding too; more: 413
+  // Connections open at once (each streamed request holds one); more: 503.
+  int max_connections = 512;
+  // A request head (and a TLS handshake) must arrive within this; else 408.
+  absl::Duration header_timeout = absl::Seconds(10);
+  absl::Duration idle_timeout = absl::Seconds(5);  // a keep-alive connection waits this long
+  absl::Duration io_timeout = absl::Seconds(30);   // a stalled body read or response write
   absl::Duration probe_interval = absl::Milliseconds(250);
   std::function<std::string()> metrics;  // /metrics body; empty: 404
   // False: new requests 503 (e.g. the expert service is down). Empty: always up.

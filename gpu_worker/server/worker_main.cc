@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
 #include "common/expert_placement.h"
@@ -82,6 +83,8 @@ struct WorkerOptions {
   std::string expert_auth_token_file;
   std::string http_listen;     // empty: no HTTP API
   std::string http_port_file;  // written with the HTTP port once serving
+  int http_max_connections = HttpServiceOptions().max_connections;
+  int http_header_timeout_seconds = 10;
   std::string served_model_name;
   std::string chat_template;  // a .jinja file; empty: the model directory's
   TlsServerFiles tls;
@@ -192,6 +195,12 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
             "same --auth-token-file tokens (as Bearer) and --tls-* files (HTTPS) as the gRPC "
             "port");
   fs.String("http-port-file", &o->http_port_file, "PATH", "gets the HTTP port once serving");
+  fs.Int("http-max-connections", &o->http_max_connections, 1, 1 << 20,
+         "HTTP connections open at once (each streamed request holds one; idle keep-alive ones "
+         "close after 5 s); more are answered 503 and closed");
+  fs.Int("http-header-timeout-seconds", &o->http_header_timeout_seconds, 1, 3600,
+         "a request's head (and an HTTPS handshake) must arrive within this many seconds, else "
+         "the connection is closed (408): slow clients cannot hold connections");
   fs.String("served-model-name", &o->served_model_name, "NAME",
             "the model's name for clients (default: the model directory's)");
   fs.String("chat-template", &o->chat_template, "FILE",
@@ -357,12 +366,14 @@ int Run(int argc, char** argv) {
     auto t = Tokenizer::FromFile(tok_path);
     if (absl::IsUnimplemented(t.status())) {
       // A tokenizer this build cannot run: serve token ids, say why once.
-      no_tokenizer =
-          absl::StrCat("the model's tokenizer is not supported here (", t.status().message(), ")");
+      // Clients are told why without the server's path (the log has it).
+      no_tokenizer = absl::StrCat(
+          "the model's tokenizer is not supported here (",
+          absl::StrReplaceAll(t.status().message(), {{tok_path, "tokenizer.json"}}), ")");
       std::fprintf(stderr,
-                   "hmoe-gpu-worker: warning: %s: text prompts, Tokenize and Detokenize are "
-                   "refused; prompt_ids work\n",
-                   no_tokenizer.c_str());
+                   "hmoe-gpu-worker: warning: %s: %s: text prompts, Tokenize and Detokenize "
+                   "are refused; prompt_ids work\n",
+                   tok_path.c_str(), std::string(t.status().message()).c_str());
     } else if (!t.ok()) {
       Die(t.status().ToString(), 1);
     } else {
@@ -517,7 +528,8 @@ int Run(int argc, char** argv) {
     if (ho.model_name.empty()) ho.model_name = o.model_dir;
     ho.auth_tokens = auth_tokens;
     ho.tls = o.tls;
-    ho.threads = o.max_batch + o.max_queue + 16;
+    ho.max_connections = o.http_max_connections;
+    ho.header_timeout = absl::Seconds(o.http_header_timeout_seconds);
     ho.ready = [&experts_up] { return experts_up.load(); };
     ho.metrics = [&metrics] { return metrics.RenderPrometheus(); };
     auto h = HttpService::Start(engine->get(), tokenizer.get(), chat ? &*chat : nullptr, no_chat,
