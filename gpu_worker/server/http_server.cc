@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -328,7 +329,7 @@ struct HttpServer::Impl {
   }
 
   // The body's framing from the headers: *chunked, or *length (0: none).
-  bool Framing(const HttpRequest& q, bool* chunked, uint64_t* length, Refusal* r) const {
+  bool BodyFraming(const HttpRequest& q, bool* chunked, uint64_t* length, Refusal* r) const {
     *chunked = false;
     *length = 0;
     bool has_length = false;
@@ -414,16 +415,26 @@ struct HttpServer::Impl {
     }
   }
 
-  std::string Head(const HttpResponse& res, bool keep_alive, bool chunked) const {
+  // How a response's body is delimited.
+  enum class Framing { kLength, kChunked, kUntilClose };
+
+  // The status line and headers. An HTTP/1.0 client is told "keep-alive"
+  // when the connection stays open (1.0's default is to close).
+  std::string Head(const HttpResponse& res, bool keep_alive, Framing framing,
+                   bool http11 = true) const {
     std::string h = absl::StrCat("HTTP/1.1 ", res.status, " ", HttpReason(res.status), "\r\n");
     if (!res.content_type.empty()) absl::StrAppend(&h, "Content-Type: ", res.content_type, "\r\n");
     for (const auto& [k, v] : res.headers) absl::StrAppend(&h, k, ": ", v, "\r\n");
-    if (chunked) {
+    if (framing == Framing::kChunked) {
       h += "Transfer-Encoding: chunked\r\n";
-    } else {
+    } else if (framing == Framing::kLength) {
       absl::StrAppend(&h, "Content-Length: ", res.body.size(), "\r\n");
     }
-    if (!keep_alive) h += "Connection: close\r\n";
+    if (!keep_alive) {
+      h += "Connection: close\r\n";
+    } else if (!http11) {
+      h += "Connection: keep-alive\r\n";
+    }
     h += "\r\n";
     return h;
   }
@@ -447,7 +458,7 @@ struct HttpServer::Impl {
       }
       res.headers.emplace_back("Allow", allow);
     }
-    return WriteAll(c, Head(res, keep_alive, false) + res.body, o.io_timeout);
+    return WriteAll(c, Head(res, keep_alive, Framing::kLength) + res.body, o.io_timeout);
   }
 
   void Serve(Conn& c, absl::Time accepted) {
@@ -481,7 +492,7 @@ struct HttpServer::Impl {
       bool http11 = true;
       bool chunked = false;
       uint64_t length = 0;
-      if (!ParseHead(head, &q, &http11, &r) || !Framing(q, &chunked, &length, &r)) {
+      if (!ParseHead(head, &q, &http11, &r) || !BodyFraming(q, &chunked, &length, &r)) {
         SendError(c, q, r.status, r.message, false);
         return;
       }
@@ -533,21 +544,33 @@ struct HttpServer::Impl {
       }
 
       HttpResponse res;
-      handler(q, res);
+      try {
+        handler(q, res);
+      } catch (const std::exception& e) {
+        res = HttpResponse();
+        res.status = 500;
+        if (error_body) error_body(q, absl::StrCat("internal error: ", e.what()), res);
+      }
       if (!res.stream) {
-        if (!WriteAll(c, Head(res, keep_alive, false) + res.body, o.io_timeout)) return;
+        if (!WriteAll(c, Head(res, keep_alive, Framing::kLength, http11) + res.body, o.io_timeout))
+          return;
         if (!keep_alive) return;
         continue;
       }
+      // HTTP/1.0 has no chunked encoding: the stream ends with the connection.
+      if (!http11) keep_alive = false;
+      const bool chunk = http11;
       bool completed = false;
-      if (WriteAll(c, Head(res, keep_alive, true), o.io_timeout)) {
+      if (WriteAll(c, Head(res, keep_alive, chunk ? Framing::kChunked : Framing::kUntilClose),
+                   o.io_timeout)) {
         for (;;) {
           std::string out;
           bool done = false;
           if (!res.stream(&out, &done)) break;
           std::string frame;
-          if (!out.empty()) frame = absl::StrCat(absl::Hex(out.size()), "\r\n", out, "\r\n");
-          if (done) frame += "0\r\n\r\n";
+          if (!out.empty())
+            frame = chunk ? absl::StrCat(absl::Hex(out.size()), "\r\n", out, "\r\n") : out;
+          if (done && chunk) frame += "0\r\n\r\n";
           if (!frame.empty() && !WriteAll(c, frame, o.io_timeout)) break;
           if (done) {
             completed = true;
@@ -573,13 +596,15 @@ struct HttpServer::Impl {
       SSL_free(c.ssl);
     }
     if (!c.eof && !stopping.load()) {
-      // Closing with unread input resets the connection, which can lose the
-      // response (a 413, say) before the client reads it: stop sending and
-      // discard what still comes, for a bounded while.
+      // Closing with unread input resets the connection, which loses the
+      // response (a 413, say) when the client is still sending, as most
+      // clients do before they read: stop sending and discard what still
+      // comes, up to twice the body limit and 10 s.
       ::shutdown(fd, SHUT_WR);
-      const absl::Time until = absl::Now() + absl::Seconds(1);
+      const absl::Time until = absl::Now() + absl::Seconds(10);
+      const size_t most = 2 * o.max_body_bytes;
       char drain[16384];
-      for (size_t total = 0; total < (size_t{4} << 20) && WaitFd(fd, POLLIN, until);) {
+      for (size_t total = 0; total < most && WaitFd(fd, POLLIN, until);) {
         const ssize_t n = ::recv(fd, drain, sizeof(drain), 0);
         if (n <= 0 && !(n < 0 && (errno == EINTR || errno == EAGAIN))) break;
         if (n > 0) total += static_cast<size_t>(n);
@@ -620,7 +645,7 @@ struct HttpServer::Impl {
                                                " connections open (its limit); try again later");
       if (error_body) error_body(q, message, res);
       if (res.body.empty()) res.body = message + "\n";
-      const std::string out = Head(res, false, false) + res.body;
+      const std::string out = Head(res, false, Framing::kLength) + res.body;
       (void)::send(fd, out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
       ::shutdown(fd, SHUT_WR);
     }

@@ -7,7 +7,9 @@
 //   * the request head (and a TLS handshake) must arrive within
 //     header_timeout, at most max_header_bytes (else 408 / 431, closed);
 //   * a body, Content-Length or chunked, is at most max_body_bytes after
-//     decoding (else 413 naming the limit, read no further, closed);
+//     decoding (else 413 naming the limit; the rest is discarded, up to
+//     twice the limit, so that a client still sending reads the 413, and the
+//     connection is closed);
 //     `Expect: 100-continue` gets "100 Continue" before the body is read;
 //   * ambiguous framing is 400 and closes the connection: Content-Length
 //     values that differ, Content-Length with Transfer-Encoding, a

@@ -5,6 +5,7 @@
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/ssl.h>
 #include <sys/socket.h>
 
 #include <atomic>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/worker_server/raw_http.h"
 
 namespace hmoe {
@@ -290,6 +292,58 @@ TEST(HttpServer, ConnectionsOverTheCapAre503) {
     if (!served) std::this_thread::sleep_for(100ms);
   }
   EXPECT_TRUE(served);
+}
+
+TEST(HttpServer, Http10ClosesUnlessKeepAliveAndStreamsUntilClose) {
+  EchoServer s;
+  ASSERT_TRUE(s.Start());
+  RawConnection c(s.port());
+  ASSERT_TRUE(c.Send("GET /echo HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"));
+  RawResponse r = c.Read();
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.Header("connection"), "keep-alive");
+  ASSERT_TRUE(c.Send("POST /stream HTTP/1.0\r\nContent-Length: 0\r\n\r\n"));
+  // No chunked encoding in HTTP/1.0: the body is what comes until the close.
+  ASSERT_TRUE(c.ClosedWithin(5s));
+  RawConnection once(s.port());
+  ASSERT_TRUE(once.Send("GET /echo HTTP/1.0\r\n\r\n"));
+  EXPECT_EQ(once.Read().status, 200);
+  EXPECT_TRUE(once.ClosedWithin(5s));
+}
+
+// HTTPS: a client that connects and never completes the handshake is
+// closed at the header timeout, and does not hold up a real client.
+TEST(HttpServer, TlsHandshakesAreBoundedByTheHeaderTimeout) {
+  const std::string tls = testing::FixturesDir() + "/tls";
+  EchoServer s;
+  HttpServerOptions o;
+  o.tls.cert_file = tls + "/server.pem";
+  o.tls.key_file = tls + "/server.key";
+  o.header_timeout = absl::Seconds(1);
+  ASSERT_TRUE(s.Start(o));
+  std::vector<std::unique_ptr<RawConnection>> stalled;
+  for (int i = 0; i < 100; ++i) {
+    stalled.push_back(std::make_unique<RawConnection>(s.port()));
+    ASSERT_TRUE(stalled.back()->Send(std::string(1, '\x16')));  // a TLS record's first byte
+  }
+  // A real TLS client meanwhile.
+  SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
+  ASSERT_NE(ctx, nullptr);
+  RawConnection c(s.port());
+  ASSERT_TRUE(c.ok());
+  SSL* ssl = SSL_new(ctx);
+  SSL_set_fd(ssl, c.fd());
+  EXPECT_EQ(SSL_connect(ssl), 1);
+  const std::string req = "GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  EXPECT_EQ(SSL_write(ssl, req.data(), static_cast<int>(req.size())), static_cast<int>(req.size()));
+  std::string got;
+  char buf[4096];
+  for (int n; (n = SSL_read(ssl, buf, sizeof(buf))) > 0;) got.append(buf, static_cast<size_t>(n));
+  EXPECT_THAT(got, HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(got, HasSubstr("GET /echo"));
+  SSL_free(ssl);
+  SSL_CTX_free(ctx);
+  for (auto& st : stalled) EXPECT_TRUE(st->ClosedWithin(5s));
 }
 
 TEST(HttpServer, StopEndsIdleAndSlowConnections) {

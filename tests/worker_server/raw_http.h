@@ -54,6 +54,7 @@ class RawConnection {
   RawConnection& operator=(const RawConnection&) = delete;
 
   bool ok() const { return fd_ >= 0; }
+  int fd() const { return fd_; }
   void Close() {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
