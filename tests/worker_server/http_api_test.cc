@@ -2,11 +2,14 @@
 // tokenizer and chat template) with the in-process experts: what hostile
 // input gets over HTTP (HttpService, through a raw TCP client) and over gRPC
 // (GenerationService's request building).
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 
 #include <csignal>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/json_depth.h"
@@ -168,6 +171,71 @@ TEST_F(HttpApiInProcess, AChunkedBodyOverTheLimitIs413NamingIt) {
   EXPECT_EQ(r.status, 413);
   EXPECT_THAT(r.body, HasSubstr(absl::StrCat("over ", 16 << 20, " bytes")));
   EXPECT_THAT(r.body, HasSubstr("request_too_large"));
+}
+
+// This process's end of a connection whose client end is `client_fd`
+// (the server runs in process); -1 when not found.
+int ServerSideFd(int client_fd) {
+  sockaddr_in local{};
+  socklen_t len = sizeof(local);
+  ::getsockname(client_fd, reinterpret_cast<sockaddr*>(&local), &len);
+  for (int fd = 0; fd < 4096; ++fd) {
+    if (fd == client_fd) continue;
+    sockaddr_in peer{};
+    socklen_t pl = sizeof(peer);
+    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0 ||
+        peer.sin_family != AF_INET)
+      continue;
+    if (peer.sin_port == local.sin_port && peer.sin_addr.s_addr == local.sin_addr.s_addr) return fd;
+  }
+  return -1;
+}
+
+TEST_F(HttpApiInProcess, KeepAliveAndPipelinedRequestsAreAnsweredPromptly) {
+  ASSERT_NO_FATAL_FAILURE(StartHttp());
+  RawConnection c(http_->port());
+  const std::string completion =
+      R"({"prompt": "The fortune of", "max_tokens": 2, "temperature": 0})";
+  const std::string post = absl::StrCat(
+      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ", completion.size(), "\r\n\r\n",
+      completion);
+  // Two requests in one write: both answered, in order.
+  ASSERT_TRUE(c.Send(post + "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"));
+  RawResponse first = c.Read(60s);
+  EXPECT_EQ(first.status, 200) << first.body;
+  EXPECT_THAT(first.body, HasSubstr("text_completion"));
+  RawResponse second = c.Read(10s);
+  EXPECT_EQ(second.status, 200);
+  EXPECT_EQ(second.body, R"({"status":"ok"})");
+  // Responses after the first on the connection are not held back by
+  // Nagle's algorithm waiting for the client's delayed ACK.
+  const int server_fd = ServerSideFd(c.fd());
+  ASSERT_GE(server_fd, 0);
+  int on = 0;
+  socklen_t len = sizeof(on);
+  ASSERT_EQ(::getsockopt(server_fd, IPPROTO_TCP, TCP_NODELAY, &on, &len), 0);
+  EXPECT_EQ(on, 1);
+}
+
+TEST_F(HttpApiInProcess, DifferingContentLengthsAre400) {
+  ASSERT_NO_FATAL_FAILURE(StartHttp());
+  const std::string body = R"({"prompt": "The fortune of", "max_tokens": 2})";
+  RawResponse r = Post("/v1/completions", body, "Content-Length: 5\r\n");
+  EXPECT_EQ(r.status, 400) << r.body;
+}
+
+// Clients that send their request head a byte at a time do not make the
+// API unavailable to others.
+TEST_F(HttpApiInProcess, SlowHeadsDoNotHoldUpOtherClients) {
+  ASSERT_NO_FATAL_FAILURE(StartHttp());
+  std::vector<std::unique_ptr<RawConnection>> slow;
+  for (int i = 0; i < 120; ++i) {
+    slow.push_back(std::make_unique<RawConnection>(http_->port()));
+    ASSERT_TRUE(slow.back()->Send("GET /health HTTP/1.1\r\nHo"));
+  }
+  RawConnection c(http_->port());
+  ASSERT_TRUE(c.Send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n"));
+  EXPECT_EQ(c.Read(5s).status, 200);
 }
 
 TEST(GrpcRequests, DeeplyNestedJsonFieldsAreInvalidArgument) {
