@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 
 namespace hmoe {
 
@@ -77,6 +78,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir,
   ChatTemplate ct;
   ct.options_ = options;
   const fs::path root(dir);
+  ct.dir_prefix_ = (root / "").string();
   const fs::path cfg_path = root / "tokenizer_config.json";
   json cfg = json::object();
   const bool have_cfg = fs::exists(cfg_path, ec);
@@ -260,7 +262,12 @@ absl::StatusOr<std::string> ChatTemplate::Render(const json& messages,
   jinja::RenderOptions ro;
   ro.limits = options_.limits;
   ro.now = options.now;
-  return tmpl->Render(ctx, ro);
+  auto out = tmpl->Render(ctx, ro);
+  if (!out.ok() && !dir_prefix_.empty()) {
+    return absl::Status(out.status().code(),
+                        absl::StrReplaceAll(out.status().message(), {{dir_prefix_, ""}}));
+  }
+  return out;
 }
 
 absl::StatusOr<ChatPrompt> RenderChatPrompt(const ChatTemplate& chat, const Tokenizer& tokenizer,

@@ -522,10 +522,12 @@ int Run(int argc, char** argv) {
   if (!o.http_listen.empty()) {
     HttpServiceOptions ho;
     ho.listen = o.http_listen;
-    ho.model_name = o.served_model_name.empty()
-                        ? std::filesystem::path(o.model_dir).lexically_normal().filename().string()
-                        : o.served_model_name;
-    if (ho.model_name.empty()) ho.model_name = o.model_dir;
+    // Clients see the directory's name ("/models/ds3/" -> "ds3"), never its path.
+    std::filesystem::path dir = std::filesystem::path(o.model_dir).lexically_normal();
+    if (!dir.has_filename() && dir.has_parent_path()) dir = dir.parent_path();
+    ho.model_name = o.served_model_name.empty() ? dir.filename().string() : o.served_model_name;
+    if (ho.model_name.empty()) ho.model_name = "model";
+    const std::string model_name = ho.model_name;
     ho.auth_tokens = auth_tokens;
     ho.tls = o.tls;
     ho.max_connections = o.http_max_connections;
@@ -545,10 +547,7 @@ int Run(int argc, char** argv) {
     std::fprintf(
         stderr,
         "hmoe-gpu-worker: OpenAI-compatible HTTP API on port %d (%s, model \"%s\", chat %s)\n",
-        http->port(), o.tls.enabled() ? "https" : "http",
-        o.served_model_name.empty()
-            ? std::filesystem::path(o.model_dir).lexically_normal().filename().c_str()
-            : o.served_model_name.c_str(),
+        http->port(), o.tls.enabled() ? "https" : "http", model_name.c_str(),
         chat ? "on" : "off: no chat template");
     if (!o.http_port_file.empty()) write_port(o.http_port_file, http->port(), "--http-port-file");
   }

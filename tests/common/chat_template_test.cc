@@ -135,6 +135,20 @@ TEST(ChatTemplateTest, AdditionalTemplateFiles) {
   EXPECT_EQ(*ct->Render(msgs, with_tools), "t");
 }
 
+// Render's errors reach API clients: the template file is named relative to
+// the model directory, not by the server's path.
+TEST(ChatTemplateTest, RenderErrorsDoNotShowTheServersPath) {
+  testing::TempDir dir;
+  Write(dir.file("chat_template.jinja"), "{{ messages[0].content.no_such_method() }}");
+  auto ct = ChatTemplate::FromModelDir(dir.path());
+  ASSERT_TRUE(ct.ok()) << ct.status();
+  auto out = ct->Render(json::array({{{"role", "user"}, {"content", "x"}}}));
+  ASSERT_FALSE(out.ok());
+  const std::string m(out.status().message());
+  EXPECT_THAT(m, HasSubstr("chat_template.jinja"));
+  EXPECT_THAT(m, ::testing::Not(HasSubstr(dir.path())));
+}
+
 TEST(ChatTemplateTest, ErrorsNameTheFileAndField) {
   testing::TempDir dir;
   EXPECT_EQ(ChatTemplate::FromModelDir(dir.file("missing")).status().code(),
