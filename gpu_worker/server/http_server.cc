@@ -17,6 +17,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -251,8 +252,11 @@ struct HttpServer::Impl {
   }
 
   // Reads the head of the next request into `head` (through the blank
-  // line). status 0: the client closed or went silent between requests.
-  bool ReadHead(Conn& c, absl::Time first_byte_deadline, std::string* head, Refusal* r) const {
+  // line): its first byte by first_byte_deadline, the whole head by
+  // head_deadline (InfiniteFuture: header_timeout from the first byte).
+  // status 0: the client closed or went silent between requests.
+  bool ReadHead(Conn& c, absl::Time first_byte_deadline, absl::Time head_deadline,
+                std::string* head, Refusal* r) const {
     // Blank lines before a request line are allowed (RFC 9112 2.2).
     for (;;) {
       while (c.buf.empty())
@@ -263,7 +267,7 @@ struct HttpServer::Impl {
       if (!c.buf.empty() && !(c.buf.size() == 1 && c.buf[0] == '\r')) break;
       if (!ReadSome(c, first_byte_deadline)) return false;
     }
-    const absl::Time deadline = absl::Now() + o.header_timeout;
+    const absl::Time deadline = std::min(head_deadline, absl::Now() + o.header_timeout);
     size_t scanned = 0;
     for (;;) {
       const size_t at = c.buf.find("\r\n\r\n", scanned > 3 ? scanned - 3 : 0);
@@ -480,12 +484,13 @@ struct HttpServer::Impl {
       // connection; a later one's first byte within idle_timeout.
       const absl::Time wait_until =
           first ? accepted + o.header_timeout : absl::Now() + o.idle_timeout;
+      const absl::Time head_until = first ? accepted + o.header_timeout : absl::InfiniteFuture();
       first = false;
       HttpRequest q;
       q.fd = c.fd;
       std::string head;
       Refusal r;
-      if (!ReadHead(c, wait_until, &head, &r)) {
+      if (!ReadHead(c, wait_until, head_until, &head, &r)) {
         if (r.status != 0) SendError(c, q, r.status, r.message, false);
         return;
       }
@@ -673,7 +678,12 @@ struct HttpServer::Impl {
       const uint64_t id = next_id++;
       fds[id] = fd;
       const absl::Time now = absl::Now();
-      threads.emplace(id, std::thread([this, id, fd, now] { RunConnection(id, fd, now); }));
+      try {
+        threads.emplace(id, std::thread([this, id, fd, now] { RunConnection(id, fd, now); }));
+      } catch (const std::system_error&) {  // no thread to be had: as over the cap
+        fds.erase(id);
+        Refuse(fd);
+      }
     }
   }
 };

@@ -371,9 +371,9 @@ int Run(int argc, char** argv) {
           "the model's tokenizer is not supported here (",
           absl::StrReplaceAll(t.status().message(), {{tok_path, "tokenizer.json"}}), ")");
       std::fprintf(stderr,
-                   "hmoe-gpu-worker: warning: %s: %s: text prompts, Tokenize and Detokenize "
-                   "are refused; prompt_ids work\n",
-                   tok_path.c_str(), std::string(t.status().message()).c_str());
+                   "hmoe-gpu-worker: warning: the model's tokenizer is not supported here (%s): "
+                   "text prompts, Tokenize and Detokenize are refused; prompt_ids work\n",
+                   std::string(t.status().message()).c_str());
     } else if (!t.ok()) {
       Die(t.status().ToString(), 1);
     } else {

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -248,6 +249,26 @@ TEST(HttpServer, ASlowHeadIsCutOffAtTheHeaderTimeout) {
   // A connection that sends nothing is closed too.
   RawConnection silent(s.port());
   EXPECT_TRUE(silent.ClosedWithin(5s));
+}
+
+// The first request's head is due header_timeout after the connection,
+// not after its first byte.
+TEST(HttpServer, TheFirstHeadIsDueFromTheConnection) {
+  EchoServer s;
+  HttpServerOptions o;
+  o.header_timeout = absl::Seconds(1);
+  ASSERT_TRUE(s.Start(o));
+  RawConnection c(s.port());
+  std::this_thread::sleep_for(900ms);
+  // A byte every 100 ms from 0.9 s: closed at 1 s, well before 1.9 s.
+  int sent = 0;
+  bool closed = false;
+  for (; sent < 30 && !closed; ++sent) {
+    c.Send("G");
+    closed = c.ClosedWithin(100ms);
+  }
+  EXPECT_TRUE(closed);
+  EXPECT_LT(sent, 8);
 }
 
 TEST(HttpServer, SlowClientsDoNotHoldUpOthers) {
