@@ -4,13 +4,14 @@
 //     server-sent events ending "data: [DONE]", or whole); GET /v1/models;
 //   GET /metrics (Prometheus text, from `metrics`); GET /health.
 // Errors are OpenAI's error JSON with the fitting status (openai_api.h):
-// 400 bad parameters (naming the field), 401 no or wrong bearer token, 404
-// another model or path, 413 a body over max_body_bytes, 429 the engine's
-// queue full, 503 draining or the expert service down.
+// 400 bad parameters (naming the field), a body nesting JSON deeper than
+// kMaxClientJsonDepth, or bad framing; 401 no or wrong bearer token; 404
+// another model or path; 408 a request head slower than header_timeout; 413
+// a body over max_body_bytes; 429 the engine's queue full; 503 draining,
+// the expert service down, or max_connections open (http_server.h).
 // A client that goes away cancels its request (the engine frees its KV
 // blocks at its next step): a streamed request notices at its next write; a
-// whole one is probed with a byte of JSON whitespace every probe_interval
-// while it waits (its body then starts with spaces, which JSON allows).
+// whole one's socket is peeked every probe_interval while it waits.
 #pragma once
 
 #include <atomic>
