@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "common/small_file.h"
 
 namespace hmoe {
@@ -73,6 +74,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir,
   ChatTemplate ct;
   ct.options_ = options;
   const fs::path root(dir);
+  ct.dir_prefix_ = (root / "").string();
   const fs::path cfg_path = root / "tokenizer_config.json";
   json cfg = json::object();
   // A file that is absent is skipped; one that exists but cannot be read
@@ -259,7 +261,12 @@ absl::StatusOr<std::string> ChatTemplate::Render(const json& messages,
   jinja::RenderOptions ro;
   ro.limits = options_.limits;
   ro.now = options.now;
-  return tmpl->Render(ctx, ro);
+  auto out = tmpl->Render(ctx, ro);
+  if (!out.ok() && !dir_prefix_.empty()) {
+    return absl::Status(out.status().code(),
+                        absl::StrReplaceAll(out.status().message(), {{dir_prefix_, ""}}));
+  }
+  return out;
 }
 
 absl::StatusOr<ChatPrompt> RenderChatPrompt(const ChatTemplate& chat, const Tokenizer& tokenizer,
@@ -267,7 +274,12 @@ absl::StatusOr<ChatPrompt> RenderChatPrompt(const ChatTemplate& chat, const Toke
                                             const ChatRenderOptions& options) {
   ChatPrompt p;
   auto text = chat.Render(messages, options);
-  if (!text.ok()) return text.status();
+  if (!text.ok()) {
+    // A limit this request's input hits is hit again on a retry.
+    if (text.status().code() == absl::StatusCode::kResourceExhausted)
+      return absl::InvalidArgumentError(text.status().message());
+    return text.status();
+  }
   p.text = std::move(*text);
   auto ids = tokenizer.Encode(p.text, /*add_special_tokens=*/false);
   if (!ids.ok()) return ids.status();

@@ -70,7 +70,8 @@ class ChatTemplate {
 
   // INVALID_ARGUMENT: bad messages / options, or the template failed
   // (raise_exception: "chat template raised: <message>"); NOT_FOUND: unknown
-  // template_name; RESOURCE_EXHAUSTED: a jinja::Limits bound.
+  // template_name; RESOURCE_EXHAUSTED: a jinja::Limits bound. Messages name
+  // a template file relative to the model directory (clients see them).
   absl::StatusOr<std::string> Render(const nlohmann::ordered_json& messages,
                                      const ChatRenderOptions& options = {}) const;
 
@@ -83,11 +84,14 @@ class ChatTemplate {
   bool named_ = false;                                // the named-list / directory form
   std::map<std::string, std::string> special_tokens_;
   ChatTemplateOptions options_;
+  std::string dir_prefix_;  // FromModelDir's "DIR/": left out of Render's errors
 };
 
 // A chat request's prompt tokens: `messages` rendered by `chat` and encoded
 // without adding special tokens (the template writes them, as transformers
-// does). `rendered` (optional) gets the text. Render's and Encode's errors.
+// does). `rendered` (optional) gets the text. Render's and Encode's errors,
+// but a jinja::Limits bound is INVALID_ARGUMENT: the request's own input
+// hits it, and would again on a retry.
 struct ChatPrompt {
   std::string text;
   std::vector<int32_t> ids;

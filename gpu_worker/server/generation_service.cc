@@ -2,15 +2,27 @@
 
 #include <condition_variable>
 #include <deque>
+#include <filesystem>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "common/json_depth.h"
 #include "common/status.h"
 #include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_status.h"
 #include "common/weight_map.h"
 
 namespace hmoe {
+namespace {
+
+// A directory's last component ("/models/ds3/" -> "ds3").
+std::string DirectoryName(const std::string& dir) {
+  std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
+  if (!p.has_filename() && p.has_parent_path()) p = p.parent_path();
+  return p.filename().string();
+}
+
+}  // namespace
 
 GenerationService::GenerationService(Engine* engine, const Model* model, const Tokenizer* tokenizer,
                                      std::string model_dir, std::string experts_backend,
@@ -18,7 +30,7 @@ GenerationService::GenerationService(Engine* engine, const Model* model, const T
     : engine_(engine),
       model_(model),
       tokenizer_(tokenizer),
-      model_dir_(std::move(model_dir)),
+      model_dir_(DirectoryName(model_dir)),
       experts_backend_(std::move(experts_backend)),
       auth_tokens_(auth_tokens ? std::move(auth_tokens) : std::make_shared<const AuthTokens>()) {}
 
@@ -82,6 +94,7 @@ absl::StatusOr<std::vector<int32_t>> GenerationService::ChatPromptIds(
   if (chat.messages().empty()) return absl::InvalidArgumentError("chat.messages: empty");
   auto parse = [](const std::string& text, const std::string& field,
                   bool object) -> absl::StatusOr<Json> {
+    if (absl::Status s = CheckJsonDepth(text, kMaxClientJsonDepth, field); !s.ok()) return s;
     Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || (object ? !j.is_object() : !j.is_array())) {
       return absl::InvalidArgumentError(

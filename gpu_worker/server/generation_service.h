@@ -18,6 +18,8 @@ class GenerationService final : public api::v1::Generation::Service {
   // All borrowed; `tokenizer` may be null (then only prompt_ids work).
   // `auth_tokens` non-null and on: every call must carry one of the tokens
   // in force (common/transport/grpc_auth.h), else UNAUTHENTICATED.
+  // ModelInfo reports `model_dir`'s last component only: clients are not
+  // shown the server's paths.
   GenerationService(Engine* engine, const Model* model, const Tokenizer* tokenizer,
                     std::string model_dir, std::string experts_backend,
                     std::shared_ptr<const AuthTokens> auth_tokens = nullptr);

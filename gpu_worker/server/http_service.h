@@ -1,16 +1,17 @@
-// The worker's OpenAI-compatible HTTP front end (cpp-httplib), beside the
+// The worker's OpenAI-compatible HTTP front end (http_server.h), beside the
 // gRPC one, over the same Engine:
 //   POST /v1/chat/completions, POST /v1/completions (streamed as
 //     server-sent events ending "data: [DONE]", or whole); GET /v1/models;
 //   GET /metrics (Prometheus text, from `metrics`); GET /health.
 // Errors are OpenAI's error JSON with the fitting status (openai_api.h):
-// 400 bad parameters (naming the field), 401 no or wrong bearer token, 404
-// another model or path, 413 a body over max_body_bytes, 429 the engine's
-// queue full, 503 draining or the expert service down.
+// 400 bad parameters (naming the field), a body nesting JSON deeper than
+// kMaxClientJsonDepth, or bad framing; 401 no or wrong bearer token; 404
+// another model or path; 408 a request head slower than header_timeout; 413
+// a body over max_body_bytes; 429 the engine's queue full; 503 draining,
+// the expert service down, or max_connections open (http_server.h).
 // A client that goes away cancels its request (the engine frees its KV
 // blocks at its next step): a streamed request notices at its next write; a
-// whole one is probed with a byte of JSON whitespace every probe_interval
-// while it waits (its body then starts with spaces, which JSON allows).
+// whole one's socket is peeked every probe_interval while it waits.
 #pragma once
 
 #include <atomic>
@@ -34,8 +35,13 @@ struct HttpServiceOptions {
   // Non-null and on: /v1/* and /metrics need "Authorization: Bearer <token>".
   std::shared_ptr<const AuthTokens> auth_tokens;
   TlsServerFiles tls;  // cert + key: HTTPS (client_ca_file: clients need a certificate)
-  size_t max_body_bytes = 16 << 20;
-  int threads = 96;  // connections served at once (each streamed request holds one)
+  size_t max_body_bytes = 16 << 20;  // after chunked decoding too; more: 413
+  // Connections open at once (each streamed request holds one); more: 503.
+  int max_connections = 512;
+  // A request head (and a TLS handshake) must arrive within this; else 408.
+  absl::Duration header_timeout = absl::Seconds(10);
+  absl::Duration idle_timeout = absl::Seconds(5);  // a keep-alive connection waits this long
+  absl::Duration io_timeout = absl::Seconds(30);   // a stalled body read or response write
   absl::Duration probe_interval = absl::Milliseconds(250);
   std::function<std::string()> metrics;  // /metrics body; empty: 404
   // False: new requests 503 (e.g. the expert service is down). Empty: always up.

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/auth_token.h"
 #include "common/expert_placement.h"
@@ -87,6 +88,8 @@ struct WorkerOptions {
   std::string expert_auth_token_file;
   std::string http_listen;     // empty: no HTTP API
   std::string http_port_file;  // written with the HTTP port once serving
+  int http_max_connections = HttpServiceOptions().max_connections;
+  int http_header_timeout_seconds = 10;
   std::string served_model_name;
   std::string chat_template;  // a .jinja file; empty: the model directory's
   TlsServerFiles tls;
@@ -197,6 +200,12 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
             "same --auth-token-file tokens (as Bearer) and --tls-* files (HTTPS) as the gRPC "
             "port");
   fs.String("http-port-file", &o->http_port_file, "PATH", "gets the HTTP port once serving");
+  fs.Int("http-max-connections", &o->http_max_connections, 1, 1 << 20,
+         "HTTP connections open at once (each streamed request holds one; idle keep-alive ones "
+         "close after 5 s); more are answered 503 and closed");
+  fs.Int("http-header-timeout-seconds", &o->http_header_timeout_seconds, 1, 3600,
+         "a request's head (and an HTTPS handshake) must arrive within this many seconds, else "
+         "the connection is closed (408): slow clients cannot hold connections");
   fs.String("served-model-name", &o->served_model_name, "NAME",
             "the model's name for clients (default: the model directory's)");
   fs.String("chat-template", &o->chat_template, "FILE",
@@ -374,12 +383,14 @@ int Run(int argc, char** argv) {
     // No tokenizer.json: token ids only.
   } else if (absl::IsUnimplemented(t.status())) {
     // A tokenizer this build cannot run: serve token ids, say why once.
-    no_tokenizer =
-        absl::StrCat("the model's tokenizer is not supported here (", t.status().message(), ")");
+    // Clients are told why without the server's path (the log has it).
+    no_tokenizer = absl::StrCat(
+        "the model's tokenizer is not supported here (",
+        absl::StrReplaceAll(t.status().message(), {{tok_path, "tokenizer.json"}}), ")");
     std::fprintf(stderr,
-                 "hmoe-gpu-worker: warning: %s: text prompts, Tokenize and Detokenize are "
-                 "refused; prompt_ids work\n",
-                 no_tokenizer.c_str());
+                 "hmoe-gpu-worker: warning: the model's tokenizer is not supported here (%s): "
+                 "text prompts, Tokenize and Detokenize are refused; prompt_ids work\n",
+                 std::string(t.status().message()).c_str());
   } else if (!t.ok()) {
     Die(t.status().ToString(), 1);
   } else {
@@ -546,13 +557,16 @@ int Run(int argc, char** argv) {
   if (!o.http_listen.empty()) {
     HttpServiceOptions ho;
     ho.listen = o.http_listen;
-    ho.model_name = o.served_model_name.empty()
-                        ? std::filesystem::path(o.model_dir).lexically_normal().filename().string()
-                        : o.served_model_name;
-    if (ho.model_name.empty()) ho.model_name = o.model_dir;
+    // Clients see the directory's name ("/models/ds3/" -> "ds3"), never its path.
+    std::filesystem::path dir = std::filesystem::path(o.model_dir).lexically_normal();
+    if (!dir.has_filename() && dir.has_parent_path()) dir = dir.parent_path();
+    ho.model_name = o.served_model_name.empty() ? dir.filename().string() : o.served_model_name;
+    if (ho.model_name.empty()) ho.model_name = "model";
+    const std::string model_name = ho.model_name;
     ho.auth_tokens = auth_tokens;
     ho.tls = o.tls;
-    ho.threads = o.max_batch + o.max_queue + 16;
+    ho.max_connections = o.http_max_connections;
+    ho.header_timeout = absl::Seconds(o.http_header_timeout_seconds);
     ho.ready = [&experts_up] { return experts_up.load(); };
     ho.metrics = [&metrics] { return metrics.RenderPrometheus(); };
     auto h = HttpService::Start(engine->get(), tokenizer.get(), chat ? &*chat : nullptr, no_chat,
@@ -568,10 +582,7 @@ int Run(int argc, char** argv) {
     std::fprintf(
         stderr,
         "hmoe-gpu-worker: OpenAI-compatible HTTP API on port %d (%s, model \"%s\", chat %s)\n",
-        http->port(), o.tls.enabled() ? "https" : "http",
-        o.served_model_name.empty()
-            ? std::filesystem::path(o.model_dir).lexically_normal().filename().c_str()
-            : o.served_model_name.c_str(),
+        http->port(), o.tls.enabled() ? "https" : "http", model_name.c_str(),
         chat ? "on" : "off: no chat template");
     if (!o.http_port_file.empty()) write_port(o.http_port_file, http->port(), "--http-port-file");
   }

@@ -135,6 +135,20 @@ TEST(ChatTemplateTest, AdditionalTemplateFiles) {
   EXPECT_EQ(*ct->Render(msgs, with_tools), "t");
 }
 
+// Render's errors reach API clients: the template file is named relative to
+// the model directory, not by the server's path.
+TEST(ChatTemplateTest, RenderErrorsDoNotShowTheServersPath) {
+  testing::TempDir dir;
+  Write(dir.file("chat_template.jinja"), "{{ messages[0].content.no_such_method() }}");
+  auto ct = ChatTemplate::FromModelDir(dir.path());
+  ASSERT_TRUE(ct.ok()) << ct.status();
+  auto out = ct->Render(json::array({{{"role", "user"}, {"content", "x"}}}));
+  ASSERT_FALSE(out.ok());
+  const std::string m(out.status().message());
+  EXPECT_THAT(m, HasSubstr("chat_template.jinja"));
+  EXPECT_THAT(m, ::testing::Not(HasSubstr(dir.path())));
+}
+
 TEST(ChatTemplateTest, ErrorsNameTheFileAndField) {
   testing::TempDir dir;
   EXPECT_EQ(ChatTemplate::FromModelDir(dir.file("missing")).status().code(),
@@ -187,6 +201,25 @@ TEST(ChatTemplateTest, FromStringAndMessageNormalization) {
   ChatRenderOptions bad;
   bad.extra_context = {{"messages", 1}};
   EXPECT_EQ(ct->Render(msgs, bad).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A template limit hit by a request's own input is the request's fault: a
+// retry hits it again, so it is not RESOURCE_EXHAUSTED (429, "retry").
+TEST(ChatTemplateTest, ALimitHitByTheRequestIsInvalidArgument) {
+  ChatTemplateOptions o;
+  o.limits.max_output_bytes = 64;
+  auto ct = ChatTemplate::FromString("{% for m in messages %}{{ m.content }}{% endfor %}",
+                                     std::nullopt, std::nullopt, o);
+  ASSERT_TRUE(ct.ok()) << ct.status();
+  auto tok = Tokenizer::FromFile(testing::FixturesDir() + "/tokenizer.json");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const json msgs = {{{"role", "user"}, {"content", std::string(100, 'a')}}};
+  EXPECT_EQ(ct->Render(msgs).status().code(), absl::StatusCode::kResourceExhausted);
+  auto p = RenderChatPrompt(*ct, **tok, msgs, {});
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << p.status();
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr("exceeded 64 bytes"));
+  const json short_msgs = {{{"role", "user"}, {"content", "hi"}}};
+  EXPECT_TRUE(RenderChatPrompt(*ct, **tok, short_msgs, {}).ok());
 }
 
 TEST(ChatTemplateTest, MixtralAlternationErrorIsRaisedVerbatim) {

@@ -51,10 +51,11 @@ int ReadPort(const std::string& path) {
 struct HttpPair {
   testing::Pair pair;
   int port = 0;
+  std::string model = FortunesModel();
   bool Start(std::vector<std::string> extra = {}) {
     extra.push_back("--http-listen=127.0.0.1:0");
     extra.push_back("--http-port-file=" + pair.file("http.port"));
-    if (!pair.Start(FortunesModel(), 1, "tp", "shm", extra)) return false;
+    if (!pair.Start(model, 1, "tp", "shm", extra)) return false;
     port = ReadPort(pair.file("http.port"));
     return port > 0;
   }
@@ -685,6 +686,22 @@ TEST(HttpApi, TheOfficialOpenAiClient) {
   const int status = ::pclose(p);
   EXPECT_EQ(status, 0) << out;
   EXPECT_NE(out.find("ok   a wrong key -> AuthenticationError"), std::string::npos) << out;
+}
+
+// Clients are told the model directory's name, never the server's path to
+// it (here given with a trailing slash).
+TEST(HttpApi, TheModelIsNamedByItsDirectoryNotItsPath) {
+  HttpPair h;
+  h.model = FortunesModel() + "/";
+  ASSERT_TRUE(h.Start());
+  auto c = h.Client();
+  auto res = c.Get("/v1/models");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(Json::parse(res->body)["data"][0]["id"], "ds3_fortunes");
+  auto info = h.pair.client().ModelInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->model_dir(), "ds3_fortunes");
 }
 
 }  // namespace

@@ -497,6 +497,8 @@ TEST(Serving, AnUnsupportedTokenizerLeavesTokenIdsServed) {
   EXPECT_THAT(std::string(t.status().message()),
               HasSubstr("the model's tokenizer is not supported here"));
   EXPECT_THAT(std::string(t.status().message()), HasSubstr("normalizer type \"NFKC\""));
+  // The client is not shown the server's path (the log is).
+  EXPECT_THAT(std::string(t.status().message()), ::testing::Not(HasSubstr(model)));
   api::v1::GenerateRequest req;
   req.set_prompt("Love is");
   req.set_max_tokens(2);
