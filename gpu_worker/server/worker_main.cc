@@ -604,6 +604,8 @@ int Run(int argc, char** argv) {
       if (pool) {
         for (const Health& h : pool->CheckHealth(absl::Milliseconds(500)))
           all_up &= h == Health::kServing;
+        // A control plane that answers over a data path that does not.
+        for (bool broken : pool->DataPathsBroken()) all_up &= !broken;
       }
       if (const absl::Status mh = (*model)->health(); !mh.ok()) {
         all_up = false;

@@ -43,11 +43,13 @@ class ExpertPool::ShardLedger final : public ExpertCallLedger {
   void Reconnected(const absl::Status& st) override {
     std::lock_guard<std::mutex> lock(pool_->mu_);
     Shard& sh = pool_->shards_[static_cast<size_t>(shard_)];
-    if (st.ok())
+    if (st.ok()) {
       sh.up = true;
-    else if (absl::IsUnavailable(st) || absl::IsUnauthenticated(st) ||
-             absl::IsPermissionDenied(st) || absl::IsFailedPrecondition(st))
+      sh.data_loss_streak = 0;
+    } else if (absl::IsUnavailable(st) || absl::IsUnauthenticated(st) ||
+               absl::IsPermissionDenied(st) || absl::IsFailedPrecondition(st)) {
       sh.up = false;
+    }
     if (sh.up_gauge) sh.up_gauge->Set(sh.up ? 1 : 0);
   }
 
@@ -204,6 +206,10 @@ void ExpertPool::Account(int shard, const absl::Status& st, bool sent, bool late
     else if (absl::IsUnavailable(st) || absl::IsUnauthenticated(st) ||
              absl::IsPermissionDenied(st) || absl::IsFailedPrecondition(st))
       sh.up = false;
+    if (absl::IsDataLoss(st))
+      ++sh.data_loss_streak;
+    else if (st.ok())
+      sh.data_loss_streak = 0;
     // Only a shard that was sent the call in time and missed it fails fast.
     if (absl::IsDeadlineExceeded(st) && !late && fail_fast_after_miss_ > absl::ZeroDuration())
       sh.fail_fast_until = absl::Now() + fail_fast_after_miss_;
@@ -400,6 +406,13 @@ std::vector<bool> ExpertPool::ShardsUp() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<bool> r;
   for (const Shard& s : shards_) r.push_back(s.up);
+  return r;
+}
+
+std::vector<bool> ExpertPool::DataPathsBroken() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<bool> r;
+  for (const Shard& s : shards_) r.push_back(s.data_loss_streak >= kDataPathBrokenAfter);
   return r;
 }
 

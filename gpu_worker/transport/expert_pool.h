@@ -147,6 +147,13 @@ class ExpertPool {
   // Last known state per shard: false after an UNAVAILABLE, a refused
   // token or a shard found serving something else; true after success.
   std::vector<bool> ShardsUp() const;
+  // Per shard: whether its data path is broken while its control plane may
+  // still answer: its last kDataPathBrokenAfter calls all failed DATA_LOSS
+  // (answers for another call or epoch, garbage). Cleared by a call it
+  // serves or a transport reconnect that succeeds. The worker's health is
+  // NOT_SERVING while any shard's is.
+  std::vector<bool> DataPathsBroken() const;
+  static constexpr int kDataPathBrokenAfter = 3;
   // grpc.health.v1 of every shard, asked now; a SERVING shard is also asked
   // to describe itself (a token-checked call: a shard refusing our token is
   // kNotServing). One that now serves something else than at Connect
@@ -167,6 +174,7 @@ class ExpertPool {
     std::shared_ptr<ControlClient> control;
     std::unique_ptr<MoeClient> client;
     bool up = true;                                     // guarded by mu_
+    int data_loss_streak = 0;                           // guarded by mu_
     absl::Time fail_fast_until = absl::InfinitePast();  // guarded by mu_
     // The last CheckHealth that found it not serving (InfinitePast: the
     // last one found it serving), and until when calls fail fast for it.

@@ -236,6 +236,25 @@ TEST_F(DeviceCalls, AGarbageAnswerIsRefused) {
   EXPECT_THAT(std::string(st.message()), HasSubstr("non-finite value (row 1, column ")) << st;
 }
 
+// Answers that keep failing DATA_LOSS while the service's control plane
+// answers (a segment another server took over, a service answering garbage)
+// are a broken data path: DataPathsBroken (the worker's health) says so
+// after kDataPathBrokenAfter in a row, and a served call clears it.
+TEST_F(DeviceCalls, DataLossInARowIsABrokenDataPath) {
+  ASSERT_NO_FATAL_FAILURE(Start(absl::Seconds(10)));
+  const int64_t H = config_.hidden_size;
+  auto garbage = [&] {
+    const_cast<float*>(slots_->view(0).out)[H + 1] = std::numeric_limits<float>::quiet_NaN();
+  };
+  for (int i = 1; i <= ExpertPool::kDataPathBrokenAfter; ++i) {
+    EXPECT_EQ(pool_->DataPathsBroken(), std::vector<bool>{false}) << "after " << i - 1;
+    EXPECT_FALSE(Call(Path::kDeviceSend, 0, 2, garbage).ok());
+  }
+  EXPECT_EQ(pool_->DataPathsBroken(), std::vector<bool>{true});
+  ASSERT_TRUE(Call(Path::kDeviceSend, 0, 2).ok());
+  EXPECT_EQ(pool_->DataPathsBroken(), std::vector<bool>{false});
+}
+
 // A hung service (stopped) while the device waits on a slot word: the call
 // costs one timeout and ends UNAVAILABLE with the CPU path's words; the
 // calls after it, and the reconnect before a pass, fail at once (the miss's
