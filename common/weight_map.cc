@@ -235,8 +235,7 @@ absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt, bool rou
       // Stored natively: LoadExpertWeights checks each one's codes and scales.
       const std::vector<std::string> native = NativeExpertTensors(c, w.name);
       if (!native.empty() && ckpt.Has(native[0])) {
-        for (size_t i = 1; i < 2; ++i)
-          if (!ckpt.Has(native[i])) missing.push_back(native[i]);
+        if (!ckpt.Has(native[1])) missing.push_back(native[1]);  // its scales
         continue;
       }
     }

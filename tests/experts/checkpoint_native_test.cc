@@ -361,5 +361,25 @@ TEST(NativeCheckpointErrors, AnExpertHalfQuantizedIsRefused) {
                 {"layer 2 expert 3", "some projections as mxfp4"});
 }
 
+TEST(NativeCheckpointErrors, CheckWeightsNamesAMissingScaleTensor) {
+  ::hmoe::testing::TempDir dir;
+  MakeNative(dir.path(), WeightFormat::kMxfp4,
+             [](const std::string& name, QuantMatrix& m, SafetensorsWriter& w, bool* done) {
+               if (name != kVictim) return;
+               ASSERT_TRUE(w.Add(name + "_blocks", DType::kU8, {m.rows, m.cols / 32, 16},
+                                 m.packed.data(), m.packed.size())
+                               .ok());
+               *done = true;  // no _scales
+             });
+  auto cfg = LoadModelConfig(dir.path());
+  ASSERT_TRUE(cfg.ok());
+  auto ckpt = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(ckpt.ok());
+  ExpectRefused(CheckWeights(*cfg, **ckpt), absl::StatusCode::kNotFound,
+                {"1 missing tensor(s): " + std::string(kVictim) + "_scales"});
+  ExpectRefused(LoadAll(dir.path()), absl::StatusCode::kNotFound,
+                {std::string(kVictim) + "_scales"});
+}
+
 }  // namespace
 }  // namespace hmoe
