@@ -3,14 +3,10 @@
 // and mxfp8 compressors, compressed-tensors' mxfp4 laid out as gpt-oss ships
 // it, transformers' fine-grained fp8 quantizer), read through the checkpoint
 // source and dequantized here, against the producer's own dequantization
-// stored beside them (producer_dequant.safetensors).
-//
-// Exactness: our value is the exact product code x scale rounded once to f32
-// (QuantMatrix::At). fp8's producer (transformers' Fp8Dequantize) computes
-// the same f32 product: equal bit for bit. compressed-tensors and gpt-oss's
-// convert_moe_packed_tensors return bf16: ours rounded to bf16 must equal
-// theirs bit for bit; for mxfp4 / mxfp8 (a code times a power of two) the
-// bf16 value is exact, so ours must equal it unrounded too.
+// stored beside them (producer_dequant.safetensors), bit for bit as
+// tests/testing/producer_fixtures.h says.
+#include "tests/testing/producer_fixtures.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -37,23 +33,10 @@
 namespace hmoe {
 namespace {
 
-struct Fixture {
-  const char* dir;  // under tests/fixtures/native_producers
-  WeightFormat format;
-  int group;
-};
-void PrintTo(const Fixture& f, std::ostream* os) { *os << f.dir; }
+using ::hmoe::testing::Mismatch;
+using Fixture = ::hmoe::testing::ProducerFixture;
 
-std::string FixtureDir(const Fixture& f) {
-  return ::hmoe::testing::FixturesDir() + "/native_producers/" + f.dir;
-}
-
-// One element where ours and the producer's differ.
-struct Mismatch {
-  std::string name;
-  int64_t row = 0, col = 0;
-  float ours = 0, producer = 0;
-};
+std::string FixtureDir(const Fixture& f) { return ::hmoe::testing::ProducerFixtureDir(f); }
 
 struct Comparison {
   int64_t matrices = 0, elements = 0;
@@ -101,32 +84,8 @@ Comparison CompareWithProducer(const std::string& dir, const Fixture& fx,
         auto p = producer.Get(name);
         EXPECT_TRUE(p.ok()) << p.status();
         if (!p.ok()) return out;
-        EXPECT_EQ(p->rank(), 2) << name;
-        if (p->rank() != 2 || p->dim(0) != m.rows || p->dim(1) != m.cols) {
-          ADD_FAILURE() << name << ": the producer's shape differs from ours";
+        if (!::hmoe::testing::CompareWithProducer(m, *p, name, &out.mismatches, &out.elements))
           return out;
-        }
-        const bool f32 = p->dtype() == DType::kF32;
-        EXPECT_TRUE(f32 || p->dtype() == DType::kBF16) << name;
-        const bool exact_in_bf16 =
-            fx.format == WeightFormat::kMxfp4 || fx.format == WeightFormat::kMxfp8;
-        for (int64_t r = 0; r < m.rows; ++r)
-          for (int64_t c = 0; c < m.cols; ++c) {
-            const float ours = m.At(r, c);
-            const size_t k = static_cast<size_t>(r * m.cols + c);
-            bool same;
-            float theirs;
-            if (f32) {
-              theirs = static_cast<const float*>(p->raw())[k];
-              same = F32Bits(ours) == F32Bits(theirs);
-            } else {
-              const uint16_t h = static_cast<const uint16_t*>(p->raw())[k];
-              theirs = Bf16ToF32(h);
-              same = F32ToBf16(ours) == h && (!exact_in_bf16 || F32Bits(ours) == F32Bits(theirs));
-            }
-            if (!same) out.mismatches.push_back({name, r, c, ours, theirs});
-            ++out.elements;
-          }
         ++out.matrices;
       }
     }
@@ -135,13 +94,7 @@ Comparison CompareWithProducer(const std::string& dir, const Fixture& fx,
 }
 
 std::string Describe(const Comparison& c) {
-  std::string s = absl::StrCat(c.mismatches.size(), " of ", c.elements, " differ");
-  for (size_t i = 0; i < c.mismatches.size() && i < 5; ++i) {
-    const Mismatch& m = c.mismatches[i];
-    absl::StrAppend(&s, "\n  ", m.name, "[", m.row, ", ", m.col, "]: ours ", m.ours, ", producer ",
-                    m.producer);
-  }
-  return s;
+  return ::hmoe::testing::Describe(c.mismatches, c.elements);
 }
 
 class ProducerFixtureTest : public ::testing::TestWithParam<Fixture> {
@@ -252,10 +205,7 @@ TEST_P(ProducerFixtureTest, OneScaleChangedIsCaught) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Producers, ProducerFixtureTest,
-                         ::testing::Values(Fixture{"int4g32", WeightFormat::kInt4Bf16, 32},
-                                           Fixture{"mxfp4", WeightFormat::kMxfp4, 32},
-                                           Fixture{"fp8", WeightFormat::kFp8, 128},
-                                           Fixture{"mxfp8", WeightFormat::kMxfp8, 32}),
+                         ::testing::ValuesIn(::hmoe::testing::ProducerFixtures()),
                          [](const auto& info) { return std::string(info.param.dir); });
 
 }  // namespace
