@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_edit.h"
 #include "tests/testing/native_checkpoint.h"
+#include "tests/testing/producer_fixtures.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
 #include "tests/transport/test_util.h"
@@ -511,6 +512,47 @@ TEST(Convert, KeepsTheCheckpointsNativeFormatByDefault) {
   auto bf16 = LoadModelConfig(ModelDir());
   ASSERT_TRUE(bf16.ok());
   EXPECT_EQ(DefaultConvertFormat(*bf16, ModelDir()).value(), "int4g64");
+}
+
+// The producers' own checkpoints (tests/fixtures/native_producers): hmoe
+// convert's default keeps each format, and the packed file's values are the
+// producer's dequantization (tests/testing/producer_fixtures.h's rule).
+TEST(Convert, ProducerCheckpointsKeepTheProducersValues) {
+  for (const ::hmoe::testing::ProducerFixture& fx : ::hmoe::testing::ProducerFixtures()) {
+    SCOPED_TRACE(fx.dir);
+    const std::string model = ::hmoe::testing::ProducerFixtureDir(fx);
+    ::hmoe::testing::TempDir dir;
+    auto cfg = LoadModelConfig(model);
+    ASSERT_TRUE(cfg.ok()) << cfg.status();
+    EXPECT_EQ(DefaultConvertFormat(*cfg, model).value(), WeightFormatName(fx.format, fx.group));
+    ASSERT_TRUE(ConvertModel(model, dir.file("out"), ConvertOptions()).ok());
+    auto packed = PackedExperts::Open(dir.file("out"), *cfg, SplitMode::kTp, 0, 1);
+    ASSERT_TRUE(packed.ok()) << packed.status();
+    EXPECT_EQ((*packed)->format(), fx.format);
+    auto producer = SafetensorsFile::Open(model + "/producer_dequant.safetensors");
+    ASSERT_TRUE(producer.ok()) << producer.status();
+    std::vector<::hmoe::testing::Mismatch> mismatches;
+    int64_t elements = 0, matrices = 0;
+    for (size_t l = 0; l < cfg->layers.size(); ++l) {
+      if (!cfg->layers[l].moe) continue;
+      for (int64_t e = 0; e < cfg->moe.num_experts; ++e) {
+        auto q = (*packed)->Expert(static_cast<int>(l), e);
+        ASSERT_TRUE(q.ok()) << q.status();
+        const QuantMatrix* got[3] = {&q->gate, &q->up, &q->down};
+        const ExpertProj projs[3] = {ExpertProj::kGate, ExpertProj::kUp, ExpertProj::kDown};
+        for (int i = 0; i < 3; ++i) {
+          const std::string name =
+              ExpertWeightName(*cfg, static_cast<int>(l), static_cast<int>(e), projs[i]);
+          auto p = (*producer)->Get(name);
+          ASSERT_TRUE(p.ok()) << p.status();
+          ::hmoe::testing::CompareWithProducer(*got[i], *p, name, &mismatches, &elements);
+          ++matrices;
+        }
+      }
+    }
+    EXPECT_EQ(static_cast<size_t>(matrices), (*producer)->entries().size());
+    EXPECT_TRUE(mismatches.empty()) << ::hmoe::testing::Describe(mismatches, elements);
+  }
 }
 
 }  // namespace
