@@ -130,4 +130,19 @@ uint64_t StreamReadAvx512(const uint8_t* p, int64_t bytes);
 // 16x16x64 int8). Returns nothing useful; time it.
 void AmxPeakLoop(int64_t iters, bool int8);
 
+// The bf16 bits of each 4-bit code's value, indexed by the code: e2m1
+// (kMxfp4: bit 3 the sign, then 0, .5, 1, 1.5, 2, 3, 4, 6) or two's
+// complement int4 (the int4 formats: 0..7, then -8..-1). Kernels that
+// look values up by code read these; tests check them against the
+// reference decoders (common/dtype.h).
+inline constexpr uint16_t kE2M1Bf16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
+                                           0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
+                                           0xC000, 0xC040, 0xC080, 0xC0C0};
+inline constexpr uint16_t kInt4Bf16[16] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
+                                           0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0,
+                                           0xC080, 0xC040, 0xC000, 0xBF80};
+constexpr const uint16_t* FourBitBf16Table(WeightFormat f) {
+  return f == WeightFormat::kMxfp4 ? kE2M1Bf16 : kInt4Bf16;
+}
+
 }  // namespace hmoe::kern

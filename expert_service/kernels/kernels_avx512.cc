@@ -359,16 +359,10 @@ void NativeBlock(const PackedGeom& g, const uint8_t* panel, const uint16_t* cons
 // products in fp32 (as the bf16 kernel).
 template <WeightFormat F>
 inline __m512i Bf16Table() {
-  if constexpr (F == WeightFormat::kMxfp4)  // e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6, then negated
-    return _mm512_set_epi16(-16192, -16256, -16320, -16384, -16448, -16512, -16640, -32768, -16192,
-                            -16256, -16320, -16384, -16448, -16512, -16640, -32768, 0x40C0, 0x4080,
-                            0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0, 0x40C0, 0x4080, 0x4040,
-                            0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
-  else  // int4 two's complement: 0..7, -8..-1
-    return _mm512_set_epi16(-16512, -16384, -16320, -16256, -16224, -16192, -16160, -16128, 0x40E0,
-                            0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0, -16512, -16384,
-                            -16320, -16256, -16224, -16192, -16160, -16128, 0x40E0, 0x40C0, 0x40A0,
-                            0x4080, 0x4040, 0x4000, 0x3F80, 0);
+  // The 16 entries in both 256-bit halves (vpermw reads the low 5 bits of
+  // an index; a 4-bit code reaches the first 16).
+  return _mm512_broadcast_i64x4(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(FourBitBf16Table(F))));
 }
 
 // xp[k / 2 + i], i < 4: the bf16 pairs of Native4Block's order for the 8 k

@@ -23,7 +23,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/experts/weight_format.h"
+#include "expert_service/kernels/gemm.h"
 #include "expert_service/kernels/isa.h"
 #include "expert_service/kernels/moe.h"
 #include "tests/kernels/moe_test_util.h"
@@ -100,6 +102,19 @@ std::unique_ptr<ThreadPool> TwoNodes() {
 // Pack then UnpackExpert gives back the codes and scales bit for bit, on odd
 // shapes (group and super-block tails in K, partial panels in N), a
 // tensor-parallel slice, and two virtual nodes (K of down split in parts).
+// The code -> bf16 tables the vector kernels look 4-bit values up in (an
+// AVX-512 table once held the e2m1 negatives at the wrong 16 entries: every
+// negative weight read positive).
+TEST(NativeTables, FourBitTablesMatchTheReferenceDecoders) {
+  for (int c = 0; c < 16; ++c) {
+    SCOPED_TRACE(c);
+    EXPECT_EQ(Bf16ToF32(kern::kE2M1Bf16[c]), E2M1ToF32(static_cast<uint8_t>(c)));
+    EXPECT_EQ(Bf16ToF32(kern::kInt4Bf16[c]), static_cast<float>(c < 8 ? c : c - 16));
+    EXPECT_EQ(kern::FourBitBf16Table(WeightFormat::kMxfp4)[c], kern::kE2M1Bf16[c]);
+    EXPECT_EQ(kern::FourBitBf16Table(WeightFormat::kInt4Bf16)[c], kern::kInt4Bf16[c]);
+  }
+}
+
 TEST(NativePackTest, UnpackInvertsPack) {
   auto two = TwoNodes();
   for (Fmt fc : kFormats)
