@@ -158,6 +158,15 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
                                                        Gib(static_cast<double>(free_bytes))));
     limit = want;
   }
+  // The default bound leaves 1 GiB to CUDA and cuBLAS: a device with less
+  // free than that fails here, before any of the backend is made.
+  if (limit <= kBlasWorkspaceBytes)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "GPU ", cu_.device, " has ", Gib(static_cast<double>(free_bytes)), " of ",
+        Gib(static_cast<double>(total_b)),
+        " memory free; the cuda backend leaves 1 GiB to CUDA and cuBLAS and needs room for its "
+        "weights, KV cache and workspace (free the device's memory, or bound it with "
+        "--gpu-mem-gb)"));
   budget_ = Budget(limit);
   HMOE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   HMOE_CUBLAS_TRY(cublasCreate(&blas_), "cublasCreate");

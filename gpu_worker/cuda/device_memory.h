@@ -17,20 +17,29 @@
 
 namespace hmoe::cuda {
 
+// Out of device memory is RESOURCE_EXHAUSTED saying so; any other error
+// INTERNAL.
 inline absl::Status CudaError(cudaError_t e, const char* what) {
+  if (e == cudaErrorMemoryAllocation)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("CUDA ", what, ": out of GPU memory (", cudaGetErrorString(e), ")"));
   return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
+}
+inline absl::Status CublasError(cublasStatus_t s, const char* what) {
+  if (s == CUBLAS_STATUS_ALLOC_FAILED)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuBLAS ", what, ": out of GPU memory (", cublasGetStatusString(s), ")"));
+  return absl::InternalError(absl::StrCat("cuBLAS ", what, ": ", cublasGetStatusString(s)));
 }
 #define HMOE_CUDA_TRY(expr, what)                                \
   do {                                                           \
     cudaError_t hmoe_e_ = (expr);                                \
     if (hmoe_e_ != cudaSuccess) return CudaError(hmoe_e_, what); \
   } while (0)
-#define HMOE_CUBLAS_TRY(expr, what)                                             \
-  do {                                                                          \
-    cublasStatus_t hmoe_s_ = (expr);                                            \
-    if (hmoe_s_ != CUBLAS_STATUS_SUCCESS)                                       \
-      return absl::InternalError(                                               \
-          absl::StrCat("cuBLAS ", what, ": ", cublasGetStatusString(hmoe_s_))); \
+#define HMOE_CUBLAS_TRY(expr, what)                                          \
+  do {                                                                       \
+    cublasStatus_t hmoe_s_ = (expr);                                         \
+    if (hmoe_s_ != CUBLAS_STATUS_SUCCESS) return CublasError(hmoe_s_, what); \
   } while (0)
 
 inline std::string Gib(double bytes) {
