@@ -134,10 +134,24 @@ class CudaDeviceFaults : public ::testing::Test {
         metrics_->RenderPrometheus(),
         absl::StrCat("hmoe_expert_call_tokens_total{transport=\"shm\",shard=\"", Shard(), "\"}"));
   }
-  bool Serving() {
+  // Whether every shard is serving at one check (as the worker's monitor's).
+  bool ServingNow() {
     for (Health h : pool_->CheckHealth(absl::Milliseconds(500)))
       if (h != Health::kServing) return false;
     return true;
+  }
+  // Whether every shard is found serving within 10 s (checked as the
+  // worker's monitor does; a restarted service's channel may first be in
+  // its reconnect backoff).
+  bool Serving() {
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    for (;;) {
+      bool all = true;
+      for (Health h : pool_->CheckHealth(absl::Milliseconds(500))) all &= h == Health::kServing;
+      if (all) return true;
+      if (absl::Now() > until) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
   }
 
   // Decodes continuously in a thread (a fresh sequence every 8 steps) until
@@ -211,7 +225,7 @@ TEST_F(CudaDeviceFaults, KillDuringGraphDecode) {
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
   EXPECT_LT(after, absl::Seconds(3)) << "the watchdog, not the expert timeout, ends the wait";
   EXPECT_TRUE(model_->health().ok()) << model_->health();
-  EXPECT_FALSE(Serving());
+  EXPECT_FALSE(ServingNow());
   for (int i = 0; i < 3; ++i) {
     const absl::Time t0 = absl::Now();
     auto seq = model_->NewSequence();
@@ -249,7 +263,7 @@ TEST_F(CudaDeviceFaults, StopAndContinueDuringGraphDecode) {
   EXPECT_EQ(lg.status().code(), absl::StatusCode::kUnavailable) << lg.status();
   EXPECT_THAT(std::string(lg.status().message()), HasSubstr("failing fast"));
   EXPECT_LT(absl::Now() - t0, absl::Milliseconds(300));
-  EXPECT_FALSE(Serving());
+  EXPECT_FALSE(ServingNow());
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));
   t0 = absl::Now();
   lg = model_->Prefill(*seq, Prompt(), LogitsMode::kLast);
