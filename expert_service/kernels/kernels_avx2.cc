@@ -172,7 +172,7 @@ inline Half2 NativeScales(const PackedGeom& g, const uint8_t* panel, int64_t gi)
   Half2 s;
   if (g.format == WeightFormat::kFp8) {
     float v;
-    std::memcpy(&v, panel + g.fp8_scale_offset() + gi * 4, 4);
+    std::memcpy(&v, panel + g.fp8_scale_offset + gi * 4, 4);
     s.v[0] = s.v[1] = _mm256_set1_ps(v);
     return s;
   }
@@ -242,7 +242,7 @@ void NativeRows(const GemmArgs& a, const uint16_t* const* rows, float* const* c)
     const uint8_t* panel = a.w + j * g.panel_bytes;
     __m256 acc[MB][2];
     for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < g.nsb(); ++sb) {
+    for (int64_t sb = 0; sb < g.nsb; ++sb) {
       const uint8_t* p = panel + sb * g.sb_bytes;
       for (int m = 0; m < MB; ++m)
         for (int64_t k = 0; k < g.sb_k; ++k) xf[m][k] = Bf16ToF32(rows[m][sb * g.sb_k + k]);

@@ -254,7 +254,7 @@ inline __m512 E8m0x16(const uint8_t* p) {
 inline __m512 NativeScales(const PackedGeom& g, const uint8_t* panel, int64_t gi) {
   if (g.format == WeightFormat::kFp8) {
     float v;
-    std::memcpy(&v, panel + g.fp8_scale_offset() + gi * 4, 4);
+    std::memcpy(&v, panel + g.fp8_scale_offset + gi * 4, 4);
     return _mm512_set1_ps(v);
   }
   const int64_t per = g.sb_k / g.group;
@@ -320,7 +320,7 @@ void NativeBlock(const PackedGeom& g, const uint8_t* panel, const uint16_t* cons
   alignas(64) float xf[MB][256];
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t sb = 0; sb < g.nsb(); ++sb) {
+  for (int64_t sb = 0; sb < g.nsb; ++sb) {
     const uint8_t* p = panel + sb * g.sb_bytes;
     for (int m = 0; m < MB; ++m)
       for (int64_t k = 0; k < g.sb_k; k += 16) {

@@ -127,7 +127,7 @@ uint8_t NativeCode(const PackedGeom& g, const uint8_t* panel, int c, int64_t k) 
 float NativeScale(const PackedGeom& g, const uint8_t* panel, int c, int64_t gi) {
   if (g.format == WeightFormat::kFp8) {
     float v;
-    std::memcpy(&v, panel + g.fp8_scale_offset() + gi * 4, 4);
+    std::memcpy(&v, panel + g.fp8_scale_offset + gi * 4, 4);
     return v;
   }
   const int64_t per = g.sb_k / g.group;

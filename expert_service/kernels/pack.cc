@@ -45,8 +45,10 @@ PackedGeom MakeGeom(WeightFormat f, int group, int64_t n, int64_t k) {
       g.sb_code_bytes = g.sb_k * 16 * Traits(f).bits / 8;
       const int64_t scales = f == WeightFormat::kFp8 ? 0 : g.sb_k / group * 16 * ScaleBytes(f);
       g.sb_bytes = g.sb_code_bytes + scales;
-      g.panel_bytes = g.nsb() * g.sb_bytes;
-      if (f == WeightFormat::kFp8) g.panel_bytes += RoundUp(g.nsb() * 4, 64);
+      g.nsb = g.kp / g.sb_k;
+      g.fp8_scale_offset = g.nsb * g.sb_bytes;
+      g.panel_bytes = g.fp8_scale_offset;
+      if (f == WeightFormat::kFp8) g.panel_bytes += RoundUp(g.nsb * 4, 64);
       break;
     }
   }
@@ -66,7 +68,7 @@ template <typename Src>
 void WriteNativePanel(const PackedGeom& g, const Src& s, uint8_t* dst) {
   const bool four = Traits(g.format).bits == 4;
   const int64_t groups = g.sb_k / g.group;
-  for (int64_t sb = 0; sb < g.nsb(); ++sb) {
+  for (int64_t sb = 0; sb < g.nsb; ++sb) {
     uint8_t* p = dst + sb * g.sb_bytes;
     const int64_t kb = sb * g.sb_k;
     if (four) {
@@ -92,9 +94,9 @@ void WriteNativePanel(const PackedGeom& g, const Src& s, uint8_t* dst) {
       }
   }
   if (g.format == WeightFormat::kFp8) {
-    uint8_t* t = dst + g.fp8_scale_offset();
-    std::memset(t, 0, static_cast<size_t>(g.panel_bytes - g.fp8_scale_offset()));
-    for (int64_t sb = 0; sb < g.nsb(); ++sb) {
+    uint8_t* t = dst + g.fp8_scale_offset;
+    std::memset(t, 0, static_cast<size_t>(g.panel_bytes - g.fp8_scale_offset));
+    for (int64_t sb = 0; sb < g.nsb; ++sb) {
       const float v = s.f32s(sb);
       std::memcpy(t + sb * 4, &v, 4);
     }
@@ -193,7 +195,7 @@ struct PanelReader {
   }
   float f32s(int64_t sb) const {
     float v;
-    std::memcpy(&v, p + g.fp8_scale_offset() + sb * 4, 4);
+    std::memcpy(&v, p + g.fp8_scale_offset + sb * 4, 4);
     return v;
   }
 };

@@ -79,8 +79,12 @@ struct PackedGeom {
   int64_t sb_k = 0;
   int64_t sb_bytes = 0;
   int64_t sb_code_bytes = 0;
-  int64_t nsb() const { return sb_k > 0 ? kp / sb_k : 0; }
-  int64_t fp8_scale_offset() const { return nsb() * sb_bytes; }
+  // Super-blocks per panel, and where fp8's scale trailer starts. Data, not
+  // inline functions: an ISA kernel object must define no shared function
+  // (tests/kernels/isa_objects_check.sh), and an unoptimized build emits
+  // inline members that call each other as weak functions.
+  int64_t nsb = 0;
+  int64_t fp8_scale_offset = 0;
 };
 
 // The formats kept as their checkpoints store them (packed.h native layout).
