@@ -16,7 +16,8 @@
 # (.gpu/extras.txz), JOBS (tests at a time; default 8 on 16 cores: each test's
 # expert service runs threads on every core, and the soak runs beside them), TEST_SECONDS (per test, as ctest's --timeout: 300),
 # SUITE_SECONDS (all of them: 450, so that call 1 ends inside its 600 s),
-# SOAK_SECONDS (600), SOAK=0 (no soak), COLLECT_SECONDS (call 2's wait: 570),
+# SOAK_SECONDS (600), SOAK=0 (no soak), FILTER (a gtest filter: a subset, for a
+# re-run of what failed; default every test), COLLECT_SECONDS (call 2's wait: 570),
 # ROOT (/tmp: where b/, bx/, hmoe-soak/ and hmoe-suite/ go).
 # Files in OUT_DIR: machine.txt, setup.txt (what was brought for the tests
 # that skip elsewhere, and what could not be), suite.txt (counts per area,
@@ -171,7 +172,7 @@ fi
 # runs them, JOBS at a time.
 res=$root/hmoe-suite
 rm -rf "$res" && mkdir -p "$res"
-"$B/bin/hmoe-tests" --gtest_list_tests | awk '
+"$B/bin/hmoe-tests" --gtest_list_tests --gtest_filter="${FILTER:-*}" | awk '
   /^[^ ]/ { suite = $1; next }
   /^  / { name = $1; if (suite != "Soak." && suite !~ /^DISABLED_/ && name !~ /^DISABLED_/) print suite name }
 ' >"$res/list"
