@@ -4,7 +4,8 @@ GoogleTest run: from the JSON reports (--gtest_output=json) in RESULTS_DIR,
 one per test process (bench/gpu_suite.sh) or one per binary
 (bench/gpu_check.sh). A process that left no report (a crash, a timeout) is
 a failure, named from its N.name file with its exit status (N.rc). Prints
-one line per area, the total, each failure and each skip with its reason.
+one line per area, the total, each failure (with its time) and each skip
+with its reason, and the slowest tests.
 Tests of RESULTS_DIR/list (bench/gpu_suite.sh) never started count as failed
 (area "?"), listed together.
 
@@ -55,6 +56,7 @@ def main():
     shared_log = sys.argv[sys.argv.index("--log") + 1] if "--log" in sys.argv else None
     areas = {}  # area -> [passed, failed, skipped]
     failures, skips, not_started = [], [], []
+    times = []  # (seconds, name): every test that ran
     seen = set()
     for report in sorted(glob.glob(os.path.join(results, "*.json"))):
         stem = report[: -len(".json")]
@@ -71,12 +73,14 @@ def main():
                 if t.get("status") == "NOTRUN":
                     continue
                 seen.add(name)
+                secs = float(str(t.get("time", "0s")).rstrip("s") or 0)
+                times.append((secs, name))
                 area = area_of(t.get("file", ""))
                 counts = areas.setdefault(area, [0, 0, 0])
                 if t.get("failures"):
                     counts[1] += 1
                     first = t["failures"][0].get("failure", "").strip().splitlines()
-                    failures.append((name, area, first[0] if first else "failed"))
+                    failures.append((name, area, "%s (after %.1f s)" % (first[0] if first else "failed", secs)))
                 elif t.get("result") == "SKIPPED":
                     counts[2] += 1
                     skips.append((name, area, reasons.get(name, "")))
@@ -115,6 +119,8 @@ def main():
               % (len(not_started), ", ".join(not_started[:5])))
     for name, area, why in skips:
         print("SKIPPED %s [%s]: %s" % (name, area, why or "(no reason printed)"))
+    for secs, name in sorted(times, reverse=True)[:10]:
+        print("SLOWEST %7.1f s  %s" % (secs, name))
     if "--json" in sys.argv:
         out = sys.argv[sys.argv.index("--json") + 1]
         json.dump({"areas": {a: dict(zip(("passed", "failed", "skipped"), c))
