@@ -41,7 +41,7 @@ def safetensors(tensors, metadata=None):
 # The targets whose seeds this script writes (chat_template's come from
 # tests/fixtures/chat_templates/ and are kept).
 MINE = ["safetensors", "config", "tokenizer", "generate_request", "expert_protocol",
-        "openai_request"]
+        "openai_request", "tool_calls"]
 
 
 def main():
@@ -152,6 +152,24 @@ def openai_bodies():
         put("openai_request", "chat%d" % i, b"\x00" + json.dumps(b).encode())
     for i, b in enumerate(comp):
         put("openai_request", "completions%d" % i, b"\x01" + json.dumps(b).encode())
+    # tool_calls: mode byte (syntax = low 3 bits in tool_calls_fuzz.cc's
+    # order; 8: starts in reasoning; 16: no reasoning split; 32: tools), a
+    # seed byte, then model output in that syntax.
+    outputs = [
+        (1, "Sure.<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>function"
+            "<\uff5ctool\u2581sep\uff5c>f\n```json\n{\"s\": 1}\n```<\uff5ctool\u2581call\u2581end\uff5c>"
+            "<\uff5ctool\u2581calls\u2581end\uff5c>"),
+        (2, "Ok<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+            "<|tool_call_argument_begin|>{\"n\": 2}<|tool_call_end|><|tool_calls_section_end|>"),
+        (3 | 32, "<think>\nhm\n</think>\n\nx\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"),
+        (4 | 32, "<tool_call>\n<function=f>\n<parameter=s>\na < b\n</parameter>\n</function>\n</tool_call>"),
+        (5 | 32, "<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"),
+        (6, "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"s\": \"x\"}}]"),
+        (8, "reasoning first</think>\n\nthen content"),
+        (16, "<think>kept</think> as content"),
+    ]
+    for i, (mode, text) in enumerate(outputs):
+        put("tool_calls", "out%d" % i, bytes([mode, 37 + i]) + text.encode())
 
 
 def varint(n):
