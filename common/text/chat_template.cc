@@ -158,6 +158,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir,
     auto t = ParseNamed(src, where[name]);
     if (!t.ok()) return t.status();
     ct.templates_.emplace(name, std::move(*t));
+    ct.sources_.emplace(name, src);
   }
   return ct;
 }
@@ -173,6 +174,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromString(const std::string& source,
   auto t = jinja::Template::Parse(source, "chat_template");
   if (!t.ok()) return t.status();
   ct.templates_.emplace("default", std::move(*t));
+  ct.sources_.emplace("default", source);
   return ct;
 }
 
@@ -182,28 +184,37 @@ std::vector<std::string> ChatTemplate::template_names() const {
   return names;
 }
 
+const std::string* ChatTemplate::PickName(const ChatRenderOptions& options) const {
+  if (!options.template_name.empty()) {
+    auto it = templates_.find(options.template_name);
+    return it == templates_.end() ? nullptr : &it->first;
+  }
+  if (named_) {
+    auto it = options.tools ? templates_.find("tool_use") : templates_.end();
+    if (it == templates_.end()) it = templates_.find("default");
+    return it == templates_.end() ? nullptr : &it->first;
+  }
+  return templates_.empty() ? nullptr : &templates_.begin()->first;
+}
+
+std::string ChatTemplate::source(const ChatRenderOptions& options) const {
+  const std::string* name = PickName(options);
+  return name == nullptr ? std::string() : sources_.at(*name);
+}
+
 absl::StatusOr<std::string> ChatTemplate::Render(const json& messages,
                                                  const ChatRenderOptions& options) const {
   // Which template.
-  const jinja::Template* tmpl = nullptr;
-  if (!options.template_name.empty()) {
-    auto it = templates_.find(options.template_name);
-    if (it == templates_.end())
-      return absl::NotFoundError(absl::StrCat("no chat template named '", options.template_name,
-                                              "' (have: ", absl::StrJoin(template_names(), ", "),
-                                              ")"));
-    tmpl = &it->second;
-  } else if (named_) {
-    auto it = options.tools ? templates_.find("tool_use") : templates_.end();
-    if (it == templates_.end()) it = templates_.find("default");
-    if (it == templates_.end())
-      return absl::InvalidArgumentError(absl::StrCat(
-          "this model has multiple chat templates and no 'default'; pass template_name (have: ",
-          absl::StrJoin(template_names(), ", "), ")"));
-    tmpl = &it->second;
-  } else {
-    tmpl = &templates_.begin()->second;
-  }
+  const std::string* name = PickName(options);
+  if (name == nullptr && !options.template_name.empty())
+    return absl::NotFoundError(absl::StrCat("no chat template named '", options.template_name,
+                                            "' (have: ", absl::StrJoin(template_names(), ", "),
+                                            ")"));
+  if (name == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "this model has multiple chat templates and no 'default'; pass template_name (have: ",
+        absl::StrJoin(template_names(), ", "), ")"));
+  const jinja::Template* tmpl = &templates_.at(*name);
 
   if (!messages.is_array()) return absl::InvalidArgumentError("messages must be a JSON array");
   if (messages.empty())

@@ -78,9 +78,14 @@ class ChatTemplate {
   // Names of the templates ("default" for a single one).
   std::vector<std::string> template_names() const;
   const std::map<std::string, std::string>& special_tokens() const { return special_tokens_; }
+  // The source text of the template Render picks for these options' tools
+  // and template_name ("" when there is none).
+  std::string source(const ChatRenderOptions& options = {}) const;
 
  private:
+  const std::string* PickName(const ChatRenderOptions& options) const;
   std::map<std::string, jinja::Template> templates_;  // name -> template
+  std::map<std::string, std::string> sources_;        // name -> its text
   bool named_ = false;                                // the named-list / directory form
   std::map<std::string, std::string> special_tokens_;
   ChatTemplateOptions options_;

@@ -2,11 +2,13 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -64,6 +66,25 @@ bool Failed(const GenerateEvent& ev) {
 
 Error FailureOf(const GenerateEvent& ev) {
   return openai::FromStatus(ev.status.ok() ? absl::InternalError("request failed") : ev.status);
+}
+
+// The calls a chat response returns: only the first when
+// parallel_tool_calls is false (`sent` of them already sent), each with an
+// id (the model's own, else "call_" + the response's id + its index).
+void KeepCalls(bool parallel, int sent, const std::string& cid, std::vector<ToolCall>* calls) {
+  if (!parallel) calls->resize(std::min<size_t>(calls->size(), sent > 0 ? 0 : 1));
+  for (size_t i = 0; i < calls->size(); ++i) {
+    ToolCall& c = (*calls)[i];
+    if (c.id.empty()) c.id = absl::StrCat("call_", cid.substr(cid.find('-') + 1), "_", sent + i);
+  }
+}
+
+// `more` appended to `d` (the deltas of one event: its text, then the end).
+void Append(const OutputDelta& more, OutputDelta* d) {
+  d->content += more.content;
+  d->reasoning += more.reasoning;
+  if (d->tool_calls.empty()) d->first_call_index = more.first_call_index;
+  d->tool_calls.insert(d->tool_calls.end(), more.tool_calls.begin(), more.tool_calls.end());
 }
 
 std::string SseData(const Json& j) {
@@ -138,7 +159,9 @@ struct HttpService::Impl {
       e.message = "the request body is not valid JSON";
       return SendError(res, e);
     }
-    openai::Context ctx{o.model_name, tokenizer, chat, no_chat_template, engine->max_context()};
+    openai::Context ctx{
+        o.model_name,  tokenizer,        chat, no_chat_template, engine->max_context(),
+        o.tool_syntax, o.split_reasoning};
     Error perr;
     auto parsed = openai::ParseRequest(endpoint, body, ctx, &perr);
     if (!parsed.ok()) return SendError(res, perr);
@@ -179,10 +202,21 @@ struct HttpService::Impl {
       }
       const GenerateEvent& last = got.back();
       size_t offset = 0;
-      const Json j = openai::CompletionResponse(
-          endpoint, cid, now, o.model_name, text, last.finish,
-          {last.prompt_tokens, last.completion_tokens},
-          openai::LogprobsJson(endpoint, want_lp, lps, tokenizer, &offset));
+      const Json lp_json = openai::LogprobsJson(endpoint, want_lp, lps, tokenizer, &offset);
+      const openai::Usage usage{last.prompt_tokens, last.completion_tokens};
+      Json j;
+      if (endpoint == Endpoint::kChatCompletions) {
+        OutputParser parser(parsed->output);
+        parser.Feed(parsed->forced_prefix);
+        parser.Feed(text);
+        parser.Finish();
+        ParsedOutput out = parser.result();
+        KeepCalls(parsed->parallel_tool_calls, 0, cid, &out.tool_calls);
+        j = openai::ChatResponse(cid, now, o.model_name, out, last.finish, usage, lp_json);
+      } else {
+        j = openai::CompletionResponse(endpoint, cid, now, o.model_name, text, last.finish, usage,
+                                       lp_json);
+      }
       res.content_type = "application/json";
       res.body = j.dump(-1, ' ', false, Json::error_handler_t::replace);
       return;
@@ -190,11 +224,18 @@ struct HttpService::Impl {
     struct State {
       std::deque<GenerateEvent> pending;
       bool first = true;
-      bool ended = false;      // the final event written
-      size_t text_offset = 0;  // completions' logprobs.text_offset
+      bool ended = false;                  // the final event written
+      size_t text_offset = 0;              // completions' logprobs.text_offset
+      std::optional<OutputParser> parser;  // chat
+      int calls = 0;                       // tool calls sent
     };
     auto st = std::make_shared<State>();
     st->pending = std::move(got);
+    if (endpoint == Endpoint::kChatCompletions) {
+      st->parser.emplace(parsed->output);
+      st->parser->Feed(parsed->forced_prefix);
+    }
+    const bool parallel_calls = parsed->parallel_tool_calls;
     res.headers.emplace_back("Cache-Control", "no-cache");
     res.headers.emplace_back("X-Accel-Buffering", "no");
     const bool include_usage = parsed->include_usage;
@@ -222,7 +263,23 @@ struct HttpService::Impl {
           break;
         }
         const bool has_lp = want_lp >= 0 && !ev.logprobs.empty();
-        if (!ev.text.empty() || st->first || has_lp || ev.finish != FinishReason::kNone) {
+        if (st->parser) {
+          // Chat: what the parser makes of the text so far (held back:
+          // what may still be a marker), then the finish.
+          OutputDelta d = st->parser->Feed(ev.text);
+          if (ev.finish != FinishReason::kNone) Append(st->parser->Finish(), &d);
+          KeepCalls(parallel_calls, st->calls, cid, &d.tool_calls);
+          st->calls += static_cast<int>(d.tool_calls.size());
+          if (!d.empty() || st->first || has_lp) {
+            out += SseData(openai::ChatDeltaChunk(
+                cid, now, model, d, st->first,
+                has_lp ? openai::LogprobsJson(endpoint, want_lp, ev.logprobs, tok, &st->text_offset)
+                       : Json(nullptr)));
+            st->first = false;
+          }
+          if (ev.finish != FinishReason::kNone)
+            out += SseData(openai::ChatFinishChunk(cid, now, model, ev.finish, st->calls > 0));
+        } else if (!ev.text.empty() || st->first || has_lp || ev.finish != FinishReason::kNone) {
           // The text (or the role, first; with the tokens' logprobs)
           // and the finish reason go in separate chunks, as OpenAI's
           // servers send them.

@@ -1,7 +1,9 @@
 // The worker's OpenAI-compatible HTTP front end (http_server.h), beside the
 // gRPC one, over the same Engine:
 //   POST /v1/chat/completions, POST /v1/completions (streamed as
-//     server-sent events ending "data: [DONE]", or whole); GET /v1/models;
+//     server-sent events ending "data: [DONE]", or whole; chat's output
+//     split into content, reasoning_content and tool_calls by the model's
+//     syntax, common/text/tool_calls.h); GET /v1/models;
 //   GET /metrics (Prometheus text, from `metrics`); GET /health.
 // Errors are OpenAI's error JSON with the fitting status (openai_api.h):
 // 400 bad parameters (naming the field), a body nesting JSON deeper than
@@ -24,6 +26,7 @@
 #include "common/auth_token.h"
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer.h"
+#include "common/text/tool_calls.h"
 #include "common/transport/grpc_tls.h"
 #include "gpu_worker/engine/engine.h"
 
@@ -46,6 +49,11 @@ struct HttpServiceOptions {
   std::function<std::string()> metrics;  // /metrics body; empty: 404
   // False: new requests 503 (e.g. the expert service is down). Empty: always up.
   std::function<bool()> ready;
+  // Chat output: the model's tool-call syntax (tool_calls.h; kNone: calls
+  // stay content and tool_choice "required" / named are refused) and whether
+  // <think> blocks go to reasoning_content.
+  ToolSyntax tool_syntax = ToolSyntax::kNone;
+  bool split_reasoning = false;
 };
 
 class HttpService {

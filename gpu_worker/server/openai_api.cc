@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace hmoe::openai {
@@ -334,12 +336,63 @@ absl::StatusOr<Parsed> ParseRequest(Endpoint endpoint, const Json& body, const C
     if (!f.Bool("add_generation_prompt", &ro.add_generation_prompt)) return bad;
     if (const Json* tools = f.Get("tools")) {
       if (!tools->is_array()) return f.WrongType("tools", *tools, "an array"), bad;
+      for (size_t i = 0; i < tools->size(); ++i) {
+        const Json& t = (*tools)[i];
+        const std::string p = absl::StrCat("tools[", i, "]");
+        if (!t.is_object() || !t.contains("function") || !t["function"].is_object() ||
+            !t["function"].contains("name") || !t["function"]["name"].is_string())
+          return f.Fail(p,
+                        p + ": expected {\"type\": \"function\", \"function\": {\"name\": ...}}"),
+                 bad;
+      }
       ro.tools = *tools;
     }
+    // tool_choice: "auto" (default), "none" (the tools are not offered),
+    // "required" or {"type": "function", "function": {"name": N}} (the
+    // prompt ends inside a call, in the model's syntax).
+    std::string choice = "auto", forced_name;
     if (const Json* tc = f.Get("tool_choice")) {
-      if (!(tc->is_string() && (*tc == "auto" || *tc == "none")))
-        return f.Fail("tool_choice", "tool_choice: only \"auto\" or \"none\""), bad;
+      if (tc->is_string() && (*tc == "auto" || *tc == "none" || *tc == "required")) {
+        choice = tc->get<std::string>();
+      } else if (tc->is_object() && tc->contains("function") && (*tc)["function"].is_object() &&
+                 (*tc)["function"].contains("name") && (*tc)["function"]["name"].is_string()) {
+        choice = "function";
+        forced_name = (*tc)["function"]["name"].get<std::string>();
+      } else {
+        return f.Fail("tool_choice",
+                      "tool_choice: \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                      "\"function\": {\"name\": ...}}"),
+               bad;
+      }
     }
+    const bool forced = choice == "required" || choice == "function";
+    if (forced && !ro.tools) return f.Fail("tool_choice", "tool_choice: needs tools"), bad;
+    if (choice == "function") {
+      bool known = false;
+      for (const Json& t : *ro.tools) known = known || t["function"]["name"] == forced_name;
+      if (!known)
+        return f.Fail("tool_choice",
+                      absl::StrCat("tool_choice: no tool named \"", forced_name, "\" in tools")),
+               bad;
+    }
+    if (!f.Bool("parallel_tool_calls", &out.parallel_tool_calls)) return bad;
+    std::optional<std::string> prefix;
+    if (forced) {
+      prefix = ForcedToolCallPrefix(ctx.tool_syntax, forced_name);
+      if (!prefix)
+        return f.Fail("tool_choice",
+                      ctx.tool_syntax == ToolSyntax::kNone
+                          ? "tool_choice: this model's chat template writes no tool calls the "
+                            "server reads (see --tool-call-syntax)"
+                          : absl::StrCat("tool_choice: a named function is not supported for the ",
+                                         ToolSyntaxName(ctx.tool_syntax),
+                                         " tool-call syntax; use \"required\"")),
+               bad;
+    }
+    if (choice == "none") ro.tools.reset();
+    out.output.syntax = choice == "none" ? ToolSyntax::kNone : ctx.tool_syntax;
+    out.output.split_reasoning = ctx.split_reasoning;
+    if (ro.tools) out.output.tools = nlohmann::json::parse(ro.tools->dump());
     if (const Json* kw = f.Get("chat_template_kwargs")) {  // vLLM's extension
       if (!kw->is_object()) return f.WrongType("chat_template_kwargs", *kw, "an object"), bad;
       for (const char* reserved : {"messages", "tools", "documents", "add_generation_prompt"}) {
@@ -360,6 +413,23 @@ absl::StatusOr<Parsed> ParseRequest(Endpoint endpoint, const Json& body, const C
     }
     r.prompt = std::move(prompt->ids);
     out.rendered_prompt = std::move(prompt->text);
+    absl::string_view tail = absl::StripTrailingAsciiWhitespace(out.rendered_prompt);
+    out.output.starts_in_reasoning = ctx.split_reasoning && absl::EndsWith(tail, "<think>");
+    if (prefix) {
+      // A forced call skips the thinking the template opened.
+      std::string more = *prefix;
+      if (out.output.starts_in_reasoning) more = "</think>\n\n" + more;
+      out.output.starts_in_reasoning = false;
+      auto ids = ctx.tokenizer->Encode(more, /*add_special_tokens=*/false);
+      if (!ids.ok()) {
+        *error = FromStatus(ids.status());
+        error->param = "tool_choice";
+        return ids.status();
+      }
+      r.prompt.insert(r.prompt.end(), ids->begin(), ids->end());
+      out.rendered_prompt += more;
+      out.forced_prefix = std::move(*prefix);
+    }
   } else {
     const Json* prompt = f.Get("prompt");
     if (prompt == nullptr) return f.Fail("prompt", "prompt: required"), bad;
@@ -499,6 +569,84 @@ Json StreamChunk(Endpoint endpoint, const std::string& id, int64_t created,
               {"created", created},
               {"model", model},
               {"choices", Json::array({choice})}};
+}
+
+namespace {
+
+Json ChatFinishReason(FinishReason finish, bool called_tools) {
+  if (called_tools && (finish == FinishReason::kStopToken || finish == FinishReason::kStopString))
+    return "tool_calls";
+  return FinishReasonJson(finish);
+}
+
+Json ToolCallJson(const ToolCall& c) {
+  return Json{{"id", c.id},
+              {"type", "function"},
+              {"function", Json{{"name", c.name}, {"arguments", c.arguments}}}};
+}
+
+Json ChatCompletion(const char* object, const std::string& id, int64_t created,
+                    const std::string& model, Json choice) {
+  return Json{{"id", id},
+              {"object", object},
+              {"created", created},
+              {"model", model},
+              {"choices", Json::array({std::move(choice)})}};
+}
+
+}  // namespace
+
+Json ChatResponse(const std::string& id, int64_t created, const std::string& model,
+                  const ParsedOutput& out, FinishReason finish, const Usage& usage,
+                  const Json& logprobs) {
+  Json message{{"role", "assistant"}};
+  message["content"] =
+      out.content.empty() && !out.tool_calls.empty() ? Json(nullptr) : Json(out.content);
+  if (!out.reasoning.empty()) message["reasoning_content"] = out.reasoning;
+  if (!out.tool_calls.empty()) {
+    Json calls = Json::array();
+    for (const ToolCall& c : out.tool_calls) calls.push_back(ToolCallJson(c));
+    message["tool_calls"] = std::move(calls);
+  }
+  Json choice{{"index", 0},
+              {"message", std::move(message)},
+              {"logprobs", logprobs},
+              {"finish_reason", ChatFinishReason(finish, !out.tool_calls.empty())}};
+  Json j = ChatCompletion("chat.completion", id, created, model, std::move(choice));
+  j["usage"] = UsageJson(usage);
+  return j;
+}
+
+Json ChatDeltaChunk(const std::string& id, int64_t created, const std::string& model,
+                    const OutputDelta& d, bool first, const Json& logprobs) {
+  Json delta = Json::object();
+  if (first) delta["role"] = "assistant";
+  if (!d.content.empty() || (first && d.reasoning.empty() && d.tool_calls.empty()))
+    delta["content"] = d.content;
+  if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+  if (!d.tool_calls.empty()) {
+    Json calls = Json::array();
+    for (size_t i = 0; i < d.tool_calls.size(); ++i) {
+      Json c = ToolCallJson(d.tool_calls[i]);
+      c["index"] = d.first_call_index + static_cast<int>(i);
+      calls.push_back(std::move(c));
+    }
+    delta["tool_calls"] = std::move(calls);
+  }
+  return ChatCompletion("chat.completion.chunk", id, created, model,
+                        Json{{"index", 0},
+                             {"delta", std::move(delta)},
+                             {"logprobs", logprobs},
+                             {"finish_reason", nullptr}});
+}
+
+Json ChatFinishChunk(const std::string& id, int64_t created, const std::string& model,
+                     FinishReason finish, bool called_tools) {
+  return ChatCompletion("chat.completion.chunk", id, created, model,
+                        Json{{"index", 0},
+                             {"delta", Json::object()},
+                             {"logprobs", nullptr},
+                             {"finish_reason", ChatFinishReason(finish, called_tools)}});
 }
 
 Json UsageChunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer.h"
+#include "common/text/tool_calls.h"
 #include "gpu_worker/engine/engine.h"
 #include "nlohmann/json.hpp"
 
@@ -43,6 +44,14 @@ struct Parsed {
   bool stream = false;
   bool include_usage = false;   // stream_options.include_usage
   std::string rendered_prompt;  // chat: the template's output (for logs, tests)
+  // Chat: how the generated text splits into content, reasoning and tool
+  // calls; forced_prefix (tool_choice "required" or a named function: the
+  // text the prompt ends with, in the call's syntax) is fed to the parser
+  // before the generated text. parallel_tool_calls false: the first call
+  // only.
+  OutputParserOptions output;
+  std::string forced_prefix;
+  bool parallel_tool_calls = true;
 };
 
 // What parsing needs from the serving side.
@@ -52,6 +61,10 @@ struct Context {
   const ChatTemplate* chat;      // null: chat completions refused
   std::string no_chat_template;  // why chat is null (the error's text)
   int64_t max_context = 0;       // prompt + completion tokens a request may hold
+  // The served model's tool-call syntax and whether its <think> blocks are
+  // returned apart (reasoning_content).
+  ToolSyntax tool_syntax = ToolSyntax::kNone;
+  bool split_reasoning = false;
 };
 
 // Parses and checks a request body. Errors are 400 naming the field (param),
@@ -88,6 +101,21 @@ Json CompletionResponse(Endpoint endpoint, const std::string& id, int64_t create
 Json StreamChunk(Endpoint endpoint, const std::string& id, int64_t created,
                  const std::string& model, const std::string& text, bool first, FinishReason finish,
                  const Json& logprobs = nullptr);
+// Chat with its output parsed (Parsed::output): the whole response's
+// message {role, content (null when empty beside tool calls),
+// reasoning_content (when any), tool_calls (when any: {id, type
+// "function", function {name, arguments}})}; finish_reason "tool_calls"
+// when it called tools and ended at a stop. Tool calls need their ids set.
+Json ChatResponse(const std::string& id, int64_t created, const std::string& model,
+                  const ParsedOutput& out, FinishReason finish, const Usage& usage,
+                  const Json& logprobs = nullptr);
+// A chat stream chunk for what the parser returned: delta {role (first),
+// content, reasoning_content, tool_calls [{index, id, type, function}]}.
+Json ChatDeltaChunk(const std::string& id, int64_t created, const std::string& model,
+                    const OutputDelta& d, bool first, const Json& logprobs = nullptr);
+// A chat stream's finish chunk ("tool_calls" as ChatResponse).
+Json ChatFinishChunk(const std::string& id, int64_t created, const std::string& model,
+                     FinishReason finish, bool called_tools);
 Json UsageChunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
                 const Usage& usage);
 

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
@@ -36,6 +37,7 @@
 #include "common/small_file.h"
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer.h"
+#include "common/text/tool_calls.h"
 #include "common/transport/grpc_tls.h"
 #include "common/transport/ucx_wire.h"
 #include "common/weight_map.h"
@@ -91,7 +93,9 @@ struct WorkerOptions {
   int http_max_connections = HttpServiceOptions().max_connections;
   int http_header_timeout_seconds = 10;
   std::string served_model_name;
-  std::string chat_template;  // a .jinja file; empty: the model directory's
+  std::string chat_template;                   // a .jinja file; empty: the model directory's
+  std::optional<ToolSyntax> tool_call_syntax;  // nullopt: the chat template's
+  std::optional<bool> reasoning_content;       // nullopt: where the template writes </think>
   TlsServerFiles tls;
   TlsClientFiles expert_tls;
 };
@@ -212,6 +216,23 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
             "a .jinja chat template instead of the model directory's (tokenizer_config.json's "
             "chat_template, or chat_template.jinja); a template with a construct the interpreter "
             "does not support stops the worker at start (exit 1), naming it and where");
+  fs.Enum<std::optional<ToolSyntax>>(
+      "tool-call-syntax", &o->tool_call_syntax,
+      {{"auto", std::nullopt},
+       {"none", ToolSyntax::kNone},
+       {"deepseek", ToolSyntax::kDeepseek},
+       {"kimi_k2", ToolSyntax::kKimiK2},
+       {"qwen3", ToolSyntax::kQwen3},
+       {"qwen3_coder", ToolSyntax::kQwen3Coder},
+       {"glm45", ToolSyntax::kGlm45},
+       {"mixtral", ToolSyntax::kMixtral}},
+      "how the model writes tool calls, parsed into chat completions' tool_calls (auto: from "
+      "the chat template's markers; none: calls stay content)");
+  fs.Enum<std::optional<bool>>(
+      "reasoning-content", &o->reasoning_content,
+      {{"auto", std::nullopt}, {"on", true}, {"off", false}},
+      "return <think> blocks as chat completions' reasoning_content (auto: when the chat "
+      "template writes </think>)");
   fs.Group(
       "security (--tls-*: the client API speaks TLS; --expert-tls-*: TLS to the shards' gRPC "
       "ports, their --tls-cert-file)");
@@ -569,6 +590,15 @@ int Run(int argc, char** argv) {
     ho.header_timeout = absl::Seconds(o.http_header_timeout_seconds);
     ho.ready = [&experts_up] { return experts_up.load(); };
     ho.metrics = [&metrics] { return metrics.RenderPrometheus(); };
+    if (chat) {
+      ChatRenderOptions with_tools;
+      with_tools.tools = nlohmann::ordered_json::array();
+      const std::string source = chat->source(with_tools);
+      ho.tool_syntax = o.tool_call_syntax.value_or(ToolSyntaxOfTemplate(source));
+      ho.split_reasoning = o.reasoning_content.value_or(absl::StrContains(source, "</think>"));
+    }
+    const ToolSyntax tool_syntax = ho.tool_syntax;
+    const bool split_reasoning = ho.split_reasoning;
     auto h = HttpService::Start(engine->get(), tokenizer.get(), chat ? &*chat : nullptr, no_chat,
                                 std::move(ho));
     if (!h.ok()) Die(h.status().ToString(), 1);
@@ -583,7 +613,10 @@ int Run(int argc, char** argv) {
         stderr,
         "hmoe-gpu-worker: OpenAI-compatible HTTP API on port %d (%s, model \"%s\", chat %s)\n",
         http->port(), o.tls.enabled() ? "https" : "http", model_name.c_str(),
-        chat ? "on" : "off: no chat template");
+        chat ? absl::StrCat("on, tool calls ", ToolSyntaxName(tool_syntax), ", reasoning_content ",
+                            split_reasoning ? "on" : "off")
+                   .c_str()
+             : "off: no chat template");
     if (!o.http_port_file.empty()) write_port(o.http_port_file, http->port(), "--http-port-file");
   }
   if (!o.port_file.empty()) write_port(o.port_file, port, "--port-file");

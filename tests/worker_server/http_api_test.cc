@@ -6,16 +6,24 @@
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <csignal>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/json_depth.h"
+#include "common/status.h"
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer.h"
+#include "common/text/tool_calls.h"
 #include "gmock/gmock.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/model.h"
@@ -69,8 +77,7 @@ class HttpApiInProcess : public ::testing::Test {
     ASSERT_TRUE(e.ok()) << e.status();
     engine_ = std::move(*e);
   }
-  void StartHttp(const ChatTemplate* chat = nullptr) {
-    HttpServiceOptions o;
+  void StartHttp(const ChatTemplate* chat = nullptr, HttpServiceOptions o = {}) {
     o.listen = "127.0.0.1:0";
     o.model_name = "ds3_fortunes";
     auto h = HttpService::Start(engine_.get(), tokenizer_, chat ? chat : chat_, "", o);
@@ -289,6 +296,248 @@ TEST(GrpcRequests, ModelInfoShowsTheModelDirectorysNameNotItsPath) {
   api::v1::ModelInfoResponse resp;
   ASSERT_TRUE(service.ModelInfo(&ctx, &req, &resp).ok());
   EXPECT_EQ(resp.model_dir(), "ds3_fortunes");
+}
+
+// The fortunes model, made to write `script` (token ids, then its eos)
+// whatever the prompt: each pass runs the model, then each sequence's
+// logits are replaced by a one-hot of its next scripted token (greedy
+// sampling takes it).
+class ScriptedModel final : public Model {
+ public:
+  ScriptedModel(const Model* inner, std::vector<int32_t> script)
+      : inner_(inner), script_(std::move(script)) {
+    script_.push_back(static_cast<int32_t>(inner->config().eos_token_ids.at(0)));
+  }
+  const ModelConfig& config() const override { return inner_->config(); }
+  const ModelOptions& options() const override { return inner_->options(); }
+  std::unique_ptr<Sequence> NewSequence() const override { return inner_->NewSequence(); }
+  absl::Status ForwardBatch(absl::Span<const ForwardStep> steps) const override {
+    RETURN_IF_ERROR(inner_->ForwardBatch(steps));
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const ForwardStep& st : steps) {
+      if (st.logits == nullptr || st.logits->empty()) continue;
+      // A new sequence's first pass is its prompt (the sequence is as long
+      // as the tokens it was given).
+      size_t& at = next_[st.seq];
+      if (st.seq->length() == static_cast<int64_t>(st.tokens.size())) at = 0;
+      const int32_t want = script_[std::min(at++, script_.size() - 1)];
+      std::fill(st.logits->begin(), st.logits->end(), -30.0f);
+      (*st.logits)[st.logits->size() - config().vocab_size + want] = 30.0f;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const Model* inner_;
+  std::vector<int32_t> script_;
+  mutable std::mutex mu_;
+  mutable std::map<const Sequence*, size_t> next_;
+};
+
+// The data: payloads of an SSE body.
+std::vector<Json> SseChunks(const std::string& body) {
+  std::vector<Json> out;
+  for (absl::string_view line : absl::StrSplit(body, '\n'))
+    if (absl::ConsumePrefix(&line, "data: ") && line != "[DONE]")
+      out.push_back(Json::parse(line.begin(), line.end()));
+  return out;
+}
+
+class ChatToolCalls : public HttpApiInProcess {
+ protected:
+  // Serves the fortunes model scripted to write `text`, its output parsed
+  // as the qwen3 syntax with reasoning split.
+  void Serve(const std::string& text) {
+    auto ids = tokenizer_->Encode(text, /*add_special_tokens=*/false);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    scripted_ = std::make_unique<ScriptedModel>(model_, *ids);
+    http_.reset();
+    auto e = Engine::Create(scripted_.get(), tokenizer_, {});
+    ASSERT_TRUE(e.ok()) << e.status();
+    engine_ = std::move(*e);
+    HttpServiceOptions o;
+    o.tool_syntax = ToolSyntax::kQwen3;
+    o.split_reasoning = true;
+    ASSERT_NO_FATAL_FAILURE(StartHttp(nullptr, o));
+  }
+  // The message of a whole response, and the same request streamed with
+  // its chunks' deltas joined into one message.
+  void Both(Json req, Json* whole, Json* streamed, std::vector<Json>* chunks) {
+    req["temperature"] = 0;
+    RawResponse w = Post("/v1/chat/completions", req.dump());
+    ASSERT_EQ(w.status, 200) << w.body;
+    *whole = Json::parse(w.body);
+    req["stream"] = true;
+    RawResponse s = Post("/v1/chat/completions", req.dump());
+    ASSERT_EQ(s.status, 200) << s.body;
+    *chunks = SseChunks(s.body);
+    Json m = {{"role", nullptr}, {"content", ""}, {"reasoning_content", ""}};
+    Json calls = Json::array();
+    for (const Json& c : *chunks) {
+      const Json& d = c["choices"][0]["delta"];
+      if (d.contains("role")) m["role"] = d["role"];
+      if (d.contains("content"))
+        m["content"] = m["content"].get<std::string>() + d["content"].get<std::string>();
+      if (d.contains("reasoning_content"))
+        m["reasoning_content"] =
+            m["reasoning_content"].get<std::string>() + d["reasoning_content"].get<std::string>();
+      if (d.contains("tool_calls"))
+        for (const Json& tc : d["tool_calls"]) {
+          EXPECT_EQ(tc["index"], calls.size());
+          Json t = tc;
+          t.erase("index");
+          calls.push_back(t);
+        }
+      if (!c["choices"][0]["finish_reason"].is_null())
+        m["finish_reason"] = c["choices"][0]["finish_reason"];
+    }
+    if (!calls.empty()) m["tool_calls"] = calls;
+    *streamed = m;
+  }
+  std::unique_ptr<ScriptedModel> scripted_;
+};
+
+const Json kTools = Json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+    "properties": {}}}}])");
+
+// Reasoning, text and two calls in the model's syntax: reasoning_content,
+// content and tool_calls (ids, type, name, arguments as a JSON string),
+// finish_reason "tool_calls"; streamed, the same pieces as deltas with
+// indexes, the role first and the finish last.
+TEST_F(ChatToolCalls, CallsAndReasoningWholeAndStreamed) {
+  ASSERT_NO_FATAL_FAILURE(
+      Serve("<think>\nParis, then the time.\n</think>\n\nChecking.\n<tool_call>\n{\"name\": "
+            "\"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n"
+            "{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"));
+  Json whole, streamed;
+  std::vector<Json> chunks;
+  ASSERT_NO_FATAL_FAILURE(
+      Both({{"messages", {{{"role", "user"}, {"content", "Weather and time in Paris?"}}}},
+            {"tools", kTools}},
+           &whole, &streamed, &chunks));
+  const Json& choice = whole["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "tool_calls");
+  const Json& m = choice["message"];
+  EXPECT_EQ(m["reasoning_content"], "\nParis, then the time.\n");
+  EXPECT_EQ(m["content"], "Checking.\n");
+  ASSERT_EQ(m["tool_calls"].size(), 2u) << m.dump();
+  EXPECT_EQ(m["tool_calls"][0]["type"], "function");
+  EXPECT_EQ(m["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(Json::parse(m["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            Json::parse(R"({"city": "Paris"})"));
+  EXPECT_EQ(m["tool_calls"][1]["function"]["name"], "get_time");
+  EXPECT_NE(m["tool_calls"][0]["id"], m["tool_calls"][1]["id"]);
+  EXPECT_TRUE(absl::StartsWith(m["tool_calls"][0]["id"].get<std::string>(), "call_"));
+  // Streamed: the same message (ids are per response).
+  EXPECT_EQ(streamed["role"], "assistant");
+  EXPECT_EQ(streamed["reasoning_content"], m["reasoning_content"]);
+  EXPECT_EQ(streamed["content"], m["content"]);
+  EXPECT_EQ(streamed["finish_reason"], "tool_calls");
+  ASSERT_EQ(streamed["tool_calls"].size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(streamed["tool_calls"][i]["function"], m["tool_calls"][i]["function"]);
+    EXPECT_EQ(streamed["tool_calls"][i]["type"], "function");
+  }
+  // The first chunk carries the role; only the last carries the finish.
+  ASSERT_GE(chunks.size(), 3u);
+  EXPECT_EQ(chunks.front()["choices"][0]["delta"]["role"], "assistant");
+  for (size_t i = 0; i + 1 < chunks.size(); ++i)
+    EXPECT_TRUE(chunks[i]["choices"][0]["finish_reason"].is_null()) << i;
+  // parallel_tool_calls false: the first call only.
+  RawResponse one =
+      Post("/v1/chat/completions", Json({{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                                         {"tools", kTools},
+                                         {"parallel_tool_calls", false}})
+                                       .dump());
+  ASSERT_EQ(one.status, 200) << one.body;
+  EXPECT_EQ(Json::parse(one.body)["choices"][0]["message"]["tool_calls"].size(), 1u);
+  // tool_choice "none": the same text is content (the tools are not offered).
+  RawResponse none =
+      Post("/v1/chat/completions", Json({{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                                         {"tools", kTools},
+                                         {"tool_choice", "none"}})
+                                       .dump());
+  ASSERT_EQ(none.status, 200) << none.body;
+  const Json nm = Json::parse(none.body)["choices"][0];
+  EXPECT_FALSE(nm["message"].contains("tool_calls"));
+  EXPECT_THAT(nm["message"]["content"].get<std::string>(), HasSubstr("<tool_call>"));
+  EXPECT_EQ(nm["finish_reason"], "stop");
+}
+
+// A named function: the prompt ends inside its call (the qwen3 prefix), the
+// model writes the arguments, and the response is that call.
+TEST_F(ChatToolCalls, ANamedFunctionIsCalled) {
+  ASSERT_NO_FATAL_FAILURE(Serve("{\"city\": \"Oslo\"}}\n</tool_call>"));
+  Json whole, streamed;
+  std::vector<Json> chunks;
+  ASSERT_NO_FATAL_FAILURE(
+      Both({{"messages", {{{"role", "user"}, {"content", "Weather?"}}}},
+            {"tools", kTools},
+            {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}}},
+           &whole, &streamed, &chunks));
+  const Json& m = whole["choices"][0]["message"];
+  EXPECT_TRUE(m["content"].is_null()) << m.dump();
+  ASSERT_EQ(m["tool_calls"].size(), 1u) << m.dump();
+  EXPECT_EQ(m["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(Json::parse(m["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            Json::parse(R"({"city": "Oslo"})"));
+  EXPECT_EQ(streamed["tool_calls"][0]["function"], m["tool_calls"][0]["function"]);
+}
+
+// Malformed output in the syntax stays content; bad tool_choice is 400
+// naming it.
+TEST_F(ChatToolCalls, MalformedCallsAreContentAndBadChoicesAre400) {
+  const std::string bad = "Here: <tool_call>\n{\"name\": \"get_weather\", oops}\n</tool_call>";
+  ASSERT_NO_FATAL_FAILURE(Serve(bad));
+  Json whole, streamed;
+  std::vector<Json> chunks;
+  ASSERT_NO_FATAL_FAILURE(
+      Both({{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"tools", kTools}}, &whole,
+           &streamed, &chunks));
+  EXPECT_EQ(whole["choices"][0]["message"]["content"], bad);
+  EXPECT_FALSE(whole["choices"][0]["message"].contains("tool_calls"));
+  EXPECT_EQ(whole["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(streamed["content"], bad);
+  struct Case {
+    Json choice;
+    bool with_tools;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"sometimes", true, "tool_choice: \"none\", \"auto\""},
+      {"required", false, "tool_choice: needs tools"},
+      {{{"type", "function"}, {"function", {{"name", "nope"}}}}, true, "no tool named \"nope\""},
+      {{{"type", "function"}}, true, "tool_choice: \"none\""},
+  };
+  for (const Case& c : cases) {
+    Json req = {{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"tool_choice", c.choice}};
+    if (c.with_tools) req["tools"] = kTools;
+    RawResponse r = Post("/v1/chat/completions", req.dump());
+    EXPECT_EQ(r.status, 400) << r.body;
+    const Json e = Json::parse(r.body)["error"];
+    EXPECT_THAT(e["message"].get<std::string>(), HasSubstr(c.says));
+    EXPECT_EQ(e["param"], "tool_choice");
+  }
+  RawResponse t =
+      Post("/v1/chat/completions",
+           R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})");
+  EXPECT_EQ(t.status, 400) << t.body;
+  EXPECT_EQ(Json::parse(t.body)["error"]["param"], "tools[0]");
+}
+
+// Without a syntax (the fortunes template writes none), "required" is
+// refused: the server could not read the call.
+TEST_F(HttpApiInProcess, RequiredToolChoiceNeedsASyntax) {
+  ASSERT_NO_FATAL_FAILURE(StartHttp());
+  RawResponse r =
+      Post("/v1/chat/completions", Json({{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                                         {"tools", kTools},
+                                         {"tool_choice", "required"}})
+                                       .dump());
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_THAT(r.body, HasSubstr("--tool-call-syntax"));
 }
 
 }  // namespace
