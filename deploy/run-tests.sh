@@ -21,15 +21,17 @@ stage_done() {  # stage_done NAME: the stage's own time and the total so far
 # ccache hits across checkouts in other folders (CI clones afresh each time).
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
 
-# The official OpenAI Python client for the HTTP API's end-to-end test
-# (pinned; test-only, the product never needs it).
-if ! build/openai-venv/bin/python -c "import openai" 2>/dev/null; then
-  echo "== openai client venv (tests/e2e/openai_client/requirements.txt)"
-  mkdir -p build
-  python3 -m venv build/openai-venv
-  build/openai-venv/bin/pip install -q --disable-pip-version-check \
-    -r tests/e2e/openai_client/requirements.txt
-fi
+# The official OpenAI and Anthropic Python clients for the HTTP API's
+# end-to-end tests (pinned; test-only, the product never needs them).
+for client in openai anthropic; do
+  if ! "build/$client-venv/bin/python" -c "import $client" 2>/dev/null; then
+    echo "== $client client venv (tests/e2e/${client}_client/requirements.txt)"
+    mkdir -p build
+    python3 -m venv "build/$client-venv"
+    "build/$client-venv/bin/pip" install -q --disable-pip-version-check \
+      -r "tests/e2e/${client}_client/requirements.txt"
+  fi
+done
 
 stage_done "set-up"
 

@@ -44,6 +44,7 @@ struct Engine::Request {
   std::string text;
   size_t text_sent = 0;
   size_t stop_holdback = 0;   // longest stop string - 1
+  std::string stop_matched;   // the stop string that ended it
   bool cancelled = false;     // by the client
   bool shut_out = false;      // still unfinished when the shutdown drain ran out
   bool holds_blocks = false;  // admitted: `blocks` counted in stats_.kv_blocks_used
@@ -371,6 +372,7 @@ void Engine::Finish(Request& r, FinishReason reason, absl::Status status) {
   r.text_sent = r.text.size();
   ev.finish = reason;
   ev.status = std::move(status);
+  if (reason == FinishReason::kStopString) ev.stop_string = r.stop_matched;
   ev.prompt_tokens = static_cast<int64_t>(r.req.prompt.size());
   ev.completion_tokens = static_cast<int64_t>(r.output.size());
   const absl::Time now = absl::Now();
@@ -426,7 +428,13 @@ void Engine::EmitToken(Request& r, int32_t token) {
   if (!r.req.stop_strings.empty()) {
     const size_t from = r.text_sent > r.stop_holdback ? r.text_sent - r.stop_holdback : 0;
     size_t cut = std::string::npos;
-    for (const std::string& s : r.req.stop_strings) cut = std::min(cut, r.text.find(s, from));
+    for (const std::string& s : r.req.stop_strings) {
+      const size_t at = r.text.find(s, from);
+      if (at < cut) {
+        cut = at;
+        r.stop_matched = s;
+      }
+    }
     if (cut != std::string::npos) {
       r.text.resize(cut);  // the stop string and what follows are not returned
       if (r.decoder)

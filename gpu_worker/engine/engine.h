@@ -131,6 +131,7 @@ struct GenerateEvent {
   FinishReason finish = FinishReason::kNone;
   absl::Status status;  // non-OK with kError / kDeadline / kCancelled
   // Set on the final event.
+  std::string stop_string;  // kStopString: the stop string that matched (first in the text)
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   // prefill_ms / decode_ms: wall time of the forward passes that carried

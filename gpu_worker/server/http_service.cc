@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/json_depth.h"
+#include "gpu_worker/server/anthropic_api.h"
 #include "gpu_worker/server/http_server.h"
 #include "gpu_worker/server/openai_api.h"
 
@@ -87,6 +88,25 @@ void Append(const OutputDelta& more, OutputDelta* d) {
   d->tool_calls.insert(d->tool_calls.end(), more.tool_calls.begin(), more.tool_calls.end());
 }
 
+void SendAnthropicError(HttpResponse& res, const Error& e) {
+  res.status = anthropic::HttpStatus(e);
+  res.content_type = "application/json";
+  res.body = anthropic::ErrorJson(e);
+}
+
+// A whole response's text, parsed (after the forced prefix), its calls kept
+// and named as KeepCalls does.
+ParsedOutput WholeOutput(const openai::Parsed& parsed, const std::string& text,
+                         const std::string& id_base) {
+  OutputParser parser(parsed.output);
+  parser.Feed(parsed.forced_prefix);
+  parser.Feed(text);
+  parser.Finish();
+  ParsedOutput out = parser.result();
+  KeepCalls(parsed.parallel_tool_calls, 0, id_base, &out.tool_calls);
+  return out;
+}
+
 std::string SseData(const Json& j) {
   return absl::StrCat("data: ", j.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
 }
@@ -110,88 +130,133 @@ struct HttpService::Impl {
     return absl::StrFormat("%s%016x%08x", prefix, id_rng(), static_cast<uint32_t>(id_rng()));
   }
 
-  // 401 unless auth is off or the request carries a token in force.
-  bool Authorized(const HttpRequest& req, HttpResponse& res) const {
+  // How an endpoint family writes its errors (OpenAI's or Anthropic's shape).
+  using ErrorSink = void (*)(HttpResponse&, const Error&);
+
+  // 401 unless auth is off or the request carries a token in force, as
+  // "Authorization: Bearer <token>" or (Anthropic's clients) "x-api-key".
+  bool Authorized(const HttpRequest& req, HttpResponse& res, ErrorSink send = SendError) const {
     if (!o.auth_tokens || !o.auth_tokens->enabled()) return true;
     Error e;
     e.http_status = 401;
     e.type = "authentication_error";
     e.code = "invalid_api_key";
-    if (req.HeaderCount("authorization") != 1) {
-      e.message = req.HeaderCount("authorization") > 0
-                      ? "more than one Authorization header"
-                      : "this server requires a token: send \"Authorization: Bearer <token>\"";
-      SendError(res, e);
+    const size_t bearers = req.HeaderCount("authorization"), keys = req.HeaderCount("x-api-key");
+    if (bearers + keys != 1) {
+      e.message = bearers + keys > 1
+                      ? "more than one Authorization / x-api-key header"
+                      : "this server requires a token: send \"Authorization: Bearer <token>\" "
+                        "(or \"x-api-key: <token>\")";
+      send(res, e);
       return false;
+    }
+    if (keys == 1) {
+      if (!o.auth_tokens->Accepts(absl::StripAsciiWhitespace(req.Header("x-api-key")))) {
+        e.message = "the x-api-key token is not one this server accepts";
+        send(res, e);
+        return false;
+      }
+      return true;
     }
     const std::string v = req.Header("authorization");
     const size_t space = v.find(' ');
     if (space == std::string::npos || !absl::EqualsIgnoreCase(v.substr(0, space), "bearer") ||
         !o.auth_tokens->Accepts(absl::StripAsciiWhitespace(v.substr(space + 1)))) {
       e.message = "the bearer token is not one this server accepts";
-      SendError(res, e);
+      send(res, e);
       return false;
     }
     return true;
   }
 
-  void Generate(Endpoint endpoint, const HttpRequest& req, HttpResponse& res) {
-    if (!Authorized(req, res)) return;
+  // A generation request's way in: the token, the service up, the body's
+  // nesting bounded before parsing (the tree is copied and walked
+  // recursively later) and JSON. nullopt after writing the error.
+  std::optional<Json> ReadBody(const HttpRequest& req, HttpResponse& res, ErrorSink send) {
+    if (!Authorized(req, res, send)) return std::nullopt;
     if (draining->load() || (o.ready && !o.ready())) {
       Error e;
       e.http_status = 503;
       e.type = "service_unavailable_error";
       e.message = draining->load() ? "the worker is shutting down"
                                    : "the expert service is not serving; try again later";
-      return SendError(res, e);
+      send(res, e);
+      return std::nullopt;
     }
-    // Nesting is bounded before parsing: the tree is copied and walked
-    // recursively later.
     if (absl::Status deep = CheckJsonDepth(req.body, kMaxClientJsonDepth, "the request body");
         !deep.ok()) {
       Error e;
       e.message = std::string(deep.message());
-      return SendError(res, e);
+      send(res, e);
+      return std::nullopt;
     }
-    const Json body = Json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+    Json body = Json::parse(req.body, nullptr, /*allow_exceptions=*/false);
     if (body.is_discarded()) {
       Error e;
       e.message = "the request body is not valid JSON";
-      return SendError(res, e);
+      send(res, e);
+      return std::nullopt;
     }
-    openai::Context ctx{
+    return body;
+  }
+
+  openai::Context ChatContext() const {
+    return openai::Context{
         o.model_name,  tokenizer,        chat, no_chat_template, engine->max_context(),
         o.tool_syntax, o.split_reasoning};
-    Error perr;
-    auto parsed = openai::ParseRequest(endpoint, body, ctx, &perr);
-    if (!parsed.ok()) return SendError(res, perr);
-    auto stream = std::make_shared<Stream>();
-    const int32_t want_lp = parsed->request.logprobs;
-    auto id = engine->Submit(std::move(parsed->request), [stream](const GenerateEvent& ev) {
-      std::lock_guard<std::mutex> lock(stream->mu);
-      stream->events.push_back(ev);
-      if (ev.finish != FinishReason::kNone) stream->finished = true;
-      stream->cv.notify_all();
-    });
-    if (!id.ok()) return SendError(res, openai::FromStatus(id.status()));
-    const uint64_t rid = *id;
-    const std::string cid = NewId(endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-");
-    const int64_t now = absl::ToUnixSeconds(absl::Now());
+  }
 
-    // Wait for the first event (streamed) or the last (whole), watching the
-    // client: one that went away cancels the request.
-    std::deque<GenerateEvent> got;
+  // Submits the request and waits for its first event (streamed) or its
+  // last (whole), watching the client: one that went away cancels it
+  // (status 499, nobody reads it). False after writing the error.
+  bool SubmitAndWait(GenerateRequest request, bool streamed, const HttpRequest& req,
+                     HttpResponse& res, ErrorSink send, std::shared_ptr<Stream>* stream,
+                     uint64_t* rid, std::deque<GenerateEvent>* got) {
+    auto st = std::make_shared<Stream>();
+    auto id = engine->Submit(std::move(request), [st](const GenerateEvent& ev) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->events.push_back(ev);
+      if (ev.finish != FinishReason::kNone) st->finished = true;
+      st->cv.notify_all();
+    });
+    if (!id.ok()) {
+      send(res, openai::FromStatus(id.status()));
+      return false;
+    }
     for (;;) {
-      for (GenerateEvent& ev : stream->Take(o.probe_interval)) got.push_back(std::move(ev));
-      const bool done = !got.empty() && got.back().finish != FinishReason::kNone;
-      if (done || (parsed->stream && !got.empty())) break;
+      for (GenerateEvent& ev : st->Take(o.probe_interval)) got->push_back(std::move(ev));
+      const bool done = !got->empty() && got->back().finish != FinishReason::kNone;
+      if (done || (streamed && !got->empty())) break;
       if (ClientGone(req.fd)) {
-        engine->Cancel(rid);
-        res.status = 499;  // nobody reads it
-        return;
+        engine->Cancel(*id);
+        res.status = 499;
+        return false;
       }
     }
-    if (Failed(got.back())) return SendError(res, FailureOf(got.back()));
+    if (Failed(got->back())) {
+      send(res, FailureOf(got->back()));
+      return false;
+    }
+    *stream = std::move(st);
+    *rid = *id;
+    return true;
+  }
+
+  void Generate(Endpoint endpoint, const HttpRequest& req, HttpResponse& res) {
+    const std::optional<Json> body = ReadBody(req, res, SendError);
+    if (!body) return;
+    Error perr;
+    auto parsed = openai::ParseRequest(endpoint, *body, ChatContext(), &perr);
+    if (!parsed.ok()) return SendError(res, perr);
+    const int32_t want_lp = parsed->request.logprobs;
+    std::shared_ptr<Stream> stream;
+    uint64_t rid = 0;
+    std::deque<GenerateEvent> got;
+    if (!SubmitAndWait(std::move(parsed->request), parsed->stream, req, res, SendError, &stream,
+                       &rid, &got))
+      return;
+    const std::string cid = NewId(endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-");
+    const int64_t now = absl::ToUnixSeconds(absl::Now());
 
     if (!parsed->stream) {
       std::string text;
@@ -206,13 +271,8 @@ struct HttpService::Impl {
       const openai::Usage usage{last.prompt_tokens, last.completion_tokens};
       Json j;
       if (endpoint == Endpoint::kChatCompletions) {
-        OutputParser parser(parsed->output);
-        parser.Feed(parsed->forced_prefix);
-        parser.Feed(text);
-        parser.Finish();
-        ParsedOutput out = parser.result();
-        KeepCalls(parsed->parallel_tool_calls, 0, cid, &out.tool_calls);
-        j = openai::ChatResponse(cid, now, o.model_name, out, last.finish, usage, lp_json);
+        j = openai::ChatResponse(cid, now, o.model_name, WholeOutput(*parsed, text, cid),
+                                 last.finish, usage, lp_json);
       } else {
         j = openai::CompletionResponse(endpoint, cid, now, o.model_name, text, last.finish, usage,
                                        lp_json);
@@ -311,6 +371,109 @@ struct HttpService::Impl {
       if (!st->ended) eng->Cancel(rid);  // the client went away mid-stream
     };
   }
+
+  // POST /v1/messages (anthropic_api.h): the body as a chat request, its
+  // output as a message or as Anthropic's stream events.
+  void Messages(const HttpRequest& req, HttpResponse& res) {
+    const std::optional<Json> body = ReadBody(req, res, SendAnthropicError);
+    if (!body) return;
+    Error perr;
+    auto chat_body = anthropic::ToChatBody(*body, /*count_only=*/false, &perr);
+    if (!chat_body.ok()) return SendAnthropicError(res, perr);
+    auto parsed =
+        openai::ParseRequest(Endpoint::kChatCompletions, *chat_body, ChatContext(), &perr);
+    if (!parsed.ok()) return SendAnthropicError(res, perr);
+    const int64_t input_tokens = static_cast<int64_t>(parsed->request.prompt.size());
+    std::shared_ptr<Stream> stream;
+    uint64_t rid = 0;
+    std::deque<GenerateEvent> got;
+    if (!SubmitAndWait(std::move(parsed->request), parsed->stream, req, res, SendAnthropicError,
+                       &stream, &rid, &got))
+      return;
+    const std::string mid = NewId("msg_");
+    if (!parsed->stream) {
+      std::string text;
+      for (const GenerateEvent& ev : got) text += ev.text;
+      const ParsedOutput out = WholeOutput(*parsed, text, NewId("toolu-"));
+      const GenerateEvent& last = got.back();
+      res.content_type = "application/json";
+      res.body = anthropic::MessageJson(mid, o.model_name, out, last.finish, last.stop_string,
+                                        input_tokens, last.completion_tokens)
+                     .dump(-1, ' ', false, Json::error_handler_t::replace);
+      return;
+    }
+    struct State {
+      std::deque<GenerateEvent> pending;
+      OutputParser parser;
+      anthropic::StreamWriter writer;
+      std::string call_ids;  // tool-call ids are made from it
+      int calls = 0;
+      bool started = false, ended = false;
+    };
+    auto st =
+        std::make_shared<State>(State{std::move(got), OutputParser(parsed->output),
+                                      anthropic::StreamWriter(mid, o.model_name), NewId("toolu-")});
+    st->parser.Feed(parsed->forced_prefix);
+    const bool parallel_calls = parsed->parallel_tool_calls;
+    const absl::Duration probe = o.probe_interval;
+    res.headers.emplace_back("Cache-Control", "no-cache");
+    res.headers.emplace_back("X-Accel-Buffering", "no");
+    res.content_type = "text/event-stream";
+    res.stream = [st, stream, probe, parallel_calls, input_tokens](std::string* out, bool* done) {
+      if (!st->started) {
+        *out += st->writer.Start(input_tokens);
+        st->started = true;
+      }
+      if (st->pending.empty()) {
+        st->pending = stream->Take(probe);
+        // Nothing new: a ping, so a client that left is noticed.
+        if (st->pending.empty()) {
+          *out += anthropic::Event("ping", Json{{"type", "ping"}});
+          return true;
+        }
+      }
+      for (const GenerateEvent& ev : st->pending) {
+        if (Failed(ev)) {
+          const Error e = FailureOf(ev);
+          *out += absl::StrCat("event: error\ndata: ", anthropic::ErrorJson(e), "\n\n");
+          st->ended = true;
+          break;
+        }
+        OutputDelta d = st->parser.Feed(ev.text);
+        if (ev.finish != FinishReason::kNone) Append(st->parser.Finish(), &d);
+        KeepCalls(parallel_calls, st->calls, st->call_ids, &d.tool_calls);
+        st->calls += static_cast<int>(d.tool_calls.size());
+        *out += st->writer.Delta(d);
+        if (ev.finish != FinishReason::kNone) {
+          *out += st->writer.Finish(ev.finish, ev.stop_string, ev.completion_tokens);
+          st->ended = true;
+          break;
+        }
+      }
+      st->pending.clear();
+      *done = st->ended;
+      return true;
+    };
+    Engine* eng = engine;
+    res.on_stream_end = [eng, rid, st](bool) {
+      if (!st->ended) eng->Cancel(rid);  // the client went away mid-stream
+    };
+  }
+
+  // POST /v1/messages/count_tokens: the prompt's tokens as rendered.
+  void CountTokens(const HttpRequest& req, HttpResponse& res) {
+    const std::optional<Json> body = ReadBody(req, res, SendAnthropicError);
+    if (!body) return;
+    Error perr;
+    auto chat_body = anthropic::ToChatBody(*body, /*count_only=*/true, &perr);
+    if (!chat_body.ok()) return SendAnthropicError(res, perr);
+    (*chat_body).erase("stream");
+    auto parsed =
+        openai::ParseRequest(Endpoint::kChatCompletions, *chat_body, ChatContext(), &perr);
+    if (!parsed.ok()) return SendAnthropicError(res, perr);
+    res.content_type = "application/json";
+    res.body = Json{{"input_tokens", parsed->request.prompt.size()}}.dump();
+  }
 };
 
 absl::StatusOr<std::unique_ptr<HttpService>> HttpService::Start(Engine* engine,
@@ -347,12 +510,15 @@ absl::StatusOr<std::unique_ptr<HttpService>> HttpService::Start(Engine* engine,
   so.header_timeout = impl->o.header_timeout;
   so.idle_timeout = impl->o.idle_timeout;
   so.io_timeout = impl->o.io_timeout;
-  std::vector<std::string> routes = {"POST /v1/chat/completions", "POST /v1/completions",
-                                     "GET /v1/models", "GET /health"};
+  std::vector<std::string> routes = {
+      "POST /v1/chat/completions",      "POST /v1/completions", "POST /v1/messages",
+      "POST /v1/messages/count_tokens", "GET /v1/models",       "GET /health"};
   if (impl->o.metrics) routes.push_back("GET /metrics");
   auto handler = [impl](const HttpRequest& q, HttpResponse& r) {
     if (q.path == "/v1/chat/completions") return impl->Generate(Endpoint::kChatCompletions, q, r);
     if (q.path == "/v1/completions") return impl->Generate(Endpoint::kCompletions, q, r);
+    if (q.path == "/v1/messages") return impl->Messages(q, r);
+    if (q.path == "/v1/messages/count_tokens") return impl->CountTokens(q, r);
     if (q.path == "/health") {
       const bool up = !impl->draining->load() && (!impl->o.ready || impl->o.ready());
       r.status = up ? 200 : 503;

@@ -3,11 +3,15 @@
 //   POST /v1/chat/completions, POST /v1/completions (streamed as
 //     server-sent events ending "data: [DONE]", or whole; chat's output
 //     split into content, reasoning_content and tool_calls by the model's
-//     syntax, common/text/tool_calls.h); GET /v1/models;
+//     syntax, common/text/tool_calls.h); POST /v1/messages and
+//     /v1/messages/count_tokens (the Anthropic Messages API, anthropic_api.h:
+//     its errors in Anthropic's shape, 529 where OpenAI's are 503);
+//     GET /v1/models;
 //   GET /metrics (Prometheus text, from `metrics`); GET /health.
 // Errors are OpenAI's error JSON with the fitting status (openai_api.h):
 // 400 bad parameters (naming the field), a body nesting JSON deeper than
-// kMaxClientJsonDepth, or bad framing; 401 no or wrong bearer token; 404
+// kMaxClientJsonDepth, or bad framing; 401 no or wrong token (bearer or
+// x-api-key); 404
 // another model or path; 408 a request head slower than header_timeout; 413
 // a body over max_body_bytes; 429 the engine's queue full; 503 draining,
 // the expert service down, or max_connections open (http_server.h).

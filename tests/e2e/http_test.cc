@@ -667,6 +667,16 @@ TEST(HttpApi, MetricsCountWhatWasServed) {
   }
 }
 
+// Runs `cmd` (a client check script), its output and errors into *out;
+// its wait status.
+int RunCheck(const std::string& cmd, std::string* out) {
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out->append(buf, n);
+  return ::pclose(p);
+}
+
 // The official `openai` Python client (pinned in
 // tests/e2e/openai_client/requirements.txt, in the virtual environment
 // deploy/run-tests.sh makes) against the worker: chat and completions whole
@@ -680,15 +690,39 @@ TEST(HttpApi, TheOfficialOpenAiClient) {
   ASSERT_EQ(::chmod(h.pair.file("tokens").c_str(), 0600), 0);
   h.pair.set_client_token("client-key-0123456789");
   ASSERT_TRUE(h.Start({"--auth-token-file=" + h.pair.file("tokens")}));
-  const std::string cmd = absl::StrCat(
-      python, " ", HMOE_SOURCE_DIR, "/tests/e2e/openai_client/check.py http://127.0.0.1:", h.port,
-      "/v1 ds3_fortunes client-key-0123456789 2>&1");
-  FILE* p = ::popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
   std::string out;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
-  const int status = ::pclose(p);
+  const int status =
+      RunCheck(absl::StrCat(python, " ", HMOE_SOURCE_DIR,
+                            "/tests/e2e/openai_client/check.py http://127.0.0.1:", h.port,
+                            "/v1 ds3_fortunes client-key-0123456789"),
+               &out);
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("ok   a wrong key -> AuthenticationError"), std::string::npos) << out;
+}
+
+// The official `anthropic` Python client (pinned in
+// tests/e2e/anthropic_client/requirements.txt, in the virtual environment
+// deploy/run-tests.sh makes) against /v1/messages: whole and streamed,
+// count_tokens, a tool-use round trip in the history (the Qwen3 template,
+// which renders tool turns), a stop sequence, its exceptions for 400 and
+// 401 (the key sent as x-api-key).
+TEST(HttpApi, TheOfficialAnthropicClient) {
+  const std::string python = std::string(HMOE_BINARY_DIR) + "/anthropic-venv/bin/python";
+  if (::access(python.c_str(), X_OK) != 0)
+    GTEST_SKIP() << "no " << python << " (deploy/run-tests.sh makes it with the pinned anthropic)";
+  HttpPair h;
+  { std::ofstream(h.pair.file("tokens")) << "client-key-0123456789\n"; }
+  ASSERT_EQ(::chmod(h.pair.file("tokens").c_str(), 0600), 0);
+  h.pair.set_client_token("client-key-0123456789");
+  ASSERT_TRUE(h.Start({"--auth-token-file=" + h.pair.file("tokens"),
+                       absl::StrCat("--chat-template=", HMOE_SOURCE_DIR,
+                                    "/tests/fixtures/chat_templates/qwen3.jinja")}));
+  std::string out;
+  const int status =
+      RunCheck(absl::StrCat(python, " ", HMOE_SOURCE_DIR,
+                            "/tests/e2e/anthropic_client/check.py http://127.0.0.1:", h.port,
+                            " client-key-0123456789"),
+               &out);
   EXPECT_EQ(status, 0) << out;
   EXPECT_NE(out.find("ok   a wrong key -> AuthenticationError"), std::string::npos) << out;
 }

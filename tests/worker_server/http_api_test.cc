@@ -540,5 +540,130 @@ TEST_F(HttpApiInProcess, RequiredToolChoiceNeedsASyntax) {
   EXPECT_THAT(r.body, HasSubstr("--tool-call-syntax"));
 }
 
+// The Anthropic Messages API over the same scripted output: thinking, text
+// and tool_use blocks, stop_reason tool_use, usage; streamed, the
+// documented event order with the same blocks; count_tokens the same
+// input_tokens.
+TEST_F(ChatToolCalls, AnthropicMessagesWholeAndStreamed) {
+  ASSERT_NO_FATAL_FAILURE(
+      Serve("<think>\nParis.\n</think>\n\nChecking.\n<tool_call>\n{\"name\": \"get_weather\", "
+            "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"));
+  const Json req = Json::parse(R"({"model": "claude-any", "max_tokens": 300, "temperature": 0,
+      "system": [{"type": "text", "text": "Be brief."}],
+      "messages": [{"role": "user", "content": "Weather in Paris?"}],
+      "tools": [{"name": "get_weather", "description": "Weather.", "input_schema":
+        {"type": "object", "properties": {"city": {"type": "string"}}}}]})");
+  RawResponse w = Post("/v1/messages", req.dump());
+  ASSERT_EQ(w.status, 200) << w.body;
+  const Json m = Json::parse(w.body);
+  EXPECT_EQ(m["type"], "message");
+  EXPECT_EQ(m["role"], "assistant");
+  EXPECT_TRUE(absl::StartsWith(m["id"].get<std::string>(), "msg_"));
+  EXPECT_EQ(m["stop_reason"], "tool_use");
+  EXPECT_TRUE(m["stop_sequence"].is_null());
+  ASSERT_EQ(m["content"].size(), 3u) << m.dump();
+  EXPECT_EQ(m["content"][0], Json::parse(R"({"type": "thinking", "thinking": "\nParis.\n",
+                                            "signature": ""})"));
+  EXPECT_EQ(m["content"][1], Json::parse(R"({"type": "text", "text": "Checking.\n"})"));
+  EXPECT_EQ(m["content"][2]["type"], "tool_use");
+  EXPECT_EQ(m["content"][2]["name"], "get_weather");
+  EXPECT_EQ(m["content"][2]["input"], Json::parse(R"({"city": "Paris"})"));
+  const int64_t input_tokens = m["usage"]["input_tokens"].get<int64_t>();
+  EXPECT_GT(input_tokens, 0);
+  EXPECT_GT(m["usage"]["output_tokens"].get<int64_t>(), 0);
+
+  Json sreq = req;
+  sreq["stream"] = true;
+  RawResponse s = Post("/v1/messages", sreq.dump());
+  ASSERT_EQ(s.status, 200) << s.body;
+  std::vector<std::string> names;
+  std::vector<Json> data;
+  for (absl::string_view line : absl::StrSplit(s.body, '\n')) {
+    if (absl::ConsumePrefix(&line, "event: ")) names.emplace_back(line);
+    if (absl::ConsumePrefix(&line, "data: ")) data.push_back(Json::parse(line.begin(), line.end()));
+  }
+  ASSERT_EQ(names.size(), data.size());
+  for (size_t i = 0; i < names.size(); ++i) EXPECT_EQ(data[i]["type"], names[i]) << i;
+  // The order: message_start, ping, then thinking, text, tool_use blocks
+  // (each start, deltas, stop), message_delta, message_stop.
+  std::vector<std::string> compact;
+  for (const std::string& n : names)
+    if (n != "ping" && (compact.empty() || n != "content_block_delta" || compact.back() != n))
+      compact.push_back(n);
+  EXPECT_EQ(compact, (std::vector<std::string>{
+                         "message_start", "content_block_start", "content_block_delta",
+                         "content_block_stop", "content_block_start", "content_block_delta",
+                         "content_block_stop", "content_block_start", "content_block_delta",
+                         "content_block_stop", "message_delta", "message_stop"}));
+  EXPECT_EQ(names[1], "ping");
+  EXPECT_EQ(data[0]["message"]["usage"]["input_tokens"], input_tokens);
+  // Joined, the blocks are the whole response's.
+  Json blocks = Json::array();
+  for (const Json& d : data) {
+    if (d["type"] == "content_block_start") {
+      EXPECT_EQ(d["index"], blocks.size());
+      blocks.push_back(d["content_block"]);
+    } else if (d["type"] == "content_block_delta") {
+      Json& b = blocks[d["index"].get<size_t>()];
+      const Json& dl = d["delta"];
+      if (dl["type"] == "text_delta")
+        b["text"] = b["text"].get<std::string>() + dl["text"].get<std::string>();
+      if (dl["type"] == "thinking_delta")
+        b["thinking"] = b["thinking"].get<std::string>() + dl["thinking"].get<std::string>();
+      if (dl["type"] == "input_json_delta")
+        b["input"] = Json::parse(dl["partial_json"].get<std::string>());
+    }
+  }
+  ASSERT_EQ(blocks.size(), 3u);
+  EXPECT_EQ(blocks[0], m["content"][0]);
+  EXPECT_EQ(blocks[1], m["content"][1]);
+  EXPECT_EQ(blocks[2]["input"], m["content"][2]["input"]);
+  EXPECT_EQ(data[data.size() - 2]["delta"]["stop_reason"], "tool_use");
+
+  RawResponse c = Post("/v1/messages/count_tokens", req.dump());
+  ASSERT_EQ(c.status, 200) << c.body;
+  EXPECT_EQ(Json::parse(c.body)["input_tokens"], input_tokens);
+}
+
+// A stop sequence ends the message with stop_reason stop_sequence and the
+// sequence; bad requests are Anthropic's errors naming the field.
+TEST_F(ChatToolCalls, AnthropicStopSequencesAndErrors) {
+  ASSERT_NO_FATAL_FAILURE(Serve("One two three four."));
+  RawResponse r = Post("/v1/messages", R"({"model": "m", "max_tokens": 20, "temperature": 0,
+      "stop_sequences": ["three", "zzz"], "messages": [{"role": "user", "content": "Count"}]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const Json m = Json::parse(r.body);
+  EXPECT_EQ(m["stop_reason"], "stop_sequence");
+  EXPECT_EQ(m["stop_sequence"], "three");
+  EXPECT_EQ(m["content"][0]["text"], "One two ");
+  struct Case {
+    std::string body;
+    const char* says;
+  };
+  const Case cases[] = {
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}]})", "max_tokens: required"},
+      {R"({"model": "m", "max_tokens": 5, "messages": []})", "messages: expected a non-empty"},
+      {R"({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type":
+          "image", "source": {}}]}]})",
+       "messages[0].content[0]: image blocks are not supported"},
+      {R"({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]})",
+       "messages[0].role"},
+      {R"({"model": "m", "max_tokens": 5, "temperature": 9, "messages": [{"role": "user",
+          "content": "x"}]})",
+       "temperature"},
+      {R"({"model": "m", "max_tokens": 5, "tool_choice": {"type": "maybe"}, "messages":
+          [{"role": "user", "content": "x"}]})",
+       "tool_choice"},
+  };
+  for (const Case& c : cases) {
+    RawResponse e = Post("/v1/messages", c.body);
+    EXPECT_EQ(e.status, 400) << e.body;
+    const Json j = Json::parse(e.body);
+    EXPECT_EQ(j["type"], "error");
+    EXPECT_EQ(j["error"]["type"], "invalid_request_error");
+    EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr(c.says));
+  }
+}
+
 }  // namespace
 }  // namespace hmoe
