@@ -152,6 +152,24 @@ def openai_bodies():
         put("openai_request", "chat%d" % i, b"\x00" + json.dumps(b).encode())
     for i, b in enumerate(comp):
         put("openai_request", "completions%d" % i, b"\x01" + json.dumps(b).encode())
+    # Anthropic Messages bodies (mode bit 1), with the qwen3 syntax (bits
+    # 2-4 = 3) and reasoning split (bit 5); bit 6: count_tokens.
+    messages = [
+        {"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "Hi"}],
+         "messages": [{"role": "user", "content": "x"}], "stop_sequences": ["."]},
+        {"model": "m", "max_tokens": 8, "tools": [{"name": "f", "input_schema": {}}],
+         "tool_choice": {"type": "tool", "name": "f", "disable_parallel_tool_use": True},
+         "messages": [{"role": "user", "content": "x"},
+                      {"role": "assistant", "content": [
+                          {"type": "thinking", "thinking": "t", "signature": ""},
+                          {"type": "tool_use", "id": "a", "name": "f", "input": {"k": 1}}]},
+                      {"role": "user", "content": [
+                          {"type": "tool_result", "tool_use_id": "a", "content": "r"}]}]},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+    ]
+    for i, b in enumerate(messages):
+        put("openai_request", "messages%d" % i, bytes([2 | (3 << 2) | 32 | (64 if i == 2 else 0)])
+            + json.dumps(b).encode())
     # tool_calls: mode byte (syntax = low 3 bits in tool_calls_fuzz.cc's
     # order; 8: starts in reasoning; 16: no reasoning split; 32: tools), a
     # seed byte, then model output in that syntax.

@@ -1,13 +1,16 @@
 // An OpenAI-style HTTP request body as the worker's HTTP API parses it
 // (openai::ParseRequest: every field's type and range, the chat template
 // rendering messages, the tokenizer encoding the prompt), then checked as
-// Engine::Submit does (CheckGenerateRequest). First byte: even = chat
-// completions, odd = completions; the rest is the body.
+// Engine::Submit does (CheckGenerateRequest). First byte: bit 0 = completions
+// (else chat completions); bit 1 = an Anthropic Messages body
+// (anthropic::ToChatBody first; chat); bits 2-4 = the tool-call syntax (and
+// reasoning split) chat output is parsed in; the rest is the body.
 #include <cstdint>
 #include <optional>
 #include <string>
 
 #include "gpu_worker/engine/engine.h"
+#include "gpu_worker/server/anthropic_api.h"
 #include "gpu_worker/server/openai_api.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -21,12 +24,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return t.ok() ? new hmoe::ChatTemplate(std::move(*t)) : nullptr;
   }();
   hmoe::fuzz::Input in(data, size);
-  const auto endpoint = (in.Take<uint8_t>() & 1) ? hmoe::openai::Endpoint::kCompletions
+  const uint8_t mode = in.Take<uint8_t>();
+  const bool anthropic = (mode & 2) != 0;
+  const auto endpoint = (mode & 1) && !anthropic ? hmoe::openai::Endpoint::kCompletions
                                                  : hmoe::openai::Endpoint::kChatCompletions;
-  const auto body = hmoe::openai::Json::parse(in.Rest(), nullptr, /*allow_exceptions=*/false);
+  auto body = hmoe::openai::Json::parse(in.Rest(), nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded()) return 0;
-  hmoe::openai::Context ctx{"fortunes", tokenizer, chat, "none", 1024};
+  static constexpr hmoe::ToolSyntax kSyntaxes[] = {
+      hmoe::ToolSyntax::kNone,   hmoe::ToolSyntax::kDeepseek,   hmoe::ToolSyntax::kKimiK2,
+      hmoe::ToolSyntax::kQwen3,  hmoe::ToolSyntax::kQwen3Coder, hmoe::ToolSyntax::kGlm45,
+      hmoe::ToolSyntax::kMixtral};
+  hmoe::openai::Context ctx{"fortunes",      tokenizer, chat,
+                            "none",          1024,      kSyntaxes[((mode >> 2) & 7) % 7],
+                            (mode & 32) != 0};
   hmoe::openai::Error error;
+  if (anthropic) {
+    auto converted = hmoe::anthropic::ToChatBody(body, (mode & 64) != 0, &error);
+    if (!converted.ok()) {
+      if (error.message.empty()) __builtin_trap();
+      (void)hmoe::anthropic::ErrorJson(error);
+      return 0;
+    }
+    body = std::move(*converted);
+  }
   auto parsed = hmoe::openai::ParseRequest(endpoint, body, ctx, &error);
   if (!parsed.ok()) {
     // Every refusal is an error a client can read.
