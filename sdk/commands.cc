@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -26,6 +27,7 @@
 #include "common/transport/grpc_tls.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
+#include "sdk/agent_replay.h"
 #include "sdk/client.h"
 #include "sdk/stats.h"
 
@@ -505,6 +507,88 @@ int BenchServeCommand(const std::vector<std::string>& args) {
         requests - static_cast<int>(latency.size()), requests, exhausted.load(), failed.load(),
         retry == 0 && exhausted.load() > 0 ? "; --retry N sends refused ones again" : "");
     return 1;
+  }
+  return 0;
+}
+
+int BenchAgentCommand(const std::vector<std::string>& args) {
+  Command cmd("bench-agent", "[flags]",
+              "Replays a coding agent's conversation (sdk/agent_replay.h: a long system prompt,\n"
+              "tools, turns of user text and tool results, recorded replies): each turn's\n"
+              "prompt tokens, time to first token and decode tok/s, one request at a time.");
+  AgentReplayOptions ro;
+  int64_t turns = ro.turns, seed = static_cast<int64_t>(ro.seed);
+  std::string json_out, label;
+  RequestFlags rf;
+  rf.max_tokens = 32;
+  rf.ignore_eos = true;  // each turn decodes the same number of tokens
+  FlagSet& fs = cmd.flags();
+  fs.Int("turns", &turns, 1, 10000, "turns to replay");
+  fs.Int("system-words", &ro.system_words, 0, int64_t{1} << 24,
+         "words of system prompt (~1.3 tokens each with a BPE tokenizer)");
+  fs.Int("turn-words", &ro.turn_words, 1, int64_t{1} << 24, "words each turn adds");
+  int64_t tools = ro.tools;
+  fs.Int("tools", &tools, 1, 8, "tool definitions sent with every turn");
+  fs.Int("seed", &seed, 0, std::numeric_limits<int64_t>::max(), "the conversation's seed");
+  fs.String("label", &label, "TEXT", "printed with the table and in the JSON (e.g. \"cache on\")");
+  fs.String("json", &json_out, "FILE", "also write the turns as JSON");
+  AddRequestFlags(fs, &rf);
+  int exit_code = 0;
+  std::unique_ptr<Client> client = cmd.Start(args, nullptr, nullptr, &exit_code);
+  if (client == nullptr) return exit_code;
+  ro.turns = static_cast<int>(turns);
+  ro.tools = static_cast<int>(tools);
+  ro.seed = static_cast<uint64_t>(seed);
+  const AgentConversation conv = MakeAgentConversation(ro);
+  api::v1::GenerateRequest base;
+  ApplySampling(fs, rf, base);
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  std::printf("bench-agent%s: %d turns, %d max tokens each\n",
+              label.empty() ? "" : absl::StrCat(" (", label, ")").c_str(), ro.turns,
+              base.max_tokens());
+  std::printf("  turn  prompt tok  new tok  first token ms  decode tok/s\n");
+  int64_t last_prompt = 0;
+  std::vector<double> ttfts;
+  for (int t = 0; t < ro.turns; ++t) {
+    api::v1::GenerateRequest req = base;
+    *req.mutable_chat() = AgentChat(conv, t);
+    auto r = client->Generate(req, nullptr, rf.Deadline());
+    if (!r.ok()) return cmd.Fail(r.status(), absl::StrCat(": turn ", t + 1));
+    const int64_t prompt = r->usage.prompt_tokens(), out = r->usage.completion_tokens();
+    const double decode_s = (r->wall_ms - r->first_chunk_ms) / 1000;
+    const double tps = out > 1 && decode_s > 0 ? static_cast<double>(out - 1) / decode_s : 0;
+    std::printf("  %4d  %10lld  %7lld  %14.1f  %12.2f\n", t + 1, static_cast<long long>(prompt),
+                static_cast<long long>(prompt - last_prompt), r->first_chunk_ms, tps);
+    rows.push_back({{"turn", t + 1},
+                    {"prompt_tokens", prompt},
+                    {"new_prompt_tokens", prompt - last_prompt},
+                    {"completion_tokens", out},
+                    {"first_token_ms", r->first_chunk_ms},
+                    {"decode_tokens_per_s", tps},
+                    {"wall_ms", r->wall_ms}});
+    ttfts.push_back(r->first_chunk_ms);
+    last_prompt = prompt;
+  }
+  if (ttfts.size() > 1) {
+    double later = 0;
+    for (size_t i = 1; i < ttfts.size(); ++i) later += ttfts[i];
+    later /= static_cast<double>(ttfts.size() - 1);
+    std::printf("  first token: turn 1 %.1f ms, turns 2-%zu mean %.1f ms\n", ttfts[0], ttfts.size(),
+                later);
+  }
+  if (!json_out.empty()) {
+    nlohmann::ordered_json j = {{"label", label},
+                                {"turns", ro.turns},
+                                {"system_words", ro.system_words},
+                                {"turn_words", ro.turn_words},
+                                {"max_tokens", base.max_tokens()},
+                                {"rows", rows}};
+    std::ofstream f(json_out);
+    f << j.dump(1) << "\n";
+    if (!f) {
+      std::fprintf(stderr, "hmoe bench-agent: cannot write %s\n", json_out.c_str());
+      return 1;
+    }
   }
   return 0;
 }

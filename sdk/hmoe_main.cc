@@ -33,6 +33,9 @@ int Usage(FILE* out) {
       "  bench-serve [--server ADDR] [--clients N] [--requests M] [--max-tokens K] [-p TEXT]\n"
       "              [--retry N]  (exit 1 when any request is refused or fails)\n"
       "      N concurrent clients: latency percentiles and throughput\n"
+      "  bench-agent [--server ADDR] [--turns N] [--system-words W] [--turn-words W]\n"
+      "              [--max-tokens K] [--label TEXT] [--json FILE]\n"
+      "      replays a coding agent's conversation: time to first token per turn\n"
       "  bench-http [--server ADDR] [--http URL] [--requests N] [--max-tokens K] [-p TEXT]\n"
       "      streaming chat tok/s at batch 1 over the HTTP API beside gRPC (alternating)\n"
       "  stats [--server ADDR] [--save FILE] [--json]\n"
@@ -87,6 +90,7 @@ int main(int argc, char** argv) {
   if (cmd == "generate") return hmoe::GenerateCommand(args);
   if (cmd == "chat") return hmoe::ChatCommand(args);
   if (cmd == "bench-serve") return hmoe::BenchServeCommand(args);
+  if (cmd == "bench-agent") return hmoe::BenchAgentCommand(args);
   if (cmd == "bench-http") return hmoe::BenchHttpCommand(args);
   if (cmd == "stats") return hmoe::StatsCommand(args);
   if (cmd == "-h" || cmd == "--help" || cmd == "help") return Usage(stdout);

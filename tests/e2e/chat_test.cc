@@ -3,10 +3,12 @@
 // fixture's), as the HTTP API's chat completions do.
 #include <stdio.h>
 
+#include <fstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/e2e/serving_pair.h"
 
 namespace hmoe {
@@ -127,6 +129,44 @@ TEST(GrpcChat, HmoeChatSendsTheConversation) {
   auto r2 = p.client().Generate(second);
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(out, r1->text + "\n" + r2->text + "\n");
+}
+
+// `hmoe bench-agent` replays its turns against the worker (the Qwen3
+// template, which renders tool turns and tools): one row per turn, each
+// turn's prompt extending the last one's by what the turn added, every
+// turn decoding --max-tokens.
+TEST(GrpcChat, BenchAgentReplaysTheTurns) {
+  testing::Pair p;
+  ASSERT_TRUE(p.Start(Fixture("ds3_fortunes"), 1, "tp", "shm",
+                      {absl::StrCat("--chat-template=", Fixture("chat_templates/qwen3.jinja"))}));
+  const std::string json = p.file("agent.json");
+  const std::string cmd =
+      absl::StrCat(HMOE_BINARY_DIR, "/bin/hmoe bench-agent --server ", p.worker().target(),
+                   " --turns 4 --tools 1 --system-words 40 --turn-words 12 --max-tokens 3 --label "
+                   "'cache off' --json ",
+                   json, " 2>&1");
+  FILE* f = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), f)) out.append(buf, n);
+  ASSERT_EQ(::pclose(f), 0) << out;
+  EXPECT_NE(out.find("bench-agent (cache off): 4 turns"), std::string::npos) << out;
+  std::ifstream in(json);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  ASSERT_EQ(j["rows"].size(), 4u) << j.dump();
+  int64_t last = 0;
+  for (const auto& row : j["rows"]) {
+    EXPECT_EQ(row["completion_tokens"], 3);
+    EXPECT_GT(row["prompt_tokens"].get<int64_t>(), last);
+    EXPECT_EQ(row["new_prompt_tokens"].get<int64_t>(), row["prompt_tokens"].get<int64_t>() - last);
+    EXPECT_GT(row["first_token_ms"].get<double>(), 0);
+    last = row["prompt_tokens"].get<int64_t>();
+  }
+  // The system prompt and tools come first: turn 1 holds most of its prompt.
+  EXPECT_GT(j["rows"][0]["prompt_tokens"].get<int64_t>(),
+            j["rows"][1]["new_prompt_tokens"].get<int64_t>());
 }
 
 }  // namespace
