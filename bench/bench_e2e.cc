@@ -228,6 +228,82 @@ std::optional<ojson> PresetConfig(const std::string& name) {
                  {"tie_word_embeddings", false},
                  {"torch_dtype", "bfloat16"},
                  {"vocab_size", 32000}};
+  // tests/fixtures/configs/kimi_k2_published (Kimi-K2-Instruct).
+  if (name == "kimi-k2")
+    return ojson{{"architectures", {"DeepseekV3ForCausalLM"}},
+                 {"attention_bias", false},
+                 {"bos_token_id", 163584},
+                 {"eos_token_id", 163585},
+                 {"first_k_dense_replace", 1},
+                 {"hidden_act", "silu"},
+                 {"hidden_size", 7168},
+                 {"intermediate_size", 18432},
+                 {"kv_lora_rank", 512},
+                 {"max_position_embeddings", 131072},
+                 {"model_type", "kimi_k2"},
+                 {"moe_intermediate_size", 2048},
+                 {"moe_layer_freq", 1},
+                 {"n_group", 1},
+                 {"n_routed_experts", 384},
+                 {"n_shared_experts", 1},
+                 {"norm_topk_prob", true},
+                 {"num_attention_heads", 64},
+                 {"num_experts_per_tok", 8},
+                 {"num_hidden_layers", 61},
+                 {"num_key_value_heads", 64},
+                 {"num_nextn_predict_layers", 0},
+                 {"q_lora_rank", 1536},
+                 {"qk_nope_head_dim", 128},
+                 {"qk_rope_head_dim", 64},
+                 {"rms_norm_eps", 1e-6},
+                 {"rope_scaling",
+                  {{"beta_fast", 1.0},
+                   {"beta_slow", 1.0},
+                   {"factor", 32.0},
+                   {"mscale", 1.0},
+                   {"mscale_all_dim", 1.0},
+                   {"original_max_position_embeddings", 4096},
+                   {"type", "yarn"}}},
+                 {"rope_theta", 50000.0},
+                 {"routed_scaling_factor", 2.827},
+                 {"scoring_func", "sigmoid"},
+                 {"tie_word_embeddings", false},
+                 {"topk_group", 1},
+                 {"topk_method", "noaux_tc"},
+                 {"torch_dtype", "bfloat16"},
+                 {"v_head_dim", 128},
+                 {"vocab_size", 163840}};
+  // tests/fixtures/configs/glm4_5_published (GLM-4.5).
+  if (name == "glm-4.5")
+    return ojson{{"architectures", {"Glm4MoeForCausalLM"}},
+                 {"attention_bias", true},
+                 {"eos_token_id", 151329},
+                 {"first_k_dense_replace", 3},
+                 {"head_dim", 128},
+                 {"hidden_act", "silu"},
+                 {"hidden_size", 5120},
+                 {"intermediate_size", 12288},
+                 {"max_position_embeddings", 131072},
+                 {"model_type", "glm4_moe"},
+                 {"moe_intermediate_size", 1536},
+                 {"n_group", 1},
+                 {"n_routed_experts", 160},
+                 {"n_shared_experts", 1},
+                 {"norm_topk_prob", true},
+                 {"num_attention_heads", 96},
+                 {"num_experts_per_tok", 8},
+                 {"num_hidden_layers", 92},
+                 {"num_key_value_heads", 8},
+                 {"num_nextn_predict_layers", 0},
+                 {"partial_rotary_factor", 0.5},
+                 {"rms_norm_eps", 1e-5},
+                 {"rope_theta", 1000000.0},
+                 {"routed_scaling_factor", 2.5},
+                 {"tie_word_embeddings", false},
+                 {"topk_group", 1},
+                 {"torch_dtype", "bfloat16"},
+                 {"use_qk_norm", true},
+                 {"vocab_size", 151552}};
   return std::nullopt;
 }
 
@@ -327,7 +403,8 @@ void AddFlags(FlagSet& fs, Args* a) {
     };
   };
   fs.Group("model and service");
-  fs.Choice("preset", &a->preset, {"qwen3-30b", "ds-v3", "ds-v2-lite", "mixtral"},
+  fs.Choice("preset", &a->preset,
+            {"qwen3-30b", "ds-v3", "ds-v2-lite", "mixtral", "kimi-k2", "glm-4.5"},
             "the model's shape");
   fs.Int("layers", &a->layers, 0, 4096,
          "decoder layers, dense-first ones included (0: as many as fit the routed experts in "
@@ -893,7 +970,7 @@ absl::Status Run(const Args& a) {
   if (a.vocab > 0) {
     cfg["vocab_size"] = a.vocab;
     for (const char* id : {"bos_token_id", "eos_token_id"})  // kept inside the vocabulary
-      if (cfg[id].get<int64_t>() >= a.vocab) cfg[id] = a.vocab - 1;
+      if (cfg.contains(id) && cfg[id].get<int64_t>() >= a.vocab) cfg[id] = a.vocab - 1;
   }
   const int real_layers = cfg["num_hidden_layers"].get<int>();
   const int first_dense =

@@ -61,10 +61,9 @@ struct Preset {
   int64_t H, I, E;
   int K;
 };
-const Preset kPresets[] = {{"ds-v3", 7168, 2048, 256, 8},
-                           {"qwen3-30b", 2048, 768, 128, 8},
-                           {"ds-v2-lite", 2048, 1408, 64, 6},
-                           {"mixtral", 4096, 14336, 8, 2}};
+const Preset kPresets[] = {{"ds-v3", 7168, 2048, 256, 8},     {"qwen3-30b", 2048, 768, 128, 8},
+                           {"ds-v2-lite", 2048, 1408, 64, 6}, {"mixtral", 4096, 14336, 8, 2},
+                           {"kimi-k2", 7168, 2048, 384, 8},   {"glm-4.5", 5120, 1536, 160, 8}};
 
 // A preset by name, or a custom shape spelled HxIxExK (e.g. 7168x2048x4x4:
 // ds-v3's expert shape, 4 experts, top-4; with --layers 1 its weights stay in
@@ -402,7 +401,8 @@ void AddFlags(FlagSet& fs, Args* a) {
       return absl::OkStatus();
     };
   };
-  fs.Custom("preset", "LIST", "ds-v3, qwen3-30b, ds-v2-lite, mixtral, or a shape HxIxExK",
+  fs.Custom("preset", "LIST",
+            "ds-v3, qwen3-30b, ds-v2-lite, mixtral, kimi-k2, glm-4.5, or a shape HxIxExK",
             names(&a->presets), absl::StrJoin(a->presets, ","));
   fs.Custom(
       "T", "LIST", "tokens per call, each >= 1",
@@ -489,7 +489,8 @@ int Main(int argc, char** argv) {
   for (const auto& p : a.presets)
     if (!FindPreset(p))
       return bad(absl::StrCat("unknown preset '", p,
-                              "' (ds-v3, qwen3-30b, ds-v2-lite, mixtral or HxIxExK)"));
+                              "' (ds-v3, qwen3-30b, ds-v2-lite, mixtral, kimi-k2, glm-4.5 or "
+                              "HxIxExK)"));
   if (a.formats.empty()) return bad("--format lists no formats");
   for (const auto& fm : a.formats)
     if (auto f = FormatOf(fm, a.group); !f.ok()) return bad(std::string(f.status().message()));

@@ -28,7 +28,7 @@ for p in "${presets[@]}"; do
   layers=()
   if [ "${SMOKE:-0}" = 1 ]; then
     case $p in
-      ds-v3) layers=(--layers 4) ;;  # 3 dense + 1 MoE
+      ds-v3 | glm-4.5) layers=(--layers 4) ;;  # 3 dense + 1 MoE
       ds-v2-lite) layers=(--layers 2) ;;
       *) layers=(--layers 2) ;;
     esac

@@ -32,6 +32,11 @@ constexpr ArchRow kArchitectures[] = {
      ResidualKind::kPlain},
     {Architecture::kMixtral, "mixtral", AttentionKind::kGqa, RouterKind::kSoftmaxTopk,
      ResidualKind::kPlain},
+    // Kimi-K2's checkpoints: DeepSeek-V3 under their own model_type.
+    {Architecture::kDeepseekV3, "kimi_k2", AttentionKind::kMla, RouterKind::kSigmoidGroupedTopk,
+     ResidualKind::kPlain},
+    {Architecture::kGlm4Moe, "glm4_moe", AttentionKind::kGqa, RouterKind::kSigmoidGroupedTopk,
+     ResidualKind::kPlain},
 };
 
 const ArchRow* ArchRowFor(Architecture a) {
@@ -366,16 +371,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   // The fields that shape no weight (routing, RoPE, norms, context) take,
   // when a config.json leaves them out, their transformers config class's
   // default (DeepseekV3Config, DeepseekV2Config, Qwen3MoeConfig,
-  // MixtralConfig), as transformers would run it; nothing else could notice
+  // MixtralConfig, Glm4MoeConfig), as transformers would run it; nothing else could notice
   // them missing. Shape fields a config leaves out are checked against the
   // checkpoint's tensors (CheckWeights) instead.
   const bool mixtral = c.arch == Architecture::kMixtral;
+  const bool glm4 = c.arch == Architecture::kGlm4Moe;
   c.max_position_embeddings =
-      r.IntOr("max_position_embeddings", mixtral                               ? 4096 * 32
+      r.IntOr("max_position_embeddings", mixtral || glm4                       ? 4096 * 32
                                          : c.arch == Architecture::kQwen3Moe   ? 32768
                                          : c.arch == Architecture::kDeepseekV2 ? 2048
                                                                                : 4096);
-  c.rms_norm_eps = r.DoubleOr("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
+  c.rms_norm_eps = r.DoubleOr("rms_norm_eps", mixtral || glm4 ? 1e-5 : 1e-6);
   if (mixtral) c.rope.theta = 1e6;
   c.tie_word_embeddings = r.BoolOr("tie_word_embeddings", false);
   c.attention_bias = r.BoolOr("attention_bias", false);
@@ -446,6 +452,38 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       c.decoder_sparse_step = r.IntOr("decoder_sparse_step", 1);
       c.mlp_only_layers = r.IntList("mlp_only_layers");
       m.scoring = ScoringFunc::kSoftmax;
+      c.qk_norm = true;
+      break;
+    }
+    case Architecture::kGlm4Moe: {
+      // Glm4MoeConfig's defaults; routing is always sigmoid + correction
+      // bias within the best groups (Glm4MoeTopkRouter).
+      c.intermediate_size = r.IntOr("intermediate_size", 10944);
+      c.head_dim = r.IntOr("head_dim", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+      c.qk_norm = r.BoolOr("use_qk_norm", false);
+      m.num_experts = r.IntOr("n_routed_experts", 128);
+      m.experts_per_token = r.IntOr("num_experts_per_tok", 8);
+      m.intermediate_size = r.IntOr("moe_intermediate_size", 1408);
+      m.num_shared_experts = r.IntOr("n_shared_experts", 1);
+      m.n_group = r.IntOr("n_group", 1);
+      m.topk_group = r.IntOr("topk_group", 1);
+      m.norm_topk_prob = r.BoolOr("norm_topk_prob", true);
+      m.routed_scaling_factor = r.DoubleOr("routed_scaling_factor", 1.0);
+      m.scoring = ScoringFunc::kSigmoid;
+      m.topk_method = TopkMethod::kNoauxTc;
+      m.score_correction_bias = true;
+      c.first_k_dense_replace = r.IntOr("first_k_dense_replace", 1);
+      c.num_nextn_predict_layers = r.IntOr("num_nextn_predict_layers", 0);
+      // transformers 5 keeps it in rope_parameters, published configs at the
+      // top level; absent, Glm4MoeConfig's 0.5.
+      c.rope.partial_rotary_factor = r.DoubleOr("partial_rotary_factor", 0.5);
+      const char* rope_key = root.contains("rope_parameters") ? "rope_parameters" : "rope_scaling";
+      if (root.contains(rope_key) && root[rope_key].is_object()) {
+        Reader rr(root[rope_key], source, std::string(rope_key) + ".");
+        c.rope.partial_rotary_factor =
+            rr.DoubleOr("partial_rotary_factor", c.rope.partial_rotary_factor);
+        RETURN_IF_ERROR(rr.status());
+      }
       break;
     }
     case Architecture::kMixtral: {
@@ -532,6 +570,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   } else {
     RETURN_IF_ERROR(positive("head_dim", c.head_dim));
     if (c.head_dim % 2 != 0) return Invalid(source, "head_dim", "must be even");
+    if (!(c.rope.partial_rotary_factor > 0 && c.rope.partial_rotary_factor <= 1))
+      return Invalid(source, "partial_rotary_factor",
+                     absl::StrCat(c.rope.partial_rotary_factor, " is outside (0, 1]"));
+    const int64_t rotary = static_cast<int64_t>(c.head_dim * c.rope.partial_rotary_factor);
+    if (rotary <= 0 || rotary % 2 != 0)
+      return Invalid(source, "partial_rotary_factor",
+                     absl::StrCat("rotates ", rotary, " of head_dim ", c.head_dim,
+                                  " dims; must be a positive even count"));
+    if (c.first_k_dense_replace < 0 || c.first_k_dense_replace > c.num_layers)
+      return Invalid(source, "first_k_dense_replace",
+                     absl::StrCat(c.first_k_dense_replace, " is outside [0, num_hidden_layers]"));
     RETURN_IF_ERROR(positive("decoder_sparse_step", c.decoder_sparse_step));
     for (int64_t l : c.mlp_only_layers)
       if (l < 0 || l >= c.num_layers)
@@ -539,7 +588,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                        absl::StrCat("names layer ", l, " outside [0, ", c.num_layers, ")"));
   }
   // The routed-expert count's field, as this family spells it.
-  const char* experts_field = c.is_mla()                     ? "n_routed_experts"
+  const char* experts_field = c.is_mla() || glm4             ? "n_routed_experts"
                               : root.contains("num_experts") ? "num_experts"
                                                              : "num_local_experts";
   if (m.num_experts < 0) return Invalid(source, experts_field, "must not be negative");
@@ -639,6 +688,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       case Architecture::kMixtral:
         l.moe = true;
         l.sliding_window = window;
+        break;
+      case Architecture::kGlm4Moe:
+        l.moe = m.num_experts > 0 && i >= c.first_k_dense_replace;
         break;
     }
     if (!l.moe && c.intermediate_size <= 0)

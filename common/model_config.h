@@ -1,5 +1,5 @@
 // ModelConfig: a Hugging Face config.json parsed into the fields that change
-// the math, for deepseek_v3, deepseek_v2, qwen3_moe and mixtral.
+// the math, for deepseek_v3, deepseek_v2, qwen3_moe, mixtral and glm4_moe.
 //
 // Accepts both the published checkpoints' spelling (rope_theta + rope_scaling
 // {"type": "yarn", ...}, Qwen3's num_experts) and what transformers 5 writes
@@ -17,7 +17,7 @@
 
 namespace hmoe {
 
-enum class Architecture { kDeepseekV3, kDeepseekV2, kQwen3Moe, kMixtral };
+enum class Architecture { kDeepseekV3, kDeepseekV2, kQwen3Moe, kMixtral, kGlm4Moe };
 enum class ScoringFunc { kSoftmax, kSigmoid };
 // greedy: plain top-k; group_limited_greedy (V2): groups ranked by their max
 // score; noaux_tc (V3): groups ranked by the sum of their top-2 biased scores.
@@ -69,6 +69,9 @@ struct RopeConfig {
   // DeepSeek MLA checkpoints store rope dims interleaved (pairs 2i, 2i+1)
   // rather than halves; transformers 5 exposes it as rope_interleave.
   bool interleave = false;
+  // The share of each head's dims rotated (GLM-4.5: 0.5, the first
+  // int(head_dim * factor) dims); the rest pass through.
+  double partial_rotary_factor = 1.0;
 };
 
 struct MlaConfig {
@@ -128,6 +131,7 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;
   bool attention_bias = false;
+  bool qk_norm = false;  // GQA: RMSNorm over each q and k head before RoPE (q_norm / k_norm)
   RopeConfig rope;
   MlaConfig mla;  // DeepSeek only
   MoeConfig moe;

@@ -136,7 +136,7 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& c) {
         out.push_back({a + "v_proj.bias", {kv}, WeightRole::kAttention, i});
       }
       out.push_back({a + "o_proj.weight", {H, q}, WeightRole::kAttention, i});
-      if (c.arch == Architecture::kQwen3Moe) {
+      if (c.qk_norm) {
         out.push_back({a + "q_norm.weight", {c.head_dim}, WeightRole::kNorm, i});
         out.push_back({a + "k_norm.weight", {c.head_dim}, WeightRole::kNorm, i});
       }

@@ -180,8 +180,12 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
     int64_t sliding = 0;
     for (const auto& l : c.layers) sliding += l.sliding_window > 0;
     absl::StrAppend(&s, "attention      GQA, ", c.num_heads, " heads / ", c.num_kv_heads,
-                    " kv heads, head_dim ", c.head_dim,
-                    c.arch == Architecture::kQwen3Moe ? ", q/k norm" : "");
+                    " kv heads, head_dim ", c.head_dim, c.qk_norm ? ", q/k norm" : "");
+    if (c.rope.partial_rotary_factor < 1)
+      absl::StrAppend(
+          &s, ", rope on ",
+          static_cast<int64_t>(static_cast<double>(c.head_dim) * c.rope.partial_rotary_factor),
+          " dims");
     if (sliding > 0)
       absl::StrAppend(&s, ", sliding window ", c.layers.back().sliding_window, " on ", sliding,
                       " layers");

@@ -1,5 +1,7 @@
 // AttentionKind::kGqa on the reference backend: grouped-query attention
-// over cached keys and values per kv head (qwen3_moe: q/k RMSNorm).
+// over cached keys and values per kv head; q/k RMSNorm per head when the spec
+// says (qwen3_moe, glm4_moe), RoPE over the spec's rope_dim leading dims of
+// each head (all, or a part: glm4_moe's partial rotary).
 #include <algorithm>
 #include <vector>
 
@@ -17,7 +19,7 @@ class GqaAttention final : public AttentionOp {
     RETURN_IF_ERROR(LoadLin(ckpt, n.q, block, &q_));
     RETURN_IF_ERROR(LoadLin(ckpt, n.k, block, &k_));
     RETURN_IF_ERROR(LoadLin(ckpt, n.v, block, &v_));
-    if (c_.arch == Architecture::kQwen3Moe) {
+    if (spec_.qk_norm) {
       ASSIGN_OR_RETURN(q_norm_, LoadVector(ckpt, n.q_norm, c_.head_dim));
       ASSIGN_OR_RETURN(k_norm_, LoadVector(ckpt, n.k_norm, c_.head_dim));
     }
@@ -30,7 +32,7 @@ class GqaAttention final : public AttentionOp {
   ModelConfig c_;
   AttentionSpec spec_;
   Lin q_, k_, v_, o_;
-  std::vector<float> q_norm_, k_norm_;  // Qwen3
+  std::vector<float> q_norm_, k_norm_;  // spec_.qk_norm
 };
 
 void GqaAttention::Forward(const AttentionPass& p, const float* h, float* out) const {
@@ -39,6 +41,7 @@ void GqaAttention::Forward(const AttentionPass& p, const float* h, float* out) c
   const float* cs = p.rope_cs;
   const RopeLayout layout = spec_.geometry.rope_layout;
   const int64_t nh = spec_.num_heads, nkv = spec_.num_kv_heads, hd = spec_.dk;
+  const int64_t rd = spec_.geometry.rope_dim;
   const int64_t row = spec_.cache.k_row, group = nh / nkv;
   const float eps = static_cast<float>(c_.rms_norm_eps);
   std::vector<float> q(static_cast<size_t>(T * nh * hd)), k(static_cast<size_t>(T * row)),
@@ -52,9 +55,9 @@ void GqaAttention::Forward(const AttentionPass& p, const float* h, float* out) c
   }
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t i = 0; i < nh; ++i)
-      ApplyRope(q.data() + (t * nh + i) * hd, hd, cs + t * hd, layout);
+      ApplyRope(q.data() + (t * nh + i) * hd, rd, cs + t * rd, layout);
     for (int64_t i = 0; i < nkv; ++i)
-      ApplyRope(k.data() + (t * nkv + i) * hd, hd, cs + t * hd, layout);
+      ApplyRope(k.data() + (t * nkv + i) * hd, rd, cs + t * rd, layout);
   }
   for (int64_t t = 0; t < T; ++t) {
     std::copy_n(k.data() + t * row, row, p.k[t] + p.pos[t] * row);

@@ -136,7 +136,7 @@ absl::Status CudaBackend::MlaAttention(int l) {
 absl::Status CudaBackend::GqaAttention(int l) {
   const DevLayer& L = layers_[static_cast<size_t>(l)];
   const int64_t T = rows_, nh = c_.num_heads, nkv = c_.num_kv_heads, hd = c_.head_dim;
-  const int64_t row = nkv * hd;
+  const int64_t row = nkv * hd, rd = geo_.rope_dim;  // rd < hd: partial rotary
   const float eps = static_cast<float>(c_.rms_norm_eps);
   RETURN_IF_ERROR(Gemm(L.q, buf_.normed_bf16, T, buf_.q));
   RETURN_IF_ERROR(Gemm(L.k, buf_.normed_bf16, T, buf_.k));
@@ -150,8 +150,8 @@ absl::Status CudaBackend::GqaAttention(int l) {
                              "AddRmsNorm"));
   }
   RETURN_IF_ERROR(Launched(
-      ApplyRope(buf_.q, T, nh, nh * hd, hd, 0, hd, buf_.rope_cs, false, stream_), "ApplyRope"));
-  RETURN_IF_ERROR(Launched(ApplyRope(buf_.k, T, nkv, row, hd, 0, hd, buf_.rope_cs, false, stream_),
+      ApplyRope(buf_.q, T, nh, nh * hd, hd, 0, rd, buf_.rope_cs, false, stream_), "ApplyRope"));
+  RETURN_IF_ERROR(Launched(ApplyRope(buf_.k, T, nkv, row, hd, 0, rd, buf_.rope_cs, false, stream_),
                            "ApplyRope"));
   RETURN_IF_ERROR(Launched(
       WriteKvCache(buf_.k, buf_.v, T, row, slot_, kcache_[static_cast<size_t>(l)].as<float>(),

@@ -246,7 +246,7 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
       RETURN_IF_ERROR(LoadLin(ckpt, n.q, &L.q));
       RETURN_IF_ERROR(LoadLin(ckpt, n.k, &L.k));
       RETURN_IF_ERROR(LoadLin(ckpt, n.v, &L.v));
-      if (c_.arch == Architecture::kQwen3Moe) {
+      if (c_.qk_norm) {
         RETURN_IF_ERROR(LoadVec(ckpt, n.q_norm, c_.head_dim, &L.q_norm));
         RETURN_IF_ERROR(LoadVec(ckpt, n.k_norm, c_.head_dim, &L.k_norm));
       }

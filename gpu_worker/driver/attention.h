@@ -46,8 +46,11 @@ struct AttentionSpec {
   int64_t dv = 0;
   int64_t k_head_offset = 0;
   int64_t v_head_offset = 0;
+  // RoPE rotates the first geometry.rope_dim dims of each query and key head
+  // (all dk of them, or a part: partial rotary); the rest pass through.
   AttentionGeometry geometry;
-  int64_t window = 0;  // sliding window (LayerSpec::sliding_window; 0: all keys)
+  int64_t window = 0;    // sliding window (LayerSpec::sliding_window; 0: all keys)
+  bool qk_norm = false;  // GQA: RMSNorm over each q and k head before RoPE
 };
 
 // An attention kind's row of the attention table.
@@ -65,7 +68,7 @@ absl::StatusOr<AttentionSpec> AttentionSpecFor(const ModelConfig& config, int la
 // The geometry of `config`'s attention, which every layer shares (the
 // driver's rope rows are computed once per pass with it): MLA:
 // qk_rope_head_dim, interleaved for V2 and rope_interleave, YaRN mscale^2
-// folded into the scale; GQA: head_dim, halves.
+// folded into the scale; GQA: int(head_dim * partial_rotary_factor), halves.
 AttentionGeometry AttentionGeometryFor(const ModelConfig& config);
 
 // transformers builds DeepSeek's q_a_layernorm and kv_a_layernorm with the

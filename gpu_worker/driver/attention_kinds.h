@@ -13,7 +13,8 @@ namespace hmoe {
 AttentionSpec MlaSpec(const ModelConfig& config, const LayerSpec& layer);
 
 // gqa_layout.cc: AttentionKind::kGqa. Cache: num_kv_heads keys of head_dim,
-// and as many values.
+// and as many values; RoPE over the first int(head_dim *
+// partial_rotary_factor) dims of each head; q/k norm as the config says.
 AttentionSpec GqaSpec(const ModelConfig& config, const LayerSpec& layer);
 
 }  // namespace hmoe

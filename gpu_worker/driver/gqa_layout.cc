@@ -14,10 +14,13 @@ AttentionSpec GqaSpec(const ModelConfig& config, const LayerSpec& layer) {
   s.num_kv_heads = config.num_kv_heads;
   s.dk = s.dv = hd;
   s.k_head_offset = s.v_head_offset = hd;
-  s.geometry.rope_dim = hd;
+  // The first int(head_dim * partial_rotary_factor) dims of each head.
+  s.geometry.rope_dim =
+      static_cast<int64_t>(static_cast<double>(hd) * config.rope.partial_rotary_factor);
   s.geometry.rope_layout = RopeLayout::kHalves;
   s.geometry.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   s.window = layer.sliding_window;
+  s.qk_norm = config.qk_norm;
   return s;
 }
 

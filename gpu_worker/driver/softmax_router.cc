@@ -22,6 +22,7 @@ GateSpec SoftmaxTopkSpec(const ModelConfig& c) {
   switch (c.arch) {
     case Architecture::kDeepseekV3:
     case Architecture::kDeepseekV2:
+    case Architecture::kGlm4Moe:
       g.method = m.topk_method;
       g.n_group = m.n_group;
       g.topk_group = m.topk_group;

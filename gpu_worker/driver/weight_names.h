@@ -1,6 +1,6 @@
 // The checkpoint tensor names of the model's non-expert weights, per layer,
 // as Hugging Face checkpoints of deepseek_v3 / deepseek_v2 / qwen3_moe /
-// mixtral spell them. Every backend loads by these names. A linear layer is
+// mixtral / glm4_moe spell them. Every backend loads by these names. A linear layer is
 // named by its prefix: PREFIX.weight and, when present, PREFIX.bias.
 #pragma once
 
@@ -17,7 +17,7 @@ struct MlpNames {
 struct LayerNames {
   std::string input_norm, post_norm;  // full tensor names
   // MLA (q_lora_rank set: q_a, q_a_norm, q_b; else q), kv_a, kv_a_norm,
-  // kv_b; GQA: q, k, v, and (qwen3_moe) q_norm, k_norm; both: o.
+  // kv_b; GQA: q, k, v, and (ModelConfig::qk_norm) q_norm, k_norm; both: o.
   std::string q, q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, k, v, o, q_norm, k_norm;
   MlpNames dense;           // dense layers
   std::string router;       // MoE layers: the gate's weight (full name)

@@ -75,7 +75,8 @@ TEST(ModelConfig, TinyFixturesRopeParameters) {
   EXPECT_DOUBLE_EQ(c->rope.beta_fast, 16.0);
   EXPECT_DOUBLE_EQ(c->rope.mscale_all_dim, 0.8);
   EXPECT_EQ(c->rope.original_max_position_embeddings, 1024);
-  for (const char* name : {"deepseek_v2_tiny", "qwen3_moe_tiny", "mixtral_tiny"}) {
+  for (const char* name : {"deepseek_v2_tiny", "qwen3_moe_tiny", "mixtral_tiny", "glm4_moe_tiny",
+                           "deepseek_v3_kimi_tiny"}) {
     auto other = LoadModelConfig(testing::FixturesDir() + "/" + name);
     EXPECT_TRUE(other.ok()) << name << ": " << other.status();
   }
@@ -142,6 +143,108 @@ TEST(ModelConfig, Qwen3AndMixtral) {
   EXPECT_EQ(m->moe.intermediate_size, 14336);
   EXPECT_EQ(m->head_dim, 128);
   EXPECT_EQ(m->layers[0].sliding_window, 0);
+}
+
+// GLM-4.5's published config: GQA with partial RoPE and q/k norm, biases,
+// sigmoid + correction-bias routing, 3 dense layers before 89 MoE ones.
+TEST(ModelConfig, Glm45Published) {
+  auto c = LoadModelConfig(Configs() + "/glm4_5_published");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kGlm4Moe);
+  EXPECT_EQ(c->model_type, "glm4_moe");
+  EXPECT_EQ(c->head_dim, 128);  // explicit, != 5120 / 96
+  EXPECT_EQ(c->num_kv_heads, 8);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_TRUE(c->attention_bias);
+  EXPECT_DOUBLE_EQ(c->rope.partial_rotary_factor, 0.5);  // top level, as published
+  EXPECT_DOUBLE_EQ(c->rope.theta, 1e6);
+  EXPECT_EQ(c->rope.type, RopeType::kDefault);
+  EXPECT_FALSE(c->rope.interleave);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
+  EXPECT_EQ(c->moe.num_experts, 160);
+  EXPECT_EQ(c->moe.experts_per_token, 8);
+  EXPECT_EQ(c->moe.num_shared_experts, 1);
+  EXPECT_EQ(c->moe.intermediate_size, 1536);
+  EXPECT_EQ(c->moe.scoring, ScoringFunc::kSigmoid);
+  EXPECT_EQ(c->moe.topk_method, TopkMethod::kNoauxTc);
+  EXPECT_TRUE(c->moe.score_correction_bias);
+  EXPECT_EQ(c->moe.n_group, 1);
+  EXPECT_DOUBLE_EQ(c->moe.routed_scaling_factor, 2.5);
+  EXPECT_EQ(c->num_moe_layers(), 89);
+  EXPECT_FALSE(c->layers[2].moe);
+  EXPECT_TRUE(c->layers[3].moe);
+  EXPECT_EQ(c->layers[3].attention, AttentionKind::kGqa);
+  EXPECT_EQ(c->layers[3].router, RouterKind::kSigmoidGroupedTopk);
+  EXPECT_EQ(c->num_nextn_predict_layers, 1);
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{151329, 151336, 151338}));
+  // transformers 5 writes the factor inside rope_parameters (the tiny fixture).
+  auto t = LoadModelConfig(testing::FixturesDir() + "/glm4_moe_tiny");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_DOUBLE_EQ(t->rope.partial_rotary_factor, 0.5);
+  EXPECT_EQ(t->head_dim, 32);
+  EXPECT_EQ(t->moe.n_group, 4);
+  EXPECT_EQ(t->moe.topk_group, 2);
+  EXPECT_EQ(t->num_moe_layers(), 2);
+}
+
+// Glm4MoeConfig's defaults for what a config.json leaves out, and the
+// rotary share's bounds.
+TEST(ModelConfig, Glm4MoeDefaultsAndRotaryBounds) {
+  json g = ReadJson(Configs() + "/glm4_5_published/config.json");
+  for (const char* f : {"partial_rotary_factor", "use_qk_norm", "routed_scaling_factor", "n_group",
+                        "topk_group", "norm_topk_prob", "rms_norm_eps", "first_k_dense_replace"})
+    g.erase(f);
+  auto c = ParseModelConfig(g.dump(), "glm/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_DOUBLE_EQ(c->rope.partial_rotary_factor, 0.5);
+  EXPECT_FALSE(c->qk_norm);
+  EXPECT_DOUBLE_EQ(c->moe.routed_scaling_factor, 1.0);
+  EXPECT_EQ(c->moe.n_group, 1);
+  EXPECT_TRUE(c->moe.norm_topk_prob);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
+  EXPECT_EQ(c->first_k_dense_replace, 1);
+  EXPECT_EQ(c->num_moe_layers(), 91);
+  for (const json& bad : {json(0.0), json(1.5), json(0.01), json(-1), json("half")}) {
+    json j = ReadJson(Configs() + "/glm4_5_published/config.json");
+    j["partial_rotary_factor"] = bad;  // 0.01 of 128: 1 dim, not a pair
+    auto e = ParseModelConfig(j.dump(), "glm/config.json");
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << bad.dump();
+    EXPECT_THAT(std::string(e.status().message()), HasSubstr("\"partial_rotary_factor\""))
+        << e.status();
+  }
+  json j = ReadJson(Configs() + "/glm4_5_published/config.json");
+  j["first_k_dense_replace"] = 93;
+  auto e = ParseModelConfig(j.dump(), "glm/config.json");
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("\"first_k_dense_replace\""));
+  j = ReadJson(Configs() + "/glm4_5_published/config.json");
+  j["n_routed_experts"] = 1 << 20;
+  e = ParseModelConfig(j.dump(), "glm/config.json");
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("\"n_routed_experts\""));
+}
+
+// Kimi-K2's published config: DeepSeek-V3 under model_type kimi_k2, 384
+// experts without group limits, one dense layer.
+TEST(ModelConfig, KimiK2Published) {
+  auto c = LoadModelConfig(Configs() + "/kimi_k2_published");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kDeepseekV3);
+  EXPECT_EQ(c->model_type, "kimi_k2");
+  EXPECT_TRUE(c->is_mla());
+  EXPECT_EQ(c->num_heads, 64);
+  EXPECT_EQ(c->moe.num_experts, 384);
+  EXPECT_EQ(c->moe.n_group, 1);
+  EXPECT_EQ(c->moe.topk_group, 1);
+  EXPECT_EQ(c->moe.topk_method, TopkMethod::kNoauxTc);
+  EXPECT_DOUBLE_EQ(c->moe.routed_scaling_factor, 2.827);
+  EXPECT_EQ(c->num_moe_layers(), 60);
+  EXPECT_EQ(c->rope.type, RopeType::kYarn);
+  EXPECT_DOUBLE_EQ(c->rope.factor, 32.0);
+  EXPECT_DOUBLE_EQ(c->rope.beta_fast, 1.0);
+  EXPECT_DOUBLE_EQ(c->rope.theta, 50000.0);
+  EXPECT_TRUE(c->rope.interleave);
+  EXPECT_EQ(c->quantization.method, "fp8");
+  EXPECT_STREQ(ArchitectureName(c->arch), "deepseek_v3");
 }
 
 // Fields a config.json leaves out take the transformers config class's

@@ -312,7 +312,7 @@ TEST(CudaVsCpuHeldOut, Ds3FortunesTopOneAndKl) {
 TEST(CudaBackend, BatchedStepsMatchSoloAndDeferralMatchesTheCpu) {
   HMOE_SKIP_UNLESS_BACKEND("cuda");
   const std::vector<int32_t> a{0, 5, 17, 42, 7}, b{3, 9, 1}, c{8, 8, 2, 6, 4, 1, 2};
-  for (const std::string name : {"deepseek_v3_tiny", "qwen3_moe_tiny"}) {
+  for (const std::string name : {"deepseek_v3_tiny", "qwen3_moe_tiny", "glm4_moe_tiny"}) {
     const Model& gpu = Cached(name, "cuda");
     const int64_t V = gpu.config().vocab_size;
     std::vector<std::vector<float>> solo;

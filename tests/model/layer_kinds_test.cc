@@ -1,6 +1,7 @@
 // The per-layer kind tables: config -> attention / router / residual kind
 // per layer, each kind's row (cache layout, gate), and unknown kinds
 // rejected with the field or kind named.
+#include <cmath>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -40,6 +41,8 @@ TEST(LayerKinds, EachArchitectureResolvesItsKindsPerLayer) {
       {"deepseek_v2_lite", AttentionKind::kMla, RouterKind::kSoftmaxTopk},
       {"qwen3_30b_a3b", AttentionKind::kGqa, RouterKind::kSoftmaxTopk},
       {"mixtral_8x7b", AttentionKind::kGqa, RouterKind::kSoftmaxTopk},
+      {"glm4_5_published", AttentionKind::kGqa, RouterKind::kSigmoidGroupedTopk},
+      {"kimi_k2_published", AttentionKind::kMla, RouterKind::kSigmoidGroupedTopk},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.config);
@@ -99,11 +102,27 @@ TEST(LayerKinds, AttentionSpecsLayOutTheCache) {
     EXPECT_EQ(gqa->dk, q->head_dim);
     EXPECT_EQ(gqa->k_head_offset, q->head_dim);
     EXPECT_EQ(gqa->window, l == 1 ? 64 : 0);
+    EXPECT_EQ(gqa->geometry.rope_dim, q->head_dim);  // every dim rotated
+    EXPECT_TRUE(gqa->qk_norm);
   }
+  // GLM-4.5: RoPE on the first half of each head, q/k norm; the cache as any GQA's.
+  const ModelConfig glm = Load("glm4_5_published");
+  auto g45 = AttentionSpecFor(glm, 3);
+  ASSERT_TRUE(g45.ok()) << g45.status();
+  EXPECT_EQ(g45->dk, 128);
+  EXPECT_EQ(g45->geometry.rope_dim, 64);
+  EXPECT_EQ(g45->geometry.rope_layout, RopeLayout::kHalves);
+  EXPECT_FLOAT_EQ(g45->geometry.softmax_scale, 1.0f / std::sqrt(128.0f));  // the whole head's
+  EXPECT_TRUE(g45->qk_norm);
+  EXPECT_EQ(g45->cache.k_row, 8 * 128);
+  EXPECT_EQ(AttentionGeometryFor(glm).rope_dim, 64);
+  const ModelConfig mix = Load("mixtral_8x7b");
+  EXPECT_FALSE(AttentionSpecFor(mix, 0)->qk_norm);
 }
 
 TEST(LayerKinds, GatePerLayerIsTheArchitecturesGate) {
-  for (const char* name : {"deepseek_v3_published", "deepseek_v2_lite", "qwen3_30b_a3b"}) {
+  for (const char* name :
+       {"deepseek_v3_published", "deepseek_v2_lite", "qwen3_30b_a3b", "glm4_5_published"}) {
     SCOPED_TRACE(name);
     const ModelConfig c = Load(name);
     const GateSpec whole = GateSpecFor(c);

@@ -43,6 +43,35 @@ TEST(Inspect, DeepseekV3DefaultsMatchTransformersCounts) {
   EXPECT_THAT(text, HasSubstr("none (config.json only)"));
 }
 
+// Kimi-K2 and GLM-4.5's published configs: the counts are transformers',
+// the layers and attention as published.
+TEST(Inspect, KimiK2AndGlm45) {
+  const std::string configs = testing::FixturesDir() + "/configs";
+  const json counts = json::parse(std::ifstream(configs + "/param_counts.json"));
+  struct Case {
+    const char* name;
+    int dense, moe;
+    const char* attention;  // in the text report
+  };
+  for (const Case& c :
+       {Case{"kimi_k2_published", 1, 60, "MLA, 64 heads"},
+        Case{"glm4_5_published", 3, 89,
+             "GQA, 96 heads / 8 kv heads, head_dim 128, q/k norm, rope on 64 dims"}}) {
+    SCOPED_TRACE(c.name);
+    InspectOptions opt;
+    opt.json = true;
+    auto r = InspectModel(configs + "/" + c.name, opt);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const json got = json::parse(FormatReport(*r, opt));
+    for (const char* k : {"total", "active", "routed_experts"})
+      EXPECT_EQ(got["params"][k].get<int64_t>(), counts[c.name][k].get<int64_t>()) << k;
+    EXPECT_EQ(got["layers"]["dense"].get<int>(), c.dense);
+    EXPECT_EQ(got["layers"]["moe"].get<int>(), c.moe);
+    opt.json = false;
+    EXPECT_THAT(FormatReport(*r, opt), HasSubstr(c.attention));
+  }
+}
+
 // A checkpoint whose routed experts ship quantized: its format is named,
 // with its bytes per token (what `hmoe convert` keeps by default).
 TEST(Inspect, NamesTheFormatARoutedExpertCheckpointShips) {
