@@ -102,7 +102,7 @@ class ModelDriver final : public Model {
                      options_.metrics->AddCounter(
                          "hmoe_expert_deferred_slots_total",
                          "Routed (token, expert) slots whose result Expert Deferral "
-                         "(--deferred-experts) joined one layer late, every expert call path."));
+                         "(--defer-experts) joined one layer late, every expert call path."));
     return absl::OkStatus();
   }
 

@@ -15,31 +15,20 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
 #include "gpu_worker/model.h"
 #include "gtest/gtest.h"
 #include "tests/model/model_test_util.h"
 #include "tests/testing/backends.h"
+#include "tests/testing/prometheus_text.h"
 #include "tests/testing/temp_dir.h"
 
 namespace hmoe {
 namespace {
 
-// The value of the unlabelled sample `name` in Prometheus text; -1 when absent.
-double Sample(const std::string& text, const std::string& name) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (absl::StartsWith(line, name + " ")) {
-      double v = -1;
-      if (absl::SimpleAtod(line.substr(name.size() + 1), &v)) return v;
-    }
-  }
-  return -1;
-}
+using testing::PrometheusSample;
 
 // MoE layers but the last layer: where Expert Deferral splits.
 int64_t DeferringLayers(const ModelConfig& c) {
@@ -48,12 +37,13 @@ int64_t DeferringLayers(const ModelConfig& c) {
   return n;
 }
 
-// Every MoE layer's counts sum to tokens x experts_per_token.
+// The table has a row per MoE layer, each summing to tokens x experts_per_token.
 void ExpectRouted(const Model& m, uint64_t tokens) {
   const ModelConfig& c = m.config();
   const RoutingTable t = m.routing_stats();
   ASSERT_EQ(static_cast<int64_t>(t.layers.size()), c.num_moe_layers());
   for (const RoutingTable::Layer& l : t.layers) {
+    EXPECT_TRUE(c.layers[static_cast<size_t>(l.layer)].moe) << l.layer;
     uint64_t sum = 0;
     for (uint64_t n : l.tokens) sum += n;
     EXPECT_EQ(sum, tokens * static_cast<uint64_t>(c.moe.experts_per_token)) << "layer " << l.layer;
@@ -63,6 +53,16 @@ void ExpectRouted(const Model& m, uint64_t tokens) {
 class RoutingStatsTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override { HMOE_SKIP_UNLESS_BACKEND(GetParam()); }
+  // This backend's options (cuda: slots + graphs, or host copies only).
+  ModelOptions Options(int deferred, bool slots, MetricsRegistry* metrics) const {
+    ModelOptions o;
+    o.backend = GetParam();
+    o.num_threads = 2;
+    o.deferred_experts = deferred;
+    o.cuda.expert_slots = slots;
+    o.metrics = metrics;
+    return o;
+  }
 };
 
 TEST_P(RoutingStatsTest, EveryRoutedTokenIsCountedOnce) {
@@ -72,13 +72,8 @@ TEST_P(RoutingStatsTest, EveryRoutedTokenIsCountedOnce) {
         SCOPED_TRACE(name + ", deferred " + std::to_string(deferred) + ", slots " +
                      std::to_string(slots));
         MetricsRegistry metrics;
-        ModelOptions o;
-        o.backend = GetParam();
-        o.num_threads = 2;
-        o.deferred_experts = deferred;
-        o.cuda.expert_slots = slots;
-        o.metrics = &metrics;
-        auto m = Model::Load(testing::ModelFixturesRoot() + "/" + name, o);
+        auto m = Model::Load(testing::ModelFixturesRoot() + "/" + name,
+                             Options(deferred, slots, &metrics));
         ASSERT_TRUE(m.ok()) << m.status();
         const ModelConfig& c = (*m)->config();
         auto s = (*m)->NewSequence();
@@ -89,19 +84,14 @@ TEST_P(RoutingStatsTest, EveryRoutedTokenIsCountedOnce) {
         EXPECT_EQ(t.model_type, c.model_type);
         EXPECT_EQ(t.num_experts, c.moe.num_experts);
         EXPECT_EQ(t.experts_per_token, c.moe.experts_per_token);
-        EXPECT_EQ(static_cast<int64_t>(t.layers.size()), c.num_moe_layers());
-        for (const RoutingTable::Layer& l : t.layers) {
-          EXPECT_TRUE(c.layers[static_cast<size_t>(l.layer)].moe) << l.layer;
-          uint64_t sum = 0;
-          for (uint64_t n : l.tokens) sum += n;
-          EXPECT_EQ(sum, 45u * static_cast<uint64_t>(c.moe.experts_per_token)) << l.layer;
-        }
+        ASSERT_NO_FATAL_FAILURE(ExpectRouted(**m, 45));
         EXPECT_EQ(t.routed_tokens(), 45u);
         // Deferral's slots: each token's `deferred` per MoE layer but the last.
         const int64_t want = 45 * deferred * DeferringLayers(c);
         EXPECT_EQ((*m)->stats().deferred_expert_slots, want);
         const std::string text = metrics.RenderPrometheus();
-        EXPECT_EQ(Sample(text, "hmoe_expert_deferred_slots_total"), static_cast<double>(want))
+        EXPECT_EQ(PrometheusSample(text, "hmoe_expert_deferred_slots_total"),
+                  static_cast<double>(want))
             << text;
         if (deferred == 1 && ::access("/usr/bin/promtool", X_OK) == 0) {
           testing::TempDir dir;
@@ -139,25 +129,15 @@ class FailingExperts final : public RoutedExperts {
 // the slots' host nodes or device sends, or host copies); the pass that runs
 // its token again counts it once.
 TEST_P(RoutingStatsTest, AFailedPassCountsNothing) {
+  const std::string dir = testing::ModelFixturesRoot() + "/deepseek_v3_tiny";
+  testing::ReferenceRig rig;
+  ASSERT_NO_FATAL_FAILURE(testing::LoadReferenceRig(dir, 1, &rig));
   for (int deferred : {0, 1}) {
     for (bool slots : {true, false}) {
       SCOPED_TRACE("deferred " + std::to_string(deferred) + ", slots " + std::to_string(slots));
-      const std::string dir = testing::ModelFixturesRoot() + "/deepseek_v3_tiny";
-      auto config = LoadModelConfig(dir);
-      ASSERT_TRUE(config.ok()) << config.status();
-      auto ckpt = Checkpoint::Open(dir);
-      ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-      auto ref = MakeReferenceRoutedExperts(*config, **ckpt, 1);
-      ASSERT_TRUE(ref.ok()) << ref.status();
-      FailingExperts experts(ref->get());
+      FailingExperts experts(rig.experts.get());
       MetricsRegistry metrics;
-      ModelOptions o;
-      o.backend = GetParam();
-      o.num_threads = 2;
-      o.deferred_experts = deferred;
-      o.cuda.expert_slots = slots;
-      o.metrics = &metrics;
-      auto m = Model::Load(dir, o, &experts);
+      auto m = Model::Load(dir, Options(deferred, slots, &metrics), &experts);
       ASSERT_TRUE(m.ok()) << m.status();
       ASSERT_GE((*m)->config().num_moe_layers(), 2);
       const int64_t per_token = deferred * DeferringLayers((*m)->config());
@@ -173,7 +153,7 @@ TEST_P(RoutingStatsTest, AFailedPassCountsNothing) {
       EXPECT_EQ(s->length(), 6);
       ASSERT_NO_FATAL_FAILURE(ExpectRouted(**m, 6));
       EXPECT_EQ((*m)->stats().deferred_expert_slots, 6 * per_token);
-      EXPECT_EQ(Sample(metrics.RenderPrometheus(), "hmoe_expert_deferred_slots_total"),
+      EXPECT_EQ(PrometheusSample(metrics.RenderPrometheus(), "hmoe_expert_deferred_slots_total"),
                 static_cast<double>(6 * per_token));
       experts.fail_after = -1;
       ASSERT_TRUE((*m)->Decode(*s, 4).ok());
