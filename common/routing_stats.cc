@@ -99,6 +99,22 @@ void RoutingCounters::Add(int32_t layer, const int32_t* ids, int64_t n) {
   }
 }
 
+void RoutingCounters::MoveTo(RoutingCounters* to) {
+  const size_t n = layers_.size() * static_cast<size_t>(std::max<int64_t>(0, experts_));
+  for (size_t i = 0; i < n; ++i) {
+    // Most of a pass's counts are 0: read before writing.
+    const uint64_t v = counts_[i].load(std::memory_order_relaxed);
+    if (v == 0) continue;
+    counts_[i].store(0, std::memory_order_relaxed);
+    to->counts_[i].fetch_add(v, std::memory_order_relaxed);
+  }
+}
+
+void RoutingCounters::Clear() {
+  const size_t n = layers_.size() * static_cast<size_t>(std::max<int64_t>(0, experts_));
+  for (size_t i = 0; i < n; ++i) counts_[i].store(0, std::memory_order_relaxed);
+}
+
 RoutingTable RoutingCounters::Snapshot(const std::string& model_type,
                                        int64_t experts_per_token) const {
   RoutingTable t;

@@ -51,6 +51,12 @@ class RoutingCounters {
   void Add(int32_t layer, const int32_t* ids, int64_t n);
   // The counts now, with the model's identity filled in by the caller.
   RoutingTable Snapshot(const std::string& model_type, int64_t experts_per_token) const;
+  // Adds these counts to `to` (made with the same layers and number of
+  // experts) and zeroes them here: a pass's tally committed to the totals.
+  // Not atomic as a whole: no Add to this object may run meanwhile.
+  void MoveTo(RoutingCounters* to);
+  // Zeroes every count (a pass's tally dropped). No Add may run meanwhile.
+  void Clear();
 
  private:
   std::vector<int32_t> layers_;

@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/expert_placement.h"
+#include "common/metrics.h"
 #include "common/model_config.h"
 #include "common/routing_stats.h"
 #include "common/safetensors.h"
@@ -60,6 +61,11 @@ struct ModelOptions {
   // the exact model; otherwise in [1, experts_per_token - 1]. Changes the
   // numbers (an approximation; bench/results has its perplexity cost).
   int deferred_experts = 0;
+  // Borrowed, outlives the Model; null: no metrics. Load registers
+  //   hmoe_expert_deferred_slots_total: routed (token, expert) slots whose
+  //     result Expert Deferral joined one layer late, of passes that
+  //     completed (ModelStats::deferred_expert_slots).
+  MetricsRegistry* metrics = nullptr;
 };
 
 // Per-request state: the tokens seen so far, as each layer's KV cache.
@@ -97,6 +103,10 @@ struct ForwardStep {
 struct ModelStats {
   int64_t passes = 0;
   int64_t tokens = 0;
+  // Routed (token, expert) slots that Expert Deferral sent as a layer's
+  // deferred part (ModelOptions::deferred_experts), whatever path called
+  // them: tokens x deferred_experts per MoE layer but the last, per pass.
+  int64_t deferred_expert_slots = 0;
   int64_t kernel_launches = 0;  // cuda: kernels and library GEMM calls launched
   int64_t gpu_busy_ns = 0;      // cuda: device time between each pass's first and last GPU work
   int64_t expert_wait_ns = 0;   // host time blocked on RoutedExperts::Wait (or a slot's)
@@ -148,8 +158,10 @@ class Model {
   virtual int64_t kv_block_tokens() const { return 16; }
   virtual ModelStats stats() const { return {}; }
   // Tokens routed to each routed expert of each MoE layer since load
-  // (common/routing_stats.h; passes that failed half way count what they
-  // routed). Empty for a model without MoE layers.
+  // (common/routing_stats.h), by the passes that completed: each routed
+  // (token, slot) once, whatever path or backend computed it; a pass that
+  // failed counts nothing (its tokens count when a later pass runs them).
+  // Empty for a model without MoE layers.
   virtual RoutingTable routing_stats() const { return {}; }
   // OK while the model can run passes; otherwise the failure that stopped it
   // for good (cuda: a CUDA or cuBLAS error leaves the device context unusable,

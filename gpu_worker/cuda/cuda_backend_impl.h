@@ -169,12 +169,14 @@ class CudaBackend final : public LayerBackend, private StreamOps {
   absl::Status Commit() override;
   void Abort() override;
 
-  bool AttachExperts(RoutedExperts* experts, RoutingCounters* counts) override;
+  bool AttachExperts(RoutedExperts* experts) override;
   bool pass_uses_slots() const override { return slot_pass_; }
   bool replayed() const override { return graphs_ && graphs_->replayed(); }
   bool capture_fell_back() override { return graphs_ && graphs_->fell_back(); }
   absl::Status RouteToSlots(int l, const GateSpec& gate, int deferred) override;
   absl::Status JoinSlot(int l, int part) override;
+  void SlotPassRoutes(
+      const std::function<void(int32_t, const int32_t*, int64_t)>& add) const override;
 
  private:
   // StreamOps, for the expert-call path, hot experts and the residual join.

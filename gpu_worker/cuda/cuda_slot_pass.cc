@@ -25,7 +25,7 @@ int64_t BucketFor(int64_t T) {
 
 }  // namespace
 
-bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts) {
+bool CudaBackend::AttachExperts(RoutedExperts* experts) {
   experts_ = experts;
   ExpertCallOptions eo;
   eo.slots = cu_.expert_slots;
@@ -41,7 +41,7 @@ bool CudaBackend::AttachExperts(RoutedExperts* experts, RoutingCounters* counts)
     cudaGetLastError();  // not registered (e.g. registration had failed): nothing to undo
   };
   std::string why;
-  calls_ = ChooseExpertCallPath(experts, counts, eo, &why);
+  calls_ = ChooseExpertCallPath(experts, eo, &why);
   auto fallback = [&](const std::string& st) {
     std::fprintf(stderr,
                  "hmoe cuda backend: routed experts through host copies, without slots or "
@@ -171,7 +171,7 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
     c.later_k = n;
   }
   // Hot experts: this layer's hot slots split off (their ids copied out for
-  // the routing counts), the others sent (the deferred part always is),
+  // the routing stats: SlotPassRoutes), the others sent (the deferred part always is),
   // then the hot ones computed while the service works.
   const bool hot = hot_ && hot_->has(l);
   if (hot) {
@@ -180,6 +180,11 @@ absl::Status CudaBackend::RouteToSlots(int l, const GateSpec& g, int n) {
   RETURN_IF_ERROR(calls_->Submit(c, graphs_->capturing(), record_, *this));
   if (hot) return hot_->Run(l, buf_.normed_bf16, T, c.weights, k0, *this);
   return absl::OkStatus();
+}
+
+void CudaBackend::SlotPassRoutes(
+    const std::function<void(int32_t, const int32_t*, int64_t)>& add) const {
+  if (slot_pass_ && record_ != nullptr) calls_->Routes(*record_, *host_.tokens, add);
 }
 
 absl::Status CudaBackend::JoinSlot(int l, int part) {

@@ -83,15 +83,8 @@ absl::StatusOr<ResidualPart> DeviceSendPath::Wait(int layer, int part, int64_t T
 }
 
 void DeviceSendPath::AfterDrain(const CallRecord* record) {
+  (void)record;
   slots_->SetDeviceSends(false);
-  // What the submit host node counts otherwise: the ids the armed calls sent.
-  if (counts_ == nullptr || record == nullptr) return;
-  const int64_t T = *tokens_;
-  for (const SlotCall& c : record->slot_calls) {
-    if (ctl_->armed_host()[c.slot] == 0) continue;
-    counts_->Add(c.layer, views_[static_cast<size_t>(c.slot)].ids, T * c.k);
-    if (c.hot_ids != nullptr) counts_->Add(c.layer, c.hot_ids, T * c.k);
-  }
 }
 
 int64_t DeviceSendPath::AbortPass() {

@@ -2,8 +2,8 @@
 // the device also sends each call. One kernel per call (SendExpertCall)
 // writes the request into the slot's mapped regions and stores REQUEST into
 // its state word, which the service polls; the answer is read in place. The
-// host only arms the calls (at once, or when a captured graph is launched)
-// and counts what they routed after the pass. Internal to gpu_worker/cuda/.
+// host only arms the calls (at once, or when a captured graph is launched);
+// what they routed is read from the slots after the pass (Routes). Internal to gpu_worker/cuda/.
 #pragma once
 
 #include "gpu_worker/cuda/device_wait_path.h"

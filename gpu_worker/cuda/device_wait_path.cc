@@ -52,9 +52,8 @@ bool MapDeviceWaits(const ExpertSlots& slots, std::vector<DeviceSlot>* out) {
 }
 
 DeviceWaitPath::DeviceWaitPath(std::unique_ptr<ExpertSlots> slots, uint64_t gen,
-                               RoutingCounters* counts, std::unique_ptr<WaitControl> ctl,
-                               std::vector<DeviceSlot> dev)
-    : HostNodePath(std::move(slots), gen, counts), ctl_(std::move(ctl)), dev_(std::move(dev)) {
+                               std::unique_ptr<WaitControl> ctl, std::vector<DeviceSlot> dev)
+    : HostNodePath(std::move(slots), gen), ctl_(std::move(ctl)), dev_(std::move(dev)) {
   watchdog_ = std::thread([this] { Watchdog(); });
 }
 

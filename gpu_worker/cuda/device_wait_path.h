@@ -57,8 +57,8 @@ bool MapDeviceWaits(const ExpertSlots& slots, std::vector<DeviceSlot>* out);
 
 class DeviceWaitPath : public HostNodePath {
  public:
-  DeviceWaitPath(std::unique_ptr<ExpertSlots> slots, uint64_t gen, RoutingCounters* counts,
-                 std::unique_ptr<WaitControl> ctl, std::vector<DeviceSlot> dev);
+  DeviceWaitPath(std::unique_ptr<ExpertSlots> slots, uint64_t gen, std::unique_ptr<WaitControl> ctl,
+                 std::vector<DeviceSlot> dev);
   ~DeviceWaitPath() override;
   const char* name() const override { return "device wait"; }
   const char* description() const override {

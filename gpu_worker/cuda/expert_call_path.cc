@@ -11,7 +11,6 @@
 namespace hmoe::cuda {
 
 std::unique_ptr<ExpertCallPath> ChooseExpertCallPath(RoutedExperts* experts,
-                                                     RoutingCounters* counts,
                                                      const ExpertCallOptions& options,
                                                      std::string* why) {
   if (!options.slots) {
@@ -45,12 +44,10 @@ std::unique_ptr<ExpertCallPath> ChooseExpertCallPath(RoutedExperts* experts,
   }
   std::vector<DeviceSlot> dev;
   if (ctl == nullptr || !MapDeviceWaits(*slots, &dev))
-    return std::make_unique<HostNodePath>(std::move(slots), *gen, counts);
+    return std::make_unique<HostNodePath>(std::move(slots), *gen);
   if (options.slot_calls == SlotCalls::kDeviceSends && MapDeviceSends(*slots, &dev))
-    return std::make_unique<DeviceSendPath>(std::move(slots), *gen, counts, std::move(ctl),
-                                            std::move(dev));
-  return std::make_unique<DeviceWaitPath>(std::move(slots), *gen, counts, std::move(ctl),
-                                          std::move(dev));
+    return std::make_unique<DeviceSendPath>(std::move(slots), *gen, std::move(ctl), std::move(dev));
+  return std::make_unique<DeviceWaitPath>(std::move(slots), *gen, std::move(ctl), std::move(dev));
 }
 
 }  // namespace hmoe::cuda

@@ -20,12 +20,12 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/routing_stats.h"
 #include "gpu_worker/cuda/cuda_options.h"
 #include "gpu_worker/routed_experts.h"
 #include "gpu_worker/transport/expert_slots.h"
@@ -62,16 +62,16 @@ struct HostCall {
   int a = -1, b = -1;
   int32_t layer = 0, ka = 0, kb = 0;
   const int32_t* tokens = nullptr;  // pinned: the pass's real token count
-  RoutingCounters* counts = nullptr;
-  const int32_t *ids_a = nullptr, *ids_b = nullptr;  // the slots' ids, counted at submit
+  // A submit's: the slots' ids (null: a wait), for ExpertCallPath::Routes.
+  const int32_t *ids_a = nullptr, *ids_b = nullptr;
   uint32_t* abort = nullptr;  // device waits: set when a call failed (later waits end at once)
-  const int32_t* hot_ids = nullptr;  // pinned: slot a's hot slots (hot experts), counted too
+  const int32_t* hot_ids = nullptr;  // pinned: slot a's hot slots (hot experts), or null
 };
-// One routed-expert call the device sends (armed and counted by the host).
+// One routed-expert call the device sends (armed by the host).
 struct SlotCall {
   int slot = 0;
   int32_t layer = 0, k = 0;
-  const int32_t* hot_ids = nullptr;  // pinned: the call's hot slots (counted too), or null
+  const int32_t* hot_ids = nullptr;  // pinned: the call's hot slots (hot experts), or null
 };
 // What a pass's expert calls leave for the host: they live as long as the
 // graph that captured them (or the eager pass).
@@ -95,7 +95,7 @@ struct LayerCalls {
   const int32_t* later_ids = nullptr;  // [T, later_k]: Deferral's part (later_k 0: none)
   const float* later_weights = nullptr;
   int32_t later_k = 0;
-  const int32_t* hot_ids = nullptr;  // pinned: the call's hot slots (counted), or null
+  const int32_t* hot_ids = nullptr;  // pinned: the call's hot slots (for Routes), or null
 };
 
 class ExpertCallPath {
@@ -136,6 +136,15 @@ class ExpertCallPath {
     (void)record;
     return absl::OkStatus();
   }
+  // After a slot pass that completed (FinishPass OK), with its `record` and
+  // real token count T: calls add(layer, ids, n) with the host's copies of
+  // what its calls routed (each slot's ids, the hot slots split off), which
+  // together hold every routed (token, slot) of the pass once
+  // (LayerBackend::SlotPassRoutes).
+  virtual void Routes(const CallRecord& record, int64_t T,
+                      const std::function<void(int32_t, const int32_t*, int64_t)>& add) const {
+    (void)record, (void)T, (void)add;
+  }
   // The calls' failures since the last take (an expert call that failed
   // inside the pass fails the pass).
   virtual absl::Status TakeStatus() { return absl::OkStatus(); }
@@ -157,7 +166,6 @@ struct ExpertCallOptions {
 // none (`why` says why, for the log), else the most the transport offers of
 // device send, device wait and host node, up to options.slot_calls.
 std::unique_ptr<ExpertCallPath> ChooseExpertCallPath(RoutedExperts* experts,
-                                                     RoutingCounters* counts,
                                                      const ExpertCallOptions& options,
                                                      std::string* why);
 

@@ -11,13 +11,8 @@ namespace {
 void CUDART_CB SubmitHost(void* p) {
   const auto* c = static_cast<const HostCall*>(p);
   const int32_t T = *c->tokens;
-  if (c->counts) c->counts->Add(c->layer, c->ids_a, int64_t{T} * c->ka);
-  if (c->counts && c->hot_ids) c->counts->Add(c->layer, c->hot_ids, int64_t{T} * c->ka);
   c->slots->Submit(c->a, c->layer, T, c->ka);
-  if (c->b >= 0) {
-    if (c->counts) c->counts->Add(c->layer, c->ids_b, int64_t{T} * c->kb);
-    c->slots->Submit(c->b, c->layer, T, c->kb);
-  }
+  if (c->b >= 0) c->slots->Submit(c->b, c->layer, T, c->kb);
   if (c->abort != nullptr && c->slots->has_failure())
     __atomic_store_n(c->abort, 1u, __ATOMIC_RELEASE);
 }
@@ -43,9 +38,8 @@ absl::Status RegisterSlotMemory(ExpertSlots& slots) {
   return absl::OkStatus();
 }
 
-HostNodePath::HostNodePath(std::unique_ptr<ExpertSlots> slots, uint64_t gen,
-                           RoutingCounters* counts)
-    : slots_(std::move(slots)), gen_(gen), counts_(counts) {
+HostNodePath::HostNodePath(std::unique_ptr<ExpertSlots> slots, uint64_t gen)
+    : slots_(std::move(slots)), gen_(gen) {
   views_.resize(static_cast<size_t>(slots_->num_slots()));
   for (int i = 0; i < slots_->num_slots(); ++i) views_[static_cast<size_t>(i)] = slots_->view(i);
 }
@@ -88,7 +82,6 @@ absl::Status HostNodePath::Submit(const LayerCalls& c, bool capturing, CallRecor
   h.ka = c.k;
   h.kb = n;
   h.tokens = tokens_;
-  h.counts = counts_;
   h.ids_a = views_[static_cast<size_t>(2 * l)].ids;
   h.ids_b = n > 0 ? views_[static_cast<size_t>(2 * l + 1)].ids : nullptr;
   h.abort = abort_word();
@@ -116,6 +109,24 @@ absl::StatusOr<ResidualPart> HostNodePath::Wait(int layer, int part, int64_t T, 
   cudaError_t e = cudaLaunchHostFunc(ops.stream(), WaitHost, &h);
   if (e != cudaSuccess) return ops.Failed(CudaError(e, "expert wait node"));
   return CopyAnswer(slot, T, staging, ops);
+}
+
+void HostNodePath::Routes(const CallRecord& record, int64_t T,
+                          const std::function<void(int32_t, const int32_t*, int64_t)>& add) const {
+  // The slots' ids are the device's copies (host nodes) or its writes
+  // (device sends), still in place after the pass; the hot slots' were
+  // copied out beside them. A hot split leaves kNoExpert in both arrays
+  // where the other holds the slot.
+  for (const HostCall& h : record.host_calls) {
+    if (h.ids_a == nullptr) continue;  // a wait
+    add(h.layer, h.ids_a, T * h.ka);
+    if (h.hot_ids != nullptr) add(h.layer, h.hot_ids, T * h.ka);
+    if (h.b >= 0) add(h.layer, h.ids_b, T * h.kb);
+  }
+  for (const SlotCall& c : record.slot_calls) {
+    add(c.layer, views_[static_cast<size_t>(c.slot)].ids, T * c.k);
+    if (c.hot_ids != nullptr) add(c.layer, c.hot_ids, T * c.k);
+  }
 }
 
 int64_t HostNodePath::AbortPass() {

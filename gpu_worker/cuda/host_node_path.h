@@ -20,7 +20,7 @@ absl::Status RegisterSlotMemory(ExpertSlots& slots);
 class HostNodePath : public ExpertCallPath {
  public:
   // `slots` are prepared (generation `gen`) and registered.
-  HostNodePath(std::unique_ptr<ExpertSlots> slots, uint64_t gen, RoutingCounters* counts);
+  HostNodePath(std::unique_ptr<ExpertSlots> slots, uint64_t gen);
   const char* name() const override { return "host node"; }
   const char* description() const override { return "sent and waited for by host nodes"; }
   ExpertSlots* slots() override { return slots_.get(); }
@@ -30,6 +30,9 @@ class HostNodePath : public ExpertCallPath {
                       StreamOps& ops) override;
   absl::StatusOr<ResidualPart> Wait(int layer, int part, int64_t T, float* staging,
                                     CallRecord* record, StreamOps& ops) override;
+  // Every slot path: the submits' ids (host nodes), the armed calls' (device sends).
+  void Routes(const CallRecord& record, int64_t T,
+              const std::function<void(int32_t, const int32_t*, int64_t)>& add) const override;
   absl::Status TakeStatus() override { return slots_->TakeStatus(); }
   int64_t TakeWaitNs() override { return slots_->TakeWaitNs(); }
   int64_t AbortPass() override;
@@ -45,7 +48,6 @@ class HostNodePath : public ExpertCallPath {
 
   std::unique_ptr<ExpertSlots> slots_;
   uint64_t gen_ = 0;
-  RoutingCounters* counts_ = nullptr;
   std::vector<SlotView> views_;  // per slot, its regions as the host sees them
   const int32_t* tokens_ = nullptr;
 };

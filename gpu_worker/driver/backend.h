@@ -37,6 +37,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -116,10 +117,8 @@ class LayerBackend {
   virtual absl::Status AddToResidual(const float* v) = 0;  // [T, H] host f32
 
   // Device-side expert calls (see above). `experts` outlives the backend.
-  // `counts` (outliving the backend) is where a backend that calls the
-  // experts itself counts what it routes.
-  virtual bool AttachExperts(RoutedExperts* experts, RoutingCounters* counts) {
-    (void)experts, (void)counts;
+  virtual bool AttachExperts(RoutedExperts* experts) {
+    (void)experts;
     return false;
   }
   virtual bool pass_uses_slots() const { return false; }
@@ -135,6 +134,16 @@ class LayerBackend {
   }
   // out: [logit_rows.size(), vocab] host f32.
   virtual absl::Status Logits(float* out) = 0;
+  // After a slot pass's Logits succeeded, before Commit: calls add(layer,
+  // ids, n) with host arrays of n ids each that together hold every routed
+  // (token, slot) of the pass's MoE layers once, whoever computed it (the
+  // expert service, a hot expert on the device; the deferred part too).
+  // Negative ids fill a slot that another array holds. The driver counts
+  // them (routing stats); a pass not through slots calls nothing.
+  virtual void SlotPassRoutes(
+      const std::function<void(int32_t layer, const int32_t* ids, int64_t n)>& add) const {
+    (void)add;
+  }
   // Ends the pass (the driver then advances the Sequences or not).
   virtual absl::Status Commit() { return absl::OkStatus(); }
   virtual void Abort() {}

@@ -90,7 +90,21 @@ class ModelDriver final : public Model {
         geo_(AttentionGeometryFor(config)),
         rope_(ComputeRope(config.rope, geo_.rope_dim)),
         gates_(std::move(gates)),
-        routing_(config.moe_layer_indices(), config.moe.num_experts) {}
+        routing_(config.moe_layer_indices(), config.moe.num_experts),
+        pass_routing_(config.moe_layer_indices(), config.moe.num_experts) {
+    for (int l = 0; l + 1 < c_.num_layers; ++l)
+      if (c_.layers[static_cast<size_t>(l)].moe) ++deferring_layers_;
+  }
+  // Registers ModelOptions::metrics' families (Load).
+  absl::Status RegisterMetrics() {
+    if (options_.metrics == nullptr) return absl::OkStatus();
+    ASSIGN_OR_RETURN(deferred_metric_,
+                     options_.metrics->AddCounter(
+                         "hmoe_expert_deferred_slots_total",
+                         "Routed (token, expert) slots whose result Expert Deferral "
+                         "(--defer-experts) joined one layer late, every expert call path."));
+    return absl::OkStatus();
+  }
 
   const ModelConfig& config() const override { return c_; }
   const ModelOptions& options() const override { return options_; }
@@ -111,12 +125,21 @@ class ModelDriver final : public Model {
   RoutingTable routing_stats() const override {
     return routing_.Snapshot(c_.model_type, c_.moe.experts_per_token);
   }
-  void AttachBackendExperts() { backend_->AttachExperts(experts_, &routing_); }
+  void AttachBackendExperts() { backend_->AttachExperts(experts_); }
   absl::Status ForwardBatch(absl::Span<const ForwardStep> steps) const override;
 
  private:
   absl::Status RunPass(const PassTokens& pass, float* logits) const;
   absl::Status RunPassOnce(const PassTokens& pass, float* logits) const;
+  // The one accounting point of routed experts, whatever path calls them
+  // (the host's RoutedExperts calls, hybrid prefill's streamed slots, a
+  // backend's slots: host nodes, device waits, device sends, hot experts on
+  // the device; Expert Deferral's parts): each routed (token, slot) of a
+  // pass is tallied once in pass_routing_ (host-routed layers as they are
+  // routed, a slot pass's from LayerBackend::SlotPassRoutes after its
+  // Logits), and a pass's tally and deferred slots count only when it
+  // completed (Account); a failed or retried attempt's are dropped.
+  void Account(int64_t tokens) const;
   absl::Status FeedForward(int l, std::unique_ptr<DeferredCall>* deferred) const;
   // FeedForward when the backend calls the experts through its slots;
   // *deferred: l when part 1 of layer l is to be joined later, else -1.
@@ -130,8 +153,11 @@ class ModelDriver final : public Model {
   RoutedExperts* experts_;
   AttentionGeometry geo_;
   RopeTables rope_;
-  std::vector<GateSpec> gates_;      // [num_layers] each MoE layer's gate (its router kind's)
-  mutable RoutingCounters routing_;  // thread-safe adds
+  std::vector<GateSpec> gates_;           // [num_layers] each MoE layer's gate (its router kind's)
+  mutable RoutingCounters routing_;       // thread-safe adds; completed passes'
+  mutable RoutingCounters pass_routing_;  // the pass in progress (guarded by mu_)
+  int deferring_layers_ = 0;              // MoE layers but the last: where Deferral splits
+  Counter* deferred_metric_ = nullptr;    // with ModelOptions::metrics
   // One pass at a time: the backend holds one pass's activations.
   mutable std::mutex mu_;
   mutable ModelStats stats_;  // guarded by mu_
@@ -147,7 +173,7 @@ absl::Status ModelDriver::FeedForward(int l, std::unique_ptr<DeferredCall>* defe
   const int64_t K = c_.moe.experts_per_token, H = c_.hidden_size;
   // T from the call's tokens: every backend routes all of the pass's tokens.
   const int64_t T = pass_tokens_;
-  routing_.Add(l, in.ids, T * K);
+  pass_routing_.Add(l, in.ids, T * K);
   // The last layer never defers: nothing would be left to overlap with.
   const int n = l + 1 < c_.num_layers ? options_.deferred_experts : 0;
   int64_t k_now = K;
@@ -240,9 +266,18 @@ absl::Status ModelDriver::RunPass(const PassTokens& pass, float* logits) const {
   if (!st.ok() && backend_->capture_fell_back()) {
     // Only captured, and the capture failed: run it for real.
     backend_->Abort();
+    pass_routing_.Clear();
     st = RunPassOnce(pass, logits);
   }
   return st;
+}
+
+void ModelDriver::Account(int64_t tokens) const {
+  pass_routing_.MoveTo(&routing_);
+  const int64_t deferred = tokens * options_.deferred_experts * deferring_layers_;
+  stats_.deferred_expert_slots += deferred;
+  if (deferred_metric_ != nullptr && deferred > 0)
+    deferred_metric_->Increment(static_cast<double>(deferred));
 }
 
 absl::Status ModelDriver::RunPassOnce(const PassTokens& pass, float* logits) const {
@@ -272,6 +307,8 @@ absl::Status ModelDriver::RunPassOnce(const PassTokens& pass, float* logits) con
     }
   }
   RETURN_IF_ERROR(backend_->Logits(logits));
+  backend_->SlotPassRoutes(
+      [this](int32_t layer, const int32_t* ids, int64_t n) { pass_routing_.Add(layer, ids, n); });
   return backend_->Commit();
 }
 
@@ -345,6 +382,7 @@ absl::Status ModelDriver::ForwardBatch(absl::Span<const ForwardStep> steps) cons
   absl::Status st = RunPass(pass, all.data());
   if (!st.ok()) {
     backend_->Abort();
+    pass_routing_.Clear();  // a failed pass counts nothing
     for (DriverSequence* s : seqs) s->kv_->Shrink(s->length_);
     return st;
   }
@@ -357,6 +395,7 @@ absl::Status ModelDriver::ForwardBatch(absl::Span<const ForwardStep> steps) cons
     from = to;
     seqs[i]->length_ += static_cast<int64_t>(steps[i].tokens.size());
   }
+  Account(total);
   ++stats_.passes;
   stats_.tokens += total;
   return absl::OkStatus();
@@ -379,6 +418,7 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModelDriver(
   auto* d = new ModelDriver(config, options, std::move(backend), experts, std::move(owned_experts),
                             std::move(gates));
   std::unique_ptr<Model> m(d);
+  RETURN_IF_ERROR(d->RegisterMetrics());
   // The backend may reach the experts from the device itself (slots).
   if (experts != nullptr) d->AttachBackendExperts();
   return m;

@@ -370,6 +370,7 @@ int Run(int argc, char** argv) {
   mo.num_threads = o.threads;
   mo.max_seq_len = o.max_context;
   mo.deferred_experts = o.defer_experts;
+  mo.metrics = &metrics;
   mo.cuda.device = o.cuda_device;
   mo.cuda.gpu_mem_gb = o.gpu_mem_gb;
   mo.cuda.graphs = o.cuda_graphs;

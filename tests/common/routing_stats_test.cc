@@ -44,6 +44,27 @@ TEST(RoutingStats, ConcurrentAddsAreAllCounted) {
   EXPECT_EQ(t.layers[0].tokens, (std::vector<uint64_t>{10000, 10000, 10000, 10000, 0, 0, 0, 0}));
 }
 
+// A pass's tally: moved into the totals (and zeroed) when it completed,
+// cleared when it failed.
+TEST(RoutingStats, ATallyMovesIntoTheTotalsOrIsCleared) {
+  RoutingCounters total({1, 3}, 4), pass({1, 3}, 4);
+  const std::vector<int32_t> ids = {0, 3, 3, 2};
+  total.Add(1, ids.data(), 1);
+  pass.Add(1, ids.data(), 4);
+  pass.Add(3, ids.data(), 2);
+  pass.MoveTo(&total);
+  RoutingTable t = total.Snapshot("x", 2);
+  EXPECT_EQ(t.layers[0].tokens, (std::vector<uint64_t>{2, 0, 1, 2}));
+  EXPECT_EQ(t.layers[1].tokens, (std::vector<uint64_t>{1, 0, 0, 1}));
+  t = pass.Snapshot("x", 2);
+  EXPECT_EQ(t.layers[0].tokens, (std::vector<uint64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(t.layers[1].tokens, (std::vector<uint64_t>{0, 0, 0, 0}));
+  pass.Add(3, ids.data(), 4);
+  pass.Clear();
+  pass.MoveTo(&total);
+  EXPECT_EQ(total.Snapshot("x", 2).layers[1].tokens, (std::vector<uint64_t>{1, 0, 0, 1}));
+}
+
 TEST(RoutingStats, JsonRoundTripsAndRefusesWhatIsNotTheForm) {
   RoutingTable t;
   t.model_type = "deepseek_v3";

@@ -70,6 +70,9 @@ TEST_P(CudaHotExperts, EqualTheColdPathWithinTolerance) {
   for (int deferred : {0, 1}) {
     const Out cold = Generate(dir, nullptr, "bf16", deferred);
     ASSERT_EQ(cold.logits.size(), 7u);
+    // Each of the 11 tokens (5 prompt, 6 steps) counted once per routed slot.
+    EXPECT_EQ(cold.routed, 11u * static_cast<uint64_t>(config->moe.experts_per_token) *
+                               static_cast<uint64_t>(config->num_moe_layers()));
     // bf16: the hot side rounds its intermediate to bf16 (the service's
     // bf16 numerics), the in-process experts do not; int4: quantized
     // weights against the checkpoint's.

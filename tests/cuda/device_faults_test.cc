@@ -34,6 +34,7 @@
 #include "gpu_worker/transport/expert_pool.h"
 #include "gtest/gtest.h"
 #include "tests/testing/backends.h"
+#include "tests/testing/prometheus_text.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
 #include "tests/worker_server/pool_test_util.h"
@@ -45,12 +46,9 @@ using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using testing::ModelDir;
 
+// The value of `series` (name{labels} as rendered); 0 when absent.
 double Sample(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n'))
-    if (line.size() > series.size() && line.substr(0, series.size()) == series &&
-        line[series.size()] == ' ')
-      return std::stod(std::string(line.substr(series.size() + 1)));
-  return 0;
+  return testing::PrometheusSample(text, series, 0);
 }
 
 const std::vector<int32_t>& Prompt() {
@@ -78,20 +76,17 @@ class CudaDeviceFaults : public ::testing::Test {
   // metrics, PoolRoutedExperts with call timeout `timeout`, and a cuda Model
   // whose decode steps are CUDA Graphs of device-sent calls.
   void Start(absl::Duration timeout, PrefillExperts prefill = PrefillExperts::kCpu) {
-    ASSERT_TRUE(proc_.Start({"--model-dir=" + ModelDir()}, dir_.file("port")));
-    ExpertPoolOptions po;
-    po.targets = {proc_.target()};
-    po.transport = TransportKind::kShm;
-    po.fail_fast_after_miss = absl::Seconds(1);
-    po.fail_fast_after_failed_check = absl::Seconds(30);
+    // A second Start: what uses the old pool and registry goes first.
+    model_.reset();
+    experts_.reset();
+    pool_.reset();
     metrics_ = std::make_unique<MetricsRegistry>();  // one per pool (names register once)
-    po.metrics = metrics_.get();
-    auto pool = ExpertPool::Connect(po);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = std::move(*pool);
-    auto experts = PoolRoutedExperts::Create(config_, pool_.get(), timeout);
-    ASSERT_TRUE(experts.ok()) << experts.status();
-    experts_ = std::move(*experts);
+    testing::ServedExperts served;
+    ASSERT_NO_FATAL_FAILURE(testing::ServeExperts(proc_, dir_, config_, ModelDir(), &served,
+                                                  timeout,
+                                                  testing::FailFastPoolOptions(metrics_.get())));
+    pool_ = std::move(served.pool);
+    experts_ = std::move(served.experts);
     ModelOptions o;
     o.backend = "cuda";
     o.num_threads = 2;

@@ -23,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/e2e/serving_pair.h"
+#include "tests/testing/prometheus_text.h"
 
 namespace hmoe {
 namespace {
@@ -618,13 +619,19 @@ TEST(HttpApi, LogprobsForChatAndCompletions) {
 // The value of the sample `series` (name{labels} exactly) in Prometheus
 // text, or -1.
 double Sample(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      double v = -1;
-      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-    }
-  }
-  return -1;
+  return testing::PrometheusSample(text, series);
+}
+
+// The usage of a whole /v1/completions of "The fortune" with `max_tokens`;
+// null when it failed (the calling test fails).
+Json FortuneUsage(httplib::Client& c, int max_tokens) {
+  auto r =
+      c.Post("/v1/completions", Json{{"prompt", "The fortune"}, {"max_tokens", max_tokens}}.dump(),
+             "application/json");
+  EXPECT_TRUE(r);
+  if (!r) return nullptr;
+  EXPECT_EQ(r->status, 200) << r->body;
+  return r->status == 200 ? Json::parse(r->body)["usage"] : Json(nullptr);
 }
 
 TEST(HttpApi, MetricsCountWhatWasServed) {
@@ -633,11 +640,9 @@ TEST(HttpApi, MetricsCountWhatWasServed) {
   auto c = h.Client();
   int64_t generated = 0;
   for (int i = 0; i < 3; ++i) {
-    auto r = c.Post("/v1/completions", R"({"prompt": "The fortune", "max_tokens": 7})",
-                    "application/json");
-    ASSERT_TRUE(r);
-    ASSERT_EQ(r->status, 200);
-    generated += Json::parse(r->body)["usage"]["completion_tokens"].get<int64_t>();
+    const Json usage = FortuneUsage(c, 7);
+    ASSERT_FALSE(usage.is_null());
+    generated += usage["completion_tokens"].get<int64_t>();
   }
   auto m = c.Get("/metrics");
   ASSERT_TRUE(m);
@@ -665,6 +670,35 @@ TEST(HttpApi, MetricsCountWhatWasServed) {
     EXPECT_EQ(std::system(("/usr/bin/promtool check metrics < " + file + " >/dev/null").c_str()), 0)
         << t;
   }
+}
+
+// With Expert Deferral (--defer-experts 1) the worker counts the expert
+// slots it deferred: one per token of each forward pass per MoE layer but
+// the last; a request's passes run its prompt and each generated token but
+// the last.
+TEST(HttpApi, MetricsCountTheDeferredExpertSlots) {
+  HttpPair h;
+  ASSERT_TRUE(h.Start({"--defer-experts=1"}));
+  auto c = h.Client();
+  int64_t pass_tokens = 0;
+  for (int i = 0; i < 3; ++i) {
+    const Json usage = FortuneUsage(c, 5);
+    ASSERT_FALSE(usage.is_null());
+    pass_tokens +=
+        usage["prompt_tokens"].get<int64_t>() + usage["completion_tokens"].get<int64_t>() - 1;
+  }
+  // The fixture is DeepSeek-V3's layout: dense layers first, then MoE ones.
+  std::ifstream f(FortunesModel() + "/config.json");
+  const Json config = Json::parse(f);
+  const int64_t deferring = config["num_hidden_layers"].get<int64_t>() -
+                            config["first_k_dense_replace"].get<int64_t>() - 1;
+  ASSERT_GT(deferring, 0);
+  auto m = c.Get("/metrics");
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->status, 200);
+  EXPECT_EQ(Sample(m->body, "hmoe_expert_deferred_slots_total"),
+            static_cast<double>(pass_tokens * deferring))
+      << m->body;
 }
 
 // Runs `cmd` (a client check script), its output and errors into *out;

@@ -388,35 +388,6 @@ TEST(Serving, ShardsAndTransportsAgree) {
   }
 }
 
-// The local addresses `pid` has TCP sockets listening on, as /proc/net/tcp
-// and tcp6 print them (hex address:port).
-std::vector<std::string> ListeningAddresses(int pid) {
-  std::set<std::string> inodes;
-  std::error_code ec;
-  for (const auto& e :
-       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
-    std::error_code lec;
-    const std::string target = std::filesystem::read_symlink(e.path(), lec).string();
-    if (!lec && target.rfind("socket:[", 0) == 0)
-      inodes.insert(target.substr(8, target.size() - 9));
-  }
-  std::vector<std::string> out;
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream f(table);
-    std::string line;
-    std::getline(f, line);  // header
-    while (std::getline(f, line)) {
-      std::istringstream in(line);
-      std::string sl, local, remote, state, skip, inode;
-      in >> sl >> local >> remote >> state;
-      for (int i = 0; i < 5; ++i) in >> skip;  // tx:rx tr:when retrnsmt uid timeout
-      in >> inode;
-      if (state == "0A" && inodes.count(inode)) out.push_back(local);
-    }
-  }
-  return out;
-}
-
 // With --transport ucx and every shard on loopback, the worker's UCX TCP
 // listeners are on loopback only (they were on every interface: the
 // worker's UCX_NET_DEVICES is now the targets' devices).
@@ -427,16 +398,11 @@ TEST(Serving, UcxOnLoopbackListensOnLoopbackOnly) {
   ASSERT_TRUE(pair.Start(dir, 1, "tp", "ucx"));
   auto r = pair.client().Generate(IdsRequest(ref.prompt, 2));
   ASSERT_TRUE(r.ok()) << r.status();
-  const std::vector<std::string> listening = ListeningAddresses(pair.worker().pid());
+  const std::vector<std::string> listening = testing::ListeningAddresses(pair.worker().pid());
   EXPECT_GE(listening.size(), 1u);
-  for (const std::string& a : listening) {
-    const std::string addr = a.substr(0, a.find(':'));
-    const bool loop4 = addr.size() == 8 && addr.substr(6, 2) == "7F";
-    const bool loop6 =
-        addr == "00000000000000000000000001000000" ||
-        (addr.size() == 32 && addr.substr(16, 8) == "FFFF0000" && addr.substr(30, 2) == "7F");
-    EXPECT_TRUE(loop4 || loop6) << "the worker listens on " << a << " beyond loopback";
-  }
+  for (const std::string& a : listening)
+    EXPECT_TRUE(testing::IsLoopbackAddress(a))
+        << "the worker listens on " << a << " beyond loopback";
 }
 
 // Shards that take 3 tokens per call: the worker's prefill chunks and

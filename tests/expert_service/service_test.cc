@@ -920,33 +920,6 @@ TEST(ServiceProcess, AMalformedMoeMessageEndsTheStreamInvalidArgument) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
-// The listening TCP sockets of process `pid` (IPv4 and IPv6 local addresses
-// as /proc/net prints them, hex).
-std::vector<std::string> ListeningAddresses(int pid) {
-  std::set<std::string> inodes;
-  for (const auto& e :
-       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) {
-    std::error_code ec;
-    const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
-    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
-  }
-  std::vector<std::string> out;
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream f(table);
-    std::string line;
-    std::getline(f, line);  // header
-    while (std::getline(f, line)) {
-      std::istringstream in(line);
-      std::string sl, local, remote, state, skip, inode;
-      in >> sl >> local >> remote >> state;
-      for (int i = 0; i < 5; ++i) in >> skip;  // tx:rx tr:when retrnsmt uid timeout
-      in >> inode;
-      if (state == "0A" && inodes.count(inode)) out.push_back(local);
-    }
-  }
-  return out;
-}
-
 // Started on loopback, the service listens on loopback only: its UCX data
 // plane opened TCP listeners on every interface (UCX_NET_DEVICES now the
 // --listen host's device).
@@ -958,18 +931,11 @@ TEST(ServiceProcess, ListensOnTheListenHostOnly) {
   ASSERT_TRUE(proc.Start({"--model-dir=" + ModelDir(), "--listen=127.0.0.1:0"}, dir.file("port")));
   auto info = ControlClient(MakeExpertChannel(proc.target())).Describe();
   ASSERT_TRUE(info.ok()) << info.status();
-  const std::vector<std::string> listening = ListeningAddresses(proc.pid());
+  const std::vector<std::string> listening = ::hmoe::testing::ListeningAddresses(proc.pid());
   EXPECT_GE(listening.size(), 1u);
-  for (const std::string& a : listening) {
-    // 127.x.x.x as /proc/net/tcp prints it (little-endian hex, first byte
-    // last), or ::ffff:127.x / ::1 in tcp6.
-    const std::string addr = a.substr(0, a.find(':'));
-    const bool loop4 = addr.size() == 8 && addr.substr(6, 2) == "7F";
-    const bool loop6 =
-        addr == "00000000000000000000000001000000" ||
-        (addr.size() == 32 && addr.substr(16, 8) == "FFFF0000" && addr.substr(30, 2) == "7F");
-    EXPECT_TRUE(loop4 || loop6) << "listening on " << a << " beyond loopback";
-  }
+  for (const std::string& a : listening)
+    EXPECT_TRUE(::hmoe::testing::IsLoopbackAddress(a))
+        << "listening on " << a << " beyond loopback";
 }
 
 TEST(UcxNetDevice, TheListenHostsInterfaceOrEveryDevice) {

@@ -76,15 +76,12 @@ class HotColdTest : public ::testing::TestWithParam<std::string> {};
 // summation tolerance, and both sides served slots.
 TEST_P(HotColdTest, SplitModelEqualsUnsplitWithinSummationTolerance) {
   const std::string dir = ModelFixturesRoot() + "/" + GetParam();
-  auto config = LoadModelConfig(dir);
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto ckpt = Checkpoint::Open(dir);
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  auto ref = MakeReferenceRoutedExperts(*config, **ckpt, 2);
-  ASSERT_TRUE(ref.ok()) << ref.status();
+  testing::ReferenceRig rig;
+  ASSERT_NO_FATAL_FAILURE(testing::LoadReferenceRig(dir, 2, &rig));
+  const ModelConfig* config = &rig.config;
   for (int deferred : {0, 1}) {
     SCOPED_TRACE(::testing::Message() << GetParam() << ", deferred " << deferred);
-    const Generated plain = Generate(*config, **ckpt, ref->get(), deferred);
+    const Generated plain = Generate(*config, *rig.ckpt, rig.experts.get(), deferred);
     ASSERT_FALSE(plain.logits.empty());
     PlacementOptions po;
     po.expert_bytes = 1;
@@ -97,9 +94,9 @@ TEST_P(HotColdTest, SplitModelEqualsUnsplitWithinSummationTolerance) {
     ASSERT_GT(placement->num_hot, 0);
     EXPECT_GE(placement->hot_fraction, 0.5) << "the most used half serves at least half";
     EXPECT_LT(placement->hot_fraction, 1.0);
-    auto split = HotColdExperts::Create(*config, *placement, ref->get(), ref->get());
+    auto split = HotColdExperts::Create(*config, *placement, rig.experts.get(), rig.experts.get());
     ASSERT_TRUE(split.ok()) << split.status();
-    const Generated hc = Generate(*config, **ckpt, split->get(), deferred);
+    const Generated hc = Generate(*config, *rig.ckpt, split->get(), deferred);
     ASSERT_EQ(hc.logits.size(), plain.logits.size());
     for (size_t i = 0; i < hc.logits.size(); ++i)
       EXPECT_LE(testing::MaxScaledDiff(hc.logits[i], plain.logits[i]), 1e-4) << "pass " << i;

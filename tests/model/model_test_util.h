@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,26 @@ inline double MaxScaledDiff(const std::vector<std::vector<float>>& a,
 // The last-token logits of a prefill of `prompt` in a fresh Sequence of `m`,
 // then of `steps` decode steps feeding tokens 3, 8, 13, ...; stops at (and
 // reports) the first failure, so a shorter result means one failed.
+// `dir`'s config and checkpoint, and the in-process reference experts that
+// read them (MakeReferenceRoutedExperts): keep the rig while they run.
+struct ReferenceRig {
+  ModelConfig config;
+  std::unique_ptr<Checkpoint> ckpt;
+  std::unique_ptr<RoutedExperts> experts;
+};
+// Fails the calling test (wrap in ASSERT_NO_FATAL_FAILURE) if a step fails.
+inline void LoadReferenceRig(const std::string& dir, int num_threads, ReferenceRig* out) {
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  out->config = *config;
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  out->ckpt = std::move(*ckpt);
+  auto experts = MakeReferenceRoutedExperts(out->config, *out->ckpt, num_threads);
+  ASSERT_TRUE(experts.ok()) << experts.status();
+  out->experts = std::move(*experts);
+}
+
 inline std::vector<std::vector<float>> PrefillThenDecode(const Model& m,
                                                          const std::vector<int32_t>& prompt,
                                                          int steps) {

@@ -10,8 +10,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -176,6 +179,47 @@ inline CommandResult RunCommand(const std::string& cmd) {
   while (fgets(buf, sizeof(buf), p)) r.output += buf;
   r.status = pclose(p);
   return r;
+}
+
+// The local addresses process `pid` has TCP sockets listening on, as
+// /proc/net/tcp and tcp6 print them (hex address:port).
+inline std::vector<std::string> ListeningAddresses(int pid) {
+  std::set<std::string> inodes;
+  std::error_code ec;
+  for (const auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    std::error_code lec;
+    const std::string target = std::filesystem::read_symlink(e.path(), lec).string();
+    if (!lec && target.rfind("socket:[", 0) == 0)
+      inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::vector<std::string> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream f(table);
+    std::string line;
+    std::getline(f, line);  // header
+    while (std::getline(f, line)) {
+      std::istringstream in(line);
+      std::string sl, local, remote, state, skip, inode;
+      in >> sl >> local >> remote >> state;
+      for (int i = 0; i < 5; ++i) in >> skip;  // tx:rx tr:when retrnsmt uid timeout
+      in >> inode;
+      if (state == "0A" && inodes.count(inode)) out.push_back(local);
+    }
+  }
+  return out;
+}
+
+// Whether a ListeningAddresses entry is on loopback: 127.x.x.x as
+// /proc/net/tcp prints it (little-endian hex, first byte last), or ::1 /
+// ::ffff:127.x in tcp6.
+inline bool IsLoopbackAddress(const std::string& listening) {
+  const std::string addr = listening.substr(0, listening.find(':'));
+  const bool loop4 = addr.size() == 8 && addr.substr(6, 2) == "7F";
+  const bool loop6 =
+      addr == "00000000000000000000000001000000" ||
+      (addr.size() == 32 && addr.substr(16, 8) == "FFFF0000" && addr.substr(30, 2) == "7F");
+  return loop4 || loop6;
 }
 
 }  // namespace hmoe::testing

@@ -26,6 +26,7 @@
 #include "gpu_worker/server/remote_experts.h"
 #include "gpu_worker/transport/expert_pool.h"
 #include "gtest/gtest.h"
+#include "tests/testing/prometheus_text.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/transport/service_process.h"
 #include "tests/worker_server/pool_test_util.h"
@@ -51,11 +52,7 @@ const char* PathName(Path p) {
 
 // The value of `series` (name{labels} as rendered); 0 when absent.
 double Sample(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n'))
-    if (line.size() > series.size() && line.substr(0, series.size()) == series &&
-        line[series.size()] == ' ')
-      return std::stod(std::string(line.substr(series.size() + 1)));
-  return 0;
+  return testing::PrometheusSample(text, series, 0);
 }
 
 class DeviceCalls : public ::testing::Test {
@@ -66,19 +63,12 @@ class DeviceCalls : public ::testing::Test {
     auto config = LoadModelConfig(ModelDir());
     ASSERT_TRUE(config.ok()) << config.status();
     config_ = *config;
-    ASSERT_TRUE(proc_.Start({"--model-dir=" + ModelDir()}, dir_.file("port")));
-    ExpertPoolOptions po;
-    po.targets = {proc_.target()};
-    po.transport = TransportKind::kShm;
-    po.fail_fast_after_miss = absl::Seconds(1);
-    po.fail_fast_after_failed_check = absl::Seconds(30);
-    po.metrics = &metrics_;
-    auto pool = ExpertPool::Connect(po);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = std::move(*pool);
-    auto experts = PoolRoutedExperts::Create(config_, pool_.get(), timeout);
-    ASSERT_TRUE(experts.ok()) << experts.status();
-    experts_ = std::move(*experts);
+    testing::ServedExperts served;
+    ASSERT_NO_FATAL_FAILURE(testing::ServeExperts(proc_, dir_, config_, ModelDir(), &served,
+                                                  timeout,
+                                                  testing::FailFastPoolOptions(&metrics_)));
+    pool_ = std::move(served.pool);
+    experts_ = std::move(served.experts);
     ExpertSlotsOptions so;
     so.hidden = config_.hidden_size;
     so.num_slots = 2;
