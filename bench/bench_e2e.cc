@@ -355,7 +355,7 @@ void AddFlags(FlagSet& fs, Args* a) {
   fs.Custom(
       "format", "FORMAT",
       "routed experts: bf16, int8, int4 (int4g64; int4g32, int4g128), or a native checkpoint "
-      "format, quantized from the synthetic weights as its producer does: mxfp4, int4bf16 "
+      "format, quantized from the synthetic weights (common/experts/quantize.h): mxfp4, int4bf16 "
       "(compressed-tensors int4, bf16 scales, group 32; int4bf16g64 ...), fp8 (128x128 "
       "blocks), mxfp8",
       [a](std::string_view v) {
