@@ -64,6 +64,7 @@
 #include "common/dtype.h"
 #include "common/expert_placement.h"
 #include "common/experts/synthetic_source.h"
+#include "common/experts/weight_format.h"
 #include "common/flags.h"
 #include "common/model_config.h"
 #include "common/routing_stats.h"
@@ -208,6 +209,24 @@ std::optional<ojson> PresetConfig(const std::string& name) {
                  {"torch_dtype", "bfloat16"},
                  {"v_head_dim", 128},
                  {"vocab_size", 102400}};
+  if (name == "tiny") {  // smoke tests: qwen3-30b shrunk; every format's blocks fit (fp8's 128)
+    ojson c = *PresetConfig("qwen3-30b");
+    c.update(ojson{{"bos_token_id", 0},
+                   {"eos_token_id", 1},
+                   {"head_dim", 64},
+                   {"hidden_size", 128},
+                   {"intermediate_size", 256},
+                   {"max_position_embeddings", 4096},
+                   {"max_window_layers", 2},
+                   {"moe_intermediate_size", 128},
+                   {"num_attention_heads", 2},
+                   {"num_experts", 8},
+                   {"num_experts_per_tok", 2},
+                   {"num_hidden_layers", 2},
+                   {"num_key_value_heads", 1},
+                   {"vocab_size", 512}});
+    return c;
+  }
   if (name == "mixtral")
     return ojson{{"architectures", {"MixtralForCausalLM"}},
                  {"bos_token_id", 1},
@@ -404,13 +423,24 @@ void AddFlags(FlagSet& fs, Args* a) {
   };
   fs.Group("model and service");
   fs.Choice("preset", &a->preset,
-            {"qwen3-30b", "ds-v3", "ds-v2-lite", "mixtral", "kimi-k2", "glm-4.5"},
-            "the model's shape");
+            {"qwen3-30b", "ds-v3", "ds-v2-lite", "mixtral", "kimi-k2", "glm-4.5", "tiny"},
+            "the model's shape (tiny: a 2-layer Qwen3-MoE, H 128, 8 experts of I 128, top-2; "
+            "smoke tests only)");
   fs.Int("layers", &a->layers, 0, 4096,
          "decoder layers, dense-first ones included (0: as many as fit the routed experts in "
          "--mem-fraction of RAM at --format, at most the model's)");
-  fs.Choice("format", &a->format, {"int4", "int8", "bf16"},
-            "routed experts: int4 (int4g64), int8 or bf16");
+  fs.Custom(
+      "format", "FORMAT",
+      "routed experts: bf16, int8, int4 (int4g64; int4g32, int4g128), or a native checkpoint "
+      "format, quantized from the synthetic weights (common/experts/quantize.h): mxfp4, int4bf16 "
+      "(compressed-tensors int4, bf16 scales, group 32; int4bf16g64 ...), fp8 (128x128 "
+      "blocks), mxfp8",
+      [a](std::string_view v) {
+        RETURN_IF_ERROR(ParseFormatFlag(v).status());
+        a->format = std::string(v);
+        return absl::OkStatus();
+      },
+      a->format);
   fs.Double("mem-fraction", &a->mem_fraction,
             "share of RAM the routed experts may take when --layers is 0", range(0, 0.9, true),
             in(0, 0.9, true));
@@ -978,8 +1008,9 @@ absl::Status Run(const Args& a) {
   ASSIGN_OR_RETURN(const ModelConfig full, ParseModelConfig(cfg.dump(), "preset " + a.preset));
   const int64_t H = full.hidden_size, I = full.moe.intermediate_size, E = full.moe.num_experts;
   const int K = static_cast<int>(full.moe.experts_per_token);
-  const WeightFormat fmt = *ParseWeightFormat(a.format);
-  const int group = Traits(fmt).default_group;
+  const std::pair<WeightFormat, int> format_group = *ParseFormatFlag(a.format);  // checked
+  const WeightFormat fmt = format_group.first;
+  const int group = format_group.second;
   const std::string service_format = WeightFormatName(fmt, group);
 
   // The backend and the expert service binary, checked before anything takes time.

@@ -44,6 +44,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/dram_probe.h"
 #include "common/dtype.h"
+#include "common/experts/weight_format.h"
 #include "common/flags.h"
 #include "common/runtime/numa.h"
 #include "common/runtime/thread_pool.h"
@@ -180,17 +181,6 @@ std::vector<Router> LayerRouters(int64_t layers, int64_t E, int K, Routing mode,
   for (int64_t l = 0; l < layers; ++l)
     r.emplace_back(E, K, mode, zipf_s, 12345 + static_cast<uint64_t>(l));
   return r;
-}
-
-// A --format name and its group: the name's own ("int4g32"), else --group
-// where the format takes it (bare "int4"), else the format's default group.
-absl::StatusOr<std::pair<WeightFormat, int>> FormatOf(const std::string& name, int group_flag) {
-  int group = 0;
-  auto f = ParseWeightFormat(name, &group);
-  if (!f.ok()) return f.status();
-  const bool bare = name == Traits(*f).name;
-  if (bare && TakesGroup(*f, group_flag)) group = group_flag;
-  return std::make_pair(*f, group);
 }
 
 struct Args {
@@ -493,7 +483,8 @@ int Main(int argc, char** argv) {
                               "HxIxExK)"));
   if (a.formats.empty()) return bad("--format lists no formats");
   for (const auto& fm : a.formats)
-    if (auto f = FormatOf(fm, a.group); !f.ok()) return bad(std::string(f.status().message()));
+    if (auto f = ParseFormatFlag(fm, a.group); !f.ok())
+      return bad(std::string(f.status().message()));
   for (const auto& is : a.isas)
     if (!ParseIsa(is))
       return bad(absl::StrCat("unknown ISA '", is, "' (amx, avx512, avx2, scalar)"));
@@ -630,7 +621,7 @@ int Main(int argc, char** argv) {
     std::vector<float> out(static_cast<size_t>(Tmax * P->H));
     std::map<std::string, std::map<int64_t, double>> dnn_us;  // by oneDNN format
     for (const auto& fname : a.formats) {
-      const auto fg = *FormatOf(fname, a.group);  // checked after parsing
+      const auto fg = *ParseFormatFlag(fname, a.group);  // checked after parsing
       const WeightFormat* fmt = &fg.first;
       PackOptions o;
       o.format = fg.first;

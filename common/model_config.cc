@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "common/native_layout.h"
 #include "common/small_file.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -281,16 +282,22 @@ absl::Status Invalid(const std::string& source, const std::string& field, const 
 }
 
 // compressed-tensors' quantization_config: every config group quantizing
-// weights must be what the expert service reads natively (format
-// pack-quantized, int 4-bit symmetric per group of 32, 64 or 128);
-// UNIMPLEMENTED naming the field otherwise.
+// weights must be one row of common/native_layout.h (its format, num_bits,
+// type and a group size it takes; symmetric, strategy group), all groups of
+// one format and group; UNIMPLEMENTED naming the field otherwise.
 absl::Status ParseCompressedTensors(const json& q, const std::string& source,
                                     QuantizationConfig* out) {
+  std::string read;  // the rows, for the messages
+  for (const NativeLayout& l : kNativeLayouts) {
+    if (l.method != "compressed-tensors") continue;
+    absl::StrAppend(&read, read.empty() ? "" : "; ", std::string(l.ct_format), " ",
+                    std::string(l.ct_type), " ", l.ct_bits, "-bit symmetric, group ");
+    for (int i = 0; i < 3 && l.ct_groups[i] != 0; ++i)
+      absl::StrAppend(&read, i == 0 ? "" : "/", l.ct_groups[i]);
+  }
   auto unimplemented = [&](const std::string& field, const std::string& what) {
-    return absl::UnimplementedError(
-        absl::StrCat(source, ": quantization_config.", field, " ", what,
-                     " (compressed-tensors read: pack-quantized int4 symmetric, group 32, 64 or "
-                     "128)"));
+    return absl::UnimplementedError(absl::StrCat(source, ": quantization_config.", field, " ", what,
+                                                 " (compressed-tensors read: ", read, ")"));
   };
   const std::string format = q.contains("format") && q["format"].is_string()
                                  ? q["format"].get<std::string>()
@@ -302,8 +309,12 @@ absl::Status ParseCompressedTensors(const json& q, const std::string& source,
     if (!g.is_object()) return Invalid(source, "quantization_config." + at, "must be an object");
     const std::string gformat =
         g.contains("format") && g["format"].is_string() ? g["format"].get<std::string>() : format;
-    if (gformat != "pack-quantized")
-      return unimplemented(at + ".format", absl::StrCat("\"", gformat, "\""));
+    const NativeLayout* layout = FindCompressedTensorsLayout(gformat);
+    if (layout == nullptr) return unimplemented(at + ".format", absl::StrCat("\"", gformat, "\""));
+    if (!out->format.empty() && out->format != gformat)
+      return unimplemented(
+          at + ".format",
+          absl::StrCat("\"", gformat, "\" beside another group's \"", out->format, "\""));
     if (!g.contains("weights") || !g["weights"].is_object())
       return Invalid(source, "quantization_config." + at + ".weights", "must be an object");
     Reader w(g["weights"], source, absl::StrCat("quantization_config.", at, ".weights."));
@@ -313,17 +324,20 @@ absl::Status ParseCompressedTensors(const json& q, const std::string& source,
     const std::string strategy = w.StringOr("strategy", "group");
     const int64_t group = w.IntOr("group_size", 0);
     RETURN_IF_ERROR(w.status());
-    if (bits != 4) return unimplemented(at + ".weights.num_bits", absl::StrCat(bits));
-    if (type != "int") return unimplemented(at + ".weights.type", absl::StrCat("\"", type, "\""));
+    if (bits != layout->ct_bits) return unimplemented(at + ".weights.num_bits", absl::StrCat(bits));
+    if (type != layout->ct_type)
+      return unimplemented(at + ".weights.type", absl::StrCat("\"", type, "\""));
     if (!symmetric) return unimplemented(at + ".weights.symmetric", "false (zero points)");
     if (strategy != "group")
       return unimplemented(at + ".weights.strategy", absl::StrCat("\"", strategy, "\""));
-    if (group != 32 && group != 64 && group != 128)
+    if (group <= 0 || (group != layout->ct_groups[0] && group != layout->ct_groups[1] &&
+                       group != layout->ct_groups[2]))
       return unimplemented(at + ".weights.group_size", absl::StrCat(group));
     if (out->group_size != 0 && out->group_size != group)
       return unimplemented(at + ".weights.group_size",
                            absl::StrCat(group, " beside another group's ", out->group_size));
     out->group_size = group;
+    out->format = gformat;
   }
   return absl::OkStatus();
 }
@@ -524,7 +538,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     } else if (method != "mxfp4" && method != "mxfp8") {
       return absl::UnimplementedError(
           absl::StrCat(source, ": quantization_config.quant_method \"", method,
-                       "\" (read: fp8, compressed-tensors pack-quantized int4, mxfp4, mxfp8)"));
+                       "\" (read: fp8, compressed-tensors, mxfp4, mxfp8)"));
     }
   }
 

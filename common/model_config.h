@@ -99,15 +99,17 @@ struct MoeConfig {
 
 // config.json's quantization_config, for the methods read:
 //   "fp8": e4m3 weights, `weight_block` (e.g. {128, 128}) f32 scale_inv blocks;
-//   "compressed-tensors": format "pack-quantized", int4 symmetric per group
-//     of `group_size` (weight_packed / weight_scale / weight_shape);
+//   "compressed-tensors": a `format` of common/native_layout.h's rows
+//     ("pack-quantized": int4 symmetric per group of `group_size`;
+//     "mxfp4-pack-quantized", "mxfp8-quantized": OCP MX, group 32);
 //   "mxfp4": OCP MXFP4 (weight_blocks / weight_scales, an e8m0 scale per 32);
 //   "mxfp8": OCP MXFP8 (e4m3 weight, an e8m0 weight_scale per 32).
-// Any other method is UNIMPLEMENTED naming it.
+// Any other method or compressed-tensors format is UNIMPLEMENTED naming it.
 struct QuantizationConfig {
   std::string method;                 // "" (none) or one of the above
+  std::string format;                 // compressed-tensors: its config groups' format; else ""
   std::vector<int64_t> weight_block;  // fp8: {128, 128}
-  int64_t group_size = 0;             // compressed-tensors: the int4 group along K
+  int64_t group_size = 0;             // compressed-tensors: the group along K
 };
 
 struct LayerSpec {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "common/native_layout.h"
 #include "common/status.h"
 
 namespace hmoe {
@@ -45,11 +46,19 @@ std::string ExpertWeightName(const ModelConfig& c, int layer, int expert, Expert
   return absl::StrCat(L(layer), block, ".experts.", expert, ".", ProjName(c, proj), ".weight");
 }
 
+std::string NativeTensorName(const std::string& weight_name, std::string_view suffix) {
+  std::string out = weight_name;
+  if (absl::EndsWith(out, ".weight")) out.resize(out.size() - 7);
+  return out.append(suffix);
+}
+
 std::vector<std::string> NativeExpertTensors(const ModelConfig& c, const std::string& weight_name) {
-  if (c.quantization.method == "compressed-tensors")
-    return {weight_name + "_packed", weight_name + "_scale", weight_name + "_shape"};
-  if (c.quantization.method == "mxfp4") return {weight_name + "_blocks", weight_name + "_scales"};
-  return {};
+  const NativeLayout* l = FindNativeLayout(c.quantization);
+  if (l == nullptr || l->codes == ".weight") return {};
+  std::vector<std::string> out = {NativeTensorName(weight_name, l->codes),
+                                  NativeTensorName(weight_name, l->scales)};
+  if (!l->shape.empty()) out.push_back(NativeTensorName(weight_name, l->shape));
+  return out;
 }
 
 absl::StatusOr<std::string> RoutedExpertsFingerprint(const Checkpoint& ckpt, const ModelConfig& c) {
@@ -226,6 +235,8 @@ ParamCounts CountParameters(const ModelConfig& c) {
 absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt, bool routed_experts) {
   std::vector<std::string> missing, wrong;
   const bool fp8 = c.quantization.method == "fp8";
+  const NativeLayout* mxfp8 = FindNativeLayout(c.quantization);  // e4m3 weights, e8m0 scales
+  if (mxfp8 != nullptr && mxfp8->expert_format != "mxfp8") mxfp8 = nullptr;
   const int64_t br = fp8 ? c.quantization.weight_block[0] : 0,
                 bc = fp8 ? c.quantization.weight_block[1] : 0;
   for (const WeightSpec& w : ExpectedWeights(c)) {
@@ -250,9 +261,8 @@ absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt, bool rou
     }
     const bool is_float =
         e->dtype == DType::kF32 || e->dtype == DType::kBF16 || e->dtype == DType::kF16;
-    if (e->dtype == DType::kF8E4M3 && c.quantization.method == "mxfp8" &&
-        w.role == WeightRole::kRoutedExpert) {
-      const std::string sname = w.name + "_scale";
+    if (e->dtype == DType::kF8E4M3 && mxfp8 != nullptr && w.role == WeightRole::kRoutedExpert) {
+      const std::string sname = NativeTensorName(w.name, mxfp8->scales);
       const TensorEntry* s = ckpt.Find(sname);
       const Shape want{w.shape[0], (w.shape[1] + 31) / 32};
       if (s == nullptr)

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -56,13 +57,17 @@ absl::StatusOr<std::string> RoutedExpertsFingerprint(const Checkpoint& ckpt,
                                                      const ModelConfig& config);
 
 // The tensors a routed expert's "<module>.weight" is stored as instead, when
-// `config`'s quantization renames it: compressed-tensors "..weight_packed",
-// "..weight_scale", "..weight_shape"; mxfp4 "..weight_blocks",
-// "..weight_scales"; none otherwise (fp8 and mxfp8 keep the name). The first
-// is the codes. Their shapes are checked where they are read
-// (common/experts/checkpoint_source.h LoadExpertWeights).
+// `config`'s quantization renames it (common/native_layout.h's row):
+// compressed-tensors int4 "..weight_packed", "..weight_scale",
+// "..weight_shape", its mxfp4 "..weight_packed", "..weight_scale"; mxfp4
+// "..weight_blocks", "..weight_scales"; none otherwise (fp8 and mxfp8 keep
+// the name). The first is the codes. Their shapes are checked where they are
+// read (common/experts/checkpoint_source.h LoadExpertWeights).
 std::vector<std::string> NativeExpertTensors(const ModelConfig& config,
                                              const std::string& weight_name);
+
+// "<module>.weight" -> "<module>" + suffix (".weight_packed").
+std::string NativeTensorName(const std::string& weight_name, std::string_view suffix);
 
 // For an fp8 weight [rows, cols] stored with block size b: its "<name>_scale_inv"
 // companion ("...weight" -> "...weight_scale_inv") of shape [ceil(rows/b), ceil(cols/b)].

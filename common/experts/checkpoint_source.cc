@@ -1,10 +1,13 @@
 #include "common/experts/checkpoint_source.h"
 
 #include <array>
+#include <cmath>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/experts/weight_format.h"
+#include "common/native_layout.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "common/weight_map.h"
@@ -12,32 +15,17 @@
 namespace hmoe {
 namespace {
 
-// "<module>.weight" -> "<module>" + suffix ("...gate_proj.weight_packed").
-std::string Sibling(const std::string& weight_name, std::string_view suffix) {
-  std::string base = weight_name;
-  if (absl::EndsWith(base, ".weight")) base.resize(base.size() - 7);
-  return absl::StrCat(base, std::string(suffix));
-}
-
-// The tensor names of one projection stored natively in `f`: its codes, its
-// scales and (compressed-tensors) its weight_shape.
+// The tensor names of one projection stored natively per `cfg`'s
+// common/native_layout.h row: its codes, its scales and (compressed-tensors
+// int4) its weight_shape; the weight itself without a row.
 struct NativeNames {
   std::string codes, scales, shape;
 };
-NativeNames NamesOf(WeightFormat f, const std::string& weight) {
-  switch (f) {
-    case WeightFormat::kInt4Bf16:
-      return {Sibling(weight, ".weight_packed"), Sibling(weight, ".weight_scale"),
-              Sibling(weight, ".weight_shape")};
-    case WeightFormat::kMxfp4:
-      return {Sibling(weight, ".weight_blocks"), Sibling(weight, ".weight_scales"), ""};
-    case WeightFormat::kFp8:
-      return {weight, ScaleInvName(weight), ""};
-    case WeightFormat::kMxfp8:
-      return {weight, Sibling(weight, ".weight_scale"), ""};
-    default:
-      return {weight, "", ""};
-  }
+NativeNames NamesOf(const ModelConfig& cfg, const std::string& weight) {
+  const NativeLayout* l = FindNativeLayout(cfg.quantization);
+  if (l == nullptr) return {weight, "", ""};
+  return {NativeTensorName(weight, l->codes), NativeTensorName(weight, l->scales),
+          l->shape.empty() ? "" : NativeTensorName(weight, l->shape)};
 }
 
 std::string Shape2(int64_t a, int64_t b) { return absl::StrCat("[", a, ", ", b, "]"); }
@@ -46,19 +34,19 @@ std::string Shape2(int64_t a, int64_t b) { return absl::StrCat("[", a, ", ", b, 
 
 absl::StatusOr<NativeExpertFormat> CheckpointExpertFormat(const ModelConfig& cfg,
                                                           const std::string& dir) {
-  const std::string& m = cfg.quantization.method;
-  if (m == "compressed-tensors")
-    return NativeExpertFormat{WeightFormat::kInt4Bf16,
-                              static_cast<int>(cfg.quantization.group_size)};
-  if (m == "mxfp4") return NativeExpertFormat{WeightFormat::kMxfp4, 32};
-  if (m == "mxfp8") return NativeExpertFormat{WeightFormat::kMxfp8, 32};
-  if (m == "fp8") {
+  const NativeLayout* l = FindNativeLayout(cfg.quantization);
+  if (l == nullptr) return NativeExpertFormat{};
+  ASSIGN_OR_RETURN(const WeightFormat f, ParseWeightFormat(l->expert_format));
+  if (f == WeightFormat::kFp8) {
     ASSIGN_OR_RETURN(const int64_t block, Fp8ExpertBlock(cfg, dir));
     // Blocks the fp8 row does not take are dequantized (and re-quantized).
     if (TakesGroup(WeightFormat::kFp8, static_cast<int>(block)))
       return NativeExpertFormat{WeightFormat::kFp8, static_cast<int>(block)};
+    return NativeExpertFormat{};
   }
-  return NativeExpertFormat{};
+  if (!l->ct_format.empty() && !TakesOneGroup(f))  // compressed-tensors int4: the config's group
+    return NativeExpertFormat{f, static_cast<int>(cfg.quantization.group_size)};
+  return NativeExpertFormat{f, Traits(f).default_group};
 }
 
 absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const ModelConfig& cfg,
@@ -79,7 +67,7 @@ absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const Mo
                          Tensor* scale) -> absl::Status {
     const WeightFormat f = native.format;
     const int group = native.group;
-    const NativeNames n = NamesOf(f, weight);
+    const NativeNames n = NamesOf(cfg, weight);
     ASSIGN_OR_RETURN(*w, ckpt.Get(n.codes));
     ASSIGN_OR_RETURN(*scale, ckpt.Get(n.scales));
     const int64_t srows = ScaleRows(f, group, rows), scols = ScalesPerRow(f, group, cols);
@@ -135,17 +123,37 @@ absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const Mo
         return bad_shape(n.scales, *scale,
                          absl::StrCat("F8_E8M0 / U8 ", Shape2(srows, scols), " (one per 32 of ",
                                       n.codes, "'s ", Shape2(rows, cols), ")"));
-      const uint8_t* e = static_cast<const uint8_t*>(scale->raw());
-      for (int64_t i = 0; i < scale->numel(); ++i)
-        if (e[i] == kE8M0NaN)
-          return absl::InvalidArgumentError(
-              absl::StrCat(ckpt.dir(), ": ", n.scales, " [", i / scols, ", ", i % scols,
-                           "] is 0xFF, the e8m0 NaN: its 32 weights have no value"));
     } else if (f == WeightFormat::kFp8 && (scale->dtype() != DType::kF32 || scale->rank() != 2 ||
                                            scale->dim(0) != srows || scale->dim(1) != scols)) {
       return bad_shape(n.scales, *scale,
                        absl::StrCat("F32 ", Shape2(srows, scols), " (the ", group, "x", group,
                                     " block scales of ", n.codes, "'s ", Shape2(rows, cols), ")"));
+    }
+    // A scale without a value (the e8m0 NaN 0xFF, a non-finite f32 / bf16)
+    // would serve its weights as NaN: refused here, naming it.
+    for (int64_t i = 0; i < scale->numel(); ++i) {
+      std::string value;
+      switch (Traits(f).scale_type) {
+        case ScaleType::kE8M0:
+          if (static_cast<const uint8_t*>(scale->raw())[i] == kE8M0NaN)
+            value = "0xFF, the e8m0 NaN";
+          break;
+        case ScaleType::kF32:
+          if (const float v = static_cast<const float*>(scale->raw())[i]; !std::isfinite(v))
+            value = absl::StrCat(v);
+          break;
+        case ScaleType::kBf16:
+          if (const float v = Bf16ToF32(static_cast<const uint16_t*>(scale->raw())[i]);
+              !std::isfinite(v))
+            value = absl::StrCat(v);
+          break;
+        case ScaleType::kNone:
+          break;
+      }
+      if (!value.empty())
+        return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": ", n.scales, " [", i / scols,
+                                                       ", ", i % scols, "] is ", value,
+                                                       ": the weights it scales have no value"));
     }
     return absl::OkStatus();
   };
@@ -188,7 +196,7 @@ absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const Mo
   std::array<bool, 3> is_native{};
   for (int i = 0; i < 3; ++i) {
     names[i] = ExpertWeightName(cfg, layer, static_cast<int>(expert), projs[i]);
-    const NativeNames n = NamesOf(native.format, names[i]);
+    const NativeNames n = NamesOf(cfg, names[i]);
     // fp8 and mxfp8 keep the plain name: the dtype tells (a bf16 module left
     // unquantized is read plainly).
     if (native.format == WeightFormat::kFp8 || native.format == WeightFormat::kMxfp8) {

@@ -25,11 +25,13 @@ absl::StatusOr<NativeExpertFormat> CheckpointExpertFormat(const ModelConfig& cfg
 // A routed expert's weights as views into the checkpoint's mapping (no copy):
 // bf16/f16/f32, or fp8 with its block scale_inv, or the checkpoint's native
 // format (expert_weights.h: compressed-tensors' weight_packed / weight_scale /
-// weight_shape, mxfp4's weight_blocks / weight_scales, fp8's weight /
+// weight_shape, its mxfp4's weight_packed / weight_scale, mxfp4's
+// weight_blocks / weight_scales, fp8's weight /
 // weight_scale_inv, mxfp8's weight / weight_scale); a module the
 // quantization left out is read plainly. Every dtype, shape and scale count
-// checked, an e8m0 scale of 0xFF refused: INVALID_ARGUMENT naming the
-// checkpoint, the tensor, its shape and the one expected.
+// checked, a scale without a value (e8m0 0xFF, a non-finite f32 / bf16)
+// refused: INVALID_ARGUMENT naming the checkpoint, the tensor, its shape and
+// the one expected (or the scale's index and value).
 absl::StatusOr<ExpertWeights> LoadExpertWeights(const Checkpoint& ckpt, const ModelConfig& cfg,
                                                 int layer, int64_t expert);
 // The fp8 block size of `cfg`'s experts: 0 without an fp8

@@ -122,15 +122,27 @@ void SetCode(QuantMatrix* m, int64_t r, int64_t c, uint8_t code) {
               : static_cast<uint8_t>((b & 0xF0) | (code & 0x0F));
 }
 
-// OCP Microscaling: per block of `group` cols one scale X = 2^e, the
-// smallest power of two with max|w| / X <= the element's max (6 or 448; the
-// spec's example takes floor(log2(max|w|)) - emax_elem, which clips the
-// block's largest weights: this never clips), clamped to the e8m0 range (an
-// all-zero block gets 2^-127); each element is w / X rounded to nearest even.
-void QuantizeMx(const float* w, QuantMatrix* m) {
-  const bool fp4 = m->format == WeightFormat::kMxfp4;
+// The e8m0 scale exponent e of an MX block whose largest |w| is `amax`:
+// the smallest power of two X = 2^e with amax / X <= the element's max (6
+// for e2m1, 448 for e4m3), so nothing clips (the OCP spec's example takes
+// floor(log2(amax)) - emax_elem, which may clip the block's largest
+// weights), clamped to the e8m0 range; an all-zero block gets 2^-127.
+int MxScaleExponent(float amax, WeightFormat f) {
+  if (!(amax > 0.0f)) return -127;
+  const bool fp4 = f == WeightFormat::kMxfp4;
   const int emax_elem = fp4 ? 2 : 8;  // e2m1: 6 = 1.5 * 2^2; e4m3: 448 = 1.75 * 2^8
   const float max_elem = fp4 ? 6.0f : 448.0f;
+  int fe;
+  std::frexp(amax, &fe);       // amax in [2^(fe-1), 2^fe)
+  int e = fe - 1 - emax_elem;  // amax / 2^e in [2^emax_elem, 2^(emax_elem + 1))
+  if (std::ldexp(amax, -e) > max_elem) ++e;
+  return std::clamp(e, -127, 127);
+}
+
+// OCP Microscaling: per block of `group` cols one scale 2^MxScaleExponent
+// of the block's max |w|; each element w / 2^e rounded to nearest even.
+void QuantizeMx(const float* w, QuantMatrix* m) {
+  const bool fp4 = m->format == WeightFormat::kMxfp4;
   const int64_t spr = ScalesPerRow(m->format, m->group, m->cols);
   m->packed.assign(static_cast<size_t>(m->rows * RowBytes(m->format, m->cols)), 0);
   m->scale_e8m0.assign(static_cast<size_t>(m->rows * spr), 0);
@@ -139,14 +151,7 @@ void QuantizeMx(const float* w, QuantMatrix* m) {
       const int64_t c0 = g * m->group, c1 = std::min(m->cols, c0 + m->group);
       float amax = 0.0f;
       for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(w[r * m->cols + c]));
-      int e = -127;
-      if (amax > 0.0f) {
-        int fe;
-        std::frexp(amax, &fe);   // amax in [2^(fe-1), 2^fe)
-        e = fe - 1 - emax_elem;  // amax / 2^e in [2^emax_elem, 2^(emax_elem + 1))
-        if (std::ldexp(amax, -e) > max_elem) ++e;
-        e = std::clamp(e, -127, 127);
-      }
+      const int e = MxScaleExponent(amax, m->format);
       m->scale_e8m0[static_cast<size_t>(r * spr + g)] = static_cast<uint8_t>(e + 127);
       for (int64_t c = c0; c < c1; ++c) {
         const float v = std::ldexp(w[r * m->cols + c], -e);

@@ -88,11 +88,13 @@ absl::Status CheckQuantOptions(const QuantOptions& opts, int64_t hidden, int64_t
 // with its block scales first). An expert stored in a native format (w.format)
 // asked for in that format and group is kept as stored (NativeMatrix; a
 // slice must not cut its scale blocks); in another format it is dequantized
-// first. The native formats quantize as their
-// producers do: mxfp4 / mxfp8 per the OCP Microscaling spec (a power-of-two
-// scale per 32, the smallest that clips nothing), int4bf16 as
-// compressed-tensors (scale bf16(max|w| / 7.5), q in [-8, 7]), fp8 as
-// DeepSeek-V3 (scale max|w| / 448 per block). INVALID_ARGUMENT for bad options
+// first. The native formats quantize by these rules (each element the
+// nearest code of w / scale): mxfp4 / mxfp8 a power-of-two scale per 32,
+// the smallest that clips nothing (compressed-tensors 0.20 picks another
+// power of two for some blocks: the same grid, not always its codes);
+// int4bf16 scale bf16(max|w| / 7.5), q in [-8, 7]; fp8 scale max|w| / 448
+// per block. What a producer stored is kept, never re-derived by these
+// rules (the producer fixtures' tests). INVALID_ARGUMENT for bad options
 // (CheckQuantOptions), shapes or dtypes not of `src`, and non-finite
 // weights (naming the matrix and element).
 absl::StatusOr<QuantExpert> QuantizeExpert(const ExpertWeights& w, const MoeWeightsSource& src,

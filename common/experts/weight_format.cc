@@ -5,6 +5,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status.h"
 
 namespace hmoe {
 namespace {
@@ -75,6 +76,14 @@ absl::StatusOr<WeightFormat> ParseWeightFormat(std::string_view name, int* group
   }
   return absl::InvalidArgumentError(
       absl::StrCat("format: \"", quoted, "\" is not one of ", NameList(true)));
+}
+
+absl::StatusOr<std::pair<WeightFormat, int>> ParseFormatFlag(std::string_view name,
+                                                             int bare_group) {
+  int group = 0;
+  ASSIGN_OR_RETURN(const WeightFormat f, ParseWeightFormat(name, &group));
+  if (name == Traits(f).name && TakesGroup(f, bare_group)) group = bare_group;
+  return std::make_pair(f, group);
 }
 
 absl::Status CheckGroup(WeightFormat f, int group) {

@@ -5,6 +5,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -26,6 +27,13 @@ absl::StatusOr<WeightFormat> ParseWeightFormat(std::string_view name);
 // grouped formats and leaves it alone otherwise. INVALID_ARGUMENT naming
 // `name` and the names taken otherwise.
 absl::StatusOr<WeightFormat> ParseWeightFormat(std::string_view name, int* group);
+
+// A --format flag's name (the one parser of every program's --format): as
+// ParseWeightFormat(name, &group), except that a bare grouped name ("int4")
+// means `bare_group` where the format takes it, else the default group.
+// {format, group}; group 0 for formats without groups.
+absl::StatusOr<std::pair<WeightFormat, int>> ParseFormatFlag(std::string_view name,
+                                                             int bare_group = 0);
 
 // OK when grouped `f` takes `group` or `f` has no groups; INVALID_ARGUMENT
 // naming the format, the groups it takes and `group` otherwise.

@@ -39,6 +39,7 @@
 
 namespace hmoe {
 
+using kern::AnyInt8Act;
 using kern::Int8Act;
 using kern::MoePlan;
 using kern::RowItem;
@@ -230,14 +231,15 @@ std::map<int, int64_t> MoeWorkspace::NodeBytes(const PackedMoeLayer& layer, int6
   const int64_t R = slots + 32 * std::min<int64_t>(layer.num_local_experts(), slots);
   const int64_t kp_h = layer.parts()[0].gu.kp;
   add(pool.mem_node(0), R * kp_h * 2);
-  if (layer.format() != WeightFormat::kBf16) add(pool.mem_node(0), max_tokens * kp_h);
+  const bool i8 = AnyInt8Act(layer.format());  // xt and hq: int8 activations only
+  if (i8) add(pool.mem_node(0), max_tokens * kp_h);
   int64_t scratch = kern::kGemmScratchBytes;
   for (size_t p = 0; p < layer.parts().size(); ++p) {
     const int64_t kp_i = layer.parts()[p].down.kp;
     scratch = std::max({scratch, 16 * kp_i, kCbufFloats * 4});
     const int node = pool.mem_node(static_cast<int>(p));
     add(node, R * kp_i * 4);
-    add(node, R * kp_i);
+    if (i8) add(node, R * kp_i);
     add(node, R * layer.hidden() * 4);
   }
   for (int p = 0; p < pool.num_nodes(); ++p)
@@ -303,15 +305,18 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
   w.node0 = pool.mem_node(0);
   ASSIGN_OR_RETURN(w.xa,
                    NumaBuffer::Allocate(R * static_cast<size_t>(w.kp_h) * 2, pool.mem_node(0)));
-  w.xa_scale.resize(R);
-  w.xa_gsum.resize(R * static_cast<size_t>(std::max<int64_t>(w.gmax, 1)));
-  if (layer.format() != WeightFormat::kBf16) {
+  // The int8 activations' rows, scales and group sums: only for the formats
+  // whose calls take them (bf16 and the native formats never do).
+  const bool i8 = AnyInt8Act(w.format);
+  if (i8) {
+    w.xa_scale.resize(R);
+    w.xa_gsum.resize(R * static_cast<size_t>(std::max<int64_t>(w.gmax, 1)));
     ASSIGN_OR_RETURN(
         w.xt, NumaBuffer::Allocate(static_cast<size_t>(max_tokens * w.kp_h), pool.mem_node(0)));
     w.xt_scale.resize(static_cast<size_t>(max_tokens));
     w.xt_gsum.resize(static_cast<size_t>(max_tokens * std::max<int64_t>(w.gmax, 1)));
+    w.h_scale.resize(R);
   }
-  w.h_scale.resize(R);
   w.parts.resize(static_cast<size_t>(w.nparts));
   for (int p = 0; p < w.nparts; ++p) {
     const auto& lp = layer.parts()[static_cast<size_t>(p)];
@@ -324,8 +329,10 @@ absl::StatusOr<std::unique_ptr<MoeWorkspace>> MoeWorkspace::Create(const PackedM
     const int node = pool.mem_node(p);
     w.part_node.push_back(node);
     ASSIGN_OR_RETURN(b.h, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i) * 4, node));
-    ASSIGN_OR_RETURN(b.hq, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i), node));
-    b.hgsum.resize(R * static_cast<size_t>(std::max<int64_t>(b.groups, 1)));
+    if (i8) {
+      ASSIGN_OR_RETURN(b.hq, NumaBuffer::Allocate(R * static_cast<size_t>(b.kp_i), node));
+      b.hgsum.resize(R * static_cast<size_t>(std::max<int64_t>(b.groups, 1)));
+    }
     ASSIGN_OR_RETURN(b.y, NumaBuffer::Allocate(R * static_cast<size_t>(w.hidden) * 4, node));
   }
   w.cbuf.resize(static_cast<size_t>(w.threads));
@@ -624,10 +631,10 @@ void MoeCall::GatherItem(const RowItem& ri) {
     const int32_t t = plan_.row_token[static_cast<size_t>(r)];
     uint8_t* dst = w_.xa.data() + r * xa_ld_;
     const int64_t kbytes = i8 ? kp_h_ : xa_ld_;
-    int32_t* gsum = w_.gmax ? &w_.xa_gsum[static_cast<size_t>(r * gsum_ld_)] : nullptr;
+    int32_t* gsum = i8 && w_.gmax ? &w_.xa_gsum[static_cast<size_t>(r * gsum_ld_)] : nullptr;
     if (t < 0) {
       std::memset(dst, 0, static_cast<size_t>(kbytes));
-      w_.xa_scale[static_cast<size_t>(r)] = 0.0f;
+      if (i8) w_.xa_scale[static_cast<size_t>(r)] = 0.0f;
       if (gsum) std::memset(gsum, 0, sizeof(int32_t) * static_cast<size_t>(w_.gmax));
     } else if (!i8) {
       std::memcpy(dst, in_.x + int64_t{t} * H_, static_cast<size_t>(H_) * 2);
@@ -716,8 +723,10 @@ void MoeCall::GateUpTask(const Local& l, const Task& tk, const Task* tn) {
   a.a = w_.xa.data() + r0 * xa_ld_;
   a.lda = xa_ld_;
   a.a_tiled = plan_.tiled(tk.e);
-  a.a_scale = &w_.xa_scale[static_cast<size_t>(r0)];
-  a.a_gsum = w_.gmax ? &w_.xa_gsum[static_cast<size_t>(r0 * gsum_ld_)] : nullptr;
+  if (Int8Act(fmt_, many)) {
+    a.a_scale = &w_.xa_scale[static_cast<size_t>(r0)];
+    a.a_gsum = w_.gmax ? &w_.xa_gsum[static_cast<size_t>(r0 * gsum_ld_)] : nullptr;
+  }
   a.gsum_stride = gsum_ld_;
   if (tn != nullptr) HintNext(a, l.lp.gu, l.lp.gate_up(tn->e), *tn);
   GemmFor(dsp_.For(many), fmt_, many)(a);
@@ -780,13 +789,13 @@ void MoeCall::DownTask(const Local& l, const Task& tk, const Task* tn) {
   if (Int8Act(fmt_, many)) {
     a.a = l.b.hq.data() + r0 * l.b.kp_i;
     a.lda = l.b.kp_i;
+    a.a_scale = &w_.h_scale[static_cast<size_t>(r0)];
+    a.a_gsum = l.b.groups ? &l.b.hgsum[static_cast<size_t>(r0 * hg_ld)] : nullptr;
   } else {
     a.a = l.b.h.data() + r0 * l.b.kp_i * 4;
     a.lda = l.b.kp_i * 4;
   }
   a.a_tiled = plan_.tiled(tk.e);
-  a.a_scale = &w_.h_scale[static_cast<size_t>(r0)];
-  a.a_gsum = l.b.groups ? &l.b.hgsum[static_cast<size_t>(r0 * hg_ld)] : nullptr;
   a.gsum_stride = hg_ld;
   if (tn != nullptr) HintNext(a, l.lp.down, l.lp.down_w(tn->e), *tn);
   GemmFor(dsp_.For(many), fmt_, many)(a);

@@ -23,6 +23,9 @@ inline constexpr int64_t kPreQuantTokens = 32;
 inline bool Int8Act(WeightFormat f, bool many) {
   return f == WeightFormat::kInt8 || (f == WeightFormat::kInt4 && !many);
 }
+// Whether any call of format `f` takes int8 activations (Int8Act for some
+// `many`): only then does a workspace hold the int8 rows, scales and sums.
+inline bool AnyInt8Act(WeightFormat f) { return Int8Act(f, false) || Int8Act(f, true); }
 
 // A gather / hquant work item: rows [r0, r0 + n) of expert e; a whole 16-row
 // block when the expert's rows are in the tile layout, else up to 4 rows.

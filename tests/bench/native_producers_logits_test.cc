@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "tests/model/model_test_util.h"
 #include "tests/testing/checkpoint_edit.h"
+#include "tests/testing/producer_fixtures.h"
 #include "tests/testing/temp_dir.h"
 
 namespace hmoe {
@@ -34,12 +35,7 @@ constexpr double kTolerance = 1e-3;
 // 3.7e-3 from transformers.
 constexpr double kServedTolerance = 5e-3;
 
-struct Fixture {
-  const char* dir;
-  WeightFormat format;
-  int group;
-};
-void PrintTo(const Fixture& f, std::ostream* os) { *os << f.dir; }
+using Fixture = ::hmoe::testing::ProducerFixture;
 
 // The model over `dir`'s experts served natively by an in-process expert
 // shard (`shard` and `experts` keep them).
@@ -134,10 +130,7 @@ TEST_P(NativeProducerLogitsTest, ServedNativelyMatchesTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Producers, NativeProducerLogitsTest,
-                         ::testing::Values(Fixture{"int4g32", WeightFormat::kInt4Bf16, 32},
-                                           Fixture{"mxfp4", WeightFormat::kMxfp4, 32},
-                                           Fixture{"fp8", WeightFormat::kFp8, 128},
-                                           Fixture{"mxfp8", WeightFormat::kMxfp8, 32}),
+                         ::testing::ValuesIn(::hmoe::testing::ProducerFixtures()),
                          [](const auto& info) { return std::string(info.param.dir); });
 
 // The comparison can fail: every mxfp4 scale of expert 0's down_proj one

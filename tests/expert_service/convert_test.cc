@@ -2,6 +2,7 @@
 // errors for truncated, corrupted or mismatched files.
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <string>
 
@@ -462,6 +463,27 @@ TEST(Convert, TruncatedCorruptedOrMismatchedFilesAreRefused) {
   EXPECT_EQ(ConvertCommand({ModelDir()}), 2);
 }
 
+// Reads every routed expert matrix of `packed` back and calls `check` with
+// its checkpoint name ("...experts.3.down_proj.weight"); the matrices read
+// (a failed read is a test failure and ends the walk).
+int ForEachPackedMatrix(const PackedExperts& packed, const ModelConfig& cfg,
+                        const std::function<void(const std::string&, const QuantMatrix&)>& check) {
+  int n = 0;
+  for (size_t l = 0; l < cfg.layers.size(); ++l) {
+    if (!cfg.layers[l].moe) continue;
+    for (int64_t e = 0; e < cfg.moe.num_experts; ++e) {
+      auto q = packed.Expert(static_cast<int>(l), e);
+      EXPECT_TRUE(q.ok()) << q.status();
+      if (!q.ok()) return n;
+      const QuantMatrix* got[3] = {&q->gate, &q->up, &q->down};
+      const ExpertProj projs[3] = {ExpertProj::kGate, ExpertProj::kUp, ExpertProj::kDown};
+      for (int i = 0; i < 3; ++i, ++n)
+        check(ExpertWeightName(cfg, static_cast<int>(l), static_cast<int>(e), projs[i]), *got[i]);
+    }
+  }
+  return n;
+}
+
 // A checkpoint whose routed experts ship quantized converts to its own
 // format by default, codes and scales kept bit for bit; --format still
 // re-quantizes.
@@ -482,25 +504,14 @@ TEST(Convert, KeepsTheCheckpointsNativeFormatByDefault) {
     auto packed = PackedExperts::Open(out, *cfg, SplitMode::kTp, 0, 1);
     ASSERT_TRUE(packed.ok()) << packed.status();
     EXPECT_EQ((*packed)->format(), f);
-    int compared = 0;
-    for (size_t l = 0; l < cfg->layers.size(); ++l) {
-      if (!cfg->layers[l].moe) continue;
-      for (int64_t e = 0; e < cfg->moe.num_experts; ++e) {
-        auto q = (*packed)->Expert(static_cast<int>(l), e);
-        ASSERT_TRUE(q.ok()) << q.status();
-        const QuantMatrix* got[3] = {&q->gate, &q->up, &q->down};
-        const ExpertProj projs[3] = {ExpertProj::kGate, ExpertProj::kUp, ExpertProj::kDown};
-        for (int i = 0; i < 3; ++i) {
-          const QuantMatrix& want = nc.written.at(
-              ExpertWeightName(*cfg, static_cast<int>(l), static_cast<int>(e), projs[i]));
-          EXPECT_EQ(got[i]->packed, want.packed);
-          EXPECT_EQ(got[i]->scale, want.scale);
-          EXPECT_EQ(got[i]->scale_bf16, want.scale_bf16);
-          EXPECT_EQ(got[i]->scale_e8m0, want.scale_e8m0);
-          ++compared;
-        }
-      }
-    }
+    const int compared =
+        ForEachPackedMatrix(**packed, *cfg, [&](const std::string& name, const QuantMatrix& got) {
+          const QuantMatrix& want = nc.written.at(name);
+          EXPECT_EQ(got.packed, want.packed);
+          EXPECT_EQ(got.scale, want.scale);
+          EXPECT_EQ(got.scale_bf16, want.scale_bf16);
+          EXPECT_EQ(got.scale_e8m0, want.scale_e8m0);
+        });
     EXPECT_GT(compared, 0);
     // --format re-quantizes (from the dequantized weights).
     o.format = "int8";
@@ -532,24 +543,13 @@ TEST(Convert, ProducerCheckpointsKeepTheProducersValues) {
     auto producer = SafetensorsFile::Open(model + "/producer_dequant.safetensors");
     ASSERT_TRUE(producer.ok()) << producer.status();
     std::vector<::hmoe::testing::Mismatch> mismatches;
-    int64_t elements = 0, matrices = 0;
-    for (size_t l = 0; l < cfg->layers.size(); ++l) {
-      if (!cfg->layers[l].moe) continue;
-      for (int64_t e = 0; e < cfg->moe.num_experts; ++e) {
-        auto q = (*packed)->Expert(static_cast<int>(l), e);
-        ASSERT_TRUE(q.ok()) << q.status();
-        const QuantMatrix* got[3] = {&q->gate, &q->up, &q->down};
-        const ExpertProj projs[3] = {ExpertProj::kGate, ExpertProj::kUp, ExpertProj::kDown};
-        for (int i = 0; i < 3; ++i) {
-          const std::string name =
-              ExpertWeightName(*cfg, static_cast<int>(l), static_cast<int>(e), projs[i]);
+    int64_t elements = 0;
+    const int matrices =
+        ForEachPackedMatrix(**packed, *cfg, [&](const std::string& name, const QuantMatrix& got) {
           auto p = (*producer)->Get(name);
           ASSERT_TRUE(p.ok()) << p.status();
-          ::hmoe::testing::CompareWithProducer(*got[i], *p, name, &mismatches, &elements);
-          ++matrices;
-        }
-      }
-    }
+          ::hmoe::testing::CompareWithProducer(got, *p, name, &mismatches, &elements);
+        });
     EXPECT_EQ(static_cast<size_t>(matrices), (*producer)->entries().size());
     EXPECT_TRUE(mismatches.empty()) << ::hmoe::testing::Describe(mismatches, elements);
   }

@@ -6,8 +6,12 @@
 // unknown method refused naming the tensor or field.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <iterator>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -15,12 +19,15 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/experts/checkpoint_source.h"
 #include "common/experts/quantize.h"
 #include "common/experts/weight_format.h"
 #include "common/model_config.h"
+#include "common/native_layout.h"
 #include "common/safetensors.h"
+#include "common/status.h"
 #include "common/weight_map.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/checkpoint_edit.h"
@@ -298,6 +305,128 @@ TEST(NativeCheckpointErrors, AnE8M0ScaleOf0xFFIsRefused) {
   }
 }
 
+// Every convention (common/native_layout.h row) through the real loader on
+// a written checkpoint: read as stored; a truncated codes tensor, a scale
+// tensor of the wrong shape and a scale without a value each refused
+// naming the tensor.
+class NativeLayoutTest : public ::testing::TestWithParam<size_t> {
+ protected:
+  const NativeLayout& layout() const { return kNativeLayouts[GetParam()]; }
+  WeightFormat format() const { return ParseWeightFormat(layout().expert_format).value(); }
+  std::string Codes() const { return NativeTensorName(kVictim, layout().codes); }
+  std::string Scales() const { return NativeTensorName(kVictim, layout().scales); }
+  // The fixture in this convention, `mutate` applied to kVictim's matrix.
+  NativeCheckpoint Make(const std::string& dir,
+                        const std::function<void(QuantMatrix&, SafetensorsWriter&)>& mutate) {
+    const NativeLayout* l = &layout();
+    return MakeNative(
+        dir, format(),
+        [&](const std::string& name, QuantMatrix& m, SafetensorsWriter& w, bool* done) {
+          if (name != kVictim || !mutate) return;
+          mutate(m, w);
+          *done = true;
+        },
+        nullptr, l);
+  }
+  // Loads every expert and keeps it in its format (what the service packs).
+  absl::Status LoadAndKeep(const std::string& dir) {
+    auto cfg = LoadModelConfig(dir);
+    if (!cfg.ok()) return cfg.status();
+    auto ckpt = Checkpoint::Open(dir);
+    if (!ckpt.ok()) return ckpt.status();
+    RETURN_IF_ERROR(CheckWeights(*cfg, **ckpt));
+    for (int l = 0; l < static_cast<int>(cfg->layers.size()); ++l) {
+      if (!cfg->layers[l].moe) continue;
+      const MoeWeightsSource src = CheckpointSource(**ckpt, *cfg, l);
+      for (int64_t e = 0; e < src.num_experts; ++e) {
+        ASSIGN_OR_RETURN(const ExpertWeights w, src.expert(e));
+        QuantOptions o;
+        o.format = src.native_format;
+        o.group = src.native_group;
+        RETURN_IF_ERROR(QuantizeExpert(w, src, o).status());
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+TEST_P(NativeLayoutTest, IsReadAsStored) {
+  ::hmoe::testing::TempDir dir;
+  const NativeCheckpoint nc = Make(dir.path(), nullptr);
+  auto cfg = LoadModelConfig(dir.path());
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  EXPECT_EQ(FindNativeLayout(cfg->quantization), &layout());
+  auto ckpt = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_TRUE(CheckWeights(*cfg, **ckpt).ok()) << CheckWeights(*cfg, **ckpt);
+  const MoeWeightsSource src = CheckpointSource(**ckpt, *cfg, 2);
+  ASSERT_EQ(src.native_format, format());
+  auto w = src.expert(3);
+  ASSERT_TRUE(w.ok()) << w.status();
+  QuantOptions o;
+  o.format = format();
+  o.group = src.native_group;
+  auto q = QuantizeExpert(*w, src, o);
+  ASSERT_TRUE(q.ok()) << q.status();
+  ExpectSameMatrix(q->down, nc.written.at(kVictim));
+  EXPECT_TRUE(LoadAndKeep(dir.path()).ok()) << LoadAndKeep(dir.path());
+}
+
+TEST_P(NativeLayoutTest, TruncatedCodesAreRefusedNamingThem) {
+  ::hmoe::testing::TempDir dir;
+  Make(dir.path(), [&](QuantMatrix& m, SafetensorsWriter& w) {
+    // The codes (and, consistently, the scales) of the last row missing.
+    QuantMatrix t = m;
+    t.rows = m.rows - 1;
+    t.packed.resize(static_cast<size_t>(t.rows * RowBytes(t.format, t.cols)));
+    const size_t scales = static_cast<size_t>(ScaleCount(t.format, t.group, t.rows, t.cols));
+    if (!t.scale.empty()) t.scale.resize(scales);
+    if (!t.scale_bf16.empty()) t.scale_bf16.resize(scales);
+    if (!t.scale_e8m0.empty()) t.scale_e8m0.resize(scales);
+    AddNative(w, kVictim, t, /*bad_scales=*/false, &layout());
+  });
+  ExpectRefused(LoadAndKeep(dir.path()), absl::StatusCode::kInvalidArgument,
+                {Codes(), " [63, ", "expected "});
+}
+
+TEST_P(NativeLayoutTest, ScalesOfTheWrongShapeAreRefusedNamingThem) {
+  ::hmoe::testing::TempDir dir;
+  Make(dir.path(), [&](QuantMatrix& m, SafetensorsWriter& w) {
+    AddNative(w, kVictim, m, /*bad_scales=*/true, &layout());
+  });
+  ExpectRefused(LoadAndKeep(dir.path()), absl::StatusCode::kInvalidArgument,
+                {Scales() + " is ", ", expected "});
+}
+
+// The e8m0 NaN (0xFF), a NaN bf16 or an infinite f32 scale.
+TEST_P(NativeLayoutTest, AScaleWithoutAValueIsRefusedNamingIt) {
+  ::hmoe::testing::TempDir dir;
+  Make(dir.path(), [&](QuantMatrix& m, SafetensorsWriter& w) {
+    if (!m.scale_e8m0.empty()) m.scale_e8m0.back() = 0xFF;
+    if (!m.scale_bf16.empty()) m.scale_bf16.back() = 0x7FC0;
+    if (!m.scale.empty()) m.scale.back() = std::numeric_limits<float>::infinity();
+    AddNative(w, kVictim, m, /*bad_scales=*/false, &layout());
+  });
+  const int64_t sr = ScaleRows(format(), Traits(format()).default_group, 64),
+                sc = ScalesPerRow(format(), Traits(format()).default_group, 32);
+  ExpectRefused(LoadAndKeep(dir.path()), absl::StatusCode::kInvalidArgument,
+                {Scales() + " [" + std::to_string(sr - 1) + ", " + std::to_string(sc - 1) + "] is ",
+                 Traits(format()).scale_type == ScaleType::kE8M0  ? "0xFF"
+                 : Traits(format()).scale_type == ScaleType::kF32 ? "inf"
+                                                                  : "nan"});
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, NativeLayoutTest,
+                         ::testing::Range<size_t>(0, std::size(kNativeLayouts)),
+                         [](const auto& info) {
+                           const NativeLayout& l = kNativeLayouts[info.param];
+                           std::string n =
+                               absl::StrCat(std::string(l.method), "_", std::string(l.ct_format));
+                           for (char& c : n)
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           return n;
+                         });
+
 TEST(NativeCheckpointErrors, AWrongWeightShapeIsRefused) {
   ::hmoe::testing::TempDir dir;
   MakeNative(dir.path(), WeightFormat::kInt4Bf16,
@@ -342,6 +471,35 @@ TEST(NativeCheckpointErrors, UnknownOrUnreadQuantizationIsRefusedNamingIt) {
              [](json& j) { j["quantization_config"]["format"] = "marlin-24"; });
   ExpectRefused(LoadModelConfig(d4.path()).status(), absl::StatusCode::kUnimplemented,
                 {"format \"marlin-24\""});
+  // compressed-tensors' FP4 / FP6 formats other than MXFP4 (nvfp4: e4m3
+  // scales per 16 and a global scale), and an MX format's args not its own.
+  for (const char* format : {"nvfp4-pack-quantized", "mxfp6-pack-quantized"}) {
+    ::hmoe::testing::TempDir d;
+    MakeNative(d.path(), WeightFormat::kMxfp4, nullptr, [&](json& j) {
+      j["quantization_config"] =
+          ::hmoe::testing::QuantConfig(*FindCompressedTensorsLayout("mxfp4-pack-quantized"));
+      j["quantization_config"]["format"] = format;
+    });
+    ExpectRefused(
+        LoadModelConfig(d.path()).status(), absl::StatusCode::kUnimplemented,
+        {"config_groups.group_0.format \"" + std::string(format) + "\"", "mxfp4-pack-quantized"});
+  }
+  ::hmoe::testing::TempDir d5;
+  MakeNative(d5.path(), WeightFormat::kMxfp4, nullptr, [](json& j) {
+    j["quantization_config"] =
+        ::hmoe::testing::QuantConfig(*FindCompressedTensorsLayout("mxfp4-pack-quantized"));
+    j["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "int";
+  });
+  ExpectRefused(LoadModelConfig(d5.path()).status(), absl::StatusCode::kUnimplemented,
+                {"config_groups.group_0.weights.type \"int\""});
+  ::hmoe::testing::TempDir d6;
+  MakeNative(d6.path(), WeightFormat::kMxfp8, nullptr, [](json& j) {
+    j["quantization_config"] =
+        ::hmoe::testing::QuantConfig(*FindCompressedTensorsLayout("mxfp8-quantized"));
+    j["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64;
+  });
+  ExpectRefused(LoadModelConfig(d6.path()).status(), absl::StatusCode::kUnimplemented,
+                {"config_groups.group_0.weights.group_size 64"});
 }
 
 TEST(NativeCheckpointErrors, AnExpertHalfQuantizedIsRefused) {

@@ -1,7 +1,8 @@
 // Checkpoints whose routed experts were quantized by the formats' own
 // producers (tests/fixtures/native_producers: compressed-tensors' int4 g32
 // and mxfp8 compressors, compressed-tensors' mxfp4 laid out as gpt-oss ships
-// it, transformers' fine-grained fp8 quantizer), read through the checkpoint
+// it, compressed-tensors' mxfp4 and mxfp8 checkpoints as it saves them
+// itself, transformers' fine-grained fp8 quantizer), read through the checkpoint
 // source and dequantized here, against the producer's own dequantization
 // stored beside them (producer_dequant.safetensors), bit for bit as
 // tests/testing/producer_fixtures.h says.
@@ -24,6 +25,7 @@
 #include "common/experts/quantize.h"
 #include "common/experts/weight_format.h"
 #include "common/model_config.h"
+#include "common/native_layout.h"
 #include "common/safetensors.h"
 #include "common/weight_map.h"
 #include "nlohmann/json.hpp"
@@ -116,28 +118,14 @@ TEST_P(ProducerFixtureTest, OurDequantizationIsTheProducers) {
   EXPECT_TRUE(c.mismatches.empty()) << Describe(c);
 }
 
-// The first routed expert's gate weight name and its code tensor's suffix.
-std::string CodeSuffix(WeightFormat f) {
-  switch (f) {
-    case WeightFormat::kInt4Bf16:
-      return "_packed";
-    case WeightFormat::kMxfp4:
-      return "_blocks";
-    default:
-      return "";
-  }
-}
-std::string ScaleSuffix(WeightFormat f) {
-  switch (f) {
-    case WeightFormat::kInt4Bf16:
-      return "_scale";
-    case WeightFormat::kMxfp4:
-      return "_scales";
-    case WeightFormat::kFp8:
-      return "_scale_inv";
-    default:
-      return "_scale";
-  }
+// The fixture's convention (common/native_layout.h) per its config.json.
+const NativeLayout& LayoutOf(const Fixture& fx) {
+  static const NativeLayout none{};
+  auto cfg = LoadModelConfig(FixtureDir(fx));
+  EXPECT_TRUE(cfg.ok()) << cfg.status();
+  const NativeLayout* l = cfg.ok() ? FindNativeLayout(cfg->quantization) : nullptr;
+  EXPECT_NE(l, nullptr) << fx.dir;
+  return l != nullptr ? *l : none;
 }
 
 // A copy of the fixture with one byte of `tensor` changed by `edit`.
@@ -165,7 +153,7 @@ TEST_P(ProducerFixtureTest, OneCodeChangedIsCaught) {
   ASSERT_NE(producer, nullptr);
   ::hmoe::testing::TempDir dir;
   const std::string gate = "model.layers.0.mlp.experts.0.gate_proj.weight";
-  CopyWithEdit(fx, dir.path(), gate + CodeSuffix(fx.format), 0, [&](uint8_t* b) {
+  CopyWithEdit(fx, dir.path(), NativeTensorName(gate, LayoutOf(fx).codes), 0, [&](uint8_t* b) {
     if (fx.format == WeightFormat::kInt4Bf16 || fx.format == WeightFormat::kMxfp4)
       *b ^= 0x01;  // the low nibble: element (0, 0)
     else
@@ -188,7 +176,7 @@ TEST_P(ProducerFixtureTest, OneScaleChangedIsCaught) {
   // The first scale's lowest exponent bit (bf16: bit 7; f32: bit 23 in its
   // third byte; e8m0: bit 0); changing the exponent by one keeps it finite.
   const int64_t byte = fx.format == WeightFormat::kFp8 ? 2 : 0;
-  CopyWithEdit(fx, dir.path(), down + ScaleSuffix(fx.format), byte, [&](uint8_t* b) {
+  CopyWithEdit(fx, dir.path(), NativeTensorName(down, LayoutOf(fx).scales), byte, [&](uint8_t* b) {
     *b ^= fx.format == WeightFormat::kInt4Bf16 ? 0x80
           : fx.format == WeightFormat::kFp8    ? 0x80
                                                : 0x01;

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
@@ -750,7 +751,9 @@ TEST(MoeNumaTest, WorkspaceAndLayerBytesArePredicted) {
   auto pool2 = TwoNodePool();
   ASSERT_NE(pool2, nullptr);
   for (FormatCase fc : {FormatCase{WeightFormat::kBf16, 0}, FormatCase{WeightFormat::kInt8, 0},
-                        FormatCase{WeightFormat::kInt4, 32}})
+                        FormatCase{WeightFormat::kInt4, 32}, FormatCase{WeightFormat::kMxfp4, 32},
+                        FormatCase{WeightFormat::kInt4Bf16, 32},
+                        FormatCase{WeightFormat::kFp8, 128}, FormatCase{WeightFormat::kMxfp8, 32}})
     for (ThreadPool* pool : {&SharedPool(), pool2.get()}) {
       PackOptions o;
       o.format = fc.f;
@@ -771,6 +774,44 @@ TEST(MoeNumaTest, WorkspaceAndLayerBytesArePredicted) {
             << WeightFormatName(fc.f) << " T " << T << " nodes " << pool->num_nodes();
       }
     }
+}
+
+// Only int8 and int4 calls take int8 activations: a native-format layer's
+// workspace holds none of their buffers (per-token int8 rows, int8 h), so it
+// is bf16's for the same padded dims, and int4's is larger by exactly them.
+TEST(MoeNumaTest, NativeFormatWorkspacesHoldNoInt8Activations) {
+  const int64_t H = 256, I = 256, T = 300;
+  const int K = 3;
+  auto layer = [&](WeightFormat f, int group) {
+    PackOptions o;
+    o.format = f;
+    o.group = group;
+    return PackedMoeLayer::Plan(H, I, 5, o, SharedPool()).value();
+  };
+  auto total = [](const std::map<int, int64_t>& m) {
+    int64_t n = 0;
+    for (const auto& [node, bytes] : m) n += bytes;
+    return n;
+  };
+  const auto bf16 = layer(WeightFormat::kBf16, 0);
+  const int64_t bf16_bytes = total(MoeWorkspace::NodeBytes(bf16, T, K, SharedPool()));
+  for (FormatCase fc :
+       {FormatCase{WeightFormat::kMxfp4, 32}, FormatCase{WeightFormat::kInt4Bf16, 32},
+        FormatCase{WeightFormat::kFp8, 128}, FormatCase{WeightFormat::kMxfp8, 32}}) {
+    SCOPED_TRACE(WeightFormatName(fc.f));
+    const auto L = layer(fc.f, fc.group);
+    ASSERT_EQ(L.parts()[0].gu.kp, bf16.parts()[0].gu.kp);
+    ASSERT_EQ(L.parts()[0].down.kp, bf16.parts()[0].down.kp);
+    EXPECT_EQ(total(MoeWorkspace::NodeBytes(L, T, K, SharedPool())), bf16_bytes);
+  }
+  const auto i4 = layer(WeightFormat::kInt4, 32);
+  ASSERT_EQ(i4.parts()[0].gu.kp, bf16.parts()[0].gu.kp);
+  ASSERT_EQ(i4.parts()[0].down.kp, bf16.parts()[0].down.kp);
+  const int64_t slots = T * K, rows = slots + 32 * std::min<int64_t>(5, slots);
+  auto page = [](int64_t b) { return (b + 4095) / 4096 * 4096; };
+  EXPECT_EQ(total(MoeWorkspace::NodeBytes(i4, T, K, SharedPool())),
+            bf16_bytes + page(T * bf16.parts()[0].gu.kp) +
+                static_cast<int64_t>(bf16.parts().size()) * page(rows * bf16.parts()[0].down.kp));
 }
 
 TEST(MoeNumaTest, VirtualNodesMatchOneNode) {

@@ -28,10 +28,9 @@ struct ProducerFixture {
 inline void PrintTo(const ProducerFixture& f, std::ostream* os) { *os << f.dir; }
 
 inline std::vector<ProducerFixture> ProducerFixtures() {
-  return {{"int4g32", WeightFormat::kInt4Bf16, 32},
-          {"mxfp4", WeightFormat::kMxfp4, 32},
-          {"fp8", WeightFormat::kFp8, 128},
-          {"mxfp8", WeightFormat::kMxfp8, 32}};
+  return {{"int4g32", WeightFormat::kInt4Bf16, 32}, {"mxfp4", WeightFormat::kMxfp4, 32},
+          {"fp8", WeightFormat::kFp8, 128},         {"mxfp8", WeightFormat::kMxfp8, 32},
+          {"mxfp4_ct", WeightFormat::kMxfp4, 32},   {"mxfp8_ct", WeightFormat::kMxfp8, 32}};
 }
 
 inline std::string ProducerFixtureDir(const ProducerFixture& f) {
