@@ -132,7 +132,7 @@ TEST_F(TiktokenTest, LongRunsAndChunksMatchTiktoken) {
     EXPECT_EQ(Fnv1a64(ordinary), c["ordinary_fnv1a64"].get<std::string>());
     ++n;
   }
-  EXPECT_GE(n, 10);
+  EXPECT_GE(n, 21);
 }
 
 // Decoding any ids, broken UTF-8 included, as Encoding.decode (errors="replace").
