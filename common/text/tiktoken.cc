@@ -479,8 +479,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromModelDir(const std::st
   if (!absl::IsNotFound(from_tiktoken.status())) return from_tiktoken;
   std::error_code ec;
   if (std::filesystem::exists(model_path, ec))
-    return absl::InvalidArgumentError(absl::StrCat(
-        dir, ": tiktoken.model needs tokenizer_config.json beside it (its special tokens)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(model_path, ": needs tokenizer_config.json beside it (its special tokens)"));
   return absl::NotFoundError(
       absl::StrCat(dir, ": no tokenizer (neither tokenizer.json nor tiktoken.model)"));
 }
