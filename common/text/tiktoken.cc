@@ -4,7 +4,9 @@
 #include <pcre2.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
+#include <limits>
 #include <queue>
 #include <utility>
 
@@ -52,6 +54,9 @@ constexpr int32_t kNumReservedSpecialTokens = 256;
 constexpr size_t kMaxEncodeChars = 400000;
 constexpr size_t kMaxRunChars = 25000;
 constexpr int64_t kMaxRanks = int64_t{1} << 22;
+// Pieces up to this many bytes merge in tiktoken's quadratic loop on the
+// stack; longer ones through a heap.
+constexpr size_t kShortPiece = 64;
 
 // Python's str.isspace() (Unicode 14; Python 3.11).
 bool PyIsSpace(uint32_t cp) {
@@ -202,8 +207,16 @@ absl::StatusOr<std::unique_ptr<TiktokenModel>> TiktokenModel::Parse(
                                    " (line ", rank_line[static_cast<size_t>(it->second)], ")"));
     m->bytes_[static_cast<size_t>(e.rank)] = std::move(e.bytes);
   }
+  m->short_rank_.assign(256 + 65536, -1);
+  for (const auto& [bytes, rank] : m->ranks_) {
+    m->max_token_bytes_ = std::max(m->max_token_bytes_, bytes.size());
+    if (bytes.size() == 1) m->short_rank_[static_cast<uint8_t>(bytes[0])] = rank;
+    if (bytes.size() == 2)
+      m->short_rank_[256 + (static_cast<size_t>(static_cast<uint8_t>(bytes[0])) << 8 |
+                            static_cast<uint8_t>(bytes[1]))] = rank;
+  }
   for (int b = 0; b < 256; ++b) {
-    if (!m->ranks_.contains(std::string(1, static_cast<char>(b))))
+    if (m->short_rank_[static_cast<size_t>(b)] < 0)
       return absl::InvalidArgumentError(absl::StrCat(rank_source, ": the single byte 0x",
                                                      absl::Hex(b, absl::kZeroPad2),
                                                      " has no rank (every byte needs one)"));
@@ -306,10 +319,34 @@ absl::StatusOr<std::unique_ptr<TiktokenModel>> TiktokenModel::Parse(
   return m;
 }
 
-std::optional<int32_t> TiktokenModel::Rank(absl::string_view bytes) const {
+size_t TiktokenModel::BytesHash::operator()(absl::string_view s) const {
+  // 8 bytes at a time, each word multiplied in (a wyhash-style mix).
+  constexpr uint64_t kMul = 0x9e3779b97f4a7c15ull;
+  uint64_t h = s.size() * kMul;
+  size_t i = 0;
+  for (; i + 8 <= s.size(); i += 8) {
+    uint64_t w;
+    std::memcpy(&w, s.data() + i, 8);
+    h = (h ^ w) * kMul;
+    h ^= h >> 29;
+  }
+  if (i < s.size()) {
+    uint64_t w = 0;
+    std::memcpy(&w, s.data() + i, s.size() - i);
+    h = (h ^ w) * kMul;
+    h ^= h >> 29;
+  }
+  h *= kMul;
+  return static_cast<size_t>(h ^ (h >> 32));
+}
+
+int32_t TiktokenModel::Rank(absl::string_view bytes) const {
+  const auto u = [&](size_t k) { return static_cast<size_t>(static_cast<uint8_t>(bytes[k])); };
+  if (bytes.size() == 1) return short_rank_[u(0)];
+  if (bytes.size() == 2) return short_rank_[256 + (u(0) << 8 | u(1))];
+  if (bytes.size() > max_token_bytes_) return -1;
   auto it = ranks_.find(bytes);
-  if (it == ranks_.end()) return std::nullopt;
-  return it->second;
+  return it == ranks_.end() ? -1 : it->second;
 }
 
 const std::string& TiktokenModel::TokenBytes(int32_t id) const {
@@ -325,7 +362,10 @@ bool TiktokenModel::IsSpecial(int32_t id) const {
 
 std::optional<int32_t> TiktokenModel::TokenToId(absl::string_view token) const {
   if (auto it = special_.find(token); it != special_.end()) return it->second;
-  return Rank(token);
+  if (token.empty()) return std::nullopt;
+  const int32_t r = Rank(token);
+  if (r < 0) return std::nullopt;
+  return r;
 }
 
 absl::Status TiktokenModel::Encode(absl::string_view text, bool allow_special,
@@ -410,8 +450,10 @@ absl::Status TiktokenModel::EncodeOrdinary(absl::string_view text,
       continue;
     }
     const absl::string_view piece = text.substr(b, e - b);
-    if (auto r = Rank(piece))
-      out->push_back(*r);
+    if (const int32_t r = Rank(piece); r >= 0)
+      out->push_back(r);
+    else if (piece.size() <= kShortPiece)
+      BytePairEncodeShort(piece, out);
     else
       BytePairEncode(piece, out);
     pos = e;
@@ -441,7 +483,7 @@ void TiktokenModel::BytePairEncode(absl::string_view piece, std::vector<int32_t>
     const uint32_t j = next[i];
     if (j >= n) return;
     const uint32_t e = next[j];
-    if (auto r = Rank(piece.substr(i, e - i))) heap.push({*r, i, e});
+    if (const int32_t r = Rank(piece.substr(i, e - i)); r >= 0) heap.push({r, i, e});
   };
   for (uint32_t i = 0; i + 1 < n; ++i) offer(i);
   while (!heap.empty()) {
@@ -454,10 +496,42 @@ void TiktokenModel::BytePairEncode(absl::string_view piece, std::vector<int32_t>
     if (c.start > 0) offer(prev[c.start]);
     offer(c.start);
   }
-  for (uint32_t i = 0; i < n; i = next[i]) {
-    auto r = Rank(piece.substr(i, next[i] - i));
-    out->push_back(r ? *r : -1);  // every part is a byte or a merge: always ranked
+  // Every part is a byte or a merge: always ranked.
+  for (uint32_t i = 0; i < n; i = next[i]) out->push_back(Rank(piece.substr(i, next[i] - i)));
+}
+
+void TiktokenModel::BytePairEncodeShort(absl::string_view piece, std::vector<int32_t>* out) const {
+  // tiktoken's own loop: parts[i] starts a part and holds the rank of it
+  // merged with the next part; the lowest (leftmost on a tie) merges, its
+  // neighbours' ranks are recomputed. parts[len - 1] is the end.
+  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
+  struct Part {
+    uint32_t start;
+    int32_t rank;
+  };
+  Part parts[kShortPiece + 1];
+  const size_t n = piece.size();
+  size_t len = n + 1;
+  const auto pair_rank = [&](size_t i) {
+    if (i + 2 >= len) return kNone;
+    const int32_t r = Rank(piece.substr(parts[i].start, parts[i + 2].start - parts[i].start));
+    return r < 0 ? kNone : r;
+  };
+  for (size_t i = 0; i <= n; ++i) parts[i] = {static_cast<uint32_t>(i), kNone};
+  for (size_t i = 0; i + 2 <= n; ++i) parts[i].rank = pair_rank(i);
+  while (len > 2) {
+    int32_t best = kNone;
+    size_t at = 0;
+    for (size_t i = 0; i + 2 < len; ++i)
+      if (parts[i].rank < best) best = parts[i].rank, at = i;
+    if (best == kNone) break;
+    for (size_t i = at + 1; i + 1 < len; ++i) parts[i] = parts[i + 1];
+    --len;
+    parts[at].rank = pair_rank(at);
+    if (at > 0) parts[at - 1].rank = pair_rank(at - 1);
   }
+  for (size_t i = 0; i + 1 < len; ++i)
+    out->push_back(Rank(piece.substr(parts[i].start, parts[i + 1].start - parts[i].start)));
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromTiktoken(const std::string& model_path,

@@ -89,10 +89,25 @@ class TiktokenModel {
                            std::vector<int32_t>* out) const;
   absl::Status EncodeOrdinary(absl::string_view text, std::vector<int32_t>* out) const;
   void BytePairEncode(absl::string_view piece, std::vector<int32_t>* out) const;
-  std::optional<int32_t> Rank(absl::string_view bytes) const;
+  void BytePairEncodeShort(absl::string_view piece, std::vector<int32_t>* out) const;
+  int32_t Rank(absl::string_view bytes) const;  // -1: not a token
 
-  absl::flat_hash_map<std::string, int32_t> ranks_;
+  // Token bytes -> rank, hashed by a short multiply-mix (tokens are short;
+  // this lookup is most of the encoding time).
+  struct BytesHash {
+    using is_transparent = void;
+    size_t operator()(absl::string_view s) const;
+  };
+  struct BytesEq {
+    using is_transparent = void;
+    bool operator()(absl::string_view a, absl::string_view b) const { return a == b; }
+  };
+  absl::flat_hash_map<std::string, int32_t, BytesHash, BytesEq> ranks_;
   std::vector<std::string> bytes_;  // id -> bytes (ranks, then special tokens' text)
+  // Ranks of the 1- and 2-byte tokens, [b] and [256 + (b0 << 8 | b1)] (-1:
+  // none), and the longest token: most lookups skip the hash map.
+  std::vector<int32_t> short_rank_;
+  size_t max_token_bytes_ = 0;
   int32_t num_ranks_ = 0;
   absl::flat_hash_map<std::string, int32_t> special_;
   std::vector<bool> special_flag_;  // by id - num_ranks_: added_tokens_decoder's "special"

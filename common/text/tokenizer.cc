@@ -860,9 +860,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(const std::string& text,
                                                        bool add_special_tokens) const {
-  size_t held = 0;
-  if (SanitizeUtf8(text, false, &held) != text)
-    return absl::InvalidArgumentError("text is not valid UTF-8");
+  for (size_t i = 0; i < text.size();) {  // valid UTF-8 (no copy)
+    size_t bad = 0;
+    const int n = Utf8Sequence(text, i, &bad);
+    if (n <= 0) return absl::InvalidArgumentError("text is not valid UTF-8");
+    i += static_cast<size_t>(n);
+  }
   if (tiktoken_) {
     std::vector<int32_t> ids;
     RETURN_IF_ERROR(tiktoken_->Encode(text, /*allow_special=*/true, &ids));
