@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <queue>
 #include <utility>
@@ -423,8 +424,8 @@ absl::Status TiktokenModel::EncodeChunk(absl::string_view text, bool allow_speci
   return EncodeOrdinary(text.substr(seg), out);
 }
 
-absl::Status TiktokenModel::EncodeOrdinary(absl::string_view text,
-                                           std::vector<int32_t>* out) const {
+absl::Status TiktokenModel::ForEachPiece(absl::string_view text,
+                                         const std::function<void(size_t, size_t)>& fn) const {
   if (text.empty()) return absl::OkStatus();
   pcre2_match_data* md = pcre2_match_data_create_from_pattern(regex_->code, nullptr);
   if (md == nullptr) return absl::ResourceExhaustedError("tiktoken: no memory for a regex match");
@@ -449,6 +450,23 @@ absl::Status TiktokenModel::EncodeOrdinary(absl::string_view text,
       pos = b + len;
       continue;
     }
+    fn(b, e);
+    pos = e;
+  }
+  pcre2_match_data_free(md);
+  return status;
+}
+
+absl::StatusOr<std::vector<std::pair<size_t, size_t>>> TiktokenModel::Split(
+    absl::string_view text) const {
+  std::vector<std::pair<size_t, size_t>> pieces;
+  RETURN_IF_ERROR(ForEachPiece(text, [&](size_t b, size_t e) { pieces.emplace_back(b, e); }));
+  return pieces;
+}
+
+absl::Status TiktokenModel::EncodeOrdinary(absl::string_view text,
+                                           std::vector<int32_t>* out) const {
+  return ForEachPiece(text, [&](size_t b, size_t e) {
     const absl::string_view piece = text.substr(b, e - b);
     if (const int32_t r = Rank(piece); r >= 0)
       out->push_back(r);
@@ -456,10 +474,7 @@ absl::Status TiktokenModel::EncodeOrdinary(absl::string_view text,
       BytePairEncodeShort(piece, out);
     else
       BytePairEncode(piece, out);
-    pos = e;
-  }
-  pcre2_match_data_free(md);
-  return status;
+  });
 }
 
 void TiktokenModel::BytePairEncode(absl::string_view piece, std::vector<int32_t>* out) const {

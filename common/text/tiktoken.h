@@ -23,9 +23,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -72,6 +74,11 @@ class TiktokenModel {
   // (allowed_special="all"); without, it is ordinary text.
   absl::Status Encode(absl::string_view text, bool allow_special, std::vector<int32_t>* out) const;
 
+  // The pieces Kimi's pattern cuts valid UTF-8 `text` into, as byte ranges
+  // [begin, end): what the byte-pair merge runs on (no special tokens, no
+  // cuts). INVALID_ARGUMENT where PCRE2 gives up on a pathological text.
+  absl::StatusOr<std::vector<std::pair<size_t, size_t>>> Split(absl::string_view text) const;
+
   int32_t vocab_size() const { return static_cast<int32_t>(bytes_.size()); }
   int32_t num_ranks() const { return num_ranks_; }
   // The id's bytes (a special token: its text); "" for an id out of range.
@@ -88,6 +95,8 @@ class TiktokenModel {
   absl::Status EncodeChunk(absl::string_view text, bool allow_special,
                            std::vector<int32_t>* out) const;
   absl::Status EncodeOrdinary(absl::string_view text, std::vector<int32_t>* out) const;
+  absl::Status ForEachPiece(absl::string_view text,
+                            const std::function<void(size_t, size_t)>& fn) const;
   void BytePairEncode(absl::string_view piece, std::vector<int32_t>* out) const;
   void BytePairEncodeShort(absl::string_view piece, std::vector<int32_t>* out) const;
   int32_t Rank(absl::string_view bytes) const;  // -1: not a token

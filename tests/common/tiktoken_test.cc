@@ -3,7 +3,9 @@
 // (tiktoken 0.14.0, Kimi's pattern, tokenization_kimi.py's encode()).
 #include "common/text/tiktoken.h"
 
+#include <algorithm>
 #include <cinttypes>
+#include <climits>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -181,6 +183,76 @@ TEST_F(TiktokenTest, StreamingHoldsPartialUtf8) {
     EXPECT_EQ(all, c["text"].get<std::string>());
   }
   EXPECT_GE(held, 50);
+}
+
+std::string Utf8(uint32_t c) {
+  std::string s;
+  if (c < 0x80) {
+    s.push_back(static_cast<char>(c));
+  } else if (c < 0x800) {
+    s.push_back(static_cast<char>(0xc0 | (c >> 6)));
+    s.push_back(static_cast<char>(0x80 | (c & 0x3f)));
+  } else if (c < 0x10000) {
+    s.push_back(static_cast<char>(0xe0 | (c >> 12)));
+    s.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3f)));
+    s.push_back(static_cast<char>(0x80 | (c & 0x3f)));
+  } else {
+    s.push_back(static_cast<char>(0xf0 | (c >> 18)));
+    s.push_back(static_cast<char>(0x80 | ((c >> 12) & 0x3f)));
+    s.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3f)));
+    s.push_back(static_cast<char>(0x80 | (c & 0x3f)));
+  }
+  return s;
+}
+
+// Sorted [first, last] ranges of code points, as pattern_probe.json has them.
+class CodePointSet {
+ public:
+  explicit CodePointSet(const json& ranges) {
+    for (const auto& r : ranges) r_.emplace_back(r[0].get<uint32_t>(), r[1].get<uint32_t>());
+  }
+  bool Has(uint32_t c) const {
+    auto it = std::upper_bound(r_.begin(), r_.end(), std::make_pair(c, UINT32_MAX));
+    return it != r_.begin() && std::prev(it)->second >= c;
+  }
+
+ private:
+  std::vector<std::pair<uint32_t, uint32_t>> r_;
+};
+
+// The pattern's classes (our spelling of Kimi's: complement classes for the
+// intersections, \p{sc:Han}, White_Space) over every code point: PREFIX + c
+// is one piece exactly where tiktoken makes it one, for letters, capitals,
+// Han, a space, punctuation and a digit before c. Code points assigned after
+// Unicode 14 (PCRE2 10.42's tables) that tiktoken's newer tables know are
+// the known difference ("newer"), counted, not compared.
+TEST_F(TiktokenTest, PatternClassesMatchTiktokenOverAllOfUnicode) {
+  const json probe = json::parse(std::ifstream(Dir() + "/pattern_probe.json"));
+  const CodePointSet newer(probe["newer"]);
+  int64_t checked = 0, skipped = 0;
+  int failures = 0;
+  for (const auto& [prefix, ranges] : probe["joined"].items()) {
+    const CodePointSet joined(ranges);
+    for (uint32_t c = 0x80; c < 0x110000; ++c) {
+      if (c >= 0xd800 && c <= 0xdfff) continue;
+      if (newer.Has(c)) {
+        ++skipped;
+        continue;
+      }
+      const std::string text = prefix + Utf8(c);
+      auto pieces = model_->Split(text);
+      ASSERT_TRUE(pieces.ok()) << pieces.status();
+      const bool one = pieces->size() == 1 && (*pieces)[0].second == text.size();
+      if (one != joined.Has(c)) {
+        ADD_FAILURE() << "\"" << prefix << "\" + U+" << std::hex << c << ": tiktoken "
+                      << (one ? "splits" : "joins") << ", we " << (one ? "join" : "split");
+        if (++failures >= 20) return;
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 6 * 1000000);
+  EXPECT_LT(skipped, 6 * 20000);
 }
 
 TEST_F(TiktokenTest, SpecialTokensFromConfig) {
