@@ -48,7 +48,8 @@ class Tokenizer {
   // A tiktoken.model rank file and its tokenizer_config.json (tiktoken.h says
   // what is refused). Encode recognizes the special tokens in the text, as
   // Kimi's encode() does by default; add_special_tokens adds nothing (Kimi's
-  // tokenizer has no template).
+  // tokenizer has no template). TokenToId takes a special token's text or an
+  // ordinary token's raw bytes.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromTiktoken(const std::string& model_path,
                                                                  const std::string& config_path);
   // A model directory's tokenizer: tokenizer.json if there is one, else
