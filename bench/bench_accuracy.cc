@@ -94,7 +94,7 @@ absl::Status Run(const Args& a) {
   if (!config.bos_token_id || config.eos_token_ids.empty())
     return absl::FailedPreconditionError(
         absl::StrCat(a.model, "/config.json: needs bos_token_id and eos_token_id to score docs"));
-  ASSIGN_OR_RETURN(auto tok, Tokenizer::FromFile(a.model + "/tokenizer.json"));
+  ASSIGN_OR_RETURN(auto tok, Tokenizer::FromModelDir(a.model));
   ASSIGN_OR_RETURN(
       const accuracy::EvalSet set,
       accuracy::LoadEvalSet(a.heldout, *tok, static_cast<int32_t>(*config.bos_token_id),

@@ -15,7 +15,7 @@ secs=${FUZZ_SECONDS:-30}
 build=${FUZZ_BUILD:-build-fuzz}
 artifacts=${FUZZ_ARTIFACTS:-$PWD/$build/artifacts}
 targets=("$@")
-((${#targets[@]})) || targets=(safetensors config tokenizer generate_request expert_protocol chat_template openai_request tool_calls)
+((${#targets[@]})) || targets=(safetensors config tokenizer tiktoken generate_request expert_protocol chat_template openai_request tool_calls)
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
 if [[ -z ${FUZZ_BUILD:-} ]]; then
   cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \

@@ -31,6 +31,7 @@ programs=(
   "hmoe stats"
   hmoe-bench-e2e
   hmoe-bench-accuracy
+  hmoe-bench-tokenizer
   hmoe-bench-moe
   hmoe-amx-microprobe
 )

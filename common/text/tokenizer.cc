@@ -18,6 +18,7 @@
 #include "absl/strings/str_replace.h"
 #include "common/small_file.h"
 #include "common/status.h"
+#include "common/text/tiktoken.h"
 #include "common/text/unicode_nfc.h"
 #include "nlohmann/json.hpp"
 
@@ -550,6 +551,8 @@ Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
   int32_t n = static_cast<int32_t>(impl_->id_to_token.size());
   vocab_size_ = n;
 }
+Tokenizer::Tokenizer(std::unique_ptr<TiktokenModel> tiktoken)
+    : tiktoken_(std::move(tiktoken)), vocab_size_(tiktoken_->vocab_size()) {}
 Tokenizer::~Tokenizer() = default;
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::string& path) {
@@ -857,9 +860,17 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(const std::string& text,
                                                        bool add_special_tokens) const {
-  size_t held = 0;
-  if (SanitizeUtf8(text, false, &held) != text)
-    return absl::InvalidArgumentError("text is not valid UTF-8");
+  for (size_t i = 0; i < text.size();) {  // valid UTF-8 (no copy)
+    size_t bad = 0;
+    const int n = Utf8Sequence(text, i, &bad);
+    if (n <= 0) return absl::InvalidArgumentError("text is not valid UTF-8");
+    i += static_cast<size_t>(n);
+  }
+  if (tiktoken_) {
+    std::vector<int32_t> ids;
+    RETURN_IF_ERROR(tiktoken_->Encode(text, /*allow_special=*/true, &ids));
+    return ids;
+  }
   const Impl& t = *impl_;
   std::vector<int32_t> ids;
   // Split on added tokens: at each position the longest added token wins.
@@ -901,10 +912,21 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(const std::string& text,
   return out;
 }
 
-const std::string& Tokenizer::strip_content() const { return impl_->strip_content; }
-int Tokenizer::strip_start() const { return impl_->strip_start; }
+const std::string& Tokenizer::strip_content() const {
+  static const std::string* const kNone = new std::string();
+  return tiktoken_ ? *kNone : impl_->strip_content;
+}
+int Tokenizer::strip_start() const { return tiktoken_ ? 0 : impl_->strip_start; }
+
+std::optional<int32_t> Tokenizer::bos_token_id() const {
+  return tiktoken_ ? tiktoken_->bos_id() : std::nullopt;
+}
+std::optional<int32_t> Tokenizer::eos_token_id() const {
+  return tiktoken_ ? tiktoken_->eos_id() : std::nullopt;
+}
 
 std::optional<int32_t> Tokenizer::TokenToId(const std::string& token) const {
+  if (tiktoken_) return tiktoken_->TokenToId(token);
   for (const AddedToken& a : impl_->added)
     if (a.content == token) return a.id;
   auto it = impl_->vocab.find(token);
@@ -913,11 +935,15 @@ std::optional<int32_t> Tokenizer::TokenToId(const std::string& token) const {
 }
 
 bool Tokenizer::IsSpecial(int32_t id) const {
+  if (tiktoken_) return tiktoken_->IsSpecial(id);
   auto it = impl_->added_by_id.find(id);
   return it != impl_->added_by_id.end() && impl_->added[it->second].special;
 }
 
 std::string Tokenizer::TokenBytes(int32_t id, bool skip_special_tokens) const {
+  if (tiktoken_)
+    return skip_special_tokens && tiktoken_->IsSpecial(id) ? std::string()
+                                                           : tiktoken_->TokenBytes(id);
   auto it = impl_->added_by_id.find(id);
   if (it != impl_->added_by_id.end()) {
     const AddedToken& a = impl_->added[it->second];
@@ -956,6 +982,7 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int32_t> ids,
           absl::StrCat("token id ", id, " is outside the vocabulary [0, ", vocab_size_, ")"));
     bytes += TokenBytes(id, skip_special_tokens);
   }
+  if (tiktoken_) return SanitizeUtf8(bytes);
   const std::string& c = impl_->strip_content;
   if (!c.empty()) {
     size_t b = 0, e = bytes.size();

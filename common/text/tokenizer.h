@@ -21,6 +21,9 @@
 // or ByteLevel. Anything else -> UNIMPLEMENTED naming it. Added tokens marked "normalized": true
 // are matched on the raw text too (Hugging Face matches them after normalizing; the same unless the
 // normalizer changes them).
+//
+// Also the tiktoken format of Kimi-K2's checkpoints (tiktoken.model +
+// tokenizer_config.json; tiktoken.h): FromTiktoken, or FromModelDir.
 #pragma once
 
 #include <cstdint>
@@ -35,11 +38,24 @@
 
 namespace hmoe {
 
+class TiktokenModel;
+
 class Tokenizer {
  public:
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromFile(const std::string& path);
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(const std::string& json_text,
                                                              const std::string& source);
+  // A tiktoken.model rank file and its tokenizer_config.json (tiktoken.h says
+  // what is refused). Encode recognizes the special tokens in the text, as
+  // Kimi's encode() does by default; add_special_tokens adds nothing (Kimi's
+  // tokenizer has no template). TokenToId takes a special token's text or an
+  // ordinary token's raw bytes.
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromTiktoken(const std::string& model_path,
+                                                                 const std::string& config_path);
+  // A model directory's tokenizer: tokenizer.json if there is one, else
+  // tiktoken.model with tokenizer_config.json (INVALID_ARGUMENT if that is
+  // missing). NOT_FOUND when the directory has neither file.
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromModelDir(const std::string& dir);
   ~Tokenizer();
 
   // Text must be valid UTF-8 (else INVALID_ARGUMENT). add_special_tokens applies
@@ -60,11 +76,16 @@ class Tokenizer {
   std::string TokenBytes(int32_t id, bool skip_special_tokens) const;
   const std::string& strip_content() const;
   int strip_start() const;
+  // The BOS / EOS ids tokenizer_config.json names (tiktoken format only).
+  std::optional<int32_t> bos_token_id() const;
+  std::optional<int32_t> eos_token_id() const;
 
  private:
   struct Impl;
   explicit Tokenizer(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit Tokenizer(std::unique_ptr<TiktokenModel> tiktoken);
+  std::unique_ptr<Impl> impl_;               // tokenizer.json
+  std::unique_ptr<TiktokenModel> tiktoken_;  // or tiktoken.model
   int32_t vocab_size_ = 0;
 };
 

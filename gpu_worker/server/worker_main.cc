@@ -399,16 +399,16 @@ int Run(int argc, char** argv) {
                o.backend.c_str());
   // The tokenizer first: a calibration run needs it.
   std::unique_ptr<Tokenizer> tokenizer;
-  std::string no_tokenizer = "this model has no tokenizer.json";
-  const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
-  if (auto t = Tokenizer::FromFile(tok_path); absl::IsNotFound(t.status())) {
-    // No tokenizer.json: token ids only.
+  std::string no_tokenizer = "this model has no tokenizer (tokenizer.json or tiktoken.model)";
+  // tokenizer.json, else tiktoken.model + tokenizer_config.json.
+  const std::string dir_prefix = (std::filesystem::path(o.model_dir) / "").string();
+  if (auto t = Tokenizer::FromModelDir(o.model_dir); absl::IsNotFound(t.status())) {
+    // No tokenizer: token ids only.
   } else if (absl::IsUnimplemented(t.status())) {
     // A tokenizer this build cannot run: serve token ids, say why once.
     // Clients are told why without the server's path (the log has it).
-    no_tokenizer = absl::StrCat(
-        "the model's tokenizer is not supported here (",
-        absl::StrReplaceAll(t.status().message(), {{tok_path, "tokenizer.json"}}), ")");
+    no_tokenizer = absl::StrCat("the model's tokenizer is not supported here (",
+                                absl::StrReplaceAll(t.status().message(), {{dir_prefix, ""}}), ")");
     std::fprintf(stderr,
                  "hmoe-gpu-worker: warning: the model's tokenizer is not supported here (%s): "
                  "text prompts, Tokenize and Detokenize are refused; prompt_ids work\n",

@@ -5,6 +5,7 @@ Run from the repository root: python3 tests/fuzz/make_corpus.py. Uses protoc
 (--encode) for the protobuf seeds; everything else is built here. The
 seeds are committed; this records how they were made.
 """
+import base64
 import json
 import os
 import shutil
@@ -82,6 +83,19 @@ def main():
                               "e\u0301 NFC", "1234567890 x=y+z;"]):
         put("tokenizer", "text%d" % i, b"\x01" + text.encode())
     put("tokenizer", "bad_utf8", b"\x01\xff\xfe\xc3")
+    # tiktoken: even first byte + a rank file, NUL, a tokenizer_config.json; odd + text
+    tk_ranks = b"".join(b"%s %d\n" % (base64.b64encode(bytes([b])), b) for b in range(256))
+    tk_ranks += base64.b64encode(b"ab") + b" 256\n" + base64.b64encode(b"abc") + b" 257\n"
+    put("tiktoken", "tiny", b"\x00" + tk_ranks + b"\0" +
+        json.dumps({"added_tokens_decoder": {"258": {"content": "[BOS]"}},
+                    "bos_token": "[BOS]"}).encode())
+    put("tiktoken", "fixture", b"\x02" + open("tests/fixtures/tiktoken/tiktoken.model", "rb").read() +
+        b"\0" + open("tests/fixtures/tiktoken/tokenizer_config.json", "rb").read())
+    for i, text in enumerate(["Hello, world! It's 1234567 ok", "\u4e2d\u6587\u3002\u300c\u5f15\u300d \U0001F600",
+                              "  leading\tand\r\ntrailing  \u3000", "<|im_user|>u<|im_middle|>hi<|im_end|>",
+                              "\u212aelvin it'\u017f CamelCaseHTTP", "\u0627\u0644\u0639\u0631\u0628\u064a\u0629 \u0928\u092e\u0938\u094d\u0924\u0947"]):
+        put("tiktoken", "text%d" % i, b"\x01" + text.encode())
+    put("tiktoken", "bad_utf8", b"\x01\xff\xfe\xc3")
     # Generate requests
     for name, text in {
         "text": 'prompt: "A wise man once said" max_tokens: 16 add_special_tokens: true',
