@@ -21,6 +21,7 @@ GateSpec SoftmaxTopkSpec(const ModelConfig& c) {
   const MoeConfig& m = c.moe;
   switch (c.arch) {
     case Architecture::kDeepseekV3:
+    case Architecture::kDeepseekV32:
     case Architecture::kDeepseekV2:
       g.method = m.topk_method;
       g.n_group = m.n_group;
