@@ -1,5 +1,6 @@
 // ModelConfig: a Hugging Face config.json parsed into the fields that change
-// the math, for deepseek_v3, deepseek_v32, deepseek_v2, qwen3_moe and mixtral.
+// the math, for deepseek_v3, deepseek_v32, glm_moe_dsa, deepseek_v2, qwen3_moe and
+// mixtral.
 //
 // Accepts both the published checkpoints' spelling (rope_theta + rope_scaling
 // {"type": "yarn", ...}, Qwen3's num_experts) and what transformers 5 writes
@@ -17,7 +18,7 @@
 
 namespace hmoe {
 
-enum class Architecture { kDeepseekV3, kDeepseekV2, kQwen3Moe, kMixtral, kDeepseekV32 };
+enum class Architecture { kDeepseekV3, kDeepseekV2, kQwen3Moe, kMixtral, kDeepseekV32, kGlmMoeDsa };
 enum class ScoringFunc { kSoftmax, kSigmoid };
 // greedy: plain top-k; group_limited_greedy (V2): groups ranked by their max
 // score; noaux_tc (V3): groups ranked by the sum of their top-2 biased scores.
@@ -89,7 +90,7 @@ struct DsaConfig {
   int64_t n_heads = 0;
   int64_t head_dim = 0;
   int64_t topk = 0;
-  bool rope_interleave = false;  // the indexer's rope pairs (V3.2: halves)
+  bool rope_interleave = false;  // the indexer's rope pairs (V3.2: halves; GLM: interleaved)
 };
 
 struct MoeConfig {
@@ -157,7 +158,7 @@ struct ModelConfig {
 
   bool is_mla() const {
     return arch == Architecture::kDeepseekV3 || arch == Architecture::kDeepseekV2 ||
-           arch == Architecture::kDeepseekV32;
+           arch == Architecture::kDeepseekV32 || arch == Architecture::kGlmMoeDsa;
   }
   int64_t num_moe_layers() const;
   std::vector<int32_t> moe_layer_indices() const;  // the MoE layers' decoder indices, ascending

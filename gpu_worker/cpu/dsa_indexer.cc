@@ -65,9 +65,9 @@ void DsaIndexer::Select(const AttentionPass& p, const float* h, const float* q_l
     for (int64_t t = t0; t < t1; ++t) {
       std::vector<int64_t>& sel = (*selected)[static_cast<size_t>(t)];
       const int64_t n = p.pos[t] + 1;
+      if (n <= topk) continue;  // every visible key (left empty)
       sel.resize(static_cast<size_t>(n));
       std::iota(sel.begin(), sel.end(), 0);
-      if (n <= topk) continue;  // every visible key
       score.assign(static_cast<size_t>(n), 0.0f);
       const float* qt = q.data() + t * nh * D;
       const float* wt = w.data() + t * nh;

@@ -25,9 +25,9 @@ class DsaIndexer {
 
   // Writes each token's key, rope(LayerNorm(wk h)) on its first
   // qk_rope_head_dim dims, into its cache row at its position; then, per
-  // token t, sets (*selected)[t] to the positions its query attends over,
-  // ascending: every position in [0, pos] when there are at most dsa.topk,
-  // else the dsa.topk of highest index score
+  // token t, sets (*selected)[t] to the positions its query attends over:
+  // empty (every position in [0, pos]) when there are at most dsa.topk, else
+  // the dsa.topk of highest index score, ascending,
   //   sum_h w_h relu(q_h . k_s / sqrt(head_dim)),  w = weights_proj(h) / sqrt(n_heads),
   // q = rope(wq_b(q_lora)) per head; of equal scores the earlier position.
   // h: [T, hidden]; q_lora: [T, q_lora_rank], the normed q LoRA.

@@ -96,7 +96,7 @@ void MlaAttention::Forward(const AttentionPass& p, const float* h, float* out) c
       std::copy_n(qh + nope, rope, qfull.data() + r);
       ApplyRope(qfull.data() + r, rope, cs + t * rope, layout);
       const float* cache = p.k[t];
-      if (indexer_ && static_cast<int64_t>(selected[static_cast<size_t>(t)].size()) <= p.pos[t]) {
+      if (indexer_ && !selected[static_cast<size_t>(t)].empty()) {
         AttendRows(qfull.data(), dk, cache, row, cache, r, row,
                    selected[static_cast<size_t>(t)].data(),
                    static_cast<int64_t>(selected[static_cast<size_t>(t)].size()),

@@ -22,6 +22,7 @@ GateSpec SoftmaxTopkSpec(const ModelConfig& c) {
   switch (c.arch) {
     case Architecture::kDeepseekV3:
     case Architecture::kDeepseekV32:
+    case Architecture::kGlmMoeDsa:
     case Architecture::kDeepseekV2:
       g.method = m.topk_method;
       g.n_group = m.n_group;

@@ -392,5 +392,63 @@ TEST_F(DsaConfigTest, BadIndexerConfigsAreRefusedNamingTheField) {
   ExpectField(v3, "layer_types[0]", "indexed_attention");
 }
 
+// GLM-5 (glm_moe_dsa): the same indexer, interleaved rope, no expert groups.
+TEST(ModelConfig, GlmMoeDsa) {
+  const json base = ReadJson(testing::FixturesDir() + "/glm_moe_dsa_tiny/config.json");
+  auto c = ParseModelConfig(base.dump(), "g/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kGlmMoeDsa);
+  EXPECT_TRUE(c->dsa.rope_interleave);
+  EXPECT_EQ(c->dsa.n_heads, 16);
+  EXPECT_EQ(c->dsa.topk, 16);
+  EXPECT_EQ(c->moe.n_group, 1);
+  EXPECT_EQ(c->moe.topk_method, TopkMethod::kNoauxTc);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
+  for (const LayerSpec& l : c->layers) EXPECT_EQ(l.attention, AttentionKind::kMlaDsa);
+  // GlmMoeDsaConfig's defaults for what a config leaves out.
+  json j = base;
+  for (const char* k : {"index_n_heads", "n_group", "topk_group", "rms_norm_eps",
+                        "max_position_embeddings", "indexer_types"})
+    j.erase(k);
+  c = ParseModelConfig(j.dump(), "g/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->dsa.n_heads, 32);
+  EXPECT_EQ(c->moe.n_group, 1);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
+  EXPECT_EQ(c->max_position_embeddings, 202752);
+  // Layers that reuse the previous layer's selection ("shared") are refused
+  // naming where they come from; other entries are invalid.
+  auto code_and_message = [](const json& x) {
+    absl::Status s = ParseModelConfig(x.dump(), "g/config.json").status();
+    return std::make_pair(s.code(), std::string(s.message()));
+  };
+  j = base;
+  j["indexer_types"] = {"full", "shared", "full"};
+  auto [code, msg] = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kUnimplemented) << msg;
+  EXPECT_THAT(msg, AllOf(HasSubstr("indexer_types"), HasSubstr("layer 1"), HasSubstr("shared")));
+  j.erase("indexer_types");
+  j["index_topk_freq"] = 2;  // layers 1, 3, ... shared
+  std::tie(code, msg) = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kUnimplemented) << msg;
+  EXPECT_THAT(msg, AllOf(HasSubstr("index_topk_freq"), HasSubstr("layer 2")));
+  j.erase("index_topk_freq");
+  j["index_topk_pattern"] = "FFS";
+  std::tie(code, msg) = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kUnimplemented) << msg;
+  EXPECT_THAT(msg, AllOf(HasSubstr("index_topk_pattern"), HasSubstr("layer 2")));
+  j["index_topk_pattern"] = "FFF";
+  EXPECT_TRUE(ParseModelConfig(j.dump(), "g/config.json").ok());
+  j = base;
+  j["indexer_types"] = {"full", "full", "dense"};
+  std::tie(code, msg) = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kInvalidArgument) << msg;
+  EXPECT_THAT(msg, HasSubstr("indexer_types[2]"));
+  j["indexer_types"] = {"full"};
+  std::tie(code, msg) = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kInvalidArgument) << msg;
+  EXPECT_THAT(msg, HasSubstr("1 entries for 3 layers"));
+}
+
 }  // namespace
 }  // namespace hmoe

@@ -173,10 +173,12 @@ TEST(Serving, GreedyThroughTheWholeStackEqualsTransformers) {
   for (const std::string& dir : fixtures) {
     SCOPED_TRACE(dir);
     const Reference ref = LoadReference(dir);
-    // The cuda backend refuses DeepSeek sparse attention (deepseek_v32): its
-    // fixture runs on the cpu backend wherever the worker would pick cuda.
+    // The cuda backend refuses DeepSeek sparse attention (deepseek_v32,
+    // glm_moe_dsa): those fixtures run on the cpu backend wherever the worker
+    // would pick cuda.
     std::ifstream config(dir + "/config.json");
-    const bool dsa = nlohmann::json::parse(config).value("model_type", "") == "deepseek_v32";
+    const std::string type = nlohmann::json::parse(config).value("model_type", "");
+    const bool dsa = type == "deepseek_v32" || type == "glm_moe_dsa";
     Pair pair;
     ASSERT_TRUE(
         pair.Start(dir, 1, "tp", "shm",

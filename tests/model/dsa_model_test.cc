@@ -19,9 +19,9 @@ namespace {
 using ::testing::HasSubstr;
 using testing::RelErr;
 
-constexpr char kFixture[] = "deepseek_v32_tiny";
-
-std::string FixtureDir() { return testing::FixturesDir() + "/" + kFixture; }
+std::string FixtureDir(const std::string& name = "deepseek_v32_tiny") {
+  return testing::FixturesDir() + "/" + name;
+}
 
 // Prefill logits of the prompt, every position.
 std::vector<float> PrefillAll(const std::string& dir, const std::vector<int32_t>& prompt) {
@@ -40,17 +40,20 @@ std::vector<float> PrefillAll(const std::string& dir, const std::vector<int32_t>
 // The prompt is longer than index_topk, so most queries attend over a
 // selection; with index_topk as large as the context (every key: dense MLA)
 // the same weights miss transformers' logits by far more than the tolerance.
-TEST(DsaModel, SelectionMatters) {
-  const testing::ReferenceOutputs ref = testing::LoadReference(FixtureDir());
-  auto c = LoadModelConfig(FixtureDir());
+class DsaSelection : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DsaSelection, Matters) {
+  const std::string dir = FixtureDir(GetParam());
+  const testing::ReferenceOutputs ref = testing::LoadReference(dir);
+  auto c = LoadModelConfig(dir);
   ASSERT_TRUE(c.ok()) << c.status();
   const int64_t P = static_cast<int64_t>(ref.prompt.size()), V = ref.vocab;
   ASSERT_GT(P, 3 * c->dsa.topk);
 
-  const std::vector<float> sparse = PrefillAll(FixtureDir(), ref.prompt);
+  const std::vector<float> sparse = PrefillAll(dir, ref.prompt);
   ASSERT_EQ(static_cast<int64_t>(sparse.size()), P * V);
   testing::TempDir dense_dir;
-  testing::RewriteCheckpoint(FixtureDir(), dense_dir.path(), testing::Keep, [&](nlohmann::json& j) {
+  testing::RewriteCheckpoint(dir, dense_dir.path(), testing::Keep, [&](nlohmann::json& j) {
     j["index_topk"] = j["max_position_embeddings"];
   });
   const std::vector<float> dense = PrefillAll(dense_dir.path(), ref.prompt);
@@ -68,9 +71,13 @@ TEST(DsaModel, SelectionMatters) {
   EXPECT_LT(sparse_err, 1e-3);
   EXPECT_LT(early_dense_err, 1e-3);
   EXPECT_GT(dense_err, 1e-2);
-  std::printf("[ dsa      ] max rel err vs transformers: indexer top-%lld %.2e, dense %.2e\n",
-              static_cast<long long>(c->dsa.topk), sparse_err, dense_err);
+  std::printf("[ dsa      ] %s max rel err vs transformers: indexer top-%lld %.2e, dense %.2e\n",
+              GetParam().c_str(), static_cast<long long>(c->dsa.topk), sparse_err, dense_err);
 }
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, DsaSelection,
+                         ::testing::Values("deepseek_v32_tiny", "glm_moe_dsa_tiny"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 // The CUDA backend does not run DSA yet: it refuses the model rather than run
 // it as dense MLA.
