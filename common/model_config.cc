@@ -452,7 +452,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
         return Invalid(
             source, "topk_method",
             absl::StrCat("is \"", method, "\"; expected greedy, group_limited_greedy or noaux_tc"));
-      // transformers' DeepseekV3 (and V3.2) always routes with the bias and groups (noaux_tc).
+      // transformers' DeepseekV3, V3.2 and GlmMoeDsa always route with the bias and groups
+      // (noaux_tc).
       if (v3 && m.topk_method != TopkMethod::kNoauxTc)
         return Invalid(
             source, "topk_method",
