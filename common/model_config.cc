@@ -38,6 +38,10 @@ constexpr ArchRow kArchitectures[] = {
      ResidualKind::kPlain},
     {Architecture::kGlm4Moe, "glm4_moe", AttentionKind::kGqa, RouterKind::kSigmoidGroupedTopk,
      ResidualKind::kPlain},
+    {Architecture::kDeepseekV32, "deepseek_v32", AttentionKind::kMlaDsa,
+     RouterKind::kSigmoidGroupedTopk, ResidualKind::kPlain},
+    {Architecture::kGlmMoeDsa, "glm_moe_dsa", AttentionKind::kMlaDsa,
+     RouterKind::kSigmoidGroupedTopk, ResidualKind::kPlain},
 };
 
 const ArchRow* ArchRowFor(Architecture a) {
@@ -51,8 +55,11 @@ const ArchRow* ArchRowFor(Architecture a) {
 struct LayerTypeRow {
   const char* name;
   bool sliding;  // takes the config's sliding_window
+  bool indexed;  // DSA (the architecture's attention kind is mla_dsa)
 };
-constexpr LayerTypeRow kLayerTypes[] = {{"full_attention", false}, {"sliding_attention", true}};
+constexpr LayerTypeRow kLayerTypes[] = {{"full_attention", false, false},
+                                        {"sliding_attention", true, false},
+                                        {"indexed_attention", false, true}};
 
 }  // namespace
 
@@ -85,6 +92,8 @@ const char* AttentionKindName(AttentionKind k) {
       return "mla";
     case AttentionKind::kGqa:
       return "gqa";
+    case AttentionKind::kMlaDsa:
+      return "mla_dsa";
   }
   return "?";
 }
@@ -232,6 +241,9 @@ absl::Status ParseRope(const json& root, Reader& top, const std::string& source,
     key = "rope_scaling";
   c.rope.theta = top.DoubleOr("rope_theta", c.rope.theta);
   c.rope.interleave = top.BoolOr("rope_interleave", c.is_mla());
+  // transformers' DeepseekV32 and GlmMoeDsa MLA always rotate interleaved
+  // pairs; they read no rope_interleave.
+  if (KindsOf(c.arch).attention == AttentionKind::kMlaDsa) c.rope.interleave = true;
   if (key == nullptr) return top.status();
   const json& rp = root[key];
   if (!rp.is_object())
@@ -390,12 +402,16 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   // checkpoint's tensors (CheckWeights) instead.
   const bool mixtral = c.arch == Architecture::kMixtral;
   const bool glm4 = c.arch == Architecture::kGlm4Moe;
+  const bool glm_dsa = c.arch == Architecture::kGlmMoeDsa;
+  const bool dsa = arch->attention == AttentionKind::kMlaDsa;
   c.max_position_embeddings =
-      r.IntOr("max_position_embeddings", mixtral || glm4                       ? 4096 * 32
-                                         : c.arch == Architecture::kQwen3Moe   ? 32768
-                                         : c.arch == Architecture::kDeepseekV2 ? 2048
-                                                                               : 4096);
-  c.rms_norm_eps = r.DoubleOr("rms_norm_eps", mixtral || glm4 ? 1e-5 : 1e-6);
+      r.IntOr("max_position_embeddings", mixtral || glm4                        ? 4096 * 32
+                                         : c.arch == Architecture::kQwen3Moe    ? 32768
+                                         : c.arch == Architecture::kDeepseekV2  ? 2048
+                                         : c.arch == Architecture::kDeepseekV32 ? 163840
+                                         : glm_dsa                              ? 202752
+                                                                                : 4096);
+  c.rms_norm_eps = r.DoubleOr("rms_norm_eps", mixtral || glm4 || glm_dsa ? 1e-5 : 1e-6);
   if (mixtral) c.rope.theta = 1e6;
   c.tie_word_embeddings = r.BoolOr("tie_word_embeddings", false);
   c.attention_bias = r.BoolOr("attention_bias", false);
@@ -409,8 +425,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   auto& m = c.moe;
   switch (c.arch) {
     case Architecture::kDeepseekV3:
+    case Architecture::kDeepseekV32:
+    case Architecture::kGlmMoeDsa:
     case Architecture::kDeepseekV2: {
-      const bool v3 = c.arch == Architecture::kDeepseekV3;
+      const bool v3 = c.arch != Architecture::kDeepseekV2;
       c.intermediate_size = r.Int("intermediate_size");
       c.mla.q_lora_rank = r.OptInt("q_lora_rank");
       c.mla.kv_lora_rank = r.Int("kv_lora_rank");
@@ -423,13 +441,19 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       m.num_shared_experts = r.IntOr("n_shared_experts", 0);
       const std::string scoring = r.StringOr("scoring_func", v3 ? "sigmoid" : "softmax");
       const std::string method = r.StringOr("topk_method", v3 ? "noaux_tc" : "greedy");
-      m.n_group = r.IntOr("n_group", v3 ? 8 : 1);
-      m.topk_group = r.IntOr("topk_group", v3 ? 4 : m.n_group);
+      m.n_group = r.IntOr("n_group", v3 && !glm_dsa ? 8 : 1);
+      m.topk_group = r.IntOr("topk_group", v3 && !glm_dsa ? 4 : m.n_group);
       m.norm_topk_prob = r.BoolOr("norm_topk_prob", v3);
       m.routed_scaling_factor = r.DoubleOr("routed_scaling_factor", v3 ? 2.5 : 1.0);
-      c.first_k_dense_replace = r.IntOr("first_k_dense_replace", 0);
+      c.first_k_dense_replace = r.IntOr("first_k_dense_replace", dsa ? 3 : 0);
       c.moe_layer_freq = r.IntOr("moe_layer_freq", 1);
       c.num_nextn_predict_layers = r.IntOr("num_nextn_predict_layers", 0);
+      if (dsa) {  // DeepseekV32Config's / GlmMoeDsaConfig's defaults
+        c.dsa.n_heads = r.IntOr("index_n_heads", glm_dsa ? 32 : 64);
+        c.dsa.head_dim = r.IntOr("index_head_dim", 128);
+        c.dsa.topk = r.IntOr("index_topk", 2048);
+        c.dsa.rope_interleave = glm_dsa;
+      }
       RETURN_IF_ERROR(r.status());
       if (scoring == "softmax")
         m.scoring = ScoringFunc::kSoftmax;
@@ -448,10 +472,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
         return Invalid(
             source, "topk_method",
             absl::StrCat("is \"", method, "\"; expected greedy, group_limited_greedy or noaux_tc"));
-      // transformers' DeepseekV3 always routes with the bias and groups (noaux_tc).
+      // transformers' DeepseekV3, V3.2 and GlmMoeDsa always route with the bias and groups
+      // (noaux_tc).
       if (v3 && m.topk_method != TopkMethod::kNoauxTc)
-        return Invalid(source, "topk_method",
-                       absl::StrCat("is \"", method, "\"; deepseek_v3 routes with noaux_tc"));
+        return Invalid(
+            source, "topk_method",
+            absl::StrCat("is \"", method, "\"; ", c.model_type, " routes with noaux_tc"));
       m.score_correction_bias = m.topk_method == TopkMethod::kNoauxTc;
       if (m.topk_method == TopkMethod::kGreedy) m.n_group = m.topk_group = 1;
       break;
@@ -601,6 +627,23 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
         return Invalid(source, "mlp_only_layers",
                        absl::StrCat("names layer ", l, " outside [0, ", c.num_layers, ")"));
   }
+  if (arch->attention == AttentionKind::kMlaDsa) {
+    if (!c.mla.q_lora_rank)
+      return Invalid(source, "q_lora_rank",
+                     "is required: the DSA indexer's queries read the q LoRA");
+    RETURN_IF_ERROR(positive("index_n_heads", c.dsa.n_heads));
+    RETURN_IF_ERROR(positive("index_head_dim", c.dsa.head_dim));
+    RETURN_IF_ERROR(positive("index_topk", c.dsa.topk));
+    if (c.dsa.head_dim < c.mla.qk_rope_head_dim)
+      return Invalid(source, "index_head_dim",
+                     absl::StrCat(c.dsa.head_dim, " is below qk_rope_head_dim ",
+                                  c.mla.qk_rope_head_dim, " (the indexer ropes that many dims)"));
+    if (c.dsa.topk > c.max_position_embeddings)
+      return Invalid(
+          source, "index_topk",
+          absl::StrCat(c.dsa.topk, " exceeds the context limit (max_position_embeddings ",
+                       c.max_position_embeddings, ")"));
+  }
   // The routed-expert count's field, as this family spells it.
   const char* experts_field = c.is_mla() || glm4             ? "n_routed_experts"
                               : root.contains("num_experts") ? "num_experts"
@@ -676,6 +719,65 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       return absl::UnimplementedError(absl::StrCat(source, ": field \"layer_types[", i, "]\" is \"",
                                                    layer_types[i], "\"; supported: ", known));
     }
+    // Indexed (DSA) layers are exactly those of an mla_dsa architecture.
+    if (layer_type_rows[i]->indexed != (arch->attention == AttentionKind::kMlaDsa))
+      return Invalid(
+          source, absl::StrCat("layer_types[", i, "]"),
+          absl::StrCat("is \"", layer_types[i], "\", which ", c.model_type, " layers do not run"));
+  }
+  // DeepSeek-V3.2, GLM-MoE-DSA: mlp_layer_types ("dense" / "sparse" per
+  // layer) when given, else first_k_dense_replace dense layers, as their
+  // transformers configs.
+  std::vector<bool> sparse_mlp;
+  if (dsa && root.contains("mlp_layer_types") && !root["mlp_layer_types"].is_null()) {
+    const json& t = root["mlp_layer_types"];
+    if (!t.is_array() || static_cast<int64_t>(t.size()) != c.num_layers)
+      return Invalid(
+          source, "mlp_layer_types",
+          absl::StrCat("must list one of \"dense\" / \"sparse\" per layer (", c.num_layers, ")"));
+    for (size_t i = 0; i < t.size(); ++i) {
+      if (!t[i].is_string() || (t[i] != "dense" && t[i] != "sparse"))
+        return Invalid(source, absl::StrCat("mlp_layer_types[", i, "]"),
+                       absl::StrCat("is ", t[i].dump(), "; expected \"dense\" or \"sparse\""));
+      sparse_mlp.push_back(t[i] == "sparse");
+    }
+  }
+  // GLM-MoE-DSA: per layer "full" (its own indexer) or "shared" (the previous
+  // full layer's selection): indexer_types, else as GlmMoeDsaConfig derives it
+  // from index_topk_pattern ("F"/"S" per layer) or index_topk_freq /
+  // index_skip_topk_offset. Shared layers are not implemented here.
+  if (glm_dsa) {
+    std::vector<std::string> types;
+    std::string from = "indexer_types";
+    if (root.contains("indexer_types") && !root["indexer_types"].is_null()) {
+      const json& t = root["indexer_types"];
+      if (!t.is_array()) return Invalid(source, from, "must be a list");
+      for (const auto& x : t) types.push_back(x.is_string() ? x.get<std::string>() : x.dump());
+    } else if (root.contains("index_topk_pattern") && root["index_topk_pattern"].is_string()) {
+      from = "index_topk_pattern";
+      for (char ch : root["index_topk_pattern"].get<std::string>())
+        types.push_back(ch == 'F' ? "full" : ch == 'S' ? "shared" : std::string(1, ch));
+    } else {
+      from = "index_topk_freq";
+      const int64_t freq = std::max<int64_t>(r.IntOr("index_topk_freq", 1), 1);
+      const int64_t offset = r.IntOr("index_skip_topk_offset", 2);
+      RETURN_IF_ERROR(r.status());
+      for (int64_t i = 0; i < c.num_layers; ++i)
+        types.push_back(std::max<int64_t>(i - offset + 1, 0) % freq == 0 ? "full" : "shared");
+    }
+    if (static_cast<int64_t>(types.size()) != c.num_layers)
+      return Invalid(source, from,
+                     absl::StrCat("has ", types.size(), " entries for ", c.num_layers, " layers"));
+    for (size_t i = 0; i < types.size(); ++i) {
+      if (types[i] == "shared")
+        return absl::UnimplementedError(absl::StrCat(source, ": field \"", from, "\" makes layer ",
+                                                     i,
+                                                     " \"shared\" (it reuses the previous layer's "
+                                                     "DSA selection), which is not implemented"));
+      if (types[i] != "full")
+        return Invalid(source, absl::StrCat(from, "[", i, "]"),
+                       absl::StrCat("is \"", types[i], "\"; expected full or shared"));
+    }
   }
   c.layers.resize(static_cast<size_t>(c.num_layers));
   for (int64_t i = 0; i < c.num_layers; ++i) {
@@ -687,6 +789,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       case Architecture::kDeepseekV3:
       case Architecture::kDeepseekV2:
         l.moe = m.num_experts > 0 && i >= c.first_k_dense_replace && i % c.moe_layer_freq == 0;
+        break;
+      case Architecture::kDeepseekV32:
+      case Architecture::kGlmMoeDsa:
+        l.moe = m.num_experts > 0 && (sparse_mlp.empty() ? i >= c.first_k_dense_replace
+                                                         : sparse_mlp[static_cast<size_t>(i)]);
         break;
       case Architecture::kQwen3Moe:
         l.moe = m.num_experts > 0 &&

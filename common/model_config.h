@@ -1,5 +1,6 @@
 // ModelConfig: a Hugging Face config.json parsed into the fields that change
-// the math, for deepseek_v3, deepseek_v2, qwen3_moe, mixtral and glm4_moe.
+// the math, for deepseek_v3, deepseek_v32, glm_moe_dsa, deepseek_v2, qwen3_moe, mixtral and
+// glm4_moe.
 //
 // Accepts both the published checkpoints' spelling (rope_theta + rope_scaling
 // {"type": "yarn", ...}, Qwen3's num_experts) and what transformers 5 writes
@@ -17,7 +18,15 @@
 
 namespace hmoe {
 
-enum class Architecture { kDeepseekV3, kDeepseekV2, kQwen3Moe, kMixtral, kGlm4Moe };
+enum class Architecture {
+  kDeepseekV3,
+  kDeepseekV2,
+  kQwen3Moe,
+  kMixtral,
+  kGlm4Moe,
+  kDeepseekV32,
+  kGlmMoeDsa
+};
 enum class ScoringFunc { kSoftmax, kSigmoid };
 // greedy: plain top-k; group_limited_greedy (V2): groups ranked by their max
 // score; noaux_tc (V3): groups ranked by the sum of their top-2 biased scores.
@@ -28,8 +37,10 @@ enum class RopeType { kDefault, kLinear, kYarn };
 // implementation per kind in tables keyed by these (gpu_worker/driver/).
 //   mla: DeepSeek's multi-head latent attention (cache: latent + rope key);
 //   gqa: grouped-query attention (cache: K and V per kv head), with or
-//        without a sliding window (LayerSpec::sliding_window).
-enum class AttentionKind { kMla, kGqa };
+//        without a sliding window (LayerSpec::sliding_window);
+//   mla_dsa: MLA over the index_topk keys a lightning indexer selects per
+//        query (DeepSeek sparse attention; cache: MLA's row + the indexer key).
+enum class AttentionKind { kMla, kGqa, kMlaDsa };
 //   softmax_topk: softmax scores, plain or group-limited (groups by max) top-k;
 //   sigmoid_grouped_topk: sigmoid scores, selection on scores + correction
 //        bias within the best groups (groups by their top-2 sum; noaux_tc).
@@ -41,7 +52,7 @@ const char* ArchitectureName(Architecture a);  // the model_type string
 const char* ScoringFuncName(ScoringFunc s);
 const char* TopkMethodName(TopkMethod t);
 const char* RopeTypeName(RopeType r);
-const char* AttentionKindName(AttentionKind k);  // "mla", "gqa"
+const char* AttentionKindName(AttentionKind k);  // "mla", "gqa", "mla_dsa"
 const char* RouterKindName(RouterKind k);        // "softmax_topk", "sigmoid_grouped_topk"
 const char* ResidualKindName(ResidualKind k);    // "plain"
 // The kinds an architecture's layers run (ParseModelConfig gives each layer
@@ -81,6 +92,16 @@ struct MlaConfig {
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+};
+
+// DeepSeek sparse attention's lightning indexer (index_* fields): per query,
+// index_n_heads heads of index_head_dim score every visible key; MLA attends
+// over the index_topk best.
+struct DsaConfig {
+  int64_t n_heads = 0;
+  int64_t head_dim = 0;
+  int64_t topk = 0;
+  bool rope_interleave = false;  // the indexer's rope pairs (V3.2: halves; GLM: interleaved)
 };
 
 struct MoeConfig {
@@ -136,6 +157,7 @@ struct ModelConfig {
   bool qk_norm = false;  // GQA: RMSNorm over each q and k head before RoPE (q_norm / k_norm)
   RopeConfig rope;
   MlaConfig mla;  // DeepSeek only
+  DsaConfig dsa;  // mla_dsa layers only
   MoeConfig moe;
   int64_t first_k_dense_replace = 0;
   int64_t moe_layer_freq = 1;
@@ -149,7 +171,8 @@ struct ModelConfig {
   std::vector<LayerSpec> layers;  // derived, one per hidden layer (ParseModelConfig)
 
   bool is_mla() const {
-    return arch == Architecture::kDeepseekV3 || arch == Architecture::kDeepseekV2;
+    return arch == Architecture::kDeepseekV3 || arch == Architecture::kDeepseekV2 ||
+           arch == Architecture::kDeepseekV32 || arch == Architecture::kGlmMoeDsa;
   }
   int64_t num_moe_layers() const;
   std::vector<int32_t> moe_layer_indices() const;  // the MoE layers' decoder indices, ascending

@@ -134,6 +134,20 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& c) {
                      i});
       out.push_back(
           {a + "o_proj.weight", {H, c.num_heads * m.v_head_dim}, WeightRole::kAttention, i});
+      if (c.layers[static_cast<size_t>(i)].attention == AttentionKind::kMlaDsa) {
+        // The DSA lightning indexer: queries from the q LoRA, one shared key
+        // (LayerNorm'd), per-head weights.
+        const DsaConfig& d = c.dsa;
+        const std::string x = a + "indexer.";
+        out.push_back({x + "wq_b.weight",
+                       {d.n_heads * d.head_dim, m.q_lora_rank.value_or(0)},
+                       WeightRole::kAttention,
+                       i});
+        out.push_back({x + "wk.weight", {d.head_dim, H}, WeightRole::kAttention, i});
+        out.push_back({x + "k_norm.weight", {d.head_dim}, WeightRole::kNorm, i});
+        out.push_back({x + "k_norm.bias", {d.head_dim}, WeightRole::kNorm, i});
+        out.push_back({x + "weights_proj.weight", {d.n_heads, H}, WeightRole::kAttention, i});
+      }
     } else {
       const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
       out.push_back({a + "q_proj.weight", {q, H}, WeightRole::kAttention, i});

@@ -175,7 +175,11 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
     absl::StrAppend(&s, "attention      MLA, ", c.num_heads, " heads, q_lora ",
                     c.mla.q_lora_rank ? std::to_string(*c.mla.q_lora_rank) : std::string("none"),
                     ", kv_lora ", c.mla.kv_lora_rank, ", qk ", c.mla.qk_nope_head_dim, "+",
-                    c.mla.qk_rope_head_dim, " (rope), v ", c.mla.v_head_dim, "\n");
+                    c.mla.qk_rope_head_dim, " (rope), v ", c.mla.v_head_dim,
+                    c.dsa.topk > 0 ? absl::StrCat("; DSA indexer ", c.dsa.n_heads, " heads x ",
+                                                  c.dsa.head_dim, ", top ", c.dsa.topk, " keys")
+                                   : std::string(),
+                    "\n");
   } else {
     int64_t sliding = 0;
     for (const auto& l : c.layers) sliding += l.sliding_window > 0;

@@ -14,6 +14,7 @@ struct AttentionOpRow {
 constexpr AttentionOpRow kAttentionOps[] = {
     {AttentionKind::kMla, &MakeMlaAttention},
     {AttentionKind::kGqa, &MakeGqaAttention},
+    {AttentionKind::kMlaDsa, &MakeMlaDsaAttention},
 };
 
 }  // namespace

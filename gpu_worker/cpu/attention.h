@@ -58,8 +58,11 @@ class AttentionOp {
 absl::StatusOr<std::unique_ptr<AttentionOp>> MakeAttentionOp(const ModelConfig& config,
                                                              const AttentionSpec& spec);
 
-// The kinds' ops (one file each: mla_attention.cc, gqa_attention.cc).
+// The kinds' ops (one file each: mla_attention.cc, gqa_attention.cc; MLA-DSA
+// is mla_attention.cc's op with a DsaIndexer, dsa_indexer.h).
 std::unique_ptr<AttentionOp> MakeMlaAttention(const ModelConfig& config, const AttentionSpec& spec);
+std::unique_ptr<AttentionOp> MakeMlaDsaAttention(const ModelConfig& config,
+                                                 const AttentionSpec& spec);
 std::unique_ptr<AttentionOp> MakeGqaAttention(const ModelConfig& config, const AttentionSpec& spec);
 
 }  // namespace hmoe::cpu

@@ -1,18 +1,23 @@
 // AttentionKind::kMla on the reference backend: DeepSeek's multi-head latent
-// attention over a cache of normed latents and roped shared keys.
+// attention over a cache of normed latents and roped shared keys; and
+// AttentionKind::kMlaDsa: the same over the keys a DsaIndexer selects.
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "gpu_worker/cpu/attention.h"
+#include "gpu_worker/cpu/dsa_indexer.h"
 
 namespace hmoe::cpu {
 namespace {
 
 class MlaAttention final : public AttentionOp {
  public:
-  MlaAttention(const ModelConfig& c, const AttentionSpec& spec) : c_(c), spec_(spec) {}
+  // `indexer` null: every visible key (kMla).
+  MlaAttention(const ModelConfig& c, const AttentionSpec& spec, std::unique_ptr<DsaIndexer> indexer)
+      : c_(c), spec_(spec), indexer_(std::move(indexer)) {}
 
   absl::Status Load(const Checkpoint& ckpt, const LayerNames& n, int64_t block) override {
     if (c_.mla.q_lora_rank) {
@@ -27,6 +32,7 @@ class MlaAttention final : public AttentionOp {
     RETURN_IF_ERROR(LoadLin(ckpt, n.kv_b, block, &kv_b_));
     if (!kv_b_.b.empty())
       return absl::UnimplementedError(absl::StrCat(ckpt.dir(), ": ", n.kv_b, ".bias"));
+    if (indexer_) RETURN_IF_ERROR(indexer_->Load(ckpt, n, block));
     return LoadLin(ckpt, n.o, block, &o_);
   }
 
@@ -37,6 +43,7 @@ class MlaAttention final : public AttentionOp {
   AttentionSpec spec_;
   Lin q_, q_a_, q_b_, kv_a_, kv_b_, o_;
   std::vector<float> q_a_norm_, kv_a_norm_;
+  std::unique_ptr<DsaIndexer> indexer_;
 };
 
 void MlaAttention::Forward(const AttentionPass& p, const float* h, float* out) const {
@@ -46,31 +53,36 @@ void MlaAttention::Forward(const AttentionPass& p, const float* h, float* out) c
   const RopeLayout layout = spec_.geometry.rope_layout;
   const int64_t nh = c_.num_heads, nope = c_.mla.qk_nope_head_dim, rope = c_.mla.qk_rope_head_dim;
   const int64_t vd = c_.mla.v_head_dim, r = c_.mla.kv_lora_rank, qk = nope + rope;
-  const int64_t row = spec_.cache.k_row;  // cache row: latent, then roped shared key
-  std::vector<float> q(static_cast<size_t>(T * nh * qk));
+  // Cache row: latent, then roped shared key (dk floats; MLA's), then
+  // (kMlaDsa) the indexer's key.
+  const int64_t row = spec_.cache.k_row, dk = spec_.dk;
+  std::vector<float> q(static_cast<size_t>(T * nh * qk)), qa;
   if (c_.mla.q_lora_rank) {
     const int64_t qr = *c_.mla.q_lora_rank;
-    std::vector<float> qa(static_cast<size_t>(T * qr));
+    qa.resize(static_cast<size_t>(T * qr));
     Linear(pool, h, T, q_a_.w, q_a_.bias(), qa.data());
     RmsNorm(qa.data(), T, qr, q_a_norm_.data(), kMlaNormEps, qa.data());
     Linear(pool, qa.data(), T, q_b_.w, q_b_.bias(), q.data());
   } else {
     Linear(pool, h, T, q_.w, q_.bias(), q.data());
   }
-  std::vector<float> kva(static_cast<size_t>(T * row));
+  std::vector<float> kva(static_cast<size_t>(T * dk));
   Linear(pool, h, T, kv_a_.w, kv_a_.bias(), kva.data());
   for (int64_t t = 0; t < T; ++t) {
     float* dst = p.k[t] + p.pos[t] * row;
-    RmsNorm(kva.data() + t * row, 1, r, kv_a_norm_.data(), kMlaNormEps, dst);
-    std::copy_n(kva.data() + t * row + r, rope, dst + r);
+    RmsNorm(kva.data() + t * dk, 1, r, kv_a_norm_.data(), kMlaNormEps, dst);
+    std::copy_n(kva.data() + t * dk + r, rope, dst + r);
     ApplyRope(dst + r, rope, cs + t * rope, layout);
   }
+  // kMlaDsa: the positions each token attends over (its indexer's top-k).
+  std::vector<std::vector<int64_t>> selected;
+  if (indexer_) indexer_->Select(p, h, qa.data(), &selected);
   // Per (token, head): absorb kv_b's key part into the query, attend over the
   // latents, expand the latent output with kv_b's value part.
   std::vector<float> attn(static_cast<size_t>(T * nh * vd));
   const Matrix& wkv = kv_b_.w;  // [nh * (nope + vd), r]
   pool->ParallelFor(T * nh, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qfull(static_cast<size_t>(row)), wrow(static_cast<size_t>(r)),
+    std::vector<float> qfull(static_cast<size_t>(dk)), wrow(static_cast<size_t>(r)),
         olat(static_cast<size_t>(r)), scores(static_cast<size_t>(p.max_pos + 1));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / nh, hd = i % nh;
@@ -84,8 +96,15 @@ void MlaAttention::Forward(const AttentionPass& p, const float* h, float* out) c
       std::copy_n(qh + nope, rope, qfull.data() + r);
       ApplyRope(qfull.data() + r, rope, cs + t * rope, layout);
       const float* cache = p.k[t];
-      AttendOne(qfull.data(), row, cache, row, cache, r, row, p.pos[t], spec_.window,
-                spec_.geometry.softmax_scale, scores.data(), olat.data());
+      if (indexer_ && !selected[static_cast<size_t>(t)].empty()) {
+        AttendRows(qfull.data(), dk, cache, row, cache, r, row,
+                   selected[static_cast<size_t>(t)].data(),
+                   static_cast<int64_t>(selected[static_cast<size_t>(t)].size()),
+                   spec_.geometry.softmax_scale, scores.data(), olat.data());
+      } else {
+        AttendOne(qfull.data(), dk, cache, row, cache, r, row, p.pos[t], spec_.window,
+                  spec_.geometry.softmax_scale, scores.data(), olat.data());
+      }
       float* o = attn.data() + t * nh * vd + hd * vd;
       for (int64_t d = 0; d < vd; ++d) {
         wkv.RowToF32(hd * (nope + vd) + nope + d, wrow.data());
@@ -102,7 +121,13 @@ void MlaAttention::Forward(const AttentionPass& p, const float* h, float* out) c
 
 std::unique_ptr<AttentionOp> MakeMlaAttention(const ModelConfig& config,
                                               const AttentionSpec& spec) {
-  return std::make_unique<MlaAttention>(config, spec);
+  return std::make_unique<MlaAttention>(config, spec, nullptr);
+}
+
+std::unique_ptr<AttentionOp> MakeMlaDsaAttention(const ModelConfig& config,
+                                                 const AttentionSpec& spec) {
+  return std::make_unique<MlaAttention>(
+      config, spec, std::make_unique<DsaIndexer>(config, spec.dk, spec.cache.k_row));
 }
 
 }  // namespace hmoe::cpu

@@ -377,4 +377,23 @@ void AttendOne(const float* q, int64_t dk, const float* k, int64_t k_stride, con
   }
 }
 
+void AttendRows(const float* q, int64_t dk, const float* k, int64_t k_stride, const float* v,
+                int64_t dv, int64_t v_stride, const int64_t* rows, int64_t n, float scale,
+                float* scores, float* out) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    scores[i] = Dot(q, k + rows[i] * k_stride, dk) * scale;
+    mx = std::max(mx, scores[i]);
+  }
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += (scores[i] = std::exp(scores[i] - mx));
+  const float inv = 1.0f / sum;
+  std::fill(out, out + dv, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = scores[i] * inv;
+    const float* vs = v + rows[i] * v_stride;
+    for (int64_t j = 0; j < dv; ++j) out[j] += p * vs[j];
+  }
+}
+
 }  // namespace hmoe::cpu

@@ -83,5 +83,11 @@ inline bool Visible(int64_t q, int64_t k, int64_t window) {
 void AttendOne(const float* q, int64_t dk, const float* k, int64_t k_stride, const float* v,
                int64_t dv, int64_t v_stride, int64_t q_pos, int64_t window, float scale,
                float* scores, float* out);
+// AttendOne over the cache rows `rows[0..n)` only (ascending positions):
+// out[dv] = sum_i p_i v[rows[i]], p = softmax(scale * q . k[rows[i]]).
+// `scores` is scratch of n floats.
+void AttendRows(const float* q, int64_t dk, const float* k, int64_t k_stride, const float* v,
+                int64_t dv, int64_t v_stride, const int64_t* rows, int64_t n, float scale,
+                float* scores, float* out);
 
 }  // namespace hmoe::cpu

@@ -188,6 +188,11 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   attn_specs_.clear();
   for (int l = 0; l < c_.num_layers; ++l) {
     ASSIGN_OR_RETURN(AttentionSpec spec, AttentionSpecFor(c_, l));
+    if (spec.kind == AttentionKind::kMlaDsa)
+      return absl::UnimplementedError(
+          absl::StrCat("cuda backend: layer ", l, " runs DeepSeek sparse attention (",
+                       c_.model_type, ", index_topk ", c_.dsa.topk,
+                       "), which this backend does not run; the cpu backend does (--backend cpu)"));
     if (spec.kind != AttentionKind::kMla && spec.kind != AttentionKind::kGqa)
       return absl::UnimplementedError(absl::StrCat("cuda backend: layer ", l, " attention kind ",
                                                    AttentionKindName(spec.kind)));
@@ -545,6 +550,8 @@ absl::Status CudaBackend::Attention(int l) {
     case AttentionKind::kGqa:
       RETURN_IF_ERROR(GqaAttention(l));
       break;
+    case AttentionKind::kMlaDsa:  // refused at load
+      return absl::InternalError("cuda backend: mla_dsa layer in a pass");
   }
   // x += attention; h = post_norm(x) (f32 for the experts, bf16 for the GEMMs).
   return Launched(AddRmsNorm(buf_.residual, buf_.layer_out, T, H, L.post_norm.as<float>(), eps,

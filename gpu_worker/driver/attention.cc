@@ -11,6 +11,7 @@ namespace {
 constexpr AttentionKindOps kAttentionKinds[] = {
     {AttentionKind::kMla, &MlaSpec},
     {AttentionKind::kGqa, &GqaSpec},
+    {AttentionKind::kMlaDsa, &MlaDsaSpec},
 };
 
 }  // namespace

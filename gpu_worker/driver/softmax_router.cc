@@ -21,6 +21,8 @@ GateSpec SoftmaxTopkSpec(const ModelConfig& c) {
   const MoeConfig& m = c.moe;
   switch (c.arch) {
     case Architecture::kDeepseekV3:
+    case Architecture::kDeepseekV32:
+    case Architecture::kGlmMoeDsa:
     case Architecture::kDeepseekV2:
     case Architecture::kGlm4Moe:
       g.method = m.topk_method;

@@ -22,6 +22,10 @@ LayerNames NamesForLayer(const ModelConfig& c, int layer) {
   n.o = a + "o_proj";
   n.q_norm = a + "q_norm.weight";
   n.k_norm = a + "k_norm.weight";
+  n.idx_q = a + "indexer.wq_b";
+  n.idx_k = a + "indexer.wk";
+  n.idx_k_norm = a + "indexer.k_norm";
+  n.idx_weights = a + "indexer.weights_proj";
   auto mlp = [](const std::string& prefix) {
     return MlpNames{prefix + "gate_proj", prefix + "up_proj", prefix + "down_proj"};
   };

@@ -401,5 +401,157 @@ TEST(ModelConfig, QwenLayerKinds) {
   EXPECT_EQ(ParseModelConfig(j.dump(), "q").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// DeepSeek-V3.2: MLA + the DSA lightning indexer on every layer.
+class DsaConfigTest : public ::testing::Test {
+ protected:
+  json base_ = ReadJson(testing::FixturesDir() + "/deepseek_v32_tiny/config.json");
+  absl::Status Parse(const json& j) { return ParseModelConfig(j.dump(), "x/config.json").status(); }
+  void ExpectField(const json& j, const std::string& field, const std::string& what = "") {
+    absl::Status s = Parse(j);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()),
+                AllOf(HasSubstr("x/config.json"), HasSubstr("\"" + field + "\""), HasSubstr(what)))
+        << s;
+  }
+};
+
+TEST_F(DsaConfigTest, IndexerFieldsAndLayerKinds) {
+  auto c = ParseModelConfig(base_.dump(), "x/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kDeepseekV32);
+  EXPECT_TRUE(c->is_mla());
+  EXPECT_EQ(c->dsa.n_heads, 16);
+  EXPECT_EQ(c->dsa.head_dim, 24);
+  EXPECT_EQ(c->dsa.topk, 16);
+  EXPECT_FALSE(c->dsa.rope_interleave);  // V3.2's indexer ropes halves
+  EXPECT_TRUE(c->rope.interleave);       // its MLA interleaved pairs
+  EXPECT_EQ(c->moe.topk_method, TopkMethod::kNoauxTc);
+  ASSERT_EQ(c->layers.size(), 3u);
+  for (const LayerSpec& l : c->layers) {
+    EXPECT_EQ(l.attention, AttentionKind::kMlaDsa);
+    EXPECT_EQ(l.router, RouterKind::kSigmoidGroupedTopk);
+  }
+  EXPECT_FALSE(c->layers[0].moe);
+  EXPECT_TRUE(c->layers[1].moe);
+  EXPECT_STREQ(AttentionKindName(AttentionKind::kMlaDsa), "mla_dsa");
+  // mlp_layer_types decides the MoE layers when given (transformers' V3.2).
+  json j = base_;
+  j["mlp_layer_types"] = {"sparse", "dense", "sparse"};
+  c = ParseModelConfig(j.dump(), "x/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->layers[0].moe);
+  EXPECT_FALSE(c->layers[1].moe);
+  EXPECT_TRUE(c->layers[2].moe);
+  // Fields left out take DeepseekV32Config's defaults.
+  j = base_;
+  for (const char* k : {"index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
+                        "first_k_dense_replace", "mlp_layer_types", "layer_types"})
+    j.erase(k);
+  j["num_hidden_layers"] = 4;
+  c = ParseModelConfig(j.dump(), "x/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->dsa.n_heads, 64);
+  EXPECT_EQ(c->dsa.head_dim, 128);
+  EXPECT_EQ(c->dsa.topk, 2048);
+  EXPECT_EQ(c->max_position_embeddings, 163840);
+  EXPECT_EQ(c->num_moe_layers(), 1);  // 3 dense layers
+}
+
+TEST_F(DsaConfigTest, BadIndexerConfigsAreRefusedNamingTheField) {
+  json j = base_;
+  j["index_topk"] = 0;
+  ExpectField(j, "index_topk", "must be positive");
+  j["index_topk"] = -16;
+  ExpectField(j, "index_topk", "must be positive");
+  j["index_topk"] = 8193;  // max_position_embeddings 8192
+  ExpectField(j, "index_topk", "exceeds the context limit (max_position_embeddings 8192)");
+  j["index_topk"] = 8192;
+  EXPECT_TRUE(Parse(j).ok()) << Parse(j);
+  j = base_;
+  j["index_n_heads"] = 0;
+  ExpectField(j, "index_n_heads", "must be positive");
+  j = base_;
+  j["index_head_dim"] = 8;  // below qk_rope_head_dim 16
+  ExpectField(j, "index_head_dim", "qk_rope_head_dim");
+  j = base_;
+  j["index_topk"] = "many";
+  ExpectField(j, "index_topk", "must be an integer");
+  j = base_;
+  j["q_lora_rank"] = nullptr;
+  ExpectField(j, "q_lora_rank", "is required");
+  j = base_;
+  j["layer_types"] = {"indexed_attention", "full_attention", "indexed_attention"};
+  ExpectField(j, "layer_types[1]", "full_attention");
+  j = base_;
+  j["mlp_layer_types"] = {"dense", "moe", "sparse"};
+  ExpectField(j, "mlp_layer_types[1]", "\"moe\"");
+  j["mlp_layer_types"] = {"dense"};
+  ExpectField(j, "mlp_layer_types", "per layer");
+  // Indexed layers in an architecture without the indexer.
+  json v3 = ReadJson(Configs() + "/deepseek_v3_published/config.json");
+  v3["num_hidden_layers"] = 2;
+  v3["first_k_dense_replace"] = 1;
+  v3["layer_types"] = {"indexed_attention", "indexed_attention"};
+  ExpectField(v3, "layer_types[0]", "indexed_attention");
+}
+
+// GLM-5 (glm_moe_dsa): the same indexer, interleaved rope, no expert groups.
+TEST(ModelConfig, GlmMoeDsa) {
+  const json base = ReadJson(testing::FixturesDir() + "/glm_moe_dsa_tiny/config.json");
+  auto c = ParseModelConfig(base.dump(), "g/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kGlmMoeDsa);
+  EXPECT_TRUE(c->dsa.rope_interleave);
+  EXPECT_EQ(c->dsa.n_heads, 16);
+  EXPECT_EQ(c->dsa.topk, 16);
+  EXPECT_EQ(c->moe.n_group, 1);
+  EXPECT_EQ(c->moe.topk_method, TopkMethod::kNoauxTc);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
+  for (const LayerSpec& l : c->layers) EXPECT_EQ(l.attention, AttentionKind::kMlaDsa);
+  // GlmMoeDsaConfig's defaults for what a config leaves out.
+  json j = base;
+  for (const char* k : {"index_n_heads", "n_group", "topk_group", "rms_norm_eps",
+                        "max_position_embeddings", "indexer_types"})
+    j.erase(k);
+  c = ParseModelConfig(j.dump(), "g/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->dsa.n_heads, 32);
+  EXPECT_EQ(c->moe.n_group, 1);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
+  EXPECT_EQ(c->max_position_embeddings, 202752);
+  // Layers that reuse the previous layer's selection ("shared") are refused
+  // naming where they come from; other entries are invalid.
+  auto code_and_message = [](const json& x) {
+    absl::Status s = ParseModelConfig(x.dump(), "g/config.json").status();
+    return std::make_pair(s.code(), std::string(s.message()));
+  };
+  j = base;
+  j["indexer_types"] = {"full", "shared", "full"};
+  auto [code, msg] = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kUnimplemented) << msg;
+  EXPECT_THAT(msg, AllOf(HasSubstr("indexer_types"), HasSubstr("layer 1"), HasSubstr("shared")));
+  j.erase("indexer_types");
+  j["index_topk_freq"] = 2;  // layers 1, 3, ... shared
+  std::tie(code, msg) = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kUnimplemented) << msg;
+  EXPECT_THAT(msg, AllOf(HasSubstr("index_topk_freq"), HasSubstr("layer 2")));
+  j.erase("index_topk_freq");
+  j["index_topk_pattern"] = "FFS";
+  std::tie(code, msg) = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kUnimplemented) << msg;
+  EXPECT_THAT(msg, AllOf(HasSubstr("index_topk_pattern"), HasSubstr("layer 2")));
+  j["index_topk_pattern"] = "FFF";
+  EXPECT_TRUE(ParseModelConfig(j.dump(), "g/config.json").ok());
+  j = base;
+  j["indexer_types"] = {"full", "full", "dense"};
+  std::tie(code, msg) = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kInvalidArgument) << msg;
+  EXPECT_THAT(msg, HasSubstr("indexer_types[2]"));
+  j["indexer_types"] = {"full"};
+  std::tie(code, msg) = code_and_message(j);
+  EXPECT_EQ(code, absl::StatusCode::kInvalidArgument) << msg;
+  EXPECT_THAT(msg, HasSubstr("1 entries for 3 layers"));
+}
+
 }  // namespace
 }  // namespace hmoe

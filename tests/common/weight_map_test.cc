@@ -57,6 +57,21 @@ TEST(WeightMap, TinyFixturesMatchTheirWeightMaps) {
   }
 }
 
+TEST(WeightMap, DsaIndexerTensors) {
+  const std::string dir = testing::FixturesDir() + "/deepseek_v32_tiny";
+  auto c = LoadModelConfig(dir);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto ck = Checkpoint::Open(dir);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  EXPECT_TRUE(CheckWeights(*c, **ck).ok()) << CheckWeights(*c, **ck);
+  std::set<std::string> expected;
+  for (const auto& w : ExpectedWeights(*c)) expected.insert(w.name);
+  for (const auto& n : (*ck)->Names()) EXPECT_TRUE(expected.count(n)) << n;
+  for (const char* t :
+       {"wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"})
+    EXPECT_TRUE(expected.count(std::string("model.layers.2.self_attn.indexer.") + t)) << t;
+}
+
 TEST(WeightMap, NamesFollowEachFamily) {
   auto c = LoadModelConfig(Configs() + "/mixtral_8x7b");
   ASSERT_TRUE(c.ok());

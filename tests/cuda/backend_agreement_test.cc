@@ -24,7 +24,6 @@ namespace {
 
 using testing::ArgMax;
 using testing::LoadReference;
-using testing::ModelFixtureNames;
 using testing::ModelFixturesRoot;
 
 std::unique_ptr<Model> Load(const std::string& name, const std::string& backend,
@@ -148,7 +147,7 @@ TEST_P(CudaVsCpu, LogitsAndGreedyGenerationAgree) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaVsCpu, ::testing::ValuesIn(ModelFixtureNames()),
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaVsCpu, ::testing::ValuesIn(testing::CudaModelFixtureNames()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 // GEMM attention (CudaOptions::gemm_attention_tokens) for every run of every pass:
@@ -253,7 +252,8 @@ TEST_P(CudaGemmAttention, EqualsTheCpuBackend) {
   EXPECT_GE(CompareGemmAttention(GetParam(), 1, true).second, 0.9);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGemmAttention, ::testing::ValuesIn(ModelFixtureNames()),
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGemmAttention,
+                         ::testing::ValuesIn(testing::CudaModelFixtureNames()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 std::string ReadFile(const std::string& path) {

@@ -18,7 +18,6 @@ namespace hmoe {
 namespace {
 
 using testing::ArgMax;
-using testing::ModelFixtureNames;
 using testing::ModelFixturesRoot;
 
 std::unique_ptr<Model> LoadCuda(const std::string& name, bool graphs, int deferred) {
@@ -110,7 +109,8 @@ TEST_P(CudaGraphs, ReplayEqualsEagerBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGraphs, ::testing::ValuesIn(ModelFixtureNames()),
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGraphs,
+                         ::testing::ValuesIn(testing::CudaModelFixtureNames()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 // An injected sticky device error (CudaOptions::debug_fault_after):

@@ -21,7 +21,6 @@
 namespace hmoe {
 namespace {
 
-using testing::ModelFixtureNames;
 using testing::ModelFixturesRoot;
 
 struct Out {
@@ -92,7 +91,8 @@ TEST_P(CudaHotExperts, EqualTheColdPathWithinTolerance) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaHotExperts, ::testing::ValuesIn(ModelFixtureNames()),
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaHotExperts,
+                         ::testing::ValuesIn(testing::CudaModelFixtureNames()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

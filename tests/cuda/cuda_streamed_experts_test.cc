@@ -22,7 +22,6 @@
 namespace hmoe {
 namespace {
 
-using testing::ModelFixtureNames;
 using testing::ModelFixturesRoot;
 
 struct Out {
@@ -174,7 +173,8 @@ TEST(CudaStreamedExpertsOptions, UnknownPolicyIsRefused) {
     EXPECT_EQ(ParsePrefillExperts(PrefillExpertsName(p)), p);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaStreamedExperts, ::testing::ValuesIn(ModelFixtureNames()),
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaStreamedExperts,
+                         ::testing::ValuesIn(testing::CudaModelFixtureNames()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

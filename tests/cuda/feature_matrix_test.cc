@@ -145,7 +145,7 @@ TEST_P(CudaFeatureMatrix, EveryPathDeferralAndHotCombinationIsBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaFeatureMatrix,
-                         ::testing::ValuesIn(testing::ModelFixtureNames()),
+                         ::testing::ValuesIn(testing::CudaModelFixtureNames()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

@@ -66,6 +66,29 @@ TEST(LayerKinds, EachArchitectureResolvesItsKindsPerLayer) {
   }
 }
 
+TEST(LayerKinds, MlaDsaCacheRowHoldsTheIndexerKey) {
+  auto c = LoadModelConfig(testing::FixturesDir() + "/deepseek_v32_tiny");
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto spec = AttentionSpecFor(*c, 1);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->kind, AttentionKind::kMlaDsa);
+  // MLA's latent and roped key (what attention reads), then the indexer key:
+  // counted in the bytes per token the cache is sized by.
+  EXPECT_EQ(spec->dk, 32 + 16);
+  EXPECT_EQ(spec->dv, 32);
+  EXPECT_EQ(spec->cache.k_row, 32 + 16 + 24);
+  EXPECT_EQ(spec->cache.v_row, 0);
+  EXPECT_EQ(spec->cache.bytes_per_token(), 4 * (32 + 16 + 24));
+  // Geometry as MLA's (interleaved, YaRN-corrected scale).
+  ModelConfig mla = *c;
+  for (LayerSpec& l : mla.layers) l.attention = AttentionKind::kMla;
+  auto plain = AttentionSpecFor(mla, 1);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(spec->geometry.softmax_scale, plain->geometry.softmax_scale);
+  EXPECT_EQ(spec->geometry.rope_layout, RopeLayout::kInterleaved);
+  EXPECT_EQ(spec->cache.k_row, plain->cache.k_row + c->dsa.head_dim);
+}
+
 TEST(LayerKinds, AttentionSpecsLayOutTheCache) {
   const ModelConfig v3 = Load("deepseek_v3_published");
   auto mla = AttentionSpecFor(v3, 0);

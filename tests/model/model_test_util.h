@@ -35,6 +35,22 @@ inline std::vector<std::string> ModelFixtureNames() {
   return out;
 }
 
+// ModelFixtureNames() less the fixtures whose layers the CUDA backend does
+// not run (mla_dsa: it refuses those models), for the suites that compare it
+// with the reference backend.
+inline std::vector<std::string> CudaModelFixtureNames() {
+  std::vector<std::string> out;
+  for (const std::string& n : ModelFixtureNames()) {
+    auto c = LoadModelConfig(ModelFixturesRoot() + "/" + n);
+    if (c.ok() && std::any_of(c->layers.begin(), c->layers.end(), [](const LayerSpec& l) {
+          return l.attention == AttentionKind::kMlaDsa;
+        }))
+      continue;
+    out.push_back(n);
+  }
+  return out;
+}
+
 // max |a - b| over max |b| (the logits' scale); infinite for a non-finite a
 // or a size mismatch.
 inline double MaxScaledDiff(const std::vector<float>& a, const std::vector<float>& b) {

@@ -72,6 +72,17 @@ TEST(Inspect, KimiK2AndGlm45) {
   }
 }
 
+// A DSA model's attention line names its lightning indexer.
+TEST(Inspect, NamesTheDsaIndexer) {
+  InspectOptions opt;
+  auto r = InspectModel(testing::FixturesDir() + "/deepseek_v32_tiny", opt);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(FormatReport(*r, opt), HasSubstr("; DSA indexer 16 heads x 24, top 16 keys"));
+  r = InspectModel(testing::FixturesDir() + "/deepseek_v3_tiny", opt);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(FormatReport(*r, opt), ::testing::Not(HasSubstr("DSA")));
+}
+
 // A checkpoint whose routed experts ship quantized: its format is named,
 // with its bytes per token (what `hmoe convert` keeps by default).
 TEST(Inspect, NamesTheFormatARoutedExpertCheckpointShips) {
