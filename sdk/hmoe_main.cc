@@ -33,7 +33,7 @@ int Usage(FILE* out) {
       "  bench-serve [--server ADDR] [--clients N] [--requests M] [--max-tokens K] [-p TEXT]\n"
       "              [--retry N]  (exit 1 when any request is refused or fails)\n"
       "      N concurrent clients: latency percentiles and throughput\n"
-      "  bench-agent [--server ADDR] [--turns N] [--system-words W] [--turn-words W]\n"
+      "  bench-agent [--server ADDR] [--turns N] [--system-words W] [--turn-words W] [--tools N]\n"
       "              [--max-tokens K] [--label TEXT] [--json FILE]\n"
       "      replays a coding agent's conversation: time to first token per turn\n"
       "  bench-http [--server ADDR] [--http URL] [--requests N] [--max-tokens K] [-p TEXT]\n"

@@ -31,8 +31,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   uint8_t seed = in.Take<uint8_t>();
   const std::string text = in.Rest();
   static constexpr hmoe::ToolSyntax kSyntaxes[] = {
-      hmoe::ToolSyntax::kNone,       hmoe::ToolSyntax::kDeepseek, hmoe::ToolSyntax::kKimiK2,
-      hmoe::ToolSyntax::kQwen3,      hmoe::ToolSyntax::kQwen3Coder, hmoe::ToolSyntax::kGlm45,
+      hmoe::ToolSyntax::kNone,   hmoe::ToolSyntax::kDeepseek,   hmoe::ToolSyntax::kKimiK2,
+      hmoe::ToolSyntax::kQwen3,  hmoe::ToolSyntax::kQwen3Coder, hmoe::ToolSyntax::kGlm45,
       hmoe::ToolSyntax::kMixtral};
   hmoe::OutputParserOptions o;
   o.syntax = kSyntaxes[(mode & 7) % 7];
