@@ -53,6 +53,10 @@ std::optional<json> ParseJson(absl::string_view text) {
   return j;
 }
 
+// JSON text; invalid UTF-8 in a string (model output is raw bytes) becomes
+// U+FFFD instead of an exception.
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 // Arguments as OpenAI returns them: a JSON object's text. A JSON string
 // holding an object's text (a template that wrote string arguments with
 // tojson) is that object.
@@ -60,11 +64,11 @@ bool ArgumentsText(const json& v, std::string* out) {
   if (v.is_string()) {
     auto inner = ParseJson(v.get<std::string>());
     if (!inner || !inner->is_object()) return false;
-    *out = inner->dump();
+    *out = Dump(*inner);
     return true;
   }
   if (!v.is_object()) return false;
-  *out = v.dump();
+  *out = Dump(v);
   return true;
 }
 
@@ -239,7 +243,7 @@ bool ParseQwen3Coder(absl::string_view s, const json& tools, Calls* calls) {
     const std::string k(key);
     args[k] = XmlValue(tools, c.name, k, XmlText(value));
   }
-  c.arguments = args.dump();
+  c.arguments = Dump(args);
   calls->push_back(std::move(c));
   return true;
 }
@@ -262,7 +266,7 @@ bool ParseGlm45(absl::string_view s, const json& tools, Calls* calls) {
     if (k.empty()) return false;
     args[k] = XmlValue(tools, c.name, k, value);
   }
-  c.arguments = args.dump();
+  c.arguments = Dump(args);
   calls->push_back(std::move(c));
   return true;
 }
@@ -482,7 +486,7 @@ ParsedOutput ParseOutput(const OutputParserOptions& o, absl::string_view text) {
 }
 
 std::optional<std::string> ForcedToolCallPrefix(ToolSyntax s, absl::string_view function_name) {
-  const std::string quoted = json(std::string(function_name)).dump();  // "name", escaped
+  const std::string quoted = Dump(json(std::string(function_name)));  // "name", escaped
   const bool any = function_name.empty();
   switch (s) {
     case ToolSyntax::kDeepseek:

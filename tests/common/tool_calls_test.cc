@@ -350,6 +350,24 @@ TEST(ToolCalls, ForcedPrefixesParseWithTheContinuation) {
             std::string::npos);
 }
 
+// Raw model bytes that are not UTF-8 inside an XML argument value (found
+// by hmoe-fuzz-tool_calls: the arguments' JSON text threw): the call parses,
+// the bad bytes become U+FFFD.
+TEST(ToolCalls, InvalidUtf8InAnArgumentIsReplacedNotThrown) {
+  // "a", 0xFF, NUL, "b".
+  const std::string value = std::string("a\xff") + '\0' + "b";
+  const std::string text =
+      "<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>" + value + "</arg_value>\n</tool_call>";
+  const ParsedOutput glm = ParseEveryWay(Opts(ToolSyntax::kGlm45), text);
+  ASSERT_EQ(glm.tool_calls.size(), 1u);
+  EXPECT_EQ(Args(glm.tool_calls[0])["n"], std::string("a\xEF\xBF\xBD") + '\0' + "b");
+  const std::string coder = std::string("<tool_call>\n<function=f>\n<parameter=k>\n\xc3") +
+                            "\n</parameter>\n</function>\n</tool_call>";
+  const ParsedOutput p = ParseEveryWay(Opts(ToolSyntax::kQwen3Coder), coder);
+  ASSERT_EQ(p.tool_calls.size(), 1u);
+  EXPECT_EQ(Args(p.tool_calls[0])["k"], "\xEF\xBF\xBD");
+}
+
 // Without a syntax and reasoning, the parser passes text through untouched
 // (the plain chat path), whatever it holds.
 TEST(ToolCalls, PlainTextPassesThroughUntouched) {
