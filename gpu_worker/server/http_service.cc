@@ -80,12 +80,22 @@ void KeepCalls(bool parallel, int sent, const std::string& cid, std::vector<Tool
   }
 }
 
-// `more` appended to `d` (the deltas of one event: its text, then the end).
-void Append(const OutputDelta& more, OutputDelta* d) {
-  d->content += more.content;
-  d->reasoning += more.reasoning;
-  if (d->tool_calls.empty()) d->first_call_index = more.first_call_index;
-  d->tool_calls.insert(d->tool_calls.end(), more.tool_calls.begin(), more.tool_calls.end());
+// What one engine event adds to a streamed chat's output: its text through
+// the parser, then (final event) the parser's end; the calls kept and named
+// as KeepCalls does, *calls (those sent) advanced.
+OutputDelta EventDelta(OutputParser& parser, const GenerateEvent& ev, bool parallel,
+                       const std::string& id_base, int* calls) {
+  OutputDelta d = parser.Feed(ev.text);
+  if (ev.finish != FinishReason::kNone) {
+    const OutputDelta end = parser.Finish();
+    d.content += end.content;
+    d.reasoning += end.reasoning;
+    if (d.tool_calls.empty()) d.first_call_index = end.first_call_index;
+    d.tool_calls.insert(d.tool_calls.end(), end.tool_calls.begin(), end.tool_calls.end());
+  }
+  KeepCalls(parallel, *calls, id_base, &d.tool_calls);
+  *calls += static_cast<int>(d.tool_calls.size());
+  return d;
 }
 
 void SendAnthropicError(HttpResponse& res, const Error& e) {
@@ -326,10 +336,7 @@ struct HttpService::Impl {
         if (st->parser) {
           // Chat: what the parser makes of the text so far (held back:
           // what may still be a marker), then the finish.
-          OutputDelta d = st->parser->Feed(ev.text);
-          if (ev.finish != FinishReason::kNone) Append(st->parser->Finish(), &d);
-          KeepCalls(parallel_calls, st->calls, cid, &d.tool_calls);
-          st->calls += static_cast<int>(d.tool_calls.size());
+          const OutputDelta d = EventDelta(*st->parser, ev, parallel_calls, cid, &st->calls);
           if (!d.empty() || st->first || has_lp) {
             out += SseData(openai::ChatDeltaChunk(
                 cid, now, model, d, st->first,
@@ -439,11 +446,8 @@ struct HttpService::Impl {
           st->ended = true;
           break;
         }
-        OutputDelta d = st->parser.Feed(ev.text);
-        if (ev.finish != FinishReason::kNone) Append(st->parser.Finish(), &d);
-        KeepCalls(parallel_calls, st->calls, st->call_ids, &d.tool_calls);
-        st->calls += static_cast<int>(d.tool_calls.size());
-        *out += st->writer.Delta(d);
+        *out +=
+            st->writer.Delta(EventDelta(st->parser, ev, parallel_calls, st->call_ids, &st->calls));
         if (ev.finish != FinishReason::kNone) {
           *out += st->writer.Finish(ev.finish, ev.stop_string, ev.completion_tokens);
           st->ended = true;

@@ -76,29 +76,27 @@ void ExpectSameBits(const std::vector<std::vector<float>>& got,
   }
 }
 
-// The cuda backend over a real service's shm slots: the device waiting for
-// each answer itself (a kernel polling the slot's state word) gives the
-// same logits, bit for bit, as host wait nodes, as eager slot passes and as
-// the host-copy path, with and without Expert Deferral; one graph launch per
-// decode step.
-TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
-  HMOE_SKIP_UNLESS_BACKEND("cuda");
+// Serves the fixture's experts, then runs `steps` decode steps on each path,
+// with and without Expert Deferral: every path's logits equal the first
+// path's bit for bit. Prints each path's time per pass.
+void ExpectPathsAgree(const std::vector<Path>& paths, int steps) {
   testing::TempDir dir;
   testing::ServiceProcess proc;
   auto config = LoadModelConfig(ModelDir());
   ASSERT_TRUE(config.ok()) << config.status();
   testing::ServedExperts served;
   ASSERT_NO_FATAL_FAILURE(testing::ServeExperts(proc, dir, *config, ModelDir(), &served));
-  const Path paths[] = {{"device", true, true, true},
-                        {"host", true, true, false},
-                        {"eager", true, false, true},
-                        {"copy", false, false, false}};
   for (int deferred : {0, 1}) {
     std::vector<std::vector<float>> first;  // the first path's logits, pass by pass
     for (const Path& p : paths) {
       SCOPED_TRACE(::testing::Message() << p.name << ", deferred " << deferred);
       std::vector<std::vector<float>> got;
-      ASSERT_NO_FATAL_FAILURE(RunPath(*config, served.experts.get(), p, deferred, 6, &got));
+      const auto t0 = std::chrono::steady_clock::now();
+      ASSERT_NO_FATAL_FAILURE(RunPath(*config, served.experts.get(), p, deferred, steps, &got));
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("[ paths    ] %s deferred %d: %d steps, %.2f ms per pass\n", p.name, deferred,
+                  steps, ms / (steps + 1));
       if (first.empty()) {
         first = got;
         continue;
@@ -108,36 +106,26 @@ TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
   }
 }
 
+// The cuda backend over a real service's shm slots: the device waiting for
+// each answer itself (a kernel polling the slot's state word) gives the
+// same logits, bit for bit, as host wait nodes, as eager slot passes and as
+// the host-copy path, with and without Expert Deferral; one graph launch per
+// decode step.
+TEST(PoolRoutedExperts, CudaDeviceWaitsEqualHostWaitsBitForBit) {
+  HMOE_SKIP_UNLESS_BACKEND("cuda");
+  ExpectPathsAgree({{"device", true, true, true},
+                    {"host", true, true, false},
+                    {"eager", true, false, true},
+                    {"copy", false, false, false}},
+                   6);
+}
+
 // A long greedy decode (320 steps: 20 KV blocks of 16 tokens) through
 // device-sent slot calls and replayed graphs equals the host-copy path bit
-// for bit; the time per step of each is printed.
+// for bit.
 TEST(PoolRoutedExperts, CudaLongDecodeThroughSlotsEqualsHostCopy) {
   HMOE_SKIP_UNLESS_BACKEND("cuda");
-  testing::TempDir dir;
-  testing::ServiceProcess proc;
-  auto config = LoadModelConfig(ModelDir());
-  ASSERT_TRUE(config.ok()) << config.status();
-  testing::ServedExperts served;
-  ASSERT_NO_FATAL_FAILURE(testing::ServeExperts(proc, dir, *config, ModelDir(), &served));
-  constexpr int kSteps = 320;
-  for (int deferred : {0, 1}) {
-    std::vector<std::vector<float>> first;
-    for (const Path& p : {Path{"device", true, true, true}, Path{"copy", false, false, false}}) {
-      SCOPED_TRACE(::testing::Message() << p.name << ", deferred " << deferred);
-      std::vector<std::vector<float>> got;
-      const auto t0 = std::chrono::steady_clock::now();
-      ASSERT_NO_FATAL_FAILURE(RunPath(*config, served.experts.get(), p, deferred, kSteps, &got));
-      const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      std::printf("[ long     ] %s deferred %d: %d steps, %.2f ms per pass\n", p.name, deferred,
-                  kSteps, ms / (kSteps + 1));
-      if (first.empty()) {
-        first = got;
-        continue;
-      }
-      ExpectSameBits(got, first);
-    }
-  }
+  ExpectPathsAgree({{"device", true, true, true}, {"copy", false, false, false}}, 320);
 }
 
 }  // namespace
