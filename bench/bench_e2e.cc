@@ -336,6 +336,8 @@ struct Args {
   std::string backend = "cuda";
   double gpu_mem_gb = 0;
   int64_t kv_blocks = 0;
+  DenseWeights gpu_weights = DenseWeights::kAuto;
+  KvDtype kv_dtype = KvDtype::kF32;
   int defer_experts = 0;
   bool cuda_graphs = true;
   bool log_prefill_plans = false;  // stderr: each large pass's choices and streamed timeline
@@ -458,6 +460,16 @@ void AddFlags(FlagSet& fs, Args* a) {
             range(0, 1 << 20, false), in(0, 1 << 20, false));
   fs.Int("kv-blocks", &a->kv_blocks, 0, int64_t{1} << 32,
          "cuda: paged KV cache blocks (0: the backend's)");
+  fs.Enum<DenseWeights>("gpu-weights", &a->gpu_weights,
+                        {{"auto", DenseWeights::kAuto},
+                         {"bf16", DenseWeights::kBf16},
+                         {"fp8", DenseWeights::kFp8},
+                         {"int8", DenseWeights::kInt8},
+                         {"int4", DenseWeights::kInt4}},
+                        "precision of attention, dense MLPs, shared experts and the LM head");
+  fs.Enum<KvDtype>("kv-dtype", &a->kv_dtype,
+                   {{"f32", KvDtype::kF32}, {"bf16", KvDtype::kBf16}, {"fp8", KvDtype::kFp8}},
+                   "element type of the KV cache");
   fs.Int("defer-experts", &a->defer_experts, 0, 255,
          "Expert Deferral: the N lowest-weighted routed experts of a layer join one layer late "
          "(0: the exact model)");
@@ -1203,6 +1215,8 @@ absl::Status Run(const Args& a) {
   mo.cuda.gpu_mem_gb = a.gpu_mem_gb;
   mo.cuda.kv_blocks = a.kv_blocks;
   mo.deferred_experts = a.defer_experts;
+  mo.weights = a.gpu_weights;
+  mo.kv_dtype = a.kv_dtype;
   mo.cuda.graphs = a.cuda_graphs;
   mo.cuda.log_prefill_plans = a.log_prefill_plans;
   mo.cuda.expert_slots = a.cuda_expert_slots;
@@ -1766,6 +1780,8 @@ absl::Status Run(const Args& a) {
     J["prefill_sweep"] = prefill_rows;
     J["options"] = {{"gpu_mem_gb", a.gpu_mem_gb},
                     {"kv_blocks", a.kv_blocks},
+                    {"gpu_weights", std::string(DenseWeightsName(a.gpu_weights))},
+                    {"kv_dtype", std::string(KvDtypeName(a.kv_dtype))},
                     {"defer_experts", a.defer_experts},
                     {"cuda_graphs", a.cuda_graphs},
                     {"cuda_expert_slots", a.cuda_expert_slots},

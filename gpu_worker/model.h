@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -42,6 +43,31 @@
 #include "gpu_worker/routed_experts.h"
 
 namespace hmoe {
+
+// Precision of the model's own weights on the backend: attention, dense
+// MLPs, shared experts, LM head (norms, biases, the router and its
+// correction bias stay as stored). kAuto: the checkpoint's own (bf16; fp8
+// blocks as shipped), lowered only as far as the memory plan needs.
+enum class DenseWeights { kAuto, kBf16, kFp8, kInt8, kInt4 };
+// "auto" | "bf16" | "fp8" | "int8" | "int4"
+std::string_view DenseWeightsName(DenseWeights w);
+std::optional<DenseWeights> ParseDenseWeights(std::string_view s);
+// The stored form of a resolved (non-auto) choice, in the routed experts'
+// format vocabulary: bf16; fp8 = kFp8 group 128 (e4m3, an f32 scale per
+// 128 x 128 block, as DeepSeek's checkpoints ship it); int8 = kInt8 (an f32
+// scale per output row); int4 = kInt4 group 128 (an f32 scale per 128).
+struct DenseFormat {
+  WeightFormat format = WeightFormat::kBf16;
+  int group = 0;
+};
+DenseFormat DenseFormatOf(DenseWeights w);  // w != kAuto
+
+// Element type of the KV cache (MLA's latent + rope rows, GQA's keys and
+// values). kFp8: e4m3 with one f32 scale per token per cache part (MLA: the
+// latent and the rope part; GQA: each kv head's key and value).
+enum class KvDtype { kF32, kBf16, kFp8 };
+std::string_view KvDtypeName(KvDtype d);  // "f32" | "bf16" | "fp8"
+std::optional<KvDtype> ParseKvDtype(std::string_view s);
 
 struct ModelOptions {
   // Where the model (all but the routed experts) runs: "cpu" (the reference),
@@ -61,6 +87,8 @@ struct ModelOptions {
   // the exact model; otherwise in [1, experts_per_token - 1]. Changes the
   // numbers (an approximation; bench/results has its perplexity cost).
   int deferred_experts = 0;
+  DenseWeights weights = DenseWeights::kAuto;
+  KvDtype kv_dtype = KvDtype::kF32;
   // Borrowed, outlives the Model; null: no metrics. Load registers
   //   hmoe_expert_deferred_slots_total: routed (token, expert) slots whose
   //     result Expert Deferral joined one layer late, of passes that

@@ -72,6 +72,8 @@ struct WorkerOptions {
   std::string backend = "auto";
   int cuda_device = 0;
   double gpu_mem_gb = 0;
+  DenseWeights gpu_weights = DenseWeights::kAuto;
+  KvDtype kv_dtype = KvDtype::kF32;
   bool cuda_graphs = true;
   bool cuda_expert_slots = true;
   SlotCalls cuda_slot_calls = SlotCalls::kDeviceSends;
@@ -149,6 +151,17 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
       "bounds the cuda backend's weights, KV cache and workspaces (to emulate a smaller card); "
       "0: the card's",
       [](double x) { return x >= 0 && x <= 1e6; }, "a number of GiB >= 0");
+  fs.Enum<DenseWeights>("gpu-weights", &o->gpu_weights,
+                        {{"auto", DenseWeights::kAuto},
+                         {"bf16", DenseWeights::kBf16},
+                         {"fp8", DenseWeights::kFp8},
+                         {"int8", DenseWeights::kInt8},
+                         {"int4", DenseWeights::kInt4}},
+                        "precision of attention, dense MLPs, shared experts and the LM head "
+                        "(auto: the checkpoint's own)");
+  fs.Enum<KvDtype>("kv-dtype", &o->kv_dtype,
+                   {{"f32", KvDtype::kF32}, {"bf16", KvDtype::kBf16}, {"fp8", KvDtype::kFp8}},
+                   "element type of the KV cache");
   fs.Enum<bool>("cuda-graphs", &o->cuda_graphs, on_off,
                 "replay one CUDA Graph per decode step (off: the same work kernel by kernel)");
   fs.Enum<bool>("cuda-expert-slots", &o->cuda_expert_slots, on_off,
@@ -370,6 +383,8 @@ int Run(int argc, char** argv) {
   mo.num_threads = o.threads;
   mo.max_seq_len = o.max_context;
   mo.deferred_experts = o.defer_experts;
+  mo.weights = o.gpu_weights;
+  mo.kv_dtype = o.kv_dtype;
   mo.metrics = &metrics;
   mo.cuda.device = o.cuda_device;
   mo.cuda.gpu_mem_gb = o.gpu_mem_gb;
