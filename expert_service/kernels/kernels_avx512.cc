@@ -312,16 +312,46 @@ inline void DecodeLine(const uint8_t* line, __m512* w) {
   }
 }
 
+// Group gi's 16 channel scales within a super-block whose scales start at
+// sc (all but fp8).
+template <WeightFormat F>
+inline __m512 GroupScales(const uint8_t* sc, int64_t gi) {
+  if constexpr (F == WeightFormat::kInt4Bf16) {
+    const __m512i v =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + gi * 32)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  } else {
+    return E8m0x16(sc + gi * 16);
+  }
+}
+// Super-block sb's scale for group gi (fp8: one f32 per super-block).
+template <WeightFormat F>
+inline __m512 SuperBlockScales(const PackedGeom& g, const uint8_t* panel, int64_t sb, int64_t gi) {
+  if constexpr (F == WeightFormat::kFp8) {
+    float v;
+    std::memcpy(&v, panel + g.fp8_scale_offset + sb * 4, 4);
+    return _mm512_set1_ps(v);
+  } else {
+    return GroupScales<F>(panel + sb * g.sb_bytes + g.sb_code_bytes, gi);
+  }
+}
+
 // "few": MB rows x one panel; per group sum_k x * value, times the scale.
+// The code lines are walked in storage order (no division per line); each
+// row keeps kChains independent accumulators over a group so the FMAs do
+// not wait on each other.
 template <WeightFormat F, int MB>
 void NativeBlock(const PackedGeom& g, const uint8_t* panel, const uint16_t* const* rows, int64_t pf,
                  float* const* c) {
   constexpr int kK = kLineK<F>;
+  constexpr int kChains = 4;
+  const int64_t groups_per_sb = F == WeightFormat::kFp8 ? 1 : g.sb_k / g.group;
+  const int64_t group_k = g.sb_k / groups_per_sb;
   alignas(64) float xf[MB][256];
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < g.nsb; ++sb) {
-    const uint8_t* p = panel + sb * g.sb_bytes;
+    const uint8_t* line = panel + sb * g.sb_bytes;
     for (int m = 0; m < MB; ++m)
       for (int64_t k = 0; k < g.sb_k; k += 16) {
         const __m256i b =
@@ -329,20 +359,25 @@ void NativeBlock(const PackedGeom& g, const uint8_t* panel, const uint16_t* cons
         _mm512_store_ps(xf[m] + k,
                         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
       }
-    for (int64_t k0 = 0; k0 < g.sb_k; k0 += g.group) {
-      __m512 ga[MB];
-      for (int m = 0; m < MB; ++m) ga[m] = _mm512_setzero_ps();
-      for (int64_t k = k0; k < k0 + g.group; k += kK) {
-        const uint8_t* line = p + k / kK * 64;
+    for (int64_t gi = 0; gi < groups_per_sb; ++gi) {
+      __m512 ga[MB][kChains];
+      for (int m = 0; m < MB; ++m)
+        for (int i = 0; i < kChains; ++i) ga[m][i] = _mm512_setzero_ps();
+      const int64_t k0 = gi * group_k;
+      for (int64_t k = k0; k < k0 + group_k; k += kK, line += 64) {
         if (pf > 0) Prefetch(line, pf);
         __m512 w[kK];
         DecodeLine<F>(line, w);
         for (int t = 0; t < kK; ++t)
           for (int m = 0; m < MB; ++m)
-            ga[m] = _mm512_fmadd_ps(w[t], _mm512_set1_ps(xf[m][k + t]), ga[m]);
+            ga[m][t % kChains] =
+                _mm512_fmadd_ps(w[t], _mm512_set1_ps(xf[m][k + t]), ga[m][t % kChains]);
       }
-      const __m512 s = NativeScales(g, panel, (sb * g.sb_k + k0) / g.group);
-      for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(ga[m], s, acc[m]);
+      const __m512 s = SuperBlockScales<F>(g, panel, sb, gi);
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm512_fmadd_ps(
+            _mm512_add_ps(_mm512_add_ps(ga[m][0], ga[m][1]), _mm512_add_ps(ga[m][2], ga[m][3])), s,
+            acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m)
@@ -380,28 +415,44 @@ void Native4Block(const PackedGeom& g, const uint8_t* panel, const uint32_t* con
                   float* c0, int64_t ldc) {
   const __m512i table = Bf16Table<F>();
   const __m512i low4 = _mm512_set1_epi16(0x000F);
+  const int64_t groups_per_sb = g.sb_k / g.group;
+  const int64_t group_lines = g.group / 8;
+  const uint32_t* x[MB];
   __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < g.kp; k0 += g.group) {
-    const uint8_t* p = panel + (k0 / g.sb_k) * g.sb_bytes;
-    __m512 ga[MB];
-    for (int m = 0; m < MB; ++m) ga[m] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k0 + g.group; k += 8) {
-      const uint8_t* line = p + (k % g.sb_k) / 8 * 64;
-      if (pf > 0) Prefetch(line, pf);
-      const __m512i d = _mm512_load_si512(line);
-      const __m512i w[4] = {
-          _mm512_permutexvar_epi16(_mm512_and_si512(d, low4), table),
-          _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(d, 4), low4), table),
-          _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(d, 8), low4), table),
-          _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 12), table)};
+  for (int m = 0; m < MB; ++m) {
+    acc[m] = _mm512_setzero_ps();
+    x[m] = xp[m];
+  }
+  // Lines in storage order: each super-block's code lines, group after
+  // group, then its scales. One accumulator per vpermw shift (4 chains).
+  for (int64_t sb = 0; sb < g.nsb; ++sb) {
+    const uint8_t* line = panel + sb * g.sb_bytes;
+    const uint8_t* sc = line + g.sb_code_bytes;
+    for (int64_t gi = 0; gi < groups_per_sb; ++gi) {
+      __m512 ga[MB][4];
       for (int m = 0; m < MB; ++m)
-        for (int i = 0; i < 4; ++i)
-          ga[m] = _mm512_dpbf16_ps(ga[m], (__m512bh)w[i],
-                                   (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m][k / 2 + i])));
+        for (int i = 0; i < 4; ++i) ga[m][i] = _mm512_setzero_ps();
+      for (int64_t o = 0; o < group_lines; ++o, line += 64) {
+        if (pf > 0) Prefetch(line, pf);
+        const __m512i d = _mm512_load_si512(line);
+        const __m512i w[4] = {
+            _mm512_permutexvar_epi16(_mm512_and_si512(d, low4), table),
+            _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(d, 4), low4), table),
+            _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(d, 8), low4), table),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 12), table)};
+        for (int m = 0; m < MB; ++m) {
+          for (int i = 0; i < 4; ++i)
+            ga[m][i] = _mm512_dpbf16_ps(ga[m][i], (__m512bh)w[i],
+                                        (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m][i])));
+          x[m] += 4;
+        }
+      }
+      const __m512 s = GroupScales<F>(sc, gi);
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm512_fmadd_ps(
+            _mm512_add_ps(_mm512_add_ps(ga[m][0], ga[m][1]), _mm512_add_ps(ga[m][2], ga[m][3])), s,
+            acc[m]);
     }
-    const __m512 s = NativeScales(g, panel, k0 / g.group);
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(ga[m], s, acc[m]);
   }
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(c0 + m * ldc, acc[m]);
 }
