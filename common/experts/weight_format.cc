@@ -18,7 +18,7 @@ std::vector<int> Groups(const WeightFormatTraits& t) {
 }
 
 // Every name ParseWeightFormat takes: with groups ("int4g32", ...) or bare.
-std::string NameList(bool with_groups) {
+std::vector<std::string> Names(bool with_groups) {
   std::vector<std::string> names;
   for (const WeightFormatTraits& t : kWeightFormatTraits) {
     if (!with_groups || !IsGrouped(t.format) || TakesOneGroup(t.format)) {
@@ -27,10 +27,13 @@ std::string NameList(bool with_groups) {
     }
     for (int g : Groups(t)) names.push_back(absl::StrCat(t.name, "g", g));
   }
-  return absl::StrJoin(names, ", ");
+  return names;
 }
+std::string NameList(bool with_groups) { return absl::StrJoin(Names(with_groups), ", "); }
 
 }  // namespace
+
+std::string WeightFormatChoices() { return absl::StrJoin(Names(true), "|"); }
 
 std::string_view WeightFormatName(WeightFormat f) {
   return IsWeightFormat(f) ? Traits(f).name : "?";

@@ -19,6 +19,10 @@ std::string_view WeightFormatName(WeightFormat f);
 // name ParseWeightFormat(name, &group) reads back.
 std::string WeightFormatName(WeightFormat f, int group);
 
+// Every name a --format flag takes, grouped formats with each group
+// ("bf16|int8|int4g32|...|mxfp8"): a flag's value placeholder.
+std::string WeightFormatChoices();
+
 // A bare table name ("int4"); INVALID_ARGUMENT naming `name` and the names
 // taken otherwise (a name with a group among them: the caller would lose it).
 absl::StatusOr<WeightFormat> ParseWeightFormat(std::string_view name);

@@ -110,7 +110,7 @@ void AddFlags(FlagSet& fs, ServiceOptions* o) {
   fs.Enum<SplitMode>("split", &sh.split, {{"tp", SplitMode::kTp}, {"ep", SplitMode::kEp}},
                      "how the experts are split over the shards");
   fs.Custom(
-      "format", "bf16|int8|int4g32|int4g64|int4g128",
+      "format", WeightFormatChoices(),
       "weight format served; with --packed-dir the files' must be in it (default: theirs)",
       [&sh](std::string_view v) -> absl::Status {
         ASSIGN_OR_RETURN(sh.format, ParseWeightFormat(std::string(v), &sh.group));

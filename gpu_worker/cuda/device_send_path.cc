@@ -82,10 +82,7 @@ absl::StatusOr<ResidualPart> DeviceSendPath::Wait(int layer, int part, int64_t T
   return ResidualPart::In(dev_[static_cast<size_t>(slot)].out);
 }
 
-void DeviceSendPath::AfterDrain(const CallRecord* record) {
-  (void)record;
-  slots_->SetDeviceSends(false);
-}
+void DeviceSendPath::AfterDrain() { slots_->SetDeviceSends(false); }
 
 int64_t DeviceSendPath::AbortPass() {
   in_pass_.store(false);

@@ -30,7 +30,7 @@ class DeviceSendPath final : public DeviceWaitPath {
 
  private:
   absl::Status Register() override;
-  void AfterDrain(const CallRecord* record) override;
+  void AfterDrain() override;
   // Arms `calls` for the device to send, with the pass's real T.
   void ArmCalls(const std::vector<SlotCall>& calls);
 };

@@ -110,11 +110,11 @@ absl::StatusOr<ResidualPart> DeviceWaitPath::Wait(int layer, int part, int64_t T
   return CopyAnswer(slot, T, staging, ops);
 }
 
-absl::Status DeviceWaitPath::FinishPass(const CallRecord* record) {
+absl::Status DeviceWaitPath::FinishPass(const CallRecord* /*record*/) {
   if (!in_pass_.load()) return absl::OkStatus();
   in_pass_.store(false);
   slots_->Drain();
-  AfterDrain(record);
+  AfterDrain();
   // A wait the device gave up (its timeout, the watchdog, a failed arm or
   // submit) may have let the adds read a stale answer, even when every call
   // was answered by the time of the host's Wait: the pass is dropped.

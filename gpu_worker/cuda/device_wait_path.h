@@ -76,7 +76,7 @@ class DeviceWaitPath : public HostNodePath {
   uint32_t* abort_word() const override { return ctl_->abort_host(); }
   // FinishPass, once the slots are drained: the host side of what the
   // device sent.
-  virtual void AfterDrain(const CallRecord* record) { (void)record; }
+  virtual void AfterDrain() {}
   // Polls slot `slot`'s state word on the stream.
   absl::Status EnqueueWait(int slot, StreamOps& ops);
 
