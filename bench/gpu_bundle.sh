@@ -31,7 +31,7 @@ bundle_sh=${BUNDLE_SH:-../shared/gpu-machine/bundle.sh}
 command -v promtool >/dev/null || { echo "gpu_bundle: no promtool (bash deploy/install-deps.sh --tests)" >&2; exit 2; }
 mkdir -p "$out"
 progs=()
-for p in hmoe-tests hmoe-gpu-worker hmoe-expert-service hmoe-expert-bench hmoe; do
+for p in hmoe-tests hmoe-gpu-worker hmoe-expert-service hmoe-expert-bench hmoe hmoe-bench-e2e; do
   [ -x "$build/bin/$p" ] || { echo "gpu_bundle: $build/bin/$p not built" >&2; exit 2; }
   progs+=("$build/bin/$p")
 done

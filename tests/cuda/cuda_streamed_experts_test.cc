@@ -154,7 +154,11 @@ TEST_P(CudaStreamedExperts, PrefetchChangesNoResult) {
     EXPECT_EQ(off.stats.prefetched_experts, 0);
     EXPECT_EQ(off.stats.prefetch_used_experts, 0);
     EXPECT_LE(on.stats.prefetch_used_experts, on.stats.prefetched_experts);
-    if (moe_layers >= 2) {
+    // With two MoE layers both stages end up holding a layer each, and a
+    // guess of what a layer streamed before finds it there already: only a
+    // first pass that streams every expert uploads ahead (16 experts do,
+    // 48 need not). A third MoE layer makes the stages turn over.
+    if (moe_layers >= 3) {
       EXPECT_GT(on.stats.prefetched_experts, 0);
       EXPECT_GT(on.stats.prefetch_used_experts, 0);
     }
