@@ -279,6 +279,7 @@ MemoryPlan Evaluate(const ModelConfig& c, const Shapes& shapes, const PlanReques
   if (stage > 0 && req.prefill_prefetch && p.total_bytes + stage <= p.limit_bytes) {
     workspace("streamed experts (prefetch stage)", stage);
     p.total_bytes += stage;
+    p.prefetch_stage = true;
   }
   p.left_bytes = p.limit_bytes - p.total_bytes;
   p.fits = p.left_bytes >= 0;

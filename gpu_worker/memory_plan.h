@@ -90,6 +90,7 @@ struct MemoryPlan {
   int64_t context = 0, batch = 0;
   int64_t kv_blocks = 0;
   int64_t pass_tokens = 0;         // the pass workspace's tokens
+  bool prefetch_stage = false;     // streamed experts' prefetch stage planned (it fits)
   int64_t kv_bytes_per_token = 0;  // all layers, one token
   std::vector<PlanPart> parts;     // weights, then the KV cache, then workspaces
   int64_t weight_bytes = 0, kv_bytes = 0, workspace_bytes = 0, hot_bytes = 0;

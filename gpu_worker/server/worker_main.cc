@@ -388,6 +388,7 @@ int Run(int argc, char** argv) {
   mo.metrics = &metrics;
   mo.cuda.device = o.cuda_device;
   mo.cuda.gpu_mem_gb = o.gpu_mem_gb;
+  mo.cuda.kv_sequences = o.max_batch;
   mo.cuda.graphs = o.cuda_graphs;
   mo.cuda.expert_slots = o.cuda_expert_slots;
   mo.cuda.gemm_attention_tokens = o.gemm_attention_tokens;

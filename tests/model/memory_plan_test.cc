@@ -280,6 +280,63 @@ TEST(MemoryPlan, HotExpertsFillWhatIsLeft) {
   EXPECT_EQ(q.total_bytes, p.total_bytes + q.hot_bytes);
 }
 
+// What the CUDA backend plans with (PlanCudaBackend): kv_sequences of
+// max_seq_len, or as many whole sequences as fit; refused with the plan's
+// message when not one does, or when explicit kv_blocks do not fit.
+TEST(MemoryPlan, CudaBackendsPlan) {
+  const ModelConfig c = Config("deepseek_v3_published");
+  ModelOptions o;
+  o.max_seq_len = 32768;
+  o.cuda.kv_sequences = 16;
+  const int64_t gib = int64_t{1} << 30;
+  // 80 GiB: 16 sequences of 32K tokens of f32 KV (4.29 GiB each) do not fit
+  // beside 32 GiB of bf16 weights; fewer whole sequences do.
+  auto p = PlanCudaBackend(c, o, 80 * gib, {DenseWeights::kBf16});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->fits);
+  EXPECT_EQ(p->weights, DenseWeights::kBf16);  // auto among what the backend loads
+  EXPECT_GT(p->batch, 1);
+  EXPECT_LT(p->batch, 16);
+  EXPECT_EQ(p->kv_blocks, p->batch * 2048);
+  PlanRequest r = PlanRequestFor(c, o, 80 * gib, {DenseWeights::kBf16});
+  r.batch = p->batch + 1;
+  EXPECT_FALSE(PlanGpuMemory(c, r)->fits);
+  // Room for all 16 at 8K tokens each.
+  o.max_seq_len = 8192;
+  p = PlanCudaBackend(c, o, 80 * gib, {DenseWeights::kBf16});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->batch, 16);
+  EXPECT_EQ(p->kv_blocks, 16 * 512);
+  // Not one sequence: the plan's message, naming the smallest change.
+  p = PlanCudaBackend(c, o, 24 * gib, {DenseWeights::kBf16});
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(p.status().message(), HasSubstr("GPU memory plan: does not fit: weights bf16"));
+  EXPECT_THAT(p.status().message(), HasSubstr("the smallest change: "));
+  // Explicit blocks are not shrunk.
+  o.cuda.kv_blocks = 1 << 24;
+  p = PlanCudaBackend(c, o, 80 * gib, {DenseWeights::kBf16});
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted);
+  // Streamed experts: passes of prefill_stream_tokens, the prefetch stage
+  // only where it fits.
+  o.cuda.kv_blocks = 0;
+  o.cuda.prefill_experts = PrefillExperts::kStream;
+  o.cuda.hot_format = WeightFormat::kInt4;
+  o.cuda.hot_group = 64;
+  o.cuda.prefill_stream_tokens = 4096;
+  p = PlanCudaBackend(c, o, 80 * gib, {DenseWeights::kBf16});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->pass_tokens, 4096);
+  EXPECT_TRUE(p->prefetch_stage);
+  EXPECT_GT(PartBytes(*p, "streamed experts (one layer)"),
+            256 * PlanGpuMemory(c, PlanRequestFor(c, o, 80 * gib, {}))->hot_expert_bytes);
+  o.deferred_experts = 1;  // no streamed experts with Expert Deferral
+  p = PlanCudaBackend(c, o, 80 * gib, {DenseWeights::kBf16});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(PartBytes(*p, "streamed"), 0);
+  EXPECT_EQ(p->pass_tokens, 256);
+}
+
 TEST(MemoryPlan, BadRequests) {
   const ModelConfig c = Config("deepseek_v3_published");
   auto code = [&](auto edit) {
