@@ -115,12 +115,15 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
   fs.String("listen", &o->listen, "HOST:PORT", "the gRPC API (hmoe.api.v1.Generation)");
   fs.String("port-file", &o->port_file, "PATH",
             "gets the bound port once serving (for --listen HOST:0)");
-  fs.Int("max-batch", &o->max_batch, 1, 4096, "requests decoded together");
+  fs.Int("max-batch", &o->max_batch, 1, 4096,
+         "requests decoded together (cuda: the KV pool is planned for this many sequences of "
+         "--max-context, or as many whole ones as fit)");
   fs.Int("max-queue", &o->max_queue, 1, 1 << 20, "requests waiting at most; more are refused");
   fs.Int("max-context", &o->max_context, 0, int64_t{1} << 24,
          "tokens per request; 0: the model's max_position_embeddings");
   fs.Int("kv-blocks", &o->kv_blocks, 0, int64_t{1} << 40,
-         "the paged KV pool's blocks (cuda) and the engine's budget; 0: what fits");
+         "the paged KV pool's blocks (cuda) and the engine's budget; 0: the memory plan's "
+         "(hmoe inspect --gpu-mem-gb prints it)");
   fs.Int("prefill-chunk", &o->prefill_chunk, 1, int64_t{1} << 20,
          "prompt tokens per scheduler step, all requests together (streamed prefill experts pay "
          "off only for chunks of thousands of tokens, which also hold the running requests' "
