@@ -319,6 +319,8 @@ std::vector<DenseWeights> LowerThan(DenseWeights w) {
 
 }  // namespace
 
+std::vector<DenseWeights> CudaBackendFormats() { return {DenseWeights::kBf16}; }
+
 PlanRequest PlanRequestFor(const ModelConfig& c, const ModelOptions& o, int64_t limit_bytes,
                            std::vector<DenseWeights> loads) {
   PlanRequest r;

@@ -125,6 +125,10 @@ absl::StatusOr<MemoryPlan> PlanGpuMemory(const ModelConfig& config, const PlanRe
 PlanRequest PlanRequestFor(const ModelConfig& config, const ModelOptions& options,
                            int64_t limit_bytes, std::vector<DenseWeights> loads);
 
+// The dense formats the CUDA backend loads, highest precision first: what
+// its --gpu-weights auto chooses among (the `loads` below).
+std::vector<DenseWeights> CudaBackendFormats();
+
 // The CUDA backend's plan under a bound of `limit_bytes`: PlanRequestFor's;
 // when cuda.kv_sequences sequences do not fit (and cuda.kv_blocks is 0), as
 // many whole sequences as fit. RESOURCE_EXHAUSTED with the plan's message

@@ -171,8 +171,8 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
         "--gpu-mem-gb)"));
   // The memory plan (gpu_worker/memory_plan.h, as `hmoe inspect --gpu-mem-gb`
   // prints it): what does not fit is refused here, before any allocation;
-  // the first workspace and the KV pool follow it. Weights load as bf16.
-  ASSIGN_OR_RETURN(const MemoryPlan plan, PlanCudaBackend(c_, o_, limit, {DenseWeights::kBf16}));
+  // the first workspace and the KV pool follow it.
+  ASSIGN_OR_RETURN(const MemoryPlan plan, PlanCudaBackend(c_, o_, limit, CudaBackendFormats()));
   prefetch_planned_ = plan.prefetch_stage;
   std::fprintf(stderr, "hmoe cuda backend: GPU memory plan %s\n", plan.message.c_str());
   budget_ = Budget(limit);

@@ -83,6 +83,12 @@ TEST(Flags, WorkerRefusesNumbersOutsideTheirRange) {
                 "--hot-experts and --calibrate are exclusive"},
            Case{"--backend=cpu --calibrate=p.txt --hot-experts-gb=1",
                 "--calibrate needs the cuda backend (backend cpu)"},
+           Case{"--hot-experts-fill",
+                "--hot-experts-fill needs --hot-experts STATS or --calibrate"},
+           Case{"--hot-experts-fill --hot-experts=s.json --hot-experts-gb=1",
+                "--hot-experts-fill and --hot-experts-gb are exclusive"},
+           Case{"--backend=cpu --hot-experts-fill --hot-experts=s.json",
+                "--hot-experts-fill needs the cuda backend (backend cpu)"},
        }) {
     const Outcome r = Shell(dir, absl::StrCat(worker, " --model ", model, " ", c.flag));
     EXPECT_EQ(r.exit_code, 2) << c.flag << ": " << r.err;
