@@ -151,6 +151,10 @@ struct ModelStats {
   // cuda: tokens whose attention ran by GEMMs (cuda_gemm_attention_tokens),
   // counted once per layer.
   int64_t gemm_attention_tokens = 0;
+  // cuda: device memory the backend holds by its --gpu-mem-gb accounting
+  // (weights, KV pool, workspaces, hot and streamed experts): what
+  // gpu_worker/memory_plan.h plans.
+  int64_t gpu_bytes = 0;
   // cuda: how expert calls go, chosen once at start ("host copy", "host
   // node", "device wait" or "device send"); "" on other backends.
   const char* expert_call_path = "";

@@ -88,6 +88,9 @@ absl::StatusOr<ModelReport> InspectModel(const std::string& model_dir,
   } else if (c.quantization.method == "fp8") {
     r.expert_format = "fp8 (dequantized: blocks the service does not read)";
   }
+  if (options.plan.gpu_mem_gb > 0) {
+    ASSIGN_OR_RETURN(r.plan, PlanGpuMemory(c, options.plan));
+  }
   if (!options.check_weights) return r;
   std::error_code ec;
   bool any = false;
@@ -128,6 +131,38 @@ std::string GB(double b) {
   return absl::StrFormat("%.1f KB", b / 1e3);
 }
 
+nlohmann::json PlanJson(const MemoryPlan& p) {
+  nlohmann::json j;
+  j["fits"] = p.fits;
+  j["message"] = p.message;
+  j["limit_bytes"] = p.limit_bytes;
+  j["weights"] = std::string(DenseWeightsName(p.weights));
+  j["kv_dtype"] = std::string(KvDtypeName(p.kv_dtype));
+  j["host_embedding"] = p.host_embedding;
+  j["context"] = p.context;
+  j["batch"] = p.batch;
+  j["kv_blocks"] = p.kv_blocks;
+  j["kv_bytes_per_token"] = p.kv_bytes_per_token;
+  j["parts"] = nlohmann::json::array();
+  for (const PlanPart& part : p.parts)
+    j["parts"].push_back({{"name", part.name},
+                          {"params", part.params},
+                          {"format", part.format},
+                          {"bytes", part.bytes},
+                          {"on_gpu", part.on_gpu}});
+  j["weight_bytes"] = p.weight_bytes;
+  j["kv_bytes"] = p.kv_bytes;
+  j["workspace_bytes"] = p.workspace_bytes;
+  j["hot_bytes"] = p.hot_bytes;
+  j["total_bytes"] = p.total_bytes;
+  j["left_bytes"] = p.left_bytes;
+  j["max_context"] = p.max_context;
+  j["hot_expert_bytes"] = p.hot_expert_bytes;
+  j["hot_experts_fit"] = p.hot_experts_fit;
+  j["changes"] = p.changes;
+  return j;
+}
+
 }  // namespace
 
 std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
@@ -155,6 +190,7 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
           {"bytes_per_token", r.bytes_per_token[f]},
           {"decode_ceiling_tok_s", r.decode_ceiling_tps[f]}};
     }
+    if (r.plan) j["gpu_plan"] = PlanJson(*r.plan);
     if (r.has_checkpoint)
       j["checkpoint"] = {{"files", r.checkpoint_files},
                          {"tensors", r.checkpoint_tensors},
@@ -259,6 +295,7 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
   } else {
     absl::StrAppend(&s, "\ncheckpoint     none (config.json only)\n");
   }
+  if (r.plan) absl::StrAppend(&s, "\n", FormatPlan(*r.plan));
   return s;
 }
 

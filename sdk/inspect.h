@@ -1,14 +1,17 @@
 // `hmoe inspect MODEL_DIR`: what a model is, what it costs, and whether a box
 // can run it: architecture, layer kinds, parameter counts (total, active per
-// token, routed experts), routed-expert bytes per format, and the decode
-// ceiling for a DRAM bandwidth: tok/s <= BW / (L_moe * k * 3 * H * I * bytes/weight).
+// token, routed experts), routed-expert bytes per format, the decode
+// ceiling for a DRAM bandwidth: tok/s <= BW / (L_moe * k * 3 * H * I * bytes/weight),
+// and with a GPU memory bound the worker's memory plan (gpu_worker/memory_plan.h).
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
 #include "common/weight_map.h"
+#include "gpu_worker/memory_plan.h"
 
 namespace hmoe {
 
@@ -16,6 +19,8 @@ struct InspectOptions {
   double dram_gbps = 100.0;   // CPU DRAM read bandwidth for the decode ceiling
   bool check_weights = true;  // open the checkpoint (if any) and check the weight map
   bool json = false;          // machine-readable output
+  // With plan.gpu_mem_gb > 0: the CUDA worker's GPU memory plan for it.
+  PlanRequest plan;
 };
 
 // Storage formats for routed experts and their bytes per weight, scales
@@ -47,7 +52,8 @@ struct ModelReport {
   int64_t checkpoint_files = 0;
   int64_t checkpoint_tensors = 0;
   double checkpoint_bytes = 0;
-  std::string weight_check;  // "ok" or the CheckWeights error
+  std::string weight_check;        // "ok" or the CheckWeights error
+  std::optional<MemoryPlan> plan;  // InspectOptions::plan's, when asked for
 };
 
 absl::StatusOr<ModelReport> InspectModel(const std::string& model_dir,

@@ -20,6 +20,7 @@
 #include "gpu_worker/cuda/residual_join.h"
 #include "gpu_worker/cuda/router_kernels.h"
 #include "gpu_worker/driver/residual.h"
+#include "gpu_worker/memory_plan.h"
 
 namespace hmoe::cuda {
 namespace {
@@ -64,6 +65,7 @@ void CudaBackend::AddStats(ModelStats* s) const {
     s->prefetch_used_experts += streamed_->prefetch_used();
   }
   s->gemm_attention_tokens += gemm_attention_tokens_;
+  s->gpu_bytes += budget_.used();
 }
 
 absl::Status CudaBackend::Upload(const void* host, int64_t bytes, DeviceBuffer* out,
@@ -153,9 +155,9 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   if (cu_.gpu_mem_gb > 0) {
     const int64_t want = static_cast<int64_t>(cu_.gpu_mem_gb * kGiB);
     if (want > free_bytes)
-      return absl::ResourceExhaustedError(absl::StrCat("--gpu-mem-gb ", cu_.gpu_mem_gb,
-                                                       " exceeds the device's free memory of ",
-                                                       Gib(static_cast<double>(free_bytes))));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "--gpu-mem-gb ", cu_.gpu_mem_gb, " exceeds GPU ", cu_.device, "'s free memory: ",
+          Gib(static_cast<double>(free_bytes)), " free of ", Gib(static_cast<double>(total_b))));
     limit = want;
   }
   // The default bound leaves 1 GiB to CUDA and cuBLAS: a device with less
@@ -167,6 +169,12 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
         " memory free; the cuda backend leaves 1 GiB to CUDA and cuBLAS and needs room for its "
         "weights, KV cache and workspace (free the device's memory, or bound it with "
         "--gpu-mem-gb)"));
+  // The memory plan (gpu_worker/memory_plan.h, as `hmoe inspect --gpu-mem-gb`
+  // prints it): what does not fit is refused here, before any allocation;
+  // the first workspace and the KV pool follow it.
+  ASSIGN_OR_RETURN(const MemoryPlan plan, PlanCudaBackend(c_, o_, limit, CudaBackendFormats()));
+  prefetch_planned_ = plan.prefetch_stage;
+  std::fprintf(stderr, "hmoe cuda backend: GPU memory plan %s\n", plan.message.c_str());
   budget_ = Budget(limit);
   HMOE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   HMOE_CUBLAS_TRY(cublasCreate(&blas_), "cublasCreate");
@@ -283,25 +291,12 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   RETURN_IF_ERROR(LoadStreamedExperts(ckpt));
   RETURN_IF_ERROR(budget_.Take(kAttentionScratchBytes, "workspace"));
   RETURN_IF_ERROR(attn_scratch_.Allocate(kAttentionScratchBytes));
-  // A workspace for a first pass of up to 256 tokens, then the KV pool from what is left.
-  RETURN_IF_ERROR(EnsureWorkspace(256, 256 * 4, 16));
+  // The planned workspace, then the planned KV pool.
+  RETURN_IF_ERROR(EnsureWorkspace(plan.pass_tokens, plan.pass_tokens * 4, 16));
   k_row_ = attn_specs_[0].cache.k_row;
   v_row_ = attn_specs_[0].cache.v_row;
   const int64_t block_bytes = kBlockTokens * (k_row_ + v_row_) * 4 * c_.num_layers;
-  int64_t blocks = cu_.kv_blocks;
-  const int64_t max_useful = 16 * ((o_.max_seq_len + kBlockTokens - 1) / kBlockTokens);
-  if (blocks == 0) {
-    // What fits, keeping a quarter of the rest (at least 1 GiB) for larger passes' workspaces.
-    const int64_t left = budget_.limit() - budget_.used();
-    const int64_t spare = std::max<int64_t>(static_cast<int64_t>(kGiB), left / 4);
-    blocks = std::min(max_useful, std::max<int64_t>(0, left - spare) / block_bytes);
-    if (blocks < 1)
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "no room for a KV cache: weights and workspaces take ",
-          Gib(static_cast<double>(budget_.used())), " (", budget_.Describe(), ") of the ",
-          Gib(static_cast<double>(budget_.limit())), " bound; one block of ", kBlockTokens,
-          " tokens needs ", Gib(static_cast<double>(block_bytes))));
-  }
+  const int64_t blocks = plan.kv_blocks;
   RETURN_IF_ERROR(budget_.Take(blocks * block_bytes, "KV cache"));
   kcache_.resize(static_cast<size_t>(c_.num_layers));
   vcache_.resize(static_cast<size_t>(c_.num_layers));

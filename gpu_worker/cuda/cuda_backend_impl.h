@@ -312,6 +312,7 @@ class CudaBackend final : public LayerBackend, private StreamOps {
   std::unique_ptr<StreamedExperts> streamed_;
   PrefillRates prefill_rates_;
   bool cpu_rates_measured_ = false;
+  bool prefetch_planned_ = false;   // the memory plan has room for the prefetch stage
   bool streamed_pending_ = false;   // AddExperts adds streamed_->out()
   int64_t prefill_layers_[3] = {};  // cpu, stream, split
   int64_t streamed_slots_ = 0;

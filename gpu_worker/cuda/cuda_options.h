@@ -37,9 +37,12 @@ struct CudaOptions {
   // card); 0: the device's free memory less 1 GiB. What does not fit fails at
   // load with RESOURCE_EXHAUSTED naming the sizes.
   double gpu_mem_gb = 0;
-  // Blocks of kv_block_tokens() tokens in the paged KV cache; 0: as many as
-  // fit in the memory bound (at most enough for 16 sequences of max_seq_len).
+  // Blocks of kv_block_tokens() tokens in the paged KV cache; 0: enough for
+  // kv_sequences sequences of max_seq_len, or for as many whole sequences as
+  // fit (gpu_worker/memory_plan.h; not even one: RESOURCE_EXHAUSTED at load
+  // with the plan's smallest change).
   int64_t kv_blocks = 0;
+  int64_t kv_sequences = 16;  // the worker's --max-batch
   // Passes of up to 32 tokens (decode steps, small chunks) run with their
   // routed experts called from the device through fixed slots, padded to a
   // bucket of 1, 2, 4, 8, 16 or 32 tokens; with `graphs` each bucket's pass

@@ -52,7 +52,7 @@ absl::Status CudaBackend::LoadStreamedExperts(const Checkpoint& ckpt) {
   const auto t0 = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(streamed_,
                    StreamedExperts::Create(c_, CopySource(ckpt), fmt, cu_.hot_group, max_tokens,
-                                           cu_.prefill_prefetch, stream_, blas_, &budget_));
+                                           prefetch_planned_, stream_, blas_, &budget_));
   last_streamed_.assign(static_cast<size_t>(c_.num_layers), {});
   std::fprintf(
       stderr,

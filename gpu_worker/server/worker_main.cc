@@ -44,6 +44,7 @@
 #include "gpu_worker/calibrate.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/hot_weights.h"
+#include "gpu_worker/memory_plan.h"
 #include "gpu_worker/model.h"
 #include "gpu_worker/server/generation_service.h"
 #include "gpu_worker/server/http_service.h"
@@ -88,6 +89,7 @@ struct WorkerOptions {
   std::string hot_experts;  // routing-stats file
   std::string calibrate;    // prompts file
   double hot_experts_gb = 0;
+  bool hot_experts_fill = false;
   std::string auth_token_file;
   std::string expert_auth_token_file;
   std::string http_listen;     // empty: no HTTP API
@@ -115,12 +117,15 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
   fs.String("listen", &o->listen, "HOST:PORT", "the gRPC API (hmoe.api.v1.Generation)");
   fs.String("port-file", &o->port_file, "PATH",
             "gets the bound port once serving (for --listen HOST:0)");
-  fs.Int("max-batch", &o->max_batch, 1, 4096, "requests decoded together");
+  fs.Int("max-batch", &o->max_batch, 1, 4096,
+         "requests decoded together (cuda: the KV pool is planned for this many sequences of "
+         "--max-context, or as many whole ones as fit)");
   fs.Int("max-queue", &o->max_queue, 1, 1 << 20, "requests waiting at most; more are refused");
   fs.Int("max-context", &o->max_context, 0, int64_t{1} << 24,
          "tokens per request; 0: the model's max_position_embeddings");
   fs.Int("kv-blocks", &o->kv_blocks, 0, int64_t{1} << 40,
-         "the paged KV pool's blocks (cuda) and the engine's budget; 0: what fits");
+         "the paged KV pool's blocks (cuda) and the engine's budget; 0: the memory plan's "
+         "(hmoe inspect --gpu-mem-gb prints it)");
   fs.Int("prefill-chunk", &o->prefill_chunk, 1, int64_t{1} << 20,
          "prompt tokens per scheduler step, all requests together (streamed prefill experts pay "
          "off only for chunks of thousands of tokens, which also hold the running requests' "
@@ -192,6 +197,9 @@ void AddFlags(FlagSet& fs, WorkerOptions* o) {
   fs.Double(
       "hot-experts-gb", &o->hot_experts_gb, "GPU memory for the hot experts",
       [](double x) { return x > 0 && x <= 1e6; }, "a number of GiB > 0");
+  fs.Bool("hot-experts-fill", &o->hot_experts_fill,
+          "instead of --hot-experts-gb: the hot experts fill what the GPU memory plan leaves "
+          "after weights, KV pool and workspaces (hmoe inspect --gpu-mem-gb --fill-hot prints it)");
   fs.Enum<PrefillExperts>(
       "prefill-experts", &o->prefill_experts,
       {{"cpu", PrefillExperts::kCpu},
@@ -388,6 +396,7 @@ int Run(int argc, char** argv) {
   mo.metrics = &metrics;
   mo.cuda.device = o.cuda_device;
   mo.cuda.gpu_mem_gb = o.gpu_mem_gb;
+  mo.cuda.kv_sequences = o.max_batch;
   mo.cuda.graphs = o.cuda_graphs;
   mo.cuda.expert_slots = o.cuda_expert_slots;
   mo.cuda.gemm_attention_tokens = o.gemm_attention_tokens;
@@ -458,18 +467,22 @@ int Run(int argc, char** argv) {
   } else if (!absl::IsNotFound(t.status())) {
     Die("chat template: " + t.status().ToString(), 1);
   }
-  const bool hot = !o.hot_experts.empty() || !o.calibrate.empty() || o.hot_experts_gb > 0;
+  const bool hot =
+      !o.hot_experts.empty() || !o.calibrate.empty() || o.hot_experts_gb > 0 || o.hot_experts_fill;
   if (o.prefill_experts != PrefillExperts::kCpu && mo.backend != "cuda")
     Die("--prefill-experts " + std::string(PrefillExpertsName(o.prefill_experts)) +
         " needs the cuda backend (backend " + mo.backend + ")");
   if (hot) {
     if (!o.hot_experts.empty() && !o.calibrate.empty())
       Die("--hot-experts and --calibrate are exclusive (a stats file, or a calibration run)");
-    if (!(o.hot_experts_gb > 0))
+    if (o.hot_experts_fill && o.hot_experts_gb > 0)
+      Die("--hot-experts-fill and --hot-experts-gb are exclusive (a budget, or what is left)");
+    if (!(o.hot_experts_gb > 0) && !o.hot_experts_fill)
       Die(absl::StrCat(o.calibrate.empty() ? "--hot-experts" : "--calibrate",
                        " and --hot-experts-gb go together"));
     if (o.hot_experts.empty() && o.calibrate.empty())
-      Die("--hot-experts-gb needs --hot-experts STATS or --calibrate PROMPTS");
+      Die(absl::StrCat(o.hot_experts_fill ? "--hot-experts-fill" : "--hot-experts-gb",
+                       " needs --hot-experts STATS or --calibrate PROMPTS"));
   }
   auto need_cuda = [&](const char* flag) {
     if (mo.backend != "cuda")
@@ -486,6 +499,27 @@ int Run(int argc, char** argv) {
     hot_fmt = *fmt;
     plo.budget_bytes = static_cast<int64_t>(o.hot_experts_gb * (1ull << 30));
     plo.expert_bytes = HotExpertBytes(*config, hot_fmt, group);
+  }
+  if (o.hot_experts_fill) {
+    // The budget: what the memory plan leaves (gpu_worker/memory_plan.h), under
+    // --gpu-mem-gb or, as the backend bounds it, the free memory less 1 GiB.
+    need_cuda("--hot-experts-fill");
+    int64_t limit = static_cast<int64_t>(o.gpu_mem_gb * (1ull << 30));
+    if (limit == 0) {
+      auto dm = QueryDeviceMemory(o.cuda_device);
+      if (!dm.ok()) Die("--hot-experts-fill: " + dm.status().ToString(), 1);
+      limit = dm->total_bytes - dm->used_bytes - (int64_t{1} << 30);
+    }
+    PlanRequest req = PlanRequestFor(*config, mo, limit, CudaBackendFormats());
+    req.fill_hot_experts = true;
+    req.hot_format = hot_fmt;
+    req.hot_group = group;
+    auto plan = PlanGpuMemory(*config, req);
+    if (!plan.ok()) Die("--hot-experts-fill: " + plan.status().ToString(), 1);
+    if (!plan->fits) Die("--hot-experts-fill: GPU memory plan: " + plan->message, 1);
+    plo.budget_bytes = plan->hot_experts_fit * plo.expert_bytes;
+    std::fprintf(stderr, "hmoe-gpu-worker: the GPU memory plan leaves room for %lld hot experts\n",
+                 static_cast<long long>(plan->hot_experts_fit));
   }
   absl::StatusOr<Placement> placed = Placement{};
   std::string placed_from = o.hot_experts;
@@ -522,7 +556,8 @@ int Run(int argc, char** argv) {
   if (hot) {
     std::fprintf(stderr, "hmoe-gpu-worker: hot experts from %s: %s (%s, %.2f GiB budget)\n",
                  placed_from.c_str(), placed->Describe().c_str(),
-                 WeightFormatName(hot_fmt, group).c_str(), o.hot_experts_gb);
+                 WeightFormatName(hot_fmt, group).c_str(),
+                 static_cast<double>(plo.budget_bytes) / static_cast<double>(1ull << 30));
     mo.cuda.hot_experts = std::make_shared<Placement>(std::move(*placed));
   }
   auto model = Model::Load(o.model_dir, mo, remote.get());

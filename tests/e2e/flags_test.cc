@@ -75,11 +75,20 @@ TEST(Flags, WorkerRefusesNumbersOutsideTheirRange) {
                 "--prefill-experts stream needs the cuda backend (backend cpu)"},
            Case{"--prefill-rates=r.json", "--prefill-rates needs --prefill-experts auto"},
            Case{"--prefill-prefetch=yes", "--prefill-prefetch must be on or off, got yes"},
+           Case{"--gpu-weights=int3",
+                "--gpu-weights must be auto, bf16, fp8, int8 or int4, got int3"},
+           Case{"--kv-dtype=fp16", "--kv-dtype must be f32, bf16 or fp8, got fp16"},
            Case{"--hot-experts-gb=1", "--hot-experts-gb needs --hot-experts STATS or --calibrate"},
            Case{"--hot-experts=s.json --calibrate=p.txt --hot-experts-gb=1",
                 "--hot-experts and --calibrate are exclusive"},
            Case{"--backend=cpu --calibrate=p.txt --hot-experts-gb=1",
                 "--calibrate needs the cuda backend (backend cpu)"},
+           Case{"--hot-experts-fill",
+                "--hot-experts-fill needs --hot-experts STATS or --calibrate"},
+           Case{"--hot-experts-fill --hot-experts=s.json --hot-experts-gb=1",
+                "--hot-experts-fill and --hot-experts-gb are exclusive"},
+           Case{"--backend=cpu --hot-experts-fill --hot-experts=s.json",
+                "--hot-experts-fill needs the cuda backend (backend cpu)"},
        }) {
     const Outcome r = Shell(dir, absl::StrCat(worker, " --model ", model, " ", c.flag));
     EXPECT_EQ(r.exit_code, 2) << c.flag << ": " << r.err;
@@ -183,6 +192,37 @@ TEST(Flags, HmoeBooleanFlagsTakeTheirValue) {
       Shell(dir, hmoe + " generate -p hi --ignore-eos=false --ids --server 127.0.0.1:1");
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_THAT(r.err, ::testing::Not(HasSubstr("true or false")));
+}
+
+// hmoe inspect's GPU memory plan flags: bad values stop it with exit 2
+// naming the flag and the value; a plan flag needs --gpu-mem-gb.
+TEST(Flags, InspectPlanFlags) {
+  testing::TempDir dir;
+  const std::string inspect =
+      absl::StrCat(HMOE_BINARY_DIR, "/bin/hmoe inspect ", testing::FixturesDir(),
+                   "/configs/deepseek_v3_published");
+  struct Case {
+    std::string flags, says;
+  };
+  for (const Case& c : {
+           Case{"--gpu-mem-gb 0", "--gpu-mem-gb must be a number of GiB > 0, got 0"},
+           Case{"--gpu-mem-gb -3", "--gpu-mem-gb must be a number of GiB > 0, got -3"},
+           Case{"--gpu-mem-gb 24 --context 0", "--context must be an integer in [1, "},
+           Case{"--gpu-mem-gb 24 --context -5", "--context must be an integer in [1, "},
+           Case{"--gpu-mem-gb 24 --batch 0", "--batch must be an integer in [1, 4096], got 0"},
+           Case{"--gpu-mem-gb 24 --gpu-weights int3",
+                "--gpu-weights must be auto, bf16, fp8, int8 or int4, got int3"},
+           Case{"--gpu-mem-gb 24 --kv-dtype fp16", "--kv-dtype must be f32, bf16 or fp8, got fp16"},
+           Case{"--gpu-mem-gb 24 --fill-hot int3", "--fill-hot: "},
+           Case{"--context 4096", "--context is a GPU memory plan flag: it needs --gpu-mem-gb"},
+       }) {
+    const Outcome r = Shell(dir, absl::StrCat(inspect, " ", c.flags));
+    EXPECT_EQ(r.exit_code, 2) << c.flags << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.says)) << c.flags;
+  }
+  const Outcome ok =
+      Shell(dir, absl::StrCat(inspect, " --gpu-mem-gb 16 --context 32768 --kv-dtype fp8"));
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
 }
 
 // --help prints the usage and exits 0 (the service answered "--help: needs

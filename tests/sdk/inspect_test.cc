@@ -149,6 +149,44 @@ TEST(Inspect, ReportsABrokenCheckpoint) {
   EXPECT_THAT(r->weight_check, HasSubstr("model.norm.weight has shape [1]"));
 }
 
+// --gpu-mem-gb: the worker's memory plan, in the text and the JSON, on a
+// published config without a checkpoint (the 24 GiB / 128K target).
+TEST(Inspect, GpuMemoryPlan) {
+  const std::string dir = testing::FixturesDir() + "/configs/deepseek_v3_published";
+  InspectOptions opt;
+  opt.plan.gpu_mem_gb = 24;
+  opt.plan.context = 131072;
+  opt.plan.kv_dtype = KvDtype::kFp8;
+  auto r = InspectModel(dir, opt);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->plan.has_value());
+  EXPECT_TRUE(r->plan->fits) << r->plan->message;
+  const std::string text = FormatReport(*r, opt);
+  EXPECT_THAT(text, HasSubstr("GPU memory plan"));
+  EXPECT_THAT(text, HasSubstr("attention (mla)"));
+  EXPECT_THAT(text, HasSubstr("KV cache (8192 blocks of 16 tokens)"));
+  EXPECT_THAT(text, HasSubstr("verdict        fits: weights fp8"));
+  opt.json = true;
+  const json j = json::parse(FormatReport(*r, opt));
+  EXPECT_TRUE(j["gpu_plan"]["fits"].get<bool>());
+  EXPECT_EQ(j["gpu_plan"]["weights"], "fp8");
+  EXPECT_EQ(j["gpu_plan"]["kv_dtype"], "fp8");
+  EXPECT_EQ(j["gpu_plan"]["kv_bytes"].get<int64_t>(), int64_t{131072} * 61 * (576 + 8));
+  int64_t sum = 0;
+  for (const json& part : j["gpu_plan"]["parts"])
+    if (part["on_gpu"].get<bool>()) sum += part["bytes"].get<int64_t>();
+  EXPECT_EQ(sum, j["gpu_plan"]["total_bytes"].get<int64_t>());
+  // Without --gpu-mem-gb: no plan.
+  InspectOptions none;
+  none.json = true;
+  r = InspectModel(dir, none);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(json::parse(FormatReport(*r, none)).contains("gpu_plan"));
+  // A bad plan request is the inspect's error.
+  opt.plan.context = -1;
+  EXPECT_EQ(InspectModel(dir, opt).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Inspect, Errors) {
   InspectOptions bad;
   bad.dram_gbps = 0;
