@@ -74,6 +74,27 @@ absl::StatusOr<QuantMatrix> LoadDenseMatrix(const Checkpoint& ckpt, const std::s
   return QuantizeMatrix(w.data(), R, C, load.format, load.group);
 }
 
+std::vector<uint8_t> DenseCodes(const QuantMatrix& m) {
+  switch (m.format) {
+    case WeightFormat::kFp8:
+      return m.packed;
+    case WeightFormat::kInt8:
+      return std::vector<uint8_t>(m.q.begin(), m.q.end());
+    case WeightFormat::kInt4: {
+      const int64_t rb = (m.cols + 1) / 2;
+      std::vector<uint8_t> out(static_cast<size_t>(m.rows * rb), 0);
+      for (int64_t r = 0; r < m.rows; ++r)
+        for (int64_t c = 0; c < m.cols; ++c)
+          out[static_cast<size_t>(r * rb + c / 2)] |= static_cast<uint8_t>(
+              (static_cast<uint8_t>(m.q[static_cast<size_t>(r * m.cols + c)]) & 15u)
+              << (4 * (c % 2)));
+      return out;
+    }
+    default:
+      return {};
+  }
+}
+
 absl::StatusOr<Matrix> LoadDenseAsMatrix(const Checkpoint& ckpt, const std::string& name,
                                          const WeightLoad& load) {
   if (load.format == WeightFormat::kBf16) return LoadMatrix(ckpt, name, load.fp8_block);

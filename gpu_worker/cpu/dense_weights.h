@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/experts/format_codes.h"
@@ -49,6 +50,12 @@ inline WeightLoad PlainLoad(const WeightLoad& load) { return WeightLoad{load.fp8
 // element).
 absl::StatusOr<QuantMatrix> LoadDenseMatrix(const Checkpoint& ckpt, const std::string& name,
                                             const WeightLoad& load);
+
+// The codes of a kFp8, kInt8 or kInt4 matrix as the device keeps them
+// (cuda/dev_quant_matrix.h): row-major, fp8 one e4m3 byte and int8 one byte
+// a weight, int4 two a byte (the even column in the low nibble), rows of
+// whole bytes. Empty for other formats.
+std::vector<uint8_t> DenseCodes(const QuantMatrix& m);
 
 // For the CPU reference: the weight as LoadDenseMatrix stores it, as f32
 // values (QuantMatrix::At). A load that quantizes nothing (kBf16 without

@@ -4,6 +4,7 @@
 // format).
 #include "gpu_worker/cpu/dense_weights.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -38,6 +39,16 @@ std::unique_ptr<Model> LoadWith(const std::string& dir, const std::string& backe
   auto m = Model::Load(dir, o);
   EXPECT_TRUE(m.ok()) << DenseWeightsName(w) << ": " << m.status();
   return m.ok() ? std::move(*m) : nullptr;
+}
+
+// sum (a - b)^2 / sum b^2 (the CUDA backend agreement tests' measure).
+double Nmse(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return den > 0 ? num / den : num;
 }
 
 // Prefill logits of kPrompt (all rows), then two decode steps' (last row).
@@ -147,8 +158,9 @@ TEST_P(DenseWeightsModel, FormatsStayCloseToBf16) {
       EXPECT_GT(drift, 0.0);
       EXPECT_LT(drift, (trained ? 1.0 : 4.0) * (w == DenseWeights::kInt4 ? 0.3 : 0.1));
       if (GetParam() != "cpu") {
-        // The device's sums (f32, another order; bf16 activations) against the reference's.
-        EXPECT_LT(RelErr(got.data(), r.data(), static_cast<int64_t>(r.size())), 0.05);
+        // The device's sums (f32, another order; bf16 activations) against the
+        // reference's, as bf16 weights agree (tests/cuda/backend_agreement_test.cc).
+        EXPECT_LE(Nmse(got, r), 1e-3);
       }
     }
   }
@@ -185,7 +197,7 @@ TEST_P(DenseWeightsModel, Fp8CheckpointLoadsNatively) {
     if (GetParam() == "cpu") {
       EXPECT_EQ(got, want);
     } else {
-      EXPECT_LT(RelErr(got.data(), want.data(), static_cast<int64_t>(want.size())), 0.05);
+      EXPECT_LE(Nmse(got, want), 1e-3);
     }
   }
   // int8 from fp8: dequantized, then quantized per row.
