@@ -7,8 +7,9 @@
 // the exact forward pass of deepseek_v3, deepseek_v2, qwen3_moe and mixtral
 // as transformers 5 computes it, in fp32 math, weights as stored: bf16 read
 // in place, fp8 dequantized with its block scale_inv at load; the numerics
-// ground truth for every faster path) or CUDA (gpu_worker/cuda/: bf16
-// weights on the GPU, a paged KV cache, cuBLAS and our kernels).
+// ground truth for every faster path) or CUDA (gpu_worker/cuda/: weights on
+// the GPU in ModelOptions::weights' format, a paged KV cache, cuBLAS and our
+// kernels).
 //
 // Threading: a Model is immutable after Load; Forward may be called from
 // several threads at once on different Sequences (the passes run one at a
