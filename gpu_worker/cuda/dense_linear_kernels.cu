@@ -37,6 +37,16 @@ __device__ __forceinline__ void LoadX(const uint16_t* p, float* v) {
   }
 }
 
+// A 16-byte weight load that bypasses L1 (each weight is read once; L1
+// keeps the activations, which every row of the block reads again).
+__device__ __forceinline__ uint4 LoadWeights(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
 // Two e4m3 codes (bytes 0 and 2 of `w`, the rest 0) as f32 values / 256:
 // the code's bits placed in an f16 (bias 15 instead of 7), exact.
 __device__ __forceinline__ float2 E4M3PairOver256(uint32_t w) {
@@ -127,9 +137,10 @@ __global__ void __launch_bounds__(kThreads)
     const float* srow = F == WeightFormat::kFp8    ? W.scale + (r / kDenseGroup) * spr
                         : F == WeightFormat::kInt4 ? W.scale + r * spr
                                                    : W.scale + r;
-    for (int64_t ch = lane; ch < nch; ch += G) {
+    // One chunk's products into acc.
+    auto chunk = [&](const uint4& u, int64_t ch) {
       float wv[kPer];
-      Decode<F>(__ldg(wp + ch), wv);
+      Decode<F>(u, wv);
       const int64_t c0 = ch * kPer;
       const float sc = F == WeightFormat::kFp8    ? srow[c0 / kDenseGroup] * 256.0f
                        : F == WeightFormat::kInt4 ? srow[c0 / kDenseGroup]
@@ -145,7 +156,15 @@ __global__ void __launch_bounds__(kThreads)
           acc[t] = F == WeightFormat::kInt8 ? acc[t] + p : fmaf(p, sc, acc[t]);
         }
       }
+    };
+    // Two loads in flight per lane, then the odd one.
+    int64_t ch = lane;
+    for (; ch + G < nch; ch += 2 * G) {
+      const uint4 u0 = LoadWeights(wp + ch), u1 = LoadWeights(wp + ch + G);
+      chunk(u0, ch);
+      chunk(u1, ch + G);
     }
+    if (ch < nch) chunk(LoadWeights(wp + ch), ch);
     if (F == WeightFormat::kInt8) mul = srow[0];
   }
   StoreRow<TB>(acc, T, G, live, r, ldy, mul, y);

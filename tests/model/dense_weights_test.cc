@@ -51,7 +51,8 @@ double Nmse(const std::vector<float>& a, const std::vector<float>& b) {
   return den > 0 ? num / den : num;
 }
 
-// Prefill logits of kPrompt (all rows), then two decode steps' (last row).
+// Prefill logits of kPrompt (all rows), two decode steps' (last row), then
+// a 40-token prefill's (all rows: the CUDA backend's path above 32 tokens).
 std::vector<float> RunSteps(const Model& m) {
   auto s = m.NewSequence();
   auto a = m.Prefill(*s, kPrompt);
@@ -63,6 +64,11 @@ std::vector<float> RunSteps(const Model& m) {
     EXPECT_TRUE(d.ok()) << d.status();
     if (d.ok()) out.insert(out.end(), d->begin(), d->end());
   }
+  std::vector<int32_t> more(40);
+  for (size_t i = 0; i < more.size(); ++i) more[i] = static_cast<int32_t>((i * 7 + 3) % 50);
+  auto b = m.Prefill(*s, more);
+  EXPECT_TRUE(b.ok()) << b.status();
+  if (b.ok()) out.insert(out.end(), b->begin(), b->end());
   return out;
 }
 
