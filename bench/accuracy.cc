@@ -135,6 +135,14 @@ std::vector<Variant> StandardVariants() {
   service("bf16", WeightFormat::kBf16, 0, std::nullopt);
   service("int8", WeightFormat::kInt8, 0, 0.5);
   for (int g : {32, 64, 128}) service(absl::StrCat("int4 g", g), WeightFormat::kInt4, g, 3.0);
+  for (auto [w, target] : {std::pair{DenseWeights::kFp8, 0.3}, std::pair{DenseWeights::kInt8, 0.3},
+                           std::pair{DenseWeights::kInt4, 2.0}}) {
+    Variant d;
+    d.name = "dense " + std::string(DenseWeightsName(w));
+    d.dense_weights = w;
+    d.max_ppl_change_pct = target;
+    v.push_back(d);
+  }
   return v;
 }
 
@@ -143,6 +151,7 @@ absl::StatusOr<LoadedVariant> LoadVariant(const std::string& dir, const Variant&
   ModelOptions opt;
   opt.num_threads = threads;
   opt.deferred_experts = v.deferred_experts;
+  opt.weights = v.dense_weights;
   if (v.service_experts) {
     ShardOptions so;
     so.model_dir = dir;

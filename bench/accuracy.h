@@ -59,17 +59,20 @@ absl::StatusOr<Metrics> Compare(const EvalSet& set, absl::Span<const float> exac
 
 // One way of running the model.
 struct Variant {
-  std::string name;                           // e.g. "deferral 2", "int4 g64"
-  int deferred_experts = 0;                   // ModelOptions::deferred_experts
-  bool service_experts = false;               // false: the fp32 reference experts
-  WeightFormat format = WeightFormat::kBf16;  // service_experts: the shard's format
-  int group = 0;                              // kInt4: the group along K
-  std::optional<double> max_ppl_change_pct;   // the target, when there is one
+  std::string name;                                  // e.g. "deferral 2", "int4 g64"
+  int deferred_experts = 0;                          // ModelOptions::deferred_experts
+  bool service_experts = false;                      // false: the fp32 reference experts
+  WeightFormat format = WeightFormat::kBf16;         // service_experts: the shard's format
+  int group = 0;                                     // kInt4: the group along K
+  std::optional<double> max_ppl_change_pct;          // the target, when there is one
+  DenseWeights dense_weights = DenseWeights::kAuto;  // ModelOptions::weights
 };
 
 // Deferral 0..3 on the reference experts, then the service's experts in
 // bf16, int8 and int4 groups 32 / 64 / 128, with issue 30's targets
-// (deferral 2 and int8: +0.5%, int4: +3%).
+// (deferral 2 and int8: +0.5%, int4: +3%), then the model's own dense
+// weights (ModelOptions::weights) in fp8, int8 and int4 with issue 50's
+// (fp8 and int8: +0.3%, int4: +2%).
 std::vector<Variant> StandardVariants();
 
 // A variant ready to score. Members are destroyed model first.

@@ -8,9 +8,13 @@
 //   bf16, int8, int4 g32 / g64 / g128  (routed experts on the service's own
 //                       quantization and CPU kernels, in-process: ExpertShard
 //                       behind HandlerRoutedExperts)
+//   dense fp8, int8, int4  (the model's own dense weights: attention, dense
+//                       MLPs, shared experts, LM head; ModelOptions::weights,
+//                       the CPU reference computing with the stored codes)
 // The exact model is the CPU reference with the fp32 reference experts; its
 // logits are computed once and kept. Targets: deferral 2 and int8 <= +0.5%
-// perplexity, int4 <= +3%; a missed target is reported, not an error.
+// perplexity, int4 <= +3%; dense fp8 and int8 <= +0.3%, dense int4 <= +2%;
+// a missed target is reported, not an error.
 //
 // Flags: AddFlags below (--help; docs/FLAGS.md). Exit 0 on success (targets met or not), 2 on
 // a bad flag, 1 on any other failure.
@@ -169,6 +173,7 @@ absl::Status Run(const Args& a) {
       v["name"] = r.variant.name;
       v["deferred_experts"] = r.variant.deferred_experts;
       v["experts"] = r.variant.service_experts ? "service" : "reference";
+      v["dense_weights"] = std::string(DenseWeightsName(r.variant.dense_weights));
       if (r.variant.service_experts) {
         v["format"] = WeightFormatName(r.variant.format, r.variant.group);
         v["isa"] = r.isa.empty() ? ojson(nullptr) : ojson(r.isa);

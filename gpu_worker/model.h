@@ -7,8 +7,9 @@
 // the exact forward pass of deepseek_v3, deepseek_v2, qwen3_moe and mixtral
 // as transformers 5 computes it, in fp32 math, weights as stored: bf16 read
 // in place, fp8 dequantized with its block scale_inv at load; the numerics
-// ground truth for every faster path) or CUDA (gpu_worker/cuda/: bf16
-// weights on the GPU, a paged KV cache, cuBLAS and our kernels).
+// ground truth for every faster path) or CUDA (gpu_worker/cuda/: weights on
+// the GPU in ModelOptions::weights' format, a paged KV cache, cuBLAS and our
+// kernels).
 //
 // Threading: a Model is immutable after Load; Forward may be called from
 // several threads at once on different Sequences (the passes run one at a
@@ -46,8 +47,11 @@ namespace hmoe {
 
 // Precision of the model's own weights on the backend: attention, dense
 // MLPs, shared experts, LM head (norms, biases, the router and its
-// correction bias stay as stored). kAuto: the checkpoint's own (bf16; fp8
-// blocks as shipped), lowered only as far as the memory plan needs.
+// correction bias stay as stored; so do MLA's kv_b_proj, read by the
+// attention kernels in bf16, and a head tied to the embedding). kAuto: the
+// checkpoint's own, tensor by tensor (fp8 128 x 128 blocks as shipped, else
+// bf16), lowered only as far as the memory plan needs. The CPU reference
+// computes with the stored codes' values (gpu_worker/cpu/dense_weights.h).
 enum class DenseWeights { kAuto, kBf16, kFp8, kInt8, kInt4 };
 // "auto" | "bf16" | "fp8" | "int8" | "int4"
 std::string_view DenseWeightsName(DenseWeights w);

@@ -19,9 +19,9 @@ constexpr AttentionOpRow kAttentionOps[] = {
 
 }  // namespace
 
-absl::Status LoadLin(const Checkpoint& ckpt, const std::string& prefix, int64_t fp8_block,
+absl::Status LoadLin(const Checkpoint& ckpt, const std::string& prefix, const WeightLoad& load,
                      Lin* out) {
-  ASSIGN_OR_RETURN(out->w, LoadMatrix(ckpt, prefix + ".weight", fp8_block));
+  ASSIGN_OR_RETURN(out->w, LoadDenseAsMatrix(ckpt, prefix + ".weight", load));
   ASSIGN_OR_RETURN(out->b, LoadOptionalVector(ckpt, prefix + ".bias", out->w.rows));
   return absl::OkStatus();
 }

@@ -13,6 +13,7 @@
 #include "common/model_config.h"
 #include "common/runtime/thread_pool.h"
 #include "common/safetensors.h"
+#include "gpu_worker/cpu/dense_weights.h"
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/driver/attention.h"
 #include "gpu_worker/driver/weight_names.h"
@@ -25,8 +26,9 @@ struct Lin {
   std::vector<float> b;  // empty: no bias
   const float* bias() const { return b.empty() ? nullptr : b.data(); }
 };
-// Loads PREFIX.weight (fp8: dequantized with `fp8_block`) and PREFIX.bias.
-absl::Status LoadLin(const Checkpoint& ckpt, const std::string& prefix, int64_t fp8_block,
+// Loads PREFIX.weight as `load` stores it (dense_weights.h
+// LoadDenseAsMatrix) and PREFIX.bias.
+absl::Status LoadLin(const Checkpoint& ckpt, const std::string& prefix, const WeightLoad& load,
                      Lin* out);
 
 // What a layer's attention reads of the pass.
@@ -47,7 +49,10 @@ class AttentionOp {
  public:
   virtual ~AttentionOp() = default;
   // Loads the layer's attention weights (input norm aside).
-  virtual absl::Status Load(const Checkpoint& ckpt, const LayerNames& names, int64_t fp8_block) = 0;
+  // Its projections as `load` stores them; MLA's kv_b_proj and the DSA
+  // indexer's weights as read (PlainLoad).
+  virtual absl::Status Load(const Checkpoint& ckpt, const LayerNames& names,
+                            const WeightLoad& load) = 0;
   // Writes each token's cache row at its position, then out [T, H] =
   // o_proj(attention(h [T, H])) over positions [0, pos] of its cache.
   virtual void Forward(const AttentionPass& p, const float* h, float* out) const = 0;

@@ -67,8 +67,9 @@ class CpuKvCache final : public KvCache {
 
 class CpuBackend final : public LayerBackend {
  public:
-  CpuBackend(const ModelConfig& config, std::shared_ptr<ThreadPool> pool)
-      : c_(config), pool_(std::move(pool)) {}
+  CpuBackend(const ModelConfig& config, const ModelOptions& options,
+             std::shared_ptr<ThreadPool> pool)
+      : c_(config), load_(WeightLoadFor(config, options.weights)), pool_(std::move(pool)) {}
   absl::Status LoadWeights(const Checkpoint& ckpt);
 
   const char* name() const override { return "cpu"; }
@@ -170,6 +171,7 @@ class CpuBackend final : public LayerBackend {
   void RunMlp(const Mlp& m, const float* h, int64_t T, float* out) const;
 
   ModelConfig c_;
+  WeightLoad load_;  // the dense weights' stored form (ModelOptions::weights)
   std::shared_ptr<ThreadPool> pool_;
   Matrix embed_, lm_head_;
   std::vector<float> final_norm_;
@@ -190,7 +192,7 @@ absl::Status CpuBackend::LoadWeights(const Checkpoint& ckpt) {
   const int64_t block = c.quantization.method == "fp8" ? c.quantization.weight_block[0] : 0;
   // A linear layer: its weight, and its bias when the checkpoint has one.
   auto lin = [&](const std::string& prefix, Lin* out) -> absl::Status {
-    return LoadLin(ckpt, prefix, block, out);
+    return LoadLin(ckpt, prefix, load_, out);
   };
   auto vec = [&](const std::string& name, int64_t n, std::vector<float>* out) -> absl::Status {
     ASSIGN_OR_RETURN(*out, LoadVector(ckpt, name, n));
@@ -206,7 +208,7 @@ absl::Status CpuBackend::LoadWeights(const Checkpoint& ckpt) {
   if (c.tie_word_embeddings) {
     lm_head_ = embed_;
   } else {
-    ASSIGN_OR_RETURN(lm_head_, LoadMatrix(ckpt, names.lm_head, block));
+    ASSIGN_OR_RETURN(lm_head_, LoadDenseAsMatrix(ckpt, names.lm_head, load_));
   }
   RETURN_IF_ERROR(vec(names.final_norm, H, &final_norm_));
   ASSIGN_OR_RETURN(const ResidualSpec residual, ResidualSpecFor(c));
@@ -221,7 +223,7 @@ absl::Status CpuBackend::LoadWeights(const Checkpoint& ckpt) {
     RETURN_IF_ERROR(vec(n.post_norm, H, &L.post_norm));
     ASSIGN_OR_RETURN(const AttentionSpec spec, AttentionSpecFor(c, i));
     ASSIGN_OR_RETURN(L.attention, MakeAttentionOp(c, spec));
-    RETURN_IF_ERROR(L.attention->Load(ckpt, n, block));
+    RETURN_IF_ERROR(L.attention->Load(ckpt, n, load_));
     cache_layouts_[static_cast<size_t>(i)] = spec.cache;
     if (!L.moe) {
       RETURN_IF_ERROR(mlp(n.dense, &L.dense));
@@ -253,8 +255,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> CreateCpuBackend(const ModelConfig
                                                                const Checkpoint& ckpt,
                                                                const ModelOptions& options,
                                                                std::shared_ptr<ThreadPool> pool) {
-  (void)options;
-  auto b = std::make_unique<CpuBackend>(config, std::move(pool));
+  auto b = std::make_unique<CpuBackend>(config, options, std::move(pool));
   RETURN_IF_ERROR(b->LoadWeights(ckpt));
   return std::unique_ptr<LayerBackend>(std::move(b));
 }

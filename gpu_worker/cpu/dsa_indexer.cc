@@ -28,7 +28,8 @@ void LayerNorm(const float* x, int64_t n, const float* w, const float* b, float*
 DsaIndexer::DsaIndexer(const ModelConfig& config, int64_t key_offset, int64_t row)
     : c_(config), key_offset_(key_offset), row_(row) {}
 
-absl::Status DsaIndexer::Load(const Checkpoint& ckpt, const LayerNames& n, int64_t block) {
+absl::Status DsaIndexer::Load(const Checkpoint& ckpt, const LayerNames& n, int64_t fp8_block) {
+  const WeightLoad block{fp8_block};
   RETURN_IF_ERROR(LoadLin(ckpt, n.idx_q, block, &wq_));
   RETURN_IF_ERROR(LoadLin(ckpt, n.idx_k, block, &wk_));
   RETURN_IF_ERROR(LoadLin(ckpt, n.idx_weights, block, &weights_));

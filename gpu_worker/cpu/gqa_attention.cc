@@ -15,7 +15,7 @@ class GqaAttention final : public AttentionOp {
  public:
   GqaAttention(const ModelConfig& c, const AttentionSpec& spec) : c_(c), spec_(spec) {}
 
-  absl::Status Load(const Checkpoint& ckpt, const LayerNames& n, int64_t block) override {
+  absl::Status Load(const Checkpoint& ckpt, const LayerNames& n, const WeightLoad& block) override {
     RETURN_IF_ERROR(LoadLin(ckpt, n.q, block, &q_));
     RETURN_IF_ERROR(LoadLin(ckpt, n.k, block, &k_));
     RETURN_IF_ERROR(LoadLin(ckpt, n.v, block, &v_));

@@ -19,7 +19,7 @@ class MlaAttention final : public AttentionOp {
   MlaAttention(const ModelConfig& c, const AttentionSpec& spec, std::unique_ptr<DsaIndexer> indexer)
       : c_(c), spec_(spec), indexer_(std::move(indexer)) {}
 
-  absl::Status Load(const Checkpoint& ckpt, const LayerNames& n, int64_t block) override {
+  absl::Status Load(const Checkpoint& ckpt, const LayerNames& n, const WeightLoad& block) override {
     if (c_.mla.q_lora_rank) {
       RETURN_IF_ERROR(LoadLin(ckpt, n.q_a, block, &q_a_));
       ASSIGN_OR_RETURN(q_a_norm_, LoadVector(ckpt, n.q_a_norm, *c_.mla.q_lora_rank));
@@ -29,10 +29,10 @@ class MlaAttention final : public AttentionOp {
     }
     RETURN_IF_ERROR(LoadLin(ckpt, n.kv_a, block, &kv_a_));
     ASSIGN_OR_RETURN(kv_a_norm_, LoadVector(ckpt, n.kv_a_norm, c_.mla.kv_lora_rank));
-    RETURN_IF_ERROR(LoadLin(ckpt, n.kv_b, block, &kv_b_));
+    RETURN_IF_ERROR(LoadLin(ckpt, n.kv_b, PlainLoad(block), &kv_b_));
     if (!kv_b_.b.empty())
       return absl::UnimplementedError(absl::StrCat(ckpt.dir(), ": ", n.kv_b, ".bias"));
-    if (indexer_) RETURN_IF_ERROR(indexer_->Load(ckpt, n, block));
+    if (indexer_) RETURN_IF_ERROR(indexer_->Load(ckpt, n, block.fp8_block));
     return LoadLin(ckpt, n.o, block, &o_);
   }
 

@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/cuda/cuda_backend_impl.h"
+#include "gpu_worker/cuda/dense_linear_kernels.h"
 #include "gpu_worker/cuda/device_status.h"
 #include "gpu_worker/cuda/elementwise_kernels.h"
 #include "gpu_worker/cuda/paged_attention_kernels.h"
@@ -31,6 +32,9 @@ constexpr int64_t kAttentionScratchBytes = 8 << 20;
 // cuBLAS's own workspace (set explicitly so that graph capture never needs
 // it to allocate).
 constexpr int64_t kBlasWorkspaceBytes = 32 << 20;
+// Quantized dense weights in passes above kDenseGemvMaxTokens: the most a
+// slab of dequantized rows takes (larger matrices go in several slabs).
+constexpr int64_t kDenseSlabBytes = 64 << 20;
 
 }  // namespace
 
@@ -78,19 +82,36 @@ absl::Status CudaBackend::Upload(const void* host, int64_t bytes, DeviceBuffer* 
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::LoadLin(const Checkpoint& ckpt, const std::string& prefix, DevLin* out) {
-  const int64_t block = c_.quantization.method == "fp8" ? c_.quantization.weight_block[0] : 0;
-  ASSIGN_OR_RETURN(cpu::Matrix m, cpu::LoadMatrix(ckpt, prefix + ".weight", block));
+absl::Status CudaBackend::UploadMatrix(const QuantMatrix& m, DevLin* out) {
   out->rows = m.rows;
   out->cols = m.cols;
+  out->format = m.format;
+  out->group = m.group;
   const int64_t n = m.rows * m.cols;
-  if (m.bf16 != nullptr) {
-    RETURN_IF_ERROR(Upload(m.bf16, n * 2, &out->w, "weights"));
-  } else {
-    std::vector<uint16_t> b(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) b[static_cast<size_t>(i)] = F32ToBf16(m.f32[i]);
-    RETURN_IF_ERROR(Upload(b.data(), n * 2, &out->w, "weights"));
+  switch (m.format) {
+    case WeightFormat::kBf16:
+      return Upload(m.bf16.data(), n * 2, &out->w, "weights");
+    case WeightFormat::kFp8:
+    case WeightFormat::kInt8:
+    case WeightFormat::kInt4: {
+      const std::vector<uint8_t> codes = cpu::DenseCodes(m);
+      RETURN_IF_ERROR(Upload(codes.data(), static_cast<int64_t>(codes.size()), &out->w, "weights"));
+      break;
+    }
+    default:
+      return absl::InternalError(absl::StrCat("cuda backend: dense weights of format ",
+                                              Traits(m.format).name, " have no kernel"));
   }
+  RETURN_IF_ERROR(
+      Upload(m.scale.data(), static_cast<int64_t>(m.scale.size()) * 4, &out->s, "weights"));
+  dense_ws_need_ = std::max(dense_ws_need_, n * 2);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LoadLin(const Checkpoint& ckpt, const std::string& prefix,
+                                  const cpu::WeightLoad& load, DevLin* out) {
+  ASSIGN_OR_RETURN(QuantMatrix m, cpu::LoadDenseMatrix(ckpt, prefix + ".weight", load));
+  RETURN_IF_ERROR(UploadMatrix(m, out));
   ASSIGN_OR_RETURN(std::vector<float> bias,
                    cpu::LoadOptionalVector(ckpt, prefix + ".bias", m.rows));
   if (!bias.empty())
@@ -99,29 +120,23 @@ absl::Status CudaBackend::LoadLin(const Checkpoint& ckpt, const std::string& pre
 }
 
 absl::Status CudaBackend::LoadMlp(const Checkpoint& ckpt, const MlpNames& n, DevMlp* out) {
-  const int64_t block = c_.quantization.method == "fp8" ? c_.quantization.weight_block[0] : 0;
-  ASSIGN_OR_RETURN(cpu::Matrix g, cpu::LoadMatrix(ckpt, n.gate + ".weight", block));
-  ASSIGN_OR_RETURN(cpu::Matrix u, cpu::LoadMatrix(ckpt, n.up + ".weight", block));
+  ASSIGN_OR_RETURN(QuantMatrix g, cpu::LoadDenseMatrix(ckpt, n.gate + ".weight", load_));
+  ASSIGN_OR_RETURN(QuantMatrix u, cpu::LoadDenseMatrix(ckpt, n.up + ".weight", load_));
   if (g.rows != u.rows || g.cols != u.cols)
     return absl::InvalidArgumentError(
         absl::StrCat(ckpt.dir(), ": ", n.gate, " and ", n.up, " differ in shape"));
   const int64_t I = g.rows, H = g.cols;
-  std::vector<uint16_t> gu(static_cast<size_t>(2 * I * H));
-  std::vector<float> row(static_cast<size_t>(H));
-  for (int64_t r = 0; r < 2 * I; ++r) {
-    const cpu::Matrix& m = r < I ? g : u;
-    const int64_t rr = r < I ? r : r - I;
-    if (m.bf16) {
-      std::memcpy(gu.data() + r * H, m.bf16 + rr * H, static_cast<size_t>(H) * 2);
-    } else {
-      m.RowToF32(rr, row.data());
-      for (int64_t i = 0; i < H; ++i) gu[static_cast<size_t>(r * H + i)] = F32ToBf16(row[i]);
-    }
+  if (g.format == WeightFormat::kBf16 && u.format == WeightFormat::kBf16) {
+    std::vector<uint16_t> gu(g.bf16);
+    gu.insert(gu.end(), u.bf16.begin(), u.bf16.end());
+    out->gate_up.rows = 2 * I;
+    out->gate_up.cols = H;
+    RETURN_IF_ERROR(Upload(gu.data(), 2 * I * H * 2, &out->gate_up.w, "weights"));
+  } else {
+    out->split = true;
+    RETURN_IF_ERROR(UploadMatrix(g, &out->gate_up));
+    RETURN_IF_ERROR(UploadMatrix(u, &out->up));
   }
-  out->inter = I;
-  out->gate_up.rows = 2 * I;
-  out->gate_up.cols = H;
-  RETURN_IF_ERROR(Upload(gu.data(), 2 * I * H * 2, &out->gate_up.w, "weights"));
   ASSIGN_OR_RETURN(std::vector<float> gb, cpu::LoadOptionalVector(ckpt, n.gate + ".bias", I));
   ASSIGN_OR_RETURN(std::vector<float> ub, cpu::LoadOptionalVector(ckpt, n.up + ".bias", I));
   if (!gb.empty() || !ub.empty()) {
@@ -130,7 +145,8 @@ absl::Status CudaBackend::LoadMlp(const Checkpoint& ckpt, const MlpNames& n, Dev
     gb.insert(gb.end(), ub.begin(), ub.end());
     RETURN_IF_ERROR(Upload(gb.data(), 2 * I * 4, &out->gate_up.b, "weights"));
   }
-  RETURN_IF_ERROR(LoadLin(ckpt, n.down, &out->down));
+  out->inter = I;
+  RETURN_IF_ERROR(LoadLin(ckpt, n.down, load_, &out->down));
   max_inter_ = std::max(max_inter_, I);
   return absl::OkStatus();
 }
@@ -230,7 +246,7 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
     tied_head_.cols = H;
     lm_head_ptr_ = &tied_head_;  // shares embed_'s storage (see Gemm's use of head_w_)
   } else {
-    RETURN_IF_ERROR(LoadLin(ckpt, "lm_head", &lm_head_));
+    RETURN_IF_ERROR(LoadLin(ckpt, "lm_head", load_, &lm_head_));
     lm_head_ptr_ = &lm_head_;
   }
   RETURN_IF_ERROR(LoadVec(ckpt, names.final_norm, H, &final_norm_));
@@ -244,27 +260,27 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
     RETURN_IF_ERROR(LoadVec(ckpt, n.post_norm, H, &L.post_norm));
     if (c_.is_mla()) {
       if (c_.mla.q_lora_rank) {
-        RETURN_IF_ERROR(LoadLin(ckpt, n.q_a, &L.q_a));
+        RETURN_IF_ERROR(LoadLin(ckpt, n.q_a, load_, &L.q_a));
         RETURN_IF_ERROR(LoadVec(ckpt, n.q_a_norm, *c_.mla.q_lora_rank, &L.q_a_norm));
-        RETURN_IF_ERROR(LoadLin(ckpt, n.q_b, &L.q_b));
+        RETURN_IF_ERROR(LoadLin(ckpt, n.q_b, load_, &L.q_b));
       } else {
-        RETURN_IF_ERROR(LoadLin(ckpt, n.q, &L.q));
+        RETURN_IF_ERROR(LoadLin(ckpt, n.q, load_, &L.q));
       }
-      RETURN_IF_ERROR(LoadLin(ckpt, n.kv_a, &L.kv_a));
+      RETURN_IF_ERROR(LoadLin(ckpt, n.kv_a, load_, &L.kv_a));
       RETURN_IF_ERROR(LoadVec(ckpt, n.kv_a_norm, c_.mla.kv_lora_rank, &L.kv_a_norm));
-      RETURN_IF_ERROR(LoadLin(ckpt, n.kv_b, &L.kv_b));
+      RETURN_IF_ERROR(LoadLin(ckpt, n.kv_b, cpu::PlainLoad(load_), &L.kv_b));
       if (L.kv_b.has_bias())
         return absl::UnimplementedError(absl::StrCat(ckpt.dir(), ": ", n.kv_b, ".bias"));
     } else {
-      RETURN_IF_ERROR(LoadLin(ckpt, n.q, &L.q));
-      RETURN_IF_ERROR(LoadLin(ckpt, n.k, &L.k));
-      RETURN_IF_ERROR(LoadLin(ckpt, n.v, &L.v));
+      RETURN_IF_ERROR(LoadLin(ckpt, n.q, load_, &L.q));
+      RETURN_IF_ERROR(LoadLin(ckpt, n.k, load_, &L.k));
+      RETURN_IF_ERROR(LoadLin(ckpt, n.v, load_, &L.v));
       if (c_.qk_norm) {
         RETURN_IF_ERROR(LoadVec(ckpt, n.q_norm, c_.head_dim, &L.q_norm));
         RETURN_IF_ERROR(LoadVec(ckpt, n.k_norm, c_.head_dim, &L.k_norm));
       }
     }
-    RETURN_IF_ERROR(LoadLin(ckpt, n.o, &L.o));
+    RETURN_IF_ERROR(LoadLin(ckpt, n.o, load_, &L.o));
     if (!L.moe) {
       RETURN_IF_ERROR(LoadMlp(ckpt, n.dense, &L.dense));
       continue;
@@ -286,6 +302,11 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
       L.has_shared = true;
       RETURN_IF_ERROR(LoadMlp(ckpt, n.shared, &L.shared));
     }
+  }
+  if (dense_ws_need_ > 0) {
+    const int64_t bytes = std::min(dense_ws_need_, kDenseSlabBytes);
+    RETURN_IF_ERROR(budget_.Take(bytes, "workspace"));
+    RETURN_IF_ERROR(dense_ws_.Allocate(bytes));
   }
   if (cu_.hot_experts) RETURN_IF_ERROR(LoadHotExperts(ckpt));
   RETURN_IF_ERROR(LoadStreamedExperts(ckpt));
@@ -413,19 +434,38 @@ absl::Status CudaBackend::EnsureWorkspace(int64_t T, int64_t table_entries, int6
 }
 
 absl::Status CudaBackend::Gemm(const DevLin& w, const uint16_t* x, int64_t T, float* y) {
-  const float one = 1.0f, zero = 0.0f;
-  const void* wp = &w == &tied_head_ ? embed_.as<void>() : w.w.as<void>();
-  ++launches_;
-  cublasStatus_t s =
-      cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(T),
-                   static_cast<int>(w.cols), &one, wp, CUDA_R_16BF, static_cast<int>(w.cols), x,
-                   CUDA_R_16BF, static_cast<int>(w.cols), &zero, y, CUDA_R_32F,
-                   static_cast<int>(w.rows), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  if (s != CUBLAS_STATUS_SUCCESS)
-    return Failed(absl::InternalError(absl::StrCat("cuBLAS GemmEx ", w.rows, "x", w.cols, "x", T,
-                                                   ": ", cublasGetStatusString(s))));
+  RETURN_IF_ERROR(GemmNoBias(w, x, T, y, w.rows));
   if (w.has_bias())
     RETURN_IF_ERROR(Launched(AddBias(y, T, w.rows, w.b.as<float>(), stream_), "AddBias"));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::GemmNoBias(const DevLin& w, const uint16_t* x, int64_t T, float* y,
+                                     int64_t ldy) {
+  if (w.quantized() && T <= kDenseGemvMaxTokens)
+    return Launched(DenseGemv(w.q(), x, T, y, ldy, stream_), "DenseGemv");
+  const float one = 1.0f, zero = 0.0f;
+  // bf16: the whole matrix; quantized: slabs of rows dequantized into dense_ws_.
+  const int64_t slab =
+      w.quantized() ? std::max<int64_t>(1, dense_ws_.bytes() / (2 * w.cols)) : w.rows;
+  for (int64_t r0 = 0; r0 < w.rows; r0 += slab) {
+    const int64_t n = std::min(slab, w.rows - r0);
+    const void* wp = &w == &tied_head_ ? embed_.as<void>() : w.w.as<void>();
+    if (w.quantized()) {
+      RETURN_IF_ERROR(
+          Launched(DenseToBf16(w.q(), r0, n, dense_ws_.as<uint16_t>(), stream_), "DenseToBf16"));
+      wp = dense_ws_.as<void>();
+    }
+    ++launches_;
+    cublasStatus_t s =
+        cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(T),
+                     static_cast<int>(w.cols), &one, wp, CUDA_R_16BF, static_cast<int>(w.cols), x,
+                     CUDA_R_16BF, static_cast<int>(w.cols), &zero, y + r0, CUDA_R_32F,
+                     static_cast<int>(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS)
+      return Failed(absl::InternalError(
+          absl::StrCat("cuBLAS GemmEx ", n, "x", w.cols, "x", T, ": ", cublasGetStatusString(s))));
+  }
   return absl::OkStatus();
 }
 
@@ -556,7 +596,15 @@ absl::Status CudaBackend::Attention(int l) {
 
 absl::Status CudaBackend::Mlp(const DevMlp& m, float* out) {
   const int64_t T = rows_;
-  RETURN_IF_ERROR(Gemm(m.gate_up, buf_.normed_bf16, T, buf_.gate_up));
+  if (m.split) {
+    RETURN_IF_ERROR(GemmNoBias(m.gate_up, buf_.normed_bf16, T, buf_.gate_up, 2 * m.inter));
+    RETURN_IF_ERROR(GemmNoBias(m.up, buf_.normed_bf16, T, buf_.gate_up + m.inter, 2 * m.inter));
+    if (m.gate_up.has_bias())
+      RETURN_IF_ERROR(Launched(
+          AddBias(buf_.gate_up, T, 2 * m.inter, m.gate_up.b.as<float>(), stream_), "AddBias"));
+  } else {
+    RETURN_IF_ERROR(Gemm(m.gate_up, buf_.normed_bf16, T, buf_.gate_up));
+  }
   RETURN_IF_ERROR(Launched(SiluMul(buf_.gate_up, T, m.inter, buf_.act_bf16, stream_), "SiluMul"));
   return Gemm(m.down, buf_.act_bf16, T, out);
 }

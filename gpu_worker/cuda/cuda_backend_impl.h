@@ -20,7 +20,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "gpu_worker/cpu/dense_weights.h"
 #include "gpu_worker/cuda/cuda_backend.h"
+#include "gpu_worker/cuda/dev_quant_matrix.h"
 #include "gpu_worker/cuda/device_memory.h"
 #include "gpu_worker/cuda/expert_call_path.h"
 #include "gpu_worker/cuda/gemm_attention.h"
@@ -40,18 +42,32 @@ inline constexpr int64_t kBlockTokens = 16;
 // through fixed slots, padded to a bucket of 1, 2, 4, ... tokens (one graph each).
 inline constexpr int64_t kSlotTokens = 32;
 
-// A linear layer on the device: bf16 weight [rows, cols], optional f32 bias.
+// A linear layer on the device: weight [rows, cols] in `format` (kBf16:
+// bf16 in w; kFp8 / kInt8 / kInt4: the codes in w and the f32 scales in s,
+// as DevQuantMatrix lays them out), optional f32 bias.
 struct DevLin {
   int64_t rows = 0, cols = 0;
+  WeightFormat format = WeightFormat::kBf16;
+  int group = 0;
   DeviceBuffer w;
+  DeviceBuffer s;
   DeviceBuffer b;
   DeviceBuffer w_f32;  // the router keeps an f32 copy (routing decisions in f32)
   bool has_bias() const { return b.bytes() > 0; }
+  bool quantized() const { return format != WeightFormat::kBf16; }
+  DevQuantMatrix q() const {
+    return DevQuantMatrix{format, group, rows, cols, w.as<void>(), s.as<float>()};
+  }
 };
 
+// gate and up as one [2I, H] bf16 matrix, or (quantized weights, whose
+// scale blocks need not align at I) as two [I, H] matrices writing the
+// halves of one [T, 2I] output; the bias [2I] is gate_up's either way.
 struct DevMlp {
-  DevLin gate_up;  // [2I, H]: gate rows then up rows
-  DevLin down;     // [H, I]
+  DevLin gate_up;  // [2I, H]: gate rows then up rows; split: the gate [I, H]
+  DevLin up;       // split: [I, H]
+  bool split = false;
+  DevLin down;  // [H, I]
   int64_t inter = 0;
 };
 
@@ -139,7 +155,12 @@ class CudaKvCache final : public KvCache {
 class CudaBackend final : public LayerBackend, private StreamOps {
  public:
   CudaBackend(const ModelConfig& c, const ModelOptions& o)
-      : c_(c), o_(o), cu_(o_.cuda), geo_(AttentionGeometryFor(c)), budget_(0) {}
+      : c_(c),
+        o_(o),
+        cu_(o_.cuda),
+        load_(cpu::WeightLoadFor(c, o.weights)),
+        geo_(AttentionGeometryFor(c)),
+        budget_(0) {}
   ~CudaBackend() override;
   absl::Status Init(const Checkpoint& ckpt);
 
@@ -211,7 +232,11 @@ class CudaBackend final : public LayerBackend, private StreamOps {
   absl::Status BeginSlotPass(const PassTokens& p);
   // Graphs hold the workspace's and the slots' addresses.
   void DropGraphs();
-  absl::Status LoadLin(const Checkpoint& ckpt, const std::string& prefix, DevLin* out);
+  // PREFIX.weight as `load` stores it (cpu::LoadDenseMatrix), PREFIX.bias.
+  absl::Status LoadLin(const Checkpoint& ckpt, const std::string& prefix,
+                       const cpu::WeightLoad& load, DevLin* out);
+  // The weight's codes and scales (or bf16) to the device.
+  absl::Status UploadMatrix(const QuantMatrix& m, DevLin* out);
   absl::Status LoadMlp(const Checkpoint& ckpt, const MlpNames& n, DevMlp* out);
   absl::Status LoadVec(const Checkpoint& ckpt, const std::string& name, int64_t n,
                        DeviceBuffer* out);
@@ -220,6 +245,10 @@ class CudaBackend final : public LayerBackend, private StreamOps {
   absl::Status EnsureWorkspace(int64_t T, int64_t table_entries, int64_t R);
   // y[T, w.rows] = x_bf16[T, w.cols] . w^T (+ bias), fp32 accumulate.
   absl::Status Gemm(const DevLin& w, const uint16_t* x, int64_t T, float* y);
+  // The same without the bias, y's rows `ldy` floats apart: bf16 by cuBLAS;
+  // quantized by DenseGemv up to kDenseGemvMaxTokens tokens, else slabs of
+  // rows dequantized (DenseToBf16) into dense_ws_ for cuBLAS.
+  absl::Status GemmNoBias(const DevLin& w, const uint16_t* x, int64_t T, float* y, int64_t ldy);
   absl::Status Mlp(const DevMlp& m, float* out);
   // residual += parts (+ shared), residual_join.h.
   absl::Status Join(std::initializer_list<ResidualPart> parts, ResidualPart shared);
@@ -260,6 +289,7 @@ class CudaBackend final : public LayerBackend, private StreamOps {
   ModelConfig c_;
   ModelOptions o_;
   const CudaOptions& cu_;
+  cpu::WeightLoad load_;  // the dense weights' stored form (ModelOptions::weights)
   AttentionGeometry geo_;
   Budget budget_;
   cudaStream_t stream_ = nullptr;
@@ -325,7 +355,11 @@ class CudaBackend final : public LayerBackend, private StreamOps {
   cudaEvent_t done_ev_ = nullptr;  // blocking sync at the end of a pass
   int64_t slot_wait_ns_ = 0;
   DeviceBuffer blas_ws_;
-  int64_t passes_begun_ = 0;  // for CudaOptions::debug_fault_after
+  // Quantized dense weights, passes above kDenseGemvMaxTokens: a slab of a
+  // matrix's rows as bf16 (the largest matrix, at most kDenseSlabBytes).
+  DeviceBuffer dense_ws_;
+  int64_t dense_ws_need_ = 0;  // bytes the largest quantized matrix would take as bf16
+  int64_t passes_begun_ = 0;   // for CudaOptions::debug_fault_after
 
   std::vector<cudaEvent_t> events_;  // pairs, reused
   size_t events_used_ = 0;

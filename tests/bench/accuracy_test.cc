@@ -36,12 +36,18 @@ TEST(Accuracy, StandardVariantsCarryTheIssueTargets) {
     } else if (v.format == WeightFormat::kInt4) {
       ASSERT_TRUE(v.max_ppl_change_pct) << v.name;
       EXPECT_EQ(*v.max_ppl_change_pct, 3.0) << v.name;
+    } else if (v.dense_weights != DenseWeights::kAuto) {
+      EXPECT_FALSE(v.service_experts) << v.name;
+      ASSERT_TRUE(v.max_ppl_change_pct) << v.name;
+      EXPECT_EQ(*v.max_ppl_change_pct, v.dense_weights == DenseWeights::kInt4 ? 2.0 : 0.3)
+          << v.name;
     } else {
       EXPECT_FALSE(v.max_ppl_change_pct) << v.name;
     }
   }
   EXPECT_EQ(names, (std::vector<std::string>{"deferral 0", "deferral 1", "deferral 2", "deferral 3",
-                                             "bf16", "int8", "int4 g32", "int4 g64", "int4 g128"}));
+                                             "bf16", "int8", "int4 g32", "int4 g64", "int4 g128",
+                                             "dense fp8", "dense int8", "dense int4"}));
 }
 
 TEST(Accuracy, HandlerExpertsRefuseAnotherModelsShard) {
@@ -102,7 +108,9 @@ TEST(Accuracy, ExactAgainstItselfIsZeroAndApproximationsDiffer) {
   int4.service_experts = true;
   int4.format = WeightFormat::kInt4;
   int4.group = 32;
-  for (const accuracy::Variant& v : {deferral, int4}) {
+  accuracy::Variant dense{"dense int8"};
+  dense.dense_weights = DenseWeights::kInt8;
+  for (const accuracy::Variant& v : {deferral, int4, dense}) {
     auto m = accuracy::Compare(*set, exact, score(v), V);
     ASSERT_TRUE(m.ok()) << v.name << ": " << m.status();
     EXPECT_EQ(m->exact_ppl, same->exact_ppl) << v.name;
