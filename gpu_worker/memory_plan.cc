@@ -22,6 +22,8 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // PagedAttention's split-key scratch.
 constexpr int64_t kBlasWorkspaceBytes = 32 << 20;
 constexpr int64_t kAttentionScratchBytes = 8 << 20;
+// The bound on that bf16 workspace for quantized dense weights.
+constexpr int64_t kDenseSlabBytes = int64_t{64} << 20;
 // Slot passes: up to this many tokens (cuda_backend_impl.h kSlotTokens).
 constexpr int64_t kSlotTokens = 32;
 // The first pass workspace the backend makes: table entries and logit rows.
@@ -125,10 +127,6 @@ int64_t StreamedBytes(const ModelConfig& c, WeightFormat f, int group, int64_t m
          max_tokens * 2 * I * 4 + max_tokens * I * 2 + 2 * max_tokens * H * 4 + idx_ints * 4;
 }
 
-// The checkpoint's own precision of the dense weights.
-DenseWeights OwnWeights(const ModelConfig& c) {
-  return c.quantization.method == "fp8" ? DenseWeights::kFp8 : DenseWeights::kBf16;
-}
 double BitsPerWeight(DenseWeights w) {
   return Traits(DenseFormatOf(w).format).bits;  // scales aside: they order the same
 }
@@ -175,6 +173,19 @@ MemoryPlan Evaluate(const ModelConfig& c, const Shapes& shapes, const PlanReques
   p.batch = ch.batch;
   const DenseFormat fmt = DenseFormatOf(ch.weights);
   const std::string fmt_name(WName(ch.weights));
+  // As the backends load (gpu_worker/cpu/dense_weights.h): auto at the
+  // checkpoint's own precision keeps each tensor as stored (an fp8
+  // checkpoint's LM head stays bf16); kv_b_proj (read by the MLA kernels) and
+  // the DSA indexer stay bf16 in every format.
+  const bool as_stored =
+      req.weights == DenseWeights::kAuto && ch.weights == CheckpointDenseWeights(c);
+  const DenseFormat bf16{WeightFormat::kBf16, 0};
+  int64_t largest_quantized = 0;  // elements of the largest quantized matrix
+  auto priced = [&](const WeightSpec& w, DenseFormat f) {
+    if (w.matrix() && f.format != WeightFormat::kBf16)
+      largest_quantized = std::max(largest_quantized, NumElements(w.shape));
+    return DenseBytes(w.shape, f);
+  };
   // Weights, by part.
   std::map<std::string, PlanPart> by_name;
   std::vector<std::string> order;
@@ -200,21 +211,24 @@ MemoryPlan Evaluate(const ModelConfig& c, const Shapes& shapes, const PlanReques
           add("LM head (tied, a copy)", fmt_name, 0, DenseBytes(w.shape, fmt));
         break;
       case WeightRole::kLmHead:
-        add("LM head", fmt_name, n, DenseBytes(w.shape, fmt));
+        add("LM head", as_stored ? "bf16" : fmt_name, n, priced(w, as_stored ? bf16 : fmt));
         break;
       case WeightRole::kNorm:
         add("norms", "f32", n, n * 4);
         break;
-      case WeightRole::kAttention:
+      case WeightRole::kAttention: {
+        const bool keep = w.name.find("kv_b_proj") != std::string::npos ||
+                          w.name.find(".indexer.") != std::string::npos;
         add(absl::StrCat("attention (", shapes.kind_of_layer.at(w.layer), ")"), fmt_name, n,
-            DenseBytes(w.shape, fmt));
+            priced(w, keep ? bf16 : fmt));
         break;
+      }
       case WeightRole::kDenseMlp:
       case WeightRole::kSharedExpert:
         if (w.matrix())
           max_inter = std::max(max_inter, w.shape[1] == c.hidden_size ? w.shape[0] : w.shape[1]);
         add(w.role == WeightRole::kDenseMlp ? "dense MLPs" : "shared experts", fmt_name, n,
-            DenseBytes(w.shape, fmt));
+            priced(w, fmt));
         break;
       case WeightRole::kRouter:
         // An f32 copy (routing decisions in f32); the correction bias is a
@@ -250,6 +264,9 @@ MemoryPlan Evaluate(const ModelConfig& c, const Shapes& shapes, const PlanReques
     p.workspace_bytes += bytes;
   };
   workspace("workspace: cuBLAS", kBlasWorkspaceBytes);
+  // Quantized weights: prefill dequantizes slabs of rows into one bf16
+  // workspace (cuda_backend.cc dense_ws_).
+  workspace("workspace: dequantized slabs", std::min(largest_quantized * 2, kDenseSlabBytes));
   workspace("workspace: attention scratch", kAttentionScratchBytes);
   workspace(absl::StrCat("workspace: passes of ", T, " tokens"),
             PassWorkspaceBytes(c, max_inter, T, table, rows));
@@ -319,7 +336,13 @@ std::vector<DenseWeights> LowerThan(DenseWeights w) {
 
 }  // namespace
 
-std::vector<DenseWeights> CudaBackendFormats() { return {DenseWeights::kBf16}; }
+DenseWeights CheckpointDenseWeights(const ModelConfig& c) {
+  return c.quantization.method == "fp8" ? DenseWeights::kFp8 : DenseWeights::kBf16;
+}
+
+std::vector<DenseWeights> CudaBackendFormats() {
+  return {DenseWeights::kBf16, DenseWeights::kFp8, DenseWeights::kInt8, DenseWeights::kInt4};
+}
 
 PlanRequest PlanRequestFor(const ModelConfig& c, const ModelOptions& o, int64_t limit_bytes,
                            std::vector<DenseWeights> loads) {
@@ -428,7 +451,7 @@ absl::StatusOr<MemoryPlan> PlanGpuMemory(const ModelConfig& c, const PlanRequest
   if (req.weights != DenseWeights::kAuto) {
     formats.push_back(req.weights);
   } else {
-    const DenseWeights own = OwnWeights(c);
+    const DenseWeights own = CheckpointDenseWeights(c);
     for (DenseWeights w : req.auto_order)
       if (w != DenseWeights::kAuto && BitsPerWeight(w) <= BitsPerWeight(own)) formats.push_back(w);
     if (formats.empty())

@@ -125,6 +125,11 @@ absl::StatusOr<MemoryPlan> PlanGpuMemory(const ModelConfig& config, const PlanRe
 PlanRequest PlanRequestFor(const ModelConfig& config, const ModelOptions& options,
                            int64_t limit_bytes, std::vector<DenseWeights> loads);
 
+// The precision a checkpoint stores its dense weights in: kFp8 for an fp8
+// (128 x 128 block) checkpoint, else kBf16. --gpu-weights auto at this
+// precision keeps each tensor as stored.
+DenseWeights CheckpointDenseWeights(const ModelConfig& config);
+
 // The dense formats the CUDA backend loads, highest precision first: what
 // its --gpu-weights auto chooses among (the `loads` below).
 std::vector<DenseWeights> CudaBackendFormats();

@@ -190,6 +190,10 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   // the first workspace and the KV pool follow it.
   ASSIGN_OR_RETURN(const MemoryPlan plan, PlanCudaBackend(c_, o_, limit, CudaBackendFormats()));
   prefetch_planned_ = plan.prefetch_stage;
+  // --gpu-weights auto that the plan had to lower: every dense matrix at the
+  // plan's format (as the plan priced it).
+  if (o_.weights == DenseWeights::kAuto && plan.weights != CheckpointDenseWeights(c_))
+    load_ = cpu::WeightLoadFor(c_, plan.weights);
   std::fprintf(stderr, "hmoe cuda backend: GPU memory plan %s\n", plan.message.c_str());
   budget_ = Budget(limit);
   HMOE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
