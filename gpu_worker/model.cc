@@ -48,10 +48,6 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,
     return absl::UnimplementedError(absl::StrCat("ModelOptions.weights ",
                                                  std::string(DenseWeightsName(options.weights)),
                                                  ": not implemented yet (auto, bf16)"));
-  if (options.kv_dtype != KvDtype::kF32)
-    return absl::UnimplementedError(absl::StrCat("ModelOptions.kv_dtype ",
-                                                 std::string(KvDtypeName(options.kv_dtype)),
-                                                 ": not implemented yet (f32)"));
   if (options.cuda.kv_blocks < 0)
     return absl::InvalidArgumentError(
         absl::StrCat("ModelOptions.cuda.kv_blocks must be >= 0, got ", options.cuda.kv_blocks));

@@ -67,8 +67,8 @@ class CpuKvCache final : public KvCache {
 
 class CpuBackend final : public LayerBackend {
  public:
-  CpuBackend(const ModelConfig& config, std::shared_ptr<ThreadPool> pool)
-      : c_(config), pool_(std::move(pool)) {}
+  CpuBackend(const ModelConfig& config, std::shared_ptr<ThreadPool> pool, KvElem kv)
+      : c_(config), pool_(std::move(pool)), kv_(kv) {}
   absl::Status LoadWeights(const Checkpoint& ckpt);
 
   const char* name() const override { return "cpu"; }
@@ -104,7 +104,8 @@ class CpuBackend final : public LayerBackend {
                           .max_pos = pass_->max_pos,
                           .rope_cs = pass_->rope_cs.data(),
                           .k = kv_k_.data(),
-                          .v = kv_v_.data()};
+                          .v = kv_v_.data(),
+                          .kv = kv_};
     L.attention->Forward(p, h_.data(), y_.data());
     residual_->Join(l, Sublayer::kAttention, y_.data());
     RmsNorm(residual_->Input(l, Sublayer::kFeedForward), T, H, L.post_norm.data(), eps, h_.data());
@@ -171,6 +172,7 @@ class CpuBackend final : public LayerBackend {
 
   ModelConfig c_;
   std::shared_ptr<ThreadPool> pool_;
+  KvElem kv_ = KvElem::kF32;  // ModelOptions::kv_dtype
   Matrix embed_, lm_head_;
   std::vector<float> final_norm_;
   std::vector<Layer> layers_;
@@ -253,8 +255,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> CreateCpuBackend(const ModelConfig
                                                                const Checkpoint& ckpt,
                                                                const ModelOptions& options,
                                                                std::shared_ptr<ThreadPool> pool) {
-  (void)options;
-  auto b = std::make_unique<CpuBackend>(config, std::move(pool));
+  auto b = std::make_unique<CpuBackend>(config, std::move(pool), KvElemOf(options.kv_dtype));
   RETURN_IF_ERROR(b->LoadWeights(ckpt));
   return std::unique_ptr<LayerBackend>(std::move(b));
 }
