@@ -135,6 +135,13 @@ std::vector<Variant> StandardVariants() {
   service("bf16", WeightFormat::kBf16, 0, std::nullopt);
   service("int8", WeightFormat::kInt8, 0, 0.5);
   for (int g : {32, 64, 128}) service(absl::StrCat("int4 g", g), WeightFormat::kInt4, g, 3.0);
+  for (KvDtype kv : {KvDtype::kBf16, KvDtype::kFp8}) {
+    Variant k;
+    k.name = absl::StrCat("kv ", std::string(KvDtypeName(kv)));
+    k.kv_dtype = kv;
+    if (kv == KvDtype::kFp8) k.max_ppl_change_pct = 0.5;
+    v.push_back(k);
+  }
   return v;
 }
 
@@ -143,6 +150,7 @@ absl::StatusOr<LoadedVariant> LoadVariant(const std::string& dir, const Variant&
   ModelOptions opt;
   opt.num_threads = threads;
   opt.deferred_experts = v.deferred_experts;
+  opt.kv_dtype = v.kv_dtype;
   if (v.service_experts) {
     ShardOptions so;
     so.model_dir = dir;

@@ -64,12 +64,14 @@ struct Variant {
   bool service_experts = false;               // false: the fp32 reference experts
   WeightFormat format = WeightFormat::kBf16;  // service_experts: the shard's format
   int group = 0;                              // kInt4: the group along K
+  KvDtype kv_dtype = KvDtype::kF32;           // ModelOptions::kv_dtype (the exact model's: f32)
   std::optional<double> max_ppl_change_pct;   // the target, when there is one
 };
 
 // Deferral 0..3 on the reference experts, then the service's experts in
 // bf16, int8 and int4 groups 32 / 64 / 128, with issue 30's targets
-// (deferral 2 and int8: +0.5%, int4: +3%).
+// (deferral 2 and int8: +0.5%, int4: +3%), then the KV cache in bf16 and
+// fp8 (fp8: +0.5%).
 std::vector<Variant> StandardVariants();
 
 // A variant ready to score. Members are destroyed model first.
