@@ -2,11 +2,17 @@
 // against the f32 cache, for every fixture (MLA, MLA-DSA, GQA), over enough
 // tokens to span several 16-token blocks.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "common/kv_quant.h"
+#include "common/runtime/thread_pool.h"
+#include "gpu_worker/cpu/attention.h"
+#include "gpu_worker/driver/attention.h"
+#include "gpu_worker/driver/weight_names.h"
 #include "gpu_worker/model.h"
 #include "gtest/gtest.h"
 #include "tests/model/model_test_util.h"
@@ -103,6 +109,76 @@ TEST_P(KvDtypeTest, IncrementalEqualsOnePassWithAnFp8Cache) {
     ASSERT_TRUE(d.ok()) << d;
   }
   EXPECT_LT(MaxScaledDiff(b, *a), 1e-5) << name;
+}
+
+// The attention op of layer 0 writes, per token, the f32 cache's row rounded
+// part by part (MLA: the latent, the roped key; GQA: each kv head's key and
+// value), each fp8 part with its own scale.
+TEST(KvDtypeParts, OpsRoundEachPartOnItsOwn) {
+  for (const std::string name : {"deepseek_v3_tiny", "qwen3_moe_tiny"}) {
+    SCOPED_TRACE(name);
+    const std::string dir = ModelFixturesRoot() + "/" + name;
+    auto c = LoadModelConfig(dir);
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto ckpt = Checkpoint::Open(dir);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    auto spec = AttentionSpecFor(*c, 0);
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    auto op = cpu::MakeAttentionOp(*c, *spec);
+    ASSERT_TRUE(op.ok()) << op.status();
+    ASSERT_TRUE((*op)->Load(**ckpt, NamesForLayer(*c, 0), 128).ok());
+    ThreadPoolOptions po;
+    po.max_threads = 2;
+    po.per_core = false;
+    auto pool = ThreadPool::Create(po);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    const int64_t T = 5, H = c->hidden_size, rd = spec->geometry.rope_dim;
+    const int64_t kr = spec->cache.k_row, vr = spec->cache.v_row;
+    std::vector<float> h(static_cast<size_t>(T * H));
+    for (size_t i = 0; i < h.size(); ++i) h[i] = std::sin(0.7f * static_cast<float>(i)) * 3.0f;
+    std::vector<int64_t> pos(T);
+    std::vector<float> cs(static_cast<size_t>(T * rd));
+    for (int64_t t = 0; t < T; ++t) {
+      pos[t] = t;
+      for (int64_t j = 0; j + 1 < rd; j += 2) {  // a rotation by 0.3 t per pair
+        cs[t * rd + j] = std::cos(0.3f * t);
+        cs[t * rd + j + 1] = std::sin(0.3f * t);
+      }
+    }
+    std::vector<std::vector<float>> kc, vc;
+    for (KvElem e : {KvElem::kF32, KvElem::kFp8}) {
+      kc.emplace_back(static_cast<size_t>(T * kr), 0.0f);
+      vc.emplace_back(static_cast<size_t>(T * std::max<int64_t>(vr, 1)), 0.0f);
+      std::vector<float*> kp(T, kc.back().data()), vp(T, vr ? vc.back().data() : nullptr);
+      std::vector<float> out(static_cast<size_t>(T * H));
+      const cpu::AttentionPass p{.pool = pool->get(),
+                                 .T = T,
+                                 .pos = pos.data(),
+                                 .max_pos = T - 1,
+                                 .rope_cs = cs.data(),
+                                 .k = kp.data(),
+                                 .v = vp.data(),
+                                 .kv = e};
+      (*op)->Forward(p, h.data(), out.data());
+    }
+    // The f32 rows rounded by the parts the contract names.
+    std::vector<float> kw = kc[0], vw = vc[0];
+    for (int64_t t = 0; t < T; ++t) {
+      if (spec->kind == AttentionKind::kMla) {
+        KvRoundPart(KvElem::kFp8, kw.data() + t * kr, c->mla.kv_lora_rank);
+        KvRoundPart(KvElem::kFp8, kw.data() + t * kr + c->mla.kv_lora_rank,
+                    c->mla.qk_rope_head_dim);
+      } else {
+        for (int64_t g = 0; g < spec->num_kv_heads; ++g) {
+          KvRoundPart(KvElem::kFp8, kw.data() + t * kr + g * spec->k_head_offset, spec->dk);
+          KvRoundPart(KvElem::kFp8, vw.data() + t * vr + g * spec->v_head_offset, spec->dv);
+        }
+      }
+    }
+    EXPECT_EQ(kc[1], kw);
+    EXPECT_EQ(vc[1], vw);
+    EXPECT_NE(kc[1], kc[0]);
+  }
 }
 
 std::string ParamName(const ::testing::TestParamInfo<std::string>& info) {
