@@ -45,8 +45,11 @@ TEST(Accuracy, StandardVariantsCarryTheIssueTargets) {
                                              "kv bf16", "kv fp8"}));
   // The exact model and every row but the KV ones keep the f32 KV cache.
   EXPECT_EQ(accuracy::Variant{"exact"}.kv_dtype, KvDtype::kF32);
-  for (const accuracy::Variant& v : accuracy::StandardVariants())
-    if (v.name.rfind("kv ", 0) != 0) EXPECT_EQ(v.kv_dtype, KvDtype::kF32) << v.name;
+  for (const accuracy::Variant& v : accuracy::StandardVariants()) {
+    if (v.name.rfind("kv ", 0) != 0) {
+      EXPECT_EQ(v.kv_dtype, KvDtype::kF32) << v.name;
+    }
+  }
 }
 
 TEST(Accuracy, HandlerExpertsRefuseAnotherModelsShard) {
