@@ -143,6 +143,13 @@ std::vector<Variant> StandardVariants() {
     d.max_ppl_change_pct = target;
     v.push_back(d);
   }
+  for (KvDtype kv : {KvDtype::kBf16, KvDtype::kFp8}) {
+    Variant k;
+    k.name = absl::StrCat("kv ", std::string(KvDtypeName(kv)));
+    k.kv_dtype = kv;
+    if (kv == KvDtype::kFp8) k.max_ppl_change_pct = 0.5;
+    v.push_back(k);
+  }
   return v;
 }
 
@@ -152,6 +159,7 @@ absl::StatusOr<LoadedVariant> LoadVariant(const std::string& dir, const Variant&
   opt.num_threads = threads;
   opt.deferred_experts = v.deferred_experts;
   opt.weights = v.dense_weights;
+  opt.kv_dtype = v.kv_dtype;
   if (v.service_experts) {
     ShardOptions so;
     so.model_dir = dir;

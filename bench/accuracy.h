@@ -66,13 +66,15 @@ struct Variant {
   int group = 0;                                     // kInt4: the group along K
   std::optional<double> max_ppl_change_pct;          // the target, when there is one
   DenseWeights dense_weights = DenseWeights::kAuto;  // ModelOptions::weights
+  KvDtype kv_dtype = KvDtype::kF32;  // ModelOptions::kv_dtype (the exact model's: f32)
 };
 
 // Deferral 0..3 on the reference experts, then the service's experts in
 // bf16, int8 and int4 groups 32 / 64 / 128, with issue 30's targets
 // (deferral 2 and int8: +0.5%, int4: +3%), then the model's own dense
 // weights (ModelOptions::weights) in fp8, int8 and int4 with issue 50's
-// (fp8 and int8: +0.3%, int4: +2%).
+// (fp8 and int8: +0.3%, int4: +2%), then the KV cache in bf16 and fp8
+// (fp8: +0.5%).
 std::vector<Variant> StandardVariants();
 
 // A variant ready to score. Members are destroyed model first.

@@ -11,10 +11,12 @@
 //   dense fp8, int8, int4  (the model's own dense weights: attention, dense
 //                       MLPs, shared experts, LM head; ModelOptions::weights,
 //                       the CPU reference computing with the stored codes)
+//   kv bf16, kv fp8     (ModelOptions::kv_dtype; every other row keeps the
+//                       exact model's f32 KV cache)
 // The exact model is the CPU reference with the fp32 reference experts; its
-// logits are computed once and kept. Targets: deferral 2 and int8 <= +0.5%
-// perplexity, int4 <= +3%; dense fp8 and int8 <= +0.3%, dense int4 <= +2%;
-// a missed target is reported, not an error.
+// logits are computed once and kept. Targets: deferral 2, int8 and kv fp8
+// <= +0.5% perplexity, int4 <= +3%; dense fp8 and int8 <= +0.3%, dense int4
+// <= +2%; a missed target is reported, not an error.
 //
 // Flags: AddFlags below (--help; docs/FLAGS.md). Exit 0 on success (targets met or not), 2 on
 // a bad flag, 1 on any other failure.
@@ -140,17 +142,18 @@ absl::Status Run(const Args& a) {
   std::printf("model %s, held-out %s: %zu docs, %lld scored tokens; exact model ppl %.4f\n",
               a.model.c_str(), a.heldout.c_str(), set.docs.size(),
               static_cast<long long>(set.scored_tokens), exact_ppl);
-  std::printf("%-11s %-21s %10s %9s %11s %8s %10s  %s\n", "variant", "routed experts", "ppl",
-              "dppl %", "mean KL", "top-1", "target", "result");
+  std::printf("%-11s %-21s %-4s %10s %9s %11s %8s %10s  %s\n", "variant", "routed experts", "kv",
+              "ppl", "dppl %", "mean KL", "top-1", "target", "result");
   for (const Row& r : rows) {
+    const std::string kv(KvDtypeName(r.variant.kv_dtype));
     if (!r.unsupported.empty()) {
-      std::printf("%-11s %-21s %10s %9s %11s %8s %10s  %s\n", r.variant.name.c_str(),
-                  Experts(r.variant).c_str(), "-", "-", "-", "-", Target(r.variant).c_str(),
-                  Result(r).c_str());
+      std::printf("%-11s %-21s %-4s %10s %9s %11s %8s %10s  %s\n", r.variant.name.c_str(),
+                  Experts(r.variant).c_str(), kv.c_str(), "-", "-", "-", "-",
+                  Target(r.variant).c_str(), Result(r).c_str());
       continue;
     }
-    std::printf("%-11s %-21s %10.4f %+9.3f %11.4e %8.4f %10s  %s\n", r.variant.name.c_str(),
-                Experts(r.variant).c_str(), r.m.ppl, r.m.ppl_change_pct, r.m.mean_kl,
+    std::printf("%-11s %-21s %-4s %10.4f %+9.3f %11.4e %8.4f %10s  %s\n", r.variant.name.c_str(),
+                Experts(r.variant).c_str(), kv.c_str(), r.m.ppl, r.m.ppl_change_pct, r.m.mean_kl,
                 r.m.top1_agreement, Target(r.variant).c_str(), Result(r).c_str());
   }
   std::printf(
@@ -174,6 +177,7 @@ absl::Status Run(const Args& a) {
       v["deferred_experts"] = r.variant.deferred_experts;
       v["experts"] = r.variant.service_experts ? "service" : "reference";
       v["dense_weights"] = std::string(DenseWeightsName(r.variant.dense_weights));
+      v["kv_dtype"] = std::string(KvDtypeName(r.variant.kv_dtype));
       if (r.variant.service_experts) {
         v["format"] = WeightFormatName(r.variant.format, r.variant.group);
         v["isa"] = r.isa.empty() ? ojson(nullptr) : ojson(r.isa);
@@ -206,7 +210,8 @@ absl::Status Run(const Args& a) {
 int Main(int argc, char** argv) {
   Args args;
   FlagSet fs("hmoe-bench-accuracy", "[flags]",
-             "What Expert Deferral and the expert service's weight formats cost in accuracy:\n"
+             "What Expert Deferral, the expert service's weight formats and the KV cache's\n"
+             "dtype cost in accuracy:\n"
              "held-out perplexity, mean KL and top-1 agreement against the exact model.\n"
              "Exit 0 on success (targets met or not), 2 on a bad flag, 1 on any other failure.");
   AddFlags(fs, &args);

@@ -337,7 +337,7 @@ struct Args {
   double gpu_mem_gb = 0;
   int64_t kv_blocks = 0;
   DenseWeights gpu_weights = DenseWeights::kAuto;
-  KvDtype kv_dtype = KvDtype::kF32;
+  KvDtype kv_dtype = KvDtype::kBf16;
   int defer_experts = 0;
   bool cuda_graphs = true;
   bool log_prefill_plans = false;  // stderr: each large pass's choices and streamed timeline

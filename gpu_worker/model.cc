@@ -44,10 +44,6 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,
   if (options.cuda.gpu_mem_gb < 0)
     return absl::InvalidArgumentError(
         absl::StrCat("ModelOptions.cuda.gpu_mem_gb must be >= 0, got ", options.cuda.gpu_mem_gb));
-  if (options.kv_dtype != KvDtype::kF32)
-    return absl::UnimplementedError(absl::StrCat("ModelOptions.kv_dtype ",
-                                                 std::string(KvDtypeName(options.kv_dtype)),
-                                                 ": not implemented yet (f32)"));
   if (options.cuda.kv_blocks < 0)
     return absl::InvalidArgumentError(
         absl::StrCat("ModelOptions.cuda.kv_blocks must be >= 0, got ", options.cuda.kv_blocks));

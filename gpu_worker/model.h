@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/expert_placement.h"
+#include "common/kv_quant.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
 #include "common/routing_stats.h"
@@ -68,10 +69,15 @@ DenseFormat DenseFormatOf(DenseWeights w);  // w != kAuto
 
 // Element type of the KV cache (MLA's latent + rope rows, GQA's keys and
 // values). kFp8: e4m3 with one f32 scale per token per cache part (MLA: the
-// latent and the rope part; GQA: each kv head's key and value).
+// latent and the rope part; GQA: each kv head's key and value). Values are
+// rounded at cache write as common/kv_quant.h specifies, identically on
+// every backend.
 enum class KvDtype { kF32, kBf16, kFp8 };
 std::string_view KvDtypeName(KvDtype d);  // "f32" | "bf16" | "fp8"
 std::optional<KvDtype> ParseKvDtype(std::string_view s);
+inline KvElem KvElemOf(KvDtype d) {
+  return d == KvDtype::kBf16 ? KvElem::kBf16 : d == KvDtype::kFp8 ? KvElem::kFp8 : KvElem::kF32;
+}
 
 struct ModelOptions {
   // Where the model (all but the routed experts) runs: "cpu" (the reference),
@@ -92,7 +98,7 @@ struct ModelOptions {
   // numbers (an approximation; bench/results has its perplexity cost).
   int deferred_experts = 0;
   DenseWeights weights = DenseWeights::kAuto;
-  KvDtype kv_dtype = KvDtype::kF32;
+  KvDtype kv_dtype = KvDtype::kBf16;
   // Borrowed, outlives the Model; null: no metrics. Load registers
   //   hmoe_expert_deferred_slots_total: routed (token, expert) slots whose
   //     result Expert Deferral joined one layer late, of passes that

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/kv_quant.h"
 #include "common/model_config.h"
 #include "common/runtime/thread_pool.h"
 #include "common/safetensors.h"
@@ -43,6 +44,11 @@ struct AttentionPass {
   // entries when v_row is 0).
   float* const* k = nullptr;
   float* const* v = nullptr;
+  // The cache's element type: rows are rounded at write (KvRoundPart,
+  // common/kv_quant.h; parts as the CUDA backend's) and kept as f32, which
+  // holds every rounded value exactly, so attention reads what a bf16 / fp8
+  // cache stores.
+  KvElem kv = KvElem::kF32;
 };
 
 class AttentionOp {

@@ -69,7 +69,10 @@ class CpuBackend final : public LayerBackend {
  public:
   CpuBackend(const ModelConfig& config, const ModelOptions& options,
              std::shared_ptr<ThreadPool> pool)
-      : c_(config), load_(WeightLoadFor(config, options.weights)), pool_(std::move(pool)) {}
+      : c_(config),
+        load_(WeightLoadFor(config, options.weights)),
+        pool_(std::move(pool)),
+        kv_(KvElemOf(options.kv_dtype)) {}
   absl::Status LoadWeights(const Checkpoint& ckpt);
 
   const char* name() const override { return "cpu"; }
@@ -105,7 +108,8 @@ class CpuBackend final : public LayerBackend {
                           .max_pos = pass_->max_pos,
                           .rope_cs = pass_->rope_cs.data(),
                           .k = kv_k_.data(),
-                          .v = kv_v_.data()};
+                          .v = kv_v_.data(),
+                          .kv = kv_};
     L.attention->Forward(p, h_.data(), y_.data());
     residual_->Join(l, Sublayer::kAttention, y_.data());
     RmsNorm(residual_->Input(l, Sublayer::kFeedForward), T, H, L.post_norm.data(), eps, h_.data());
@@ -173,6 +177,7 @@ class CpuBackend final : public LayerBackend {
   ModelConfig c_;
   WeightLoad load_;  // the dense weights' stored form (ModelOptions::weights)
   std::shared_ptr<ThreadPool> pool_;
+  KvElem kv_ = KvElem::kF32;  // ModelOptions::kv_dtype
   Matrix embed_, lm_head_;
   std::vector<float> final_norm_;
   std::vector<Layer> layers_;

@@ -60,8 +60,14 @@ void GqaAttention::Forward(const AttentionPass& p, const float* h, float* out) c
       ApplyRope(k.data() + (t * nkv + i) * hd, rd, cs + t * rd, layout);
   }
   for (int64_t t = 0; t < T; ++t) {
-    std::copy_n(k.data() + t * row, row, p.k[t] + p.pos[t] * row);
-    std::copy_n(v.data() + t * row, row, p.v[t] + p.pos[t] * row);
+    float* kd = p.k[t] + p.pos[t] * row;
+    float* vd = p.v[t] + p.pos[t] * row;
+    std::copy_n(k.data() + t * row, row, kd);
+    std::copy_n(v.data() + t * row, row, vd);
+    for (int64_t g = 0; g < nkv; ++g) {  // parts: each kv head's key and value
+      KvRoundPart(p.kv, kd + g * spec_.k_head_offset, hd);
+      KvRoundPart(p.kv, vd + g * spec_.v_head_offset, hd);
+    }
   }
   std::vector<float> attn(static_cast<size_t>(T * nh * hd));
   pool->ParallelFor(T * nh, 1, [&](int64_t i0, int64_t i1) {

@@ -73,6 +73,8 @@ void MlaAttention::Forward(const AttentionPass& p, const float* h, float* out) c
     RmsNorm(kva.data() + t * dk, 1, r, kv_a_norm_.data(), kMlaNormEps, dst);
     std::copy_n(kva.data() + t * dk + r, rope, dst + r);
     ApplyRope(dst + r, rope, cs + t * rope, layout);
+    KvRoundPart(p.kv, dst, r);  // parts: the latent, the roped key (not the indexer's key)
+    KvRoundPart(p.kv, dst + r, rope);
   }
   // kMlaDsa: the positions each token attends over (its indexer's top-k).
   std::vector<std::vector<int64_t>> selected;

@@ -38,17 +38,43 @@ absl::Status CudaBackend::Attend(PagedAttentionArgs& a, int64_t window) {
   return st.ok() ? st : Failed(st);
 }
 
+KvRows CudaBackend::CacheRows(int l, bool keys) const {
+  KvRows c;
+  const size_t i = static_cast<size_t>(l);
+  if (i < kcache_.size()) {
+    c.data = keys ? kcache_[i].as<void>() : vcache_[i].as<void>();
+    c.scale = keys ? kscale_[i].as<float>() : vscale_[i].as<float>();
+  }
+  c.elem = kv_;
+  c.row = keys ? k_row_ : v_row_;
+  c.part_len = kv_part_len_;
+  c.parts = kv_parts_;
+  return c;
+}
+
+void CudaBackend::SetCaches(int l, PagedAttentionArgs* a) const {
+  const KvRows k = CacheRows(l, true), v = v_row_ > 0 ? CacheRows(l, false) : k;
+  a->k_cache = k.data;
+  a->k_scale = k.scale;
+  a->k_row = k.row;
+  a->v_cache = v.data;
+  a->v_scale = v.scale;
+  a->v_row = v.row;
+  a->kv = kv_;
+  a->kv_part_len = kv_part_len_;
+  a->kv_parts = kv_parts_;
+}
+
 PagedAttentionArgs CudaBackend::AttentionShape() const {
   PagedAttentionArgs a;
   const AttentionSpec& s = attn_specs_[0];
   const bool values = s.cache.v_row > 0;  // else read from the key rows
-  a.k_cache = kcache_.empty() ? nullptr : kcache_[0].as<float>();
+  SetCaches(0, &a);
   a.num_heads = s.num_heads;
   a.dk = s.dk;
   a.dv = s.dv;
   a.k_row = s.cache.k_row;
   a.v_row = values ? s.cache.v_row : s.cache.k_row;
-  a.v_cache = !values ? a.k_cache : vcache_.empty() ? nullptr : vcache_[0].as<float>();
   a.num_kv_heads = s.num_kv_heads;
   return a;
 }
@@ -100,10 +126,10 @@ absl::Status CudaBackend::MlaAttention(int l) {
     RETURN_IF_ERROR(Gemm(L.q, buf_.normed_bf16, T, buf_.q));
   }
   RETURN_IF_ERROR(Gemm(L.kv_a, buf_.normed_bf16, T, buf_.kv_a));
-  RETURN_IF_ERROR(Launched(
-      WriteMlaCache(buf_.kv_a, T, r, rope, L.kv_a_norm.as<float>(), kMlaNormEps, buf_.rope_cs,
-                    inter, slot_, kcache_[static_cast<size_t>(l)].as<float>(), stream_),
-      "WriteMlaCache"));
+  RETURN_IF_ERROR(
+      Launched(WriteMlaCache(buf_.kv_a, T, r, rope, L.kv_a_norm.as<float>(), kMlaNormEps,
+                             buf_.rope_cs, inter, slot_, CacheRows(l, true), stream_),
+               "WriteMlaCache"));
   RETURN_IF_ERROR(Launched(MlaAbsorbQuery(buf_.q, L.kv_b.w.as<uint16_t>(), T, nh, nope, rope, vd, r,
                                           buf_.q_latent, stream_),
                            "MlaAbsorbQuery"));
@@ -115,10 +141,7 @@ absl::Status CudaBackend::MlaAttention(int l) {
   a.q_tok_stride = nh * (r + rope);
   a.q_head_stride = r + rope;
   a.dk = r + rope;
-  a.k_cache = kcache_[static_cast<size_t>(l)].as<float>();
-  a.k_row = r + rope;
-  a.v_cache = a.k_cache;
-  a.v_row = r + rope;
+  SetCaches(l, &a);  // values: the latents, the key rows' first r elements
   a.dv = r;
   a.T = T;
   a.num_heads = nh;
@@ -154,19 +177,15 @@ absl::Status CudaBackend::GqaAttention(int l) {
   RETURN_IF_ERROR(Launched(ApplyRope(buf_.k, T, nkv, row, hd, 0, rd, buf_.rope_cs, false, stream_),
                            "ApplyRope"));
   RETURN_IF_ERROR(Launched(
-      WriteKvCache(buf_.k, buf_.v, T, row, slot_, kcache_[static_cast<size_t>(l)].as<float>(),
-                   vcache_[static_cast<size_t>(l)].as<float>(), stream_),
+      WriteKvCache(buf_.k, buf_.v, T, slot_, CacheRows(l, true), CacheRows(l, false), stream_),
       "WriteKvCache"));
   PagedAttentionArgs a;
   a.q = buf_.q;
   a.q_tok_stride = nh * hd;
   a.q_head_stride = hd;
   a.dk = hd;
-  a.k_cache = kcache_[static_cast<size_t>(l)].as<float>();
-  a.k_row = row;
+  SetCaches(l, &a);
   a.k_head_offset = hd;
-  a.v_cache = vcache_[static_cast<size_t>(l)].as<float>();
-  a.v_row = row;
   a.v_head_offset = hd;
   a.dv = hd;
   a.T = T;

@@ -320,23 +320,41 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   RETURN_IF_ERROR(EnsureWorkspace(plan.pass_tokens, plan.pass_tokens * 4, 16));
   k_row_ = attn_specs_[0].cache.k_row;
   v_row_ = attn_specs_[0].cache.v_row;
-  const int64_t block_bytes = kBlockTokens * (k_row_ + v_row_) * 4 * c_.num_layers;
+  kv_ = KvElemOf(o_.kv_dtype);
+  if (attn_specs_[0].kind == AttentionKind::kMla) {  // scale parts: the latent, the rope part
+    kv_part_len_ = c_.mla.kv_lora_rank;
+    kv_parts_ = 2;
+  } else {  // each kv head's key (value)
+    kv_part_len_ = attn_specs_[0].dk;
+    kv_parts_ = attn_specs_[0].num_kv_heads;
+  }
+  const int64_t scale_bytes = kv_ == KvElem::kFp8 ? 4 * kv_parts_ : 0;  // per row
+  const int64_t k_bytes = k_row_ * KvElemBytes(kv_) + scale_bytes;
+  const int64_t v_bytes = v_row_ ? v_row_ * KvElemBytes(kv_) + scale_bytes : 0;
+  const int64_t block_bytes = kBlockTokens * (k_bytes + v_bytes) * c_.num_layers;
   const int64_t blocks = plan.kv_blocks;
   RETURN_IF_ERROR(budget_.Take(blocks * block_bytes, "KV cache"));
   kcache_.resize(static_cast<size_t>(c_.num_layers));
   vcache_.resize(static_cast<size_t>(c_.num_layers));
-  for (int l = 0; l < c_.num_layers; ++l) {
-    RETURN_IF_ERROR(kcache_[static_cast<size_t>(l)].Allocate(blocks * kBlockTokens * k_row_ * 4));
-    if (v_row_)
-      RETURN_IF_ERROR(vcache_[static_cast<size_t>(l)].Allocate(blocks * kBlockTokens * v_row_ * 4));
+  kscale_.resize(static_cast<size_t>(c_.num_layers));
+  vscale_.resize(static_cast<size_t>(c_.num_layers));
+  const int64_t rows = blocks * kBlockTokens, elem = KvElemBytes(kv_);
+  for (size_t l = 0; l < static_cast<size_t>(c_.num_layers); ++l) {
+    RETURN_IF_ERROR(kcache_[l].Allocate(rows * k_row_ * elem));
+    if (scale_bytes) RETURN_IF_ERROR(kscale_[l].Allocate(rows * scale_bytes));
+    if (v_row_) {
+      RETURN_IF_ERROR(vcache_[l].Allocate(rows * v_row_ * elem));
+      if (scale_bytes) RETURN_IF_ERROR(vscale_[l].Allocate(rows * scale_bytes));
+    }
   }
   pool_ = std::make_shared<BlockPool>(blocks);
   std::fprintf(stderr,
                "hmoe cuda backend: device %d, %s in use of a %s bound (%s); KV pool %lld blocks "
-               "of %lld tokens\n",
+               "of %lld tokens (%s)\n",
                cu_.device, Gib(static_cast<double>(budget_.used())).c_str(),
                Gib(static_cast<double>(budget_.limit())).c_str(), budget_.Describe().c_str(),
-               static_cast<long long>(blocks), static_cast<long long>(kBlockTokens));
+               static_cast<long long>(blocks), static_cast<long long>(kBlockTokens),
+               std::string(KvDtypeName(o_.kv_dtype)).c_str());
   return absl::OkStatus();
 }
 

@@ -83,8 +83,10 @@ struct DevLayer {
   DeviceBuffer router_bias;
 };
 
-// The paged KV pool: per layer [blocks * 16, row] f32 for keys (MLA: the
-// normed latent + roped key) and, for GQA, the same for values.
+// The paged KV pool: per layer [blocks * 16, row] elements of the KV dtype
+// (ModelOptions::kv_dtype) for keys (MLA: the normed latent + roped key) and,
+// for GQA, the same for values; fp8 adds [blocks * 16, parts] f32 scales per
+// cache (MLA: latent, rope part; GQA: one per kv head).
 class BlockPool {
  public:
   explicit BlockPool(int64_t blocks) {
@@ -306,7 +308,15 @@ class CudaBackend final : public LayerBackend, private StreamOps {
   std::vector<DevLayer> layers_;
   std::shared_ptr<BlockPool> pool_;
   std::vector<DeviceBuffer> kcache_, vcache_;  // [layer]
+  std::vector<DeviceBuffer> kscale_, vscale_;  // [layer] kFp8's scales
   int64_t k_row_ = 0, v_row_ = 0;
+  KvElem kv_ = KvElem::kF32;                // the pool's element type
+  int64_t kv_part_len_ = 0, kv_parts_ = 1;  // scale parts of a row (KvRows)
+  // Layer l's key (values: false) cache as the kernels take it.
+  KvRows CacheRows(int l, bool keys) const;
+  // Fills `a`'s cache fields from layer l's caches (values from the key rows
+  // when the layer keeps none).
+  void SetCaches(int l, PagedAttentionArgs* a) const;
   std::vector<AttentionSpec> attn_specs_;  // [layer] attention kind, cache rows, geometry
 
   // Workspace for passes of up to cap_tokens_ tokens.

@@ -21,7 +21,19 @@ KeyRange KeysOf(const PagedAttentionArgs& a, const AttentionRun& run) {
 }
 
 bool SharedValues(const PagedAttentionArgs& a) {
-  return a.v_cache == a.k_cache && a.v_row == a.k_row;
+  return a.v_cache == a.k_cache && a.v_scale == a.k_scale && a.v_row == a.k_row;
+}
+
+// The key (values: false) cache of `a`, for GatherPagedRows (which only reads).
+KvRows CacheRows(const PagedAttentionArgs& a, bool keys) {
+  KvRows c;
+  c.data = const_cast<void*>(keys ? a.k_cache : a.v_cache);
+  c.scale = const_cast<float*>(keys ? a.k_scale : a.v_scale);
+  c.elem = a.kv;
+  c.row = keys ? a.k_row : a.v_row;
+  c.part_len = a.kv_part_len;
+  c.parts = a.kv_parts;
+  return c;
 }
 
 // Keys a chunk of `chunk` queries sees at most.
@@ -89,11 +101,11 @@ absl::Status GemmAttention(const PagedAttentionArgs& a, const AttentionRun& run,
   const int64_t v_ld = shared ? a.k_row : a.v_row;
   float* scores = kc + keys.n() * a.k_row + (shared ? 0 : keys.n() * a.v_row);
   absl::Status st =
-      launched(GatherPagedRows(a.k_cache, a.k_row, table, a.block_tokens, keys.lo, keys.n(), kc, s),
+      launched(GatherPagedRows(CacheRows(a, true), table, a.block_tokens, keys.lo, keys.n(), kc, s),
                "GatherPagedRows (keys)");
   if (st.ok() && !shared)
     st = launched(
-        GatherPagedRows(a.v_cache, a.v_row, table, a.block_tokens, keys.lo, keys.n(), vc, s),
+        GatherPagedRows(CacheRows(a, false), table, a.block_tokens, keys.lo, keys.n(), vc, s),
         "GatherPagedRows (values)");
   const int64_t group = a.num_heads / a.num_kv_heads;
   const float one = 1.0f, zero = 0.0f;

@@ -13,3 +13,22 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "common/kv_quant.h"
+
+namespace hmoe::cuda {
+
+// A paged KV cache's storage for the cache writers (common/kv_quant.h's
+// encodings): rows of `row` elements of type `elem`, row i at data + i * row
+// elements. kFp8: `scale` holds `parts` f32 per row, element e of a row
+// belonging to part min(e / part_len, parts - 1); otherwise scale is unused.
+struct KvRows {
+  void* data = nullptr;
+  float* scale = nullptr;
+  KvElem elem = KvElem::kF32;
+  int64_t row = 0;
+  int64_t part_len = 0;
+  int64_t parts = 1;
+};
+
+}  // namespace hmoe::cuda

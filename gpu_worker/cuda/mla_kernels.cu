@@ -3,21 +3,24 @@
 #include <cstdint>
 
 #include "gpu_worker/cuda/common.cuh"
+#include "gpu_worker/cuda/kv_store.cuh"
 #include "gpu_worker/cuda/mla_kernels.h"
 
 namespace hmoe::cuda {
 namespace {
 
+// One block per token: the row is built in shared memory (r + rope floats),
+// then stored in the cache's element type.
 __global__ void WriteMlaCacheKernel(const float* kva, int64_t T, int64_t r, int64_t rope,
                                     const float* norm_w, float eps, const float* cs,
-                                    bool interleaved, const int32_t* slot, float* cache) {
+                                    bool interleaved, const int32_t* slot, KvRows cache) {
   __shared__ float sh[33];
+  extern __shared__ float dst[];
   const int64_t row = r + rope;
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
     const int64_t sl = slot[t];
     if (sl < 0) continue;
     const float* src = kva + t * row;
-    float* dst = cache + sl * row;
     float ss = 0.0f;
     for (int64_t i = threadIdx.x; i < r; i += blockDim.x) ss += src[i] * src[i];
     ss = BlockSum(ss, sh);
@@ -34,6 +37,9 @@ __global__ void WriteMlaCacheKernel(const float* kva, int64_t T, int64_t r, int6
       dst[r + ib] = x2 * c + x1 * s;
     }
     if ((rope & 1) != 0 && threadIdx.x == 0) dst[r + rope - 1] = src[r + rope - 1];
+    __syncthreads();
+    StoreKvRow(dst, cache, sl);
+    __syncthreads();
   }
 }
 
@@ -237,9 +243,22 @@ cudaError_t LaunchGemm(const GemmArgs& g, cudaStream_t s) {
 cudaError_t WriteMlaCache(const float* kva, int64_t T, int64_t r, int64_t rope, const float* norm_w,
                           float eps, const float* cs, bool interleaved, const int32_t* slot,
                           float* cache, cudaStream_t s) {
+  KvRows c;
+  c.data = cache;
+  c.row = r + rope;
+  return WriteMlaCache(kva, T, r, rope, norm_w, eps, cs, interleaved, slot, c, s);
+}
+
+cudaError_t WriteMlaCache(const float* kva, int64_t T, int64_t r, int64_t rope, const float* norm_w,
+                          float eps, const float* cs, bool interleaved, const int32_t* slot,
+                          const KvRows& cache, cudaStream_t s) {
   if (T <= 0 || r + rope <= 0) return cudaSuccess;
-  WriteMlaCacheKernel<<<BlocksFor(T), kThreads, 0, s>>>(kva, T, r, rope, norm_w, eps, cs,
-                                                        interleaved, slot, cache);
+  const size_t smem = sizeof(float) * static_cast<size_t>(r + rope);
+  if (cache.row != r + rope || smem > 48 * 1024 ||
+      (cache.elem == KvElem::kFp8 && (cache.part_len <= 0 || cache.parts <= 0)))
+    return cudaErrorInvalidValue;
+  WriteMlaCacheKernel<<<BlocksFor(T), kThreads, smem, s>>>(kva, T, r, rope, norm_w, eps, cs,
+                                                           interleaved, slot, cache);
   return cudaGetLastError();
 }
 

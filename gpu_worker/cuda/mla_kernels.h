@@ -13,6 +13,12 @@ namespace hmoe::cuda {
 cudaError_t WriteMlaCache(const float* kva, int64_t T, int64_t r, int64_t rope, const float* norm_w,
                           float eps, const float* cs, bool interleaved, const int32_t* slot,
                           float* cache, cudaStream_t s);
+// The same into a cache of any element type (cache.row == r + rope; kFp8
+// parts as the caller lays them out, MLA's: the latent and the rope part),
+// each row rounded as StoreKvRow does (common/kv_quant.h).
+cudaError_t WriteMlaCache(const float* kva, int64_t T, int64_t r, int64_t rope, const float* norm_w,
+                          float eps, const float* cs, bool interleaved, const int32_t* slot,
+                          const KvRows& cache, cudaStream_t s);
 
 // MLA query absorption, qk = nope + rope, out [T, nh, r + rope]:
 //   out[t, h, c] = sum_{j<nope} q[t*nh*qk + h*qk + j] * wkv[(h*(nope+vd) + j)*r + c], c < r;

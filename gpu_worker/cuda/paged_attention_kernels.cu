@@ -5,35 +5,36 @@
 #include <cstdint>
 
 #include "gpu_worker/cuda/common.cuh"
+#include "gpu_worker/cuda/kv_store.cuh"
 #include "gpu_worker/cuda/paged_attention_kernels.h"
 
 namespace hmoe::cuda {
 namespace {
 
-__global__ void WriteKvCacheKernel(const float* k, const float* v, int64_t T, int64_t row,
-                                   const int32_t* slot, float* kcache, float* vcache) {
+__global__ void StoreKvRowsKernel(const float* k, const float* v, int64_t T, const int32_t* slot,
+                                  KvRows kc, KvRows vc) {
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
     const int64_t sl = slot[t];
     if (sl < 0) continue;
-    for (int64_t i = threadIdx.x; i < row; i += blockDim.x) {
-      kcache[sl * row + i] = k[t * row + i];
-      vcache[sl * row + i] = v[t * row + i];
-    }
+    StoreKvRow(k + t * kc.row, kc, sl);
+    StoreKvRow(v + t * vc.row, vc, sl);
   }
 }
 
-__global__ void GatherPagedRowsKernel(const float* cache, int64_t row_floats, const int32_t* table,
-                                      int64_t bt, int64_t p0, int64_t n, float* out, bool vec) {
+template <KvElem E>
+__global__ void GatherKvRowsKernel(KvRows c, const int32_t* table, int64_t bt, int64_t p0,
+                                   int64_t n, float* out, bool vec) {
   for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
     const int64_t p = p0 + i;
-    const float* src = cache + (static_cast<int64_t>(table[p / bt]) * bt + p % bt) * row_floats;
-    float* dst = out + i * row_floats;
+    const int64_t row = static_cast<int64_t>(table[p / bt]) * bt + p % bt;
+    float* dst = out + i * c.row;
     if (vec) {
-      const float4* s4 = reinterpret_cast<const float4*>(src);
-      float4* d4 = reinterpret_cast<float4*>(dst);
-      for (int64_t c = threadIdx.x; c < row_floats / 4; c += blockDim.x) d4[c] = s4[c];
+      for (int64_t e = 4 * threadIdx.x; e < c.row; e += 4 * blockDim.x)
+        *reinterpret_cast<float4*>(dst + e) =
+            KvLoad4<E>(c.data, c.scale, c.row, c.part_len, c.parts, row, e);
     } else {
-      for (int64_t c = threadIdx.x; c < row_floats; c += blockDim.x) dst[c] = src[c];
+      for (int64_t e = threadIdx.x; e < c.row; e += blockDim.x)
+        dst[e] = KvLoad<E>(c.data, c.scale, c.row, c.part_len, c.parts, row, e);
     }
   }
 }
@@ -115,7 +116,7 @@ AttnLayout LayoutFor(const PagedAttentionArgs& a) {
   l.splits = base >= 256 ? 1 : static_cast<int>(std::min<int64_t>(64, CeilDiv(512, base)));
   l.dkp = static_cast<int>(CeilDiv(a.dk, 4) * 4);
   l.ks = PaddedStride(a.dk);
-  l.shared_kv = a.v_cache == a.k_cache && a.v_row == a.k_row &&
+  l.shared_kv = a.v_cache == a.k_cache && a.v_scale == a.k_scale && a.v_row == a.k_row &&
                 a.v_head_offset == a.k_head_offset && a.dv <= a.dk;
   l.vs = l.shared_kv ? 0 : PaddedStride(a.dv);
   l.smem_bytes =
@@ -124,12 +125,16 @@ AttnLayout LayoutFor(const PagedAttentionArgs& a) {
   return l;
 }
 
-// Copies the rows of a tile (32 cache rows of n floats from `base`) into
-// shared memory; rows past the visible range become zeros.
-__device__ __forceinline__ void LoadTile(const float* base, int64_t row_stride, int64_t n, bool vec,
-                                         int stride, float* dst, int64_t p0, int64_t pos,
-                                         const int32_t* table, int64_t bt) {
+// Copies the rows of a tile (32 cache rows: n elements from element `off`
+// of each, decoded to f32) into shared memory; rows past the visible range
+// become zeros.
+template <KvElem E>
+__device__ __forceinline__ void LoadTile(const void* data, const float* scale, int64_t row_len,
+                                         int64_t off, int64_t n, const PagedAttentionArgs& a,
+                                         bool vec, int stride, float* dst, int64_t p0, int64_t pos,
+                                         const int32_t* table) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int64_t bt = a.block_tokens;
   for (int j = warp; j < kKeyTile; j += nw) {
     const int64_t p = p0 + j;
     float* d = dst + j * stride;
@@ -138,18 +143,18 @@ __device__ __forceinline__ void LoadTile(const float* base, int64_t row_stride, 
       continue;
     }
     const int64_t row = static_cast<int64_t>(table[p / bt]) * bt + p % bt;
-    const float* src = base + row * row_stride;
     if (vec) {
-      const float4* s4 = reinterpret_cast<const float4*>(src);
       float4* d4 = reinterpret_cast<float4*>(d);
-      for (int64_t i = lane; i < n / 4; i += 32) d4[i] = s4[i];
+      for (int64_t i = lane; i < n / 4; i += 32)
+        d4[i] = KvLoad4<E>(data, scale, row_len, a.kv_part_len, a.kv_parts, row, off + 4 * i);
     } else {
-      for (int64_t i = lane; i < n; i += 32) d[i] = src[i];
+      for (int64_t i = lane; i < n; i += 32)
+        d[i] = KvLoad<E>(data, scale, row_len, a.kv_part_len, a.kv_parts, row, off + i);
     }
   }
 }
 
-template <int kDvChunks>
+template <int kDvChunks, KvElem E>
 __global__ void __launch_bounds__(kMaxHpb * 32)
     PagedAttentionKernel(PagedAttentionArgs a, AttnLayout l, bool vec_k, bool vec_v) {
   extern __shared__ float4 smem4[];
@@ -178,8 +183,6 @@ __global__ void __launch_bounds__(kMaxHpb * 32)
   const int64_t nkeys = pos - lo + 1;
   const int64_t ntiles = nkeys > 0 ? CeilDiv(nkeys, kKeyTile) : 0;
   const int32_t* table = a.block_table + a.table_start[t];
-  const float* kbase = a.k_cache + g * a.k_head_offset;
-  const float* vbase = a.v_cache + g * a.v_head_offset;
 
   float m = -INFINITY, lsum = 0.0f;
   float acc[kDvChunks];
@@ -192,9 +195,11 @@ __global__ void __launch_bounds__(kMaxHpb * 32)
   for (int64_t tile = split; tile < ntiles; tile += l.splits) {
     const int64_t p0 = lo + tile * kKeyTile;
     __syncthreads();
-    LoadTile(kbase, a.k_row, a.dk, vec_k, l.ks, kt, p0, pos, table, a.block_tokens);
+    LoadTile<E>(a.k_cache, a.k_scale, a.k_row, g * a.k_head_offset, a.dk, a, vec_k, l.ks, kt, p0,
+                pos, table);
     if (!l.shared_kv)
-      LoadTile(vbase, a.v_row, a.dv, vec_v, l.vs, vt, p0, pos, table, a.block_tokens);
+      LoadTile<E>(a.v_cache, a.v_scale, a.v_row, g * a.v_head_offset, a.dv, a, vec_v, l.vs, vt, p0,
+                  pos, table);
     __syncthreads();
     if (!active) continue;
     float sc = 0.0f;
@@ -281,32 +286,56 @@ __global__ void AttentionMergeKernel(PagedAttentionArgs a, int splits) {
   }
 }
 
-template <int kDvChunks>
+template <int kDvChunks, KvElem E>
 cudaError_t LaunchAttention(const PagedAttentionArgs& a, const AttnLayout& l, cudaStream_t s) {
-  const auto kernel = PagedAttentionKernel<kDvChunks>;
+  const auto kernel = PagedAttentionKernel<kDvChunks, E>;
   if (l.smem_bytes > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(l.smem_bytes));
     if (e != cudaSuccess) return e;
   }
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  // Four elements at a time: aligned, and (fp8) never across a part's end.
+  const auto aligned = [](const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % (4 * KvElemBytes(E)) == 0;
+  };
+  const bool parts4 = E != KvElem::kFp8 || a.kv_part_len % 4 == 0;
   const bool vec_k =
-      a.dk % 4 == 0 && a.k_row % 4 == 0 && a.k_head_offset % 4 == 0 && aligned(a.k_cache);
+      parts4 && a.dk % 4 == 0 && a.k_row % 4 == 0 && a.k_head_offset % 4 == 0 && aligned(a.k_cache);
   const bool vec_v =
-      a.dv % 4 == 0 && a.v_row % 4 == 0 && a.v_head_offset % 4 == 0 && aligned(a.v_cache);
+      parts4 && a.dv % 4 == 0 && a.v_row % 4 == 0 && a.v_head_offset % 4 == 0 && aligned(a.v_cache);
   const dim3 grid(static_cast<unsigned>(a.T * a.num_kv_heads * l.chunks),
                   static_cast<unsigned>(l.splits));
   kernel<<<grid, l.hpb * 32, l.smem_bytes, s>>>(a, l, vec_k, vec_v);
   return cudaGetLastError();
 }
 
+template <KvElem E>
+cudaError_t LaunchFor(const PagedAttentionArgs& a, const AttnLayout& l, cudaStream_t s) {
+  if (a.dv <= 128) return LaunchAttention<4, E>(a, l, s);
+  if (a.dv <= 256) return LaunchAttention<8, E>(a, l, s);
+  return LaunchAttention<16, E>(a, l, s);
+}
+
 }  // namespace
+
+cudaError_t WriteKvCache(const float* k, const float* v, int64_t T, const int32_t* slot,
+                         const KvRows& kc, const KvRows& vc, cudaStream_t s) {
+  if (T <= 0 || kc.row <= 0) return cudaSuccess;
+  if (vc.row != kc.row || (kc.elem == KvElem::kFp8 && (kc.part_len <= 0 || kc.parts <= 0)) ||
+      (vc.elem == KvElem::kFp8 && (vc.part_len <= 0 || vc.parts <= 0)))
+    return cudaErrorInvalidValue;
+  StoreKvRowsKernel<<<BlocksFor(T), kThreads, 0, s>>>(k, v, T, slot, kc, vc);
+  return cudaGetLastError();
+}
 
 cudaError_t WriteKvCache(const float* k, const float* v, int64_t T, int64_t row,
                          const int32_t* slot, float* kcache, float* vcache, cudaStream_t s) {
-  if (T <= 0 || row <= 0) return cudaSuccess;
-  WriteKvCacheKernel<<<BlocksFor(T), kThreads, 0, s>>>(k, v, T, row, slot, kcache, vcache);
-  return cudaGetLastError();
+  KvRows kc, vc;
+  kc.data = kcache;
+  kc.row = row;
+  vc.data = vcache;
+  vc.row = row;
+  return WriteKvCache(k, v, T, slot, kc, vc, s);
 }
 
 int64_t PagedAttentionScratchFloats(const PagedAttentionArgs& a) {
@@ -319,7 +348,8 @@ int64_t PagedAttentionScratchFloats(const PagedAttentionArgs& a) {
 cudaError_t PagedAttention(const PagedAttentionArgs& args, cudaStream_t s) {
   if (args.T <= 0 || args.num_heads <= 0) return cudaSuccess;
   if (args.num_kv_heads <= 0 || args.num_heads % args.num_kv_heads != 0 || args.dk <= 0 ||
-      args.dk > kMaxDk || args.dv <= 0 || args.dv > kMaxDv || args.block_tokens <= 0)
+      args.dk > kMaxDk || args.dv <= 0 || args.dv > kMaxDv || args.block_tokens <= 0 ||
+      (args.kv == KvElem::kFp8 && (args.kv_part_len <= 0 || args.kv_parts <= 0)))
     return cudaErrorInvalidValue;
   PagedAttentionArgs a = args;
   AttnLayout l = LayoutFor(a);
@@ -332,12 +362,12 @@ cudaError_t PagedAttention(const PagedAttentionArgs& args, cudaStream_t s) {
     }
   }
   cudaError_t e;
-  if (a.dv <= 128) {
-    e = LaunchAttention<4>(a, l, s);
-  } else if (a.dv <= 256) {
-    e = LaunchAttention<8>(a, l, s);
+  if (a.kv == KvElem::kBf16) {
+    e = LaunchFor<KvElem::kBf16>(a, l, s);
+  } else if (a.kv == KvElem::kFp8) {
+    e = LaunchFor<KvElem::kFp8>(a, l, s);
   } else {
-    e = LaunchAttention<16>(a, l, s);
+    e = LaunchFor<KvElem::kF32>(a, l, s);
   }
   if (e != cudaSuccess || l.splits == 1) return e;
   AttentionMergeKernel<<<BlocksFor(a.T * a.num_heads), 128, 0, s>>>(a, l.splits);
@@ -347,12 +377,31 @@ cudaError_t PagedAttention(const PagedAttentionArgs& args, cudaStream_t s) {
 cudaError_t GatherPagedRows(const float* cache, int64_t row_floats, const int32_t* table,
                             int64_t block_tokens, int64_t p0, int64_t n, float* out,
                             cudaStream_t s) {
-  if (n <= 0 || row_floats <= 0) return cudaSuccess;
-  if (block_tokens <= 0 || p0 < 0) return cudaErrorInvalidValue;
-  const bool vec = row_floats % 4 == 0 && reinterpret_cast<uintptr_t>(cache) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  GatherPagedRowsKernel<<<BlocksFor(n), 128, 0, s>>>(cache, row_floats, table, block_tokens, p0, n,
-                                                     out, vec);
+  KvRows c;
+  c.data = const_cast<float*>(cache);
+  c.row = row_floats;
+  return GatherPagedRows(c, table, block_tokens, p0, n, out, s);
+}
+
+cudaError_t GatherPagedRows(const KvRows& c, const int32_t* table, int64_t block_tokens, int64_t p0,
+                            int64_t n, float* out, cudaStream_t s) {
+  if (n <= 0 || c.row <= 0) return cudaSuccess;
+  if (block_tokens <= 0 || p0 < 0 || (c.elem == KvElem::kFp8 && (c.part_len <= 0 || c.parts <= 0)))
+    return cudaErrorInvalidValue;
+  const bool vec =
+      c.row % 4 == 0 && reinterpret_cast<uintptr_t>(c.data) % (4 * KvElemBytes(c.elem)) == 0 &&
+      reinterpret_cast<uintptr_t>(out) % 16 == 0 && (c.elem != KvElem::kFp8 || c.part_len % 4 == 0);
+  const unsigned blocks = BlocksFor(n);
+  if (c.elem == KvElem::kBf16) {
+    GatherKvRowsKernel<KvElem::kBf16>
+        <<<blocks, 128, 0, s>>>(c, table, block_tokens, p0, n, out, vec);
+  } else if (c.elem == KvElem::kFp8) {
+    GatherKvRowsKernel<KvElem::kFp8>
+        <<<blocks, 128, 0, s>>>(c, table, block_tokens, p0, n, out, vec);
+  } else {
+    GatherKvRowsKernel<KvElem::kF32>
+        <<<blocks, 128, 0, s>>>(c, table, block_tokens, p0, n, out, vec);
+  }
   return cudaGetLastError();
 }
 

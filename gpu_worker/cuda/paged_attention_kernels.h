@@ -12,6 +12,11 @@ namespace hmoe::cuda {
 // tokens with slot[t] < 0 are skipped.
 cudaError_t WriteKvCache(const float* k, const float* v, int64_t T, int64_t row,
                          const int32_t* slot, float* kcache, float* vcache, cudaStream_t s);
+// The same into caches of any element type: row t of k / v (kc.row floats;
+// vc.row == kc.row) is stored as row slot[t] of kc / vc (StoreKvRow's
+// rounding, common/kv_quant.h).
+cudaError_t WriteKvCache(const float* k, const float* v, int64_t T, const int32_t* slot,
+                         const KvRows& kc, const KvRows& vc, cudaStream_t s);
 
 // Paged causal attention (optionally sliding-window), one query row per
 // (token, head).
@@ -20,12 +25,19 @@ struct PagedAttentionArgs {
   int64_t q_tok_stride = 0, q_head_stride = 0;
   int64_t dk = 0;  // <= 576
   // Key of kv head g for cache row `row` at k_cache[row*k_row + g*k_head_offset].
-  const float* k_cache = nullptr;
+  // Row and offsets count elements of the caches' type `kv` (KvRows'
+  // layout, kernel_api.h); kFp8: k_scale / v_scale hold kv_parts f32 per
+  // row, element e of a row in part min(e / kv_part_len, kv_parts - 1).
+  const void* k_cache = nullptr;
   int64_t k_row = 0;
   int64_t k_head_offset = 0;
-  const float* v_cache = nullptr;
+  const void* v_cache = nullptr;
   int64_t v_row = 0;
   int64_t v_head_offset = 0;
+  KvElem kv = KvElem::kF32;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t kv_part_len = 0, kv_parts = 1;
   int64_t dv = 0;  // <= 512
   // kv head of head h = h / (num_heads / num_kv_heads).
   int64_t T = 0, num_heads = 0, num_kv_heads = 1;
@@ -59,6 +71,10 @@ cudaError_t PagedAttention(const PagedAttentionArgs& a, cudaStream_t s);
 cudaError_t GatherPagedRows(const float* cache, int64_t row_floats, const int32_t* table,
                             int64_t block_tokens, int64_t p0, int64_t n, float* out,
                             cudaStream_t s);
+// The same from a cache of any element type (rows of c.row elements),
+// decoded to f32: out[i][:] holds c.row floats.
+cudaError_t GatherPagedRows(const KvRows& c, const int32_t* table, int64_t block_tokens, int64_t p0,
+                            int64_t n, float* out, cudaStream_t s);
 // In place over rows r < rows of `cols` scores: row r is the query at
 // position q_pos0 + r % group_rows, column c the key at position k_pos0 + c;
 // visible keys (cpu::Visible: k <= q and, when window > 0, k > q - window)

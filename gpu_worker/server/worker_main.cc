@@ -74,7 +74,7 @@ struct WorkerOptions {
   int cuda_device = 0;
   double gpu_mem_gb = 0;
   DenseWeights gpu_weights = DenseWeights::kAuto;
-  KvDtype kv_dtype = KvDtype::kF32;
+  KvDtype kv_dtype = KvDtype::kBf16;
   bool cuda_graphs = true;
   bool cuda_expert_slots = true;
   SlotCalls cuda_slot_calls = SlotCalls::kDeviceSends;

@@ -30,7 +30,7 @@ TEST(Accuracy, StandardVariantsCarryTheIssueTargets) {
   std::vector<std::string> names;
   for (const accuracy::Variant& v : accuracy::StandardVariants()) {
     names.push_back(v.name);
-    if (v.name == "deferral 2" || v.name == "int8") {
+    if (v.name == "deferral 2" || v.name == "int8" || v.name == "kv fp8") {
       ASSERT_TRUE(v.max_ppl_change_pct) << v.name;
       EXPECT_EQ(*v.max_ppl_change_pct, 0.5) << v.name;
     } else if (v.format == WeightFormat::kInt4) {
@@ -47,7 +47,15 @@ TEST(Accuracy, StandardVariantsCarryTheIssueTargets) {
   }
   EXPECT_EQ(names, (std::vector<std::string>{"deferral 0", "deferral 1", "deferral 2", "deferral 3",
                                              "bf16", "int8", "int4 g32", "int4 g64", "int4 g128",
-                                             "dense fp8", "dense int8", "dense int4"}));
+                                             "dense fp8", "dense int8", "dense int4", "kv bf16",
+                                             "kv fp8"}));
+  // The exact model and every row but the KV ones keep the f32 KV cache.
+  EXPECT_EQ(accuracy::Variant{"exact"}.kv_dtype, KvDtype::kF32);
+  for (const accuracy::Variant& v : accuracy::StandardVariants()) {
+    if (v.name.rfind("kv ", 0) != 0) {
+      EXPECT_EQ(v.kv_dtype, KvDtype::kF32) << v.name;
+    }
+  }
 }
 
 TEST(Accuracy, HandlerExpertsRefuseAnotherModelsShard) {

@@ -10,11 +10,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/kv_quant.h"
 #include "gpu_worker/cpu/ops.h"
 #include "gpu_worker/cuda/gemm_attention.h"
 #include "tests/cuda/kernel_test_util.h"
@@ -70,7 +72,47 @@ struct AttnCase {
   int64_t gemm_min = 0;
   int64_t gemm_floats = 0;
   bool tf32 = true;
+  KvElem kv = KvElem::kF32;  // the caches' element type
 };
+
+// A cache as stored in element type `e` (bytes, kFp8's scales: `parts` per
+// row, element i of a row in part min(i / part_len, parts - 1)), and the f32
+// values it reads back as.
+struct StoredCache {
+  std::vector<uint8_t> bytes;
+  std::vector<float> scale, values;
+};
+
+StoredCache Store(const std::vector<float>& x, int64_t rows, int64_t row, KvElem e,
+                  int64_t part_len, int64_t parts) {
+  StoredCache s;
+  s.values = x;
+  s.bytes.resize(static_cast<size_t>(rows * row * KvElemBytes(e)));
+  if (e == KvElem::kF32) {
+    std::memcpy(s.bytes.data(), x.data(), s.bytes.size());
+    return s;
+  }
+  if (e == KvElem::kFp8) s.scale.resize(static_cast<size_t>(rows * parts));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t p = 0; p < (e == KvElem::kFp8 ? parts : 1); ++p) {
+      const int64_t lo = e == KvElem::kFp8 ? p * part_len : 0;
+      const int64_t hi = e == KvElem::kFp8 && p < parts - 1 ? lo + part_len : row;
+      const int64_t i0 = r * row + lo;
+      if (e == KvElem::kBf16) {
+        for (int64_t i = i0; i < r * row + hi; ++i) {
+          const uint16_t b = KvToBf16(x[i]);
+          std::memcpy(s.bytes.data() + 2 * i, &b, 2);
+          s.values[i] = KvFromBf16(b);
+        }
+      } else {
+        const float sc = KvEncodeFp8Part(x.data() + i0, hi - lo, s.bytes.data() + i0);
+        s.scale[r * parts + p] = sc;
+        for (int64_t i = i0; i < r * row + hi; ++i) s.values[i] = KvFp8Value(s.bytes[i], sc);
+      }
+    }
+  }
+  return s;
+}
 
 // TF32 inputs (10-bit mantissas) in the GEMM attention.
 constexpr double kGemmNmse = 5e-5;
@@ -101,13 +143,21 @@ void RunAttention(const AttnCase& c, std::mt19937& rng) {
   const int64_t rows = nblocks * bt;
   const int64_t k_row = c.mla ? c.dk : c.kv_heads * c.dk;
   const int64_t v_row = c.mla ? c.dk : c.kv_heads * c.dv;
-  const std::vector<float> kc = Random(rows * k_row, rng);
-  const std::vector<float> vc = c.mla ? std::vector<float>() : Random(rows * v_row, rng);
+  // The caches as stored in c.kv; the reference reads the values they hold.
+  const int64_t part_len = c.mla ? c.dv : c.dk, parts = c.mla ? 2 : c.kv_heads;
+  const StoredCache ks = Store(Random(rows * k_row, rng), rows, k_row, c.kv, part_len, parts);
+  const StoredCache vs =
+      c.mla ? StoredCache() : Store(Random(rows * v_row, rng), rows, v_row, c.kv, part_len, parts);
+  const std::vector<float>& kc = ks.values;
+  const std::vector<float>& vc = vs.values;
   const int64_t q_ts = c.heads * c.dk + c.q_pad;
   const std::vector<float> q = Random(T * q_ts, rng, -2.0f, 2.0f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.dk));
 
-  DeviceBuffer<float> dq(q), dk(kc), dv(c.mla ? std::vector<float>{0.0f} : vc);
+  DeviceBuffer<float> dq(q);
+  DeviceBuffer<uint8_t> dk(ks.bytes), dv(c.mla ? std::vector<uint8_t>{0} : vs.bytes);
+  DeviceBuffer<float> dks(ks.scale.empty() ? std::vector<float>{0.0f} : ks.scale);
+  DeviceBuffer<float> dvs(vs.scale.empty() ? std::vector<float>{0.0f} : vs.scale);
   DeviceBuffer<int32_t> dtable(table), dstart(table_start), dpos(pos);
   DeviceBuffer<float> dout(T * c.heads * c.dv);
   PagedAttentionArgs a;
@@ -121,6 +171,11 @@ void RunAttention(const AttnCase& c, std::mt19937& rng) {
   a.v_cache = c.mla ? dk.get() : dv.get();
   a.v_row = v_row;
   a.v_head_offset = c.mla ? 0 : c.dv;
+  a.kv = c.kv;
+  a.k_scale = dks.get();
+  a.v_scale = c.mla ? dks.get() : dvs.get();
+  a.kv_part_len = part_len;
+  a.kv_parts = parts;
   a.dv = c.dv;
   a.T = T;
   a.num_heads = c.heads;
@@ -348,6 +403,127 @@ TEST(GpuKernelTest, GemmAttentionMatchesTheReference) {
   RunAttention(gemm({"mla dk48 dv32", true, 4, 1, 48, 32, 16, 0, {{12, 6}, {19, 1}, {12, 12}}}, 1),
                rng);
   RunAttention(gemm({"mla dk40 dv32", true, 4, 1, 40, 32, 16, 0, {{12, 6}, {19, 1}}}, 1), rng);
+}
+
+// ---- KV caches in bf16 / fp8 (common/kv_quant.h) -------------------------------------
+
+// PagedAttention and GEMM attention read bf16 / fp8 caches (converting as
+// they load) like an f32 cache holding the decoded values.
+TEST(GpuKernelTest, PagedAttentionReadsRoundedCaches) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(21);
+  auto with = [](AttnCase c, KvElem kv, int64_t gemm_min = 0) {
+    c.kv = kv;
+    c.name += kv == KvElem::kBf16 ? " bf16" : " fp8";
+    c.gemm_min = gemm_min;
+    return c;
+  };
+  for (KvElem kv : {KvElem::kBf16, KvElem::kFp8}) {
+    RunAttention(with({"mla", true, 16, 1, 576, 512, 16, 0, {{1, 1}, {133, 33}, {1000, 1}}}, kv),
+                 rng);
+    RunAttention(with({"mla odd", true, 12, 1, 72, 40, 7, 0, {{29, 5}, {100, 1}}, 3}, kv), rng);
+    RunAttention(with({"mla scalar", true, 3, 1, 37, 33, 5, 0, {{50, 4}, {1, 1}}, 1}, kv), rng);
+    RunAttention(with({"gqa", false, 32, 4, 128, 128, 16, 0, {{17, 17}, {300, 64}, {2000, 1}}}, kv),
+                 rng);
+    RunAttention(with({"gqa hd33 scalar", false, 4, 2, 33, 33, 3, 0, {{70, 9}, {500, 1}}}, kv),
+                 rng);
+    RunAttention(with({"gqa window", false, 8, 2, 64, 64, 16, 37, {{300, 64}, {1000, 1}}}, kv),
+                 rng);
+    RunAttention(with({"mla gemm", true, 16, 1, 576, 512, 16, 0, {{300, 300}, {1, 1}}}, kv, 4),
+                 rng);
+    RunAttention(with({"gqa gemm", false, 32, 4, 128, 128, 16, 0, {{400, 400}, {90, 70}}}, kv, 16),
+                 rng);
+  }
+}
+
+// The cache write stores each row exactly as the host encoding does.
+TEST(GpuKernelTest, WriteKvCacheRoundsLikeTheHost) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(22);
+  for (KvElem kv : {KvElem::kF32, KvElem::kBf16, KvElem::kFp8}) {
+    for (int64_t hd : {1, 33, 128}) {
+      for (int64_t nkv : {1, 3, 8}) {
+        const int64_t row = hd * nkv, T = 37, slots = T + 9;
+        SCOPED_TRACE(::testing::Message()
+                     << "kv " << static_cast<int>(kv) << " hd " << hd << " nkv " << nkv);
+        std::vector<float> k = Random(T * row, rng, -30.0f, 30.0f), v = Random(T * row, rng);
+        for (int64_t i = 0; i < hd; ++i) k[i] = 0.0f;  // a zero part: scale 0
+        if (hd > 1) k[row + 1] = 448.0f;
+        std::vector<int32_t> perm(slots);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        std::vector<int32_t> slot(perm.begin(), perm.begin() + T);
+        slot[2] = -1;  // skipped
+        const int64_t eb = KvElemBytes(kv);
+        DeviceBuffer<float> dk(k), dv(v);
+        DeviceBuffer<uint8_t> dkc(std::vector<uint8_t>(slots * row * eb, 0xab)),
+            dvc(std::vector<uint8_t>(slots * row * eb, 0xab));
+        DeviceBuffer<float> dks(std::vector<float>(slots * nkv, -1.0f)),
+            dvs(std::vector<float>(slots * nkv, -1.0f));
+        DeviceBuffer<int32_t> ds(slot);
+        KvRows kr, vr;
+        kr.data = dkc.get();
+        kr.scale = dks.get();
+        kr.elem = kv;
+        kr.row = row;
+        kr.part_len = hd;
+        kr.parts = nkv;
+        vr = kr;
+        vr.data = dvc.get();
+        vr.scale = dvs.get();
+        Check(WriteKvCache(dk.get(), dv.get(), T, ds.get(), kr, vr, nullptr));
+        const auto kb = dkc.Download(), vb = dvc.Download();
+        const auto ksc = dks.Download(), vsc = dvs.Download();
+        const StoredCache ke = Store(k, T, row, kv, hd, nkv), ve = Store(v, T, row, kv, hd, nkv);
+        for (int64_t t = 0; t < T; ++t) {
+          if (slot[t] < 0) continue;
+          const size_t n = static_cast<size_t>(row * eb);
+          EXPECT_EQ(std::memcmp(kb.data() + slot[t] * n, ke.bytes.data() + t * n, n), 0) << t;
+          EXPECT_EQ(std::memcmp(vb.data() + slot[t] * n, ve.bytes.data() + t * n, n), 0) << t;
+          if (kv == KvElem::kFp8)
+            for (int64_t p = 0; p < nkv; ++p) {
+              EXPECT_EQ(ksc[slot[t] * nkv + p], ke.scale[t * nkv + p]) << t;
+              EXPECT_EQ(vsc[slot[t] * nkv + p], ve.scale[t * nkv + p]) << t;
+            }
+        }
+        if (kv == KvElem::kFp8) {
+          EXPECT_EQ(ksc[slot[0] * nkv], 0.0f);  // token 0's first part is all zeros
+        }
+      }
+    }
+  }
+}
+
+TEST(GpuKernelTest, GatherPagedRowsDecodes) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(23);
+  for (KvElem kv : {KvElem::kBf16, KvElem::kFp8}) {
+    for (int64_t row : {576, 37}) {
+      const int64_t bt = 16, blocks = 6, rows = blocks * bt, part_len = row == 576 ? 512 : 10,
+                    parts = 2;
+      const StoredCache c = Store(Random(rows * row, rng), rows, row, kv, part_len, parts);
+      const std::vector<int32_t> table = {4, 0, 5, 2};
+      DeviceBuffer<uint8_t> db(c.bytes);
+      DeviceBuffer<float> dsc(c.scale.empty() ? std::vector<float>{0.0f} : c.scale);
+      DeviceBuffer<int32_t> dt(table);
+      const int64_t p0 = 5, n = 50;
+      DeviceBuffer<float> dout(n * row);
+      KvRows r;
+      r.data = db.get();
+      r.scale = dsc.get();
+      r.elem = kv;
+      r.row = row;
+      r.part_len = part_len;
+      r.parts = parts;
+      Check(GatherPagedRows(r, dt.get(), bt, p0, n, dout.get(), nullptr));
+      const auto got = dout.Download();
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = p0 + i, pr = table[p / bt] * bt + p % bt;
+        for (int64_t e = 0; e < row; ++e)
+          ASSERT_EQ(got[i * row + e], c.values[pr * row + e]) << i << " " << e;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -28,6 +28,7 @@ std::vector<float> PrefillAll(const std::string& dir, const std::vector<int32_t>
   ModelOptions opt;
   opt.num_threads = 2;
   opt.backend = "cpu";
+  opt.kv_dtype = KvDtype::kF32;  // compared with transformers at 1e-3
   auto m = Model::Load(dir, opt);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return {};

@@ -22,12 +22,16 @@ constexpr double kTolerance = 1e-3;  // vs transformers (fp32 math, other summat
 constexpr double kSelfTolerance =
     1e-6;  // incremental vs full recompute (bit-identical in practice)
 
-const Model& GetModel(const std::string& name) {
-  static auto* models = new std::map<std::string, std::unique_ptr<Model>>;
-  auto& m = (*models)[name];
+// `kv`: the KV cache's element type; transformers' logits are compared with
+// the f32 cache's (a rounded cache moves them past kTolerance; its own bounds
+// are kv_dtype_model_test.cc's), the paths' agreement with the default's.
+const Model& GetModel(const std::string& name, KvDtype kv = ModelOptions().kv_dtype) {
+  static auto* models = new std::map<std::pair<std::string, KvDtype>, std::unique_ptr<Model>>;
+  auto& m = (*models)[{name, kv}];
   if (!m) {
     ModelOptions opt;
     opt.num_threads = 2;
+    opt.kv_dtype = kv;
     auto loaded = Model::Load(ModelFixturesRoot() + "/" + name, opt);
     if (!loaded.ok()) ADD_FAILURE() << loaded.status();
     if (!loaded.ok()) std::abort();
@@ -40,7 +44,7 @@ class FixtureTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(FixtureTest, MatchesTransformers) {
   const std::string name = GetParam();
-  const Model& model = GetModel(name);
+  const Model& model = GetModel(name, KvDtype::kF32);
   const ReferenceOutputs ref = LoadReference(ModelFixturesRoot() + "/" + name);
   const int64_t V = ref.vocab, P = static_cast<int64_t>(ref.prompt.size());
   const int64_t N = static_cast<int64_t>(ref.greedy.size());
