@@ -243,6 +243,90 @@ TEST(ExpertShard, SyntheticShardsSumToWhole) {
   }
 }
 
+// alias=N: every layer's experts are views of N packed experts held once
+// (the memory of N, not L x E), computing what the unaliased model's
+// expert of that set computes, bit for bit; shards of it sum to the whole.
+TEST(ExpertShard, AliasedSyntheticExpertsHoldNExperts) {
+  const std::string shape = "hidden=64,intermediate=48,experts=8,top_k=1,seed=3";
+  auto load = [](const std::string& spec, int i = 0, int n = 1,
+                 SplitMode split = SplitMode::kTp) -> std::unique_ptr<ExpertShard> {
+    ShardOptions o;
+    o.synthetic = spec;
+    o.threads = 1;
+    o.shard_index = i;
+    o.num_shards = n;
+    o.split = split;
+    auto s = ExpertShard::Load(o);
+    EXPECT_TRUE(s.ok()) << spec << ": " << s.status();
+    return s.ok() ? std::move(*s) : nullptr;
+  };
+  auto plain = load(shape + ",layers=4");
+  auto aliased = load(shape + ",layers=4,alias=5");
+  auto deeper = load(shape + ",layers=16,alias=5");
+  ASSERT_TRUE(plain && aliased && deeper);
+  const int64_t expert_bytes = plain->weight_bytes() / (4 * 8);
+  EXPECT_EQ(plain->aliased_experts(), 0);
+  EXPECT_EQ(aliased->aliased_experts(), 5);
+  EXPECT_EQ(aliased->weight_bytes(), 5 * expert_bytes);
+  EXPECT_EQ(deeper->weight_bytes(), 5 * expert_bytes);  // not 16 x 8
+  for (int slot = 0; slot < 4; ++slot) {
+    EXPECT_TRUE(aliased->layer(slot).aliased());
+    for (const auto& part : aliased->layer(slot).parts()) EXPECT_EQ(part.mem.size(), 0u);
+  }
+  // Expert e of layer l, one call of 3 tokens, against plain layer 0's
+  // expert (l * 8 + e) % 5.
+  auto run = [](ExpertShard& s, int layer, int32_t e) {
+    testing::RandomCall c = MakeRandomCall(s.info(), layer, 3, 17);
+    for (int32_t& id : c.ids) id = e;
+    std::vector<float> out(static_cast<size_t>(3 * 64));
+    EXPECT_TRUE(s.Handle(c.call(), out.data(), nullptr).ok());
+    return out;
+  };
+  for (int layer = 0; layer < 4; ++layer)
+    for (int32_t e = 0; e < 8; ++e)
+      EXPECT_EQ(run(*aliased, layer, e), run(*plain, 0, (layer * 8 + e) % 5)) << layer << " " << e;
+  EXPECT_EQ(run(*deeper, 15, 3), run(*plain, 0, (15 * 8 + 3) % 5));
+  EXPECT_NE(run(*aliased, 0, 0), run(*aliased, 0, 1));
+  // Split over shards (each holding its slice of the N sets), the sum is the whole.
+  auto call = MakeRandomCall(aliased->info(), 2, 7, 21);
+  std::vector<float> want(static_cast<size_t>(7 * 64));
+  ASSERT_TRUE(aliased->Handle(call.call(), want.data(), nullptr).ok());
+  for (SplitMode split : {SplitMode::kTp, SplitMode::kEp}) {
+    std::vector<float> sum(want.size(), 0.f), part(want.size());
+    for (int i = 0; i < 2; ++i) {
+      auto s = load(shape + ",layers=4,alias=5", i, 2, split);
+      ASSERT_TRUE(s);
+      ASSERT_TRUE(s->Handle(call.call(), part.data(), nullptr).ok());
+      for (size_t k = 0; k < sum.size(); ++k) sum[k] += part[k];
+    }
+    EXPECT_LT(MaxRelDiff(sum, want), 1e-5) << SplitModeName(split);
+  }
+}
+
+// The load reports its packed bytes: the total first, every expert once.
+TEST(ExpertShard, LoadReportsPackedBytes) {
+  for (const char* spec : {"hidden=64,intermediate=32,experts=4,top_k=2,layers=3,seed=2",
+                           "hidden=64,intermediate=32,experts=4,top_k=2,layers=3,seed=2,alias=3"}) {
+    std::vector<std::string> lines;
+    LoadProgressOptions po;
+    po.log = [&lines](const std::string& line) { lines.push_back(line); };
+    LoadProgressReporter reporter(po);
+    ExpertShard::LoadProgress progress;
+    progress.bytes = &reporter;
+    ShardOptions o;
+    o.synthetic = spec;
+    o.threads = 2;
+    auto s = ExpertShard::Load(o, &progress);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(reporter.total(), (*s)->weight_bytes()) << spec;
+    EXPECT_EQ(reporter.done(), reporter.total()) << spec;
+    reporter.Finish();
+    ASSERT_FALSE(lines.empty());
+    EXPECT_EQ(lines.back().rfind("loading weights: ", 0), 0u) << lines.back();
+    EXPECT_NE(lines.back().find(" GB/s mean"), std::string::npos) << lines.back();
+  }
+}
+
 // first_dense=D makes layers D..L-1 the MoE layers; D must leave one, and
 // only first_dense may be 0.
 TEST(ExpertShard, SyntheticFirstDenseSetsTheMoeLayers) {
@@ -257,7 +341,10 @@ TEST(ExpertShard, SyntheticFirstDenseSetsTheMoeLayers) {
   EXPECT_TRUE((*s)->Handle(call.call(), out.data(), nullptr).ok());
   for (const char* bad : {"hidden=64,intermediate=32,experts=4,top_k=2,layers=3,first_dense=3",
                           "hidden=64,intermediate=32,experts=4,top_k=2,layers=3,first_dense=-1",
-                          "hidden=64,intermediate=32,experts=4,top_k=0,layers=3"}) {
+                          "hidden=64,intermediate=32,experts=4,top_k=0,layers=3",
+                          "hidden=64,intermediate=32,experts=4,top_k=2,layers=3,alias=0",
+                          "hidden=64,intermediate=32,experts=4,top_k=2,layers=3,first_dense=1,"
+                          "alias=9"}) {
     o.synthetic = bad;
     auto r = ExpertShard::Load(o);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad << ": " << r.status();
