@@ -1183,9 +1183,10 @@ absl::Status Run(const Args& a) {
   double bw = bw_before.best_gbs;
   std::string bw_source = "before_service";
   std::printf(
-      "# routed bytes per token %s -> CPU-expert decode ceiling %.1f tok/s at this reading\n",
+      "# routed bytes per token %s -> CPU-expert decode ceiling %.1f tok/s at this reading%s\n",
       HumanBytes(static_cast<int64_t>(routed_bytes_per_token)).c_str(),
-      bw * 1e9 / routed_bytes_per_token);
+      bw * 1e9 / routed_bytes_per_token,
+      a.alias_experts > 0 ? absl::StrCat(" (", kFitCheck, ")").c_str() : "");
   std::fflush(stdout);
 
   // The expert service.

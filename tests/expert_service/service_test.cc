@@ -303,6 +303,39 @@ TEST(ExpertShard, AliasedSyntheticExpertsHoldNExperts) {
   }
 }
 
+// The memory check counts an aliased shard's N experts, not L x E: where
+// the unaliased shard is refused, the aliased one loads; refused, it says so.
+TEST(ExpertShard, AliasedMemoryCheckCountsNExperts) {
+  ShardOptions o;
+  o.synthetic = "hidden=256,intermediate=128,experts=8,top_k=2,layers=3,seed=1";
+  o.threads = 1;
+  MemoryLimits m;
+  m.machine_bytes = 1 << 20;
+  o.memory_limits = m;
+  auto refused = ExpertShard::Load(o);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  const std::string msg(refused.status().message());
+  double need_mib = 0;
+  const size_t at = msg.find(" need ");
+  ASSERT_NE(at, std::string::npos) << msg;
+  ASSERT_EQ(std::sscanf(msg.c_str() + at, " need %lf MiB", &need_mib), 1) << msg;
+  m.machine_bytes = static_cast<int64_t>((need_mib - 0.5) * 1024 * 1024);
+  o.memory_limits = m;
+  EXPECT_EQ(ExpertShard::Load(o).status().code(), absl::StatusCode::kResourceExhausted);
+  o.synthetic += ",alias=2";
+  auto aliased = ExpertShard::Load(o);
+  EXPECT_TRUE(aliased.ok()) << aliased.status();
+  m.machine_bytes = 256 << 10;
+  o.memory_limits = m;
+  auto small = ExpertShard::Load(o);
+  ASSERT_EQ(small.status().code(), absl::StatusCode::kResourceExhausted) << small.status();
+  EXPECT_NE(small.status().message().find(
+                "this shard's packed weights (0.4 MiB: 2 aliased experts for 3 MoE layers x 8 "
+                "experts, bf16)"),
+            absl::string_view::npos)
+      << small.status();
+}
+
 // The load reports its packed bytes: the total first, every expert once.
 TEST(ExpertShard, LoadReportsPackedBytes) {
   for (const char* spec : {"hidden=64,intermediate=32,experts=4,top_k=2,layers=3,seed=2",
