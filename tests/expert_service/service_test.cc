@@ -303,6 +303,42 @@ TEST(ExpertShard, AliasedSyntheticExpertsHoldNExperts) {
   }
 }
 
+// PackedMoeLayer::Aliased refuses aliases outside its base and a base of
+// another layout; an aliased layer takes no PackExpert (no memory of its own)
+// and unpacks to its base's experts.
+TEST(PackedMoeLayer, AliasedLayersCheckTheirBase) {
+  absl::StatusOr<ThreadPool*> pool = SharedThreadPool(1, 0);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  PackOptions po;
+  po.format = WeightFormat::kInt8;
+  absl::StatusOr<PackedMoeLayer> base = PackRandom(64, 32, 3, po, **pool, 5);
+  ASSERT_TRUE(base.ok()) << base.status();
+  auto shared = std::make_shared<const PackedMoeLayer>(std::move(*base));
+  auto bad = PackedMoeLayer::Aliased(shared, 32, 4, po, **pool, {0, 1, 3, 2});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("alias 3 outside the base layer's 3 experts"),
+            absl::string_view::npos)
+      << bad.status();
+  EXPECT_EQ(PackedMoeLayer::Aliased(shared, 32, 4, po, **pool, {0, 1}).status().code(),
+            absl::StatusCode::kInvalidArgument);  // 2 aliases for 4 experts
+  PackOptions other = po;
+  other.format = WeightFormat::kBf16;
+  EXPECT_EQ(PackedMoeLayer::Aliased(shared, 32, 4, other, **pool, {0, 1, 2, 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto layer = PackedMoeLayer::Aliased(shared, 32, 4, po, **pool, {2, 0, 1, 2});
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  EXPECT_TRUE(layer->aliased());
+  auto q = UnpackExpert(*shared, 2);
+  ASSERT_TRUE(q.ok()) << q.status();
+  for (int64_t e : {0, 3}) {
+    auto a = UnpackExpert(*layer, e);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->gate.q, q->gate.q);
+    EXPECT_EQ(a->down.scale, q->down.scale);
+  }
+  EXPECT_EQ(PackExpert(*q, 1, *layer).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 // The memory check counts an aliased shard's N experts, not L x E: where
 // the unaliased shard is refused, the aliased one loads; refused, it says so.
 TEST(ExpertShard, AliasedMemoryCheckCountsNExperts) {
