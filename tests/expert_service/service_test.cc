@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -577,6 +579,42 @@ TEST(ExpertShard, ComputeTimeExcludesTheWaitForAnotherCall) {
 }
 
 // ---- the process ---------------------------------------------------------------
+
+// Under systemd (NOTIFY_SOCKET set), the service says how far its load is as
+// STATUS=, then READY=1 with the port, each a datagram on that socket.
+TEST(ServiceProcess, TellsTheServiceManagerItsLoadThenReady) {
+  ::hmoe::testing::TempDir dir;
+  const std::string path = dir.file("notify.sock");
+  const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  ASSERT_LT(path.size(), sizeof(a.sun_path));
+  std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  timeval tv{30, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setenv("NOTIFY_SOCKET", path.c_str(), 1);
+  ::hmoe::testing::ServiceProcess proc;
+  const bool started = proc.Start({"--model-dir=" + ModelDir(), "--no-ucx"}, dir.file("port"));
+  ::unsetenv("NOTIFY_SOCKET");
+  ASSERT_TRUE(started);
+  std::vector<std::string> got;
+  while (got.empty() || got.back().rfind("READY=1", 0) != 0) {
+    char buf[4096];
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    ASSERT_GT(n, 0) << "no READY=1 after " << got.size() << " datagrams";
+    got.emplace_back(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  ASSERT_GE(got.size(), 2u);
+  EXPECT_EQ(got[0].rfind("STATUS=loading experts: ", 0), 0u) << got[0];
+  EXPECT_THAT(
+      got[got.size() - 2],
+      ::testing::ContainsRegex(R"(^STATUS=loading experts: [0-9.]+ [KMG]?i?B in [0-9.]+ s, )"
+                               R"([0-9.]+ GB/s mean$)"));
+  EXPECT_EQ(got.back(), "READY=1\nSTATUS=serving on port " + std::to_string(proc.port()));
+}
 
 // hmoe-expert-bench --zero-copy writes a slot's hidden states once per call
 // shape: a slot reused by a call with another token count gets them again
