@@ -364,6 +364,7 @@ struct Args {
   int64_t expert_timeout_ms = 120000;
   std::string bin_dir, work_dir, json;
   int64_t vocab = 0;
+  int64_t alias_experts = 0;  // > 0: the service's synthetic alias=N (a fit check)
   int64_t probe_mib = 0;
   int probe_reps = 4;
   bool probe_after = true;
@@ -497,6 +498,11 @@ void AddFlags(FlagSet& fs, Args* a) {
             range(0, 4, false), in(0, 4, false));
   fs.Int("threads", &a->threads, 0, 4096,
          "worker threads of the model's parallel loops (0: hardware concurrency)");
+  fs.Int("alias-experts", &a->alias_experts, 0, int64_t{1} << 30,
+         "FIT CHECK, not a speed figure: every routed expert of every layer is one of N "
+         "distinct weight sets, held once (the service's --synthetic alias=N; the GPU's copies "
+         "alike), so a full-size shape loads in the memory of N experts; --layers 0 then means "
+         "all the model's layers, and every output says so (0: off)");
   fs.Int("service-threads", &a->service_threads, 0, 4096,
          "the expert service's --threads, also the DRAM probe's (0: every core)");
   fs.Int("service-max-tokens", &a->service_max_tokens, 1, 1 << 20,
@@ -1004,6 +1010,14 @@ std::string Cell(double v, bool kept, const char* fmt = "%.2f") {
   return kept ? absl::StrFormat(fmt, v) : std::string("-");
 }
 
+constexpr const char* kFitCheck = "FIT CHECK (aliased experts): not a speed figure";
+
+// A table's leading blank line, and under --alias-experts the fit-check label.
+void TableNote(const Args& a) {
+  std::printf("\n");
+  if (a.alias_experts > 0) std::printf("# %s\n", kFitCheck);
+}
+
 // ---- the run ----------------------------------------------------------------------
 absl::Status Run(const Args& a) {
   const double t_start = Now();
@@ -1069,6 +1083,21 @@ absl::Status Run(const Args& a) {
   const int64_t ram =
       mem.cgroup_bytes > 0 ? std::min(mem.machine_bytes, mem.cgroup_bytes) : mem.machine_bytes;
   int layers = a.layers;
+  if (a.alias_experts > 0) {
+    // Aliased: the service holds N experts whatever the layer count.
+    const int64_t held = a.alias_experts * expert_bytes;
+    if (static_cast<double>(held) > a.mem_fraction * static_cast<double>(ram))
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "--alias-experts ", a.alias_experts, ": ", HumanBytes(held), " of ", service_format,
+          " experts, over ", a.mem_fraction, " of the ", HumanBytes(ram), " of RAM"));
+    for (const std::string& p : a.prefill_sweep)
+      if (p != "cpu")
+        return absl::InvalidArgumentError(
+            absl::StrCat("--prefill-sweep ", p,
+                         " with --alias-experts: the pinned host copy of the streamed "
+                         "experts holds every layer's experts, not aliased (use cpu)"));
+    if (layers == 0) layers = real_layers;
+  }
   if (layers == 0) {
     const int64_t fit =
         static_cast<int64_t>(a.mem_fraction * static_cast<double>(ram)) / (E * expert_bytes);
@@ -1117,6 +1146,10 @@ absl::Status Run(const Args& a) {
       service_format.c_str(), bytes_per_weight, HumanBytes(expert_bytes).c_str(),
       HumanBytes(E * expert_bytes).c_str(), HumanBytes(L_moe * E * expert_bytes).c_str(),
       a.transport.c_str(), a.backend.c_str());
+  if (a.alias_experts > 0)
+    std::printf("# %s: every routed expert is one of %lld distinct weight sets (%s held)\n",
+                kFitCheck, static_cast<long long>(a.alias_experts),
+                HumanBytes(a.alias_experts * expert_bytes).c_str());
   std::fflush(stdout);
 
   // The worker's checkpoint.
@@ -1150,15 +1183,17 @@ absl::Status Run(const Args& a) {
   double bw = bw_before.best_gbs;
   std::string bw_source = "before_service";
   std::printf(
-      "# routed bytes per token %s -> CPU-expert decode ceiling %.1f tok/s at this reading\n",
+      "# routed bytes per token %s -> CPU-expert decode ceiling %.1f tok/s at this reading%s\n",
       HumanBytes(static_cast<int64_t>(routed_bytes_per_token)).c_str(),
-      bw * 1e9 / routed_bytes_per_token);
+      bw * 1e9 / routed_bytes_per_token,
+      a.alias_experts > 0 ? absl::StrCat(" (", kFitCheck, ")").c_str() : "");
   std::fflush(stdout);
 
   // The expert service.
   std::string spec = absl::StrCat("hidden=", H, ",intermediate=", I, ",experts=", E, ",top_k=", K,
                                   ",layers=", layers);
   if (first_dense > 0) absl::StrAppend(&spec, ",first_dense=", first_dense);
+  if (a.alias_experts > 0) absl::StrAppend(&spec, ",alias=", a.alias_experts);
   std::vector<std::string> sargs = {"--synthetic", spec,
                                     "--format",    service_format,
                                     "--listen",    "127.0.0.1:0",
@@ -1244,7 +1279,8 @@ absl::Status Run(const Args& a) {
 
   // Prefill.
   ojson prefill = ojson::array();
-  std::printf("\n%-8s %10s %10s %12s %10s %14s\n", "prompt", "ms", "tok/s", "launches", "gpu_ms",
+  TableNote(a);
+  std::printf("%-8s %10s %10s %12s %10s %14s\n", "prompt", "ms", "tok/s", "launches", "gpu_ms",
               "expert_wait_ms");
   // `warmups` untimed then a.reps timed prefills of `tokens` on `model`,
   // each in a fresh Sequence: ms per rep and the stats over the timed ones.
@@ -1295,7 +1331,8 @@ absl::Status Run(const Args& a) {
 
   // Decode.
   ojson decode = ojson::array();
-  std::printf("\n%-6s %9s %10s %10s %11s %9s %14s %13s %12s %18s\n", "batch", "step_ms", "tok/s",
+  TableNote(a);
+  std::printf("%-6s %9s %10s %10s %11s %9s %14s %13s %12s %18s\n", "batch", "step_ms", "tok/s",
               "tok/s/seq", "ceiling", "%ceiling", "launches/step", "graphs/step", "gpu_ms/step",
               "expert_wait_ms/step");
   double fraction_b1 = -1;
@@ -1390,8 +1427,10 @@ absl::Status Run(const Args& a) {
                       {"stats_delta", StatsJson(d)}});
   }
   if (fraction_b1 >= 0)
-    std::printf("\n# batch 1: %.1f%% of the CPU-expert decode ceiling (%.1f tok/s at %.1f GB/s)\n",
-                100 * fraction_b1, ceiling, bw);
+    std::printf(
+        "\n# batch 1: %.1f%% of the CPU-expert decode ceiling (%.1f tok/s at %.1f GB/s)%s\n",
+        100 * fraction_b1, ceiling, bw,
+        a.alias_experts > 0 ? absl::StrCat(": ", kFitCheck).c_str() : "");
   std::printf(
       "# ceiling for batch > 1: the same bandwidth over the distinct experts a step "
       "reads under uniform routing (an estimate)%s\n",
@@ -1445,7 +1484,7 @@ absl::Status Run(const Args& a) {
   };
   // The GPU's copies of routed experts (hot, streamed) as the service holds
   // them: its --synthetic weights (seed 1) in its format.
-  const SyntheticExperts synth{H, I, E, 1};
+  const SyntheticExperts synth{H, I, E, 1, a.alias_experts};
   const int copy_group = group > 0 ? group : 64;
   auto with_gpu_copies = [&](ModelOptions so) {
     so.cuda.expert_source = [synth](int layer) { return SyntheticExpertSource(synth, layer); };
@@ -1468,7 +1507,8 @@ absl::Status Run(const Args& a) {
   double sweep_frac_2 = -1;
   if (!a.defer_sweep.empty()) {
     ControlClient control(MakeExpertChannel(epo.targets[0]));
-    std::printf("\n%-6s %9s %10s %12s %12s %9s %9s %12s %8s %13s\n", "defer", "step_ms", "tok/s",
+    TableNote(a);
+    std::printf("%-6s %9s %10s %12s %12s %9s %9s %12s %8s %13s\n", "defer", "step_ms", "tok/s",
                 "gpu_ms/step", "cpu_ms/step", "gpu_busy", "cpu_busy", "bound_tok/s", "%bound",
                 "speedup_bound");
     double step0_ms = -1;
@@ -1513,7 +1553,8 @@ absl::Status Run(const Args& a) {
   ojson paths = ojson::array();
   if (!a.path_sweep.empty()) {
     ControlClient control(MakeExpertChannel(epo.targets[0]));
-    std::printf("\n%-7s %9s %10s %9s %12s %12s %15s %12s\n", "path", "step_ms", "tok/s", "%ceiling",
+    TableNote(a);
+    std::printf("%-7s %9s %10s %9s %12s %12s %15s %12s\n", "path", "step_ms", "tok/s", "%ceiling",
                 "gpu_ms/step", "cpu_ms/step", "wait_ms/step", "graphs/step");
     for (const std::string& path : a.path_sweep) {
       ModelOptions so = mo;
@@ -1549,7 +1590,8 @@ absl::Status Run(const Args& a) {
   if (!a.hot_sweep.empty()) {
     ControlClient control(MakeExpertChannel(epo.targets[0]));
     const int64_t hot_expert_bytes = HotExpertBytes(config, fmt, copy_group);
-    std::printf("\n%-8s %8s %9s %8s %9s %10s %8s %12s %12s %12s %12s\n", "hot_gib", "experts",
+    TableNote(a);
+    std::printf("%-8s %8s %9s %8s %9s %10s %8s %12s %12s %12s %12s\n", "hot_gib", "experts",
                 "planned", "on_gpu", "step_ms", "tok/s", "speedup", "ceiling_hot", "%ceiling_hot",
                 "gpu_ms/step", "cpu_ms/step");
     double tok_s0 = -1;
@@ -1617,7 +1659,8 @@ absl::Status Run(const Args& a) {
   ojson prefill_rows = ojson::array();
   if (!a.prefill_sweep.empty()) {
     const int64_t P = a.prefill_sweep_prompt > 0 ? a.prefill_sweep_prompt : max_prompt;
-    std::printf("\n%-13s %8s %10s %10s %9s %22s %10s %15s %9s\n", "policy", "prompt", "ms", "tok/s",
+    TableNote(a);
+    std::printf("%-13s %8s %10s %10s %9s %22s %10s %15s %9s\n", "policy", "prompt", "ms", "tok/s",
                 "speedup", "layers cpu/stream/split", "streamed", "ahead/used", "%bound");
     std::map<std::string, double> ms_of, wait_of, gpu_of;
     struct Row {
@@ -1778,6 +1821,8 @@ absl::Status Run(const Args& a) {
     J["routing_skew"] = skew;
     J["hot_sweep"] = hot_rows;
     J["prefill_sweep"] = prefill_rows;
+    J["fit_check"] = a.alias_experts > 0;
+    if (a.alias_experts > 0) J["fit_check_note"] = kFitCheck;
     J["options"] = {{"gpu_mem_gb", a.gpu_mem_gb},
                     {"kv_blocks", a.kv_blocks},
                     {"gpu_weights", std::string(DenseWeightsName(a.gpu_weights))},
@@ -1793,6 +1838,7 @@ absl::Status Run(const Args& a) {
                     {"reps", a.reps},
                     {"max_seq_len", max_seq},
                     {"service_max_tokens", a.service_max_tokens},
+                    {"alias_experts", a.alias_experts},
                     {"work_dir", work_dir}};
     J["seconds"] = {{"checkpoint", ckpt_s},
                     {"checkpoint_written", wrote},

@@ -302,6 +302,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
                                                              const SafetensorsOptions& options) {
   auto ckpt = std::make_unique<Checkpoint>();
   ckpt->dir_ = dir;
+  ckpt->on_get_ = options.on_get;
   std::error_code ec;
   if (!fs::is_directory(dir, ec))
     return absl::NotFoundError(absl::StrCat(dir, ": not a directory"));
@@ -383,7 +384,11 @@ absl::StatusOr<Tensor> Checkpoint::Get(const std::string& name) const {
   auto it = where_.find(name);
   if (it == where_.end())
     return absl::NotFoundError(absl::StrCat(dir_, ": checkpoint has no tensor \"", name, "\""));
-  return files_[it->second]->Get(name);
+  absl::StatusOr<Tensor> t = files_[it->second]->Get(name);
+  if (t.ok() && on_get_) {
+    if (const TensorEntry* e = files_[it->second]->Find(name)) on_get_(*e);
+  }
+  return t;
 }
 
 std::vector<std::string> Checkpoint::Names() const {

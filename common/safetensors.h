@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -24,10 +25,15 @@
 
 namespace hmoe {
 
+struct TensorEntry;
+
 struct SafetensorsOptions {
   // Headers larger than this are refused before they are read (the format's
   // own reference implementation uses 100 MB).
   uint64_t max_header_bytes = 100ull << 20;
+  // Checkpoint::Get calls it with each tensor it returns, from the calling
+  // thread (load progress counts a loader's bytes so); unset: nothing.
+  std::function<void(const TensorEntry&)> on_get;
 };
 
 struct TensorEntry {
@@ -81,6 +87,7 @@ class Checkpoint {
   std::string dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> where_;  // tensor -> index into files_
+  std::function<void(const TensorEntry&)> on_get_;
 };
 
 // One tensor of a planned file: what SafetensorsStreamWriter writes in order.

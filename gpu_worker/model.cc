@@ -1,7 +1,9 @@
 #include "gpu_worker/model.h"
 
 #include <cstdio>
+#include <mutex>
 #include <thread>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "common/runtime/thread_pool.h"
@@ -20,8 +22,44 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
                                                    const ModelOptions& options,
                                                    RoutedExperts* experts) {
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
-  ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir));
-  return Create(config, *ckpt, options, experts);
+  if (options.load_progress == nullptr) {
+    ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir));
+    return Create(config, *ckpt, options, experts);
+  }
+  // Progress: the bytes of every tensor the model takes but the routed
+  // experts (the hot and streamed copies report their own), each counted once
+  // when a backend first takes it.
+  struct Taken {
+    std::unordered_set<std::string> names;  // fixed before the first Get
+    std::mutex mu;
+    std::unordered_set<std::string> counted;
+  };
+  auto taken = std::make_shared<Taken>();
+  for (const WeightSpec& w : ExpectedWeights(config)) {
+    if (w.role == WeightRole::kRoutedExpert) continue;
+    taken->names.insert(w.name);
+    if (w.matrix()) taken->names.insert(ScaleInvName(w.name));
+  }
+  LoadProgressOptions po = *options.load_progress;
+  po.what = "loading weights";
+  LoadProgressReporter progress(std::move(po));
+  SafetensorsOptions so;
+  so.on_get = [taken, &progress](const TensorEntry& e) {
+    if (!taken->names.count(e.name)) return;
+    {
+      std::lock_guard<std::mutex> lock(taken->mu);
+      if (!taken->counted.insert(e.name).second) return;
+    }
+    progress.Add(static_cast<int64_t>(e.end - e.begin));
+  };
+  ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir, so));
+  int64_t total = 0;
+  for (const std::string& name : taken->names)
+    if (const TensorEntry* e = ckpt->Find(name)) total += static_cast<int64_t>(e->end - e->begin);
+  progress.SetTotal(total);
+  absl::StatusOr<std::unique_ptr<Model>> model = Create(config, *ckpt, options, experts);
+  progress.Finish();
+  return model;
 }
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelConfig& config,

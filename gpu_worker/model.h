@@ -35,6 +35,7 @@
 #include "absl/types/span.h"
 #include "common/expert_placement.h"
 #include "common/kv_quant.h"
+#include "common/load_progress.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
 #include "common/routing_stats.h"
@@ -104,6 +105,11 @@ struct ModelOptions {
   //     result Expert Deferral joined one layer late, of passes that
   //     completed (ModelStats::deferred_expert_slots).
   MetricsRegistry* metrics = nullptr;
+  // Borrowed, outlives Load; null: silent. Model::Load reports the bytes of
+  // the tensors it takes (all but the routed experts) as "loading weights",
+  // the CUDA backend its pinned copy of the routed experts (hybrid prefill)
+  // as "pinning routed experts": each a LoadProgressReporter made from these.
+  const LoadProgressOptions* load_progress = nullptr;
 };
 
 // Per-request state: the tokens seen so far, as each layer's KV cache.

@@ -70,7 +70,15 @@ class PackedMoeLayer {
     PackedGeom down;  // n = hidden, k = i1 - i0
     int64_t expert_stride = 0;
     NumaBuffer mem;
-    const uint8_t* gate_up(int64_t e_local) const { return mem.data() + e_local * expert_stride; }
+    // An aliased layer (Aliased): expert e_local's bytes are slot
+    // alias[e_local] of `shared`, the memory of the base layer every layer
+    // aliased to it holds; `mem` is empty. Otherwise alias is empty.
+    std::shared_ptr<const NumaBuffer> shared;
+    std::vector<int32_t> alias;
+    const uint8_t* gate_up(int64_t e_local) const {
+      return alias.empty() ? mem.data() + e_local * expert_stride
+                           : shared->data() + alias[static_cast<size_t>(e_local)] * expert_stride;
+    }
     const uint8_t* down_w(int64_t e_local) const { return gate_up(e_local) + gu.bytes(); }
     uint8_t* mutable_gate_up(int64_t e_local) { return mem.data() + e_local * expert_stride; }
     uint8_t* mutable_down(int64_t e_local) { return mutable_gate_up(e_local) + gu.bytes(); }
@@ -101,6 +109,17 @@ class PackedMoeLayer {
   static absl::StatusOr<PackedMoeLayer> Allocate(int64_t hidden, int64_t intermediate,
                                                  int64_t num_experts, const PackOptions& opts,
                                                  const ThreadPool& pool);
+  // A layer of `opts`' experts whose expert e_local is `base`'s local expert
+  // alias[e_local], sharing base's memory (kept alive by the result): no
+  // bytes of its own. base must have this layout's parts (format, group,
+  // intermediate slice, pool); INVALID_ARGUMENT naming what differs or an
+  // alias out of base's range. Packing into it is not allowed (it has no
+  // mutable memory).
+  static absl::StatusOr<PackedMoeLayer> Aliased(std::shared_ptr<const PackedMoeLayer> base,
+                                                int64_t intermediate, int64_t num_experts,
+                                                const PackOptions& opts, const ThreadPool& pool,
+                                                std::vector<int32_t> alias);
+  bool aliased() const { return !parts_.empty() && !parts_.front().alias.empty(); }
 
  private:
   WeightFormat format_ = WeightFormat::kBf16;

@@ -389,6 +389,36 @@ absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Allocate(int64_t hidden, int64_t 
   return L;
 }
 
+absl::StatusOr<PackedMoeLayer> PackedMoeLayer::Aliased(std::shared_ptr<const PackedMoeLayer> base,
+                                                       int64_t intermediate, int64_t num_experts,
+                                                       const PackOptions& o, const ThreadPool& pool,
+                                                       std::vector<int32_t> alias) {
+  if (base == nullptr) return absl::InvalidArgumentError("aliased layer: no base layer");
+  ASSIGN_OR_RETURN(PackedMoeLayer L, Plan(base->hidden(), intermediate, num_experts, o, pool));
+  if (static_cast<int64_t>(alias.size()) != L.num_local_experts())
+    return absl::InvalidArgumentError(absl::StrCat("aliased layer: ", alias.size(), " aliases for ",
+                                                   L.num_local_experts(), " experts"));
+  for (int32_t a : alias)
+    if (a < 0 || a >= base->num_local_experts())
+      return absl::InvalidArgumentError(absl::StrCat("aliased layer: alias ", a,
+                                                     " outside the base layer's ",
+                                                     base->num_local_experts(), " experts"));
+  if (L.format() != base->format() || L.group() != base->group() ||
+      L.parts_.size() != base->parts().size())
+    return absl::InvalidArgumentError("aliased layer: the base layer has another format or split");
+  for (size_t p = 0; p < L.parts_.size(); ++p) {
+    Part& part = L.parts_[p];
+    const Part& b = base->parts()[p];
+    if (part.i0 != b.i0 || part.i1 != b.i1 || part.expert_stride != b.expert_stride)
+      return absl::InvalidArgumentError(
+          absl::StrCat("aliased layer: part ", p, " is intermediate [", part.i0, ", ", part.i1,
+                       "), the base layer's [", b.i0, ", ", b.i1, ")"));
+    part.shared = std::shared_ptr<const NumaBuffer>(base, &b.mem);
+    part.alias = alias;
+  }
+  return L;
+}
+
 namespace {
 
 // A quantized matrix that is `rows` x `cols` in the layer's format (and int4
@@ -448,6 +478,8 @@ absl::Status PackExpert(const QuantExpert& q, int64_t e, PackedMoeLayer& L) {
   RETURN_IF_ERROR(CheckQuantMatrix(q.up, "up", is, H, L));
   RETURN_IF_ERROR(CheckQuantMatrix(q.down, "down", H, is, L));
   if (e < 0 || e >= L.num_local_experts()) return absl::OutOfRangeError("PackExpert: expert index");
+  if (L.aliased())
+    return absl::FailedPreconditionError("PackExpert: an aliased layer has no memory of its own");
   for (auto& part : L.mutable_parts()) {
     if (part.empty()) continue;
     const int64_t r0 = part.i0 - L.i_begin(), r1 = part.i1 - L.i_begin();

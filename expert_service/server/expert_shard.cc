@@ -27,6 +27,7 @@ struct Geometry {
   int64_t hidden = 0, intermediate = 0, experts = 0, top_k = 0;
   std::vector<int32_t> moe_layers;
   uint64_t seed = 1;
+  int64_t alias = 0;  // synthetic: distinct expert weight sets (0: unaliased)
 };
 
 absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
@@ -55,17 +56,24 @@ absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
       first_dense = v;
     else if (p.first == "seed")
       g.seed = static_cast<uint64_t>(v);
+    else if (p.first == "alias")
+      g.alias = v;
     else
       return absl::InvalidArgumentError(absl::StrCat("--synthetic: unknown key ", p.first));
   }
   if (g.hidden == 0 || g.intermediate == 0 || g.experts == 0 || g.top_k == 0) {
     return absl::InvalidArgumentError(
         "--synthetic needs hidden=, intermediate=, experts=, top_k= (and optionally layers=, "
-        "first_dense=, seed=)");
+        "first_dense=, seed=, alias=)");
   }
   if (first_dense >= layers) {
     return absl::InvalidArgumentError(absl::StrCat("--synthetic: first_dense=", first_dense,
                                                    " leaves no MoE layer of layers=", layers));
+  }
+  if (g.alias > (layers - first_dense) * g.experts || g.alias > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--synthetic: alias=", g.alias, " is more than the ", layers - first_dense,
+                     " MoE layers x ", g.experts, " experts it aliases"));
   }
   // layers= counts the decoder layers; the first `first_dense` are dense
   // (DeepSeek's first_k_dense_replace), the rest MoE.
@@ -73,8 +81,8 @@ absl::StatusOr<Geometry> ParseSynthetic(const std::string& spec) {
   return g;
 }
 
-MoeWeightsSource SyntheticSource(const Geometry& g, int layer) {
-  return SyntheticExpertSource({g.hidden, g.intermediate, g.experts, g.seed}, layer);
+SyntheticExperts SyntheticSpec(const Geometry& g) {
+  return {g.hidden, g.intermediate, g.experts, g.seed, g.alias};
 }
 
 }  // namespace
@@ -184,6 +192,12 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
   }
   const PackOptions po = ShardPackOptions(geo.intermediate, geo.experts, opts.split,
                                           opts.shard_index, opts.num_shards, format, group);
+  // Aliased synthetic experts: one base layer of geo.alias experts (this
+  // shard's intermediate slice of each), every layer's experts views of it.
+  const bool aliased = geo.alias > 0;
+  PackOptions alias_po = po;
+  alias_po.expert_begin = 0;
+  alias_po.expert_end = geo.alias;
   if (packed &&
       (packed->i_begin() != po.i_begin || packed->i_end() != po.i_end ||
        packed->expert_begin() != po.expert_begin || packed->expert_end() != po.expert_end)) {
@@ -241,10 +255,15 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
     // expert it quantizes.
     ASSIGN_OR_RETURN(PackedMoeLayer plan,
                      PackedMoeLayer::Plan(geo.hidden, geo.intermediate, geo.experts, po, pool));
-    std::map<int, int64_t> need = plan.NodeBytes(pool);
+    // Aliased: the base layer's experts once, shared by every layer.
+    ASSIGN_OR_RETURN(
+        PackedMoeLayer held,
+        aliased ? PackedMoeLayer::Plan(geo.hidden, geo.intermediate, geo.alias, alias_po, pool)
+                : PackedMoeLayer::Plan(geo.hidden, geo.intermediate, geo.experts, po, pool));
+    std::map<int, int64_t> need = held.NodeBytes(pool);
     int64_t weights = 0, workspace = 0;
     for (auto& [node, bytes] : need) {
-      bytes *= static_cast<int64_t>(geo.moe_layers.size());
+      if (!aliased) bytes *= static_cast<int64_t>(geo.moe_layers.size());
       weights += bytes;
     }
     for (const auto& [node, bytes] :
@@ -261,7 +280,8 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
     }
     const MemoryLimits limits = opts.memory_limits ? *opts.memory_limits : ReadMemoryLimits();
     const std::string what = absl::StrCat(
-        "this shard's packed weights (", HumanBytes(weights), ": ", geo.moe_layers.size(),
+        "this shard's packed weights (", HumanBytes(weights), ": ",
+        aliased ? absl::StrCat(geo.alias, " aliased experts for ") : "", geo.moe_layers.size(),
         " MoE layers x ", plan.num_local_experts(), " experts, ", WeightFormatName(format, group),
         "), workspace (", HumanBytes(workspace), " for --max-tokens ", opts.max_tokens, ")",
         staging > 0
@@ -280,17 +300,50 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
                        "other nodes (--no-memory-check loads anyway)"));
   }
 
+  auto cancelled = [progress] { return progress != nullptr && progress->cancel.load(); };
+  LoadProgressReporter* reporter = progress ? progress->bytes : nullptr;
+  int64_t expert_bytes = 0;  // packed, per local expert
+  if (reporter) {
+    ASSIGN_OR_RETURN(PackedMoeLayer plan,
+                     PackedMoeLayer::Plan(geo.hidden, geo.intermediate, geo.experts, po, pool));
+    expert_bytes = plan.expert_bytes();
+    reporter->SetTotal(expert_bytes * (aliased ? geo.alias
+                                               : plan.num_local_experts() *
+                                                     static_cast<int64_t>(geo.moe_layers.size())));
+  }
+  std::shared_ptr<const PackedMoeLayer> alias_base;
+  if (aliased) {
+    MoeWeightsSource src = SyntheticAliasSet(SyntheticSpec(geo));
+    src.expert = [inner = std::move(src.expert), &cancelled, reporter,
+                  expert_bytes](int64_t e) -> absl::StatusOr<ExpertWeights> {
+      if (cancelled()) return CancelledLoad();
+      absl::StatusOr<ExpertWeights> w = inner(e);
+      if (w.ok() && reporter) reporter->Add(expert_bytes);
+      return w;
+    };
+    absl::StatusOr<PackedMoeLayer> base = Pack(src, alias_po, pool);
+    if (absl::IsCancelled(base.status()) && cancelled()) return CancelledLoad();
+    if (!base.ok()) return Annotate(base.status(), "aliased experts");
+    shard->weight_bytes_ = base->expert_bytes() * base->num_local_experts();
+    shard->aliased_experts_ = geo.alias;
+    alias_base = std::make_shared<const PackedMoeLayer>(std::move(*base));
+  }
   int max_layer = 0;
   for (int32_t l : geo.moe_layers) max_layer = std::max(max_layer, l);
   shard->slot_of_layer_.assign(static_cast<size_t>(max_layer) + 1, -1);
   if (progress) progress->layers_total = static_cast<int64_t>(geo.moe_layers.size());
-  auto cancelled = [progress] { return progress != nullptr && progress->cancel.load(); };
   for (size_t slot = 0; slot < geo.moe_layers.size(); ++slot) {
     if (cancelled()) return CancelledLoad();
     const int layer = geo.moe_layers[slot];
     shard->slot_of_layer_[static_cast<size_t>(layer)] = static_cast<int>(slot);
     absl::StatusOr<PackedMoeLayer> packed_layer;
-    if (packed) {
+    if (aliased) {
+      std::vector<int32_t> alias;
+      for (int64_t e = po.expert_begin; e < po.expert_end; ++e)
+        alias.push_back(static_cast<int32_t>(SyntheticAliasIndex(SyntheticSpec(geo), layer, e)));
+      packed_layer = PackedMoeLayer::Aliased(alias_base, geo.intermediate, geo.experts, po, pool,
+                                             std::move(alias));
+    } else if (packed) {
       // Already quantized: unpack each expert from the file and pack it.
       packed_layer = PackedMoeLayer::Allocate(geo.hidden, geo.intermediate, geo.experts, po, pool);
       if (packed_layer.ok()) {
@@ -305,19 +358,22 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
           }
           absl::StatusOr<QuantExpert> q = packed->Expert(layer, po.expert_begin + e);
           absl::Status s = q.ok() ? PackExpert(*q, e, L) : q.status();
+          if (s.ok() && reporter) reporter->Add(expert_bytes);
           std::lock_guard<std::mutex> lock(mu);
           if (st.ok() && !s.ok()) st = s;
         });
         if (!st.ok()) packed_layer = st;
       }
     } else {
-      MoeWeightsSource src =
-          ckpt ? CheckpointSource(*ckpt, cfg, layer) : SyntheticSource(geo, layer);
+      MoeWeightsSource src = ckpt ? CheckpointSource(*ckpt, cfg, layer)
+                                  : SyntheticExpertSource(SyntheticSpec(geo), layer);
       // Every expert is fetched through here: a cancel stops the next one.
-      src.expert = [inner = std::move(src.expert),
-                    &cancelled](int64_t e) -> absl::StatusOr<ExpertWeights> {
+      src.expert = [inner = std::move(src.expert), &cancelled, reporter,
+                    expert_bytes](int64_t e) -> absl::StatusOr<ExpertWeights> {
         if (cancelled()) return CancelledLoad();
-        return inner(e);
+        absl::StatusOr<ExpertWeights> w = inner(e);
+        if (w.ok() && reporter) reporter->Add(expert_bytes);
+        return w;
       };
       packed_layer = Pack(src, po, pool);
     }
@@ -325,7 +381,8 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Load(const ShardOption
     if (!packed_layer.ok()) {
       return Annotate(packed_layer.status(), absl::StrCat("MoE layer ", layer));
     }
-    shard->weight_bytes_ += packed_layer->expert_bytes() * packed_layer->num_local_experts();
+    if (!aliased)
+      shard->weight_bytes_ += packed_layer->expert_bytes() * packed_layer->num_local_experts();
     shard->layers_.push_back(std::move(*packed_layer));
     if (progress) {
       progress->layers_loaded = static_cast<int64_t>(slot) + 1;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/load_progress.h"
 #include "common/runtime/thread_pool.h"
 #include "common/transport/moe_call.h"
 #include "expert_service/kernels/moe.h"
@@ -30,9 +31,11 @@ struct ShardOptions {
   std::string model_dir;   // Hugging Face checkpoint (bf16/f32/fp8 safetensors)
   std::string packed_dir;  // or: `hmoe convert` output (then model_dir gives config.json)
   // or: random weights "hidden=H,intermediate=I,experts=E,top_k=K,layers=L
-  // [,first_dense=D][,seed=S]": L decoder layers of which the first D (default
-  // 0, D < L) are dense, so the MoE layers are D..L-1 as in DeepSeek's
-  // first_k_dense_replace
+  // [,first_dense=D][,seed=S][,alias=N]": L decoder layers of which the first
+  // D (default 0, D < L) are dense, so the MoE layers are D..L-1 as in
+  // DeepSeek's first_k_dense_replace; alias=N: every expert of every layer
+  // one of N distinct weight sets held once (SyntheticExperts::alias: memory
+  // for N experts, a fit check and not a speed figure)
   std::string synthetic;
   int shard_index = 0;
   int num_shards = 1;
@@ -89,6 +92,10 @@ class ExpertShard : public MoeHandler {
     // Set by another thread to stop the load: Load returns CANCELLED once
     // the experts being packed at that moment are done (no new one starts).
     std::atomic<bool> cancel{false};
+    // Borrowed, may be null: the packed bytes, its total set before the
+    // first expert and each expert added as it is taken (Finish is the
+    // caller's).
+    LoadProgressReporter* bytes = nullptr;
   };
 
   // Packs every MoE layer of the shard (checkpoints stream expert by expert;
@@ -111,8 +118,11 @@ class ExpertShard : public MoeHandler {
         in_flight{0};
   };
   const Counters& counters() const { return counters_; }
-  int64_t weight_bytes() const { return weight_bytes_; }  // packed bytes, all layers
-  Isa isa() const { return isa_; }                        // what RunMoe dispatches to
+  int64_t weight_bytes() const { return weight_bytes_; }  // packed bytes held, all layers
+  // Synthetic alias=N: the distinct expert weight sets every layer shares
+  // (a fit check, not a speed figure); 0: unaliased.
+  int64_t aliased_experts() const { return aliased_experts_; }
+  Isa isa() const { return isa_; }  // what RunMoe dispatches to
   const ThreadPool& pool() const { return *pool_; }
   // RunMoe's phase times since the last take (calls == 0 unless the shard
   // was loaded with tuning.moe.profile, HMOE_PROFILE=1).
@@ -135,6 +145,7 @@ class ExpertShard : public MoeHandler {
   std::vector<PackedMoeLayer> layers_;       // [slot]
   std::unique_ptr<MoeWorkspace> workspace_;  // guarded by compute_mu_
   int64_t weight_bytes_ = 0;
+  int64_t aliased_experts_ = 0;
   std::mutex compute_mu_;
   std::atomic<bool> draining_{false};
   Counters counters_;

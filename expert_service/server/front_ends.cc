@@ -143,7 +143,11 @@ std::string ReadyLine(const ExpertShard& sh, int port, double load_seconds) {
                       sh.pool().num_nodes(), " node(s)", DescribeMemoryRemap(sh.pool().nodes()),
                       NumaAvailable() ? ""
                                       : "; libnuma unavailable here (a container refusing the "
-                                        "NUMA calls?): memory not bound, all cores one node");
+                                        "NUMA calls?): memory not bound, all cores one node",
+                      sh.aliased_experts() > 0
+                          ? absl::StrCat("; ALIASED EXPERTS (", sh.aliased_experts(),
+                                         " distinct weight sets): FIT CHECK, not a speed figure")
+                          : "");
 }
 
 void StopServing(ExpertShard& shard, const DrainOptions& drain, GrpcFrontEnd& grpc,

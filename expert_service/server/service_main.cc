@@ -6,7 +6,6 @@
 //   hmoe-expert-service --check-ucx-address   (internal: the UCX address
 //       checker child the service starts itself; see UcxServerOptions)
 #include <signal.h>
-#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -27,8 +26,10 @@
 #include "common/auth_token.h"
 #include "common/dtype.h"
 #include "common/flags.h"
+#include "common/load_progress.h"
 #include "common/runtime/numa.h"
 #include "common/status.h"
+#include "common/systemd_notify.h"
 #include "common/transport/fragments.h"
 #include "common/transport/grpc_auth.h"
 #include "common/transport/grpc_tls.h"
@@ -96,7 +97,8 @@ void AddFlags(FlagSet& fs, ServiceOptions* o) {
             "`hmoe convert` output (then --model-dir gives config.json)");
   fs.String("synthetic", &sh.synthetic, "SPEC",
             "random weights: hidden=H,intermediate=I,experts=E,top_k=K,layers=L"
-            "[,first_dense=D][,seed=S]");
+            "[,first_dense=D][,seed=S][,alias=N] (alias=N: every layer's experts share N "
+            "distinct weight sets, held once: a fit check, not a speed figure)");
   fs.Custom(
       "shard", "i/n", "serve shard i of n",
       [&sh](std::string_view v) -> absl::Status {
@@ -298,7 +300,11 @@ int Main(int argc, char** argv) {
   });
 
   const auto t0 = std::chrono::steady_clock::now();
+  LoadProgressReporter load_progress(ProcessLoadProgressOptions("loading experts", Log));
+  state.progress.bytes = &load_progress;
   auto shard = ExpertShard::Load(o.shard, &state.progress);
+  state.progress.bytes = nullptr;
+  load_progress.Finish();
   state.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (stop.load() && (shard.ok() || absl::IsCancelled(shard.status()))) {
     // Asked to stop while loading (the load stopped at its next expert, or
@@ -315,7 +321,7 @@ int Main(int argc, char** argv) {
     state.load_error = why;
     state.load_state = pb::LoadStatus::FAILED;
     Log(absl::StrCat(what, " failed: ", state.load_error));
-    sd_notifyf(0, "STATUS=%s failed: %s", what, state.load_error.c_str());
+    NotifySystemd(absl::StrCat("STATUS=", what, " failed: ", state.load_error));
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     // Joined, not detached: it references this frame. SIGTERM is blocked
     // here, so sent to that thread it is what its sigwait returns.
@@ -351,12 +357,12 @@ int Main(int argc, char** argv) {
     load_failed.store(true);  // no "signal" line: the thread is woken to stop
     pthread_kill(signals.native_handle(), SIGTERM);
   }
-  if (exit_code == 0) sd_notifyf(0, "READY=1\nSTATUS=serving on port %d", port);
+  if (exit_code == 0) NotifySystemd(absl::StrCat("READY=1\nSTATUS=serving on port ", port));
 
   while (!stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   signals.join();
 
-  sd_notify(0, "STOPPING=1");
+  NotifySystemd("STOPPING=1");
   StopServing(**shard, o.drain, **grpc_fe, planes, &state);
   if (o.shard.tuning.moe.profile) Log("RunMoe phases: " + (*shard)->TakeProfile().ToString());
   Log("stopped");

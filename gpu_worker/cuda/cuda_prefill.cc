@@ -4,12 +4,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/experts/checkpoint_source.h"
 #include "common/experts/weight_format.h"
+#include "common/load_progress.h"
 #include "common/status.h"
 #include "gpu_worker/cuda/cuda_backend_impl.h"
 
@@ -50,9 +52,20 @@ absl::Status CudaBackend::LoadStreamedExperts(const Checkpoint& ckpt) {
                                  ? std::min(cu_.prefill_stream_tokens, o_.max_seq_len)
                                  : cu_.prefill_stream_tokens;
   const auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(streamed_,
-                   StreamedExperts::Create(c_, CopySource(ckpt), fmt, cu_.hot_group, max_tokens,
-                                           prefetch_planned_, stream_, blas_, &budget_));
+  std::optional<LoadProgressReporter> pinning;
+  if (o_.load_progress) {
+    LoadProgressOptions po = *o_.load_progress;
+    po.what = "pinning routed experts";
+    pinning.emplace(std::move(po));
+  }
+  auto progress = [&pinning](int64_t done, int64_t total) {
+    if (pinning) pinning->Update(done, total);
+  };
+  absl::StatusOr<std::unique_ptr<StreamedExperts>> created =
+      StreamedExperts::Create(c_, CopySource(ckpt), fmt, cu_.hot_group, max_tokens,
+                              prefetch_planned_, stream_, blas_, &budget_, progress);
+  if (pinning) pinning->Finish();
+  ASSIGN_OR_RETURN(streamed_, std::move(created));
   last_streamed_.assign(static_cast<size_t>(c_.num_layers), {});
   std::fprintf(
       stderr,

@@ -67,7 +67,8 @@ DevExpert StreamedExperts::ExpertAt(const char* base) const {
 
 absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
     const ModelConfig& config, const ExpertSourceFn& source, WeightFormat format, int group,
-    int64_t max_tokens, bool prefetch, cudaStream_t compute, cublasHandle_t blas, Budget* budget) {
+    int64_t max_tokens, bool prefetch, cudaStream_t compute, cublasHandle_t blas, Budget* budget,
+    const std::function<void(int64_t done, int64_t total)>& progress) {
   if (max_tokens <= 0)
     return absl::InvalidArgumentError(
         absl::StrCat("streamed experts: max_tokens ", max_tokens, " must be > 0"));
@@ -139,6 +140,8 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
 
   // The arena: per MoE layer, E blobs quantized as the service's.
   s->layer_row_.assign(static_cast<size_t>(config.num_layers), -1);
+  const int64_t pin_total = static_cast<int64_t>(config.moe_layer_indices().size()) * E * s->blob_;
+  if (progress) progress(0, pin_total);
   for (int l = 0; l < config.num_layers; ++l) {
     if (!config.layers[static_cast<size_t>(l)].moe) continue;
     Placement all;
@@ -168,6 +171,7 @@ absl::StatusOr<std::unique_ptr<StreamedExperts>> StreamedExperts::Create(
       }
     }
     s->layer_row_[static_cast<size_t>(l)] = static_cast<int>(s->arena_.size()) - 1;
+    if (progress) progress(static_cast<int64_t>(s->arena_.size()) * E * s->blob_, pin_total);
   }
   if (s->arena_.empty())
     return absl::FailedPreconditionError("streamed experts: the model has no MoE layer");

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,10 +37,12 @@ class StreamedExperts {
   // and the scratch of a pass of `max_tokens` tokens; with `prefetch`, a
   // second stage as "streamed experts (prefetch stage)" when the budget has
   // room for it, else one stage and a log line). `compute` and `blas` (bound
-  // to `compute`) are the backend's. Measures the PCIe rate.
+  // to `compute`) are the backend's. Measures the PCIe rate. `progress`,
+  // when set, gets (bytes pinned, bytes to pin) after each layer.
   static absl::StatusOr<std::unique_ptr<StreamedExperts>> Create(
       const ModelConfig& config, const ExpertSourceFn& source, WeightFormat format, int group,
-      int64_t max_tokens, bool prefetch, cudaStream_t compute, cublasHandle_t blas, Budget* budget);
+      int64_t max_tokens, bool prefetch, cudaStream_t compute, cublasHandle_t blas, Budget* budget,
+      const std::function<void(int64_t done, int64_t total)>& progress = {});
   ~StreamedExperts();
 
   // Enqueues layer `layer`'s streamed part on the compute stream: uploads

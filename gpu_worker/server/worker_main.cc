@@ -6,7 +6,6 @@
 // Flags, health, signals and exit codes: AddFlags and Run's FlagSet below,
 // printed by --help and in docs/FLAGS.md.
 #include <signal.h>
-#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -32,9 +31,11 @@
 #include "common/expert_placement.h"
 #include "common/experts/weight_format.h"
 #include "common/flags.h"
+#include "common/load_progress.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
 #include "common/small_file.h"
+#include "common/systemd_notify.h"
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer.h"
 #include "common/text/tool_calls.h"
@@ -560,6 +561,10 @@ int Run(int argc, char** argv) {
                  static_cast<double>(plo.budget_bytes) / static_cast<double>(1ull << 30));
     mo.cuda.hot_experts = std::make_shared<Placement>(std::move(*placed));
   }
+  const LoadProgressOptions load_progress = ProcessLoadProgressOptions(
+      "",
+      [](const std::string& line) { std::fprintf(stderr, "hmoe-gpu-worker: %s\n", line.c_str()); });
+  mo.load_progress = &load_progress;
   auto model = Model::Load(o.model_dir, mo, remote.get());
   if (!model.ok()) Die(model.status().ToString(), 1);
   EngineOptions eo;
@@ -671,7 +676,7 @@ int Run(int argc, char** argv) {
     if (!o.http_port_file.empty()) write_port(o.http_port_file, http->port(), "--http-port-file");
   }
   if (!o.port_file.empty()) write_port(o.port_file, port, "--port-file");
-  sd_notify(0, "READY=1");
+  NotifySystemd("READY=1");
 
   // Health follows the expert shards and the model: a backend that failed
   // for good (Model::health, e.g. a CUDA error) is NOT_SERVING from then on,
@@ -726,7 +731,7 @@ int Run(int argc, char** argv) {
   }
   std::fprintf(stderr, "hmoe-gpu-worker: signal %d, draining for up to %ds\n", sig,
                o.drain_seconds);
-  sd_notify(0, "STOPPING=1");
+  NotifySystemd("STOPPING=1");
   {
     std::lock_guard<std::mutex> lock(health_mu);
     stopping = true;

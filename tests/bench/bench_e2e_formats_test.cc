@@ -66,11 +66,48 @@ TEST_P(BenchE2eFormatTest, TinyPresetRunsOnTheCpu) {
   }
   EXPECT_NE(ReadFile(log).find(absl::StrCat("--format ", WeightFormatName(fg->first, fg->second))),
             std::string::npos);
+  EXPECT_EQ(j["fit_check"], false);
+  EXPECT_EQ(ReadFile(log).find("FIT CHECK"), std::string::npos);
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, BenchE2eFormatTest,
                          ::testing::Values("mxfp4", "int4bf16", "int4bf16g64", "fp8", "mxfp8",
                                            "int4g32"));
+
+// --alias-experts N: the service holds N experts for every layer; the run
+// says it is a fit check on stdout's header, above every table and in the
+// JSON, and the service's ready line says so too.
+TEST(BenchE2eFitCheck, AliasedExpertsAreLabelledInEveryOutput) {
+  ::hmoe::testing::TempDir dir;
+  const std::string json = dir.file("out.json"), log = dir.file("log.txt");
+  const int rc = RunBench(
+      absl::StrCat("--preset tiny --format int4 --alias-experts 3 --backend cpu --threads 1 "
+                   "--service-threads 1 --prompts 8 --batches 1 --decode-prompt 4 "
+                   "--decode-steps 2 --warmup 0 --probe-bytes 8 --probe-reps 1 --no-probe-after "
+                   "--service-timeout-s 60 --work-dir ",
+                   dir.file("work"), " --json ", json),
+      log);
+  const std::string out = ReadFile(log);
+  ASSERT_EQ(rc, 0) << out;
+  const std::string label = "FIT CHECK (aliased experts): not a speed figure";
+  EXPECT_NE(out.find("# " + label + ": every routed expert is one of 3 distinct weight sets"),
+            std::string::npos)
+      << out;
+  // Each table (prefill, decode) right under the label.
+  for (const char* table : {"prompt ", "batch "}) {
+    const size_t at = out.find(absl::StrCat("\n# ", label, "\n", table));
+    EXPECT_NE(at, std::string::npos) << table << "\n" << out;
+  }
+  EXPECT_NE(out.find(",alias=3"), std::string::npos) << out;  // the service's spec
+  const nlohmann::json j = nlohmann::json::parse(ReadFile(json));
+  EXPECT_EQ(j["fit_check"], true);
+  EXPECT_EQ(j["fit_check_note"], label);
+  EXPECT_EQ(j["options"]["alias_experts"], 3);
+  const std::string service = ReadFile(dir.file("work") + "/service.log");
+  EXPECT_NE(service.find("ALIASED EXPERTS (3 distinct weight sets): FIT CHECK, not a speed figure"),
+            std::string::npos)
+      << service;
+}
 
 TEST(BenchE2eFormat, AnUnknownFormatIsAFlagError) {
   ::hmoe::testing::TempDir dir;

@@ -95,6 +95,31 @@ TEST(Serving, StickyCudaErrorFailsRequestsAndExitsNonZero) {
   EXPECT_NE(log.find("failed for good, NOT_SERVING"), std::string::npos) << log;
 }
 
+// Loads say how far they are: off a terminal (stderr to a file here), the
+// final line of each load with its bytes and mean rate, in the service's and
+// the worker's logs.
+TEST(Serving, LoadsLogTheirProgress) {
+  Pair pair;
+  pair.set_capture_logs();
+  ASSERT_TRUE(pair.Start(testing::FixturesDir() + "/ds3_fortunes"));
+  auto read = [](const std::string& path) {
+    std::ifstream f(path);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  };
+  const std::string expert = read(pair.log("expert0")), worker = read(pair.log("worker"));
+  EXPECT_THAT(expert,
+              ::testing::ContainsRegex(
+                  R"(\]: loading experts: [0-9.]+ [KMG]?i?B in [0-9.]+ s, [0-9.]+ GB/s mean)"))
+      << expert;
+  EXPECT_THAT(worker, ::testing::ContainsRegex(
+                          R"(hmoe-gpu-worker: loading weights: [0-9.]+ [KMG]?i?B in [0-9.]+ s, )"
+                          R"([0-9.]+ GB/s mean)"))
+      << worker;
+  // Not a terminal: no line rewritten in place.
+  EXPECT_EQ(worker.find('\r'), std::string::npos);
+  EXPECT_EQ(expert.find('\r'), std::string::npos);
+}
+
 // Routing statistics leave the worker two ways: `hmoe stats --save` while it
 // runs (the Stats RPC) and --routing-stats-out at shutdown; both are the
 // routing table of every token the worker routed.

@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -243,6 +245,159 @@ TEST(ExpertShard, SyntheticShardsSumToWhole) {
   }
 }
 
+// alias=N: every layer's experts are views of N packed experts held once
+// (the memory of N, not L x E), computing what the unaliased model's
+// expert of that set computes, bit for bit; shards of it sum to the whole.
+TEST(ExpertShard, AliasedSyntheticExpertsHoldNExperts) {
+  const std::string shape = "hidden=64,intermediate=48,experts=8,top_k=1,seed=3";
+  auto load = [](const std::string& spec, int i = 0, int n = 1,
+                 SplitMode split = SplitMode::kTp) -> std::unique_ptr<ExpertShard> {
+    ShardOptions o;
+    o.synthetic = spec;
+    o.threads = 1;
+    o.shard_index = i;
+    o.num_shards = n;
+    o.split = split;
+    auto s = ExpertShard::Load(o);
+    EXPECT_TRUE(s.ok()) << spec << ": " << s.status();
+    return s.ok() ? std::move(*s) : nullptr;
+  };
+  auto plain = load(shape + ",layers=4");
+  auto aliased = load(shape + ",layers=4,alias=5");
+  auto deeper = load(shape + ",layers=16,alias=5");
+  ASSERT_TRUE(plain && aliased && deeper);
+  const int64_t expert_bytes = plain->weight_bytes() / (4 * 8);
+  EXPECT_EQ(plain->aliased_experts(), 0);
+  EXPECT_EQ(aliased->aliased_experts(), 5);
+  EXPECT_EQ(aliased->weight_bytes(), 5 * expert_bytes);
+  EXPECT_EQ(deeper->weight_bytes(), 5 * expert_bytes);  // not 16 x 8
+  for (int slot = 0; slot < 4; ++slot) {
+    EXPECT_TRUE(aliased->layer(slot).aliased());
+    for (const auto& part : aliased->layer(slot).parts()) EXPECT_EQ(part.mem.size(), 0u);
+  }
+  // Expert e of layer l, one call of 3 tokens, against plain layer 0's
+  // expert (l * 8 + e) % 5.
+  auto run = [](ExpertShard& s, int layer, int32_t e) {
+    testing::RandomCall c = MakeRandomCall(s.info(), layer, 3, 17);
+    for (int32_t& id : c.ids) id = e;
+    std::vector<float> out(static_cast<size_t>(3 * 64));
+    EXPECT_TRUE(s.Handle(c.call(), out.data(), nullptr).ok());
+    return out;
+  };
+  for (int layer = 0; layer < 4; ++layer)
+    for (int32_t e = 0; e < 8; ++e)
+      EXPECT_EQ(run(*aliased, layer, e), run(*plain, 0, (layer * 8 + e) % 5)) << layer << " " << e;
+  EXPECT_EQ(run(*deeper, 15, 3), run(*plain, 0, (15 * 8 + 3) % 5));
+  EXPECT_NE(run(*aliased, 0, 0), run(*aliased, 0, 1));
+  // Split over shards (each holding its slice of the N sets), the sum is the whole.
+  auto call = MakeRandomCall(aliased->info(), 2, 7, 21);
+  std::vector<float> want(static_cast<size_t>(7 * 64));
+  ASSERT_TRUE(aliased->Handle(call.call(), want.data(), nullptr).ok());
+  for (SplitMode split : {SplitMode::kTp, SplitMode::kEp}) {
+    std::vector<float> sum(want.size(), 0.f), part(want.size());
+    for (int i = 0; i < 2; ++i) {
+      auto s = load(shape + ",layers=4,alias=5", i, 2, split);
+      ASSERT_TRUE(s);
+      ASSERT_TRUE(s->Handle(call.call(), part.data(), nullptr).ok());
+      for (size_t k = 0; k < sum.size(); ++k) sum[k] += part[k];
+    }
+    EXPECT_LT(MaxRelDiff(sum, want), 1e-5) << SplitModeName(split);
+  }
+}
+
+// PackedMoeLayer::Aliased refuses aliases outside its base and a base of
+// another layout; an aliased layer takes no PackExpert (no memory of its own)
+// and unpacks to its base's experts.
+TEST(PackedMoeLayer, AliasedLayersCheckTheirBase) {
+  absl::StatusOr<ThreadPool*> pool = SharedThreadPool(1, 0);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  PackOptions po;
+  po.format = WeightFormat::kInt8;
+  absl::StatusOr<PackedMoeLayer> base = PackRandom(64, 32, 3, po, **pool, 5);
+  ASSERT_TRUE(base.ok()) << base.status();
+  auto shared = std::make_shared<const PackedMoeLayer>(std::move(*base));
+  auto bad = PackedMoeLayer::Aliased(shared, 32, 4, po, **pool, {0, 1, 3, 2});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("alias 3 outside the base layer's 3 experts"),
+            absl::string_view::npos)
+      << bad.status();
+  EXPECT_EQ(PackedMoeLayer::Aliased(shared, 32, 4, po, **pool, {0, 1}).status().code(),
+            absl::StatusCode::kInvalidArgument);  // 2 aliases for 4 experts
+  PackOptions other = po;
+  other.format = WeightFormat::kBf16;
+  EXPECT_EQ(PackedMoeLayer::Aliased(shared, 32, 4, other, **pool, {0, 1, 2, 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto layer = PackedMoeLayer::Aliased(shared, 32, 4, po, **pool, {2, 0, 1, 2});
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  EXPECT_TRUE(layer->aliased());
+  auto q = UnpackExpert(*shared, 2);
+  ASSERT_TRUE(q.ok()) << q.status();
+  for (int64_t e : {0, 3}) {
+    auto a = UnpackExpert(*layer, e);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->gate.q, q->gate.q);
+    EXPECT_EQ(a->down.scale, q->down.scale);
+  }
+  EXPECT_EQ(PackExpert(*q, 1, *layer).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// The memory check counts an aliased shard's N experts, not L x E: where
+// the unaliased shard is refused, the aliased one loads; refused, it says so.
+TEST(ExpertShard, AliasedMemoryCheckCountsNExperts) {
+  ShardOptions o;
+  o.synthetic = "hidden=256,intermediate=128,experts=8,top_k=2,layers=3,seed=1";
+  o.threads = 1;
+  MemoryLimits m;
+  m.machine_bytes = 1 << 20;
+  o.memory_limits = m;
+  auto refused = ExpertShard::Load(o);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  const std::string msg(refused.status().message());
+  double need_mib = 0;
+  const size_t at = msg.find(" need ");
+  ASSERT_NE(at, std::string::npos) << msg;
+  ASSERT_EQ(std::sscanf(msg.c_str() + at, " need %lf MiB", &need_mib), 1) << msg;
+  m.machine_bytes = static_cast<int64_t>((need_mib - 0.5) * 1024 * 1024);
+  o.memory_limits = m;
+  EXPECT_EQ(ExpertShard::Load(o).status().code(), absl::StatusCode::kResourceExhausted);
+  o.synthetic += ",alias=2";
+  auto aliased = ExpertShard::Load(o);
+  EXPECT_TRUE(aliased.ok()) << aliased.status();
+  m.machine_bytes = 256 << 10;
+  o.memory_limits = m;
+  auto small = ExpertShard::Load(o);
+  ASSERT_EQ(small.status().code(), absl::StatusCode::kResourceExhausted) << small.status();
+  EXPECT_NE(small.status().message().find(
+                "this shard's packed weights (0.4 MiB: 2 aliased experts for 3 MoE layers x 8 "
+                "experts, bf16)"),
+            absl::string_view::npos)
+      << small.status();
+}
+
+// The load reports its packed bytes: the total first, every expert once.
+TEST(ExpertShard, LoadReportsPackedBytes) {
+  for (const char* spec : {"hidden=64,intermediate=32,experts=4,top_k=2,layers=3,seed=2",
+                           "hidden=64,intermediate=32,experts=4,top_k=2,layers=3,seed=2,alias=3"}) {
+    std::vector<std::string> lines;
+    LoadProgressOptions po;
+    po.log = [&lines](const std::string& line) { lines.push_back(line); };
+    LoadProgressReporter reporter(po);
+    ExpertShard::LoadProgress progress;
+    progress.bytes = &reporter;
+    ShardOptions o;
+    o.synthetic = spec;
+    o.threads = 2;
+    auto s = ExpertShard::Load(o, &progress);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(reporter.total(), (*s)->weight_bytes()) << spec;
+    EXPECT_EQ(reporter.done(), reporter.total()) << spec;
+    reporter.Finish();
+    ASSERT_FALSE(lines.empty());
+    EXPECT_EQ(lines.back().rfind("loading weights: ", 0), 0u) << lines.back();
+    EXPECT_NE(lines.back().find(" GB/s mean"), std::string::npos) << lines.back();
+  }
+}
+
 // first_dense=D makes layers D..L-1 the MoE layers; D must leave one, and
 // only first_dense may be 0.
 TEST(ExpertShard, SyntheticFirstDenseSetsTheMoeLayers) {
@@ -257,7 +412,10 @@ TEST(ExpertShard, SyntheticFirstDenseSetsTheMoeLayers) {
   EXPECT_TRUE((*s)->Handle(call.call(), out.data(), nullptr).ok());
   for (const char* bad : {"hidden=64,intermediate=32,experts=4,top_k=2,layers=3,first_dense=3",
                           "hidden=64,intermediate=32,experts=4,top_k=2,layers=3,first_dense=-1",
-                          "hidden=64,intermediate=32,experts=4,top_k=0,layers=3"}) {
+                          "hidden=64,intermediate=32,experts=4,top_k=0,layers=3",
+                          "hidden=64,intermediate=32,experts=4,top_k=2,layers=3,alias=0",
+                          "hidden=64,intermediate=32,experts=4,top_k=2,layers=3,first_dense=1,"
+                          "alias=9"}) {
     o.synthetic = bad;
     auto r = ExpertShard::Load(o);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad << ": " << r.status();
@@ -421,6 +579,42 @@ TEST(ExpertShard, ComputeTimeExcludesTheWaitForAnotherCall) {
 }
 
 // ---- the process ---------------------------------------------------------------
+
+// Under systemd (NOTIFY_SOCKET set), the service says how far its load is as
+// STATUS=, then READY=1 with the port, each a datagram on that socket.
+TEST(ServiceProcess, TellsTheServiceManagerItsLoadThenReady) {
+  ::hmoe::testing::TempDir dir;
+  const std::string path = dir.file("notify.sock");
+  const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  ASSERT_LT(path.size(), sizeof(a.sun_path));
+  std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  timeval tv{30, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setenv("NOTIFY_SOCKET", path.c_str(), 1);
+  ::hmoe::testing::ServiceProcess proc;
+  const bool started = proc.Start({"--model-dir=" + ModelDir(), "--no-ucx"}, dir.file("port"));
+  ::unsetenv("NOTIFY_SOCKET");
+  ASSERT_TRUE(started);
+  std::vector<std::string> got;
+  while (got.empty() || got.back().rfind("READY=1", 0) != 0) {
+    char buf[4096];
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    ASSERT_GT(n, 0) << "no READY=1 after " << got.size() << " datagrams";
+    got.emplace_back(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  ASSERT_GE(got.size(), 2u);
+  EXPECT_EQ(got[0].rfind("STATUS=loading experts: ", 0), 0u) << got[0];
+  EXPECT_THAT(
+      got[got.size() - 2],
+      ::testing::ContainsRegex(R"(^STATUS=loading experts: [0-9.]+ [KMG]?i?B in [0-9.]+ s, )"
+                               R"([0-9.]+ GB/s mean$)"));
+  EXPECT_EQ(got.back(), "READY=1\nSTATUS=serving on port " + std::to_string(proc.port()));
+}
 
 // hmoe-expert-bench --zero-copy writes a slot's hidden states once per call
 // shape: a slot reused by a call with another token count gets them again
