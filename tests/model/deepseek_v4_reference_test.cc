@@ -5,8 +5,11 @@
 #include "gpu_worker/cpu/deepseek_v4_reference.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
+#include "gpu_worker/cpu/ops.h"
+#include "gpu_worker/cpu/reference_experts.h"
 #include "gtest/gtest.h"
 #include "tests/model/model_test_util.h"
 #include "tests/testing/backends.h"
@@ -55,6 +58,79 @@ TEST(DeepseekV4Reference, RefusesOtherModelsAndBadIds) {
   other.arch = Architecture::kDeepseekV3;
   EXPECT_EQ(cpu::DeepseekV4Logits(other, **ck, {1}).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The in-process reference experts clamp as V4's experts do (gate <=
+// swiglu_limit, |up| <= swiglu_limit): hidden states large enough that the
+// clamp binds give the clamped MLP's output, not the plain one.
+TEST(DeepseekV4Reference, ReferenceExpertsClampAtTheSwigluLimit) {
+  const std::string dir = testing::FixturesDir() + "/deepseek_v4_tiny";
+  auto c = LoadModelConfig(dir);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto ck = Checkpoint::Open(dir);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  auto experts = MakeReferenceRoutedExperts(*c, **ck, 1);
+  ASSERT_TRUE(experts.ok()) << experts.status();
+  const int64_t H = c->hidden_size, I = c->moe.intermediate_size, T = 3;
+  const float limit = static_cast<float>(c->v4.swiglu_limit);
+  std::vector<float> hidden(static_cast<size_t>(T * H));
+  for (size_t i = 0; i < hidden.size(); ++i)
+    hidden[i] = 3.0f * std::sin(0.7f * static_cast<float>(i));
+  const std::vector<int32_t> ids = {1, 4, 0, 5, 3, 2};
+  const std::vector<float> weights = {0.75f, 0.5f, 1.0f, 0.25f, 0.5f, 0.5f};
+  ExpertBatch b;
+  b.layer = 3;
+  b.num_tokens = T;
+  b.hidden_size = H;
+  b.hidden = hidden.data();
+  b.top_k = 2;
+  b.expert_ids = ids.data();
+  b.weights = weights.data();
+  std::vector<float> out(static_cast<size_t>(T * H));
+  ASSERT_TRUE((*experts)->Forward(b, out.data()).ok());
+  auto mat = [&](const std::string& name, int64_t n) {
+    auto v = cpu::LoadVector(**ck, name, n);
+    EXPECT_TRUE(v.ok()) << v.status();
+    return v.ok() ? *v : std::vector<float>(static_cast<size_t>(n));
+  };
+  int clamped = 0;
+  double err = 0, scale = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> want(static_cast<size_t>(H), 0.0);
+    for (int k = 0; k < 2; ++k) {
+      const int e = ids[static_cast<size_t>(t * 2 + k)];
+      const std::string p = "model.layers.3.ffn.experts." + std::to_string(e) + ".";
+      const auto w1 = mat(p + "w1.weight", I * H), w3 = mat(p + "w3.weight", I * H),
+                 w2 = mat(p + "w2.weight", H * I);
+      std::vector<double> act(static_cast<size_t>(I));
+      for (int64_t i = 0; i < I; ++i) {
+        double g = 0, u = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          g += static_cast<double>(w1[static_cast<size_t>(i * H + h)]) *
+               hidden[static_cast<size_t>(t * H + h)];
+          u += static_cast<double>(w3[static_cast<size_t>(i * H + h)]) *
+               hidden[static_cast<size_t>(t * H + h)];
+        }
+        clamped += g > limit || std::abs(u) > limit;
+        g = std::min<double>(g, limit);
+        u = std::clamp<double>(u, -limit, limit);
+        act[static_cast<size_t>(i)] = g / (1 + std::exp(-g)) * u;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        double y = 0;
+        for (int64_t i = 0; i < I; ++i)
+          y += w2[static_cast<size_t>(h * I + i)] * act[static_cast<size_t>(i)];
+        want[static_cast<size_t>(h)] += weights[static_cast<size_t>(t * 2 + k)] * y;
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      err = std::max(err,
+                     std::abs(out[static_cast<size_t>(t * H + h)] - want[static_cast<size_t>(h)]));
+      scale = std::max(scale, std::abs(want[static_cast<size_t>(h)]));
+    }
+  }
+  EXPECT_GT(clamped, 10);  // the clamp binds on these inputs
+  EXPECT_LT(err, 1e-5 * scale) << err << " of " << scale;
 }
 
 // Until the driver runs V4's kinds, loading the model refuses it cleanly,
