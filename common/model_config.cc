@@ -42,6 +42,10 @@ constexpr ArchRow kArchitectures[] = {
      RouterKind::kSigmoidGroupedTopk, ResidualKind::kPlain},
     {Architecture::kGlmMoeDsa, "glm_moe_dsa", AttentionKind::kMlaDsa,
      RouterKind::kSigmoidGroupedTopk, ResidualKind::kPlain},
+    // Per layer: layer_types picks the attention kind, mlp_layer_types the
+    // router (kV4LayerTypes, hash_moe / moe).
+    {Architecture::kDeepseekV4, "deepseek_v4", AttentionKind::kV4Sliding,
+     RouterKind::kSqrtSoftplusTopk, ResidualKind::kHyperConnection},
 };
 
 const ArchRow* ArchRowFor(Architecture a) {
@@ -61,6 +65,26 @@ constexpr LayerTypeRow kLayerTypes[] = {{"full_attention", false, false},
                                         {"sliding_attention", true, false},
                                         {"indexed_attention", false, true}};
 
+// DeepSeek-V4's layer_types: each names the layer's attention kind, and the
+// compress_rates key its compressed branch reads ("": none).
+struct V4LayerTypeRow {
+  const char* name;
+  AttentionKind kind;
+  const char* compress_key;
+};
+constexpr V4LayerTypeRow kV4LayerTypes[] = {
+    {"sliding_attention", AttentionKind::kV4Sliding, ""},
+    {"compressed_sparse_attention", AttentionKind::kV4Csa, "compressed_sparse_attention"},
+    {"heavily_compressed_attention", AttentionKind::kV4Hca, "heavily_compressed_attention"}};
+// The published checkpoints' compress_ratios (one per layer) spell the kind
+// as its rate: 0 sliding, 4 csa, 128 hca (DeepseekV4Config's table).
+constexpr struct {
+  int64_t rate;
+  const char* layer_type;
+} kV4CompressRatios[] = {{0, "sliding_attention"},
+                         {4, "compressed_sparse_attention"},
+                         {128, "heavily_compressed_attention"}};
+
 }  // namespace
 
 const char* ArchitectureName(Architecture a) {
@@ -73,7 +97,15 @@ ArchitectureKinds KindsOf(Architecture a) {
   return {r->attention, r->router, r->residual};
 }
 const char* ScoringFuncName(ScoringFunc s) {
-  return s == ScoringFunc::kSoftmax ? "softmax" : "sigmoid";
+  switch (s) {
+    case ScoringFunc::kSoftmax:
+      return "softmax";
+    case ScoringFunc::kSigmoid:
+      return "sigmoid";
+    case ScoringFunc::kSqrtSoftplus:
+      return "sqrtsoftplus";
+  }
+  return "?";
 }
 const char* TopkMethodName(TopkMethod t) {
   switch (t) {
@@ -94,6 +126,12 @@ const char* AttentionKindName(AttentionKind k) {
       return "gqa";
     case AttentionKind::kMlaDsa:
       return "mla_dsa";
+    case AttentionKind::kV4Sliding:
+      return "v4_sliding";
+    case AttentionKind::kV4Csa:
+      return "v4_csa";
+    case AttentionKind::kV4Hca:
+      return "v4_hca";
   }
   return "?";
 }
@@ -103,6 +141,10 @@ const char* RouterKindName(RouterKind k) {
       return "softmax_topk";
     case RouterKind::kSigmoidGroupedTopk:
       return "sigmoid_grouped_topk";
+    case RouterKind::kSqrtSoftplusTopk:
+      return "sqrtsoftplus_topk";
+    case RouterKind::kHash:
+      return "hash";
   }
   return "?";
 }
@@ -110,6 +152,8 @@ const char* ResidualKindName(ResidualKind k) {
   switch (k) {
     case ResidualKind::kPlain:
       return "plain";
+    case ResidualKind::kHyperConnection:
+      return "mhc";
   }
   return "?";
 }
@@ -231,6 +275,9 @@ class Reader {
   absl::Status status_;
 };
 
+absl::Status ParseRopeObject(const json& rp, const std::string& key, const std::string& source,
+                             int64_t max_position_embeddings, RopeConfig& rope);
+
 absl::Status ParseRope(const json& root, Reader& top, const std::string& source, ModelConfig& c) {
   // transformers 5: rope_parameters {rope_type, rope_theta, ...}; published
   // checkpoints: rope_theta at top level plus rope_scaling {type | rope_type, ...}.
@@ -245,48 +292,53 @@ absl::Status ParseRope(const json& root, Reader& top, const std::string& source,
   // pairs; they read no rope_interleave.
   if (KindsOf(c.arch).attention == AttentionKind::kMlaDsa) c.rope.interleave = true;
   if (key == nullptr) return top.status();
-  const json& rp = root[key];
+  RETURN_IF_ERROR(ParseRopeObject(root[key], key, source, c.max_position_embeddings, c.rope));
+  return top.status();
+}
+
+absl::Status ParseRopeObject(const json& rp, const std::string& key, const std::string& source,
+                             int64_t max_position_embeddings, RopeConfig& rope) {
   if (!rp.is_object())
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": field \"", key, "\" must be an object"));
   Reader r(rp, source, std::string(key) + ".");
-  c.rope.theta = r.DoubleOr("rope_theta", c.rope.theta);
+  rope.theta = r.DoubleOr("rope_theta", rope.theta);
   std::string type = r.StringOr("rope_type", r.StringOr("type", "default"));
   if (type == "default") {
-    c.rope.type = RopeType::kDefault;
+    rope.type = RopeType::kDefault;
   } else if (type == "linear") {
-    c.rope.type = RopeType::kLinear;
+    rope.type = RopeType::kLinear;
   } else if (type == "yarn" || type == "deepseek_yarn") {
-    c.rope.type = RopeType::kYarn;
+    rope.type = RopeType::kYarn;
   } else {
     return absl::UnimplementedError(absl::StrCat(source, ": field \"", key, ".rope_type\" is \"",
                                                  type, "\"; supported: default, linear, yarn"));
   }
-  c.rope.original_max_position_embeddings =
-      r.IntOr("original_max_position_embeddings", c.max_position_embeddings);
+  rope.original_max_position_embeddings =
+      r.IntOr("original_max_position_embeddings", max_position_embeddings);
   // As transformers: a yarn config without `factor` stretches the original
   // context to max_position_embeddings.
   const double implied_factor =
-      c.rope.type == RopeType::kYarn && c.rope.original_max_position_embeddings > 0
-          ? static_cast<double>(c.max_position_embeddings) /
-                static_cast<double>(c.rope.original_max_position_embeddings)
+      rope.type == RopeType::kYarn && rope.original_max_position_embeddings > 0
+          ? static_cast<double>(max_position_embeddings) /
+                static_cast<double>(rope.original_max_position_embeddings)
           : 1.0;
-  c.rope.factor = r.DoubleOr("factor", implied_factor);
-  c.rope.beta_fast = r.DoubleOr("beta_fast", 32.0);
-  c.rope.beta_slow = r.DoubleOr("beta_slow", 1.0);
-  c.rope.mscale = r.DoubleOr("mscale", 0.0);
-  c.rope.mscale_all_dim = r.DoubleOr("mscale_all_dim", 0.0);
-  c.rope.attention_factor = r.OptDouble("attention_factor");
-  c.rope.truncate = r.BoolOr("truncate", true);
+  rope.factor = r.DoubleOr("factor", implied_factor);
+  rope.beta_fast = r.DoubleOr("beta_fast", 32.0);
+  rope.beta_slow = r.DoubleOr("beta_slow", 1.0);
+  rope.mscale = r.DoubleOr("mscale", 0.0);
+  rope.mscale_all_dim = r.DoubleOr("mscale_all_dim", 0.0);
+  rope.attention_factor = r.OptDouble("attention_factor");
+  rope.truncate = r.BoolOr("truncate", true);
   RETURN_IF_ERROR(r.status());
-  if (c.rope.type != RopeType::kDefault && !(c.rope.factor >= 1.0))
+  if (rope.type != RopeType::kDefault && !(rope.factor >= 1.0))
     return absl::InvalidArgumentError(
-        absl::StrCat(source, ": field \"", key, ".factor\" must be >= 1, got ", c.rope.factor));
-  if (c.rope.type == RopeType::kYarn && c.rope.original_max_position_embeddings <= 0)
+        absl::StrCat(source, ": field \"", key, ".factor\" must be >= 1, got ", rope.factor));
+  if (rope.type == RopeType::kYarn && rope.original_max_position_embeddings <= 0)
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": field \"", key,
                      ".original_max_position_embeddings\" must be positive for yarn"));
-  return top.status();
+  return absl::OkStatus();
 }
 
 absl::Status Invalid(const std::string& source, const std::string& field, const std::string& what) {
@@ -356,6 +408,259 @@ absl::Status ParseCompressedTensors(const json& q, const std::string& source,
 
 }  // namespace
 
+namespace {
+
+// DeepSeek-V4's fields; absent ones take DeepseekV4Config's defaults (V4-Flash).
+// Legacy spellings the published checkpoints ship fold in as transformers
+// folds them: qk_rope_head_dim (when partial_rotary_factor is absent),
+// compress_rate_csa / compress_rate_hca over compress_rates.
+absl::Status ParseDeepseekV4Fields(const json& root, Reader& r, const std::string& source,
+                                   ModelConfig& c) {
+  MoeConfig& m = c.moe;
+  V4Config& v = c.v4;
+  c.head_dim = r.IntOr("head_dim", 512);
+  v.q_lora_rank = r.IntOr("q_lora_rank", 1024);
+  v.o_groups = r.IntOr("o_groups", 8);
+  v.o_lora_rank = r.IntOr("o_lora_rank", 1024);
+  v.sliding_window = r.IntOr("sliding_window", 128);
+  v.hc_mult = r.IntOr("hc_mult", 4);
+  v.hc_sinkhorn_iters = r.IntOr("hc_sinkhorn_iters", 20);
+  v.hc_eps = r.DoubleOr("hc_eps", 1e-6);
+  v.swiglu_limit = r.DoubleOr("swiglu_limit", 10.0);
+  c.dsa.n_heads = r.IntOr("index_n_heads", 64);
+  c.dsa.head_dim = r.IntOr("index_head_dim", 128);
+  c.dsa.topk = r.IntOr("index_topk", 512);
+  c.dsa.rope_interleave = true;
+  m.num_experts = r.IntOr("n_routed_experts", 256);
+  m.experts_per_token = r.IntOr("num_experts_per_tok", 6);
+  m.intermediate_size = r.IntOr("moe_intermediate_size", 2048);
+  m.num_shared_experts = r.IntOr("n_shared_experts", 1);
+  c.intermediate_size = m.intermediate_size;  // transformers maps intermediate_size onto it
+  m.norm_topk_prob = true;                    // both V4 routers always normalize the chosen scores
+  m.routed_scaling_factor = r.DoubleOr("routed_scaling_factor", 1.5);
+  m.score_correction_bias = true;  // top-k (moe) layers; hash layers have none
+  c.num_nextn_predict_layers = r.IntOr("num_nextn_predict_layers", 1);
+  const std::string scoring = r.StringOr("scoring_func", "sqrtsoftplus");
+  if (r.Has("partial_rotary_factor")) {
+    const double f = r.DoubleOr("partial_rotary_factor", 0.125);
+    if (!(f > 0 && f <= 1))
+      return Invalid(source, "partial_rotary_factor", absl::StrCat(f, " is outside (0, 1]"));
+    v.qk_rope_head_dim = static_cast<int64_t>(static_cast<double>(c.head_dim) * f);
+  } else if (r.Has("qk_rope_head_dim")) {
+    v.qk_rope_head_dim = r.IntOr("qk_rope_head_dim", 64);
+  } else {
+    v.qk_rope_head_dim = c.head_dim * 64 / 512;
+  }
+  RETURN_IF_ERROR(r.status());
+  if (scoring != "sqrtsoftplus")
+    return absl::UnimplementedError(absl::StrCat(source, ": field \"scoring_func\" is \"", scoring,
+                                                 "\"; deepseek_v4 runs sqrtsoftplus"));
+  m.scoring = ScoringFunc::kSqrtSoftplus;
+
+  v.csa_compress_rate = 4;
+  v.hca_compress_rate = 128;
+  if (root.contains("compress_rates") && !root["compress_rates"].is_null()) {
+    const json& cr = root["compress_rates"];
+    if (!cr.is_object()) return Invalid(source, "compress_rates", "must be an object");
+    Reader rr(cr, source, "compress_rates.");
+    for (const auto& [key, value] : cr.items()) {
+      (void)value;
+      if (key != "compressed_sparse_attention" && key != "heavily_compressed_attention")
+        return Invalid(source, "compress_rates." + key,
+                       "is not a layer type with a compressed branch "
+                       "(compressed_sparse_attention, heavily_compressed_attention)");
+    }
+    v.csa_compress_rate = rr.IntOr("compressed_sparse_attention", v.csa_compress_rate);
+    v.hca_compress_rate = rr.IntOr("heavily_compressed_attention", v.hca_compress_rate);
+    RETURN_IF_ERROR(rr.status());
+  }
+  v.csa_compress_rate = r.IntOr("compress_rate_csa", v.csa_compress_rate);
+  v.hca_compress_rate = r.IntOr("compress_rate_hca", v.hca_compress_rate);
+  return r.status();
+}
+
+// Sliding layers rotate with rope_theta and no scaling ("main"); compressed
+// layers with compress_rope_theta and the config's scaling ("compress",
+// YaRN's attention factor 1 unless given). Either rope_parameters {"main",
+// "compress"} as transformers writes it, or a flat rope_parameters /
+// rope_scaling that only the compressed branch takes.
+absl::Status ParseDeepseekV4Rope(const json& root, Reader& r, const std::string& source,
+                                 ModelConfig& c) {
+  const double main_theta = r.DoubleOr("rope_theta", 10000.0);
+  const double compress_theta = r.DoubleOr("compress_rope_theta", 160000.0);
+  RETURN_IF_ERROR(r.status());
+  const double partial =
+      c.head_dim > 0 ? static_cast<double>(c.v4.qk_rope_head_dim) / static_cast<double>(c.head_dim)
+                     : 1.0;
+  c.rope = RopeConfig{};
+  c.rope.theta = main_theta;
+  RopeConfig& cr = c.v4.compress_rope;
+  cr = RopeConfig{};
+  cr.theta = compress_theta;
+  const char* key = nullptr;
+  if (root.contains("rope_parameters") && !root["rope_parameters"].is_null())
+    key = "rope_parameters";
+  else if (root.contains("rope_scaling") && !root["rope_scaling"].is_null())
+    key = "rope_scaling";
+  if (key != nullptr) {
+    const json& rp = root[key];
+    if (!rp.is_object()) return Invalid(source, key, "must be an object");
+    if (rp.contains("main") && rp["main"].is_object() && rp.contains("compress") &&
+        rp["compress"].is_object()) {
+      RETURN_IF_ERROR(ParseRopeObject(rp["main"], std::string(key) + ".main", source,
+                                      c.max_position_embeddings, c.rope));
+      RETURN_IF_ERROR(ParseRopeObject(rp["compress"], std::string(key) + ".compress", source,
+                                      c.max_position_embeddings, cr));
+    } else {
+      json flat = json::object();
+      for (const auto& [k, x] : rp.items())
+        if (k != "main" && k != "compress") flat[k] = x;
+      RETURN_IF_ERROR(ParseRopeObject(flat, key, source, c.max_position_embeddings, cr));
+      cr.theta = compress_theta;
+      if (cr.type == RopeType::kYarn && !cr.attention_factor) cr.attention_factor = 1.0;
+    }
+  }
+  for (RopeConfig* p : {&c.rope, &cr}) {
+    p->interleave = true;
+    p->partial_rotary_factor = partial;
+  }
+  if (!(c.rope.theta > 0)) return Invalid(source, "rope_theta", "must be positive");
+  if (!(cr.theta > 0)) return Invalid(source, "compress_rope_theta", "must be positive");
+  return absl::OkStatus();
+}
+
+// The shape fields DeepSeek-V4's layers need, beyond those every family's.
+absl::Status CheckDeepseekV4(const std::string& source, const ModelConfig& c) {
+  const V4Config& v = c.v4;
+  auto positive = [&](const char* field, int64_t x) -> absl::Status {
+    if (x <= 0) return Invalid(source, field, absl::StrCat("must be positive, got ", x));
+    if (x > (int64_t{1} << 20))
+      return Invalid(source, field,
+                     absl::StrCat("is ", x, ", over the ", int64_t{1} << 20, " taken"));
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(positive("head_dim", c.head_dim));
+  RETURN_IF_ERROR(positive("q_lora_rank", v.q_lora_rank));
+  RETURN_IF_ERROR(positive("o_groups", v.o_groups));
+  RETURN_IF_ERROR(positive("o_lora_rank", v.o_lora_rank));
+  RETURN_IF_ERROR(positive("sliding_window", v.sliding_window));
+  RETURN_IF_ERROR(positive("hc_mult", v.hc_mult));
+  RETURN_IF_ERROR(positive("hc_sinkhorn_iters", v.hc_sinkhorn_iters));
+  RETURN_IF_ERROR(positive("index_n_heads", c.dsa.n_heads));
+  RETURN_IF_ERROR(positive("index_head_dim", c.dsa.head_dim));
+  RETURN_IF_ERROR(positive("index_topk", c.dsa.topk));
+  RETURN_IF_ERROR(positive("n_routed_experts", c.moe.num_experts));
+  if (c.num_kv_heads != 1)
+    return Invalid(source, "num_key_value_heads",
+                   absl::StrCat("is ", c.num_kv_heads, "; deepseek_v4 shares one K=V head"));
+  if (!(v.hc_eps > 0)) return Invalid(source, "hc_eps", "must be positive");
+  if (!(v.swiglu_limit > 0)) return Invalid(source, "swiglu_limit", "must be positive");
+  if (v.qk_rope_head_dim <= 0 || v.qk_rope_head_dim % 2 != 0 || v.qk_rope_head_dim > c.head_dim)
+    return Invalid(source, "partial_rotary_factor",
+                   absl::StrCat("rotates ", v.qk_rope_head_dim, " of head_dim ", c.head_dim,
+                                " dims; must be a positive even count"));
+  if (c.dsa.head_dim < v.qk_rope_head_dim)
+    return Invalid(source, "index_head_dim",
+                   absl::StrCat(c.dsa.head_dim, " is below the ", v.qk_rope_head_dim,
+                                " roped dims (the indexer ropes that many)"));
+  if (c.num_heads % v.o_groups != 0)
+    return Invalid(source, "o_groups",
+                   absl::StrCat(v.o_groups, " does not divide num_attention_heads ", c.num_heads));
+  return absl::OkStatus();
+}
+
+// Each layer's attention kind (layer_types, else the published
+// compress_ratios, else DeepseekV4Config's schedule: two hca then csa / hca
+// alternating) and router (mlp_layer_types, else num_hash_layers hash_moe
+// layers, 3 absent, then moe). Every layer is MoE.
+absl::Status DeepseekV4Layers(const json& root, const std::string& source, ModelConfig& c) {
+  const size_t n = static_cast<size_t>(c.num_layers);
+  std::vector<std::string> types;
+  std::string from = "layer_types";
+  if (root.contains("layer_types") && !root["layer_types"].is_null()) {
+    const json& t = root["layer_types"];
+    if (!t.is_array()) return Invalid(source, "layer_types", "must be a list");
+    if (t.size() != n)
+      return Invalid(source, "layer_types",
+                     absl::StrCat("has ", t.size(), " entries for ", n, " layers"));
+    for (const auto& x : t) types.push_back(x.is_string() ? x.get<std::string>() : x.dump());
+  } else if (root.contains("compress_ratios") && !root["compress_ratios"].is_null()) {
+    from = "compress_ratios";
+    const json& t = root["compress_ratios"];
+    // The published list may go on past the main stack (the MTP layer's); transformers
+    // keeps the first num_hidden_layers.
+    if (!t.is_array() || t.size() < n)
+      return Invalid(source, from, absl::StrCat("must list a rate per layer (", n, ")"));
+    for (size_t i = 0; i < n; ++i) {
+      const char* type = nullptr;
+      for (const auto& row : kV4CompressRatios)
+        if (t[i].is_number_integer() && t[i].get<int64_t>() == row.rate) type = row.layer_type;
+      if (type == nullptr)
+        return Invalid(source, absl::StrCat(from, "[", i, "]"),
+                       absl::StrCat("is ", t[i].dump(), "; expected 0, 4 or 128"));
+      types.push_back(type);
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i)
+      types.push_back(i < 2 || i % 2 == 0 ? "heavily_compressed_attention"
+                                          : "compressed_sparse_attention");
+  }
+  std::vector<bool> hash(n, false);
+  if (root.contains("mlp_layer_types") && !root["mlp_layer_types"].is_null()) {
+    const json& t = root["mlp_layer_types"];
+    if (!t.is_array() || t.size() != n)
+      return Invalid(source, "mlp_layer_types",
+                     absl::StrCat("must list one of \"hash_moe\" / \"moe\" per layer (", n, ")"));
+    for (size_t i = 0; i < n; ++i) {
+      if (!t[i].is_string() || (t[i] != "hash_moe" && t[i] != "moe"))
+        return Invalid(source, absl::StrCat("mlp_layer_types[", i, "]"),
+                       absl::StrCat("is ", t[i].dump(), "; expected \"hash_moe\" or \"moe\""));
+      hash[i] = t[i] == "hash_moe";
+    }
+  } else {
+    Reader r(root, source);
+    const int64_t n_hash = r.IntOr("num_hash_layers", 3);
+    RETURN_IF_ERROR(r.status());
+    if (n_hash < 0) return Invalid(source, "num_hash_layers", "must not be negative");
+    for (size_t i = 0; i < n && static_cast<int64_t>(i) < n_hash; ++i) hash[i] = true;
+  }
+  const V4Config& v = c.v4;
+  c.layers.assign(n, LayerSpec{});
+  for (size_t i = 0; i < n; ++i) {
+    const V4LayerTypeRow* row = nullptr;
+    for (const V4LayerTypeRow& x : kV4LayerTypes)
+      if (types[i] == x.name) row = &x;
+    if (row == nullptr) {
+      std::string known;
+      for (const V4LayerTypeRow& x : kV4LayerTypes)
+        absl::StrAppend(&known, known.empty() ? "" : ", ", x.name);
+      return Invalid(source, absl::StrCat(from, "[", i, "]"),
+                     absl::StrCat("is \"", types[i], "\"; deepseek_v4 layers run ", known));
+    }
+    LayerSpec& l = c.layers[i];
+    l.moe = true;
+    l.attention = row->kind;
+    l.sliding_window = v.sliding_window;
+    l.router = hash[i] ? RouterKind::kHash : RouterKind::kSqrtSoftplusTopk;
+    if (*row->compress_key == '\0') continue;
+    const bool csa = row->kind == AttentionKind::kV4Csa;
+    l.compress_rate = csa ? v.csa_compress_rate : v.hca_compress_rate;
+    const std::string field = absl::StrCat("compress_rates.", row->compress_key);
+    // A compressed entry covers whole blocks of the window: the window's
+    // ring and the compressor's open block end on the same boundary.
+    if (l.compress_rate <= 0)
+      return Invalid(source, field,
+                     absl::StrCat("must be positive, got ", l.compress_rate, " (layer ", i, ")"));
+    if (v.sliding_window % l.compress_rate != 0)
+      return Invalid(source, field,
+                     absl::StrCat(l.compress_rate, " does not divide the sliding_window block of ",
+                                  v.sliding_window, " tokens (layer ", i, ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 // The text as a JSON object; INVALID_ARGUMENT naming `source` otherwise.
 absl::StatusOr<json> ParseJsonObject(const std::string& json_text, const std::string& source) {
   json root;
@@ -393,7 +698,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   c.hidden_size = r.Int("hidden_size");
   c.num_layers = r.Int("num_hidden_layers");
   c.num_heads = r.Int("num_attention_heads");
-  c.num_kv_heads = r.IntOr("num_key_value_heads", c.num_heads);
+  const bool v4 = c.arch == Architecture::kDeepseekV4;
+  c.num_kv_heads = r.IntOr("num_key_value_heads", v4 ? 1 : c.num_heads);
   // The fields that shape no weight (routing, RoPE, norms, context) take,
   // when a config.json leaves them out, their transformers config class's
   // default (DeepseekV3Config, DeepseekV2Config, Qwen3MoeConfig,
@@ -410,6 +716,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                                          : c.arch == Architecture::kDeepseekV2  ? 2048
                                          : c.arch == Architecture::kDeepseekV32 ? 163840
                                          : glm_dsa                              ? 202752
+                                         : v4                                   ? 1048576
                                                                                 : 4096);
   c.rms_norm_eps = r.DoubleOr("rms_norm_eps", mixtral || glm4 || glm_dsa ? 1e-5 : 1e-6);
   if (mixtral) c.rope.theta = 1e6;
@@ -526,6 +833,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       }
       break;
     }
+    case Architecture::kDeepseekV4:
+      RETURN_IF_ERROR(ParseDeepseekV4Fields(root, r, source, c));
+      break;
     case Architecture::kMixtral: {
       c.head_dim = r.IntOr("head_dim", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
       m.num_experts = r.Int("num_local_experts");
@@ -543,7 +853,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     }
   }
   RETURN_IF_ERROR(r.status());
-  RETURN_IF_ERROR(ParseRope(root, r, source, c));
+  if (v4)
+    RETURN_IF_ERROR(ParseDeepseekV4Rope(root, r, source, c));
+  else
+    RETURN_IF_ERROR(ParseRope(root, r, source, c));
 
   if (root.contains("quantization_config") && !root["quantization_config"].is_null()) {
     const json& q = root["quantization_config"];
@@ -607,6 +920,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       return Invalid(source, "first_k_dense_replace",
                      absl::StrCat(c.first_k_dense_replace, " is outside [0, num_hidden_layers]"));
     RETURN_IF_ERROR(positive("moe_layer_freq", c.moe_layer_freq));
+  } else if (v4) {
+    RETURN_IF_ERROR(CheckDeepseekV4(source, c));
   } else {
     RETURN_IF_ERROR(positive("head_dim", c.head_dim));
     if (c.head_dim % 2 != 0) return Invalid(source, "head_dim", "must be even");
@@ -645,7 +960,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                        c.max_position_embeddings, ")"));
   }
   // The routed-expert count's field, as this family spells it.
-  const char* experts_field = c.is_mla() || glm4             ? "n_routed_experts"
+  const char* experts_field = c.is_mla() || glm4 || v4       ? "n_routed_experts"
                               : root.contains("num_experts") ? "num_experts"
                                                              : "num_local_experts";
   if (m.num_experts < 0) return Invalid(source, experts_field, "must not be negative");
@@ -684,6 +999,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       return Invalid(source, "eos_token_id", absl::StrCat(id, " is outside the vocabulary"));
 
   // ---- per-layer kinds ------------------------------------------------------------
+  if (v4) {
+    RETURN_IF_ERROR(DeepseekV4Layers(root, source, c));
+    return c;
+  }
   int64_t window = 0;
   if (root.contains("sliding_window") && !root["sliding_window"].is_null()) {
     window = r.IntOr("sliding_window", 0);
@@ -812,6 +1131,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
         break;
       case Architecture::kGlm4Moe:
         l.moe = m.num_experts > 0 && i >= c.first_k_dense_replace;
+        break;
+      case Architecture::kDeepseekV4:  // DeepseekV4Layers made its layers
         break;
     }
     if (!l.moe && c.intermediate_size <= 0)

@@ -1,6 +1,6 @@
 // ModelConfig: a Hugging Face config.json parsed into the fields that change
-// the math, for deepseek_v3, deepseek_v32, glm_moe_dsa, deepseek_v2, qwen3_moe, mixtral and
-// glm4_moe.
+// the math, for deepseek_v3, deepseek_v32, glm_moe_dsa, deepseek_v4, deepseek_v2, qwen3_moe,
+// mixtral and glm4_moe.
 //
 // Accepts both the published checkpoints' spelling (rope_theta + rope_scaling
 // {"type": "yarn", ...}, Qwen3's num_experts) and what transformers 5 writes
@@ -25,9 +25,11 @@ enum class Architecture {
   kMixtral,
   kGlm4Moe,
   kDeepseekV32,
-  kGlmMoeDsa
+  kGlmMoeDsa,
+  kDeepseekV4
 };
-enum class ScoringFunc { kSoftmax, kSigmoid };
+// sqrtsoftplus (DeepSeek-V4): sqrt(softplus(logit)).
+enum class ScoringFunc { kSoftmax, kSigmoid, kSqrtSoftplus };
 // greedy: plain top-k; group_limited_greedy (V2): groups ranked by their max
 // score; noaux_tc (V3): groups ranked by the sum of their top-2 biased scores.
 enum class TopkMethod { kGreedy, kGroupLimitedGreedy, kNoauxTc };
@@ -39,22 +41,34 @@ enum class RopeType { kDefault, kLinear, kYarn };
 //   gqa: grouped-query attention (cache: K and V per kv head), with or
 //        without a sliding window (LayerSpec::sliding_window);
 //   mla_dsa: MLA over the index_topk keys a lightning indexer selects per
-//        query (DeepSeek sparse attention; cache: MLA's row + the indexer key).
-enum class AttentionKind { kMla, kGqa, kMlaDsa };
+//        query (DeepSeek sparse attention; cache: MLA's row + the indexer key);
+//   v4_sliding / v4_csa / v4_hca (DeepSeek-V4's layer_types sliding_attention,
+//        compressed_sparse_attention, heavily_compressed_attention): one
+//        shared K=V head over a sliding window, plus (csa) entries compressed
+//        LayerSpec::compress_rate:1 of which a lightning indexer picks the
+//        top index_topk per query, or (hca) all entries compressed
+//        compress_rate:1.
+enum class AttentionKind { kMla, kGqa, kMlaDsa, kV4Sliding, kV4Csa, kV4Hca };
 //   softmax_topk: softmax scores, plain or group-limited (groups by max) top-k;
 //   sigmoid_grouped_topk: sigmoid scores, selection on scores + correction
 //        bias within the best groups (groups by their top-2 sum; noaux_tc).
-enum class RouterKind { kSoftmaxTopk, kSigmoidGroupedTopk };
-//   plain: one residual stream, x += sublayer(norm(x)).
-enum class ResidualKind { kPlain };
+//   sqrtsoftplus_topk: sqrt(softplus) scores, top-k on scores + correction
+//        bias, the chosen scores normalized (DeepSeek-V4's moe layers);
+//   hash: the experts a frozen per-token-id table (tid2eid) names, weighted
+//        by their normalized sqrt(softplus) scores (DeepSeek-V4's hash_moe).
+enum class RouterKind { kSoftmaxTopk, kSigmoidGroupedTopk, kSqrtSoftplusTopk, kHash };
+//   plain: one residual stream, x += sublayer(norm(x));
+//   mhc: hc_mult residual streams, collapsed into each sublayer's input and
+//        mixed by a Sinkhorn-normalized matrix (DeepSeek-V4's hyper-connections).
+enum class ResidualKind { kPlain, kHyperConnection };
 
 const char* ArchitectureName(Architecture a);  // the model_type string
 const char* ScoringFuncName(ScoringFunc s);
 const char* TopkMethodName(TopkMethod t);
 const char* RopeTypeName(RopeType r);
-const char* AttentionKindName(AttentionKind k);  // "mla", "gqa", "mla_dsa"
-const char* RouterKindName(RouterKind k);        // "softmax_topk", "sigmoid_grouped_topk"
-const char* ResidualKindName(ResidualKind k);    // "plain"
+const char* AttentionKindName(AttentionKind k);  // "mla", "gqa", "mla_dsa", "v4_csa", ...
+const char* RouterKindName(RouterKind k);        // "softmax_topk", "hash", ...
+const char* ResidualKindName(ResidualKind k);    // "plain", "mhc"
 // The kinds an architecture's layers run (ParseModelConfig gives each layer
 // these; the one place they are chosen).
 struct ArchitectureKinds {
@@ -104,6 +118,24 @@ struct DsaConfig {
   bool rope_interleave = false;  // the indexer's rope pairs (V3.2: halves; GLM: interleaved)
 };
 
+// DeepSeek-V4's fields beside head_dim / num_key_value_heads (one shared K=V
+// head) and dsa (its lightning indexer): q LoRA, the grouped low-rank output
+// projection, the compressed branches' RoPE, mHC and the routed experts' clamp.
+struct V4Config {
+  int64_t q_lora_rank = 0;
+  int64_t qk_rope_head_dim = 0;  // the trailing dims of each head that are roped
+  int64_t o_groups = 0;
+  int64_t o_lora_rank = 0;
+  int64_t sliding_window = 0;
+  int64_t csa_compress_rate = 0;  // compress_rates.compressed_sparse_attention
+  int64_t hca_compress_rate = 0;  // compress_rates.heavily_compressed_attention
+  RopeConfig compress_rope;       // csa / hca layers (ModelConfig::rope: sliding layers)
+  int64_t hc_mult = 0;
+  int64_t hc_sinkhorn_iters = 0;
+  double hc_eps = 0.0;
+  double swiglu_limit = 0.0;  // routed and shared experts: gate <= limit, |up| <= limit
+};
+
 struct MoeConfig {
   int64_t num_experts = 0;         // routed experts
   int64_t experts_per_token = 0;   // top-k
@@ -138,6 +170,7 @@ struct LayerSpec {
   int64_t sliding_window = 0;  // 0: full attention
   AttentionKind attention = AttentionKind::kGqa;
   RouterKind router = RouterKind::kSoftmaxTopk;  // MoE layers' router (dense layers: unused)
+  int64_t compress_rate = 0;  // v4_csa / v4_hca: source tokens per compressed entry
 };
 
 struct ModelConfig {
@@ -157,13 +190,14 @@ struct ModelConfig {
   bool qk_norm = false;  // GQA: RMSNorm over each q and k head before RoPE (q_norm / k_norm)
   RopeConfig rope;
   MlaConfig mla;  // DeepSeek only
-  DsaConfig dsa;  // mla_dsa layers only
+  DsaConfig dsa;  // mla_dsa and v4_csa layers only
+  V4Config v4;    // deepseek_v4 only
   MoeConfig moe;
   int64_t first_k_dense_replace = 0;
   int64_t moe_layer_freq = 1;
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
-  int64_t num_nextn_predict_layers = 0;  // DeepSeek-V3 MTP layers stored after the main stack
+  int64_t num_nextn_predict_layers = 0;  // DeepSeek-V3/V4 MTP layers (loaded and not run)
   std::vector<int64_t> eos_token_ids;
   std::optional<int64_t> bos_token_id;
   QuantizationConfig quantization;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -18,7 +19,7 @@ namespace {
 std::string L(int layer) { return absl::StrCat("model.layers.", layer, "."); }
 
 const char* ProjName(const ModelConfig& c, ExpertProj p) {
-  const bool mixtral = c.arch == Architecture::kMixtral;
+  const bool mixtral = c.arch == Architecture::kMixtral || c.arch == Architecture::kDeepseekV4;
   switch (p) {
     case ExpertProj::kGate:
       return mixtral ? "w1" : "gate_proj";
@@ -39,10 +40,95 @@ void AddMlp(std::vector<WeightSpec>& out, const std::string& prefix, int64_t hid
   out.push_back({prefix + "down_proj.weight", {hidden, inter}, role, layer});
 }
 
+// DeepSeek-V4's tensors, named as its checkpoints (and transformers' save)
+// name them. The mHC mixing weights count as norms; tid2eid and the gate's
+// bias (the correction bias) are buffers (kRouter, not parameters).
+void AddDeepseekV4(const ModelConfig& c, std::vector<WeightSpec>& out) {
+  const int64_t H = c.hidden_size, D = c.head_dim, Q = c.v4.q_lora_rank, N = c.num_heads;
+  const int64_t G = c.v4.o_groups, R = c.v4.o_lora_rank, M = c.v4.hc_mult;
+  const int64_t ID = c.dsa.head_dim, IH = c.dsa.n_heads, E = c.moe.num_experts;
+  out.push_back({"model.embed_tokens.weight", {c.vocab_size, H}, WeightRole::kEmbedding});
+  for (int i = 0; i < static_cast<int>(c.num_layers); ++i) {
+    const LayerSpec& l = c.layers[static_cast<size_t>(i)];
+    const std::string p = L(i), a = p + "attn.", f = p + "ffn.";
+    for (const char* hc : {"hc_attn_", "hc_ffn_"}) {
+      out.push_back({p + hc + "fn", {(2 + M) * M, M * H}, WeightRole::kNorm, i});
+      out.push_back({p + hc + "base", {(2 + M) * M}, WeightRole::kNorm, i});
+      out.push_back({p + hc + "scale", {3}, WeightRole::kNorm, i});
+    }
+    out.push_back({p + "attn_norm.weight", {H}, WeightRole::kNorm, i});
+    out.push_back({a + "wq_a.weight", {Q, H}, WeightRole::kAttention, i});
+    out.push_back({a + "q_norm.weight", {Q}, WeightRole::kNorm, i});
+    out.push_back({a + "wq_b.weight", {N * D, Q}, WeightRole::kAttention, i});
+    out.push_back({a + "wkv.weight", {D, H}, WeightRole::kAttention, i});
+    out.push_back({a + "norm.weight", {D}, WeightRole::kNorm, i});
+    out.push_back({a + "wo_a.weight", {G * R, N * D / G}, WeightRole::kAttention, i});
+    out.push_back({a + "wo_b.weight", {H, G * R}, WeightRole::kAttention, i});
+    out.push_back({a + "attn_sink", {N}, WeightRole::kAttention, i});
+    // The compressor (csa: two overlapping series, hence 2 * D) and the csa
+    // indexer's own compressor, queries and head weights.
+    auto compressor = [&](const std::string& x, int64_t d) {
+      out.push_back({x + "ape", {l.compress_rate, d}, WeightRole::kAttention, i});
+      out.push_back({x + "norm.weight",
+                     {d / (l.attention == AttentionKind::kV4Csa ? 2 : 1)},
+                     WeightRole::kNorm,
+                     i});
+      out.push_back({x + "wgate.weight", {d, H}, WeightRole::kAttention, i});
+      out.push_back({x + "wkv.weight", {d, H}, WeightRole::kAttention, i});
+    };
+    if (l.attention == AttentionKind::kV4Hca) compressor(a + "compressor.", D);
+    if (l.attention == AttentionKind::kV4Csa) {
+      compressor(a + "compressor.", 2 * D);
+      compressor(a + "indexer.compressor.", 2 * ID);
+      out.push_back({a + "indexer.weights_proj.weight", {IH, H}, WeightRole::kAttention, i});
+      out.push_back({a + "indexer.wq_b.weight", {IH * ID, Q}, WeightRole::kAttention, i});
+    }
+    out.push_back({p + "ffn_norm.weight", {H}, WeightRole::kNorm, i});
+    out.push_back({f + "gate.weight", {E, H}, WeightRole::kRouter, i});
+    if (l.router == RouterKind::kHash)
+      out.push_back(
+          {f + "gate.tid2eid", {c.vocab_size, c.moe.experts_per_token}, WeightRole::kRouter, i});
+    else
+      out.push_back({f + "gate.bias", {E}, WeightRole::kRouter, i});
+    for (int e = 0; e < static_cast<int>(E); ++e) {
+      const int64_t I = c.moe.intermediate_size;
+      for (ExpertProj pr : {ExpertProj::kGate, ExpertProj::kUp, ExpertProj::kDown})
+        out.push_back({ExpertWeightName(c, i, e, pr),
+                       pr == ExpertProj::kDown ? Shape{H, I} : Shape{I, H},
+                       WeightRole::kRoutedExpert, i, e, pr});
+    }
+    const int64_t S = c.moe.intermediate_size * c.moe.num_shared_experts;
+    if (S > 0) {
+      out.push_back({f + "shared_experts.w1.weight", {S, H}, WeightRole::kSharedExpert, i});
+      out.push_back({f + "shared_experts.w2.weight", {H, S}, WeightRole::kSharedExpert, i});
+      out.push_back({f + "shared_experts.w3.weight", {S, H}, WeightRole::kSharedExpert, i});
+    }
+  }
+  out.push_back({"model.hc_head.hc_fn", {M, M * H}, WeightRole::kNorm});
+  out.push_back({"model.hc_head.hc_base", {M}, WeightRole::kNorm});
+  out.push_back({"model.hc_head.hc_scale", {1}, WeightRole::kNorm});
+  out.push_back({"model.norm.weight", {H}, WeightRole::kNorm});
+  if (!c.tie_word_embeddings)
+    out.push_back({"head.weight", {c.vocab_size, H}, WeightRole::kLmHead});
+}
+
+// A router buffer, not a parameter: the correction bias (V3's
+// e_score_correction_bias, V4's gate.bias) or V4's tid2eid table.
+bool IsRouterBuffer(const WeightSpec& w) {
+  return w.role == WeightRole::kRouter &&
+         (w.shape.size() == 1 || absl::EndsWith(w.name, ".tid2eid"));
+}
+
+bool IsHashTable(const WeightSpec& w) {
+  return w.role == WeightRole::kRouter && absl::EndsWith(w.name, ".tid2eid");
+}
+
 }  // namespace
 
 std::string ExpertWeightName(const ModelConfig& c, int layer, int expert, ExpertProj proj) {
-  const char* block = c.arch == Architecture::kMixtral ? "block_sparse_moe" : "mlp";
+  const char* block = c.arch == Architecture::kMixtral      ? "block_sparse_moe"
+                      : c.arch == Architecture::kDeepseekV4 ? "ffn"
+                                                            : "mlp";
   return absl::StrCat(L(layer), block, ".experts.", expert, ".", ProjName(c, proj), ".weight");
 }
 
@@ -106,6 +192,10 @@ std::string ScaleInvName(const std::string& weight_name) { return weight_name + 
 
 std::vector<WeightSpec> ExpectedWeights(const ModelConfig& c) {
   std::vector<WeightSpec> out;
+  if (c.arch == Architecture::kDeepseekV4) {
+    AddDeepseekV4(c, out);
+    return out;
+  }
   const int64_t H = c.hidden_size;
   out.push_back({"model.embed_tokens.weight", {c.vocab_size, H}, WeightRole::kEmbedding});
   for (int i = 0; i < static_cast<int>(c.num_layers); ++i) {
@@ -210,8 +300,7 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& c) {
 ParamCounts CountParameters(const ModelConfig& c) {
   ParamCounts n;
   for (const WeightSpec& w : ExpectedWeights(c)) {
-    if (w.role == WeightRole::kRouter && w.shape.size() == 1)
-      continue;  // correction bias: a buffer
+    if (IsRouterBuffer(w)) continue;
     const int64_t k = NumElements(w.shape);
     n.total += k;
     switch (w.role) {
@@ -246,6 +335,39 @@ ParamCounts CountParameters(const ModelConfig& c) {
   return n;
 }
 
+namespace {
+
+// Each hash layer's tid2eid (shape and dtype already checked): every id in
+// [0, n_routed_experts).
+absl::Status CheckHashTables(const ModelConfig& c, const Checkpoint& ckpt) {
+  for (const WeightSpec& w : ExpectedWeights(c)) {
+    if (!IsHashTable(w)) continue;
+    const TensorEntry* e = ckpt.Find(w.name);
+    if (e == nullptr) continue;
+    ASSIGN_OR_RETURN(const Tensor t, ckpt.Get(w.name));
+    const bool i64 = e->dtype == DType::kI64;
+    const auto* bytes = static_cast<const uint8_t*>(t.raw());
+    const int64_t n = NumElements(e->shape), k = std::max<int64_t>(1, c.moe.experts_per_token);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t id = 0;
+      if (i64) {
+        std::memcpy(&id, bytes + i * 8, 8);
+      } else {
+        int32_t v = 0;
+        std::memcpy(&v, bytes + i * 4, 4);
+        id = v;
+      }
+      if (id < 0 || id >= c.moe.num_experts)
+        return absl::InvalidArgumentError(absl::StrCat(
+            ckpt.dir(), ": ", w.name, " (tid2eid) gives token id ", i / k, " expert ", id,
+            ", outside the ", c.moe.num_experts, " routed experts (n_routed_experts)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt, bool routed_experts) {
   std::vector<std::string> missing, wrong;
   const bool fp8 = c.quantization.method == "fp8";
@@ -275,7 +397,12 @@ absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt, bool rou
     }
     const bool is_float =
         e->dtype == DType::kF32 || e->dtype == DType::kBF16 || e->dtype == DType::kF16;
-    if (e->dtype == DType::kF8E4M3 && mxfp8 != nullptr && w.role == WeightRole::kRoutedExpert) {
+    if (IsHashTable(w)) {
+      if (e->dtype != DType::kI64 && e->dtype != DType::kI32)
+        wrong.push_back(absl::StrCat(w.name, " has dtype ", DTypeName(e->dtype),
+                                     ", expected I64 or I32 expert ids"));
+    } else if (e->dtype == DType::kF8E4M3 && mxfp8 != nullptr &&
+               w.role == WeightRole::kRoutedExpert) {
       const std::string sname = NativeTensorName(w.name, mxfp8->scales);
       const TensorEntry* s = ckpt.Find(sname);
       const Shape want{w.shape[0], (w.shape[1] + 31) / 32};
@@ -317,7 +444,8 @@ absl::Status CheckWeights(const ModelConfig& c, const Checkpoint& ckpt, bool rou
       }
     }
   }
-  if (missing.empty() && wrong.empty() && undeclared_shared.empty()) return absl::OkStatus();
+  if (missing.empty() && wrong.empty() && undeclared_shared.empty())
+    return CheckHashTables(c, ckpt);
   if (missing.empty() && wrong.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         ckpt.dir(), ": checkpoint has shared experts (", undeclared_shared, ") but its ",

@@ -205,9 +205,39 @@ std::string FormatReport(const ModelReport& r, const InspectOptions& o) {
   absl::StrAppend(&s, "layers         ", c.num_layers, ": ", c.num_layers - r.moe_layers,
                   " dense MLP + ", r.moe_layers, " MoE");
   if (c.num_nextn_predict_layers > 0)
-    absl::StrAppend(&s, " (+", c.num_nextn_predict_layers, " MTP, not counted)");
+    absl::StrAppend(&s, " (+", c.num_nextn_predict_layers, " MTP, not counted",
+                    c.arch == Architecture::kDeepseekV4 ? "; its tensors load and are not run" : "",
+                    ")");
   absl::StrAppend(&s, "\n");
-  if (c.is_mla()) {
+  if (c.arch == Architecture::kDeepseekV4) {
+    const V4Config& v = c.v4;
+    int64_t kinds[3] = {0, 0, 0}, hash = 0;
+    for (const auto& l : c.layers) {
+      kinds[l.attention == AttentionKind::kV4Csa   ? 1
+            : l.attention == AttentionKind::kV4Hca ? 2
+                                                   : 0]++;
+      hash += l.router == RouterKind::kHash;
+    }
+    absl::StrAppend(&s, "attention      ", c.num_heads, " heads x ", c.head_dim,
+                    " over one shared K=V head (rope on the last ", v.qk_rope_head_dim,
+                    " dims), q_lora ", v.q_lora_rank, ", output ", v.o_groups, " groups x ",
+                    v.o_lora_rank, ", sink per head; sliding window ", v.sliding_window,
+                    " on every layer\n");
+    absl::StrAppend(&s, "               ", kinds[0], " sliding only, ", kinds[1], " csa (",
+                    v.csa_compress_rate, ":1 compressed, indexer ", c.dsa.n_heads, " heads x ",
+                    c.dsa.head_dim, ", top ", c.dsa.topk, "), ", kinds[2], " hca (",
+                    v.hca_compress_rate, ":1 compressed)\n");
+    absl::StrAppend(&s, "residual       mHC, ", v.hc_mult, " streams, Sinkhorn ",
+                    v.hc_sinkhorn_iters, " iterations (eps ", v.hc_eps, ")\n");
+    absl::StrAppend(&s, "routing        ", hash, " hash layers (tid2eid), ", c.num_layers - hash,
+                    " top-k; experts' gate/up clamped at ", v.swiglu_limit, "\n");
+    const RopeConfig& cr = v.compress_rope;
+    absl::StrAppend(&s, "compress rope  ", RopeTypeName(cr.type), ", theta ", cr.theta);
+    if (cr.type != RopeType::kDefault) absl::StrAppend(&s, ", factor ", cr.factor);
+    if (cr.type == RopeType::kYarn)
+      absl::StrAppend(&s, ", original ", cr.original_max_position_embeddings);
+    absl::StrAppend(&s, "\n");
+  } else if (c.is_mla()) {
     absl::StrAppend(&s, "attention      MLA, ", c.num_heads, " heads, q_lora ",
                     c.mla.q_lora_rank ? std::to_string(*c.mla.q_lora_rank) : std::string("none"),
                     ", kv_lora ", c.mla.kv_lora_rank, ", qk ", c.mla.qk_nope_head_dim, "+",

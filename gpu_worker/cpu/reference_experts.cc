@@ -46,6 +46,7 @@ absl::Status ReferenceExperts::Forward(const ExpertBatch& b, float* out) {
   RETURN_IF_ERROR(ValidateExpertBatch(config_, b));
   const int64_t T = b.num_tokens, H = b.hidden_size, K = b.top_k;
   const int64_t I = config_.moe.intermediate_size;
+  const float limit = static_cast<float>(config_.v4.swiglu_limit);  // 0: no clamp
   std::fill(out, out + T * H, 0.0f);
   if (T == 0) return absl::OkStatus();
   // Group (token, slot) pairs by expert; visit experts in ascending id so each
@@ -67,6 +68,12 @@ absl::Status ReferenceExperts::Forward(const ExpertBatch& b, float* out) {
     const Expert& ex = experts[e];
     Linear(pool_.get(), x.data(), n, ex.gate, nullptr, g.data());
     Linear(pool_.get(), x.data(), n, ex.up, nullptr, u.data());
+    if (limit > 0) {  // DeepSeek-V4: gate <= limit, |up| <= limit before SiLU(gate) * up
+      for (int64_t i = 0; i < n * I; ++i) {
+        g[i] = std::min(g[i], limit);
+        u[i] = std::clamp(u[i], -limit, limit);
+      }
+    }
     for (int64_t i = 0; i < n * I; ++i) g[i] = Silu(g[i]) * u[i];
     Linear(pool_.get(), g.data(), n, ex.down, nullptr, d.data());
     for (int64_t r = 0; r < n; ++r) {

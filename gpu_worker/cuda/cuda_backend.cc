@@ -209,6 +209,11 @@ absl::Status CudaBackend::Init(const Checkpoint& ckpt) {
   graphs_ = std::make_unique<PassGraphs>(cu_.graphs, stream_);
   // The kinds this backend runs: plain residual; attention per layer (MLA,
   // GQA), all layers with one cache layout.
+  if (c_.arch == Architecture::kDeepseekV4)
+    return absl::UnimplementedError(absl::StrCat(
+        "cuda backend: ", c_.model_type,
+        " (sliding / compressed sparse / heavily compressed attention, mHC residual streams, "
+        "hash routing) is not implemented on this backend"));
   ASSIGN_OR_RETURN(const ResidualSpec residual, ResidualSpecFor(c_));
   if (residual.kind != ResidualKind::kPlain)
     return absl::UnimplementedError(
@@ -608,7 +613,12 @@ absl::Status CudaBackend::Attention(int l) {
       RETURN_IF_ERROR(GqaAttention(l));
       break;
     case AttentionKind::kMlaDsa:  // refused at load
-      return absl::InternalError("cuda backend: mla_dsa layer in a pass");
+    case AttentionKind::kV4Sliding:
+    case AttentionKind::kV4Csa:
+    case AttentionKind::kV4Hca:
+      return absl::InternalError(absl::StrCat(
+          "cuda backend: ", AttentionKindName(attn_specs_[static_cast<size_t>(l)].kind),
+          " layer in a pass"));
   }
   // x += attention; h = post_norm(x) (f32 for the experts, bf16 for the GEMMs).
   return Launched(AddRmsNorm(buf_.residual, buf_.layer_out, T, H, L.post_norm.as<float>(), eps,

@@ -25,6 +25,7 @@ GateSpec SoftmaxTopkSpec(const ModelConfig& c) {
     case Architecture::kGlmMoeDsa:
     case Architecture::kDeepseekV2:
     case Architecture::kGlm4Moe:
+    case Architecture::kDeepseekV4:  // routes with hash / sqrtsoftplus_topk, never this
       g.method = m.topk_method;
       g.n_group = m.n_group;
       g.topk_group = m.topk_group;

@@ -553,5 +553,164 @@ TEST(ModelConfig, GlmMoeDsa) {
   EXPECT_THAT(msg, HasSubstr("1 entries for 3 layers"));
 }
 
+// DeepSeek-V4: per-layer attention kinds and routers, the compressed
+// branches' RoPE, mHC; published spelling and transformers' alike.
+class DeepseekV4ConfigTest : public ::testing::Test {
+ protected:
+  json base_ = ReadJson(Configs() + "/deepseek_v4_flash_published/config.json");
+  absl::Status Parse(const json& j) { return ParseModelConfig(j.dump(), "x/config.json").status(); }
+  void ExpectField(const json& j, const std::string& field, const std::string& what = "") {
+    absl::Status s = Parse(j);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()),
+                AllOf(HasSubstr("x/config.json"), HasSubstr("\"" + field + "\""), HasSubstr(what)))
+        << s;
+  }
+};
+
+TEST_F(DeepseekV4ConfigTest, FlashPublished) {
+  auto c = LoadModelConfig(Configs() + "/deepseek_v4_flash_published");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kDeepseekV4);
+  EXPECT_EQ(c->residual, ResidualKind::kHyperConnection);
+  EXPECT_EQ(c->num_kv_heads, 1);
+  EXPECT_EQ(c->head_dim, 512);
+  EXPECT_EQ(c->v4.qk_rope_head_dim, 64);
+  EXPECT_EQ(c->v4.q_lora_rank, 1024);
+  EXPECT_EQ(c->v4.o_groups, 8);
+  EXPECT_EQ(c->v4.hc_mult, 4);
+  EXPECT_EQ(c->v4.hc_sinkhorn_iters, 20);
+  EXPECT_DOUBLE_EQ(c->v4.swiglu_limit, 10.0);
+  EXPECT_EQ(c->dsa.topk, 512);
+  EXPECT_EQ(c->moe.scoring, ScoringFunc::kSqrtSoftplus);
+  EXPECT_EQ(c->moe.experts_per_token, 6);
+  EXPECT_EQ(c->num_nextn_predict_layers, 1);
+  ASSERT_EQ(c->layers.size(), 43u);
+  EXPECT_EQ(c->layers[0].attention, AttentionKind::kV4Hca);
+  EXPECT_EQ(c->layers[0].compress_rate, 128);
+  EXPECT_EQ(c->layers[3].attention, AttentionKind::kV4Csa);
+  EXPECT_EQ(c->layers[3].compress_rate, 4);
+  EXPECT_EQ(c->layers[4].attention, AttentionKind::kV4Hca);
+  for (size_t i = 0; i < c->layers.size(); ++i) {
+    EXPECT_TRUE(c->layers[i].moe);
+    EXPECT_EQ(c->layers[i].sliding_window, 128);
+    EXPECT_EQ(c->layers[i].router, i < 3 ? RouterKind::kHash : RouterKind::kSqrtSoftplusTopk) << i;
+  }
+  // Sliding layers: plain RoPE at rope_theta; compressed: YaRN x16 at
+  // compress_rope_theta with attention factor 1. Both interleaved, 64 dims.
+  EXPECT_EQ(c->rope.type, RopeType::kDefault);
+  EXPECT_DOUBLE_EQ(c->rope.theta, 10000.0);
+  EXPECT_EQ(c->v4.compress_rope.type, RopeType::kYarn);
+  EXPECT_DOUBLE_EQ(c->v4.compress_rope.theta, 160000.0);
+  EXPECT_DOUBLE_EQ(c->v4.compress_rope.factor, 16.0);
+  EXPECT_EQ(c->v4.compress_rope.original_max_position_embeddings, 65536);
+  ASSERT_TRUE(c->v4.compress_rope.attention_factor.has_value());
+  EXPECT_DOUBLE_EQ(*c->v4.compress_rope.attention_factor, 1.0);
+  EXPECT_TRUE(c->v4.compress_rope.interleave);
+  EXPECT_DOUBLE_EQ(c->v4.compress_rope.partial_rotary_factor, 0.125);
+  EXPECT_STREQ(AttentionKindName(AttentionKind::kV4Csa), "v4_csa");
+  EXPECT_STREQ(RouterKindName(RouterKind::kHash), "hash");
+  EXPECT_STREQ(ResidualKindName(ResidualKind::kHyperConnection), "mhc");
+
+  auto pro = LoadModelConfig(Configs() + "/deepseek_v4_pro_published");
+  ASSERT_TRUE(pro.ok()) << pro.status();
+  EXPECT_EQ(pro->layers.size(), 61u);
+  EXPECT_EQ(pro->moe.num_experts, 384);
+  EXPECT_EQ(pro->v4.o_groups, 16);
+}
+
+// transformers' spelling (layer_types, mlp_layer_types, compress_rates,
+// rope_parameters {main, compress}) reads the same as the published one.
+TEST_F(DeepseekV4ConfigTest, TransformersSpelling) {
+  json j = base_;
+  j.erase("compress_ratios");
+  j.erase("num_hash_layers");
+  j.erase("rope_scaling");
+  j.erase("qk_rope_head_dim");
+  j["partial_rotary_factor"] = 0.125;
+  j["layer_types"] = json::array();
+  j["mlp_layer_types"] = json::array();
+  for (int i = 0; i < 43; ++i) {
+    j["layer_types"].push_back(i == 5 ? "sliding_attention" : "compressed_sparse_attention");
+    j["mlp_layer_types"].push_back(i < 2 ? "hash_moe" : "moe");
+  }
+  j["compress_rates"] = {{"compressed_sparse_attention", 8}, {"heavily_compressed_attention", 64}};
+  j["rope_parameters"] = {{"main", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
+                          {"compress",
+                           {{"rope_type", "yarn"},
+                            {"rope_theta", 160000.0},
+                            {"factor", 16},
+                            {"attention_factor", 1.0},
+                            {"original_max_position_embeddings", 65536}}}};
+  auto c = ParseModelConfig(j.dump(), "x/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[5].attention, AttentionKind::kV4Sliding);
+  EXPECT_EQ(c->layers[5].compress_rate, 0);
+  EXPECT_EQ(c->layers[6].attention, AttentionKind::kV4Csa);
+  EXPECT_EQ(c->layers[6].compress_rate, 8);
+  EXPECT_EQ(c->layers[1].router, RouterKind::kHash);
+  EXPECT_EQ(c->layers[2].router, RouterKind::kSqrtSoftplusTopk);
+  EXPECT_EQ(c->v4.qk_rope_head_dim, 64);
+  EXPECT_EQ(c->v4.compress_rope.type, RopeType::kYarn);
+  EXPECT_EQ(c->rope.type, RopeType::kDefault);
+  // Without a schedule: DeepseekV4Config's (2 hca, then csa / hca alternating; 3 hash layers).
+  j.erase("layer_types");
+  j.erase("mlp_layer_types");
+  c = ParseModelConfig(j.dump(), "x/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->layers[1].attention, AttentionKind::kV4Hca);
+  EXPECT_EQ(c->layers[2].attention, AttentionKind::kV4Hca);
+  EXPECT_EQ(c->layers[3].attention, AttentionKind::kV4Csa);
+  EXPECT_EQ(c->layers[2].router, RouterKind::kHash);
+  EXPECT_EQ(c->layers[3].router, RouterKind::kSqrtSoftplusTopk);
+}
+
+TEST_F(DeepseekV4ConfigTest, BadConfigsAreRefusedNamingTheField) {
+  EXPECT_TRUE(Parse(base_).ok()) << Parse(base_);
+  json j = base_;
+  j["layer_types"] = json::array();
+  for (int i = 0; i < 43; ++i)
+    j["layer_types"].push_back(i == 7 ? "full_attention" : "sliding_attention");
+  ExpectField(j, "layer_types[7]", "full_attention");
+  j["layer_types"].erase(0);
+  ExpectField(j, "layer_types", "42 entries for 43 layers");
+  j = base_;
+  j["compress_ratios"][9] = 16;
+  ExpectField(j, "compress_ratios[9]", "16");
+  j = base_;
+  j["compress_rate_csa"] = 3;  // 128-token window: not a whole number of blocks
+  ExpectField(j, "compress_rates.compressed_sparse_attention", "does not divide");
+  j = base_;
+  j["compress_rates"] = {{"heavily_compressed_attention", 0}};
+  ExpectField(j, "compress_rates.heavily_compressed_attention", "must be positive");
+  j = base_;
+  j["compress_rates"] = {{"sliding_attention", 4}};
+  ExpectField(j, "compress_rates.sliding_attention");
+  j = base_;
+  j["mlp_layer_types"] = json::array();
+  for (int i = 0; i < 43; ++i) j["mlp_layer_types"].push_back(i == 1 ? "dense" : "moe");
+  ExpectField(j, "mlp_layer_types[1]", "dense");
+  j = base_;
+  j["num_key_value_heads"] = 2;
+  j["num_attention_heads"] = 64;
+  ExpectField(j, "num_key_value_heads", "one K=V head");
+  j = base_;
+  j["o_groups"] = 7;
+  ExpectField(j, "o_groups", "does not divide");
+  j = base_;
+  j["qk_rope_head_dim"] = 63;
+  ExpectField(j, "partial_rotary_factor", "63");
+  j = base_;
+  j["index_head_dim"] = 32;
+  ExpectField(j, "index_head_dim");
+  j = base_;
+  j["hc_mult"] = 0;
+  ExpectField(j, "hc_mult");
+  j = base_;
+  j["scoring_func"] = "softmax";
+  EXPECT_EQ(Parse(j).code(), absl::StatusCode::kUnimplemented) << Parse(j);
+  EXPECT_THAT(std::string(Parse(j).message()), HasSubstr("scoring_func"));
+}
+
 }  // namespace
 }  // namespace hmoe

@@ -1,11 +1,13 @@
 #include "common/weight_map.h"
 
+#include <cstring>
 #include <fstream>
 #include <set>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing/checkpoint_edit.h"
 #include "tests/testing/temp_dir.h"
 
 namespace hmoe {
@@ -37,7 +39,7 @@ TEST(WeightMap, ParameterCountsMatchTransformers) {
     EXPECT_EQ(n.active, it.value()["active"].get<int64_t>());
     ++checked;
   }
-  EXPECT_GE(checked, 7);  // the five of before, kimi_k2_published and glm4_5_published
+  EXPECT_GE(checked, 9);  // ..., kimi_k2, glm4_5, deepseek_v4_flash and deepseek_v4_pro
 }
 
 TEST(WeightMap, TinyFixturesMatchTheirWeightMaps) {
@@ -70,6 +72,72 @@ TEST(WeightMap, DsaIndexerTensors) {
   for (const char* t :
        {"wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"})
     EXPECT_TRUE(expected.count(std::string("model.layers.2.self_attn.indexer.") + t)) << t;
+}
+
+// DeepSeek-V4's tensors under the published checkpoint's names, and its
+// hash layers' tid2eid tables checked at load: dtype, shape, ids in range.
+TEST(WeightMap, DeepseekV4TensorsAndHashTables) {
+  const std::string dir = testing::FixturesDir() + "/deepseek_v4_tiny";
+  auto c = LoadModelConfig(dir);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto ck = Checkpoint::Open(dir);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  EXPECT_TRUE(CheckWeights(*c, **ck).ok()) << CheckWeights(*c, **ck);
+  std::set<std::string> expected;
+  for (const auto& w : ExpectedWeights(*c)) expected.insert(w.name);
+  for (const auto& n : (*ck)->Names()) EXPECT_TRUE(expected.count(n)) << n;
+  for (const char* t :
+       {"model.layers.0.ffn.gate.tid2eid", "model.layers.2.ffn.gate.bias",
+        "model.layers.1.attn.indexer.compressor.ape", "model.layers.2.attn.compressor.wkv.weight",
+        "model.hc_head.hc_fn", "model.layers.3.hc_ffn_fn", "head.weight"})
+    EXPECT_TRUE(expected.count(t)) << t;
+  EXPECT_EQ(ExpertWeightName(*c, 2, 5, ExpertProj::kUp), "model.layers.2.ffn.experts.5.w3.weight");
+
+  // The checkpoint with one tensor replaced: the load names it.
+  const std::string table = "model.layers.1.ffn.gate.tid2eid";
+  auto with = [&](DType dtype, const Shape& shape, const std::vector<int64_t>& ids) {
+    testing::TempDir tmp;
+    testing::RewriteCheckpoint(
+        dir, tmp.path(), [&](const std::string& name, const Tensor& t, SafetensorsWriter& w) {
+          if (name != table) return testing::Keep(name, t, w);
+          std::vector<uint8_t> bytes(ids.size() * DTypeBytes(dtype, 1));
+          for (size_t i = 0; i < ids.size(); ++i) {
+            if (dtype == DType::kI32) {
+              const int32_t v = static_cast<int32_t>(ids[i]);
+              std::memcpy(bytes.data() + i * 4, &v, 4);
+            } else {  // I64, or F32 read as raw bytes
+              std::memcpy(bytes.data() + i * DTypeBytes(dtype, 1), &ids[i], DTypeBytes(dtype, 1));
+            }
+          }
+          EXPECT_TRUE(w.Add(name, dtype, shape, bytes.data(), bytes.size()).ok());
+          return true;
+        });
+    auto ck2 = Checkpoint::Open(tmp.path());
+    return ck2.ok() ? CheckWeights(*c, **ck2) : ck2.status();
+  };
+  const int64_t V = c->vocab_size, K = c->moe.experts_per_token, E = c->moe.num_experts;
+  std::vector<int64_t> ids(static_cast<size_t>(V * K));
+  auto sized = [](std::vector<int64_t> v, size_t n) {
+    v.resize(n);
+    return v;
+  };
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i) % E;
+  EXPECT_TRUE(with(DType::kI32, {V, K}, ids).ok()) << with(DType::kI32, {V, K}, ids);
+  absl::Status s = with(DType::kI64, {V, K + 1}, sized(ids, static_cast<size_t>(V * (K + 1))));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr(table), HasSubstr("expected [256, 2]")));
+  s = with(DType::kF32, {V, K}, ids);
+  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr(table), HasSubstr("I64 or I32"))) << s;
+  ids[2 * 77 + 1] = E;  // token 77's second expert
+  s = with(DType::kI64, {V, K}, ids);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr(table), HasSubstr("tid2eid"), HasSubstr("token id 77 expert 6"),
+                    HasSubstr("n_routed_experts")))
+      << s;
+  ids[2 * 77 + 1] = -1;
+  s = with(DType::kI64, {V, K}, ids);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("token id 77 expert -1")) << s;
 }
 
 TEST(WeightMap, NamesFollowEachFamily) {

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/routing_stats.h"
@@ -61,7 +62,8 @@ api::v1::GenerateRequest IdsRequest(const std::vector<int32_t>& prompt, int max_
 std::vector<std::string> Fixtures() {
   std::vector<std::string> out;
   for (const auto& e : std::filesystem::directory_iterator(testing::FixturesDir()))
-    if (std::filesystem::exists(e.path() / "reference.safetensors"))
+    if (std::filesystem::exists(e.path() / "reference.safetensors") &&
+        !absl::StartsWith(e.path().filename().string(), "deepseek_v4"))  // not served yet
       out.push_back(e.path().string());
   std::sort(out.begin(), out.end());
   return out;

@@ -22,13 +22,21 @@ inline std::string ModelFixturesRoot() {
   return env && *env ? std::string(env) : FixturesDir();
 }
 
+// deepseek_v4 fixtures: the model driver does not run its layer kinds yet
+// (both backends refuse it at load); deepseek_v4_reference_test checks them
+// against transformers with the plain f32 forward pass instead.
+inline bool DriverCannotRunYet(const std::string& dir) {
+  auto c = LoadModelConfig(dir);
+  return c.ok() && c->arch == Architecture::kDeepseekV4;
+}
+
 // Names of the subdirectories of the fixtures root that hold reference.safetensors.
 inline std::vector<std::string> ModelFixtureNames() {
   std::vector<std::string> out;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(ModelFixturesRoot(), ec)) {
     if (e.is_directory() && std::filesystem::exists(e.path() / "reference.safetensors") &&
-        std::filesystem::exists(e.path() / "config.json"))
+        std::filesystem::exists(e.path() / "config.json") && !DriverCannotRunYet(e.path().string()))
       out.push_back(e.path().filename().string());
   }
   std::sort(out.begin(), out.end());

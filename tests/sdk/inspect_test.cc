@@ -72,6 +72,42 @@ TEST(Inspect, KimiK2AndGlm45) {
   }
 }
 
+// DeepSeek-V4's published configs: transformers' counts, every layer MoE,
+// the attention kinds, mHC, hash layers and the MTP layer (loaded, not run).
+TEST(Inspect, DeepseekV4FlashAndPro) {
+  const std::string configs = testing::FixturesDir() + "/configs";
+  const json counts = json::parse(std::ifstream(configs + "/param_counts.json"));
+  struct Case {
+    const char* name;
+    int layers;
+    const char* kinds;  // in the text report
+  };
+  for (const Case& c : {Case{"deepseek_v4_flash_published", 43,
+                             "0 sliding only, 20 csa (4:1 compressed, indexer 64 "
+                             "heads x 128, top 512), 23 hca (128:1 compressed)"},
+                        Case{"deepseek_v4_pro_published", 61,
+                             "29 csa (4:1 compressed, indexer 64 heads x 128, "
+                             "top 1024), 32 hca"}}) {
+    SCOPED_TRACE(c.name);
+    InspectOptions opt;
+    opt.json = true;
+    auto r = InspectModel(configs + "/" + c.name, opt);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const json got = json::parse(FormatReport(*r, opt));
+    for (const char* k : {"total", "active", "routed_experts"})
+      EXPECT_EQ(got["params"][k].get<int64_t>(), counts[c.name][k].get<int64_t>()) << k;
+    EXPECT_EQ(got["layers"]["dense"].get<int>(), 0);
+    EXPECT_EQ(got["layers"]["moe"].get<int>(), c.layers);
+    opt.json = false;
+    const std::string text = FormatReport(*r, opt);
+    EXPECT_THAT(text, HasSubstr(c.kinds));
+    EXPECT_THAT(text, HasSubstr("(+1 MTP, not counted; its tensors load and are not run)"));
+    EXPECT_THAT(text, HasSubstr("mHC, 4 streams, Sinkhorn 20 iterations"));
+    EXPECT_THAT(text, HasSubstr("3 hash layers (tid2eid)"));
+    EXPECT_THAT(text, HasSubstr("compress rope  yarn, theta 160000, factor 16, original 65536"));
+  }
+}
+
 // A DSA model's attention line names its lightning indexer.
 TEST(Inspect, NamesTheDsaIndexer) {
   InspectOptions opt;
