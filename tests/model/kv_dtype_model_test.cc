@@ -126,7 +126,7 @@ TEST(KvDtypeParts, OpsRoundEachPartOnItsOwn) {
     ASSERT_TRUE(spec.ok()) << spec.status();
     auto op = cpu::MakeAttentionOp(*c, *spec);
     ASSERT_TRUE(op.ok()) << op.status();
-    ASSERT_TRUE((*op)->Load(**ckpt, NamesForLayer(*c, 0), 128).ok());
+    ASSERT_TRUE((*op)->Load(**ckpt, NamesForLayer(*c, 0), cpu::WeightLoad{128}).ok());
     ThreadPoolOptions po;
     po.max_threads = 2;
     po.per_core = false;
