@@ -60,6 +60,7 @@ std::unique_ptr<Model> ServedModel(const std::string& dir, const Fixture& fx,
   EXPECT_TRUE(x.ok()) << x.status();
   if (!x.ok()) return nullptr;
   ModelOptions opt;
+  opt.kv_dtype = KvDtype::kF32;  // against transformers at 1e-3: its cache is f32
   opt.num_threads = 2;
   auto model = Model::Load(dir, opt, x->get());
   EXPECT_TRUE(model.ok()) << model.status();
@@ -164,6 +165,7 @@ TEST(NativeProducerLogits, ChangedScalesAreCaught) {
 TEST(NativeProducerLogits, ReferenceModelOnFp8MatchesTransformers) {
   const std::string dir = ::hmoe::testing::FixturesDir() + "/native_producers/fp8";
   ModelOptions opt;
+  opt.kv_dtype = KvDtype::kF32;  // against transformers at 1e-3: its cache is f32
   opt.num_threads = 2;
   auto model = Model::Load(dir, opt);
   ASSERT_TRUE(model.ok()) << model.status();

@@ -287,6 +287,7 @@ TEST(MemoryPlan, HotExpertsFillWhatIsLeft) {
 TEST(MemoryPlan, CudaBackendsPlan) {
   const ModelConfig c = Config("deepseek_v3_published");
   ModelOptions o;
+  o.kv_dtype = KvDtype::kF32;  // the sizes below are the f32 cache's
   o.max_seq_len = 32768;
   o.cuda.kv_sequences = 16;
   const int64_t gib = int64_t{1} << 30;
