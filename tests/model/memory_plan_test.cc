@@ -18,7 +18,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 ModelConfig Config(const std::string& name) {
   auto c = LoadModelConfig(testing::FixturesDir() + "/configs/" + name);
