@@ -18,7 +18,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-
 ModelConfig Config(const std::string& name) {
   auto c = LoadModelConfig(testing::FixturesDir() + "/configs/" + name);
   EXPECT_TRUE(c.ok()) << c.status();
